@@ -1,0 +1,17 @@
+"""Domain errors. Each renders as one line that names the file, field or tensor at fault."""
+
+
+class DifftestError(Exception):
+    """Base class: a problem the user can fix, reported without a traceback."""
+
+
+class ConfigError(DifftestError):
+    """Bad input: a case file, a checkpoint, an engine spec, a wiring."""
+
+
+class EngineError(DifftestError):
+    """An engine failed, crashed or hung; the message carries its last error line and log path."""
+
+
+class EngineUnavailable(DifftestError):
+    """The engine is not installed; the message says how to set it up."""

@@ -1,0 +1,150 @@
+"""Which target hidden states feed the draft's fc, in which order.
+
+A wiring is an explicit, ordered list of canonical tensor names (`target.h.{k}`,
+`target.final_norm`). Users write it directly (`[h0, h3, h31]`, or `h0+h3+h31` inside
+an engine spec) or name a preset, which translates a draft config's layer ids the way
+one ecosystem does (see shared/notes/wiring-failures.md):
+
+| preset            | explicit id k means          | no ids in the config         |
+|-------------------|------------------------------|------------------------------|
+| vllm, speculators | h[k] (sorted, de-duplicated) | h[2], h[L//2], h[L-3]        |
+| sglang            | h[k+1] (0.5.23, Llama)       | h[2], h[L//2], h[L-3] (no +1)|
+| sglang-deepseek   | h[k+1] if ids[0]==1 else h[k]| h[2], h[L//2], h[L-3]        |
+| specforge         | h[k+1]                       | ids [1, L//2-1, L-4] -> +1   |
+| speculators-train | launch ids h[k]; fc = all but the last by position, verifier = last |
+| eagle             | ids ignored                  | h[2], h[L//2], h[L-3]        |
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from difftest.errors import ConfigError
+
+FINAL_NORM = "target.final_norm"
+
+
+@dataclass(frozen=True)
+class Wiring:
+    inputs: tuple[str, ...]  # canonical names, in fc order
+    source: str  # how it was derived, for reports
+    verifier: str | None = None  # speculators-train: the tensor used as the verifier's last hidden state
+
+    def layer_indices(self) -> list[int | None]:
+        """k of each `target.h.{k}` input; None for target.final_norm."""
+        return [hidden_index(n) for n in self.inputs]
+
+    def short(self) -> str:
+        return "[" + ", ".join(short_name(n) for n in self.inputs) + "]"
+
+
+def hidden_name(k: int) -> str:
+    return f"target.h.{k}"
+
+
+def hidden_index(name: str) -> int | None:
+    m = re.fullmatch(r"target\.h\.(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def short_name(name: str) -> str:
+    k = hidden_index(name)
+    return f"h{k}" if k is not None else name.removeprefix("target.")
+
+
+def _canonical_input(token: str, where: str) -> str:
+    t = token.strip()
+    m = re.fullmatch(r"(?:target\.)?h\.?(\d+)", t)
+    if m:
+        return hidden_name(int(m.group(1)))
+    if t in ("final_norm", FINAL_NORM):
+        return FINAL_NORM
+    raise ConfigError(f"{where}: wiring input {token!r} is not a target tensor (expected hK, target.h.K or final_norm)")
+
+
+def _defaults(L: int) -> list[int]:
+    return [2, L // 2, L - 3]
+
+
+def _vllm(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
+    # vLLM 0.32.0: ids sorted and de-duplicated; fallback (2, L//2, L-3) silently.
+    return (sorted(set(ids)) if ids else _defaults(L)), None
+
+
+def _sglang(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
+    # SGLang 0.5.23 srt/models/llama.py::set_eagle3_layers_to_capture: layers_to_capture = id + 1,
+    # a capture "before layer i" is h[i]; defaults get no +1.
+    if not ids:
+        return _defaults(L), None
+    ks = [i + 1 for i in ids]
+    if L in ks:
+        raise ConfigError(f"sglang convention: layer id {L - 1} means h[{L}], which SGLang cannot capture (shape error)")
+    return ks, None
+
+
+def _sglang_deepseek(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
+    # SGLang 0.5.23 srt/models/deepseek_v2.py: +1 only when the first id is 1.
+    if not ids:
+        return _defaults(L), None
+    return ([i + 1 for i in ids] if ids[0] == 1 else list(ids)), None
+
+
+def _specforge(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
+    # SpecForge: id k is "output of layer k" = h[k+1]; default [1, L//2-1, L-4].
+    return [i + 1 for i in (ids or [1, L // 2 - 1, L - 4])], None
+
+
+def _speculators_train(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
+    # speculators data generation captures h[k] for the launch ids (default [2, L//2, L-3, L]);
+    # training feeds fc with all but the last *by list position*; the last is the verifier.
+    launch = list(ids) if ids else _defaults(L) + [L]
+    if len(launch) < 2:
+        raise ConfigError(f"speculators-train: needs at least two launch ids (fc inputs + verifier), got {launch}")
+    return launch[:-1], hidden_name(launch[-1])
+
+
+def _eagle(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
+    return _defaults(L), None
+
+
+PRESETS: dict[str, Callable[[list[int] | None, int], tuple[list[int], str | None]]] = {
+    "vllm": _vllm,
+    "speculators": _vllm,
+    "sglang": _sglang,
+    "sglang-deepseek": _sglang_deepseek,
+    "specforge": _specforge,
+    "speculators-train": _speculators_train,
+    "eagle": _eagle,
+}
+
+
+def resolve(
+    spec: str | Sequence[str],
+    num_layers: int,
+    layer_ids: list[int] | None,
+    where: str = "wiring",
+    ids_source: str = "draft config",
+) -> Wiring:
+    """Turn a preset name or an explicit list into a Wiring checked against the target's depth."""
+    if isinstance(spec, str) and spec in PRESETS:
+        ks, verifier = PRESETS[spec](layer_ids, num_layers)
+        inputs = tuple(hidden_name(k) for k in ks)
+        src = f"preset {spec} from ids {layer_ids} ({ids_source})" if layer_ids else f"preset {spec}, no ids: defaults"
+        wiring = Wiring(inputs, src, verifier)
+    else:
+        tokens = re.split(r"[+\s,]+", spec.strip("[] ")) if isinstance(spec, str) else list(spec)
+        tokens = [t for t in tokens if str(t).strip()]
+        if not tokens:
+            raise ConfigError(f"{where}: empty wiring; expected a preset ({', '.join(PRESETS)}) or a list like [h0, h3, h31]")
+        if isinstance(spec, str) and len(tokens) == 1 and not re.search(r"\d|final_norm", tokens[0]):
+            raise ConfigError(f"{where}: unknown wiring preset {spec!r}; expected one of {', '.join(PRESETS)} or a list like [h0, h3, h31]")
+        wiring = Wiring(tuple(_canonical_input(str(t), where) for t in tokens), "explicit")
+    for name in wiring.inputs + ((wiring.verifier,) if wiring.verifier else ()):
+        k = hidden_index(name)
+        if k is not None and not 0 <= k <= num_layers:
+            raise ConfigError(
+                f"{where}: {short_name(name)} does not exist; the target has {num_layers} layers (h0..h{num_layers})"
+            )
+    return wiring

@@ -1,0 +1,440 @@
+"""The EAGLE-3 draft, in plain PyTorch, top to bottom.
+
+EAGLE-3 (Li et al., 2025) drafts tokens for a target model from a fusion of the
+target's hidden states. For a prompt position i the draft sees
+
+    g_i   = fc( cat(h[a]_i, h[b]_i, h[c]_i) )          # "fc_in" -> "fc_out", width H
+    e_i   = embed(t_{i+1})                             # the *next* token's embedding
+    x_i   = cat( norm_in(e_i), norm_h(g_i) )           # width 2H
+    r_i   = attn(x_i) + g_i   (or + norm_h(g_i) with norm_before_residual)
+    p_i   = mlp(norm_post(r_i)) + r_i                  # "hidden_prenorm"
+    logits_i = lm_head(norm(p_i))                      # over the draft vocab
+
+and predicts t_{i+2}. Later draft steps feed p (or norm(p) with norm_output) back
+in place of g and the drafted token in place of t_{i+1}; fc runs only at step 0.
+Draft-vocab id d means target id d + d2t[d].
+
+The flags mirror the engines' draft classes (vLLM 0.32.0
+`model_executor/models/llama_eagle3.py::LlamaModel/LlamaDecoderLayer`, SGLang 0.5.23
+`srt/models/llama_eagle3.py`): norm_before_fc (one RMSNorm over the whole fc input),
+fc_norm (one RMSNorm per H-wide chunk), norm_before_residual, norm_output.
+
+Checkpoint formats (`load_draft`):
+  * HF/EAGLE: `architectures: [LlamaForCausalLMEagle3]`, keys `midlayer.*`, `fc`,
+    `norm`, `lm_head`, `d2t`, `t2d`; layer ids top-level or in `eagle_config`;
+    norm_before_residual defaults to False.
+  * speculators: `speculators_model_type: eagle3`, `transformer_layer_config`,
+    keys `layers.0.*`; norm_before_residual defaults to True
+    (vLLM `transformers_utils/configs/speculators/algos.py::update_eagle3`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from difftest.errors import ConfigError
+
+Recorder = Callable[[str, torch.Tensor], None]
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary (input embedding, d2t range)
+    draft_vocab_size: int  # lm_head rows
+    target_hidden_size: int
+    num_aux: int  # number of H_target-wide chunks entering fc
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    format: str = "eagle"  # "eagle" (HF/EAGLE) or "speculators"
+    layer_ids_top: list[int] | None = None  # eagle_aux_hidden_state_layer_ids at top level
+    layer_ids_eagle_config: list[int] | None = None  # ... inside eagle_config
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        """The ids an engine reading either location would find (eagle_config first)."""
+        return self.layer_ids_eagle_config or self.layer_ids_top
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in float32 like every engine does, then cast back.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half rotary embedding (Llama/NeoX layout). x: [..., n, heads, d], positions: [..., n]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., n, d/2]
+    angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., n, 1, d]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * angles.cos() + rotated.float() * angles.sin()).type_as(x)
+
+
+@dataclass
+class KVCache:
+    """Keys (already rotated) and values of the positions the draft has seen."""
+
+    k: torch.Tensor  # [B, n, kv_heads, d]
+    v: torch.Tensor
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        return KVCache(torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        nh, nkv, d, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(2 * H, nh * d, bias=cfg.attention_bias)  # input is cat(embeds, hidden)
+        self.k_proj = nn.Linear(2 * H, nkv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(2 * H, nkv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * d, H, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, n, 2H]
+        positions: torch.Tensor,  # [B, n]
+        cache: KVCache | None,
+        mask: torch.Tensor | None,  # [n, n_past + n] bool, True = may attend; None = causal after cache
+    ) -> tuple[torch.Tensor, KVCache]:
+        cfg = self.cfg
+        B, n, _ = x.shape
+        q = self.q_proj(x).view(B, n, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(B, n, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).view(B, n, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        cache = KVCache(k, v) if cache is None else cache.extend(k, v)
+        n_kv = cache.k.shape[1]
+        if mask is None:  # new queries sit after the cached positions
+            past = n_kv - n
+            mask = torch.arange(n_kv, device=x.device)[None, :] <= past + torch.arange(n, device=x.device)[:, None]
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        kk = cache.k.repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, n_kv, d]
+        vv = cache.v.repeat_interleave(groups, dim=2).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask, scale=1 / math.sqrt(cfg.head_dim))
+        y = y.transpose(1, 2).reshape(B, n, cfg.num_attention_heads * cfg.head_dim)
+        return self.o_proj(y), cache
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """The draft's single ("mid") layer: attention over cat(embeds, hidden)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embeddings
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the fused hidden state
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor  # [B, n, draft_vocab]
+    hidden_prenorm: torch.Tensor  # [B, n, H]
+    hidden_next: torch.Tensor  # what the next draft step takes as hidden input
+    cache: KVCache
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        fc_in = cfg.num_aux * cfg.target_hidden_size
+        self.input_norm = RMSNorm(fc_in, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+            if cfg.fc_norm
+            else None
+        )
+        self.fc = nn.Linear(fc_in, cfg.hidden_size, bias=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # Draft id d -> target id d + d2t[d]; identity when the checkpoint has no map.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+
+    # -- step 0 only: fuse the target's hidden states -------------------------------
+    def combine(self, fc_in: torch.Tensor, record: Recorder | None = None) -> torch.Tensor:
+        """[B, n, num_aux * H_target] -> [B, n, H]."""
+        x = fc_in
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            chunks = x.chunk(self.cfg.num_aux, dim=-1)
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        out = self.fc(x)
+        if record:
+            record("fc_out", out)
+        return out
+
+    # -- every step ------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, n] target-vocab ids of the *next* tokens
+        hidden: torch.Tensor,  # [B, n, H]: fc output (step 0) or the previous step's hidden_next
+        positions: torch.Tensor,  # [B, n]
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+        record: Recorder | None = None,
+    ) -> DraftOutput:
+        cfg, layer = self.cfg, self.layer
+        rec = record or (lambda name, t: None)
+        embeds = self.embed_tokens(input_ids)
+        rec("embeds", embeds)
+        e = layer.input_layernorm(embeds)
+        if cfg.norm_before_residual:
+            h = layer.hidden_norm(hidden)
+            residual = h
+        else:
+            residual = hidden
+            h = layer.hidden_norm(hidden)
+        x = torch.cat([e, h], dim=-1)  # [B, n, 2H]
+        rec("layer0.attn_in", x)
+        a, cache = layer.self_attn(x, positions, cache, mask)
+        rec("layer0.attn_out", a)
+        residual = a + residual
+        m = layer.mlp(layer.post_attention_layernorm(residual))
+        rec("layer0.mlp_out", m)
+        prenorm = m + residual
+        rec("hidden_prenorm", prenorm)
+        out = self.norm(prenorm)
+        logits = self.lm_head(out)
+        rec("logits", logits)
+        return DraftOutput(logits, prenorm, out if cfg.norm_output else prenorm, cache)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def logits_in_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft-vocab logits into the target vocab; unmapped ids get -inf (as vLLM's compute_logits)."""
+        full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        targets = torch.arange(self.cfg.draft_vocab_size, device=logits.device) + self.d2t
+        full[..., targets] = logits
+        return full
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoint loading: both formats map onto the module names above.
+# ---------------------------------------------------------------------------------------
+
+_KEY_ALIASES = [  # (checkpoint prefix, ours), applied after stripping a leading "model."
+    ("midlayer.", "layer."),
+    ("layers.0.", "layer."),
+    # SGLang's legacy names for the per-chunk fc norms (srt/models/llama_eagle3.py load_weights)
+    ("aux_norm_low.", "fc_norm.0."),
+    ("aux_norm_mid.", "fc_norm.1."),
+    ("aux_norm_high.", "fc_norm.2."),
+]
+
+
+def _canonical_key(key: str) -> str:
+    key = key.removeprefix("model.")
+    for src, dst in _KEY_ALIASES:
+        if key.startswith(src):
+            return dst + key[len(src) :]
+    return key
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """safetensors (single or sharded) or a torch pickle loaded with weights_only=True."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(load_file(str(f)))
+        return out
+    for name in ("pytorch_model.bin", "model.pt", "model.bin"):
+        f = model_dir / name
+        if f.exists():
+            return torch.load(f, map_location="cpu", weights_only=True)
+    raise ConfigError(f"{model_dir}: no weights found (expected *.safetensors or pytorch_model.bin)")
+
+
+def _ids(value: object, where: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+        raise ConfigError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of integers, got {value!r}")
+    return list(value)
+
+
+def parse_config(raw: dict, path: Path) -> Eagle3Config:
+    where = str(path)
+    if raw.get("speculators_model_type") is not None:
+        if raw["speculators_model_type"] != "eagle3":
+            raise ConfigError(f"{where}: speculators_model_type is {raw['speculators_model_type']!r}, expected 'eagle3'")
+        fmt = "speculators"
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise ConfigError(f"{where}: transformer_layer_config missing (speculators format)")
+        flags = raw
+        norm_before_residual_default = True
+        eagle_cfg: dict = {}
+    else:
+        fmt = "eagle"
+        layer = raw
+        flags = raw
+        norm_before_residual_default = False
+        eagle_cfg = raw.get("eagle_config") or {}
+    try:
+        H = int(layer["hidden_size"])
+        nh = int(layer["num_attention_heads"])
+        vocab = int(layer["vocab_size"])
+        inter = int(layer["intermediate_size"])
+    except KeyError as e:
+        raise ConfigError(f"{where}: field {e.args[0]} missing") from None
+    nkv = int(layer.get("num_key_value_heads") or nh)
+    head_dim = int(layer.get("head_dim") or H // nh)
+    rope_params = layer.get("rope_parameters") or {}
+    rope_scaling = layer.get("rope_scaling")
+    rope_type = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or rope_params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ConfigError(f"{where}: rope type {rope_type!r} is not supported by the reference draft (only 'default')")
+    theta = float(layer.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+    draft_vocab = int(flags.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab)
+    target_hidden = int(flags.get("target_hidden_size") or layer.get("target_hidden_size") or H)
+    ids_top = _ids(raw.get("eagle_aux_hidden_state_layer_ids"), f"{where}: eagle_aux_hidden_state_layer_ids")
+    ids_ec = _ids(eagle_cfg.get("eagle_aux_hidden_state_layer_ids"), f"{where}: eagle_config")
+    num_aux = int(layer.get("num_aux_hidden_states") or len(ids_ec or ids_top or [0, 0, 0]))
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise ConfigError(f"{where}: num_hidden_layers={layer['num_hidden_layers']}; the reference draft has one layer")
+    return Eagle3Config(
+        hidden_size=H,
+        intermediate_size=inter,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=target_hidden,
+        num_aux=num_aux,
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        attention_bias=bool(layer.get("attention_bias", False)),
+        norm_before_fc=bool(eagle_cfg.get("norm_before_fc", flags.get("norm_before_fc", False))),
+        fc_norm=bool(flags.get("fc_norm") or flags.get("use_aux_norm") or False),
+        norm_before_residual=bool(flags.get("norm_before_residual", norm_before_residual_default)),
+        norm_output=bool(flags.get("norm_output", False)),
+        format=fmt,
+        layer_ids_top=ids_top,
+        layer_ids_eagle_config=ids_ec,
+    )
+
+
+@dataclass
+class LoadedDraft:
+    model: Eagle3Draft
+    config: Eagle3Config
+    shared: list[str]  # weights taken from the target ("embed_tokens", "lm_head")
+    notes: list[str]
+
+
+def load_draft(
+    model_dir: str | Path,
+    target_embed: torch.Tensor | None = None,
+    target_lm_head: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> LoadedDraft:
+    model_dir = Path(model_dir)
+    cfg = parse_config(read_json(model_dir / "config.json"), model_dir / "config.json")
+    raw = {_canonical_key(k): v for k, v in load_state_dict(model_dir).items()}
+    notes: list[str] = []
+    shared: list[str] = []
+    fc_w = raw.get("fc.weight")
+    if fc_w is None:
+        raise ConfigError(f"{model_dir}: tensor fc.weight missing")
+    expected = cfg.num_aux * cfg.target_hidden_size
+    if fc_w.shape[1] != expected:
+        raise ConfigError(
+            f"{model_dir}: fc.weight has in_features {fc_w.shape[1]}, expected num_aux({cfg.num_aux}) x "
+            f"target_hidden_size({cfg.target_hidden_size}) = {expected}"
+        )
+    model = Eagle3Draft(cfg)
+    if "embed_tokens.weight" not in raw:
+        if target_embed is None:
+            raise ConfigError(f"{model_dir}: no embed_tokens.weight and no target embedding to share")
+        raw["embed_tokens.weight"] = target_embed
+        shared.append("embed_tokens")
+    if "lm_head.weight" not in raw:
+        if target_lm_head is None or cfg.draft_vocab_size != cfg.vocab_size:
+            raise ConfigError(f"{model_dir}: no lm_head.weight (and draft vocab != target vocab, so it cannot be shared)")
+        raw["lm_head.weight"] = target_lm_head
+        shared.append("lm_head")
+    if "d2t" not in raw:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            notes.append("d2t missing while draft vocab < target vocab: draft ids map to the first target ids")
+        raw["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+    raw.pop("t2d", None)
+    state = model.state_dict()
+    missing = sorted(set(state) - set(raw))
+    if missing:
+        raise ConfigError(f"{model_dir}: tensors missing from the checkpoint: {', '.join(missing)}")
+    unexpected = sorted(set(raw) - set(state))
+    if unexpected:
+        notes.append(f"ignored checkpoint tensors: {', '.join(unexpected)}")
+    for k, v in state.items():
+        if tuple(raw[k].shape) != tuple(v.shape):
+            raise ConfigError(f"{model_dir}: tensor {k} has shape {tuple(raw[k].shape)}, expected {tuple(v.shape)}")
+    model.load_state_dict({k: raw[k] for k in state})
+    model = model.to(dtype)
+    model.d2t = model.d2t.long()
+    model.eval()
+    return LoadedDraft(model, cfg, shared, notes)
