@@ -1,0 +1,131 @@
+"""Capture records: named tensors in data-flow order plus the metadata to trust them.
+
+On disk a capture is one directory: `tensors.safetensors` and `manifest.json`
+(schema `difftest.capture/1`). Directories are written under a temporary name and
+renamed into place, so a reader never sees half a capture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from difftest import names
+from difftest.errors import ConfigError
+
+SCHEMA = "difftest.capture/1"
+
+
+@dataclass
+class Capture:
+    tensors: dict[str, torch.Tensor]
+    meta: dict = field(default_factory=dict)
+    # meta keys used by the core: engine, engine_version, versions{torch,transformers,...},
+    # device, dtype, prompt_ids, wiring{inputs,source}, target_hidden_size, num_layers, draft_tokens
+
+    @property
+    def fc_chunk_size(self) -> int | None:
+        return self.meta.get("target_hidden_size")
+
+    def names(self) -> list[str]:
+        """Stored names plus the fc_in chunk views, in data-flow order."""
+        out = list(self.tensors)
+        fc = self.tensors.get("draft.fc_in")
+        size = self.fc_chunk_size
+        if fc is not None and size and fc.shape[-1] % size == 0:
+            out += [f"draft.fc_in.{j}" for j in range(fc.shape[-1] // size)]
+        return names.in_dataflow_order(out)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self.tensors:
+            return self.tensors[name]
+        j = names.fc_chunk_index(name)
+        if j is not None and "draft.fc_in" in self.tensors and self.fc_chunk_size:
+            size = self.fc_chunk_size
+            return self.tensors["draft.fc_in"][..., j * size : (j + 1) * size]
+        raise KeyError(f"capture of {self.meta.get('engine', '?')} has no tensor {name}")
+
+    # -- persistence -----------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            ordered = names.in_dataflow_order(self.tensors)
+            save_file({n: self.tensors[n].detach().contiguous().cpu() for n in ordered}, str(tmp / "tensors.safetensors"))
+            manifest = {
+                "schema": SCHEMA,
+                "meta": self.meta,
+                "tensors": [
+                    {"name": n, "shape": list(self.tensors[n].shape), "dtype": str(self.tensors[n].dtype).removeprefix("torch.")}
+                    for n in ordered
+                ],
+            }
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            if directory.exists():
+                shutil.rmtree(directory)
+            os.rename(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, device: str = "cpu") -> "Capture":
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        manifest_path = directory / "manifest.json"
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{manifest_path}: capture manifest not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{manifest_path}: invalid JSON ({e.msg})") from None
+        if manifest.get("schema") != SCHEMA:
+            raise ConfigError(f"{manifest_path}: schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
+        flat = load_file(str(directory / "tensors.safetensors"), device=device)
+        order = [t["name"] for t in manifest["tensors"]]
+        missing = [n for n in order if n not in flat]
+        if missing:
+            raise ConfigError(f"{directory}: tensors listed in the manifest but absent: {', '.join(missing)}")
+        return cls({n: flat[n] for n in order}, manifest["meta"])
+
+
+def cache_key(*parts: object) -> str:
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+class CaptureCache:
+    """Captures on disk keyed by (engine spec, engine version, case fingerprint, prompt ids)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / key
+
+    def get(self, key: str) -> Capture | None:
+        p = self.path(key)
+        if not (p / "manifest.json").exists():
+            return None
+        try:
+            return Capture.load(p)
+        except (ConfigError, OSError, ValueError):
+            return None  # a damaged entry is a cache miss; it is rewritten below
+
+    def put(self, key: str, capture: Capture) -> Path:
+        return capture.save(self.path(key))

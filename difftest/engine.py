@@ -1,0 +1,146 @@
+"""The engine interface, engine specs and the registry.
+
+An engine adapter answers two questions for a case:
+  capture(case, prompt_ids)              -> Capture  (canonical names, see difftest.names)
+  speculate(case, prompts, num_steps, max_new_tokens) -> AcceptStats
+Adapters live in `engines/` and register under the entry-point group `difftest.engines`;
+the core never imports them directly: they run inside a worker process (difftest.worker).
+
+Engine specs on the command line: `NAME[@LABEL][[key=value,...]]`, e.g. `ref`,
+`ref[wiring=sglang]`, `ref[wiring=h0+h3+h31]`, `sglang@old`. LABEL tells two
+environments of one engine apart (`--engine-python sglang@old=/path/python`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from difftest.acceptance import AcceptStats
+from difftest.capture import Capture
+from difftest.case import Case
+from difftest.errors import ConfigError
+
+ENTRY_POINT_GROUP = "difftest.engines"
+_SPEC = re.compile(r"(?P<name>[A-Za-z_][\w-]*)(?:@(?P<label>[\w.-]+))?(?:\[(?P<params>[^\]]*)\])?")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    label: str | None = None
+    params: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> str:
+        """name@label: what --engine-python and environment lookups use."""
+        return f"{self.name}@{self.label}" if self.label else self.name
+
+    @property
+    def id(self) -> str:
+        p = ",".join(f"{k}={v}" for k, v in self.params)
+        return self.key + (f"[{p}]" if p else "")
+
+    def param(self, key: str, default: str | None = None) -> str | None:
+        return dict(self.params).get(key, default)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "label": self.label, "params": [list(p) for p in self.params]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineSpec":
+        return cls(d["name"], d.get("label"), tuple(tuple(p) for p in d.get("params", [])))
+
+
+def split_engine_list(text: str) -> list[str]:
+    """Split on commas that are not inside [...]."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [s.strip().strip("'\"") for s in out if s.strip()]
+
+
+def parse_spec(text: str) -> EngineSpec:
+    m = _SPEC.fullmatch(text.strip())
+    if not m:
+        raise ConfigError(f"--engines: cannot parse engine spec {text!r}; expected NAME[@LABEL][[key=value,...]]")
+    params = []
+    for item in filter(None, (m.group("params") or "").split(",")):
+        if "=" not in item:
+            raise ConfigError(f"--engines: parameter {item!r} of {text!r} is not key=value")
+        k, v = item.split("=", 1)
+        params.append((k.strip(), v.strip()))
+    return EngineSpec(m.group("name"), m.group("label"), tuple(params))
+
+
+def parse_engine_list(text: str) -> list[EngineSpec]:
+    specs = [parse_spec(s) for s in split_engine_list(text)]
+    if not specs:
+        raise ConfigError("--engines: no engine given")
+    ids = [s.id for s in specs]
+    dup = next((i for i in ids if ids.count(i) > 1), None)
+    if dup:
+        raise ConfigError(f"--engines: {dup} given twice")
+    return specs
+
+
+def registered_engines() -> dict[str, str]:
+    """name -> 'module:attr' for every installed adapter.
+
+    Besides entry points, DIFFTEST_ENGINES="name=module:attr;..." registers adapters
+    without packaging them (the harness's own tests use it for a fake engine).
+    """
+    found = {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    for item in filter(None, os.environ.get("DIFFTEST_ENGINES", "").split(";")):
+        name, sep, target = item.partition("=")
+        if not sep or ":" not in target:
+            raise ConfigError(f"DIFFTEST_ENGINES: {item!r} is not name=module:attr")
+        found[name.strip()] = target.strip()
+    return found
+
+
+def engine_target(name: str) -> str:
+    known = registered_engines()
+    if name not in known:
+        raise ConfigError(f"--engines: unknown engine {name!r} (registered: {', '.join(sorted(known)) or 'none'})")
+    return known[name]
+
+
+@dataclass
+class EngineInfo:
+    name: str
+    version: str
+    versions: dict = field(default_factory=dict)  # torch, transformers, ... in the engine's environment
+    kernels: str = ""
+
+
+class Engine(ABC):
+    """Base class of adapters; instances live in a worker process."""
+
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+
+    @abstractmethod
+    def info(self) -> EngineInfo:
+        """Raise EngineUnavailable (with the setup command) when the engine cannot be imported."""
+
+    @abstractmethod
+    def capture(self, case: Case, prompt_ids: list[int]) -> Capture: ...
+
+    @abstractmethod
+    def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats: ...
+
+    def close(self) -> None:
+        """Release models and child processes."""

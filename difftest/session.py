@@ -1,0 +1,203 @@
+"""One harness run: engine workers, captures (memoised and cached on disk), comparisons.
+
+The pytest plugin and the CLI both drive a Session; nothing here is global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from difftest.acceptance import AcceptStats
+from difftest.capture import Capture, CaptureCache, cache_key
+from difftest.case import Case
+from difftest.compare import CaptureDiff, compare_captures
+from difftest.engine import EngineSpec, engine_target
+from difftest.errors import ConfigError, DifftestError, EngineUnavailable
+from difftest.worker import WorkerClient
+
+FIXTURE_GROUP = "difftest.fixtures"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
+
+
+def resolve_fixture(ref: str) -> str:
+    """'fixture:NAME' -> a checkpoint directory, built on first use by a registered provider."""
+    name = ref.removeprefix("fixture:")
+    providers = list(metadata.entry_points(group=FIXTURE_GROUP))
+    for ep in providers:
+        path = ep.load()(name)
+        if path is not None:
+            return str(path)
+    raise ConfigError(f"fixture {name!r} is not provided by any installed fixture provider ({len(providers)} found)")
+
+
+@dataclass
+class Options:
+    engines: list[EngineSpec]
+    reference: EngineSpec
+    engine_python: dict[str, str] = field(default_factory=dict)  # spec key or name -> interpreter
+    timeout: float = 900.0
+    use_cache: bool = True
+    log_dir: Path = Path("reports") / "logs"
+
+
+class Session:
+    def __init__(self, options: Options):
+        self.options = options
+        self.cache = CaptureCache(cache_root() / "captures")
+        self._clients: dict[str, WorkerClient] = {}
+        self._start_errors: dict[str, DifftestError] = {}
+        self._cases: dict[str, Case] = {}
+        self._prompts: dict[str, list[list[int]]] = {}
+        self._captures: dict[tuple, Capture] = {}
+        self._stats: dict[tuple, AcceptStats] = {}
+        self._diffs: dict[tuple, list[CaptureDiff]] = {}
+
+    # -- engines ---------------------------------------------------------------------
+    def python_for(self, spec: EngineSpec) -> str:
+        env_var = "DIFFTEST_PYTHON_" + spec.key.upper().replace("@", "_").replace("-", "_").replace(".", "_")
+        return (
+            self.options.engine_python.get(spec.key)
+            or self.options.engine_python.get(spec.name)
+            or os.environ.get(env_var)
+            or self._env_python(spec)
+            or sys.executable
+        )
+
+    def _env_python(self, spec: EngineSpec) -> str | None:
+        """An engine environment made by `scripts/setup-engine` (later issues) lives in the user cache."""
+        candidate = cache_root() / "envs" / spec.key / "bin" / "python"
+        return str(candidate) if candidate.exists() else None
+
+    def client(self, spec: EngineSpec) -> WorkerClient:
+        if spec.id in self._start_errors:
+            raise self._start_errors[spec.id]
+        if spec.id not in self._clients:
+            client = WorkerClient(
+                spec,
+                engine_target(spec.name),
+                self.python_for(spec),
+                self.options.log_dir / f"{spec.id.replace('/', '_')}.log",
+                self.options.timeout,
+            )
+            try:
+                client.start()
+            except DifftestError as e:
+                client.kill()
+                self._start_errors[spec.id] = e
+                raise
+            self._clients[spec.id] = client
+        return self._clients[spec.id]
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    # -- cases -----------------------------------------------------------------------
+    def prepare(self, case: Case) -> Case:
+        """Resolve fixtures (building them on first use); memoised per case file."""
+        if case.path not in self._cases:
+            resolved = dataclasses.replace(
+                case,
+                target=resolve_fixture(case.target) if case.target.startswith("fixture:") else case.target,
+                draft=resolve_fixture(case.draft) if case.draft.startswith("fixture:") else case.draft,
+            )
+            self._cases[case.path] = resolved
+        return self._cases[case.path]
+
+    def prompt_ids(self, case: Case, speculative: bool = False) -> list[list[int]]:
+        key = (case.path, speculative)
+        if key not in self._prompts:
+            prompts = (case.spec_prompts or case.prompts) if speculative else case.prompts
+            texts = [p.text for p in prompts if p.text is not None]
+            tokenizer = None
+            if texts:
+                from transformers import AutoTokenizer
+
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(case.target, local_files_only=True)
+                except (OSError, ValueError) as e:
+                    raise ConfigError(f"{case.path}: prompts: cannot load the target's tokenizer from {case.target} ({e})") from None
+            out = []
+            for i, p in enumerate(prompts):
+                ids = p.ids if p.ids is not None else tokenizer(p.text, add_special_tokens=True)["input_ids"]
+                if len(ids) < 2:
+                    raise ConfigError(f"{case.path}: prompts[{i}]: needs at least 2 tokens, got {len(ids)}")
+                out.append(list(ids))
+            self._prompts[key] = out
+        return self._prompts[key]
+
+    # -- results ---------------------------------------------------------------------
+    def capture(self, case: Case, spec: EngineSpec, index: int) -> Capture:
+        case = self.prepare(case)
+        ids = self.prompt_ids(case)[index]
+        memo = (case.path, spec.id, index)
+        if memo not in self._captures:
+            client = self.client(spec)
+            key = cache_key("capture", spec.id, client.info["version"], case.fingerprint(), ids)
+            cached = self.cache.get(key) if self.options.use_cache else None
+            if cached is None:
+                out = self.cache.path(key)
+                client.request({"op": "capture", "case": case.to_dict(), "prompt_ids": ids, "out": str(out)})
+                cached = Capture.load(out)
+            self._captures[memo] = cached
+        return self._captures[memo]
+
+    def speculate(self, case: Case, spec: EngineSpec) -> AcceptStats:
+        case = self.prepare(case)
+        memo = (case.path, spec.id)
+        if memo not in self._stats:
+            client = self.client(spec)
+            prompts = self.prompt_ids(case, speculative=True)
+            key = cache_key("speculate", spec.id, client.info["version"], case.fingerprint(), prompts)
+            path = self.cache.path(key).with_suffix(".json")
+            if self.options.use_cache and path.exists():
+                stats = AcceptStats.from_dict(json.loads(path.read_text()))
+            else:
+                reply = client.request(
+                    {"op": "speculate", "case": case.to_dict(), "prompts": prompts,
+                     "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens}
+                )  # fmt: skip
+                stats = AcceptStats.from_dict(reply["stats"])
+                _atomic_write(path, json.dumps(stats.to_dict(), indent=1))
+            self._stats[memo] = stats
+        return self._stats[memo]
+
+    def comparisons(self, case: Case, spec: EngineSpec) -> list[CaptureDiff]:
+        """Per prompt: the engine's capture against the reference's."""
+        memo = (case.path, spec.id)
+        if memo not in self._diffs:
+            ref = self.options.reference
+            out = []
+            for i in range(len(case.prompts)):
+                a, b = self.capture(case, ref, i), self.capture(case, spec, i)
+                out.append(compare_captures(a, b, case.dtype, case.tolerances, case.allow_missing))
+            self._diffs[memo] = out
+        return self._diffs[memo]
+
+    def engine_info(self, spec: EngineSpec) -> dict | None:
+        c = self._clients.get(spec.id)
+        return c.info if c else None
+
+    def start_error(self, spec: EngineSpec) -> str | None:
+        e = self._start_errors.get(spec.id)
+        return str(e) if e else None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+__all__ = ["Options", "Session", "EngineUnavailable", "cache_root", "resolve_fixture"]
