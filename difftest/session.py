@@ -29,11 +29,15 @@ def cache_root() -> Path:
 
 
 def resolve_fixture(ref: str) -> str:
-    """'fixture:NAME' -> a checkpoint directory, built on first use by a registered provider."""
+    """'fixture:NAME' -> a checkpoint directory, built on first use by a registered provider.
+
+    A provider is a module registered under the `difftest.fixtures` entry points with
+    `resolve_fixture(name) -> Path | None` and `build_all(force: bool)`.
+    """
     name = ref.removeprefix("fixture:")
     providers = list(metadata.entry_points(group=FIXTURE_GROUP))
     for ep in providers:
-        path = ep.load()(name)
+        path = ep.load().resolve_fixture(name)
         if path is not None:
             return str(path)
     raise ConfigError(f"fixture {name!r} is not provided by any installed fixture provider ({len(providers)} found)")

@@ -186,6 +186,7 @@ def serve(in_fd: int, out_fd: int) -> int:
 
     for line in rfile:
         msg = json.loads(line)
+        print(f"[difftest.worker] {time.strftime('%H:%M:%S')} request {msg['op']}", file=sys.stderr, flush=True)
         try:
             if msg["op"] == "hello":
                 engine = _load_engine(msg["target"], msg["spec"])

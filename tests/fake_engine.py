@@ -1,0 +1,42 @@
+"""A fake engine for the harness's own tests: injects divergence, errors, crashes and hangs.
+
+Registered through DIFFTEST_ENGINES="fake=fake_engine:FakeEngine" (tests/ on PYTHONPATH);
+behaviour comes from the spec, e.g. `fake[mode=hang]`:
+  mode=same         the reference engine's capture, unchanged
+  mode=diverge      as `same`, with draft.logits perturbed at one element
+  mode=unavailable  info() raises EngineUnavailable with a setup command
+  mode=error        capture raises an ordinary exception (an engine bug)
+  mode=crash        the worker process dies with SIGKILL mid-request
+  mode=hang         capture never returns
+"""
+
+import os
+import signal
+import time
+
+from difftest.engine import EngineInfo
+from difftest.errors import EngineUnavailable
+from engines.ref.engine import RefEngine
+
+
+class FakeEngine(RefEngine):
+    def info(self) -> EngineInfo:
+        if self.spec.param("mode") == "unavailable":
+            raise EngineUnavailable("fake: not installed; set it up with: scripts/setup-engine fake")
+        return EngineInfo(name="fake", version="fake-1", versions={}, kernels="none")
+
+    def capture(self, case, prompt_ids):
+        mode = self.spec.param("mode", "same")
+        if mode == "error":
+            raise RuntimeError("fake engine exploded\nsecond line that must not appear")
+        if mode == "crash":
+            print("fatal: simulated scheduler crash", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "hang":
+            time.sleep(3600)
+        cap = super().capture(case, prompt_ids)
+        cap.meta["engine"] = self.spec.id
+        if mode == "diverge":
+            cap.tensors["draft.logits"] = cap.tensors["draft.logits"].clone()
+            cap.tensors["draft.logits"][1, 7] += 0.5
+        return cap

@@ -1,0 +1,64 @@
+"""Small builders shared by the harness's tests: tiny random checkpoints and subprocess runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+
+def make_tiny_pair(directory: Path, num_layers: int = 6, seed: int = 0) -> tuple[Path, Path]:
+    """A random Llama target (vocab 512, H=64) and an untrained EAGLE-3 draft (ids [1, 2, 3], draft vocab 256)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engines.ref.eagle3 import Eagle3Config
+    from engines.ref.train import init_draft, save_eagle_format
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    target = LlamaForCausalLM(cfg)
+    target.save_pretrained(directory / "target")
+    dcfg = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=512, draft_vocab_size=256, target_hidden_size=64, num_aux=3)  # fmt: skip
+    draft = init_draft(target, dcfg, torch.arange(256), seed=seed + 1)
+    save_eagle_format(draft, directory / "draft", [1, 2, 3])
+    return directory / "target", directory / "draft"
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    root: Path
+
+    def report(self, case: str) -> dict:
+        return json.loads((self.root / "reports" / f"{case}.json").read_text())
+
+    def outcome(self, case: str, engine: str, check: str) -> dict:
+        for r in self.report(case)["checks"]:
+            if r["engine"] == engine and r["check"] == check:
+                return r
+        raise KeyError(f"no result for {engine} {check}")
+
+
+def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float = 600) -> Run:
+    """`pytest cases/ ...` in a fresh process inside `root`, with the fake engine registered."""
+    environ = dict(os.environ)
+    environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), environ.get("PYTHONPATH", "")])
+    environ["DIFFTEST_ENGINES"] = "fake=fake_engine:FakeEngine"
+    environ.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-rfEs",
+         "--rootdir", str(root), "-c", os.devnull, *args],
+        cwd=root, env=environ, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    return Run(proc.returncode, proc.stdout + proc.stderr, root)

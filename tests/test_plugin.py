@@ -1,0 +1,199 @@
+"""The pytest plugin, black-box: `pytest cases/ --engines=...` in a subprocess, with a fake engine
+that injects divergence, errors, crashes and hangs (tests/fake_engine.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import make_tiny_pair, run_pytest
+
+CASE = """\
+target: {target}
+draft: {draft}
+wiring: vllm
+prompts:
+  - ids: [1, 5, 9, 33, 77, 101, 7]
+  - ids: [4, 8, 15, 16, 23, 42]
+speculative: {{num_steps: 3, max_new_tokens: 8}}
+"""
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    return make_tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+def project(tmp_path: Path, models, name: str = "tiny", body: str | None = None) -> Path:
+    (tmp_path / "cases").mkdir(exist_ok=True)
+    target, draft = models
+    (tmp_path / "cases" / f"{name}.yaml").write_text(body if body is not None else CASE.format(target=target, draft=draft))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def mixed_run(models, tmp_path_factory):
+    """One session with a correct engine, a miswired one and every fault the fake engine injects."""
+    root = project(tmp_path_factory.mktemp("mixed"), models)
+    engines = "ref,ref[wiring=vllm],ref[wiring=sglang],fake[mode=diverge],fake[mode=error],fake[mode=crash],fake[mode=unavailable]"
+    cache = tmp_path_factory.mktemp("cache")
+    return run_pytest(root, "cases/", f"--engines={engines}", env={"DIFFTEST_CACHE": str(cache)})
+
+
+def test_correctly_wired_engine_passes_every_check(mixed_run):
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        assert mixed_run.outcome("tiny", "ref[wiring=vllm]", check)["outcome"] == "passed", check
+
+
+def test_reference_gets_a_capture_item(mixed_run):
+    assert mixed_run.outcome("tiny", "ref", "capture")["outcome"] == "passed"
+    assert "tiny::ref::capture PASSED" in mixed_run.output or "cases/tiny.yaml::ref::capture" not in mixed_run.output
+
+
+def test_off_by_one_wiring_fails_fc_inputs_naming_chunk_0_and_the_pattern(mixed_run):
+    result = mixed_run.outcome("tiny", "ref[wiring=sglang]", "fc_inputs")
+    assert result["outcome"] == "failed"
+    assert result["data"]["tensor"] == "draft.fc_in.0"
+    assert "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.1" in result["message"]
+    assert "engine fed fc [h2, h3, h4]; reference fed [h1, h2, h3]; pattern: off-by-one +1" in result["message"]
+
+
+def test_downstream_check_names_the_upstream_first_divergence(mixed_run):
+    result = mixed_run.outcome("tiny", "ref[wiring=sglang]", "draft_logits")
+    assert result["outcome"] == "failed"
+    assert result["data"]["first_divergence"] == "draft.fc_in.0"
+    assert "first divergence in data-flow order: draft.fc_in.0" in result["message"]
+
+
+def test_injected_logit_divergence_is_counted_and_located(mixed_run):
+    assert mixed_run.outcome("tiny", "fake[mode=diverge]", "fc_inputs")["outcome"] == "passed"
+    result = mixed_run.outcome("tiny", "fake[mode=diverge]", "draft_logits")
+    assert result["outcome"] == "failed"
+    assert "draft.logits: 1/" in result["message"]
+    assert "at [1, 7]" in result["message"]
+
+
+def test_engine_exception_fails_items_with_one_line_and_log_path(mixed_run):
+    result = mixed_run.outcome("tiny", "fake[mode=error]", "fc_inputs")
+    assert result["outcome"] == "error"
+    assert "RuntimeError: fake engine exploded" in result["message"]
+    assert "second line" not in result["message"]
+    assert "log:" in result["message"]
+
+
+def test_engine_crash_fails_items_without_taking_the_session_down(mixed_run):
+    result = mixed_run.outcome("tiny", "fake[mode=crash]", "fc_inputs")
+    assert result["outcome"] == "error"
+    assert "worker died (exit -9): fatal: simulated scheduler crash" in result["message"]
+    # the session went on: engines after the crashed one still ran
+    assert mixed_run.outcome("tiny", "fake[mode=unavailable]", "fc_inputs")["outcome"] == "skipped"
+
+
+def test_unavailable_engine_skips_with_its_setup_command(mixed_run):
+    result = mixed_run.outcome("tiny", "fake[mode=unavailable]", "accept_length")
+    assert result["outcome"] == "skipped"
+    assert "set it up with: scripts/setup-engine fake" in result["message"]
+    assert "SKIPPED" in mixed_run.output and "set it up with" in mixed_run.output
+
+
+def test_failures_print_verdicts_not_tracebacks(mixed_run):
+    assert "Traceback" not in mixed_run.output
+    assert "internal error in difftest" not in mixed_run.output
+    assert mixed_run.returncode == 1
+
+
+def test_report_json_lists_every_check_and_engine(mixed_run):
+    report = mixed_run.report("tiny")
+    assert report["schema"] == "difftest.report/1"
+    assert report["reference"] == "ref"
+    assert len(report["checks"]) == 1 + 6 * 4
+    assert report["engines"]["fake[mode=unavailable]"] == {"error": "fake: not installed; set it up with: scripts/setup-engine fake"}
+    assert report["comparisons"]["ref[wiring=sglang]"][0]["first_divergence"] == "draft.fc_in.0"
+    assert (mixed_run.root / "reports" / "tiny.md").exists()
+
+
+def test_no_worker_outlives_the_session(mixed_run):
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "difftest.worker" in cmd:
+            alive.append(cmd)
+    assert alive == []
+
+
+def test_hanging_engine_is_killed_after_the_timeout(models, tmp_path):
+    run = run_pytest(project(tmp_path, models), "cases/", "--engines=ref,fake[mode=hang]", "--engine-timeout=5",
+                     env={"DIFFTEST_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    result = run.outcome("tiny", "fake[mode=hang]", "fc_inputs")
+    assert result["outcome"] == "error"
+    assert "no answer to 'capture' within 5s; worker killed" in result["message"]
+
+
+def test_required_engine_that_is_unavailable_fails(models, tmp_path):
+    run = run_pytest(project(tmp_path, models), "cases/", "--engines=ref,fake[mode=unavailable]", "--require-engines",
+                     env={"DIFFTEST_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    assert run.returncode == 1
+    assert "engine required but unavailable: fake: not installed" in run.output
+
+
+def test_second_run_reuses_cached_captures(models, tmp_path):
+    cache = {"DIFFTEST_CACHE": str(tmp_path / "cache")}
+    root = project(tmp_path, models)
+    first = run_pytest(root, "cases/", "--engines=ref,ref[wiring=vllm]", "--report-dir=r1", env=cache)
+    second = run_pytest(root, "cases/", "--engines=ref,ref[wiring=vllm]", "--report-dir=r2", env=cache)
+    assert first.returncode == second.returncode == 0
+    assert "request capture" in (root / "r1" / "logs" / "ref.log").read_text()
+    assert "request capture" not in (root / "r2" / "logs" / "ref.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "engines, body, expected",
+    [
+        ("ref,nosuch", None, "--engines: unknown engine 'nosuch'"),
+        ("ref,ref[wiring", None, "--engines: cannot parse engine spec"),
+    ],
+    ids=["unknown-engine", "unparsable-spec"],
+)
+def test_bad_engine_list_is_a_one_line_usage_error(models, tmp_path, engines, body, expected):
+    run = run_pytest(project(tmp_path, models), "cases/", f"--engines={engines}")
+    assert run.returncode == 4
+    assert expected in run.output
+    assert "Traceback" not in run.output
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("target: [unclosed\n", "tiny.yaml: malformed YAML at line"),
+        ("target: /nonexistent/t\ndraft: /nonexistent/d\nprompts: [a b]\n", "tiny.yaml: target: checkpoint /nonexistent/t not found"),
+        ("target: x\ndraft: y\nprompt: [a]\n", "tiny.yaml: prompt: unknown field"),
+    ],
+    ids=["malformed-yaml", "missing-checkpoint", "unknown-field"],
+)
+def test_bad_case_file_fails_its_load_item_with_file_and_field(models, tmp_path, body, expected):
+    run = run_pytest(project(tmp_path, models, body=body), "cases/", "--engines=ref")
+    assert run.returncode == 1
+    assert expected in run.output
+    assert "Traceback" not in run.output
+
+
+@pytest.mark.parametrize(
+    "engine, expected",
+    [
+        ("ref[wiring=h0+h2+h9]", "wiring: h9 does not exist; the target has 6 layers (h0..h6)"),
+        ("ref[wiring=h0+h2]", "wiring [h0, h2] has 2 inputs but"),
+        ("ref[wiring=bogus]", "unknown wiring preset 'bogus'"),
+    ],
+    ids=["layer-out-of-range", "fc-width-mismatch", "unknown-preset"],
+)
+def test_bad_wiring_fails_the_engine_items_with_one_line(models, tmp_path, engine, expected):
+    run = run_pytest(project(tmp_path, models), "cases/", f"--engines=ref,{engine}", env={"DIFFTEST_CACHE": str(tmp_path / "c")})
+    result = run.outcome("tiny", engine, "fc_inputs")
+    assert result["outcome"] == "error"
+    assert expected in result["message"]
+    assert "Traceback" not in run.output
