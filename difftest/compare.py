@@ -73,10 +73,11 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
         b = b_flat[start : start + CHUNK_ELEMENTS].float()
         same = a == b  # also true for equal infinities (-inf outside the draft vocab)
         diff = torch.where(same, torch.zeros_like(a), (a - b).abs())
-        diff = torch.nan_to_num(diff, nan=math.inf)
-        close = diff <= tol.atol + tol.rtol * a.abs()
-        mismatched += int((~close).sum())
+        diff = torch.nan_to_num(diff, nan=math.inf, posinf=math.inf)  # (nan_to_num's default clamps inf to the max float)
         finite = torch.isfinite(a) & torch.isfinite(b)
+        # An infinite reference would make rtol * |a| infinite and pass anything; infinities match only exactly.
+        close = same | (finite & (diff <= tol.atol + tol.rtol * a.abs()))
+        mismatched += int((~close).sum())
         nonfinite += int((~finite & ~same).sum())
         chunk_max, chunk_at = diff.max(dim=0)
         if float(chunk_max) > max_abs:

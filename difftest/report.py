@@ -33,9 +33,7 @@ def build(case, session, results: list[dict]) -> dict:
         info, err = session.engine_info(spec), session.start_error(spec)
         engines[spec.id] = {"info": info} if info else {"error": err or "not started"}
     comparisons = {}
-    for (path, engine_id), diffs in session._diffs.items():
-        if path != case.path:
-            continue
+    for engine_id, diffs in session.computed_comparisons(case).items():
         comparisons[engine_id] = [
             {
                 "prompt": i,

@@ -188,6 +188,10 @@ class Session:
             self._diffs[memo] = out
         return self._diffs[memo]
 
+    def computed_comparisons(self, case: Case) -> dict[str, list[CaptureDiff]]:
+        """spec id -> per-prompt diffs, for the comparisons this session has already made."""
+        return {engine_id: diffs for (path, engine_id), diffs in self._diffs.items() if path == case.path}
+
     def engine_info(self, spec: EngineSpec) -> dict | None:
         c = self._clients.get(spec.id)
         return c.info if c else None

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -304,7 +305,14 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     for name in ("pytorch_model.bin", "model.pt", "model.bin"):
         f = model_dir / name
         if f.exists():
-            return torch.load(f, map_location="cpu", weights_only=True)
+            try:
+                return torch.load(f, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError:
+                # torch's own message is many lines; the cause is a pickle holding more than tensors
+                raise ConfigError(
+                    f"{f}: cannot be loaded with weights_only=True (it holds objects other than tensors, "
+                    "or is not a torch checkpoint); save the state dict as safetensors"
+                ) from None
     raise ConfigError(f"{model_dir}: no weights found (expected *.safetensors or pytorch_model.bin)")
 
 
