@@ -50,9 +50,9 @@ class Capture:
         if name in self.tensors:
             return self.tensors[name]
         j = names.fc_chunk_index(name)
-        if j is not None and "draft.fc_in" in self.tensors and self.fc_chunk_size:
-            size = self.fc_chunk_size
-            return self.tensors["draft.fc_in"][..., j * size : (j + 1) * size]
+        fc, size = self.tensors.get("draft.fc_in"), self.fc_chunk_size
+        if j is not None and fc is not None and size and fc.shape[-1] % size == 0 and j < fc.shape[-1] // size:
+            return fc[..., j * size : (j + 1) * size]
         raise KeyError(f"capture of {self.meta.get('engine', '?')} has no tensor {name}")
 
     # -- persistence -----------------------------------------------------------------

@@ -162,6 +162,11 @@ def load_case(path: str | Path) -> Case:
         if "rtol" in tol and "atol" not in tol:
             # as torch.testing: rtol alone is ambiguous near zero
             raise _err(path, f"tolerances.{pattern}", "rtol given without atol; set both")
+        for key, value in tol.items():
+            try:  # YAML 1.1 reads 1e-3 (no dot) as a string; anything float() takes is fine
+                tol[key] = float(value)
+            except (TypeError, ValueError):
+                raise _err(path, f"tolerances.{pattern}.{key}", f"expected a number, got {value!r}") from None
     return Case(
         name=str(raw.get("name") or path.stem),
         path=str(path),
