@@ -19,6 +19,7 @@ from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
 from difftest.engine import EngineSpec, engine_target
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable
+from difftest.report import atomic_write
 from difftest.worker import WorkerClient
 
 FIXTURE_GROUP = "difftest.fixtures"
@@ -172,7 +173,7 @@ class Session:
                      "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens}
                 )  # fmt: skip
                 stats = AcceptStats.from_dict(reply["stats"])
-                _atomic_write(path, json.dumps(stats.to_dict(), indent=1))
+                atomic_write(path, json.dumps(stats.to_dict(), indent=1))
             self._stats[memo] = stats
         return self._stats[memo]
 
@@ -199,13 +200,6 @@ class Session:
     def start_error(self, spec: EngineSpec) -> str | None:
         e = self._start_errors.get(spec.id)
         return str(e) if e else None
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 __all__ = ["Options", "Session", "EngineUnavailable", "cache_root", "resolve_fixture"]
