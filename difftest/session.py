@@ -111,10 +111,13 @@ class Session:
     def prepare(self, case: Case) -> Case:
         """Resolve fixtures (building them on first use); memoised per case file."""
         if case.path not in self._cases:
+            fix = lambda v: resolve_fixture(v) if isinstance(v, str) and v.startswith("fixture:") else v  # noqa: E731
             resolved = dataclasses.replace(
                 case,
-                target=resolve_fixture(case.target) if case.target.startswith("fixture:") else case.target,
-                draft=resolve_fixture(case.draft) if case.draft.startswith("fixture:") else case.draft,
+                target=fix(case.target),
+                draft=fix(case.draft),
+                # per-engine settings may name their own checkpoints (e.g. engines.sglang.draft)
+                engines={e: {k: fix(v) for k, v in s.items()} for e, s in case.engines.items()},
             )
             self._cases[case.path] = resolved
         return self._cases[case.path]
