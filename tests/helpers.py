@@ -39,6 +39,7 @@ class Run:
     returncode: int
     output: str
     root: Path
+    cache: Path | None = None  # the DIFFTEST_CACHE the run used, when a test set one
 
     def report(self, case: str) -> dict:
         return json.loads((self.root / "reports" / f"{case}.json").read_text())

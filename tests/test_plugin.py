@@ -39,7 +39,9 @@ def mixed_run(models, tmp_path_factory):
     root = project(tmp_path_factory.mktemp("mixed"), models)
     engines = "ref,ref[wiring=vllm],ref[wiring=sglang],fake[mode=diverge],fake[mode=error],fake[mode=crash],fake[mode=unavailable]"
     cache = tmp_path_factory.mktemp("cache")
-    return run_pytest(root, "cases/", f"--engines={engines}", env={"DIFFTEST_CACHE": str(cache)})
+    run = run_pytest(root, "cases/", f"--engines={engines}", env={"DIFFTEST_CACHE": str(cache)})
+    run.cache = cache
+    return run
 
 
 def test_correctly_wired_engine_passes_every_check(mixed_run):
@@ -115,13 +117,16 @@ def test_report_json_lists_every_check_and_engine(mixed_run):
 
 
 def test_no_worker_outlives_the_session(mixed_run):
+    # workers of this session are the ones whose environment names its private cache
+    marker = f"DIFFTEST_CACHE={mixed_run.cache}".encode()
     alive = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if "difftest.worker" in cmd:
+        if "difftest.worker" in cmd and marker in environ:
             alive.append(cmd)
     assert alive == []
 
