@@ -1,0 +1,30 @@
+"""difftest's CPU stand-in for the compiled `sgl_kernel` package (see engines/sglang/cpu_shim).
+
+Importable only when `engines.sglang.cpu_shim.activate()` put its folder on the path, which
+it does only when no real kernel package is importable. Known ops are plain-torch versions;
+any other name resolves to a function that raises when *called*, so SGLang's imports of
+GPU-only symbols succeed and the CPU code paths that never call them run.
+"""
+
+from engines.sglang.cpu_shim import ops as _ops
+
+__version__ = "0.0.0+difftest.cpu-shim"
+DIFFTEST_CPU_SHIM = True
+
+globals().update({name: getattr(_ops, name) for name in _ops.PYTHON_OPS})
+_ops.register_torch_ops()
+_ops.register_torchvision_nms_schema()
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def unavailable(*args, **kwargs):
+        raise NotImplementedError(
+            f"sgl_kernel.{name} is not provided by difftest's CPU shim (engines/sglang/cpu_shim); "
+            "this SGLang code path needs the real kernels"
+        )
+
+    unavailable.__name__ = name
+    return unavailable

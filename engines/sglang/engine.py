@@ -1,0 +1,333 @@
+"""SGLang adapter: the real `sglang.Engine` running EAGLE-3, captured through forward hooks.
+
+Runs inside a difftest worker process in SGLang's own environment (`scripts/setup-engine
+sglang`). One `sglang.Engine` per (target, draft, settings), kept for every prompt of a
+case. Tensors come from SGLang's `forward_hooks` server argument (engines/sglang/hooks.py):
+the hooks run in SGLang's scheduler process and write files that engines/sglang/records.py
+aligns to prompt positions and names canonically. Acceptance comes from SGLang's own
+per-request counters (`meta_info`).
+
+Settings: the case's `engines.sglang` mapping, overridden by the engine spec's parameters:
+  draft_config_overrides / target_config_overrides   deep-merged into config.json (overlay)
+  speculative_num_steps (spec: num_steps)            default: the case's speculative.num_steps
+  speculative_eagle_topk (spec: topk)                default 1
+  speculative_num_draft_tokens (spec: num_draft_tokens)  default num_steps + 1
+  tp_size, attention_backend, mem_fraction_static, max_total_tokens
+  server_args: {...}                                 any other sglang.Engine argument
+Capture meta reports what was requested and what SGLang resolved (`settings`).
+
+On a machine without SGLang's compiled kernels the CPU shim (engines/sglang/cpu_shim) stands
+in for them; meta `kernels` says "cpu-shim" or "sgl-kernel".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from difftest.acceptance import AcceptStats
+from difftest.capture import Capture, cache_key
+from difftest.case import Case
+from difftest.engine import Engine, EngineInfo
+from difftest.errors import ConfigError, EngineError, EngineUnavailable
+from difftest.overlay import overlay_checkpoint
+from difftest.session import cache_root
+from engines.sglang import cpu_shim
+from engines.sglang.hooks import hook_specs
+from engines.sglang.records import extract, load_forwards
+
+ADAPTER_REVISION = 1  # part of the capture cache key: bump when what a capture contains changes
+SETUP_HINT = "scripts/setup-engine sglang"
+SPEC_PARAMS = {"num_steps": "speculative_num_steps", "topk": "speculative_eagle_topk",
+               "num_draft_tokens": "speculative_num_draft_tokens", "attention_backend": "attention_backend",
+               "tp_size": "tp_size", "mem_fraction_static": "mem_fraction_static"}  # fmt: skip
+SETTING_KEYS = set(SPEC_PARAMS.values()) | {"max_total_tokens", "server_args", "draft_config_overrides",
+                                            "target_config_overrides"}  # fmt: skip
+# Partial by construction: SGLang captures only the aux layers the draft asks for, and the
+# draft steps exist only while drafting is a chain.
+PARTIAL = ["target.h.*"]
+
+
+def _int(value, where: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+
+
+def _log_size() -> int:
+    """The worker's stderr is its log file (difftest.worker); where it ends now."""
+    try:
+        return os.fstat(2).st_size
+    except OSError:
+        return 0
+
+
+def _root_cause(offset: int) -> str:
+    """The first exception line SGLang's processes wrote to the log since `offset`: the
+    scheduler's own error, which the Engine's exception ("scheduler died") does not carry."""
+    try:
+        with open(f"/proc/self/fd/2", "rb") as f:
+            f.seek(offset)
+            text = f.read(4 << 20).decode(errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        m = re.match(r"^([A-Za-z_.]*(?:Error|Exception)): (.+)$", line.strip())
+        if m:
+            return f"{m.group(1)}: {m.group(2)}"[:400]
+    return ""
+
+
+class SglangEngine(Engine):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._kernels: str | None = None
+        self._engine = None
+        self._engine_key: str | None = None
+        self._effective: dict = {}
+        self._workdir: Path | None = None
+        self._failed: str | None = None
+
+    # -- environment -----------------------------------------------------------------
+    def _import(self):
+        if importlib.util.find_spec("sglang") is None:
+            raise EngineUnavailable(f"sglang is not installed in {sys.executable}; set it up with: {SETUP_HINT}")
+        if self._kernels is None:
+            self._kernels = cpu_shim.choose_kernels()
+            if self._kernels == cpu_shim.CPU_SHIM:
+                cpu_shim.activate()
+            self._private_dirs()
+        import sglang
+
+        return sglang
+
+    def _private_dirs(self) -> None:
+        """Caches, temp files and sockets under the difftest cache; never the network."""
+        base = cache_root() / "sglang"
+        for var, sub in (("HF_HOME", "hf"), ("XDG_CACHE_HOME", "xdg"), ("TRITON_CACHE_DIR", "triton"),
+                         ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("OUTLINES_CACHE_DIR", "outlines")):  # fmt: skip
+            os.environ.setdefault(var, str(base / sub))
+        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", SGLANG_DISABLE_REQUEST_LOGGING="1")
+        (base / "tmp").mkdir(parents=True, exist_ok=True)
+        self._workdir = Path(tempfile.mkdtemp(prefix=f"w{os.getpid()}-", dir=base / "tmp"))
+        os.environ["TMPDIR"] = str(self._workdir)  # zmq ipc sockets, spawned processes' temp files
+        tempfile.tempdir = None
+
+    def info(self) -> EngineInfo:
+        sglang = self._import()
+        import transformers
+
+        versions = {"sglang": sglang.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+        for mod in ("triton", "sgl_kernel"):
+            try:
+                versions[mod] = getattr(__import__(mod), "__version__", "?")
+            except ImportError:
+                pass
+        return EngineInfo(
+            name="sglang",
+            version=f"{sglang.__version__}+{self._kernels}.a{ADAPTER_REVISION}",
+            versions=versions,
+            kernels=self._kernels,
+        )
+
+    # -- settings --------------------------------------------------------------------
+    def _settings(self, case: Case, num_steps: int | None = None) -> dict:
+        s = case.engine_settings("sglang")
+        unknown = sorted(set(s) - SETTING_KEYS)
+        if unknown:
+            raise ConfigError(f"{case.path}: engines.sglang.{unknown[0]}: unknown setting (known: {', '.join(sorted(SETTING_KEYS))})")
+        for key, value in self.spec.params:
+            if key not in SPEC_PARAMS:
+                raise ConfigError(f"--engines {self.spec.id}: unknown parameter {key!r} (known: {', '.join(SPEC_PARAMS)})")
+            s[SPEC_PARAMS[key]] = value
+        steps = _int(s.get("speculative_num_steps", num_steps or case.num_steps), "speculative_num_steps")
+        topk = _int(s.get("speculative_eagle_topk", 1), "speculative_eagle_topk")
+        on_cpu = not torch.cuda.is_available()
+        requested = {
+            "speculative_num_steps": steps,
+            "speculative_eagle_topk": topk,
+            "speculative_num_draft_tokens": _int(s.get("speculative_num_draft_tokens", steps + 1), "speculative_num_draft_tokens"),
+            "dtype": case.dtype,
+            "tp_size": _int(s.get("tp_size", 1), "tp_size"),
+            "mem_fraction_static": float(s.get("mem_fraction_static", 0.3 if on_cpu else 0.5)),
+            "max_total_tokens": _int(s.get("max_total_tokens", 4096), "max_total_tokens"),
+        }
+        backend = s.get("attention_backend", "intel_amx" if self._kernels == cpu_shim.CPU_SHIM else None)
+        if backend is not None:
+            requested["attention_backend"] = backend
+        extra = s.get("server_args") or {}
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{case.path}: engines.sglang.server_args: expected a mapping")
+        requested.update(extra)
+        return {"requested": requested, "device": "cpu" if on_cpu else "cuda",
+                "draft_overrides": s.get("draft_config_overrides") or {},
+                "target_overrides": s.get("target_config_overrides") or {}}  # fmt: skip
+
+    def _checkpoints(self, case: Case, settings: dict) -> tuple[str, str]:
+        overlays = cache_root() / "sglang"
+        target = str(overlay_checkpoint(case.target, settings["target_overrides"], overlays))
+        draft = str(overlay_checkpoint(case.draft, settings["draft_overrides"], overlays))
+        return target, draft
+
+    # -- the engine ------------------------------------------------------------------
+    def _engine_for(self, case: Case, num_steps: int | None = None):
+        sglang = self._import()
+        settings = self._settings(case, num_steps)
+        target, draft = self._checkpoints(case, settings)
+        key = cache_key(target, draft, settings)
+        if self._engine is not None and self._engine_key == key:
+            return self._engine, settings, target, draft
+        self._shutdown()
+        self._hooks_dir = self._workdir / "hooks"
+        kwargs = dict(
+            model_path=target,
+            speculative_draft_model_path=draft,
+            speculative_algorithm="EAGLE3",
+            device=settings["device"],
+            skip_tokenizer_init=True,
+            random_seed=0,
+            disable_overlap_schedule=True,  # one forward at a time: hook records in program order
+            forward_hooks=hook_specs(str(self._hooks_dir)),
+            log_level=os.environ.get("DIFFTEST_SGLANG_LOG_LEVEL", "warning"),
+            **settings["requested"],
+        )
+        if settings["device"] == "cpu":
+            kwargs["disable_cuda_graph"] = True
+        if self._kernels == cpu_shim.CPU_SHIM:
+            cpu_shim.install_platform_override()
+        print(f"[sglang adapter] sglang.Engine({json.dumps({k: v for k, v in kwargs.items() if k != 'forward_hooks'}, default=str)})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if self._failed is not None:  # a second sglang.Engine after a failed one can hang: do not retry
+            raise EngineError(f"sglang.Engine failed to start earlier in this worker: {self._failed}")
+        log_offset = _log_size()
+        try:
+            self._engine = sglang.Engine(**kwargs)
+        except Exception as e:
+            cause = _root_cause(log_offset)
+            self._failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if cause and cause not in self._failed:
+                self._failed = f"{cause} (then {self._failed})"
+            raise EngineError(f"sglang.Engine failed to start: {self._failed}") from None
+        self._engine_key = key
+        resolved = self._engine.get_server_info()
+        self._effective = {k: resolved.get(k) for k in (*settings["requested"], "speculative_algorithm", "device")}
+        return self._engine, settings, target, draft
+
+    def _generate(self, engine, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+        out = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        )
+        return out if isinstance(out, list) else [out]
+
+    def _settings_meta(self, settings: dict) -> dict:
+        req = {k: v for k, v in settings["requested"].items()}
+        eff = dict(self._effective)
+        changed = {k: {"requested": req[k], "effective": eff.get(k)} for k in req if k in eff and eff[k] != req[k]}
+        return {"requested": req, "effective": eff, "changed_by_sglang": changed}
+
+    # -- the interface ---------------------------------------------------------------
+    def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
+        engine, settings, target, draft = self._engine_for(case)
+        req = settings["requested"]
+        steps = int(self._effective.get("speculative_num_steps") or req["speculative_num_steps"])
+        topk = int(self._effective.get("speculative_eagle_topk") or req["speculative_eagle_topk"])
+        shutil.rmtree(self._hooks_dir, ignore_errors=True)
+        self._hooks_dir.mkdir(parents=True)
+        out = self._generate(engine, [list(prompt_ids)], 2)[0]  # the prefill and one drafting round
+        if not any(self._hooks_dir.iterdir()):
+            raise EngineError("SGLang ran no hooked forward (forward_hooks not registered?)")
+        draft_cfg = json.loads((Path(draft) / "config.json").read_text())
+        target_cfg = json.loads((Path(target) / "config.json").read_text())
+        hot, hot_source = self._hot_token_id(draft, draft_cfg)
+        ex = extract(load_forwards(str(self._hooks_dir)), list(prompt_ids), steps, topk, hot, target_cfg["vocab_size"])
+        if out["output_ids"] and out["output_ids"][0] != ex.next_token:
+            raise EngineError(f"SGLang's first output token {out['output_ids'][0]} is not the recorded prefill's argmax {ex.next_token}")
+        L = target_cfg["num_hidden_layers"]
+        eagle_cfg = draft_cfg.get("eagle_config") or {}
+        ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
+        h = target_cfg["hidden_size"]
+        chunks = ex.tensors["draft.fc_in"].shape[-1] // h
+        meta = {
+            "engine": self.spec.id,
+            "engine_version": self.info().version,
+            "versions": self.info().versions,
+            "kernels": self._kernels,
+            "device": settings["device"],
+            "dtype": case.dtype,
+            "prompt_ids": list(prompt_ids),
+            "target_next_token": ex.next_token,
+            "draft_tokens": ex.draft_tokens,
+            "num_layers": L,
+            "target_hidden_size": h,
+            "wiring": {
+                "inputs": [f"target.h.{k}" for k in ex.captured_layers][:chunks],
+                "source": (f"SGLang 0.5.23 Llama: eagle_config ids {ids} -> layers_to_capture id+1" if ids
+                           else "SGLang default layers [2, L//2, L-3] (no ids in eagle_config)"),
+                "verifier": None,
+            },  # fmt: skip
+            "captured_target_layers": ex.captured_layers,
+            "settings": self._settings_meta(settings),
+            "checkpoints": {"target": target, "draft": draft},
+            "hot_token_id_source": hot_source,
+            "partial": PARTIAL + ([] if topk == 1 else ["draft.step*"]),
+            "consistency": ex.checks,
+        }
+        return Capture(ex.tensors, meta)
+
+    @staticmethod
+    def _hot_token_id(draft: str, draft_cfg: dict) -> tuple[torch.Tensor, str]:
+        """SGLang's hot_token_id, computed as its LlamaForCausalLMEagle3.load_weights does: d2t + arange."""
+        from safetensors import safe_open
+
+        for f in sorted(Path(draft).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                if "d2t" in st.keys():
+                    d2t = st.get_tensor("d2t")
+                    return d2t.long() + torch.arange(d2t.shape[0]), "draft checkpoint d2t + arange (as SGLang's load_weights)"
+        n = draft_cfg.get("draft_vocab_size") or draft_cfg["vocab_size"]
+        return torch.arange(n), "identity (no d2t in the draft checkpoint)"
+
+    def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
+        engine, settings, _, _ = self._engine_for(case, num_steps)
+        steps = int(self._effective.get("speculative_num_steps") or num_steps)
+        outs = self._generate(engine, [list(p) for p in prompts], max_new_tokens)
+        verify = accepted = 0
+        per_pos = [0] * steps
+        for o in outs:
+            m = o["meta_info"]
+            if "spec_verify_ct" not in m:
+                raise EngineError(f"SGLang's meta_info has no spec_verify_ct (keys: {sorted(m)})")
+            verify += int(m["spec_verify_ct"])
+            accepted += int(m.get("spec_num_correct_drafts", 0))
+            hist = m.get("spec_correct_drafts_histogram") or []  # hist[j]: verifies that accepted j drafts
+            for j in range(steps):
+                per_pos[j] += sum(int(c) for c in hist[j + 1 :])
+        src = (f"sglang meta_info (spec_num_correct_drafts / spec_verify_ct + 1; {self._kernels}; "
+               f"topk {self._effective.get('speculative_eagle_topk')}, "
+               f"draft tokens {self._effective.get('speculative_num_draft_tokens')})")  # fmt: skip
+        return AcceptStats(verify, accepted, steps, per_pos, len(prompts), src)
+
+    def _shutdown(self) -> None:
+        if self._engine is not None:
+            try:
+                self._engine.shutdown()
+            finally:
+                self._engine = None
+                self._engine_key = None
+
+    def close(self) -> None:
+        try:
+            self._shutdown()
+        finally:
+            if self._workdir is not None:
+                shutil.rmtree(self._workdir, ignore_errors=True)

@@ -1,0 +1,152 @@
+"""Forward-hook factories for SGLang's `forward_hooks` server argument.
+
+They run inside SGLang's scheduler process, on the target's and the draft's modules
+alike (SGLang registers every spec on both models), and save what they see as numbered
+files in config["out_dir"]: `{seq:06d}_{kind}.pt`, each a dict of CPU tensors and plain
+values. The adapter (engines/sglang/capture.py) groups and names them afterwards.
+
+Module calls happen in a fixed order in one model forward: sub-modules (embed_tokens,
+fc, layers.0.*), then `model` (the decoder stack), then `logits_processor`, then the root
+module. So a `model` record closes the group of sub-module records before it, and
+`logits`/`root` records belong to the `model` record just before them.
+
+Hook specs (see `hook_specs`):
+  model            target LlamaModel: final-norm output, aux hidden states + layers_to_capture;
+                   draft LlamaModel: the fc input as SGLang holds it (spec_info.hidden_states,
+                   before input_norm/fc_norm), its input ids and positions, normed and
+                   pre-norm outputs
+  fc               draft `model.fc`: input (after any norm) and output
+  embed            `model.embed_tokens` output
+  layer0           `model.layers.0.self_attn.qkv_proj` input (attn_in), `...self_attn` and
+                   `...mlp` outputs
+  logits           `logits_processor`: the hidden states it was given, every row's logits
+                   (the same lm_head product SGLang computes for the rows it keeps) and
+                   SGLang's own next_token_logits
+  root             the root module: the draft's hot_token_id (its d2t map)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+
+_counter = itertools.count()
+
+
+def _cpu(t):
+    return t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t
+
+
+def _save(config: dict, kind: str, record: dict) -> None:
+    out_dir = config["out_dir"]
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{next(_counter):06d}_{kind}.pt")
+    torch.save({k: _cpu(v) for k, v in record.items()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _mode(forward_batch) -> str:
+    mode = getattr(forward_batch, "forward_mode", None)
+    return getattr(mode, "name", str(mode))
+
+
+def model_hook(config: dict):
+    def hook(module, inputs, output):
+        input_ids, positions, forward_batch = inputs[0], inputs[1], inputs[2]
+        rec = {"mode": _mode(forward_batch), "input_ids": input_ids, "positions": positions}
+        if hasattr(module, "fc"):  # the EAGLE-3 draft's decoder stack
+            spec_hidden = getattr(getattr(forward_batch, "spec_info", None), "hidden_states", None)
+            rec.update(role="draft", fc_applied=spec_hidden is not None and spec_hidden.shape[-1] == module.fc.in_features)
+            if rec["fc_applied"]:
+                rec["fc_in"] = spec_hidden
+            normed, aux = output
+            rec["normed"] = normed
+            rec["aux_out"] = aux[0] if isinstance(aux, (list, tuple)) else aux
+            rec["norm_output"] = bool(getattr(module, "norm_output", False))
+        else:
+            rec["role"] = "target"
+            if isinstance(output, tuple):
+                normed, aux = output
+                if isinstance(aux, torch.Tensor):  # packed [tokens, K * H]
+                    aux = list(aux.split(normed.shape[-1], dim=-1))
+                rec["aux"] = list(aux)
+            else:
+                normed = output
+            rec["final_norm"] = normed
+            rec["layers_to_capture"] = [int(i) for i in getattr(module, "layers_to_capture", [])]
+            rec["num_layers"] = len(getattr(module, "layers", []))
+        _save(config, "model", rec)
+
+    return hook
+
+
+def fc_hook(config: dict):
+    def hook(module, inputs, output):
+        _save(config, "fc", {"fc_in_normed": inputs[0], "fc_out": output})
+
+    return hook
+
+
+def embed_hook(config: dict):
+    def hook(module, inputs, output):
+        _save(config, "embed", {"embeds": output})
+
+    return hook
+
+
+def layer0_hook(config: dict):
+    """On qkv_proj (its input is attn_in), self_attn and mlp; tells them apart by output shape."""
+
+    def hook(module, inputs, output):
+        name = type(module).__name__
+        if "QKV" in name:
+            _save(config, "attn_in", {"t": inputs[0]})
+        elif "MLP" in name:
+            _save(config, "mlp_out", {"t": output})
+        else:
+            _save(config, "attn_out", {"t": output[0] if isinstance(output, tuple) else output})
+
+    return hook
+
+
+def logits_hook(config: dict):
+    def hook(module, inputs, output):
+        hidden, lm_head = inputs[1], inputs[2]
+        rec = {"mode": _mode(inputs[3]), "hidden": hidden, "vocab_size": int(module.config.vocab_size)}
+        weight = getattr(lm_head, "weight", None)
+        if weight is not None:
+            full = torch.matmul(hidden.to(weight.dtype), weight.T)
+            scale = getattr(module, "logit_scale", None)
+            if scale is not None:
+                full = full * scale
+            rec["all_logits"] = full[..., : rec["vocab_size"]]
+        rec["next_token_logits"] = getattr(output, "next_token_logits", None)
+        _save(config, "logits", rec)
+
+    return hook
+
+
+def root_hook(config: dict):
+    def hook(module, inputs, output):
+        hot = getattr(module, "hot_token_id", None)
+        _save(config, "root", {"cls": type(module).__name__, "hot_token_id": hot})
+
+    return hook
+
+
+def hook_specs(out_dir: str) -> list[dict]:
+    cfg = {"out_dir": out_dir}
+    spec = lambda name, modules, factory: {  # noqa: E731
+        "name": f"difftest-{name}", "target_modules": modules,
+        "hook_factory": f"engines.sglang.hooks:{factory}", "config": cfg,
+    }  # fmt: skip
+    return [
+        spec("embed", ["model.embed_tokens"], "embed_hook"),
+        spec("fc", ["model.fc"], "fc_hook"),
+        spec("layer0", ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn", "model.layers.0.mlp"], "layer0_hook"),
+        spec("model", ["model"], "model_hook"),
+        spec("logits", ["logits_processor"], "logits_hook"),
+        spec("root", [""], "root_hook"),
+    ]

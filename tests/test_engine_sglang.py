@@ -1,0 +1,104 @@
+"""The SGLang adapter end to end: real `sglang.Engine` EAGLE-3 (CPU kernel shim on CPU machines).
+
+Each test runs `pytest <case> --engines=ref,sglang` in a subprocess, as a user would. They
+need SGLang's environment (`scripts/setup-engine sglang`); without it they skip with that
+command, unless DIFFTEST_REQUIRE_ENGINES=1 (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, run_pytest
+
+from difftest.session import cache_root
+
+TIMEOUT = 900  # per pytest run; a hung engine is killed by --engine-timeout well before
+
+
+@pytest.fixture(scope="module")
+def sglang_python() -> str:
+    python = cache_root() / "envs" / "sglang" / "bin" / "python"
+    if not python.exists():
+        msg = f"SGLang's environment is not set up ({python} missing); set it up with: scripts/setup-engine sglang"
+        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return str(python)
+
+
+def _run(tmp: Path, case: str, sglang_python: str, marker: str | None = None, timeout_s: int = 600, case_dir: Path = ROOT):
+    env = {"DIFFTEST_TEST_MARKER": marker} if marker else {}
+    run = run_pytest(case_dir, case, "--engines=ref,sglang", "--require-engines", f"--engine-python=sglang={sglang_python}",
+                     f"--engine-timeout={timeout_s}", f"--report-dir={tmp}", env=env, timeout=TIMEOUT)  # fmt: skip
+    name = Path(case).stem
+    report = json.loads((tmp / f"{name}.json").read_text())
+    outcomes = {(c["engine"], c["check"]): c for c in report["checks"]}
+    return run, outcomes
+
+
+def test_tiny_case_passes_every_check(tmp_path, sglang_python):
+    run, out = _run(tmp_path, "cases/tiny_llama.yaml", sglang_python)
+    assert run.returncode == 0, run.output[-4000:]
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        assert out[("sglang", check)]["outcome"] == "passed", out[("sglang", check)]["message"]
+    # draft.fc_in matched the reference's, which is HF's hidden states by value (tests/test_target_capture.py)
+    assert "match ref" in out[("sglang", "fc_inputs")]["message"]
+    stats = out[("sglang", "accept_length")]["data"]["engine"]
+    assert stats["accept_length"] > 1.5, stats  # a trained draft: SGLang accepts drafts
+    assert "sglang meta_info" in stats["source"]
+
+
+def test_unmodified_ids_name_sglangs_plus_one(tmp_path, sglang_python):
+    run, out = _run(tmp_path, "cases/tiny_llama_sglang_default_ids.yaml", sglang_python)
+    assert run.returncode != 0
+    fc = out[("sglang", "fc_inputs")]
+    assert fc["outcome"] == "failed"
+    assert "off-by-one +1" in fc["message"], fc["message"]
+    assert "target.h.3" in fc["message"]  # SGLang's fc chunk 0 is h3 where h2 was trained
+
+
+def test_seed_miswiring_is_caught(tmp_path, sglang_python):
+    run, out = _run(tmp_path, "cases/seed_miswired_training.yaml", sglang_python)
+    assert run.returncode != 0
+    fc = out[("sglang", "fc_inputs")]
+    assert fc["outcome"] == "failed"
+    assert "draft.fc_in.0" in fc["message"] and "expected target.h.0 (the embedding)" in fc["message"], fc["message"]
+    assert out[("sglang", "accept_length")]["outcome"] == "failed"
+
+
+def _marked_processes(marker: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if f"DIFFTEST_TEST_MARKER={marker}".encode() in (d / "environ").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_scheduler_crash_fails_only_sglang_with_its_error_and_leaves_no_processes(tmp_path, sglang_python):
+    # The seed draft with its config ids [2, 4, 7] as is: SGLang's +1 asks for h8 = L, which its
+    # Llama never captures, and the scheduler dies mid-request, killing its process tree.
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    text = (ROOT / "cases" / "seed_miswired_training.yaml").read_text()
+    text = text[: text.index("\nengines:")] + "\n" + text[text.index("expect:") :]
+    (cases / "crash.yaml").write_text(text)
+    marker = uuid.uuid4().hex
+    run, out = _run(tmp_path, str(cases / "crash.yaml"), sglang_python, marker=marker, timeout_s=300)
+    assert run.returncode != 0
+    assert out[("ref", "capture")]["outcome"] == "passed"
+    fc = out[("sglang", "fc_inputs")]
+    assert fc["outcome"] in ("failed", "error")
+    assert "log:" in fc["message"] and "sglang.log" in fc["message"], fc["message"]
+    assert len(fc["message"].splitlines()) <= 2, fc["message"]
+    assert _marked_processes(marker) == [], "orphan processes after the run"
+    shutil.rmtree(cases)
