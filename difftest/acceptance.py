@@ -55,3 +55,52 @@ class AcceptStats:
             self.num_prompts + other.num_prompts,
             self.source or other.source,
         )
+
+
+# ---------------------------------------------------------------------------------------
+# Normalisation between definitions, applied before engines are compared.
+# ---------------------------------------------------------------------------------------
+
+# (definition, what it counts, conversion to the harness's definition)
+NORMALISATION = [
+    ("difftest", DEFINITION, "as is"),
+    ("vllm.mean_acceptance_length", "1 + accepted / drafts (the bonus/correction token included)", "as is"),
+    ("vllm.num_accepted_tokens_per_draft", "accepted / drafts (no bonus token)", "+ 1"),
+    ("sglang.spec_accept_length", "completion_tokens / verify_ct: the prefill's first token counts too",
+     "(completion_tokens - requests) / verify_ct"),
+    ("sglang.spec_num_correct_drafts", "accepted draft tokens summed over verifies", "/ verify_ct + 1"),
+    ("acceptance_rate", "accepted / proposed draft tokens (per verify: num_draft_tokens - 1 proposed in a chain)",
+     "rate * (num_draft_tokens - 1) + 1, chains only"),
+]  # fmt: skip
+
+
+def normalise(definition: str, value: float | None = None, **counts: float) -> float:
+    """Convert an engine's accept-length figure to the harness's definition.
+
+    >>> normalise("sglang.spec_accept_length", completion_tokens=130, requests=10, verify_ct=40)
+    3.0
+    >>> normalise("vllm.num_accepted_tokens_per_draft", 1.5)
+    2.5
+    """
+
+    def need(*keys: str) -> list[float]:
+        missing = [k for k in keys if k not in counts]
+        if missing:
+            raise ValueError(f"{definition}: needs {', '.join(missing)} to convert to '{DEFINITION}'")
+        return [float(counts[k]) for k in keys]
+
+    if definition in ("difftest", "vllm.mean_acceptance_length"):
+        return float(value)
+    if definition == "vllm.num_accepted_tokens_per_draft":
+        return float(value) + 1.0
+    if definition == "sglang.spec_accept_length":
+        completion, requests, verify = need("completion_tokens", "requests", "verify_ct")
+        return (completion - requests) / verify
+    if definition == "sglang.spec_num_correct_drafts":
+        (verify,) = need("verify_ct")
+        return float(value) / verify + 1.0
+    if definition == "acceptance_rate":
+        (tokens,) = need("num_draft_tokens")
+        return float(value) * (tokens - 1) + 1.0
+    known = ", ".join(d for d, _, _ in NORMALISATION)
+    raise ValueError(f"unknown accept-length definition {definition!r} (known: {known})")

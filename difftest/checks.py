@@ -1,13 +1,19 @@
 """The checks a case runs per engine; each returns a verdict and the message a user reads.
 
   capture         (reference only) every prompt captures, no NaN/Inf upstream of logits
+  lint            (reference only) the draft checkpoint's config: what engines would
+                  silently do differently (difftest.lint)
   fc_inputs       target hidden states and draft.fc_in (per chunk) match the reference
   draft_logits    everything the draft computes after fc matches, every draft step
   top1_agreement  the draft's greedy choices agree with the reference's
   accept_length   simulated/engine accept length is within tolerance of the reference's
+  train_accuracy  (cases with `engines.train.data`) the draft's training accuracy with this
+                  engine's fc wiring vs the trainer's (difftest.train_check)
 
 A failing message names the first tensor in data-flow order that diverges, by how much,
-and (for fc inputs) which reference tensor the engine actually fed.
+and (for fc inputs) which reference tensor the engine actually fed. A failing
+draft_logits re-runs the engine's draft on the reference's draft.fc_in (layerwise golden
+inputs) to tell "captured the wrong hidden states" from "the draft computes differently".
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from dataclasses import dataclass, field
 import torch
 
 from difftest.case import Case
-from difftest.compare import CaptureDiff, TensorDiff, top1_agreement
-from difftest.diagnose import diagnose_fc
+from difftest.compare import CaptureDiff, TensorDiff, compare_captures, top1_agreement
+from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
 from difftest.names import split_draft
 from difftest.session import Session
+from difftest.train_check import applies as _train_applies
+from difftest.train_check import check_train_accuracy
 
-REFERENCE_CHECKS = ("capture",)
+REFERENCE_CHECKS = ("capture", "lint")
 ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 
 DEFAULT_TOP1 = 0.98
@@ -62,9 +70,18 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
     lines = [f"{spec.id} diverges from {ref} on {len(failing)}/{len(diffs)} prompts; prompt {i}: {d.summary()}"]
     if first is not None and first.name != d.name:
         lines.append(f"first divergence in data-flow order: {first.summary()}")
+    data = {"prompt": i, "tensor": d.name, "first_divergence": (first or d).name}
+    ref_cap, cap = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
     if (first or d).name.startswith("draft.fc_in"):
-        lines += diagnose_fc(session.capture(case, session.options.reference, i), session.capture(case, spec, i))
-    return Verdict(False, "\n".join(lines), {"prompt": i, "tensor": d.name, "first_divergence": (first or d).name})
+        lines += diagnose_fc(ref_cap, cap)
+        matches, similarity = match_chunks(ref_cap, cap)
+        data["fc_chunks"] = [m.to_dict() for m in matches]
+        data["similarity"] = similarity
+    elif (first or d).name.startswith("target."):
+        lines += diagnose_hidden(ref_cap, cap, (first or d).name)
+    elif first is None or first.name == d.name:
+        lines += diagnose_draft(d.name)
+    return Verdict(False, "\n".join(lines), data)
 
 
 def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
@@ -89,7 +106,53 @@ def check_fc_inputs(session: Session, case: Case, spec: EngineSpec) -> Verdict:
 
 
 def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdict:
-    return _divergence_report(session, case, spec, session.comparisons(case, spec), _in_draft_scope)
+    diffs = session.comparisons(case, spec)
+    verdict = _divergence_report(session, case, spec, diffs, _in_draft_scope)
+    if not verdict.passed:
+        lines, golden = _golden(session, case, spec, verdict.data["prompt"], diffs[verdict.data["prompt"]])
+        verdict.message += "".join("\n" + ln for ln in lines)
+        verdict.data["golden"] = golden
+    return verdict
+
+
+def _golden(session: Session, case: Case, spec: EngineSpec, i: int, diff: CaptureDiff) -> tuple[list[str], dict]:
+    """Re-run the engine's draft on the reference's draft.fc_in and say which side is at fault."""
+    ref_spec = session.options.reference
+    golden = session.capture_golden(case, spec, i)
+    if golden is None:
+        return [f"golden-input re-run: not supported by {spec.id}, so wrong hidden states and a draft that "
+                "computes differently cannot be told apart"], {"outcome": "unsupported"}  # fmt: skip
+    ref = session.capture(case, ref_spec, i)
+    scope = [n for n in ref.names() if _in_draft_scope(n)]
+    gdiff = compare_captures(ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing])
+    g_first = gdiff.first_divergence(scope)
+    fc_ok = all(d.ok for d in diff.diffs if _in_fc_scope(d.name))
+    data = {"outcome": "diverges" if g_first else "matches", "first_divergence": g_first.name if g_first else None,
+            "tensors": [d.name for d in gdiff.diffs if d.name in scope and not d.ok]}  # fmt: skip
+    if g_first is None and not fc_ok:
+        return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches {ref_spec.id} on every draft "
+                "tensor: the engine captured the wrong hidden states; its draft computes correctly"], data  # fmt: skip
+    if g_first is None:
+        return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches, yet its own run diverges with "
+                "matching fc inputs: nondeterminism, or a capture that is not what the draft consumed"], data  # fmt: skip
+    where = (f"first at {g_first.name} (cos {g_first.cosine:.4f}, {g_first.mismatched}/{g_first.numel} elements off)"
+             if g_first.status == "mismatch" else g_first.summary())  # fmt: skip
+    lines = [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft still diverges, {where}: the engine's "
+             "draft computes differently"]  # fmt: skip
+    own = diff.first_divergence([d.name for d in diff.diffs if _in_draft_scope(d.name)])
+    return lines + ([] if own is not None and own.name == g_first.name else diagnose_draft(g_first.name)), data
+
+
+def check_lint(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    from difftest.lint import lint_case
+
+    findings = lint_case(session.prepare(case))
+    errors = [f for f in findings if f.severity == "error"]
+    data = {"findings": [f.to_dict() for f in findings]}
+    if not findings:
+        return Verdict(True, "draft config: layer ids, norm flags, vocab map and fc width are unambiguous", data)
+    head = f"{len(errors)} error(s), {len(findings) - len(errors)} warning(s) in the draft config"
+    return Verdict(not errors, head + "\n" + "\n".join(map(str, findings)), data)
 
 
 def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
@@ -124,8 +187,17 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
 
 CHECKS = {
     "capture": check_capture,
+    "lint": check_lint,
     "fc_inputs": check_fc_inputs,
     "draft_logits": check_draft_logits,
     "top1_agreement": check_top1,
     "accept_length": check_accept_length,
+    "train_accuracy": check_train_accuracy,  # difftest.train_check; only for cases with training data
 }
+
+
+def checks_for(case: Case, is_reference: bool) -> tuple[str, ...]:
+    """The items a case gets per engine: train_accuracy joins when the case names training data."""
+    if is_reference:
+        return REFERENCE_CHECKS
+    return ENGINE_CHECKS + (("train_accuracy",) if _train_applies(case) else ())

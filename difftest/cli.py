@@ -2,6 +2,10 @@
 
     difftest fixtures [--force]                  build the built-in tiny models (cached)
     difftest run [CASES...] --engines=ref,...    run cases through the pytest plugin, write reports
+    difftest train-acc --data DIR --draft D --target T [--wiring vllm ...]   training accuracy, wirings side by side
+    difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
+    difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
+    difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
 """
 
 from __future__ import annotations
@@ -36,6 +40,69 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     return int(pytest.main(argv + extra))
 
 
+def _training_data_parsers(sub) -> None:
+    """`train-acc` and `dump`: offline training data (engines/trainingdata; imported only when run)."""
+
+    def run_command(name: str):
+        def handler(args: argparse.Namespace) -> int:
+            from engines.trainingdata import commands
+
+            return getattr(commands, name)(args)
+
+        return handler
+
+    t = sub.add_parser("train-acc", help="a draft's training accuracy on a dump: trainer's wiring vs engine wirings")
+    t.add_argument("--data", required=True, help="training data directory (speculators, legacy .pt or SpecForge .ckpt)")
+    t.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
+    t.add_argument("--target", required=True, help="target checkpoint or fixture:NAME (its lm_head/norm make the targets)")
+    t.add_argument("--format", default="auto", help="speculators | speculators-legacy | specforge | auto")
+    t.add_argument("--identify", default="target", choices=["target", "stats"], help="identify dumped layers by a target run or by statistics")
+    t.add_argument("--wiring", action="append", default=[], help="an engine wiring to compare (preset or h2+h4+h7); repeatable")
+    t.add_argument("--layer-ids", default=None, help="ids the presets read (default: the draft config's), e.g. 2,4,7")
+    t.add_argument("--ttt-steps", type=int, default=4)
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--json", default=None, help="also write the table as JSON here")
+    t.set_defaults(handler=run_command("train_acc"))
+    d = sub.add_parser("dump", help="write speculators / SpecForge training data from the reference target")
+    d.add_argument("--target", required=True, help="target checkpoint or fixture:NAME")
+    d.add_argument("--out", required=True)
+    d.add_argument("--format", required=True, choices=["speculators", "speculators-legacy", "specforge"])
+    d.add_argument("--layers", required=True, help="dumped tensors in file order, the verifier last, e.g. h0+h2+h4+h7")
+    d.add_argument("--case", action="append", default=[], help="dump this case's prompts (repeatable)")
+    d.add_argument("--random", type=int, default=0, help="also dump N random prompts")
+    d.add_argument("--length", type=int, default=12, help="length of the random prompts")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--continue", dest="continue_tokens", type=int, default=8, help="greedy continuation tokens (loss-masked)")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    d.set_defaults(handler=run_command("dump"))
+
+
+def _report_parsers(sub) -> None:
+    """`report` and `bundle`: work on a written JSON report only (no engines, no models)."""
+
+    def handler(name: str):
+        def run(args: argparse.Namespace) -> int:
+            from difftest import bundle
+            from difftest.errors import DifftestError
+
+            try:
+                return getattr(bundle, name)(args)
+            except DifftestError as e:
+                print(f"difftest {args.command}: {e}", file=sys.stderr)
+                return 2
+
+        return run
+
+    p = sub.add_parser("report", help="re-render a case's Markdown and HTML report from its JSON")
+    p.add_argument("json", help="reports/CASE.json")
+    p.add_argument("--out-dir", default=None, help="where to write (default: beside the JSON)")
+    p.set_defaults(handler=handler("rerender"))
+    b = sub.add_parser("bundle", help="pack a case's JSON, HTML, Markdown, case YAML and engine logs into one archive")
+    b.add_argument("json", help="reports/CASE.json")
+    b.add_argument("-o", "--output", default=None, help="archive path (default: beside the JSON, CASE.difftest.tar.gz)")
+    b.set_defaults(handler=handler("bundle"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="difftest", description="Differential testing of EAGLE-3 draft wiring across engines")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -47,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--reference", default=None)
     r.add_argument("--report-dir", default=None)
     r.add_argument("--engine-python", action="append", default=[], metavar="NAME=PATH")
+    _training_data_parsers(sub)
+    _report_parsers(sub)
     args, extra = ap.parse_known_args(argv)
+    if args.command in ("train-acc", "dump", "report", "bundle"):
+        if extra:
+            ap.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args.handler(args)
     if args.command == "fixtures":
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -1,8 +1,10 @@
 """Tensor-by-tensor comparison of two captures, in data-flow order.
 
-Large tensors (full-vocab logits, 3 x 7168-wide fc inputs) are compared in chunks of
-the flattened tensor, on the device they live on, upcasting one chunk at a time to
-float32: no full-size float32 copy is ever made.
+Large tensors (full-vocab logits, 3 x 7168-wide fc inputs) are compared on the device
+they live on, row block by row block (difftest.rowstats): no full-size float32 copy is
+ever made, and tensors of 16M elements or more go through one fused, compiled kernel.
+Every statistic is kept per row (= per token position): the error profile along the
+prompt, and for logits the distribution metrics (top-1, top-k membership, KL, TV).
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ from fnmatch import fnmatchcase
 import torch
 
 from difftest.capture import Capture
+from difftest.rowstats import row_stats
 from difftest.tolerances import Tolerance, tolerance_for
 
 CHUNK_ELEMENTS = 1 << 20
+
+
+TOPK = 5  # top-k membership: the reference's top-1 within the engine's top-k
+PROFILE_MAX_ROWS = 4096  # per-row profiles longer than this are stored as a strided sample
+
+
+def is_logits(name: str) -> bool:
+    """Tensors whose rows are distributions: softmax metrics (top-k, KL, TV) apply."""
+    return name == "target.logits" or name.endswith(".logits") or name.endswith(".logits_target")
 
 
 @dataclass
@@ -37,6 +49,26 @@ class TensorDiff:
     nonfinite_mismatch: int = 0  # NaN anywhere, or an infinity the other side lacks
     tolerance: str = ""
     detail: str = ""
+    # NaN/Inf counts per side (equal infinities, e.g. -inf outside the draft vocab, are not errors)
+    nan_ref: int = 0
+    nan_other: int = 0
+    inf_ref: int = 0
+    inf_other: int = 0
+    # per-token (per-row: every leading dim flattened) error profile
+    rows: int = 0
+    rows_mismatched: int = 0
+    worst_row: int = -1
+    row_max_abs: list[float] = field(default_factory=list)
+    row_mismatched: list[int] = field(default_factory=list)
+    row_cosine: list[float] = field(default_factory=list)
+    # logits tensors only (is_logits): distribution metrics over rows, softmax over the last dim
+    topk: int = 0  # 0: not computed
+    top1_agree: int = 0  # rows where the reference's top-1 is also the engine's (no engine logit above it)
+    topk_member: int = 0  # rows whose reference top-1 is within the engine's top-k
+    kl_mean: float = 0.0  # KL(softmax(ref) || softmax(engine)), nats, mean over rows
+    kl_max: float = 0.0
+    tv_mean: float = 0.0  # total variation distance, mean over rows
+    tv_max: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -52,64 +84,93 @@ class TensorDiff:
             if self.mismatched
             else f"{self.name}: all {self.numel} elements within {self.tolerance}"
         )
-        return (
+        text = (
             f"{head}; greatest |diff| {self.max_abs:.4g} at [{idx}] (reference {self.ref_value:.4g}, "
             f"engine {self.other_value:.4g}); cos {self.cosine:.4f}, rel_diff {self.rel_diff:.2e}"
             + (f"; {self.nonfinite_mismatch} NaN/Inf mismatches" if self.nonfinite_mismatch else "")
         )
+        if self.mismatched and self.rows > 1:
+            text += f"; rows off {self.rows_mismatched}/{self.rows} (worst row {self.worst_row})"
+        if self.topk and self.mismatched:
+            text += (
+                f"; top-1 agree {self.top1_agree}/{self.rows}, reference top-1 in engine top-{self.topk} "
+                f"{self.topk_member}/{self.rows}, KL mean {self.kl_mean:.3g} max {self.kl_max:.3g}, "
+                f"TV mean {self.tv_mean:.3g} max {self.tv_max:.3g}"
+            )
+        return text
 
 
-def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Tolerance) -> TensorDiff:
+def _profile(values: torch.Tensor, kind=float) -> list:
+    step = max(1, -(-values.numel() // PROFILE_MAX_ROWS))
+    return [kind(v) for v in values[::step].tolist()]
+
+
+def _mean_max(x: torch.Tensor) -> tuple[float, float]:
+    """Over rows, ignoring NaN rows (a NaN row is already counted as a NaN mismatch)."""
+    x = x[~torch.isnan(x)]
+    return (float(x.mean()), float(x.max())) if x.numel() else (math.nan, math.nan)
+
+
+def _row_cosine(ab: torch.Tensor, aa: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
+    denom = (aa * bb).sqrt()
+    return torch.where(denom > 0, ab / denom, torch.where(aa == bb, 1.0, 0.0))
+
+
+def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Tolerance, topk: int = TOPK) -> TensorDiff:
     if tuple(ref.shape) != tuple(other.shape):
         return TensorDiff(name, "shape", list(ref.shape), detail=f"shape {list(other.shape)} vs reference {list(ref.shape)}")
     other = other.to(ref.device)
-    a_flat, b_flat = ref.reshape(-1), other.reshape(-1)
-    n = a_flat.numel()
-    mismatched = nonfinite = 0
-    max_abs, max_at, max_rel = -1.0, 0, 0.0
-    sum_abs = sum_ab = sum_aa = sum_bb = 0.0
-    for start in range(0, n, CHUNK_ELEMENTS):
-        a = a_flat[start : start + CHUNK_ELEMENTS].float()
-        b = b_flat[start : start + CHUNK_ELEMENTS].float()
-        same = a == b  # also true for equal infinities (-inf outside the draft vocab)
-        diff = torch.where(same, torch.zeros_like(a), (a - b).abs())
-        diff = torch.nan_to_num(diff, nan=math.inf, posinf=math.inf)  # (nan_to_num's default clamps inf to the max float)
-        finite = torch.isfinite(a) & torch.isfinite(b)
-        # An infinite reference would make rtol * |a| infinite and pass anything; infinities match only exactly.
-        close = same | (finite & (diff <= tol.atol + tol.rtol * a.abs()))
-        mismatched += int((~close).sum())
-        nonfinite += int((~finite & ~same).sum())
-        chunk_max, chunk_at = diff.max(dim=0)
-        if float(chunk_max) > max_abs:
-            max_abs, max_at = float(chunk_max), start + int(chunk_at)
-        rel = torch.where(finite & (a != 0), diff / a.abs(), torch.zeros_like(a))
-        max_rel = max(max_rel, float(rel.max()))
-        af, bf = torch.where(finite, a, 0.0), torch.where(finite, b, 0.0)
-        sum_abs += float(torch.where(finite, diff, 0.0).sum())
-        sum_ab += float((af * bf).sum())
-        sum_aa += float((af * af).sum())
-        sum_bb += float((bf * bf).sum())
+    n = ref.numel()
+    cols = ref.shape[-1] if ref.dim() else 1
+    a2, b2 = ref.reshape(-1, cols) if n else ref.reshape(0, 1), other.reshape(-1, cols) if n else other.reshape(0, 1)
+    logits = is_logits(name) and ref.dim() >= 1 and n > 0
+    s = row_stats(a2, b2, tol.atol, tol.rtol, logits, chunk=CHUNK_ELEMENTS) if n else None
+    if s is None:
+        return TensorDiff(name, "ok", list(ref.shape), tolerance=str(tol))
+    R = a2.shape[0]
+    worst = int(s["max_abs"].argmax()) if R else 0
+    max_at = worst * cols + int(s["max_col"][worst])
+    sum_ab, sum_aa, sum_bb = float(s["sum_ab"].sum()), float(s["sum_aa"].sum()), float(s["sum_bb"].sum())
     denom = math.sqrt(sum_aa * sum_bb)
     cosine = sum_ab / denom if denom > 0 else (1.0 if sum_aa == sum_bb else 0.0)
     rel_diff = 1.0 - 2.0 * sum_ab / (sum_aa + sum_bb) if (sum_aa + sum_bb) > 0 else 0.0
+    mismatched = int(s["mismatched"].sum())
     index = list(torch.unravel_index(torch.tensor(max_at), ref.shape)) if ref.dim() else []
-    return TensorDiff(
+    flat_a, flat_b = ref.reshape(-1), other.reshape(-1)
+    d = TensorDiff(
         name=name,
         status="mismatch" if mismatched else "ok",
         shape=list(ref.shape),
         numel=n,
         mismatched=mismatched,
-        max_abs=max(max_abs, 0.0),
+        max_abs=max(float(s["max_abs"][worst]), 0.0),
         max_abs_index=[int(i) for i in index],
-        ref_value=float(a_flat[max_at]) if n else 0.0,
-        other_value=float(b_flat[max_at]) if n else 0.0,
-        max_rel=max_rel,
-        mean_abs=sum_abs / max(n, 1),
+        ref_value=float(flat_a[max_at]),
+        other_value=float(flat_b[max_at]),
+        max_rel=float(s["max_rel"].max()),
+        mean_abs=float(s["sum_abs"].sum()) / n,
         cosine=cosine,
         rel_diff=rel_diff,
-        nonfinite_mismatch=nonfinite,
+        nonfinite_mismatch=int(s["nonfinite"].sum()),
         tolerance=str(tol),
+        nan_ref=int(s["nan_a"].sum()),
+        nan_other=int(s["nan_b"].sum()),
+        inf_ref=int(s["inf_a"].sum()),
+        inf_other=int(s["inf_b"].sum()),
+        rows=R,
+        rows_mismatched=int((s["mismatched"] > 0).sum()),
+        worst_row=worst if mismatched else -1,
+        row_max_abs=_profile(s["max_abs"]),
+        row_mismatched=_profile(s["mismatched"], int),
+        row_cosine=_profile(_row_cosine(s["sum_ab"], s["sum_aa"], s["sum_bb"])),
     )
+    if logits:
+        d.topk = min(topk, cols)
+        d.top1_agree = int((s["rank"] == 0).sum())
+        d.topk_member = int((s["rank"] < d.topk).sum())
+        d.kl_mean, d.kl_max = _mean_max(s["kl"])
+        d.tv_mean, d.tv_max = _mean_max(s["tv"])
+    return d
 
 
 @dataclass

@@ -1,40 +1,60 @@
-"""Say *why* fc inputs diverge: which reference tensor each engine chunk really is.
+"""Say *why* engines diverge: which reference tensor each engine chunk really is.
 
-Each H-wide chunk of the engine's `draft.fc_in` is matched against every reference
-`target.h.{k}` and `target.final_norm` by cosine similarity over all positions; the
-best match is compared with what the reference wiring expected at that slot.
+fc inputs: each H-wide chunk of the engine's `draft.fc_in` is matched against every
+reference `target.h.{k}` and `target.final_norm` (and, when nothing matches, against
+rmsnorm of each: a norm applied before fc). Per candidate we compute the per-token
+(per-row) cosine and SGLang rel_diff (1 - 2 sum(xy) / sum(x^2 + y^2)); the best match is
+the lowest mean rel_diff (cosine alone is blind to per-token scaling, i.e. to a norm).
+The matches are compared with the reference wiring and the pattern is named:
+off-by-one, permutation, embedding dropped/extra, pre/post final norm, default-layer
+fallback, slots shifted, norm applied before fc, chunk count mismatch.
+
+Draft tensors: where the first divergence sits in the draft's data flow names the
+suspect (fc, norms, attention, residual, lm_head, vocab map, later steps).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from difftest.capture import Capture
+from difftest.names import split_draft
 from difftest.wiring import hidden_index, short_name
+
+MATCH_REL_DIFF = 1e-3  # a chunk "is" a reference tensor below this mean per-token rel_diff (bf16 noise ~1e-5)
+NORM_PREFIX = "rmsnorm("
 
 
 @dataclass
 class ChunkMatch:
     chunk: int
     expected: str | None  # reference wiring at this slot
-    best: str  # reference tensor the engine's chunk matches best
-    cosine: float
+    best: str  # reference tensor the engine's chunk matches best (maybe "rmsnorm(target.h.k)")
+    cosine: float  # mean per-token cosine against `best`
+    min_cosine: float  # worst token
+    rel_diff: float  # mean per-token rel_diff against `best`
     max_abs: float
+    norm: float  # mean per-token RMS of the engine's chunk
+    norm_spread: float  # its standard deviation over tokens
+    expected_norm: float | None = None  # mean per-token RMS of the expected reference tensor
+
+    @property
+    def matched(self) -> bool:
+        return self.rel_diff < MATCH_REL_DIFF
 
     @property
     def correct(self) -> bool:
-        return self.best == self.expected and self.cosine > 0.9999
+        return self.best == self.expected and self.matched
 
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.reshape(-1).double(), b.reshape(-1).double()
-    d = float(a.norm() * b.norm())
-    return float(a @ b) / d if d > 0 else 0.0
+    def to_dict(self) -> dict:
+        return {**asdict(self), "matched": self.matched, "correct": self.correct}
 
 
 def describe(name: str, num_layers: int | None = None) -> str:
+    if name.startswith(NORM_PREFIX):
+        return f"rmsnorm of {describe(name[len(NORM_PREFIX) : -1], num_layers)}"
     k = hidden_index(name)
     if k == 0:
         return f"{name} (the embedding)"
@@ -45,45 +65,116 @@ def describe(name: str, num_layers: int | None = None) -> str:
     return name
 
 
-def match_fc_chunks(ref: Capture, other: Capture) -> list[ChunkMatch]:
-    size = ref.fc_chunk_size
-    if "draft.fc_in" not in other.tensors or not size:
-        return []
-    fc = other.tensors["draft.fc_in"]
-    if fc.shape[-1] % size:
-        return []
-    expected = (ref.meta.get("wiring") or {}).get("inputs") or []
-    candidates = [n for n in ref.names() if n.startswith("target.h.") or n == "target.final_norm"]
-    out = []
-    for j in range(fc.shape[-1] // size):
-        chunk = fc[..., j * size : (j + 1) * size]
-        scored = [
-            (_cosine(chunk, ref.get(c)), c) for c in candidates if tuple(ref.get(c).shape) == tuple(chunk.shape)
-        ]
-        if not scored:
+def _short(name: str | None) -> str:
+    if name is None:
+        return "?"
+    if name.startswith(NORM_PREFIX):
+        return f"rmsnorm({short_name(name[len(NORM_PREFIX) : -1])})"
+    return short_name(name)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).float()
+
+
+def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def token_similarity(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cosine and rel_diff of two [n, H] tensors (float32)."""
+    xy, xx, yy = (x * y).sum(-1), (x * x).sum(-1), (y * y).sum(-1)
+    denom = (xx * yy).sqrt()
+    cos = torch.where(denom > 0, xy / denom, torch.where(xx == yy, 1.0, 0.0))
+    rel = torch.where(xx + yy > 0, 1 - 2 * xy / (xx + yy), 0.0)
+    return cos, rel
+
+
+def _candidates(ref: Capture) -> list[str]:
+    return [n for n in ref.names() if n.startswith("target.h.") or n == "target.final_norm"]
+
+
+def _tensor(ref: Capture, name: str) -> torch.Tensor:
+    if name.startswith(NORM_PREFIX):
+        return _rms_norm(_rows(ref.get(name[len(NORM_PREFIX) : -1])))
+    return _rows(ref.get(name))
+
+
+def _score(chunk: torch.Tensor, ref: Capture, names: list[str]) -> dict[str, tuple[float, float, float]]:
+    """name -> (mean per-token rel_diff, mean cos, min cos), for candidates of the chunk's shape."""
+    out = {}
+    for name in names:
+        cand = _tensor(ref, name)
+        if cand.shape != chunk.shape:
             continue
-        cos, best = max(scored)
-        max_abs = float((chunk.float() - ref.get(best).float().to(chunk.device)).abs().max())
-        out.append(ChunkMatch(j, expected[j] if j < len(expected) else None, best, cos, max_abs))
+        cos, rel = token_similarity(chunk, cand.to(chunk.device))
+        out[name] = (float(rel.mean()), float(cos.mean()), float(cos.min()))
     return out
 
 
-def wiring_pattern(matches: list[ChunkMatch]) -> str:
-    """Name the miswiring: off-by-one, permutation, embedding dropped/extra, pre/post norm."""
-    got = [m.best for m in matches]
+def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], dict]:
+    """Match every H-wide chunk of the engine's fc_in; also the chunk x candidate cosine matrix (for plots)."""
+    size = ref.fc_chunk_size
+    if "draft.fc_in" not in other.tensors or not size:
+        return [], {}
+    fc = other.tensors["draft.fc_in"]
+    if fc.shape[-1] % size:
+        return [], {}
+    expected = (ref.meta.get("wiring") or {}).get("inputs") or []
+    names = _candidates(ref)
+    out, matrix = [], []
+    for j in range(fc.shape[-1] // size):
+        chunk = _rows(fc[..., j * size : (j + 1) * size])
+        scores = _score(chunk, ref, names)
+        if not scores:
+            continue
+        matrix.append([scores[n][1] if n in scores else None for n in names])
+        best = min(scores, key=lambda n: scores[n][0])
+        if scores[best][0] >= MATCH_REL_DIFF:  # nothing raw matches: was a norm applied before fc?
+            normed = _score(chunk, ref, [f"{NORM_PREFIX}{n})" for n in names if n.startswith("target.h.")])
+            nbest = min(normed, key=lambda n: normed[n][0]) if normed else None
+            if nbest is not None and normed[nbest][0] < MATCH_REL_DIFF:
+                scores, best = normed, nbest
+        rel, cos, min_cos = scores[best]
+        rms = chunk.pow(2).mean(-1).sqrt()
+        want = expected[j] if j < len(expected) else None
+        want_rms = float(_rows(ref.get(want)).pow(2).mean(-1).sqrt().mean()) if want and want in ref else None
+        max_abs = float((chunk - _tensor(ref, best).to(chunk.device)).abs().max())
+        out.append(ChunkMatch(j, want, best, cos, min_cos, rel, max_abs, float(rms.mean()),
+                              float(rms.std()) if rms.numel() > 1 else 0.0, want_rms))  # fmt: skip
+    return out, {"chunks": [f"chunk {m.chunk}" for m in out], "candidates": names, "cosine": matrix}
+
+
+def match_fc_chunks(ref: Capture, other: Capture) -> list[ChunkMatch]:
+    return match_chunks(ref, other)[0]
+
+
+def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None) -> str:
+    """Name the miswiring, e.g. "off-by-one +1 and embedding dropped"."""
+    got = [m.best if m.matched else None for m in matches]
     want = [m.expected for m in matches]
     if got == want:
         return ""
     notes = []
-    gk = [hidden_index(g) for g in got]
+    normed = [j for j, (g, w) in enumerate(zip(got, want)) if g and g.startswith(NORM_PREFIX) and g[len(NORM_PREFIX) : -1] == w]
+    if normed:
+        notes.append("norm applied before fc (engine's chunk = rmsnorm(reference tensor))")
+        got = [w if j in normed else g for j, (g, w) in enumerate(zip(got, want))]
+    gk = [hidden_index(g) if g else None for g in got]
     wk = [hidden_index(w) if w else None for w in want]
-    if None not in gk and None not in wk:
+    L = num_layers
+    defaults = [2, L // 2, L - 3] if L else None
+    if None not in gk and None not in wk and got != want:
         shifts = {g - w for g, w in zip(gk, wk)}
         if len(shifts) == 1:
             s = shifts.pop()
             notes.append(f"off-by-one {s:+d}" if abs(s) == 1 else f"every layer shifted by {s:+d}")
         elif sorted(gk) == sorted(wk):
-            notes.append("permuted order")
+            notes.append("permuted order (engine sorted the ids)" if gk == sorted(wk) else "permuted order")
+    if defaults and gk == defaults and wk != defaults:
+        fallback = f"default-layer fallback (engine fed h[2], h[L//2], h[L-3] of L={L}: it did not use the config's layer ids)"
+        # the same three layers can also be a shift of the trained ones: say both, the shift first
+        notes = [f"{notes[0]} or {fallback}"] + notes[1:] if notes else [fallback]
     if "target.h.0" in want and "target.h.0" not in got:
         notes.append("embedding dropped")
     if "target.h.0" in got and "target.h.0" not in want:
@@ -92,34 +183,109 @@ def wiring_pattern(matches: list[ChunkMatch]) -> str:
         notes.append("final layer taken post-norm")
     if "target.final_norm" in want and "target.final_norm" not in got:
         notes.append("final layer taken pre-norm")
+    layered = any(n.startswith(("off-by-one", "every layer", "permuted")) for n in notes)
+    if not layered and len(got) > 1 and None not in got and got[:-1] == want[1:]:
+        notes.append("slots shifted by one (engine's chunk j = reference's chunk j+1)")
     if not notes:
         notes.append("different layers")
-    return ", ".join(notes)
+    return " and ".join(notes)
+
+
+def _norm_note(m: ChunkMatch) -> str:
+    if m.expected_norm is None:
+        return ""
+    return f"; per-token RMS {m.norm:.3g} ± {m.norm_spread:.2g} vs expected {m.expected_norm:.3g}"
+
+
+def _norms_differ(m: ChunkMatch) -> bool:
+    """Telling norm gaps only (the seed's: embedding RMS ~1 vs deep layers ~40-100), not layer-to-layer drift."""
+    e = m.expected_norm
+    return e is not None and e > 0 and m.norm > 0 and max(m.norm / e, e / m.norm) > 2.0
 
 
 def diagnose_fc(ref: Capture, other: Capture) -> list[str]:
     """Human-readable lines; empty when the fc inputs match the reference wiring."""
     ref_fc, other_fc = ref.tensors.get("draft.fc_in"), other.tensors.get("draft.fc_in")
-    if ref_fc is not None and other_fc is not None and ref_fc.shape[-1] != other_fc.shape[-1] and ref.fc_chunk_size:
-        s = ref.fc_chunk_size
-        return [f"chunk count mismatch: engine fc_in has {other_fc.shape[-1] / s:g} chunks of {s}, reference {ref_fc.shape[-1] // s}"]
+    L = ref.meta.get("num_layers")
+    s = ref.fc_chunk_size
+    if ref_fc is not None and other_fc is not None and ref_fc.shape[-1] != other_fc.shape[-1] and s:
+        lines = []
+        if other_fc.shape[-1] % s == 0:
+            fake = Capture(other.tensors, {**other.meta, "target_hidden_size": s})
+            got = [(m.best if m.matched else None) for m in match_chunks(ref, fake)[0]]
+            want = (ref.meta.get("wiring") or {}).get("inputs") or []
+            lines.append(f"engine fed fc [{', '.join(map(_short, got))}]; reference fed [{', '.join(map(_short, want))}]")
+        lines.append(
+            f"chunk count mismatch: engine fc_in has {other_fc.shape[-1] / s:g} chunks of {s}, reference {ref_fc.shape[-1] // s}"
+        )
+        return lines
     matches = match_fc_chunks(ref, other)
     if not matches or all(m.correct for m in matches):
         return []
-    L = ref.meta.get("num_layers")
     lines = []
     for m in matches:
         if m.correct:
             continue
         expect = f"expected {describe(m.expected, L)}" if m.expected else "no reference slot"
-        if m.cosine > 0.9999:
-            lines.append(f"engine's fc chunk {m.chunk} matches reference {describe(m.best, L)} (cos {m.cosine:.4f}); {expect}")
+        if m.matched:
+            lines.append(
+                f"engine's fc chunk {m.chunk} matches reference {describe(m.best, L)} (cos {m.cosine:.4f}); {expect}"
+                + (_norm_note(m) if _norms_differ(m) else "")
+            )
         else:
             lines.append(
-                f"engine's fc chunk {m.chunk} matches no reference tensor (closest {m.best}, cos {m.cosine:.4f}); {expect}"
+                f"engine's fc chunk {m.chunk} matches no reference tensor (closest {m.best}, cos {m.cosine:.4f}, "
+                f"rel_diff {m.rel_diff:.2e}); {expect}{_norm_note(m)}"
             )
-    got = "[" + ", ".join(short_name(m.best) if m.cosine > 0.9999 else "?" for m in matches) + "]"
-    want = "[" + ", ".join(short_name(m.expected) if m.expected else "?" for m in matches) + "]"
-    pattern = wiring_pattern(matches)
+    got = "[" + ", ".join(_short(m.best) if m.matched else "?" for m in matches) + "]"
+    want = "[" + ", ".join(_short(m.expected) for m in matches) + "]"
+    pattern = wiring_pattern(matches, L)
     lines.append(f"engine fed fc {got}; reference fed {want}" + (f"; pattern: {pattern}" if pattern else ""))
     return lines
+
+
+def diagnose_hidden(ref: Capture, other: Capture, name: str) -> list[str]:
+    """A diverging target hidden state: which reference tensor is it really?"""
+    if name not in other or not (name.startswith("target.h.") or name == "target.final_norm"):
+        return []
+    t = _rows(other.get(name))
+    scores = _score(t, ref, _candidates(ref))
+    if not scores:
+        return []
+    best = min(scores, key=lambda n: scores[n][0])
+    rel, cos, _ = scores[best]
+    if best == name or rel >= MATCH_REL_DIFF:
+        return []
+    line = f"engine's {name} matches reference {describe(best, ref.meta.get('num_layers'))} (cos {cos:.4f})"
+    a, b = hidden_index(name), hidden_index(best)
+    if a is not None and b is not None:
+        line += f": the engine's layer numbering is shifted by {b - a:+d}"
+    return [line]
+
+
+# Where the first divergence sits in the draft's data flow -> the likely culprit.
+_DRAFT_SUSPECTS = {
+    "embeds": "the draft's token embeddings or input tokens differ (embedding not shared from the target?)",
+    "fc_out": "fc differs while its input matches: fc weights, norm_before_fc or fc_norm",
+    "layer0.attn_in": "the draft's input norms differ (input_layernorm / hidden_norm)",
+    "layer0.attn_out": "attention differs while its input matches: rope, positions or the mask",
+    "layer0.mlp_out": "the residual or MLP differs after matching attention: norm_before_residual handled differently?",
+    "hidden_prenorm": "the residual stream differs after matching MLP output: norm_before_residual handled differently?",
+    "logits": "the final norm or lm_head differs",
+    "logits_target": "draft.logits match but the target-vocab logits do not: the draft-to-target vocab map (d2t) differs",
+}
+
+
+def diagnose_draft(first: str) -> list[str]:
+    """One line naming the suspect for a first divergence inside the draft (empty for fc_in / targets)."""
+    d = split_draft(first)
+    if d is None or d[1].startswith("fc_in"):
+        return []
+    step, part = d
+    if step > 0:
+        return [
+            f"draft step 0 matches but step {step} diverges ({first}): what feeds the next step differs "
+            "(norm_output, the drafted token, or the draft KV cache / positions)"
+        ]
+    suspect = _DRAFT_SUSPECTS.get(part)
+    return [f"suspect: {suspect}"] if suspect else []

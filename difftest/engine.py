@@ -142,5 +142,12 @@ class Engine(ABC):
     @abstractmethod
     def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats: ...
 
+    def capture_draft_from(self, case: Case, prompt_ids: list[int], fc_in) -> Capture:
+        """Optional (layerwise golden inputs): run only the draft, on the given `draft.fc_in`
+        ([n, A*H], the reference's) instead of the engine's own target features, and return
+        the draft tensors under their canonical names. Engines that cannot inject fc inputs
+        keep this default; the harness then reports the golden re-run as not supported."""
+        raise NotImplementedError(f"{self.spec.id}: capture_draft_from (golden fc inputs) is not supported")
+
     def close(self) -> None:
         """Release models and child processes."""

@@ -13,5 +13,9 @@ class EngineError(DifftestError):
     """An engine failed, crashed or hung; the message carries its last error line and log path."""
 
 
+class Unsupported(DifftestError):
+    """The engine does not implement an optional operation (e.g. re-running its draft on golden inputs)."""
+
+
 class EngineUnavailable(DifftestError):
     """The engine is not installed; the message says how to set it up."""

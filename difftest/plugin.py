@@ -66,11 +66,31 @@ def pytest_configure(config: pytest.Config) -> None:
         timeout=config.getoption("engine_timeout"),
         use_cache=not config.getoption("no_capture_cache"),
         log_dir=report_dir / "logs",
+        progress=_progress_writer(config),
     )
     config.stash[SESSION] = Session(options)
     config.stash[RESULTS] = {}
     config.stash[CASES] = {}
     config._difftest_report_dir = report_dir  # type: ignore[attr-defined]
+
+
+def _progress_writer(config: pytest.Config):
+    """`[difftest] ...` lines while engines load and run; none under -q."""
+    if config.get_verbosity() < 0:
+        return None
+
+    def write(message: str) -> None:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        capture = config.pluginmanager.get_plugin("capturemanager")
+        if reporter is None:
+            return
+        if capture is None:
+            reporter.write_line(f"[difftest] {message}")
+            return
+        with capture.global_and_fixture_disabled():  # straight to the terminal, not into the item's captured output
+            reporter.write_line(f"[difftest] {message}")
+
+    return write
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -96,7 +116,7 @@ class CaseFile(pytest.File):
         self.config.stash[CASES][case.path] = case
         for spec in session.options.engines:
             is_ref = spec.id == session.options.reference.id
-            for check in checks_mod.REFERENCE_CHECKS if is_ref else checks_mod.ENGINE_CHECKS:
+            for check in checks_mod.checks_for(case, is_ref):
                 yield CheckItem.from_parent(self, name=f"{spec.id}::{check}", case=case, spec=spec, check=check)
 
 

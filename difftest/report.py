@@ -1,10 +1,6 @@
-"""Per-case reports: JSON (schema difftest.report/1) plus a Markdown digest, written atomically.
-
-JSON layout:
-  schema, case, case_file, created, reference, accept_length_definition,
-  engines: {spec id: {info | error}},
-  checks: [{engine, check, outcome (passed|failed|skipped|error), message, data}],
-  comparisons: {spec id: [{prompt, first_divergence, tensors: [TensorDiff...]}]}
+"""Per-case reports: JSON (schema difftest.report/1), a Markdown digest and a self-contained
+HTML page (difftest.html_report), written atomically. The JSON is the source: `difftest
+report PATH.json` re-renders the other two from it. Layout: reports/README.md.
 """
 
 from __future__ import annotations
@@ -12,6 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,6 +52,61 @@ def build(case, session, results: list[dict]) -> dict:
         "engines": engines,
         "checks": results,
         "comparisons": comparisons,
+        "environment": environment(),
+        "reproduce": reproduce_command(case.path, [s.id for s in session.options.engines], session.options.reference.id),
+        "case_yaml": _read_text(case.path),
+    }
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        return f"(case file unreadable: {e.strerror})"
+
+
+def reproduce_command(case_path: str, engines: list[str], reference: str) -> str:
+    cmd = ["difftest", "run", case_path, f"--engines={','.join(engines)}"]
+    if engines and engines[0] != reference:
+        cmd.append(f"--reference={reference}")
+    return shlex.join(cmd)
+
+
+def _git_sha() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    if sha.returncode:
+        return "unknown (not a git checkout)"
+    return sha.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def environment() -> dict:
+    """The harness side: the engines' own versions are under `engines`."""
+    import torch
+
+    from difftest import __version__
+    from difftest.rowstats import compile_status
+
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:
+        tf = "not installed"
+    return {
+        "difftest": __version__,
+        "git_sha": _git_sha(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": tf,
+        "harness_device": "cuda" if torch.cuda.is_available() else "cpu",
+        "comparison_kernel": compile_status(),
     }
 
 
@@ -62,6 +117,8 @@ def markdown(report: dict) -> str:
         msg = r["message"].replace("\n", "<br>").replace("|", "\\|")
         lines.append(f"| `{r['engine']}` | {r['check']} | {r['outcome']} | {msg} |")
     lines += ["", f"Accept length: {report['accept_length_definition']}.", ""]
+    if report.get("reproduce"):
+        lines += ["Reproduce:", "", "```bash", report["reproduce"], "```", ""]
     return "\n".join(lines)
 
 
@@ -69,5 +126,15 @@ def write(report: dict, directory: Path) -> Path:
     stem = report["case"].replace("/", "_")
     json_path = directory / f"{stem}.json"
     atomic_write(json_path, json.dumps(report, indent=1, default=str))
-    atomic_write(directory / f"{stem}.md", markdown(report))
+    render(report, directory)
     return json_path
+
+
+def render(report: dict, directory: Path) -> tuple[Path, Path]:
+    """Markdown and HTML beside the JSON, from the report dict alone."""
+    from difftest.html_report import render as render_html
+
+    stem = report["case"].replace("/", "_")
+    atomic_write(directory / f"{stem}.md", markdown(report))
+    atomic_write(directory / f"{stem}.html", render_html(report))
+    return directory / f"{stem}.md", directory / f"{stem}.html"

@@ -9,16 +9,18 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 from difftest.acceptance import AcceptStats
 from difftest.capture import Capture, CaptureCache, cache_key
 from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
 from difftest.engine import EngineSpec, engine_target
-from difftest.errors import ConfigError, DifftestError, EngineUnavailable
+from difftest.errors import ConfigError, DifftestError, EngineUnavailable, Unsupported
 from difftest.report import atomic_write
 from difftest.worker import WorkerClient
 
@@ -52,6 +54,7 @@ class Options:
     timeout: float = 900.0
     use_cache: bool = True
     log_dir: Path = Path("reports") / "logs"
+    progress: Callable[[str], None] | None = None  # one line per slow step (engine start, capture, speculate)
 
 
 class Session:
@@ -93,14 +96,21 @@ class Session:
                 self.options.log_dir / f"{spec.id.replace('/', '_')}.log",
                 self.options.timeout,
             )
+            self._progress(f"starting {spec.id} ({self.python_for(spec)})")
+            t = time.monotonic()
             try:
                 client.start()
             except DifftestError as e:
                 client.kill()
                 self._start_errors[spec.id] = e
                 raise
+            self._progress(f"{spec.id} ready in {time.monotonic() - t:.1f}s")
             self._clients[spec.id] = client
         return self._clients[spec.id]
+
+    def _progress(self, message: str) -> None:
+        if self.options.progress is not None:
+            self.options.progress(message)
 
     def close(self) -> None:
         for client in self._clients.values():
@@ -155,7 +165,42 @@ class Session:
             cached = self.cache.get(key) if self.options.use_cache else None
             if cached is None:
                 out = self.cache.path(key)
+                self._progress(f"{spec.id}: capturing {case.name} prompt {index + 1}/{len(self.prompt_ids(case))}")
                 client.request({"op": "capture", "case": case.to_dict(), "prompt_ids": ids, "out": str(out)})
+                cached = Capture.load(out)
+            self._captures[memo] = cached
+        return self._captures[memo]
+
+    def capture_golden(self, case: Case, spec: EngineSpec, index: int) -> Capture | None:
+        """Layerwise golden inputs: the engine's draft re-run on the *reference's* draft.fc_in.
+        None when the engine does not support it (Engine.capture_draft_from)."""
+        case = self.prepare(case)
+        memo = (case.path, spec.id, index, "golden")
+        if memo not in self._captures:
+            ref = self.capture(case, self.options.reference, index)
+            if "draft.fc_in" not in ref.tensors:
+                return None
+            client = self.client(spec)
+            ids = self.prompt_ids(case)[index]
+            ref_key = cache_key("capture", self.options.reference.id, self.engine_info(self.options.reference)["version"],
+                                case.fingerprint(), ids)  # fmt: skip
+            key = cache_key("golden", spec.id, client.info["version"], ref_key)
+            cached = self.cache.get(key) if self.options.use_cache else None
+            if cached is None:
+                from safetensors.torch import save_file
+
+                out = self.cache.path(key)
+                fc_file = out.with_name(out.name + ".fc_in.safetensors")
+                fc_file.parent.mkdir(parents=True, exist_ok=True)
+                save_file({"draft.fc_in": ref.tensors["draft.fc_in"].contiguous().cpu()}, str(fc_file))
+                try:
+                    client.request({"op": "capture_draft_from", "case": case.to_dict(), "prompt_ids": ids,
+                                    "fc_in": str(fc_file), "out": str(out)})  # fmt: skip
+                except Unsupported:
+                    self._captures[memo] = None
+                    return None
+                finally:
+                    fc_file.unlink(missing_ok=True)
                 cached = Capture.load(out)
             self._captures[memo] = cached
         return self._captures[memo]
@@ -171,6 +216,7 @@ class Session:
             if self.options.use_cache and path.exists():
                 stats = AcceptStats.from_dict(json.loads(path.read_text()))
             else:
+                self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
                 reply = client.request(
                     {"op": "speculate", "case": case.to_dict(), "prompts": prompts,
                      "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens}

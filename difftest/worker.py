@@ -10,8 +10,11 @@ never corrupts the protocol. Captures travel as directories (difftest.capture).
     {"op": "capture", "case": {...}, "prompt_ids": [...], "out": DIR} -> {"ok": true}
     {"op": "speculate", "case": {...}, "prompts": [[...]], "num_steps": k, "max_new_tokens": n}
                                                    -> {"ok": true, "stats": {...}}
+    {"op": "capture_draft_from", "case": {...}, "prompt_ids": [...], "fc_in": FILE, "out": DIR}
+                                                   -> {"ok": true}   (golden inputs: FILE is a
+                                                      safetensors file holding "draft.fc_in")
     {"op": "close"}                                -> {"ok": true}
-Errors: {"ok": false, "kind": "unavailable" | "config" | "engine" | "crash", "error": "one line"}.
+Errors: {"ok": false, "kind": "unavailable" | "config" | "unsupported" | "engine" | "crash", "error": "one line"}.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from difftest.errors import ConfigError, DifftestError, EngineError, EngineUnavailable
+from difftest.errors import ConfigError, DifftestError, EngineError, EngineUnavailable, Unsupported
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,6 +141,8 @@ class WorkerClient:
             raise EngineUnavailable(error)
         if kind == "config":
             raise ConfigError(error)
+        if kind == "unsupported":
+            raise Unsupported(error)
         raise EngineError(f"{self.spec.id}: {error} (log: {self.log_path})")
 
     def _died(self) -> EngineError:
@@ -173,6 +178,13 @@ def _handle(engine, msg: dict) -> dict:
     if op == "speculate":
         stats = engine.speculate(Case.from_dict(msg["case"]), msg["prompts"], msg["num_steps"], msg["max_new_tokens"])
         return {"stats": stats.to_dict()}
+    if op == "capture_draft_from":
+        from safetensors.torch import load_file
+
+        fc_in = load_file(msg["fc_in"])["draft.fc_in"]
+        capture = engine.capture_draft_from(Case.from_dict(msg["case"]), list(msg["prompt_ids"]), fc_in)
+        capture.save(msg["out"])
+        return {}
     raise ConfigError(f"worker: unknown op {op!r}")
 
 
@@ -200,6 +212,8 @@ def serve(in_fd: int, out_fd: int) -> int:
                 reply({"ok": True, **_handle(engine, msg)})
         except EngineUnavailable as e:
             reply({"ok": False, "kind": "unavailable", "error": str(e)})
+        except NotImplementedError as e:
+            reply({"ok": False, "kind": "unsupported", "error": str(e) or f"{msg['op']} is not supported"})
         except ConfigError as e:
             reply({"ok": False, "kind": "config", "error": str(e)})
         except DifftestError as e:

@@ -8,13 +8,14 @@ behaviour comes from the spec, e.g. `fake[mode=hang]`:
   mode=error        capture raises an ordinary exception (an engine bug)
   mode=crash        the worker process dies with SIGKILL mid-request
   mode=hang         capture never returns
+  golden=no         (any mode) no golden-input re-run: Engine.capture_draft_from's default
 """
 
 import os
 import signal
 import time
 
-from difftest.engine import EngineInfo
+from difftest.engine import Engine, EngineInfo
 from difftest.errors import EngineUnavailable
 from engines.ref.engine import RefEngine
 
@@ -40,3 +41,8 @@ class FakeEngine(RefEngine):
             cap.tensors["draft.logits"] = cap.tensors["draft.logits"].clone()
             cap.tensors["draft.logits"][1, 7] += 0.5
         return cap
+
+    def capture_draft_from(self, case, prompt_ids, fc_in):
+        if self.spec.param("golden") == "no":
+            return Engine.capture_draft_from(self, case, prompt_ids, fc_in)
+        return super().capture_draft_from(case, prompt_ids, fc_in)

@@ -235,10 +235,17 @@ def test_first_divergence_is_none_when_everything_matches(target_states):
 DIAGNOSES = [
     # reference wiring, what the engine fed, the diagnosis's last line
     ([2, 4, 5], [3, 5, 6], "engine fed fc [h3, h5, h6]; reference fed [h2, h4, h5]; pattern: off-by-one +1"),
-    ([3, 5, 6], [2, 4, 5], "engine fed fc [h2, h4, h5]; reference fed [h3, h5, h6]; pattern: off-by-one -1"),
-    ([0, 3, 7], [3, 7, 8], "engine fed fc [h3, h7, h8]; reference fed [h0, h3, h7]; pattern: embedding dropped"),
+    ([3, 5, 6], [2, 4, 5], "engine fed fc [h2, h4, h5]; reference fed [h3, h5, h6]; pattern: off-by-one -1 or default-layer "
+     "fallback (engine fed h[2], h[L//2], h[L-3] of L=8: it did not use the config's layer ids)"),
+    ([3, 5, 7], [2, 4, 6], "engine fed fc [h2, h4, h6]; reference fed [h3, h5, h7]; pattern: off-by-one -1"),
+    ([0, 3, 7], [3, 7, 8], "engine fed fc [h3, h7, h8]; reference fed [h0, h3, h7]; pattern: embedding dropped and slots "
+     "shifted by one (engine's chunk j = reference's chunk j+1)"),
     ([2, 4, 5], [5, 2, 4], "engine fed fc [h5, h2, h4]; reference fed [h2, h4, h5]; pattern: permuted order"),
     ([2, 4, 5], [0, 4, 5], "engine fed fc [h0, h4, h5]; reference fed [h2, h4, h5]; pattern: embedding fed but not trained on"),
+    ([1, 4, 6], [6, 1, 4], "engine fed fc [h6, h1, h4]; reference fed [h1, h4, h6]; pattern: permuted order"),
+    ([4, 1, 6], [1, 4, 6], "engine fed fc [h1, h4, h6]; reference fed [h4, h1, h6]; pattern: permuted order (engine sorted the ids)"),
+    ([1, 3, 6], [2, 4, 5], "engine fed fc [h2, h4, h5]; reference fed [h1, h3, h6]; pattern: default-layer fallback (engine fed "
+     "h[2], h[L//2], h[L-3] of L=8: it did not use the config's layer ids)"),
     ([2, 4, 5], [2, 4], "chunk count mismatch: engine fc_in has 2 chunks of 16, reference 3"),
     ([0, 2, 4], [0, 2, 4, 7], "chunk count mismatch: engine fc_in has 4 chunks of 16, reference 3"),
 ]
@@ -247,7 +254,8 @@ DIAGNOSES = [
 @pytest.mark.parametrize(
     "expected, fed, last_line",
     DIAGNOSES,
-    ids=["off-by-one-plus", "off-by-one-minus", "embedding-dropped", "permuted", "embedding-extra", "fewer-chunks", "more-chunks"],
+    ids=["off-by-one-plus", "off-by-one-minus-onto-defaults", "off-by-one-minus", "embedding-dropped", "permuted", "embedding-extra",
+         "permuted-2", "sorted", "default-fallback", "fewer-chunks", "more-chunks"],
 )
 def test_diagnose_fc_names_the_miswiring(target_states, expected, fed, last_line):
     ref = capture(target_states, expected, expected)

@@ -110,10 +110,11 @@ def test_report_json_lists_every_check_and_engine(mixed_run):
     report = mixed_run.report("tiny")
     assert report["schema"] == "difftest.report/1"
     assert report["reference"] == "ref"
-    assert len(report["checks"]) == 1 + 6 * 4
+    assert len(report["checks"]) == 2 + 6 * 4  # reference: capture, lint
     assert report["engines"]["fake[mode=unavailable]"] == {"error": "fake: not installed; set it up with: scripts/setup-engine fake"}
     assert report["comparisons"]["ref[wiring=sglang]"][0]["first_divergence"] == "draft.fc_in.0"
     assert (mixed_run.root / "reports" / "tiny.md").exists()
+    assert (mixed_run.root / "reports" / "tiny.html").exists()
 
 
 def test_no_worker_outlives_the_session(mixed_run):

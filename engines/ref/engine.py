@@ -5,6 +5,11 @@ Its wiring is explicit: the engine spec's `wiring` parameter, else the case's
 translates layer ids (spec `layer_ids=2+4+5`, else the case's `layer_ids`, else the
 draft config's) the way that ecosystem does, so `ref[wiring=sglang]` answers "what if
 an engine wired this draft like SGLang" without SGLang installed.
+
+Spec parameters that make the reference draft *compute* like a misconfigured engine:
+`norm_before_residual=true|false` and `norm_output=true|false` override the draft
+config's flags (failure class 7), `d2t=identity` drops the vocab map (class 8). They
+change the draft, not the wiring, so the golden-input re-run tells them apart.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class RefEngine(Engine):
                 dtype=dtype,
             )
         loaded = self._drafts[dkey]
+        self._apply_overrides(loaded)
         if loaded.config.vocab_size != target.config.vocab_size:
             raise ConfigError(
                 f"{case.draft}: draft vocab_size {loaded.config.vocab_size} != target vocab_size {target.config.vocab_size}"
@@ -68,6 +74,19 @@ class RefEngine(Engine):
                 f"{target.config.hidden_size}"
             )
         return target, loaded
+
+    def _apply_overrides(self, loaded: LoadedDraft) -> None:
+        for flag in ("norm_before_residual", "norm_output"):
+            value = self.spec.param(flag)
+            if value is not None:
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ConfigError(f"--engines {self.spec.id}: {flag} must be true or false, got {value!r}")
+                setattr(loaded.config, flag, value.lower() in ("true", "1"))  # read at run time by Eagle3Draft.forward
+        d2t = self.spec.param("d2t")
+        if d2t is not None:
+            if d2t != "identity":
+                raise ConfigError(f"--engines {self.spec.id}: d2t must be 'identity', got {d2t!r}")
+            loaded.model.d2t.zero_()
 
     def wiring(self, case: Case, loaded: LoadedDraft, L: int) -> Wiring:
         spec_wiring = self.spec.param("wiring")
@@ -147,12 +166,60 @@ class RefEngine(Engine):
         return Capture(tensors, meta)
 
     @torch.no_grad()
+    def capture_draft_from(self, case: Case, prompt_ids: list[int], fc_in: torch.Tensor) -> Capture:
+        """Golden inputs: this engine's draft on the given fc_in ([n, A*H]); the target runs only
+        for its greedy next token (the draft's last input token)."""
+        target, loaded = self._models(case)
+        width = loaded.config.num_aux * loaded.config.target_hidden_size
+        if fc_in.dim() != 2 or fc_in.shape != (len(prompt_ids), width):
+            raise ConfigError(f"golden fc_in has shape {list(fc_in.shape)}, expected [{len(prompt_ids)}, {width}]")
+        out = run_target(target, torch.tensor([prompt_ids], dtype=torch.long))
+        next_token = int(out.logits[0, -1].argmax())
+        tensors: dict[str, torch.Tensor] = {"draft.fc_in": fc_in}
+
+        def record(step: int, name: str, t: torch.Tensor) -> None:
+            tensors[draft_name(step, name)] = t[0]
+
+        next_ids = torch.tensor([prompt_ids[1:] + [next_token]], dtype=torch.long)
+        fc = fc_in.to(DTYPES[case.dtype])[None]
+        drafted = run_draft_chain(loaded.model, fc, next_ids, case.num_steps, record)
+        meta = {"engine": self.spec.id, "golden_input": "reference draft.fc_in", "dtype": case.dtype,
+                "prompt_ids": list(prompt_ids), "draft_tokens": drafted,
+                "target_hidden_size": loaded.config.target_hidden_size}  # fmt: skip
+        return Capture(tensors, meta)
+
+    @torch.no_grad()
     def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
         target, loaded = self._models(case)
         wiring = self.wiring(case, loaded, num_layers(target))
+        topk, budget = self._tree_settings(case, num_steps)
+        if topk > 1 or budget != num_steps + 1:
+            from engines.ref.tree import simulate_tree
+
+            stats, _ = simulate_tree(target, loaded.model, wiring.inputs, prompts, num_steps, max_new_tokens, topk, budget)
+            stats.source = f"ref tree simulation (topk {topk}, num_draft_tokens {budget}), wiring {wiring.short()}"
+            return stats
         stats, _ = simulate_greedy(target, loaded.model, wiring.inputs, prompts, num_steps, max_new_tokens)
         stats.source = f"ref simulation, wiring {wiring.short()}"
         return stats
+
+    def _tree_settings(self, case: Case, num_steps: int) -> tuple[int, int]:
+        """topk and num_draft_tokens (root included, as SGLang counts): the spec's `topk=`/`num_draft_tokens=`,
+        else the case's engines.ref settings; a chain by default."""
+        settings = case.engine_settings("ref")
+        values = []
+        for key, default in (("topk", 1), ("num_draft_tokens", None)):
+            raw = self.spec.param(key, settings.get(key, default))
+            try:
+                values.append(None if raw is None else int(raw))
+            except (TypeError, ValueError):
+                raise ConfigError(f"--engines {self.spec.id}: {key} must be an integer, got {raw!r}") from None
+        topk, budget = values
+        if budget is None:
+            budget = num_steps + 1 if topk == 1 else topk * num_steps + 1
+        if topk < 1 or budget < 2:
+            raise ConfigError(f"--engines {self.spec.id}: topk >= 1 and num_draft_tokens >= 2 required, got {topk}, {budget}")
+        return topk, budget
 
     def close(self) -> None:
         self._targets.clear()

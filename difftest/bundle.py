@@ -1,0 +1,65 @@
+"""`difftest report` and `difftest bundle`: re-render and pack a written report, offline."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+from difftest import report as report_mod
+from difftest.errors import ConfigError
+
+
+def load(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: report not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not a JSON report ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict) or data.get("schema") != report_mod.SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ConfigError(f"{path}: schema {found!r}, expected {report_mod.SCHEMA!r}")
+    return data
+
+
+def rerender(args) -> int:
+    path = Path(args.json)
+    data = load(path)
+    md, html = report_mod.render(data, Path(args.out_dir) if args.out_dir else path.parent)
+    print(md)
+    print(html)
+    return 0
+
+
+def bundle(args) -> int:
+    path = Path(args.json)
+    data = load(path)
+    stem = data["case"].replace("/", "_")
+    out = Path(args.output) if args.output else path.parent / f"{stem}.difftest.tar.gz"
+    from difftest.html_report import render as render_html
+
+    members: dict[str, bytes] = {
+        f"{stem}/{stem}.json": path.read_bytes(),
+        f"{stem}/{stem}.md": report_mod.markdown(data).encode(),
+        f"{stem}/{stem}.html": render_html(data).encode(),
+        f"{stem}/case/{Path(str(data.get('case_file') or stem + '.yaml')).name}": str(data.get("case_yaml", "")).encode(),
+    }
+    logs = path.parent / "logs"
+    for engine in data.get("engines", {}):
+        log = logs / f"{engine.replace('/', '_')}.log"
+        if log.is_file():
+            members[f"{stem}/logs/{log.name}"] = log.read_bytes()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for name, blob in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            info.mtime = 0
+            tar.addfile(info, io.BytesIO(blob))
+    tmp.replace(out)
+    print(out)
+    return 0

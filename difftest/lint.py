@@ -1,0 +1,211 @@
+"""Config lint: what an engine would silently do differently with this draft checkpoint.
+
+Reads the draft's config.json and, without loading weights, the shapes and vocab maps
+in its safetensors files; the target's config.json for its depth, width and vocab. No
+engine is imported. Each finding is an error (an engine would wire or compute the draft
+differently from training: the lint item fails) or a warning (fragile, listed in the
+message of a passing item):
+
+  layer-ids-missing     no eagle_aux_hidden_state_layer_ids: engines fall back to
+                        h[2], h[L//2], h[L-3] (error unless training used exactly those)
+  layer-ids-conflict    top-level ids differ from eagle_config's (engines read different ones)
+  layer-ids-order       ids not sorted / duplicated: vLLM sorts and de-duplicates them
+  layer-ids-training    the ids, read as engines read them, are not the layers the draft was
+                        trained on (error for vLLM's h[k] reading, warning for others)
+  norm-flag-default     norm_before_residual absent: its default differs by checkpoint
+                        format (HF/EAGLE False, speculators True)
+  vocab-map             d2t/t2d absent while draft vocab < target vocab, or inconsistent
+                        (t2d.sum() != draft_vocab; arange + d2t out of range or not unique;
+                        t2d not True exactly at arange + d2t)
+  fc-width              fc in_features != number of ids x target hidden size
+  sglang-topk           SGLang speculative_eagle_topk == 1 forces num_draft_tokens = num_steps + 1
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from difftest.case import Case
+from difftest.errors import ConfigError
+
+
+@dataclass
+class Finding:
+    code: str
+    severity: str  # "error" | "warning"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity} [{self.code}]: {self.message}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _tensor_meta(model_dir: Path) -> dict[str, tuple]:
+    """name -> shape for every tensor in the draft's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                out[k.removeprefix("model.")] = (f, k, tuple(h.get_slice(k).get_shape()))
+    return out
+
+
+def _load(meta: dict, name: str):
+    from safetensors import safe_open
+
+    f, key, _ = meta[name]
+    with safe_open(str(f), framework="pt") as h:
+        return h.get_tensor(key)
+
+
+def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[str] | None = None,
+               engines: dict | None = None) -> list[Finding]:  # fmt: skip
+    """Findings for one draft/target pair; `trained_on` = the case's resolved training wiring."""
+    draft_dir, target_dir = Path(draft_dir), Path(target_dir)
+    raw = _json(draft_dir / "config.json")
+    tcfg = _json(target_dir / "config.json")
+    tcfg = tcfg.get("text_config", tcfg)
+    L, H_t, V = int(tcfg["num_hidden_layers"]), int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
+    speculators = raw.get("speculators_model_type") is not None
+    layer = raw.get("transformer_layer_config", raw) if speculators else raw
+    out: list[Finding] = []
+
+    ids_top = raw.get("eagle_aux_hidden_state_layer_ids")
+    ids_ec = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = ids_ec or ids_top
+    defaults = [f"target.h.{k}" for k in (2, L // 2, L - 3)]
+    if ids is None:
+        same = trained_on is not None and list(trained_on) == defaults
+        out.append(Finding("layer-ids-missing", "warning" if same else "error",
+            f"no eagle_aux_hidden_state_layer_ids: engines fall back to h[2], h[L//2], h[L-3] = "
+            f"[h2, h{L // 2}, h{L - 3}] (L={L})" + ("" if same else
+            f", not what the draft was trained on ({', '.join(n.removeprefix('target.') for n in trained_on or [])})")))  # fmt: skip
+    if ids_top is not None and ids_ec is not None and list(ids_top) != list(ids_ec):
+        out.append(Finding("layer-ids-conflict", "error",
+            f"eagle_aux_hidden_state_layer_ids {ids_top} (top level) != {ids_ec} (eagle_config): "
+            "engines reading one place or the other feed different layers"))  # fmt: skip
+    if ids is not None and list(ids) != sorted(set(ids)):
+        out.append(Finding("layer-ids-order", "error",
+            f"layer ids {ids} are not sorted and unique: vLLM uses {sorted(set(ids))} (sorted, de-duplicated), "
+            "other engines the listed order: the fc chunks change order or count"))  # fmt: skip
+    if ids is not None and trained_on:
+        out += _readings(list(ids), L, list(trained_on))
+    if "norm_before_residual" not in raw and "norm_before_residual" not in layer:
+        fmt = "speculators" if speculators else "HF/EAGLE"
+        out.append(Finding("norm-flag-default", "warning",
+            f"norm_before_residual absent: {fmt} format defaults it to {speculators}, the other format to "
+            f"{not speculators}; converting the checkpoint flips the draft's residual silently: write it explicitly"))  # fmt: skip
+
+    meta = _tensor_meta(draft_dir)
+    draft_vocab = int(raw.get("draft_vocab_size") or layer.get("draft_vocab_size") or layer.get("vocab_size") or V)
+    target_hidden = int(raw.get("target_hidden_size") or layer.get("target_hidden_size") or H_t)
+    n_ids = len(ids) if ids is not None else 3
+    if "fc.weight" in meta:
+        in_features = meta["fc.weight"][2][1]
+        if in_features != n_ids * H_t:
+            out.append(Finding("fc-width", "error",
+                f"fc in_features {in_features} != {n_ids} ids x target hidden size {H_t} = {n_ids * H_t}"
+                + (f" (draft config says target_hidden_size {target_hidden})" if target_hidden != H_t else "")))  # fmt: skip
+    out += _vocab_findings(meta, draft_vocab, V)
+    out += _sglang_findings(engines or {})
+    return out
+
+
+def _readings(ids: list[int], L: int, trained_on: list[str]) -> list[Finding]:
+    """How each engine convention reads the config's ids, against the training wiring."""
+    from difftest.wiring import resolve
+
+    def short(names) -> str:
+        return "[" + ", ".join(n.removeprefix("target.").replace("h.", "h") for n in names) + "]"
+
+    out, others = [], []
+    for preset in ("vllm", "sglang", "sglang-deepseek", "specforge"):
+        try:
+            fed = list(resolve(preset, L, ids).inputs)
+        except ConfigError as e:
+            others.append(f"{preset}: {e}")
+            continue
+        if fed != trained_on:
+            if preset == "vllm":
+                out.append(Finding("layer-ids-training", "error",
+                    f"config ids {ids}, read as h[k] (vLLM, speculators), feed fc {short(fed)}; the draft was trained "
+                    f"on {short(trained_on)}"))  # fmt: skip
+            else:
+                others.append(f"{preset} {short(fed)}")
+    if others and not out:
+        out.append(Finding("layer-ids-training", "warning",
+            f"trained on {short(trained_on)}; other engines read ids {ids} differently: {'; '.join(others)}"))  # fmt: skip
+    return out
+
+
+def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
+    import torch
+
+    has_d2t, has_t2d = "d2t" in meta, "t2d" in meta
+    if draft_vocab >= V:
+        return []
+    if not has_d2t or not has_t2d:
+        missing = " and ".join(n for n, has in (("d2t", has_d2t), ("t2d", has_t2d)) if not has)
+        return [Finding("vocab-map", "error" if not has_d2t else "warning",
+            f"{missing} absent while draft vocab {draft_vocab} < target vocab {V}"
+            + (": draft ids map to the first target ids" if not has_d2t else ""))]  # fmt: skip
+    out = []
+    d2t, t2d = _load(meta, "d2t").long(), _load(meta, "t2d").bool()
+    targets = torch.arange(d2t.numel()) + d2t
+    if d2t.numel() != draft_vocab:
+        out.append(Finding("vocab-map", "error", f"d2t has {d2t.numel()} entries, draft vocab is {draft_vocab}"))
+    if int(t2d.sum()) != draft_vocab:
+        out.append(Finding("vocab-map", "error", f"t2d.sum() = {int(t2d.sum())} != draft vocab {draft_vocab}"))
+    if bool((targets < 0).any()) or bool((targets >= V).any()):
+        bad = int(((targets < 0) | (targets >= V)).sum())
+        out.append(Finding("vocab-map", "error", f"arange + d2t leaves the target vocab [0, {V}) for {bad} draft ids"))
+    elif targets.unique().numel() != targets.numel():
+        out.append(Finding("vocab-map", "error", f"arange + d2t maps {targets.numel() - targets.unique().numel()} draft ids onto taken target ids"))
+    elif t2d.numel() == V and not bool(t2d[targets].all()):
+        out.append(Finding("vocab-map", "error", "t2d is not True at arange + d2t: the two maps disagree (SGLang hot_token_id != arange + d2t)"))
+    return out
+
+
+def _sglang_findings(engines: dict) -> list[Finding]:
+    s = engines.get("sglang") or {}
+    topk, steps, tokens = s.get("speculative_eagle_topk"), s.get("speculative_num_steps"), s.get("speculative_num_draft_tokens")
+    if topk == 1 and steps is not None and tokens is not None and int(tokens) != int(steps) + 1:
+        return [Finding("sglang-topk", "warning",
+            f"engines.sglang: speculative_eagle_topk == 1 forces num_draft_tokens = num_steps + 1 = {int(steps) + 1}; "
+            f"the configured {tokens} is silently ignored")]  # fmt: skip
+    return []
+
+
+def trained_wiring(case: Case) -> list[str] | None:
+    """The case's training wiring resolved against the target's depth and the draft's ids."""
+    from difftest.wiring import resolve
+
+    raw = _json(Path(case.draft) / "config.json")
+    tcfg = _json(Path(case.target) / "config.json")
+    ids = case.layer_ids or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or raw.get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    try:
+        return list(resolve(case.wiring, int(tcfg.get("text_config", tcfg)["num_hidden_layers"]), ids).inputs)
+    except ConfigError:
+        return None
+
+
+def lint_case(case: Case) -> list[Finding]:
+    """`case` with fixtures resolved (Session.prepare)."""
+    return lint_draft(case.draft, case.target, trained_wiring(case), case.engines)

@@ -1,0 +1,172 @@
+"""The numeric core of compare: per-row statistics of a (reference, engine) tensor pair.
+
+A tensor is viewed as rows x columns (rows = every leading dimension, i.e. positions;
+columns = the last dimension). Every statistic is reduced per row, so the caller gets a
+per-token error profile for free and global numbers by combining rows in float64.
+
+Two implementations of one definition:
+  * eager: row/column blocks of at most CHUNK elements, each upcast to float32 on the
+    tensors' own device; no float32 copy of a whole tensor is ever made.
+  * compiled (torch.compile, Inductor): the same function fused into a few loops that
+    read the native-dtype inputs directly; used for tensors of COMPILE_MIN elements or
+    more, where the eager path's ~20 passes over memory dominate (see benchmarks/).
+    If compilation fails (no C++ compiler), the eager path is used and a warning says why.
+
+Elementwise rule (as torch.isclose, b the reference): |a - b| <= atol + rtol * |ref|;
+equal values (also equal infinities) always match; NaN never matches; an infinity
+matches only the same infinity.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+ROW_FIELDS = (
+    "max_abs", "max_col", "mismatched", "nonfinite", "sum_abs", "sum_ab", "sum_aa", "sum_bb",
+    "max_rel", "nan_a", "nan_b", "inf_a", "inf_b",
+)  # fmt: skip
+SOFTMAX_FIELDS = ("rank", "kl", "tv")
+
+
+def _elementwise(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> dict[str, torch.Tensor]:
+    """Per-row statistics of one [rows, cols] block (any float dtype; upcast here)."""
+    # isnan(x) is written x != x and isfinite(x) |x| < inf: same values, but Inductor vectorises
+    # these comparisons while torch.isnan/isinf/isfinite cost ~4x the whole kernel on CPU.
+    a, b = a.float(), b.float()
+    same = a == b
+    absa, absb = a.abs(), b.abs()
+    finite = (absa < torch.inf) & (absb < torch.inf)
+    diff = (a - b).abs()
+    diff = torch.where(same, 0.0, torch.where(diff != diff, torch.inf, diff))  # NaN sorts as the greatest difference
+    close = same | (finite & (diff <= atol + rtol * absa))
+    max_abs, max_col = diff.max(dim=-1)
+    af, bf = torch.where(finite, a, 0.0), torch.where(finite, b, 0.0)
+    rel = torch.where(finite & (absa > 0), diff / absa, 0.0)
+    return {
+        "max_abs": max_abs,
+        "max_col": max_col,
+        "mismatched": (~close).sum(-1),
+        "nonfinite": (~finite & ~same).sum(-1),
+        "sum_abs": torch.where(finite, diff, 0.0).sum(-1),
+        "sum_ab": (af * bf).sum(-1),
+        "sum_aa": (af * af).sum(-1),
+        "sum_bb": (bf * bf).sum(-1),
+        "max_rel": rel.amax(-1),
+        "nan_a": (a != a).sum(-1),
+        "nan_b": (b != b).sum(-1),
+        "inf_a": (absa == torch.inf).sum(-1),
+        "inf_b": (absb == torch.inf).sum(-1),
+    }
+
+
+def _softmax(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-row distribution metrics of full logits rows: the rank of the reference's top-1 in
+    the engine's row (0: it is also the engine's top-1; ties count for it, and among tied
+    reference maxima the one the engine likes best is taken), KL(P_ref || P_engine) and total
+    variation. No argmax/gather: Inductor does not vectorise them (10x the rest on CPU)."""
+    a, b = a.float(), b.float()
+    ma, mb = a.amax(-1, keepdim=True), b.amax(-1, keepdim=True)
+    at = torch.where(a == ma, b, -torch.inf).amax(-1, keepdim=True)  # the engine's logit at the reference's top-1
+    rank = (b > at).sum(-1)
+    la = a - (ma + (a - ma).exp().sum(-1, keepdim=True).log())  # log_softmax, written out so it fuses
+    lb = b - (mb + (b - mb).exp().sum(-1, keepdim=True).log())
+    pa, pb = la.exp(), lb.exp()
+    kl = torch.where(pa > 0, pa * (la - lb), 0.0).sum(-1)  # -inf - -inf where pa == 0 is masked
+    tv = 0.5 * (pa - pb).abs().sum(-1)
+    return {"rank": rank, "kl": kl, "tv": tv}
+
+
+def _fused(a, b, atol: float, rtol: float, logits: bool):
+    out = _elementwise(a, b, atol, rtol)
+    if logits:
+        out.update(_softmax(a, b))
+    return out
+
+
+CHUNK = 1 << 20  # elements per eager block
+COMPILE_MIN = 1 << 24  # tensors at least this large take the compiled path
+COMPILED_BLOCK = 1 << 23  # elements per compiled call: Inductor materialises one float32 row block (32 MiB)
+
+
+@dataclass
+class _Compiled:
+    fn: object = None
+    error: str | None = None
+
+
+_COMPILED = _Compiled()
+
+
+def _compiled_fn():
+    if _COMPILED.fn is None and _COMPILED.error is None:
+        _COMPILED.fn = torch.compile(_fused, dynamic=True)
+    return _COMPILED.fn
+
+
+def row_stats(a2: torch.Tensor, b2: torch.Tensor, atol: float, rtol: float, logits: bool,
+              chunk: int | None = None, compiled: bool | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Per-row statistics of [R, C] tensors on one device; returns float64/int64 tensors of [R] on CPU."""
+    R, C = a2.shape
+    chunk = chunk or CHUNK
+    use_compiled = (a2.numel() >= COMPILE_MIN) if compiled is None else compiled
+    if use_compiled and _COMPILED.error is None:
+        try:
+            return _row_stats_compiled(a2, b2, atol, rtol, logits)
+        except Exception as e:  # noqa: BLE001 - any compile failure falls back to the same numbers, eagerly
+            _COMPILED.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            warnings.warn(f"difftest: compiled comparison unavailable ({_COMPILED.error}); using the eager path")
+    return _row_stats_eager(a2, b2, atol, rtol, logits, chunk)
+
+
+def _cpu(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: (v.double() if v.is_floating_point() else v.long()).cpu() for k, v in d.items()}
+
+
+def _row_stats_compiled(a2, b2, atol, rtol, logits):
+    fn = _compiled_fn()
+    rows = max(1, COMPILED_BLOCK // max(a2.shape[1], 1))
+    parts = [_cpu(fn(a2[r : r + rows], b2[r : r + rows], atol, rtol, logits)) for r in range(0, a2.shape[0], rows)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _row_stats_eager(a2, b2, atol, rtol, logits, chunk):
+    R, C = a2.shape
+    out: dict[str, list[torch.Tensor]] = {}
+    if C <= chunk:
+        rows = max(1, chunk // max(C, 1))
+        for r in range(0, R, rows):
+            part = _cpu(_elementwise(a2[r : r + rows], b2[r : r + rows], atol, rtol))
+            for k, v in part.items():
+                out.setdefault(k, []).append(v)
+        merged = {k: torch.cat(v) for k, v in out.items()}
+    else:  # rows wider than a block: column blocks, merged per row
+        merged = None
+        for c in range(0, C, chunk):
+            part = _cpu(_elementwise(a2[:, c : c + chunk], b2[:, c : c + chunk], atol, rtol))
+            part["max_col"] = part["max_col"] + c
+            merged = part if merged is None else _merge_columns(merged, part)
+    if logits:
+        rows = max(1, chunk // max(C, 1))  # one full row at least: softmax needs the whole row
+        soft = [_cpu(_softmax(a2[r : r + rows], b2[r : r + rows])) for r in range(0, R, rows)]
+        merged.update({k: torch.cat([s[k] for s in soft]) for k in SOFTMAX_FIELDS})
+    return merged
+
+
+def _merge_columns(x: dict, y: dict) -> dict:
+    better = y["max_abs"] > x["max_abs"]  # strict: the first column block wins ties, as a flat scan would
+    out = {k: x[k] + y[k] for k in ("mismatched", "nonfinite", "sum_abs", "sum_ab", "sum_aa", "sum_bb",
+                                     "nan_a", "nan_b", "inf_a", "inf_b")}  # fmt: skip
+    out["max_abs"] = torch.where(better, y["max_abs"], x["max_abs"])
+    out["max_col"] = torch.where(better, y["max_col"], x["max_col"])
+    out["max_rel"] = torch.maximum(x["max_rel"], y["max_rel"])
+    return out
+
+
+def compile_status() -> str:
+    """For reports: whether large comparisons ran fused."""
+    if _COMPILED.error:
+        return f"eager (compile failed: {_COMPILED.error})"
+    return "compiled" if _COMPILED.fn is not None else "eager"

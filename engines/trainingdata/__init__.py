@@ -1,0 +1,1 @@
+"""Offline training data (speculators, SpecForge) as a difftest engine."""

@@ -1,0 +1,104 @@
+"""The `difftest train-acc` and `difftest dump` commands (difftest/cli.py parses, this runs).
+
+    difftest train-acc --data DIR --draft CKPT --target CKPT [--wiring vllm --wiring sglang ...]
+        the trainer's accuracy of a draft on a dump under the training wiring, and under each
+        engine wiring side by side (fc rebuilt from the dumped tensors by identity)
+    difftest dump --target CKPT --out DIR --format speculators --layers h0+h2+h4+h7 [--case FILE ...]
+        write training data from the reference target
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from difftest.case import Case, Prompt, load_case
+from difftest.engine import EngineSpec
+from difftest.errors import DifftestError
+from difftest.wiring import short_name
+
+
+def _model(ref: str) -> str:
+    if ref.startswith("fixture:"):
+        from difftest.session import resolve_fixture
+
+        return resolve_fixture(ref)
+    return str(Path(ref).resolve())
+
+
+def train_acc(args) -> int:
+    from engines.trainingdata.engine import TrainingDataEngine
+
+    data = Path(args.data).resolve()
+    case = Case(
+        name="train-acc", path=str(data / "train-acc"), target=_model(args.target), draft=_model(args.draft),
+        dtype=args.dtype, layer_ids=[int(x) for x in args.layer_ids.replace("+", ",").split(",")] if args.layer_ids else None,
+        prompts=[Prompt(ids=[0, 0])], num_steps=args.ttt_steps,
+        engines={"train": {"data": str(data), "format": args.format, "identify": args.identify}},
+    )  # fmt: skip
+    rows = []
+    try:
+        for wiring in [None, *args.wiring]:
+            engine = TrainingDataEngine(EngineSpec("train", params=(("wiring", wiring),) if wiring else ()))
+            s = engine.settings(case)
+            dump = engine.dump(s)
+            w, head = engine.head(case, s)
+            loaded = engine.draft(case, w)
+            ident = engine.identification(case, s, dump, w)
+            if wiring is None:
+                print(f"training data: {data} ({dump.format}, {len(dump.samples)} samples, {len(dump.skipped)} skipped)")
+                for line in dump.skipped:
+                    print(f"  skipped: {line}")
+                print(ident.summary())
+                for note in ident.notes:
+                    print(f"  {note}")
+                names = [n or f"dump[{j}]" for j, n in enumerate(ident.fc_names)]
+                label = f"trainer ({dump.format})"
+            else:
+                names = engine.engine_wiring(case, s, ident, loaded)
+                label = wiring
+            acc = engine.accuracy(case, s, dump, ident, loaded, head)
+            rows.append({"wiring": label, "fc": [short_name(n) for n in names], **acc.to_dict()})
+    except DifftestError as e:
+        print(f"difftest train-acc: {e}", file=sys.stderr)
+        return 2
+    width = max(len(r["wiring"]) for r in rows)
+    print(f"{'wiring'.ljust(width)}  {'fc'.ljust(18)}  full_acc (ttt 0..{args.ttt_steps - 1})   cond_acc")
+    for r in rows:
+        fc = "[" + ", ".join(r["fc"]) + "]"
+        full = " ".join(f"{a:.3f}" for a in r["full_acc"])
+        cond = " ".join(f"{a:.3f}" for a in r["cond_acc"])
+        print(f"{r['wiring'].ljust(width)}  {fc.ljust(18)}  {full}   {cond}")
+    print(f"({rows[0]['counted'][0]} loss-masked positions at step 0; targets = argmax of the dumped verifier's logits)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"data": str(data), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+def dump(args) -> int:
+    from engines.trainingdata.dump import dump_from_target, random_prompts
+
+    target = _model(args.target)
+    prompts: list[list[int]] = []
+    try:
+        for path in args.case:
+            case = load_case(path)
+            for p in [*case.prompts, *case.spec_prompts]:
+                if p.ids is None:
+                    raise DifftestError(f"{path}: text prompts are not supported by dump yet; give {{ids: [...]}}")
+                prompts.append(p.ids)
+        if args.random:
+            vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+            prompts += random_prompts(vocab, args.random, args.length, args.seed)
+        if not prompts:
+            raise DifftestError("no prompts: give --case FILE and/or --random N")
+        import torch
+
+        out = dump_from_target(target, args.out, args.format, args.layers, prompts, args.continue_tokens,
+                               {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype])  # fmt: skip
+    except DifftestError as e:
+        print(f"difftest dump: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(prompts)} samples ({args.format}, tensors {args.layers}) to {out}")
+    return 0

@@ -1,0 +1,287 @@
+"""The training side as an engine: captures read from offline training data, not a model run.
+
+    train[data=PATH,format=speculators]      or, per case:  engines: {train: {data: ..., format: ...}}
+
+Settings (spec parameters override the case's `engines.train`):
+  data       the dump directory (relative to the case file; `fixture:NAME` for built-in dumps)
+  format     speculators | speculators-legacy | specforge | auto (default auto)
+  identify   target (default: match dumped tensors to the case target's residual stream)
+             | stats (no target run: norm profile, embedding rows, verifier top-1)
+  wiring     feed fc with these tensors instead of the trainer's (e.g. h2+h4+h7: what a serving
+             engine feeds); taken from the dump by identity, else from the reference target
+  ttt_steps  training-accuracy unroll depth (default: the case's speculative.num_steps)
+
+For a case prompt, the sample whose token ids start with the prompt supplies `draft.fc_in`
+exactly as the trainer built it, the dumped tensors under their identified canonical names
+(the verifier included), and the draft's tensors from running the reference draft on that
+fc input. Capture meta carries the identification, the trainer's accuracy over the whole
+dump (difftest.train_accuracy) and every skipped sample's one-line reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import difftest
+from difftest.acceptance import AcceptStats
+from difftest.capture import Capture
+from difftest.case import Case
+from difftest.engine import Engine, EngineInfo
+from difftest.errors import ConfigError, EngineError
+from difftest.layer_identity import Identification, identify_against_target, identify_by_statistics
+from difftest.names import draft_name
+from difftest.train_accuracy import RULES, StepCounts, VerifierHead, sample_accuracy
+from difftest.wiring import resolve, short_name
+from engines.ref.eagle3 import LoadedDraft, load_draft
+from engines.ref.speculate import gather_fc_in, run_draft_chain, simulate_greedy
+from engines.ref.target import final_norm_module, load_target, num_layers, run_target
+from engines.trainingdata.formats import Dump, Sample, read_dump
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SETTINGS = ("data", "format", "identify", "wiring", "ttt_steps")
+
+
+def target_head_weights(path: str | Path) -> dict[str, torch.Tensor | float]:
+    """embed / lm_head / final-norm weights read from a checkpoint's safetensors, without loading the model."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    wanted = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "model.norm.weight": "norm"}
+    out: dict = {"eps": float(cfg.get("rms_norm_eps", 1e-6))}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key in wanted:
+                    out[wanted[key]] = st.get_tensor(key)
+    out.setdefault("lm_head", out.get("embed"))  # tied embeddings
+    missing = [v for v in ("embed", "lm_head", "norm") if out.get(v) is None]
+    if missing:
+        raise ConfigError(f"{path}: cannot find {', '.join(missing)} weights in its safetensors files")
+    return out
+
+
+class TrainingDataEngine(Engine):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._dumps: dict[tuple, Dump] = {}
+        self._targets: dict[tuple, torch.nn.Module] = {}
+        self._drafts: dict[tuple, LoadedDraft] = {}
+        self._idents: dict[tuple, Identification] = {}
+        self._accuracy: dict[tuple, StepCounts] = {}
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(name="train", version=f"difftest-{difftest.__version__}-train-data",
+                          versions={"torch": torch.__version__}, kernels="none (offline data)")  # fmt: skip
+
+    # -- settings --------------------------------------------------------------------
+    def settings(self, case: Case) -> dict:
+        s = {k: v for k, v in case.engine_settings(self.spec.name).items()}
+        unknown = sorted(set(s) - set(SETTINGS))
+        if unknown:
+            raise ConfigError(f"{case.path}: engines.{self.spec.name}.{unknown[0]}: unknown setting (known: {', '.join(SETTINGS)})")
+        for k, v in self.spec.params:
+            if k not in SETTINGS:
+                raise ConfigError(f"--engines {self.spec.id}: unknown parameter {k!r} (known: {', '.join(SETTINGS)})")
+            s[k] = v
+        if not s.get("data"):
+            raise ConfigError(
+                f"{case.path}: the train engine needs training data: engines.{self.spec.name}.data in the case, "
+                f"or --engines '{self.spec.name}[data=PATH]'"
+            )
+        data = Path(str(s["data"]))
+        if not data.is_absolute():
+            data = (Path(case.path).parent / data).resolve()
+        s["data"] = str(data)
+        s.setdefault("format", "auto")
+        s.setdefault("identify", "target")
+        if s["identify"] not in ("target", "stats"):
+            raise ConfigError(f"{self.spec.id}: identify={s['identify']!r}; expected target or stats")
+        s["ttt_steps"] = int(s.get("ttt_steps") or case.num_steps)
+        return s
+
+    # -- models and data -------------------------------------------------------------
+    def dump(self, s: dict) -> Dump:
+        key = (s["data"], s["format"])
+        if key not in self._dumps:
+            d = read_dump(s["data"], s["format"])
+            for line in d.skipped:
+                print(f"train data: {line}", file=sys.stderr)
+            if not d.samples:
+                raise ConfigError(f"{s['data']}: no usable sample ({len(d.skipped)} skipped); first: {d.skipped[0] if d.skipped else '-'}")
+            self._dumps[key] = d
+        return self._dumps[key]
+
+    def target(self, case: Case):
+        key = (case.target, case.dtype)
+        if key not in self._targets:
+            self._targets[key] = load_target(case.target, DTYPES[case.dtype])
+        return self._targets[key]
+
+    def head(self, case: Case, s: dict) -> tuple[dict, VerifierHead]:
+        if s["identify"] == "target":
+            t = self.target(case)
+            norm = final_norm_module(t)
+            w = {"embed": t.get_input_embeddings().weight.detach(), "lm_head": t.get_output_embeddings().weight.detach(),
+                 "norm": norm.weight.detach(), "eps": float(getattr(norm, "variance_epsilon", 1e-6))}  # fmt: skip
+        else:
+            w = target_head_weights(case.target)
+        return w, VerifierHead(w["lm_head"], w["norm"], w["eps"])
+
+    def draft(self, case: Case, w: dict) -> LoadedDraft:
+        key = (case.draft, case.target, case.dtype)
+        if key not in self._drafts:
+            self._drafts[key] = load_draft(case.draft, target_embed=w["embed"], target_lm_head=w["lm_head"], dtype=DTYPES[case.dtype])
+        return self._drafts[key]
+
+    def identification(self, case: Case, s: dict, dump: Dump, w: dict) -> Identification:
+        key = (s["data"], s["format"], s["identify"], case.target)
+        if key not in self._idents:
+            first = dump.samples[0]
+            if s["identify"] == "target":
+                res = run_target(self.target(case), first.input_ids[None])
+                ref = {f"target.h.{k}": h[0] for k, h in enumerate(res.hidden)}
+                ref["target.final_norm"] = res.final_norm[0]
+                ident = identify_against_target(first.tensors, ref, first.fc_count, num_layers(self.target(case)))
+            else:
+                some = dump.samples[:8]
+                ident = identify_by_statistics([x.tensors for x in some], [x.input_ids for x in some],
+                                               [x.loss_mask for x in some], first.fc_count, w["embed"], w["lm_head"],
+                                               w["norm"], w["eps"])  # fmt: skip
+            self._idents[key] = ident
+        return self._idents[key]
+
+    def engine_wiring(self, case: Case, s: dict, ident: Identification, loaded: LoadedDraft) -> list[str]:
+        """The `wiring` setting as canonical names; presets read the case's ids, else the draft config's."""
+        L = ident.num_layers if ident.num_layers is not None else num_layers(self.target(case))
+        ids = case.layer_ids if case.layer_ids is not None else loaded.config.layer_ids
+        return list(resolve(str(s["wiring"]), L, ids, where=f"{self.spec.id}: wiring").inputs)
+
+    def fc_for(self, case: Case, s: dict, sample: Sample, ident: Identification, loaded: LoadedDraft) -> tuple[torch.Tensor, list[str], str]:
+        """(fc_in [seq, A*H], input names, source): the trainer's, or the `wiring` setting composed from the dump."""
+        if not s.get("wiring"):
+            names = [n or f"dump[{j}]" for j, n in enumerate(ident.fc_names)]
+            return sample.fc_in, names, f"training data ({s['format']}): the trainer's fc, tensors 0..{sample.fc_count - 1}"
+        inputs = self.engine_wiring(case, s, ident, loaded)
+        by_name = {t.name: sample.tensors[t.position] for t in ident.tensors if t.name}
+        parts, from_target = [], []
+        res = None
+        for name in inputs:
+            if name in by_name:
+                parts.append(by_name[name])
+                continue
+            if s["identify"] != "target":
+                raise ConfigError(f"{self.spec.id}: wiring needs {short_name(name)}, which the dump does not hold (dumped: {ident.summary()})")
+            res = res or run_target(self.target(case), sample.input_ids[None])
+            parts.append(gather_fc_in(res, [name])[0])
+            from_target.append(short_name(name))
+        src = f"training data ({s['format']}) rewired as [{', '.join(short_name(n) for n in inputs)}]"
+        if from_target:
+            src += f"; {', '.join(from_target)} from the reference target (not in the dump)"
+        return torch.cat(parts, dim=-1), inputs, src
+
+    def accuracy(self, case: Case, s: dict, dump: Dump, ident: Identification, loaded: LoadedDraft, head: VerifierHead) -> StepCounts:
+        key = (s["data"], s["format"], str(s.get("wiring")), case.draft, s["ttt_steps"])
+        if key not in self._accuracy:
+            rules = RULES[dump.format]
+            total = StepCounts()
+            for sample in dump.samples:
+                fc, _, _ = self.fc_for(case, s, sample, ident, loaded)
+                total = total.add(sample_accuracy(loaded.model, head, fc, sample.verifier, sample.input_ids,
+                                                  sample.loss_mask, s["ttt_steps"], rules))  # fmt: skip
+            self._accuracy[key] = total
+        return self._accuracy[key]
+
+    # -- the interface ---------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
+        s = self.settings(case)
+        dump = self.dump(s)
+        w, head = self.head(case, s)
+        loaded = self.draft(case, w)
+        ident = self.identification(case, s, dump, w)
+        found = dump.find(prompt_ids)
+        if found is None:
+            raise ConfigError(
+                f"{s['data']}: no sample's token ids start with the prompt {prompt_ids[:8]}{'...' if len(prompt_ids) > 8 else ''} "
+                f"({len(dump.samples)} samples read, {len(dump.skipped)} skipped); dump the case's prompts with `difftest dump --case`"
+            )
+        sample, n = found
+        fc, inputs, source = self.fc_for(case, s, sample, ident, loaded)
+        dtype = DTYPES[case.dtype]
+        tensors: dict[str, torch.Tensor] = {}
+        for t in ident.tensors:
+            if t.name:
+                tensors[t.name] = sample.tensors[t.position][:n].to(dtype)
+        if len(sample) > n:
+            next_token, next_src = int(sample.input_ids[n]), "the data's next token"
+        elif s["identify"] == "target":
+            next_token, next_src = int(run_target(self.target(case), sample.input_ids[None]).logits[0, -1].argmax()), "target greedy"
+        else:
+            next_token = int(head.logits(sample.verifier[-1:], RULES[dump.format])[0].argmax())
+            next_src = "the verifier tensor's lm_head top-1"
+        fc_in = fc[None, :n].to(dtype)  # [1, n, A*H]
+        tensors["draft.fc_in"] = fc_in[0]
+
+        def record(step: int, name: str, t: torch.Tensor) -> None:
+            tensors[draft_name(step, name)] = t[0]
+
+        next_ids = torch.tensor([prompt_ids[1:] + [next_token]], dtype=torch.long)
+        drafted = run_draft_chain(loaded.model, fc_in, next_ids, case.num_steps, record)
+        acc = self.accuracy(case, s, dump, ident, loaded, head)
+        cfg = loaded.config
+        meta = {
+            "engine": self.spec.id,
+            "engine_version": self.info().version,
+            "versions": self.info().versions,
+            "kernels": "none",
+            "device": "cpu",
+            "dtype": case.dtype,
+            "prompt_ids": list(prompt_ids),
+            "target_next_token": next_token,
+            "next_token_source": next_src,
+            "draft_tokens": drafted,
+            "num_layers": ident.num_layers,
+            "target_hidden_size": cfg.target_hidden_size,
+            "wiring": {"inputs": inputs, "source": source, "verifier": ident.verifier.name},
+            # only the dumped tensors exist here; the reference's other target tensors are not missing by mistake
+            "partial": ["target.*"],
+            "train_data": {
+                "path": s["data"],
+                "format": dump.format,
+                "sample": sample.source,
+                "samples": len(dump.samples),
+                "skipped": len(dump.skipped),
+                "skipped_lines": dump.skipped[:20],
+                "notes": dump.notes,
+                "identification": ident.to_dict(),
+            },
+            "train_accuracy": {"rules": RULES[dump.format].name, "ttt_steps": s["ttt_steps"], "wiring": inputs, **acc.to_dict()},
+        }
+        return Capture(tensors, meta)
+
+    @torch.no_grad()
+    def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
+        s = self.settings(case)
+        dump = self.dump(s)
+        w, _ = self.head(case, s)
+        ident = self.identification(case, s, dump, w)
+        loaded = self.draft(case, w)
+        names = self.engine_wiring(case, s, ident, loaded) if s.get("wiring") else list(ident.fc_names)
+        if None in names or s["identify"] != "target":
+            raise EngineError(
+                f"{self.spec.id}: training data cannot decode; simulating it needs every fc tensor identified against the "
+                f"target (identify=target); got {ident.summary()}"
+            )
+        stats, _ = simulate_greedy(self.target(case), loaded.model, names, prompts, num_steps, max_new_tokens)
+        stats.source = f"ref simulation with the training data's wiring [{', '.join(short_name(n) for n in names)}]"
+        return stats
+
+    def close(self) -> None:
+        self._targets.clear()
+        self._drafts.clear()
+        self._dumps.clear()

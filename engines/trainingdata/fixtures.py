@@ -1,0 +1,75 @@
+"""Built-in training-data dumps of the tiny target (a `difftest.fixtures` provider).
+
+    tiny-llama-train-data                speculators, [h2, h4, h5, h8]: fc [h2, h4, h5], verifier the final layer
+    tiny-llama-train-data-miswired       speculators, [h0, h2, h4, h7]: the seed's layout (launch ids [0, 2, 4, 7])
+    tiny-llama-train-data-specforge      SpecForge offline, aux [h2, h4, h5], hidden_state = final_norm
+
+Each holds the shipped cases' prompts (so every case prompt has a sample) and 16 random
+ones, each followed by 8 greedy tokens of the target. Built on first use into the user
+cache, keyed by the recipe and the target checkpoint's files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+RECIPES = {
+    "tiny-llama-train-data": ("speculators", "h2+h4+h5+h8"),
+    "tiny-llama-train-data-miswired": ("speculators", "h0+h2+h4+h7"),
+    "tiny-llama-train-data-specforge": ("specforge", "h2+h4+h5+final_norm"),
+}
+TARGET = "fixture:tiny-llama"
+CONTINUE = 8
+CASE_PROMPTS = [
+    [331, 518, 978, 528, 666, 884, 979, 109, 909, 232, 920],
+    [640, 573, 434, 806, 590, 564, 866, 752, 799, 790, 506, 773, 795, 604, 455, 249, 6, 632, 86],
+    [298, 840, 104, 464, 15, 838, 916, 705, 506, 699, 325],
+    [410, 261, 360, 955, 369, 828, 389, 767, 529, 657, 82, 744, 352],
+    [574, 554, 303, 298, 472, 148, 901, 664],
+    [737, 595, 320, 29, 872, 731, 381, 376, 476, 436, 96, 412, 916],
+    [571, 514, 892, 123, 439, 522, 825, 772, 891, 618, 900, 506],
+    [942, 541, 268, 868, 434, 581, 952, 494, 529, 534, 828],
+]
+
+
+def _signature(target_dir: Path) -> str:
+    files = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in target_dir.iterdir() if f.is_file())
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:12]
+
+
+def build(name: str, force: bool = False) -> Path:
+    from difftest.session import cache_root, resolve_fixture
+    from engines.trainingdata.dump import dump_from_target, random_prompts
+
+    fmt, layers = RECIPES[name]
+    target = Path(resolve_fixture(TARGET))
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    key = hashlib.sha256(json.dumps([fmt, layers, CASE_PROMPTS, CONTINUE, _signature(target)]).encode()).hexdigest()[:12]
+    out = cache_root() / "fixtures" / "train-data" / f"{name}-{key}"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
+    try:
+        prompts = CASE_PROMPTS + random_prompts(vocab, 16, 12, seed=1)
+        dump_from_target(target, tmp, fmt, layers, prompts, CONTINUE)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_fixture(name: str) -> Path | None:
+    return build(name) if name in RECIPES else None
+
+
+def build_all(force: bool = False) -> None:
+    for name in RECIPES:
+        build(name, force)

@@ -1,0 +1,343 @@
+"""Offline EAGLE-3 training data on disk: readers and writers for the trainers' formats.
+
+Every format reduces to one `Sample` per sequence: the token ids, the loss mask, and the
+dumped hidden states as a list of [seq, H] tensors *in the order the file holds them*;
+the first `fc_count` are what the trainer concatenates into fc, the one after them is
+what it treats as the verifier's last hidden state. Which target layer each tensor is,
+the files do not say (see difftest.layer_identity).
+
+speculators (current; vllm-project/speculators `train/data.py::ArrowDataset`):
+    DIR/hidden_states/hs_{i}.safetensors   hidden_states [seq, n_layers, H], token_ids [seq]
+    DIR/ (datasets.load_from_disk)         input_ids, loss_mask, seq_len per sample i
+  The trainer checks token_ids == input_ids, feeds fc hidden_states[:, :-1] (flattened)
+  and uses hidden_states[:, -1] as the verifier. Without the `datasets` package the
+  dataset part is read from DIR/samples.jsonl ({"index", "input_ids", "loss_mask"} a line),
+  which is what `difftest dump` writes.
+speculators legacy (`SampleFileDataset` / `standardize_data_v1`):
+    DIR/**/*.pt (torch.save)   input_ids [seq], loss_mask [seq], hidden_states: list of [seq, H]
+  fc = cat(list[:-1]), verifier = list[-1].
+SpecForge offline (`OfflineEagle3Dataset`):
+    DIR/**/*.ckpt (torch.save) input_ids [seq], loss_mask [seq], aux_hidden_state [1, seq, A*H],
+                               hidden_state [1, seq, H]
+  fc = aux_hidden_state (split here into A chunks of H), verifier = hidden_state.
+
+Torch files are loaded with `weights_only=True`. A sample that cannot be used (truncated
+file, token ids != input ids, lengths that disagree, NaN/Inf, a layer count or hidden
+size unlike the rest, non-float hidden states) is skipped with one line naming the file
+and the field; the others load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from difftest.errors import ConfigError
+
+FORMATS = ("speculators", "speculators-legacy", "specforge")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass
+class Sample:
+    index: int
+    source: str  # the file the hidden states came from
+    input_ids: torch.Tensor  # [seq] int64
+    loss_mask: torch.Tensor  # [seq] bool
+    tensors: list[torch.Tensor]  # dumped hidden states in file order, each [seq, H]
+    fc_count: int  # the trainer feeds cat(tensors[:fc_count]) to fc; tensors[fc_count] is its verifier
+
+    @property
+    def fc_in(self) -> torch.Tensor:
+        return torch.cat(self.tensors[: self.fc_count], dim=-1)  # [seq, A*H]
+
+    @property
+    def verifier(self) -> torch.Tensor:
+        return self.tensors[self.fc_count]  # [seq, H]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class Dump:
+    path: str
+    format: str
+    samples: list[Sample]
+    skipped: list[str] = field(default_factory=list)  # one line per unusable sample
+    notes: list[str] = field(default_factory=list)
+
+    def find(self, prompt_ids: list[int]) -> tuple[Sample, int] | None:
+        """The first sample whose token ids start with prompt_ids, and the prompt length."""
+        want = torch.tensor(prompt_ids, dtype=torch.long)
+        n = len(prompt_ids)
+        for s in self.samples:
+            if len(s) >= n and torch.equal(s.input_ids[:n], want):
+                return s, n
+        return None
+
+
+class SampleError(Exception):
+    """One sample is unusable; the message is `file: field: what`."""
+
+
+# ---------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------
+
+
+def detect_format(path: Path) -> str:
+    if (path / "hidden_states").is_dir():
+        return "speculators"
+    if next(path.rglob("*.ckpt"), None) is not None:
+        return "specforge"
+    if next(path.rglob("*.pt"), None) is not None:
+        return "speculators-legacy"
+    raise ConfigError(
+        f"{path}: no training data found (expected hidden_states/hs_*.safetensors (speculators), "
+        "*.pt (speculators legacy) or *.ckpt (SpecForge offline))"
+    )
+
+
+def _numbered(paths) -> list[Path]:
+    def key(p: Path):
+        m = re.search(r"(\d+)$", p.name.split(".")[0])
+        return (int(m.group(1)) if m else -1, str(p))
+
+    return sorted(paths, key=key)
+
+
+def _torch_load(path: Path) -> dict:
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError for damaged files
+        raise SampleError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    if not isinstance(data, dict):
+        raise SampleError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
+    return data
+
+
+def _field(data: dict, name: str, path: Path):
+    if name not in data:
+        raise SampleError(f"{path}: {name}: field missing (fields: {', '.join(sorted(map(str, data)))})")
+    return data[name]
+
+
+def _ids(value, name: str, path: Path) -> torch.Tensor:
+    t = torch.as_tensor(value)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise SampleError(f"{path}: {name}: expected shape [seq], got {list(t.shape)}")
+    if t.is_floating_point() or t.dtype == torch.bool:
+        raise SampleError(f"{path}: {name}: expected integer token ids, got dtype {t.dtype}")
+    return t.long()
+
+
+def _mask(value, seq: int, path: Path) -> torch.Tensor:
+    t = torch.as_tensor(value)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.shape[0] != seq:
+        raise SampleError(f"{path}: loss_mask: shape {list(t.shape)}, expected [{seq}] (the length of input_ids)")
+    return t != 0
+
+
+def _hidden(t, name: str, seq: int, path: Path) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise SampleError(f"{path}: {name}: expected a tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise SampleError(f"{path}: {name}: dtype {t.dtype}, expected a floating-point hidden state")
+    if t.shape[0] != seq:
+        raise SampleError(f"{path}: {name}: {t.shape[0]} positions, but input_ids has {seq} (truncated or mismatched dump)")
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise SampleError(f"{path}: {name}: {bad} NaN/Inf values")
+    return t
+
+
+def _check_consistent(sample: Sample, first: Sample | None, path: Path) -> None:
+    if first is None:
+        return
+    if len(sample.tensors) != len(first.tensors) or sample.fc_count != first.fc_count:
+        raise SampleError(
+            f"{path}: hidden_states: {len(sample.tensors)} layers ({sample.fc_count} for fc), but {first.source} "
+            f"has {len(first.tensors)} ({first.fc_count} for fc)"
+        )
+    h, h0 = sample.tensors[0].shape[-1], first.tensors[0].shape[-1]
+    if h != h0:
+        raise SampleError(f"{path}: hidden_states: hidden size {h}, but {first.source} has {h0}")
+
+
+def _read_speculators_sample(path: Path, index: int, rows: dict[int, dict] | None) -> Sample:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        data = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise SampleError(f"{path}: cannot be read ({str(e).splitlines()[0][:120]})") from None
+    hs = _field(data, "hidden_states", path)
+    token_ids = _ids(_field(data, "token_ids", path), "token_ids", path)
+    if rows is None:  # no dataset part: the token ids stand for input_ids, every position counts
+        row = {"input_ids": token_ids}
+    elif index not in rows:
+        raise SampleError(f"{path}: input_ids: sample {index} is not in the dataset")
+    else:
+        row = rows[index]
+    input_ids = _ids(row["input_ids"], "input_ids (dataset)", path)
+    if token_ids.shape != input_ids.shape or not torch.equal(token_ids, input_ids):
+        n = min(len(token_ids), len(input_ids))
+        first = next((i for i in range(n) if int(token_ids[i]) != int(input_ids[i])), n)
+        raise SampleError(
+            f"{path}: token_ids: {len(token_ids)} tokens do not equal the dataset's input_ids ({len(input_ids)} tokens); "
+            f"first difference at position {first}"
+        )
+    if hs.dim() != 3:
+        raise SampleError(f"{path}: hidden_states: expected [seq, n_layers, H], got {list(hs.shape)}")
+    if hs.shape[1] < 2:
+        raise SampleError(f"{path}: hidden_states: {hs.shape[1]} layer(s); the trainer needs fc inputs plus a verifier")
+    hs = _hidden(hs, "hidden_states", len(input_ids), path)
+    mask = _mask(row.get("loss_mask", torch.ones(len(input_ids))), len(input_ids), path)
+    tensors = [hs[:, j] for j in range(hs.shape[1])]
+    return Sample(index, str(path), input_ids, mask, tensors, len(tensors) - 1)
+
+
+def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
+    """input_ids/loss_mask per sample index from the speculators dataset part."""
+    jsonl = path / "samples.jsonl"
+    if jsonl.exists():
+        rows: dict[int, dict] = {}
+        for n, line in enumerate(jsonl.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows[int(row["index"])] = row
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise ConfigError(f"{jsonl}: line {n + 1}: expected {{\"index\", \"input_ids\", \"loss_mask\"}}") from None
+        return rows, []
+    if next(path.glob("*.arrow"), None) is not None or (path / "dataset_info.json").exists():
+        try:
+            from datasets import load_from_disk
+        except ImportError:
+            raise ConfigError(
+                f"{path}: the dataset part is an arrow dataset; install `datasets` to read it, "
+                "or write samples.jsonl ({\"index\", \"input_ids\", \"loss_mask\"} per line)"
+            ) from None
+        ds = load_from_disk(str(path))
+        return {i: {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for i, r in enumerate(ds)}, []
+    return {}, [f"{path}: no dataset (samples.jsonl or arrow): input_ids = token_ids, loss_mask = all ones"]
+
+
+def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None) -> Dump:
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{path}: training data directory not found")
+    fmt = detect_format(path) if fmt in ("auto", None, "") else fmt
+    if fmt not in FORMATS:
+        raise ConfigError(f"training data format {fmt!r}: expected one of {', '.join(FORMATS)} or auto")
+    samples: list[Sample] = []
+    skipped: list[str] = []
+    notes: list[str] = []
+    if fmt == "speculators":
+        rows, notes = _dataset_rows(path)
+        files = _numbered((path / "hidden_states").glob("hs_*.safetensors"))
+
+        def read(p: Path) -> Sample:
+            m = re.fullmatch(r"hs_(\d+)\.safetensors", p.name)
+            return _read_speculators_sample(p, int(m.group(1)) if m else -1, rows or None)
+    elif fmt == "speculators-legacy":
+        files = _numbered(path.rglob("*.pt"))
+
+        def read(p: Path) -> Sample:
+            data = _torch_load(p)
+            ids = _ids(_field(data, "input_ids", p), "input_ids", p)
+            hs = _field(data, "hidden_states", p)
+            if not isinstance(hs, (list, tuple)) or len(hs) < 2:
+                raise SampleError(f"{p}: hidden_states: expected a list of at least 2 [seq, H] tensors")
+            tensors = [_hidden(t[0] if t.dim() == 3 else t, f"hidden_states[{j}]", len(ids), p) for j, t in enumerate(hs)]
+            mask = _mask(_field(data, "loss_mask", p), len(ids), p)
+            return Sample(len(samples) + len(skipped), str(p), ids, mask, tensors, len(tensors) - 1)
+    else:
+        files = _numbered(list(path.rglob("*.ckpt")))
+
+        def read(p: Path) -> Sample:
+            data = _torch_load(p)
+            ids = _ids(_field(data, "input_ids", p), "input_ids", p)
+            aux = _field(data, "aux_hidden_state", p)
+            last = _field(data, "hidden_state", p)
+            aux = aux[0] if isinstance(aux, torch.Tensor) and aux.dim() == 3 else aux
+            last = last[0] if isinstance(last, torch.Tensor) and last.dim() == 3 else last
+            aux = _hidden(aux, "aux_hidden_state", len(ids), p)
+            last = _hidden(last, "hidden_state", len(ids), p)
+            H = last.shape[-1]
+            if aux.shape[-1] % H:
+                raise SampleError(f"{p}: aux_hidden_state: width {aux.shape[-1]} is not a multiple of hidden_state's {H}")
+            chunks = list(aux.split(H, dim=-1))
+            mask = _mask(_field(data, "loss_mask", p), len(ids), p)
+            return Sample(len(samples) + len(skipped), str(p), ids, mask, chunks + [last], len(chunks))
+
+    if not files:
+        raise ConfigError(f"{path}: no {fmt} sample files found")
+    for p in files:
+        if limit is not None and len(samples) >= limit:
+            break
+        try:
+            s = read(p)
+            _check_consistent(s, samples[0] if samples else None, p)
+        except SampleError as e:
+            skipped.append(f"{e} (sample skipped)")
+            continue
+        samples.append(s)
+    return Dump(str(path), fmt, samples, skipped, notes)
+
+
+# ---------------------------------------------------------------------------------------
+# Writing (difftest dump): the same layouts, so tests run without anyone's real data
+# ---------------------------------------------------------------------------------------
+
+
+def write_dump(
+    path: str | Path,
+    fmt: str,
+    samples: list[tuple[list[int], list[int], list[torch.Tensor]]],
+    fc_count: int,
+    truth: dict | None = None,
+) -> Path:
+    """samples: (input_ids, loss_mask, tensors in file order [seq, H] each). `truth` (which layer each
+    tensor really is) goes to difftest_dump.json for tests and people; readers never look at it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if fmt == "speculators":
+        from safetensors.torch import save_file
+
+        (path / "hidden_states").mkdir(exist_ok=True)
+        lines = []
+        for i, (ids, mask, tensors) in enumerate(samples):
+            hs = torch.stack([t.detach().contiguous() for t in tensors], dim=1)  # [seq, n_layers, H]
+            save_file({"hidden_states": hs.contiguous(), "token_ids": torch.tensor(ids, dtype=torch.long)},
+                      str(path / "hidden_states" / f"hs_{i}.safetensors"))  # fmt: skip
+            lines.append(json.dumps({"index": i, "input_ids": list(ids), "loss_mask": list(mask), "seq_len": len(ids)}))
+        (path / "samples.jsonl").write_text("\n".join(lines) + "\n")
+    elif fmt == "speculators-legacy":
+        for i, (ids, mask, tensors) in enumerate(samples):
+            torch.save({"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
+                        "hidden_states": [t.detach().clone() for t in tensors]}, path / f"data_{i}.pt")  # fmt: skip
+    elif fmt == "specforge":
+        if fc_count != len(samples[0][2]) - 1:
+            raise ConfigError("specforge: every tensor but the last goes to aux_hidden_state; fc_count must be len - 1")
+        for i, (ids, mask, tensors) in enumerate(samples):
+            aux = torch.cat([t.detach() for t in tensors[:-1]], dim=-1)[None]  # [1, seq, A*H]
+            torch.save({"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
+                        "aux_hidden_state": aux.clone(), "hidden_state": tensors[-1].detach()[None].clone()},
+                       path / f"data_{i}.ckpt")  # fmt: skip
+    else:
+        raise ConfigError(f"dump format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    meta = {"format": fmt, "num_samples": len(samples), "fc_count": fc_count, **(truth or {})}
+    (path / "difftest_dump.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return path

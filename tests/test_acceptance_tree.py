@@ -1,0 +1,67 @@
+"""Accept length beyond chains: the reference tree simulation and the normalisation table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difftest.acceptance import NORMALISATION, normalise
+from engines.ref.eagle3 import load_draft
+from engines.ref.speculate import greedy_decode, simulate_greedy
+from engines.ref.target import load_target
+from engines.ref.tree import simulate_tree
+from helpers import make_tiny_pair
+
+INPUTS = ["target.h.1", "target.h.2", "target.h.3"]
+PROMPTS = [[1, 5, 9, 33, 77, 101, 7], [4, 8, 15, 16, 23, 42]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target_dir, draft_dir = make_tiny_pair(tmp_path_factory.mktemp("models"))
+    target = load_target(target_dir)
+    w = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+    return target, load_draft(draft_dir, *w).model
+
+
+def test_a_topk_1_tree_is_the_chain(models):
+    target, draft = models
+    chain, chain_out = simulate_greedy(target, draft, INPUTS, PROMPTS, 3, 10)
+    tree, tree_out = simulate_tree(target, draft, INPUTS, PROMPTS, 3, 10, topk=1, num_draft_tokens=4)
+    assert tree_out == chain_out
+    assert (tree.num_verify, tree.num_accepted, tree.accepted_per_pos) == (chain.num_verify, chain.num_accepted, chain.accepted_per_pos)
+
+
+@pytest.mark.parametrize("topk, budget", [(2, 4), (3, 10)], ids=["topk2-budget4", "topk3-budget10"])
+def test_tree_decoding_is_lossless_and_its_counts_are_consistent(models, topk, budget):
+    target, draft = models
+    stats, outputs = simulate_tree(target, draft, INPUTS, PROMPTS, 3, 10, topk=topk, num_draft_tokens=budget)
+    assert outputs == [greedy_decode(target, p, 10) for p in PROMPTS]
+    assert sum(stats.accepted_per_pos) == stats.num_accepted
+    rates = stats.acceptance_rate_per_pos
+    assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:]))  # a deeper position needs its parent
+    assert 1.0 <= stats.accept_length <= 4.0
+
+
+@pytest.mark.parametrize(
+    "definition, value, counts, expected",
+    [
+        ("difftest", 2.5, {}, 2.5),
+        ("vllm.mean_acceptance_length", 2.5, {}, 2.5),
+        ("vllm.num_accepted_tokens_per_draft", 1.5, {}, 2.5),
+        ("sglang.spec_accept_length", None, {"completion_tokens": 110, "requests": 10, "verify_ct": 40}, 2.5),
+        ("sglang.spec_num_correct_drafts", 60, {"verify_ct": 40}, 2.5),
+        ("acceptance_rate", 0.5, {"num_draft_tokens": 4}, 2.5),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_every_definition_normalises_to_the_harness_one(definition, value, counts, expected):
+    assert normalise(definition, value, **counts) == pytest.approx(expected)
+    assert definition in [d for d, _, _ in NORMALISATION]
+
+
+def test_normalise_says_what_it_needs():
+    with pytest.raises(ValueError, match="sglang.spec_accept_length: needs requests, verify_ct"):
+        normalise("sglang.spec_accept_length", completion_tokens=10)
+    with pytest.raises(ValueError, match="unknown accept-length definition 'x'"):
+        normalise("x", 1.0)

@@ -1,0 +1,134 @@
+"""Config lint: each finding on a copy of a tiny draft checkpoint edited to show it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from difftest.lint import lint_draft as _lint_draft
+from helpers import make_tiny_pair
+
+TRAINED = ["target.h.1", "target.h.2", "target.h.3"]  # the tiny draft's config ids [1, 2, 3], read as vLLM does
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    return make_tiny_pair(tmp_path_factory.mktemp("models"), num_layers=8)
+
+
+def variant(models, tmp_path: Path, config=None, tensors=None) -> Path:
+    """A copy of the tiny draft with config.json and its tensors edited."""
+    out = tmp_path / "draft"
+    shutil.copytree(models[1], out)
+    cfg = json.loads((out / "config.json").read_text())
+    if config:
+        config(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        f = next(out.glob("*.safetensors"))
+        t = load_file(str(f))
+        tensors(t)
+        save_file(t, str(f))
+    return out
+
+
+def lint_draft(*args):
+    """Findings other than the engine readings of the ids (tested on their own below)."""
+    return [f for f in _lint_draft(*args) if f.code != "layer-ids-training"]
+
+
+def codes(findings) -> list[tuple[str, str]]:
+    return [(f.code, f.severity) for f in findings]
+
+
+def test_clean_checkpoint_has_no_findings(models):
+    assert lint_draft(models[1], models[0], TRAINED) == []
+
+
+def drop_ids(cfg):
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
+    cfg.pop("eagle_config")
+
+
+def test_missing_layer_ids_mean_a_silent_fallback(models, tmp_path):
+    draft = variant(models, tmp_path, config=drop_ids)
+    [f] = lint_draft(draft, models[0], TRAINED)
+    assert (f.code, f.severity) == ("layer-ids-missing", "error")
+    assert f.message == ("no eagle_aux_hidden_state_layer_ids: engines fall back to h[2], h[L//2], h[L-3] = [h2, h4, h5] "
+                         "(L=8), not what the draft was trained on (h.1, h.2, h.3)")  # fmt: skip
+
+
+def test_missing_layer_ids_are_only_a_warning_when_training_used_the_defaults(models, tmp_path):
+    draft = variant(models, tmp_path, config=drop_ids)
+    assert codes(lint_draft(draft, models[0], ["target.h.2", "target.h.4", "target.h.5"])) == [("layer-ids-missing", "warning")]
+
+
+def test_unsorted_ids_are_flagged(models, tmp_path):
+    def unsorted(cfg):
+        cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [3, 1, 2]
+
+    [f] = lint_draft(variant(models, tmp_path, config=unsorted), models[0], TRAINED)
+    assert (f.code, f.severity) == ("layer-ids-order", "error")
+    assert "vLLM uses [1, 2, 3]" in f.message
+
+
+def test_conflicting_id_locations_are_flagged(models, tmp_path):
+    def conflict(cfg):
+        cfg["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
+
+    assert codes(lint_draft(variant(models, tmp_path, config=conflict), models[0], TRAINED)) == [("layer-ids-conflict", "error")]
+
+
+def test_absent_norm_flag_warns_about_the_format_default(models, tmp_path):
+    [f] = lint_draft(variant(models, tmp_path, config=lambda c: c.pop("norm_before_residual")), models[0], TRAINED)
+    assert (f.code, f.severity) == ("norm-flag-default", "warning")
+    assert f.message.startswith("norm_before_residual absent: HF/EAGLE format defaults it to False, the other format to True")
+
+
+def test_fc_width_must_match_the_number_of_ids(models, tmp_path):
+    def four_ids(cfg):
+        cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3, 4]
+
+    [f] = lint_draft(variant(models, tmp_path, config=four_ids), models[0], TRAINED)
+    assert (f.code, str(f)) == ("fc-width", "error [fc-width]: fc in_features 192 != 4 ids x target hidden size 64 = 256")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("d2t"), "d2t absent while draft vocab 256 < target vocab 512: draft ids map to the first target ids"),
+        (lambda t: t.__setitem__("t2d", torch.zeros(512, dtype=torch.bool)), "t2d.sum() = 0 != draft vocab 256"),
+        (lambda t: t["d2t"].__setitem__(255, 400), "arange + d2t leaves the target vocab [0, 512) for 1 draft ids"),
+        (lambda t: t["d2t"].__setitem__(1, -1), "arange + d2t maps 1 draft ids onto taken target ids"),
+    ],
+    ids=["d2t-missing", "t2d-sum", "out-of-range", "not-unique"],
+)
+def test_vocab_map_problems(models, tmp_path, edit, message):
+    f = lint_draft(variant(models, tmp_path, tensors=edit), models[0], TRAINED)[0]
+    assert (f.code, f.severity, f.message) == ("vocab-map", "error", message)
+
+
+def test_sglang_topk_1_forces_the_draft_token_budget(models):
+    engines = {"sglang": {"speculative_eagle_topk": 1, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}}
+    [f] = lint_draft(models[1], models[0], TRAINED, engines)
+    assert str(f) == ("warning [sglang-topk]: engines.sglang: speculative_eagle_topk == 1 forces num_draft_tokens = "
+                      "num_steps + 1 = 4; the configured 8 is silently ignored")  # fmt: skip
+
+
+def test_engine_readings_of_the_ids_are_checked_against_training(models):
+    [f] = _lint_draft(models[1], models[0], TRAINED)
+    assert (f.code, f.severity) == ("layer-ids-training", "warning")
+    assert f.message == ("trained on [h1, h2, h3]; other engines read ids [1, 2, 3] differently: sglang [h2, h3, h4]; "
+                         "sglang-deepseek [h2, h3, h4]; specforge [h2, h3, h4]")  # fmt: skip
+
+
+def test_ids_that_do_not_name_the_trained_layers_are_an_error(models):
+    """The seed's bug: trained on [h0, h1, h2] (embedding first), the config says [1, 2, 3]."""
+    f = _lint_draft(models[1], models[0], ["target.h.0", "target.h.1", "target.h.2"])[0]
+    assert str(f) == ("error [layer-ids-training]: config ids [1, 2, 3], read as h[k] (vLLM, speculators), feed fc "
+                      "[h1, h2, h3]; the draft was trained on [h0, h1, h2]")  # fmt: skip

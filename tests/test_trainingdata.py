@@ -1,0 +1,224 @@
+"""Training-data engine: both dump formats, layer identification, bad input, train-acc, the seed end to end.
+
+Runs on the random tiny pair (tests/helpers.make_tiny_pair: 6 layers, H=64); the end-to-end
+test trains a small draft on a miswired dump the way the seed's trainer did.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from difftest import cli
+from difftest.layer_identity import identify_against_target, identify_by_statistics
+from difftest.train_accuracy import RULES, VerifierHead, rms_norm
+from engines.ref.target import load_target, run_target
+from engines.trainingdata.dump import dump_from_target, random_prompts
+from engines.trainingdata.formats import read_dump
+from helpers import make_tiny_pair, run_pytest
+
+L = 6
+PROMPTS = random_prompts(512, 6, 10, seed=0)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"), num_layers=L)
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    return load_target(pair[0])
+
+
+def _reference(target, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    res = run_target(target, ids[None])
+    ref = {f"target.h.{k}": h[0] for k, h in enumerate(res.hidden)}
+    ref["target.final_norm"] = res.final_norm[0]
+    return ref
+
+
+def _dump(pair, tmp_path, fmt, layers, prompts=PROMPTS, name="dump"):
+    return dump_from_target(pair[0], tmp_path / name, fmt, layers, prompts, continue_tokens=6)
+
+
+# -- formats -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fmt, layers",
+    [("speculators", "h0+h2+h4+h5"), ("speculators-legacy", "h2+h4+h5+h6"), ("specforge", "h2+h4+h5+final_norm")],
+    ids=["speculators", "legacy", "specforge"],
+)
+def test_dump_round_trips_in_every_format(pair, target, tmp_path, fmt, layers):
+    path = _dump(pair, tmp_path, fmt, layers)
+    dump = read_dump(path)  # format detected from the layout
+    assert dump.format == fmt and len(dump.samples) == len(PROMPTS) and not dump.skipped
+    s = dump.samples[0]
+    assert s.fc_count == 3 and len(s) == len(PROMPTS[0]) + 6
+    assert s.input_ids[: len(PROMPTS[0])].tolist() == PROMPTS[0]
+    assert s.loss_mask.tolist() == [False] * len(PROMPTS[0]) + [True] * 6
+    ref = _reference(target, s.input_ids)
+    names = [f"target.{x}" if x == "final_norm" else f"target.h.{x[1:]}" for x in layers.split("+")]
+    assert torch.equal(s.fc_in, torch.cat([ref[n] for n in names[:3]], dim=-1))
+    assert torch.equal(s.verifier, ref[names[3]])
+    assert dump.find(PROMPTS[1]) == (dump.samples[1], len(PROMPTS[1]))
+    assert dump.find([1, 2, 3]) is None
+
+
+# -- layer identity --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layers, expected",
+    [
+        ("h0+h2+h4+h5", "dumped tensors = [h0, h2, h4, h5]; trainer fed fc [h0, h2, h4]; verifier = h5 (not the final layer; the target has 6 layers)"),
+        ("h4+h0+h2+h6", "dumped tensors = [h4, h0, h2, h6]; trainer fed fc [h4, h0, h2]; verifier = h6 (the final layer)"),
+        ("h3+h5+h6+final_norm", "dumped tensors = [h3, h5, h6, final_norm]; trainer fed fc [h3, h5, h6]; verifier = final_norm (the final layer, after the norm)"),
+    ],
+    ids=["embedding-included", "permuted", "off-by-one"],
+)
+def test_identification_against_the_target(pair, target, tmp_path, layers, expected):
+    s = read_dump(_dump(pair, tmp_path, "speculators", layers, PROMPTS[:2])).samples[0]
+    ident = identify_against_target(s.tensors, _reference(target, s.input_ids), s.fc_count, L)
+    assert ident.summary() == expected
+    assert all(t.rel_err < 1e-6 for t in ident.tensors)
+    if "permuted" in expected or layers.startswith("h4"):
+        assert "fc tensors are not in depth order (permuted)" in ident.notes
+
+
+def _stats(pair, target, tmp_path, layers):
+    dump = read_dump(_dump(pair, tmp_path, "speculators", layers))
+    samples = dump.samples
+    return identify_by_statistics(
+        [s.tensors for s in samples], [s.input_ids for s in samples], [s.loss_mask for s in samples], samples[0].fc_count,
+        target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach(), target.model.norm.weight.detach(),
+        target.config.rms_norm_eps,
+    )  # fmt: skip
+
+
+def test_statistics_find_the_embedding_and_a_verifier_that_is_not_final(pair, target, tmp_path):
+    ident = _stats(pair, target, tmp_path, "h0+h2+h4+h5")
+    assert ident.tensors[0].name == "target.h.0"
+    assert [t.name for t in ident.tensors[1:]] == [None, None, None]
+    assert ident.verifier_is_final() is False
+    assert ident.summary().startswith("dumped tensors = [h0, ?, ?, ?]; trainer fed fc [h0, ?, ?]; verifier = ? (not the final layer)")
+    assert any("not the final layer" in n for n in ident.notes)
+
+
+def test_statistics_flag_a_permuted_dump_and_accept_a_final_verifier(pair, target, tmp_path):
+    ident = _stats(pair, target, tmp_path, "h4+h1+h2+h6")
+    assert ident.tensors[0].name is None  # no tensor equals the embedding
+    assert any("not in depth order" in n for n in ident.notes)
+    assert ident.verifier_is_final() is True and ident.verifier.top1_next == 1.0
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_samples_are_skipped_with_one_line_each(pair, tmp_path):
+    path = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    from safetensors.torch import load_file, save_file
+
+    hs = path / "hidden_states"
+    (hs / "hs_0.safetensors").write_bytes((hs / "hs_0.safetensors").read_bytes()[:200])  # truncated file
+    d = load_file(str(hs / "hs_2.safetensors"))
+    d["hidden_states"][3, 1, 5] = float("nan")
+    save_file(d, str(hs / "hs_2.safetensors"))
+    d = load_file(str(hs / "hs_3.safetensors"))
+    save_file({"hidden_states": d["hidden_states"][:, :3].contiguous(), "token_ids": d["token_ids"]}, str(hs / "hs_3.safetensors"))
+    rows = [json.loads(x) for x in (path / "samples.jsonl").read_text().splitlines()]
+    rows[4]["input_ids"][2] += 1  # token ids != input ids
+    rows[5]["loss_mask"] = rows[5]["loss_mask"][:-1]  # lengths differ
+    (path / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    dump = read_dump(path)
+    assert [s.index for s in dump.samples] == [1]
+    lines = dump.skipped
+    assert len(lines) == 5 and all(line.endswith("(sample skipped)") for line in lines)
+    assert lines[0].startswith(f"{hs / 'hs_0.safetensors'}: cannot be read")
+    assert lines[1].startswith(f"{hs / 'hs_2.safetensors'}: hidden_states: 1 NaN/Inf values")
+    assert lines[2].startswith(f"{hs / 'hs_3.safetensors'}: hidden_states: 3 layers (2 for fc), but ")
+    assert lines[3].startswith(f"{hs / 'hs_4.safetensors'}: token_ids: 16 tokens do not equal the dataset's input_ids (16 tokens); first difference at position 2")
+    assert lines[4].startswith(f"{hs / 'hs_5.safetensors'}: loss_mask: shape [15], expected [16]")
+
+
+def test_legacy_and_specforge_bad_fields_are_named(pair, tmp_path):
+    legacy = _dump(pair, tmp_path, "speculators-legacy", "h2+h4+h5+h6", PROMPTS[:2], "legacy")
+    data = torch.load(legacy / "data_1.pt", weights_only=True)
+    data["hidden_states"][2] = data["hidden_states"][2][:-3]  # truncated layer
+    torch.save(data, legacy / "data_1.pt")
+    dump = read_dump(legacy)
+    assert len(dump.samples) == 1
+    assert dump.skipped == [f"{legacy / 'data_1.pt'}: hidden_states[2]: 13 positions, but input_ids has 16 (truncated or mismatched dump) (sample skipped)"]
+    sf = _dump(pair, tmp_path, "specforge", "h2+h4+h5+final_norm", PROMPTS[:2], "sf")
+    data = torch.load(sf / "data_0.ckpt", weights_only=True)
+    data["aux_hidden_state"] = data["aux_hidden_state"].long()
+    torch.save(data, sf / "data_0.ckpt")
+    assert read_dump(sf).skipped == [f"{sf / 'data_0.ckpt'}: aux_hidden_state: dtype torch.int64, expected a floating-point hidden state (sample skipped)"]
+
+
+# -- the seed, end to end ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def seed(pair, target, tmp_path_factory):
+    """A miswired dump [h0, h2, h4, h5] (verifier h5, not the final h6) and a draft trained on it as the
+    seed's trainer did (fc cat(h0, h2, h4), targets from h5), saved with config ids [2, 4, 5]."""
+    from engines.ref.eagle3 import load_draft
+    from engines.ref.train import TrainData, save_eagle_format, train_draft
+
+    root = tmp_path_factory.mktemp("seed")
+    prompts = random_prompts(512, 48, 10, seed=3)
+    dump = read_dump(dump_from_target(pair[0], root / "data", "speculators", "h0+h2+h4+h5", prompts, 6))
+    head = VerifierHead(target.lm_head.weight.detach(), target.model.norm.weight.detach(), target.config.rms_norm_eps)
+    normed = torch.stack([rms_norm(s.verifier, head.norm_weight, head.eps) for s in dump.samples])
+    data = TrainData(
+        torch.stack([s.input_ids for s in dump.samples]), torch.stack([s.fc_in for s in dump.samples]),
+        torch.stack([head.logits(s.verifier, RULES["speculators"]).argmax(-1) for s in dump.samples]), normed,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    cfg = load_draft(pair[1]).config
+    draft = train_draft(target, cfg, ["target.h.0", "target.h.2", "target.h.4"], data, steps=150, seed=0, batch_size=16, temperature=None)
+    save_eagle_format(draft, root / "draft", [2, 4, 5])
+    return root
+
+
+def test_train_acc_is_high_under_the_training_wiring_and_low_under_the_engines(pair, seed, tmp_path, capsys):
+    out_json = tmp_path / "acc.json"
+    rc = cli.main(["train-acc", "--data", str(seed / "data"), "--draft", str(seed / "draft"), "--target", str(pair[0]),
+                   "--wiring", "vllm", "--json", str(out_json)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "dumped tensors = [h0, h2, h4, h5]; trainer fed fc [h0, h2, h4]; verifier = h5 (not the final layer" in text
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["fc"] for r in rows] == [["h0", "h2", "h4"], ["h2", "h4", "h5"]]
+    trained, served = rows[0]["full_acc"][0], rows[1]["full_acc"][0]
+    print(f"training accuracy: trainer {trained:.3f}, vllm wiring {served:.3f}")
+    assert trained > 0.4 and served < trained - 0.15, (trained, served)
+
+
+def test_seed_case_train_engine_passes_and_the_serving_wiring_fails(pair, seed, tmp_path):
+    (tmp_path / "cases").mkdir()
+    prompts = random_prompts(512, 48, 10, seed=3)[:3]
+    case = {
+        "target": str(pair[0]), "draft": str(seed / "draft"), "wiring": ["h0", "h2", "h4"],
+        "prompts": [{"ids": p} for p in prompts],
+        "speculative": {"num_steps": 3, "max_new_tokens": 12},
+        "engines": {"train": {"data": str(seed / "data")}},
+    }  # fmt: skip
+    (tmp_path / "cases" / "seed_train.yaml").write_text(json.dumps(case))
+    run = run_pytest(tmp_path, "cases/", "--engines=ref,train,ref[wiring=vllm]")
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length", "train_accuracy"):
+        assert run.outcome("seed_train", "train", check)["outcome"] == "passed", (check, run.output[-3000:])
+    fc = run.outcome("seed_train", "ref[wiring=vllm]", "fc_inputs")
+    assert fc["outcome"] == "failed" and "pattern: embedding dropped" in fc["message"]
+    acc = run.outcome("seed_train", "ref[wiring=vllm]", "train_accuracy")
+    assert acc["outcome"] == "failed"
+    assert acc["message"].startswith("training accuracy collapses under this engine's wiring")
+    assert "with ref[wiring=vllm]'s fc [h2, h4, h5] (the engine's capture)" in acc["message"]
+    assert "verifier = h5 (not the final layer" in acc["message"]
+    assert run.returncode == 1
+    shutil.rmtree(tmp_path / "cases")
