@@ -1,0 +1,71 @@
+"""The shipped cases, run as a user runs them: `pytest cases/ --engines=ref,"ref[wiring=...]"`
+on the built-in tiny models (built once into the cache)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from helpers import ROOT, run_pytest
+
+
+def project(tmp_path_factory):
+    """A copy of cases/ in a scratch root, so reports do not land in the repository."""
+    root = tmp_path_factory.mktemp("project")
+    shutil.copytree(ROOT / "cases", root / "cases")
+    return root
+
+
+@pytest.fixture(scope="module")
+def vllm_wired(tmp_path_factory):
+    return run_pytest(project(tmp_path_factory), "cases/", "--engines=ref,ref[wiring=vllm]")
+
+
+@pytest.fixture(scope="module")
+def sglang_wired(tmp_path_factory):
+    return run_pytest(project(tmp_path_factory), "cases/tiny_llama.yaml", "--engines=ref,ref[wiring=sglang]")
+
+
+@pytest.mark.parametrize("case", ["tiny_llama", "tiny_llama_speculators"])
+def test_correctly_wired_tiny_case_passes_every_check(vllm_wired, case):
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        assert vllm_wired.outcome(case, "ref[wiring=vllm]", check)["outcome"] == "passed", (case, check)
+    assert vllm_wired.outcome(case, "ref", "capture")["outcome"] == "passed"
+
+
+def test_seed_case_names_fc_chunk_0_as_the_first_divergence(vllm_wired):
+    result = vllm_wired.outcome("seed_miswired_training", "ref[wiring=vllm]", "fc_inputs")
+    assert result["outcome"] == "failed"
+    assert result["data"]["tensor"] == "draft.fc_in.0"
+    assert "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.0 (the embedding)" in result["message"]
+    assert "engine fed fc [h2, h4, h7]; reference fed [h0, h2, h4]; pattern: embedding dropped" in result["message"]
+
+
+def test_seed_case_shows_the_accept_length_collapse(vllm_wired):
+    result = vllm_wired.outcome("seed_miswired_training", "ref[wiring=vllm]", "accept_length")
+    assert result["outcome"] == "failed"
+    assert result["message"].startswith("accept length collapsed")
+    reference, engine = result["data"]["reference"]["accept_length"], result["data"]["engine"]["accept_length"]
+    assert reference >= 2.0
+    assert engine < 0.75 * reference
+
+
+def test_seed_case_top1_agreement_fails(vllm_wired):
+    result = vllm_wired.outcome("seed_miswired_training", "ref[wiring=vllm]", "top1_agreement")
+    assert result["outcome"] == "failed"
+    assert result["data"]["rate"] < 0.5
+
+
+def test_sglang_style_wiring_of_the_tiny_draft_is_named_off_by_one(sglang_wired):
+    result = sglang_wired.outcome("tiny_llama", "ref[wiring=sglang]", "fc_inputs")
+    assert result["outcome"] == "failed"
+    assert "engine fed fc [h3, h5, h6]; reference fed [h2, h4, h5]; pattern: off-by-one +1" in result["message"]
+    assert sglang_wired.returncode == 1
+
+
+def test_reports_are_written_per_case(vllm_wired):
+    for case in ("tiny_llama", "tiny_llama_speculators", "seed_miswired_training"):
+        report = vllm_wired.report(case)
+        assert report["case"] == case
+        assert {r["engine"] for r in report["checks"]} == {"ref", "ref[wiring=vllm]"}
