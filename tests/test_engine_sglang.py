@@ -34,7 +34,8 @@ def sglang_python() -> str:
 
 def _run(tmp: Path, case: str, sglang_python: str, marker: str | None = None, timeout_s: int = 600, case_dir: Path = ROOT):
     env = {"DIFFTEST_TEST_MARKER": marker} if marker else {}
-    run = run_pytest(case_dir, case, "--engines=ref,sglang", "--require-engines", f"--engine-python=sglang={sglang_python}",
+    run = run_pytest(case_dir, case, "--engines=ref,sglang", "--require-engines", "--no-capture-cache",
+                     f"--engine-python=sglang={sglang_python}",
                      f"--engine-timeout={timeout_s}", f"--report-dir={tmp}", env=env, timeout=TIMEOUT)  # fmt: skip
     name = Path(case).stem
     report = json.loads((tmp / f"{name}.json").read_text())
