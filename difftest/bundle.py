@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import io
-import json
 import tarfile
 from pathlib import Path
 
 from difftest import report as report_mod
 from difftest.errors import ConfigError
+from difftest.jsonfile import read_json
 
 
 def load(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: report not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not a JSON report ({e.msg} at line {e.lineno})") from None
+    data = read_json(path, "report")
     if not isinstance(data, dict) or data.get("schema") != report_mod.SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise ConfigError(f"{path}: schema {found!r}, expected {report_mod.SCHEMA!r}")

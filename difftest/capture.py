@@ -19,6 +19,7 @@ import torch
 
 from difftest import names
 from difftest.errors import ConfigError
+from difftest.jsonfile import read_json
 
 SCHEMA = "difftest.capture/1"
 
@@ -88,12 +89,7 @@ class Capture:
 
         directory = Path(directory)
         manifest_path = directory / "manifest.json"
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{manifest_path}: capture manifest not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{manifest_path}: invalid JSON ({e.msg})") from None
+        manifest = read_json(manifest_path, "capture manifest")
         if manifest.get("schema") != SCHEMA:
             raise ConfigError(f"{manifest_path}: schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
         flat = load_file(str(directory / "tensors.safetensors"), device=device)

@@ -23,12 +23,12 @@ message of a passing item):
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from difftest.case import Case
 from difftest.errors import ConfigError
+from difftest.jsonfile import read_json
 
 
 @dataclass
@@ -42,15 +42,6 @@ class Finding:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def _tensor_meta(model_dir: Path) -> dict[str, tuple]:
@@ -77,8 +68,8 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
                engines: dict | None = None) -> list[Finding]:  # fmt: skip
     """Findings for one draft/target pair; `trained_on` = the case's resolved training wiring."""
     draft_dir, target_dir = Path(draft_dir), Path(target_dir)
-    raw = _json(draft_dir / "config.json")
-    tcfg = _json(target_dir / "config.json")
+    raw = read_json(draft_dir / "config.json")
+    tcfg = read_json(target_dir / "config.json")
     tcfg = tcfg.get("text_config", tcfg)
     L, H_t, V = int(tcfg["num_hidden_layers"]), int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
     speculators = raw.get("speculators_model_type") is not None
@@ -195,8 +186,8 @@ def trained_wiring(case: Case) -> list[str] | None:
     """The case's training wiring resolved against the target's depth and the draft's ids."""
     from difftest.wiring import resolve
 
-    raw = _json(Path(case.draft) / "config.json")
-    tcfg = _json(Path(case.target) / "config.json")
+    raw = read_json(Path(case.draft) / "config.json")
+    tcfg = read_json(Path(case.target) / "config.json")
     ids = case.layer_ids or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or raw.get(
         "eagle_aux_hidden_state_layer_ids"
     )

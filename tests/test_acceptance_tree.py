@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from difftest.acceptance import NORMALISATION, normalise
 from engines.ref.eagle3 import load_draft

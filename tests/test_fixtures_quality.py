@@ -17,7 +17,8 @@ import torch
 
 from difftest.wiring import resolve
 from engines.ref import fixtures as fx
-from engines.ref.eagle3 import load_draft, read_json
+from difftest.jsonfile import read_json
+from engines.ref.eagle3 import load_draft
 from engines.ref.target import load_target, run_target
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,7 +4,6 @@ the HTML report, from one `pytest cases/` run with several deliberately wrong en
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 

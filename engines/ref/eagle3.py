@@ -30,7 +30,6 @@ Checkpoint formats (`load_draft`):
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from difftest.errors import ConfigError
+from difftest.jsonfile import read_json
 
 Recorder = Callable[[str, torch.Tensor], None]
 
@@ -281,15 +281,6 @@ def _canonical_key(key: str) -> str:
         if key.startswith(src):
             return dst + key[len(src) :]
     return key
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -75,7 +75,7 @@ def _root_cause(offset: int) -> str:
     """The first exception line SGLang's processes wrote to the log since `offset`: the
     scheduler's own error, which the Engine's exception ("scheduler died") does not carry."""
     try:
-        with open(f"/proc/self/fd/2", "rb") as f:
+        with open("/proc/self/fd/2", "rb") as f:
             f.seek(offset)
             text = f.read(4 << 20).decode(errors="replace")
     except OSError:

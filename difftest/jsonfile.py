@@ -1,0 +1,19 @@
+"""Reading JSON the user handed us: one-line errors that name the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from difftest.errors import ConfigError
+
+
+def read_json(path: str | Path, what: str = "file") -> object:
+    """Parsed JSON; a missing or malformed file is a ConfigError naming it (and the line)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {what} not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON in {what} ({e.msg} at line {e.lineno})") from None
