@@ -69,3 +69,22 @@ def test_reports_are_written_per_case(vllm_wired):
         report = vllm_wired.report(case)
         assert report["case"] == case
         assert {r["engine"] for r in report["checks"]} == {"ref", "ref[wiring=vllm]"}
+
+
+@pytest.fixture(scope="module")
+def training_data_run(tmp_path_factory):
+    return run_pytest(project(tmp_path_factory), "cases/seed_training_data.yaml", "--engines=ref,train,ref[wiring=vllm]")
+
+
+def test_seed_training_data_accuracy_is_high_under_the_trainers_wiring(training_data_run):
+    result = training_data_run.outcome("seed_training_data", "train", "train_accuracy")
+    assert result["outcome"] == "passed"
+    assert "dumped tensors = [h0, h2, h4, h8]; trainer fed fc [h0, h2, h4]; verifier = h8 (the final layer)" in result["message"]
+
+
+def test_seed_training_data_accuracy_collapses_under_the_engines_wiring(training_data_run):
+    result = training_data_run.outcome("seed_training_data", "ref[wiring=vllm]", "train_accuracy")
+    assert result["outcome"] == "failed"
+    assert result["message"].startswith("training accuracy collapses under this engine's wiring")
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        assert training_data_run.outcome("seed_training_data", "train", check)["outcome"] == "passed", check

@@ -2,6 +2,8 @@
 
     tiny-llama-train-data                speculators, [h2, h4, h5, h8]: fc [h2, h4, h5], verifier the final layer
     tiny-llama-train-data-miswired       speculators, [h0, h2, h4, h7]: the seed's layout (launch ids [0, 2, 4, 7])
+    tiny-llama-train-data-embed          speculators, [h0, h2, h4, h8]: fc [h0, h2, h4] as the seed's trainer
+                                         fed it, verifier the final layer (what the miswired draft learned)
     tiny-llama-train-data-specforge      SpecForge offline, aux [h2, h4, h5], hidden_state = final_norm
 
 Each holds the shipped cases' prompts (so every case prompt has a sample) and 16 random
@@ -20,6 +22,7 @@ from pathlib import Path
 RECIPES = {
     "tiny-llama-train-data": ("speculators", "h2+h4+h5+h8"),
     "tiny-llama-train-data-miswired": ("speculators", "h0+h2+h4+h7"),
+    "tiny-llama-train-data-embed": ("speculators", "h0+h2+h4+h8"),
     "tiny-llama-train-data-specforge": ("specforge", "h2+h4+h5+final_norm"),
 }
 TARGET = "fixture:tiny-llama"
