@@ -34,6 +34,31 @@ def make_tiny_pair(directory: Path, num_layers: int = 6, seed: int = 0) -> tuple
     return directory / "target", directory / "draft"
 
 
+def make_degenerate_pair(directory: Path, right: bool) -> tuple[Path, Path]:
+    """Target logits are all 0 (final norm weight 0), so greedy always picks token 0. The draft's
+    logits are all 0 too, so it proposes its lowest target id: 0 (always right) or 1 (always wrong)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engines.ref.eagle3 import Eagle3Config
+    from engines.ref.train import init_draft, save_eagle_format
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)  # fmt: skip
+    target = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        target.model.norm.weight.zero_()
+    target.save_pretrained(directory / "target")
+    dcfg = Eagle3Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, vocab_size=512, draft_vocab_size=256, target_hidden_size=128, num_aux=3)  # fmt: skip
+    d2t = torch.arange(256) + (0 if right else 1)  # draft id d -> target id 2d (right) or 2d + 1 (wrong)
+    draft = init_draft(target, dcfg, d2t, seed=1)
+    with torch.no_grad():
+        draft.norm.weight.zero_()
+    save_eagle_format(draft, directory / "draft", [1, 2, 3])
+    return directory / "target", directory / "draft"
+
+
 @dataclass
 class Run:
     returncode: int

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, run_pytest
+from helpers import ROOT, make_degenerate_pair, run_pytest
 
 from difftest.session import cache_root
 
@@ -103,3 +103,54 @@ def test_scheduler_crash_fails_only_sglang_with_its_error_and_leaves_no_processe
     assert len(fc["message"].splitlines()) <= 2, fc["message"]
     assert _marked_processes(marker) == [], "orphan processes after the run"
     shutil.rmtree(cases)
+
+
+# -- engine-reported acceptance on drafts that are always right / always wrong ---------------
+
+K = 3
+COUNTERS_CASE = """\
+target: {target}
+draft: {draft}
+wiring: vllm
+prompts:
+  - ids: [1, 5, 9, 33, 77, 101, 7]
+speculative:
+  num_steps: {k}
+  max_new_tokens: 24
+  prompts:
+    - ids: [1, 5, 9, 33, 77, 101, 7]
+    - ids: [4, 8, 15, 16, 23, 42]
+engines:
+  # SGLang reads id k as h[k+1]; [0, 1, 2] keeps every id capturable on the 4-layer target
+  sglang:
+    draft_config_overrides:
+      eagle_config: {{eagle_aux_hidden_state_layer_ids: [0, 1, 2]}}
+"""
+
+
+@pytest.fixture(scope="module")
+def counters(tmp_path_factory, sglang_python):
+    out = {}
+    for name, right in (("always_right", True), ("always_wrong", False)):
+        root = tmp_path_factory.mktemp(name)
+        t, d = make_degenerate_pair(root / "models", right)
+        (root / "cases").mkdir()
+        (root / "cases" / f"{name}.yaml").write_text(COUNTERS_CASE.format(target=t, draft=d, k=K))
+        _, outcomes = _run(root / "reports", str(root / "cases" / f"{name}.yaml"), sglang_python)
+        out[name] = outcomes[("sglang", "accept_length")]
+    return out
+
+
+def test_sglang_always_right_draft_accepts_k_plus_1(counters):
+    engine = counters["always_right"]["data"]["engine"]
+    assert engine["source"].startswith("sglang meta_info")
+    assert engine["num_verify"] > 0
+    assert engine["accept_length"] == pytest.approx(K + 1), engine
+    assert counters["always_right"]["outcome"] == "passed", counters["always_right"]["message"]
+
+
+def test_sglang_always_wrong_draft_accepts_1(counters):
+    engine = counters["always_wrong"]["data"]["engine"]
+    assert engine["num_verify"] > 0 and engine["num_accepted"] == 0
+    assert engine["accept_length"] == pytest.approx(1.0)
+    assert counters["always_wrong"]["outcome"] == "passed", counters["always_wrong"]["message"]

@@ -12,9 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import ROOT, run_pytest
+from helpers import ROOT, make_degenerate_pair, run_pytest
 
 SETUP = "scripts/setup-engine vllm"
 REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
@@ -89,31 +88,6 @@ def test_seed_case_is_caught_on_vllm(shipped_run):
 K = 3
 
 
-def _degenerate_pair(directory: Path, right: bool) -> tuple[Path, Path]:
-    """Target logits are all 0 (final norm weight 0), so greedy always picks token 0. The draft's
-    logits are all 0 too, so it proposes its lowest target id: 0 (always right) or 1 (always wrong)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engines.ref.eagle3 import Eagle3Config
-    from engines.ref.train import init_draft, save_eagle_format
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)  # fmt: skip
-    target = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        target.model.norm.weight.zero_()
-    target.save_pretrained(directory / "target")
-    dcfg = Eagle3Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=32, vocab_size=512, draft_vocab_size=256, target_hidden_size=128, num_aux=3)  # fmt: skip
-    d2t = torch.arange(256) + (0 if right else 1)  # draft id d -> target id 2d (right) or 2d + 1 (wrong)
-    draft = init_draft(target, dcfg, d2t, seed=1)
-    with torch.no_grad():
-        draft.norm.weight.zero_()
-    save_eagle_format(draft, directory / "draft", [1, 2, 3])
-    return directory / "target", directory / "draft"
-
-
 CASE = """\
 target: {target}
 draft: {draft}
@@ -135,10 +109,10 @@ def counters_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("counters")
     (root / "cases").mkdir()
     for name, right in (("always_right", True), ("always_wrong", False)):
-        t, d = _degenerate_pair(tmp_path_factory.mktemp(name), right)
+        t, d = make_degenerate_pair(tmp_path_factory.mktemp(name), right)
         (root / "cases" / f"{name}.yaml").write_text(CASE.format(target=t, draft=d, k=K, extra=""))
     # a draft whose config promises 2 aux layers while its fc weight takes 3: vLLM must refuse to start
-    t, d = _degenerate_pair(tmp_path_factory.mktemp("bad"), True)
+    t, d = make_degenerate_pair(tmp_path_factory.mktemp("bad"), True)
     bad = "engines:\n  vllm:\n    draft_config_overrides:\n      eagle_config: {eagle_aux_hidden_state_layer_ids: [1, 2]}\n"
     (root / "cases" / "bad_fc.yaml").write_text(CASE.format(target=t, draft=d, k=K, extra=bad))
     env = {"DIFFTEST_CACHE": str(tmp_path_factory.mktemp("cache"))}
