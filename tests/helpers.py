@@ -15,6 +15,33 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
 
+# A two-prompt case over the tiny random pair of make_tiny_pair (format with target=, draft=).
+TINY_CASE = """\
+target: {target}
+draft: {draft}
+wiring: vllm
+prompts:
+  - ids: [1, 5, 9, 33, 77, 101, 7]
+  - ids: [4, 8, 15, 16, 23, 42]
+speculative: {{num_steps: 3, max_new_tokens: 8}}
+"""
+
+# A case for acceptance counters over make_degenerate_pair (format with target=, draft=, k=, extra=).
+COUNTERS_CASE = """\
+target: {target}
+draft: {draft}
+wiring: vllm
+prompts:
+  - ids: [1, 5, 9, 33, 77, 101, 7]
+speculative:
+  num_steps: {k}
+  max_new_tokens: 24
+  prompts:
+    - ids: [1, 5, 9, 33, 77, 101, 7]
+    - ids: [4, 8, 15, 16, 23, 42]
+{extra}"""
+
+
 def make_tiny_pair(directory: Path, num_layers: int = 6, seed: int = 0) -> tuple[Path, Path]:
     """A random Llama target (vocab 512, H=64) and an untrained EAGLE-3 draft (ids [1, 2, 3], draft vocab 256)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, make_degenerate_pair, run_pytest
+from helpers import COUNTERS_CASE, ROOT, make_degenerate_pair, run_pytest
 
 from difftest.session import cache_root
 
@@ -108,23 +108,12 @@ def test_scheduler_crash_fails_only_sglang_with_its_error_and_leaves_no_processe
 # -- engine-reported acceptance on drafts that are always right / always wrong ---------------
 
 K = 3
-COUNTERS_CASE = """\
-target: {target}
-draft: {draft}
-wiring: vllm
-prompts:
-  - ids: [1, 5, 9, 33, 77, 101, 7]
-speculative:
-  num_steps: {k}
-  max_new_tokens: 24
-  prompts:
-    - ids: [1, 5, 9, 33, 77, 101, 7]
-    - ids: [4, 8, 15, 16, 23, 42]
+SGLANG_IDS = """\
 engines:
   # SGLang reads id k as h[k+1]; [0, 1, 2] keeps every id capturable on the 4-layer target
   sglang:
     draft_config_overrides:
-      eagle_config: {{eagle_aux_hidden_state_layer_ids: [0, 1, 2]}}
+      eagle_config: {eagle_aux_hidden_state_layer_ids: [0, 1, 2]}
 """
 
 
@@ -135,7 +124,7 @@ def counters(tmp_path_factory, sglang_python):
         root = tmp_path_factory.mktemp(name)
         t, d = make_degenerate_pair(root / "models", right)
         (root / "cases").mkdir()
-        (root / "cases" / f"{name}.yaml").write_text(COUNTERS_CASE.format(target=t, draft=d, k=K))
+        (root / "cases" / f"{name}.yaml").write_text(COUNTERS_CASE.format(target=t, draft=d, k=K, extra=SGLANG_IDS))
         _, outcomes = _run(root / "reports", str(root / "cases" / f"{name}.yaml"), sglang_python)
         out[name] = outcomes[("sglang", "accept_length")]
     return out

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, make_degenerate_pair, run_pytest
+from helpers import COUNTERS_CASE, ROOT, make_degenerate_pair, run_pytest
 
 SETUP = "scripts/setup-engine vllm"
 REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
@@ -88,19 +88,7 @@ def test_seed_case_is_caught_on_vllm(shipped_run):
 K = 3
 
 
-CASE = """\
-target: {target}
-draft: {draft}
-wiring: vllm
-prompts:
-  - ids: [1, 5, 9, 33, 77, 101, 7]
-speculative:
-  num_steps: {k}
-  max_new_tokens: 24
-  prompts:
-    - ids: [1, 5, 9, 33, 77, 101, 7]
-    - ids: [4, 8, 15, 16, 23, 42]
-{extra}"""
+CASE = COUNTERS_CASE
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import make_tiny_pair, run_pytest
+from helpers import TINY_CASE, make_tiny_pair, run_pytest
 
-CASE = """\
-target: {target}
-draft: {draft}
-wiring: vllm
-prompts:
-  - ids: [1, 5, 9, 33, 77, 101, 7]
-  - ids: [4, 8, 15, 16, 23, 42]
-speculative: {{num_steps: 3, max_new_tokens: 8}}
-"""
+CASE = TINY_CASE
 
 
 @pytest.fixture(scope="module")

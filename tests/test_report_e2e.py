@@ -7,17 +7,9 @@ import re
 
 import pytest
 
-from helpers import make_tiny_pair, run_pytest
+from helpers import TINY_CASE, make_tiny_pair, run_pytest
 
-CASE = """\
-target: {target}
-draft: {draft}
-wiring: vllm
-prompts:
-  - ids: [1, 5, 9, 33, 77, 101, 7]
-  - ids: [4, 8, 15, 16, 23, 42]
-speculative: {{num_steps: 3, max_new_tokens: 8}}
-"""
+CASE = TINY_CASE
 ENGINES = "ref,ref[wiring=sglang],ref[norm_before_residual=true],fake[mode=diverge,golden=no],ref[topk=2,num_draft_tokens=5]"
 
 
