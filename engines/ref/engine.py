@@ -22,10 +22,9 @@ from difftest.capture import Capture
 from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError
-from difftest.names import draft_name
 from difftest.wiring import Wiring, resolve
 from engines.ref.eagle3 import LoadedDraft, load_draft
-from engines.ref.speculate import gather_fc_in, run_draft_chain, simulate_greedy
+from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import load_target, num_layers, run_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,13 +128,8 @@ class RefEngine(Engine):
         tensors["target.final_norm"] = out.final_norm[0]
         tensors["target.logits"] = out.logits[0]
         fc_in = gather_fc_in(out, wiring.inputs)
-        tensors["draft.fc_in"] = fc_in[0]
-
-        def record(step: int, name: str, t: torch.Tensor) -> None:
-            tensors[draft_name(step, name)] = t[0]
-
-        next_ids = torch.tensor([prompt_ids[1:] + [next_token]], dtype=torch.long)
-        drafted = run_draft_chain(loaded.model, fc_in, next_ids, case.num_steps, record)
+        draft_tensors, drafted = capture_draft_chain(loaded.model, fc_in, prompt_ids, next_token, case.num_steps)
+        tensors.update(draft_tensors)
         cfg = loaded.config
         meta = {
             "engine": self.spec.id,
@@ -175,14 +169,9 @@ class RefEngine(Engine):
             raise ConfigError(f"golden fc_in has shape {list(fc_in.shape)}, expected [{len(prompt_ids)}, {width}]")
         out = run_target(target, torch.tensor([prompt_ids], dtype=torch.long))
         next_token = int(out.logits[0, -1].argmax())
-        tensors: dict[str, torch.Tensor] = {"draft.fc_in": fc_in}
-
-        def record(step: int, name: str, t: torch.Tensor) -> None:
-            tensors[draft_name(step, name)] = t[0]
-
-        next_ids = torch.tensor([prompt_ids[1:] + [next_token]], dtype=torch.long)
+        # the reference captured fc_in in the case's dtype already, so the cast changes nothing
         fc = fc_in.to(DTYPES[case.dtype])[None]
-        drafted = run_draft_chain(loaded.model, fc, next_ids, case.num_steps, record)
+        tensors, drafted = capture_draft_chain(loaded.model, fc, prompt_ids, next_token, case.num_steps)
         meta = {"engine": self.spec.id, "golden_input": "reference draft.fc_in", "dtype": case.dtype,
                 "prompt_ids": list(prompt_ids), "draft_tokens": drafted,
                 "target_hidden_size": loaded.config.target_hidden_size}  # fmt: skip

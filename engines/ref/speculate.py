@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from difftest.acceptance import AcceptStats
+from difftest.names import draft_name
 from difftest.errors import ConfigError
 from difftest.wiring import FINAL_NORM, hidden_index
 from engines.ref.eagle3 import Eagle3Draft, KVCache
@@ -101,6 +102,24 @@ def run_draft_chain(
         next_input = target_id[:, None]  # [1, 1]
         hidden = out.hidden_next[:, -1:]  # [1, 1, H]
     return drafted
+
+
+def capture_draft_chain(
+    draft: Eagle3Draft, fc_in: torch.Tensor, prompt_ids: list[int], next_token: int, num_steps: int
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The draft chain in canonical names (`draft.*`, `draft.step{s}.*`, batch dim dropped).
+
+    Step 0 runs over every prompt position: row i pairs the features at i with token i+1,
+    the last row with `next_token` (the target's choice after the prompt).
+    """
+    tensors: dict[str, torch.Tensor] = {"draft.fc_in": fc_in[0]}
+
+    def record(step: int, name: str, t: torch.Tensor) -> None:
+        tensors[draft_name(step, name)] = t[0]
+
+    next_ids = torch.tensor([prompt_ids[1:] + [next_token]], dtype=torch.long)
+    drafted = run_draft_chain(draft, fc_in, next_ids, num_steps, record)
+    return tensors, drafted
 
 
 def _greedy(logits: torch.Tensor) -> list[int]:

@@ -33,11 +33,10 @@ from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError
 from difftest.layer_identity import Identification, identify_against_target, identify_by_statistics
-from difftest.names import draft_name
 from difftest.train_accuracy import RULES, StepCounts, VerifierHead, sample_accuracy
 from difftest.wiring import resolve, short_name
 from engines.ref.eagle3 import LoadedDraft, load_draft
-from engines.ref.speculate import gather_fc_in, run_draft_chain, simulate_greedy
+from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import final_norm_module, load_target, num_layers, run_target
 from engines.trainingdata.formats import Dump, Sample, read_dump
 
@@ -225,13 +224,8 @@ class TrainingDataEngine(Engine):
             next_token = int(head.logits(sample.verifier[-1:], RULES[dump.format])[0].argmax())
             next_src = "the verifier tensor's lm_head top-1"
         fc_in = fc[None, :n].to(dtype)  # [1, n, A*H]
-        tensors["draft.fc_in"] = fc_in[0]
-
-        def record(step: int, name: str, t: torch.Tensor) -> None:
-            tensors[draft_name(step, name)] = t[0]
-
-        next_ids = torch.tensor([prompt_ids[1:] + [next_token]], dtype=torch.long)
-        drafted = run_draft_chain(loaded.model, fc_in, next_ids, case.num_steps, record)
+        draft_tensors, drafted = capture_draft_chain(loaded.model, fc_in, prompt_ids, next_token, case.num_steps)
+        tensors.update(draft_tensors)
         acc = self.accuracy(case, s, dump, ident, loaded, head)
         cfg = loaded.config
         meta = {
