@@ -171,8 +171,24 @@ def ensure_fixtures(names: list[str] | None = None, log: Log = print, force: boo
     wanted = list(NAMES if names is None else names)
     for name in wanted:
         fixture_path(name)  # validates the name
-    order = [n for n in NAMES if n in _with_dependencies(wanted)]
-    paths = {n: fixture_path(n) for n in order}
+    return ensure_built(wanted, NAMES, _BUILDERS, _DEPS, log=log, force=force)
+
+
+def ensure_built(
+    wanted: list[str],
+    known: list[str],
+    builders: dict[str, Callable[[Path, "_Build"], None]],
+    deps: dict[str, list[str]],
+    log: Log = print,
+    force: bool = False,
+) -> dict[str, Path]:
+    """The cache/lock/publish machinery for any provider's fixtures (see ensure_fixtures).
+
+    `known` is the provider's build order, `builders[name](tmp_dir, build)` writes one fixture,
+    `deps[name]` names the fixtures (of the same provider) it needs built first.
+    """
+    order = [n for n in known if n in _with_dependencies(wanted, deps)]
+    paths = {n: fixtures_dir() / n for n in order}
     if not force and all(p.exists() for p in paths.values()):
         return {n: paths[n] for n in wanted}
     root = fixtures_dir()
@@ -188,7 +204,7 @@ def ensure_fixtures(names: list[str] | None = None, log: Log = print, force: boo
             log(f"[fixtures] building {name} ...")
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
             try:
-                _BUILDERS[name](tmp, build)
+                builders[name](tmp, build)
                 os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
                 _publish(tmp, final)
             finally:
@@ -216,14 +232,16 @@ def build_all(force: bool = False) -> None:
     main(["--force"] if force else [])
 
 
-def _with_dependencies(names: list[str]) -> set[str]:
-    deps = {
-        "tiny-qwen3": [],
-        "tiny-llama": [],
-        "tiny-llama-eagle3": ["tiny-llama"],
-        "tiny-llama-eagle3-speculators": ["tiny-llama", "tiny-llama-eagle3"],
-        "tiny-llama-eagle3-miswired": ["tiny-llama"],
-    }
+_DEPS: dict[str, list[str]] = {
+    "tiny-qwen3": [],
+    "tiny-llama": [],
+    "tiny-llama-eagle3": ["tiny-llama"],
+    "tiny-llama-eagle3-speculators": ["tiny-llama", "tiny-llama-eagle3"],
+    "tiny-llama-eagle3-miswired": ["tiny-llama"],
+}
+
+
+def _with_dependencies(names: list[str], deps: dict[str, list[str]] = _DEPS) -> set[str]:
     out: set[str] = set()
     stack = list(names)
     while stack:
@@ -583,10 +601,12 @@ def _train(target, inputs: list[str], build: _Build):
     return draft, time.time() - t0, build.memo["heldout"]
 
 
-def _quality_common(inputs: list[str], layer_ids: list[int], fmt: str, train_time: float) -> dict:
+def _quality_common(
+    inputs: list[str], layer_ids: list[int], fmt: str, train_time: float, target: str = "tiny-llama"
+) -> dict:
     return {
         "version": FIXTURES_VERSION,
-        "target": "tiny-llama",
+        "target": target,
         "format": fmt,
         "train_wiring": inputs,
         "train_wiring_short": _short(inputs),
