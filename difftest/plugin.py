@@ -13,16 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from difftest import baseline as baseline_mod
 from difftest import checks as checks_mod
+from difftest import upgrade as upgrade_mod
 from difftest import report as report_mod
 from difftest.case import Case, load_case
 from difftest.engine import EngineSpec, engine_target, parse_engine_list, parse_spec
+from difftest.envs import project_pythons
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable
 from difftest.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
 RESULTS = pytest.StashKey[dict]()
 CASES = pytest.StashKey[dict]()
+WRITER = pytest.StashKey["baseline_mod.BaselineWriter | None"]()
 
 
 class CheckFailed(Exception):
@@ -39,6 +43,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--engine-timeout", type=float, default=900.0, help="seconds one engine request may take (default 900)")
     g.addoption("--require-engines", action="store_true", help="fail instead of skip when an engine is not installed (CI)")
     g.addoption("--no-capture-cache", action="store_true", help="recapture instead of reusing cached captures")
+    g.addoption("--save-baseline", default=None, metavar="NAME",
+                help="store every engine's captures and accept-length stats as baseline NAME (immutable)")  # fmt: skip
+    g.addoption("--baseline", default=None, metavar="NAME[:ENGINE]",
+                help="compare the engines against stored baseline NAME (it becomes the reference, baseline:NAME)")  # fmt: skip
+    g.addoption("--baseline-dir", default=None, help="where baselines live (default: <rootdir>/baselines)")
+    g.addoption("--force-baseline", "--force", dest="force_baseline", action="store_true",
+                help="let --save-baseline replace an existing baseline")  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,12 +61,24 @@ def pytest_configure(config: pytest.Config) -> None:
             engines.insert(0, reference)
         for spec in engines:
             engine_target(spec.name)
-        pythons = {}
+        # the project file (difftest.toml) first, so --engine-python overrides it
+        pythons = project_pythons(Path(config.rootpath))
         for item in config.getoption("engine_python"):
             name, sep, path = item.partition("=")
             if not sep or not path:
                 raise ConfigError(f"--engine-python: {item!r} is not NAME=PATH")
             pythons[name] = path
+        baseline_dir = Path(config.getoption("baseline_dir") or Path(config.rootpath) / baseline_mod.DEFAULT_DIR)
+        stored = None
+        if config.getoption("baseline"):
+            if config.getoption("reference"):
+                raise ConfigError("--baseline: the baseline is the reference; drop --reference")
+            stored = baseline_mod.BaselineSource(baseline_dir, *baseline_mod.parse_reference(config.getoption("baseline")))
+            reference = stored.spec
+            engines.insert(0, reference)
+        writer = None
+        if config.getoption("save_baseline"):
+            writer = baseline_mod.BaselineWriter(baseline_dir, config.getoption("save_baseline"), config.getoption("force_baseline"))
     except ConfigError as e:
         raise pytest.UsageError(str(e)) from None
     report_dir = Path(config.getoption("report_dir") or Path(config.rootpath) / "reports")
@@ -69,6 +92,9 @@ def pytest_configure(config: pytest.Config) -> None:
         progress=_progress_writer(config),
     )
     config.stash[SESSION] = Session(options)
+    if stored is not None:
+        config.stash[SESSION].add_stored(stored)
+    config.stash[WRITER] = writer
     config.stash[RESULTS] = {}
     config.stash[CASES] = {}
     config._difftest_report_dir = report_dir  # type: ignore[attr-defined]
@@ -118,6 +144,8 @@ class CaseFile(pytest.File):
             is_ref = spec.id == session.options.reference.id
             for check in checks_mod.checks_for(case, is_ref):
                 yield CheckItem.from_parent(self, name=f"{spec.id}::{check}", case=case, spec=spec, check=check)
+            if self.config.stash[WRITER] is not None and not spec.name.startswith(baseline_mod.PREFIX):
+                yield SaveBaselineItem.from_parent(self, name=f"{spec.id}::save_baseline", case=case, spec=spec)
 
 
 class ErrorItem(pytest.Item):
@@ -172,16 +200,71 @@ class CheckItem(pytest.Item):
         return self.path, None, f"{self.case.name}::{self.spec.id}::{self.check}"
 
 
+class SaveBaselineItem(pytest.Item):
+    """Stores one engine's captures and accept stats for --save-baseline (written at session end)."""
+
+    def __init__(self, *, case: Case, spec: EngineSpec, **kwargs):
+        super().__init__(**kwargs)
+        self.case, self.spec = case, spec
+        self.add_marker(pytest.mark.difftest("save_baseline", spec.id))
+
+    def runtest(self) -> None:
+        writer = self.config.stash[WRITER]
+        try:
+            writer.add(self.config.stash[SESSION], self.case, self.spec)
+        except EngineUnavailable as e:
+            writer.problems.append(f"{self.case.name} {self.spec.id}: {e}")
+            if self.config.getoption("require_engines"):
+                raise CheckFailed(f"engine required but unavailable: {e}") from None
+            pytest.skip(str(e))
+        except DifftestError as e:
+            writer.problems.append(f"{self.case.name} {self.spec.id}: {e}")
+            raise CheckFailed(str(e)) from None
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, CheckFailed):
+            return str(excinfo.value)
+        return "internal error in difftest (a harness bug, not an engine divergence):\n" + str(
+            super().repr_failure(excinfo, style)
+        )
+
+    def reportinfo(self):
+        return self.path, None, f"{self.case.name}::{self.spec.id}::save_baseline"
+
+
+def _finish_baseline(session: pytest.Session, writer: baseline_mod.BaselineWriter) -> str:
+    """Commit the staged baseline when every entry was stored; otherwise leave nothing behind."""
+    if writer.problems or not writer.entries:
+        writer.discard()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        why = writer.problems[0] if writer.problems else "nothing was stored (no case collected)"
+        return f"baseline {writer.name!r} NOT written: {why}"
+    try:
+        path = writer.commit()
+    except (ConfigError, OSError) as e:
+        writer.discard()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        return f"baseline {writer.name!r} NOT written: {e}"
+    n = sum(len(c["engines"]) for c in writer.entries.values())
+    return f"baseline {writer.name!r} written: {path} ({n} case x engine entries, {writer.size() / 1024:.0f} KiB)"
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     config = session.config
     if SESSION not in config.stash:
         return
     report_dir = config._difftest_report_dir  # type: ignore[attr-defined]
-    written = []
+    written, rows = [], []
     for path, results in config.stash[RESULTS].items():
         case = config.stash[CASES][path]
-        written.append(report_mod.write(report_mod.build(case, config.stash[SESSION], results), report_dir))
+        report = report_mod.build(case, config.stash[SESSION], results)
+        written.append(report_mod.write(report, report_dir))
+        rows += upgrade_mod.summarise(report, report_dir)
     config._difftest_written = written  # type: ignore[attr-defined]
+    config._difftest_summary = rows  # type: ignore[attr-defined]
+    writer = config.stash.get(WRITER, None)
+    if writer is not None:
+        config._difftest_baseline = _finish_baseline(session, writer)  # type: ignore[attr-defined]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
@@ -190,3 +273,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         terminalreporter.write_sep("-", "difftest reports")
         for p in written:
             terminalreporter.write_line(str(p))
+    rows = getattr(config, "_difftest_summary", [])
+    if rows:
+        terminalreporter.write_sep("-", "difftest summary (accept length AL: accepted draft tokens + 1 per verify step)")
+        for line in upgrade_mod.render(rows):
+            terminalreporter.write_line(line)
+    baseline = getattr(config, "_difftest_baseline", None)
+    if baseline:
+        terminalreporter.write_sep("-", "difftest baseline")
+        terminalreporter.write_line(baseline)

@@ -68,6 +68,12 @@ class Session:
         self._captures: dict[tuple, Capture] = {}
         self._stats: dict[tuple, AcceptStats] = {}
         self._diffs: dict[tuple, list[CaptureDiff]] = {}
+        # spec id -> a stored run standing in for an engine (difftest.baseline.BaselineSource)
+        self._stored: dict[str, object] = {}
+
+    def add_stored(self, source) -> None:
+        """Serve `source.spec` from disk (captures, accept stats, info) instead of a worker."""
+        self._stored[source.spec.id] = source
 
     # -- engines ---------------------------------------------------------------------
     def python_for(self, spec: EngineSpec) -> str:
@@ -154,12 +160,24 @@ class Session:
             self._prompts[key] = out
         return self._prompts[key]
 
+    def engine_case(self, case: Case, spec: EngineSpec) -> Case:
+        """What the worker of `spec` is sent: a labelled spec's case section `engines["NAME@LABEL"]`
+        overrides `engines[NAME]` key by key, so two labels of one engine can run with different
+        settings (e.g. `sglang@new: {draft_config_overrides: ...}` simulating a changed release)."""
+        if not spec.label or spec.key not in case.engines:
+            return case
+        merged = {**case.engines.get(spec.name, {}), **case.engines[spec.key]}
+        return dataclasses.replace(case, engines={**case.engines, spec.name: merged})
+
     # -- results ---------------------------------------------------------------------
     def capture(self, case: Case, spec: EngineSpec, index: int) -> Capture:
         case = self.prepare(case)
         ids = self.prompt_ids(case)[index]
         memo = (case.path, spec.id, index)
+        if memo not in self._captures and spec.id in self._stored:
+            self._captures[memo] = self._stored[spec.id].capture(case, index)
         if memo not in self._captures:
+            case = self.engine_case(case, spec)
             client = self.client(spec)
             key = cache_key("capture", spec.id, client.info["version"], case.fingerprint(), ids)
             cached = self.cache.get(key) if self.options.use_cache else None
@@ -184,6 +202,7 @@ class Session:
             ids = self.prompt_ids(case)[index]
             ref_key = cache_key("capture", self.options.reference.id, self.engine_info(self.options.reference)["version"],
                                 case.fingerprint(), ids)  # fmt: skip
+            case = self.engine_case(case, spec)
             key = cache_key("golden", spec.id, client.info["version"], ref_key)
             cached = self.cache.get(key) if self.options.use_cache else None
             if cached is None:
@@ -208,7 +227,10 @@ class Session:
     def speculate(self, case: Case, spec: EngineSpec) -> AcceptStats:
         case = self.prepare(case)
         memo = (case.path, spec.id)
+        if memo not in self._stats and spec.id in self._stored:
+            self._stats[memo] = self._stored[spec.id].speculate(case)
         if memo not in self._stats:
+            case = self.engine_case(case, spec)
             client = self.client(spec)
             prompts = self.prompt_ids(case, speculative=True)
             key = cache_key("speculate", spec.id, client.info["version"], case.fingerprint(), prompts)
@@ -246,6 +268,8 @@ class Session:
         return {engine_id: diffs for (path, engine_id), diffs in self._diffs.items() if path == case.path}
 
     def engine_info(self, spec: EngineSpec) -> dict | None:
+        if spec.id in self._stored:
+            return self._stored[spec.id].info
         c = self._clients.get(spec.id)
         return c.info if c else None
 
