@@ -2,6 +2,8 @@
 
     difftest fixtures [--force]                  build the built-in tiny models (cached)
     difftest run [CASES...] --engines=ref,...    run cases through the pytest plugin, write reports
+                 [--save-baseline NAME [--force] | --baseline NAME]   golden baselines (difftest.baseline)
+    difftest env create ENGINE[==VERSION] [--label L]   an engine environment for --engines=ENGINE@L
     difftest train-acc --data DIR --draft D --target T [--wiring vllm ...]   training accuracy, wirings side by side
     difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
     difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
@@ -37,7 +39,29 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         argv.append(f"--report-dir={args.report_dir}")
     for item in args.engine_python:
         argv.append(f"--engine-python={item}")
+    for option in ("save_baseline", "baseline", "baseline_dir"):
+        if getattr(args, option):
+            argv.append(f"--{option.replace('_', '-')}={getattr(args, option)}")
+    if args.force:
+        argv.append("--force-baseline")
     return int(pytest.main(argv + extra))
+
+
+def _env_parsers(sub) -> None:
+    """`env create`: build an engine environment at a chosen version (difftest.envs)."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from difftest import envs
+
+        return envs.main(args)
+
+    e = sub.add_parser("env", help="engine environments for versioned specs (NAME@LABEL)")
+    esub = e.add_subparsers(dest="env_command", required=True)
+    c = esub.add_parser("create", help="build ENGINE[==VERSION] once in the user cache and link envs/ENGINE@LABEL")
+    c.add_argument("requirement", help="sglang, sglang==0.5.23, vllm==0.32.0 (default version: the pinned one)")
+    c.add_argument("--label", default=None, help="the spec label it answers to (default: the version)")
+    c.add_argument("--dry-run", action="store_true", help="print the plan (directory, version, link) and build nothing")
+    c.set_defaults(handler=handler)
 
 
 def _training_data_parsers(sub) -> None:
@@ -114,10 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--reference", default=None)
     r.add_argument("--report-dir", default=None)
     r.add_argument("--engine-python", action="append", default=[], metavar="NAME=PATH")
+    r.add_argument("--save-baseline", default=None, metavar="NAME", help="store this run as baseline NAME")
+    r.add_argument("--baseline", default=None, metavar="NAME[:ENGINE]", help="compare against baseline NAME")
+    r.add_argument("--baseline-dir", default=None, help="where baselines live (default: ./baselines)")
+    r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
     _training_data_parsers(sub)
+    _env_parsers(sub)
     _report_parsers(sub)
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("train-acc", "dump", "report", "bundle"):
+    if args.command in ("train-acc", "dump", "report", "bundle", "env"):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)
