@@ -378,6 +378,13 @@ def parse_config(raw: dict, path: Path) -> Eagle3Config:
     )
 
 
+def build_draft(cfg: Eagle3Config) -> Eagle3Draft:
+    """The module a config describes: MLA attention (eagle3_mla.py) for an Eagle3MLAConfig, else Llama's."""
+    from engines.ref.eagle3_mla import Eagle3MLAConfig, Eagle3MLADraft
+
+    return Eagle3MLADraft(cfg) if isinstance(cfg, Eagle3MLAConfig) else Eagle3Draft(cfg)
+
+
 @dataclass
 class LoadedDraft:
     model: Eagle3Draft
@@ -393,7 +400,13 @@ def load_draft(
     dtype: torch.dtype = torch.float32,
 ) -> LoadedDraft:
     model_dir = Path(model_dir)
-    cfg = parse_config(read_json(model_dir / "config.json"), model_dir / "config.json")
+    raw_config = read_json(model_dir / "config.json")
+    from engines.ref.eagle3_mla import is_mla_config, parse_mla_config  # builds on this module
+
+    if is_mla_config(raw_config):  # architectures names Eagle3DeepseekV2ForCausalLM (the Kimi-K2.5 family)
+        cfg = parse_mla_config(raw_config, model_dir / "config.json")
+    else:
+        cfg = parse_config(raw_config, model_dir / "config.json")
     raw = {_canonical_key(k): v for k, v in load_state_dict(model_dir).items()}
     notes: list[str] = []
     shared: list[str] = []
@@ -406,7 +419,7 @@ def load_draft(
             f"{model_dir}: fc.weight has in_features {fc_w.shape[1]}, expected num_aux({cfg.num_aux}) x "
             f"target_hidden_size({cfg.target_hidden_size}) = {expected}"
         )
-    model = Eagle3Draft(cfg)
+    model = build_draft(cfg)
     if "embed_tokens.weight" not in raw:
         if target_embed is None:
             raise ConfigError(f"{model_dir}: no embed_tokens.weight and no target embedding to share")

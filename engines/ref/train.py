@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from engines.ref.eagle3 import Eagle3Config, Eagle3Draft, KVCache
+from engines.ref.eagle3 import Eagle3Config, Eagle3Draft, KVCache, build_draft
 from engines.ref.speculate import gather_fc_in
 from engines.ref.target import run_target
 
@@ -121,7 +121,7 @@ def ttt_forward(
 def init_draft(target_model, cfg: Eagle3Config, d2t: torch.Tensor, seed: int) -> Eagle3Draft:
     """A fresh draft: seeded default init, frozen copy of the target embedding, lm_head from the target's rows."""
     torch.manual_seed(seed)
-    draft = Eagle3Draft(cfg)
+    draft = build_draft(cfg)  # Llama or MLA attention, as the config says
     with torch.no_grad():
         draft.d2t.copy_(d2t)
         draft.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight.float())
