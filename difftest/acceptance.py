@@ -24,6 +24,7 @@ class AcceptStats:
     num_prompts: int = 0
     source: str = ""  # e.g. "ref simulation" or "vllm counters"
     definition: str = DEFINITION
+    outputs: list[list[int]] = field(default_factory=list)  # generated token ids per prompt, where the engine returns them
 
     @property
     def accept_length(self) -> float:
@@ -54,6 +55,7 @@ class AcceptStats:
             [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
             self.num_prompts + other.num_prompts,
             self.source or other.source,
+            outputs=self.outputs + other.outputs,
         )
 
 

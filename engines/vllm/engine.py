@@ -58,6 +58,7 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError, EngineUnavailable
 from difftest.names import draft_name
 from difftest.session import cache_root
+from engines.vllm import compat
 
 PINNED = "0.32.0"  # the version whose internals engines/vllm/hooks.py names
 SETUP = "scripts/setup-engine vllm"
@@ -155,6 +156,7 @@ class VllmEngine(Engine):
         self._wiring: dict = {}
         self._vllm = None
         self._failed: dict[str, EngineError] = {}  # settings -> why vLLM would not start: not retried
+        self._compat: list[str] = []  # compatibility measures the running engine was started with
 
     # -- environment -----------------------------------------------------------------
     def _lib(self):
@@ -226,8 +228,17 @@ class VllmEngine(Engine):
         draft = s["draft"]
         if s["draft_config_overrides"]:
             draft = str(self._overlay(draft, s["draft_config_overrides"]))
+        target_cfg = _read_config(s["target"])
+        _refuse_unreachable_ids(target_cfg, s["target"], draft)
         # vllm.envs reads VLLM_CPU_KVCACHE_SPACE when the engine sizes its cache
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s["kv_cache_space_gib"])
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        has_amx = on_cpu and current_platform.get_cpu_architecture().name == "X86" and torch.cpu._is_amx_tile_supported()
+        measures = compat.needed(target_cfg, on_cpu, has_amx, s["dtype"], s["llm_args"])
+        compat.apply(measures)
+        self._compat = [compat.DESCRIPTIONS[m] for m in measures]
         speculative = {"method": "eagle3", "model": draft, "num_speculative_tokens": s["num_speculative_tokens"]}
         speculative.update(s["speculative_config"])
         kwargs = dict(
@@ -246,6 +257,10 @@ class VllmEngine(Engine):
             speculative_config=speculative,
         )
         kwargs.update(s["llm_args"])
+        if compat.ROPE_NATIVE in measures:
+            kwargs = compat.with_native_rope(kwargs)
+        if compat.CPU_MLA in measures:
+            kwargs["attention_backend"] = "CPU_MLA"
         print(f"[difftest.vllm] starting vllm {vllm.__version__}: {kwargs}", file=sys.stderr, flush=True)
         started = time.time()
         try:
@@ -384,6 +399,7 @@ class VllmEngine(Engine):
                 "verifier": None,
             },
             "partial": partial,
+            "compat": list(self._compat),
             "settings": {k: v for k, v in s.items() if k not in ("target", "draft")},
             "draft_config": {
                 "norm_before_fc": w["norm_before_fc"],
@@ -434,6 +450,7 @@ class VllmEngine(Engine):
             accepted_per_pos=[int(x) for x in per_pos],
             num_prompts=len(prompts),
             source=f"vllm {self.info().version} counters",
+            outputs=[list(r.outputs[0].token_ids) for r in res],
         )
         agree = per_request and (req_verify, req_accepted) == (stats.num_verify, stats.num_accepted)
         print(f"[difftest.vllm] speculate: counters {delta} per_pos {per_pos}; per request accept lengths "
@@ -444,6 +461,46 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         self._shutdown()
+
+
+def _read_config(checkpoint: str) -> dict:
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        return {}  # not a local checkpoint: vLLM reports what it cannot load
+    from difftest.jsonfile import read_json
+
+    return read_json(path, "target config")
+
+
+def vllm_aux_layer_ids(draft_cfg: dict) -> list[int] | None:
+    """The ids vLLM 0.32.0 reads from a draft config: the top-level key if truthy, else eagle_config's
+    (v1/worker/gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config)."""
+    ids = draft_cfg.get("eagle_aux_hidden_state_layer_ids")
+    if not ids and isinstance(draft_cfg.get("eagle_config"), dict):
+        ids = draft_cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    return [int(i) for i in ids] if isinstance(ids, (list, tuple)) and ids else None
+
+
+def _refuse_unreachable_ids(target_cfg: dict, target: str, draft: str) -> None:
+    """vLLM's DeepSeek model cannot capture id 0 (the embedding): model_executor/models/deepseek_v2.py
+    ::DeepseekV2Model.forward computes `hidden_states + residual` for an aux layer before calling the
+    layer, and residual is None before layer 0, so the first prefill dies with a TypeError deep in the
+    engine. Refuse before starting, naming vLLM's convention (id k = target.h.k)."""
+    if not compat.is_deepseek(target_cfg):
+        return
+    path = Path(draft) / "config.json"
+    if not path.is_file():
+        return
+    from difftest.jsonfile import read_json
+
+    ids = vllm_aux_layer_ids(read_json(path, "draft config"))
+    if ids and 0 in ids:
+        arch = (compat.text_config(target_cfg).get("architectures") or ["DeepseekV3ForCausalLM"])[0]
+        raise EngineError(
+            f"vllm {PINNED} cannot feed aux layer id 0 of {path} (eagle_aux_hidden_state_layer_ids {ids}): "
+            f"vLLM reads id k as target.h.k, and id 0 is the embedding (target.h.0), which its {arch} "
+            "(deepseek_v2.py DeepseekV2Model.forward: residual is None before layer 0) cannot capture"
+        )
 
 
 def _has_dist(metadata, name: str) -> bool:
