@@ -1,0 +1,171 @@
+"""Golden baselines (difftest.baseline): `--save-baseline NAME` writes one, immutable and atomic;
+`--baseline NAME` makes it the reference. Black-box through `pytest cases/` with the ref engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from difftest.baseline import SCHEMA, BaselineSource, BaselineWriter
+from difftest.errors import ConfigError
+from helpers import TINY_CASE, make_tiny_pair, run_pytest
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    return make_tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")  # shared: later runs reuse the captures
+
+
+def project(root: Path, models, **fmt) -> Path:
+    (root / "cases").mkdir(parents=True, exist_ok=True)
+    target, draft = models
+    (root / "cases" / "tiny.yaml").write_text(TINY_CASE.format(target=target, draft=draft, **fmt))
+    return root
+
+
+def run(root: Path, cache: Path, *args: str):
+    return run_pytest(root, "cases/", *args, env={"DIFFTEST_CACHE": str(cache)})
+
+
+@pytest.fixture(scope="module")
+def saved(models, cache, tmp_path_factory):
+    root = project(tmp_path_factory.mktemp("saved"), models)
+    result = run(root, cache, "--engines=ref", "--save-baseline", "v1")
+    assert result.returncode == 0, result.output
+    return result
+
+
+def manifest(root: Path, name: str = "v1") -> dict:
+    return json.loads((root / "baselines" / name / "manifest.json").read_text())
+
+
+def test_saved_baseline_manifest_records_versions_device_dtype_and_git_sha(saved):
+    m = manifest(saved.root)
+    assert m["schema"] == SCHEMA and m["name"] == "v1"
+    assert set(m["harness"]) == {"difftest", "python", "platform", "torch", "transformers"}
+    assert m["git_sha"] and not m["git_sha"].startswith("unknown")
+    entry = m["cases"]["tiny"]
+    assert len(entry["fingerprint"]) == 16
+    assert entry["prompts"] == [[1, 5, 9, 33, 77, 101, 7], [4, 8, 15, 16, 23, 42]]
+    ref = entry["engines"]["ref"]
+    assert (ref["device"], ref["dtype"], ref["info"]["name"]) == ("cpu", "float32", "ref")
+    assert ref["info"]["version"].startswith("difftest-")
+
+
+def test_saved_baseline_stores_every_prompt_capture_and_the_accept_stats(saved):
+    ref = manifest(saved.root)["cases"]["tiny"]["engines"]["ref"]
+    tensors = load_file(str(saved.root / "baselines" / "v1" / ref["file"]))
+    assert len(ref["captures"]) == 2
+    for i, stored in enumerate(ref["captures"]):
+        assert sorted(k for k in tensors if k.startswith(f"p{i}/")) == sorted(f"p{i}/{n}" for n in stored["tensors"])
+        assert "draft.fc_in" in stored["tensors"] and "target.h.0" in stored["tensors"]
+    assert ref["accept"]["num_verify"] > 0
+    assert ref["accept"]["accept_length"] == ref["accept"]["num_accepted"] / ref["accept"]["num_verify"] + 1
+    assert ref["bytes"] == (saved.root / "baselines" / "v1" / ref["file"]).stat().st_size
+
+
+def test_saved_baseline_reports_its_size(saved):
+    size = sum(f.stat().st_size for f in (saved.root / "baselines" / "v1").rglob("*") if f.is_file())
+    assert f"baseline 'v1' written: {saved.root / 'baselines' / 'v1'} (1 case x engine entries, {size / 1024:.0f} KiB)" in saved.output
+
+
+def test_saving_leaves_no_staging_directory(saved):
+    assert [p.name for p in (saved.root / "baselines").iterdir()] == ["v1"]
+
+
+def test_existing_baseline_is_refused_without_force(saved, cache):
+    before = (saved.root / "baselines" / "v1" / "manifest.json").read_bytes()
+    result = run(saved.root, cache, "--engines=ref", "--save-baseline", "v1")
+    assert result.returncode == 4  # pytest's usage error: nothing ran
+    assert (f"ERROR: {saved.root / 'baselines' / 'v1'}: baseline 'v1' already exists and baselines are immutable; "
+            "choose another name or pass --force to replace it") in result.output  # fmt: skip
+    assert (saved.root / "baselines" / "v1" / "manifest.json").read_bytes() == before
+
+
+def test_force_replaces_an_existing_baseline(models, cache, tmp_path):
+    root = project(tmp_path, models)
+    assert run(root, cache, "--engines=ref", "--save-baseline", "v1").returncode == 0
+    (root / "baselines" / "v1" / "marker").write_text("from the first baseline")
+    result = run(root, cache, "--engines=ref,ref@two", "--save-baseline", "v1", "--force")
+    assert result.returncode == 0, result.output
+    assert sorted(manifest(root)["cases"]["tiny"]["engines"]) == ["ref", "ref@two"]
+    assert not (root / "baselines" / "v1" / "marker").exists()
+    assert [p.name for p in (root / "baselines").iterdir()] == ["v1"]
+
+
+def test_baseline_is_not_written_when_an_engine_cannot_be_stored(models, cache, tmp_path):
+    root = project(tmp_path, models)
+    result = run(root, cache, "--engines=ref,fake[mode=unavailable]", "--save-baseline", "v2")
+    assert result.returncode == 1
+    assert "baseline 'v2' NOT written: tiny fake[mode=unavailable]: fake: not installed" in result.output
+    assert list((root / "baselines").iterdir()) == []
+
+
+def test_baseline_is_the_reference_in_item_ids_and_reports(saved, cache):
+    result = run(saved.root, cache, "--engines=ref", "--baseline", "v1", "-v")
+    assert result.returncode == 0, result.output
+    assert "cases/tiny.yaml::baseline:v1::capture PASSED" in result.output
+    assert "cases/tiny.yaml::ref::fc_inputs PASSED" in result.output
+    report = result.report("tiny")
+    assert report["reference"] == "baseline:v1"
+    assert report["engines"]["baseline:v1"]["info"]["baseline"]["engines"] == {"ref": manifest(saved.root)["cases"]["tiny"]["engines"]["ref"]["info"]["version"]}
+
+
+def test_unchanged_engine_against_its_baseline_is_same(saved, cache):
+    result = run(saved.root, cache, "--engines=ref", "--baseline", "v1")
+    row = next(ln for ln in result.output.splitlines() if ln.startswith("tiny ") and " ref " in ln).split()
+    assert row[:3] == ["tiny", "ref", "baseline:v1"]
+    assert row[3] == row[4]  # reference and engine accept length
+    assert row[5:8] == ["-", "same", str(saved.root / "reports" / "tiny.html")]
+
+
+def test_miswired_engine_against_the_baseline_regresses_at_fc_chunk_0(saved, cache):
+    result = run(saved.root, cache, "--engines=ref[wiring=sglang]", "--baseline", "v1")
+    assert result.outcome("tiny", "ref[wiring=sglang]", "fc_inputs")["data"]["tensor"] == "draft.fc_in.0"
+    line = next(ln for ln in result.output.splitlines() if ln.startswith("tiny ") and "ref[wiring=sglang]" in ln)
+    assert "draft.fc_in.0 (prompt 0)  regressed" in line
+
+
+def test_changed_case_is_refused_against_the_baseline(saved, models, cache, tmp_path):
+    root = project(tmp_path, models)
+    case = root / "cases" / "tiny.yaml"
+    case.write_text(case.read_text().replace("max_new_tokens: 8", "max_new_tokens: 9"))
+    shutil.copytree(saved.root / "baselines", root / "baselines")
+    result = run(root, cache, "--engines=ref", "--baseline", "v1")
+    message = result.outcome("tiny", "baseline:v1", "capture")["message"]
+    assert message.startswith(f"{root / 'baselines' / 'v1' / 'manifest.json'}: case 'tiny' changed since the baseline was saved")
+    assert message.endswith("case settings or checkpoint contents); save a new baseline") and "\n" not in message
+
+
+def test_missing_baseline_is_a_usage_error_listing_the_saved_ones(saved, cache):
+    result = run(saved.root, cache, "--engines=ref", "--baseline", "v9")
+    assert result.returncode == 4
+    assert f"ERROR: --baseline: no baseline 'v9' in {saved.root / 'baselines'} (found: v1)" in result.output
+
+
+# -- units ---------------------------------------------------------------------------------------
+def test_writer_refuses_an_existing_name(tmp_path):
+    (tmp_path / "v1").mkdir()
+    with pytest.raises(ConfigError, match=r"baseline 'v1' already exists and baselines are immutable"):
+        BaselineWriter(tmp_path, "v1")
+
+
+def test_writer_refuses_a_name_that_is_not_a_directory_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--save-baseline: baseline name '\.\./x' must be letters, digits"):
+        BaselineWriter(tmp_path, "../x")
+
+
+def test_baseline_with_another_schema_is_refused(tmp_path):
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "manifest.json").write_text('{"schema": "difftest.capture/1"}')
+    with pytest.raises(ConfigError, match=r"manifest.json: schema 'difftest.capture/1', expected 'difftest.baseline/1'$"):
+        BaselineSource(tmp_path, "v1")
