@@ -41,7 +41,7 @@ def deepseek_v3_config():
     return cfg
 
 
-def build_deepseek_target(directory: Path, seed: int = 0, zero_final_norm: bool = False):
+def build_random_deepseek_target(directory: Path, seed: int = 0, zero_final_norm: bool = False):
     """A random DeepseekV3ForCausalLM saved as safetensors; weights scaled so that layers matter
     (default init leaves a 6-layer tiny model close to its embedding)."""
     from transformers import DeepseekV3ForCausalLM
@@ -80,7 +80,7 @@ def make_deepseek_pair(directory: Path, layer_ids: list[int], degenerate: str | 
     from engines.ref.train import init_draft, save_eagle_format
 
     directory.mkdir(parents=True, exist_ok=True)
-    target = build_deepseek_target(directory / "target", seed, zero_final_norm=degenerate is not None)
+    target = build_random_deepseek_target(directory / "target", seed, zero_final_norm=degenerate is not None)
     dcfg = Eagle3Config(hidden_size=HIDDEN, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=32, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=HIDDEN,
                         num_aux=len(layer_ids))  # fmt: skip
