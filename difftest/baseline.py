@@ -33,7 +33,7 @@ from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
 from difftest.case import Case
 from difftest.engine import EngineSpec
-from difftest.errors import ConfigError, DifftestError
+from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
 
 SCHEMA = "difftest.baseline/1"
@@ -220,6 +220,7 @@ class BaselineSource:
             raise ConfigError(f"{manifest_path}: schema {got!r}, expected {SCHEMA!r}")
         self.spec = EngineSpec(PREFIX + name + (f":{engine}" if engine else ""))
         self._tensors: dict[str, dict] = {}
+        self._fingerprints: dict[str, str] = {}  # case path -> fingerprint: hashing checkpoints once per run
 
     @property
     def info(self) -> dict:
@@ -234,7 +235,9 @@ class BaselineSource:
         c = self.manifest["cases"].get(case.name)
         if c is None:
             raise ConfigError(f"{where}: no entry for case {case.name!r} (saved: {', '.join(sorted(self.manifest['cases'])) or 'none'})")
-        fp = case_fingerprint(case)
+        if case.path not in self._fingerprints:
+            self._fingerprints[case.path] = case_fingerprint(case)
+        fp = self._fingerprints[case.path]
         if c["fingerprint"] != fp:
             raise ConfigError(f"{where}: case {case.name!r} changed since the baseline was saved (fingerprint "
                               f"{c['fingerprint']} != {fp}: case settings or checkpoint contents); save a new baseline")  # fmt: skip
@@ -260,7 +263,7 @@ class BaselineSource:
             file = self.path / e["file"]
             try:
                 self._tensors[key] = load_file(str(file))
-            except (OSError, DifftestError, Exception) as err:  # safetensors raises its own error types
+            except Exception as err:  # noqa: BLE001 -- safetensors raises its own (Rust-side) error types
                 raise ConfigError(f"{file}: unreadable baseline tensors ({err})") from None
         flat, stored = self._tensors[key], e["captures"][index]
         missing = [n for n in stored["tensors"] if f"p{index}/{n}" not in flat]
