@@ -62,48 +62,71 @@ def _elementwise(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> 
     }
 
 
-def _softmax(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-row distribution metrics of full logits rows: the rank of the reference's top-1 in
-    the engine's row (0: it is also the engine's top-1; ties count for it, and among tied
-    reference maxima the one the engine likes best is taken), KL(P_ref || P_engine) and total
-    variation. No argmax/gather: Inductor does not vectorise them (10x the rest on CPU)."""
-    a, b = a.float(), b.float()
-    ma, mb = a.amax(-1, keepdim=True), b.amax(-1, keepdim=True)
-    at = torch.where(a == ma, b, -torch.inf).amax(-1, keepdim=True)  # the engine's logit at the reference's top-1
-    rank = (b > at).sum(-1)
-    la = a - (ma + (a - ma).exp().sum(-1, keepdim=True).log())  # log_softmax, written out so it fuses
-    lb = b - (mb + (b - mb).exp().sum(-1, keepdim=True).log())
-    pa, pb = la.exp(), lb.exp()
-    kl = torch.where(pa > 0, pa * (la - lb), 0.0).sum(-1)  # -inf - -inf where pa == 0 is masked
-    tv = 0.5 * (pa - pb).abs().sum(-1)
-    return {"rank": rank, "kl": kl, "tv": tv}
+# Softmax metrics of full logits rows: the rank of the reference's top-1 in the engine's row
+# (0: it is also the engine's top-1; ties count for it, and among tied reference maxima the one
+# the engine likes best is taken), KL(P_ref || P_engine) and total variation. Three passes over
+# a row, each one fused loop that materialises nothing (Inductor would otherwise schedule one
+# loop per reduction and store a float32 softmax block):
+#   1. the row maxima, fused with the elementwise statistics (_first_pass),
+#   2. the softmax denominators S, the engine's logit at the reference's top-1, and
+#      W = sum exp(a - max a) * (a - b), which gives KL without a normalised pass:
+#      KL = sum p_a (log p_a - log p_b) = W / S_a - (lse_a - lse_b)   (_sums),
+#   3. the rank and total variation, which need the denominators (_rank_tv).
+# No argmax/gather: Inductor does not vectorise them (10x the rest on CPU).
 
 
-def _fused(a, b, atol: float, rtol: float, logits: bool):
+def _first_pass(a, b, atol: float, rtol: float, logits: bool) -> dict[str, torch.Tensor]:
     out = _elementwise(a, b, atol, rtol)
     if logits:
-        out.update(_softmax(a, b))
+        out["ma"], out["mb"] = a.float().amax(-1), b.float().amax(-1)
+    return out
+
+
+def _sums(a, b, ma, mb) -> dict[str, torch.Tensor]:
+    a, b = a.float(), b.float()
+    ea = (a - ma).exp()
+    return {
+        "sa": ea.sum(-1),
+        "sb": (b - mb).exp().sum(-1),
+        "w": torch.where(ea > 0, ea * (a - b), 0.0).sum(-1),  # 0 * inf where p_ref == 0 is masked
+        "at": torch.where(a == ma, b, -torch.inf).amax(-1),  # the engine's logit at the reference's top-1
+    }
+
+
+def _rank_tv(a, b, lse_a, lse_b, at) -> dict[str, torch.Tensor]:
+    a, b = a.float(), b.float()
+    return {"rank": (b > at).sum(-1), "tv": 0.5 * ((a - lse_a).exp() - (b - lse_b).exp()).abs().sum(-1)}
+
+
+def _softmax_rest(a, b, ma, mb, sums, rank_tv) -> dict[str, torch.Tensor]:
+    """Passes 2 and 3 for one row block whose maxima are known; float64 results on CPU."""
+    s = sums(a, b, ma[:, None], mb[:, None])
+    lse_a, lse_b = ma + s["sa"].log(), mb + s["sb"].log()
+    out = _cpu(rank_tv(a, b, lse_a[:, None], lse_b[:, None], s["at"][:, None]))
+    w, sa = s["w"].double().cpu(), s["sa"].double().cpu()
+    kl = w / sa - (lse_a.double().cpu() - lse_b.double().cpu())
+    out["kl"] = kl.clamp_min(0.0)  # >= 0 in exact arithmetic; float32 sums may dip just below
     return out
 
 
 CHUNK = 1 << 20  # elements per eager block
 COMPILE_MIN = 1 << 24  # tensors at least this large take the compiled path
-COMPILED_BLOCK = 1 << 23  # elements per compiled call: Inductor materialises one float32 row block (32 MiB)
+COMPILED_BLOCK = 1 << 23  # elements per compiled call (bf16: 16 MiB per tensor, well inside L3)
 
 
 @dataclass
 class _Compiled:
-    fn: object = None
+    fns: tuple | None = None
     error: str | None = None
 
 
 _COMPILED = _Compiled()
 
 
-def _compiled_fn():
-    if _COMPILED.fn is None and _COMPILED.error is None:
-        _COMPILED.fn = torch.compile(_fused, dynamic=True)
-    return _COMPILED.fn
+def _compiled_fns() -> tuple:
+    if _COMPILED.fns is None and _COMPILED.error is None:
+        _COMPILED.fns = tuple(torch.compile(f, dynamic=True) for f in (_first_pass, _sums, _rank_tv))
+    return _COMPILED.fns
 
 
 def row_stats(a2: torch.Tensor, b2: torch.Tensor, atol: float, rtol: float, logits: bool,
@@ -126,9 +149,17 @@ def _cpu(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _row_stats_compiled(a2, b2, atol, rtol, logits):
-    fn = _compiled_fn()
+    first, sums, rank_tv = _compiled_fns()
     rows = max(1, COMPILED_BLOCK // max(a2.shape[1], 1))
-    parts = [_cpu(fn(a2[r : r + rows], b2[r : r + rows], atol, rtol, logits)) for r in range(0, a2.shape[0], rows)]
+    parts = []
+    for r in range(0, a2.shape[0], rows):
+        a, b = a2[r : r + rows], b2[r : r + rows]
+        part = first(a, b, atol, rtol, logits)
+        if logits:
+            ma, mb = part.pop("ma"), part.pop("mb")
+            parts.append({**_cpu(part), **_softmax_rest(a, b, ma, mb, sums, rank_tv)})
+        else:
+            parts.append(_cpu(part))
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -150,8 +181,11 @@ def _row_stats_eager(a2, b2, atol, rtol, logits, chunk):
             merged = part if merged is None else _merge_columns(merged, part)
     if logits:
         rows = max(1, chunk // max(C, 1))  # one full row at least: softmax needs the whole row
-        soft = [_cpu(_softmax(a2[r : r + rows], b2[r : r + rows])) for r in range(0, R, rows)]
-        merged.update({k: torch.cat([s[k] for s in soft]) for k in SOFTMAX_FIELDS})
+        soft = []
+        for r in range(0, R, rows):
+            a, b = a2[r : r + rows], b2[r : r + rows]
+            soft.append(_softmax_rest(a, b, a.float().amax(-1), b.float().amax(-1), _sums, _rank_tv))
+        merged.update({k: torch.cat([p[k] for p in soft]) for k in SOFTMAX_FIELDS})
     return merged
 
 
@@ -169,4 +203,4 @@ def compile_status() -> str:
     """For reports: whether large comparisons ran fused."""
     if _COMPILED.error:
         return f"eager (compile failed: {_COMPILED.error})"
-    return "compiled" if _COMPILED.fn is not None else "eager"
+    return "compiled" if _COMPILED.fns is not None else "eager"
