@@ -13,18 +13,23 @@
     tolerances: {"draft.logits*": {atol: 1e-4, rtol: 1e-4}}
     expect: {top1_agreement: 0.99, accept_length: {atol: 0.25, rtol: 0.1}}
     allow_missing: ["draft.layer0.*"]    # tensors an engine may not capture
+
+Any string may name environment variables, `${VAR}` or `${VAR:-default}`: a case for a model
+that lives elsewhere (`target: ${KIMI_TARGET}`) skips, naming the variable, where it is unset.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
-from difftest.errors import ConfigError
+from difftest.errors import CaseNotConfigured, ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 KNOWN_KEYS = {
@@ -104,6 +109,29 @@ def _prompt(value: object, path: Path, where: str) -> Prompt:
     raise _err(path, where, f"expected a string or {{ids: [...]}}, got {value!r}")
 
 
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _expand(value: object, path: Path, where: str) -> object:
+    """${VAR} and ${VAR:-default} in every string of the raw case, recursively."""
+    if isinstance(value, dict):
+        return {k: _expand(v, path, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, path, f"{where}[{i}]") for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def sub(m: re.Match) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in os.environ and os.environ[name] != "":
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise CaseNotConfigured(f"{path}: {where} needs ${{{name}}}, which is not set here")
+
+    return _VAR.sub(sub, value)
+
+
 def _model_ref(value: object, path: Path, field_name: str) -> str:
     if not isinstance(value, str) or not value:
         raise _err(path, field_name, "expected a fixture name (fixture:NAME) or a checkpoint path")
@@ -132,6 +160,7 @@ def load_case(path: str | Path) -> Case:
     unknown = sorted(set(raw) - KNOWN_KEYS)
     if unknown:
         raise _err(path, unknown[0], f"unknown field (known: {', '.join(sorted(KNOWN_KEYS))})")
+    raw = _expand(raw, path, "")
     for required in ("target", "draft", "prompts"):
         if required not in raw:
             raise _err(path, required, "required field missing")

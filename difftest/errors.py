@@ -19,3 +19,8 @@ class Unsupported(DifftestError):
 
 class EngineUnavailable(DifftestError):
     """The engine is not installed; the message says how to set it up."""
+
+
+class CaseNotConfigured(DifftestError):
+    """A case names an environment variable that is not set here (e.g. the path of a model too
+    large for this machine): its items skip with this reason instead of failing."""

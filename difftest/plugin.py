@@ -20,7 +20,7 @@ from difftest import report as report_mod
 from difftest.case import Case, load_case
 from difftest.engine import EngineSpec, engine_target, parse_engine_list, parse_spec
 from difftest.envs import project_pythons
-from difftest.errors import ConfigError, DifftestError, EngineUnavailable
+from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable
 from difftest.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
@@ -139,6 +139,9 @@ class CaseFile(pytest.File):
         except ConfigError as e:
             yield ErrorItem.from_parent(self, name="load", error=str(e))
             return
+        except CaseNotConfigured as e:
+            yield NotConfiguredItem.from_parent(self, name="load", reason=str(e))
+            return
         self.config.stash[CASES][case.path] = case
         for spec in session.options.engines:
             is_ref = spec.id == session.options.reference.id
@@ -158,6 +161,20 @@ class ErrorItem(pytest.Item):
 
     def repr_failure(self, excinfo, style=None):
         return str(excinfo.value)
+
+    def reportinfo(self):
+        return self.path, None, f"{self.path.name}::load"
+
+
+class NotConfiguredItem(pytest.Item):
+    """A case for a model this machine does not have (an unset ${VAR}): skips, saying which."""
+
+    def __init__(self, *, reason: str, **kwargs):
+        super().__init__(**kwargs)
+        self.reason = reason
+
+    def runtest(self) -> None:
+        pytest.skip(self.reason)
 
     def reportinfo(self):
         return self.path, None, f"{self.path.name}::load"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from difftest.errors import ConfigError
+from difftest.errors import ConfigError, EngineUnavailable
 
 
 @dataclass
@@ -29,9 +29,44 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
     path = Path(path)
     if not (path / "config.json").exists():
         raise ConfigError(f"{path}: target checkpoint not found (no config.json)")
+    check_fits(path, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.eval()
     return model
+
+
+def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
+    """Bytes the weights take once loaded in dtype (stored tensors are assumed 2-byte, the
+    usual bf16/fp16 checkpoint, unless the config says float32)."""
+    import json
+
+    stored = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern))
+    config = json.loads((path / "config.json").read_text())
+    stored_width = 4 if str(config.get("torch_dtype") or config.get("dtype")) == "float32" else 2
+    return stored * torch.finfo(dtype).bits // 8 // stored_width
+
+
+def available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(path: Path, dtype: torch.dtype) -> None:
+    """The reference holds the whole target in CPU memory: refuse early, with the way out, for a
+    target that cannot fit (Kimi-K2.5's ~1 TB) instead of swapping or being OOM-killed mid-run."""
+    need, have = checkpoint_bytes(path, dtype), available_memory()
+    if have is not None and need > 0.9 * have:
+        raise EngineUnavailable(
+            f"ref cannot hold target {path}: {need / 2**30:.1f} GiB of weights in {str(dtype).removeprefix('torch.')}, "
+            f"{have / 2**30:.1f} GiB of memory available; take the reference from a training-data dump "
+            f"(--engines=train,sglang with engines.train.data in the case) or another engine (--reference=sglang)"
+        )
 
 
 def final_norm_module(model) -> torch.nn.Module:
