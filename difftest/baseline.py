@@ -11,7 +11,8 @@ Layout (schema difftest.baseline/1)::
 What is stored is exactly what a comparison against the baseline reads: each prompt's canonical
 capture (every tensor is compared, and the fc diagnosis matches fc chunks against the stored
 target.h.*), in the case's dtype, plus the capture meta and the accept-length stats. No weights,
-logs or reports. A baseline is immutable: writing over one needs --force, and it is written in a
+logs or reports. A `*.logits_target` that is exactly its `*.logits` scattered into the target
+vocabulary (-inf elsewhere) is stored as that column index and rebuilt bit for bit on load. A baseline is immutable: writing over one needs --force, and it is written in a
 temporary directory renamed into place, so a reader sees the old baseline or the new one, never half.
 
 Its case fingerprint hashes checkpoint *contents* (not paths or mtimes, unlike the capture cache's),
@@ -86,6 +87,42 @@ def case_fingerprint(case: Case) -> str:
     return hashlib.sha256(json.dumps(_content(parts), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _scatter_columns(src, full):
+    """The columns `full` ([n, V], -inf elsewhere) holds `src` ([n, v]) in, when that rebuilds it exactly."""
+    import torch
+
+    if full.dim() != 2 or src.dim() != 2 or full.shape[0] != src.shape[0] or full.dtype != src.dtype or not full.numel():
+        return None
+    cols = torch.isfinite(full[0]).nonzero().flatten()
+    if cols.numel() != src.shape[1]:
+        return None
+    return cols if torch.equal(_scatter(src, cols, full.shape[1]), full) else None
+
+
+def _scatter(src, cols, vocab: int):
+    import torch
+
+    out = torch.full((src.shape[0], vocab), float("-inf"), dtype=src.dtype)
+    out[:, cols] = src
+    return out
+
+
+def _pack(tensors: dict) -> tuple[dict, dict]:
+    """(tensors to store, derived name -> how to rebuild it): only exact rebuilds are derived."""
+    import torch
+
+    stored, derived = {}, {}
+    for name, t in tensors.items():
+        src = name.removesuffix("_target")
+        cols = _scatter_columns(tensors[src], t) if name.endswith(".logits_target") and src in tensors else None
+        if cols is None:
+            stored[name] = t
+        else:
+            stored[name + "#columns"] = cols.to(torch.int32)
+            derived[name] = {"scatter": src, "vocab": t.shape[1]}
+    return stored, derived
+
+
 def _file_stem(engine_id: str) -> str:
     return re.sub(r"[^\w.@=+-]", "_", engine_id)
 
@@ -138,7 +175,11 @@ class BaselineWriter:
         rel = Path(case.name.replace("/", "_")) / f"{_file_stem(spec.id)}.safetensors"
         out = self._staging() / rel
         out.parent.mkdir(parents=True, exist_ok=True)
-        flat = {f"p{i}/{n}": t.detach().contiguous().cpu() for i, c in enumerate(captures) for n, t in c.tensors.items()}
+        flat, derived = {}, []
+        for i, c in enumerate(captures):
+            kept, how = _pack({n: t.detach().contiguous().cpu() for n, t in c.tensors.items()})
+            flat.update({f"p{i}/{n}": t for n, t in kept.items()})
+            derived.append(how)
         save_file(flat, str(out))
         info = session.engine_info(spec) or {}
         entry = {
@@ -148,7 +189,7 @@ class BaselineWriter:
             "dtype": captures[0].meta.get("dtype", prepared.dtype),
             "file": str(rel),
             "bytes": out.stat().st_size,
-            "captures": [{"tensors": list(c.tensors), "meta": c.meta} for c in captures],
+            "captures": [{"tensors": list(c.tensors), "derived": d, "meta": c.meta} for c, d in zip(captures, derived)],
             "accept": stats.to_dict(),
         }
         case_entry = self.entries.setdefault(case.name, {
@@ -266,11 +307,20 @@ class BaselineSource:
             except Exception as err:  # noqa: BLE001 -- safetensors raises its own (Rust-side) error types
                 raise ConfigError(f"{file}: unreadable baseline tensors ({err})") from None
         flat, stored = self._tensors[key], e["captures"][index]
-        missing = [n for n in stored["tensors"] if f"p{index}/{n}" not in flat]
+        derived = stored.get("derived") or {}
+        need = [f"p{index}/{n}" + ("#columns" if n in derived else "") for n in stored["tensors"]]
+        missing = [n for n in need if n not in flat]
         if missing:
-            raise ConfigError(f"{self.path / e['file']}: tensor p{index}/{missing[0]} listed in the manifest but absent")
+            raise ConfigError(f"{self.path / e['file']}: tensor {missing[0]} listed in the manifest but absent")
+        tensors = {}
+        for n in stored["tensors"]:
+            if n in derived:
+                src = flat[f"p{index}/{derived[n]['scatter']}"]
+                tensors[n] = _scatter(src, flat[f"p{index}/{n}#columns"].long(), int(derived[n]["vocab"]))
+            else:
+                tensors[n] = flat[f"p{index}/{n}"]
         meta = dict(stored["meta"], baseline=self.name, baseline_engine=eid)
-        return Capture({n: flat[f"p{index}/{n}"] for n in stored["tensors"]}, meta)
+        return Capture(tensors, meta)
 
     def speculate(self, case: Case) -> AcceptStats:
         eid, e, c = self.entry(case)

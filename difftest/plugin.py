@@ -5,6 +5,10 @@ Collects `cases/*.yaml`; each case x engine becomes named items
 unless --reference says otherwise. A failing item prints the harness's one-paragraph
 verdict, not a traceback; an engine that is not installed skips with the reason and
 its setup command (or fails, with --require-engines, as CI runs it).
+
+Upgrade checks: `--save-baseline NAME` adds a `save_baseline` item per case x engine and writes
+baselines/NAME at session end (difftest.baseline); `--baseline NAME` makes that stored run the
+reference (`baseline:NAME`). Every session ends with the per-case verdict table (difftest.upgrade).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from difftest.baseline import SCHEMA, BaselineSource, BaselineWriter
@@ -66,8 +67,10 @@ def test_saved_baseline_stores_every_prompt_capture_and_the_accept_stats(saved):
     tensors = load_file(str(saved.root / "baselines" / "v1" / ref["file"]))
     assert len(ref["captures"]) == 2
     for i, stored in enumerate(ref["captures"]):
-        assert sorted(k for k in tensors if k.startswith(f"p{i}/")) == sorted(f"p{i}/{n}" for n in stored["tensors"])
+        expected = [f"p{i}/{n}" + ("#columns" if n in stored["derived"] else "") for n in stored["tensors"]]
+        assert sorted(k for k in tensors if k.startswith(f"p{i}/")) == sorted(expected)
         assert "draft.fc_in" in stored["tensors"] and "target.h.0" in stored["tensors"]
+        assert stored["derived"]["draft.logits_target"] == {"scatter": "draft.logits", "vocab": 512}
     assert ref["accept"]["num_verify"] > 0
     assert ref["accept"]["accept_length"] == ref["accept"]["num_accepted"] / ref["accept"]["num_verify"] + 1
     assert ref["bytes"] == (saved.root / "baselines" / "v1" / ref["file"]).stat().st_size
@@ -106,7 +109,7 @@ def test_baseline_is_not_written_when_an_engine_cannot_be_stored(models, cache, 
     root = project(tmp_path, models)
     result = run(root, cache, "--engines=ref,fake[mode=unavailable]", "--save-baseline", "v2")
     assert result.returncode == 1
-    assert "baseline 'v2' NOT written: tiny fake[mode=unavailable]: fake: not installed" in result.output
+    assert "baseline 'v2' NOT written: tiny fake[mode=unavailable]: fake: not installed" in result.output, result.output[-3000:]
     assert list((root / "baselines").iterdir()) == []
 
 
@@ -153,6 +156,28 @@ def test_missing_baseline_is_a_usage_error_listing_the_saved_ones(saved, cache):
 
 
 # -- units ---------------------------------------------------------------------------------------
+def test_scattered_logits_target_is_stored_as_its_columns_and_rebuilt_exactly():
+    from difftest.baseline import _pack, _scatter
+
+    logits = torch.randn(3, 4)
+    cols = torch.tensor([0, 2, 5, 7])
+    full = _scatter(logits, cols, 9)
+    stored, derived = _pack({"draft.logits": logits, "draft.logits_target": full})
+    assert sorted(stored) == ["draft.logits", "draft.logits_target#columns"]
+    assert derived == {"draft.logits_target": {"scatter": "draft.logits", "vocab": 9}}
+    assert torch.equal(_scatter(logits, stored["draft.logits_target#columns"].long(), 9), full)
+
+
+def test_logits_target_that_is_not_an_exact_scatter_is_stored_as_is():
+    from difftest.baseline import _pack, _scatter
+
+    logits = torch.randn(3, 4)
+    full = _scatter(logits, torch.tensor([0, 2, 5, 7]), 9)
+    full[1, 2] += 1e-6  # an engine that rescaled or recomputed them
+    stored, derived = _pack({"draft.logits": logits, "draft.logits_target": full})
+    assert derived == {} and stored["draft.logits_target"] is full
+
+
 def test_writer_refuses_an_existing_name(tmp_path):
     (tmp_path / "v1").mkdir()
     with pytest.raises(ConfigError, match=r"baseline 'v1' already exists and baselines are immutable"):
