@@ -22,7 +22,12 @@ VOCAB = 512
 DRAFT_VOCAB = 256
 
 
-def deepseek_v3_config():
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+
+
+def deepseek_v3_config(yarn: bool = True):
+    """yarn=False: plain rope (what a DeepSeek-V2-Lite-like checkpoint has; SGLang's CPU path needs a measure)."""
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(
@@ -33,21 +38,20 @@ def deepseek_v3_config():
         routed_scaling_factor=2.5, topk_method="noaux_tc", n_group=2, topk_group=1, norm_topk_prob=True,
         scoring_func="sigmoid", max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_act="silu", attention_bias=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 256, "beta_fast": 1.0, "beta_slow": 1.0,
-                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        rope_parameters=dict(YARN) if yarn else {"rope_type": "default", "rope_theta": 10000.0},
     )  # fmt: skip
     cfg.moe_layer_freq = 1
     return cfg
 
 
-def build_random_deepseek_target(directory: Path, seed: int = 0, zero_final_norm: bool = False):
+def build_random_deepseek_target(directory: Path, seed: int = 0, zero_final_norm: bool = False, plain: bool = False):
     """A random DeepseekV3ForCausalLM saved as safetensors; weights scaled so that layers matter
-    (default init leaves a 6-layer tiny model close to its embedding)."""
+    (default init leaves a 6-layer tiny model close to its embedding). plain=True: plain rope and
+    no moe_layer_freq in config.json, as transformers writes a DeepseekV3Config."""
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(deepseek_v3_config()).float().eval()
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(yarn=not plain)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
@@ -62,25 +66,29 @@ def build_random_deepseek_target(directory: Path, seed: int = 0, zero_final_norm
     # moe_layer_freq is not a DeepseekV3Config attribute that survives every save path: make sure it is there
     cfg_path = directory / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["moe_layer_freq"] = 1
+    if plain:
+        cfg.pop("moe_layer_freq", None)
+    else:
+        cfg["moe_layer_freq"] = 1
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return model
 
 
 def make_deepseek_pair(directory: Path, layer_ids: list[int], degenerate: str | None = None,
-                       seed: int = 0) -> tuple[Path, Path]:  # fmt: skip
+                       seed: int = 0, plain: bool = False) -> tuple[Path, Path]:  # fmt: skip
     """A tiny random DeepSeek-V3 target and an untrained EAGLE-3 draft (ids at top level and in eagle_config).
 
     degenerate=None: random weights (greedy tokens and hidden states are non-trivial).
     degenerate="right" / "wrong": target and draft logits all 0 (final norm weights 0), so the
     target always emits token 0 and the draft proposes its lowest target id: d2t maps draft id 0
     to 0 (always right) or to 1 (always wrong), as tests/helpers.make_degenerate_pair.
+    plain=True: plain rope, no moe_layer_freq (see build_random_deepseek_target).
     """
     from engines.ref.eagle3 import Eagle3Config
     from engines.ref.train import init_draft, save_eagle_format
 
     directory.mkdir(parents=True, exist_ok=True)
-    target = build_random_deepseek_target(directory / "target", seed, zero_final_norm=degenerate is not None)
+    target = build_random_deepseek_target(directory / "target", seed, zero_final_norm=degenerate is not None, plain=plain)
     dcfg = Eagle3Config(hidden_size=HIDDEN, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=32, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=HIDDEN,
                         num_aux=len(layer_ids))  # fmt: skip

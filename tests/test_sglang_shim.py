@@ -142,6 +142,21 @@ def test_extend_attention_matches_sdpa(mode):
         torch.testing.assert_close(o[st : st + E], want, atol=1e-5, rtol=1e-5)
 
 
+def test_extend_attention_mla_prefill_reads_new_tokens_from_kv_args_not_the_latent_cache():
+    # SGLang's MLA prefill (forward_mha.py::forward_normal_core): per-head k [E, H, 96] and v [E, H*32]
+    # that are never stored in the latent cache [slots, 1, 576]; no prefix is cached (P = 0).
+    g = torch.Generator().manual_seed(3)
+    H, E = 4, 5
+    kbuf, vbuf = torch.randn(16, 1, 576, generator=g), torch.randn(16, 1, 512, generator=g)
+    r2t = torch.arange(16, dtype=torch.int32).view(1, 16)
+    q, k, v = torch.randn(E, H, 96, generator=g), torch.randn(E, H, 96, generator=g), torch.randn(E, H * 32, generator=g)
+    o = torch.zeros(E, H, 32)
+    ops.extend_attention_cpu(q, k, v, o, kbuf, vbuf, 1.0, 1.0, r2t, torch.tensor([0]), torch.tensor([E]),
+                             torch.tensor([E]), torch.tensor([0]), E, 0.2, 0.0, False, -1, None, None, None, True)  # fmt: skip
+    want = _sdpa(q, k, v.view(E, H, 32), 0.2, torch.ones(E, E).tril().bool())
+    torch.testing.assert_close(o, want, atol=1e-5, rtol=1e-5)
+
+
 def test_attention_ops_register_under_torch_ops_sgl_kernel():
     ops.register_torch_ops()
     ops.register_torch_ops()  # idempotent

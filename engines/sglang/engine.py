@@ -40,11 +40,11 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
 from difftest.session import cache_root
-from engines.sglang import cpu_shim
+from engines.sglang import cpu_shim, deepseek
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
 
-ADAPTER_REVISION = 1  # part of the capture cache key: bump when what a capture contains changes
+ADAPTER_REVISION = 2  # part of the capture cache key: bump when what a capture contains changes
 SETUP_HINT = "scripts/setup-engine sglang"
 SPEC_PARAMS = {"num_steps": "speculative_num_steps", "topk": "speculative_eagle_topk",
                "num_draft_tokens": "speculative_num_draft_tokens", "attention_backend": "attention_backend",
@@ -61,6 +61,19 @@ def _int(value, where: str) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+
+
+def _config(checkpoint: str, what: str) -> dict:
+    from difftest.jsonfile import read_json
+
+    return read_json(Path(checkpoint) / "config.json", what)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def _log_size() -> int:
@@ -173,8 +186,24 @@ class SglangEngine(Engine):
                 "target_overrides": s.get("target_config_overrides") or {}}  # fmt: skip
 
     def _checkpoints(self, case: Case, settings: dict) -> tuple[str, str]:
+        """Overlaid target and draft; fills settings["compat"] with the measures the target needed."""
         overlays = cache_root() / "sglang"
-        target = str(overlay_checkpoint(case.target, settings["target_overrides"], overlays))
+        target_overrides = settings["target_overrides"]
+        settings["compat"] = []
+        target_cfg = _config(case.target, "target config")
+        if settings["device"] == "cpu" and deepseek.is_mla(target_cfg):
+            try:
+                needed, notes = deepseek.cpu_target_overrides(target_cfg)
+            except ValueError as e:
+                raise EngineError(f"{case.target}/config.json: {e}") from None
+            # the case's own target_config_overrides win over ours
+            target_overrides = _merge(needed, target_overrides)
+            settings["compat"] += notes
+            if self._kernels == cpu_shim.CPU_SHIM:
+                settings["compat"].append(deepseek.SHIM_MLA_NOTE)
+        if self._kernels == cpu_shim.CPU_SHIM and settings["requested"].get("attention_backend") == "intel_amx":
+            settings["compat"].insert(0, deepseek.AMX_NOTE)
+        target = str(overlay_checkpoint(case.target, target_overrides, overlays))
         draft = str(overlay_checkpoint(case.draft, settings["draft_overrides"], overlays))
         return target, draft
 
@@ -186,6 +215,9 @@ class SglangEngine(Engine):
         key = cache_key(target, draft, settings)
         if self._engine is not None and self._engine_key == key:
             return self._engine, settings, target, draft
+        why = deepseek.unrunnable(_config(target, "target config"), _config(draft, "draft config"), draft)
+        if why:  # refused before start: SGLang's own message would not say which layers or why
+            raise EngineError(why)
         self._shutdown()
         self._hooks_dir = self._workdir / "hooks"
         kwargs = dict(
@@ -253,9 +285,8 @@ class SglangEngine(Engine):
         if out["output_ids"] and out["output_ids"][0] != ex.next_token:
             raise EngineError(f"SGLang's first output token {out['output_ids'][0]} is not the recorded prefill's argmax {ex.next_token}")
         L = target_cfg["num_hidden_layers"]
-        eagle_cfg = draft_cfg.get("eagle_config") or {}
-        ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
         h = target_cfg["hidden_size"]
+        planned, rule = deepseek.layers_to_capture(target_cfg, draft_cfg)
         chunks = ex.tensors["draft.fc_in"].shape[-1] // h
         meta = {
             "engine": self.spec.id,
@@ -271,11 +302,11 @@ class SglangEngine(Engine):
             "target_hidden_size": h,
             "wiring": {
                 "inputs": [f"target.h.{k}" for k in ex.captured_layers][:chunks],
-                "source": (f"SGLang 0.5.23 Llama: eagle_config ids {ids} -> layers_to_capture id+1" if ids
-                           else "SGLang default layers [2, L//2, L-3] (no ids in eagle_config)"),
+                "source": f"{rule} -> layers_to_capture {planned}; captured {ex.captured_layers}",
                 "verifier": None,
             },  # fmt: skip
             "captured_target_layers": ex.captured_layers,
+            "compat": list(settings["compat"]),
             "settings": self._settings_meta(settings),
             "checkpoints": {"target": target, "draft": draft},
             "hot_token_id_source": hot_source,
@@ -315,7 +346,7 @@ class SglangEngine(Engine):
         src = (f"sglang meta_info (spec_num_correct_drafts / spec_verify_ct + 1; {self._kernels}; "
                f"topk {self._effective.get('speculative_eagle_topk')}, "
                f"draft tokens {self._effective.get('speculative_num_draft_tokens')})")  # fmt: skip
-        return AcceptStats(verify, accepted, steps, per_pos, len(prompts), src)
+        return AcceptStats(verify, accepted, steps, per_pos, len(prompts), src, outputs=[list(o["output_ids"]) for o in outs])
 
     def _shutdown(self) -> None:
         if self._engine is not None:

@@ -137,18 +137,27 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
                          extend_seq_lens, extend_start_loc, max_len_extend, scaling, logit_cap, is_cross, sliding_window,
                          encoder_lens, sinks, custom_mask, is_causal) -> None:  # fmt: skip
     """E new tokens per request after P cached ones (S = P + E): each new token attends to the
-    prefix and, causally or through the tree mask, to the new tokens. The new tokens' k/v
-    are taken from the k/v arguments when given (MLA prefill never stores them in the
-    cache), else from the cache, where SGLang has already written them."""
+    prefix and, causally or through the tree mask, to the new tokens. As the compiled kernel:
+    the prefix comes from the cache, the new tokens' k/v from the k/v arguments when given,
+    else from the cache, where SGLang has already written them. MLA prefill (SGLang's
+    forward_mha.py::forward_normal_core) passes per-head k [E, H, nope + rope] / v [E, H, v_head]
+    that it never stores in the latent cache [slots, 1, kv_lora_rank + rope], so with no cached
+    prefix nothing may be read from the cache at all (the shapes do not even match)."""
     off = 0
+    if k is not None and v is not None:  # [tokens, heads * D] or [tokens, heads, D]: heads from q's / o's D
+        k = k.reshape(k.shape[0], -1, q.shape[-1])
+        v = v.reshape(v.shape[0], -1, o.shape[-1])
     for b in range(seq_lens.shape[0]):
         S, E, st = int(seq_lens[b]), int(extend_seq_lens[b]), int(extend_start_loc[b])
         P = S - E
         slots = req_to_token[int(req_pool_indices[b]), :S].long()
-        kk, vv = k_buffer[slots], v_buffer[slots]
         if k is not None and v is not None:
-            kk = torch.cat([kk[:P], k[st : st + E].to(kk.dtype)])
-            vv = torch.cat([vv[:P], v[st : st + E].to(vv.dtype)])
+            kk, vv = k[st : st + E], v[st : st + E]
+            if P > 0:
+                kk = torch.cat([k_buffer[slots[:P]].to(kk.dtype), kk])
+                vv = torch.cat([v_buffer[slots[:P]].to(vv.dtype), vv])
+        else:
+            kk, vv = k_buffer[slots], v_buffer[slots]
         mask = torch.ones(E, S, dtype=torch.bool)
         if is_causal:
             mask[:, P:] = torch.ones(E, E, dtype=torch.bool).tril()
