@@ -170,7 +170,9 @@ def sglang_python() -> str:
 def test_sglang_under_two_labels_catches_a_changed_layer_id_rule(sglang_python, tmp_path):
     """One SGLang environment as sglang@old and sglang@new; "new" reads the draft's ids without the
     per-engine convention overlay ([2, 4, 5] under SGLang's +1: h3, h5, h6), as a release that
-    changed its layer-id rule would. The check names the off-by-one and the accept-length drop."""
+    changed its layer-id rule would. Both sides capture only their aux layers, so the diagnosis can
+    place only the chunk the old one also captured (new's chunk 1 is old's h5, where h4 was fed);
+    measured: accept length 3.889 -> 1.132, about 10 minutes on 2 shared CPU cores."""
     case = yaml.safe_load((ROOT / "cases" / "tiny_llama.yaml").read_text())
     ids = [2, 4, 5]
     case["engines"]["sglang@new"] = {"draft_config_overrides": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
@@ -182,8 +184,11 @@ def test_sglang_under_two_labels_catches_a_changed_layer_id_rule(sglang_python, 
     fc = run.outcome("tiny_llama", "sglang@new", "fc_inputs")
     assert fc["outcome"] == "failed", fc["message"]
     assert fc["data"]["tensor"] == "draft.fc_in.0"
-    assert "off-by-one +1" in fc["message"]
+    chunk1 = fc["data"]["fc_chunks"][1]
+    assert (chunk1["expected"], chunk1["best"], chunk1["cosine"]) == ("target.h.4", "target.h.5", 1.0)
+    assert "reference fed [h2, h4, h5]" in fc["message"]
     accept = run.outcome("tiny_llama", "sglang@new", "accept_length")
-    assert accept["data"]["engine"]["accept_length"] < accept["data"]["reference"]["accept_length"]
+    assert accept["outcome"] == "failed" and accept["message"].startswith("accept length collapsed: ")
     r = row(run, "sglang@new", case="tiny_llama")
-    assert r[:3] == ["tiny_llama", "sglang@new", "sglang@old"] and "regressed" in r
+    assert r[:3] == ["tiny_llama", "sglang@new", "sglang@old"]
+    assert r[5:9] == ["draft.fc_in.0", "(prompt", "0)", "regressed"]
