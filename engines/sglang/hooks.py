@@ -18,7 +18,8 @@ Hook specs (see `hook_specs`):
   fc               draft `model.fc`: input (after any norm) and output
   embed            `model.embed_tokens` output
   layer0           `model.layers.0.self_attn.qkv_proj` input (attn_in), `...self_attn` and
-                   `...mlp` outputs
+                   `...mlp` outputs; for the MLA draft (kimi_k25_eagle3.py) `model.midlayer.self_attn`
+                   and `.mlp` outputs and `...self_attn.fused_qkv_a_proj_with_mqa` input (attn_in)
   logits           `logits_processor`: the hidden states it was given, every row's logits
                    (the same lm_head product SGLang computes for the rows it keeps) and
                    SGLang's own next_token_logits
@@ -58,7 +59,9 @@ def model_hook(config: dict):
         rec = {"mode": _mode(forward_batch), "input_ids": input_ids, "positions": positions}
         if hasattr(module, "fc"):  # the EAGLE-3 draft's decoder stack
             spec_hidden = getattr(getattr(forward_batch, "spec_info", None), "hidden_states", None)
-            rec.update(role="draft", fc_applied=spec_hidden is not None and spec_hidden.shape[-1] == module.fc.in_features)
+            # nn.Linear in llama_eagle3.py; ColumnParallelLinear (input_size) in kimi_k25_eagle3.py (the MLA draft)
+            fc_width = getattr(module.fc, "in_features", None) or module.fc.input_size
+            rec.update(role="draft", fc_applied=spec_hidden is not None and spec_hidden.shape[-1] == fc_width)
             if rec["fc_applied"]:
                 rec["fc_in"] = spec_hidden
             normed, aux = output
@@ -84,7 +87,8 @@ def model_hook(config: dict):
 
 def fc_hook(config: dict):
     def hook(module, inputs, output):
-        _save(config, "fc", {"fc_in_normed": inputs[0], "fc_out": output})
+        out = output[0] if isinstance(output, tuple) else output  # SGLang's parallel linears return (out, bias)
+        _save(config, "fc", {"fc_in_normed": inputs[0], "fc_out": out})
 
     return hook
 
@@ -107,6 +111,16 @@ def layer0_hook(config: dict):
             _save(config, "mlp_out", {"t": output})
         else:
             _save(config, "attn_out", {"t": output[0] if isinstance(output, tuple) else output})
+
+    return hook
+
+
+def attn_in_hook(config: dict):
+    """On the MLA draft's fused q/kv down-projection: its input is attn_in (the attention itself is
+    called with keyword arguments only, which forward hooks do not see)."""
+
+    def hook(module, inputs, output):
+        _save(config, "attn_in", {"t": inputs[0]})
 
     return hook
 
@@ -146,6 +160,9 @@ def hook_specs(out_dir: str) -> list[dict]:
         spec("embed", ["model.embed_tokens"], "embed_hook"),
         spec("fc", ["model.fc"], "fc_hook"),
         spec("layer0", ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn", "model.layers.0.mlp"], "layer0_hook"),
+        # the MLA draft (kimi_k25_eagle3.py: Eagle3MLAModel.midlayer, DeepseekV2AttentionMLA, DeepseekV2MLP)
+        spec("layer0-mla", ["model.midlayer.self_attn", "model.midlayer.mlp"], "layer0_hook"),
+        spec("attn-in-mla", ["model.midlayer.self_attn.fused_qkv_a_proj_with_mqa"], "attn_in_hook"),
         spec("model", ["model"], "model_hook"),
         spec("logits", ["logits_processor"], "logits_hook"),
         spec("root", [""], "root_hook"),

@@ -15,6 +15,15 @@ globals().update({name: getattr(_ops, name) for name in _ops.PYTHON_OPS})
 _ops.register_torch_ops()
 _ops.register_torchvision_nms_schema()
 
+import torch as _torch  # noqa: E402
+
+if not _torch.cuda.is_available():
+    # SGLang 0.5.23 srt/models/kimi_k25_eagle3.py (Eagle3DeepseekV2ForCausalLM.set_embed and
+    # set_embed_and_head, the MLA EAGLE-3 draft) calls torch.cuda.synchronize() unconditionally
+    # when the draft takes the target's embedding; CPU torch raises "Torch not compiled with CUDA
+    # enabled". Without a CUDA device there is no stream to wait for, so it returns at once.
+    _torch.cuda.synchronize = lambda device=None: None
+
 
 def __getattr__(name: str):
     if name.startswith("__"):
