@@ -315,3 +315,43 @@ def test_norm_before_fc_is_refused_because_neither_engine_applies_it(tmp_path):
     _edit_config(model_dir, norm_before_fc=True)
     with pytest.raises(ConfigError, match="norm_before_fc is true, but neither engine's MLA draft applies it"):
         load_draft(model_dir)
+
+
+# -- the built-in fixture tiny-deepseek-v3-eagle3-mla ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mla_fixture() -> Path:
+    from engines.ref import fixtures_mla
+
+    return fixtures_mla.ensure_fixtures()[fixtures_mla.DRAFT]
+
+
+def test_fixture_is_the_mla_class_with_the_targets_shapes_and_ids(mla_fixture):
+    from engines.ref import fixtures_deepseek as deepseek
+
+    config = json.loads((mla_fixture / "config.json").read_text())
+    target = json.loads((deepseek.fixture_path(deepseek.TARGET) / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_parameters"):
+        assert config[key] == target[key], key
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576  # vLLM's CPU MLA backend takes only this
+    assert config["eagle_aux_hidden_state_layer_ids"] == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+
+def test_fixture_draft_predicts_the_target_under_its_training_wiring_only(mla_fixture):
+    """Recomputed on 16 sequences from the held-out seed: the trained wiring agrees with the target's greedy tokens
+    (quality.json: 0.918 on all 64), SGLang's Llama +1 reading ([h3, h5, h6]) does not (0.046)."""
+    from engines.ref import fixtures as base
+    from engines.ref import fixtures_deepseek as deepseek
+    from engines.ref.target import load_target
+    from engines.ref.train import prepare_data, step0_agreement
+
+    target = load_target(deepseek.fixture_path(deepseek.TARGET))
+    draft = load_draft(mla_fixture).model
+    assert isinstance(draft, Eagle3MLADraft)
+    heldout = base.generate_sequences(target, 16, base.HELDOUT_PROMPT, base.HELDOUT_NEW, base.HELDOUT_SEED)
+    trained = step0_agreement(draft, prepare_data(target, deepseek.GOOD_WIRING, heldout))
+    shifted = step0_agreement(draft, prepare_data(target, deepseek.SHIFTED_WIRING, heldout))
+    assert trained > 0.85
+    assert shifted < 0.15
