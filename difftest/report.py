@@ -66,6 +66,12 @@ def _read_text(path: str) -> str:
 
 
 def reproduce_command(case_path: str, engines: list[str], reference: str) -> str:
+    """The command that reruns this comparison. A stored baseline is not an engine one can name
+    in --engines: it comes back as --baseline NAME[:ENGINE]."""
+    if reference.startswith("baseline:"):
+        live = [e for e in engines if e != reference]
+        return shlex.join(["difftest", "run", case_path, f"--engines={','.join(live)}",
+                           f"--baseline={reference.removeprefix('baseline:')}"])  # fmt: skip
     cmd = ["difftest", "run", case_path, f"--engines={','.join(engines)}"]
     if engines and engines[0] != reference:
         cmd.append(f"--reference={reference}")

@@ -80,3 +80,17 @@ def test_progress_is_quiet_under_q(run):
                        env={"DIFFTEST_CACHE": str(run.root / "cache")})  # fmt: skip
     assert quiet.returncode == 1
     assert "[difftest]" not in quiet.output
+
+
+def test_reproduce_command_names_the_engines_and_a_non_first_reference():
+    from difftest.report import reproduce_command
+
+    cmd = reproduce_command("cases/t.yaml", ["vllm", "ref"], "ref")
+    assert cmd == "difftest run cases/t.yaml --engines=vllm,ref --reference=ref"
+
+
+def test_reproduce_command_turns_a_baseline_reference_back_into_the_baseline_option():
+    from difftest.report import reproduce_command
+
+    cmd = reproduce_command("cases/t.yaml", ["baseline:v1:sglang", "sglang@new"], "baseline:v1:sglang")
+    assert cmd == "difftest run cases/t.yaml --engines=sglang@new --baseline=v1:sglang"
