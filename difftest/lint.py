@@ -94,8 +94,17 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
         out.append(Finding("layer-ids-order", "error",
             f"layer ids {ids} are not sorted and unique: vLLM uses {sorted(set(ids))} (sorted, de-duplicated), "
             "other engines the listed order: the fc chunks change order or count"))  # fmt: skip
+    if ids_top is not None and ids_ec is None:
+        out.append(Finding("layer-ids-sglang-location", "warning",
+            f"eagle_aux_hidden_state_layer_ids {ids_top} only at the top level: SGLang 0.5.23 reads only "
+            "eagle_config.eagle_aux_hidden_state_layer_ids and silently falls back to its default layers; "
+            "write the ids in both places"))  # fmt: skip
     if ids is not None and trained_on:
-        out += _readings(list(ids), L, list(trained_on))
+        out += _readings(list(ids), L, list(trained_on), deepseek=_is_deepseek(tcfg))
+    if _is_mla_draft(raw) and (raw.get("norm_before_residual") or layer.get("norm_before_residual")):
+        out.append(Finding("norm-flag-ignored", "warning",
+            "norm_before_residual is true in an MLA draft: vLLM applies it, SGLang 0.5.23's kimi_k25_eagle3.py "
+            "ignores it (the residual is the unnormed hidden state there): the engines' drafts differ"))  # fmt: skip
     if "norm_before_residual" not in raw and "norm_before_residual" not in layer:
         fmt = "speculators" if speculators else "HF/EAGLE"
         out.append(Finding("norm-flag-default", "warning",
@@ -117,7 +126,18 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
     return out
 
 
-def _readings(ids: list[int], L: int, trained_on: list[str]) -> list[Finding]:
+def _is_deepseek(tcfg: dict) -> bool:
+    """SGLang's id rule depends on the target class: DeepSeek-V2/V3 (and Kimi-K2) add 1 only when
+    the first id is 1 (sglang/srt/models/deepseek_v2.py, 0.5.23), Llama-likes always."""
+    arch = " ".join(tcfg.get("architectures") or [])
+    return tcfg.get("model_type") in ("deepseek_v2", "deepseek_v3", "kimi_k2") or "Deepseek" in arch
+
+
+def _is_mla_draft(raw: dict) -> bool:
+    return any("Deepseek" in a or "DeepSeek" in a for a in raw.get("architectures") or []) or "kv_lora_rank" in raw
+
+
+def _readings(ids: list[int], L: int, trained_on: list[str], deepseek: bool = False) -> list[Finding]:
     """How each engine convention reads the config's ids, against the training wiring."""
     from difftest.wiring import resolve
 
@@ -125,7 +145,7 @@ def _readings(ids: list[int], L: int, trained_on: list[str]) -> list[Finding]:
         return "[" + ", ".join(n.removeprefix("target.").replace("h.", "h") for n in names) + "]"
 
     out, others = [], []
-    for preset in ("vllm", "sglang", "sglang-deepseek", "specforge"):
+    for preset in ("vllm", "sglang-deepseek" if deepseek else "sglang", "specforge"):
         try:
             fed = list(resolve(preset, L, ids).inputs)
         except ConfigError as e:

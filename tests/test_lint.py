@@ -124,7 +124,47 @@ def test_engine_readings_of_the_ids_are_checked_against_training(models):
     [f] = _lint_draft(models[1], models[0], TRAINED)
     assert (f.code, f.severity) == ("layer-ids-training", "warning")
     assert f.message == ("trained on [h1, h2, h3]; other engines read ids [1, 2, 3] differently: sglang [h2, h3, h4]; "
-                         "sglang-deepseek [h2, h3, h4]; specforge [h2, h3, h4]")  # fmt: skip
+                         "specforge [h2, h3, h4]")  # fmt: skip
+
+
+def deepseek_target(models, tmp_path: Path) -> Path:
+    """The tiny target's config relabelled as DeepSeek-V3: only the class matters to the id rules."""
+    out = tmp_path / "target"
+    shutil.copytree(models[0], out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_sglang_reading_follows_the_deepseek_rule_for_a_deepseek_target(models, tmp_path):
+    """SGLang's DeepSeek model adds 1 only when the first id is 1: ids [2, 3, 4] are read as is."""
+    def ids_2_3_4(cfg):
+        cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 4]
+
+    draft = variant(models, tmp_path, config=ids_2_3_4)
+    trained = ["target.h.2", "target.h.3", "target.h.4"]
+    [f] = _lint_draft(draft, deepseek_target(models, tmp_path), trained)
+    assert f.message == "trained on [h2, h3, h4]; other engines read ids [2, 3, 4] differently: specforge [h3, h4, h5]"
+    [llama] = _lint_draft(draft, models[0], trained)
+    assert "sglang [h3, h4, h5]" in llama.message
+
+
+def test_ids_only_at_the_top_level_warn_that_sglang_falls_back(models, tmp_path):
+    draft = variant(models, tmp_path, config=lambda cfg: cfg.pop("eagle_config"))
+    [f] = lint_draft(draft, models[0], TRAINED)
+    assert str(f) == ("warning [layer-ids-sglang-location]: eagle_aux_hidden_state_layer_ids [1, 2, 3] only at the top "
+                      "level: SGLang 0.5.23 reads only eagle_config.eagle_aux_hidden_state_layer_ids and silently falls "
+                      "back to its default layers; write the ids in both places")  # fmt: skip
+
+
+def test_norm_before_residual_in_an_mla_draft_warns_that_sglang_ignores_it(models, tmp_path):
+    def mla(cfg):
+        cfg.update(architectures=["Eagle3DeepseekV2ForCausalLM"], kv_lora_rank=512, norm_before_residual=True)
+
+    [f] = lint_draft(variant(models, tmp_path, config=mla), models[0], TRAINED)
+    assert (f.code, f.severity) == ("norm-flag-ignored", "warning")
+    assert "SGLang 0.5.23's kimi_k25_eagle3.py ignores it" in f.message
 
 
 def test_ids_that_do_not_name_the_trained_layers_are_an_error(models):
