@@ -222,9 +222,12 @@ def _log_stderr(message: str) -> None:
 
 def resolve_fixture(name: str) -> Path | None:
     """`fixture:NAME` in a case: the directory of a built-in fixture, built on first use; None if not ours."""
-    if name not in NAMES:
-        return None
-    return ensure_fixtures([name], log=_log_stderr)[name]
+    return resolve_from(name, NAMES, ensure_fixtures)
+
+
+def resolve_from(name: str, names: list[str], ensure: Callable[..., dict[str, Path]]) -> Path | None:
+    """A provider's resolve_fixture: build `name` through `ensure` if it is one of `names`."""
+    return ensure([name], log=_log_stderr)[name] if name in names else None
 
 
 def build_all(force: bool = False) -> None:
@@ -733,21 +736,24 @@ _BUILDERS: dict[str, Callable[[Path, _Build], None]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    return provider_main(argv, "python -m engines.ref.fixtures", __doc__, NAMES, ensure_fixtures)
+
+
+def provider_main(argv: list[str] | None, prog: str, doc: str | None, names: list[str],
+                  ensure: Callable[..., dict[str, Path]]) -> int:  # fmt: skip
+    """A provider's command line: build its fixtures (all, or those named) and print their quality."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m engines.ref.fixtures", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=(doc or "").splitlines()[0] if doc else None)
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
-    parser.add_argument("names", nargs="*", help=f"fixtures to build (default: all): {', '.join(NAMES)}")
+    parser.add_argument("names", nargs="*", help=f"fixtures to build (default: all): {', '.join(names)}")
     args = parser.parse_args(argv)
     t0 = time.time()
-    paths = ensure_fixtures(args.names or None, force=args.force)
+    paths = ensure(args.names or None, force=args.force)
     print(f"[fixtures] cache: {fixtures_dir()}  ({time.time() - t0:.1f}s)")
     for name, path in paths.items():
         q = path / "quality.json"
-        if q.exists():
-            print(_summary(name, json.loads(q.read_text())))
-        else:
-            print(f"[fixtures] {name}: {path}")
+        print(_summary(name, json.loads(q.read_text())) if q.exists() else f"[fixtures] {name}: {path}")
     return 0
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -387,9 +386,7 @@ def ensure_fixtures(names: list[str] | None = None, log: base.Log = print, force
 
 def resolve_fixture(name: str) -> Path | None:
     """`fixture:NAME` in a case: the directory of one of these fixtures, built on first use; None if not ours."""
-    if name not in NAMES:
-        return None
-    return ensure_fixtures([name], log=base._log_stderr)[name]
+    return base.resolve_from(name, NAMES, ensure_fixtures)
 
 
 def build_all(force: bool = False) -> None:
@@ -398,19 +395,7 @@ def build_all(force: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m engines.ref.fixtures_deepseek", description=__doc__.splitlines()[0])
-    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
-    parser.add_argument("names", nargs="*", help=f"fixtures to build (default: all): {', '.join(NAMES)}")
-    args = parser.parse_args(argv)
-    t0 = time.time()
-    paths = ensure_fixtures(args.names or None, force=args.force)
-    print(f"[fixtures] cache: {base.fixtures_dir()}  ({time.time() - t0:.1f}s)")
-    for name, path in paths.items():
-        q = path / "quality.json"
-        print(base._summary(name, json.loads(q.read_text())) if q.exists() else f"[fixtures] {name}: {path}")
-    return 0
+    return base.provider_main(argv, "python -m engines.ref.fixtures_deepseek", __doc__, NAMES, ensure_fixtures)
 
 
 if __name__ == "__main__":

@@ -121,9 +121,7 @@ def ensure_fixtures(names: list[str] | None = None, log: base.Log = print, force
 
 def resolve_fixture(name: str) -> Path | None:
     """`fixture:NAME` in a case: the draft's directory, built on first use; None if not ours."""
-    if name not in NAMES:
-        return None
-    return ensure_fixtures([name], log=base._log_stderr)[name]
+    return base.resolve_from(name, NAMES, ensure_fixtures)
 
 
 def build_all(force: bool = False) -> None:
@@ -132,16 +130,7 @@ def build_all(force: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m engines.ref.fixtures_mla", description=__doc__.splitlines()[0])
-    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
-    args = parser.parse_args(argv)
-    t0 = time.time()
-    path = ensure_fixtures(force=args.force)[DRAFT]
-    print(f"[fixtures] {DRAFT}: {path}  ({time.time() - t0:.1f}s)")
-    print(base._summary(DRAFT, json.loads((path / "quality.json").read_text())))
-    return 0
+    return base.provider_main(argv, "python -m engines.ref.fixtures_mla", __doc__, NAMES, ensure_fixtures)
 
 
 if __name__ == "__main__":
