@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from difftest import upgrade
-from difftest.session import cache_root
 from helpers import ROOT, TINY_CASE, make_tiny_pair, run_pytest
+from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
 
 UPGRADE_SECTION = """\
 engines:
@@ -156,18 +156,7 @@ def test_rendered_summary_is_one_header_and_one_line_per_row():
 
 
 # -- the real engine under two labels -----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sglang_python() -> str:
-    python = cache_root() / "envs" / "sglang" / "bin" / "python"
-    if not python.exists():
-        msg = f"SGLang's environment is not set up ({python} missing); set it up with: scripts/setup-engine sglang"
-        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return str(python)
-
-
-def test_sglang_under_two_labels_catches_a_changed_layer_id_rule(sglang_python, tmp_path):
+def test_sglang_under_two_labels_catches_a_changed_layer_id_rule(sglang_python, tmp_path):  # noqa: F811
     """One SGLang environment as sglang@old and sglang@new; "new" reads the draft's ids without the
     per-engine convention overlay ([2, 4, 5] under SGLang's +1: h3, h5, h6), as a release that
     changed its layer-id rule would. Both sides capture only their aux layers, so the diagnosis can
