@@ -1,6 +1,6 @@
 """`difftest` command line.
 
-    difftest fixtures [--force]                  build the built-in tiny models (cached)
+    difftest fixtures [NAME ...] [--force]       build the built-in tiny models (cached; all, or those named)
     difftest run [CASES...] --engines=ref,...    run cases through the pytest plugin, write reports
                  [--save-baseline NAME [--force] | --baseline NAME]   golden baselines (difftest.baseline)
     difftest env create ENGINE[==VERSION] [--label L]   an engine environment for --engines=ENGINE@L
@@ -24,8 +24,20 @@ def _fixtures(args: argparse.Namespace) -> int:
     if not providers:
         print("difftest: no fixture provider installed (is the project installed with `pip install -e .`?)", file=sys.stderr)
         return 2
-    for ep in providers:
-        ep.load().build_all(force=args.force)
+    if not args.names:
+        for ep in providers:
+            ep.load().build_all(force=args.force)
+        return 0
+    if args.force:
+        print("difftest fixtures: --force rebuilds every fixture; give no names with it", file=sys.stderr)
+        return 2
+    loaded = [ep.load() for ep in providers]
+    for name in args.names:
+        path = next((p for p in (m.resolve_fixture(name) for m in loaded) if p is not None), None)
+        if path is None:
+            print(f"difftest fixtures: no provider knows fixture {name!r}", file=sys.stderr)
+            return 2
+        print(f"[fixtures] {name}: {path}")
     return 0
 
 
@@ -131,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="difftest", description="Differential testing of EAGLE-3 draft wiring across engines")
     sub = ap.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fixtures", help="build the built-in tiny target and drafts into the cache")
+    f.add_argument("names", nargs="*", metavar="NAME", help="only these fixtures (default: every provider's)")
     f.add_argument("--force", action="store_true", help="rebuild even if cached")
     r = sub.add_parser("run", help="run cases (extra arguments go to pytest)")
     r.add_argument("cases", nargs="*", default=["cases/"])
