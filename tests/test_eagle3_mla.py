@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from difftest.errors import ConfigError
 from engines.ref.eagle3 import load_draft
+from engines.ref.fixtures_deepseek import ROPE_PARAMETERS
 from engines.ref.eagle3_mla import (
     Eagle3MLAConfig,
     Eagle3MLADraft,
@@ -30,16 +31,7 @@ from engines.ref.eagle3_mla import (
 
 H, HEADS, Q_LORA, KV_LORA, ROPE, NOPE, V_HEAD, INTER = 32, 4, 16, 32, 8, 16, 12, 64
 VOCAB, DRAFT_VOCAB, NUM_AUX = 64, 48, 3
-YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 256,
-    "beta_fast": 1.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
+YARN = ROPE_PARAMETERS  # the tiny DeepSeek-V3 target's (Kimi-K2-shaped) yarn rope
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 LAYER_IDS = [1, 2, 3]
 
