@@ -59,6 +59,23 @@ class AcceptStats:
         )
 
 
+def accept_length_spread(stats: AcceptStats) -> float:
+    """Standard error of the accept length from the per-position acceptance and the verify count.
+
+    In a chain, accepted tokens per verify K satisfy P(K > j) = acceptance_rate_per_pos[j] = p_j,
+    so E[K] = sum p_j and E[K^2] = sum (2j + 1) p_j (K^2 = sum_{j<K} (2j + 1)); the mean over
+    num_verify steps has variance Var[K] / num_verify. Verify steps of one prompt are not quite
+    independent, so this is the spread of an ideal sample: a floor, not a bound.
+    """
+    n = stats.num_verify
+    if not n:
+        return 0.0
+    p = stats.acceptance_rate_per_pos
+    mean = sum(p)
+    second = sum((2 * j + 1) * pj for j, pj in enumerate(p))
+    return max(second - mean * mean, 0.0) ** 0.5 / n**0.5
+
+
 # ---------------------------------------------------------------------------------------
 # Normalisation between definitions, applied before engines are compared.
 # ---------------------------------------------------------------------------------------

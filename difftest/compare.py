@@ -1,5 +1,11 @@
 """Tensor-by-tensor comparison of two captures, in data-flow order.
 
+The verdict per tensor is difftest.noise's: per-row relative error against a noise floor
+the reference measured (status "mismatch" = above noise), and where the error was
+*introduced* along the data flow. The elementwise statistics (|diff| against atol/rtol,
+cosine, rel_diff) are kept as information; a case's `tolerances:` pattern makes the
+tensors it matches judged elementwise instead, as the user asked.
+
 Large tensors (full-vocab logits, 3 x 7168-wide fc inputs) are compared on the device
 they live on, row block by row block (difftest.rowstats): no full-size float32 copy is
 ever made, and tensors of 16M elements or more go through one fused, compiled kernel.
@@ -15,7 +21,9 @@ from fnmatch import fnmatchcase
 
 import torch
 
+from difftest import noise
 from difftest.capture import Capture
+from difftest.names import inputs_of, split_draft
 from difftest.rowstats import row_stats
 from difftest.tolerances import Tolerance, tolerance_for
 
@@ -34,7 +42,7 @@ def is_logits(name: str) -> bool:
 @dataclass
 class TensorDiff:
     name: str
-    status: str  # "ok" | "mismatch" | "missing" | "shape" | "allowed-missing"
+    status: str  # "ok" | "mismatch" (above noise) | "missing" | "shape" | "allowed-missing" | "tie" (not comparable)
     shape: list[int] = field(default_factory=list)
     numel: int = 0
     mismatched: int = 0
@@ -69,13 +77,37 @@ class TensorDiff:
     kl_max: float = 0.0
     tv_mean: float = 0.0  # total variation distance, mean over rows
     tv_max: float = 0.0
+    # the verdict (difftest.noise): per-row relative error ||engine - ref|| / ||ref|| against the
+    # threshold derived from the measured noise floor
+    criterion: str = "noise"  # "noise" | "elementwise (case tolerance PATTERN)"
+    err: float = 0.0  # largest per-row relative error
+    err_q: float = 0.0  # its FLOOR_QUANTILE quantile over rows
+    noise_floor: float = 0.0  # the reference's own per-row error against float64 (quantile)
+    threshold: float = 0.0
+    rows_above: int = 0  # rows whose error exceeds the threshold
+    excess: float = 0.0  # err / threshold (noise units; > 1: above noise)
+    introduced: bool = False  # above noise and not explained by its inputs (difftest.noise)
+    row_err: list[float] = field(default_factory=list)  # per-row relative error profile
+    differs: bool = False  # any element not bit-identical
 
     @property
     def ok(self) -> bool:
-        return self.status in ("ok", "allowed-missing")
+        return self.status in ("ok", "allowed-missing", "tie")
+
+    def noise_summary(self) -> str:
+        """One line on the verdict: the error against the noise floor."""
+        if self.status in ("missing", "allowed-missing", "shape", "tie"):
+            return f"{self.name}: {self.detail}"
+        if self.criterion != "noise":
+            return self.summary()
+        rows = f"{self.rows_above}/{self.rows} rows" if self.rows > 1 else "its row"
+        verb = "above" if self.status == "mismatch" else "within"
+        return (f"{self.name}: {rows} above the noise threshold; row error up to {self.err:.3g} "
+                f"({self.excess:.3g}x the threshold {self.threshold:.3g} = {noise.SAFETY:g} x measured floor "
+                f"{self.noise_floor:.3g}) -> {verb} noise; cos {self.cosine:.4f}")  # fmt: skip
 
     def summary(self) -> str:
-        if self.status in ("missing", "allowed-missing", "shape"):
+        if self.status in ("missing", "allowed-missing", "shape", "tie"):
             return f"{self.name}: {self.detail}"
         pct = 100.0 * self.mismatched / max(self.numel, 1)
         idx = ", ".join(map(str, self.max_abs_index))
@@ -111,14 +143,25 @@ def _mean_max(x: torch.Tensor) -> tuple[float, float]:
     return (float(x.mean()), float(x.max())) if x.numel() else (math.nan, math.nan)
 
 
+def _row_rel_err(s: dict) -> torch.Tensor:
+    """Per-row ||engine - ref|| / ||ref|| from the row statistics (inf for a row with NaN/Inf mismatches)."""
+    num, den = s["sum_sq"], s["sum_aa"]
+    err = torch.where(den > 0, (num / den.clamp_min(1e-300)).sqrt(), torch.where(num > 0, torch.inf, 0.0))
+    return torch.where(s["nonfinite"] > 0, torch.inf, err)
+
+
 def _row_cosine(ab: torch.Tensor, aa: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
     denom = (aa * bb).sqrt()
     return torch.where(denom > 0, ab / denom, torch.where(aa == bb, 1.0, 0.0))
 
 
-def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Tolerance, topk: int = TOPK) -> TensorDiff:
+def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Tolerance, topk: int = TOPK,
+                   threshold: float | None = None, noise_floor: float = 0.0) -> TensorDiff:  # fmt: skip
+    """threshold: the per-row relative error above which a row is off (difftest.noise); None judges
+    elementwise against `tol` (a case's explicit tolerance)."""
     if tuple(ref.shape) != tuple(other.shape):
-        return TensorDiff(name, "shape", list(ref.shape), detail=f"shape {list(other.shape)} vs reference {list(ref.shape)}")
+        return TensorDiff(name, "shape", list(ref.shape), detail=f"shape {list(other.shape)} vs reference {list(ref.shape)}",
+                          excess=math.inf, err=math.inf)  # fmt: skip
     other = other.to(ref.device)
     n = ref.numel()
     cols = ref.shape[-1] if ref.dim() else 1
@@ -126,7 +169,7 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
     logits = is_logits(name) and ref.dim() >= 1 and n > 0
     s = row_stats(a2, b2, tol.atol, tol.rtol, logits, chunk=CHUNK_ELEMENTS) if n else None
     if s is None:
-        return TensorDiff(name, "ok", list(ref.shape), tolerance=str(tol))
+        return TensorDiff(name, "ok", list(ref.shape), tolerance=str(tol), threshold=threshold or 0.0)
     R = a2.shape[0]
     worst = int(s["max_abs"].argmax()) if R else 0
     max_at = worst * cols + int(s["max_col"][worst])
@@ -163,7 +206,21 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
         row_max_abs=_profile(s["max_abs"]),
         row_mismatched=_profile(s["mismatched"], int),
         row_cosine=_profile(_row_cosine(s["sum_ab"], s["sum_aa"], s["sum_bb"])),
+        differs=bool(float(s["max_abs"].max()) > 0 or int(s["nonfinite"].sum()) > 0),
     )
+    errs = _row_rel_err(s)
+    d.row_err = _profile(errs)
+    if threshold is None:
+        d.criterion = f"elementwise ({tol.source})"
+        j = noise.judge_rows(errs, math.inf)
+    else:
+        j = noise.judge_rows(errs, threshold)
+        d.status = "mismatch" if j.diverges else "ok"
+        d.worst_row = int(errs.argmax()) if j.diverges else -1
+    d.err, d.err_q, d.rows_above, d.excess = j.err, j.err_q, j.rows_above, j.excess
+    d.threshold, d.noise_floor = (threshold or 0.0), noise_floor
+    if d.criterion != "noise":
+        d.excess = math.inf if mismatched else 0.0
     if logits:
         d.topk = min(topk, cols)
         d.top1_agree = int((s["rank"] == 0).sum())
@@ -176,6 +233,8 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
 @dataclass
 class CaptureDiff:
     diffs: list[TensorDiff]  # data-flow order
+    noise_source: str = ""  # how the noise floor was obtained (difftest.noise.NoiseFloor.source)
+    tie: str = ""  # draft steps left out: the engine drafted another token where the reference's was a tie
 
     @property
     def ok(self) -> bool:
@@ -185,7 +244,7 @@ class CaptureDiff:
         return next((d for d in self.diffs if d.name == name), None)
 
     def first_divergence(self, names=None) -> TensorDiff | None:
-        """The first failing tensor in data-flow order (a failing fc_in is named by its first failing chunk)."""
+        """The first tensor above noise in data-flow order (a failing fc_in is named by its first failing chunk)."""
         for d in self.diffs:
             if d.ok or (names is not None and d.name not in names):
                 continue
@@ -195,6 +254,32 @@ class CaptureDiff:
             return d
         return None
 
+    def first_introduced(self, names=None) -> TensorDiff | None:
+        """The first tensor where the error is introduced (above noise, not explained by its inputs)."""
+        for d in self.diffs:
+            if not d.introduced or (names is not None and d.name not in names):
+                continue
+            if d.name == "draft.fc_in":  # named by its first chunk that introduced the error
+                chunk = next((c for c in self.diffs if c.name.startswith("draft.fc_in.") and c.introduced), None)
+                return chunk or d
+            return d
+        return None
+
+    def first_differs(self) -> TensorDiff | None:
+        """The first tensor whose values differ at all (not bit-identical), noise included."""
+        for d in self.diffs:
+            if d.differs or d.status in ("missing", "shape"):
+                if d.name == "draft.fc_in":  # named by its first differing chunk
+                    return next((c for c in self.diffs if c.name.startswith("draft.fc_in.") and c.differs), d)
+                return d
+        return None
+
+
+def _thresholds(name: str, dtype: str, tolerances: dict, floor: noise.NoiseFloor) -> tuple[Tolerance, float | None]:
+    tol = tolerance_for(name, dtype, tolerances or {})
+    explicit = tol.source.startswith("case:")
+    return tol, (None if explicit else floor.threshold(name))
+
 
 def compare_captures(
     ref: Capture,
@@ -202,19 +287,77 @@ def compare_captures(
     dtype: str,
     tolerances: dict[str, dict] | None = None,
     allow_missing: list[str] | None = None,
+    floor: noise.NoiseFloor | None = None,
 ) -> CaptureDiff:
+    floor = floor or noise.unmeasured(dtype, "no calibration given")
+    skip_after, tie = _tie_step(ref, other, floor)
     diffs = []
     other_names = set(other.names())
     for name in ref.names():
+        step = split_draft(name)
+        if skip_after is not None and step is not None and step[0] > skip_after:
+            diffs.append(TensorDiff(name, "tie", detail=f"not compared: {tie}"))
+            continue
         if name not in other_names:
             allowed = any(fnmatchcase(name, p) for p in allow_missing or [])
             diffs.append(
                 TensorDiff(name, "allowed-missing" if allowed else "missing",
-                           detail="not captured by the engine" + (" (allowed by the case)" if allowed else ""))
+                           detail="not captured by the engine" + (" (allowed by the case)" if allowed else ""),
+                           excess=0.0 if allowed else math.inf)
             )  # fmt: skip
             continue
-        diffs.append(compare_tensor(name, ref.get(name), other.get(name), tolerance_for(name, dtype, tolerances or {})))
-    return CaptureDiff(diffs)
+        tol, threshold = _thresholds(name, dtype, tolerances or {}, floor)
+        diffs.append(compare_tensor(name, ref.get(name), other.get(name), tol, threshold=threshold,
+                                    noise_floor=floor.floor(name)))  # fmt: skip
+    cd = CaptureDiff(diffs, floor.source, tie)
+    localise(cd, (ref.meta.get("wiring") or {}).get("inputs") or [], ref.meta.get("num_layers"))
+    return cd
+
+
+def _tie_step(ref: Capture, other: Capture, floor: noise.NoiseFloor) -> tuple[int | None, str]:
+    """The first draft step where the engine drafted another token than the reference *at a tie*:
+    later steps compute on another token and are not compared. A drafted token that differs where
+    the reference's margin is clear is no tie: that step's logits diverge and say so."""
+    a, b = ref.meta.get("draft_tokens"), other.meta.get("draft_tokens")
+    s = noise._diverged_step(a, b)
+    if s is None:
+        return None, ""
+    name = "draft.logits_target" if s == 0 else f"draft.step{s}.logits_target"
+    if name not in ref.tensors:
+        return None, ""
+    row = ref.tensors[name].reshape(-1, ref.tensors[name].shape[-1])[-1:]
+    if not bool(noise.tie_rows(row, floor.threshold(name)).all()):
+        return None, ""
+    margin, rms = noise.top1_margins(row)
+    return s, (f"the engine drafted token {b[s]} and the reference {a[s]} at step {s}, where the reference's top-1 "
+               f"margin {float(margin[0]):.3g} is within noise ({noise.TIE_FACTOR:g} x threshold "
+               f"{floor.threshold(name):.3g} x row RMS {float(rms[0]):.3g}): a tie, so later steps compute on other tokens")  # fmt: skip
+
+
+def localise(cd: CaptureDiff, wiring: list[str], num_layers: int | None) -> None:
+    """Mark the tensors where error is introduced: above noise, and no diverging input, or an excess
+    more than noise.JUMP times that of every diverging input. Inputs the engine did not capture are
+    looked through to their own inputs."""
+    by_name = {d.name: d for d in cd.diffs}
+
+    def effective(name: str, seen: set) -> list[TensorDiff]:
+        out = []
+        for i in inputs_of(name, wiring, num_layers):
+            if i in seen:
+                continue
+            seen.add(i)
+            d = by_name.get(i)
+            if d is None or d.status in ("missing", "allowed-missing"):
+                out += effective(i, seen)
+            elif d.status != "tie":
+                out.append(d)
+        return out
+
+    for d in cd.diffs:
+        if d.ok:
+            continue
+        upstream = [i.excess for i in effective(d.name, {d.name}) if not i.ok]
+        d.introduced = not upstream or d.excess > noise.JUMP * max(upstream)
 
 
 def top1_agreement(ref: Capture, other: Capture, names: list[str]) -> tuple[int, int]:

@@ -77,3 +77,52 @@ def order_key(name: str) -> tuple:
 
 def in_dataflow_order(names) -> list[str]:
     return sorted(names, key=order_key)
+
+
+# What each canonical tensor is computed from, for localising where an error is introduced
+# (difftest.noise). fc_in chunks take the reference's wiring (target tensors); the draft's own
+# tensors follow Eagle3 decoder-layer data flow: attn_in = cat(norm(embeds), norm(fc_out)); the
+# residual around attention is fc_out (or its norm, norm_before_residual); step s >= 1 reads
+# the previous step's hidden state and the token drafted from its logits.
+_DRAFT_INPUTS = {
+    "fc_out": ["fc_in"],
+    "layer0.attn_in": ["embeds", "fc_out"],
+    "layer0.attn_out": ["layer0.attn_in"],
+    "layer0.mlp_out": ["layer0.attn_out", "fc_out"],
+    "hidden_prenorm": ["layer0.mlp_out", "layer0.attn_out", "fc_out"],
+    "logits": ["hidden_prenorm"],
+    "logits_target": ["logits"],
+}
+
+
+def inputs_of(name: str, wiring: list[str] | None = None, num_layers: int | None = None) -> list[str]:
+    """The canonical tensors `name` is computed from (empty for sources: embeddings, token ids)."""
+    if name.startswith("target.h."):
+        k = int(name.rsplit(".", 1)[1])
+        return [f"target.h.{k - 1}"] if k > 0 else []
+    if name == "target.final_norm":
+        return [f"target.h.{num_layers}"] if num_layers is not None else []
+    if name == "target.logits":
+        return ["target.final_norm"]
+    j = fc_chunk_index(name)
+    if j is not None:
+        return [wiring[j]] if wiring and j < len(wiring) else []
+    d = split_draft(name)
+    if d is None:
+        return []
+    step, part = d
+    if part == "fc_in":
+        return list(wiring or [])
+    if step == 0:
+        return [draft_name(0, p) for p in _DRAFT_INPUTS.get(part, [])]
+    prev = step - 1
+    if part == "embeds":
+        return [draft_name(prev, "logits_target")]
+    if part == "layer0.attn_in":
+        return [draft_name(step, "embeds"), draft_name(prev, "hidden_prenorm")]
+    if part == "layer0.attn_out":
+        # attention reads this position and the KV cache of every earlier one
+        return [draft_name(step, "layer0.attn_in")] + [draft_name(s, "layer0.attn_in") for s in range(step)]
+    if part in ("layer0.mlp_out", "hidden_prenorm"):
+        return [draft_name(step, p) for p in _DRAFT_INPUTS[part] if p != "fc_out"] + [draft_name(prev, "hidden_prenorm")]
+    return [draft_name(step, p) for p in _DRAFT_INPUTS.get(part, [])]

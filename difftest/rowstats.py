@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 ROW_FIELDS = (
-    "max_abs", "max_col", "mismatched", "nonfinite", "sum_abs", "sum_ab", "sum_aa", "sum_bb",
+    "max_abs", "max_col", "mismatched", "nonfinite", "sum_abs", "sum_sq", "sum_ab", "sum_aa", "sum_bb",
     "max_rel", "nan_a", "nan_b", "inf_a", "inf_b",
 )  # fmt: skip
 SOFTMAX_FIELDS = ("rank", "kl", "tv")
@@ -51,6 +51,8 @@ def _elementwise(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> 
         "mismatched": (~close).sum(-1),
         "nonfinite": (~finite & ~same).sum(-1),
         "sum_abs": torch.where(finite, diff, 0.0).sum(-1),
+        # squared differences summed directly (not aa + bb - 2ab, which cancels for near-equal rows)
+        "sum_sq": torch.where(finite, diff * diff, 0.0).sum(-1),
         "sum_ab": (af * bf).sum(-1),
         "sum_aa": (af * af).sum(-1),
         "sum_bb": (bf * bf).sum(-1),
@@ -191,7 +193,7 @@ def _row_stats_eager(a2, b2, atol, rtol, logits, chunk):
 
 def _merge_columns(x: dict, y: dict) -> dict:
     better = y["max_abs"] > x["max_abs"]  # strict: the first column block wins ties, as a flat scan would
-    out = {k: x[k] + y[k] for k in ("mismatched", "nonfinite", "sum_abs", "sum_ab", "sum_aa", "sum_bb",
+    out = {k: x[k] + y[k] for k in ("mismatched", "nonfinite", "sum_abs", "sum_sq", "sum_ab", "sum_aa", "sum_bb",
                                      "nan_a", "nan_b", "inf_a", "inf_b")}  # fmt: skip
     out["max_abs"] = torch.where(better, y["max_abs"], x["max_abs"])
     out["max_col"] = torch.where(better, y["max_col"], x["max_col"])

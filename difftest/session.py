@@ -15,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+from difftest import noise
 from difftest.acceptance import AcceptStats
 from difftest.capture import Capture, CaptureCache, cache_key
 from difftest.case import Case
@@ -68,6 +69,7 @@ class Session:
         self._captures: dict[tuple, Capture] = {}
         self._stats: dict[tuple, AcceptStats] = {}
         self._diffs: dict[tuple, list[CaptureDiff]] = {}
+        self._floors: dict[str, noise.NoiseFloor] = {}
         # spec id -> a stored run standing in for an engine (difftest.baseline.BaselineSource)
         self._stored: dict[str, object] = {}
 
@@ -248,6 +250,30 @@ class Session:
             self._stats[memo] = stats
         return self._stats[memo]
 
+    # -- the noise floor (difftest.noise) ----------------------------------------------------
+    def calibration_spec(self) -> EngineSpec:
+        """The engine that measures the noise floor: the reference when it is the `ref` engine
+        (with its wiring and flags), else a plain `ref` beside it."""
+        ref = self.options.reference
+        return ref if ref.name == "ref" and ref.id not in self._stored else EngineSpec("ref")
+
+    def noise_floor(self, case: Case) -> noise.NoiseFloor:
+        """Per canonical tensor, how far the reference moves when it computes the case in float64
+        instead of the case's dtype; memoised per case (the captures behind it are cached on disk)."""
+        case = self.prepare(case)
+        if case.path not in self._floors:
+            spec = self.calibration_spec()
+            exact = dataclasses.replace(case, dtype=noise.CALIBRATION_DTYPE, path=f"{case.path}#{noise.CALIBRATION_DTYPE}")
+            try:
+                pairs = [(self.capture(case, spec, i), self.capture(exact, spec, i)) for i in range(len(case.prompts))]
+            except DifftestError as e:
+                floor = noise.unmeasured(case.dtype, f"{spec.id} cannot run this case in float64: {str(e).splitlines()[0]}")
+            else:
+                floor = noise.measure_floor(pairs, case.dtype, f"measured: {spec.id} in {case.dtype} vs float64 "
+                                                               f"over {len(pairs)} prompts")  # fmt: skip
+            self._floors[case.path] = floor
+        return self._floors[case.path]
+
     def comparisons(self, case: Case, spec: EngineSpec) -> list[CaptureDiff]:
         """Per prompt: the engine's capture against the reference's."""
         memo = (case.path, spec.id)
@@ -259,7 +285,8 @@ class Session:
                 # An engine's capture meta may list `partial: [patterns]`: reference tensors it cannot
                 # expose (e.g. vLLM: target layers it does not capture); missing those is allowed.
                 partial = [p for p in b.meta.get("partial") or [] if isinstance(p, str)]
-                out.append(compare_captures(a, b, case.dtype, case.tolerances, [*case.allow_missing, *partial]))
+                out.append(compare_captures(a, b, case.dtype, case.tolerances, [*case.allow_missing, *partial],
+                                            floor=self.noise_floor(case)))  # fmt: skip
             self._diffs[memo] = out
         return self._diffs[memo]
 

@@ -76,10 +76,11 @@ class Eagle3Config:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Computed in float32 like every engine does, then cast back.
-    xf = x.float()
+    # Computed in float32 like every engine does (float64 stays float64: the noise-floor run), then cast back.
+    wide = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(wide)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).type_as(x)
+    return (xf * weight.to(wide)).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -95,12 +96,13 @@ class RMSNorm(nn.Module):
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half rotary embedding (Llama/NeoX layout). x: [..., n, heads, d], positions: [..., n]."""
     d = x.shape[-1]
+    wide = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 in the noise-floor run
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., n, d/2]
+    angles = positions.to(wide)[..., None] * inv_freq.to(wide)  # [..., n, d/2]
     angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., n, 1, d]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * angles.cos() + rotated.float() * angles.sin()).type_as(x)
+    return (x.to(wide) * angles.cos() + rotated.to(wide) * angles.sin()).type_as(x)
 
 
 @dataclass

@@ -140,9 +140,10 @@ def softmax_scale(cfg: Eagle3MLAConfig) -> float:
 
 def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, magnitude: float) -> torch.Tensor:
     """x: [B, n, heads, d] with pairs (x[2j], x[2j+1]) rotated by angle position * inv_freq[j]."""
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, n, d/2]
+    wide = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 in the noise-floor run
+    angles = positions.to(wide)[..., None] * inv_freq.to(wide)  # [B, n, d/2]
     cos, sin = (angles.cos() * magnitude)[:, :, None, :], (angles.sin() * magnitude)[:, :, None, :]
-    xf = x.float()
+    xf = x.to(wide)
     even, odd = xf[..., 0::2], xf[..., 1::2]
     out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)  # re-interleave
     return out.flatten(-2).type_as(x)

@@ -1,0 +1,242 @@
+"""Numerical noise vs real divergence: a noise floor the harness measures, judged per row.
+
+Two correct engines never compute bit-identical tensors: kernels sum in other orders, fuse
+adds into norms, keep residuals in other widths. Elementwise `allclose` with a fixed
+atol/rtol then fails single elements of correct engines (a 1e-4 atol on values ~20 is 5e-6
+relative) while a 61-layer bf16 target fails almost every tensor. So the verdict is not
+elementwise. Per tensor and per row (= token position):
+
+    err_i = ||engine_i - ref_i||_2 / ||ref_i||_2            (finite entries; equal infinities
+                                                             such as -inf outside the draft
+                                                             vocab are equal; NaN or an
+                                                             unmatched infinity: err_i = inf)
+
+is compared with what the *reference itself* moves when it computes the same thing in
+another precision. The reference runs every prompt twice: in the case's dtype and in
+float64 (`measure_floor`). For each canonical tensor
+
+    floor(t)     = FLOOR_QUANTILE quantile over all rows of all prompts of
+                   ||ref_dtype_i - ref_float64_i|| / ||ref_float64_i||
+    threshold(t) = SAFETY * max(floor(t), UNIT_ROUNDOFF[dtype])
+
+The floor is measured along the data flow, so it already holds the noise each tensor
+inherits from its inputs (a deep target layer has a higher floor than the embedding).
+
+Why SAFETY = 10: the float64 run is the exact answer to within 1e-16, so floor(t) is the
+reference's own rounding error. A correct engine in the same dtype errs by about as much
+again; the two errors add to at most 2x floor (triangle inequality), typically sqrt(2)x
+for independent roundings. The rest of the factor covers kernels that round at other
+places (tiled GEMMs, fused add+RMSNorm, online softmax, fp32 vs bf16 residuals) and the
+spread of per-row errors above the quantile. The divergences this harness exists for
+(another layer fed to fc, a norm flag flipped, a vocab map dropped) move rows by 1e-2..1
+relative: 1e2..1e6 x the floor. torch.testing reasons the same way: its float32 default
+rtol 1.3e-6 is ~10x the unit roundoff 6e-8, its bfloat16 1.6e-2 ~4x 3.9e-3.
+
+Why a row quorum: a tensor diverges when more than ROW_QUORUM of its rows exceed the
+threshold, or when one row exceeds it ISOLATED_FACTOR times over. Discrete numerical events
+(an MoE router or an argmax near a tie) flip single rows of correct engines by a moderate
+amount; the faults above move every row. A real fault that hits one row hard is still
+caught by the isolated-row rule.
+
+Where error is introduced (Polygraphy's layerwise localisation, judged against noise):
+excess(t) = max_i err_i / threshold(t). A diverging tensor *introduced* the error when
+no input of it (difftest.names.inputs_of) diverges, or its excess exceeds JUMP times the
+largest excess among its diverging inputs. Propagated error keeps (or loses) its size in
+noise units because the floor grows along the same data flow.
+
+When the reference cannot run twice (a training dump or a stored baseline as reference,
+or a target too large for the CPU reference), the floor is not measured and the threshold
+falls back to UNMEASURED_REL[dtype]; every verdict then says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+SAFETY = 10.0
+FLOOR_QUANTILE = 0.9
+ROW_QUORUM = 0.1
+ISOLATED_FACTOR = 10.0
+JUMP = 10.0
+# Guessed, not measured: relative row error of a correct engine at the end of a deep target in
+# this dtype (about 1000 and 10 unit roundoffs). Used only when no floor can be measured.
+UNMEASURED_REL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+# A draft position is a tie when the reference's top-1 margin is within what noise can move two
+# logits: each moves by at most ~threshold x the row's RMS (the row's error norm spread over it),
+# and the difference of two such moves by up to twice that.
+TIE_FACTOR = 2.0
+CALIBRATION_DTYPE = "float64"
+
+BLOCK_ELEMENTS = 1 << 22
+
+
+def row_rel_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-row ||x - ref|| / ||ref|| in float64 over the last dim ([R] on CPU)."""
+    cols = ref.shape[-1] if ref.dim() else 1
+    x2, r2 = x.reshape(-1, cols), ref.reshape(-1, cols)
+    rows = max(1, BLOCK_ELEMENTS // max(cols, 1))
+    out = []
+    for r in range(0, r2.shape[0], rows):
+        a, b = x2[r : r + rows].double(), r2[r : r + rows].to(x2.device).double()
+        same = a == b
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        d = torch.where(same | ~finite, 0.0, a - b)
+        num = (d * d).sum(-1)
+        den = torch.where(finite, b * b, 0.0).sum(-1)
+        bad = (~same & ~finite).any(-1)
+        err = torch.where(den > 0, (num / den.clamp_min(1e-300)).sqrt(), torch.where(num > 0, torch.inf, 0.0))
+        out.append(torch.where(bad, torch.inf, err).cpu())
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+@dataclass
+class TensorFloor:
+    name: str
+    floor: float  # FLOOR_QUANTILE of the reference's own per-row error against float64
+    max: float  # the largest such row error
+    rows: int  # rows measured
+    threshold: float  # SAFETY * max(floor, unit roundoff)
+
+
+@dataclass
+class NoiseFloor:
+    dtype: str
+    measured: bool
+    source: str  # one line: how the floor was obtained, or why it was not
+    tensors: dict[str, TensorFloor] = field(default_factory=dict)
+    excluded: list[str] = field(default_factory=list)  # "prompt 2: steps >= 2 (float64 drafted another token)"
+
+    def threshold(self, name: str) -> float:
+        """The tensor's threshold; names the calibration did not see take the largest threshold of
+        the same draft part at another step, else the unmeasured default."""
+        if name in self.tensors:
+            return self.tensors[name].threshold
+        from difftest.names import split_draft
+
+        d = split_draft(name)
+        if d is not None:
+            same_part = [f.threshold for n, f in self.tensors.items() if (split_draft(n) or (None, None))[1] == d[1]]
+            if same_part:
+                return max(same_part)
+        return unmeasured_threshold(self.dtype)
+
+    def floor(self, name: str) -> float:
+        f = self.tensors.get(name)
+        return f.floor if f else self.threshold(name) / SAFETY
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.dtype, "measured": self.measured, "source": self.source, "excluded": self.excluded,
+                "tensors": {n: asdict(f) for n, f in self.tensors.items()},
+                "constants": {"safety": SAFETY, "floor_quantile": FLOOR_QUANTILE, "row_quorum": ROW_QUORUM,
+                              "isolated_factor": ISOLATED_FACTOR, "jump": JUMP, "tie_factor": TIE_FACTOR}}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NoiseFloor":
+        return cls(d["dtype"], bool(d["measured"]), d["source"],
+                   {n: TensorFloor(**f) for n, f in (d.get("tensors") or {}).items()}, list(d.get("excluded") or []))  # fmt: skip
+
+
+def unit_roundoff(dtype: str) -> float:
+    return UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"])
+
+
+def unmeasured_threshold(dtype: str) -> float:
+    return UNMEASURED_REL.get(dtype, UNMEASURED_REL["float32"])
+
+
+def unmeasured(dtype: str, why: str) -> NoiseFloor:
+    return NoiseFloor(dtype, False, f"not measured ({why}); threshold {unmeasured_threshold(dtype):g} relative per row "
+                                    f"for every tensor, a guess for {dtype}")  # fmt: skip
+
+
+def _quantile(x: torch.Tensor, q: float) -> float:
+    x = x[torch.isfinite(x)]
+    return float(torch.quantile(x, q)) if x.numel() else 0.0
+
+
+def _diverged_step(a: list | None, b: list | None) -> int | None:
+    """The first draft step whose drafted token differs between two runs (None: all equal or unknown)."""
+    if not a or not b:
+        return None
+    return next((s for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def measure_floor(pairs: list[tuple], dtype: str, source: str) -> NoiseFloor:
+    """pairs: per prompt (capture in the case's dtype, the same capture in float64)."""
+    from difftest.names import split_draft
+
+    rows: dict[str, list[torch.Tensor]] = {}
+    excluded = []
+    for i, (cap, exact) in enumerate(pairs):
+        # A draft step after the two runs drafted different tokens computes on another token: it says
+        # nothing about rounding, so it is left out (its threshold comes from the other prompts).
+        flip = _diverged_step(cap.meta.get("draft_tokens"), exact.meta.get("draft_tokens"))
+        if flip is not None:
+            excluded.append(f"prompt {i}: draft steps > {flip} (float64 drafted another token at step {flip})")
+        for name in cap.names():
+            if name not in exact:
+                continue
+            d = split_draft(name)
+            if flip is not None and d is not None and d[0] > flip:
+                continue
+            a, b = cap.get(name), exact.get(name)
+            if a.shape != b.shape:
+                continue
+            rows.setdefault(name, []).append(row_rel_err(a, b))
+    u = unit_roundoff(dtype)
+    tensors = {}
+    for name, parts in rows.items():
+        errs = torch.cat(parts)
+        floor = _quantile(errs, FLOOR_QUANTILE)
+        finite = errs[torch.isfinite(errs)]
+        tensors[name] = TensorFloor(name, floor, float(finite.max()) if finite.numel() else 0.0, int(errs.numel()),
+                                    SAFETY * max(floor, u))  # fmt: skip
+    return NoiseFloor(dtype, True, source, tensors, excluded)
+
+
+@dataclass
+class RowJudgement:
+    """One tensor of one prompt judged against its threshold."""
+
+    threshold: float
+    err: float  # largest row error
+    err_q: float  # FLOOR_QUANTILE quantile of the row errors (comparable with the floor)
+    rows_above: int
+    diverges: bool
+    excess: float  # err / threshold: noise units, for localisation
+
+    @property
+    def isolated(self) -> bool:
+        return self.err > ISOLATED_FACTOR * self.threshold
+
+
+def judge_rows(errs: torch.Tensor, threshold: float) -> RowJudgement:
+    if errs.numel() == 0:
+        return RowJudgement(threshold, 0.0, 0.0, 0, False, 0.0)
+    above = int((errs > threshold).sum())
+    worst = float(errs.max())
+    diverges = above > 0 and (above > ROW_QUORUM * errs.numel() or worst > ISOLATED_FACTOR * threshold)
+    q = _quantile(errs, FLOOR_QUANTILE) if bool(torch.isfinite(errs).any()) else math.inf
+    return RowJudgement(threshold, worst, q, above, diverges, worst / threshold if threshold > 0 else math.inf)
+
+
+def top1_margins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of [R, V] logits: (top-1 minus top-2 over finite entries, RMS of the finite entries)."""
+    x = logits.reshape(-1, logits.shape[-1]).double()
+    finite = torch.isfinite(x)
+    masked = torch.where(finite, x, -torch.inf)
+    top = masked.topk(min(2, x.shape[-1]), dim=-1).values
+    margin = top[:, 0] - top[:, 1] if top.shape[-1] > 1 else torch.full_like(top[:, 0], torch.inf)
+    n = finite.sum(-1).clamp_min(1)
+    rms = (torch.where(finite, x * x, 0.0).sum(-1) / n).sqrt()
+    return margin, rms
+
+
+def tie_rows(ref_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Bool per row: the reference's top-1 margin is within what noise can move (TIE_FACTOR x threshold x RMS)."""
+    margin, rms = top1_margins(ref_logits)
+    return margin <= TIE_FACTOR * threshold * rms
