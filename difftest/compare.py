@@ -218,6 +218,7 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
         d.status = "mismatch" if j.diverges else "ok"
         d.worst_row = int(errs.argmax()) if j.diverges else -1
     d.err, d.err_q, d.rows_above, d.excess = j.err, j.err_q, j.rows_above, j.excess
+    d._errs = errs  # full per-row errors for the data-flow pass (compare.judge_along_flow); not reported
     d.threshold, d.noise_floor = (threshold or 0.0), noise_floor
     if d.criterion != "noise":
         d.excess = math.inf if mismatched else 0.0
@@ -310,8 +311,52 @@ def compare_captures(
         diffs.append(compare_tensor(name, ref.get(name), other.get(name), tol, threshold=threshold,
                                     noise_floor=floor.floor(name)))  # fmt: skip
     cd = CaptureDiff(diffs, floor.source, tie)
-    localise(cd, (ref.meta.get("wiring") or {}).get("inputs") or [], ref.meta.get("num_layers"))
+    wiring, num_layers = (ref.meta.get("wiring") or {}).get("inputs") or [], ref.meta.get("num_layers")
+    judge_along_flow(cd, wiring, num_layers)
+    localise(cd, wiring, num_layers)
     return cd
+
+
+def _aligned(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """An input's per-row flags seen from a tensor of n rows: positions align at the end (a later
+    draft step's one row is the last prompt position of the step before)."""
+    if rows.numel() == n:
+        return rows
+    if rows.numel() > n:
+        return rows[-n:]
+    return torch.zeros(n, dtype=torch.bool)
+
+
+def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None) -> None:
+    """Final noise verdicts in data-flow order (difftest.noise): the quorum everywhere, the isolated-row
+    rule in the draft only; rows inherited from an upstream row that was tolerated as a discrete
+    numerical event (above threshold in a tensor judged within noise) are not counted again."""
+    tolerated: dict[str, torch.Tensor] = {}
+
+    def inputs(name: str, seen: set) -> list[str]:
+        out = []
+        for i in inputs_of(name, wiring, num_layers):
+            if i not in seen:
+                seen.add(i)
+                out += [i] if i in tolerated else inputs(i, seen)
+        return out
+
+    for d in cd.diffs:
+        errs = getattr(d, "_errs", None)
+        if errs is None:
+            continue
+        inherited = torch.zeros(errs.numel(), dtype=torch.bool)
+        for i in inputs(d.name, {d.name}):
+            inherited |= _aligned(tolerated[i], errs.numel())
+        if d.criterion != "noise":
+            tolerated[d.name] = inherited
+            continue
+        j = noise.judge_rows(errs, d.threshold, inherited, isolated_rule=d.name.startswith("draft."))
+        d.status = "mismatch" if j.diverges else "ok"
+        d.worst_row = int(errs.argmax()) if j.diverges else -1
+        tolerated[d.name] = inherited if j.diverges else inherited | (errs > d.threshold)
+    for d in cd.diffs:
+        d.__dict__.pop("_errs", None)
 
 
 def _tie_step(ref: Capture, other: Capture, floor: noise.NoiseFloor) -> tuple[int | None, str]:

@@ -2,9 +2,13 @@
 
 Everything is inline (CSS, PNG plots as data: URIs), so the file can be attached to a bug
 report. Every string that came from an engine, a checkpoint or a case passes through
-html.escape. Plots (matplotlib, Agg backend):
-  * per-tensor error along the data flow (max |diff| and 1 - cos per tensor, per engine)
-  * per-token error of the first divergent tensor (max |diff| per row)
+html.escape. Per engine, an inline SVG (drawn here, hover a point for its numbers): every
+tensor along the data flow, the engine's per-row relative error (`err`, log scale) against
+the measured noise floor and the threshold, tensors above noise in red, the tensor where the
+error is introduced ringed, tie-skipped steps shaded; beside it the compact table of the
+Markdown report and the ties. Plots (matplotlib, Agg backend):
+  * elementwise statistics along the data flow (max |diff| and 1 - cos per tensor, per engine)
+  * per-token error of the introduced-error tensor (row error / threshold per row)
   * chunk-vs-layer similarity heat map (fc_inputs diagnosis)
   * per-position acceptance rate, reference vs engine
 """
@@ -15,6 +19,8 @@ import base64
 import io
 import math
 from html import escape
+
+from difftest.report import above_noise, focus, interesting, noise_floor_line, num, ties_lines, verdict_word
 
 OUTCOME_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#9a6700", "skipped": "#6e7781"}
 
@@ -28,6 +34,8 @@ th{background:#f6f8fa} pre{background:#f6f8fa;padding:.6em;overflow-x:auto;white
 .verdict.failed{background:#ffebe9;border:1px solid #cf222e} .verdict.passed{background:#dafbe1;border:1px solid #1a7f37}
 figure{margin:1em 0} figcaption{color:#57606a;font-size:.9em} img{max-width:100%}
 .msg{white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:.85em}
+svg.noise{width:100%;height:auto;font-family:system-ui,sans-serif} tr.above td{background:#ffebe9}
+.noise-source{font-family:ui-monospace,monospace;font-size:.85em;background:#f6f8fa;padding:.4em .6em}
 """
 
 
@@ -66,6 +74,188 @@ def _comparison(report: dict, engine: str) -> dict | None:
     return next((r for r in runs if r.get("first_divergence")), runs[0] if runs else None)
 
 
+# -- the noise view: error against the measured noise floor, per engine (inline SVG) ----------------
+C_ERR, C_ABOVE, C_FLOOR, C_THRESH, C_TIE = "#0969da", "#cf222e", "#6e7781", "#bc4c00", "#eaeef2"
+
+
+def _pos(x) -> float | None:
+    """A positive finite float, or None (zero, inf, NaN, missing)."""
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if 0 < x < math.inf else None
+
+
+def _tip(t: dict) -> str:
+    parts = [t["name"], verdict_word(t)]
+    if t.get("status") in ("ok", "mismatch"):
+        parts.append(f"err {num(t.get('err'))} (rows above {t.get('rows_above', 0)}/{t.get('rows', 0)}), floor "
+                     f"{num(t.get('noise_floor'))}, threshold {num(t.get('threshold'))}, excess {num(t.get('excess'))}x")  # fmt: skip
+    elif t.get("detail"):
+        parts.append(str(t["detail"]))
+    if t.get("introduced"):
+        parts.append("error introduced here")
+    return escape(" · ".join(parts))
+
+
+def _polyline(points: list[tuple[float, float] | None], colour: str, dash: str = "") -> str:
+    """Segments of consecutive points (None breaks the line)."""
+    out, run = [], []
+    for p in points + [None]:
+        if p is not None:
+            run.append(p)
+            continue
+        if len(run) > 1:
+            pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in run)
+            out.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.5"'
+                       + (f' stroke-dasharray="{dash}"' if dash else "") + "/>")  # fmt: skip
+        run = []
+    return "".join(out)
+
+
+def svg_noise(entry: dict, engine: str) -> str | None:
+    """Every tensor of one prompt along the data flow: err (log scale) against floor and threshold."""
+    tensors = [t for t in entry.get("tensors") or [] if "name" in t]
+    if not tensors or not any("threshold" in t or "err" in t for t in tensors):
+        return None  # a report from before the noise criterion
+    values = [v for t in tensors for v in (_pos(t.get("err")), _pos(t.get("noise_floor")), _pos(t.get("threshold"))) if v]
+    lo = math.floor(math.log10(min(values))) if values else -8
+    hi = math.ceil(math.log10(max(values))) if values else 0
+    hi = max(hi, lo + 1)
+    n = len(tensors)
+    longest = max(len(t["name"]) for t in tensors)
+    left, right, top, height = 58, 16, 34, 230
+    step = max(980 / n, 12.0)  # at least 980 wide (the legend), at least 12 per tensor (the names)
+    width = left + right + step * n
+    label_h = min(200, 10 + 5.4 * longest * 0.87)
+    total_h = top + height + label_h + 8
+    X = lambda i: left + step * (i + 0.5)  # noqa: E731
+    Y = lambda v: top + height * (hi - math.log10(v)) / (hi - lo)  # noqa: E731
+    bottom, ceiling = top + height, top
+    s = [f'<svg class="noise" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width:.0f} {total_h:.0f}" '
+         f'role="img" aria-label="{escape(engine)}: error against the noise floor along the data flow">']  # fmt: skip
+    # tie-skipped tensors: shaded columns
+    for i, t in enumerate(tensors):
+        if t.get("status") == "tie":
+            s.append(f'<rect x="{X(i) - step / 2:.1f}" y="{top}" width="{step:.1f}" height="{height}" fill="{C_TIE}">'
+                     f"<title>{_tip(t)}</title></rect>")  # fmt: skip
+    # decades
+    for d in range(lo, hi + 1):
+        y = Y(10.0**d)
+        s.append(f'<line x1="{left}" x2="{width - right:.0f}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d0d7de" stroke-width="0.6"/>'
+                 f'<text x="{left - 4}" y="{y + 3:.1f}" font-size="9" text-anchor="end" fill="#57606a">1e{d}</text>')  # fmt: skip
+    s.append(f'<rect x="{left}" y="{top}" width="{width - left - right:.0f}" height="{height}" fill="none" stroke="#8c959f"/>')
+    s.append(f'<text x="12" y="{top + height / 2:.0f}" font-size="10" fill="#57606a" transform="rotate(-90 12 {top + height / 2:.0f})" '
+             'text-anchor="middle">row error ||engine - ref|| / ||ref||</text>')  # fmt: skip
+
+    def series(key: str, keep=lambda t: True) -> list[tuple[float, float] | None]:
+        return [(X(i), Y(v)) if (v := _pos(t.get(key))) and keep(t) else None for i, t in enumerate(tensors)]
+
+    # floor, threshold, the engine's error
+    s.append(_polyline(series("noise_floor"), C_FLOOR, "4 3"))
+    s.append(_polyline(series("threshold"), C_THRESH))
+    s.append(_polyline(series("err", lambda t: t.get("status") in ("ok", "mismatch")), "#54aeff"))
+    for i, t in enumerate(tensors):
+        x, tip = X(i), _tip(t)
+        status, err = t.get("status"), _pos(t.get("err"))
+        if status == "tie":
+            continue
+        if status in ("missing", "shape") or (status == "mismatch" and err is None):
+            s.append(f'<text x="{x:.1f}" y="{ceiling + 4:.1f}" font-size="13" text-anchor="middle" fill="{C_ABOVE}" '
+                     f'class="err above">×<title>{tip}</title></text>')  # fmt: skip
+            continue
+        if status == "allowed-missing":
+            continue
+        if err is None:  # bit-identical (or zero error): on the bottom axis
+            s.append(f'<circle cx="{x:.1f}" cy="{bottom:.1f}" r="3" fill="#fff" stroke="{C_ERR}" class="err identical">'
+                     f"<title>{tip}</title></circle>")  # fmt: skip
+            continue
+        y = Y(err)
+        colour, cls, r = (C_ABOVE, "err above", 4.5) if above_noise(t) else (C_ERR, "err within", 3.5)
+        if t.get("introduced"):
+            s.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="9" fill="none" stroke="{C_ABOVE}" stroke-width="2" class="introduced"/>')
+        s.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{colour}" class="{cls}"><title>{tip}</title></circle>')
+    first = entry.get("first_divergence")
+    if first and any(t["name"] == first for t in tensors):
+        i = next(i for i, t in enumerate(tensors) if t["name"] == first)
+        anchor, dx = ("start", 5) if i < n / 2 else ("end", -5)
+        s.append(f'<line x1="{X(i):.1f}" x2="{X(i):.1f}" y1="{top}" y2="{bottom}" stroke="{C_ABOVE}" stroke-width="1" '
+                 f'stroke-dasharray="2 2" class="introduced-marker"/><text x="{X(i) + dx:.1f}" y="{top + 12}" font-size="11" '
+                 f'font-weight="600" fill="{C_ABOVE}" text-anchor="{anchor}">error introduced: {escape(first)}</text>')  # fmt: skip
+    # tensor names
+    for i, t in enumerate(tensors):
+        colour = C_ABOVE if above_noise(t) else ("#8c959f" if t.get("status") == "tie" else "#1f2328")
+        weight = ' font-weight="700"' if t.get("introduced") else ""
+        s.append(f'<text x="{X(i) + 3:.1f}" y="{bottom + 10:.1f}" font-size="9" fill="{colour}"{weight} text-anchor="end" '
+                 f'transform="rotate(-60 {X(i) + 3:.1f} {bottom + 10:.1f})">{escape(t["name"])}</text>')  # fmt: skip
+    # legend
+    items = [(f'<circle cx="6" cy="-3" r="3.5" fill="{C_ERR}"/>', "err (within noise)"),
+             (f'<circle cx="6" cy="-3" r="4.5" fill="{C_ABOVE}"/>', "above noise"),
+             (f'<circle cx="6" cy="-3" r="7" fill="none" stroke="{C_ABOVE}" stroke-width="2"/>', "error introduced"),
+             (f'<circle cx="6" cy="-3" r="3" fill="#fff" stroke="{C_ERR}"/>', "bit-identical (on the axis)"),
+             (f'<line x1="0" x2="14" y1="-3" y2="-3" stroke="{C_FLOOR}" stroke-width="1.5" stroke-dasharray="4 3"/>', "noise floor"),
+             (f'<line x1="0" x2="14" y1="-3" y2="-3" stroke="{C_THRESH}" stroke-width="1.5"/>', "threshold"),
+             (f'<rect x="0" y="-9" width="14" height="12" fill="{C_TIE}"/>', "tie: not compared")]  # fmt: skip
+    x = left
+    for mark, label in items:
+        s.append(f'<g transform="translate({x},16)">{mark}<text x="18" y="0" font-size="10" fill="#1f2328">{label}</text></g>')
+        x += 30 + 5.6 * len(label)
+    s.append("</svg>")
+    return "".join(s)
+
+
+def noise_section(report: dict) -> list[str]:
+    """The noise floor's source line, then per engine the SVG, the compact table and the ties."""
+    h = ["<h2 id='noise'>Error against the noise floor</h2>",
+         f"<p class='noise-source' id='noise-source'>{escape(noise_floor_line(report))}</p>"]  # fmt: skip
+    nf = report.get("noise_floor") or {}
+    if nf.get("tensors"):
+        h.append("<details><summary>measured floor per tensor</summary><table><tr><th>tensor</th><th>floor</th>"
+                 "<th>max</th><th>rows</th><th>threshold</th></tr>")  # fmt: skip
+        for name, f in nf["tensors"].items():
+            h.append(f"<tr><td><code>{escape(str(name))}</code></td><td>{num(f.get('floor'))}</td><td>{num(f.get('max'))}</td>"
+                     f"<td>{escape(str(f.get('rows')))}</td><td>{num(f.get('threshold'))}</td></tr>")  # fmt: skip
+        h.append("</table></details>")
+    comparisons = report.get("comparisons") or {}
+    if not comparisons:
+        h.append("<p>No engine was compared with the reference.</p>")
+    for engine, entries in comparisons.items():
+        entry = focus(entries)
+        if entry is None:
+            continue
+        first = entry.get("first_divergence")
+        head = f"{escape(engine)} · prompt {escape(str(entry.get('prompt')))} · " + (
+            f"error introduced at <code>{escape(first)}</code>" if first else "every tensor within noise")
+        h.append(f"<h3 class='noise-engine'>{head}</h3>")
+        if first:
+            h.append(f"<p>first above noise <code>{escape(str(entry.get('first_above_noise')))}</code> · first that differs "
+                     f"at all <code>{escape(str(entry.get('first_differs')))}</code></p>")  # fmt: skip
+        svg = svg_noise(entry, engine)
+        if svg:
+            h.append(f"<figure>{svg}<figcaption>{escape(engine)}, prompt {escape(str(entry.get('prompt')))}: per-row relative "
+                     "error of every tensor along the data flow (largest row, log scale) against the reference's measured "
+                     "noise floor and the threshold; hover a point for its numbers</figcaption></figure>")  # fmt: skip
+        rows, left = interesting(entry)
+        if rows:
+            h.append("<table class='noise-table'><tr><th>tensor</th><th>err</th><th>floor</th><th>threshold</th><th>excess</th>"
+                     "<th>verdict</th><th>introduced</th></tr>")  # fmt: skip
+            for t in rows:
+                cls = " class='above'" if above_noise(t) else ""
+                h.append(f"<tr{cls}><td><code>{escape(t['name'])}</code></td><td>{num(t.get('err'))}</td>"
+                         f"<td>{num(t.get('noise_floor'))}</td><td>{num(t.get('threshold'))}</td><td>{num(t.get('excess'))}x</td>"
+                         f"<td>{escape(verdict_word(t))}</td><td>{'◀ introduced' if t.get('introduced') else ''}</td></tr>")  # fmt: skip
+            h.append("</table>")
+            if left:
+                h.append(f"<p>{left} more tensors above noise are in the plot and the JSON.</p>")
+        tl = ties_lines(report, engine)
+        if tl:
+            h.append("<p>Ties:</p><ul class='ties'>" + "".join(f"<li>{escape(x)}</li>" for x in tl) + "</ul>")
+        else:
+            h.append("<p>Ties: none.</p>")
+    return h
+
+
 def plot_dataflow(report: dict) -> str | None:
     engines = [e for e in report.get("comparisons", {}) if _comparison(report, e)]
     if not engines:
@@ -89,26 +279,36 @@ def plot_dataflow(report: dict) -> str | None:
     ax1.set_ylabel("max |diff|"), ax2.set_ylabel("1 - cos")
     ax2.set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=7)
     ax1.legend(fontsize=8), ax1.grid(alpha=0.3), ax2.grid(alpha=0.3)
-    ax1.set_title("error along the data flow (red ring: outside tolerance; exact matches drawn at 1e-12)")
+    ax1.set_title("elementwise statistics along the data flow, information only "
+                  "(red ring: above noise; exact matches drawn at 1e-12)")
     return _png(fig)
 
 
 def plot_tokens(report: dict) -> str | None:
+    """Per-token error of each engine's introduced-error tensor: row error / threshold (1 = the noise
+    threshold); reports from before the noise criterion: max |diff| per row."""
     plt = _plt()
     series = []
     for e in report.get("comparisons", {}):
         c = _comparison(report, e)
         name = c and c.get("first_divergence")
         t = next((t for t in c["tensors"] if t["name"] == name), None) if name else None
-        if t and t.get("row_max_abs"):
+        if t and (t.get("row_err") or t.get("row_max_abs")):
             series.append((e, name, c["prompt"], t))
     if not series:
         return None
+    noise_units = all(t.get("row_err") and _pos(t.get("threshold")) for _, _, _, t in series)
     fig, ax = plt.subplots(figsize=(11, 3.2))
     for e, name, prompt, t in series:
-        ax.plot([_finite(v) or 1e-12 for v in t["row_max_abs"]], marker=".", label=f"{e}: {name} (prompt {prompt})")
-    ax.set_yscale("log"), ax.set_xlabel("token position (row)"), ax.set_ylabel("max |diff| in row")
-    ax.legend(fontsize=8), ax.grid(alpha=0.3), ax.set_title("per-token error of the first divergent tensor")
+        ys = [v / t["threshold"] for v in t["row_err"]] if noise_units else t["row_max_abs"]
+        ax.plot([_finite(v) or 1e-12 for v in ys], marker=".", label=f"{e}: {name} (prompt {prompt})")
+    if noise_units:
+        ax.axhline(1.0, color=C_THRESH, linewidth=1, label="noise threshold")
+        ax.set_ylabel("row error / threshold")
+    else:
+        ax.set_ylabel("max |diff| in row")
+    ax.set_yscale("log"), ax.set_xlabel("token position (row)")
+    ax.legend(fontsize=8), ax.grid(alpha=0.3), ax.set_title("per-token error of the tensor where the error is introduced")
     return _png(fig)
 
 
@@ -174,9 +374,15 @@ def render(report: dict) -> str:
     if not diag:
         h.append("<p>No tensor diverges.</p>")
     for c in diag:
-        fd = (c.get("data") or {}).get("first_divergence")
-        h.append(f"<h3>{escape(c['engine'])} · {escape(c['check'])}" + (f" · first divergence <code>{escape(fd)}</code>" if fd else "") + "</h3>")
+        data = c.get("data") or {}
+        fd = data.get("introduced") or data.get("first_divergence")
+        where = f" · error introduced at <code>{escape(fd)}</code>" if fd else ""
+        h.append(f"<h3>{escape(c['engine'])} · {escape(c['check'])}{where}</h3>")
+        where = [(k, data.get(k)) for k in ("first_above_noise", "first_differs") if data.get(k)]
+        if where:
+            h.append("<p>" + " · ".join(f"{k.replace('_', ' ')} <code>{escape(str(v))}</code>" for k, v in where) + "</p>")
         h.append(f"<pre class='msg'>{escape(c['message'])}</pre>")
+    h += noise_section(report)
 
     h.append("<h2 id='checks'>Checks</h2><table><tr><th>engine</th><th>check</th><th>outcome</th><th>message</th></tr>")
     for c in checks:
@@ -185,8 +391,8 @@ def render(report: dict) -> str:
     h.append("</table>")
 
     h.append("<h2 id='plots'>Plots</h2>")
-    figures = [(plot_dataflow(report), "per-tensor error along the data flow (prompt of the first divergence)"),
-               (plot_tokens(report), "per-token error of the first divergent tensor")]  # fmt: skip
+    figures = [(plot_dataflow(report), "elementwise statistics along the data flow (prompt of the first divergence)"),
+               (plot_tokens(report), "per-token error of the tensor where the error is introduced")]  # fmt: skip
     for c in checks:
         if c["check"] == "fc_inputs":
             figures.append((plot_similarity(c), f"{c['engine']}: chunk-vs-layer similarity"))

@@ -1,6 +1,11 @@
 """Per-case reports: JSON (schema difftest.report/1), a Markdown digest and a self-contained
 HTML page (difftest.html_report), written atomically. The JSON is the source: `difftest
 report PATH.json` re-renders the other two from it. Layout: reports/README.md.
+
+The JSON holds the case's noise floor (difftest.noise) and, per engine and prompt, where the
+error is introduced, the first tensor above noise, the first that differs at all and the tie
+that stopped the comparison of later draft steps; both renderings show each engine's error
+against that floor (the compact table below, and an SVG plot in the HTML).
 """
 
 from __future__ import annotations
@@ -32,16 +37,8 @@ def build(case, session, results: list[dict]) -> dict:
     for spec in session.options.engines:
         info, err = session.engine_info(spec), session.start_error(spec)
         engines[spec.id] = {"info": info} if info else {"error": err or "not started"}
-    comparisons = {}
-    for engine_id, diffs in session.computed_comparisons(case).items():
-        comparisons[engine_id] = [
-            {
-                "prompt": i,
-                "first_divergence": (cd.first_divergence().name if cd.first_divergence() else None),
-                "tensors": [dataclasses.asdict(d) for d in cd.diffs],
-            }
-            for i, cd in enumerate(diffs)
-        ]
+    computed = session.computed_comparisons(case)
+    comparisons = {engine_id: [prompt_entry(i, cd) for i, cd in enumerate(diffs)] for engine_id, diffs in computed.items()}
     return {
         "schema": SCHEMA,
         "case": case.name,
@@ -51,11 +48,43 @@ def build(case, session, results: list[dict]) -> dict:
         "accept_length_definition": DEFINITION,
         "engines": engines,
         "checks": results,
+        "noise_floor": noise_floor(case, session) if computed else None,
         "comparisons": comparisons,
         "environment": environment(),
         "reproduce": reproduce_command(case.path, [s.id for s in session.options.engines], session.options.reference.id),
         "case_yaml": _read_text(case.path),
     }
+
+
+def _name(d) -> str | None:
+    return d.name if d is not None else None
+
+
+def prompt_entry(i: int, cd) -> dict:
+    """One prompt's comparison. `first_divergence` is the tensor where the error is introduced
+    (difftest.noise; the first tensor above noise when none is marked introduced): the tensor the
+    failing checks lead with and the summary table shows."""
+    introduced, above = cd.first_introduced(), cd.first_divergence()
+    return {
+        "prompt": i,
+        "first_divergence": _name(introduced or above),
+        "first_introduced": _name(introduced),
+        "first_above_noise": _name(above),
+        "first_differs": _name(cd.first_differs()),
+        "tie": cd.tie,
+        "tensors": [dataclasses.asdict(d) for d in cd.diffs],
+    }
+
+
+def noise_floor(case, session) -> dict:
+    """The case's noise floor (difftest.noise.NoiseFloor.to_dict()); memoised by the session once
+    any engine was compared. Should computing it fail, the report says why instead of failing."""
+    try:
+        return session.noise_floor(case).to_dict()
+    except Exception as e:  # noqa: BLE001 - the report must still be written
+        error = f"{type(e).__name__}: {e}"
+        return {"dtype": getattr(case, "dtype", None), "measured": False, "excluded": [], "tensors": {},
+                "source": f"could not be computed ({error.splitlines()[0]})", "error": error}  # fmt: skip
 
 
 def _read_text(path: str) -> str:
@@ -116,13 +145,145 @@ def environment() -> dict:
     }
 
 
+# -- the noise view, shared by the Markdown and the HTML (from the report dict alone) -------------
+TOP_MOVERS = 5  # within-noise tensors shown when nothing is above noise
+MAX_ROWS = 12  # rows of the compact table; the introduced tensors always among them
+
+
+def num(x) -> str:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return "-"
+    return "inf" if x == float("inf") else f"{x:.3g}"
+
+
+def above_noise(t: dict) -> bool:
+    return t.get("status") in ("mismatch", "missing", "shape")
+
+
+def verdict_word(t: dict) -> str:
+    """A tensor's verdict in words: above noise / within noise / identical / tie / missing / shape."""
+    status = t.get("status")
+    if status == "mismatch":
+        return "above noise" if str(t.get("criterion", "noise")) == "noise" else "outside tolerance"
+    if status == "ok":
+        return "within noise" if t.get("differs", t.get("max_abs", 0) != 0) else "identical"
+    return {"tie": "tie (not compared)", "allowed-missing": "missing (allowed)"}.get(status, str(status))
+
+
+def focus(entries: list[dict]) -> dict | None:
+    """The prompt an engine's noise view shows: the first with a divergence, else the one that moved
+    most (largest finite excess), else the first."""
+    if not entries:
+        return None
+    first = next((p for p in entries if p.get("first_divergence")), None)
+    if first is not None:
+        return first
+
+    def moved(p: dict) -> float:
+        return max((float(t.get("excess") or 0.0) for t in p.get("tensors", []) if t.get("status") == "ok"), default=0.0)
+
+    return max(entries, key=moved)
+
+
+def interesting(entry: dict, top: int = TOP_MOVERS, cap: int = MAX_ROWS) -> tuple[list[dict], int]:
+    """(rows of the compact table in data-flow order, how many tensors above noise were left out):
+    the tensors above noise (the introduced ones first, then by excess) up to `cap`, or, when none is,
+    the `top` movers by excess."""
+    tensors = entry.get("tensors") or []
+    above = [t for t in tensors if above_noise(t)]
+    if above:
+        ranked = sorted(above, key=lambda t: (not t.get("introduced"), -float(t.get("excess") or 0.0)))
+        keep = {id(t) for t in ranked[:max(cap, sum(1 for t in above if t.get("introduced")))]}
+        return [t for t in tensors if id(t) in keep], len(above) - len(keep)
+    movers = sorted((t for t in tensors if t.get("status") == "ok" and float(t.get("excess") or 0.0) > 0),
+                    key=lambda t: -float(t["excess"]))[:top]  # fmt: skip
+    keep = {id(t) for t in movers}
+    return [t for t in tensors if id(t) in keep], 0
+
+
+def ties(report: dict, engine: str) -> dict:
+    """Ties for one engine: top-1 positions within noise (the top1_agreement item) and the draft steps
+    not compared because the engine drafted another token at a tie (per prompt)."""
+    top1 = next((c.get("data") or {} for c in report.get("checks", []) if c.get("engine") == engine
+                 and c.get("check") == "top1_agreement"), {})  # fmt: skip
+    prompts = report.get("comparisons", {}).get(engine) or []
+    return {"top1_ties": top1.get("ties"), "top1_ties_agree": top1.get("ties_agree"),
+            "skipped": [{"prompt": p.get("prompt"), "tie": p["tie"],
+                         "tensors": sum(1 for t in p.get("tensors", []) if t.get("status") == "tie")}
+                        for p in prompts if p.get("tie")]}  # fmt: skip
+
+
+def ties_lines(report: dict, engine: str) -> list[str]:
+    t = ties(report, engine)
+    out = []
+    if t["top1_ties"] is not None:
+        out.append(f"top-1 ties within noise: {t['top1_ties']} ({t['top1_ties_agree']} agree), not judged")
+    for s in t["skipped"]:
+        out.append(f"prompt {s['prompt']}: {s['tensors']} step tensors not compared: {s['tie']}")
+    return out
+
+
+def noise_floor_line(report: dict) -> str:
+    nf = report.get("noise_floor")
+    if not nf:
+        return "noise floor: not in this report (no engine was compared)"
+    measured = "measured" if nf.get("measured") else "NOT measured"
+    line = f"noise floor ({measured}, {nf.get('dtype')}): {nf.get('source')}"
+    if nf.get("excluded"):
+        line += "; excluded: " + "; ".join(map(str, nf["excluded"]))
+    return line
+
+
+def _md(text: str) -> str:
+    return str(text).replace("\n", "<br>").replace("|", "\\|")
+
+
+def markdown_noise(report: dict) -> list[str]:
+    """Per engine: the compact error-vs-noise table of its focus prompt, and its ties."""
+    comparisons = report.get("comparisons") or {}
+    if not comparisons:
+        return []
+    lines = ["## Error against the noise floor", "", _md(noise_floor_line(report)), ""]
+    for engine, entries in comparisons.items():
+        entry = focus(entries)
+        if entry is None:
+            continue
+        head = f"### `{engine}`, prompt {entry.get('prompt')}: "
+        if entry.get("first_divergence"):
+            head += f"error introduced at `{entry['first_divergence']}`"
+            lines += [head, "", f"first above noise `{entry.get('first_above_noise')}`; first that differs at all "
+                                f"`{entry.get('first_differs')}`", ""]  # fmt: skip
+        else:
+            differs = entry.get("first_differs") or next((t["name"] for t in entry.get("tensors", [])
+                                                          if t.get("differs")), None)  # fmt: skip
+            lines += [head + ("every tensor within noise" if differs else "every compared tensor bit-identical"), ""]
+        rows, left = interesting(entry)
+        if rows:
+            lines += ["| tensor | err | floor | threshold | excess | verdict | introduced |", "|---|---|---|---|---|---|---|"]
+            for t in rows:
+                mark = "**<- introduced**" if t.get("introduced") else ""
+                lines.append(f"| `{t['name']}` | {num(t.get('err'))} | {num(t.get('noise_floor'))} | {num(t.get('threshold'))} "
+                             f"| {num(t.get('excess'))}x | {verdict_word(t)} | {mark} |")  # fmt: skip
+            if left:
+                lines.append(f"\n{left} more tensors above noise not shown (see the HTML or JSON report).")
+            lines.append("")
+        tl = ties_lines(report, engine)
+        if tl:
+            lines += ["Ties:", ""] + [f"- {_md(x)}" for x in tl] + [""]
+    return lines
+
+
 def markdown(report: dict) -> str:
     lines = [f"# difftest: {report['case']}", "", f"reference: `{report['reference']}`; case file `{report['case_file']}`", ""]
     lines += ["| engine | check | outcome | message |", "|---|---|---|---|"]
     for r in report["checks"]:
         msg = r["message"].replace("\n", "<br>").replace("|", "\\|")
         lines.append(f"| `{r['engine']}` | {r['check']} | {r['outcome']} | {msg} |")
-    lines += ["", f"Accept length: {report['accept_length_definition']}.", ""]
+    lines.append("")
+    lines += markdown_noise(report)
+    lines += [f"Accept length: {report['accept_length_definition']}.", ""]
     if report.get("reproduce"):
         lines += ["Reproduce:", "", "```bash", report["reproduce"], "```", ""]
     return "\n".join(lines)

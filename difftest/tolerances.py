@@ -1,4 +1,8 @@
-"""Tolerances: one per-dtype default table, overridable per tensor-name pattern.
+"""Elementwise tolerances: information in every comparison, the verdict only where a case asks.
+
+The verdict is difftest.noise's (per-row error against a measured noise floor). A case's
+`tolerances:` pattern makes the tensors it matches judged elementwise with these numbers;
+for all others the elementwise counts are reported beside the noise verdict.
 
 The defaults are looser than torch.testing's (`torch/testing/_comparison.py`,
 float32 rtol 1.3e-6 / atol 1e-5) because two engines run different kernels with

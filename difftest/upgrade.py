@@ -1,11 +1,15 @@
 """The end-of-session summary: per case x compared engine, reference vs engine accept length,
-the first divergent tensor and a verdict, from the per-case reports alone.
+the tensor where the error is introduced and a verdict, from the per-case reports alone.
 
-Verdicts:
+Verdicts (difftest.noise judges the tensors):
   same        every compared tensor is bit-identical and the accept lengths are equal
-  drifted     every check passes, but some tensor or the accept length moved (within tolerance)
-  regressed   a check failed: a tensor beyond tolerance, top-1 agreement or accept length
+  drifted     every check passes, but some tensor or the accept length moved within noise; the
+              largest mover is named by its excess (row error / noise threshold)
+  regressed   a check failed: a tensor above noise, top-1 agreement or accept length
   error / skipped   the engine could not be compared (its message is in the report)
+
+The "first divergent tensor" column is the tensor where the error is *introduced* (the report's
+`first_divergence`), what a failing check leads with.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ class SummaryRow:
     reference: str
     reference_accept: float | None
     engine_accept: float | None
-    first_divergence: str  # "-" when nothing is beyond tolerance
-    largest_drift: str  # the tensor with the largest |diff| among those within tolerance, or "-"
+    first_divergence: str  # the introduced-error tensor and its prompt; "-" when nothing is above noise
+    largest_drift: str  # the tensor with the largest excess among those within noise, or "-"
     verdict: str
     html: str
 
@@ -38,24 +42,51 @@ def _accept(results: list[dict]) -> tuple[float | None, float | None]:
 
 
 def _first_divergence(prompts: list[dict]) -> str:
-    for p in prompts:  # prompt order, then data-flow order within the prompt (the report keeps it)
-        if p.get("first_divergence"):
-            return f"{p['first_divergence']} (prompt {p['prompt']})"
+    """The tensor where the error is introduced, in the first prompt that has one (the report's
+    `first_divergence` is that tensor; reports before the noise criterion named the first failing one)."""
+    for p in prompts:
+        name = p.get("first_divergence")
+        if name:
+            return f"{name} (prompt {p['prompt']})"
     return "-"
 
 
+def _moved(t: dict) -> bool:
+    """Not bit-identical (reports before `differs` existed: a nonzero |diff| or a NaN/Inf mismatch)."""
+    if "differs" in t:
+        return bool(t["differs"])
+    return t.get("max_abs", 0) != 0 or bool(t.get("nonfinite_mismatch"))
+
+
+def _by_noise(t: dict) -> bool:
+    return "excess" in t and str(t.get("criterion", "noise")) == "noise"
+
+
+def _drift_key(t: dict) -> tuple:
+    # Movers judged against noise rank by excess (noise units); elementwise or older entries after
+    # them, by |diff|.
+    return (1, float(t["excess"])) if _by_noise(t) else (0, float(t.get("max_abs") or 0.0))
+
+
+def _describe(t: dict) -> str:
+    if _by_noise(t):
+        return f"{t['name']} {t['excess']:.2g}x noise threshold, err {t['err']:.2e}"
+    return f"{t['name']} max|d| {t.get('max_abs', 0.0):.2e}"
+
+
 def _largest_drift(prompts: list[dict]) -> tuple[str, bool]:
-    """(description, whether every tensor is bit-identical)."""
+    """(the largest mover within noise, by excess, or "-"; whether every compared tensor is bit-identical).
+    Tensors not compared (`tie`) or allowed missing do not count."""
     worst, identical = None, True
     for p in prompts:
         for t in p["tensors"]:
-            if t["status"] == "allowed-missing":
+            if t["status"] in ("allowed-missing", "tie"):
                 continue
-            moved = t["status"] != "ok" or t["max_abs"] != 0 or t["nonfinite_mismatch"]
+            moved = t["status"] != "ok" or _moved(t)
             identical = identical and not moved
-            if moved and t["status"] == "ok" and (worst is None or t["max_abs"] > worst["max_abs"]):
+            if moved and t["status"] == "ok" and (worst is None or _drift_key(t) > _drift_key(worst)):
                 worst = t
-    return (f"{worst['name']} max|d| {worst['max_abs']:.2e}" if worst else "-"), identical
+    return (_describe(worst) if worst else "-"), identical
 
 
 def summarise(report: dict, report_dir: Path) -> list[SummaryRow]:

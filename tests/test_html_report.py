@@ -17,13 +17,18 @@ from difftest.report import SCHEMA, markdown
 EVIL = "<script>alert('x')</script>&"
 
 
-def tensor(name, status="ok", max_abs=0.0, cosine=1.0, rows=None):
+def tensor(name, status="ok", max_abs=0.0, cosine=1.0, rows=None, err=0.0, threshold=1e-5, introduced=False):
     return {"name": name, "status": status, "numel": 12, "max_abs": max_abs, "cosine": cosine,
-            "row_max_abs": rows or [0.0, 0.0, 0.0]}  # fmt: skip
+            "row_max_abs": rows or [0.0, 0.0, 0.0], "criterion": "noise", "err": err, "noise_floor": threshold / 10,
+            "threshold": threshold, "excess": err / threshold, "rows": 3, "rows_above": 3 if status == "mismatch" else 0,
+            "introduced": introduced, "differs": err > 0, "row_err": [err, err / 2, err / 4]}  # fmt: skip
 
 
 def sample_report() -> dict:
-    bad = [tensor("target.h.1"), tensor("draft.fc_in.0", "mismatch", 0.5, 0.7, [0.5, 0.1, 0.2]), tensor("draft.logits", "mismatch", 2.0, 0.3)]
+    bad = [tensor("target.h.1"), tensor("draft.embeds", err=3e-6),
+           tensor("draft.fc_in.0", "mismatch", 0.5, 0.7, [0.5, 0.1, 0.2], err=0.4, introduced=True),
+           tensor("draft.logits", "mismatch", 2.0, 0.3, err=0.9),
+           {"name": "draft.step1.logits", "status": "tie", "detail": "not compared: a tie"}]  # fmt: skip
     return {
         "schema": SCHEMA,
         "case": "tiny",
@@ -38,11 +43,18 @@ def sample_report() -> dict:
              "data": {"first_divergence": "draft.fc_in.0",
                       "similarity": {"chunks": ["chunk 0"], "candidates": ["target.h.0", "target.h.1"], "cosine": [[0.2, 1.0]]},
                       "fc_chunks": [{"expected": "target.h.0"}]}},
+            {"engine": f"evil[{EVIL}]", "check": "top1_agreement", "outcome": "passed", "message": "ok",
+             "data": {"agree": 9, "total": 9, "rate": 1.0, "ties": 2, "ties_agree": 1}},
             {"engine": f"evil[{EVIL}]", "check": "accept_length", "outcome": "failed", "message": "collapsed",
              "data": {"reference": {"accept_length": 2.5, "acceptance_rate_per_pos": [0.9, 0.5]},
                       "engine": {"accept_length": 1.1, "acceptance_rate_per_pos": [0.1, 0.0]}}},
         ],  # fmt: skip
-        "comparisons": {f"evil[{EVIL}]": [{"prompt": 0, "first_divergence": "draft.fc_in.0", "tensors": bad}]},
+        "noise_floor": {"dtype": "float32", "measured": True, "source": "measured: ref in float32 vs float64 over 1 prompts",
+                        "excluded": [], "tensors": {"draft.fc_in.0": {"name": "draft.fc_in.0", "floor": 1e-6, "max": 2e-6,
+                                                                      "rows": 3, "threshold": 1e-5}}},
+        "comparisons": {f"evil[{EVIL}]": [{"prompt": 0, "first_divergence": "draft.fc_in.0", "first_introduced": "draft.fc_in.0",
+                                           "first_above_noise": "draft.fc_in.0", "first_differs": "draft.embeds",
+                                           "tie": f"the engine drafted token 5 {EVIL}", "tensors": bad}]},
         "environment": {"torch": "2.x", "git_sha": EVIL},
         "reproduce": "difftest run cases/tiny.yaml '--engines=ref,ref[wiring=sglang]'",
         "case_yaml": f"description: {EVIL}\n",
@@ -53,10 +65,12 @@ class Parsed(HTMLParser):
     def __init__(self):
         super().__init__()
         self.tags, self.ids, self.images, self.scripts, self.text = [], set(), [], 0, []
+        self.elements: list[tuple[str, dict]] = []
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
         self.tags.append(tag)
+        self.elements.append((tag, attrs))
         if "id" in attrs:
             self.ids.add(attrs["id"])
         if tag == "img":
@@ -67,6 +81,9 @@ class Parsed(HTMLParser):
     def handle_data(self, data):
         self.text.append(data)
 
+    def with_class(self, tag: str, cls: str) -> list[dict]:
+        return [a for t, a in self.elements if t == tag and cls in (a.get("class") or "").split()]
+
 
 @pytest.fixture(scope="module")
 def parsed() -> Parsed:
@@ -76,7 +93,7 @@ def parsed() -> Parsed:
 
 
 def test_html_has_every_section(parsed):
-    assert {"verdict", "first-divergence", "checks", "plots", "environment", "reproduce", "case"} <= parsed.ids
+    assert {"verdict", "first-divergence", "noise", "noise-source", "checks", "plots", "environment", "reproduce", "case"} <= parsed.ids
     assert parsed.tags[0] == "html" and "table" in parsed.tags
 
 
@@ -91,7 +108,7 @@ def test_html_escapes_engine_and_config_strings(parsed):
     assert parsed.scripts == 0
     text = "".join(parsed.text)
     assert EVIL in text  # shown literally, as text
-    assert "2 of 3 checks failed" in text
+    assert "2 of 4 checks failed" in text
     assert "difftest run cases/tiny.yaml '--engines=ref,ref[wiring=sglang]'" in text
 
 
@@ -121,3 +138,105 @@ def test_bundle_packs_json_html_case_and_logs(tmp_path, capsys):
         names = set(tar.getnames())
         assert tar.extractfile("tiny/case/tiny.yaml").read().decode() == f"description: {EVIL}\n"
     assert names == {"tiny/tiny.json", "tiny/tiny.md", "tiny/tiny.html", "tiny/case/tiny.yaml", "tiny/logs/ref.log"}
+
+
+# -- the noise view --------------------------------------------------------------------------------
+def old_report() -> dict:
+    """A report written before the noise criterion: no noise floor, no per-tensor err/threshold."""
+    r = sample_report()
+    del r["noise_floor"]
+    for p in r["comparisons"][f"evil[{EVIL}]"]:
+        p["tensors"] = [{k: v for k, v in t.items() if k in ("name", "status", "numel", "max_abs", "cosine", "row_max_abs")}
+                        for t in p["tensors"]]  # fmt: skip
+        for k in ("first_introduced", "first_above_noise", "first_differs", "tie"):
+            del p[k]
+    return r
+
+
+def test_html_plots_each_engines_error_against_noise_floor_and_threshold_as_inline_svg(parsed):
+    (svg,) = parsed.with_class("svg", "noise")  # one engine compared
+    assert svg["xmlns"] == "http://www.w3.org/2000/svg"
+    lines = [a for t, a in parsed.elements if t == "polyline"]
+    assert any(a.get("stroke-dasharray") for a in lines) and any(not a.get("stroke-dasharray") for a in lines)  # floor, threshold
+    assert len(parsed.with_class("circle", "within")) == 1  # draft.embeds moved within noise
+    assert len(parsed.with_class("circle", "identical")) == 1  # target.h.1, drawn on the axis
+
+
+def test_html_noise_plot_highlights_tensors_above_noise(parsed):
+    assert len(parsed.with_class("circle", "above")) == 2  # draft.fc_in.0, draft.logits
+
+
+def test_html_noise_plot_marks_the_introduced_tensor(parsed):
+    assert len(parsed.with_class("circle", "introduced")) == 1 and len(parsed.with_class("line", "introduced-marker")) == 1
+    assert "error introduced: draft.fc_in.0" in "".join(parsed.text)
+
+
+def test_html_noise_plot_shades_tie_skipped_steps_and_explains_every_point(parsed):
+    rects = [a for t, a in parsed.elements if t == "rect" and a.get("fill") == "#eaeef2" and a.get("height") != "12"]
+    assert len(rects) == 1  # draft.step1.logits
+    assert parsed.tags.count("title") >= 5  # hover text per tensor
+
+
+def test_html_shows_the_noise_floor_source(parsed):
+    text = "".join(parsed.text)
+    assert "noise floor (measured, float32): measured: ref in float32 vs float64 over 1 prompts" in text
+    assert "measured floor per tensor" in text
+
+
+def test_html_lists_ties(parsed):
+    text = "".join(parsed.text)
+    assert "top-1 ties within noise: 2 (1 agree), not judged" in text
+    assert f"prompt 0: 1 step tensors not compared: the engine drafted token 5 {EVIL}" in text
+    assert parsed.scripts == 0
+
+
+def test_html_noise_table_marks_introduced_and_highlights_above_noise(parsed):
+    assert len(parsed.with_class("tr", "above")) == 2
+    assert "◀ introduced" in "".join(parsed.text)
+
+
+def test_html_diagnosis_names_introduced_first_above_noise_and_first_differs():
+    r = sample_report()
+    r["checks"][1]["data"].update({"introduced": "draft.fc_in.0", "first_above_noise": "draft.fc_in.0", "first_differs": "draft.embeds"})
+    p = Parsed()
+    p.feed(render(r))
+    text = "".join(p.text)
+    assert "fc_inputs · error introduced at draft.fc_in.0" in text
+    assert "first above noise draft.fc_in.0 · first differs draft.embeds" in text
+
+
+def test_html_renders_a_report_from_before_the_noise_criterion():
+    p = Parsed()
+    p.feed(render(old_report()))
+    assert not p.with_class("svg", "noise")
+    assert "noise floor: not in this report" in "".join(p.text)
+    assert len(p.images) == 4
+    assert "## Error against the noise floor" in markdown(old_report())
+
+
+def test_markdown_tabulates_error_floor_threshold_excess_verdict_and_introduced():
+    md = markdown(sample_report())
+    assert "noise floor (measured, float32): measured: ref in float32 vs float64 over 1 prompts" in md
+    assert "| tensor | err | floor | threshold | excess | verdict | introduced |" in md
+    assert "| `draft.fc_in.0` | 0.4 | 1e-06 | 1e-05 | 4e+04x | above noise | **<- introduced** |" in md
+    assert "| `draft.logits` | 0.9 | 1e-06 | 1e-05 | 9e+04x | above noise |  |" in md
+    assert "draft.embeds` |" not in md and "target.h.1` |" not in md  # within noise while others are above it
+    assert "- top-1 ties within noise: 2 (1 agree), not judged" in md
+
+
+def test_markdown_table_is_limited_to_the_interesting_rows():
+    from difftest.report import MAX_ROWS, TOP_MOVERS
+
+    r = sample_report()
+    entry = r["comparisons"][f"evil[{EVIL}]"][0]
+    entry["tensors"] = [tensor(f"draft.t{i}", "mismatch", err=0.1 * (i + 1), introduced=i == 0) for i in range(MAX_ROWS + 5)]
+    md = markdown(r)
+    assert "`draft.t0` | 0.1 |" in md and "**<- introduced**" in md  # the introduced tensor stays, though it moved least
+    assert md.count("| above noise |") == MAX_ROWS
+    assert "5 more tensors above noise not shown" in md
+    # nothing above noise: the top movers by excess
+    entry["first_divergence"] = None
+    entry["tensors"] = [tensor(f"draft.t{i}", err=1e-7 * (i + 1)) for i in range(TOP_MOVERS + 3)]
+    md = markdown(r)
+    assert md.count("| within noise |") == TOP_MOVERS and "`draft.t0`" not in md and f"`draft.t{TOP_MOVERS + 2}`" in md
+    assert "prompt 0: every tensor within noise" in md

@@ -58,7 +58,8 @@ def test_downstream_check_names_the_upstream_first_divergence(mixed_run):
     result = mixed_run.outcome("tiny", "ref[wiring=sglang]", "draft_logits")
     assert result["outcome"] == "failed"
     assert result["data"]["first_divergence"] == "draft.fc_in.0"
-    assert "first divergence in data-flow order: draft.fc_in.0" in result["message"]
+    assert "error introduced at draft.fc_in.0: " in result["message"]
+    assert "in this check's scope first at draft.fc_out" in result["message"]
 
 
 def test_injected_logit_divergence_is_counted_and_located(mixed_run):

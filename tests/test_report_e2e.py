@@ -33,8 +33,8 @@ def test_golden_inputs_blame_the_draft_computation(run):
     r = run.outcome("tiny", "ref[norm_before_residual=true]", "draft_logits")
     assert r["data"]["golden"] == {"outcome": "diverges", "first_divergence": "draft.layer0.mlp_out", "tensors": r["data"]["golden"]["tensors"]}
     assert "suspect: the residual or MLP differs after matching attention: norm_before_residual handled differently?" in r["message"]
-    assert ("golden inputs: on the reference's draft.fc_in, ref[norm_before_residual=true]'s draft still diverges, first at "
-            "draft.layer0.mlp_out") in r["message"]  # fmt: skip
+    assert ("golden inputs: on the reference's draft.fc_in, ref[norm_before_residual=true]'s draft still diverges, error "
+            "introduced at draft.layer0.mlp_out") in r["message"]  # fmt: skip
     assert "the engine's draft computes differently" in r["message"]
     assert run.outcome("tiny", "ref[norm_before_residual=true]", "fc_inputs")["outcome"] == "passed"
 
@@ -67,6 +67,43 @@ def test_html_report_is_written_with_plots_and_reproduce_command(run):
     report = run.report("tiny")
     assert report["environment"]["torch"] and report["case_yaml"].startswith("target:")
     assert report["reproduce"].startswith("difftest run ")
+
+
+def test_report_records_the_measured_noise_floor(run):
+    nf = run.report("tiny")["noise_floor"]
+    assert nf["measured"] is True and nf["dtype"] == "float32"
+    assert nf["source"] == "measured: ref in float32 vs float64 over 2 prompts"
+    assert nf["tensors"]["draft.layer0.mlp_out"]["threshold"] > 0
+
+
+def test_report_names_where_the_error_is_introduced_per_prompt(run):
+    comparisons = run.report("tiny")["comparisons"]
+    for p in comparisons["ref[norm_before_residual=true]"]:
+        assert p["first_divergence"] == p["first_introduced"] == p["first_above_noise"] == "draft.layer0.mlp_out"
+        assert p["first_differs"] == "draft.layer0.mlp_out" and "tie" in p
+    for p in comparisons["ref[wiring=sglang]"]:
+        assert p["first_divergence"] == p["first_introduced"] == "draft.fc_in.0"
+
+
+def test_html_report_plots_error_against_noise_per_engine(run):
+    html = (run.root / "reports" / "tiny.html").read_text()
+    compared = run.report("tiny")["comparisons"]
+    assert len(compared) == 4 and html.count('<svg class="noise"') == len(compared)
+    assert "noise floor (measured, float32): measured: ref in float32 vs float64 over 2 prompts" in html
+    assert "error introduced: draft.layer0.mlp_out" in html and "top-1 ties within noise:" in html
+
+
+def test_markdown_report_tabulates_error_against_noise(run):
+    md = (run.root / "reports" / "tiny.md").read_text()
+    assert "### `ref[norm_before_residual=true]`, prompt 0: error introduced at `draft.layer0.mlp_out`" in md
+    row = next(ln for ln in md.splitlines() if ln.startswith("| `draft.layer0.mlp_out` |"))
+    assert row.endswith("| above noise | **<- introduced** |")
+
+
+def test_summary_shows_the_introduced_tensor_and_the_verdict(run):
+    rows = {ln.split()[1]: ln.split() for ln in run.output.splitlines() if ln.startswith("tiny ") and len(ln.split()) > 6}
+    assert rows["ref[norm_before_residual=true]"][5:9] == ["draft.layer0.mlp_out", "(prompt", "0)", "regressed"]
+    assert rows["ref[wiring=sglang]"][5:9] == ["draft.fc_in.0", "(prompt", "0)", "regressed"]
 
 
 def test_progress_lines_while_engines_load_and_run(run):

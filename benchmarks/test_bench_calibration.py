@@ -1,0 +1,295 @@
+"""Benchmark (pytest-benchmark): the cost of the noise-floor calibration (difftest.noise) per case.
+
+Not part of the test suite (pyproject's testpaths is tests/). Run:
+
+    .venv/bin/python -m pytest benchmarks/test_bench_calibration.py --benchmark-only -s
+
+The reference (`ref`) measures a case's noise floor by capturing every prompt a second time in
+float64 (Session.noise_floor). Issue 12's target: the calibration adds at most 25% to a case's
+wall time. Measured per case (cases/tiny_llama.yaml, cases/tiny_deepseek_v3.yaml when its
+fixtures are built; each in the case's dtype and in bfloat16), all in one run, without the
+on-disk capture cache (a temporary DIFFTEST_CACHE whose fixtures/ links to the real one, and
+Options(use_cache=False)):
+
+  ref_captures  (a) the reference's captures in the case's dtype, every prompt; the worker is
+                    started before the timing (its start-up is printed separately), so this is
+                    model load + forward passes, what the calibration doubles
+  calibration   (b) its extra work: the float64 captures (float64 model load included) +
+                    measure_floor, after (a) in the same session
+  run           (c) the whole case as a user sees it with --engines=ref,"ref[wiring=vllm]": a
+                    fresh session, both workers started, every check in the plugin's order, the
+                    report built and written. The time Session.noise_floor spends inside it is
+                    recorded too (the calibration as the run really pays it)
+  run_nocal         the same run with Session.noise_floor replaced by the unmeasured fallback:
+                    the wall time the calibration is added to
+  cli               `difftest run CASE --engines=ref,"ref[wiring=vllm]" --no-capture-cache`
+                    in a subprocess (interpreter and pytest start-up included)
+
+Printed at the end (visible with -s): per case the times, (b)/(a), (b)/(c), the in-run
+calibration's share of (c) and run/run_nocal - 1 (what it adds). Nothing timing-related is
+asserted; the floor being measured is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from difftest import checks as checks_mod
+from difftest import noise
+from difftest import report as report_mod
+from difftest.case import load_case
+from difftest.engine import parse_engine_list
+from difftest.session import Options, Session
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINES = 'ref,ref[wiring=vllm]'
+ROUNDS = int(os.environ.get("DIFFTEST_BENCH_ROUNDS", "2"))
+REAL_CACHE = Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
+
+# name -> (case file, fixtures it needs)
+CASES = {
+    "tiny_llama": ("cases/tiny_llama.yaml", ["tiny-llama", "tiny-llama-eagle3"]),
+    "tiny_deepseek_v3": ("cases/tiny_deepseek_v3.yaml", ["tiny-deepseek-v3", "tiny-deepseek-v3-eagle3"]),
+}
+DTYPES = ["case", "bfloat16"]
+
+RESULTS: dict[tuple[str, str], dict] = {}
+
+
+def _fixtures_built(names: list[str]) -> bool:
+    roots = [p for p in (REAL_CACHE / "fixtures").glob("*") if p.is_dir()]
+    return all(any((r / n).is_dir() for r in roots) for n in names)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A private DIFFTEST_CACHE (no captures from earlier runs) sharing the built fixtures."""
+    root = tmp_path_factory.mktemp("difftest-cache")
+    (root / "fixtures").symlink_to(REAL_CACHE / "fixtures", target_is_directory=True)
+    old = os.environ.get("DIFFTEST_CACHE")
+    os.environ["DIFFTEST_CACHE"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("DIFFTEST_CACHE", None)
+    else:
+        os.environ["DIFFTEST_CACHE"] = old
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ratios():
+    yield
+    print("\n" + "\n".join(ratio_lines()))
+
+
+@pytest.fixture(scope="module", params=[(c, d) for c in CASES for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
+def case_file(request, tmp_path_factory, cache):
+    """The case YAML to run: the shipped file, or a copy with `dtype: bfloat16` (in a directory
+    named cases/, which the plugin collects from; fixture: names make copying safe)."""
+    name, dtype = request.param
+    path, needs = CASES[name]
+    if not _fixtures_built(needs):
+        pytest.skip(f"{name}: fixtures {', '.join(needs)} not built in {REAL_CACHE / 'fixtures'} (difftest fixtures)")
+    if dtype == "case":
+        return name, str(ROOT / path)
+    raw = yaml.safe_load((ROOT / path).read_text())
+    raw["dtype"] = dtype
+    d = tmp_path_factory.mktemp(f"{name}-{dtype}") / "cases"
+    d.mkdir()
+    out = d / f"{name}_{dtype}.yaml"
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return name, str(out)
+
+
+def _session(report_dir: Path) -> Session:
+    engines = parse_engine_list(ENGINES)
+    return Session(Options(engines=engines, reference=engines[0], use_cache=False, log_dir=report_dir / "logs"))
+
+
+def _record(case, key: str, value) -> dict:
+    entry = RESULTS.setdefault((Path(case.path).stem, case.dtype), {})
+    entry.setdefault(key, []).append(value)
+    return entry
+
+
+def _captures(session: Session, case, spec) -> list:
+    return [session.capture(case, spec, i) for i in range(len(case.prompts))]
+
+
+def _float64(case):
+    return dataclasses.replace(case, dtype=noise.CALIBRATION_DTYPE, path=f"{case.path}#{noise.CALIBRATION_DTYPE}")
+
+
+def _again(case, tag: str):
+    """The same case under another memo key: the session recaptures, the worker keeps its models."""
+    return dataclasses.replace(case, path=f"{case.path}#{tag}")
+
+
+@pytest.mark.parametrize("part", ["ref_captures", "calibration", "run", "run_nocal", "cli"])
+def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
+    name, path = case_file
+    case = load_case(path)
+    sessions: list[Session] = []
+    state: dict = {}
+
+    def fresh() -> Session:
+        for s in sessions:
+            s.close()
+        sessions.clear()
+        s = _session(tmp_path)
+        sessions.append(s)
+        return s
+
+    try:
+        if part == "ref_captures":
+
+            def setup():
+                s = fresh()
+                spec = s.calibration_spec()
+                t = time.perf_counter()
+                s.client(spec)  # the worker starts outside the timing
+                _record(s.prepare(case), "worker_start", time.perf_counter() - t)
+                state.update(session=s, spec=spec)
+                return (), {}
+
+            def target():
+                _captures(state["session"], case, state["spec"])
+
+        elif part == "calibration":
+
+            def setup():
+                s = fresh()
+                spec = s.calibration_spec()
+                _captures(s, case, spec)  # (a) first, as a run does
+                state.update(session=s, spec=spec)
+                return (), {}
+
+            def target():
+                s, spec = state["session"], state["spec"]
+                prepared = s.prepare(case)
+                t = time.perf_counter()
+                pairs = list(zip(_captures(s, case, spec), _captures(s, _float64(prepared), spec)))
+                t_cap = time.perf_counter() - t
+                floor = noise.measure_floor(pairs, prepared.dtype, "benchmark")
+                t_floor = time.perf_counter() - t - t_cap
+                state.update(floor=floor, t_cap=t_cap, t_floor=t_floor)
+
+        elif part in ("run", "run_nocal"):
+
+            def setup():
+                s = fresh()
+                spent = []
+                if part == "run":
+                    real = s.noise_floor
+
+                    def timed(c):
+                        t = time.perf_counter()
+                        try:
+                            return real(c)
+                        finally:
+                            spent.append(time.perf_counter() - t)
+
+                    s.noise_floor = timed
+                else:
+                    s.noise_floor = lambda c: noise.unmeasured(c.dtype, "benchmark: calibration switched off")
+                state.update(session=s, spent=spent)
+                return (), {}
+
+            def target():
+                s = state["session"]
+                results, outcomes = [], {}
+                for spec in s.options.engines:
+                    is_ref = spec.id == s.options.reference.id
+                    for check in checks_mod.checks_for(case, is_ref):
+                        v = checks_mod.CHECKS[check](s, case, spec)
+                        outcomes[f"{spec.id}::{check}"] = v.passed
+                        results.append({"engine": spec.id, "check": check, "outcome": "passed" if v.passed else "failed",
+                                        "message": v.message, "data": v.data})  # fmt: skip
+                report_mod.write(report_mod.build(case, s, results), tmp_path / "reports")
+                state["outcomes"] = outcomes
+
+        else:  # cli
+
+            def setup():
+                return (), {}
+
+            def target():
+                cmd = [str(Path(sys.executable).with_name("difftest")), "run", path, f"--engines={ENGINES}",
+                       "--no-capture-cache", f"--report-dir={tmp_path / 'cli-reports'}"]  # fmt: skip
+                out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                state["cli"] = (out.returncode, out.stdout[-3000:] + out.stderr[-2000:])
+
+        durations = []
+
+        def timed_target():
+            t = time.perf_counter()
+            target()
+            durations.append(time.perf_counter() - t)
+            if part == "calibration":
+                _record(case, "calibration_captures", state["t_cap"])
+                _record(case, "measure_floor", state["t_floor"])
+            if part == "run":
+                _record(case, "run_noise_floor", sum(state["spent"]))
+
+        benchmark.pedantic(timed_target, setup=setup, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+        for d in durations:
+            _record(case, part, d)
+        entry = RESULTS[(Path(case.path).stem, case.dtype)]
+        benchmark.extra_info.update({k: min(v) for k, v in entry.items() if isinstance(v[0], float)})
+
+        # sanity (never timings)
+        if part == "calibration":
+            floor = state["floor"]
+            assert floor.measured and floor.tensors, floor.source
+            assert all(tf.rows > 0 and tf.floor >= 0 for tf in floor.tensors.values())
+            s, spec = state["session"], state["spec"]
+            prepared = s.prepare(case)
+            # where (b) goes: the worker now holds both models, so a recapture is forward passes only
+            t = time.perf_counter()
+            _captures(s, _again(_float64(prepared), "again"), spec)
+            _record(case, "float64_forward", time.perf_counter() - t)
+            t = time.perf_counter()
+            _captures(s, _again(prepared, "again"), spec)
+            _record(case, "dtype_forward", time.perf_counter() - t)
+            _record(case, "floor_tensors", len(floor.tensors))
+        if part == "run":
+            assert state["outcomes"], "no checks ran"
+            assert state["spent"], "the run never measured the noise floor"
+            floor = state["session"]._floors.get(state["session"].prepare(case).path)
+            assert floor is not None and floor.measured, floor and floor.source
+            _record(case, "run_failed_checks", sorted(k for k, ok in state["outcomes"].items() if not ok))
+        if part == "cli":
+            rc, tail = state["cli"]
+            assert rc in (0, 1), tail  # 1: a check failed (a verdict), not a harness error
+            _record(case, "cli_rc", rc)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def ratio_lines() -> list[str]:
+    lines = ["", f"calibration cost (min over {ROUNDS} rounds; seconds; target: adds <= 25% to a case's wall time)"]
+    for (stem, dtype), r in RESULTS.items():
+        m = lambda k: min(r[k]) if k in r else float("nan")  # noqa: E731
+        a, b, c, c0 = m("ref_captures"), m("calibration"), m("run"), m("run_nocal")
+        in_run = m("run_noise_floor")
+        lines.append(
+            f"{stem} [{dtype}]: (a) ref captures {a:.2f} (worker start {m('worker_start'):.2f} before it); "
+            f"(b) calibration {b:.2f} = float64 captures {m('calibration_captures'):.2f} (forward only "
+            f"{m('float64_forward'):.2f}, so model load ~{m('calibration_captures') - m('float64_forward'):.2f}; "
+            f"{m('dtype_forward'):.2f} forward in {dtype}) + measure_floor {m('measure_floor'):.3f}"
+        )
+        lines.append(
+            f"    (c) run {c:.2f} (noise_floor inside it {in_run:.2f}), without calibration {c0:.2f}, CLI {m('cli'):.2f}"
+            f" | (b)/(a) {b / a:.2f}  (b)/(c) {b / c:.2f}  in-run share {in_run / c:.2f}  run/nocal-1 {c / c0 - 1:+.2f}"
+            f"  in-run/(c - in-run) {in_run / (c - in_run):+.2f}"
+            + (f"  failed checks: {r['run_failed_checks'][-1]}" if r.get("run_failed_checks", [[]])[-1] else "")
+        )
+    return lines

@@ -1,0 +1,516 @@
+"""Independent tiny models (issue 12): verdicts that hold on models the harness was not tuned on.
+
+Three NEW random-weight targets, unlike the built-in fixtures (tiny-llama: 8 layers, hidden 128,
+a constructed circuit; tiny-deepseek-v3: 6 layers, hidden 128), each with an untrained EAGLE-3
+draft (HF/vLLM format, `LlamaForCausalLMEagle3`, draft vocab < target vocab through a d2t map):
+
+| target           | class                 | L | H   | attention                                   | vocab / draft | seed | trained on     |
+|------------------|-----------------------|---|-----|---------------------------------------------|---------------|------|----------------|
+| indep-llama      | LlamaForCausalLM      | 5 | 96  | 3 heads x 32, 1 kv head (GQA 3:1), theta 5e4 | 700 / 320     | 11   | [h1, h2, h4]   |
+| indep-qwen3      | Qwen3ForCausalLM      | 4 | 160 | 4 heads x 64 (!= H/heads), 2 kv, q/k-norm    | 832 / 384     | 23   | [h1, h2, h3]   |
+| indep-deepseek-v3| DeepseekV3ForCausalLM | 5 | 96  | MLA 3 heads, q_lora 48, kv_lora 512 + rope 64, nope 32, v 64, yarn (beta 32/1) | 600 / 256 | 37 | [h2, h3, h4] |
+
+DeepSeek-V3: 6 routed experts top-2 (noaux_tc, n_group 2, topk_group 1, sigmoid + correction bias)
++ 1 shared, first_k_dense_replace 1, moe_layer_freq 1. kv_lora_rank 512 + qk_rope_head_dim 64 = 576
+is the only head size vLLM's CPU MLA backend takes; v_head_dim must be a multiple of 32 for vLLM's
+AMX_MLA backend (bf16 on an AMX CPU: v1/attention/backends/mla/amx_mla.py forward_mha -> bmm_cpu with
+W_UV, N = v_head_dim: "RuntimeError: tinygemm requires N to be 32x" with v_head_dim 48).
+
+Weights: fan-in scaled normals (std 1/sqrt(fan_in); embeddings std 1; lm_head std 3/sqrt(H); norm
+weights U(0.8, 1.2)), so every layer moves the residual stream and logits are not flat. Drafts: the
+engines' reference init (engines/ref/train.py init_draft: seeded default init, the target's embedding,
+lm_head from the target's rows of the draft vocab), norm weights U(0.8, 1.2); d2t: a seeded sorted
+random subset of the target vocab. Saved float32 (bf16 runs load them as bf16); no tokenizer
+(cases give prompts as ids; vLLM and SGLang run with skip_tokenizer_init).
+
+Each target directory (cached under ${DIFFTEST_CACHE:-~/.cache/difftest}/independent/<name>-<key>,
+key = content hash of the spec and builder version; built in a temp dir and renamed into place):
+
+  target/               the target
+  draft/                the draft: ids = the trained layers in vLLM's convention (id k -> h[k]),
+                        top level and in eagle_config; norm_before_residual false
+  draft-nbr-flipped/    the same weights, config norm_before_residual true (a wrong flag)
+  draft-no-d2t/         the same weights without d2t/t2d: engines/ref/eagle3.py load_draft then maps
+                        draft id d to target id d (d2t all 0, "draft ids map to the first target ids"),
+                        as vLLM (draft_id_to_target_id stays zeros) and SGLang (hot_token_id None) do
+
+Correct wiring per engine (`write_cases`): vLLM reads config id k as h[k] (no override); SGLang 0.5.23
+Llama/Qwen3 read eagle_config id k as h[k+1], so their cases give SGLang ids k-1 through
+`engines.sglang.draft_config_overrides`; SGLang's DeepSeek model reads k as h[k] unless ids[0] == 1,
+so the DeepSeek ids [2, 3, 4] need no override. No tolerances: they must pass at the defaults.
+
+Miswired variants (`MISWIRES`, reference engine only, on the same targets and dtypes). For trained
+layers [a, b, c] (e.g. indep-llama [h1, h2, h4]):
+
+| name                 | reference (first engine)            | compared engine                  | expected diagnosis                   |
+|----------------------|-------------------------------------|----------------------------------|--------------------------------------|
+| off_by_one           | ref                                 | ref[wiring=h(a+1)+h(b+1)+h(c+1)] | off-by-one +1                        |
+| permutation          | ref                                 | ref[wiring=hc+hb+ha]             | permuted order                       |
+| embedding_dropped    | ref, on a case trained on [h0, a, b]| ref[wiring=ha+hb+hc]             | embedding dropped, slots shifted     |
+| norm_before_residual | ref                                 | ref[norm_before_residual=true]   | residual / norm_before_residual      |
+| norm_output          | ref                                 | ref[norm_output=true]            | later steps / norm_output            |
+| d2t_identity         | ref                                 | ref[d2t=identity]                | the d2t vocab map                    |
+
+`embedding_dropped` needs its own case (wiring [h0, ha, hb]): `write_miswired_cases` writes it.
+Every variant must fail the compared engine's fc_inputs or draft_logits check (and top1_agreement);
+accept_length may pass: an untrained draft accepts ~nothing either way (AL 1.0 vs 1.0).
+`Miswire.engines(spec)` gives the --engines list, `Miswire.case_name(spec, dtype)` the case file stem.
+`ENGINE_MISWIRES`: the flipped-config and no-d2t drafts given to vLLM (`vllm[draft=...]`) against `ref`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+BUILDER_VERSION = 1
+DTYPES = ("float32", "bfloat16")
+DTYPE_TAG = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+# ---------------------------------------------------------------------------------------
+# Specs
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    name: str  # indep-llama, ...
+    family: str  # llama | qwen3 | deepseek
+    seed: int
+    num_layers: int
+    hidden: int
+    vocab: int
+    draft_vocab: int
+    trained: tuple[int, ...]  # target.h.k the draft "was trained on" = its config ids (vLLM: id k -> h[k])
+    arch: dict  # family-specific config fields
+    draft: DraftSpec
+    lm_gain: float = 3.0
+
+    @property
+    def tag(self) -> str:  # case-name stem: indep_llama
+        return self.name.replace("-", "_")
+
+    def sglang_ids(self) -> list[int] | None:
+        """eagle_config ids SGLang 0.5.23 needs to feed `trained`; None = the config's ids already do."""
+        if self.family == "deepseek":
+            if self.trained[0] == 1:
+                raise ValueError("DeepSeek: ids starting with 1 get SGLang's +1; choose another first id")
+            return None
+        return [k - 1 for k in self.trained]  # Llama / Qwen3: id k -> h[k+1]
+
+    def key(self) -> str:
+        import transformers
+
+        blob = json.dumps({"v": BUILDER_VERSION, "spec": asdict(self), "transformers": transformers.__version__},
+                          sort_keys=True)  # fmt: skip
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+TARGETS: dict[str, TargetSpec] = {
+    t.name: t
+    for t in (
+        TargetSpec(
+            name="indep-llama", family="llama", seed=11, num_layers=5, hidden=96, vocab=700, draft_vocab=320,
+            trained=(1, 2, 4),
+            arch=dict(num_attention_heads=3, num_key_value_heads=1, head_dim=32, intermediate_size=224,
+                      rope_theta=50000.0, rms_norm_eps=1e-5, max_position_embeddings=1024),
+            draft=DraftSpec(heads=3, kv_heads=1, head_dim=32, intermediate=192, seed=12),
+        ),
+        TargetSpec(
+            name="indep-qwen3", family="qwen3", seed=23, num_layers=4, hidden=160, vocab=832, draft_vocab=384,
+            trained=(1, 2, 3),
+            arch=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=320,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
+            draft=DraftSpec(heads=5, kv_heads=1, head_dim=32, intermediate=320, seed=24),
+        ),
+        TargetSpec(
+            name="indep-deepseek-v3", family="deepseek", seed=37, num_layers=5, hidden=96, vocab=600, draft_vocab=256,
+            trained=(2, 3, 4),
+            arch=dict(num_attention_heads=3, q_lora_rank=48, kv_lora_rank=512, qk_rope_head_dim=64,
+                      qk_nope_head_dim=32, v_head_dim=64, intermediate_size=192, moe_intermediate_size=48,
+                      n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                      routed_scaling_factor=1.8, max_position_embeddings=1024,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 256, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+            draft=DraftSpec(heads=3, kv_heads=1, head_dim=32, intermediate=192, seed=38),
+        ),
+    )
+}  # fmt: skip
+
+
+@dataclass
+class BuiltModel:
+    spec: TargetSpec
+    root: Path
+
+    @property
+    def target(self) -> Path:
+        return self.root / "target"
+
+    @property
+    def draft(self) -> Path:
+        return self.root / "draft"
+
+    @property
+    def draft_nbr_flipped(self) -> Path:
+        return self.root / "draft-nbr-flipped"
+
+    @property
+    def draft_no_d2t(self) -> Path:
+        return self.root / "draft-no-d2t"
+
+
+# ---------------------------------------------------------------------------------------
+# Builders
+# ---------------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    env = os.environ.get("DIFFTEST_CACHE")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "difftest") / "independent"
+
+
+def _hf_config(spec: TargetSpec):
+    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    a = dict(spec.arch)
+    if spec.family == "llama":
+        from transformers import LlamaConfig
+
+        theta = a.pop("rope_theta")
+        return LlamaConfig(**common, **a, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    if spec.family == "qwen3":
+        from transformers import Qwen3Config
+
+        theta = a.pop("rope_theta")
+        return Qwen3Config(**common, **a, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    if spec.family == "deepseek":
+        from transformers import DeepseekV3Config
+
+        cfg = DeepseekV3Config(**common, **a, num_key_value_heads=a["num_attention_heads"], num_nextn_predict_layers=0,
+                               first_k_dense_replace=1, topk_method="noaux_tc", norm_topk_prob=True,
+                               scoring_func="sigmoid", rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu")  # fmt: skip
+        cfg.moe_layer_freq = 1  # SGLang's deepseek_v2.py reads it (see engines/sglang/deepseek.py)
+        return cfg
+    raise ValueError(f"unknown family {spec.family!r}")
+
+
+def _model_class(family: str):
+    import transformers
+
+    return {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+            "deepseek": transformers.DeepseekV3ForCausalLM}[family]  # fmt: skip
+
+
+@torch.no_grad()
+def build_target(spec: TargetSpec):
+    """The random-weight target (deterministic: one generator, float64 draws cast to float32)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = _model_class(spec.family)(_hf_config(spec)).float().eval()
+    gen = torch.Generator().manual_seed(spec.seed)
+
+    def normal(shape, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).float()
+
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    for name in sorted(tensors):
+        p = tensors[name]
+        if name.endswith("e_score_correction_bias"):
+            p.copy_(normal(p.shape, 0.05))
+        elif p.dim() == 1:  # RMSNorm weights (input/post-attention/final, q/k-norm, MLA latent norms)
+            p.copy_((torch.rand(*p.shape, generator=gen, dtype=torch.float64) * 0.4 + 0.8).float())
+        elif "embed_tokens" in name:
+            p.copy_(normal(p.shape, 1.0))
+        elif name.startswith("lm_head"):
+            p.copy_(normal(p.shape, spec.lm_gain / spec.hidden**0.5))
+        else:  # Linear [out, in], or HF's fused experts [E, out, in]: fan-in scaled
+            p.copy_(normal(p.shape, 1.0 / p.shape[-1] ** 0.5))
+    return model
+
+
+def _d2t(spec: TargetSpec) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(spec.seed + 1000)
+    chosen = torch.randperm(spec.vocab, generator=gen)[: spec.draft_vocab].sort().values
+    return chosen - torch.arange(spec.draft_vocab)
+
+
+def build_draft(spec: TargetSpec, target):
+    from engines.ref.eagle3 import Eagle3Config
+    from engines.ref.train import init_draft
+
+    d = spec.draft
+    cfg = Eagle3Config(hidden_size=spec.hidden, intermediate_size=d.intermediate, num_attention_heads=d.heads,
+                       num_key_value_heads=d.kv_heads, head_dim=d.head_dim, vocab_size=spec.vocab,
+                       draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.hidden, num_aux=3)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        draft = init_draft(target, cfg, _d2t(spec), seed=d.seed)
+    gen = torch.Generator().manual_seed(d.seed)
+    with torch.no_grad():
+        for name, p in sorted(draft.named_parameters()):
+            if p.dim() == 1:
+                p.copy_((torch.rand(*p.shape, generator=gen, dtype=torch.float64) * 0.4 + 0.8).float())
+    return draft
+
+
+def _build(spec: TargetSpec, out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from engines.ref.train import save_eagle_format
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = build_target(spec)
+        target.save_pretrained(out / "target")
+        cfg_path = out / "target" / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        if spec.family == "deepseek":
+            cfg["moe_layer_freq"] = 1
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        draft = build_draft(spec, target)
+    finally:
+        torch.set_num_threads(before)
+    ids = list(spec.trained)
+    save_eagle_format(draft, out / "draft", ids)
+    # same weights, norm_before_residual flipped in the config
+    shutil.copytree(out / "draft", out / "draft-nbr-flipped")
+    p = out / "draft-nbr-flipped" / "config.json"
+    c = json.loads(p.read_text())
+    c["norm_before_residual"] = not c["norm_before_residual"]
+    p.write_text(json.dumps(c, indent=2) + "\n")
+    # same weights, no d2t/t2d
+    (out / "draft-no-d2t").mkdir()
+    shutil.copy(out / "draft" / "config.json", out / "draft-no-d2t" / "config.json")
+    w = {k: v for k, v in load_file(str(out / "draft" / "model.safetensors")).items() if k not in ("d2t", "t2d")}
+    save_file(w, str(out / "draft-no-d2t" / "model.safetensors"), metadata={"format": "pt"})
+    meta = {"spec": asdict(spec), "key": spec.key(), "builder_version": BUILDER_VERSION,
+            "trained": [f"target.h.{k}" for k in ids], "vllm_ids": ids, "sglang_ids": spec.sglang_ids()}  # fmt: skip
+    (out / "model.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def ensure_model(name: str, log=print) -> BuiltModel:
+    """Build `name` unless cached (by content key); atomic: built in a temp dir, then renamed."""
+    spec = TARGETS[name]
+    root = cache_root()
+    final = root / f"{name}-{spec.key()}"
+    if (final / "model.json").exists():
+        return BuiltModel(spec, final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    import time
+
+    t0 = time.time()
+    try:
+        _build(spec, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process published it first
+            if not (final / "model.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"[independent] built {name} in {time.time() - t0:.1f}s: {final}")
+    return BuiltModel(spec, final)
+
+
+def ensure_models(names=None, log=print) -> dict[str, BuiltModel]:
+    return {n: ensure_model(n, log) for n in (names or TARGETS)}
+
+
+# ---------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------
+
+
+def prompts(spec: TargetSpec) -> tuple[list[list[int]], list[list[int]]]:
+    """4 capture prompts and 6 speculative prompts, 8..20 ids each (ids >= 4: no specials)."""
+    gen = torch.Generator().manual_seed(spec.seed + 2000)
+
+    def one() -> list[int]:
+        n = int(torch.randint(8, 21, (1,), generator=gen))
+        return torch.randint(4, spec.vocab, (n,), generator=gen).tolist()
+
+    return [one() for _ in range(4)], [one() for _ in range(6)]
+
+
+def case_name(spec: TargetSpec, dtype: str, suffix: str = "") -> str:
+    return f"{spec.tag}_{DTYPE_TAG[dtype]}{suffix}"
+
+
+def _short(ks) -> str:
+    return "[" + ", ".join(f"h{k}" for k in ks) + "]"
+
+
+def _flow(ids: list[int]) -> str:
+    return "{ids: [" + ", ".join(map(str, ids)) + "]}"
+
+
+def _case_yaml(model: BuiltModel, dtype: str, wiring: list[int], name: str, description: str,
+               sglang: bool = True) -> str:  # fmt: skip
+    spec = model.spec
+    cap, spec_prompts = prompts(spec)
+    lines = [
+        f"name: {name}",
+        "description: >",
+        *[f"  {line}" for line in description.strip().splitlines()],
+        f"target: {model.target}",
+        f"draft: {model.draft}",
+        f"dtype: {dtype}",
+        "wiring: [" + ", ".join(f"h{k}" for k in wiring) + "]",
+        "prompts:",
+        *[f"  - {_flow(p)}" for p in cap],
+        "speculative:",
+        "  num_steps: 3",
+        "  max_new_tokens: 16",
+        "  prompts:",
+        *[f"    - {_flow(p)}" for p in spec_prompts],
+    ]
+    ids = spec.sglang_ids()
+    if sglang and ids is not None:
+        flow = "[" + ", ".join(map(str, ids)) + "]"
+        lines += [
+            "engines:",
+            f"  # SGLang 0.5.23 {spec.family}: eagle_config id k -> h[k+1]; these ids feed the trained layers",
+            "  sglang:",
+            "    draft_config_overrides:",
+            f"      eagle_config: {{eagle_aux_hidden_state_layer_ids: {flow}}}",
+            f"      eagle_aux_hidden_state_layer_ids: {flow}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class CaseFile:
+    path: Path
+    name: str
+    target: str
+    dtype: str
+    kind: str  # "correct" or a Miswire name
+
+
+def write_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=print) -> list[CaseFile]:
+    """Correctly wired cases, one per target x dtype, into cases_dir (collected by `pytest cases_dir`)."""
+    cases_dir = Path(cases_dir)
+    cases_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for tname, model in ensure_models(names, log).items():
+        spec = model.spec
+        for dtype in dtypes:
+            name = case_name(spec, dtype)
+            sg = spec.sglang_ids()
+            how = (f"SGLang is given eagle_config ids {sg} (its +1 rule)" if sg is not None
+                   else "SGLang's DeepSeek rule (first id != 1) reads them as is")  # fmt: skip
+            desc = (f"Independent random-weight {tname} ({spec.family}, {spec.num_layers} layers, hidden {spec.hidden}, "
+                    f"seed {spec.seed}) with an untrained EAGLE-3 draft trained on {_short(spec.trained)}: "
+                    f"config ids {list(spec.trained)} (vLLM id k -> h[k]); {how}. {dtype}, default tolerances.")  # fmt: skip
+            path = cases_dir / f"{name}.yaml"
+            path.write_text(_case_yaml(model, dtype, list(spec.trained), name, desc))
+            out.append(CaseFile(path, name, tname, dtype, "correct"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Miswired variants (reference engine)
+# ---------------------------------------------------------------------------------------
+
+
+def _h(ks) -> str:
+    return "+".join(f"h{k}" for k in ks)
+
+
+@dataclass(frozen=True)
+class Miswire:
+    name: str
+    description: str
+    engine: str  # the compared engine spec; {off}, {rev}, {trained} are filled from the model
+    case_suffix: str = ""  # "" = the correct case; else its own case (write_miswired_cases)
+    expect: tuple[str, ...] = field(default=())  # substrings the diagnosis should contain (any)
+
+    def case_wiring(self, spec: TargetSpec) -> list[int]:
+        if self.case_suffix == "_trained_h0":
+            return [0, *spec.trained[:2]]
+        return list(spec.trained)
+
+    def engine_spec(self, spec: TargetSpec) -> str:
+        t = spec.trained
+        paths = {}
+        if "{draft_" in self.engine:  # engine-side variants: the draft variant's directory
+            model = ensure_model(spec.name, log=lambda _: None)
+            paths = {"draft_nbr_flipped": model.draft_nbr_flipped, "draft_no_d2t": model.draft_no_d2t}
+        return self.engine.format(off=_h(k + 1 for k in t), rev=_h(reversed(t)), trained=_h(t), **paths)
+
+    def engines(self, spec: TargetSpec) -> list[str]:
+        return ["ref", self.engine_spec(spec)]
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.split("[", 1)[0]
+
+    def case_name(self, spec: TargetSpec, dtype: str) -> str:
+        return case_name(spec, dtype, self.case_suffix)
+
+
+MISWIRES: list[Miswire] = [
+    Miswire("off_by_one", "fc fed [h(a+1), h(b+1), h(c+1)] (SGLang's Llama +1 on ids meant for vLLM)",
+            "ref[wiring={off}]", expect=("off-by-one",)),
+    Miswire("permutation", "fc fed the trained layers in reverse order", "ref[wiring={rev}]",
+            expect=("permuted",)),
+    Miswire("embedding_dropped", "trained on [h0, a, b] (speculators-train launch ids), served [a, b, c]",
+            "ref[wiring={trained}]", case_suffix="_trained_h0", expect=("embedding dropped", "shifted")),
+    Miswire("norm_before_residual", "draft run with norm_before_residual flipped (trained false)",
+            "ref[norm_before_residual=true]", expect=("norm_before_residual", "residual")),
+    Miswire("norm_output", "draft run with norm_output flipped (trained false): later steps differ",
+            "ref[norm_output=true]", expect=("norm_output",)),
+    Miswire("d2t_identity", "the draft's d2t vocab map dropped", "ref[d2t=identity]", expect=("d2t",)),
+]  # fmt: skip
+
+
+# The same two draft faults seen from a real engine (vLLM only: its `draft` setting swaps the checkpoint;
+# SGLang has no such setting). The reference `ref` runs the correct draft; vLLM loads the variant.
+ENGINE_MISWIRES: list[Miswire] = [
+    Miswire("vllm_config_norm_before_residual", "vLLM given the draft whose config says norm_before_residual true",
+            "vllm[draft={draft_nbr_flipped}]", expect=("norm_before_residual", "residual")),
+    Miswire("vllm_no_d2t", "vLLM given the draft saved without d2t/t2d (draft id d -> target id d)",
+            "vllm[draft={draft_no_d2t}]", expect=("d2t",)),
+]  # fmt: skip
+
+
+def write_miswired_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=print) -> list[CaseFile]:
+    """The cases the miswired variants need beyond the correct ones (the `_trained_h0` cases: the draft
+    trained on [h0, a, b]), ref only (no engine overrides). Put them in their own `cases` folder."""
+    cases_dir = Path(cases_dir)
+    cases_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    suffixes = {m.case_suffix: m for m in MISWIRES if m.case_suffix}
+    for tname, model in ensure_models(names, log).items():
+        for dtype in dtypes:
+            for suffix, m in suffixes.items():
+                name = case_name(model.spec, dtype, suffix)
+                wiring = m.case_wiring(model.spec)
+                desc = (f"Miswired variant {m.name} of {tname}: the draft was trained on "
+                        f"{_short(wiring)}; `--engines={','.join(m.engines(model.spec))}` must fail.")  # fmt: skip
+                path = cases_dir / f"{name}.yaml"
+                path.write_text(_case_yaml(model, dtype, wiring, name, desc, sglang=False))
+                out.append(CaseFile(path, name, tname, dtype, m.name))
+    return out
