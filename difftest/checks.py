@@ -6,7 +6,7 @@
   fc_inputs       target hidden states and draft.fc_in (per chunk) match the reference
   draft_logits    everything the draft computes after fc matches, every draft step
   top1_agreement  the draft's greedy choices agree with the reference's
-  accept_length   simulated/engine accept length is within tolerance of the reference's
+  accept_length   simulated/engine accept length is within tolerance or 3 standard errors of the reference's
   train_accuracy  (cases with `engines.train.data`) the draft's training accuracy with this
                   engine's fc wiring vs the trainer's (difftest.train_check)
 

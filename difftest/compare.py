@@ -236,6 +236,7 @@ class CaptureDiff:
     diffs: list[TensorDiff]  # data-flow order
     noise_source: str = ""  # how the noise floor was obtained (difftest.noise.NoiseFloor.source)
     tie: str = ""  # draft steps left out: the engine drafted another token where the reference's was a tie
+    router_ties: dict = field(default_factory=dict)  # MoE layer k -> rows whose routing margin is within noise
 
     @property
     def ok(self) -> bool:
@@ -295,6 +296,8 @@ def compare_captures(
     diffs = []
     other_names = set(other.names())
     for name in ref.names():
+        if name.startswith(noise.AUX_PREFIX):
+            continue
         step = split_draft(name)
         if skip_after is not None and step is not None and step[0] > skip_after:
             diffs.append(TensorDiff(name, "tie", detail=f"not compared: {tie}"))
@@ -310,9 +313,11 @@ def compare_captures(
         tol, threshold = _thresholds(name, dtype, tolerances or {}, floor)
         diffs.append(compare_tensor(name, ref.get(name), other.get(name), tol, threshold=threshold,
                                     noise_floor=floor.floor(name)))  # fmt: skip
+    router_ties = noise.router_tie_rows(ref, floor)
     cd = CaptureDiff(diffs, floor.source, tie)
+    cd.router_ties = {k: int(v.sum()) for k, v in router_ties.items() if bool(v.any())}
     wiring, num_layers = (ref.meta.get("wiring") or {}).get("inputs") or [], ref.meta.get("num_layers")
-    judge_along_flow(cd, wiring, num_layers)
+    judge_along_flow(cd, wiring, num_layers, {f"target.h.{k + 1}": v for k, v in router_ties.items()})
     localise(cd, wiring, num_layers)
     return cd
 
@@ -327,18 +332,26 @@ def _aligned(rows: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.bool)
 
 
-def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None) -> None:
+def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None,
+                     router_ties: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
     """Final noise verdicts in data-flow order (difftest.noise): the quorum everywhere, the isolated-row
     rule in the draft only; rows inherited from an upstream row that was tolerated as a discrete
     numerical event (above threshold in a tensor judged within noise) are not counted again."""
     tolerated: dict[str, torch.Tensor] = {}
 
-    def inputs(name: str, seen: set) -> list[str]:
+    seeds = router_ties or {}
+
+    def upstream(name: str, seen: set) -> list[torch.Tensor]:
+        """Tolerated rows of the nearest judged ancestors (through tensors the engine did not
+        capture, collecting router-tie seeds on the way)."""
         out = []
         for i in inputs_of(name, wiring, num_layers):
             if i not in seen:
                 seen.add(i)
-                out += [i] if i in tolerated else inputs(i, seen)
+                if i in tolerated:
+                    out.append(tolerated[i])
+                else:
+                    out += ([seeds[i]] if i in seeds else []) + upstream(i, seen)
         return out
 
     for d in cd.diffs:
@@ -346,8 +359,10 @@ def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None)
         if errs is None:
             continue
         inherited = torch.zeros(errs.numel(), dtype=torch.bool)
-        for i in inputs(d.name, {d.name}):
-            inherited |= _aligned(tolerated[i], errs.numel())
+        if router_ties and d.name in router_ties:  # tokens an MoE router sent at a near-tie
+            inherited |= _aligned(router_ties[d.name], errs.numel())
+        for rows in upstream(d.name, {d.name}):
+            inherited |= _aligned(rows, errs.numel())
         if d.criterion != "noise":
             tolerated[d.name] = inherited
             continue

@@ -48,6 +48,13 @@ no input of it (difftest.names.inputs_of) diverges, or its excess exceeds JUMP t
 largest excess among its diverging inputs. Propagated error keeps (or loses) its size in
 noise units because the floor grows along the same data flow.
 
+Router ties (MoE targets): a token whose reference routing margin (the gap between a chosen
+and an unchosen expert's selection score, or a selected and an unselected group's; recorded
+by the reference as `aux.router.{k}.margin`) lies within ROUTER_TIE_FACTOR x the router's
+measured score noise (the same float64 comparison, on `aux.router.{k}.scores`) may go to other
+experts in another engine. Its rows from target.h.{k+1} on are tolerated the way an
+upstream discrete event is (compare.judge_along_flow), and reported as router ties.
+
 When the reference cannot run twice (a training dump or a stored baseline as reference,
 or a target too large for the CPU reference), the floor is not measured and the threshold
 falls back to UNMEASURED_REL[dtype]; every verdict then says so.
@@ -74,7 +81,15 @@ UNMEASURED_REL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 # logits: each moves by at most ~threshold x the row's RMS (the row's error norm spread over it),
 # and the difference of two such moves by up to twice that.
 TIE_FACTOR = 2.0
+# A routing decision is a near-tie when its margin is within what two engines' score noise can
+# bridge: each score moves by about the measured router noise (90th percentile), a pair's gap by up
+# to twice that; 2x more covers the noise's spread. Tighter than the logits' tie rule on purpose: a
+# router tie takes the row out of the verdict, a top-1 tie only out of the agreement count.
+ROUTER_TIE_FACTOR = 4.0
+MIN_FLOOR_ROWS = 4  # fewer untouched rows than this: the floor takes every row (tie rows included)
 CALIBRATION_DTYPE = "float64"
+AUX_PREFIX = "aux."  # reference-side facts stored in a capture, never compared (difftest.names)
+ROUTER_PREFIX = "aux.router."
 
 BLOCK_ELEMENTS = 1 << 22
 
@@ -114,6 +129,13 @@ class NoiseFloor:
     source: str  # one line: how the floor was obtained, or why it was not
     tensors: dict[str, TensorFloor] = field(default_factory=dict)
     excluded: list[str] = field(default_factory=list)  # "prompt 2: steps >= 2 (float64 drafted another token)"
+    router_noise: dict[str, float] = field(default_factory=dict)  # MoE layer k -> score noise (quantile over rows)
+
+    def router_tie_threshold(self, layer: int) -> float | None:
+        noise_k = self.router_noise.get(str(layer))
+        if noise_k is None:
+            return None
+        return ROUTER_TIE_FACTOR * max(noise_k, UNIT_ROUNDOFF["float32"])
 
     def threshold(self, name: str) -> float:
         """The tensor's threshold; names the calibration did not see take the largest threshold of
@@ -135,6 +157,7 @@ class NoiseFloor:
 
     def to_dict(self) -> dict:
         return {"dtype": self.dtype, "measured": self.measured, "source": self.source, "excluded": self.excluded,
+                "router_noise": self.router_noise,
                 "tensors": {n: asdict(f) for n, f in self.tensors.items()},
                 "constants": {"safety": SAFETY, "floor_quantile": FLOOR_QUANTILE, "row_quorum": ROW_QUORUM,
                               "isolated_factor": ISOLATED_FACTOR, "jump": JUMP, "tie_factor": TIE_FACTOR}}  # fmt: skip
@@ -142,7 +165,8 @@ class NoiseFloor:
     @classmethod
     def from_dict(cls, d: dict) -> "NoiseFloor":
         return cls(d["dtype"], bool(d["measured"]), d["source"],
-                   {n: TensorFloor(**f) for n, f in (d.get("tensors") or {}).items()}, list(d.get("excluded") or []))  # fmt: skip
+                   {n: TensorFloor(**f) for n, f in (d.get("tensors") or {}).items()}, list(d.get("excluded") or []),
+                   {str(k): float(v) for k, v in (d.get("router_noise") or {}).items()})  # fmt: skip
 
 
 def unit_roundoff(dtype: str) -> float:
@@ -170,11 +194,61 @@ def _diverged_step(a: list | None, b: list | None) -> int | None:
     return next((s for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def _router_layers(cap) -> list[int]:
+    return sorted(int(n[len(ROUTER_PREFIX) : -len(".margin")]) for n in cap.tensors
+                  if n.startswith(ROUTER_PREFIX) and n.endswith(".margin"))  # fmt: skip
+
+
+def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Router score noise per MoE layer, and per prompt the first layer at which each row's routing is a
+    near-tie (inf: never). Layer by layer: a row tied at layer k routes differently from there on in
+    one of the two runs, so its scores at later layers are not rounding noise and are left out."""
+    noise_by_layer: dict[str, float] = {}
+    tie_from = [torch.full((cap.tensors["target.h.0"].reshape(-1, cap.tensors["target.h.0"].shape[-1]).shape[0],),
+                           math.inf, dtype=torch.float64) if "target.h.0" in cap.tensors else None
+                for cap, _ in pairs]  # fmt: skip
+    layers = sorted({k for cap, _ in pairs for k in _router_layers(cap)})
+    for k in layers:
+        name = f"{ROUTER_PREFIX}{k}"
+        deltas = []
+        for (cap, exact), ties in zip(pairs, tie_from):
+            if f"{name}.scores" not in cap.tensors or f"{name}.scores" not in exact.tensors:
+                continue
+            delta = (cap.tensors[f"{name}.scores"].double() - exact.tensors[f"{name}.scores"].double()).abs().amax(-1)
+            deltas.append(delta if ties is None else delta[~(ties < k)])
+        if not deltas:
+            continue
+        noise_by_layer[str(k)] = _quantile(torch.cat(deltas), FLOOR_QUANTILE)
+        threshold = ROUTER_TIE_FACTOR * max(noise_by_layer[str(k)], UNIT_ROUNDOFF["float32"])
+        for (cap, _), ties in zip(pairs, tie_from):
+            margin = cap.tensors.get(f"{name}.margin")
+            if ties is not None and margin is not None and margin.numel() == ties.numel():
+                ties[(margin.reshape(-1).double().cpu() <= threshold) & torch.isinf(ties)] = k
+    return noise_by_layer, tie_from
+
+
+def _floor_rows(name: str, ties: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Rows of `name` that a router near-tie upstream has not touched (None: all of them)."""
+    if ties is None or not bool(torch.isfinite(ties).any()):
+        return None
+    if name.startswith("target.h."):
+        return ~(ties < int(name.rsplit(".", 1)[1]))
+    touched = torch.isfinite(ties)
+    if n == touched.numel():
+        return ~touched
+    return ~touched[-n:] if n < touched.numel() else None
+
+
 def measure_floor(pairs: list[tuple], dtype: str, source: str) -> NoiseFloor:
-    """pairs: per prompt (capture in the case's dtype, the same capture in float64)."""
+    """pairs: per prompt (capture in the case's dtype, the same capture in float64).
+
+    Discrete events are not rounding noise and stay out of the floor: draft steps after the two
+    runs drafted different tokens, and rows after an MoE router near-tie (_measure_routers)."""
     from difftest.names import split_draft
 
+    router_noise, tie_from = _measure_routers(pairs)
     rows: dict[str, list[torch.Tensor]] = {}
+    every: dict[str, list[torch.Tensor]] = {}
     excluded = []
     for i, (cap, exact) in enumerate(pairs):
         # A draft step after the two runs drafted different tokens computes on another token: it says
@@ -182,8 +256,11 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str) -> NoiseFloor:
         flip = _diverged_step(cap.meta.get("draft_tokens"), exact.meta.get("draft_tokens"))
         if flip is not None:
             excluded.append(f"prompt {i}: draft steps > {flip} (float64 drafted another token at step {flip})")
+        ties = tie_from[i]
+        if ties is not None and bool(torch.isfinite(ties).any()):
+            excluded.append(f"prompt {i}: {int(torch.isfinite(ties).sum())} rows after an MoE router near-tie")
         for name in cap.names():
-            if name not in exact:
+            if name not in exact or name.startswith(AUX_PREFIX):
                 continue
             d = split_draft(name)
             if flip is not None and d is not None and d[0] > flip:
@@ -191,16 +268,33 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str) -> NoiseFloor:
             a, b = cap.get(name), exact.get(name)
             if a.shape != b.shape:
                 continue
-            rows.setdefault(name, []).append(row_rel_err(a, b))
+            errs = row_rel_err(a, b)
+            every.setdefault(name, []).append(errs)
+            keep = _floor_rows(name, ties, errs.numel())
+            rows.setdefault(name, []).append(errs if keep is None else errs[keep])
     u = unit_roundoff(dtype)
     tensors = {}
     for name, parts in rows.items():
-        errs = torch.cat(parts)
+        errs, all_errs = torch.cat(parts), torch.cat(every[name])
+        if errs.numel() < min(MIN_FLOOR_ROWS, all_errs.numel()):  # (nearly) every row after a router tie
+            errs = all_errs
         floor = _quantile(errs, FLOOR_QUANTILE)
-        finite = errs[torch.isfinite(errs)]
+        finite = all_errs[torch.isfinite(all_errs)]
         tensors[name] = TensorFloor(name, floor, float(finite.max()) if finite.numel() else 0.0, int(errs.numel()),
                                     SAFETY * max(floor, u))  # fmt: skip
-    return NoiseFloor(dtype, True, source, tensors, excluded)
+    return NoiseFloor(dtype, True, source, tensors, excluded, router_noise)
+
+
+def router_tie_rows(cap, floor: NoiseFloor) -> dict[int, torch.Tensor]:
+    """MoE layer k -> bool per row: the reference's routing margin is within the router's noise."""
+    out = {}
+    for name in cap.tensors:
+        if name.startswith(ROUTER_PREFIX) and name.endswith(".margin"):
+            k = int(name[len(ROUTER_PREFIX) : -len(".margin")])
+            threshold = floor.router_tie_threshold(k)
+            if threshold is not None:
+                out[k] = cap.tensors[name].reshape(-1).double().cpu() <= threshold
+    return out
 
 
 @dataclass

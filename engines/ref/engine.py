@@ -28,6 +28,10 @@ from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_gr
 from engines.ref.target import load_target, num_layers, run_target
 
 # float64 is not a case dtype: the harness asks for it to measure the noise floor (difftest.noise)
+# Part of the engine version (so of every capture-cache key): bumped when what a ref capture holds
+# changes. 2: norms and rope keep float64 in the noise-floor run; MoE routers recorded (aux.router.*).
+CAPTURE_REVISION = 2
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -42,7 +46,7 @@ class RefEngine(Engine):
 
         return EngineInfo(
             name="ref",
-            version=f"difftest-{difftest.__version__}",
+            version=f"difftest-{difftest.__version__}-c{CAPTURE_REVISION}",
             versions={"torch": torch.__version__, "transformers": transformers.__version__},
             kernels="torch",
         )
@@ -128,6 +132,8 @@ class RefEngine(Engine):
         tensors: dict[str, torch.Tensor] = {f"target.h.{k}": h[0] for k, h in enumerate(out.hidden)}
         tensors["target.final_norm"] = out.final_norm[0]
         tensors["target.logits"] = out.logits[0]
+        for k, (scores, margin) in (out.routers or {}).items():  # MoE routing, for router ties (difftest.noise)
+            tensors[f"aux.router.{k}.scores"], tensors[f"aux.router.{k}.margin"] = scores, margin
         fc_in = gather_fc_in(out, wiring.inputs)
         draft_tensors, drafted = capture_draft_chain(loaded.model, fc_in, prompt_ids, next_token, case.num_steps)
         tensors.update(draft_tensors)

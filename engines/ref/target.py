@@ -21,6 +21,50 @@ class TargetOutput:
     hidden: list[torch.Tensor]  # L+1 tensors [B, n, H]: h.0 .. h.L (h.L pre-norm)
     final_norm: torch.Tensor  # [B, n, H]
     logits: torch.Tensor  # [B, n, V]
+    # MoE layers only: layer k -> (router selection scores [B*n, E], routing margin [B*n]); see router_margin
+    routers: dict = None
+
+
+def router_margin(scores: torch.Tensor, chosen: torch.Tensor, num_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """Per row: how far the router's decision is from flipping, in its own score units.
+
+    The smallest gap between a chosen and an unchosen expert's selection score and, for grouped
+    routing (DeepSeek-V3 noaux_tc: groups ranked by the sum of their two best scores), between
+    a selected and an unselected group's score. A gap within numerical noise means another
+    engine may route this token to other experts: a discrete event, not a wiring fault
+    (difftest.noise: router ties)."""
+    E = scores.shape[-1]
+    is_chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+    gaps = (scores[:, :, None] - scores[:, None, :]).abs()  # [n, E, E]
+    pair = is_chosen[:, :, None] & ~is_chosen[:, None, :]
+    margin = torch.where(pair, gaps, torch.inf).flatten(1).amin(-1)
+    if num_group > 1 and topk_group < num_group:
+        group = scores.view(-1, num_group, E // num_group).topk(min(2, E // num_group), dim=-1)[0].sum(-1)
+        picked = group.topk(topk_group, dim=-1)[1]
+        is_picked = torch.zeros_like(group, dtype=torch.bool).scatter_(-1, picked, True)
+        ggaps = (group[:, :, None] - group[:, None, :]).abs()
+        gpair = is_picked[:, :, None] & ~is_picked[:, None, :]
+        margin = torch.minimum(margin, torch.where(gpair, ggaps, torch.inf).flatten(1).amin(-1))
+    return margin
+
+
+def _router_hooks(model, seen: dict) -> list:
+    """Hooks on DeepSeek-V3-style routers (a module returning (router_logits, weights, indices)) of
+    decoder layer k: their selection scores sigmoid(logits) + e_score_correction_bias."""
+    handles = []
+    for name, module in model.named_modules():
+        if not type(module).__name__.endswith("TopkRouter") or ".layers." not in name:
+            continue
+        k = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+
+        def hook(mod, _args, output, k=k):
+            logits, _weights, indices = output
+            scores = logits.float().sigmoid() + getattr(mod, "e_score_correction_bias", torch.zeros(())).float()
+            seen[k] = (scores, router_margin(scores, indices, int(getattr(mod, "num_group", 1) or 1),
+                                            int(getattr(mod, "topk_group", 1) or 1)))  # fmt: skip
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
@@ -30,9 +74,21 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
     if not (path / "config.json").exists():
         raise ConfigError(f"{path}: target checkpoint not found (no config.json)")
     check_fits(path, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    kwargs = {}
+    if dtype == torch.float64 and _has_experts(path):
+        # torch._grouped_mm (transformers' default MoE experts kernel) has no float64: the noise-floor
+        # run takes the per-expert loop, the same maths
+        kwargs["experts_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs)
     model.eval()
     return model
+
+
+def _has_experts(path: Path) -> bool:
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    return any(config.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
 
 
 def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
@@ -89,14 +145,16 @@ def run_target(model, input_ids: torch.Tensor) -> TargetOutput:
     def hook(_module, args, output):
         seen["prenorm"], seen["postnorm"] = args[0], output
 
-    handle = final_norm_module(model).register_forward_hook(hook)
+    routers: dict = {}
+    handles = [final_norm_module(model).register_forward_hook(hook), *_router_hooks(model, routers)]
     try:
         out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     hs = list(out.hidden_states)
     L = num_layers(model)
     if len(hs) != L + 1:
         raise ConfigError(f"{type(model).__name__}: output_hidden_states has {len(hs)} entries, expected {L + 1}")
     hidden = hs[:L] + [seen["prenorm"]]
-    return TargetOutput(hidden=hidden, final_norm=seen["postnorm"], logits=out.logits)
+    return TargetOutput(hidden=hidden, final_norm=seen["postnorm"], logits=out.logits, routers=routers)
