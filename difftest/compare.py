@@ -23,7 +23,7 @@ import torch
 
 from difftest import noise
 from difftest.capture import Capture
-from difftest.names import inputs_of, split_draft
+from difftest.names import fc_chunk_index, inputs_of, split_draft
 from difftest.rowstats import row_stats
 from difftest.tolerances import Tolerance, tolerance_for
 
@@ -317,7 +317,7 @@ def compare_captures(
     cd = CaptureDiff(diffs, floor.source, tie)
     cd.router_ties = {k: int(v.sum()) for k, v in router_ties.items() if bool(v.any())}
     wiring, num_layers = (ref.meta.get("wiring") or {}).get("inputs") or [], ref.meta.get("num_layers")
-    judge_along_flow(cd, wiring, num_layers, {f"target.h.{k + 1}": v for k, v in router_ties.items()})
+    judge_along_flow(cd, wiring, num_layers, {f"target.h.{k + 1}": v for k, v in router_ties.items()}, dtype)
     localise(cd, wiring, num_layers)
     return cd
 
@@ -332,24 +332,33 @@ def _aligned(rows: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.bool)
 
 
-def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None,
-                     router_ties: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
-    """Final noise verdicts in data-flow order (difftest.noise): the quorum everywhere, the isolated-row
-    rule in the draft only; rows inherited from an upstream row that was tolerated as a discrete
-    numerical event (above threshold in a tensor judged within noise) are not counted again."""
-    tolerated: dict[str, torch.Tensor] = {}
+def _attends(name: str) -> bool:
+    """Tensors computed by causal attention over earlier positions (a target layer's output, the
+    draft layer's attention output at any step)."""
+    return (name.startswith("target.h.") and name != "target.h.0") or name.endswith("layer0.attn_out")
 
+
+def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None,
+                     router_ties: dict[str, torch.Tensor] | None = None, dtype: str = "float32") -> None:  # fmt: skip
+    """Final noise verdicts in data-flow order (difftest.noise): the quorum everywhere, the isolated-row
+    rule in the draft only. A row is *excused* (not counted) where a discrete numerical event
+    explains it: an MoE router near-tie feeding this tensor (router_ties: possible events), or an
+    event that actually happened upstream (a row above threshold there that was excused or judged
+    within noise). Only events that happened propagate: a row is passed on as excused only where it
+    is above threshold here too, so a wiring fault on a token that could have been re-routed, but
+    was not, still counts."""
+    events: dict[str, torch.Tensor] = {}  # rows above threshold that were excused, per judged tensor
     seeds = router_ties or {}
 
     def upstream(name: str, seen: set) -> list[torch.Tensor]:
-        """Tolerated rows of the nearest judged ancestors (through tensors the engine did not
-        capture, collecting router-tie seeds on the way)."""
+        """Events of the nearest judged ancestors (through tensors the engine did not capture, whose
+        router-tie seeds count as possible events)."""
         out = []
         for i in inputs_of(name, wiring, num_layers):
             if i not in seen:
                 seen.add(i)
-                if i in tolerated:
-                    out.append(tolerated[i])
+                if i in events:
+                    out.append(events[i])
                 else:
                     out += ([seeds[i]] if i in seeds else []) + upstream(i, seen)
         return out
@@ -358,18 +367,27 @@ def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None,
         errs = getattr(d, "_errs", None)
         if errs is None:
             continue
-        inherited = torch.zeros(errs.numel(), dtype=torch.bool)
-        if router_ties and d.name in router_ties:  # tokens an MoE router sent at a near-tie
-            inherited |= _aligned(router_ties[d.name], errs.numel())
+        excused = torch.zeros(errs.numel(), dtype=torch.bool)
+        if d.name in seeds:  # tokens an MoE router sent at a near-tie
+            excused |= _aligned(seeds[d.name], errs.numel())
+        mixing = _attends(d.name)
         for rows in upstream(d.name, {d.name}):
-            inherited |= _aligned(rows, errs.numel())
+            if mixing:  # attention reads every earlier position: an event at row j reaches rows >= j
+                rows = torch.cummax(rows.to(torch.int8), 0).values.bool() if rows.numel() else rows
+            excused |= _aligned(rows, errs.numel())
+        above = errs > d.threshold if d.criterion == "noise" else torch.zeros_like(excused)
         if d.criterion != "noise":
-            tolerated[d.name] = inherited
+            events[d.name] = excused & above
             continue
-        j = noise.judge_rows(errs, d.threshold, inherited, isolated_rule=d.name.startswith("draft."))
+        j = noise.judge_rows(errs, d.threshold, excused, isolated_rule=d.name.startswith("draft."))
         d.status = "mismatch" if j.diverges else "ok"
         d.worst_row = int(errs.argmax()) if j.diverges else -1
-        tolerated[d.name] = inherited if j.diverges else inherited | (errs > d.threshold)
+        # An excused row passes its excuse on where it really moved: above the threshold, or above the
+        # dtype's rounding (SAFETY x unit roundoff) where the threshold took events into its floor.
+        moved = errs > min(d.threshold, noise.SAFETY * noise.unit_roundoff(dtype))
+        events[d.name] = (excused & moved) | (above if not j.diverges else torch.zeros_like(above))
+        if fc_chunk_index(d.name) is not None and "draft.fc_in" in events:  # fc reads the chunks together
+            events["draft.fc_in"] = events["draft.fc_in"] | _aligned(events[d.name], events["draft.fc_in"].numel())
     for d in cd.diffs:
         d.__dict__.pop("_errs", None)
 

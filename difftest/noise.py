@@ -239,7 +239,24 @@ def _floor_rows(name: str, ties: torch.Tensor | None, n: int) -> torch.Tensor | 
     return ~touched[-n:] if n < touched.numel() else None
 
 
-def measure_floor(pairs: list[tuple], dtype: str, source: str) -> NoiseFloor:
+def _draft_own_floor(own: list[tuple]) -> dict[str, torch.Tensor]:
+    """Per draft tensor, the row errors of the draft alone: the draft in the case's dtype fed the
+    float64 run's fc_in, against the float64 draft (no target noise, no router events)."""
+    from difftest.names import split_draft
+
+    out: dict[str, list[torch.Tensor]] = {}
+    for cap, exact in own:
+        flip = _diverged_step(cap.meta.get("draft_tokens"), exact.meta.get("draft_tokens"))
+        for name in cap.tensors:
+            d = split_draft(name)
+            if d is None or name not in exact.tensors or (flip is not None and d[0] > flip):
+                continue
+            if cap.tensors[name].shape == exact.tensors[name].shape:
+                out.setdefault(name, []).append(row_rel_err(cap.tensors[name], exact.tensors[name]))
+    return {n: torch.cat(v) for n, v in out.items()}
+
+
+def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] | None = None) -> NoiseFloor:
     """pairs: per prompt (capture in the case's dtype, the same capture in float64).
 
     Discrete events are not rounding noise and stay out of the floor: draft steps after the two
@@ -274,10 +291,14 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str) -> NoiseFloor:
             rows.setdefault(name, []).append(errs if keep is None else errs[keep])
     u = unit_roundoff(dtype)
     tensors = {}
+    own_rows = _draft_own_floor(own or [])
     for name, parts in rows.items():
         errs, all_errs = torch.cat(parts), torch.cat(every[name])
         if errs.numel() < min(MIN_FLOOR_ROWS, all_errs.numel()):  # (nearly) every row after a router tie
-            errs = all_errs
+            # the draft's own rounding where it was measured, else every row (events included)
+            errs = own_rows.get(name, all_errs) if name != "draft.fc_in" and not name.startswith("draft.fc_in.") else all_errs
+        elif name in own_rows:  # at least the draft's own rounding
+            errs = torch.cat([errs, own_rows[name]])
         floor = _quantile(errs, FLOOR_QUANTILE)
         finite = all_errs[torch.isfinite(all_errs)]
         tensors[name] = TensorFloor(name, floor, float(finite.max()) if finite.numel() else 0.0, int(errs.numel()),

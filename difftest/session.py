@@ -191,21 +191,24 @@ class Session:
             self._captures[memo] = cached
         return self._captures[memo]
 
-    def capture_golden(self, case: Case, spec: EngineSpec, index: int) -> Capture | None:
-        """Layerwise golden inputs: the engine's draft re-run on the *reference's* draft.fc_in.
-        None when the engine does not support it (Engine.capture_draft_from)."""
+    def capture_golden(self, case: Case, spec: EngineSpec, index: int, source: EngineSpec | None = None,
+                       source_case: Case | None = None) -> Capture | None:  # fmt: skip
+        """Layerwise golden inputs: the engine's draft re-run on the *reference's* draft.fc_in (or on
+        `source`'s capture of `source_case`: the noise floor feeds the float64 fc_in to the draft in
+        the case's dtype). None when the engine does not support it (Engine.capture_draft_from)."""
         case = self.prepare(case)
-        memo = (case.path, spec.id, index, "golden")
+        source = source or self.options.reference
+        source_case = self.prepare(source_case) if source_case is not None else case
+        memo = (case.path, spec.id, index, "golden", source.id, source_case.path)
         if memo not in self._captures:
-            ref = self.capture(case, self.options.reference, index)
+            ref = self.capture(source_case, source, index)
             if "draft.fc_in" not in ref.tensors:
                 return None
             client = self.client(spec)
             ids = self.prompt_ids(case)[index]
-            ref_key = cache_key("capture", self.options.reference.id, self.engine_info(self.options.reference)["version"],
-                                case.fingerprint(), ids)  # fmt: skip
+            ref_key = cache_key("capture", source.id, self.engine_info(source)["version"], source_case.fingerprint(), ids)
             case = self.engine_case(case, spec)
-            key = cache_key("golden", spec.id, client.info["version"], ref_key)
+            key = cache_key("golden", spec.id, client.info["version"], case.fingerprint(), ref_key)
             cached = self.cache.get(key) if self.options.use_cache else None
             if cached is None:
                 from safetensors.torch import save_file
@@ -266,11 +269,15 @@ class Session:
             exact = dataclasses.replace(case, dtype=noise.CALIBRATION_DTYPE, path=f"{case.path}#{noise.CALIBRATION_DTYPE}")
             try:
                 pairs = [(self.capture(case, spec, i), self.capture(exact, spec, i)) for i in range(len(case.prompts))]
+                # the draft alone: its own rounding, on the float64 run's fc_in (difftest.noise: draft floor)
+                own = [(self.capture_golden(case, spec, i, source=spec, source_case=exact), exact_cap)
+                       for i, (_, exact_cap) in enumerate(pairs)]  # fmt: skip
             except DifftestError as e:
                 floor = noise.unmeasured(case.dtype, f"{spec.id} cannot run this case in float64: {str(e).splitlines()[0]}")
             else:
                 floor = noise.measure_floor(pairs, case.dtype, f"measured: {spec.id} in {case.dtype} vs float64 "
-                                                               f"over {len(pairs)} prompts")  # fmt: skip
+                                                               f"over {len(pairs)} prompts",
+                                            [p for p in own if p[0] is not None])  # fmt: skip
             self._floors[case.path] = floor
         return self._floors[case.path]
 

@@ -235,3 +235,12 @@ def test_one_draft_row_far_above_noise_that_starts_in_the_draft_is_a_divergence(
     other = _jump_row(ref, ["draft.layer0.attn_out"], row=2)
     cd = compare_captures(ref, other, "float32", floor=_floor(1e-5))
     assert cd.first_introduced().name == "draft.layer0.attn_out"
+
+
+def test_an_upstream_event_reaches_every_later_position_through_attention():
+    # a token re-routed at row 2 changes what rows 3.. attend to: they move too, and are excused
+    ref = _capture()
+    other = _jump_row(ref, ["target.h.2", "target.h.3"], row=2)
+    other = _jump_row(other, ["target.h.3"], row=4, rel=0.2)
+    cd = compare_captures(ref, other, "float32", floor=_floor(1e-5))
+    assert cd.get("target.h.3").rows_above == 2 and cd.get("target.h.3").ok
