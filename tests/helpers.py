@@ -103,7 +103,7 @@ class Run:
         raise KeyError(f"no result for {engine} {check}")
 
 
-def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float = 600) -> Run:
+def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float = 1800) -> Run:
     """`pytest cases/ ...` in a fresh process inside `root`, with the fake engine registered."""
     environ = dict(os.environ)
     environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), environ.get("PYTHONPATH", "")])

@@ -98,7 +98,7 @@ def test_each_label_has_its_own_cached_captures(side_by_side):
 def test_difftest_run_prints_the_same_summary(side_by_side):
     env = dict(os.environ, DIFFTEST_CACHE=str(side_by_side.cache))
     proc = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "cases/", "--engines=ref@old,ref@patch"],
-                          cwd=side_by_side.root, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+                          cwd=side_by_side.root, env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:]
     lines = proc.stdout.splitlines()
     assert any(ln.split()[:2] == ["tiny", "ref@patch"] and ln.split()[6] == "same" for ln in lines if ln.startswith("tiny "))
