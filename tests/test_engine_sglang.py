@@ -49,7 +49,7 @@ def test_tiny_case_passes_every_check(tmp_path, sglang_python):
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         assert out[("sglang", check)]["outcome"] == "passed", out[("sglang", check)]["message"]
     # draft.fc_in matched the reference's, which is HF's hidden states by value (tests/test_target_capture.py)
-    assert "match ref" in out[("sglang", "fc_inputs")]["message"]
+    assert "within noise of ref" in out[("sglang", "fc_inputs")]["message"]
     stats = out[("sglang", "accept_length")]["data"]["engine"]
     assert stats["accept_length"] > 1.5, stats  # a trained draft: SGLang accepts drafts
     assert "sglang meta_info" in stats["source"]
