@@ -245,36 +245,28 @@ class CaptureDiff:
     def get(self, name: str) -> TensorDiff | None:
         return next((d for d in self.diffs if d.name == name), None)
 
-    def first_divergence(self, names=None) -> TensorDiff | None:
-        """The first tensor above noise in data-flow order (a failing fc_in is named by its first failing chunk)."""
+    def _first(self, hit, names=None, chunk_hit=None, by_chunk=lambda d: True) -> TensorDiff | None:
+        """The first tensor in data-flow order for which hit(d) holds; a whole draft.fc_in (where
+        by_chunk(d)) is named by its first chunk for which chunk_hit (default: hit) holds, if any."""
         for d in self.diffs:
-            if d.ok or (names is not None and d.name not in names):
+            if not hit(d) or (names is not None and d.name not in names):
                 continue
-            if d.name == "draft.fc_in" and d.status == "mismatch":
-                chunk = next((c for c in self.diffs if c.name.startswith("draft.fc_in.") and not c.ok), None)
-                return chunk or d
+            if d.name == "draft.fc_in" and by_chunk(d):
+                return next((c for c in self.diffs if c.name.startswith("draft.fc_in.") and (chunk_hit or hit)(c)), d)
             return d
         return None
+
+    def first_divergence(self, names=None) -> TensorDiff | None:
+        """The first tensor above noise in data-flow order (a failing fc_in is named by its first failing chunk)."""
+        return self._first(lambda d: not d.ok, names, by_chunk=lambda d: d.status == "mismatch")
 
     def first_introduced(self, names=None) -> TensorDiff | None:
         """The first tensor where the error is introduced (above noise, not explained by its inputs)."""
-        for d in self.diffs:
-            if not d.introduced or (names is not None and d.name not in names):
-                continue
-            if d.name == "draft.fc_in":  # named by its first chunk that introduced the error
-                chunk = next((c for c in self.diffs if c.name.startswith("draft.fc_in.") and c.introduced), None)
-                return chunk or d
-            return d
-        return None
+        return self._first(lambda d: d.introduced, names)
 
     def first_differs(self) -> TensorDiff | None:
         """The first tensor whose values differ at all (not bit-identical), noise included."""
-        for d in self.diffs:
-            if d.differs or d.status in ("missing", "shape"):
-                if d.name == "draft.fc_in":  # named by its first differing chunk
-                    return next((c for c in self.diffs if c.name.startswith("draft.fc_in.") and c.differs), d)
-                return d
-        return None
+        return self._first(lambda d: d.differs or d.status in ("missing", "shape"), chunk_hit=lambda c: c.differs)
 
 
 def _thresholds(name: str, dtype: str, tolerances: dict, floor: noise.NoiseFloor) -> tuple[Tolerance, float | None]:
