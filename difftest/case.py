@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-
 from difftest.errors import CaseNotConfigured, ConfigError
+from difftest.settings import unknown_key
+from difftest.yamlfile import load_yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
 KNOWN_KEYS = {
@@ -96,17 +97,101 @@ def _err(path: Path, field_name: str, msg: str) -> ConfigError:
     return ConfigError(f"{path}: {field_name}: {msg}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # YAML's true is not 1
+
+
+def _unknown(path: Path, where: str, keys, known) -> None:
+    """Refuse the first key not in `known`, naming the closest known one."""
+    for key in keys:
+        if key not in known:
+            raise unknown_key(f"{path}: {where}" if where else str(path), key, known, "field")
+
+
 def _prompt(value: object, path: Path, where: str) -> Prompt:
     if isinstance(value, str):
         if not value.strip():
             raise _err(path, where, "empty prompt")
         return Prompt(text=value)
-    if isinstance(value, dict) and isinstance(value.get("ids"), list):
-        ids = value["ids"]
-        if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-            raise _err(path, where, "ids must be a non-empty list of non-negative integers")
+    if isinstance(value, dict):
+        _unknown(path, where, value, {"ids"})
+        ids = value.get("ids")
+        if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+            raise _err(path, f"{where}.ids", "expected a non-empty list of non-negative integers")
         return Prompt(ids=list(ids))
-    raise _err(path, where, f"expected a string or {{ids: [...]}}, got {value!r}")
+    raise _err(path, where, f"expected a string or {{ids: [...]}}, got {_shown(value)}")
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _tolerance(value: object, path: Path, where: str) -> float:
+    """A finite number >= 0 (YAML 1.1 reads 1e-3, without a dot, as a string: float() takes it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise _err(path, where, f"expected a number, got {_shown(value)}")
+    try:
+        x = float(value)
+    except ValueError:
+        raise _err(path, where, f"expected a number, got {_shown(value)}") from None
+    if not math.isfinite(x) or x < 0:
+        raise _err(path, where, f"expected a finite number >= 0, got {_shown(value)}")
+    return x
+
+
+def _tolerance_pair(value: object, path: Path, where: str, required: bool) -> dict:
+    """{atol: X, rtol: Y}: both finite and >= 0; with `required`, atol must be given when rtol is."""
+    if not isinstance(value, dict) or not value:
+        raise _err(path, where, f"expected {{atol: X, rtol: Y}}, got {_shown(value)}")
+    _unknown(path, where, value, {"atol", "rtol"})
+    if required and "rtol" in value and "atol" not in value:
+        # as torch.testing: rtol alone is ambiguous near zero
+        raise _err(path, where, "rtol given without atol; set both")
+    return {k: _tolerance(v, path, f"{where}.{k}") for k, v in value.items()}
+
+
+# expect: what the checks read (difftest.checks, difftest.train_check)
+EXPECT_KEYS = ("top1_agreement", "accept_length", "train_accuracy")
+
+
+def _expect(raw: object, path: Path) -> dict:
+    if not isinstance(raw, dict):
+        raise _err(path, "expect", f"expected a mapping, got {_shown(raw)}")
+    _unknown(path, "expect", raw, EXPECT_KEYS)
+    out: dict = {}
+    if "top1_agreement" in raw:
+        x = _tolerance(raw["top1_agreement"], path, "expect.top1_agreement")
+        if x > 1:
+            raise _err(path, "expect.top1_agreement", f"expected a fraction in [0, 1], got {_shown(raw['top1_agreement'])}")
+        out["top1_agreement"] = x
+    if "accept_length" in raw:
+        out["accept_length"] = _tolerance_pair(raw["accept_length"], path, "expect.accept_length", required=False)
+    if "train_accuracy" in raw:
+        acc = raw["train_accuracy"]
+        if not isinstance(acc, dict) or not acc:
+            raise _err(path, "expect.train_accuracy", f"expected {{atol: X}}, got {_shown(acc)}")
+        _unknown(path, "expect.train_accuracy", acc, {"atol"})
+        out["train_accuracy"] = {"atol": _tolerance(acc["atol"], path, "expect.train_accuracy.atol")}
+    return out
+
+
+def _name(raw: dict, path: Path) -> str:
+    """A case's name keys its report files and baseline entries: a short, plain file name."""
+    if "name" not in raw or raw["name"] in (None, ""):
+        return path.stem
+    name = raw["name"]
+    if not isinstance(name, (str, int)) or isinstance(name, bool):
+        raise _err(path, "name", f"expected a string, got {_shown(name)}")
+    name = str(name)
+    if len(name) > MAX_NAME or not _NAME.fullmatch(name):
+        raise _err(path, "name", f"expected at most {MAX_NAME} letters, digits, '.', '_' or '-' (it names report "
+                                 f"files), got {_shown(name)}")  # fmt: skip
+    return name
+
+
+MAX_NAME = 100
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -148,56 +233,73 @@ def _model_ref(value: object, path: Path, field_name: str) -> str:
 def load_case(path: str | Path) -> Case:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    raw = load_yaml(path, text)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - KNOWN_KEYS)
-    if unknown:
-        raise _err(path, unknown[0], f"unknown field (known: {', '.join(sorted(KNOWN_KEYS))})")
+    _unknown(path, "", raw, KNOWN_KEYS)
     raw = _expand(raw, path, "")
     for required in ("target", "draft", "prompts"):
         if required not in raw:
             raise _err(path, required, "required field missing")
     dtype = raw.get("dtype", "float32")
-    if dtype not in DTYPES:
-        raise _err(path, "dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _err(path, "dtype", f"{_shown(dtype)} is not one of {', '.join(DTYPES)}")
     prompts = raw["prompts"]
     if not isinstance(prompts, list) or not prompts:
         raise _err(path, "prompts", "expected a non-empty list")
-    spec = raw.get("speculative") or {}
+    spec = raw.get("speculative")
+    spec = {} if spec is None else spec
     if not isinstance(spec, dict):
-        raise _err(path, "speculative", "expected a mapping")
+        raise _err(path, "speculative", f"expected a mapping, got {_shown(spec)}")
+    _unknown(path, "speculative", spec, ("num_steps", "max_new_tokens", "prompts"))
     for key in ("num_steps", "max_new_tokens"):
-        if key in spec and (not isinstance(spec[key], int) or spec[key] < 1):
-            raise _err(path, f"speculative.{key}", f"expected a positive integer, got {spec[key]!r}")
+        if key in spec and (not _is_int(spec[key]) or spec[key] < 1):
+            raise _err(path, f"speculative.{key}", f"expected a positive integer, got {_shown(spec[key])}")
+    spec_prompts = spec.get("prompts")
+    spec_prompts = [] if spec_prompts is None else spec_prompts
+    if not isinstance(spec_prompts, list):
+        raise _err(path, "speculative.prompts", f"expected a list, got {_shown(spec_prompts)}")
     wiring = raw.get("wiring", "vllm")
-    if not isinstance(wiring, (str, list)):
-        raise _err(path, "wiring", "expected a preset name or a list like [h0, h3, h31]")
+    if not (isinstance(wiring, str) and wiring) and not (
+        isinstance(wiring, list) and wiring and all(isinstance(w, str) and w for w in wiring)
+    ):
+        raise _err(path, "wiring", f"expected a preset name or a list like [h0, h3, h31], got {_shown(wiring)}")
     layer_ids = raw.get("layer_ids")
-    if layer_ids is not None and (not isinstance(layer_ids, list) or not all(isinstance(i, int) for i in layer_ids)):
-        raise _err(path, "layer_ids", "expected a list of integers")
-    for key in ("engines", "tolerances", "expect"):
-        if not isinstance(raw.get(key) or {}, dict):
-            raise _err(path, key, "expected a mapping")
-    for pattern, tol in (raw.get("tolerances") or {}).items():
-        if not isinstance(tol, dict) or not set(tol) <= {"atol", "rtol"} or not tol:
-            raise _err(path, f"tolerances.{pattern}", "expected {atol: X, rtol: Y}")
-        if "rtol" in tol and "atol" not in tol:
-            # as torch.testing: rtol alone is ambiguous near zero
-            raise _err(path, f"tolerances.{pattern}", "rtol given without atol; set both")
-        for key, value in tol.items():
-            try:  # YAML 1.1 reads 1e-3 (no dot) as a string; anything float() takes is fine
-                tol[key] = float(value)
-            except (TypeError, ValueError):
-                raise _err(path, f"tolerances.{pattern}.{key}", f"expected a number, got {value!r}") from None
+    if layer_ids is not None and (
+        not isinstance(layer_ids, list) or not layer_ids or not all(_is_int(i) and i >= 0 for i in layer_ids)
+    ):
+        raise _err(path, "layer_ids", f"expected a non-empty list of non-negative integers, got {_shown(layer_ids)}")
+    engines = raw.get("engines")
+    engines = {} if engines is None else engines
+    if not isinstance(engines, dict):
+        raise _err(path, "engines", f"expected a mapping of engine name -> settings, got {_shown(engines)}")
+    for name, section in engines.items():
+        if not isinstance(name, str) or not isinstance(section, (dict, type(None))):
+            raise _err(path, f"engines.{name}", f"expected a mapping of settings, got {_shown(section)}")
+    tolerances = raw.get("tolerances")
+    tolerances = {} if tolerances is None else tolerances
+    if not isinstance(tolerances, dict):
+        raise _err(path, "tolerances", f"expected a mapping of tensor pattern -> {{atol, rtol}}, got {_shown(tolerances)}")
+    tolerances = {str(p): _tolerance_pair(t, path, f"tolerances.{p}", required=True) for p, t in tolerances.items()}
+    expect = _expect({} if raw.get("expect") is None else raw["expect"], path)
+    allow_missing = raw.get("allow_missing")
+    allow_missing = [] if allow_missing is None else allow_missing
+    if not isinstance(allow_missing, list) or not all(isinstance(p, str) and p for p in allow_missing):
+        # a bare string would be read character by character, and "*" allows every tensor
+        raise _err(path, "allow_missing", f"expected a list of tensor name patterns like [draft.layer0.*], got "
+                                          f"{_shown(allow_missing)}")  # fmt: skip
+    description = raw.get("description", "")
+    if not isinstance(description, str):
+        raise _err(path, "description", f"expected a string, got {_shown(description)}")
     return Case(
-        name=str(raw.get("name") or path.stem),
+        name=_name(raw, path),
         path=str(path),
         target=_model_ref(raw["target"], path, "target"),
         draft=_model_ref(raw["draft"], path, "draft"),
@@ -205,12 +307,12 @@ def load_case(path: str | Path) -> Case:
         wiring=wiring,
         layer_ids=layer_ids,
         prompts=[_prompt(p, path, f"prompts[{i}]") for i, p in enumerate(prompts)],
-        num_steps=int(spec.get("num_steps", 4)),
-        max_new_tokens=int(spec.get("max_new_tokens", 32)),
-        spec_prompts=[_prompt(p, path, f"speculative.prompts[{i}]") for i, p in enumerate(spec.get("prompts") or [])],
-        engines={k: dict(v or {}) for k, v in (raw.get("engines") or {}).items()},
-        tolerances=dict(raw.get("tolerances") or {}),
-        expect=dict(raw.get("expect") or {}),
-        allow_missing=list(raw.get("allow_missing") or []),
-        description=str(raw.get("description", "")),
+        num_steps=spec.get("num_steps", 4),
+        max_new_tokens=spec.get("max_new_tokens", 32),
+        spec_prompts=[_prompt(p, path, f"speculative.prompts[{i}]") for i, p in enumerate(spec_prompts)],
+        engines={k: dict(v or {}) for k, v in engines.items()},
+        tolerances=tolerances,
+        expect=expect,
+        allow_missing=list(allow_missing),
+        description=description,
     )

@@ -23,6 +23,7 @@ from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
 from difftest.case import Case
 from difftest.errors import ConfigError
+from difftest.settings import Schema, suggest, validate
 
 ENTRY_POINT_GROUP = "difftest.engines"
 _SPEC = re.compile(r"(?P<name>[A-Za-z_][\w-]*)(?:@(?P<label>[\w.-]+))?(?:\[(?P<params>[^\]]*)\])?")
@@ -76,12 +77,21 @@ def parse_spec(text: str) -> EngineSpec:
     m = _SPEC.fullmatch(text.strip())
     if not m:
         raise ConfigError(f"--engines: cannot parse engine spec {text!r}; expected NAME[@LABEL][[key=value,...]]")
-    params = []
-    for item in filter(None, (m.group("params") or "").split(",")):
+    params: list[tuple[str, str]] = []
+    raw = m.group("params")
+    if raw is not None and not raw.strip():
+        raise ConfigError(f"--engines {text}: empty parameter list []")
+    for item in (raw.split(",") if raw else []):
         if "=" not in item:
-            raise ConfigError(f"--engines: parameter {item!r} of {text!r} is not key=value")
-        k, v = item.split("=", 1)
-        params.append((k.strip(), v.strip()))
+            raise ConfigError(f"--engines {text}: parameter {item.strip()!r} is not key=value")
+        k, v = (x.strip() for x in item.split("=", 1))
+        if not k:
+            raise ConfigError(f"--engines {text}: empty parameter name in {item.strip()!r}")
+        if not v:
+            raise ConfigError(f"--engines {text}: parameter {k} has an empty value")
+        if any(k == seen for seen, _ in params):
+            raise ConfigError(f"--engines {text}: parameter {k} given twice")
+        params.append((k, v))
     return EngineSpec(m.group("name"), m.group("label"), tuple(params))
 
 
@@ -114,8 +124,32 @@ def registered_engines() -> dict[str, str]:
 def engine_target(name: str) -> str:
     known = registered_engines()
     if name not in known:
-        raise ConfigError(f"--engines: unknown engine {name!r} (registered: {', '.join(sorted(known)) or 'none'})")
+        raise ConfigError(
+            f"--engines: unknown engine {name!r}{suggest(name, known)} (registered: {', '.join(sorted(known)) or 'none'})"
+        )
     return known[name]
+
+
+def engine_schema(name: str) -> Schema | None:
+    """The settings schema the adapter registered under `name` declares (its class's SETTINGS), or
+    None where the adapter cannot be imported here (it lives in another environment): its worker
+    then validates the same schema when it reads the settings."""
+    module, _, attr = engine_target(name).partition(":")
+    try:
+        import importlib
+
+        cls = getattr(importlib.import_module(module), attr)
+    except Exception:  # noqa: BLE001 - an adapter for another environment; the worker validates
+        return None
+    return getattr(cls, "SETTINGS", None)
+
+
+def check_settings(schema: Schema, spec: "EngineSpec", case: Case | None = None) -> dict:
+    """Validate the case's `engines.<name>` section (when a case is given) merged with the spec's
+    parameters; ConfigError names the case file and field, or the --engines spec."""
+    section = case.engines.get(spec.name) if case is not None else None
+    return validate(schema, section, spec.params, section_where=f"{case.path if case else '?'}: engines.{spec.name}",
+                    spec_where=f"--engines {spec.id}")  # fmt: skip
 
 
 @dataclass
@@ -127,10 +161,19 @@ class EngineInfo:
 
 
 class Engine(ABC):
-    """Base class of adapters; instances live in a worker process."""
+    """Base class of adapters; instances live in a worker process.
+
+    SETTINGS declares every setting the adapter reads (difftest.settings); the default, an empty
+    schema, refuses any case setting or spec parameter."""
+
+    SETTINGS: Schema = Schema("")
 
     def __init__(self, spec: EngineSpec):
         self.spec = spec
+
+    def settings_for(self, case: Case) -> dict:
+        """The case's engines section merged with the spec's parameters, validated against SETTINGS."""
+        return check_settings(self.SETTINGS, self.spec, case)
 
     @abstractmethod
     def info(self) -> EngineInfo:

@@ -154,7 +154,9 @@ def project_pythons(root: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML ({e})") from None
     unknown = sorted(set(data) - {"engines"})
@@ -170,14 +172,25 @@ def project_pythons(root: Path) -> dict[str, str]:
             raise ConfigError(f"{path}: engines.{key}: expected NAME or NAME@LABEL without [parameters]")
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{path}: engines.{key}: expected a path to an interpreter or environment, got {value!r}")
-        p = Path(value).expanduser()
-        p = p if p.is_absolute() else (path.parent / p)
-        if p.is_dir():
-            p = p / "bin" / "python"
-        if not p.exists():
-            raise ConfigError(f"{path}: engines.{key}: {p} does not exist")
-        out[key] = str(p)
+        out[key] = interpreter(value, f"{path}: engines.{key}", path.parent)
     return out
+
+
+def interpreter(value: str, where: str, base: Path | None = None) -> str:
+    """An engine's interpreter: an executable file, or an environment directory holding bin/python.
+    Anything else (missing, a directory without bin/python, not executable) is refused at `where`."""
+    p = Path(value).expanduser()
+    if not p.is_absolute() and base is not None:
+        p = base / p
+    if p.is_dir():
+        if not (p / "bin" / "python").exists():
+            raise ConfigError(f"{where}: {p} is a directory, not an interpreter (and holds no bin/python)")
+        p = p / "bin" / "python"
+    if not p.exists():
+        raise ConfigError(f"{where}: {p} does not exist")
+    if not p.is_file() or not os.access(p, os.X_OK):
+        raise ConfigError(f"{where}: {p} is not an executable file")
+    return str(p)
 
 
 def main(args) -> int:

@@ -13,6 +13,7 @@ reference (`baseline:NAME`). Every session ends with the per-case verdict table 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,14 +23,17 @@ from difftest import checks as checks_mod
 from difftest import upgrade as upgrade_mod
 from difftest import report as report_mod
 from difftest.case import Case, load_case
-from difftest.engine import EngineSpec, engine_target, parse_engine_list, parse_spec
-from difftest.envs import project_pythons
+from difftest.engine import EngineSpec, check_settings, engine_schema, engine_target, parse_engine_list, parse_spec
+from difftest.engine import registered_engines
+from difftest.envs import interpreter, project_pythons
 from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable
+from difftest.settings import unknown_key
 from difftest.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
 RESULTS = pytest.StashKey[dict]()
 CASES = pytest.StashKey[dict]()
+NAMES = pytest.StashKey[dict]()  # case name -> the file that claimed it (names key reports and baselines)
 WRITER = pytest.StashKey["baseline_mod.BaselineWriter | None"]()
 
 
@@ -65,13 +69,19 @@ def pytest_configure(config: pytest.Config) -> None:
             engines.insert(0, reference)
         for spec in engines:
             engine_target(spec.name)
+            if spec.params:  # the spec alone, before any case (a case's section is checked when it is collected)
+                schema = engine_schema(spec.name)
+                if schema is not None:
+                    check_settings(schema, spec)
         # the project file (difftest.toml) first, so --engine-python overrides it
         pythons = project_pythons(Path(config.rootpath))
         for item in config.getoption("engine_python"):
-            name, sep, path = item.partition("=")
-            if not sep or not path:
-                raise ConfigError(f"--engine-python: {item!r} is not NAME=PATH")
-            pythons[name] = path
+            pythons.update(_engine_python(item))
+        timeout = config.getoption("engine_timeout")
+        if not (0 < timeout < float("inf")):
+            raise ConfigError(f"--engine-timeout: expected a positive number of seconds, got {timeout:g}")
+        report_dir = Path(config.getoption("report_dir") or Path(config.rootpath) / "reports")
+        _check_writable_dir(report_dir, "--report-dir")
         baseline_dir = Path(config.getoption("baseline_dir") or Path(config.rootpath) / baseline_mod.DEFAULT_DIR)
         stored = None
         if config.getoption("baseline"):
@@ -85,12 +95,11 @@ def pytest_configure(config: pytest.Config) -> None:
             writer = baseline_mod.BaselineWriter(baseline_dir, config.getoption("save_baseline"), config.getoption("force_baseline"))
     except ConfigError as e:
         raise pytest.UsageError(str(e)) from None
-    report_dir = Path(config.getoption("report_dir") or Path(config.rootpath) / "reports")
     options = Options(
         engines=engines,
         reference=reference,
         engine_python=pythons,
-        timeout=config.getoption("engine_timeout"),
+        timeout=timeout,
         use_cache=not config.getoption("no_capture_cache"),
         log_dir=report_dir / "logs",
         progress=_progress_writer(config),
@@ -101,7 +110,36 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[WRITER] = writer
     config.stash[RESULTS] = {}
     config.stash[CASES] = {}
+    config.stash[NAMES] = {}
     config._difftest_report_dir = report_dir  # type: ignore[attr-defined]
+
+
+def _engine_python(item: str) -> dict[str, str]:
+    """--engine-python NAME=PATH: a registered engine (name or name@label) and an executable interpreter."""
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError(f"--engine-python: {item!r} is not NAME=PATH")
+    try:
+        spec = parse_spec(name)
+    except ConfigError:
+        spec = None
+    if spec is None or spec.params or spec.key != name.strip():
+        raise ConfigError(f"--engine-python {item}: {name!r} is not an engine name (NAME or NAME@LABEL)")
+    known = registered_engines()
+    if spec.name not in known:
+        raise unknown_key(f"--engine-python {item}", spec.name, known, "engine")
+    return {spec.key: interpreter(path, f"--engine-python {item}")}
+
+
+def _check_writable_dir(path: Path, option: str) -> None:
+    """Refuse at start-up, not at session end, a directory that cannot be created or written."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise ConfigError(f"{option}: {p} is not a directory" + (f" (needed for {path})" if p != path else ""))
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option}: {p} is not writable")
 
 
 def _progress_writer(config: pytest.Config):
@@ -146,6 +184,10 @@ class CaseFile(pytest.File):
         except CaseNotConfigured as e:
             yield NotConfiguredItem.from_parent(self, name="load", reason=str(e))
             return
+        problem = self._check(case, session)
+        if problem is not None:
+            yield ErrorItem.from_parent(self, name="load", error=problem)
+            return
         self.config.stash[CASES][case.path] = case
         for spec in session.options.engines:
             is_ref = spec.id == session.options.reference.id
@@ -153,6 +195,29 @@ class CaseFile(pytest.File):
                 yield CheckItem.from_parent(self, name=f"{spec.id}::{check}", case=case, spec=spec, check=check)
             if self.config.stash[WRITER] is not None and not spec.name.startswith(baseline_mod.PREFIX):
                 yield SaveBaselineItem.from_parent(self, name=f"{spec.id}::save_baseline", case=case, spec=spec)
+
+
+    def _check(self, case: Case, session: Session) -> str | None:
+        """What makes this case unusable with these engines, as one line (None: nothing)."""
+        names = self.config.stash[NAMES]
+        other = names.setdefault(case.name, case.path)
+        if other != case.path:
+            return (f"{case.path}: name: {case.name!r} is already the name of {other}; case names key report files "
+                    f"and baseline entries, so each must be unique")  # fmt: skip
+        try:
+            known = registered_engines()
+            for name in case.engines:
+                if name not in known:
+                    raise unknown_key(f"{case.path}: engines", name, known, "engine")
+            for spec in session.options.engines:
+                if spec.name.startswith(baseline_mod.PREFIX):
+                    continue
+                schema = engine_schema(spec.name)
+                if schema is not None:
+                    check_settings(schema, spec, case)
+        except ConfigError as e:
+            return str(e)
+        return None
 
 
 class ErrorItem(pytest.Item):

@@ -17,10 +17,18 @@ import time
 
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import EngineUnavailable
+from difftest.settings import Schema, Setting
 from engines.ref.engine import RefEngine
+from engines.ref.settings import SCHEMA as REF_SETTINGS
 
 
 class FakeEngine(RefEngine):
+    SETTINGS = Schema("fake", REF_SETTINGS.settings + (
+        Setting("mode", "choice", "injected behaviour", default="same",
+                choices=("same", "diverge", "unavailable", "error", "crash", "hang")),
+        Setting("golden", "choice", "no: no golden-input re-run", choices=("no",)),
+    ))  # fmt: skip
+
     def info(self) -> EngineInfo:
         if self.spec.param("mode") == "unavailable":
             raise EngineUnavailable("fake: not installed; set it up with: scripts/setup-engine fake")

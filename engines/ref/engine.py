@@ -24,6 +24,7 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError
 from difftest.wiring import Wiring, resolve
 from engines.ref.eagle3 import LoadedDraft, load_draft
+from engines.ref.settings import SCHEMA
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import load_target, num_layers, run_target
 
@@ -36,6 +37,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class RefEngine(Engine):
+    SETTINGS = SCHEMA
+
     def __init__(self, spec):
         super().__init__(spec)
         self._targets: dict[tuple, torch.nn.Module] = {}
@@ -67,7 +70,7 @@ class RefEngine(Engine):
                 dtype=dtype,
             )
         loaded = self._drafts[dkey]
-        self._apply_overrides(loaded)
+        self._apply_overrides(loaded, case)
         if loaded.config.vocab_size != target.config.vocab_size:
             raise ConfigError(
                 f"{case.draft}: draft vocab_size {loaded.config.vocab_size} != target vocab_size {target.config.vocab_size}"
@@ -79,33 +82,24 @@ class RefEngine(Engine):
             )
         return target, loaded
 
-    def _apply_overrides(self, loaded: LoadedDraft) -> None:
+    def _apply_overrides(self, loaded: LoadedDraft, case: Case) -> None:
+        s = self.settings_for(case)
         for flag in ("norm_before_residual", "norm_output"):
-            value = self.spec.param(flag)
-            if value is not None:
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ConfigError(f"--engines {self.spec.id}: {flag} must be true or false, got {value!r}")
-                setattr(loaded.config, flag, value.lower() in ("true", "1"))  # read at run time by Eagle3Draft.forward
-        d2t = self.spec.param("d2t")
-        if d2t is not None:
-            if d2t != "identity":
-                raise ConfigError(f"--engines {self.spec.id}: d2t must be 'identity', got {d2t!r}")
+            if s[flag] is not None:
+                setattr(loaded.config, flag, s[flag])  # read at run time by Eagle3Draft.forward
+        if s["d2t"] == "identity":
             loaded.model.d2t.zero_()
 
     def wiring(self, case: Case, loaded: LoadedDraft, L: int) -> Wiring:
-        spec_wiring = self.spec.param("wiring")
-        if spec_wiring is not None:
-            choice, where = spec_wiring, f"--engines {self.spec.id}: wiring"
-        elif "wiring" in case.engine_settings("ref"):
-            choice, where = case.engine_settings("ref")["wiring"], f"{case.path}: engines.ref.wiring"
+        s = self.settings_for(case)
+        if s["wiring"] is not None:
+            choice = s["wiring"]
+            spec_given = any(k == "wiring" for k, _ in self.spec.params)
+            where = f"--engines {self.spec.id}: wiring" if spec_given else f"{case.path}: engines.{self.spec.name}.wiring"
         else:
             choice, where = case.wiring, f"{case.path}: wiring"
-        spec_ids = self.spec.param("layer_ids")
-        if spec_ids is not None:
-            try:
-                ids, src = [int(x) for x in spec_ids.replace("+", " ").split()], "engine spec"
-            except ValueError:
-                raise ConfigError(f"--engines {self.spec.id}: layer_ids must look like 2+4+5") from None
+        if s["layer_ids"] is not None:
+            ids, src = s["layer_ids"], "engine settings"
         elif case.layer_ids is not None:
             ids, src = case.layer_ids, "case layer_ids"
         else:
@@ -200,21 +194,11 @@ class RefEngine(Engine):
         return stats
 
     def _tree_settings(self, case: Case, num_steps: int) -> tuple[int, int]:
-        """topk and num_draft_tokens (root included, as SGLang counts): the spec's `topk=`/`num_draft_tokens=`,
-        else the case's engines.ref settings; a chain by default."""
-        settings = case.engine_settings("ref")
-        values = []
-        for key, default in (("topk", 1), ("num_draft_tokens", None)):
-            raw = self.spec.param(key, settings.get(key, default))
-            try:
-                values.append(None if raw is None else int(raw))
-            except (TypeError, ValueError):
-                raise ConfigError(f"--engines {self.spec.id}: {key} must be an integer, got {raw!r}") from None
-        topk, budget = values
+        """topk and num_draft_tokens (root included, as SGLang counts); a chain by default."""
+        s = self.settings_for(case)
+        topk, budget = s["topk"], s["num_draft_tokens"]
         if budget is None:
             budget = num_steps + 1 if topk == 1 else topk * num_steps + 1
-        if topk < 1 or budget < 2:
-            raise ConfigError(f"--engines {self.spec.id}: topk >= 1 and num_draft_tokens >= 2 required, got {topk}, {budget}")
         return topk, budget
 
     def close(self) -> None:

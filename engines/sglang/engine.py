@@ -43,24 +43,13 @@ from difftest.session import cache_root
 from engines.sglang import cpu_shim, deepseek
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
+from engines.sglang.settings import SCHEMA
 
 ADAPTER_REVISION = 2  # part of the capture cache key: bump when what a capture contains changes
 SETUP_HINT = "scripts/setup-engine sglang"
-SPEC_PARAMS = {"num_steps": "speculative_num_steps", "topk": "speculative_eagle_topk",
-               "num_draft_tokens": "speculative_num_draft_tokens", "attention_backend": "attention_backend",
-               "tp_size": "tp_size", "mem_fraction_static": "mem_fraction_static"}  # fmt: skip
-SETTING_KEYS = set(SPEC_PARAMS.values()) | {"max_total_tokens", "server_args", "draft_config_overrides",
-                                            "target_config_overrides"}  # fmt: skip
 # Partial by construction: SGLang captures only the aux layers the draft asks for, and the
 # draft steps exist only while drafting is a chain.
 PARTIAL = ["target.h.*"]
-
-
-def _int(value, where: str) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
 
 
 def _config(checkpoint: str, what: str) -> dict:
@@ -101,6 +90,8 @@ def _root_cause(offset: int) -> str:
 
 
 class SglangEngine(Engine):
+    SETTINGS = SCHEMA
+
     def __init__(self, spec):
         super().__init__(spec)
         self._kernels: str | None = None
@@ -154,36 +145,26 @@ class SglangEngine(Engine):
 
     # -- settings --------------------------------------------------------------------
     def _settings(self, case: Case, num_steps: int | None = None) -> dict:
-        s = case.engine_settings("sglang")
-        unknown = sorted(set(s) - SETTING_KEYS)
-        if unknown:
-            raise ConfigError(f"{case.path}: engines.sglang.{unknown[0]}: unknown setting (known: {', '.join(sorted(SETTING_KEYS))})")
-        for key, value in self.spec.params:
-            if key not in SPEC_PARAMS:
-                raise ConfigError(f"--engines {self.spec.id}: unknown parameter {key!r} (known: {', '.join(SPEC_PARAMS)})")
-            s[SPEC_PARAMS[key]] = value
-        steps = _int(s.get("speculative_num_steps", num_steps or case.num_steps), "speculative_num_steps")
-        topk = _int(s.get("speculative_eagle_topk", 1), "speculative_eagle_topk")
+        s = self.settings_for(case)  # engines/sglang/settings.py
+        steps = s["speculative_num_steps"] or num_steps or case.num_steps
+        topk = s["speculative_eagle_topk"]
         on_cpu = not torch.cuda.is_available()
         requested = {
             "speculative_num_steps": steps,
             "speculative_eagle_topk": topk,
-            "speculative_num_draft_tokens": _int(s.get("speculative_num_draft_tokens", steps + 1), "speculative_num_draft_tokens"),
+            "speculative_num_draft_tokens": s["speculative_num_draft_tokens"] or steps + 1,
             "dtype": case.dtype,
-            "tp_size": _int(s.get("tp_size", 1), "tp_size"),
-            "mem_fraction_static": float(s.get("mem_fraction_static", 0.3 if on_cpu else 0.5)),
-            "max_total_tokens": _int(s.get("max_total_tokens", 4096), "max_total_tokens"),
+            "tp_size": s["tp_size"],
+            "mem_fraction_static": (0.3 if on_cpu else 0.5) if s["mem_fraction_static"] is None else s["mem_fraction_static"],
+            "max_total_tokens": s["max_total_tokens"],
         }
-        backend = s.get("attention_backend", "intel_amx" if self._kernels == cpu_shim.CPU_SHIM else None)
+        backend = s["attention_backend"] or ("intel_amx" if self._kernels == cpu_shim.CPU_SHIM else None)
         if backend is not None:
             requested["attention_backend"] = backend
-        extra = s.get("server_args") or {}
-        if not isinstance(extra, dict):
-            raise ConfigError(f"{case.path}: engines.sglang.server_args: expected a mapping")
-        requested.update(extra)
+        requested.update(s["server_args"])
         return {"requested": requested, "device": "cpu" if on_cpu else "cuda",
-                "draft_overrides": s.get("draft_config_overrides") or {},
-                "target_overrides": s.get("target_config_overrides") or {}}  # fmt: skip
+                "draft_overrides": s["draft_config_overrides"],
+                "target_overrides": s["target_config_overrides"]}  # fmt: skip
 
     def _checkpoints(self, case: Case, settings: dict) -> tuple[str, str]:
         """Overlaid target and draft; fills settings["compat"] with the measures the target needed."""

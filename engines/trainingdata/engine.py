@@ -39,9 +39,9 @@ from engines.ref.eagle3 import LoadedDraft, load_draft
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import final_norm_module, load_target, num_layers, run_target
 from engines.trainingdata.formats import Dump, Sample, read_dump
+from engines.trainingdata.settings import SCHEMA
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SETTINGS = ("data", "format", "identify", "wiring", "ttt_steps")
 
 
 def target_head_weights(path: str | Path) -> dict[str, torch.Tensor | float]:
@@ -65,6 +65,8 @@ def target_head_weights(path: str | Path) -> dict[str, torch.Tensor | float]:
 
 
 class TrainingDataEngine(Engine):
+    SETTINGS = SCHEMA
+
     def __init__(self, spec):
         super().__init__(spec)
         self._dumps: dict[tuple, Dump] = {}
@@ -79,14 +81,7 @@ class TrainingDataEngine(Engine):
 
     # -- settings --------------------------------------------------------------------
     def settings(self, case: Case) -> dict:
-        s = {k: v for k, v in case.engine_settings(self.spec.name).items()}
-        unknown = sorted(set(s) - set(SETTINGS))
-        if unknown:
-            raise ConfigError(f"{case.path}: engines.{self.spec.name}.{unknown[0]}: unknown setting (known: {', '.join(SETTINGS)})")
-        for k, v in self.spec.params:
-            if k not in SETTINGS:
-                raise ConfigError(f"--engines {self.spec.id}: unknown parameter {k!r} (known: {', '.join(SETTINGS)})")
-            s[k] = v
+        s = self.settings_for(case)  # engines/trainingdata/settings.py
         if not s.get("data"):
             raise ConfigError(
                 f"{case.path}: the train engine needs training data: engines.{self.spec.name}.data in the case, "
@@ -96,11 +91,7 @@ class TrainingDataEngine(Engine):
         if not data.is_absolute():
             data = (Path(case.path).parent / data).resolve()
         s["data"] = str(data)
-        s.setdefault("format", "auto")
-        s.setdefault("identify", "target")
-        if s["identify"] not in ("target", "stats"):
-            raise ConfigError(f"{self.spec.id}: identify={s['identify']!r}; expected target or stats")
-        s["ttt_steps"] = int(s.get("ttt_steps") or case.num_steps)
+        s["ttt_steps"] = s["ttt_steps"] or case.num_steps
         return s
 
     # -- models and data -------------------------------------------------------------
@@ -158,7 +149,7 @@ class TrainingDataEngine(Engine):
         """The `wiring` setting as canonical names; presets read the case's ids, else the draft config's."""
         L = ident.num_layers if ident.num_layers is not None else num_layers(self.target(case))
         ids = case.layer_ids if case.layer_ids is not None else loaded.config.layer_ids
-        return list(resolve(str(s["wiring"]), L, ids, where=f"{self.spec.id}: wiring").inputs)
+        return list(resolve(s["wiring"], L, ids, where=f"{self.spec.id}: wiring").inputs)
 
     def fc_for(self, case: Case, s: dict, sample: Sample, ident: Identification, loaded: LoadedDraft) -> tuple[torch.Tensor, list[str], str]:
         """(fc_in [seq, A*H], input names, source): the trainer's, or the `wiring` setting composed from the dump."""

@@ -59,13 +59,10 @@ from difftest.errors import ConfigError, EngineError, EngineUnavailable
 from difftest.names import draft_name
 from difftest.session import cache_root
 from engines.vllm import compat
+from engines.vllm.settings import SCHEMA
 
 PINNED = "0.32.0"  # the version whose internals engines/vllm/hooks.py names
 SETUP = "scripts/setup-engine vllm"
-KNOWN_SETTINGS = {
-    "enforce_eager", "max_model_len", "tensor_parallel_size", "seed", "dtype", "num_speculative_tokens",
-    "kv_cache_space_gib", "draft_config_overrides", "target", "draft", "llm_args", "speculative_config",
-}  # fmt: skip
 SPEC_METRICS = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
@@ -126,29 +123,14 @@ def _import_vllm():
     return vllm
 
 
-def _bool(value, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return value.lower() in ("true", "1", "yes", "on")
-    raise ConfigError(f"{where}: expected true or false, got {value!r}")
-
-
-def _int(value, where: str) -> int:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        return int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:400]}" if text else type(e).__name__
 
 
 class VllmEngine(Engine):
+    SETTINGS = SCHEMA
+
     def __init__(self, spec):
         super().__init__(spec)
         self._llm = None
@@ -184,37 +166,12 @@ class VllmEngine(Engine):
 
     # -- settings --------------------------------------------------------------------
     def settings(self, case: Case, num_steps: int | None = None) -> dict:
-        where = f"{case.path}: engines.vllm"
-        raw = case.engine_settings("vllm")
-        for k, v in self.spec.params:
-            raw[k] = v
-        unknown = sorted(set(raw) - KNOWN_SETTINGS)
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}: unknown vllm setting (known: {', '.join(sorted(KNOWN_SETTINGS))})")
-        for key in ("draft_config_overrides", "llm_args", "speculative_config"):
-            if not isinstance(raw.get(key) or {}, dict):
-                raise ConfigError(f"{where}.{key}: expected a mapping")
-        dtype = str(raw.get("dtype", case.dtype))
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"{where}.dtype: {dtype!r} is not float32, bfloat16 or float16")
-        s = {
-            "target": str(raw.get("target", case.target)),
-            "draft": str(raw.get("draft", case.draft)),
-            "dtype": dtype,
-            "enforce_eager": _bool(raw.get("enforce_eager", True), f"{where}.enforce_eager"),
-            "max_model_len": _int(raw.get("max_model_len", 512), f"{where}.max_model_len"),
-            "tensor_parallel_size": _int(raw.get("tensor_parallel_size", 1), f"{where}.tensor_parallel_size"),
-            "seed": _int(raw.get("seed", 0), f"{where}.seed"),
-            "num_speculative_tokens": _int(
-                raw.get("num_speculative_tokens", num_steps or case.num_steps), f"{where}.num_speculative_tokens"
-            ),
-            "kv_cache_space_gib": _int(raw.get("kv_cache_space_gib", 1), f"{where}.kv_cache_space_gib"),
-            "draft_config_overrides": dict(raw.get("draft_config_overrides") or {}),
-            "llm_args": dict(raw.get("llm_args") or {}),
-            "speculative_config": dict(raw.get("speculative_config") or {}),
-        }
-        if s["num_speculative_tokens"] < 1:
-            raise ConfigError(f"{where}.num_speculative_tokens: must be >= 1")
+        """The validated settings (engines/vllm/settings.py) with the case's values as defaults."""
+        s = self.settings_for(case)
+        s["target"] = str(s["target"] or case.target)
+        s["draft"] = str(s["draft"] or case.draft)
+        s["dtype"] = s["dtype"] or case.dtype
+        s["num_speculative_tokens"] = s["num_speculative_tokens"] or num_steps or case.num_steps
         return s
 
     def _engine(self, case: Case, s: dict):

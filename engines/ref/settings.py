@@ -1,0 +1,14 @@
+"""The reference engine's settings (difftest.settings): the case's `engines.ref` merged with `ref[...]`."""
+
+from difftest.settings import Schema, Setting
+
+SCHEMA = Schema("ref", (
+    Setting("wiring", "wiring", "fc inputs: a preset (vllm, sglang, speculators, ...), h0+h3+h31, or [h0, h3, h31]; "
+            "default: the case's wiring"),
+    Setting("layer_ids", "ids", "ids the preset reads (spec: 2+4+5); default: the case's layer_ids, else the draft config's"),
+    Setting("norm_before_residual", "bool", "override the draft config's flag (a misconfigured engine's draft)"),
+    Setting("norm_output", "bool", "override the draft config's flag (a misconfigured engine's draft)"),
+    Setting("d2t", "choice", "identity: drop the draft-to-target vocabulary map", choices=("identity",)),
+    Setting("topk", "int", "draft tree branching for accept-length simulation (1: a chain)", default=1, min=1),
+    Setting("num_draft_tokens", "int", "tree budget, root included (default: num_steps + 1 for a chain)", min=2),
+))  # fmt: skip
