@@ -105,7 +105,7 @@ def _unknown(path: Path, where: str, keys, known) -> None:
     """Refuse the first key not in `known`, naming the closest known one."""
     for key in keys:
         if key not in known:
-            raise unknown_key(f"{path}: {where}" if where else str(path), key, known, "field")
+            raise unknown_key(f"{path}: {where}.{key}" if where else f"{path}: {key}", key, known, "field")
 
 
 def _prompt(value: object, path: Path, where: str) -> Prompt:

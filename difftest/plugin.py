@@ -27,7 +27,7 @@ from difftest.engine import EngineSpec, check_settings, engine_schema, engine_ta
 from difftest.engine import registered_engines
 from difftest.envs import interpreter, project_pythons
 from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable
-from difftest.settings import unknown_key
+from difftest.settings import unknown_key, validate
 from difftest.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
@@ -127,7 +127,7 @@ def _engine_python(item: str) -> dict[str, str]:
         raise ConfigError(f"--engine-python {item}: {name!r} is not an engine name (NAME or NAME@LABEL)")
     known = registered_engines()
     if spec.name not in known:
-        raise unknown_key(f"--engine-python {item}", spec.name, known, "engine")
+        raise unknown_key(f"--engine-python {item}: {spec.name}", spec.name, known, "engine")
     return {spec.key: interpreter(path, f"--engine-python {item}")}
 
 
@@ -206,15 +206,19 @@ class CaseFile(pytest.File):
                     f"and baseline entries, so each must be unique")  # fmt: skip
         try:
             known = registered_engines()
-            for name in case.engines:
+            for key in case.engines:  # every section, also of engines not run now: a typo is a typo
+                name = key.partition("@")[0]
                 if name not in known:
-                    raise unknown_key(f"{case.path}: engines", name, known, "engine")
-            for spec in session.options.engines:
+                    raise unknown_key(f"{case.path}: engines.{key}", name, known, "engine")
+                schema = engine_schema(name)
+                if schema is not None:
+                    validate(schema, case.engines[key], section_where=f"{case.path}: engines.{key}")
+            for spec in session.options.engines:  # and each section merged with the spec's parameters
                 if spec.name.startswith(baseline_mod.PREFIX):
                     continue
                 schema = engine_schema(spec.name)
                 if schema is not None:
-                    check_settings(schema, spec, case)
+                    check_settings(schema, spec, session.engine_case(case, spec))
         except ConfigError as e:
             return str(e)
         return None

@@ -71,9 +71,10 @@ def suggest(key: str, known) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def unknown_key(where: str, key: object, known, what: str = "setting") -> ConfigError:
+def unknown_key(at: str, key: object, known, what: str = "setting") -> ConfigError:
+    """`at` names the key's place, e.g. 'cases/x.yaml: engines.ref.wirng' or '--engines ref[wirng=x]: wirng'."""
     known = sorted(map(str, known))
-    return ConfigError(f"{where}: unknown {what} {str(key)!r}{suggest(str(key), known)} (known: {', '.join(known) or 'none'})")
+    return ConfigError(f"{at}: unknown {what}{suggest(str(key), known)} (known: {', '.join(known) or 'none'})")
 
 
 def _convert(s: Setting, value: object, from_spec: bool) -> object:
@@ -119,6 +120,8 @@ def _convert(s: Setting, value: object, from_spec: bool) -> object:
         if not math.isfinite(v):
             raise ValueError("a finite number")
         return _in_range(s, v)
+    if t == "path" and value == "" and not from_spec:
+        return None  # `data: ${VAR:-}` with VAR unset: not given (the adapter says what it needs)
     if t in ("str", "path", "choice"):
         if not isinstance(value, str) or not value:
             raise ValueError("a non-empty string" if t != "choice" else f"one of {', '.join(s.choices)}")
@@ -171,7 +174,7 @@ def validate(schema: Schema, section: object, params: tuple[tuple[str, str], ...
     given: dict[str, str] = {}  # setting name -> the key that set it (aliases and names collide)
     for key, value in section.items():
         if not isinstance(key, str) or key not in names:
-            raise unknown_key(section_where, key, names)
+            raise unknown_key(f"{section_where}.{key}", key, names)
         s = names[key]
         if s.name in given:
             raise ConfigError(f"{section_where}: {key} and {given[s.name]} both set {s.name}")
@@ -185,7 +188,7 @@ def validate(schema: Schema, section: object, params: tuple[tuple[str, str], ...
         if not key:
             raise ConfigError(f"{spec_where}: empty parameter name (in '={value}')")
         if key not in names:
-            raise unknown_key(spec_where, key, names, "parameter")
+            raise unknown_key(f"{spec_where}: {key}", key, names, "parameter")
         s = names[key]
         if s.name in seen:
             raise ConfigError(f"{spec_where}: parameter {s.name} given twice")

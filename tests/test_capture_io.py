@@ -277,9 +277,9 @@ BAD_CASES = [
     ),
     ("missing-target-path", VALID.replace("./target", "./nope"), ["target: checkpoint ", "nope not found (no config.json)"]),
     ("non-numeric-atol", VALID.replace("atol: 1e-3", "atol: loose"), ["tolerances.draft.*.atol: expected a number, got 'loose'"]),
-    ("bad-layer_ids", VALID + "layer_ids: [2, x]\n", ["layer_ids: expected a list of integers"]),
+    ("bad-layer_ids", VALID + "layer_ids: [2, x]\n", ["layer_ids: expected a non-empty list of non-negative integers"]),
     ("bad-num_steps", VALID + "speculative: {num_steps: 0}\n", ["speculative.num_steps: expected a positive integer, got 0"]),
-    ("bad-prompt-ids", VALID.replace("[1, 2, 3]", "[1, -2]"), ["prompts[1]: ids must be a non-empty list of non-negative integers"]),
+    ("bad-prompt-ids", VALID.replace("[1, 2, 3]", "[1, -2]"), ["prompts[1].ids: expected a non-empty list of non-negative integers"]),
 ]
 
 

@@ -130,7 +130,7 @@ def test_no_project_file_maps_nothing(tmp_path):
 
 def test_project_file_maps_labels_to_interpreters_and_environments(tmp_path):
     (tmp_path / "envs" / "old" / "bin").mkdir(parents=True)
-    (tmp_path / "envs" / "old" / "bin" / "python").touch()
+    (tmp_path / "envs" / "old" / "bin" / "python").touch(mode=0o755)
     (tmp_path / "difftest.toml").write_text(f'[engines]\n"sglang@old" = "envs/old"\n"sglang@new" = "{sys.executable}"\n')
     assert envs.project_pythons(tmp_path) == {
         "sglang@old": str(tmp_path / "envs" / "old" / "bin" / "python"),
