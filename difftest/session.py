@@ -47,6 +47,22 @@ def resolve_fixture(ref: str) -> str:
     raise ConfigError(f"fixture {name!r} is not provided by any installed fixture provider ({len(providers)} found)")
 
 
+def _target_limits(target: str) -> tuple[int | None, int | None]:
+    """(vocab_size, max_position_embeddings) from the target's config.json where it states them;
+    a config too broken to say is left to the engine that loads it (a one-line error of its own)."""
+    try:
+        config = json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    if not isinstance(config, dict):
+        return None, None
+    vocab, max_pos = config.get("vocab_size"), config.get("max_position_embeddings")
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0  # noqa: E731
+    return (vocab if ok(vocab) else None), (max_pos if ok(max_pos) else None)
+
+
 @dataclass
 class Options:
     engines: list[EngineSpec]
@@ -154,10 +170,22 @@ class Session:
                 except (OSError, ValueError) as e:
                     raise ConfigError(f"{case.path}: prompts: cannot load the target's tokenizer from {case.target} ({e})") from None
             out = []
+            field_name = "speculative.prompts" if speculative and case.spec_prompts else "prompts"
+            vocab, max_pos = _target_limits(case.target)
+            # positions a run reaches: the prompt, then the draft's steps (and, speculating, the new tokens)
+            extra = case.num_steps + (case.max_new_tokens if speculative else 0)
             for i, p in enumerate(prompts):
                 ids = p.ids if p.ids is not None else tokenizer(p.text, add_special_tokens=True)["input_ids"]
+                where = f"{case.path}: {field_name}[{i}]"
                 if len(ids) < 2:
-                    raise ConfigError(f"{case.path}: prompts[{i}]: needs at least 2 tokens, got {len(ids)}")
+                    raise ConfigError(f"{where}: needs at least 2 tokens, got {len(ids)}")
+                if vocab is not None and max(ids) >= vocab:
+                    raise ConfigError(f"{where}: token id {max(ids)} is outside the target's vocabulary (vocab_size {vocab})")
+                if max_pos is not None and len(ids) + extra > max_pos:
+                    raise ConfigError(
+                        f"{where}: {len(ids)} tokens + {extra} generated exceed the target's max_position_embeddings "
+                        f"({max_pos})"
+                    )
                 out.append(list(ids))
             self._prompts[key] = out
         return self._prompts[key]

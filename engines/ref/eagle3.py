@@ -286,27 +286,60 @@ def _canonical_key(key: str) -> str:
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """safetensors (single or sharded) or a torch pickle loaded with weights_only=True."""
+    """safetensors (single or sharded) or a torch pickle loaded with weights_only=True. Every
+    weight must be floating point (a cast from an integer tensor would silently invent values);
+    the integer vocabulary maps d2t / t2d are the exception. Damaged files name themselves."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
     files = sorted(model_dir.glob("*.safetensors"))
-    if files:
-        out: dict[str, torch.Tensor] = {}
-        for f in files:
-            out.update(load_file(str(f)))
-        return out
-    for name in ("pytorch_model.bin", "model.pt", "model.bin"):
-        f = model_dir / name
-        if f.exists():
-            try:
-                return torch.load(f, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError:
-                # torch's own message is many lines; the cause is a pickle holding more than tensors
-                raise ConfigError(
-                    f"{f}: cannot be loaded with weights_only=True (it holds objects other than tensors, "
-                    "or is not a torch checkpoint); save the state dict as safetensors"
-                ) from None
-    raise ConfigError(f"{model_dir}: no weights found (expected *.safetensors or pytorch_model.bin)")
+    for f in files:
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+        out.update(part)
+        origin.update(dict.fromkeys(part, f))
+    if not files:
+        for name in ("pytorch_model.bin", "model.pt", "model.bin"):
+            f = model_dir / name
+            if f.exists():
+                out = _torch_load(f)
+                origin = dict.fromkeys(out, f)
+                break
+        else:
+            raise ConfigError(f"{model_dir}: no weights found (expected *.safetensors or pytorch_model.bin)")
+    for key, value in out.items():
+        if _canonical_key(key) in ("d2t", "t2d"):
+            continue
+        if not value.is_floating_point():
+            raise ConfigError(f"{origin[key]}: tensor {key} has dtype {str(value.dtype).removeprefix('torch.')}; "
+                              "draft weights must be floating point")  # fmt: skip
+    return out
+
+
+def _torch_load(f: Path) -> dict[str, torch.Tensor]:
+    """A torch pickle holding a flat state dict, loaded with weights_only=True (nothing else runs)."""
+    try:
+        data = torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message is many lines and suggests weights_only=False, which would run the pickle
+        raise ConfigError(
+            f"{f}: refused: it holds objects other than tensors (loaded with weights_only=True), "
+            "or is not a torch checkpoint; save the state dict as safetensors"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConfigError(f"{f}: not a readable torch checkpoint ({_first_line(e)})") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()):
+        raise ConfigError(f"{f}: expected a state dict (tensor name -> tensor), got {type(data).__name__}")
+    return data
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _ids(value: object, where: str) -> list[int] | None:
@@ -402,13 +435,18 @@ def load_draft(
     dtype: torch.dtype = torch.float32,
 ) -> LoadedDraft:
     model_dir = Path(model_dir)
-    raw_config = read_json(model_dir / "config.json")
+    raw_config = read_json(model_dir / "config.json", "draft config")
+    if not isinstance(raw_config, dict):
+        raise ConfigError(f"{model_dir / 'config.json'}: expected a JSON object, got {type(raw_config).__name__}")
     from engines.ref.eagle3_mla import is_mla_config, parse_mla_config  # builds on this module
 
-    if is_mla_config(raw_config):  # architectures names Eagle3DeepseekV2ForCausalLM (the Kimi-K2.5 family)
-        cfg = parse_mla_config(raw_config, model_dir / "config.json")
-    else:
-        cfg = parse_config(raw_config, model_dir / "config.json")
+    try:
+        if is_mla_config(raw_config):  # architectures names Eagle3DeepseekV2ForCausalLM (the Kimi-K2.5 family)
+            cfg = parse_mla_config(raw_config, model_dir / "config.json")
+        else:
+            cfg = parse_config(raw_config, model_dir / "config.json")
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # e.g. hidden_size: "big"
+        raise ConfigError(f"{model_dir / 'config.json'}: malformed draft config ({_first_line(e)})") from None
     raw = {_canonical_key(k): v for k, v in load_state_dict(model_dir).items()}
     notes: list[str] = []
     shared: list[str] = []

@@ -73,31 +73,48 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
     path = Path(path)
     if not (path / "config.json").exists():
         raise ConfigError(f"{path}: target checkpoint not found (no config.json)")
+    config = target_config(path)
     check_fits(path, dtype)
     kwargs = {}
-    if dtype == torch.float64 and _has_experts(path):
+    if dtype == torch.float64 and any(config.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts")):
         # torch._grouped_mm (transformers' default MoE experts kernel) has no float64: the noise-floor
         # run takes the per-expert loop, the same maths
         kwargs["experts_implementation"] = "eager"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+        # a truncated safetensors file, a config transformers cannot build a model from, ...
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"{path}: transformers cannot load this target ({type(e).__name__}: {first})") from None
     model.eval()
     return model
 
 
-def _has_experts(path: Path) -> bool:
-    import json
+def target_config(path: Path) -> dict:
+    """config.json of a target checkpoint: a JSON object, not a draft's, with numeric sizes."""
+    from difftest.jsonfile import read_json
 
-    config = json.loads((path / "config.json").read_text())
-    return any(config.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+    where = path / "config.json"
+    config = read_json(where, "target config")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(config).__name__}")
+    archs = config.get("architectures") or []
+    if config.get("speculators_model_type") or any("eagle" in str(a).lower() for a in archs):
+        raise ConfigError(f"{where}: this is an EAGLE-3 draft's config ({', '.join(map(str, archs)) or 'speculators'}), "
+                          "not a target model's; give it as the case's draft")  # fmt: skip
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"):
+        value = text.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{where}: {key}: expected a positive integer, got {value!r}")
+    return config
 
 
 def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
     """Bytes the weights take once loaded in dtype (stored tensors are assumed 2-byte, the
     usual bf16/fp16 checkpoint, unless the config says float32)."""
-    import json
-
     stored = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern))
-    config = json.loads((path / "config.json").read_text())
+    config = target_config(path)
     stored_width = 4 if str(config.get("torch_dtype") or config.get("dtype")) == "float32" else 2
     return stored * torch.finfo(dtype).bits // 8 // stored_width
 
