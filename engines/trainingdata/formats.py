@@ -212,15 +212,21 @@ def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
     jsonl = path / "samples.jsonl"
     if jsonl.exists():
         rows: dict[int, dict] = {}
+        bad: list[str] = []
         for n, line in enumerate(jsonl.read_text().splitlines()):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                rows[int(row["index"])] = row
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise ConfigError(f"{jsonl}: line {n + 1}: expected {{\"index\", \"input_ids\", \"loss_mask\"}}") from None
-        return rows, []
+                index = row["index"]
+                if not isinstance(index, int) or isinstance(index, bool) or "input_ids" not in row:
+                    raise TypeError
+                rows[index] = row
+            except (json.JSONDecodeError, KeyError, TypeError):
+                # its sample is then skipped as "not in the dataset"; the other rows stand
+                bad.append(f"{jsonl}: line {n + 1}: expected {{\"index\": N, \"input_ids\": [...], \"loss_mask\": [...]}} "
+                           "(row skipped)")  # fmt: skip
+        return rows, bad
     if next(path.glob("*.arrow"), None) is not None or (path / "dataset_info.json").exists():
         try:
             from datasets import load_from_disk
@@ -245,16 +251,18 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None) -> 
     skipped: list[str] = []
     notes: list[str] = []
     if fmt == "speculators":
-        rows, notes = _dataset_rows(path)
+        rows, row_problems = _dataset_rows(path)
+        skipped += [p for p in row_problems if p.endswith("(row skipped)")]
+        notes = [p for p in row_problems if not p.endswith("(row skipped)")]
         files = _numbered((path / "hidden_states").glob("hs_*.safetensors"))
 
-        def read(p: Path) -> Sample:
+        def read(p: Path, n: int) -> Sample:
             m = re.fullmatch(r"hs_(\d+)\.safetensors", p.name)
             return _read_speculators_sample(p, int(m.group(1)) if m else -1, rows or None)
     elif fmt == "speculators-legacy":
         files = _numbered(path.rglob("*.pt"))
 
-        def read(p: Path) -> Sample:
+        def read(p: Path, n: int) -> Sample:
             data = _torch_load(p)
             ids = _ids(_field(data, "input_ids", p), "input_ids", p)
             hs = _field(data, "hidden_states", p)
@@ -262,11 +270,11 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None) -> 
                 raise SampleError(f"{p}: hidden_states: expected a list of at least 2 [seq, H] tensors")
             tensors = [_hidden(t[0] if t.dim() == 3 else t, f"hidden_states[{j}]", len(ids), p) for j, t in enumerate(hs)]
             mask = _mask(_field(data, "loss_mask", p), len(ids), p)
-            return Sample(len(samples) + len(skipped), str(p), ids, mask, tensors, len(tensors) - 1)
+            return Sample(n, str(p), ids, mask, tensors, len(tensors) - 1)
     else:
         files = _numbered(list(path.rglob("*.ckpt")))
 
-        def read(p: Path) -> Sample:
+        def read(p: Path, n: int) -> Sample:
             data = _torch_load(p)
             ids = _ids(_field(data, "input_ids", p), "input_ids", p)
             aux = _field(data, "aux_hidden_state", p)
@@ -280,20 +288,39 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None) -> 
                 raise SampleError(f"{p}: aux_hidden_state: width {aux.shape[-1]} is not a multiple of hidden_state's {H}")
             chunks = list(aux.split(H, dim=-1))
             mask = _mask(_field(data, "loss_mask", p), len(ids), p)
-            return Sample(len(samples) + len(skipped), str(p), ids, mask, chunks + [last], len(chunks))
+            return Sample(n, str(p), ids, mask, chunks + [last], len(chunks))
 
     if not files:
         raise ConfigError(f"{path}: no {fmt} sample files found")
-    for p in files:
-        if limit is not None and len(samples) >= limit:
+    read_ok: list[tuple[int, Path, Sample]] = []
+    problems: list[tuple[int, str]] = []  # (file position, line): reported in file order
+    for n, p in enumerate(files):
+        if limit is not None and len(read_ok) >= limit:
             break
         try:
-            s = read(p)
-            _check_consistent(s, samples[0] if samples else None, p)
+            try:
+                read_ok.append((n, p, read(p, n)))
+            except SampleError:
+                raise
+            except (TypeError, ValueError, RuntimeError, AttributeError, KeyError, IndexError) as e:
+                # a field of the wrong type or shape that no specific check above names
+                first = (str(e).strip().splitlines() or [""])[0][:120]
+                raise SampleError(f"{p}: unusable sample ({type(e).__name__}: {first})") from None
         except SampleError as e:
-            skipped.append(f"{e} (sample skipped)")
+            problems.append((n, f"{e} (sample skipped)"))
+    # the layout (layers, fc count, hidden size) most samples share is the dump's: one odd file,
+    # first or not, is skipped rather than making every other one look wrong
+    layouts = [(len(x.tensors), x.fc_count, x.tensors[0].shape[-1]) for _, _, x in read_ok]
+    usual = max(set(layouts), key=lambda lay: (layouts.count(lay), -layouts.index(lay))) if layouts else None
+    first_usual = next((x for (_, _, x), lay in zip(read_ok, layouts) if lay == usual), None)
+    for (n, p, x), lay in zip(read_ok, layouts):
+        try:
+            _check_consistent(x, None if lay == usual else first_usual, p)
+        except SampleError as e:
+            problems.append((n, f"{e} (sample skipped)"))
             continue
-        samples.append(s)
+        samples.append(x)
+    skipped += [line for _, line in sorted(problems, key=lambda t: t[0])]
     return Dump(str(path), fmt, samples, skipped, notes)
 
 
