@@ -17,7 +17,17 @@ def load(path: str | Path) -> dict:
     if not isinstance(data, dict) or data.get("schema") != report_mod.SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise ConfigError(f"{path}: schema {found!r}, expected {report_mod.SCHEMA!r}")
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise ConfigError(f"{path}: report field {missing[0]!r} missing (a report has {', '.join(REQUIRED)})")
+    for key, kind in (("case", str), ("engines", dict), ("checks", list)):
+        if not isinstance(data[key], kind):
+            raise ConfigError(f"{path}: report field {key!r}: expected a {kind.__name__}, got {type(data[key]).__name__}")
     return data
+
+
+# what rendering and bundling read at the top level (difftest.report.build writes them all)
+REQUIRED = ("case", "reference", "engines", "checks")
 
 
 def rerender(args) -> int:

@@ -126,6 +126,12 @@ def _report_parsers(sub) -> None:
             except DifftestError as e:
                 print(f"difftest {args.command}: {e}", file=sys.stderr)
                 return 2
+            except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+                # valid JSON whose nested fields are missing or of the wrong kind (hand-edited, truncated
+                # by another tool): one line naming the file, not a traceback
+                what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+                print(f"difftest {args.command}: {args.json}: not a complete difftest report ({what})", file=sys.stderr)
+                return 2
 
         return run
 

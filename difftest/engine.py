@@ -23,7 +23,7 @@ from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
 from difftest.case import Case
 from difftest.errors import ConfigError
-from difftest.settings import Schema, suggest, validate
+from difftest.settings import Schema, suggest, unknown_key, validate
 
 ENTRY_POINT_GROUP = "difftest.engines"
 _SPEC = re.compile(r"(?P<name>[A-Za-z_][\w-]*)(?:@(?P<label>[\w.-]+))?(?:\[(?P<params>[^\]]*)\])?")
@@ -158,6 +158,26 @@ class EngineInfo:
     version: str
     versions: dict = field(default_factory=dict)  # torch, transformers, ... in the engine's environment
     kernels: str = ""
+
+
+def check_case_settings(case: Case, specs: list["EngineSpec"] = (), merged=None) -> None:
+    """Every `engines.<name>` section of the case (also of engines not run now: a typo is a typo)
+    against its engine's schema, then each spec's parameters merged with its section
+    (`merged(case, spec)`: the case a labelled spec's worker is sent). ConfigError at the first problem."""
+    known = registered_engines()
+    for key in case.engines:
+        name = key.partition("@")[0]
+        if name not in known:
+            raise unknown_key(f"{case.path}: engines.{key}", name, known, "engine")
+        schema = engine_schema(name)
+        if schema is not None:
+            validate(schema, case.engines[key], section_where=f"{case.path}: engines.{key}")
+    for spec in specs:
+        if spec.name not in known:  # a stored baseline standing in for an engine: nothing to set
+            continue
+        schema = engine_schema(spec.name)
+        if schema is not None:
+            check_settings(schema, spec, merged(case, spec) if merged else case)
 
 
 class Engine(ABC):

@@ -45,6 +45,9 @@ def _plt():
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    # labels carry engine specs and tensor names verbatim: a `$` in a spec parameter must stay a
+    # character, not open mathtext (which fails on unbalanced or invalid TeX at savefig)
+    plt.rcParams["text.parse_math"] = False
     return plt
 
 

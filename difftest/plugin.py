@@ -23,11 +23,12 @@ from difftest import checks as checks_mod
 from difftest import upgrade as upgrade_mod
 from difftest import report as report_mod
 from difftest.case import Case, load_case
-from difftest.engine import EngineSpec, check_settings, engine_schema, engine_target, parse_engine_list, parse_spec
+from difftest.engine import EngineSpec, check_case_settings, check_settings, engine_schema, engine_target
+from difftest.engine import parse_engine_list, parse_spec
 from difftest.engine import registered_engines
 from difftest.envs import interpreter, project_pythons
 from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable
-from difftest.settings import unknown_key, validate
+from difftest.settings import unknown_key
 from difftest.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
@@ -205,20 +206,7 @@ class CaseFile(pytest.File):
             return (f"{case.path}: name: {case.name!r} is already the name of {other}; case names key report files "
                     f"and baseline entries, so each must be unique")  # fmt: skip
         try:
-            known = registered_engines()
-            for key in case.engines:  # every section, also of engines not run now: a typo is a typo
-                name = key.partition("@")[0]
-                if name not in known:
-                    raise unknown_key(f"{case.path}: engines.{key}", name, known, "engine")
-                schema = engine_schema(name)
-                if schema is not None:
-                    validate(schema, case.engines[key], section_where=f"{case.path}: engines.{key}")
-            for spec in session.options.engines:  # and each section merged with the spec's parameters
-                if spec.name.startswith(baseline_mod.PREFIX):
-                    continue
-                schema = engine_schema(spec.name)
-                if schema is not None:
-                    check_settings(schema, spec, session.engine_case(case, spec))
+            check_case_settings(case, session.options.engines, session.engine_case)
         except ConfigError as e:
             return str(e)
         return None

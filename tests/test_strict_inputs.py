@@ -1,0 +1,365 @@
+"""Nothing is accepted silently: every input a user can get wrong is refused with one line that
+names the file, field or option, and a bad case fails only its own `load` item.
+
+Cheap by construction: checkpoints here are a config.json (what validation reads) or a few
+tensors; the plugin runs stop at start-up or run only `load` items, never a capture."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from difftest.case import load_case
+from difftest.engine import check_case_settings, check_settings, engine_schema, parse_engine_list, parse_spec
+from difftest.errors import ConfigError
+from difftest.session import Options, Session
+from difftest.settings import Schema, Setting, validate
+from difftest.yamlfile import MAX_NODES
+from helpers import run_pytest
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    message = str(e.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.fixture
+def checkpoints(tmp_path) -> tuple[Path, Path]:
+    """A target and a draft as far as case validation reads them: their config.json."""
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    target.mkdir(), draft.mkdir()
+    (target / "config.json").write_text(json.dumps({"vocab_size": 512, "max_position_embeddings": 64}))
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    return target, draft
+
+
+def write_case(directory: Path, checkpoints, extra: str = "", name: str = "c") -> Path:
+    target, draft = checkpoints
+    path = directory / f"{name}.yaml"
+    path.write_text(f"target: {target}\ndraft: {draft}\nprompts:\n  - ids: [1, 2, 3]\n{extra}")
+    return path
+
+
+# -- engine settings: one schema per engine, validated by the core ------------------------------
+@pytest.mark.parametrize("spec, fragment", [
+    ("ref[wirng=sglang]", "--engines ref[wirng=sglang]: wirng: unknown parameter; did you mean 'wiring'?"),
+    ("ref[foo=bar]", "--engines ref[foo=bar]: foo: unknown parameter"),
+    ("ref[topk=0]", "topk: expected a value >= 1, got '0'"),
+    ("ref[norm_output=maybe]", "norm_output: expected true or false"),
+    ("ref[d2t=nope]", "d2t: expected one of identity"),
+    ("train[format=specforg]", "did you mean 'specforge'?"),
+    ("vllm[llm_args=x]", "llm_args: expected a mapping; set it in the case file"),
+    ("sglang[mem_fraction_static=1.5]", "mem_fraction_static: expected a value <= 1"),
+])  # fmt: skip
+def test_bad_spec_parameter_is_refused_naming_the_spec(spec, fragment):
+    parsed = parse_spec(spec)
+    with pytest.raises(ConfigError) as e:
+        check_settings(engine_schema(parsed.name), parsed)
+    assert fragment in one_line(e)
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("ref[wiring=vllm,wiring=sglang]", "parameter wiring given twice"),
+    ("ref[=x]", "empty parameter name"),
+    ("ref[wiring=]", "parameter wiring has an empty value"),
+    ("ref[]", "empty parameter list"),
+])  # fmt: skip
+def test_malformed_spec_parameters_are_refused(spec, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_engine_list(spec)
+    assert fragment in one_line(e)
+
+
+def test_alias_and_name_of_one_setting_in_one_spec_are_refused():
+    spec = parse_spec("sglang[topk=2,speculative_eagle_topk=3]")
+    with pytest.raises(ConfigError, match="parameter speculative_eagle_topk given twice"):
+        check_settings(engine_schema("sglang"), spec)
+
+
+def test_spec_parameters_override_the_case_section_and_aliases_resolve(tmp_path, checkpoints):
+    case = load_case(write_case(tmp_path, checkpoints, "engines: {sglang: {speculative_eagle_topk: 2, tp_size: 2}}\n"))
+    s = check_settings(engine_schema("sglang"), parse_spec("sglang[topk=4]"), case)
+    assert (s["speculative_eagle_topk"], s["tp_size"], s["max_total_tokens"]) == (4, 2, 4096)
+
+
+@pytest.mark.parametrize("section, fragment", [
+    ("{ref: {wirng: sglang}}", "engines.ref.wirng: unknown setting; did you mean 'wiring'?"),
+    ("{ref: {topk: true}}", "engines.ref.topk: expected an integer, got True"),
+    ("{ref: {topk: '2'}}", "engines.ref.topk: expected an integer, got '2'"),
+    ("{vllm: {enforce_eager: 'yes'}}", "engines.vllm.enforce_eager: expected true or false"),
+    ("{ref: sglang}", "engines.ref: expected a mapping of settings, got 'sglang'"),
+    ("{ref: [wiring]}", "engines.ref: expected a mapping of settings"),
+    ("{reff: {}}", "engines.reff: unknown engine; did you mean 'ref'?"),
+])  # fmt: skip
+def test_bad_engines_section_is_refused_naming_file_and_field(tmp_path, checkpoints, section, fragment):
+    path = write_case(tmp_path, checkpoints, f"engines: {section}\n")
+    with pytest.raises(ConfigError) as e:
+        check_case_settings(load_case(path))  # the shape is the case loader's; settings the engines' schemas
+    message = one_line(e)
+    assert message.startswith(f"{path}: ") and fragment in message
+
+
+def test_section_that_is_not_a_mapping_is_refused_by_the_validator():
+    schema = Schema("x", (Setting("a", "int", "doc"),))
+    with pytest.raises(ConfigError, match=r"^f.yaml: engines.x: expected a mapping of settings, got str$"):
+        validate(schema, "a=1", section_where="f.yaml: engines.x")
+
+
+def test_every_adapter_declares_a_schema_and_no_default_accepts_unknown_keys():
+    for name in ("ref", "vllm", "sglang", "train"):
+        schema = engine_schema(name)
+        assert isinstance(schema, Schema) and schema.settings, name
+        with pytest.raises(ConfigError, match="unknown setting"):
+            validate(schema, {"surely_not_a_setting": 1}, section_where="c.yaml: engines." + name)
+
+
+# -- case YAML ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, fragment", [
+    ('allow_missing: "draft.layer0.*"\n', "allow_missing: expected a list of tensor name patterns"),
+    ("expect: {top1_agrement: 0.5}\n", "expect.top1_agrement: unknown field; did you mean 'top1_agreement'?"),
+    ("expect: {accept_length: {atl: 0.1}}\n", "expect.accept_length.atl: unknown field; did you mean 'atol'?"),
+    ("expect: {top1_agreement: 1.5}\n", "expect.top1_agreement: expected a fraction in [0, 1]"),
+    ('tolerances: {"draft.*": {atol: .nan}}\n', "tolerances.draft.*.atol: expected a finite number >= 0, got nan"),
+    ('tolerances: {"draft.*": {atol: -1e-3}}\n', "tolerances.draft.*.atol: expected a finite number >= 0"),
+    ('tolerances: {"draft.*": {atol: .inf}}\n', "tolerances.draft.*.atol: expected a finite number >= 0, got inf"),
+    ("expect: {accept_length: {atol: -0.1}}\n", "expect.accept_length.atol: expected a finite number >= 0"),
+    ('tolerances: {"draft.*": 1e-3}\n', "tolerances.draft.*: expected {atol: X, rtol: Y}"),
+    ("tolerances: [1]\n", "tolerances: expected a mapping"),
+    ("expect: 0.9\n", "expect: expected a mapping"),
+    ("speculative: {num_steps: true}\n", "speculative.num_steps: expected a positive integer, got True"),
+    ("speculative: {num_step: 3}\n", "speculative.num_step: unknown field; did you mean 'num_steps'?"),
+    ("promts: [x]\n", "promts: unknown field; did you mean 'prompts'?"),
+    (f"name: {'x' * 300}\n", "name: expected at most 100 letters"),
+    ("name: ../escape\n", "name: expected at most 100 letters"),
+    ("layer_ids: [1, true]\n", "layer_ids: expected a non-empty list of non-negative integers"),
+    ("description: [a]\n", "description: expected a string"),
+])  # fmt: skip
+def test_bad_case_field_is_refused_naming_file_and_field(tmp_path, checkpoints, extra, fragment):
+    path = write_case(tmp_path, checkpoints, extra)
+    with pytest.raises(ConfigError) as e:
+        load_case(path)
+    message = one_line(e)
+    assert message.startswith(f"{path}: ") and fragment in message
+
+
+def test_prompt_id_that_is_a_bool_is_refused(tmp_path, checkpoints):
+    path = write_case(tmp_path, checkpoints)
+    path.write_text(path.read_text().replace("[1, 2, 3]", "[1, true, 3]"))
+    with pytest.raises(ConfigError, match=r"prompts\[0\].ids: expected a non-empty list of non-negative integers"):
+        load_case(path)
+
+
+def test_repeated_yaml_key_is_refused_naming_the_line(tmp_path, checkpoints):
+    path = write_case(tmp_path, checkpoints, "wiring: vllm\nwiring: sglang\n")
+    with pytest.raises(ConfigError) as e:
+        load_case(path)
+    assert one_line(e) == f"{path}: line 6: key 'wiring' appears twice in one mapping"
+
+
+def test_yaml_alias_bomb_is_refused_before_it_expands(tmp_path, checkpoints):
+    levels = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, 9):
+        levels.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(levels) + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_case(path)
+    assert one_line(e).startswith(f"{path}: refused: expands to ") and f"more than {MAX_NODES}" in str(e.value)
+
+
+def test_recursive_yaml_alias_is_refused(tmp_path):
+    path = tmp_path / "loop.yaml"
+    path.write_text("a: &x [*x]\n")
+    with pytest.raises(ConfigError, match="refers to a value that contains it"):
+        load_case(path)
+
+
+def test_non_utf8_case_file_is_one_line(tmp_path):
+    path = tmp_path / "latin.yaml"
+    path.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(ConfigError) as e:
+        load_case(path)
+    assert one_line(e) == f"{path}: not UTF-8 text (byte 9)"
+
+
+def _session() -> Session:
+    ref = parse_spec("ref")
+    return Session(Options(engines=[ref], reference=ref))
+
+
+def test_prompt_longer_than_max_position_embeddings_is_refused(tmp_path, checkpoints):
+    case = load_case(write_case(tmp_path, checkpoints, "speculative: {num_steps: 4, max_new_tokens: 8}\n"))
+    case.prompts[0].ids = list(range(1, 61))  # 60 + 4 draft steps fit 64; speculating 8 more does not
+    session = _session()
+    assert len(session.prompt_ids(case)[0]) == 60
+    with pytest.raises(ConfigError) as e:
+        session.prompt_ids(case, speculative=True)
+    assert one_line(e) == (f"{case.path}: prompts[0]: 60 tokens + 12 generated exceed the target's "
+                           "max_position_embeddings (64)")  # fmt: skip
+
+
+def test_out_of_vocabulary_prompt_id_is_refused(tmp_path, checkpoints):
+    path = write_case(tmp_path, checkpoints)
+    path.write_text(path.read_text().replace("[1, 2, 3]", "[1, 512, 3]"))
+    with pytest.raises(ConfigError) as e:
+        _session().prompt_ids(load_case(path))
+    assert one_line(e) == f"{path}: prompts[0]: token id 512 is outside the target's vocabulary (vocab_size 512)"
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def test_integer_fc_weight_is_refused_naming_file_and_tensor(tmp_path):
+    from engines.ref.eagle3 import load_state_dict
+
+    save_file({"fc.weight": torch.ones(4, 12, dtype=torch.int32), "d2t": torch.zeros(4, dtype=torch.long)},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        load_state_dict(tmp_path)
+    assert one_line(e) == (f"{tmp_path / 'model.safetensors'}: tensor fc.weight has dtype int32; "
+                           "draft weights must be floating point")  # fmt: skip
+
+
+def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path):
+    from engines.ref.eagle3 import load_state_dict
+
+    save_file({"fc.weight": torch.ones(4, 12)}, str(tmp_path / "model.safetensors"))
+    blob = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ConfigError) as e:
+        load_state_dict(tmp_path)
+    assert one_line(e).startswith(f"{tmp_path / 'model.safetensors'}: not a readable safetensors file")
+
+
+def test_pickle_refusal_names_the_file_and_never_suggests_the_unsafe_load(tmp_path):
+    from engines.ref.eagle3 import load_state_dict
+
+    torch.save({"fc.weight": torch.ones(2, 2), "extra": Path("x")}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ConfigError) as e:
+        load_state_dict(tmp_path)
+    message = one_line(e)
+    assert message.startswith(f"{tmp_path / 'pytorch_model.bin'}: refused") and "weights_only=False" not in message
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ([1, 2], "expected a JSON object, got list"),
+    ({"hidden_size": "big", "vocab_size": 8}, "hidden_size: expected a positive integer, got 'big'"),
+    ({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8}, "this is an EAGLE-3 draft's config"),
+    ({"speculators_model_type": "eagle3"}, "this is an EAGLE-3 draft's config"),
+])  # fmt: skip
+def test_bad_target_config_is_one_line_naming_the_file(tmp_path, config, fragment):
+    from engines.ref.target import target_config
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        target_config(tmp_path)
+    message = one_line(e)
+    assert message.startswith(f"{tmp_path / 'config.json'}: ") and fragment in message
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ([1], "expected a JSON object, got list"),
+    ({"hidden_size": "big", "num_attention_heads": 4, "vocab_size": 8, "intermediate_size": 8},
+     "malformed draft config (ValueError"),
+])  # fmt: skip
+def test_bad_draft_config_is_one_line_naming_the_file(tmp_path, config, fragment):
+    from engines.ref.eagle3 import load_draft
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        load_draft(tmp_path)
+    message = one_line(e)
+    assert message.startswith(f"{tmp_path / 'config.json'}: ") and fragment in message
+
+
+# -- the plugin: start-up options, and one failing item per bad case --------------------------------
+def _project(tmp_path: Path, checkpoints, cases: dict[str, str]) -> Path:
+    for rel, extra in cases.items():
+        (tmp_path / Path(rel).parent).mkdir(parents=True, exist_ok=True)
+        write_case(tmp_path / Path(rel).parent, checkpoints, extra, Path(rel).stem)
+    return tmp_path
+
+
+def test_bad_cases_fail_their_own_load_item_and_the_others_still_collect(tmp_path, checkpoints):
+    root = _project(tmp_path, checkpoints, {
+        "cases/good.yaml": "name: shared\n",
+        "other/cases/twin.yaml": "name: shared\n",
+        "cases/typo.yaml": "engines: {ref: {wirng: sglang}}\n",
+        "cases/chars.yaml": 'allow_missing: "draft.layer0.*"\n',
+    })  # fmt: skip
+    run = run_pytest(root, "cases/", "other/cases/", "--engines=ref", "-k", "load")
+    assert run.returncode == 1, run.output
+    assert "Traceback" not in run.output
+    assert "3 failed" in run.output and "deselected" in run.output  # the good case's items were collected
+    assert f"{root / 'other/cases/twin.yaml'}: name: 'shared' is already the name of {root / 'cases/good.yaml'}" in run.output
+    assert "engines.ref.wirng: unknown setting; did you mean 'wiring'?" in run.output
+    assert "allow_missing: expected a list of tensor name patterns" in run.output
+
+
+@pytest.mark.parametrize("option, fragment", [
+    ("--engines=ref,ref[wirng=sglang]", "--engines ref[wirng=sglang]: wirng: unknown parameter; did you mean 'wiring'?"),
+    ("--engines=ref[wiring=vllm,wiring=sglang]", "parameter wiring given twice"),
+    ("--engine-python=ref=/nonexistent", "--engine-python ref=/nonexistent: /nonexistent does not exist"),
+    ("--engine-python=ref=/tmp", "/tmp is a directory, not an interpreter"),
+    ("--engine-python=ref={noexec}", "is not an executable file"),
+    ("--engine-python=nope=/bin/false", "--engine-python nope=/bin/false: nope: unknown engine"),
+    ("--engine-python=reff=/bin/false", "did you mean 'ref'?"),
+    ("--engine-timeout=-1", "--engine-timeout: expected a positive number of seconds, got -1"),
+    ("--engine-timeout=0", "--engine-timeout: expected a positive number of seconds, got 0"),
+    ("--report-dir={file}", "--report-dir: {file} is not a directory"),
+    ("--report-dir={file}/sub", "--report-dir: {file} is not a directory (needed for {file}/sub)"),
+])  # fmt: skip
+def test_bad_start_up_option_is_a_one_line_usage_error(tmp_path, checkpoints, option, fragment):
+    root = _project(tmp_path, checkpoints, {"cases/c.yaml": ""})
+    noexec = tmp_path / "python"
+    noexec.write_text("")
+    noexec.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    (tmp_path / "afile").write_text("")
+    fill = {"noexec": noexec, "file": tmp_path / "afile"}
+    run = run_pytest(root, "cases/", "--engines=ref", option.format(**fill))
+    assert run.returncode == 4, run.output  # a usage error: nothing ran, nothing skipped
+    assert fragment.format(**fill) in run.output
+    assert "Traceback" not in run.output
+
+
+def test_non_utf8_project_file_is_a_one_line_usage_error(tmp_path, checkpoints):
+    root = _project(tmp_path, checkpoints, {"cases/c.yaml": ""})
+    (root / "difftest.toml").write_bytes(b'[engines]\n"ref" = "caf\xe9"\n')
+    run = run_pytest(root, "cases/", "--engines=ref")
+    assert run.returncode == 4
+    assert f"{root / 'difftest.toml'}: not UTF-8 text" in run.output and "Traceback" not in run.output
+
+
+# -- reports --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("data, fragment", [
+    ({"schema": "difftest.report/1"}, "report field 'case' missing"),
+    ({"schema": "difftest.report/1", "case": "c", "reference": "ref", "engines": [], "checks": []},
+     "report field 'engines': expected a dict, got list"),
+    ({"schema": "difftest.report/1", "case": "c", "reference": "ref", "engines": {}, "checks": [{"x": 1}]},
+     "not a complete difftest report"),
+])  # fmt: skip
+@pytest.mark.parametrize("command", ["report", "bundle"])
+def test_report_json_with_fields_missing_is_one_line(tmp_path, capsys, command, data, fragment):
+    from difftest.cli import main
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    assert main([command, str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"difftest {command}: {path}: ") and fragment in err
+
+
+def test_dollar_signs_in_plot_labels_stay_text():
+    from difftest import html_report
+
+    plt = html_report._plt()
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], label="ref[attention_backend=$x]")
+    ax.set_title("unbalanced $\\frac{")
+    ax.legend()
+    assert html_report._png(fig)  # mathtext would raise ValueError at savefig
+
