@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -302,28 +303,58 @@ def test_bad_cases_fail_their_own_load_item_and_the_others_still_collect(tmp_pat
 
 @pytest.mark.parametrize("option, fragment", [
     ("--engines=ref,ref[wirng=sglang]", "--engines ref[wirng=sglang]: wirng: unknown parameter; did you mean 'wiring'?"),
-    ("--engines=ref[wiring=vllm,wiring=sglang]", "parameter wiring given twice"),
     ("--engine-python=ref=/nonexistent", "--engine-python ref=/nonexistent: /nonexistent does not exist"),
-    ("--engine-python=ref=/tmp", "/tmp is a directory, not an interpreter"),
-    ("--engine-python=ref={noexec}", "is not an executable file"),
-    ("--engine-python=nope=/bin/false", "--engine-python nope=/bin/false: nope: unknown engine"),
-    ("--engine-python=reff=/bin/false", "did you mean 'ref'?"),
     ("--engine-timeout=-1", "--engine-timeout: expected a positive number of seconds, got -1"),
-    ("--engine-timeout=0", "--engine-timeout: expected a positive number of seconds, got 0"),
     ("--report-dir={file}", "--report-dir: {file} is not a directory"),
-    ("--report-dir={file}/sub", "--report-dir: {file} is not a directory (needed for {file}/sub)"),
 ])  # fmt: skip
 def test_bad_start_up_option_is_a_one_line_usage_error(tmp_path, checkpoints, option, fragment):
     root = _project(tmp_path, checkpoints, {"cases/c.yaml": ""})
-    noexec = tmp_path / "python"
-    noexec.write_text("")
-    noexec.chmod(stat.S_IRUSR | stat.S_IWUSR)
     (tmp_path / "afile").write_text("")
-    fill = {"noexec": noexec, "file": tmp_path / "afile"}
+    fill = {"file": tmp_path / "afile"}
     run = run_pytest(root, "cases/", "--engines=ref", option.format(**fill))
     assert run.returncode == 4, run.output  # a usage error: nothing ran, nothing skipped
     assert fragment.format(**fill) in run.output
     assert "Traceback" not in run.output
+
+
+@pytest.mark.parametrize("item, fragment", [
+    ("ref=/nonexistent", "--engine-python ref=/nonexistent: /nonexistent does not exist"),
+    ("ref=/tmp", "--engine-python ref=/tmp: /tmp is a directory, not an interpreter"),
+    ("ref={noexec}", "--engine-python ref={noexec}: {noexec} is not an executable file"),
+    ("nope=/bin/false", "--engine-python nope=/bin/false: nope: unknown engine"),
+    ("reff=/bin/false", "reff: unknown engine; did you mean 'ref'?"),
+    ("ref[wiring=x]=/bin/false", "is not an engine name (NAME or NAME@LABEL)"),
+    ("ref", "--engine-python: 'ref' is not NAME=PATH"),
+])  # fmt: skip
+def test_bad_engine_python_is_refused(tmp_path, item, fragment):
+    from difftest.plugin import _engine_python
+
+    noexec = tmp_path / "python"
+    noexec.write_text("")
+    noexec.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    with pytest.raises(ConfigError) as e:
+        _engine_python(item.format(noexec=noexec))
+    assert fragment.format(noexec=noexec) in one_line(e)
+
+
+def test_engine_python_accepts_an_interpreter_or_an_environment(tmp_path):
+    from difftest.plugin import _engine_python
+
+    (tmp_path / "env" / "bin").mkdir(parents=True)
+    (tmp_path / "env" / "bin" / "python").symlink_to(sys.executable)
+    assert _engine_python(f"ref@old={tmp_path / 'env'}") == {"ref@old": str(tmp_path / "env" / "bin" / "python")}
+    assert _engine_python(f"ref={sys.executable}") == {"ref": sys.executable}
+
+
+def test_report_dir_under_a_file_is_refused_at_start_up(tmp_path):
+    from difftest.plugin import _check_writable_dir
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError) as e:
+        _check_writable_dir(tmp_path / "afile" / "sub", "--report-dir")
+    assert one_line(e) == f"--report-dir: {tmp_path / 'afile'} is not a directory (needed for {tmp_path / 'afile' / 'sub'})"
+    _check_writable_dir(tmp_path / "new" / "dir", "--report-dir")  # creatable: fine, and nothing is created yet
+    assert not (tmp_path / "new").exists()
 
 
 def test_non_utf8_project_file_is_a_one_line_usage_error(tmp_path, checkpoints):
