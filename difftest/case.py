@@ -9,7 +9,7 @@
     layer_ids: [2, 4, 5]                 # optional: override the draft config's ids
     prompts: ["text ...", {ids: [1, 2, 3]}]
     speculative: {num_steps: 4, max_new_tokens: 32, prompts: [...]}   # prompts default to `prompts`
-    engines: {ref: {}, vllm: {enforce_eager: true}}                   # per-engine settings
+    engines: {ref: {}, vllm: {enforce_eager: true}}                   # per-engine settings (difftest.settings)
     tolerances: {"draft.logits*": {atol: 1e-4, rtol: 1e-4}}
     expect: {top1_agreement: 0.99, accept_length: {atol: 0.25, rtol: 0.1}}
     allow_missing: ["draft.layer0.*"]    # tensors an engine may not capture

@@ -15,6 +15,7 @@ or `2+4+5` in a spec), "wiring" (a preset name, `h0+h3+h31`, or a list like [h0,
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ class Schema:
         return out
 
     def defaults(self) -> dict:
-        return {s.name: s.default for s in self.settings}
+        return {s.name: copy.deepcopy(s.default) for s in self.settings}  # a mapping default is never shared
 
     def doc(self) -> list[str]:
         lines = []
