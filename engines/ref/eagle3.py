@@ -435,7 +435,7 @@ def load_draft(
     dtype: torch.dtype = torch.float32,
 ) -> LoadedDraft:
     model_dir = Path(model_dir)
-    raw_config = read_json(model_dir / "config.json", "draft config")
+    raw_config = read_json(model_dir / "config.json")
     if not isinstance(raw_config, dict):
         raise ConfigError(f"{model_dir / 'config.json'}: expected a JSON object, got {type(raw_config).__name__}")
     from engines.ref.eagle3_mla import is_mla_config, parse_mla_config  # builds on this module
