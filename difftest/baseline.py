@@ -245,6 +245,35 @@ def parse_reference(text: str) -> tuple[str, str | None]:
     return check_name(name, "--baseline"), engine or None
 
 
+def _check_manifest(m: dict, where: Path) -> None:
+    """The fields a stored run is read through, each of its kind: a damaged or hand-edited manifest
+    is one line naming the field at start-up, not a KeyError at session end."""
+
+    def need(d: dict, key: str, kind, at: str):
+        if key not in d:
+            raise ConfigError(f"{where}: {at}{key}: field missing")
+        if not isinstance(d[key], kind):
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ConfigError(f"{where}: {at}{key}: expected a {names}, got {type(d[key]).__name__}")
+        return d[key]
+
+    need(m, "created", str, "")
+    need(m, "harness", dict, "")
+    need(m, "git_sha", (str, type(None)), "")
+    for name, case in need(m, "cases", dict, "").items():
+        if not isinstance(case, dict):
+            raise ConfigError(f"{where}: cases.{name}: expected an object")
+        need(case, "fingerprint", str, f"cases.{name}.")
+        for eid, e in need(case, "engines", dict, f"cases.{name}.").items():
+            at = f"cases.{name}.engines.{eid}."
+            if not isinstance(e, dict):
+                raise ConfigError(f"{where}: {at[:-1]}: expected an object")
+            need(e, "info", dict, at), need(e, "file", str, at), need(e, "accept", dict, at)
+            for i, c in enumerate(need(e, "captures", list, at)):
+                if not isinstance(c, dict) or not isinstance(c.get("tensors"), list):
+                    raise ConfigError(f"{where}: {at}captures[{i}]: expected an object with a tensors list")
+
+
 class BaselineSource:
     """A stored run standing in for an engine: the reference of `--baseline NAME`."""
 
@@ -259,6 +288,7 @@ class BaselineSource:
         if not isinstance(self.manifest, dict) or self.manifest.get("schema") != SCHEMA:
             got = self.manifest.get("schema") if isinstance(self.manifest, dict) else None
             raise ConfigError(f"{manifest_path}: schema {got!r}, expected {SCHEMA!r}")
+        _check_manifest(self.manifest, manifest_path)
         self.spec = EngineSpec(PREFIX + name + (f":{engine}" if engine else ""))
         self._tensors: dict[str, dict] = {}
         self._fingerprints: dict[str, str] = {}  # case path -> fingerprint: hashing checkpoints once per run

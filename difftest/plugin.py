@@ -335,9 +335,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     written, rows = [], []
     for path, results in config.stash[RESULTS].items():
         case = config.stash[CASES][path]
-        report = report_mod.build(case, config.stash[SESSION], results)
-        written.append(report_mod.write(report, report_dir))
-        rows += upgrade_mod.summarise(report, report_dir)
+        try:  # one case's report failing (disk full, ...) must not lose the others' or the summary
+            report = report_mod.build(case, config.stash[SESSION], results)
+            written.append(report_mod.write(report, report_dir))
+            rows += upgrade_mod.summarise(report, report_dir)
+        except (DifftestError, OSError) as e:
+            written.append(f"{case.name}: report NOT written: {e}")
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
     config._difftest_written = written  # type: ignore[attr-defined]
     config._difftest_summary = rows  # type: ignore[attr-defined]
     writer = config.stash.get(WRITER, None)

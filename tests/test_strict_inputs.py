@@ -394,3 +394,22 @@ def test_dollar_signs_in_plot_labels_stay_text():
     ax.legend()
     assert html_report._png(fig)  # mathtext would raise ValueError at savefig
 
+
+
+@pytest.mark.parametrize("mutate, fragment", [
+    (lambda m: m.pop("cases"), "cases: field missing"),
+    (lambda m: m["cases"]["c"].pop("fingerprint"), "cases.c.fingerprint: field missing"),
+    (lambda m: m["cases"]["c"]["engines"]["ref"].pop("captures"), "cases.c.engines.ref.captures: field missing"),
+    (lambda m: m["cases"]["c"]["engines"].update(ref=[]), "cases.c.engines.ref: expected an object"),
+])  # fmt: skip
+def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mutate, fragment):
+    from difftest.baseline import SCHEMA, BaselineSource
+
+    manifest = {"schema": SCHEMA, "created": "now", "git_sha": None, "harness": {}, "cases": {"c": {
+        "fingerprint": "f", "engines": {"ref": {"info": {}, "file": "c.safetensors", "accept": {}, "captures": []}}}}}
+    mutate(manifest)
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError) as e:
+        BaselineSource(tmp_path, "v1")
+    assert one_line(e) == f"{tmp_path / 'v1' / 'manifest.json'}: {fragment}"
