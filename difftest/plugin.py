@@ -218,6 +218,9 @@ class ErrorItem(pytest.Item):
         self.error = error
 
     def runtest(self) -> None:
+        writer = self.config.stash.get(WRITER, None)
+        if writer is not None:  # a baseline must not be saved without a case the run was asked to store
+            writer.problems.append(self.error)
         raise CheckFailed(self.error)
 
     def repr_failure(self, excinfo, style=None):

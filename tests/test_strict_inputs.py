@@ -413,3 +413,12 @@ def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mut
     with pytest.raises(ConfigError) as e:
         BaselineSource(tmp_path, "v1")
     assert one_line(e) == f"{tmp_path / 'v1' / 'manifest.json'}: {fragment}"
+
+
+def test_duplicate_case_name_keeps_save_baseline_from_writing(tmp_path, checkpoints):
+    root = _project(tmp_path, checkpoints, {"cases/good.yaml": "name: shared\n", "more/cases/twin.yaml": "name: shared\n"})
+    run = run_pytest(root, "cases/", "more/cases/", "--engines=ref", "--save-baseline=v1", "-k", "load")
+    assert run.returncode == 1
+    assert (f"baseline 'v1' NOT written: {root / 'more/cases/twin.yaml'}: name: 'shared' is already the name of "
+            f"{root / 'cases/good.yaml'}") in run.output  # fmt: skip
+    assert not (root / "baselines" / "v1").exists()
