@@ -9,6 +9,7 @@ from pathlib import Path
 from difftest import report as report_mod
 from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
+from difftest.session import log_file_name
 
 
 def load(path: str | Path) -> dict:
@@ -54,7 +55,7 @@ def bundle(args) -> int:
     }
     logs = path.parent / "logs"
     for engine in data.get("engines", {}):
-        log = logs / f"{engine.replace('/', '_')}.log"
+        log = logs / log_file_name(str(engine))
         if log.is_file():
             members[f"{stem}/logs/{log.name}"] = log.read_bytes()
     out.parent.mkdir(parents=True, exist_ok=True)

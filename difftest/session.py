@@ -6,8 +6,10 @@ The pytest plugin and the CLI both drive a Session; nothing here is global.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,6 +47,15 @@ def resolve_fixture(ref: str) -> str:
         if path is not None:
             return str(path)
     raise ConfigError(f"fixture {name!r} is not provided by any installed fixture provider ({len(providers)} found)")
+
+
+def log_file_name(spec_id: str) -> str:
+    """A file name for an engine's log: the spec id, made safe (no '/', at most ~120 bytes: a long
+    spec parameter must not make the log, and so the engine, impossible to start)."""
+    name = re.sub(r"[^\w.\[\]=,@+-]", "_", spec_id)
+    if len(name.encode()) > 120:
+        name = name[:80] + "-" + hashlib.sha256(spec_id.encode()).hexdigest()[:12]
+    return name + ".log"
 
 
 def _target_limits(target: str) -> tuple[int | None, int | None]:
@@ -117,7 +128,7 @@ class Session:
                 spec,
                 engine_target(spec.name),
                 self.python_for(spec),
-                self.options.log_dir / f"{spec.id.replace('/', '_')}.log",
+                self.options.log_dir / log_file_name(spec.id),
                 self.options.timeout,
             )
             self._progress(f"starting {spec.id} ({self.python_for(spec)})")

@@ -422,3 +422,11 @@ def test_duplicate_case_name_keeps_save_baseline_from_writing(tmp_path, checkpoi
     assert (f"baseline 'v1' NOT written: {root / 'more/cases/twin.yaml'}: name: 'shared' is already the name of "
             f"{root / 'cases/good.yaml'}") in run.output  # fmt: skip
     assert not (root / "baselines" / "v1").exists()
+
+
+def test_engine_log_file_name_is_safe_for_any_spec():
+    from difftest.session import log_file_name
+
+    assert log_file_name("ref[wiring=vllm]") == "ref[wiring=vllm].log"
+    long = log_file_name("ref[wiring=" + "h0+" * 150 + "h1,x=$a/b$]")
+    assert "/" not in long and "$" not in long and len(long.encode()) <= 130
