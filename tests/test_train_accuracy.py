@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from difftest.train_accuracy import RULES, StepCounts, VerifierHead, score_steps
+from difftest.errors import ConfigError
+from difftest.train_accuracy import RULES, StepCounts, VerifierHead, rules_for, score_steps
 
 # N = 5 tokens; T_p = target draft id at p (T_0 is never a target); loss mask on positions 2..4.
 TARGETS = torch.tensor([9, 1, 2, 3, 4])
@@ -17,13 +18,15 @@ PREDS = [torch.tensor([1, 2, 0, 4]), torch.tensor([2, 0, 4, 7])]
 
 
 def test_speculators_rules_by_hand():
-    # step 0 (origin i vs T[i+1], mask[i+1]): i=0 masked; i=1 2==2 ok; i=2 0!=3; i=3 4==4 ok -> 2/3
-    # step 1 (origin i vs T[i+2], mask[i+2]): i=0 2==2 ok; i=1 0!=3; i=2 4==4 ok; i=3 past the end -> 2/3
-    # cond step 1: only origins right (and counted) at step 0 -> i=1 (wrong) -> 0/1; i=3 has no step-1 target
+    # prev_correct starts as the origin's shifted mask m[i+1] = [0, 1, 1, 1] and is ANDed with every step's equality
+    # step 0 (origin i vs T[i+1], mask m[i+1]): equal [y y n y] -> prev [0 1 0 1]; counted 3, right 2 (i=1, i=3)
+    # step 1 (origin i vs T[i+2], mask m[i+2], origins 0..2): equal [y n y -]; prev [0 0 0 1]: i=0 is right but was never
+    #   in the mask, i=2 is right but was wrong at step 0, i=3 has no step-1 target -> 0 of 3 (full_acc ANDs earlier steps)
+    # cond step 1: denominator = prev_correct before step 1 on origins 0..2 = 1 (i=1), not every step's mask
     c = score_steps(PREDS, TARGETS, MASK, RULES["speculators"])
-    assert (c.correct, c.counted) == ([2, 2], [3, 3])
+    assert (c.correct, c.counted) == ([2, 0], [3, 3])
     assert (c.cond_correct, c.cond_counted) == ([2, 0], [3, 1])
-    assert c.full_acc == pytest.approx([2 / 3, 2 / 3])
+    assert c.full_acc == pytest.approx([2 / 3, 0.0])
     assert c.cond_acc == pytest.approx([2 / 3, 0.0])
 
 
@@ -33,10 +36,25 @@ def test_specforge_rules_by_hand():
     c = score_steps(PREDS, TARGETS, MASK, RULES["specforge"], in_vocab=torch.ones(5, dtype=torch.bool))
     assert (c.correct, c.counted) == ([1, 1], [2, 2])
     assert c.cond_counted == [2, 0] and math.isnan(c.cond_acc[1])
-    # a target whose full-vocab argmax lies outside the draft vocab is not counted (SpecForge position_mask)
+
+
+def test_specforge_counts_a_target_outside_the_draft_vocab_as_a_miss():
+    # SpecForge `_compute_metric_counts`: denominator loss_mask.sum(); no draft id maps to the target id
     in_vocab = torch.tensor([True, True, True, True, False])
     c = score_steps(PREDS, TARGETS, MASK, RULES["specforge"], in_vocab=in_vocab)
-    assert (c.correct, c.counted) == ([0, 0], [1, 1])
+    assert (c.correct, c.counted) == ([0, 0], [2, 2])
+
+
+def test_trainer_version_chooses_the_token_feeding_rule():
+    assert not rules_for("speculators@0.9").on_policy_tokens  # teacher forcing since v0.7.0
+    assert rules_for("speculators@0.6.2").on_policy_tokens
+    assert rules_for("speculators@0.3").verifier_norm is False  # v0.3.x: lm_head without the final norm
+    assert (rules_for("speculators").default_ttt_steps, rules_for("specforge@0.2").default_ttt_steps) == (3, 7)
+
+
+def test_unknown_trainer_is_refused_with_the_closest_name():
+    with pytest.raises(ConfigError, match="did you mean 'specforge'"):
+        rules_for("specforg@0.2")
 
 
 def test_counts_add_over_samples_micro_average():

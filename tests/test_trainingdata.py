@@ -154,10 +154,10 @@ def test_legacy_and_specforge_bad_fields_are_named(pair, tmp_path):
     assert len(dump.samples) == 1
     assert dump.skipped == [f"{legacy / 'data_1.pt'}: hidden_states[2]: 13 positions, but input_ids has 16 (truncated or mismatched dump) (sample skipped)"]
     sf = _dump(pair, tmp_path, "specforge", "h2+h4+h5+final_norm", PROMPTS[:2], "sf")
-    data = torch.load(sf / "data_0.ckpt", weights_only=True)
+    data = torch.load(sf / "rows_0-2000" / "data_0.ckpt", weights_only=True)
     data["aux_hidden_state"] = data["aux_hidden_state"].long()
-    torch.save(data, sf / "data_0.ckpt")
-    assert read_dump(sf).skipped == [f"{sf / 'data_0.ckpt'}: aux_hidden_state: dtype torch.int64, expected a floating-point hidden state (sample skipped)"]
+    torch.save(data, sf / "rows_0-2000" / "data_0.ckpt")
+    assert read_dump(sf).skipped == [f"{sf / 'rows_0-2000' / 'data_0.ckpt'}: aux_hidden_state: dtype torch.int64, expected a floating-point hidden state (sample skipped)"]
 
 
 # -- the seed, end to end ---------------------------------------------------------------------
