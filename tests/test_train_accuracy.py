@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
+from difftest.case import Case
+from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
+from difftest.train_check import check_train_accuracy
 from difftest.train_accuracy import RULES, StepCounts, VerifierHead, rules_for, score_steps
 
 # N = 5 tokens; T_p = target draft id at p (T_0 is never a target); loss mask on positions 2..4.
@@ -73,3 +76,49 @@ def test_verifier_targets_are_argmax_over_the_draft_vocab_of_the_normed_verifier
     assert int(t[0]) == 1 and not bool(in_vocab[0])  # target id 2 is draft id 1; the true argmax (1) is outside
     # the norm only rescales a row here, so speculators' lm_head(norm(x)) and SpecForge's lm_head(x) agree
     assert torch.equal(head.targets(x, d2t, RULES["specforge"])[0], t)
+
+
+# -- the train_accuracy check ---------------------------------------------------------------------
+
+
+class _Captures:
+    """What check_train_accuracy asks a session for: the train engine's captures (trainer wiring and
+    rewired as the engine under test) and that engine's capture naming its fc inputs."""
+
+    def __init__(self, trained: list[float], rewired: list[float]):
+        from types import SimpleNamespace
+
+        self.options = SimpleNamespace(engines=[EngineSpec("train")], reference=EngineSpec("ref"))
+        acc = lambda full: {"rules": "speculators>=0.7", "wiring": ["target.h.2", "target.h.4", "target.h.5"],  # noqa: E731
+                            "full_acc": full, "cond_acc": full}  # fmt: skip
+        td = {"identification": {"summary": "dumped tensors = [h2, h4, h5, h8]; verifier = h8"}, "path": "/data",
+              "format": "speculators", "samples": 4, "skipped": 0}  # fmt: skip
+        self._meta = {"trained": {"train_accuracy": acc(trained), "train_data": td}, "rewired": {"train_accuracy": acc(rewired)},
+                      "engine": {"wiring": {"inputs": ["target.h.2", "target.h.4", "target.h.5"]}}}  # fmt: skip
+
+    def capture(self, case, spec, index):
+        from types import SimpleNamespace
+
+        key = "engine" if spec.name != "train" else ("rewired" if spec.param("wiring") else "trained")
+        return SimpleNamespace(meta=self._meta[key])
+
+
+def _case(expect: dict | None = None) -> Case:
+    return Case(name="c", path="/cases/c.yaml", target="t", draft="d", expect={"train_accuracy": expect} if expect else {})
+
+
+def test_train_accuracy_check_fails_naming_the_data_when_the_trainer_wiring_scores_near_zero():
+    v = check_train_accuracy(_Captures([0.0, 0.0, 0.0], [0.0, 0.0, 0.0]), _case(), EngineSpec("vllm"))
+    assert not v.passed  # 0 vs 0 is no evidence that the engine feeds the draft right
+    assert v.message.startswith("training accuracy under the trainer's own wiring is 0.000 (below expect.train_accuracy.min 0.05)")
+    assert "verifier tensor" in v.message and "train[trainer=...]" in v.message
+
+
+def test_train_accuracy_check_passes_when_the_engine_wiring_keeps_the_trainers_accuracy():
+    v = check_train_accuracy(_Captures([0.7, 0.5, 0.4], [0.69, 0.5, 0.4]), _case(), EngineSpec("vllm"))
+    assert v.passed, v.message
+
+
+def test_train_accuracy_check_refuses_an_unknown_expect_key():
+    with pytest.raises(ConfigError, match="expect.train_accuracy.minimum: unknown key"):
+        check_train_accuracy(_Captures([0.7], [0.7]), _case({"minimum": 0.1}), EngineSpec("vllm"))
