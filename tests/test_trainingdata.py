@@ -116,6 +116,28 @@ def test_statistics_flag_a_permuted_dump_and_accept_a_final_verifier(pair, targe
     assert ident.verifier_is_final() is True and ident.verifier.top1_next == 1.0
 
 
+@pytest.mark.parametrize("normed", [True, False], ids=["specforge-normed-verifier", "normed-again"])
+def test_statistics_take_a_specforge_verifier_as_already_normed(normed):
+    # SpecForge stores the verifier after the final norm: lm_head applies directly (norming it again with an
+    # uneven weight moves its top-1), and its small norm is no depth cue for the fc tensors before it
+    H = 8
+    g = torch.Generator().manual_seed(0)
+    w = torch.linspace(0.2, 3.0, H)
+    dumped, ids, masks = [], [], []
+    for _ in range(4):
+        verifier = rms_norm(torch.randn(20, H, generator=g), w, 1e-6)  # [n, H], post-norm
+        fc = [torch.randn(20, H, generator=g) * scale for scale in (10.0, 20.0, 30.0)]
+        dumped.append(fc + [verifier])
+        ids.append(torch.cat([torch.zeros(1, dtype=torch.long), verifier.argmax(-1)[:-1]]))  # token i+1 = top-1 at i
+        masks.append(torch.ones(20, dtype=torch.bool))
+    ident = identify_by_statistics(dumped, ids, masks, 3, None, torch.eye(H), w, 1e-6, verifier_normed=normed)
+    depth_note = any("not in depth order" in n for n in ident.notes)
+    if normed:
+        assert ident.verifier.top1_next == 1.0 and not depth_note, ident.notes
+    else:  # what treating it like a pre-norm layer would say
+        assert ident.verifier.top1_next < 0.95 and depth_note
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 

@@ -184,7 +184,7 @@ class TrainingDataEngine(Engine):
                 some = dump.samples[:8]
                 ident = identify_by_statistics([x.tensors for x in some], [x.input_ids for x in some],
                                                [x.loss_mask for x in some], first.fc_count, w["embed"], w["lm_head"],
-                                               w["norm"], w["eps"])  # fmt: skip
+                                               w["norm"], w["eps"], verifier_normed=dump.format == "specforge")  # fmt: skip
             self._idents[key] = ident
         return self._idents[key]
 
