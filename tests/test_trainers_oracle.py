@@ -8,6 +8,11 @@ skipped naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail inst
   acc_k) equal the trainers' `compute_metrics` / `_compute_metric_counts` exactly, so the ratios agree
   to 1e-6. The draft logits are the verifier's targets plus noise (accuracies between about 0.2 and 0.9,
   so AND-ing steps and masks matter), loss masks have gaps, and some targets fall outside the draft vocab.
+* the training forward: a draft built by speculators itself (`Eagle3DraftModel.from_training_args`, the
+  `speculators train` defaults) scored by its own training forward (ArrowDataset -> CollateFn(shift_batch)
+  -> forward metrics) gives the counts `difftest train-acc` gives on the same draft and dump, with the
+  rules chosen from the draft config's speculators_version (teacher-forced tokens, positions from 1,
+  norm_output).
 * readers: a speculators folder (arrow dataset + hidden states in a separate --hidden-states-path) read
   by speculators' ArrowDataset, and a SpecForge rows_a-b folder (.ckpt and .ckpt.gz, with its
   vocab_mapping/vocab_mapping.pt) read by SpecForge's offline reader, give difftest's reader the same
@@ -188,3 +193,49 @@ def test_specforge_rows_folder_reads_as_their_offline_reader_reads_it(tmp_path, 
         assert torch.equal(s.input_ids, t["input_ids"])
         assert torch.equal(s.loss_mask[:-1], t["loss_mask"][:-1].bool())  # SpecForge zeroes the last position itself
         assert torch.equal(s.fc_in, t["aux_hidden_state"]) and torch.equal(s.verifier, t["hidden_state"])
+
+
+# -- speculators' own training forward on its own draft -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speculators_draft_run(tmp_path_factory):
+    """A speculators-built draft (Eagle3DraftModel.from_training_args, `speculators train` defaults: norm_output,
+    sliding window) for the tiny random target, scored by speculators' training forward on a difftest dump whose
+    loss mask covers text that is not the target's greedy continuation (so teacher forcing is observable)."""
+    from engines.trainingdata.dump import dump_from_target, random_prompts
+    from helpers import make_tiny_pair
+
+    python = trainer_python("speculators")
+    root = tmp_path_factory.mktemp("spec_forward")
+    target, _ = make_tiny_pair(root, num_layers=6)
+    data = dump_from_target(target, root / "data", "speculators", "h1+h3+h4+h6", random_prompts(512, 8, 14, seed=5), continue_tokens=6)
+    rows = [json.loads(x) for x in (data / "samples.jsonl").read_text().splitlines()]
+    for r in rows:  # every position counts: the random prompt tokens are nobody's prediction
+        r["loss_mask"] = [1] * len(r["loss_mask"])
+    (data / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    draft = root / "draft"
+    env = dict(os.environ, PYTHONPATH="")
+    proc = subprocess.run([python, str(HERE / "speculators_forward.py"), str(target), str(data), str(draft), str(root / "theirs.json"),
+                           "3", "16", "1,3,4"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"target": target, "data": data, "draft": draft, "theirs": json.loads((root / "theirs.json").read_text()), "root": root}
+
+
+def _train_acc(run: dict, *extra: str) -> dict:
+    from difftest import cli
+
+    out = run["root"] / f"ours{'-'.join(extra)}.json"
+    rc = cli.main(["train-acc", "--data", str(run["data"]), "--draft", str(run["draft"]), "--target", str(run["target"]),
+                   "--ttt-steps", "3", "--json", str(out), *extra])  # fmt: skip
+    assert rc == 0
+    return json.loads(out.read_text())["rows"][0]
+
+
+def test_train_acc_equals_speculators_training_forward_on_its_own_draft(speculators_draft_run, capsys):
+    theirs = speculators_draft_run["theirs"]
+    ours = _train_acc(speculators_draft_run)  # rules from the draft config's speculators_version (0.9.0)
+    assert "scored with speculators@0.9.0 (the draft config's speculators_version)'s rules" in capsys.readouterr().out
+    assert ours["correct"] == theirs["full_acc_sum"] and ours["counted"] == theirs["full_acc_total"], (ours, theirs)
+    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    assert ours["correct"][0] > 0 and ours["correct"][1] > 0  # enough right predictions that the rules matter
