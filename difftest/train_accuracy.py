@@ -54,17 +54,20 @@ class TrainerRules:
     position_offset: int  # the first origin's rotary position
     default_ttt_steps: int  # the trainer's default unroll depth
     default_max_len: int  # the trainer's default truncation of a sample
+    max_len_after_shift: bool  # truncation applies to the shifted sample (N-1 positions), not the raw N tokens
 
 
 SPECULATORS_CURRENT = TrainerRules("speculators>=0.7", mask_offset=1, verifier_norm=True, on_policy_tokens=False,
                                    out_of_vocab_is_miss=False, and_previous_steps=True, position_offset=1,
-                                   default_ttt_steps=3, default_max_len=8192)  # fmt: skip
-# speculators train/cli.py: --ttt-steps 3, --total-seq-len 8192 (0.9.0 defaults)
+                                   default_ttt_steps=3, default_max_len=8192, max_len_after_shift=True)  # fmt: skip
+# speculators 0.9.0 train/config/schema.py: ttt_steps 3, total_seq_len 8192; CollateFn truncates to max_len
+# after the preprocess shift_batch
 SPECULATORS_BEFORE_0_7 = replace(SPECULATORS_CURRENT, name="speculators<0.7", on_policy_tokens=True)
-# SpecForge 0.2.0: ttt_length 7 and max_len 2048 (runtime/data_plane/offline_reader.py defaults)
+# SpecForge 0.2.0 config/schema.py: ttt_length 7, data.max_length 2048;
+# algorithms/eagle3/data.py::normalize_offline_sample truncates the raw sample
 SPECFORGE = TrainerRules("specforge@0.2", mask_offset=0, verifier_norm=False, on_policy_tokens=False,
                          out_of_vocab_is_miss=True, and_previous_steps=False, position_offset=0,
-                         default_ttt_steps=7, default_max_len=2048)  # fmt: skip
+                         default_ttt_steps=7, default_max_len=2048, max_len_after_shift=False)  # fmt: skip
 
 RULES = {
     "speculators": SPECULATORS_CURRENT,

@@ -217,7 +217,7 @@ def speculators_draft_run(tmp_path_factory):
     draft = root / "draft"
     env = dict(os.environ, PYTHONPATH="")
     proc = subprocess.run([python, str(HERE / "speculators_forward.py"), str(target), str(data), str(draft), str(root / "theirs.json"),
-                           "3", "16", "1,3,4"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+                           "3", "16", "1,3,4", "12"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"target": target, "data": data, "draft": draft, "theirs": json.loads((root / "theirs.json").read_text()), "root": root}
 
@@ -233,9 +233,17 @@ def _train_acc(run: dict, *extra: str) -> dict:
 
 
 def test_train_acc_equals_speculators_training_forward_on_its_own_draft(speculators_draft_run, capsys):
-    theirs = speculators_draft_run["theirs"]
+    theirs = speculators_draft_run["theirs"]["full"]
     ours = _train_acc(speculators_draft_run)  # rules from the draft config's speculators_version (0.9.0)
     assert "scored with speculators@0.9.0 (the draft config's speculators_version)'s rules" in capsys.readouterr().out
     assert ours["correct"] == theirs["full_acc_sum"] and ours["counted"] == theirs["full_acc_total"], (ours, theirs)
     assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
     assert ours["correct"][0] > 0 and ours["correct"][1] > 0  # enough right predictions that the rules matter
+
+
+def test_train_acc_truncates_samples_where_speculators_collate_does(speculators_draft_run):
+    theirs = speculators_draft_run["theirs"]["12"]  # CollateFn(max_len=12) after shift_batch: 13 tokens kept
+    ours = _train_acc(speculators_draft_run, "--max-len", "12")
+    assert ours["counted"] == theirs["full_acc_total"] and ours["correct"] == theirs["full_acc_sum"], (ours, theirs)
+    assert ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    assert ours["counted"][0] < speculators_draft_run["theirs"]["full"]["full_acc_total"][0]  # it did cut

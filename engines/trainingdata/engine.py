@@ -222,6 +222,7 @@ class TrainingDataEngine(Engine):
         steps = s.get("ttt_steps") or rules.default_ttt_steps
         max_len = s.get("max_len") or rules.default_max_len
         key = (s["data"], s["format"], str(s.get("wiring")), case.draft, steps, max_len, rules.name)
+        max_len += 1 if rules.max_len_after_shift else 0  # tokens kept before the shift
         if key not in self._accuracy:
             total = StepCounts()
             for sample in dump.samples:

@@ -26,6 +26,7 @@ from transformers import AutoConfig
 
 target, data, draft_out, out = sys.argv[1:5]
 steps, vd, ids = int(sys.argv[5]), int(sys.argv[6]), [int(x) for x in sys.argv[7].split(",")]
+max_lens = [int(x) for x in sys.argv[8].split(",")] if len(sys.argv) > 8 else []  # also score truncated to these
 vcfg = AutoConfig.from_pretrained(target)
 # `speculators train` defaults for eagle3 (train/config/schema.py): one llama layer, silu, sliding
 # window 2048 on every layer, norm_output on
@@ -55,18 +56,26 @@ ds.save_to_disk(str(tmp / "ds"))
 reader = ArrowDataset(max_len=4096, datapath=str(tmp / "ds"), transfer=FileTransfer(Path(data) / "hidden_states"),
                       on_missing="raise", hidden_states_dtype=torch.float32)
 H = vcfg.hidden_size
-totals = {}
-for i in range(len(reader)):
-    item = reader[i]
-    n = int(item["input_ids"].shape[0]) - 1
-    collate = CollateFn(max_len=n, hidden_size=H, num_target_layers=len(ids), dtype=torch.float32, preprocess=shift_batch)
-    batch = collate([item])
-    keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
-    with torch.no_grad():
-        _, _, metrics = model(**{k: batch[k] for k in keys}, ttt_steps=steps, loss_config={"kl_div": (kl_div_loss, 1.0)})
-    for k in range(steps):
-        for name in ("full_acc", "cond_acc"):
-            for part in ("sum", "total"):
-                key = f"{name}_{part}"
-                totals.setdefault(key, [0.0] * steps)[k] += float(metrics[f"{name}_{k}_{part}"])
-json.dump(totals, open(out, "w"))
+
+
+def score(max_len):
+    """One sample per batch, as difftest scores it; CollateFn truncates the shifted sample to max_len."""
+    totals = {}
+    for i in range(len(reader)):
+        item = reader[i]
+        n = int(item["input_ids"].shape[0]) - 1
+        collate = CollateFn(max_len=min(n, max_len or n), hidden_size=H, num_target_layers=len(ids), dtype=torch.float32,
+                            preprocess=shift_batch)
+        batch = collate([item])
+        keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
+        with torch.no_grad():
+            _, _, metrics = model(**{k: batch[k] for k in keys}, ttt_steps=steps, loss_config={"kl_div": (kl_div_loss, 1.0)})
+        for k in range(steps):
+            for name in ("full_acc", "cond_acc"):
+                for part in ("sum", "total"):
+                    key = f"{name}_{part}"
+                    totals.setdefault(key, [0.0] * steps)[k] += float(metrics[f"{name}_{k}_{part}"])
+    return totals
+
+
+json.dump({"full": score(None), **{str(m): score(m) for m in max_lens}}, open(out, "w"))
