@@ -244,3 +244,35 @@ def test_seed_case_train_engine_passes_and_the_serving_wiring_fails(pair, seed, 
     assert "verifier = h5 (not the final layer" in acc["message"]
     assert run.returncode == 1
     shutil.rmtree(tmp_path / "cases")
+
+
+# -- the trainers' layouts ----------------------------------------------------------------------------
+
+
+def _synthetic(n: int = 3) -> list:
+    g = torch.Generator().manual_seed(0)
+    return [([1, 2, 3, 4, 5], [0, 1, 1, 1, 1], [torch.randn(5, 8, generator=g) for _ in range(4)]) for _ in range(n)]
+
+
+def test_specforge_compressed_rows_are_read_and_a_damaged_one_is_skipped_naming_it(tmp_path):
+    from engines.trainingdata.formats import write_dump
+
+    out = write_dump(tmp_path / "sf", "specforge", _synthetic(), fc_count=3, compress=True)
+    bad = out / "rows_0-2000" / "data_1.ckpt.gz"
+    bad.write_bytes(bad.read_bytes()[:40])  # truncated gzip stream
+    (out / "vocab_mapping").mkdir()
+    torch.save({"d2t": torch.zeros(2)}, out / "vocab_mapping" / "vocab_mapping.pt")  # SpecForge writes it beside the rows
+    dump = read_dump(out)
+    assert dump.format == "specforge" and [s.source for s in dump.samples] == [
+        str(out / "rows_0-2000" / "data_0.ckpt.gz"), str(out / "rows_0-2000" / "data_2.ckpt.gz")]
+    assert len(dump.skipped) == 1 and dump.skipped[0].startswith(f"{bad}: cannot be read (")
+
+
+def test_auxiliary_files_alone_are_no_training_data(tmp_path):
+    from difftest.errors import ConfigError
+
+    (tmp_path / "vocab_mapping").mkdir()
+    torch.save({"d2t": torch.zeros(2)}, tmp_path / "vocab_mapping" / "vocab_mapping.pt")
+    torch.save({"counts": torch.zeros(2)}, tmp_path / "token_freq.pt")
+    with pytest.raises(ConfigError, match="no training data found"):
+        read_dump(tmp_path)
