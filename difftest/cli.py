@@ -95,7 +95,10 @@ def _training_data_parsers(sub) -> None:
     t.add_argument("--identify", default="target", choices=["target", "stats"], help="identify dumped layers by a target run or by statistics")
     t.add_argument("--wiring", action="append", default=[], help="an engine wiring to compare (preset or h2+h4+h7); repeatable")
     t.add_argument("--layer-ids", default=None, help="ids the presets read (default: the draft config's), e.g. 2,4,7")
-    t.add_argument("--ttt-steps", type=int, default=4)
+    t.add_argument("--ttt-steps", type=int, default=None, help="TTT unroll depth (default: the trainer's, 3 speculators / 7 SpecForge)")
+    t.add_argument("--max-len", type=int, default=None, help="truncate samples as the trainer does (default: the trainer's)")
+    t.add_argument("--trainer", default=None, help="rules to score with: speculators@VERSION | specforge@VERSION "
+                   "(default: the draft config's speculators_version, else by data format)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--json", default=None, help="also write the table as JSON here")
     t.set_defaults(handler=run_command("train_acc"))

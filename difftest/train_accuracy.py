@@ -1,24 +1,31 @@
 """Training accuracy of an EAGLE-3 draft on offline training data, as the trainers compute it.
 
 Per sample of N tokens t_0..t_{N-1} with dumped fc features f_p, verifier tensor v_p and
-loss mask m_p, the draft runs over origins i = 0..N-2 (position i predicts token i+1's
-successor: features f_i, token t_{i+1}):
+loss mask m_p, the draft runs over origins i = 0..N-2 (features f_i, token t_{i+1}); step k
+at origin i predicts the target at j = i+k+1. Checked against the trainers' own code
+(speculators 0.9.0, SpecForge 0.2.0; tests/test_trainers_oracle.py runs it):
 
-    targets   T_p = argmax over the draft vocab of lm_head(norm(v_p))  (speculators)
-                    or of lm_head(v_p)                                 (SpecForge: v is post-norm)
-              -- the target's *own* prediction from the dumped verifier tensor, not the data token.
-    step 0    hidden = fc(f_i), token t_{i+1}; prediction compared with T_{i+1}
-    step k    hidden = the previous step's hidden_next at i, token = the previous step's own
-              argmax (speculators) or t_{i+k+1} (SpecForge); compared with T_{i+k+1}
-    counted   where the target index exists and the loss mask is set: m_{i+k+1} for
-              speculators (the dataset shifts the mask with the tokens: `loss_mask[1:]`),
-              m_{i+k} for SpecForge (mask unshifted, last position zeroed), and for SpecForge
-              only where the verifier's full-vocab argmax lies inside the draft vocab.
-
-`full_acc[k]` = correct / counted at step k; `cond_acc[k]` = the same over the positions
-whose steps 0..k-1 were all counted and correct. Counts add over samples (micro average).
-Sources: speculators `train/eagle3/core.py` (align_for_step, compute_accuracy),
-SpecForge `OfflineEagle3Dataset.process_data` and `modeling/draft/eagle3` TTT loop.
+  speculators (>= 0.7; `models/eagle3/core.py::Eagle3DraftModel.forward`,
+  `models/eagle3/metrics.py::compute_metrics/align_for_step`,
+  `models/metrics.py::compute_accuracy_single_step`, `models/eagle3/data.py::shift_batch`):
+    targets   T_p = argmax over the draft vocab of lm_head(verifier_norm(v_p))
+    tokens    step k >= 1 feeds the data's t_{i+k+1} (teacher forcing, v0.7.0 PR #818);
+              before v0.7 the draft's own argmax of step k-1
+    positions 1 + i + k (shift_batch drops position 0)
+    full_acc  correct[k] = #{i: m_{i+1} and steps 0..k all right at i, and m_{i+k+1}}
+              (prev_correct is ANDed in place), counted[k] = #{i: m_{i+k+1}}
+    cond_acc  cond_correct[k] = correct[k], cond_counted[k] = #{i: m_{i+1} and steps
+              0..k-1 right at i} (prev_correct.sum(), no loss mask at step k)
+  SpecForge (0.2.0; `algorithms/eagle3/model.py::_compute_metric_counts`, `Eagle3Model.forward`,
+  `modeling/target/target_head.py::TargetHead.preprocess`, `algorithms/eagle3/data.py`):
+    targets   the full-vocab argmax of lm_head(v_p) (v is already after the final norm); a
+              prediction is right when its target id equals it, so a target outside the draft
+              vocab is a miss that still counts (denominator loss_mask.sum())
+    tokens    step k feeds t_{i+k+1}; positions i + k
+    full_acc  correct[k] / counted[k] over i with m_{i+k} (mask unshifted, last zeroed); SpecForge
+              logs it per step as acc_k. cond_acc (not a SpecForge metric): the same over the
+              origins whose earlier steps were all counted and right.
+Counts add over samples (micro average, what the trainers' reductions do).
 
 The draft is any module with the reference draft's interface (engines/ref/eagle3.py):
 `combine(fc_in)`, `forward(ids, hidden, positions, cache=, mask=)` returning logits,
@@ -27,25 +34,72 @@ hidden_next and cache, `d2t`, `cfg`. This module imports no engine.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import difflib
+import re
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
+
+from difftest.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class TrainerRules:
-    name: str
+    name: str  # trainer@version range, named in reports
     mask_offset: int  # position i at step k is counted when loss_mask[i + k + mask_offset]
     verifier_norm: bool  # targets from lm_head(final_norm(v)) (True) or lm_head(v)
     on_policy_tokens: bool  # steps >= 1 feed the draft's own argmax (else the data's next tokens)
-    mask_out_of_vocab: bool  # drop positions whose full-vocab target is outside the draft vocab
+    out_of_vocab_is_miss: bool  # a target whose full-vocab argmax is outside the draft vocab is a counted miss
+    and_previous_steps: bool  # full_acc[k] needs steps 0..k all right (speculators' prev_correct)
+    position_offset: int  # the first origin's rotary position
+    default_ttt_steps: int  # the trainer's default unroll depth
+    default_max_len: int  # the trainer's default truncation of a sample
+    max_len_after_shift: bool  # truncation applies to the shifted sample (N-1 positions), not the raw N tokens
 
+
+SPECULATORS_CURRENT = TrainerRules("speculators>=0.7", mask_offset=1, verifier_norm=True, on_policy_tokens=False,
+                                   out_of_vocab_is_miss=False, and_previous_steps=True, position_offset=1,
+                                   default_ttt_steps=3, default_max_len=8192, max_len_after_shift=True)  # fmt: skip
+# speculators 0.9.0 train/config/schema.py: ttt_steps 3, total_seq_len 8192; CollateFn truncates to max_len
+# after the preprocess shift_batch
+SPECULATORS_BEFORE_0_7 = replace(SPECULATORS_CURRENT, name="speculators<0.7", on_policy_tokens=True)
+# SpecForge 0.2.0 config/schema.py: ttt_length 7, data.max_length 2048;
+# algorithms/eagle3/data.py::normalize_offline_sample truncates the raw sample
+SPECFORGE = TrainerRules("specforge@0.2", mask_offset=0, verifier_norm=False, on_policy_tokens=False,
+                         out_of_vocab_is_miss=True, and_previous_steps=False, position_offset=0,
+                         default_ttt_steps=7, default_max_len=2048, max_len_after_shift=False)  # fmt: skip
 
 RULES = {
-    "speculators": TrainerRules("speculators", mask_offset=1, verifier_norm=True, on_policy_tokens=True, mask_out_of_vocab=False),
-    "specforge": TrainerRules("specforge", mask_offset=0, verifier_norm=False, on_policy_tokens=False, mask_out_of_vocab=True),
+    "speculators": SPECULATORS_CURRENT,
+    "speculators-legacy": SPECULATORS_BEFORE_0_7,
+    "specforge": SPECFORGE,
 }
-RULES["speculators-legacy"] = RULES["speculators"]
+DEFAULT_TRAINER = {"speculators": "speculators@0.9", "speculators-legacy": "speculators@0.6", "specforge": "specforge@0.2"}
+
+
+def _version_tuple(text: str, where: str) -> tuple[int, ...]:
+    m = re.match(r"^v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", text.strip())
+    if not m:
+        raise ConfigError(f"{where}: cannot read a version from {text!r}; expected e.g. 0.9 or 0.9.0")
+    return tuple(int(x or 0) for x in m.groups())
+
+
+def rules_for(trainer: str, where: str = "trainer") -> TrainerRules:
+    """`speculators@0.9`, `speculators@0.6.2`, `specforge@0.2` (or a bare name: its current version) -> rules."""
+    name, _, version = trainer.strip().partition("@")
+    if name == "speculators":
+        v = _version_tuple(version or "0.9", where)
+        if v >= (0, 7):
+            return SPECULATORS_CURRENT
+        # v0.3.x `models/eagle3/core.py`: targets = verifier_lm_head(verifier_last_hidden_states), no norm;
+        # v0.6.0 adds verifier_norm; both feed the draft's own argmax (mapped through d2t) at steps >= 1
+        return replace(SPECULATORS_BEFORE_0_7, name=f"speculators@{version}", verifier_norm=v >= (0, 4))
+    if name == "specforge":
+        _version_tuple(version or "0.2", where)
+        return SPECFORGE
+    close = difflib.get_close_matches(name, ["speculators", "specforge"], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"{where}: unknown trainer {name!r}{hint}; expected speculators@VERSION or specforge@VERSION")
 
 
 @dataclass
@@ -121,21 +175,33 @@ def score_steps(
     targets: torch.Tensor,  # [N] draft ids T_p
     loss_mask: torch.Tensor,  # [N] bool
     rules: TrainerRules,
-    in_vocab: torch.Tensor | None = None,  # [N] bool
+    in_vocab: torch.Tensor | None = None,  # [N] bool: the full-vocab target lies in the draft vocab
 ) -> StepCounts:
-    """Count correct predictions per TTT step with the trainer's alignment and masks."""
+    """Count correct predictions per TTT step with the trainer's alignment and masks (module docstring)."""
     N = int(targets.shape[0])
     origins = torch.arange(N - 1)
+    mask = loss_mask.bool()
     out = StepCounts(samples=1)
-    all_right = torch.ones(N - 1, dtype=torch.bool)  # steps 0..k-1 counted and correct at origin i
+    all_right = torch.ones(N - 1, dtype=torch.bool)  # SpecForge cond: steps 0..k-1 counted and right at origin i
+    # speculators' prev_correct: the origin's own mask (shifted, m_{i+1}), ANDed with each step's equality
+    prev_correct = mask[1:].clone()
     for k, pred in enumerate(preds):
         j = origins + k + 1  # target index
         m = origins + k + rules.mask_offset  # loss-mask index
-        valid = (j <= N - 1) & (m <= N - 1)
-        valid &= loss_mask[m.clamp(max=N - 1)].bool()
-        if rules.mask_out_of_vocab and in_vocab is not None:
-            valid &= in_vocab[j.clamp(max=N - 1)]
-        right = (pred.cpu() == targets[j.clamp(max=N - 1)]) & valid
+        exists = (j <= N - 1) & (m <= N - 1)
+        valid = exists & mask[m.clamp(max=N - 1)]
+        equal = pred.cpu() == targets[j.clamp(max=N - 1)]
+        if rules.out_of_vocab_is_miss and in_vocab is not None:
+            equal &= in_vocab[j.clamp(max=N - 1)]  # SpecForge compares target ids: no draft id can hit it
+        if rules.and_previous_steps:
+            out.cond_counted.append(int((prev_correct & exists).sum()))
+            prev_correct &= equal | ~exists  # origins past the end keep their state (align_for_step slices them off)
+            right = prev_correct & valid
+            out.correct.append(int(right.sum()))
+            out.counted.append(int(valid.sum()))
+            out.cond_correct.append(int(right.sum()))
+            continue
+        right = equal & valid
         out.correct.append(int(right.sum()))
         out.counted.append(int(valid.sum()))
         out.cond_correct.append(int((right & all_right).sum()))
@@ -165,7 +231,7 @@ def unroll(draft, fc_in: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int, 
                 ids = draft.to_target_ids(preds[-1])[None]  # the draft's own token, in the target vocab
             else:  # t_{i+k+1}, padded past the end (those positions are never counted)
                 ids = torch.cat([data_next[:, k:], data_next.new_zeros(1, k)], dim=1)
-        positions = (torch.arange(n) + k)[None, :]
+        positions = (torch.arange(n) + k + rules.position_offset)[None, :]
         out = draft(ids, hidden, positions, cache=cache, mask=ttt_mask(n, k))
         cache, hidden = out.cache, out.hidden_next
         preds.append(out.logits[0].argmax(-1))  # [n] draft ids

@@ -6,7 +6,10 @@ the dump (fc exactly as training built it) and again with fc rebuilt as the engi
 test feeds it (its capture's wiring, else its fc chunks matched to the reference target),
 and fails when the engine-wired accuracy at TTT step 0 drops by more than
 `expect.train_accuracy.atol` (default 0.05): the seed's 74.7% in training vs 34.1% when
-fed the way SGLang fed it. Only capture requests travel to engines; the core imports none.
+fed the way SGLang fed it. It also fails when the accuracy under the trainer's *own* wiring is
+below `expect.train_accuracy.min` (default 0.05): then no comparison means anything (0 vs 0
+would pass), and the cause is the data or the verifier, not the engine. Only capture requests
+travel to engines; the core imports none.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from difftest.wiring import hidden_index, short_name
 
 TRAIN = "train"
 DEFAULT_ATOL = 0.05
+DEFAULT_MIN = 0.05  # a trained draft scores far above this under its own wiring; chance is 1/draft_vocab
+EXPECT_KEYS = ("atol", "min")
 
 
 def applies(case: Case) -> bool:
@@ -50,7 +55,12 @@ def engine_wiring(session: Session, case: Case, spec: EngineSpec) -> tuple[list[
 def check_train_accuracy(session: Session, case: Case, spec: EngineSpec):
     from difftest.checks import Verdict
 
-    atol = float((case.expect.get("train_accuracy") or {}).get("atol", DEFAULT_ATOL))
+    expect = case.expect.get("train_accuracy") or {}
+    unknown = sorted(set(expect) - set(EXPECT_KEYS))
+    if unknown:
+        raise ConfigError(f"{case.path}: expect.train_accuracy.{unknown[0]}: unknown key (known: {', '.join(EXPECT_KEYS)})")
+    atol = float(expect.get("atol", DEFAULT_ATOL))
+    floor = float(expect.get("min", DEFAULT_MIN))
     base = _trainer_spec(session)
     trained = session.capture(case, base, 0).meta
     acc_t = trained["train_accuracy"]
@@ -68,7 +78,16 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec):
         f"{td['identification']['summary']}",
         f"training data {td['path']} ({td['format']}): {td['samples']} samples, {td['skipped']} skipped",
     ]
+    data = {"trainer": acc_t, "engine": acc_e, "engine_wiring": names, "identification": td["identification"], "skipped": td["skipped"]}
+    if not a >= floor:  # NaN (nothing counted) fails too
+        lines.insert(0, (
+            f"training accuracy under the trainer's own wiring is {a:.3f} (below expect.train_accuracy.min {floor}): "
+            f"the data does not reproduce what the draft learned, so no engine can be judged by it; likely causes: the "
+            f"verifier tensor (identification below) is not the one the draft was trained against, the dump does not match the "
+            f"draft (other target, other layers, other trainer version: scored with {acc_t['rules']} rules, set "
+            f"train[trainer=...]), or the draft is untrained"
+        ))  # fmt: skip
+        return Verdict(False, "\n".join(lines), data)
     if b < a - atol:
         lines[0] = "training accuracy collapses under this engine's wiring: " + lines[0]
-    data = {"trainer": acc_t, "engine": acc_e, "engine_wiring": names, "identification": td["identification"], "skipped": td["skipped"]}
     return Verdict(b >= a - atol, "\n".join(lines), data)

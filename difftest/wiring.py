@@ -10,8 +10,14 @@ one ecosystem does (see shared/notes/wiring-failures.md):
 | vllm, speculators | h[k] (sorted, de-duplicated) | h[2], h[L//2], h[L-3]        |
 | sglang            | h[k+1] (0.5.23, Llama)       | h[2], h[L//2], h[L-3] (no +1)|
 | sglang-deepseek   | h[k+1] if ids[0]==1 else h[k]| h[2], h[L//2], h[L-3]        |
-| specforge         | h[k+1]                       | ids [1, L//2-1, L-4] -> +1   |
-| speculators-train | launch ids h[k]; fc = all but the last by position, verifier = last |
+| specforge         | h[k+1] (sorted)              | ids [1, L//2-1, L-4] -> +1   |
+| speculators-train | config ids = fc ids, h[k] sorted; verifier h[L] | fc h[2], h[L//2], h[L-3] |
+| speculators-launch| launch ids h[k] sorted; fc = all but the last, verifier = last      |
+| speculators-legacy| v0.3/v0.4: h[k+1] sorted; fc = all but the last, verifier = last | [2, L//2, L-3, L-1] |
+
+The trainers' presets store fc chunks in layer order: vLLM (speculators' data generation) and
+SGLang (SpecForge's) capture auxiliary states while walking the layers, so unsorted ids are
+stored sorted.
 | eagle             | ids ignored                  | h[2], h[L//2], h[L-3]        |
 """
 
@@ -30,7 +36,7 @@ FINAL_NORM = "target.final_norm"
 class Wiring:
     inputs: tuple[str, ...]  # canonical names, in fc order
     source: str  # how it was derived, for reports
-    verifier: str | None = None  # speculators-train: the tensor used as the verifier's last hidden state
+    verifier: str | None = None  # speculators presets: the tensor used as the verifier's last hidden state
 
     def layer_indices(self) -> list[int | None]:
         """k of each `target.h.{k}` input; None for target.final_norm."""
@@ -92,16 +98,33 @@ def _sglang_deepseek(ids: list[int] | None, L: int) -> tuple[list[int], str | No
 
 
 def _specforge(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
-    # SpecForge: id k is "output of layer k" = h[k+1]; default [1, L//2-1, L-4].
-    return [i + 1 for i in (ids or [1, L // 2 - 1, L - 4])], None
+    # SpecForge: id k is "output of layer k" = h[k+1]; default [1, L//2-1, L-4]; SGLang captures in layer order.
+    return sorted(i + 1 for i in (ids or [1, L // 2 - 1, L - 4])), None
 
 
 def _speculators_train(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
-    # speculators data generation captures h[k] for the launch ids (default [2, L//2, L-3, L]);
-    # training feeds fc with all but the last *by list position*; the last is the verifier.
-    launch = list(ids) if ids else _defaults(L) + [L]
+    # speculators 0.9.0: the draft config's target_layer_ids are the fc ids only (models/utils.py::
+    # resolve_target_layer_ids, default [2, L//2, L-3]); data generation appends L (launch_vllm.py
+    # --include-last-layer, on by default) and the trainer takes hidden_states[:, -1] = h[L] as the
+    # verifier (train/data.py::ArrowDataset._get_raw_data). vLLM captures in layer order.
+    return sorted(ids) if ids else _defaults(L), hidden_name(L)
+
+
+def _speculators_launch(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
+    # The ids data generation was launched with (verifier included): stored in layer order, the
+    # trainer feeds fc all but the last and uses the last as the verifier.
+    launch = sorted(ids) if ids else _defaults(L) + [L]
     if len(launch) < 2:
-        raise ConfigError(f"speculators-train: needs at least two launch ids (fc inputs + verifier), got {launch}")
+        raise ConfigError(f"speculators-launch: needs at least two launch ids (fc inputs + verifier), got {launch}")
+    return launch[:-1], hidden_name(launch[-1])
+
+
+def _speculators_legacy(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
+    # speculators v0.3/v0.4 data generation captured the output of layer k = h[k+1], defaults
+    # [2, L//2, L-3, L-1] (the last, L-1 -> h[L], is the verifier); fc = all but the last.
+    launch = sorted(i + 1 for i in (ids or [2, L // 2, L - 3, L - 1]))
+    if len(launch) < 2:
+        raise ConfigError(f"speculators-legacy: needs at least two layer ids (fc inputs + verifier), got {ids}")
     return launch[:-1], hidden_name(launch[-1])
 
 
@@ -116,6 +139,8 @@ PRESETS: dict[str, Callable[[list[int] | None, int], tuple[list[int], str | None
     "sglang-deepseek": _sglang_deepseek,
     "specforge": _specforge,
     "speculators-train": _speculators_train,
+    "speculators-launch": _speculators_launch,
+    "speculators-legacy": _speculators_legacy,
     "eagle": _eagle,
 }
 

@@ -476,7 +476,7 @@ MISWIRES: list[Miswire] = [
             "ref[wiring={off}]", expect=("off-by-one",)),
     Miswire("permutation", "fc fed the trained layers in reverse order", "ref[wiring={rev}]",
             expect=("permuted",)),
-    Miswire("embedding_dropped", "trained on [h0, a, b] (speculators-train launch ids), served [a, b, c]",
+    Miswire("embedding_dropped", "trained on [h0, a, b] (speculators-launch ids), served [a, b, c]",
             "ref[wiring={trained}]", case_suffix="_trained_h0", expect=("embedding dropped", "shifted")),
     Miswire("norm_before_residual", "draft run with norm_before_residual flipped (trained false)",
             "ref[norm_before_residual=true]", expect=("norm_before_residual", "residual")),

@@ -18,17 +18,23 @@ from helpers import ROOT
 
 def _setup_engine_hash(name: str) -> str:
     """The hash scripts/setup-engine computes, by its own shell pipeline."""
-    spec = ROOT / "engines" / name
+    spec = envs.spec_dir(name, ROOT)
     cmd = f'cat "{spec}/requirements-cpu.txt" "{spec}/setup-env.sh" | sha256sum | cut -c1-12'
     return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=True).stdout.strip()
 
 
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "speculators", "specforge"])
 def test_pinned_version_plans_the_environment_setup_engine_builds(engine, tmp_path):
     p = envs.plan(engine, cache=tmp_path)
     assert p.directory == tmp_path / "envs" / f"{engine}-{_setup_engine_hash(engine)}"
     assert p.version == p.pinned
-    assert p.requirements == (ROOT / "engines" / engine / "requirements-cpu.txt").read_text()
+    assert p.requirements == (envs.spec_dir(engine, ROOT) / "requirements-cpu.txt").read_text()
+
+
+def test_trainer_version_repins_the_trainer_and_keeps_it_installed_without_dependencies(tmp_path):
+    p = envs.plan("speculators==0.6.0", cache=tmp_path)
+    assert "speculators==0.6.0  # no-deps" in p.requirements.splitlines()
+    assert p.pinned == "0.9.0" and p.link == tmp_path / "envs" / "speculators@0.6.0"
 
 
 def test_pinned_version_named_explicitly_is_the_same_environment(tmp_path):
@@ -63,7 +69,7 @@ def test_label_names_the_link_engines_find(tmp_path):
 
 
 def test_unknown_engine_is_refused_naming_the_buildable_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"^difftest env create: unknown engine 'tensorrt' \(environments can be built for: sglang, vllm\)$"):
+    with pytest.raises(ConfigError, match=r"^difftest env create: unknown engine 'tensorrt' \(environments can be built for: sglang, specforge, speculators, vllm\)$"):
         envs.plan("tensorrt==1.0", cache=tmp_path)
 
 

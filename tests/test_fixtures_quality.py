@@ -99,8 +99,8 @@ def test_miswired_draft_config_ids_read_by_vllm_give_the_serving_wiring(paths):
     assert list(resolve("vllm", 8, cfg.layer_ids).inputs) == fx.MISWIRED_SERVED_WIRING
 
 
-def test_miswired_training_wiring_is_speculators_train_with_launch_ids_0_2_4_7():
-    wiring = resolve("speculators-train", 8, [0, 2, 4, 7])
+def test_miswired_training_wiring_is_speculators_launch_ids_0_2_4_7():
+    wiring = resolve("speculators-launch", 8, [0, 2, 4, 7])
     assert (list(wiring.inputs), wiring.verifier) == (fx.MISWIRED_TRAIN_WIRING, "target.h.7")
 
 

@@ -7,7 +7,11 @@ import math
 import pytest
 import torch
 
-from difftest.train_accuracy import RULES, StepCounts, VerifierHead, score_steps
+from difftest.case import Case
+from difftest.engine import EngineSpec
+from difftest.errors import ConfigError
+from difftest.train_check import check_train_accuracy
+from difftest.train_accuracy import RULES, StepCounts, VerifierHead, rules_for, score_steps
 
 # N = 5 tokens; T_p = target draft id at p (T_0 is never a target); loss mask on positions 2..4.
 TARGETS = torch.tensor([9, 1, 2, 3, 4])
@@ -17,13 +21,15 @@ PREDS = [torch.tensor([1, 2, 0, 4]), torch.tensor([2, 0, 4, 7])]
 
 
 def test_speculators_rules_by_hand():
-    # step 0 (origin i vs T[i+1], mask[i+1]): i=0 masked; i=1 2==2 ok; i=2 0!=3; i=3 4==4 ok -> 2/3
-    # step 1 (origin i vs T[i+2], mask[i+2]): i=0 2==2 ok; i=1 0!=3; i=2 4==4 ok; i=3 past the end -> 2/3
-    # cond step 1: only origins right (and counted) at step 0 -> i=1 (wrong) -> 0/1; i=3 has no step-1 target
+    # prev_correct starts as the origin's shifted mask m[i+1] = [0, 1, 1, 1] and is ANDed with every step's equality
+    # step 0 (origin i vs T[i+1], mask m[i+1]): equal [y y n y] -> prev [0 1 0 1]; counted 3, right 2 (i=1, i=3)
+    # step 1 (origin i vs T[i+2], mask m[i+2], origins 0..2): equal [y n y -]; prev [0 0 0 1]: i=0 is right but was never
+    #   in the mask, i=2 is right but was wrong at step 0, i=3 has no step-1 target -> 0 of 3 (full_acc ANDs earlier steps)
+    # cond step 1: denominator = prev_correct before step 1 on origins 0..2 = 1 (i=1), not every step's mask
     c = score_steps(PREDS, TARGETS, MASK, RULES["speculators"])
-    assert (c.correct, c.counted) == ([2, 2], [3, 3])
+    assert (c.correct, c.counted) == ([2, 0], [3, 3])
     assert (c.cond_correct, c.cond_counted) == ([2, 0], [3, 1])
-    assert c.full_acc == pytest.approx([2 / 3, 2 / 3])
+    assert c.full_acc == pytest.approx([2 / 3, 0.0])
     assert c.cond_acc == pytest.approx([2 / 3, 0.0])
 
 
@@ -33,10 +39,25 @@ def test_specforge_rules_by_hand():
     c = score_steps(PREDS, TARGETS, MASK, RULES["specforge"], in_vocab=torch.ones(5, dtype=torch.bool))
     assert (c.correct, c.counted) == ([1, 1], [2, 2])
     assert c.cond_counted == [2, 0] and math.isnan(c.cond_acc[1])
-    # a target whose full-vocab argmax lies outside the draft vocab is not counted (SpecForge position_mask)
+
+
+def test_specforge_counts_a_target_outside_the_draft_vocab_as_a_miss():
+    # SpecForge `_compute_metric_counts`: denominator loss_mask.sum(); no draft id maps to the target id
     in_vocab = torch.tensor([True, True, True, True, False])
     c = score_steps(PREDS, TARGETS, MASK, RULES["specforge"], in_vocab=in_vocab)
-    assert (c.correct, c.counted) == ([0, 0], [1, 1])
+    assert (c.correct, c.counted) == ([0, 0], [2, 2])
+
+
+def test_trainer_version_chooses_the_token_feeding_rule():
+    assert not rules_for("speculators@0.9").on_policy_tokens  # teacher forcing since v0.7.0
+    assert rules_for("speculators@0.6.2").on_policy_tokens
+    assert rules_for("speculators@0.3").verifier_norm is False  # v0.3.x: lm_head without the final norm
+    assert (rules_for("speculators").default_ttt_steps, rules_for("specforge@0.2").default_ttt_steps) == (3, 7)
+
+
+def test_unknown_trainer_is_refused_with_the_closest_name():
+    with pytest.raises(ConfigError, match="did you mean 'specforge'"):
+        rules_for("specforg@0.2")
 
 
 def test_counts_add_over_samples_micro_average():
@@ -55,3 +76,49 @@ def test_verifier_targets_are_argmax_over_the_draft_vocab_of_the_normed_verifier
     assert int(t[0]) == 1 and not bool(in_vocab[0])  # target id 2 is draft id 1; the true argmax (1) is outside
     # the norm only rescales a row here, so speculators' lm_head(norm(x)) and SpecForge's lm_head(x) agree
     assert torch.equal(head.targets(x, d2t, RULES["specforge"])[0], t)
+
+
+# -- the train_accuracy check ---------------------------------------------------------------------
+
+
+class _Captures:
+    """What check_train_accuracy asks a session for: the train engine's captures (trainer wiring and
+    rewired as the engine under test) and that engine's capture naming its fc inputs."""
+
+    def __init__(self, trained: list[float], rewired: list[float]):
+        from types import SimpleNamespace
+
+        self.options = SimpleNamespace(engines=[EngineSpec("train")], reference=EngineSpec("ref"))
+        acc = lambda full: {"rules": "speculators>=0.7", "wiring": ["target.h.2", "target.h.4", "target.h.5"],  # noqa: E731
+                            "full_acc": full, "cond_acc": full}  # fmt: skip
+        td = {"identification": {"summary": "dumped tensors = [h2, h4, h5, h8]; verifier = h8"}, "path": "/data",
+              "format": "speculators", "samples": 4, "skipped": 0}  # fmt: skip
+        self._meta = {"trained": {"train_accuracy": acc(trained), "train_data": td}, "rewired": {"train_accuracy": acc(rewired)},
+                      "engine": {"wiring": {"inputs": ["target.h.2", "target.h.4", "target.h.5"]}}}  # fmt: skip
+
+    def capture(self, case, spec, index):
+        from types import SimpleNamespace
+
+        key = "engine" if spec.name != "train" else ("rewired" if spec.param("wiring") else "trained")
+        return SimpleNamespace(meta=self._meta[key])
+
+
+def _case(expect: dict | None = None) -> Case:
+    return Case(name="c", path="/cases/c.yaml", target="t", draft="d", expect={"train_accuracy": expect} if expect else {})
+
+
+def test_train_accuracy_check_fails_naming_the_data_when_the_trainer_wiring_scores_near_zero():
+    v = check_train_accuracy(_Captures([0.0, 0.0, 0.0], [0.0, 0.0, 0.0]), _case(), EngineSpec("vllm"))
+    assert not v.passed  # 0 vs 0 is no evidence that the engine feeds the draft right
+    assert v.message.startswith("training accuracy under the trainer's own wiring is 0.000 (below expect.train_accuracy.min 0.05)")
+    assert "verifier tensor" in v.message and "train[trainer=...]" in v.message
+
+
+def test_train_accuracy_check_passes_when_the_engine_wiring_keeps_the_trainers_accuracy():
+    v = check_train_accuracy(_Captures([0.7, 0.5, 0.4], [0.69, 0.5, 0.4]), _case(), EngineSpec("vllm"))
+    assert v.passed, v.message
+
+
+def test_train_accuracy_check_refuses_an_unknown_expect_key():
+    with pytest.raises(ConfigError, match="expect.train_accuracy.minimum: unknown key"):
+        check_train_accuracy(_Captures([0.7], [0.7]), _case({"minimum": 0.1}), EngineSpec("vllm"))

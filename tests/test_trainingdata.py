@@ -116,6 +116,28 @@ def test_statistics_flag_a_permuted_dump_and_accept_a_final_verifier(pair, targe
     assert ident.verifier_is_final() is True and ident.verifier.top1_next == 1.0
 
 
+@pytest.mark.parametrize("normed", [True, False], ids=["specforge-normed-verifier", "normed-again"])
+def test_statistics_take_a_specforge_verifier_as_already_normed(normed):
+    # SpecForge stores the verifier after the final norm: lm_head applies directly (norming it again with an
+    # uneven weight moves its top-1), and its small norm is no depth cue for the fc tensors before it
+    H = 8
+    g = torch.Generator().manual_seed(0)
+    w = torch.linspace(0.2, 3.0, H)
+    dumped, ids, masks = [], [], []
+    for _ in range(4):
+        verifier = rms_norm(torch.randn(20, H, generator=g), w, 1e-6)  # [n, H], post-norm
+        fc = [torch.randn(20, H, generator=g) * scale for scale in (10.0, 20.0, 30.0)]
+        dumped.append(fc + [verifier])
+        ids.append(torch.cat([torch.zeros(1, dtype=torch.long), verifier.argmax(-1)[:-1]]))  # token i+1 = top-1 at i
+        masks.append(torch.ones(20, dtype=torch.bool))
+    ident = identify_by_statistics(dumped, ids, masks, 3, None, torch.eye(H), w, 1e-6, verifier_normed=normed)
+    depth_note = any("not in depth order" in n for n in ident.notes)
+    if normed:
+        assert ident.verifier.top1_next == 1.0 and not depth_note, ident.notes
+    else:  # what treating it like a pre-norm layer would say
+        assert ident.verifier.top1_next < 0.95 and depth_note
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 
@@ -154,10 +176,10 @@ def test_legacy_and_specforge_bad_fields_are_named(pair, tmp_path):
     assert len(dump.samples) == 1
     assert dump.skipped == [f"{legacy / 'data_1.pt'}: hidden_states[2]: 13 positions, but input_ids has 16 (truncated or mismatched dump) (sample skipped)"]
     sf = _dump(pair, tmp_path, "specforge", "h2+h4+h5+final_norm", PROMPTS[:2], "sf")
-    data = torch.load(sf / "data_0.ckpt", weights_only=True)
+    data = torch.load(sf / "rows_0-2000" / "data_0.ckpt", weights_only=True)
     data["aux_hidden_state"] = data["aux_hidden_state"].long()
-    torch.save(data, sf / "data_0.ckpt")
-    assert read_dump(sf).skipped == [f"{sf / 'data_0.ckpt'}: aux_hidden_state: dtype torch.int64, expected a floating-point hidden state (sample skipped)"]
+    torch.save(data, sf / "rows_0-2000" / "data_0.ckpt")
+    assert read_dump(sf).skipped == [f"{sf / 'rows_0-2000' / 'data_0.ckpt'}: aux_hidden_state: dtype torch.int64, expected a floating-point hidden state (sample skipped)"]
 
 
 # -- the seed, end to end ---------------------------------------------------------------------
@@ -222,3 +244,35 @@ def test_seed_case_train_engine_passes_and_the_serving_wiring_fails(pair, seed, 
     assert "verifier = h5 (not the final layer" in acc["message"]
     assert run.returncode == 1
     shutil.rmtree(tmp_path / "cases")
+
+
+# -- the trainers' layouts ----------------------------------------------------------------------------
+
+
+def _synthetic(n: int = 3) -> list:
+    g = torch.Generator().manual_seed(0)
+    return [([1, 2, 3, 4, 5], [0, 1, 1, 1, 1], [torch.randn(5, 8, generator=g) for _ in range(4)]) for _ in range(n)]
+
+
+def test_specforge_compressed_rows_are_read_and_a_damaged_one_is_skipped_naming_it(tmp_path):
+    from engines.trainingdata.formats import write_dump
+
+    out = write_dump(tmp_path / "sf", "specforge", _synthetic(), fc_count=3, compress=True)
+    bad = out / "rows_0-2000" / "data_1.ckpt.gz"
+    bad.write_bytes(bad.read_bytes()[:40])  # truncated gzip stream
+    (out / "vocab_mapping").mkdir()
+    torch.save({"d2t": torch.zeros(2)}, out / "vocab_mapping" / "vocab_mapping.pt")  # SpecForge writes it beside the rows
+    dump = read_dump(out)
+    assert dump.format == "specforge" and [s.source for s in dump.samples] == [
+        str(out / "rows_0-2000" / "data_0.ckpt.gz"), str(out / "rows_0-2000" / "data_2.ckpt.gz")]
+    assert len(dump.skipped) == 1 and dump.skipped[0].startswith(f"{bad}: cannot be read (")
+
+
+def test_auxiliary_files_alone_are_no_training_data(tmp_path):
+    from difftest.errors import ConfigError
+
+    (tmp_path / "vocab_mapping").mkdir()
+    torch.save({"d2t": torch.zeros(2)}, tmp_path / "vocab_mapping" / "vocab_mapping.pt")
+    torch.save({"counts": torch.zeros(2)}, tmp_path / "token_freq.pt")
+    with pytest.raises(ConfigError, match="no training data found"):
+        read_dump(tmp_path)

@@ -36,10 +36,16 @@ PRESET_CASES = [
     ("specforge", [2, 4, 5], h(3, 5, 6), None),
     ("specforge", [1, 3, 4], h(2, 4, 5), None),
     ("specforge", None, h(2, 4, 5), None),
-    ("speculators-train", [0, 2, 4, 7], h(0, 2, 4), "target.h.7"),
-    ("speculators-train", [2, 4, 5, 8], h(2, 4, 5), "target.h.8"),
-    ("speculators-train", [7, 0, 2, 4], h(7, 0, 2), "target.h.4"),
+    ("specforge", [4, 1, 3], h(2, 4, 5), None),
+    ("speculators-train", [2, 4, 5], h(2, 4, 5), "target.h.8"),
+    ("speculators-train", [5, 2, 4], h(2, 4, 5), "target.h.8"),
     ("speculators-train", None, h(2, 4, 5), "target.h.8"),
+    ("speculators-launch", [0, 2, 4, 7], h(0, 2, 4), "target.h.7"),
+    ("speculators-launch", [2, 4, 5, 8], h(2, 4, 5), "target.h.8"),
+    ("speculators-launch", [7, 0, 2, 4], h(0, 2, 4), "target.h.7"),
+    ("speculators-launch", None, h(2, 4, 5), "target.h.8"),
+    ("speculators-legacy", [2, 4, 5, 7], h(3, 5, 6), "target.h.8"),
+    ("speculators-legacy", None, h(3, 5, 6), "target.h.8"),
     ("eagle", [0, 1, 3], h(2, 4, 5), None),
     ("eagle", None, h(2, 4, 5), None),
 ]
@@ -60,10 +66,16 @@ PRESET_IDS = [
     "specforge-plus-one",
     "specforge-default-ids-plus-one",
     "specforge-default",
-    "speculators-train-last-is-verifier",
-    "speculators-train-prenorm-final-verifier",
-    "speculators-train-last-by-position-not-value",
-    "speculators-train-default-launch-ids",
+    "specforge-unsorted-ids-stored-in-layer-order",
+    "speculators-train-config-ids-are-fc-verifier-appended",
+    "speculators-train-unsorted-ids-stored-in-layer-order",
+    "speculators-train-default",
+    "speculators-launch-last-is-verifier",
+    "speculators-launch-prenorm-final-verifier",
+    "speculators-launch-stored-in-layer-order",
+    "speculators-launch-default-launch-ids",
+    "speculators-legacy-output-of-layer-k",
+    "speculators-legacy-default-ids",
     "eagle-ignores-ids",
     "eagle-default",
 ]
@@ -95,9 +107,14 @@ def test_sglang_id_L_minus_1_is_unreachable():
     assert str(info.value) == "sglang convention: layer id 7 means h[8], which SGLang cannot capture (shape error)"
 
 
-def test_speculators_train_needs_an_fc_input_and_a_verifier():
-    with pytest.raises(ConfigError, match="speculators-train: needs at least two launch ids"):
-        resolve("speculators-train", L, [3])
+def test_speculators_launch_ids_need_an_fc_input_and_a_verifier():
+    with pytest.raises(ConfigError, match="speculators-launch: needs at least two launch ids"):
+        resolve("speculators-launch", L, [3])
+
+
+def test_speculators_train_reads_one_config_id_as_one_fc_input_and_appends_the_final_layer():
+    w = resolve("speculators-train", L, [3])
+    assert (list(w.inputs), w.verifier) == (["target.h.3"], f"target.h.{L}")
 
 
 @pytest.mark.parametrize(
@@ -128,15 +145,15 @@ def test_wiring_reports_layer_indices_and_short_form():
     "spec, ids, message",
     [
         ("vlm", None, "wiring: unknown wiring preset 'vlm'; expected one of vllm, speculators, sglang, sglang-deepseek, "
-                      "specforge, speculators-train, eagle or a list like [h0, h3, h31]"),
+                      "specforge, speculators-train, speculators-launch, speculators-legacy, eagle or a list like [h0, h3, h31]"),
         ("h0+h9", None, "wiring: h9 does not exist; the target has 8 layers (h0..h8)"),
         ("vllm", [2, 4, 9], "wiring: h9 does not exist; the target has 8 layers (h0..h8)"),
         ("specforge", [2, 4, 8], "wiring: h9 does not exist; the target has 8 layers (h0..h8)"),
         ("speculators-train", [2, 4, 5, 9], "wiring: h9 does not exist; the target has 8 layers (h0..h8)"),
         ("", None, "wiring: empty wiring; expected a preset (vllm, speculators, sglang, sglang-deepseek, specforge, "
-                   "speculators-train, eagle) or a list like [h0, h3, h31]"),
+                   "speculators-train, speculators-launch, speculators-legacy, eagle) or a list like [h0, h3, h31]"),
         ([], None, "wiring: empty wiring; expected a preset (vllm, speculators, sglang, sglang-deepseek, specforge, "
-                   "speculators-train, eagle) or a list like [h0, h3, h31]"),
+                   "speculators-train, speculators-launch, speculators-legacy, eagle) or a list like [h0, h3, h31]"),
         (["h0", "layer3"], None, "wiring: wiring input 'layer3' is not a target tensor (expected hK, target.h.K or final_norm)"),
     ],
     ids=["unknown-preset", "explicit-h9", "vllm-id-9", "specforge-id-8", "speculators-train-verifier-h9", "empty-string",

@@ -6,7 +6,7 @@ Fixtures (under `$DIFFTEST_CACHE` or `~/.cache/difftest`, in `fixtures/<FIXTURES
   tiny-qwen3                     Qwen3ForCausalLM target (4 layers, HF random init), same tokenizer
   tiny-llama-eagle3              EAGLE-3 draft trained on fc = [h2, h4, h5]; HF/EAGLE format, ids [2, 4, 5]
   tiny-llama-eagle3-speculators  the same weights in speculators format
-  tiny-llama-eagle3-miswired     the seed bug: trained on fc = [h0, h2, h4] (speculators-train, launch ids
+  tiny-llama-eagle3-miswired     the seed bug: trained on fc = [h0, h2, h4] (speculators-launch, launch ids
                                  [0, 2, 4, 7]: fc = all but the last, verifier h7) but saved with ids
                                  [2, 4, 7], so vLLM's convention feeds [h2, h4, h7]: same width, wrong tensors
 
@@ -94,7 +94,7 @@ BUILD_THREADS = 1
 
 GOOD_WIRING = ["target.h.2", "target.h.4", "target.h.5"]  # vLLM default ids (2, L//2, L-3) for L = 8
 GOOD_IDS = [2, 4, 5]
-MISWIRED_TRAIN_WIRING = ["target.h.0", "target.h.2", "target.h.4"]  # speculators-train, launch ids [0, 2, 4, 7]
+MISWIRED_TRAIN_WIRING = ["target.h.0", "target.h.2", "target.h.4"]  # speculators-launch, launch ids [0, 2, 4, 7]
 MISWIRED_IDS = [2, 4, 7]
 MISWIRED_SERVED_WIRING = ["target.h.2", "target.h.4", "target.h.7"]  # vLLM reading ids [2, 4, 7]
 SGLANG_SERVED_WIRING = ["target.h.3", "target.h.5", "target.h.6"]  # SGLang 0.5.23 (Llama) reading ids [2, 4, 5]

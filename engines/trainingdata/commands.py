@@ -34,8 +34,9 @@ def train_acc(args) -> int:
     case = Case(
         name="train-acc", path=str(data / "train-acc"), target=_model(args.target), draft=_model(args.draft),
         dtype=args.dtype, layer_ids=[int(x) for x in args.layer_ids.replace("+", ",").split(",")] if args.layer_ids else None,
-        prompts=[Prompt(ids=[0, 0])], num_steps=args.ttt_steps,
-        engines={"train": {"data": str(data), "format": args.format, "identify": args.identify}},
+        prompts=[Prompt(ids=[0, 0])], num_steps=args.ttt_steps or 3,
+        engines={"train": {"data": str(data), "format": args.format, "identify": args.identify, "ttt_steps": args.ttt_steps,
+                           "max_len": args.max_len, "trainer": args.trainer}},
     )  # fmt: skip
     rows = []
     try:
@@ -51,6 +52,7 @@ def train_acc(args) -> int:
                 for line in dump.skipped:
                     print(f"  skipped: {line}")
                 print(ident.summary())
+                print(f"scored with {engine.rules(case, s, dump)[1]}'s rules")
                 for note in ident.notes:
                     print(f"  {note}")
                 names = [n or f"dump[{j}]" for j, n in enumerate(ident.fc_names)]
@@ -64,7 +66,7 @@ def train_acc(args) -> int:
         print(f"difftest train-acc: {e}", file=sys.stderr)
         return 2
     width = max(len(r["wiring"]) for r in rows)
-    print(f"{'wiring'.ljust(width)}  {'fc'.ljust(18)}  full_acc (ttt 0..{args.ttt_steps - 1})   cond_acc")
+    print(f"{'wiring'.ljust(width)}  {'fc'.ljust(18)}  full_acc (ttt 0..{len(rows[0]['counted']) - 1})   cond_acc")
     for r in rows:
         fc = "[" + ", ".join(r["fc"]) + "]"
         full = " ".join(f"{a:.3f}" for a in r["full_acc"])

@@ -5,11 +5,18 @@
 Settings (spec parameters override the case's `engines.train`):
   data       the dump directory (relative to the case file; `fixture:NAME` for built-in dumps)
   format     speculators | speculators-legacy | specforge | auto (default auto)
+  hidden_states  the speculators hs_*.safetensors folder when it is not DATA/hidden_states
+             (`generate-offline-data --output`, the trainer's `--hidden-states-path`)
   identify   target (default: match dumped tensors to the case target's residual stream)
              | stats (no target run: norm profile, embedding rows, verifier top-1)
   wiring     feed fc with these tensors instead of the trainer's (e.g. h2+h4+h7: what a serving
              engine feeds); taken from the dump by identity, else from the reference target
-  ttt_steps  training-accuracy unroll depth (default: the case's speculative.num_steps)
+  ttt_steps  training-accuracy unroll depth (default: the trainer's own, 3 speculators / 7 SpecForge)
+  max_len    truncate every sample to this many tokens before scoring, as the trainer does
+             (default: the trainer's, 8192 speculators `--total-seq-len` / 2048 SpecForge)
+  trainer    whose rules score the accuracy: speculators@VERSION | specforge@VERSION (default: the
+             draft config's `speculators_version` for speculators data, else speculators@0.9 /
+             speculators@0.6 for legacy .pt dumps / specforge@0.2; difftest.train_accuracy)
 
 For a case prompt, the sample whose token ids start with the prompt supplies `draft.fc_in`
 exactly as the trainer built it, the dumped tensors under their identified canonical names
@@ -33,7 +40,7 @@ from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError
 from difftest.layer_identity import Identification, identify_against_target, identify_by_statistics
-from difftest.train_accuracy import RULES, StepCounts, VerifierHead, sample_accuracy
+from difftest.train_accuracy import DEFAULT_TRAINER, StepCounts, TrainerRules, VerifierHead, rules_for, sample_accuracy
 from difftest.wiring import resolve, short_name
 from engines.ref.eagle3 import LoadedDraft, load_draft
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
@@ -91,14 +98,33 @@ class TrainingDataEngine(Engine):
         if not data.is_absolute():
             data = (Path(case.path).parent / data).resolve()
         s["data"] = str(data)
-        s["ttt_steps"] = s["ttt_steps"] or case.num_steps
+        if s.get("hidden_states"):
+            hs = Path(str(s["hidden_states"]))
+            s["hidden_states"] = str(hs if hs.is_absolute() else (Path(case.path).parent / hs).resolve())
+        if s.get("trainer"):
+            rules_for(str(s["trainer"]), where=f"{self.spec.id}: trainer")  # refuse a bad value early
         return s
+
+    def rules(self, case: Case, s: dict, dump: Dump) -> tuple[TrainerRules, str]:
+        """The trainer's rules for this dump and how the version was chosen (named in the report)."""
+        if s.get("trainer"):
+            trainer, how = str(s["trainer"]), "the trainer setting"
+        else:
+            trainer, how = DEFAULT_TRAINER[dump.format], "default for the data format"
+            if dump.format.startswith("speculators"):
+                try:
+                    v = json.loads((Path(case.draft) / "config.json").read_text()).get("speculators_version")
+                except (OSError, ValueError):
+                    v = None
+                if isinstance(v, str) and v:
+                    trainer, how = f"speculators@{v}", "the draft config's speculators_version"
+        return rules_for(trainer, where=f"{self.spec.id}: trainer"), f"{trainer} ({how})"
 
     # -- models and data -------------------------------------------------------------
     def dump(self, s: dict) -> Dump:
-        key = (s["data"], s["format"])
+        key = (s["data"], s["format"], s.get("hidden_states"))
         if key not in self._dumps:
-            d = read_dump(s["data"], s["format"])
+            d = read_dump(s["data"], s["format"], hidden_states=s.get("hidden_states"))
             for line in d.skipped:
                 print(f"train data: {line}", file=sys.stderr)
             if not d.samples:
@@ -141,7 +167,7 @@ class TrainingDataEngine(Engine):
                 some = dump.samples[:8]
                 ident = identify_by_statistics([x.tensors for x in some], [x.input_ids for x in some],
                                                [x.loss_mask for x in some], first.fc_count, w["embed"], w["lm_head"],
-                                               w["norm"], w["eps"])  # fmt: skip
+                                               w["norm"], w["eps"], verifier_normed=dump.format == "specforge")  # fmt: skip
             self._idents[key] = ident
         return self._idents[key]
 
@@ -175,14 +201,18 @@ class TrainingDataEngine(Engine):
         return torch.cat(parts, dim=-1), inputs, src
 
     def accuracy(self, case: Case, s: dict, dump: Dump, ident: Identification, loaded: LoadedDraft, head: VerifierHead) -> StepCounts:
-        key = (s["data"], s["format"], str(s.get("wiring")), case.draft, s["ttt_steps"])
+        rules, _ = self.rules(case, s, dump)
+        steps = s.get("ttt_steps") or rules.default_ttt_steps
+        max_len = s.get("max_len") or rules.default_max_len
+        key = (s["data"], s["format"], str(s.get("wiring")), case.draft, steps, max_len, rules.name)
+        max_len += 1 if rules.max_len_after_shift else 0  # tokens kept before the shift
         if key not in self._accuracy:
-            rules = RULES[dump.format]
             total = StepCounts()
             for sample in dump.samples:
                 fc, _, _ = self.fc_for(case, s, sample, ident, loaded)
-                total = total.add(sample_accuracy(loaded.model, head, fc, sample.verifier, sample.input_ids,
-                                                  sample.loss_mask, s["ttt_steps"], rules))  # fmt: skip
+                total = total.add(sample_accuracy(loaded.model, head, fc[:max_len], sample.verifier[:max_len],
+                                                  sample.input_ids[:max_len], sample.loss_mask[:max_len], steps,
+                                                  rules))  # fmt: skip
             self._accuracy[key] = total
         return self._accuracy[key]
 
@@ -212,12 +242,13 @@ class TrainingDataEngine(Engine):
         elif s["identify"] == "target":
             next_token, next_src = int(run_target(self.target(case), sample.input_ids[None]).logits[0, -1].argmax()), "target greedy"
         else:
-            next_token = int(head.logits(sample.verifier[-1:], RULES[dump.format])[0].argmax())
+            next_token = int(head.logits(sample.verifier[-1:], self.rules(case, s, dump)[0])[0].argmax())
             next_src = "the verifier tensor's lm_head top-1"
         fc_in = fc[None, :n].to(dtype)  # [1, n, A*H]
         draft_tensors, drafted = capture_draft_chain(loaded.model, fc_in, prompt_ids, next_token, case.num_steps)
         tensors.update(draft_tensors)
         acc = self.accuracy(case, s, dump, ident, loaded, head)
+        rules, trainer_how = self.rules(case, s, dump)
         cfg = loaded.config
         meta = {
             "engine": self.spec.id,
@@ -245,7 +276,8 @@ class TrainingDataEngine(Engine):
                 "notes": dump.notes,
                 "identification": ident.to_dict(),
             },
-            "train_accuracy": {"rules": RULES[dump.format].name, "ttt_steps": s["ttt_steps"], "wiring": inputs, **acc.to_dict()},
+            "train_accuracy": {"rules": rules.name, "trainer": trainer_how, "ttt_steps": len(acc.counted),
+                               "max_len": s.get("max_len") or rules.default_max_len, "wiring": inputs, **acc.to_dict()},
         }
         return Capture(tensors, meta)
 

@@ -9,6 +9,8 @@ the files do not say (see difftest.layer_identity).
 speculators (current; vllm-project/speculators `train/data.py::ArrowDataset`):
     DIR/hidden_states/hs_{i}.safetensors   hidden_states [seq, n_layers, H], token_ids [seq]
     DIR/ (datasets.load_from_disk)         input_ids, loss_mask, seq_len per sample i
+  The hidden states may live elsewhere (`generate-offline-data --output`, the trainer's
+  `--hidden-states-path`): read_dump(..., hidden_states=PATH).
   The trainer checks token_ids == input_ids, feeds fc hidden_states[:, :-1] (flattened)
   and uses hidden_states[:, -1] as the verifier. Without the `datasets` package the
   dataset part is read from DIR/samples.jsonl ({"index", "input_ids", "loss_mask"} a line),
@@ -16,10 +18,16 @@ speculators (current; vllm-project/speculators `train/data.py::ArrowDataset`):
 speculators legacy (`SampleFileDataset` / `standardize_data_v1`):
     DIR/**/*.pt (torch.save)   input_ids [seq], loss_mask [seq], hidden_states: list of [seq, H]
   fc = cat(list[:-1]), verifier = list[-1].
-SpecForge offline (`OfflineEagle3Dataset`):
-    DIR/**/*.ckpt (torch.save) input_ids [seq], loss_mask [seq], aux_hidden_state [1, seq, A*H],
-                               hidden_state [1, seq, H]
+SpecForge offline (0.2.0 `scripts/prepare_hidden_states.py`, read by
+`runtime/data_plane/offline_reader.py::list_feature_files` / `feature_store.load_feature_file`):
+    DIR/rows_A-B/data_{i}.ckpt, or .ckpt.gz with --compress (gzip of the torch.save bytes)
+                               input_ids [seq], loss_mask [seq], aux_hidden_state [1, seq, A*H],
+                               hidden_state [1, seq, H] (after the target's final norm)
+  Files are taken in sorted path order, as SpecForge's reader does.
   fc = aux_hidden_state (split here into A chunks of H), verifier = hidden_state.
+
+Auxiliary files the trainers write next to the samples (SpecForge `vocab_mapping/vocab_mapping.pt`,
+speculators `token_freq.pt`, `d2t-*.npy`) are never taken for samples.
 
 Torch files are loaded with `weights_only=True`. A sample that cannot be used (truncated
 file, token ids != input ids, lengths that disagree, NaN/Inf, a layer count or hidden
@@ -29,6 +37,8 @@ and the field; the others load.
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import re
 from dataclasses import dataclass, field
@@ -90,16 +100,36 @@ class SampleError(Exception):
 # ---------------------------------------------------------------------------------------
 
 
-def detect_format(path: Path) -> str:
-    if (path / "hidden_states").is_dir():
+SPECFORGE_SUFFIXES = (".ckpt", ".ckpt.gz")
+# written by the trainers next to their samples; never a sample (SpecForge vocab_mapping/vocab_mapping.pt,
+# speculators train/cli.py token_freq.pt)
+AUXILIARY_NAMES = {"vocab_mapping.pt", "token_freq.pt"}
+AUXILIARY_DIRS = {"vocab_mapping"}
+
+
+def _is_auxiliary(p: Path, root: Path) -> bool:
+    rel = p.relative_to(root)
+    return p.name in AUXILIARY_NAMES or any(part in AUXILIARY_DIRS for part in rel.parts[:-1])
+
+
+def specforge_files(path: Path) -> list[Path]:
+    return sorted((p for p in path.rglob("*") if p.name.endswith(SPECFORGE_SUFFIXES) and p.is_file()), key=str)
+
+
+def legacy_files(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*.pt") if p.is_file() and not _is_auxiliary(p, path)]
+
+
+def detect_format(path: Path, hidden_states: Path | None = None) -> str:
+    if hidden_states is not None or (path / "hidden_states").is_dir():
         return "speculators"
-    if next(path.rglob("*.ckpt"), None) is not None:
+    if specforge_files(path):
         return "specforge"
-    if next(path.rglob("*.pt"), None) is not None:
+    if legacy_files(path):
         return "speculators-legacy"
     raise ConfigError(
         f"{path}: no training data found (expected hidden_states/hs_*.safetensors (speculators), "
-        "*.pt (speculators legacy) or *.ckpt (SpecForge offline))"
+        "*.pt (speculators legacy) or rows_*/data_*.ckpt[.gz] (SpecForge offline))"
     )
 
 
@@ -113,8 +143,12 @@ def _numbered(paths) -> list[Path]:
 
 def _torch_load(path: Path) -> dict:
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError for damaged files
+        if path.name.endswith(".gz"):  # SpecForge --compress: gzip of the torch.save stream
+            with gzip.open(path, "rb") as f:
+                data = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError, gzip BadGzipFile/EOFError
         raise SampleError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
     if not isinstance(data, dict):
         raise SampleError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
@@ -240,11 +274,17 @@ def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
     return {}, [f"{path}: no dataset (samples.jsonl or arrow): input_ids = token_ids, loss_mask = all ones"]
 
 
-def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None) -> Dump:
+def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hidden_states: str | Path | None = None) -> Dump:
+    """hidden_states: the speculators hs_*.safetensors folder when it is not PATH/hidden_states."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{path}: training data directory not found")
-    fmt = detect_format(path) if fmt in ("auto", None, "") else fmt
+    hs_dir = Path(hidden_states) if hidden_states else None
+    if hs_dir is not None and not hs_dir.is_dir():
+        raise ConfigError(f"hidden_states={hs_dir}: directory not found")
+    fmt = detect_format(path, hs_dir) if fmt in ("auto", None, "") else fmt
+    if hs_dir is not None and fmt != "speculators":
+        raise ConfigError(f"hidden_states={hs_dir}: only the speculators format keeps hidden states apart from the dataset (format {fmt})")
     if fmt not in FORMATS:
         raise ConfigError(f"training data format {fmt!r}: expected one of {', '.join(FORMATS)} or auto")
     samples: list[Sample] = []
@@ -254,13 +294,13 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None) -> 
         rows, row_problems = _dataset_rows(path)
         skipped += [p for p in row_problems if p.endswith("(row skipped)")]
         notes = [p for p in row_problems if not p.endswith("(row skipped)")]
-        files = _numbered((path / "hidden_states").glob("hs_*.safetensors"))
+        files = _numbered((hs_dir or path / "hidden_states").glob("hs_*.safetensors"))
 
         def read(p: Path, n: int) -> Sample:
             m = re.fullmatch(r"hs_(\d+)\.safetensors", p.name)
             return _read_speculators_sample(p, int(m.group(1)) if m else -1, rows or None)
     elif fmt == "speculators-legacy":
-        files = _numbered(path.rglob("*.pt"))
+        files = _numbered(legacy_files(path))
 
         def read(p: Path, n: int) -> Sample:
             data = _torch_load(p)
@@ -272,7 +312,7 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None) -> 
             mask = _mask(_field(data, "loss_mask", p), len(ids), p)
             return Sample(n, str(p), ids, mask, tensors, len(tensors) - 1)
     else:
-        files = _numbered(list(path.rglob("*.ckpt")))
+        files = specforge_files(path)
 
         def read(p: Path, n: int) -> Sample:
             data = _torch_load(p)
@@ -329,15 +369,20 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None) -> 
 # ---------------------------------------------------------------------------------------
 
 
+SPECFORGE_ROWS_PER_DIR = 2000  # prepare_hidden_states.py: rows_0-2000/, rows_2000-4000/, ...
+
+
 def write_dump(
     path: str | Path,
     fmt: str,
     samples: list[tuple[list[int], list[int], list[torch.Tensor]]],
     fc_count: int,
     truth: dict | None = None,
+    compress: bool = False,
 ) -> Path:
     """samples: (input_ids, loss_mask, tensors in file order [seq, H] each). `truth` (which layer each
-    tensor really is) goes to difftest_dump.json for tests and people; readers never look at it."""
+    tensor really is) goes to difftest_dump.json for tests and people; readers never look at it.
+    compress: SpecForge's --compress (.ckpt.gz)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if fmt == "speculators":
@@ -360,9 +405,17 @@ def write_dump(
             raise ConfigError("specforge: every tensor but the last goes to aux_hidden_state; fc_count must be len - 1")
         for i, (ids, mask, tensors) in enumerate(samples):
             aux = torch.cat([t.detach() for t in tensors[:-1]], dim=-1)[None]  # [1, seq, A*H]
+            a = i // SPECFORGE_ROWS_PER_DIR * SPECFORGE_ROWS_PER_DIR
+            rows = path / f"rows_{a}-{a + SPECFORGE_ROWS_PER_DIR}"
+            rows.mkdir(exist_ok=True)
+            buf = io.BytesIO()
             torch.save({"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
-                        "aux_hidden_state": aux.clone(), "hidden_state": tensors[-1].detach()[None].clone()},
-                       path / f"data_{i}.ckpt")  # fmt: skip
+                        "aux_hidden_state": aux.clone(), "hidden_state": tensors[-1].detach()[None].clone()}, buf)  # fmt: skip
+            if compress:
+                with gzip.open(rows / f"data_{i}.ckpt.gz", "wb") as f:
+                    f.write(buf.getvalue())
+            else:
+                (rows / f"data_{i}.ckpt").write_bytes(buf.getvalue())
     else:
         raise ConfigError(f"dump format {fmt!r}: expected one of {', '.join(FORMATS)}")
     meta = {"format": fmt, "num_samples": len(samples), "fc_count": fc_count, **(truth or {})}

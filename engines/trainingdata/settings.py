@@ -9,5 +9,9 @@ SCHEMA = Schema("train", (
     Setting("identify", "choice", "identify dumped tensors by a target run or by statistics", default="target",
             choices=("target", "stats")),
     Setting("wiring", "wiring", "feed fc with these tensors instead of the trainer's (e.g. h2+h4+h7)"),
-    Setting("ttt_steps", "int", "training-accuracy unroll depth (default: the case's speculative.num_steps)", min=1),
+    Setting("ttt_steps", "int", "training-accuracy unroll depth (default: the trainer's own, 3 speculators / 7 SpecForge)",
+            min=1),
+    Setting("max_len", "int", "truncate every sample to this many tokens before scoring, as the trainer does", min=1),
+    Setting("hidden_states", "path", "the hidden-state folder when it is not DATA/hidden_states (speculators --output)"),
+    Setting("trainer", "str", "the trainer rules: speculators@VERSION or specforge@VERSION (default: from the data)"),
 ))  # fmt: skip

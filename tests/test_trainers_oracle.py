@@ -1,0 +1,249 @@
+"""The training side against the trainers' own code: speculators 0.9.0 and SpecForge 0.2.0 run as the oracle.
+
+Each trainer runs in its own environment (`scripts/setup-engine speculators`, `scripts/setup-engine
+specforge`), through the scripts in tests/trainer_oracle/. Without an environment these tests are
+skipped naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail instead.
+
+* metrics: on the same draft logits and data, difftest's per-step counts (full_acc, cond_acc; SpecForge's
+  acc_k) equal the trainers' `compute_metrics` / `_compute_metric_counts` exactly, so the ratios agree
+  to 1e-6. The draft logits are the verifier's targets plus noise (accuracies between about 0.2 and 0.9,
+  so AND-ing steps and masks matter), loss masks have gaps, and some targets fall outside the draft vocab.
+* the training forward: a draft built by speculators itself (`Eagle3DraftModel.from_training_args`, the
+  `speculators train` defaults) scored by its own training forward (ArrowDataset -> CollateFn(shift_batch)
+  -> forward metrics) gives the counts `difftest train-acc` gives on the same draft and dump, with the
+  rules chosen from the draft config's speculators_version (teacher-forced tokens, positions from 1,
+  norm_output).
+* readers: a speculators folder (arrow dataset + hidden states in a separate --hidden-states-path) read
+  by speculators' ArrowDataset, and a SpecForge rows_a-b folder (.ckpt and .ckpt.gz, with its
+  vocab_mapping/vocab_mapping.pt) read by SpecForge's offline reader, give difftest's reader the same
+  tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftest.errors import ConfigError
+from difftest.train_accuracy import RULES, VerifierHead, score_steps
+from engines.trainingdata.formats import read_dump, write_dump
+
+HERE = Path(__file__).parent / "trainer_oracle"
+REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
+V, VD, H, STEPS = 64, 24, 16, 4  # full vocab, draft vocab, hidden, TTT steps
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
+
+
+def trainer_python(name: str) -> str:
+    candidate = _cache() / "envs" / name / "bin" / "python"
+    if not candidate.exists():
+        why = f"{name}'s environment is not set up ({candidate} not found); set it up with: scripts/setup-engine {name}"
+        if REQUIRED:
+            pytest.fail(f"DIFFTEST_REQUIRE_ENGINES=1: {why}")
+        pytest.skip(why)
+    return str(candidate)
+
+
+def run_oracle(name: str, script: str, *args: str, with_difftest: bool = False) -> None:
+    # SpecForge's metric functions are torch.compile'd; their eager code is the same function and
+    # skips minutes of CPU compilation
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) if with_difftest else "", TORCH_COMPILE_DISABLE="1")
+    proc = subprocess.run([trainer_python(name), str(HERE / script), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _has_datasets() -> bool:
+    return importlib.util.find_spec("datasets") is not None
+
+
+# -- the shared draft and data ------------------------------------------------------------------
+
+
+def make_cases(seed: int = 0, n_cases: int = 6) -> tuple[dict, list[dict]]:
+    g = torch.Generator().manual_seed(seed)
+    lm_head = torch.randn(V, H, generator=g)
+    norm_weight = 0.5 + torch.rand(H, generator=g)
+    draft_cols = torch.sort(torch.randperm(V, generator=g)[:VD]).values  # draft id d -> target id draft_cols[d]
+    d2t = draft_cols - torch.arange(VD)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_cols] = True
+    head = VerifierHead(lm_head, norm_weight, 1e-6)
+    cases = []
+    for c in range(n_cases):
+        N = int(torch.randint(10, 40, (1,), generator=g))
+        verifier = torch.randn(N, H, generator=g) * (1 + c)  # scale varies: the norm matters
+        input_ids = torch.randint(0, V, (N,), generator=g)
+        loss_mask = (torch.rand(N, generator=g) < 0.75).long()
+        loss_mask[: int(torch.randint(0, 4, (1,), generator=g))] = 0  # a prompt
+        # the draft: each trainer's targets at j = i + k + 1, plus noise that grows with the step
+        T = head.targets(verifier, d2t, RULES["speculators"])[0]
+        logits = torch.randn(STEPS, N - 1, VD, generator=g) * 1.5
+        for k in range(STEPS):
+            j = (torch.arange(N - 1) + k + 1).clamp(max=N - 1)
+            logits[k, torch.arange(N - 1), T[j]] += 4.0 - 0.5 * k
+        cases.append({"input_ids": input_ids, "loss_mask": loss_mask, "verifier": verifier, "logits": logits})
+    shared = {"lm_head": lm_head, "norm_weight": norm_weight, "eps": 1e-6, "d2t": d2t, "t2d": t2d, "draft_cols": draft_cols, "head": head}
+    return shared, cases
+
+
+def difftest_counts(shared: dict, case: dict, rules) -> dict:
+    targets, in_vocab = shared["head"].targets(case["verifier"], shared["d2t"], rules)
+    preds = [case["logits"][k].argmax(-1) for k in range(STEPS)]
+    return score_steps(preds, targets, case["loss_mask"].bool(), rules, in_vocab).to_dict()
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+
+def test_speculators_metrics_equal_difftest_full_and_cond_accuracy(tmp_path):
+    shared, cases = make_cases(seed=1)
+    payload = [{**c, "eps": shared["eps"], "norm_weight": shared["norm_weight"],
+                "lm_head_draft_rows": shared["lm_head"][shared["draft_cols"]]} for c in cases]  # fmt: skip
+    torch.save(payload, tmp_path / "in.pt")
+    run_oracle("speculators", "speculators_metrics.py", str(tmp_path / "in.pt"), str(tmp_path / "out.json"))
+    theirs = json.loads((tmp_path / "out.json").read_text())
+    full_seen = set()
+    for case, t in zip(cases, theirs):
+        ours = difftest_counts(shared, case, RULES["speculators"])
+        assert ours["correct"] == t["full_acc_sum"] and ours["counted"] == t["full_acc_total"], (ours, t)
+        assert ours["cond_correct"] == t["cond_acc_sum"] and ours["cond_counted"] == t["cond_acc_total"], (ours, t)
+        for a, c, n in zip(ours["full_acc"], t["full_acc_sum"], t["full_acc_total"]):
+            if n:
+                assert abs(a - c / n) < 1e-6
+                full_seen.add(round(a, 2))
+    assert len(full_seen) > 3 and max(full_seen) > 0.5 and min(full_seen) < 0.5  # the data exercises the rules
+
+
+def test_specforge_metric_counts_equal_difftest_accuracy(tmp_path):
+    shared, cases = make_cases(seed=2)
+    payload = [{**c, "lm_head": shared["lm_head"], "d2t": shared["d2t"], "t2d": shared["t2d"], "max_len": 2048} for c in cases]
+    torch.save(payload, tmp_path / "in.pt")
+    run_oracle("specforge", "specforge_metrics.py", str(tmp_path / "in.pt"), str(tmp_path / "out.json"))
+    theirs = json.loads((tmp_path / "out.json").read_text())
+    out_of_vocab = 0
+    for case, t in zip(cases, theirs):
+        ours = difftest_counts(shared, case, RULES["specforge"])
+        denom = [d if d >= 1 else 0.0 for d in t["denom"]]  # clamp_min(1e-6) for an empty mask
+        assert ours["correct"] == t["correct"] and ours["counted"] == denom, (ours, t)
+        for a, c, n in zip(ours["full_acc"], t["correct"], denom):
+            if n:
+                assert abs(a - c / n) < 1e-6
+        _, in_vocab = shared["head"].targets(case["verifier"], shared["d2t"], RULES["specforge"])
+        out_of_vocab += int((~in_vocab[1:] & case["loss_mask"][:-1].bool()).sum())
+    assert out_of_vocab > 0  # some counted targets lie outside the draft vocab: SpecForge counts them as misses
+
+
+# -- readers ----------------------------------------------------------------------------------------
+
+
+def _hidden_samples(seed: int, n: int = 3, layers: int = 4) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        N = int(torch.randint(6, 20, (1,), generator=g))
+        out.append({"input_ids": torch.randint(0, V, (N,), generator=g), "loss_mask": (torch.rand(N, generator=g) < 0.7).long(),
+                    "hidden_states": torch.randn(N, layers, H, generator=g).to(torch.bfloat16)})  # fmt: skip
+    return out
+
+
+def test_speculators_folder_with_separate_hidden_states_reads_as_their_trainer_reads_it(tmp_path):
+    samples = _hidden_samples(3)
+    torch.save(samples, tmp_path / "in.pt")
+    data, hs = tmp_path / "data", tmp_path / "elsewhere" / "hs"
+    run_oracle("speculators", "speculators_reader.py", str(tmp_path / "in.pt"), str(data), str(hs), str(tmp_path / "out.pt"))
+    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
+    # difftest's reader where `datasets` is installed (it reads the arrow dataset part through it)
+    run_oracle("speculators", "difftest_reader.py", str(data), str(hs), str(tmp_path / "ours.pt"), with_difftest=True)
+    dump = torch.load(tmp_path / "ours.pt", weights_only=True)  # auto: hidden_states given means speculators
+    assert dump["format"] == "speculators" and not dump["skipped"] and len(dump["samples"]) == len(theirs)
+    for s, t in zip(dump["samples"], theirs):
+        assert torch.equal(s["input_ids"], t["input_ids"].long())
+        assert torch.equal(s["loss_mask"], t["loss_mask"].bool())
+        assert torch.equal(s["fc_in"], t["hidden_states"])  # [seq, 3H]: every layer but the last, flattened in order
+        assert torch.equal(s["verifier"], t["verifier_last_hidden_states"])
+    with pytest.raises(ConfigError, match="install `datasets`") if not _has_datasets() else nullcontext():
+        read_dump(data, hidden_states=hs)  # here: refused in one line naming what to install, or read
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["ckpt", "ckpt.gz"])
+def test_specforge_rows_folder_reads_as_their_offline_reader_reads_it(tmp_path, compress):
+    samples = [(s["input_ids"].tolist(), s["loss_mask"].tolist(), [s["hidden_states"][:, j].float() for j in range(4)])
+               for s in _hidden_samples(4, n=12)]  # fmt: skip
+    out = write_dump(tmp_path / "sf", "specforge", samples, fc_count=3, compress=compress)
+    (out / "difftest_dump.json").unlink()
+    (out / "vocab_mapping").mkdir()
+    torch.save({"d2t": torch.zeros(4, dtype=torch.long), "t2d": torch.ones(4, dtype=torch.bool)}, out / "vocab_mapping" / "vocab_mapping.pt")
+    run_oracle("specforge", "specforge_reader.py", str(out), str(tmp_path / "out.pt"), "2048")
+    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
+    dump = read_dump(out)
+    assert dump.format == "specforge" and not dump.skipped
+    assert [s.source for s in dump.samples] == [t["path"] for t in theirs]  # same files, same order (data_10 before data_2)
+    assert all(t["path"].endswith(".ckpt.gz" if compress else ".ckpt") and "/rows_0-2000/" in t["path"] for t in theirs)
+    for s, t in zip(dump.samples, theirs):
+        assert torch.equal(s.input_ids, t["input_ids"])
+        assert torch.equal(s.loss_mask[:-1], t["loss_mask"][:-1].bool())  # SpecForge zeroes the last position itself
+        assert torch.equal(s.fc_in, t["aux_hidden_state"]) and torch.equal(s.verifier, t["hidden_state"])
+
+
+# -- speculators' own training forward on its own draft -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speculators_draft_run(tmp_path_factory):
+    """A speculators-built draft (Eagle3DraftModel.from_training_args, `speculators train` defaults: norm_output,
+    sliding window) for the tiny random target, scored by speculators' training forward on a difftest dump whose
+    loss mask covers text that is not the target's greedy continuation (so teacher forcing is observable)."""
+    from engines.trainingdata.dump import dump_from_target, random_prompts
+    from helpers import make_tiny_pair
+
+    python = trainer_python("speculators")
+    root = tmp_path_factory.mktemp("spec_forward")
+    target, _ = make_tiny_pair(root, num_layers=6)
+    data = dump_from_target(target, root / "data", "speculators", "h1+h3+h4+h6", random_prompts(512, 8, 14, seed=5), continue_tokens=6)
+    rows = [json.loads(x) for x in (data / "samples.jsonl").read_text().splitlines()]
+    for r in rows:  # every position counts: the random prompt tokens are nobody's prediction
+        r["loss_mask"] = [1] * len(r["loss_mask"])
+    (data / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    draft = root / "draft"
+    env = dict(os.environ, PYTHONPATH="")
+    proc = subprocess.run([python, str(HERE / "speculators_forward.py"), str(target), str(data), str(draft), str(root / "theirs.json"),
+                           "3", "16", "1,3,4", "12"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"target": target, "data": data, "draft": draft, "theirs": json.loads((root / "theirs.json").read_text()), "root": root}
+
+
+def _train_acc(run: dict, *extra: str) -> dict:
+    from difftest import cli
+
+    out = run["root"] / f"ours{'-'.join(extra)}.json"
+    rc = cli.main(["train-acc", "--data", str(run["data"]), "--draft", str(run["draft"]), "--target", str(run["target"]),
+                   "--ttt-steps", "3", "--json", str(out), *extra])  # fmt: skip
+    assert rc == 0
+    return json.loads(out.read_text())["rows"][0]
+
+
+def test_train_acc_equals_speculators_training_forward_on_its_own_draft(speculators_draft_run, capsys):
+    theirs = speculators_draft_run["theirs"]["full"]
+    ours = _train_acc(speculators_draft_run)  # rules from the draft config's speculators_version (0.9.0)
+    assert "scored with speculators@0.9.0 (the draft config's speculators_version)'s rules" in capsys.readouterr().out
+    assert ours["correct"] == theirs["full_acc_sum"] and ours["counted"] == theirs["full_acc_total"], (ours, theirs)
+    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    assert ours["correct"][0] > 0 and ours["correct"][1] > 0  # enough right predictions that the rules matter
+
+
+def test_train_acc_truncates_samples_where_speculators_collate_does(speculators_draft_run):
+    theirs = speculators_draft_run["theirs"]["12"]  # CollateFn(max_len=12) after shift_batch: 13 tokens kept
+    ours = _train_acc(speculators_draft_run, "--max-len", "12")
+    assert ours["counted"] == theirs["full_acc_total"] and ours["correct"] == theirs["full_acc_sum"], (ours, theirs)
+    assert ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    assert ours["counted"][0] < speculators_draft_run["theirs"]["full"]["full_acc_total"][0]  # it did cut
