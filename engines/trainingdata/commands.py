@@ -35,8 +35,9 @@ def train_acc(args) -> int:
         name="train-acc", path=str(data / "train-acc"), target=_model(args.target), draft=_model(args.draft),
         dtype=args.dtype, layer_ids=[int(x) for x in args.layer_ids.replace("+", ",").split(",")] if args.layer_ids else None,
         prompts=[Prompt(ids=[0, 0])], num_steps=args.ttt_steps or 3,
-        engines={"train": {"data": str(data), "format": args.format, "identify": args.identify, "ttt_steps": args.ttt_steps,
-                           "max_len": args.max_len, "trainer": args.trainer}},
+        engines={"train": {k: v for k, v in {"data": str(data), "format": args.format, "identify": args.identify,
+                                             "ttt_steps": args.ttt_steps, "max_len": args.max_len,
+                                             "trainer": args.trainer}.items() if v is not None}},  # unset: the default
     )  # fmt: skip
     rows = []
     try:
