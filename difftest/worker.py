@@ -27,6 +27,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -73,7 +74,8 @@ class WorkerClient:
             log.flush()
             try:
                 self.proc = subprocess.Popen(
-                    [self.python, "-m", "difftest.worker", "--in-fd", str(req_r), "--out-fd", str(rep_w)],
+                    [self.python, "-m", "difftest.worker", "--in-fd", str(req_r), "--out-fd", str(rep_w),
+                     "--parent-pid", str(os.getpid())],
                     pass_fds=(req_r, rep_w),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -226,11 +228,82 @@ def serve(in_fd: int, out_fd: int) -> int:
     return 0
 
 
+# -- dying with the harness ------------------------------------------------------------
+# A worker must not outlive the harness that started it: a harness killed mid-capture
+# (SIGTERM, SIGKILL, a closed terminal) would otherwise leave the worker, and the engine's own
+# child processes, running until the request ends (up to --engine-timeout). Two mechanisms,
+# because neither covers every case alone: the kernel's parent-death signal (Linux, immediate,
+# but tied to the parent *process id*, which a wrapper script in --engine-python may change) and
+# a watchdog thread on the reply pipe, whose reader is the harness: once nobody can read our
+# replies there is nobody to work for (portable, and independent of who our parent is).
+
+WATCH_INTERVAL_S = 0.2
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _kill_own_group() -> None:
+    """End this worker and every process it started (the engine's schedulers, compilers...).
+    The harness starts a worker in a session of its own (start_new_session), whose process group
+    holds the worker, any wrapper script around its interpreter, and the engine's children; a
+    worker run any other way (by hand, in a test) kills only itself, never a group it shares."""
+    sys.stderr.flush()
+    if os.getpgrp() == os.getsid(0):
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send `sig` when our parent exits (Linux prctl); False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def harness_gone(out_fd: int, parent_pid: int | None, timeout_s: float = 0.0) -> bool:
+    """True once the reply pipe has no reader (the harness closed it or died), or our parent
+    changed from the harness's pid (we were re-parented to init or a subreaper)."""
+    if parent_pid is not None and os.getppid() != parent_pid:
+        return True
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(out_fd, 0)  # no events asked: poll reports only POLLERR / POLLHUP
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(int(timeout_s * 1000)))
+    time.sleep(timeout_s)
+    return False
+
+
+def die_with_parent(out_fd: int, parent_pid: int | None) -> None:
+    """Install the parent-death signal, a SIGTERM handler and the pipe watchdog (see above)."""
+    if parent_pid is not None and os.getppid() != parent_pid:
+        parent_pid = None  # started through a wrapper that forked: only the pipe tells
+    signal.signal(signal.SIGTERM, lambda *_: _kill_own_group())
+    if parent_pid is not None:
+        _set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the harness died before the prctl took effect
+            _kill_own_group()
+
+    def watch() -> None:
+        while not harness_gone(out_fd, parent_pid, WATCH_INTERVAL_S):
+            pass
+        print(f"[difftest.worker] {time.strftime('%H:%M:%S')} harness gone; exiting", file=sys.stderr, flush=True)
+        _kill_own_group()
+
+    threading.Thread(target=watch, name="difftest-parent-watchdog", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="difftest engine worker (started by the harness)")
     ap.add_argument("--in-fd", type=int, required=True)
     ap.add_argument("--out-fd", type=int, required=True)
+    ap.add_argument("--parent-pid", type=int, default=None, help="the harness's pid: exit when it exits")
     args = ap.parse_args(argv)
+    die_with_parent(args.out_fd, args.parent_pid)
     return serve(args.in_fd, args.out_fd)
 
 
