@@ -13,6 +13,7 @@ reference (`baseline:NAME`). Every session ends with the per-case verdict table 
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -275,13 +276,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     if SESSION not in config.stash:
         return
     report_dir = config._difftest_report_dir  # type: ignore[attr-defined]
-    written, rows = [], []
+    selected = Counter(item.case.path for item in session.items if isinstance(item, CheckItem))
+    written, kept, rows = [], [], []
     for path, results in config.stash[RESULTS].items():
         case = config.stash[CASES][path]
         report = report_mod.build(case, config.stash[SESSION], results)
+        if len(results) < selected[path]:  # Ctrl-C, -x, a crash of the run: not every check ran
+            report["interrupted"] = True
+            previous = report_mod.json_path(report, report_dir)
+            if report_mod.is_complete(previous):
+                kept.append(previous)  # an interrupted run never replaces a finished report
+                continue
         written.append(report_mod.write(report, report_dir))
         rows += upgrade_mod.summarise(report, report_dir)
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        config.stash[SESSION].abort()  # a worker mid-request cannot answer a polite close
     config._difftest_written = written  # type: ignore[attr-defined]
+    config._difftest_kept = kept  # type: ignore[attr-defined]
     config._difftest_summary = rows  # type: ignore[attr-defined]
     writer = config.stash.get(WRITER, None)
     if writer is not None:
@@ -290,10 +301,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     written = getattr(config, "_difftest_written", [])
-    if written:
+    kept = getattr(config, "_difftest_kept", [])
+    if written or kept:
         terminalreporter.write_sep("-", "difftest reports")
         for p in written:
             terminalreporter.write_line(str(p))
+        for p in kept:
+            terminalreporter.write_line(f"{p} (kept: the run was interrupted before this case finished)")
     rows = getattr(config, "_difftest_summary", [])
     if rows:
         terminalreporter.write_sep("-", "difftest summary (accept length AL: accepted draft tokens + 1 per verify step)")

@@ -125,6 +125,12 @@ class Session:
             client.close()
         self._clients.clear()
 
+    def abort(self) -> None:
+        """Kill every worker now (an interrupted run: none is waited for)."""
+        for client in self._clients.values():
+            client.kill()
+        self._clients.clear()
+
     # -- cases -----------------------------------------------------------------------
     def prepare(self, case: Case) -> Case:
         """Resolve fixtures (building them on first use); memoised per case file."""

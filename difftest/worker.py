@@ -60,6 +60,7 @@ class WorkerClient:
         self.extra_env = env or {}
         self.proc: subprocess.Popen | None = None
         self.info: dict | None = None
+        self.busy = False  # a request is in flight (an interrupted wait leaves it so)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> dict:
@@ -98,7 +99,7 @@ class WorkerClient:
         if self.proc is None:
             return
         try:
-            if self.proc.poll() is None:
+            if self.proc.poll() is None and not self.busy:  # a busy worker cannot answer a close
                 self.request({"op": "close"}, timeout=30)
                 self.proc.wait(timeout=10)
         except (DifftestError, OSError, subprocess.TimeoutExpired):
@@ -123,6 +124,7 @@ class WorkerClient:
     def request(self, msg: dict, timeout: float | None = None) -> dict:
         assert self.proc is not None, "worker not started"
         timeout = self.timeout if timeout is None else timeout
+        self.busy = True
         try:
             self._w.write(json.dumps(msg) + "\n")
             self._w.flush()
@@ -133,6 +135,7 @@ class WorkerClient:
             self.kill()
             raise EngineError(f"{self.spec.id}: no answer to {msg['op']!r} within {timeout:.0f}s; worker killed; log: {self.log_path}")
         line = self._r.readline()
+        self.busy = False
         if not line:
             raise self._died()
         reply = json.loads(line)

@@ -103,15 +103,24 @@ class Run:
         raise KeyError(f"no result for {engine} {check}")
 
 
-def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float = 1800) -> Run:
-    """`pytest cases/ ...` in a fresh process inside `root`, with the fake engine registered."""
+def _pytest_command(root: Path, args: tuple[str, ...], env: dict | None) -> tuple[list[str], dict]:
     environ = dict(os.environ)
     environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), environ.get("PYTHONPATH", "")])
     environ["DIFFTEST_ENGINES"] = "fake=fake_engine:FakeEngine"
     environ.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-rfEs",
-         "--rootdir", str(root), "-c", os.devnull, *args],
-        cwd=root, env=environ, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-rfEs",
+               "--rootdir", str(root), "-c", os.devnull, *args]  # fmt: skip
+    return command, environ
+
+
+def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float = 1800) -> Run:
+    """`pytest cases/ ...` in a fresh process inside `root`, with the fake engine registered."""
+    command, environ = _pytest_command(root, args, env)
+    proc = subprocess.run(command, cwd=root, env=environ, capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout + proc.stderr, root)
+
+
+def start_pytest(root: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """As run_pytest, but returns the running process (to interrupt it)."""
+    command, environ = _pytest_command(root, args, env)
+    return subprocess.Popen(command, cwd=root, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
