@@ -86,10 +86,9 @@ class Case:
 
 
 def _files_signature(path: str) -> list:
-    p = Path(path)
-    if not p.is_dir():
-        return [path]
-    return sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in p.iterdir() if f.is_file())
+    from difftest.content_digest import signature  # by content: size and mtime can stay put
+
+    return signature(path)
 
 
 def _err(path: Path, field_name: str, msg: str) -> ConfigError:

@@ -18,6 +18,7 @@ from typing import Callable
 from difftest import noise
 from difftest.acceptance import AcceptStats
 from difftest.capture import Capture, CaptureCache, cache_key
+from difftest.content_digest import paths_signature
 from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
 from difftest.engine import EngineSpec, engine_target
@@ -178,6 +179,12 @@ class Session:
         return dataclasses.replace(case, engines={**case.engines, spec.name: merged})
 
     # -- results ---------------------------------------------------------------------
+    def inputs_key(self, case: Case, spec: EngineSpec) -> list:
+        """What a cached result of `spec` on `case` depends on besides the engine's version: the
+        case's fingerprint (the target and draft by content) and, by content too, any file or
+        directory the engine's settings or spec parameters name (its own draft, training data)."""
+        return [case.fingerprint(), paths_signature({"settings": case.engines.get(spec.name), "params": dict(spec.params)})]
+
     def capture(self, case: Case, spec: EngineSpec, index: int) -> Capture:
         case = self.prepare(case)
         ids = self.prompt_ids(case)[index]
@@ -187,7 +194,7 @@ class Session:
         if memo not in self._captures:
             case = self.engine_case(case, spec)
             client = self.client(spec)
-            key = cache_key("capture", spec.id, client.info["version"], case.fingerprint(), ids)
+            key = cache_key("capture", spec.id, client.info["version"], self.inputs_key(case, spec), ids)
             cached = self.cache.get(key) if self.options.use_cache else None
             if cached is None:
                 out = self.cache.path(key)
@@ -212,9 +219,10 @@ class Session:
                 return None
             client = self.client(spec)
             ids = self.prompt_ids(case)[index]
-            ref_key = cache_key("capture", source.id, self.engine_info(source)["version"], source_case.fingerprint(), ids)
+            ref_key = cache_key("capture", source.id, self.engine_info(source)["version"],
+                                self.inputs_key(self.engine_case(source_case, source), source), ids)  # fmt: skip
             case = self.engine_case(case, spec)
-            key = cache_key("golden", spec.id, client.info["version"], case.fingerprint(), ref_key)
+            key = cache_key("golden", spec.id, client.info["version"], self.inputs_key(case, spec), ref_key)
             cached = self.cache.get(key) if self.options.use_cache else None
             if cached is None:
                 from safetensors.torch import save_file
@@ -244,7 +252,7 @@ class Session:
             case = self.engine_case(case, spec)
             client = self.client(spec)
             prompts = self.prompt_ids(case, speculative=True)
-            key = cache_key("speculate", spec.id, client.info["version"], case.fingerprint(), prompts)
+            key = cache_key("speculate", spec.id, client.info["version"], self.inputs_key(case, spec), prompts)
             path = self.cache.path(key).with_suffix(".json")
             if self.options.use_cache and path.exists():
                 stats = AcceptStats.from_dict(json.loads(path.read_text()))
