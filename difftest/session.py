@@ -136,7 +136,16 @@ class Session:
     def prepare(self, case: Case) -> Case:
         """Resolve fixtures (building them on first use); memoised per case file."""
         if case.path not in self._cases:
-            fix = lambda v: resolve_fixture(v) if isinstance(v, str) and v.startswith("fixture:") else v  # noqa: E731
+
+            def fix(v):
+                if not (isinstance(v, str) and v.startswith("fixture:")):
+                    return v
+                t = time.monotonic()
+                path = resolve_fixture(v)
+                if time.monotonic() - t > 5:  # a cold build: say which step took the time
+                    self._progress(f"{v} built in {time.monotonic() - t:.0f}s (cached from now on)")
+                return path
+
             resolved = dataclasses.replace(
                 case,
                 target=fix(case.target),
