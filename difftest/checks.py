@@ -7,8 +7,9 @@
   draft_logits    everything the draft computes after fc matches, every draft step
   top1_agreement  the draft's greedy choices agree with the reference's
   accept_length   simulated/engine accept length is within tolerance or 3 standard errors of the reference's
-  train_accuracy  (cases with `engines.train.data`) the draft's training accuracy with this
-                  engine's fc wiring vs the trainer's (difftest.train_check)
+
+Engines contribute further checks through the `difftest.checks` entry points
+(difftest.extensions), e.g. the training-data engine's `train_accuracy`.
 
 A failing message names the first tensor in data-flow order that diverges, by how much,
 and (for fc inputs) which reference tensor the engine actually fed. A failing
@@ -17,8 +18,6 @@ inputs) to tell "captured the wrong hidden states" from "the draft computes diff
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,9 +28,9 @@ from difftest.compare import CaptureDiff, TensorDiff, compare_captures, top1_agr
 from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
 from difftest.names import split_draft
+from difftest.extensions import extra_checks
 from difftest.session import Session
-from difftest.train_check import applies as _train_applies
-from difftest.train_check import check_train_accuracy
+from difftest.verdict import Verdict
 
 REFERENCE_CHECKS = ("capture", "lint")
 ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
@@ -39,13 +38,6 @@ ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 DEFAULT_TOP1 = 0.98
 DEFAULT_ACCEPT = {"atol": 0.2, "rtol": 0.1}
 ACCEPT_SIGMAS = 3.0  # standard errors of the accept-length difference allowed (~0.3% two-sided false alarms)
-
-
-@dataclass
-class Verdict:
-    passed: bool
-    message: str
-    data: dict = field(default_factory=dict)
 
 
 def _in_fc_scope(name: str) -> bool:
@@ -251,12 +243,16 @@ CHECKS = {
     "draft_logits": check_draft_logits,
     "top1_agreement": check_top1,
     "accept_length": check_accept_length,
-    "train_accuracy": check_train_accuracy,  # difftest.train_check; only for cases with training data
 }
 
 
 def checks_for(case: Case, is_reference: bool) -> tuple[str, ...]:
-    """The items a case gets per engine: train_accuracy joins when the case names training data."""
-    if is_reference:
-        return REFERENCE_CHECKS
-    return ENGINE_CHECKS + (("train_accuracy",) if _train_applies(case) else ())
+    """The items a case gets per engine: the core's, then those engines contribute that apply to it
+    (e.g. train_accuracy, when the case names training data)."""
+    own = REFERENCE_CHECKS if is_reference else ENGINE_CHECKS
+    return own + tuple(name for name, c in extra_checks().items() if name not in CHECKS and c.applies(case, is_reference))
+
+
+def run_check(name: str, session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    check = CHECKS.get(name) or extra_checks()[name].run
+    return check(session, case, spec)

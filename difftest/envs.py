@@ -97,7 +97,7 @@ def env_hash(requirements: str, setup_script: Path) -> str:
 
 def plan(requirement: str, label: str | None = None, cache: Path | None = None, root: Path = PROJECT_ROOT) -> EnvPlan:
     """Where `difftest env create REQUIREMENT` puts its environment, and with which pins; builds nothing."""
-    from difftest.session import cache_root
+    from difftest.paths import cache_root
 
     name, version = parse_engine_requirement(requirement)
     spec_dir = root / "engines" / name

@@ -130,8 +130,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         session.close()
 
 
+def named_on_command_line(config: pytest.Config, file_path: Path) -> bool:
+    """A file the user named as an argument (`pytest my/case.yaml`), wherever it lives."""
+    where = Path(config.invocation_params.dir)
+    for arg in config.args:
+        try:
+            if (where / arg.split("::")[0]).resolve() == file_path.resolve():
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def pytest_collect_file(parent: pytest.Collector, file_path: Path):
-    if file_path.suffix in (".yaml", ".yml") and file_path.parent.name == "cases":
+    """Case files: YAML in a folder named `cases` (`pytest cases/`), or any YAML named on the
+    command line. Other YAML (a project's CI config, say) is never collected."""
+    if file_path.suffix in (".yaml", ".yml") and (
+        file_path.parent.name == "cases" or named_on_command_line(parent.config, file_path)
+    ):
         return CaseFile.from_parent(parent, path=file_path)
     return None
 
@@ -196,7 +212,7 @@ class CheckItem(pytest.Item):
         results = self.config.stash[RESULTS].setdefault(self.case.path, [])
         record = {"engine": self.spec.id, "check": self.check}
         try:
-            verdict = checks_mod.CHECKS[self.check](session, self.case, self.spec)
+            verdict = checks_mod.run_check(self.check, session, self.case, self.spec)
         except EngineUnavailable as e:
             results.append({**record, "outcome": "skipped", "message": str(e)})
             if self.config.getoption("require_engines"):

@@ -23,14 +23,11 @@ from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
 from difftest.engine import EngineSpec, engine_target
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable, Unsupported
+from difftest.paths import cache_root
 from difftest.report import atomic_write
 from difftest.worker import WorkerClient
 
 FIXTURE_GROUP = "difftest.fixtures"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
 
 
 def resolve_fixture(ref: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import COUNTERS_CASE, HANG_GUARD_S, ROOT, make_degenerate_pair, run_pytest
 
-from difftest.session import cache_root
+from difftest.paths import cache_root
 
 TIMEOUT = HANG_GUARD_S  # per pytest run; a hung engine is killed by --engine-timeout well before
 

@@ -20,7 +20,9 @@ REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
 
 
 def _cache() -> Path:
-    return Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
+    from difftest.paths import cache_root
+
+    return cache_root()
 
 
 def vllm_python() -> str:

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from difftest.session import cache_root
+from difftest.paths import cache_root
 from engines.sglang.cpu_shim import ops
 from helpers import HANG_GUARD_S, ROOT, TESTS
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from difftest.train_accuracy import RULES, StepCounts, VerifierHead, score_steps
+from engines.trainingdata.train_accuracy import RULES, StepCounts, VerifierHead, score_steps
 
 # N = 5 tokens; T_p = target draft id at p (T_0 is never a target); loss mask on positions 2..4.
 TARGETS = torch.tensor([9, 1, 2, 3, 4])

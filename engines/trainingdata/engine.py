@@ -15,7 +15,7 @@ For a case prompt, the sample whose token ids start with the prompt supplies `dr
 exactly as the trainer built it, the dumped tensors under their identified canonical names
 (the verifier included), and the draft's tensors from running the reference draft on that
 fc input. Capture meta carries the identification, the trainer's accuracy over the whole
-dump (difftest.train_accuracy) and every skipped sample's one-line reason.
+dump (engines.trainingdata.train_accuracy) and every skipped sample's one-line reason.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from difftest.capture import Capture
 from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError
-from difftest.layer_identity import Identification, identify_against_target, identify_by_statistics
-from difftest.train_accuracy import RULES, StepCounts, VerifierHead, sample_accuracy
+from engines.trainingdata.layer_identity import Identification, identify_against_target, identify_by_statistics
+from engines.trainingdata.train_accuracy import RULES, StepCounts, VerifierHead, sample_accuracy
 from difftest.wiring import resolve, short_name
 from engines.ref.eagle3 import LoadedDraft, load_draft
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy

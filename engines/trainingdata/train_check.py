@@ -15,7 +15,9 @@ from difftest.case import Case
 from difftest.diagnose import match_fc_chunks
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
+from difftest.extensions import ExtraCheck
 from difftest.session import Session
+from difftest.verdict import Verdict
 from difftest.wiring import hidden_index, short_name
 
 TRAIN = "train"
@@ -47,9 +49,7 @@ def engine_wiring(session: Session, case: Case, spec: EngineSpec) -> tuple[list[
     return [m.best for m in matches], "its fc chunks matched to the reference target"
 
 
-def check_train_accuracy(session: Session, case: Case, spec: EngineSpec):
-    from difftest.checks import Verdict
-
+def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     atol = float((case.expect.get("train_accuracy") or {}).get("atol", DEFAULT_ATOL))
     base = _trainer_spec(session)
     trained = session.capture(case, base, 0).meta
@@ -72,3 +72,9 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec):
         lines[0] = "training accuracy collapses under this engine's wiring: " + lines[0]
     data = {"trainer": acc_t, "engine": acc_e, "engine_wiring": names, "identification": td["identification"], "skipped": td["skipped"]}
     return Verdict(b >= a - atol, "\n".join(lines), data)
+
+
+# registered under the `difftest.checks` entry points (pyproject.toml): every non-reference engine
+# of a case that names training data gets the item
+CHECK = ExtraCheck("train_accuracy", check_train_accuracy, lambda case, is_reference: not is_reference and applies(case),
+                   "the draft's training accuracy with this engine's fc wiring vs the trainer's")  # fmt: skip
