@@ -45,7 +45,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--engine-python", action="append", default=[], metavar="NAME=PATH",
                 help="interpreter for an engine's worker (NAME is name or name@label); repeatable")  # fmt: skip
     g.addoption("--report-dir", default=None, help="where per-case JSON/Markdown reports go (default: <rootdir>/reports)")
-    g.addoption("--engine-timeout", type=float, default=900.0, help="seconds one engine request may take (default 900)")
+    g.addoption("--engine-timeout", type=float, default=900.0, help="seconds one engine request may take (default 900; starting an engine at least 120)")
     g.addoption("--require-engines", action="store_true", help="fail instead of skip when an engine is not installed (CI)")
     g.addoption("--no-capture-cache", action="store_true", help="recapture instead of reusing cached captures")
     g.addoption("--save-baseline", default=None, metavar="NAME",

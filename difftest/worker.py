@@ -36,6 +36,9 @@ from pathlib import Path
 from difftest.errors import ConfigError, DifftestError, EngineError, EngineUnavailable, Unsupported
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Starting a worker (a fresh interpreter importing torch and the engine) takes tens of seconds on
+# a busy machine; a short --engine-timeout, meant for requests, must not fail the start.
+MIN_START_TIMEOUT_S = 120.0
 
 
 def last_error_line(log_path: Path, max_bytes: int = 65536) -> str:
@@ -91,7 +94,8 @@ class WorkerClient:
         os.close(rep_w)
         self._w = os.fdopen(req_w, "w")
         self._r = os.fdopen(rep_r, "r")
-        reply = self.request({"op": "hello", "spec": self.spec.to_dict(), "target": self.target})
+        reply = self.request({"op": "hello", "spec": self.spec.to_dict(), "target": self.target},
+                             timeout=max(self.timeout, MIN_START_TIMEOUT_S))  # fmt: skip
         self.info = reply["info"]
         return self.info
 
@@ -124,6 +128,9 @@ class WorkerClient:
     def request(self, msg: dict, timeout: float | None = None) -> dict:
         assert self.proc is not None, "worker not started"
         timeout = self.timeout if timeout is None else timeout
+        if self.proc.poll() is not None or self._w.closed:  # killed after a timeout, or crashed, earlier
+            raise EngineError(f"{self.spec.id}: worker is no longer running (exit {self.proc.returncode}) after an "
+                              f"earlier failure; log: {self.log_path}")  # fmt: skip
         self.busy = True
         try:
             self._w.write(json.dumps(msg) + "\n")
