@@ -22,13 +22,15 @@ from __future__ import annotations
 import torch
 
 from difftest import noise
-from difftest.acceptance import AcceptStats, accept_length_spread
+from difftest.acceptance import accept_length_spread
 from difftest.case import Case
-from difftest.compare import CaptureDiff, TensorDiff, compare_captures, top1_agreement
+from difftest.compare import CaptureDiff, TensorDiff, top1_agreement
 from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
-from difftest.names import split_draft
 from difftest.extensions import extra_checks
+from difftest.golden import golden_rerun
+from difftest.scopes import in_draft_scope as _in_draft_scope
+from difftest.scopes import in_fc_scope as _in_fc_scope
 from difftest.session import Session
 from difftest.verdict import Verdict
 
@@ -38,15 +40,6 @@ ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 DEFAULT_TOP1 = 0.98
 DEFAULT_ACCEPT = {"atol": 0.2, "rtol": 0.1}
 ACCEPT_SIGMAS = 3.0  # standard errors of the accept-length difference allowed (~0.3% two-sided false alarms)
-
-
-def _in_fc_scope(name: str) -> bool:
-    return name.startswith("target.") or name.startswith("draft.fc_in")
-
-
-def _in_draft_scope(name: str) -> bool:
-    d = split_draft(name)
-    return d is not None and not d[1].startswith("fc_in") and d[1] != "embeds"
 
 
 def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: list[CaptureDiff], scope) -> Verdict:
@@ -127,38 +120,10 @@ def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdic
     diffs = session.comparisons(case, spec)
     verdict = _divergence_report(session, case, spec, diffs, _in_draft_scope)
     if not verdict.passed:
-        lines, golden = _golden(session, case, spec, verdict.data["prompt"], diffs[verdict.data["prompt"]])
+        lines, golden = golden_rerun(session, case, spec, verdict.data["prompt"], diffs[verdict.data["prompt"]])
         verdict.message += "".join("\n" + ln for ln in lines)
         verdict.data["golden"] = golden
     return verdict
-
-
-def _golden(session: Session, case: Case, spec: EngineSpec, i: int, diff: CaptureDiff) -> tuple[list[str], dict]:
-    """Re-run the engine's draft on the reference's draft.fc_in and say which side is at fault."""
-    ref_spec = session.options.reference
-    golden = session.capture_golden(case, spec, i)
-    if golden is None:
-        return [f"golden-input re-run: not supported by {spec.id}, so wrong hidden states and a draft that "
-                "computes differently cannot be told apart"], {"outcome": "unsupported"}  # fmt: skip
-    ref = session.capture(case, ref_spec, i)
-    scope = [n for n in ref.names() if _in_draft_scope(n)]
-    gdiff = compare_captures(ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing],
-                             floor=session.noise_floor(case))  # fmt: skip
-    g_first = gdiff.first_introduced(scope) or gdiff.first_divergence(scope)
-    fc_ok = all(d.ok for d in diff.diffs if _in_fc_scope(d.name))
-    data = {"outcome": "diverges" if g_first else "matches", "first_divergence": g_first.name if g_first else None,
-            "tensors": [d.name for d in gdiff.diffs if d.name in scope and not d.ok]}  # fmt: skip
-    if g_first is None and not fc_ok:
-        return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches {ref_spec.id} on every draft "
-                "tensor: the engine captured the wrong hidden states; its draft computes correctly"], data  # fmt: skip
-    if g_first is None:
-        return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches, yet its own run diverges with "
-                "matching fc inputs: nondeterminism, or a capture that is not what the draft consumed"], data  # fmt: skip
-    where = f"error introduced at {g_first.noise_summary()}"
-    lines = [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft still diverges, {where}: the engine's "
-             "draft computes differently"]  # fmt: skip
-    own = diff.first_introduced() or diff.first_divergence([d.name for d in diff.diffs if _in_draft_scope(d.name)])
-    return lines + ([] if own is not None and own.name == g_first.name else diagnose_draft(g_first.name)), data
 
 
 def check_lint(session: Session, case: Case, spec: EngineSpec) -> Verdict:
