@@ -218,7 +218,7 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
                 for spec in s.options.engines:
                     is_ref = spec.id == s.options.reference.id
                     for check in checks_mod.checks_for(case, is_ref):
-                        v = checks_mod.CHECKS[check](s, case, spec)
+                        v = checks_mod.run_check(check, s, case, spec)
                         outcomes[f"{spec.id}::{check}"] = v.passed
                         results.append({"engine": spec.id, "check": check, "outcome": "passed" if v.passed else "failed",
                                         "message": v.message, "data": v.data})  # fmt: skip

@@ -87,10 +87,9 @@ class Case:
 
 
 def _files_signature(path: str) -> list:
-    p = Path(path)
-    if not p.is_dir():
-        return [path]
-    return sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in p.iterdir() if f.is_file())
+    from difftest.content_digest import signature  # by content: size and mtime can stay put
+
+    return signature(path)
 
 
 def _err(path: Path, field_name: str, msg: str) -> ConfigError:
@@ -151,7 +150,7 @@ def _tolerance_pair(value: object, path: Path, where: str, required: bool) -> di
     return {k: _tolerance(v, path, f"{where}.{k}") for k, v in value.items()}
 
 
-# expect: what the checks read (difftest.checks, difftest.train_check)
+# expect: what the checks read (difftest.checks, engines.trainingdata.train_check)
 EXPECT_KEYS = ("top1_agreement", "accept_length", "train_accuracy")
 
 

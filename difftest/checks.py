@@ -7,8 +7,9 @@
   draft_logits    everything the draft computes after fc matches, every draft step
   top1_agreement  the draft's greedy choices agree with the reference's
   accept_length   simulated/engine accept length is within tolerance or 3 standard errors of the reference's
-  train_accuracy  (cases with `engines.train.data`) the draft's training accuracy with this
-                  engine's fc wiring vs the trainer's (difftest.train_check)
+
+Engines contribute further checks through the `difftest.checks` entry points
+(difftest.extensions), e.g. the training-data engine's `train_accuracy`.
 
 A failing message names the first tensor in data-flow order that diverges, by how much,
 and (for fc inputs) which reference tensor the engine actually fed. A failing
@@ -18,20 +19,20 @@ inputs) to tell "captured the wrong hidden states" from "the draft computes diff
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from difftest import noise
-from difftest.acceptance import AcceptStats, accept_length_spread
+from difftest.acceptance import accept_length_spread
 from difftest.case import Case
-from difftest.compare import CaptureDiff, TensorDiff, compare_captures, top1_agreement
+from difftest.compare import CaptureDiff, TensorDiff, top1_agreement
 from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
-from difftest.names import split_draft
+from difftest.extensions import extra_checks
+from difftest.golden import golden_rerun
+from difftest.scopes import in_draft_scope as _in_draft_scope
+from difftest.scopes import in_fc_scope as _in_fc_scope
 from difftest.session import Session
-from difftest.train_check import applies as _train_applies
-from difftest.train_check import check_train_accuracy
+from difftest.verdict import Verdict
 
 REFERENCE_CHECKS = ("capture", "lint")
 ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
@@ -39,22 +40,6 @@ ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 DEFAULT_TOP1 = 0.98
 DEFAULT_ACCEPT = {"atol": 0.2, "rtol": 0.1}
 ACCEPT_SIGMAS = 3.0  # standard errors of the accept-length difference allowed (~0.3% two-sided false alarms)
-
-
-@dataclass
-class Verdict:
-    passed: bool
-    message: str
-    data: dict = field(default_factory=dict)
-
-
-def _in_fc_scope(name: str) -> bool:
-    return name.startswith("target.") or name.startswith("draft.fc_in")
-
-
-def _in_draft_scope(name: str) -> bool:
-    d = split_draft(name)
-    return d is not None and not d[1].startswith("fc_in") and d[1] != "embeds"
 
 
 def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: list[CaptureDiff], scope) -> Verdict:
@@ -135,38 +120,10 @@ def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdic
     diffs = session.comparisons(case, spec)
     verdict = _divergence_report(session, case, spec, diffs, _in_draft_scope)
     if not verdict.passed:
-        lines, golden = _golden(session, case, spec, verdict.data["prompt"], diffs[verdict.data["prompt"]])
+        lines, golden = golden_rerun(session, case, spec, verdict.data["prompt"], diffs[verdict.data["prompt"]])
         verdict.message += "".join("\n" + ln for ln in lines)
         verdict.data["golden"] = golden
     return verdict
-
-
-def _golden(session: Session, case: Case, spec: EngineSpec, i: int, diff: CaptureDiff) -> tuple[list[str], dict]:
-    """Re-run the engine's draft on the reference's draft.fc_in and say which side is at fault."""
-    ref_spec = session.options.reference
-    golden = session.capture_golden(case, spec, i)
-    if golden is None:
-        return [f"golden-input re-run: not supported by {spec.id}, so wrong hidden states and a draft that "
-                "computes differently cannot be told apart"], {"outcome": "unsupported"}  # fmt: skip
-    ref = session.capture(case, ref_spec, i)
-    scope = [n for n in ref.names() if _in_draft_scope(n)]
-    gdiff = compare_captures(ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing],
-                             floor=session.noise_floor(case))  # fmt: skip
-    g_first = gdiff.first_introduced(scope) or gdiff.first_divergence(scope)
-    fc_ok = all(d.ok for d in diff.diffs if _in_fc_scope(d.name))
-    data = {"outcome": "diverges" if g_first else "matches", "first_divergence": g_first.name if g_first else None,
-            "tensors": [d.name for d in gdiff.diffs if d.name in scope and not d.ok]}  # fmt: skip
-    if g_first is None and not fc_ok:
-        return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches {ref_spec.id} on every draft "
-                "tensor: the engine captured the wrong hidden states; its draft computes correctly"], data  # fmt: skip
-    if g_first is None:
-        return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches, yet its own run diverges with "
-                "matching fc inputs: nondeterminism, or a capture that is not what the draft consumed"], data  # fmt: skip
-    where = f"error introduced at {g_first.noise_summary()}"
-    lines = [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft still diverges, {where}: the engine's "
-             "draft computes differently"]  # fmt: skip
-    own = diff.first_introduced() or diff.first_divergence([d.name for d in diff.diffs if _in_draft_scope(d.name)])
-    return lines + ([] if own is not None and own.name == g_first.name else diagnose_draft(g_first.name)), data
 
 
 def check_lint(session: Session, case: Case, spec: EngineSpec) -> Verdict:
@@ -251,12 +208,16 @@ CHECKS = {
     "draft_logits": check_draft_logits,
     "top1_agreement": check_top1,
     "accept_length": check_accept_length,
-    "train_accuracy": check_train_accuracy,  # difftest.train_check; only for cases with training data
 }
 
 
 def checks_for(case: Case, is_reference: bool) -> tuple[str, ...]:
-    """The items a case gets per engine: train_accuracy joins when the case names training data."""
-    if is_reference:
-        return REFERENCE_CHECKS
-    return ENGINE_CHECKS + (("train_accuracy",) if _train_applies(case) else ())
+    """The items a case gets per engine: the core's, then those engines contribute that apply to it
+    (e.g. train_accuracy, when the case names training data)."""
+    own = REFERENCE_CHECKS if is_reference else ENGINE_CHECKS
+    return own + tuple(name for name, c in extra_checks().items() if name not in CHECKS and c.applies(case, is_reference))
+
+
+def run_check(name: str, session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    check = CHECKS.get(name) or extra_checks()[name].run
+    return check(session, case, spec)

@@ -6,6 +6,8 @@
     difftest env create ENGINE[==VERSION] [--label L]   an engine environment for --engines=ENGINE@L
     difftest train-acc --data DIR --draft D --target T [--wiring vllm ...]   training accuracy, wirings side by side
     difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
+                 (these two come from the training-data engine, through the `difftest.commands`
+                 entry points: difftest.extensions)
     difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
     difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
 """
@@ -16,6 +18,7 @@ import argparse
 import sys
 from importlib import metadata
 
+from difftest.errors import DifftestError
 from difftest.session import FIXTURE_GROUP
 
 
@@ -76,44 +79,16 @@ def _env_parsers(sub) -> None:
     c.set_defaults(handler=handler)
 
 
-def _training_data_parsers(sub) -> None:
-    """`train-acc` and `dump`: offline training data (engines/trainingdata; imported only when run)."""
+def _extension_parsers(sub) -> list[str]:
+    """Commands engine packages contribute (difftest.extensions: the `difftest.commands` entry
+    points), e.g. the training-data engine's `train-acc` and `dump`; their names."""
+    from difftest.extensions import commands
 
-    def run_command(name: str):
-        def handler(args: argparse.Namespace) -> int:
-            from engines.trainingdata import commands
-
-            return getattr(commands, name)(args)
-
-        return handler
-
-    t = sub.add_parser("train-acc", help="a draft's training accuracy on a dump: trainer's wiring vs engine wirings")
-    t.add_argument("--data", required=True, help="training data directory (speculators, legacy .pt or SpecForge .ckpt)")
-    t.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
-    t.add_argument("--target", required=True, help="target checkpoint or fixture:NAME (its lm_head/norm make the targets)")
-    t.add_argument("--format", default="auto", help="speculators | speculators-legacy | specforge | auto")
-    t.add_argument("--identify", default="target", choices=["target", "stats"], help="identify dumped layers by a target run or by statistics")
-    t.add_argument("--wiring", action="append", default=[], help="an engine wiring to compare (preset or h2+h4+h7); repeatable")
-    t.add_argument("--layer-ids", default=None, help="ids the presets read (default: the draft config's), e.g. 2,4,7")
-    t.add_argument("--ttt-steps", type=int, default=None, help="TTT unroll depth (default: the trainer's, 3 speculators / 7 SpecForge)")
-    t.add_argument("--max-len", type=int, default=None, help="truncate samples as the trainer does (default: the trainer's)")
-    t.add_argument("--trainer", default=None, help="rules to score with: speculators@VERSION | specforge@VERSION "
-                   "(default: the draft config's speculators_version, else by data format)")
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    t.add_argument("--json", default=None, help="also write the table as JSON here")
-    t.set_defaults(handler=run_command("train_acc"))
-    d = sub.add_parser("dump", help="write speculators / SpecForge training data from the reference target")
-    d.add_argument("--target", required=True, help="target checkpoint or fixture:NAME")
-    d.add_argument("--out", required=True)
-    d.add_argument("--format", required=True, choices=["speculators", "speculators-legacy", "specforge"])
-    d.add_argument("--layers", required=True, help="dumped tensors in file order, the verifier last, e.g. h0+h2+h4+h7")
-    d.add_argument("--case", action="append", default=[], help="dump this case's prompts (repeatable)")
-    d.add_argument("--random", type=int, default=0, help="also dump N random prompts")
-    d.add_argument("--length", type=int, default=12, help="length of the random prompts")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--continue", dest="continue_tokens", type=int, default=8, help="greedy continuation tokens (loss-masked)")
-    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    d.set_defaults(handler=run_command("dump"))
+    for name, command in commands().items():
+        p = sub.add_parser(name, help=command.help)
+        command.add_arguments(p)
+        p.set_defaults(handler=command.run)
+    return list(commands())
 
 
 def _report_parsers(sub) -> None:
@@ -164,11 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--baseline", default=None, metavar="NAME[:ENGINE]", help="compare against baseline NAME")
     r.add_argument("--baseline-dir", default=None, help="where baselines live (default: ./baselines)")
     r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
-    _training_data_parsers(sub)
     _env_parsers(sub)
     _report_parsers(sub)
+    try:
+        contributed = _extension_parsers(sub)
+    except DifftestError as e:
+        print(f"difftest: {e}", file=sys.stderr)
+        return 2
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("train-acc", "dump", "report", "bundle", "env"):
+    if args.command in ("report", "bundle", "env", *contributed):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

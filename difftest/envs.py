@@ -104,7 +104,7 @@ def spec_dir(name: str, root: Path = PROJECT_ROOT) -> Path:
 
 def plan(requirement: str, label: str | None = None, cache: Path | None = None, root: Path = PROJECT_ROOT) -> EnvPlan:
     """Where `difftest env create REQUIREMENT` puts its environment, and with which pins; builds nothing."""
-    from difftest.session import cache_root
+    from difftest.paths import cache_root
 
     name, version = parse_engine_requirement(requirement)
     spec = spec_dir(name, root) if name in ENGINE_DISTRIBUTIONS else root / "engines" / name

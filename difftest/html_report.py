@@ -20,7 +20,7 @@ import io
 import math
 from html import escape
 
-from difftest.report import above_noise, focus, interesting, noise_floor_line, num, ties_lines, verdict_word
+from difftest.report import INTERRUPTED, above_noise, focus, interesting, noise_floor_line, num, ties_lines, verdict_word
 
 OUTCOME_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#9a6700", "skipped": "#6e7781"}
 
@@ -370,7 +370,10 @@ def render(report: dict) -> str:
     h.append(f"<h1>{escape(title)}</h1>")
     h.append(f"<p>reference <code>{escape(str(report.get('reference')))}</code> · case file <code>{escape(str(report.get('case_file')))}</code>"
              f" · {escape(str(report.get('created', '')))} · schema {escape(str(report.get('schema')))}</p>")  # fmt: skip
-    h.append(f"<div class='verdict {'failed' if failed else 'passed'}' id='verdict'>{escape(verdict)}</div>")
+    if report.get("interrupted"):
+        verdict = f"interrupted: {INTERRUPTED} ({verdict})"
+    bad = failed or report.get("interrupted")
+    h.append(f"<div class='verdict {'failed' if bad else 'passed'}' id='verdict'>{escape(verdict)}</div>")
 
     h.append("<h2 id='first-divergence'>First divergence and diagnosis</h2>")
     diag = [c for c in failed if c["check"] in ("fc_inputs", "draft_logits", "lint")]

@@ -14,6 +14,7 @@ reference (`baseline:NAME`). Every session ends with the per-case verdict table 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--engine-python", action="append", default=[], metavar="NAME=PATH",
                 help="interpreter for an engine's worker (NAME is name or name@label); repeatable")  # fmt: skip
     g.addoption("--report-dir", default=None, help="where per-case JSON/Markdown reports go (default: <rootdir>/reports)")
-    g.addoption("--engine-timeout", type=float, default=900.0, help="seconds one engine request may take (default 900)")
+    g.addoption("--engine-timeout", type=float, default=900.0, help="seconds one engine request may take (default 900; starting an engine at least 120)")
     g.addoption("--require-engines", action="store_true", help="fail instead of skip when an engine is not installed (CI)")
     g.addoption("--no-capture-cache", action="store_true", help="recapture instead of reusing cached captures")
     g.addoption("--save-baseline", default=None, metavar="NAME",
@@ -168,8 +169,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         session.close()
 
 
+def named_on_command_line(config: pytest.Config, file_path: Path) -> bool:
+    """A file the user named as an argument (`pytest my/case.yaml`), wherever it lives."""
+    where = Path(config.invocation_params.dir)
+    for arg in config.args:
+        try:
+            if (where / arg.split("::")[0]).resolve() == file_path.resolve():
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def pytest_collect_file(parent: pytest.Collector, file_path: Path):
-    if file_path.suffix in (".yaml", ".yml") and file_path.parent.name == "cases":
+    """Case files: YAML in a folder named `cases` (`pytest cases/`), or any YAML named on the
+    command line. Other YAML (a project's CI config, say) is never collected."""
+    if file_path.suffix in (".yaml", ".yml") and (
+        file_path.parent.name == "cases" or named_on_command_line(parent.config, file_path)
+    ):
         return CaseFile.from_parent(parent, path=file_path)
     return None
 
@@ -255,7 +272,7 @@ class CheckItem(pytest.Item):
         results = self.config.stash[RESULTS].setdefault(self.case.path, [])
         record = {"engine": self.spec.id, "check": self.check}
         try:
-            verdict = checks_mod.CHECKS[self.check](session, self.case, self.spec)
+            verdict = checks_mod.run_check(self.check, session, self.case, self.spec)
         except EngineUnavailable as e:
             results.append({**record, "outcome": "skipped", "message": str(e)})
             if self.config.getoption("require_engines"):
@@ -335,17 +352,27 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     if SESSION not in config.stash:
         return
     report_dir = config._difftest_report_dir  # type: ignore[attr-defined]
-    written, rows = [], []
+    selected = Counter(item.case.path for item in session.items if isinstance(item, CheckItem))
+    written, kept, rows = [], [], []
     for path, results in config.stash[RESULTS].items():
         case = config.stash[CASES][path]
         try:  # one case's report failing (disk full, ...) must not lose the others' or the summary
             report = report_mod.build(case, config.stash[SESSION], results)
+            if len(results) < selected[path]:  # Ctrl-C, -x, a crash of the run: not every check ran
+                report["interrupted"] = True
+                previous = report_mod.json_path(report, report_dir)
+                if report_mod.is_complete(previous):
+                    kept.append(previous)  # an interrupted run never replaces a finished report
+                    continue
             written.append(report_mod.write(report, report_dir))
             rows += upgrade_mod.summarise(report, report_dir)
         except (DifftestError, OSError) as e:
             written.append(f"{case.name}: report NOT written: {e}")
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        config.stash[SESSION].abort()  # a worker mid-request cannot answer a polite close
     config._difftest_written = written  # type: ignore[attr-defined]
+    config._difftest_kept = kept  # type: ignore[attr-defined]
     config._difftest_summary = rows  # type: ignore[attr-defined]
     writer = config.stash.get(WRITER, None)
     if writer is not None:
@@ -354,10 +381,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     written = getattr(config, "_difftest_written", [])
-    if written:
+    kept = getattr(config, "_difftest_kept", [])
+    if written or kept:
         terminalreporter.write_sep("-", "difftest reports")
         for p in written:
             terminalreporter.write_line(str(p))
+        for p in kept:
+            terminalreporter.write_line(f"{p} (kept: the run was interrupted before this case finished)")
     rows = getattr(config, "_difftest_summary", [])
     if rows:
         terminalreporter.write_sep("-", "difftest summary (accept length AL: accepted draft tokens + 1 per verify step)")

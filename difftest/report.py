@@ -23,13 +23,20 @@ from pathlib import Path
 from difftest.acceptance import DEFINITION
 
 SCHEMA = "difftest.report/1"
+INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
 
 def atomic_write(path: Path, text: str) -> None:
+    """Write through a temporary file and a rename: a reader (or an interrupted run) sees the old
+    file or the new one, never half of one, and no temporary file is left behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def build(case, session, results: list[dict]) -> dict:
@@ -277,6 +284,8 @@ def markdown_noise(report: dict) -> list[str]:
 
 def markdown(report: dict) -> str:
     lines = [f"# difftest: {report['case']}", "", f"reference: `{report['reference']}`; case file `{report['case_file']}`", ""]
+    if report.get("interrupted"):
+        lines += [f"**Interrupted**: {INTERRUPTED}.", ""]
     lines += ["| engine | check | outcome | message |", "|---|---|---|---|"]
     for r in report["checks"]:
         msg = r["message"].replace("\n", "<br>").replace("|", "\\|")
@@ -289,12 +298,23 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def json_path(report: dict, directory: Path) -> Path:
+    return directory / f"{report['case'].replace('/', '_')}.json"
+
+
+def is_complete(path: Path) -> bool:
+    """A report on disk from a run that finished its case (not marked `interrupted`)."""
+    try:
+        return not json.loads(path.read_text()).get("interrupted", False)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def write(report: dict, directory: Path) -> Path:
-    stem = report["case"].replace("/", "_")
-    json_path = directory / f"{stem}.json"
-    atomic_write(json_path, json.dumps(report, indent=1, default=str))
+    path = json_path(report, directory)
+    atomic_write(path, json.dumps(report, indent=1, default=str))
     render(report, directory)
-    return json_path
+    return path
 
 
 def render(report: dict, directory: Path) -> tuple[Path, Path]:

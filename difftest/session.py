@@ -20,18 +20,16 @@ from typing import Callable
 from difftest import noise
 from difftest.acceptance import AcceptStats
 from difftest.capture import Capture, CaptureCache, cache_key
+from difftest.content_digest import paths_signature
 from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
 from difftest.engine import EngineSpec, engine_target
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable, Unsupported
+from difftest.paths import cache_root
 from difftest.report import atomic_write
 from difftest.worker import WorkerClient
 
 FIXTURE_GROUP = "difftest.fixtures"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
 
 
 def resolve_fixture(ref: str) -> str:
@@ -152,11 +150,26 @@ class Session:
             client.close()
         self._clients.clear()
 
+    def abort(self) -> None:
+        """Kill every worker now (an interrupted run: none is waited for)."""
+        for client in self._clients.values():
+            client.kill()
+        self._clients.clear()
+
     # -- cases -----------------------------------------------------------------------
     def prepare(self, case: Case) -> Case:
         """Resolve fixtures (building them on first use); memoised per case file."""
         if case.path not in self._cases:
-            fix = lambda v: resolve_fixture(v) if isinstance(v, str) and v.startswith("fixture:") else v  # noqa: E731
+
+            def fix(v):
+                if not (isinstance(v, str) and v.startswith("fixture:")):
+                    return v
+                t = time.monotonic()
+                path = resolve_fixture(v)
+                if time.monotonic() - t > 5:  # a cold build: say which step took the time
+                    self._progress(f"{v} built in {time.monotonic() - t:.0f}s (cached from now on)")
+                return path
+
             resolved = dataclasses.replace(
                 case,
                 target=fix(case.target),
@@ -211,6 +224,12 @@ class Session:
         return dataclasses.replace(case, engines={**case.engines, spec.name: merged})
 
     # -- results ---------------------------------------------------------------------
+    def inputs_key(self, case: Case, spec: EngineSpec) -> list:
+        """What a cached result of `spec` on `case` depends on besides the engine's version: the
+        case's fingerprint (the target and draft by content) and, by content too, any file or
+        directory the engine's settings or spec parameters name (its own draft, training data)."""
+        return [case.fingerprint(), paths_signature({"settings": case.engines.get(spec.name), "params": dict(spec.params)})]
+
     def capture(self, case: Case, spec: EngineSpec, index: int) -> Capture:
         case = self.prepare(case)
         ids = self.prompt_ids(case)[index]
@@ -220,7 +239,7 @@ class Session:
         if memo not in self._captures:
             case = self.engine_case(case, spec)
             client = self.client(spec)
-            key = cache_key("capture", spec.id, client.info["version"], case.fingerprint(), ids)
+            key = cache_key("capture", spec.id, client.info["version"], self.inputs_key(case, spec), ids)
             cached = self.cache.get(key) if self.options.use_cache else None
             if cached is None:
                 out = self.cache.path(key)
@@ -245,9 +264,10 @@ class Session:
                 return None
             client = self.client(spec)
             ids = self.prompt_ids(case)[index]
-            ref_key = cache_key("capture", source.id, self.engine_info(source)["version"], source_case.fingerprint(), ids)
+            ref_key = cache_key("capture", source.id, self.engine_info(source)["version"],
+                                self.inputs_key(self.engine_case(source_case, source), source), ids)  # fmt: skip
             case = self.engine_case(case, spec)
-            key = cache_key("golden", spec.id, client.info["version"], case.fingerprint(), ref_key)
+            key = cache_key("golden", spec.id, client.info["version"], self.inputs_key(case, spec), ref_key)
             cached = self.cache.get(key) if self.options.use_cache else None
             if cached is None:
                 from safetensors.torch import save_file
@@ -277,7 +297,7 @@ class Session:
             case = self.engine_case(case, spec)
             client = self.client(spec)
             prompts = self.prompt_ids(case, speculative=True)
-            key = cache_key("speculate", spec.id, client.info["version"], case.fingerprint(), prompts)
+            key = cache_key("speculate", spec.id, client.info["version"], self.inputs_key(case, spec), prompts)
             path = self.cache.path(key).with_suffix(".json")
             if self.options.use_cache and path.exists():
                 stats = AcceptStats.from_dict(json.loads(path.read_text()))

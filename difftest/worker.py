@@ -27,6 +27,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -35,6 +36,9 @@ from pathlib import Path
 from difftest.errors import ConfigError, DifftestError, EngineError, EngineUnavailable, Unsupported
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Starting a worker (a fresh interpreter importing torch and the engine) takes tens of seconds on
+# a busy machine; a short --engine-timeout, meant for requests, must not fail the start.
+MIN_START_TIMEOUT_S = 120.0
 
 
 def last_error_line(log_path: Path, max_bytes: int = 65536) -> str:
@@ -59,6 +63,7 @@ class WorkerClient:
         self.extra_env = env or {}
         self.proc: subprocess.Popen | None = None
         self.info: dict | None = None
+        self.busy = False  # a request is in flight (an interrupted wait leaves it so)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> dict:
@@ -73,7 +78,8 @@ class WorkerClient:
             log.flush()
             try:
                 self.proc = subprocess.Popen(
-                    [self.python, "-m", "difftest.worker", "--in-fd", str(req_r), "--out-fd", str(rep_w)],
+                    [self.python, "-m", "difftest.worker", "--in-fd", str(req_r), "--out-fd", str(rep_w),
+                     "--parent-pid", str(os.getpid())],
                     pass_fds=(req_r, rep_w),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -88,7 +94,8 @@ class WorkerClient:
         os.close(rep_w)
         self._w = os.fdopen(req_w, "w")
         self._r = os.fdopen(rep_r, "r")
-        reply = self.request({"op": "hello", "spec": self.spec.to_dict(), "target": self.target})
+        reply = self.request({"op": "hello", "spec": self.spec.to_dict(), "target": self.target},
+                             timeout=max(self.timeout, MIN_START_TIMEOUT_S))  # fmt: skip
         self.info = reply["info"]
         return self.info
 
@@ -96,7 +103,7 @@ class WorkerClient:
         if self.proc is None:
             return
         try:
-            if self.proc.poll() is None:
+            if self.proc.poll() is None and not self.busy:  # a busy worker cannot answer a close
                 self.request({"op": "close"}, timeout=30)
                 self.proc.wait(timeout=10)
         except (DifftestError, OSError, subprocess.TimeoutExpired):
@@ -121,6 +128,10 @@ class WorkerClient:
     def request(self, msg: dict, timeout: float | None = None) -> dict:
         assert self.proc is not None, "worker not started"
         timeout = self.timeout if timeout is None else timeout
+        if self.proc.poll() is not None or self._w.closed:  # killed after a timeout, or crashed, earlier
+            raise EngineError(f"{self.spec.id}: worker is no longer running (exit {self.proc.returncode}) after an "
+                              f"earlier failure; log: {self.log_path}")  # fmt: skip
+        self.busy = True
         try:
             self._w.write(json.dumps(msg) + "\n")
             self._w.flush()
@@ -131,6 +142,7 @@ class WorkerClient:
             self.kill()
             raise EngineError(f"{self.spec.id}: no answer to {msg['op']!r} within {timeout:.0f}s; worker killed; log: {self.log_path}")
         line = self._r.readline()
+        self.busy = False
         if not line:
             raise self._died()
         reply = json.loads(line)
@@ -226,11 +238,82 @@ def serve(in_fd: int, out_fd: int) -> int:
     return 0
 
 
+# -- dying with the harness ------------------------------------------------------------
+# A worker must not outlive the harness that started it: a harness killed mid-capture
+# (SIGTERM, SIGKILL, a closed terminal) would otherwise leave the worker, and the engine's own
+# child processes, running until the request ends (up to --engine-timeout). Two mechanisms,
+# because neither covers every case alone: the kernel's parent-death signal (Linux, immediate,
+# but tied to the parent *process id*, which a wrapper script in --engine-python may change) and
+# a watchdog thread on the reply pipe, whose reader is the harness: once nobody can read our
+# replies there is nobody to work for (portable, and independent of who our parent is).
+
+WATCH_INTERVAL_S = 0.2
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _kill_own_group() -> None:
+    """End this worker and every process it started (the engine's schedulers, compilers...).
+    The harness starts a worker in a session of its own (start_new_session), whose process group
+    holds the worker, any wrapper script around its interpreter, and the engine's children; a
+    worker run any other way (by hand, in a test) kills only itself, never a group it shares."""
+    sys.stderr.flush()
+    if os.getpgrp() == os.getsid(0):
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send `sig` when our parent exits (Linux prctl); False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def harness_gone(out_fd: int, parent_pid: int | None, timeout_s: float = 0.0) -> bool:
+    """True once the reply pipe has no reader (the harness closed it or died), or our parent
+    changed from the harness's pid (we were re-parented to init or a subreaper)."""
+    if parent_pid is not None and os.getppid() != parent_pid:
+        return True
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(out_fd, 0)  # no events asked: poll reports only POLLERR / POLLHUP
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(int(timeout_s * 1000)))
+    time.sleep(timeout_s)
+    return False
+
+
+def die_with_parent(out_fd: int, parent_pid: int | None) -> None:
+    """Install the parent-death signal, a SIGTERM handler and the pipe watchdog (see above)."""
+    if parent_pid is not None and os.getppid() != parent_pid:
+        parent_pid = None  # started through a wrapper that forked: only the pipe tells
+    signal.signal(signal.SIGTERM, lambda *_: _kill_own_group())
+    if parent_pid is not None:
+        _set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the harness died before the prctl took effect
+            _kill_own_group()
+
+    def watch() -> None:
+        while not harness_gone(out_fd, parent_pid, WATCH_INTERVAL_S):
+            pass
+        print(f"[difftest.worker] {time.strftime('%H:%M:%S')} harness gone; exiting", file=sys.stderr, flush=True)
+        _kill_own_group()
+
+    threading.Thread(target=watch, name="difftest-parent-watchdog", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="difftest engine worker (started by the harness)")
     ap.add_argument("--in-fd", type=int, required=True)
     ap.add_argument("--out-fd", type=int, required=True)
+    ap.add_argument("--parent-pid", type=int, default=None, help="the harness's pid: exit when it exits")
     args = ap.parse_args(argv)
+    die_with_parent(args.out_fd, args.parent_pid)
     return serve(args.in_fd, args.out_fd)
 
 

@@ -8,11 +8,15 @@ behaviour comes from the spec, e.g. `fake[mode=hang]`:
   mode=error        capture raises an ordinary exception (an engine bug)
   mode=crash        the worker process dies with SIGKILL mid-request
   mode=hang         capture never returns
+  mode=spawn_hang   capture starts a child process (as engines start schedulers), logs
+                    "child pid N" and never returns
   golden=no         (any mode) no golden-input re-run: Engine.capture_draft_from's default
 """
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 from difftest.engine import Engine, EngineInfo
@@ -42,6 +46,10 @@ class FakeEngine(RefEngine):
             print("fatal: simulated scheduler crash", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "hang":
+            time.sleep(3600)
+        if mode == "spawn_hang":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+            print(f"child pid {child.pid}", flush=True)
             time.sleep(3600)
         cap = super().capture(case, prompt_ids)
         cap.meta["engine"] = self.spec.id

@@ -103,15 +103,45 @@ class Run:
         raise KeyError(f"no result for {engine} {check}")
 
 
-def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float = 1800) -> Run:
-    """`pytest cases/ ...` in a fresh process inside `root`, with the fake engine registered."""
+def _pytest_command(root: Path, args: tuple[str, ...], env: dict | None) -> tuple[list[str], dict]:
     environ = dict(os.environ)
     environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), environ.get("PYTHONPATH", "")])
     environ["DIFFTEST_ENGINES"] = "fake=fake_engine:FakeEngine"
+    environ["PYTHONUNBUFFERED"] = "1"  # progress lines reach the pipe as they happen (hang_report)
     environ.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-rfEs",
-         "--rootdir", str(root), "-c", os.devnull, *args],
-        cwd=root, env=environ, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    return Run(proc.returncode, proc.stdout + proc.stderr, root)
+    command = [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-rfEs",
+               "--rootdir", str(root), "-c", os.devnull, *args]  # fmt: skip
+    return command, environ
+
+
+# Only a hang reaches this: a cold fixture build on a busy 2-core machine takes minutes, and
+# `scripts/test` builds the fixtures before the suite (`difftest fixtures`) so no run pays for it.
+HANG_GUARD_S = 3600.0
+
+
+def hang_report(args: tuple[str, ...], timeout: float, output: str) -> str:
+    """Which step a run was on when it was stopped: its last `[difftest]` progress lines."""
+    steps = [ln for ln in output.splitlines() if ln.startswith("[difftest]")]
+    last = "\n  ".join(steps[-3:]) or "(no difftest step started: collection or a fixture build)"
+    return (f"pytest {' '.join(args)} still running after {timeout:.0f}s (a hang); its last steps:\n  {last}\n"
+            f"output tail:\n{output[-3000:]}")  # fmt: skip
+
+
+def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float = HANG_GUARD_S) -> Run:
+    """`pytest cases/ ...` in a fresh process inside `root`, with the fake engine registered. A run
+    still going after `timeout` is killed and the test fails naming the step it was on."""
+    command, environ = _pytest_command(root, args, env)
+    proc = subprocess.Popen(command, cwd=root, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its engine workers exit with it (difftest.worker: die_with_parent)
+        output, _ = proc.communicate()
+        raise AssertionError(hang_report(args, timeout, output)) from None
+    return Run(proc.returncode, output, root)
+
+
+def start_pytest(root: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """As run_pytest, but returns the running process (to interrupt it)."""
+    command, environ = _pytest_command(root, args, env)
+    return subprocess.Popen(command, cwd=root, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -183,8 +183,9 @@ class BuiltModel:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("DIFFTEST_CACHE")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "difftest") / "independent"
+    from difftest.paths import cache_root as user_cache
+
+    return user_cache() / "independent"
 
 
 def _hf_config(spec: TargetSpec):

@@ -31,8 +31,7 @@ def _project(tmp_path_factory, names):
 @pytest.fixture(scope="module")
 def presets(tmp_path_factory):
     root = _project(tmp_path_factory, CASES[:2])
-    return run_pytest(root, "cases/", "--engines=ref,ref[wiring=vllm],ref[wiring=sglang-deepseek]", "-k", "fc_inputs",
-                      timeout=1800)  # fmt: skip
+    return run_pytest(root, "cases/", "--engines=ref,ref[wiring=vllm],ref[wiring=sglang-deepseek]", "-k", "fc_inputs")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +39,7 @@ def refusals(tmp_path_factory, sglang_python):  # noqa: F811
     root = _project(tmp_path_factory, CASES[1:])
     return run_pytest(root, "cases/", "--engines=ref,vllm,sglang", f"--engine-python=vllm={vllm_python()}",
                       f"--engine-python=sglang={sglang_python}", "--no-capture-cache", "--engine-timeout=300",
-                      "-k", "(id0 and vllm or toplevel and sglang) and fc_inputs", timeout=1200)  # fmt: skip
+                      "-k", "(id0 and vllm or toplevel and sglang) and fc_inputs")  # fmt: skip
 
 
 def test_first_id_1_vllm_feeds_h1_h3_h4_named_off_by_one_and_sglang_deepseek_feeds_training(presets):

@@ -14,11 +14,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import COUNTERS_CASE, ROOT, make_degenerate_pair, run_pytest
+from helpers import COUNTERS_CASE, HANG_GUARD_S, ROOT, make_degenerate_pair, run_pytest
 
-from difftest.session import cache_root
+from difftest.paths import cache_root
 
-TIMEOUT = 900  # per pytest run; a hung engine is killed by --engine-timeout well before
+TIMEOUT = HANG_GUARD_S  # per pytest run; a hung engine is killed by --engine-timeout well before
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,9 @@ REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
 
 
 def _cache() -> Path:
-    return Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
+    from difftest.paths import cache_root
+
+    return cache_root()
 
 
 def vllm_python() -> str:
@@ -34,10 +36,10 @@ def vllm_python() -> str:
     return candidate
 
 
-def run_vllm(root: Path, *args: str, timeout: float = 900):
+def run_vllm(root: Path, *args: str):
     """`pytest cases/ ...` with vLLM's interpreter named explicitly (tests may move DIFFTEST_CACHE)."""
     return run_pytest(root, "cases/", f"--engine-python=vllm={vllm_python()}", "--require-engines",
-                      "--engine-timeout=300", *args, timeout=timeout)  # fmt: skip
+                      "--engine-timeout=300", *args)  # fmt: skip
 
 
 # -- the shipped cases ---------------------------------------------------------------------
@@ -52,7 +54,7 @@ def shipped_run(tmp_path_factory):
     for name in ("tiny_llama.yaml", "seed_miswired_training.yaml"):
         shutil.copy(ROOT / "cases" / name, root / "cases" / name)
     # fixtures are built once into the user's cache and shared; captures are not reused
-    return run_vllm(root, "--engines=ref,vllm", "--no-capture-cache", timeout=1800)
+    return run_vllm(root, "--engines=ref,vllm", "--no-capture-cache")
 
 
 def test_tiny_case_passes_every_check_on_vllm(shipped_run):
@@ -105,7 +107,7 @@ def counters_run(tmp_path_factory):
     (root / "cases" / "bad_fc.yaml").write_text(CASE.format(target=t, draft=d, k=K, extra=bad))
     env = {"DIFFTEST_CACHE": str(tmp_path_factory.mktemp("cache"))}
     return run_pytest(root, "cases/", f"--engine-python=vllm={vllm_python()}", "--engines=ref,vllm",
-                      "--engine-timeout=300", env=env, timeout=900)  # fmt: skip
+                      "--engine-timeout=300", env=env)  # fmt: skip
 
 
 def test_always_right_draft_accepts_k_plus_1(counters_run):

@@ -3,12 +3,15 @@ that injects divergence, errors, crashes and hangs (tests/fake_engine.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from helpers import TINY_CASE, make_tiny_pair, run_pytest
+from helpers import TINY_CASE, make_tiny_pair, run_pytest, start_pytest
 
 CASE = TINY_CASE
 
@@ -43,7 +46,9 @@ def test_correctly_wired_engine_passes_every_check(mixed_run):
 
 def test_reference_gets_a_capture_item(mixed_run):
     assert mixed_run.outcome("tiny", "ref", "capture")["outcome"] == "passed"
-    assert "tiny::ref::capture PASSED" in mixed_run.output or "cases/tiny.yaml::ref::capture" not in mixed_run.output
+    listed = run_pytest(mixed_run.root, "cases/", "--engines=ref,ref[wiring=vllm]", "--collect-only", "-q")
+    assert "cases/tiny.yaml::ref::capture" in listed.output.splitlines()
+    assert "cases/tiny.yaml::ref[wiring=vllm]::capture" not in listed.output  # only the reference gets one
 
 
 def test_off_by_one_wiring_fails_fc_inputs_naming_chunk_0_and_the_pattern(mixed_run):
@@ -126,11 +131,52 @@ def test_no_worker_outlives_the_session(mixed_run):
 
 
 def test_hanging_engine_is_killed_after_the_timeout(models, tmp_path):
-    run = run_pytest(project(tmp_path, models), "cases/", "--engines=ref,fake[mode=hang]", "--engine-timeout=5",
+    # 30 s: long enough for the reference's real captures on a loaded machine, short for a hang
+    run = run_pytest(project(tmp_path, models), "cases/", "--engines=ref,fake[mode=hang]", "--engine-timeout=30",
                      env={"DIFFTEST_CACHE": str(tmp_path / "cache")})  # fmt: skip
     result = run.outcome("tiny", "fake[mode=hang]", "fc_inputs")
     assert result["outcome"] == "error"
-    assert "no answer to 'capture' within 5s; worker killed" in result["message"]
+    assert "no answer to 'capture' within 30s; worker killed" in result["message"]
+    later = run.outcome("tiny", "fake[mode=hang]", "draft_logits")  # the killed worker is not asked again
+    assert later["outcome"] == "error" and "worker is no longer running" in later["message"], later
+    assert "internal error" not in run.output
+
+
+def interrupt_mid_capture(root: Path, *args: str, env: dict) -> str:
+    """Start `pytest cases/ --engines=ref,fake[mode=hang]`, press Ctrl-C (SIGINT) once the hanging
+    engine is inside its capture; the run's output."""
+    proc = start_pytest(root, "cases/", "--engines=ref,fake[mode=hang]", *args, env=env)
+    log = root / "reports" / "logs" / "fake[mode=hang].log"
+    try:
+        deadline = time.monotonic() + 600
+        while not (log.exists() and "request capture" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached the hanging capture"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_ctrl_c_without_a_previous_report_writes_one_marked_interrupted(models, tmp_path):
+    root = project(tmp_path, models)
+    output = interrupt_mid_capture(root, env={"DIFFTEST_CACHE": str(tmp_path / "cache")})
+    report = json.loads((root / "reports" / "tiny.json").read_text())
+    assert report["interrupted"] is True, output
+    assert [r["outcome"] for r in report["checks"] if r["engine"] == "ref" and r["check"] == "capture"] == ["passed"]
+    assert "**Interrupted**" in (root / "reports" / "tiny.md").read_text()
+    assert not [p.name for p in (root / "reports").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_ctrl_c_keeps_the_previous_report(models, tmp_path):
+    root, env = project(tmp_path, models), {"DIFFTEST_CACHE": str(tmp_path / "cache")}
+    assert run_pytest(root, "cases/", "--engines=ref", env=env).returncode == 0
+    before = (root / "reports" / "tiny.json").read_bytes()
+    output = interrupt_mid_capture(root, env=env)
+    assert (root / "reports" / "tiny.json").read_bytes() == before
+    assert "tiny.json (kept: the run was interrupted before this case finished)" in output
 
 
 def test_required_engine_that_is_unavailable_fails(models, tmp_path):

@@ -10,8 +10,8 @@ import torch
 from difftest.case import Case
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
-from difftest.train_check import check_train_accuracy
-from difftest.train_accuracy import RULES, StepCounts, VerifierHead, rules_for, score_steps
+from engines.trainingdata.train_accuracy import RULES, StepCounts, VerifierHead, rules_for, score_steps
+from engines.trainingdata.train_check import check_train_accuracy
 
 # N = 5 tokens; T_p = target draft id at p (T_0 is never a target); loss mask on positions 2..4.
 TARGETS = torch.tensor([9, 1, 2, 3, 4])

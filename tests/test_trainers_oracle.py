@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from difftest.errors import ConfigError
-from difftest.train_accuracy import RULES, VerifierHead, score_steps
+from engines.trainingdata.train_accuracy import RULES, VerifierHead, score_steps
 from engines.trainingdata.formats import read_dump, write_dump
 
 HERE = Path(__file__).parent / "trainer_oracle"

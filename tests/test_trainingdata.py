@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from difftest import cli
-from difftest.layer_identity import identify_against_target, identify_by_statistics
-from difftest.train_accuracy import RULES, VerifierHead, rms_norm
+from engines.trainingdata.layer_identity import identify_against_target, identify_by_statistics
+from engines.trainingdata.train_accuracy import RULES, VerifierHead, rms_norm
 from engines.ref.target import load_target, run_target
 from engines.trainingdata.dump import dump_from_target, random_prompts
 from engines.trainingdata.formats import read_dump

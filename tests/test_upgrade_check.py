@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from difftest import upgrade
-from helpers import ROOT, TINY_CASE, make_tiny_pair, run_pytest
+from helpers import HANG_GUARD_S, ROOT, TINY_CASE, make_tiny_pair, run_pytest
 from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
 
 UPGRADE_SECTION = """\
@@ -98,7 +98,7 @@ def test_each_label_has_its_own_cached_captures(side_by_side):
 def test_difftest_run_prints_the_same_summary(side_by_side):
     env = dict(os.environ, DIFFTEST_CACHE=str(side_by_side.cache))
     proc = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "cases/", "--engines=ref@old,ref@patch"],
-                          cwd=side_by_side.root, env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
+                          cwd=side_by_side.root, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:]
     lines = proc.stdout.splitlines()
     assert any(ln.split()[:2] == ["tiny", "ref@patch"] and ln.split()[6] == "same" for ln in lines if ln.startswith("tiny "))
@@ -170,7 +170,7 @@ def test_sglang_under_two_labels_catches_a_changed_layer_id_rule(sglang_python, 
     (tmp_path / "cases").mkdir()
     (tmp_path / "cases" / "tiny_llama.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
     run = run_pytest(tmp_path, "cases/", "--engines=sglang@old,sglang@new", "--require-engines",
-                     f"--engine-python=sglang={sglang_python}", timeout=1800)  # fmt: skip
+                     f"--engine-python=sglang={sglang_python}")  # fmt: skip
     fc = run.outcome("tiny_llama", "sglang@new", "fc_inputs")
     assert fc["outcome"] == "failed", fc["message"]
     assert fc["data"]["tensor"] == "draft.fc_in.0"

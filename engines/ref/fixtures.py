@@ -64,6 +64,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from difftest.paths import cache_root
+
 FIXTURES_VERSION = "v1"
 NAMES = [
     "tiny-llama",
@@ -111,11 +113,6 @@ class _Build:
 # ---------------------------------------------------------------------------------------
 # Cache layout, lock, atomic publication
 # ---------------------------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    env = os.environ.get("DIFFTEST_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "difftest"
 
 
 def fixtures_dir() -> Path:

@@ -39,7 +39,7 @@ from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
-from difftest.session import cache_root
+from difftest.paths import cache_root
 from engines.sglang import cpu_shim, deepseek
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards

@@ -1,4 +1,5 @@
-"""The `difftest train-acc` and `difftest dump` commands (difftest/cli.py parses, this runs).
+"""The `difftest train-acc` and `difftest dump` commands, contributed to the CLI through the
+`difftest.commands` entry points (difftest.extensions): their arguments and what they run.
 
     difftest train-acc --data DIR --draft CKPT --target CKPT [--wiring vllm --wiring sglang ...]
         the trainer's accuracy of a draft on a dump under the training wiring, and under each
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 from difftest.case import Case, Prompt, load_case
 from difftest.engine import EngineSpec
 from difftest.errors import DifftestError
+from difftest.extensions import Command
 from difftest.wiring import short_name
 
 
@@ -105,3 +108,38 @@ def dump(args) -> int:
         return 2
     print(f"wrote {len(prompts)} samples ({args.format}, tensors {args.layers}) to {out}")
     return 0
+
+
+def train_acc_arguments(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--data", required=True, help="training data directory (speculators, legacy .pt or SpecForge .ckpt)")
+    t.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
+    t.add_argument("--target", required=True, help="target checkpoint or fixture:NAME (its lm_head/norm make the targets)")
+    t.add_argument("--format", default="auto", help="speculators | speculators-legacy | specforge | auto")
+    t.add_argument("--identify", default="target", choices=["target", "stats"], help="identify dumped layers by a target run or by statistics")
+    t.add_argument("--wiring", action="append", default=[], help="an engine wiring to compare (preset or h2+h4+h7); repeatable")
+    t.add_argument("--layer-ids", default=None, help="ids the presets read (default: the draft config's), e.g. 2,4,7")
+    t.add_argument("--ttt-steps", type=int, default=None, help="TTT unroll depth (default: the trainer's, 3 speculators / 7 SpecForge)")
+    t.add_argument("--max-len", type=int, default=None, help="truncate samples as the trainer does (default: the trainer's)")
+    t.add_argument("--trainer", default=None, help="rules to score with: speculators@VERSION | specforge@VERSION "
+                   "(default: the draft config's speculators_version, else by data format)")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--json", default=None, help="also write the table as JSON here")
+
+
+def dump_arguments(d: argparse.ArgumentParser) -> None:
+    d.add_argument("--target", required=True, help="target checkpoint or fixture:NAME")
+    d.add_argument("--out", required=True)
+    d.add_argument("--format", required=True, choices=["speculators", "speculators-legacy", "specforge"])
+    d.add_argument("--layers", required=True, help="dumped tensors in file order, the verifier last, e.g. h0+h2+h4+h7")
+    d.add_argument("--case", action="append", default=[], help="dump this case's prompts (repeatable)")
+    d.add_argument("--random", type=int, default=0, help="also dump N random prompts")
+    d.add_argument("--length", type=int, default=12, help="length of the random prompts")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--continue", dest="continue_tokens", type=int, default=8, help="greedy continuation tokens (loss-masked)")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+# registered under the `difftest.commands` entry points (pyproject.toml)
+TRAIN_ACC = Command("train-acc", "a draft's training accuracy on a dump: trainer's wiring vs engine wirings",
+                    train_acc_arguments, train_acc)  # fmt: skip
+DUMP = Command("dump", "write speculators / SpecForge training data from the reference target", dump_arguments, dump)

@@ -16,13 +16,13 @@ Settings (spec parameters override the case's `engines.train`):
              (default: the trainer's, 8192 speculators `--total-seq-len` / 2048 SpecForge)
   trainer    whose rules score the accuracy: speculators@VERSION | specforge@VERSION (default: the
              draft config's `speculators_version` for speculators data, else speculators@0.9 /
-             speculators@0.6 for legacy .pt dumps / specforge@0.2; difftest.train_accuracy)
+             speculators@0.6 for legacy .pt dumps / specforge@0.2; engines.trainingdata.train_accuracy)
 
 For a case prompt, the sample whose token ids start with the prompt supplies `draft.fc_in`
 exactly as the trainer built it, the dumped tensors under their identified canonical names
 (the verifier included), and the draft's tensors from running the reference draft on that
 fc input. Capture meta carries the identification, the trainer's accuracy over the whole
-dump (difftest.train_accuracy) and every skipped sample's one-line reason.
+dump (engines.trainingdata.train_accuracy) and every skipped sample's one-line reason.
 """
 
 from __future__ import annotations
@@ -39,8 +39,15 @@ from difftest.capture import Capture
 from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError
-from difftest.layer_identity import Identification, identify_against_target, identify_by_statistics
-from difftest.train_accuracy import DEFAULT_TRAINER, StepCounts, TrainerRules, VerifierHead, rules_for, sample_accuracy
+from engines.trainingdata.layer_identity import Identification, identify_against_target, identify_by_statistics
+from engines.trainingdata.train_accuracy import (
+    DEFAULT_TRAINER,
+    StepCounts,
+    TrainerRules,
+    VerifierHead,
+    rules_for,
+    sample_accuracy,
+)
 from difftest.wiring import resolve, short_name
 from engines.ref.eagle3 import LoadedDraft, load_draft
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy

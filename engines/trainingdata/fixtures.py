@@ -45,7 +45,8 @@ def _signature(target_dir: Path) -> str:
 
 
 def build(name: str, force: bool = False) -> Path:
-    from difftest.session import cache_root, resolve_fixture
+    from difftest.paths import cache_root
+    from difftest.session import resolve_fixture
     from engines.trainingdata.dump import dump_from_target, random_prompts
 
     fmt, layers = RECIPES[name]

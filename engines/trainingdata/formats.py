@@ -4,7 +4,7 @@ Every format reduces to one `Sample` per sequence: the token ids, the loss mask,
 dumped hidden states as a list of [seq, H] tensors *in the order the file holds them*;
 the first `fc_count` are what the trainer concatenates into fc, the one after them is
 what it treats as the verifier's last hidden state. Which target layer each tensor is,
-the files do not say (see difftest.layer_identity).
+the files do not say (see engines.trainingdata.layer_identity).
 
 speculators (current; vllm-project/speculators `train/data.py::ArrowDataset`):
     DIR/hidden_states/hs_{i}.safetensors   hidden_states [seq, n_layers, H], token_ids [seq]

@@ -57,7 +57,7 @@ from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError, EngineUnavailable
 from difftest.names import draft_name
-from difftest.session import cache_root
+from difftest.paths import cache_root
 from engines.vllm import compat
 from engines.vllm.settings import SCHEMA
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from difftest.train_accuracy import rms_norm
+from engines.trainingdata.train_accuracy import rms_norm
 from difftest.wiring import FINAL_NORM, hidden_index, short_name
 
 MATCH_REL_ERR = 0.05  # a dumped tensor "is" a reference tensor when their relative error is below this

@@ -18,7 +18,9 @@ from difftest.case import Case
 from difftest.diagnose import match_fc_chunks
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
+from difftest.extensions import ExtraCheck
 from difftest.session import Session
+from difftest.verdict import Verdict
 from difftest.wiring import hidden_index, short_name
 
 TRAIN = "train"
@@ -52,9 +54,7 @@ def engine_wiring(session: Session, case: Case, spec: EngineSpec) -> tuple[list[
     return [m.best for m in matches], "its fc chunks matched to the reference target"
 
 
-def check_train_accuracy(session: Session, case: Case, spec: EngineSpec):
-    from difftest.checks import Verdict
-
+def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     expect = case.expect.get("train_accuracy") or {}
     unknown = sorted(set(expect) - set(EXPECT_KEYS))
     if unknown:
@@ -91,3 +91,9 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec):
     if b < a - atol:
         lines[0] = "training accuracy collapses under this engine's wiring: " + lines[0]
     return Verdict(b >= a - atol, "\n".join(lines), data)
+
+
+# registered under the `difftest.checks` entry points (pyproject.toml): every non-reference engine
+# of a case that names training data gets the item
+CHECK = ExtraCheck("train_accuracy", check_train_accuracy, lambda case, is_reference: not is_reference and applies(case),
+                   "the draft's training accuracy with this engine's fc wiring vs the trainer's")  # fmt: skip

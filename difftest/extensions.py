@@ -1,0 +1,64 @@
+"""What an engine package contributes to the core besides its adapter: checks and CLI commands.
+
+The core names no engine. A package registers, in its `pyproject.toml`:
+
+    [project.entry-points."difftest.checks"]      # a check item some cases get per engine
+    train_accuracy = "engines.trainingdata.train_check:CHECK"        # an ExtraCheck
+    [project.entry-points."difftest.commands"]    # a `difftest NAME ...` subcommand
+    train-acc = "engines.trainingdata.commands:TRAIN_ACC"            # a Command
+
+(adapters themselves register under `difftest.engines`, fixtures under `difftest.fixtures`).
+Entry points are read once per process; one that cannot be loaded is a one-line ConfigError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable
+
+from difftest.errors import ConfigError
+
+CHECK_GROUP = "difftest.checks"
+COMMAND_GROUP = "difftest.commands"
+
+
+@dataclass(frozen=True)
+class ExtraCheck:
+    name: str
+    run: Callable  # (session, case, spec) -> difftest.verdict.Verdict
+    applies: Callable  # (case, is_reference: bool) -> bool: does this case get the item for that engine
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _load(group: str, kind: type) -> dict:
+    found = {}
+    for ep in metadata.entry_points(group=group):
+        try:
+            obj = ep.load()
+        except Exception as e:  # a broken plugin must not take the harness down with a traceback
+            raise ConfigError(f"entry point {group}:{ep.name} = {ep.value} cannot be loaded ({type(e).__name__}: {e})") from None
+        if not isinstance(obj, kind) or obj.name != ep.name:
+            raise ConfigError(f"entry point {group}:{ep.name} = {ep.value} is not a {kind.__name__} named {ep.name!r}")
+        found[ep.name] = obj
+    return found
+
+
+@functools.cache
+def extra_checks() -> dict[str, ExtraCheck]:
+    return _load(CHECK_GROUP, ExtraCheck)
+
+
+@functools.cache
+def commands() -> dict[str, Command]:
+    return _load(COMMAND_GROUP, Command)

@@ -1,0 +1,15 @@
+"""A check's outcome: passed or not, the message a user reads, and data for the report.
+
+Its own module so that checks contributed by engines (difftest.extensions) return one without
+importing the core's checks, and the core's checks need none of theirs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    message: str
+    data: dict = field(default_factory=dict)
