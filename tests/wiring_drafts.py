@@ -1,0 +1,184 @@
+"""Tiny EAGLE-3 drafts really trained on known wirings, for judging `wiring: infer` (difftest.infer_wiring).
+
+Each recipe trains a draft (engines/ref/train.py, step 0 only: inference scores step 0) on one
+wiring of one target and saves it with config ids that an engine reads as something else, so
+the config says nothing true about the training. Targets are the built-in constructed Llama and
+DeepSeek-V3 fixtures and the random-weight Qwen3 of tests/independent_models.py. Drafts are cached
+under `${DIFFTEST_CACHE:-~/.cache/difftest}/infer-wiring/` keyed by their recipe (a hash of every
+field and the builder version), built in a temporary directory and renamed into place.
+
+`evidence(target)` holds what inference reads: the target's hidden states on held-out sequences
+(a seed disjoint from training), computed once per target and process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from difftest.session import cache_root
+
+BUILDER_VERSION = 1
+TRAIN_SEQS, PROMPT_LEN, NEW_TOKENS, DATA_SEED, EPS = 256, 8, 24, 321, 0.25
+EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED = 24, 32, 654
+TRAIN = dict(steps=200, batch_size=32, ttt_steps=1, lr=3e-3, temperature=1.0, warmup=20)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    target: str  # tiny-llama | tiny-deepseek-v3 | indep-qwen3
+    wiring: tuple[str, ...]  # short names, fc order: h0, h5, final_norm
+    ids: tuple[int, ...]  # what the saved config says
+    seed: int = 0
+    steps: int = TRAIN["steps"]
+
+    @property
+    def inputs(self) -> list[str]:
+        return ["target.final_norm" if w == "final_norm" else f"target.h.{w[1:]}" for w in self.wiring]
+
+    def key(self) -> str:
+        blob = json.dumps({"v": BUILDER_VERSION, "recipe": asdict(self), "train": TRAIN,
+                           "data": [TRAIN_SEQS, PROMPT_LEN, NEW_TOKENS, DATA_SEED, EPS]}, sort_keys=True)  # fmt: skip
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+RECIPES = {
+    r.name: r
+    for r in (
+        # tiny-llama: 8 layers (h0..h8, h8 = last layer before the final norm)
+        Recipe("llama-embed", "tiny-llama", ("h0", "h3", "h6"), (3, 6, 7)),
+        Recipe("llama-unsorted", "tiny-llama", ("h5", "h1", "h7"), (1, 5, 7)),
+        Recipe("llama-postnorm", "tiny-llama", ("h2", "h6", "final_norm"), (2, 6, 7)),
+        Recipe("llama-prenorm", "tiny-llama", ("h2", "h6", "h8"), (2, 6, 7)),
+        # random-weight Qwen3 (q/k norm): 4 layers
+        Recipe("qwen3-embed", "indep-qwen3", ("h0", "h2", "h3"), (1, 2, 3)),
+        Recipe("qwen3-unsorted-postnorm", "indep-qwen3", ("h3", "h1", "final_norm"), (1, 2, 3)),
+        # tiny DeepSeek-V3 (MLA + MoE): 6 layers
+        Recipe("deepseek-embed", "tiny-deepseek-v3", ("h0", "h2", "h5"), (2, 4, 5)),
+        Recipe("deepseek-unsorted-prenorm", "tiny-deepseek-v3", ("h4", "h1", "h6"), (1, 3, 5)),
+    )
+}  # fmt: skip
+
+
+def root() -> Path:
+    return cache_root() / "infer-wiring"
+
+
+def target_path(name: str) -> Path:
+    if name.startswith("indep-"):
+        from tests.independent_models import ensure_model
+
+        return ensure_model(name).target
+    from difftest.session import resolve_fixture
+
+    return Path(resolve_fixture(f"fixture:{name}"))
+
+
+@lru_cache(maxsize=None)
+def _target(name: str):
+    from engines.ref.target import load_target
+
+    return load_target(target_path(name))
+
+
+@torch.no_grad()
+def sequences(target, num: int, new_tokens: int, seed: int, eps: float) -> torch.Tensor:
+    """[num, PROMPT_LEN + new_tokens]: random prompts continued greedily by the target, each new token
+    replaced by a random one with probability eps."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.vocab_size
+    x = torch.randint(4, vocab, (num, PROMPT_LEN), generator=gen)
+    for _ in range(new_tokens):
+        nxt = target(input_ids=x, use_cache=False).logits[:, -1].argmax(-1)
+        if eps > 0:
+            swap = torch.rand(num, generator=gen) < eps
+            nxt = torch.where(swap, torch.randint(4, vocab, (num,), generator=gen), nxt)
+        x = torch.cat([x, nxt[:, None]], dim=1)
+    return x
+
+
+def _draft_config(target):
+    from engines.ref.eagle3 import Eagle3Config
+
+    H = target.config.hidden_size
+    return Eagle3Config(hidden_size=H, intermediate_size=2 * H, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, vocab_size=target.config.vocab_size,
+                        draft_vocab_size=min(512, target.config.vocab_size // 2), target_hidden_size=H, num_aux=3)  # fmt: skip
+
+
+def _build(recipe: Recipe, out: Path) -> None:
+    from engines.ref.train import prepare_data, save_eagle_format, train_draft
+
+    target = _target(recipe.target)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # reproducible and fastest for tiny ops on a shared machine
+    try:
+        tokens = sequences(target, TRAIN_SEQS, NEW_TOKENS, DATA_SEED, EPS)
+        data = prepare_data(target, recipe.inputs, tokens)
+        with torch.enable_grad():
+            draft = train_draft(target, _draft_config(target), recipe.inputs, data, seed=recipe.seed,
+                                **{**TRAIN, "steps": recipe.steps})  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    save_eagle_format(draft, out, list(recipe.ids))
+    (out / "recipe.json").write_text(json.dumps({**asdict(recipe), "key": recipe.key(), "train": TRAIN}, indent=1) + "\n")
+
+
+def ensure_draft(name: str, log=print) -> Path:
+    recipe = RECIPES[name]
+    final = root() / f"{name}-{recipe.key()}"
+    if (final / "recipe.json").exists():
+        return final
+    root().mkdir(parents=True, exist_ok=True)
+    tmp = root() / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    t0 = time.time()
+    try:
+        _build(recipe, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process published it first
+            if not (final / "recipe.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"[infer-wiring] trained {name} on {list(recipe.wiring)} in {time.time() - t0:.1f}s: {final}")
+    return final
+
+
+@lru_cache(maxsize=None)
+def evidence(target_name: str):
+    """difftest.infer_wiring.Evidence: every target tensor on held-out sequences, as a reference capture holds."""
+    from difftest.capture import Capture
+    from difftest.infer_wiring import evidence_from_captures
+    from engines.ref.target import run_target
+
+    target = _target(target_name)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            seqs = sequences(target, EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED, 0.0)
+            out = run_target(target, seqs)
+    finally:
+        torch.set_num_threads(before)
+    caps = []
+    for b, s in enumerate(seqs):
+        t = {f"target.h.{k}": h[b] for k, h in enumerate(out.hidden)}
+        t["target.final_norm"], t["target.logits"] = out.final_norm[b], out.logits[b]
+        caps.append(Capture(t, {"prompt_ids": s.tolist(), "num_layers": len(out.hidden) - 1}))
+    return evidence_from_captures(caps, f"{target_name} held-out sequences")
+
+
+def family(target_name: str) -> str:
+    return "deepseek" if "deepseek" in target_name else "llama"
