@@ -6,6 +6,7 @@
     difftest env create ENGINE[==VERSION] [--label L]   an engine environment for --engines=ENGINE@L
     difftest train-acc --data DIR --draft D --target T [--wiring vllm ...]   training accuracy, wirings side by side
     difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
+    difftest infer-wiring --target T --draft D [--prompts ...] [--json]   what the draft was trained on
     difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
     difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
 """
@@ -158,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     _training_data_parsers(sub)
     _env_parsers(sub)
     _report_parsers(sub)
+    from difftest import infer_cli
+
+    infer_cli.add_parser(sub)
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("train-acc", "dump", "report", "bundle", "env"):
+    if args.command in ("train-acc", "dump", "report", "bundle", "env", "infer-wiring"):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

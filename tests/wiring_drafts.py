@@ -28,8 +28,11 @@ from difftest.session import cache_root
 
 BUILDER_VERSION = 1
 TRAIN_SEQS, PROMPT_LEN, NEW_TOKENS, DATA_SEED, EPS = 256, 8, 24, 321, 0.25
-EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED = 24, 32, 654
+EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED = 64, 32, 654
 TRAIN = dict(steps=200, batch_size=32, ttt_steps=1, lr=3e-3, temperature=1.0, warmup=20)
+
+
+QWEN3 = "tiny-qwen3-circuit"
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,12 @@ RECIPES = {
     for r in (
         # tiny-llama: 8 layers (h0..h8, h8 = last layer before the final norm)
         Recipe("llama-embed", "tiny-llama", ("h0", "h3", "h6"), (3, 6, 7)),
-        Recipe("llama-unsorted", "tiny-llama", ("h5", "h1", "h7"), (1, 5, 7)),
+        Recipe("llama-unsorted", "tiny-llama", ("h5", "h2", "h7"), (2, 5, 7)),
         Recipe("llama-postnorm", "tiny-llama", ("h2", "h6", "final_norm"), (2, 6, 7)),
         Recipe("llama-prenorm", "tiny-llama", ("h2", "h6", "h8"), (2, 6, 7)),
-        # random-weight Qwen3 (q/k norm): 4 layers
-        Recipe("qwen3-embed", "indep-qwen3", ("h0", "h2", "h3"), (1, 2, 3)),
-        Recipe("qwen3-unsorted-postnorm", "indep-qwen3", ("h3", "h1", "final_norm"), (1, 2, 3)),
+        # Qwen3 (q/k norm) carrying tiny-llama's circuit: 8 layers
+        Recipe("qwen3-embed", QWEN3, ("h0", "h4", "h7"), (4, 7, 8)),
+        Recipe("qwen3-unsorted-postnorm", QWEN3, ("h6", "h3", "final_norm"), (3, 6, 7)),
         # tiny DeepSeek-V3 (MLA + MoE): 6 layers
         Recipe("deepseek-embed", "tiny-deepseek-v3", ("h0", "h2", "h5"), (2, 4, 5)),
         Recipe("deepseek-unsorted-prenorm", "tiny-deepseek-v3", ("h4", "h1", "h6"), (1, 3, 5)),
@@ -74,13 +77,79 @@ def root() -> Path:
 
 
 def target_path(name: str) -> Path:
+    if name == QWEN3:
+        return _ensure_qwen3_circuit()
     if name.startswith("indep-"):
-        from tests.independent_models import ensure_model
+        from independent_models import ensure_model
 
         return ensure_model(name).target
     from difftest.session import resolve_fixture
 
     return Path(resolve_fixture(f"fixture:{name}"))
+
+
+@torch.no_grad()
+def build_qwen3_circuit():
+    """A Qwen3ForCausalLM carrying tiny-llama's constructed circuit (engines/ref/fixtures.py): the same
+    weights, plus q/k-norm weights set to the median RMS of the Llama's queries (positional heads) and
+    keys per layer, so the normalised queries and keys keep their scale and the positional heads still
+    attend where the circuit needs (the Qwen3 and the Llama agree on every greedy token here).
+    Random-weight targets are no use: a tiny draft learns a chaotic target too poorly in CPU seconds
+    for its wiring to show (agreement ~0.1 on tests/independent_models.py's Qwen3)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from engines.ref import fixtures as fx
+
+    with fx._pinned_threads(1):
+        llama = fx.build_llama_target()
+        c = fx._llama_config()
+        cfg = Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                          num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                          num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, max_position_embeddings=2048,
+                          rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            model = Qwen3ForCausalLM(cfg).eval()
+        missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
+        assert not unexpected and all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing)
+        seqs = fx.generate_sequences(llama, 32, 8, 24, seed=7)
+        rms: dict[tuple[str, int], torch.Tensor] = {}
+        hooks = []
+        d = c.head_dim
+        for i, layer in enumerate(llama.model.layers):
+            def q_hook(_m, _a, o, i=i):  # heads 0 and 2 are the circuit's positional heads
+                rms[("q", i)] = o.view(*o.shape[:-1], -1, d)[..., [0, 2], :].pow(2).mean(-1).sqrt().flatten()
+
+            def k_hook(_m, _a, o, i=i):
+                rms[("k", i)] = o.view(*o.shape[:-1], -1, d).pow(2).mean(-1).sqrt().flatten()
+
+            hooks += [layer.self_attn.q_proj.register_forward_hook(q_hook), layer.self_attn.k_proj.register_forward_hook(k_hook)]
+        llama(input_ids=seqs)
+        for h in hooks:
+            h.remove()
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.q_norm.weight.fill_(float(rms[("q", i)].median()))
+            layer.self_attn.k_norm.weight.fill_(float(rms[("k", i)].median()))
+    return model
+
+
+def _ensure_qwen3_circuit() -> Path:
+    final = root() / f"targets/{QWEN3}-v{BUILDER_VERSION}"
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{QWEN3}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        build_qwen3_circuit().save_pretrained(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process published it first
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 @lru_cache(maxsize=None)
