@@ -263,7 +263,7 @@ class DraftScorer:
             n = lengths[p]
             self.ids[p, :n] = torch.tensor(toks[1:])
             self.labels[p, :n] = lab[1 : n + 1]
-            self.valid[p, :n] = True
+            self.valid[p, :n] = lab[1 : n + 1] >= 0  # a sequence's last token has no next token to predict
         self.positions = torch.arange(m)[None, :].expand(P, m)
         # target id -> draft id (-1 outside the draft vocabulary), for the log-probability of the label
         d = self.draft

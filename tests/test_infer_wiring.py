@@ -121,3 +121,19 @@ def test_cli_refuses_bad_prompt_ids_in_one_line(capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "ids:1,2,3" in err
+
+
+def test_a_capture_with_some_layers_and_no_logits_is_searched_over_what_it_holds():
+    # a training dump read by `train`: the dumped layers (identified by content), the data's next tokens as labels
+    from difftest.capture import Capture
+    from difftest.infer_wiring import evidence_from_captures
+
+    full = wd.evidence("tiny-llama")
+    kept = ["target.h.0", "target.h.3", "target.h.6", "target.h.8"]
+    caps = [Capture({n: t[n] for n in kept}, {"prompt_ids": ids}) for ids, t in zip(full.tokens, full.tensors)]
+    evidence = evidence_from_captures(caps, "train capture")
+    assert evidence.candidates == kept and "next tokens" in evidence.label_source
+    loaded = load_draft(wd.ensure_draft("llama-embed"))
+    result = infer_from_evidence(loaded.model, loaded.config.layer_ids, evidence)
+    assert result.decided and result.wiring == ["target.h.0", "target.h.3", "target.h.6"]
+    assert result.source == "train capture"
