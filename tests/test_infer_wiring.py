@@ -137,3 +137,28 @@ def test_a_capture_with_some_layers_and_no_logits_is_searched_over_what_it_holds
     result = infer_from_evidence(loaded.model, loaded.config.layer_ids, evidence)
     assert result.decided and result.wiring == ["target.h.0", "target.h.3", "target.h.6"]
     assert result.source == "train capture"
+
+
+def test_a_case_with_wiring_infer_on_an_untrained_draft_stops_saying_it_cannot_tell(tmp_path):
+    from difftest.case import load_case
+    from difftest.engine import EngineSpec
+    from difftest.errors import ConfigError
+    from difftest.session import Options, Session
+    from engines.ref.fixtures import draft_config
+    from engines.ref.train import init_draft, save_eagle_format
+
+    draft = init_draft(wd._target("tiny-llama"), draft_config(), torch.zeros(512, dtype=torch.long), seed=5)
+    save_eagle_format(draft, tmp_path / "draft", [2, 4, 5])
+    prompts = "\n".join(f"  - ids: {ids}" for ids in wd.evidence("tiny-llama").tokens[:16])
+    (tmp_path / "case.yaml").write_text(f"target: fixture:tiny-llama\ndraft: draft\nwiring: infer\nprompts:\n{prompts}\n")
+    case = load_case(tmp_path / "case.yaml")
+    session = Session(Options(engines=[EngineSpec("ref")], reference=EngineSpec("ref"), log_dir=tmp_path / "logs"))
+    try:
+        with pytest.raises(ConfigError, match="wiring: infer: cannot tell what the draft was trained on") as e:
+            session.prepare(case)
+        assert "\n" not in str(e.value) and "state `wiring:` explicitly" in str(e.value)
+        with pytest.raises(ConfigError):  # every item of the case gets the same one line, not a second inference
+            session.prepare(case)
+        assert session.inference(case) is None
+    finally:
+        session.close()

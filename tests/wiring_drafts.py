@@ -240,26 +240,39 @@ def ensure_draft(name: str, log=print) -> Path:
 
 @lru_cache(maxsize=None)
 def evidence(target_name: str):
-    """difftest.infer_wiring.Evidence: every target tensor on held-out sequences, as a reference capture holds."""
-    from difftest.capture import Capture
-    from difftest.infer_wiring import evidence_from_captures
-    from engines.ref.target import run_target
+    """difftest.infer_wiring.Evidence: every target tensor on held-out sequences, as a reference capture
+    holds them; cached on disk beside the drafts (keyed by the target's directory and the sequence recipe)."""
+    from safetensors.torch import load_file, save_file
 
-    target = _target(target_name)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            seqs = sequences(target, EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED, 0.0)
-            out = run_target(target, seqs)
-    finally:
-        torch.set_num_threads(before)
-    caps = []
-    for b, s in enumerate(seqs):
-        t = {f"target.h.{k}": h[b] for k, h in enumerate(out.hidden)}
-        t["target.final_norm"], t["target.logits"] = out.final_norm[b], out.logits[b]
-        caps.append(Capture(t, {"prompt_ids": s.tolist(), "num_layers": len(out.hidden) - 1}))
-    return evidence_from_captures(caps, f"{target_name} held-out sequences")
+    from difftest.infer_wiring import Evidence
+
+    where = target_path(target_name)
+    key = hashlib.sha256(json.dumps([BUILDER_VERSION, str(where), EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED,
+                                     PROMPT_LEN]).encode()).hexdigest()[:12]  # fmt: skip
+    path = root() / "evidence" / f"{target_name}-{key}.safetensors"
+    if not path.exists():
+        from engines.ref.target import run_target
+
+        target = _target(target_name)
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.no_grad():
+                seqs = sequences(target, EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED, 0.0)
+                out = run_target(target, seqs)
+        finally:
+            torch.set_num_threads(before)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+        save_file({"tokens": seqs.contiguous(), "labels": out.logits.argmax(-1).contiguous(),
+                   "hidden": torch.stack(out.hidden).float().contiguous(), "final_norm": out.final_norm.float().contiguous()},
+                  str(tmp))  # fmt: skip
+        os.replace(tmp, path)
+    t = load_file(str(path))
+    hidden, L = t["hidden"], t["hidden"].shape[0] - 1
+    tensors = [{**{f"target.h.{k}": hidden[k, b] for k in range(L + 1)}, "target.final_norm": t["final_norm"][b]}
+               for b in range(t["tokens"].shape[0])]  # fmt: skip
+    return Evidence([s.tolist() for s in t["tokens"]], list(t["labels"]), tensors, L, f"{target_name} held-out sequences")
 
 
 def family(target_name: str) -> str:
