@@ -48,7 +48,7 @@ def test_untrained_draft_cannot_tell():
 
     target = wd._target("tiny-llama")
     draft = init_draft(target, draft_config(), torch.arange(512) * 0, seed=5)
-    result = infer_from_evidence(draft, [2, 4, 5], wd.evidence("tiny-llama"))
+    result = infer_from_evidence(draft, [2, 4, 5], wd.evidence_head("tiny-llama", 16))
     assert not result.decided
     assert "unrelated positions" in result.reasons[0]
     assert result.headline().startswith("cannot tell what the draft was trained on")
@@ -59,7 +59,7 @@ def test_random_draft_of_an_independent_target_cannot_tell():
 
     model = ensure_model("indep-qwen3")
     loaded = load_draft(model.draft)
-    result = infer_from_evidence(loaded.model, loaded.config.layer_ids, wd.evidence("indep-qwen3"))
+    result = infer_from_evidence(loaded.model, loaded.config.layer_ids, wd.evidence_head("indep-qwen3", 16))
     assert not result.decided
 
 
@@ -149,7 +149,7 @@ def test_a_case_with_wiring_infer_on_an_untrained_draft_stops_saying_it_cannot_t
 
     draft = init_draft(wd._target("tiny-llama"), draft_config(), torch.zeros(512, dtype=torch.long), seed=5)
     save_eagle_format(draft, tmp_path / "draft", [2, 4, 5])
-    prompts = "\n".join(f"  - ids: {ids}" for ids in wd.evidence("tiny-llama").tokens[:16])
+    prompts = "\n".join(f"  - ids: {ids}" for ids in wd.evidence("tiny-llama").tokens[:8])
     (tmp_path / "case.yaml").write_text(f"target: fixture:tiny-llama\ndraft: draft\nwiring: infer\nprompts:\n{prompts}\n")
     case = load_case(tmp_path / "case.yaml")
     session = Session(Options(engines=[EngineSpec("ref")], reference=EngineSpec("ref"), log_dir=tmp_path / "logs"))

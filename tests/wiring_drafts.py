@@ -275,5 +275,13 @@ def evidence(target_name: str):
     return Evidence([s.tolist() for s in t["tokens"]], list(t["labels"]), tensors, L, f"{target_name} held-out sequences")
 
 
+def evidence_head(target_name: str, n: int):
+    """The first n sequences of evidence(target_name): enough to see that an untrained draft tells nothing."""
+    from difftest.infer_wiring import Evidence
+
+    e = evidence(target_name)
+    return Evidence(e.tokens[:n], e.labels[:n], e.tensors[:n], e.num_layers, f"{e.source} (first {n})")
+
+
 def family(target_name: str) -> str:
     return "deepseek" if "deepseek" in target_name else "llama"
