@@ -49,12 +49,18 @@ def build(case, session, results: list[dict]) -> dict:
         "engines": engines,
         "checks": results,
         "noise_floor": noise_floor(case, session) if computed else None,
-        "wiring_inference": inference.to_dict() if (inference := session.inference(case)) is not None else None,
+        "wiring_inference": _inference(case, session),
         "comparisons": comparisons,
         "environment": environment(),
         "reproduce": reproduce_command(case.path, [s.id for s in session.options.engines], session.options.reference.id),
         "case_yaml": _read_text(case.path),
     }
+
+
+def _inference(case, session) -> dict | None:
+    """`wiring: infer`: the inference behind the run's wiring (difftest.infer_case); None for other cases."""
+    found = getattr(session, "inference", lambda _case: None)(case)  # session-like objects may not infer
+    return found.to_dict() if found is not None else None
 
 
 def _name(d) -> str | None:
