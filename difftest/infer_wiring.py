@@ -23,8 +23,12 @@ McNemar's: with b = positions only wiring A gets right and c = positions only B 
 z = (b - c) / sqrt(b + c) is the difference in agreement in units of its binomial standard
 error under "A and B are equally good". The harness says *trained on X* only when
   * every slot's contrast is significant (z >= Z_DECIDE): moving that slot alone to its best
-    alternative loses agreement beyond sampling spread, so each slot is pinned down (this also
-    bounds the runner-up margin, which is reported); and
+    alternative loses agreement beyond sampling spread, so each slot is pinned down. Top-1
+    agreement is coarse: a slot the draft leans on lightly (the embedding, whose information the
+    deeper slots carry too) may flip few argmaxes. Such a slot is pinned instead by the same
+    forwards' per-position log-probability of the target's token, a paired z (mean difference over
+    its standard error) >= Z_DECIDE; each slot reports which statistic pinned it. The runner-up
+    and its margin are reported either way; and
   * the best agreement is significantly above the draft's agreement on the same tensors taken
     from *unrelated positions* (a fixed shuffle): the draft demonstrably uses its fc inputs.
     An untrained or random draft fails this: its agreement is chance, whatever it is fed.
