@@ -26,10 +26,10 @@ import torch
 
 from difftest.session import cache_root
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 3
 TRAIN_SEQS, PROMPT_LEN, NEW_TOKENS, DATA_SEED, EPS = 256, 8, 24, 321, 0.25
-EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED = 64, 32, 654
-TRAIN = dict(steps=200, batch_size=32, ttt_steps=1, lr=3e-3, temperature=1.0, warmup=20)
+EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED = 128, 32, 654
+TRAIN = dict(steps=150, batch_size=32, ttt_steps=1, lr=4e-3, temperature=1.0, warmup=10)
 
 
 QWEN3 = "tiny-qwen3-circuit"
@@ -166,12 +166,15 @@ def sequences(target, num: int, new_tokens: int, seed: int, eps: float) -> torch
     gen = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
     x = torch.randint(4, vocab, (num, PROMPT_LEN), generator=gen)
-    for _ in range(new_tokens):
-        nxt = target(input_ids=x, use_cache=False).logits[:, -1].argmax(-1)
+    out = target(input_ids=x, use_cache=True)
+    for i in range(new_tokens):
+        nxt = out.logits[:, -1].argmax(-1)
         if eps > 0:
             swap = torch.rand(num, generator=gen) < eps
             nxt = torch.where(swap, torch.randint(4, vocab, (num,), generator=gen), nxt)
         x = torch.cat([x, nxt[:, None]], dim=1)
+        if i + 1 < new_tokens:
+            out = target(input_ids=nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
     return x
 
 
