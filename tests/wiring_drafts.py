@@ -28,7 +28,7 @@ from difftest.session import cache_root
 
 BUILDER_VERSION = 3
 TRAIN_SEQS, PROMPT_LEN, NEW_TOKENS, DATA_SEED, EPS = 256, 8, 24, 321, 0.25
-EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED = 128, 32, 654
+EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED = 256, 32, 654
 TRAIN = dict(steps=150, batch_size=32, ttt_steps=1, lr=4e-3, temperature=1.0, warmup=10)
 
 
