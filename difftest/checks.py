@@ -109,6 +109,12 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     if problems:
         return Verdict(False, "; ".join(problems[:5]))
     wiring = session.capture(case, spec, 0).meta.get("wiring", {})
+    inferred = session.inference(case)
+    if inferred is not None:  # `wiring: infer`: say so, with the margin, wherever the wiring is shown
+        margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""
+        message = (f"{n} tensors captured; fc wiring {wiring.get('inputs')} (inferred by `wiring: infer`{margin})\n"
+                   + "wiring inferred: " + "\n".join(inferred.lines()))  # fmt: skip
+        return Verdict(True, message, {"wiring_inference": inferred.to_dict()})
     return Verdict(True, f"{n} tensors captured; fc wiring {wiring.get('inputs')} ({wiring.get('source')})")
 
 

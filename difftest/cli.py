@@ -8,6 +8,7 @@
     difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
                  (these two come from the training-data engine, through the `difftest.commands`
                  entry points: difftest.extensions)
+    difftest infer-wiring --target T --draft D [--prompts ...] [--json]   what the draft was trained on
     difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
     difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
 """
@@ -141,13 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
     _env_parsers(sub)
     _report_parsers(sub)
+    from difftest import infer_cli
+
+    infer_cli.add_parser(sub)
     try:
         contributed = _extension_parsers(sub)
     except DifftestError as e:
         print(f"difftest: {e}", file=sys.stderr)
         return 2
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("report", "bundle", "env", *contributed):
+    if args.command in ("report", "bundle", "env", "infer-wiring", *contributed):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

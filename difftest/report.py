@@ -56,11 +56,18 @@ def build(case, session, results: list[dict]) -> dict:
         "engines": engines,
         "checks": results,
         "noise_floor": noise_floor(case, session) if computed else None,
+        "wiring_inference": _inference(case, session),
         "comparisons": comparisons,
         "environment": environment(),
         "reproduce": reproduce_command(case.path, [s.id for s in session.options.engines], session.options.reference.id),
         "case_yaml": _read_text(case.path),
     }
+
+
+def _inference(case, session) -> dict | None:
+    """`wiring: infer`: the inference behind the run's wiring (difftest.infer_case); None for other cases."""
+    found = getattr(session, "inference", lambda _case: None)(case)  # session-like objects may not infer
+    return found.to_dict() if found is not None else None
 
 
 def _name(d) -> str | None:
@@ -282,6 +289,30 @@ def markdown_noise(report: dict) -> list[str]:
     return lines
 
 
+def markdown_inference(inf: dict) -> list[str]:
+    """`wiring: infer`: what the run's wiring was inferred as, and how firmly."""
+    from difftest.wiring import short_name
+
+    def w(names) -> str:
+        return "[" + ", ".join(short_name(n) for n in names) + "]" if names else "-"
+
+    lines = ["## Wiring inferred (`wiring: infer`)", "",
+             f"trained on **{w(inf['wiring'])}**, step-0 agreement {inf['agreement']:.3f}; evidence: {inf['source']}, "
+             f"{inf['positions']} positions, {inf['forwards']} draft forwards (full grid {inf['grid_size']})"]  # fmt: skip
+    if inf.get("runner_up"):
+        lines.append(f"runner-up {w(inf['runner_up'])} ({inf['runner_up_agreement']:.3f}): margin {inf['margin']:.3f} "
+                     f"(z {inf['margin_z']:.1f})")  # fmt: skip
+    lines += ["", "| slot | inferred | best alternative | agreement drop | z (agreement) | z (log-prob) |", "|---|---|---|---|---|---|"]
+    for s in inf["slots"]:
+        lines.append(f"| {s['slot']} | {short_name(s['chosen'])} | {short_name(s['alternative'])} | {s['drop']:.3f} | "
+                     f"{s['z']:.1f} | {s['z_logp']:.1f} |")  # fmt: skip
+    lines += ["", "| engine | reads the config as | agreement |", "|---|---|---|"]
+    for r in inf["readings"]:
+        agreement = "-" if r["agreement"] is None else f"{r['agreement']:.3f}"
+        lines.append(f"| {r['engine']} | {w(r['wiring']) if r['wiring'] else 'cannot serve these ids'} | {agreement} |")
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
     lines = [f"# difftest: {report['case']}", "", f"reference: `{report['reference']}`; case file `{report['case_file']}`", ""]
     if report.get("interrupted"):
@@ -291,6 +322,8 @@ def markdown(report: dict) -> str:
         msg = r["message"].replace("\n", "<br>").replace("|", "\\|")
         lines.append(f"| `{r['engine']}` | {r['check']} | {r['outcome']} | {msg} |")
     lines.append("")
+    if report.get("wiring_inference"):
+        lines += markdown_inference(report["wiring_inference"])
     lines += markdown_noise(report)
     lines += [f"Accept length: {report['accept_length_definition']}.", ""]
     if report.get("reproduce"):

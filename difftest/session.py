@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+from difftest import infer_case as infer_mod
 from difftest import noise
 from difftest.acceptance import AcceptStats
 from difftest.capture import Capture, CaptureCache, cache_key
@@ -97,6 +98,8 @@ class Session:
         self._floors: dict[str, noise.NoiseFloor] = {}
         # spec id -> a stored run standing in for an engine (difftest.baseline.BaselineSource)
         self._stored: dict[str, object] = {}
+        # case path -> `wiring: infer` result (difftest.infer_wiring.WiringInference) or the error it raised
+        self._inferences: dict[str, object] = {}
 
     def add_stored(self, source) -> None:
         """Serve `source.spec` from disk (captures, accept stats, info) instead of a worker."""
@@ -177,8 +180,29 @@ class Session:
                 # per-engine settings may name their own checkpoints (e.g. engines.sglang.draft)
                 engines={e: {k: fix(v) for k, v in s.items()} for e, s in case.engines.items()},
             )
+            if infer_mod.wants_inference(resolved):
+                resolved = self._infer(resolved)
             self._cases[case.path] = resolved
         return self._cases[case.path]
+
+    def _infer(self, case: Case) -> Case:
+        """`wiring: infer`: the case with the inferred wiring (difftest.infer_case); a failure is kept and
+        raised again for every item of the case instead of re-running the inference."""
+        if case.path not in self._inferences:
+            self._progress(f"{case.name}: inferring the draft's training wiring")
+            try:
+                self._inferences[case.path] = infer_mod.inferred_case(self, case)
+            except DifftestError as e:
+                self._inferences[case.path] = e
+        found = self._inferences[case.path]
+        if isinstance(found, DifftestError):
+            raise found
+        return found[0]
+
+    def inference(self, case: Case):
+        """The WiringInference behind a `wiring: infer` case (None for any other case)."""
+        found = self._inferences.get(case.path)
+        return found[1] if isinstance(found, tuple) else None
 
     def prompt_ids(self, case: Case, speculative: bool = False) -> list[list[int]]:
         key = (case.path, speculative)

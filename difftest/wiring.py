@@ -153,6 +153,9 @@ def resolve(
     ids_source: str = "draft config",
 ) -> Wiring:
     """Turn a preset name or an explicit list into a Wiring checked against the target's depth."""
+    if isinstance(spec, str) and spec == "infer":  # a case's `wiring: infer` is replaced before engines run
+        raise ConfigError(f"{where}: 'infer' is only valid as a case's wiring (the harness infers it, difftest.infer_case); "
+                          f"give a preset ({', '.join(PRESETS)}) or a list like [h0, h3, h31] here")  # fmt: skip
     if isinstance(spec, str) and spec in PRESETS:
         ks, verifier = PRESETS[spec](layer_ids, num_layers)
         inputs = tuple(hidden_name(k) for k in ks)

@@ -88,3 +88,20 @@ def test_seed_training_data_accuracy_collapses_under_the_engines_wiring(training
     assert result["message"].startswith("training accuracy collapses under this engine's wiring")
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         assert training_data_run.outcome("seed_training_data", "train", check)["outcome"] == "passed", check
+
+
+def test_inferred_wiring_case_says_what_was_inferred_and_with_what_margin(vllm_wired):
+    result = vllm_wired.outcome("seed_infer_wiring", "ref", "capture")
+    assert result["outcome"] == "passed"
+    assert "wiring inferred: trained on [h0, h2, h4]" in result["message"]
+    assert "the config reads as [h2, h4, h7] in vllm" in result["message"]
+    inferred = vllm_wired.report("seed_infer_wiring")["wiring_inference"]
+    assert inferred["decided"] and inferred["wiring"] == ["target.h.0", "target.h.2", "target.h.4"]
+    assert inferred["margin"] > 0
+
+
+def test_inferred_wiring_feeds_the_checks_of_a_serving_wired_engine(vllm_wired):
+    fc = vllm_wired.outcome("seed_infer_wiring", "ref[wiring=vllm]", "fc_inputs")
+    assert fc["outcome"] == "failed"
+    assert "engine fed fc [h2, h4, h7]; reference fed [h0, h2, h4]; pattern: embedding dropped" in fc["message"]
+    assert vllm_wired.outcome("seed_infer_wiring", "ref[wiring=vllm]", "accept_length")["outcome"] == "failed"

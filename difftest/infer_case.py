@@ -1,0 +1,110 @@
+"""`wiring: infer` in a case: infer the training wiring once per case, before anything else runs.
+
+The evidence is a capture of every prompt of the case (its `prompts` and `speculative.prompts`)
+holding every `target.h.{k}`: the reference engine `ref` captures all of them whatever the
+draft's wiring, so it is asked first with a placeholder wiring (only the target's tensors are
+read). When `ref` cannot hold the target, the session's reference takes its place (a training
+dump read by `train` holds the layers the trainer dumped, identified by content; an engine
+capture holds what that engine exposes), and the inference says which source it used and
+searches only the tensors that source holds.
+
+The inferred wiring replaces `wiring: infer` in the case every engine is sent (difftest.session
+Session.prepare), so checks, diagnosis and reports run on it; `Session.inference(case)` keeps
+the full result for the capture item and the report. When the evidence is too weak the case
+stops with one line saying so: a guess would make every verdict after it meaningless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from difftest.case import Case, Prompt
+from difftest.engine import EngineSpec
+from difftest.errors import ConfigError, DifftestError, EngineUnavailable
+from difftest.infer_wiring import WiringInference, evidence_from_captures, infer_from_evidence
+from difftest.jsonfile import read_json
+
+INFER = "infer"
+
+
+def wants_inference(case: Case) -> bool:
+    return isinstance(case.wiring, str) and case.wiring == INFER
+
+
+def _target_tensor(target: Path, suffix: str) -> torch.Tensor | None:
+    """One tensor of the target checkpoint by name suffix (e.g. embed_tokens.weight), read lazily."""
+    from safetensors import safe_open
+
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                if key.endswith(suffix):
+                    return fh.get_tensor(key).float()
+    return None
+
+
+def load_inference_draft(draft: str | Path, target: str | Path):
+    """The draft in float32 (engines.ref.eagle3), with the target's embedding / lm_head where it shares them."""
+    from engines.ref.eagle3 import load_draft
+
+    try:
+        return load_draft(draft)
+    except ConfigError as e:
+        if "embed" not in str(e) and "lm_head" not in str(e):
+            raise
+    t = Path(target)
+    return load_draft(draft, target_embed=_target_tensor(t, "embed_tokens.weight"),
+                      target_lm_head=_target_tensor(t, "lm_head.weight"))  # fmt: skip
+
+
+def target_family(target: str | Path) -> str:
+    cfg = read_json(Path(target) / "config.json")
+    kind = str(cfg.get("model_type") or (cfg.get("text_config") or {}).get("model_type") or "")
+    return "deepseek" if "deepseek" in kind or "kimi" in kind else "llama"
+
+
+def evidence_case(case: Case, num_slots: int) -> Case:
+    """The case the evidence is captured with: every prompt, a placeholder wiring."""
+    prompts, seen = [], set()
+    for p in [*case.prompts, *case.spec_prompts]:
+        key = (p.text, tuple(p.ids) if p.ids else None)
+        if key not in seen:
+            seen.add(key)
+            prompts.append(Prompt(p.text, list(p.ids) if p.ids else None))
+    return dataclasses.replace(case, path=f"{case.path}#infer-wiring", wiring=["h0"] * num_slots, layer_ids=None,
+                               prompts=prompts, spec_prompts=[])  # fmt: skip
+
+
+def infer_for_case(session, case: Case) -> WiringInference:
+    """`case` has its fixtures resolved; `session` is a difftest.session.Session."""
+    loaded = load_inference_draft(case.draft, case.target)
+    ev_case = evidence_case(case, loaded.config.num_aux)
+    n = len(ev_case.prompts)
+    sources = [EngineSpec("ref")]
+    if session.options.reference.id != "ref":
+        sources.append(session.options.reference)
+    errors = []
+    for spec in sources:
+        try:
+            caps = [session.capture(ev_case, spec, i) for i in range(n)]
+        except (EngineUnavailable, DifftestError) as e:
+            errors.append(f"{spec.id}: {str(e).splitlines()[0]}")
+            continue
+        if not any(k.startswith("target.h.") for k in caps[0].tensors):
+            errors.append(f"{spec.id}: its capture holds no target.h.*")
+            continue
+        what = "reference target" if spec.name == "ref" else f"{spec.id}'s capture (ref could not run the target)"
+        evidence = evidence_from_captures(caps, f"{what}, {n} prompts (case prompts and speculative prompts)")
+        ids = case.layer_ids if case.layer_ids is not None else loaded.config.layer_ids
+        return infer_from_evidence(loaded.model, ids, evidence, target_family(case.target))
+    raise ConfigError(f"{case.path}: wiring: infer: no capture with the target's hidden states ({'; '.join(errors)})")
+
+
+def inferred_case(session, case: Case) -> tuple[Case, WiringInference]:
+    result = infer_for_case(session, case)
+    if not result.decided:
+        raise ConfigError(f"{case.path}: wiring: infer: {result.headline()}; state `wiring:` explicitly")
+    return dataclasses.replace(case, wiring=list(result.wiring)), result
