@@ -6,6 +6,8 @@ The core names no engine. A package registers, in its `pyproject.toml`:
     train_accuracy = "engines.trainingdata.train_check:CHECK"        # an ExtraCheck
     [project.entry-points."difftest.commands"]    # a `difftest NAME ...` subcommand
     train-acc = "engines.trainingdata.commands:TRAIN_ACC"            # a Command
+    [project.entry-points."difftest.drafts"]      # a draft model the core runs itself (wiring: infer)
+    eagle3 = "engines.ref.infer_draft:LOADER"                         # a DraftLoader
 
 (adapters themselves register under `difftest.engines`, fixtures under `difftest.fixtures`).
 Entry points are read once per process; one that cannot be loaded is a one-line ConfigError.
@@ -23,6 +25,7 @@ from difftest.errors import ConfigError
 
 CHECK_GROUP = "difftest.checks"
 COMMAND_GROUP = "difftest.commands"
+DRAFT_GROUP = "difftest.drafts"
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,14 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class DraftLoader:
+    """Loads a draft checkpoint as a runnable model for the core's own draft forwards (`wiring: infer`)."""
+
+    name: str
+    load: Callable  # (draft_dir, target_dir) -> a loaded draft (engines.ref.eagle3.LoadedDraft)
 
 
 def _load(group: str, kind: type) -> dict:
@@ -62,3 +73,12 @@ def extra_checks() -> dict[str, ExtraCheck]:
 @functools.cache
 def commands() -> dict[str, Command]:
     return _load(COMMAND_GROUP, Command)
+
+
+@functools.cache
+def draft_loader() -> DraftLoader:
+    """The registered draft model (`difftest.drafts` entry points: the reference's EAGLE-3 draft)."""
+    loaders = _load(DRAFT_GROUP, DraftLoader)
+    if not loaders:
+        raise ConfigError("no draft model is registered (difftest.drafts entry points): reinstall difftest (bash scripts/setup)")
+    return loaders.get("eagle3") or next(iter(loaders.values()))

@@ -24,6 +24,7 @@ import torch
 from difftest.case import Case, Prompt
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable
+from difftest.extensions import draft_loader
 from difftest.infer_wiring import WiringInference, evidence_from_captures, infer_from_evidence
 from difftest.jsonfile import read_json
 
@@ -32,32 +33,6 @@ INFER = "infer"
 
 def wants_inference(case: Case) -> bool:
     return isinstance(case.wiring, str) and case.wiring == INFER
-
-
-def _target_tensor(target: Path, suffix: str) -> torch.Tensor | None:
-    """One tensor of the target checkpoint by name suffix (e.g. embed_tokens.weight), read lazily."""
-    from safetensors import safe_open
-
-    for f in sorted(target.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                if key.endswith(suffix):
-                    return fh.get_tensor(key).float()
-    return None
-
-
-def load_inference_draft(draft: str | Path, target: str | Path):
-    """The draft in float32 (engines.ref.eagle3), with the target's embedding / lm_head where it shares them."""
-    from engines.ref.eagle3 import load_draft
-
-    try:
-        return load_draft(draft)
-    except ConfigError as e:
-        if "embed" not in str(e) and "lm_head" not in str(e):
-            raise
-    t = Path(target)
-    return load_draft(draft, target_embed=_target_tensor(t, "embed_tokens.weight"),
-                      target_lm_head=_target_tensor(t, "lm_head.weight"))  # fmt: skip
 
 
 def target_family(target: str | Path) -> str:
@@ -80,7 +55,7 @@ def evidence_case(case: Case, num_slots: int) -> Case:
 
 def infer_for_case(session, case: Case) -> WiringInference:
     """`case` has its fixtures resolved; `session` is a difftest.session.Session."""
-    loaded = load_inference_draft(case.draft, case.target)
+    loaded = draft_loader().load(case.draft, case.target)
     ev_case = evidence_case(case, loaded.config.num_aux)
     n = len(ev_case.prompts)
     sources = [EngineSpec("ref")]

@@ -17,10 +17,13 @@ from pathlib import Path
 import torch
 
 from difftest.errors import DifftestError
+from difftest.extensions import Command
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("infer-wiring", help="infer which target hidden states a draft was trained on, from its behaviour")
+HELP = "infer which target hidden states a draft was trained on, from its behaviour"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target checkpoint or fixture:NAME")
     p.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
     p.add_argument("--prompts", nargs="+", default=[], metavar="PROMPT",
@@ -30,7 +33,6 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layer-ids", default=None, help="config ids to read as each engine would (default: the draft config's), e.g. 2,4,7")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(handler=main)
 
 
 def _resolve(ref: str) -> str:
@@ -86,7 +88,8 @@ def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[i
 @torch.no_grad()
 def infer(target_ref: str, draft_ref: str, prompts: list[list[int]], layer_ids: list[int] | None = None):
     from difftest.capture import Capture
-    from difftest.infer_case import load_inference_draft, target_family
+    from difftest.infer_case import target_family
+    from engines.ref.infer_draft import load_inference_draft
     from difftest.infer_wiring import evidence_from_captures, infer_from_evidence
     from engines.ref.target import load_target, run_target
 
@@ -125,3 +128,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         print("\n".join(result.lines()))
     return 0 if result.decided else 1
+
+
+# registered under the `difftest.commands` entry points (pyproject.toml)
+INFER_WIRING = Command("infer-wiring", HELP, add_arguments, main)
