@@ -8,6 +8,7 @@
     difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
     difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
     difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
+    difftest probe --server URL --case CASE [--kind sglang|vllm]   a running server's acceptance vs the reference
 """
 
 from __future__ import annotations
@@ -158,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     _training_data_parsers(sub)
     _env_parsers(sub)
     _report_parsers(sub)
+    from difftest import probe_cli
+
+    probe_cli.add_parser(sub)
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("train-acc", "dump", "report", "bundle", "env"):
+    if args.command in ("train-acc", "dump", "report", "bundle", "env", "probe"):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

@@ -24,7 +24,7 @@ from difftest import report as report_mod
 from difftest.case import Case, load_case
 from difftest.engine import EngineSpec, engine_target, parse_engine_list, parse_spec
 from difftest.envs import project_pythons
-from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable
+from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable, NotAvailable
 from difftest.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
@@ -196,6 +196,9 @@ class CheckItem(pytest.Item):
         record = {"engine": self.spec.id, "check": self.check}
         try:
             verdict = checks_mod.CHECKS[self.check](session, self.case, self.spec)
+        except NotAvailable as e:
+            results.append({**record, "outcome": "not available", "message": str(e)})
+            pytest.skip(str(e))
         except EngineUnavailable as e:
             results.append({**record, "outcome": "skipped", "message": str(e)})
             if self.config.getoption("require_engines"):

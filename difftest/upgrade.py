@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SAME, DRIFTED, REGRESSED, ERROR, SKIPPED = "same", "drifted", "regressed", "error", "skipped"
+PASSED = "passed"
 
 
 @dataclass
@@ -108,6 +109,8 @@ def summarise(report: dict, report_dir: Path) -> list[SummaryRow]:
             verdict = REGRESSED
         elif outcomes == {"skipped"}:
             verdict = SKIPPED
+        elif not prompts and outcomes - {"not available"} == {"passed"}:
+            verdict = PASSED  # a running server: acceptance only, no tensors to call same or drifted
         elif identical and prompts and ref_al is not None and ref_al == eng_al:
             verdict = SAME
         else:
