@@ -7,8 +7,8 @@ on CPU (tests/live_servers.py), each started once per test session:
                   on [h2, h4, h5]): the accept length collapses, seen from outside
   vllm_server     the tiny Llama draft as vLLM reads it: prediction met; acceptance from /metrics deltas
 
-The probed case is tiny_llama.yaml with 4 of its 12 speculative prompts (each prompt is a real
-request to a CPU server). Bad input (unreachable URL, timeout, no speculative decoding, another
+The probed cases are tiny_llama.yaml with 3 of its 12 speculative prompts x 24 tokens, or 2 x 16
+(each prompt is a real request to a CPU server). Bad input (unreachable URL, timeout, no speculative decoding, another
 model) must give one line naming the cause, never a hang.
 """
 
@@ -38,7 +38,6 @@ SGLANG_IDS = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}, "
 CPU_SGLANG = ["--device", "cpu", "--attention-backend", "intel_amx", "--disable-cuda-graph", "--skip-tokenizer-init",
               "--mem-fraction-static", "0.3", "--max-total-tokens", "4096", "--dtype", "float32", "--random-seed", "0",
               "--disable-overlap-schedule", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "4"]  # fmt: skip
-STARTS: dict[str, float] = {}  # server -> seconds to healthy (printed at the end: the CI time this adds)
 
 
 def _probe(*args: str, timeout: float = 900):
@@ -52,16 +51,28 @@ def _probe(*args: str, timeout: float = 900):
     return run
 
 
-@pytest.fixture(scope="session")
-def probe_case(tmp_path_factory) -> Path:
-    """tiny_llama.yaml with 4 speculative prompts, in a folder named cases (the plugin collects only those)."""
+def _case(directory: Path, prompts: int, max_new_tokens: int) -> Path:
+    """tiny_llama.yaml with fewer speculative prompts (each is a real request to a CPU server), in a
+    folder named cases (the plugin collects only those)."""
     case = yaml.safe_load((ROOT / "cases" / "tiny_llama.yaml").read_text())
-    case["speculative"]["prompts"] = case["speculative"]["prompts"][:4]
+    case["speculative"]["prompts"] = case["speculative"]["prompts"][:prompts]
+    case["speculative"]["max_new_tokens"] = max_new_tokens
     case["engines"]["sglang"]["speculative_num_draft_tokens"] = 16  # what the deployment asked for
-    path = tmp_path_factory.mktemp("probe") / "cases" / "tiny_llama_probe.yaml"
+    path = directory / "cases" / "tiny_llama_probe.yaml"
     path.parent.mkdir()
     path.write_text(yaml.safe_dump(case, sort_keys=False))
     return path
+
+
+@pytest.fixture(scope="session")
+def probe_case(tmp_path_factory) -> Path:
+    return _case(tmp_path_factory.mktemp("probe"), 3, 24)
+
+
+@pytest.fixture(scope="session")
+def small_case(tmp_path_factory) -> Path:
+    """2 prompts x 16 tokens: a collapsed draft verifies after nearly every token, ~30 verifies tell 1.1 from 3.9."""
+    return _case(tmp_path_factory.mktemp("probe-small"), 2, 16)
 
 
 def _checkpoints(sglang_ids: bool) -> tuple[str, str]:
@@ -74,7 +85,6 @@ def _checkpoints(sglang_ids: bool) -> tuple[str, str]:
 def _serve(request, name: str, kind: str, args: list[str], env: dict | None = None):
     log = Path(request.config.rootpath) / "reports" / "logs" / f"live-{name}.log"
     server = live_servers.start(kind, args, log, env)
-    STARTS[name] = server.started_s
     yield server
     left = server.stop()
     assert not left, f"{name}: processes left after stopping the server's process group: {left}"
@@ -132,8 +142,8 @@ def test_sglang_probe_meets_the_prediction_and_reports_the_topk1_override(sglang
     assert (tmp_path / "tiny_llama_probe.html").exists()
 
 
-def test_sglang_miswired_draft_collapse_is_detected_from_outside(sglang_miswired, probe_case, tmp_path):
-    run = _probe("--server", sglang_miswired.url, "--case", str(probe_case), "--report-dir", str(tmp_path))
+def test_sglang_miswired_draft_collapse_is_detected_from_outside(sglang_miswired, small_case, tmp_path):
+    run = _probe("--server", sglang_miswired.url, "--case", str(small_case), "--report-dir", str(tmp_path))
     assert run.returncode == 1, run.stdout + run.stderr
     assert run.stdout.startswith("accept length collapsed: ")
     assert "FAIL: the deployment accepts less than the reference predicts" in run.stdout
@@ -153,9 +163,9 @@ def test_vllm_probe_meets_the_prediction_from_metrics_deltas(vllm_server, probe_
         assert r["server"]["accepted_per_pos"] == r["predicted"]["accepted_per_pos"]
 
 
-def test_server_spec_stands_beside_other_engines_in_a_pytest_run(sglang_server, probe_case, tmp_path):
+def test_server_spec_stands_beside_other_engines_in_a_pytest_run(sglang_server, small_case, tmp_path):
     engines = f"fake=fake_engine:FakeEngine;server={SERVER_ENGINE}"  # registered whatever the installed metadata says
-    run = run_pytest(probe_case.parent.parent, f"cases/{probe_case.name}",
+    run = run_pytest(small_case.parent.parent, f"cases/{small_case.name}",
                      f"--engines=ref,server[url={sglang_server.url},kind=sglang]", f"--report-dir={tmp_path}",
                      "-k", "accept_length or fc_inputs", env={"DIFFTEST_ENGINES": engines}, timeout=900)  # fmt: skip
     checks = _report(tmp_path)
@@ -164,8 +174,8 @@ def test_server_spec_stands_beside_other_engines_in_a_pytest_run(sglang_server, 
     assert "not available for server" in run.output
 
 
-def test_a_server_serving_another_model_is_refused_in_one_line(sglang_server, probe_case, tmp_path):
-    run = _probe("--server", sglang_server.url, "--case", str(probe_case), "--model", "/models/other-model",
+def test_a_server_serving_another_model_is_refused_in_one_line(sglang_server, small_case, tmp_path):
+    run = _probe("--server", sglang_server.url, "--case", str(small_case), "--model", "/models/other-model",
                  "--report-dir", str(tmp_path))  # fmt: skip
     assert run.returncode == 2
     err = run.stderr.strip().splitlines()[-1]
