@@ -7,6 +7,8 @@ Verdicts (difftest.noise judges the tensors):
               largest mover is named by its excess (row error / noise threshold)
   regressed   a check failed: a tensor above noise, top-1 agreement or accept length
   error / skipped   the engine could not be compared (its message is in the report)
+  passed      a running server (`server[url=...]`): its accept length meets the reference's
+              prediction; it has no tensors to call same or drifted
 
 The "first divergent tensor" column is the tensor where the error is *introduced* (the report's
 `first_divergence`), what a failing check leads with.
