@@ -273,3 +273,16 @@ def test_prometheus_counters_are_summed_over_engines_per_position():
 def test_launch_command_gives_what_was_asked_for():
     asked = parse_launch_command("python -m sglang.launch_server --speculative-num-draft-tokens 16 --disable-cuda-graph --tp=8")
     assert asked == {"speculative_num_draft_tokens": "16", "disable_cuda_graph": "true", "tp": "8"}
+
+
+def test_vllm_deltas_touched_by_a_concurrent_request_are_flagged(vllm_server):
+    from difftest.server_client import ServerClient
+
+    prompt = [574, 554, 303, 298, 472, 148, 901, 664]
+    other = threading.Thread(target=lambda: ServerClient(vllm_server.url, "vllm").generate(prompt, 300, 4))
+    other.start()
+    time.sleep(1.0)  # the other client's request is running
+    mine = ServerClient(vllm_server.url, "vllm").generate(prompt, 8, 4)
+    other.join()
+    assert not mine.exact
+    assert mine.contaminated  # running before it, or counters moved by more than this request
