@@ -25,6 +25,8 @@ class AcceptStats:
     source: str = ""  # e.g. "ref simulation" or "vllm counters"
     definition: str = DEFINITION
     outputs: list[list[int]] = field(default_factory=list)  # generated token ids per prompt, where the engine returns them
+    # per request, where a live server reports them (difftest.server_client.RequestAcceptance.to_dict)
+    per_request: list[dict] = field(default_factory=list)
 
     @property
     def accept_length(self) -> float:

@@ -31,6 +31,7 @@ from difftest.extensions import extra_checks
 from difftest.golden import golden_rerun
 from difftest.scopes import in_draft_scope as _in_draft_scope
 from difftest.scopes import in_fc_scope as _in_fc_scope
+from difftest.errors import NotAvailable
 from difftest.session import Session
 from difftest.verdict import Verdict
 
@@ -118,11 +119,19 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     return Verdict(True, f"{n} tensors captured; fc wiring {wiring.get('inputs')} ({wiring.get('source')})")
 
 
+def _needs_tensors(session: Session, spec: EngineSpec, check: str) -> None:
+    if session.is_live(spec):
+        raise NotAvailable(f"{check}: not available for {spec.id}: a running server exposes no tensors "
+                           "(only its acceptance is checked)")  # fmt: skip
+
+
 def check_fc_inputs(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    _needs_tensors(session, spec, "fc_inputs")
     return _divergence_report(session, case, spec, session.comparisons(case, spec), _in_fc_scope)
 
 
 def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    _needs_tensors(session, spec, "draft_logits")
     diffs = session.comparisons(case, spec)
     verdict = _divergence_report(session, case, spec, diffs, _in_draft_scope)
     if not verdict.passed:
@@ -151,6 +160,7 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     (difftest.noise.tie_rows) is a tie: either choice is correct, so it is counted apart and
     reported, not judged. Draft steps after a tie that the engine resolved the other way compute
     on another token and are left out (difftest.compare)."""
+    _needs_tensors(session, spec, "top1_agreement")
     threshold = float(case.expect.get("top1_agreement", DEFAULT_TOP1))
     floor = session.noise_floor(case)
     agree = total = ties = tie_agree = skipped = 0
@@ -188,6 +198,10 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
     the two measurements (ACCEPT_SIGMAS standard errors, from the per-position acceptance and the
     number of verify steps: difftest.acceptance.accept_length_spread), whichever is wider."""
     tol = {**DEFAULT_ACCEPT, **(case.expect.get("accept_length") or {})}
+    if session.is_live(spec):  # a running server: against the reference's replay of its own tokens
+        from difftest import probe
+
+        return Verdict(*probe.check(session, case, spec, tol))
     ref_stats = session.speculate(case, session.options.reference)
     stats = session.speculate(case, spec)
     a, b = ref_stats.accept_length, stats.accept_length

@@ -158,6 +158,10 @@ class EngineInfo:
     version: str
     versions: dict = field(default_factory=dict)  # torch, transformers, ... in the engine's environment
     kernels: str = ""
+    # A live system outside the harness (a running server): nothing is captured inside it, and its
+    # results are never cached (each run asks it again).
+    live: bool = False
+    settings: dict = field(default_factory=dict)  # a live server's effective settings (difftest.server_client)
 
 
 def check_case_settings(case: Case, specs: list["EngineSpec"] = (), merged=None) -> None:
@@ -211,6 +215,12 @@ class Engine(ABC):
         the draft tensors under their canonical names. Engines that cannot inject fc inputs
         keep this default; the harness then reports the golden re-run as not supported."""
         raise NotImplementedError(f"{self.spec.id}: capture_draft_from (golden fc inputs) is not supported")
+
+    def replay(self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int,
+               num_draft_tokens: int) -> list[dict]:  # fmt: skip
+        """Optional (live servers): per (prompt, output) pair, the acceptance this engine's draft predicts
+        on those tokens: {"stats": AcceptStats dict, "target_mismatches": int, "first_mismatch": int|None}."""
+        raise NotImplementedError(f"{self.spec.id}: replaying another engine's tokens is not supported")
 
     def close(self) -> None:
         """Release models and child processes."""

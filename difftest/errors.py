@@ -24,3 +24,8 @@ class EngineUnavailable(DifftestError):
 class CaseNotConfigured(DifftestError):
     """A case names an environment variable that is not set here (e.g. the path of a model too
     large for this machine): its items skip with this reason instead of failing."""
+
+
+class NotAvailable(DifftestError):
+    """A check that cannot apply to this engine (e.g. tensor checks on a running server, which
+    exposes no tensors): reported as "not available", never as passed."""

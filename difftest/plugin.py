@@ -28,7 +28,7 @@ from difftest.engine import EngineSpec, check_case_settings, check_settings, eng
 from difftest.engine import parse_engine_list, parse_spec
 from difftest.engine import registered_engines
 from difftest.envs import interpreter, project_pythons
-from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable
+from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable, NotAvailable
 from difftest.settings import unknown_key
 from difftest.session import Options, Session
 
@@ -273,6 +273,9 @@ class CheckItem(pytest.Item):
         record = {"engine": self.spec.id, "check": self.check}
         try:
             verdict = checks_mod.run_check(self.check, session, self.case, self.spec)
+        except NotAvailable as e:
+            results.append({**record, "outcome": "not available", "message": str(e)})
+            pytest.skip(str(e))
         except EngineUnavailable as e:
             results.append({**record, "outcome": "skipped", "message": str(e)})
             if self.config.getoption("require_engines"):

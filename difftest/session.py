@@ -323,7 +323,8 @@ class Session:
             prompts = self.prompt_ids(case, speculative=True)
             key = cache_key("speculate", spec.id, client.info["version"], self.inputs_key(case, spec), prompts)
             path = self.cache.path(key).with_suffix(".json")
-            if self.options.use_cache and path.exists():
+            live = bool(client.info.get("live"))  # a running server: ask it again every run, never cache
+            if self.options.use_cache and not live and path.exists():
                 stats = AcceptStats.from_dict(json.loads(path.read_text()))
             else:
                 self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
@@ -332,9 +333,25 @@ class Session:
                      "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens}
                 )  # fmt: skip
                 stats = AcceptStats.from_dict(reply["stats"])
-                atomic_write(path, json.dumps(stats.to_dict(), indent=1))
+                if not live:
+                    atomic_write(path, json.dumps(stats.to_dict(), indent=1))
             self._stats[memo] = stats
         return self._stats[memo]
+
+    def is_live(self, spec: EngineSpec) -> bool:
+        """A running server (EngineInfo.live): no tensors to compare, acceptance only."""
+        return spec.id not in self._stored and bool(self.client(spec).info.get("live"))
+
+    def replay(self, case: Case, spec: EngineSpec, requests: list[tuple[list[int], list[int]]], num_steps: int,
+               topk: int, num_draft_tokens: int) -> list[dict]:  # fmt: skip
+        """`spec`'s prediction on another engine's tokens (Engine.replay), per (prompt, output)."""
+        case = self.engine_case(self.prepare(case), spec)
+        if spec.id in self._stored:
+            raise Unsupported(f"{spec.id}: a stored baseline cannot replay a server's tokens; use --reference=ref")
+        self._progress(f"{spec.id}: replaying {len(requests)} server outputs through the draft")
+        reply = self.client(spec).request({"op": "replay", "case": case.to_dict(), "requests": requests,
+                                           "num_steps": num_steps, "topk": topk, "num_draft_tokens": num_draft_tokens})  # fmt: skip
+        return reply["replays"]
 
     # -- the noise floor (difftest.noise) ----------------------------------------------------
     def calibration_spec(self) -> EngineSpec:

@@ -7,6 +7,8 @@ Verdicts (difftest.noise judges the tensors):
               largest mover is named by its excess (row error / noise threshold)
   regressed   a check failed: a tensor above noise, top-1 agreement or accept length
   error / skipped   the engine could not be compared (its message is in the report)
+  passed      a running server (`server[url=...]`): its accept length meets the reference's
+              prediction; it has no tensors to call same or drifted
 
 The "first divergent tensor" column is the tensor where the error is *introduced* (the report's
 `first_divergence`), what a failing check leads with.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SAME, DRIFTED, REGRESSED, ERROR, SKIPPED = "same", "drifted", "regressed", "error", "skipped"
+PASSED = "passed"
 
 
 @dataclass
@@ -108,6 +111,8 @@ def summarise(report: dict, report_dir: Path) -> list[SummaryRow]:
             verdict = REGRESSED
         elif outcomes == {"skipped"}:
             verdict = SKIPPED
+        elif not prompts and outcomes - {"not available"} == {"passed"}:
+            verdict = PASSED  # a running server: acceptance only, no tensors to call same or drifted
         elif identical and prompts and ref_al is not None and ref_al == eng_al:
             verdict = SAME
         else:

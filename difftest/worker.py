@@ -13,6 +13,8 @@ never corrupts the protocol. Captures travel as directories (difftest.capture).
     {"op": "capture_draft_from", "case": {...}, "prompt_ids": [...], "fc_in": FILE, "out": DIR}
                                                    -> {"ok": true}   (golden inputs: FILE is a
                                                       safetensors file holding "draft.fc_in")
+    {"op": "replay", "case": {...}, "requests": [[prompt, output], ...], "num_steps": k, "topk": t,
+     "num_draft_tokens": n}                        -> {"ok": true, "replays": [...]}  (Engine.replay)
     {"op": "close"}                                -> {"ok": true}
 Errors: {"ok": false, "kind": "unavailable" | "config" | "unsupported" | "engine" | "crash", "error": "one line"}.
 """
@@ -197,6 +199,10 @@ def _handle(engine, msg: dict) -> dict:
         capture = engine.capture_draft_from(Case.from_dict(msg["case"]), list(msg["prompt_ids"]), fc_in)
         capture.save(msg["out"])
         return {}
+    if op == "replay":
+        pairs = [(list(p), list(o)) for p, o in msg["requests"]]
+        return {"replays": engine.replay(Case.from_dict(msg["case"]), pairs, msg["num_steps"], msg["topk"],
+                                         msg["num_draft_tokens"])}  # fmt: skip
     raise ConfigError(f"worker: unknown op {op!r}")
 
 

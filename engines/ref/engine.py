@@ -193,6 +193,24 @@ class RefEngine(Engine):
         stats.source = f"ref simulation, wiring {wiring.short()}"
         return stats
 
+    @torch.no_grad()
+    def replay(self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int,
+               num_draft_tokens: int) -> list[dict]:  # fmt: skip
+        """Per request (prompt, output): the acceptance this draft predicts on those very tokens
+        (engines/ref/replay.py), with the number of output tokens its target would have chosen otherwise."""
+        from engines.ref.replay import replay_request
+
+        target, loaded = self._models(case)
+        wiring = self.wiring(case, loaded, num_layers(target))
+        out = []
+        for prompt, output in requests:
+            r = replay_request(target, loaded.model, wiring.inputs, prompt, output, num_steps, topk, num_draft_tokens)
+            r.stats.source = (f"ref replay of the server's tokens (wiring {wiring.short()}, topk {topk}, "
+                              f"num_draft_tokens {num_draft_tokens})")  # fmt: skip
+            out.append({"stats": r.stats.to_dict(), "target_mismatches": r.target_mismatches,
+                        "first_mismatch": r.first_mismatch})  # fmt: skip
+        return out
+
     def _tree_settings(self, case: Case, num_steps: int) -> tuple[int, int]:
         """topk and num_draft_tokens (root included, as SGLang counts); a chain by default."""
         s = self.settings_for(case)

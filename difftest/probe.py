@@ -1,0 +1,125 @@
+"""The live-server check: a running server's acceptance against the reference's prediction on the
+server's own tokens.
+
+  1. the server's effective settings (`server` engine info, difftest.server_client), with flags
+     where they differ from what was asked for or what the case describes;
+  2. the case's speculative prompts sent one at a time, greedy (the `server` engine's speculate);
+  3. the reference replays each request's prompt + output through its draft with the server's
+     effective num_steps / topk / num_draft_tokens (Engine.replay, engines/ref/replay.py);
+  4. accept length and per-position acceptance against that prediction, with the expected spread
+     (difftest.acceptance.accept_length_spread), per request and over all of them: a verdict.
+
+Which numbers are exact: SGLang's are the server's own per-request counters. vLLM's are /metrics
+deltas around each request: a request another client ran at the same time is in them too; such a
+request is marked (difftest.server_client) and left out of the verdict when clean ones remain.
+"""
+
+from __future__ import annotations
+
+from difftest.acceptance import AcceptStats, accept_length_spread
+from difftest.case import Case
+from difftest.engine import EngineSpec
+from difftest.errors import ConfigError
+
+ACCEPT_SIGMAS = 3.0  # as difftest.checks
+
+
+def flags(settings: dict, case: Case) -> list[str]:
+    """What a user should know about the server's effective settings, one line each."""
+    out = []
+    kind = settings["kind"]
+    steps, topk, ndt = settings.get("num_steps"), settings.get("topk"), settings.get("num_draft_tokens")
+    launch = settings.get("launch") or {}
+    wanted = case.engine_settings(kind)
+    algo = str(settings.get("algorithm") or "")
+    if algo and "EAGLE3" not in algo.upper().replace("-", "").replace("_", "") and not algo.startswith("speculative"):
+        out.append(f"speculative algorithm {algo}, not EAGLE-3: the reference predicts an EAGLE-3 draft")
+    if kind == "sglang" and topk == 1 and steps is not None:
+        asked = launch.get("speculative_num_draft_tokens", wanted.get("speculative_num_draft_tokens"))
+        if asked is not None and str(asked) != str(ndt):
+            out.append(f"topk 1 forces num_draft_tokens = {ndt} (num_steps + 1); {asked} configured")
+        else:
+            out.append(f"topk 1: a chain; num_draft_tokens = {ndt} (num_steps + 1) whatever is configured")
+    if kind == "sglang":
+        for key, ours in (("speculative_num_steps", "num_steps"), ("speculative_eagle_topk", "topk")):
+            if key in launch and settings.get(ours) is not None and str(settings[ours]) != str(launch[key]):
+                out.append(f"SGLang resolved {key} = {settings[ours]}; {launch[key]} was asked for")
+    case_steps = wanted.get("speculative_num_steps") or wanted.get("num_speculative_tokens") or case.num_steps
+    if steps is not None and int(case_steps) != int(steps):
+        out.append(f"the server drafts {steps} tokens per step; the case says {case_steps}: the prediction uses the server's {steps}")
+    if kind == "vllm" and not settings.get("draft_model"):
+        out.append("draft path not published (vLLM serves /server_info only with VLLM_SERVER_DEV_MODE=1): "
+                   "num_speculative_tokens read from the /metrics per-position counters")  # fmt: skip
+    return out
+
+
+def _fmt(xs: list[float]) -> str:
+    return "[" + ", ".join(f"{x:.2f}" for x in xs) + "]"
+
+
+def check(session, case: Case, spec: EngineSpec, tol: dict) -> tuple[bool, str, dict]:
+    """(passed, message, data) of a server's accept length against the reference's replay."""
+    reference = session.options.reference
+    settings = session.client(spec).info["settings"]
+    stats = session.speculate(case, spec)
+    steps = settings.get("num_steps") or case.num_steps
+    topk = settings.get("topk") or 1
+    ndt = settings.get("num_draft_tokens") or steps + 1
+    if topk < 1 or ndt < 2:
+        raise ConfigError(f"{spec.id}: the server reports topk {topk}, num_draft_tokens {ndt}: cannot predict that")
+    requests = stats.per_request
+    replays = session.replay(case, reference, [(r["prompt"], r["output"]) for r in requests], steps, topk, ndt)
+    clean = [i for i, r in enumerate(requests) if not r.get("contaminated")]
+    judged = clean or list(range(len(requests)))
+    server_total = AcceptStats(0, 0, steps, [0] * steps, 0, stats.source)
+    ref_total = AcceptStats(0, 0, steps, [0] * steps, 0, "")
+    lines, per_request = [], []
+    for i, (r, rep) in enumerate(zip(requests, replays)):
+        s = AcceptStats(r["num_verify"], r["num_accepted"], steps, list(r["accepted_per_pos"]), 1)
+        p = AcceptStats.from_dict(rep["stats"])
+        if i in judged:
+            server_total, ref_total = server_total.merge(s), ref_total.merge(p)
+        ref_total.source = p.source
+        spread = (accept_length_spread(s) ** 2 + accept_length_spread(p) ** 2) ** 0.5
+        kind = "exact" if r["exact"] else "delta"
+        note = f"; NOT JUDGED: {r['contaminated']}" if r.get("contaminated") and clean else (
+            f"; {r['contaminated']}" if r.get("contaminated") else "")  # fmt: skip
+        mism = f"; the reference target picks another token at {rep['target_mismatches']} output positions (first: {rep['first_mismatch']})" \
+            if rep["target_mismatches"] else ""  # fmt: skip
+        lines.append(f"  request {i}: AL {s.accept_length:.3f} ({kind}, {s.num_verify} verifies) vs predicted "
+                     f"{p.accept_length:.3f} +- {ACCEPT_SIGMAS * spread:.3f}; per position {_fmt(s.acceptance_rate_per_pos)} vs "
+                     f"{_fmt(p.acceptance_rate_per_pos)}{mism}{note}")  # fmt: skip
+        per_request.append({"server": r, "predicted": rep["stats"], "target_mismatches": rep["target_mismatches"],
+                            "first_mismatch": rep["first_mismatch"], "judged": i in judged, "numbers": kind})  # fmt: skip
+    a, b = ref_total.accept_length, server_total.accept_length
+    spread = (accept_length_spread(ref_total) ** 2 + accept_length_spread(server_total) ** 2) ** 0.5
+    tolerance = tol["atol"] + tol["rtol"] * abs(a)
+    allowed = max(tolerance, ACCEPT_SIGMAS * spread)
+    passed = abs(b - a) <= allowed
+    exact = all(r["exact"] for r in requests)
+    head = ("accept length collapsed: " if b < a - allowed else "") + (
+        f"server accept length {b:.3f} vs the reference's prediction {a:.3f} on the same tokens: "
+        f"{(b - a) / a * 100 if a else float('nan'):+.1f}%, allowed |diff| <= {allowed:.3f} (tolerance {tolerance:.3f}, "
+        f"{ACCEPT_SIGMAS:g} x expected spread {spread:.3f} over {server_total.num_verify} verify steps); "
+        f"per-position acceptance {_fmt(server_total.acceptance_rate_per_pos)} vs {_fmt(ref_total.acceptance_rate_per_pos)}")  # fmt: skip
+    verdict = "PASS: the deployment accepts what the reference predicts" if passed else (
+        "FAIL: the deployment accepts less than the reference predicts (draft miswired, wrong draft or settings)"
+        if b < a else "FAIL: the deployment accepts more than the reference predicts (the reference's wiring or draft is not the server's)")  # fmt: skip
+    numbers = ("exact: SGLang's per-request meta_info counters" if exact else
+               "deltas: vLLM /metrics counters around each request (sent one at a time); a concurrent request "
+               "on the server would be in them and is flagged")  # fmt: skip
+    shown = {k: settings.get(k) for k in ("kind", "url", "model", "draft_model", "algorithm", "num_steps", "topk", "num_draft_tokens")}
+    flag_lines = flags(settings, case)
+    mismatched = sum(r["target_mismatches"] for r in replays)
+    msg = [head, verdict,
+           "server: " + ", ".join(f"{k} {v}" for k, v in shown.items() if v is not None),
+           *(f"flag: {f}" for f in flag_lines),
+           f"numbers: {numbers}; prediction: {ref_total.source} by {reference.id}"]  # fmt: skip
+    if mismatched:
+        msg.append(f"note: the reference target's greedy token differs from the server's at {mismatched} output positions "
+                   "(another model, lower precision or near ties): the replay still follows the server's tokens")  # fmt: skip
+    msg += lines
+    data = {"reference": ref_total.to_dict(), "engine": server_total.to_dict(), "allowed": allowed, "spread": spread,
+            "server_settings": settings, "flags": flag_lines, "per_request": per_request,
+            "numbers": "exact" if exact else "deltas", "verdict": verdict}  # fmt: skip
+    return passed, "\n".join(msg), data

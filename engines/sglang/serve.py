@@ -1,0 +1,49 @@
+"""`python -m engines.sglang.serve ARGS...`: SGLang 0.5.23's own HTTP server (`sglang.launch_server`,
+run as its `__main__`) with the adapter's environment: caches and sockets under the difftest cache,
+no hub, and on a machine without SGLang's compiled kernels the CPU shim (engines/sglang/cpu_shim:
+the `sgl_kernel` stand-in on PYTHONPATH for the scheduler processes it spawns, and the AMX platform
+report that keeps the shimmed intel_amx attention backend). ARGS are SGLang's server arguments,
+passed through unchanged. Used by the live-server tests (`difftest probe`); on a GPU machine with
+the real kernels it is plain `python -m sglang.launch_server`.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import tempfile
+
+from difftest.session import cache_root
+from engines.sglang import cpu_shim
+
+
+def prepare_environment() -> str:
+    """The adapter's private directories (engines/sglang/engine.py::SglangEngine._private_dirs); returns the kernels."""
+    base = cache_root() / "sglang"
+    for var, sub in (("HF_HOME", "hf"), ("XDG_CACHE_HOME", "xdg"), ("TRITON_CACHE_DIR", "triton"),
+                     ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("OUTLINES_CACHE_DIR", "outlines")):  # fmt: skip
+        os.environ.setdefault(var, str(base / sub))
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    (base / "tmp").mkdir(parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"serve{os.getpid()}-", dir=base / "tmp")
+    tempfile.tempdir = None
+    kernels = cpu_shim.choose_kernels()
+    if kernels == cpu_shim.CPU_SHIM:
+        cpu_shim.activate()
+    return kernels
+
+
+def main(argv: list[str]) -> None:
+    kernels = prepare_environment()
+    import sglang  # noqa: F401  (the platform override needs it imported)
+
+    if kernels == cpu_shim.CPU_SHIM:
+        cpu_shim.install_platform_override()
+    print(f"[difftest sglang serve] kernels {kernels}; sglang.launch_server {' '.join(argv)}", file=sys.stderr, flush=True)
+    sys.argv = ["sglang.launch_server", *argv]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
