@@ -28,6 +28,7 @@ from difftest.case import Case
 from difftest.compare import CaptureDiff, TensorDiff, compare_captures, top1_agreement
 from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
+from difftest.errors import ConfigError
 from difftest.names import split_draft
 from difftest.session import Session
 from difftest.train_check import applies as _train_applies
@@ -107,7 +108,26 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
         lines += diagnose_hidden(ref_cap, cap, introduced.name)
     else:
         lines += diagnose_draft(introduced.name)
+    causes = _known_causes(session, case, spec, introduced.name)
+    lines += [f"known cause (lint [{f.code}]): {f.message}" for f in causes]
+    data["known_causes"] = [f.code for f in causes]
     return Verdict(False, "\n".join(lines), data)
+
+
+def _known_causes(session: Session, case: Case, spec: EngineSpec, introduced: str) -> list:
+    """The lint's errors that name this engine (difftest.draft_rules), the one whose first changed
+    tensor is where the error was introduced first: the static reason for a divergence just seen."""
+    from difftest.draft_rules import ENGINES
+    from difftest.lint import lint_case
+
+    if spec.name not in ENGINES:
+        return []
+    try:
+        findings = lint_case(session.prepare(case))
+    except ConfigError:
+        return []  # the lint item reports it
+    hits = [f for f in findings if f.severity == "error" and spec.name in f.engines]
+    return sorted(hits, key=lambda f: f.tensor != introduced)
 
 
 def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
