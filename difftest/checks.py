@@ -25,6 +25,7 @@ import torch
 from difftest import noise
 from difftest.acceptance import AcceptStats, accept_length_spread
 from difftest.case import Case
+from difftest.check_names import ENGINE_CHECKS, REFERENCE_CHECKS
 from difftest.compare import CaptureDiff, TensorDiff, compare_captures, top1_agreement
 from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
@@ -33,9 +34,6 @@ from difftest.names import split_draft
 from difftest.session import Session
 from difftest.train_check import applies as _train_applies
 from difftest.train_check import check_train_accuracy
-
-REFERENCE_CHECKS = ("capture", "lint")
-ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 
 DEFAULT_TOP1 = 0.98
 DEFAULT_ACCEPT = {"atol": 0.2, "rtol": 0.1}

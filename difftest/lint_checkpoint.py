@@ -148,7 +148,7 @@ def embedding_findings(meta: dict, target_dir: Path) -> list[Finding]:
     rule = ENGINES["sglang"].embed_tokens
     return [Finding("embedding-substituted", "error",
         f"the draft ships its own embed_tokens.weight, different from the target's (first {_EMBED_ROWS} rows): "
-        f"SGLang {ENGINES['sglang'].version} {rule.present} ({rule.source}); vLLM {ENGINES['vllm'].version}: "
+        f"SGLang {ENGINES['sglang'].version}: {rule.present} ({rule.source}); vLLM {ENGINES['vllm'].version}: "
         f"{ENGINES['vllm'].embed_tokens.present}. The engines' drafts differ from draft.embeds on. Fix: train on the "
         "target's embedding, or serve with an engine that keeps the draft's",
         engines=("sglang",), tensor="draft.embeds")]  # fmt: skip

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SAME, DRIFTED, REGRESSED, ERROR, SKIPPED = "same", "drifted", "regressed", "error", "skipped"
+# A case's declared expected failure (difftest.expected_failure): still caught as declared, or changed
+# (it vanished or its cause moved: an engine upgrade fixed or changed a known behaviour).
+KNOWN, CHANGED = "known-failure", "expectation-changed"
 
 
 @dataclass
@@ -102,12 +105,16 @@ def summarise(report: dict, report_dir: Path) -> list[SummaryRow]:
         ref_al, eng_al = _accept(results)
         drift, identical = _largest_drift(prompts)
         outcomes = {r["outcome"] for r in results}
-        if "error" in outcomes:
+        if any(r.get("expected_failure") and r["outcome"] == "failed" for r in results):
+            verdict = CHANGED
+        elif "error" in outcomes:
             verdict = ERROR
         elif "failed" in outcomes:
             verdict = REGRESSED
         elif outcomes == {"skipped"}:
             verdict = SKIPPED
+        elif "xfailed" in outcomes:
+            verdict = KNOWN
         elif identical and prompts and ref_al is not None and ref_al == eng_al:
             verdict = SAME
         else:
