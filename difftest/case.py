@@ -28,14 +28,17 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from difftest.check_names import ALL_CHECKS
 from difftest.errors import CaseNotConfigured, ConfigError
+from difftest.expected_failure import ExpectedFailure
+from difftest.expected_failure import parse as parse_expected
 from difftest.settings import unknown_key
 from difftest.yamlfile import load_yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
 KNOWN_KEYS = {
     "name", "description", "target", "draft", "dtype", "wiring", "layer_ids", "prompts",
-    "speculative", "engines", "tolerances", "expect", "allow_missing",
+    "speculative", "engines", "tolerances", "expect", "allow_missing", "expect_failure",
 }  # fmt: skip
 
 
@@ -63,6 +66,7 @@ class Case:
     expect: dict = field(default_factory=dict)
     allow_missing: list[str] = field(default_factory=list)
     description: str = ""
+    expect_failure: list[ExpectedFailure] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,6 +76,7 @@ class Case:
         d = dict(d)
         d["prompts"] = [Prompt(**p) for p in d.get("prompts", [])]
         d["spec_prompts"] = [Prompt(**p) for p in d.get("spec_prompts", [])]
+        d["expect_failure"] = [ExpectedFailure(**e) for e in d.get("expect_failure", [])]
         return cls(**d)
 
     def engine_settings(self, engine_name: str) -> dict:
@@ -80,7 +85,7 @@ class Case:
     def fingerprint(self) -> str:
         """Changes whenever anything that affects a capture changes, checkpoint files included."""
         parts = self.to_dict()
-        for judged_only in ("name", "path", "description", "tolerances", "expect", "allow_missing"):
+        for judged_only in ("name", "path", "description", "tolerances", "expect", "allow_missing", "expect_failure"):
             parts.pop(judged_only)
         parts["files"] = {role: _files_signature(p) for role, p in (("target", self.target), ("draft", self.draft))}
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -314,4 +319,5 @@ def load_case(path: str | Path) -> Case:
         expect=expect,
         allow_missing=list(allow_missing),
         description=description,
+        expect_failure=parse_expected(raw["expect_failure"], path, ALL_CHECKS) if "expect_failure" in raw else [],
     )

@@ -24,6 +24,7 @@ import torch
 from difftest import noise
 from difftest.acceptance import accept_length_spread
 from difftest.case import Case
+from difftest.check_names import ENGINE_CHECKS, REFERENCE_CHECKS
 from difftest.compare import CaptureDiff, TensorDiff, top1_agreement
 from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
@@ -31,12 +32,9 @@ from difftest.extensions import extra_checks
 from difftest.golden import golden_rerun
 from difftest.scopes import in_draft_scope as _in_draft_scope
 from difftest.scopes import in_fc_scope as _in_fc_scope
-from difftest.errors import NotAvailable
+from difftest.errors import ConfigError, NotAvailable
 from difftest.session import Session
 from difftest.verdict import Verdict
-
-REFERENCE_CHECKS = ("capture", "lint")
-ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 
 DEFAULT_TOP1 = 0.98
 DEFAULT_ACCEPT = {"atol": 0.2, "rtol": 0.1}
@@ -93,7 +91,26 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
         lines += diagnose_hidden(ref_cap, cap, introduced.name)
     else:
         lines += diagnose_draft(introduced.name)
+    causes = _known_causes(session, case, spec, introduced.name)
+    lines += [f"known cause (lint [{f.code}]): {f.message}" for f in causes]
+    data["known_causes"] = [f.code for f in causes]
     return Verdict(False, "\n".join(lines), data)
+
+
+def _known_causes(session: Session, case: Case, spec: EngineSpec, introduced: str) -> list:
+    """The lint's errors that name this engine (difftest.draft_rules), the one whose first changed
+    tensor is where the error was introduced first: the static reason for a divergence just seen."""
+    from difftest.draft_rules import ENGINES
+    from difftest.lint import lint_case
+
+    if spec.name not in ENGINES:
+        return []
+    try:
+        findings = lint_case(session.prepare(case))
+    except ConfigError:
+        return []  # the lint item reports it
+    hits = [f for f in findings if f.severity == "error" and spec.name in f.engines]
+    return sorted(hits, key=lambda f: f.tensor != introduced)
 
 
 def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:

@@ -22,7 +22,8 @@ from html import escape
 
 from difftest.report import INTERRUPTED, above_noise, focus, interesting, noise_floor_line, num, ties_lines, verdict_word
 
-OUTCOME_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#9a6700", "skipped": "#6e7781"}
+OUTCOME_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#9a6700", "skipped": "#6e7781",
+                   "xfailed": "#8250df"}  # xfailed: a declared expected failure, caught with its cause
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1100px;color:#1f2328;line-height:1.4}

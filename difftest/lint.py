@@ -19,29 +19,38 @@ message of a passing item):
                         t2d not True exactly at arange + d2t)
   fc-width              fc in_features != number of ids x target hidden size
   sglang-topk           SGLang speculative_eagle_topk == 1 forces num_draft_tokens = num_steps + 1
+
+and, from difftest.lint_checkpoint (the engines' rules in difftest.draft_rules):
+
+  flag-ignored          an EAGLE-3(.1) flag (norm_before_fc, fc_norm / use_aux_norm,
+                        norm_before_residual, norm_output) set where an engine does not read it
+  checkpoint-format     a speculators-format config served by an engine that cannot read it
+  lm-head-missing       no lm_head: vLLM borrows the target's, SGLang keeps a random head
+  draft-weights         missing (error) or unexpected (warning) draft tensors
+  embedding-substituted the draft's own embedding differs from the target's: SGLang replaces it
+  embedding-shared      no embedding in the draft: engines use the target's (warning)
+  rope-conflict / rope-dropped / rope-differs   the draft's rope as engines read it
+  d2t-convention        d2t stored as absolute target ids instead of offsets
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from difftest.case import Case
 from difftest.errors import ConfigError
+from difftest.finding import Finding
 from difftest.jsonfile import read_json
+from difftest.lint_checkpoint import (
+    d2t_convention_findings,
+    embedding_findings,
+    flag_findings,
+    format_findings,
+    rope_findings,
+    weight_findings,
+)
 
-
-@dataclass
-class Finding:
-    code: str
-    severity: str  # "error" | "warning"
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.severity} [{self.code}]: {self.message}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+__all__ = ["Finding", "lint_case", "lint_draft", "trained_wiring"]
 
 
 def _tensor_meta(model_dir: Path) -> dict[str, tuple]:
@@ -122,6 +131,12 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
                 f"fc in_features {in_features} != {n_ids} ids x target hidden size {H_t} = {n_ids * H_t}"
                 + (f" (draft config says target_hidden_size {target_hidden})" if target_hidden != H_t else "")))  # fmt: skip
     out += _vocab_findings(meta, draft_vocab, V)
+    if not _is_mla_draft(raw):
+        out += flag_findings(raw)
+        out += weight_findings(meta, raw, layer, draft_vocab, V)
+        out += embedding_findings(meta, target_dir)
+        out += rope_findings(layer, tcfg, speculators)
+    out += format_findings(raw)
     out += _sglang_findings(engines or {})
     return out
 
@@ -170,6 +185,10 @@ def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
     has_d2t, has_t2d = "d2t" in meta, "t2d" in meta
     if draft_vocab >= V:
         return []
+    if has_d2t and not has_t2d:
+        convention = d2t_convention_findings(_load(meta, "d2t").long(), None, V)
+        if convention:
+            return convention
     if not has_d2t or not has_t2d:
         missing = " and ".join(n for n, has in (("d2t", has_d2t), ("t2d", has_t2d)) if not has)
         return [Finding("vocab-map", "error" if not has_d2t else "warning",
@@ -177,6 +196,9 @@ def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
             + (": draft ids map to the first target ids" if not has_d2t else ""))]  # fmt: skip
     out = []
     d2t, t2d = _load(meta, "d2t").long(), _load(meta, "t2d").bool()
+    convention = d2t_convention_findings(d2t, t2d, V)
+    if convention:
+        return convention
     targets = torch.arange(d2t.numel()) + d2t
     if d2t.numel() != draft_vocab:
         out.append(Finding("vocab-map", "error", f"d2t has {d2t.numel()} entries, draft vocab is {draft_vocab}"))

@@ -30,6 +30,7 @@ from difftest.engine import registered_engines
 from difftest.envs import interpreter, project_pythons
 from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable, NotAvailable
 from difftest.settings import unknown_key
+from difftest.expected_failure import judge as judge_expected
 from difftest.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
@@ -282,12 +283,24 @@ class CheckItem(pytest.Item):
                 raise CheckFailed(f"engine required but unavailable: {e}") from None
             pytest.skip(str(e))
         except DifftestError as e:
-            results.append({**record, "outcome": "error", "message": str(e)})
-            raise CheckFailed(str(e)) from None
-        results.append({**record, "outcome": "passed" if verdict.passed else "failed",
-                        "message": verdict.message, "data": verdict.data})  # fmt: skip
-        if not verdict.passed:
-            raise CheckFailed(verdict.message)
+            self._expected_or_raise(results, record, "error", str(e), {})
+            return
+        self._expected_or_raise(results, record, "passed" if verdict.passed else "failed", verdict.message, verdict.data)
+
+    def _expected_or_raise(self, results: list, record: dict, outcome: str, message: str, data: dict) -> None:
+        """Record the outcome; a declared expected failure (difftest.expected_failure) is judged strictly."""
+        expected = next((e for e in self.case.expect_failure if e.matches(self.spec.name, self.spec.id, self.check)), None)
+        if expected is None:
+            results.append({**record, "outcome": outcome, "message": message, "data": data})
+            if outcome != "passed":
+                raise CheckFailed(message)
+            return
+        judged = judge_expected(expected, outcome == "passed", message)
+        results.append({**record, "outcome": "xfailed" if judged.expected else "failed", "message": judged.message,
+                        "data": data, "expected_failure": expected.to_dict()})  # fmt: skip
+        if not judged.expected:
+            raise CheckFailed(judged.message)
+        pytest.xfail(f"expected failure: {expected.cause}")
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, CheckFailed):

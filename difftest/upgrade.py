@@ -22,6 +22,9 @@ from pathlib import Path
 
 SAME, DRIFTED, REGRESSED, ERROR, SKIPPED = "same", "drifted", "regressed", "error", "skipped"
 PASSED = "passed"
+# A case's declared expected failure (difftest.expected_failure): still caught as declared, or changed
+# (it vanished or its cause moved: an engine upgrade fixed or changed a known behaviour).
+KNOWN, CHANGED = "known-failure", "expectation-changed"
 
 
 @dataclass
@@ -105,7 +108,9 @@ def summarise(report: dict, report_dir: Path) -> list[SummaryRow]:
         ref_al, eng_al = _accept(results)
         drift, identical = _largest_drift(prompts)
         outcomes = {r["outcome"] for r in results}
-        if "error" in outcomes:
+        if any(r.get("expected_failure") and r["outcome"] == "failed" for r in results):
+            verdict = CHANGED
+        elif "error" in outcomes:
             verdict = ERROR
         elif "failed" in outcomes:
             verdict = REGRESSED
@@ -113,6 +118,8 @@ def summarise(report: dict, report_dir: Path) -> list[SummaryRow]:
             verdict = SKIPPED
         elif not prompts and outcomes - {"not available"} == {"passed"}:
             verdict = PASSED  # a running server: acceptance only, no tensors to call same or drifted
+        elif "xfailed" in outcomes:
+            verdict = KNOWN
         elif identical and prompts and ref_al is not None and ref_al == eng_al:
             verdict = SAME
         else:

@@ -105,3 +105,40 @@ def test_inferred_wiring_feeds_the_checks_of_a_serving_wired_engine(vllm_wired):
     assert fc["outcome"] == "failed"
     assert "engine fed fc [h2, h4, h7]; reference fed [h0, h2, h4]; pattern: embedding dropped" in fc["message"]
     assert vllm_wired.outcome("seed_infer_wiring", "ref[wiring=vllm]", "accept_length")["outcome"] == "failed"
+
+
+# -- the failure catalogue (README, "Failure catalogue"): each case's declared failure is caught
+# with its cause, so the items are xfailed and the run stays green on them.
+
+CATALOGUE_LINT = {
+    "catalogue_norm_flag_ignored": "[flag-ignored]: norm_before_residual: True in the draft config (top level), but sglang 0.5.23 never reads it",
+    "catalogue_embedding_substituted": "[embedding-substituted]",
+    "catalogue_lm_head_missing": "[lm-head-missing]: no lm_head.weight in the draft checkpoint",
+    "catalogue_d2t_absolute": "[d2t-convention]: d2t holds absolute target ids",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CATALOGUE_LINT))
+def test_catalogue_case_lint_names_its_fault_as_declared(vllm_wired, case):
+    lint = vllm_wired.outcome(case, "ref", "lint")
+    assert lint["outcome"] == "xfailed", lint["message"]
+    assert CATALOGUE_LINT[case] in lint["message"]
+
+
+@pytest.mark.parametrize("case, cause", [("catalogue_lm_head_missing", "no lm_head.weight"),
+                                         ("catalogue_d2t_absolute", "holds absolute target ids, not offsets")])  # fmt: skip
+def test_catalogue_checkpoint_the_reference_refuses_is_named_on_every_item(vllm_wired, case, cause):
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        r = vllm_wired.outcome(case, "ref[wiring=vllm]", check)
+        assert r["outcome"] == "xfailed" and cause in r["message"], (check, r["message"])
+
+
+@pytest.mark.parametrize("case", ["catalogue_norm_flag_ignored", "catalogue_embedding_substituted"])
+def test_catalogue_fault_vllm_handles_passes_with_vllms_wiring(vllm_wired, case):
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        assert vllm_wired.outcome(case, "ref[wiring=vllm]", check)["outcome"] == "passed", check
+
+
+def test_catalogue_cases_leave_the_run_green_where_only_declared_failures_occur(vllm_wired):
+    failed = [line for line in vllm_wired.output.splitlines() if line.startswith("FAILED cases/catalogue_")]
+    assert failed == []

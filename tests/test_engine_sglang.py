@@ -143,3 +143,18 @@ def test_sglang_always_wrong_draft_accepts_1(counters):
     assert engine["num_verify"] > 0 and engine["num_accepted"] == 0
     assert engine["accept_length"] == pytest.approx(1.0)
     assert counters["always_wrong"]["outcome"] == "passed", counters["always_wrong"]["message"]
+
+
+def test_catalogue_norm_flag_sglang_ignores_is_caught_with_its_cause(tmp_path, sglang_python):
+    """A draft trained with norm_before_residual=true: SGLang 0.5.23 never reads the flag. Its draft
+    diverges at draft.layer0.mlp_out, the failure names the lint's known cause, and acceptance falls
+    the way the reference predicts for a draft without the flag (the case's expect_failure: green)."""
+    run, out = _run(tmp_path, "cases/catalogue_norm_flag_ignored.yaml", sglang_python)
+    assert run.returncode == 0, run.output[-4000:]
+    assert out[("sglang", "fc_inputs")]["outcome"] == "passed"
+    logits = out[("sglang", "draft_logits")]
+    assert logits["outcome"] == "xfailed" and logits["data"]["introduced"] == "draft.layer0.mlp_out"
+    assert "known cause (lint [flag-ignored]): norm_before_residual" in logits["message"]
+    accept = out[("sglang", "accept_length")]
+    assert accept["outcome"] == "xfailed"
+    assert accept["data"]["engine"]["accept_length"] < accept["data"]["reference"]["accept_length"] - 0.5

@@ -428,6 +428,19 @@ class LoadedDraft:
     notes: list[str]
 
 
+def _check_d2t(model_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor | None, vocab: int) -> None:
+    """Refuse a vocab map that sends draft ids outside the target vocabulary (or two onto one)."""
+    from difftest.lint_checkpoint import d2t_convention_findings
+
+    targets = torch.arange(d2t.numel()) + d2t
+    if bool(((targets >= 0) & (targets < vocab)).all()) and targets.unique().numel() == targets.numel():
+        return
+    absolute = d2t_convention_findings(d2t, None if t2d is None else t2d.bool(), vocab)
+    why = ("it holds absolute target ids, not offsets (engines add the draft id): store d2t - arange(draft_vocab)"
+           if absolute else "arange + d2t leaves the target vocabulary or repeats an id")  # fmt: skip
+    raise ConfigError(f"{model_dir}: d2t maps draft ids outside the target vocabulary of {vocab}: {why}")
+
+
 def load_draft(
     model_dir: str | Path,
     target_embed: torch.Tensor | None = None,
@@ -474,7 +487,8 @@ def load_draft(
         if cfg.draft_vocab_size != cfg.vocab_size:
             notes.append("d2t missing while draft vocab < target vocab: draft ids map to the first target ids")
         raw["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    raw.pop("t2d", None)
+    t2d = raw.pop("t2d", None)
+    _check_d2t(model_dir, raw["d2t"].long(), t2d, cfg.vocab_size)
     state = model.state_dict()
     missing = sorted(set(state) - set(raw))
     if missing:

@@ -1,0 +1,74 @@
+"""`expect_failure:` in a case: a known failure the harness must keep catching, with its cause.
+
+A case that demonstrates a bug (the seed's miswiring, an engine convention) fails by design.
+Declaring that failure turns it green while it happens exactly as declared, with pytest's
+strict-xfail semantics: the item passes (as xfailed) when the named check fails on the named
+engine *and* its message names the cause; it fails when the failure disappears (an engine
+upgrade fixed it) or when the cause changes (the check now fails for another reason).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from difftest.errors import ConfigError
+
+FIELDS = ("engine", "check", "cause")
+ANY = "*"
+
+
+@dataclass(frozen=True)
+class ExpectedFailure:
+    engine: str  # an engine name (any spec of it), a full spec id such as ref[wiring=vllm], or "*"
+    check: str  # a check name or "*"
+    cause: str  # text the failure message must contain
+
+    def matches(self, spec_name: str, spec_id: str, check: str) -> bool:
+        return self.check in (check, ANY) and self.engine in (spec_name, spec_id, ANY)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    expected: bool  # the failure happened with the declared cause
+    message: str
+
+
+def parse(value: object, path: Path, checks: tuple[str, ...]) -> list[ExpectedFailure]:
+    """`expect_failure:` as a mapping or a list of mappings {engine, check, cause}."""
+    entries = [value] if isinstance(value, dict) else value
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{path}: expect_failure: expected a mapping {{engine, check, cause}} or a list of them")
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{path}: expect_failure[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: expected a mapping {{engine, check, cause}}, got {entry!r}")
+        for key in entry:
+            if key not in FIELDS:
+                close = difflib.get_close_matches(str(key), FIELDS, n=1)
+                raise ConfigError(f"{where}: unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        for key in FIELDS:
+            if not isinstance(entry.get(key), str) or not entry[key].strip():
+                raise ConfigError(f"{where}.{key}: expected a non-empty string")
+        if entry["check"] not in (*checks, ANY):
+            close = difflib.get_close_matches(entry["check"], checks, n=1)
+            raise ConfigError(f"{where}.check: unknown check {entry['check']!r}"
+                              + (f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(checks)}"))  # fmt: skip
+        out.append(ExpectedFailure(entry["engine"], entry["check"], entry["cause"]))
+    return out
+
+
+def judge(expected: ExpectedFailure, passed: bool, message: str) -> Outcome:
+    if passed:
+        return Outcome(False, f"expected failure did not occur: {expected.check} on {expected.engine} now passes "
+                              f"(it was declared to fail naming {expected.cause!r}); if an engine upgrade fixed the "
+                              "behaviour, remove the expect_failure entry")  # fmt: skip
+    if expected.cause not in message:
+        return Outcome(False, f"failed as expected, but the cause changed: the message no longer names "
+                              f"{expected.cause!r}:\n{message}")  # fmt: skip
+    return Outcome(True, f"expected failure, cause {expected.cause!r} named:\n{message}")

@@ -1,0 +1,133 @@
+"""Tiny drafts for the failure catalogue (README, "Failure catalogue"): one per public failure class.
+
+Each is the tiny Llama draft with one fault a trainer, converter or exporter has shipped:
+
+  tiny-llama-eagle3-nbr         trained with norm_before_residual=true (speculators' default),
+                                written in the HF layout: SGLang 0.5.23 never reads the flag
+  tiny-llama-eagle3-own-embed   an exporter wrote a fresh random embed_tokens.weight (the draft
+                                was trained on the target's embedding): vLLM keeps it, SGLang
+                                replaces it with the target's
+  tiny-llama-eagle3-no-lm-head  the exporter left out lm_head.weight (draft_vocab_size set)
+  tiny-llama-eagle3-d2t-absolute  d2t written as absolute target ids instead of offsets
+
+Usage: python -m engines.ref.fixtures_catalogue [NAME ...] [--force]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from engines.ref import fixtures as base
+
+NBR = "tiny-llama-eagle3-nbr"
+OWN_EMBED = "tiny-llama-eagle3-own-embed"
+NO_LM_HEAD = "tiny-llama-eagle3-no-lm-head"
+D2T_ABSOLUTE = "tiny-llama-eagle3-d2t-absolute"
+NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE]
+EMBED_SEED = 11
+
+
+FAULTS = {
+    NBR: "trained with norm_before_residual=true, saved in the HF layout",
+    OWN_EMBED: "embed_tokens.weight replaced by random values (trained on the target's embedding)",
+    NO_LM_HEAD: "lm_head.weight left out of the checkpoint",
+    D2T_ABSOLUTE: "d2t holds absolute target ids instead of offsets",
+}
+
+
+def _edited_copy(out: Path, fault: str, config=None, tensors=None) -> None:
+    """The good tiny draft with its config and weights edited (the fault an exporter makes)."""
+    src = base.fixture_path("tiny-llama-eagle3")
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    if config is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if tensors is not None:
+        t = load_file(str(out / "model.safetensors"))
+        tensors(t)
+        save_file(t, str(out / "model.safetensors"))
+    quality = json.loads((src / "quality.json").read_text())
+    quality.update(catalogue_fault=FAULTS[fault], edited_from="tiny-llama-eagle3")
+    (out / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
+
+
+def _build_nbr(out: Path, build: base._Build) -> None:
+    from engines.ref.target import load_target
+    from engines.ref.train import prepare_data, save_eagle_format, train_draft
+
+    target = load_target(base.fixture_path("tiny-llama"))
+    t0 = time.time()
+    sequences = base.generate_sequences(target, base.TRAIN_SEQS, base.TRAIN_PROMPT, base.TRAIN_NEW,
+                                        base.TRAIN_DATA_SEED, eps=base.TRAIN_EPS)  # fmt: skip
+    data = prepare_data(target, base.GOOD_WIRING, sequences)
+    cfg = dataclasses.replace(base.draft_config(), norm_before_residual=True)
+    with torch.enable_grad():
+        draft = train_draft(target, cfg, base.GOOD_WIRING, data, seed=base.DRAFT_SEED, log=build.log, log_every=100,
+                            **base.TRAIN)  # fmt: skip
+    save_eagle_format(draft, out, base.GOOD_IDS)
+    heldout = base.heldout_sequences(target)
+    prompts = heldout[: base.SIM_PROMPTS, : base.HELDOUT_PROMPT].tolist()
+    served = base.evaluate_draft(target, draft, base.GOOD_WIRING, heldout, prompts)
+    quality = base._quality_common(base.GOOD_WIRING, base.GOOD_IDS, "eagle", time.time() - t0)
+    quality.update(catalogue_fault=FAULTS[NBR], step0_agreement=served["step0_agreement"],
+                   accept_length=served["accept_length"], acceptance_rate_per_pos=served["acceptance_rate_per_pos"])  # fmt: skip
+    (out / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
+    build.log(f"[fixtures] {NBR}: step-0 agreement {served['step0_agreement']:.3f}, accept length {served['accept_length']:.2f}")
+
+
+def _build_own_embed(out: Path, build: base._Build) -> None:
+    def random_embedding(t):
+        g = torch.Generator().manual_seed(EMBED_SEED)
+        e = t["embed_tokens.weight"]
+        t["embed_tokens.weight"] = torch.randn(e.shape, generator=g, dtype=e.dtype) * e.std()
+
+    _edited_copy(out, OWN_EMBED, tensors=random_embedding)
+
+
+def _build_no_lm_head(out: Path, build: base._Build) -> None:
+    _edited_copy(out, NO_LM_HEAD, tensors=lambda t: t.pop("lm_head.weight"))
+
+
+def _build_d2t_absolute(out: Path, build: base._Build) -> None:
+    def absolute(t):
+        t["d2t"] = t["d2t"] + torch.arange(t["d2t"].numel(), dtype=t["d2t"].dtype)
+
+    _edited_copy(out, D2T_ABSOLUTE, tensors=absolute)
+
+
+_BUILDERS = {NBR: _build_nbr, OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute}
+_DEPS: dict[str, list[str]] = dict.fromkeys(NAMES, [])
+
+
+def ensure_fixtures(names: list[str] | None = None, log=print, force: bool = False) -> dict[str, Path]:
+    wanted = list(NAMES if names is None else names)
+    for name in wanted:
+        if name not in NAMES:
+            raise KeyError(f"unknown fixture {name!r}; known: {', '.join(NAMES)}")
+    base.ensure_fixtures(["tiny-llama", "tiny-llama-eagle3"], log=log)  # built under their own provider
+    return base.ensure_built(wanted, NAMES, _BUILDERS, _DEPS, log=log, force=force)
+
+
+# -- the `difftest.fixtures` provider interface (pyproject entry point "catalogue") ---------------
+
+
+def resolve_fixture(name: str) -> Path | None:
+    return base.resolve_from(name, NAMES, ensure_fixtures)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return base.provider_main(argv, "python -m engines.ref.fixtures_catalogue", __doc__, NAMES, ensure_fixtures)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

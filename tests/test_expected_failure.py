@@ -1,0 +1,66 @@
+"""`expect_failure:` follows pytest's strict xfail: green only while the declared failure happens
+with its declared cause."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from difftest.check_names import ALL_CHECKS
+from difftest.errors import ConfigError
+from difftest.expected_failure import ExpectedFailure, judge, parse
+
+CASE = Path("cases/x.yaml")
+
+
+def test_a_single_mapping_and_a_list_both_parse():
+    one = {"engine": "sglang", "check": "fc_inputs", "cause": "off-by-one"}
+    assert parse(one, CASE, ALL_CHECKS) == parse([one], CASE, ALL_CHECKS) == [ExpectedFailure("sglang", "fc_inputs", "off-by-one")]
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ({"engine": "sglang", "chek": "fc_inputs", "cause": "x"}, "unknown key 'chek' (did you mean 'check'?)"),
+    ({"engine": "sglang", "check": "fc_input", "cause": "x"}, "unknown check 'fc_input' (did you mean 'fc_inputs'?)"),
+    ({"engine": "sglang", "check": "fc_inputs"}, "expect_failure[0].cause: expected a non-empty string"),
+    ({"engine": "sglang", "check": "fc_inputs", "cause": 3}, "expect_failure[0].cause: expected a non-empty string"),
+    ("sglang fails", "expected a mapping"),
+    ([], "expected a mapping"),
+])  # fmt: skip
+def test_malformed_declarations_are_refused_naming_the_field(value, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse(value, CASE, ALL_CHECKS)
+    assert str(e.value).startswith("cases/x.yaml: expect_failure") and fragment in str(e.value)
+
+
+def test_a_failure_naming_the_cause_is_expected():
+    assert judge(ExpectedFailure("sglang", "fc_inputs", "off-by-one"), False, "pattern: off-by-one +1").expected
+
+
+def test_a_vanished_failure_fails():
+    out = judge(ExpectedFailure("sglang", "fc_inputs", "off-by-one"), True, "within noise")
+    assert not out.expected and "did not occur" in out.message
+
+
+def test_a_changed_cause_fails():
+    out = judge(ExpectedFailure("sglang", "fc_inputs", "off-by-one"), False, "embedding dropped")
+    assert not out.expected and "cause changed" in out.message
+
+
+@pytest.mark.parametrize("name, spec_id, check, hit", [
+    ("sglang", "sglang", "fc_inputs", True),
+    ("sglang", "sglang[topk=4]", "fc_inputs", True),
+    ("vllm", "vllm", "fc_inputs", False),
+    ("sglang", "sglang", "draft_logits", False),
+])  # fmt: skip
+def test_an_engine_name_matches_each_of_its_specs(name, spec_id, check, hit):
+    assert ExpectedFailure("sglang", "fc_inputs", "x").matches(name, spec_id, check) is hit
+
+
+def test_a_full_spec_id_matches_only_that_spec():
+    e = ExpectedFailure("ref[wiring=vllm]", "fc_inputs", "x")
+    assert e.matches("ref", "ref[wiring=vllm]", "fc_inputs") and not e.matches("ref", "ref", "fc_inputs")
+
+
+def test_wildcards_match_every_engine_and_check():
+    assert ExpectedFailure("*", "*", "x").matches("vllm", "vllm", "accept_length")
