@@ -145,3 +145,23 @@ def start_pytest(root: Path, *args: str, env: dict | None = None) -> subprocess.
     """As run_pytest, but returns the running process (to interrupt it)."""
     command, environ = _pytest_command(root, args, env)
     return subprocess.Popen(command, cwd=root, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def edited_copy(src: Path, out: Path, config=None, tensors=None) -> Path:
+    """A copy of checkpoint `src` at `out`, its config.json edited by `config(cfg)` and its
+    safetensors by `tensors(state_dict)`: one fault an exporter or converter makes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    if config:
+        config(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        f = next(out.glob("*.safetensors"))
+        t = load_file(str(f))
+        tensors(t)
+        save_file(t, str(f))
+    return out

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from difftest.lint import lint_draft as _lint_draft
-from helpers import make_tiny_pair
+from helpers import edited_copy, make_tiny_pair
 
 TRAINED = ["target.h.1", "target.h.2", "target.h.3"]  # the tiny draft's config ids [1, 2, 3], read as vLLM does
 
@@ -23,18 +22,7 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 
 def variant(models, tmp_path: Path, config=None, tensors=None) -> Path:
     """A copy of the tiny draft with config.json and its tensors edited."""
-    out = tmp_path / "draft"
-    shutil.copytree(models[1], out)
-    cfg = json.loads((out / "config.json").read_text())
-    if config:
-        config(cfg)
-    (out / "config.json").write_text(json.dumps(cfg))
-    if tensors:
-        f = next(out.glob("*.safetensors"))
-        t = load_file(str(f))
-        tensors(t)
-        save_file(t, str(f))
-    return out
+    return edited_copy(models[1], tmp_path / "draft", config, tensors)
 
 
 def lint_draft(*args):

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from difftest.draft_rules import ENGINES, engine_reading, flag_locations
 from difftest.lint import lint_draft
-from helpers import make_tiny_pair
+from helpers import edited_copy, make_tiny_pair
 
 TRAINED = ["target.h.1", "target.h.2", "target.h.3"]
 
@@ -24,18 +23,8 @@ def models(request, tmp_path_factory) -> tuple[Path, Path]:
 
 
 def variant(models, tmp_path: Path, config=None, tensors=None) -> Path:
-    out = tmp_path / "draft"
-    shutil.copytree(models[1], out)
-    cfg = json.loads((out / "config.json").read_text())
-    if config:
-        config(cfg)
-    (out / "config.json").write_text(json.dumps(cfg))
-    if tensors:
-        f = next(out.glob("*.safetensors"))
-        t = load_file(str(f))
-        tensors(t)
-        save_file(t, str(f))
-    return out
+    """A copy of the tiny draft with config.json and its tensors edited."""
+    return edited_copy(models[1], tmp_path / "draft", config, tensors)
 
 
 def findings(models, draft, code: str):
