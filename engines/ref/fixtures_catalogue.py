@@ -125,6 +125,11 @@ def resolve_fixture(name: str) -> Path | None:
     return base.resolve_from(name, NAMES, ensure_fixtures)
 
 
+def build_all(force: bool = False) -> None:
+    """`difftest fixtures [--force]`: build every catalogue draft."""
+    main(["--force"] if force else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     return base.provider_main(argv, "python -m engines.ref.fixtures_catalogue", __doc__, NAMES, ensure_fixtures)
 
