@@ -75,11 +75,23 @@ def test_noise_floor_is_measured_for_every_correct_case(correct_run, target, dty
 
 
 @pytest.fixture(scope="module")
-def miswired_run(request, tmp_path_factory):
-    """One session per target: every miswiring as a `ref` spec against the reference, both dtypes
-    (accept length left out: it needs the draft chain simulated per spec, and says nothing about
-    where the error is introduced)."""
-    target = request.param
+def miswired_runs(tmp_path_factory):
+    """target -> its runs, made on first use. One session per target: every miswiring as a `ref`
+    spec against the reference, in the target's dtypes (accept length left out: it needs the
+    draft chain simulated per spec, and says nothing about where the error is introduced).
+    Memoised by hand: an indirectly parametrised module fixture is set up again for every
+    parameter combination it meets, once per miswiring instead of once per target."""
+    made: dict[str, tuple] = {}
+
+    def runs_for(target: str) -> dict:
+        if target not in made:
+            made[target] = _miswired(tmp_path_factory, target)
+        return made[target]
+
+    return runs_for
+
+
+def _miswired(tmp_path_factory, target: str) -> dict:
     spec = im.TARGETS[target]
     dtypes = [d for t, d in CORRECT if t == target]
     root = tmp_path_factory.mktemp(f"miswired-{target}")
@@ -91,14 +103,13 @@ def miswired_run(request, tmp_path_factory):
     dropped = next(m for m in im.MISWIRES if m.case_suffix)
     h0_run = run_pytest(h0, "cases/", f"--engines=ref,{dropped.engine_spec(spec)}", "-k", "not accept_length",
                         timeout=3600)  # fmt: skip
-    return target, {m.name: (h0_run if m.case_suffix else run, m) for m in im.MISWIRES}
+    return {m.name: (h0_run if m.case_suffix else run, m) for m in im.MISWIRES}
 
 
 @pytest.mark.parametrize("miswire", sorted(EXPECTED))
-@pytest.mark.parametrize("miswired_run,dtype", CORRECT, indirect=["miswired_run"])
-def test_each_miswiring_fails_naming_where_and_why(miswired_run, dtype, miswire):
-    target, runs = miswired_run
-    run, m = runs[miswire]
+@pytest.mark.parametrize("target,dtype", CORRECT)
+def test_each_miswiring_fails_naming_where_and_why(miswired_runs, target, dtype, miswire):
+    run, m = miswired_runs(target)[miswire]
     spec = im.TARGETS[target]
     case, engine = m.case_name(spec, dtype), m.engine_spec(spec)
     where, why = EXPECTED[miswire]

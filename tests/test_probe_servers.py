@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SGLANG_IDS = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}, "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
 CPU_SGLANG = ["--device", "cpu", "--attention-backend", "intel_amx", "--disable-cuda-graph", "--skip-tokenizer-init",
               "--mem-fraction-static", "0.3", "--max-total-tokens", "4096", "--dtype", "float32", "--random-seed", "0",
-              "--disable-overlap-schedule", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "4"]  # fmt: skip
+              "--disable-overlap-schedule", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "4",
+              "--sleep-on-idle"]  # fmt: skip  (the scheduler busy-polls between requests otherwise: engines/sglang/engine.py)
 
 
 def _probe(*args: str, timeout: float = 900):

@@ -158,6 +158,13 @@ class SglangEngine(Engine):
             "mem_fraction_static": (0.3 if on_cpu else 0.5) if s["mem_fraction_static"] is None else s["mem_fraction_static"],
             "max_total_tokens": s["max_total_tokens"],
         }
+        if on_cpu:
+            # SGLang's scheduler polls its sockets in a busy loop between requests; on a CPU machine
+            # that loop takes a core from every other process (the reference worker beside it ran
+            # its accept-length simulation 60x slower: 63 s instead of 1 s on 2 cores). SGLang's own
+            # sleep_on_idle (srt/managers/scheduler.py::init_idle_sleeper) blocks on the sockets
+            # instead; it changes no computation. A case's server_args may still set it.
+            requested["sleep_on_idle"] = True
         backend = s["attention_backend"] or ("intel_amx" if self._kernels == cpu_shim.CPU_SHIM else None)
         if backend is not None:
             requested["attention_backend"] = backend
