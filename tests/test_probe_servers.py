@@ -1,5 +1,5 @@
 """`difftest probe` and `server[url=...]` against REAL SGLang 0.5.23 and vLLM 0.32.0 HTTP servers
-on CPU (tests/live_servers.py), each started once per test session:
+on CPU (tests/live_servers.py), each started once and stopped when this module ends:
 
   sglang_server   the tiny Llama draft under SGLang's id convention, topk 1 with num_draft_tokens 16
                   asked for (SGLang runs num_steps + 1): prediction met, the override reported
@@ -91,7 +91,7 @@ def _serve(request, name: str, kind: str, args: list[str], env: dict | None = No
     assert not left, f"{name}: processes left after stopping the server's process group: {left}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped after this module: never alive beside later tests
 def sglang_server(request):
     target, draft = _checkpoints(sglang_ids=True)
     yield from _serve(request, "sglang", "sglang", ["--model-path", target, "--speculative-draft-model-path", draft,
@@ -99,14 +99,14 @@ def sglang_server(request):
                                                     "--speculative-num-draft-tokens", "16"])  # fmt: skip
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped after this module: never alive beside later tests
 def sglang_miswired(request):
     target, draft = _checkpoints(sglang_ids=False)
     yield from _serve(request, "sglang-miswired", "sglang", ["--model-path", target, "--speculative-draft-model-path",
                                                              draft, *CPU_SGLANG, "--speculative-eagle-topk", "1"])  # fmt: skip
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped after this module: never alive beside later tests
 def vllm_server(request):
     target, draft = _checkpoints(sglang_ids=False)
     spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": 4})
