@@ -87,6 +87,9 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
         matches, similarity = match_chunks(ref_cap, cap)
         data["fc_chunks"] = [m.to_dict() for m in matches]
         data["similarity"] = similarity
+        rule = _rule_lines(session, case, spec, [m.best if m.matched else None for m in matches])
+        lines += rule["lines"]
+        data.update(rule["data"])
     elif introduced.name.startswith("target."):
         lines += diagnose_hidden(ref_cap, cap, introduced.name)
     else:
@@ -95,6 +98,52 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
     lines += [f"known cause (lint [{f.code}]): {f.message}" for f in causes]
     data["known_causes"] = [f.code for f in causes]
     return Verdict(False, "\n".join(lines), data)
+
+
+def _view(session: Session, case: Case, spec: EngineSpec):
+    from difftest.layer_reading import engine_view
+    from difftest.lint import trained_wiring
+
+    prepared = session.engine_case(session.prepare(case), spec)
+    try:
+        trained = trained_wiring(prepared)
+    except ConfigError:
+        trained = None
+    return engine_view(prepared, spec.name, trained)
+
+
+def _rule_lines(session: Session, case: Case, spec: EngineSpec, fed: list[str | None]) -> dict:
+    """Why the engine fed what it fed (its layer-id rule, difftest.layer_rules) and the config edit
+    that makes it feed what training fed; says so when the rule model did not predict the feed."""
+    from difftest.layer_reading import fix_lines
+
+    view = _view(session, case, spec)
+    if view is None:
+        return {"lines": [], "data": {}}
+    lines = [view.rule_line()]
+    predicted = view.reading.fed_names()
+    if None not in fed and list(fed) != predicted:
+        lines.append(f"the rule model predicted {predicted} but the engine fed {fed}: {view.rule.label}'s rule differs "
+                     "from difftest.layer_rules (another version?); the fix below may not hold")  # fmt: skip
+    lines += fix_lines(view)
+    edit = view.edit()
+    data = {"rule": view.reading.explain(), "rule_predicted": predicted}
+    if edit is not None:
+        data["fix"] = {"patch": edit.patch, "ids": edit.ids, "impossible": edit.impossible,
+                       "alternatives": edit.alternatives, "side_effects": edit.side_effects}  # fmt: skip
+    return {"lines": lines, "data": data}
+
+
+def explain_engine_error(session: Session, case: Case, spec: EngineSpec, error: str) -> str:
+    """An engine error whose cause the layer-id rule predicts (the default fallback making fc
+    narrower than its weight, an id the model cannot capture): the cause first, the raw error beneath."""
+    try:
+        view = _view(session, case, spec)
+    except Exception:  # explaining must never hide the error itself
+        return error
+    if view is None or view.reading.refusal is None or view.rule.words() in error:  # the adapter said it already
+        return error
+    return f"predicted by the layer-id rule: {view.reading.explain()}\n{error}"
 
 
 def _known_causes(session: Session, case: Case, spec: EngineSpec, introduced: str) -> list:

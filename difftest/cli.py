@@ -143,16 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
     _env_parsers(sub)
     _report_parsers(sub)
-    from difftest import probe_cli
+    from difftest import fix_command, probe_cli
 
     probe_cli.add_parser(sub)
+    fix_command.add_parser(sub)
     try:
         contributed = _extension_parsers(sub)
     except DifftestError as e:
         print(f"difftest: {e}", file=sys.stderr)
         return 2
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("report", "bundle", "env", "probe", *contributed):
+    if args.command in ("report", "bundle", "env", "probe", "fix", *contributed):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

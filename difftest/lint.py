@@ -53,7 +53,7 @@ from difftest.lint_checkpoint import (
 __all__ = ["Finding", "lint_case", "lint_draft", "trained_wiring"]
 
 
-def _tensor_meta(model_dir: Path) -> dict[str, tuple]:
+def tensor_meta(model_dir: Path) -> dict[str, tuple]:
     """name -> shape for every tensor in the draft's safetensors files (headers only)."""
     from safetensors import safe_open
 
@@ -91,25 +91,30 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
     defaults = [f"target.h.{k}" for k in (2, L // 2, L - 3)]
     if ids is None:
         same = trained_on is not None and list(trained_on) == defaults
+        # the fallback can be narrower than fc (L//2 == L-3 on small targets: de-duplicated to two layers)
+        readings = [r.explain() for r in (rule.predict(raw, L, _fc_chunks(draft_dir, H_t)) for rule in _serving_rules(tcfg))
+                    if r.refusal]  # fmt: skip
         out.append(Finding("layer-ids-missing", "warning" if same else "error",
             f"no eagle_aux_hidden_state_layer_ids: engines fall back to h[2], h[L//2], h[L-3] = "
             f"[h2, h{L // 2}, h{L - 3}] (L={L})" + ("" if same else
-            f", not what the draft was trained on ({', '.join(n.removeprefix('target.') for n in trained_on or [])})")))  # fmt: skip
+            f", not what the draft was trained on ({', '.join(n.removeprefix('target.') for n in trained_on or [])})")
+            + "".join(f"; {r}" for r in readings)))  # fmt: skip
     if ids_top is not None and ids_ec is not None and list(ids_top) != list(ids_ec):
         out.append(Finding("layer-ids-conflict", "error",
             f"eagle_aux_hidden_state_layer_ids {ids_top} (top level) != {ids_ec} (eagle_config): "
             "engines reading one place or the other feed different layers"))  # fmt: skip
     if ids is not None and list(ids) != sorted(set(ids)):
         out.append(Finding("layer-ids-order", "error",
-            f"layer ids {ids} are not sorted and unique: vLLM uses {sorted(set(ids))} (sorted, de-duplicated), "
-            "other engines the listed order: the fc chunks change order or count"))  # fmt: skip
+            f"layer ids {ids} are not sorted and unique: vLLM and SGLang both capture while walking the layers "
+            f"and feed fc in layer order, each layer once ({sorted(set(ids))} before their index shift), so a "
+            "draft trained on the listed order gets its fc chunks permuted or fewer (difftest.layer_rules)"))  # fmt: skip
     if ids_top is not None and ids_ec is None:
         out.append(Finding("layer-ids-sglang-location", "warning",
             f"eagle_aux_hidden_state_layer_ids {ids_top} only at the top level: SGLang 0.5.23 reads only "
             "eagle_config.eagle_aux_hidden_state_layer_ids and silently falls back to its default layers; "
             "write the ids in both places"))  # fmt: skip
     if ids is not None and trained_on:
-        out += _readings(list(ids), L, list(trained_on), deepseek=_is_deepseek(tcfg))
+        out += _readings(list(ids), L, list(trained_on), tcfg, raw, _fc_chunks(draft_dir, H_t))
     if _is_mla_draft(raw) and (raw.get("norm_before_residual") or layer.get("norm_before_residual")):
         out.append(Finding("norm-flag-ignored", "warning",
             "norm_before_residual is true in an MLA draft: vLLM applies it, SGLang 0.5.23's kimi_k25_eagle3.py "
@@ -120,7 +125,7 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
             f"norm_before_residual absent: {fmt} format defaults it to {speculators}, the other format to "
             f"{not speculators}; converting the checkpoint flips the draft's residual silently: write it explicitly"))  # fmt: skip
 
-    meta = _tensor_meta(draft_dir)
+    meta = tensor_meta(draft_dir)
     draft_vocab = int(raw.get("draft_vocab_size") or layer.get("draft_vocab_size") or layer.get("vocab_size") or V)
     target_hidden = int(raw.get("target_hidden_size") or layer.get("target_hidden_size") or H_t)
     n_ids = len(ids) if ids is not None else 3
@@ -141,39 +146,52 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
     return out
 
 
-def _is_deepseek(tcfg: dict) -> bool:
-    """SGLang's id rule depends on the target class: DeepSeek-V2/V3 (and Kimi-K2) add 1 only when
-    the first id is 1 (sglang/srt/models/deepseek_v2.py, 0.5.23), Llama-likes always."""
-    arch = " ".join(tcfg.get("architectures") or [])
-    return tcfg.get("model_type") in ("deepseek_v2", "deepseek_v3", "kimi_k2") or "Deepseek" in arch
-
-
 def _is_mla_draft(raw: dict) -> bool:
     return any("Deepseek" in a or "DeepSeek" in a for a in raw.get("architectures") or []) or "kv_lora_rank" in raw
 
 
-def _readings(ids: list[int], L: int, trained_on: list[str], deepseek: bool = False) -> list[Finding]:
-    """How each engine convention reads the config's ids, against the training wiring."""
-    from difftest.wiring import resolve
+def _serving_rules(tcfg: dict) -> list:
+    from difftest.layer_rules import ENGINE_RULES, target_family
+
+    fam = target_family(tcfg)
+    return [r for (_, f), r in ENGINE_RULES.items() if f == fam]
+
+
+def _fc_chunks(draft_dir: Path, H: int) -> int | None:
+    meta = tensor_meta(Path(draft_dir))
+    if "fc.weight" not in meta or meta["fc.weight"][2][1] % H:
+        return None
+    return meta["fc.weight"][2][1] // H
+
+
+def _readings(ids: list[int], L: int, trained_on: list[str], tcfg: dict, raw: dict, chunks: int | None) -> list[Finding]:
+    """How each serving engine's layer-id rule (difftest.layer_rules) reads the config, against the
+    training wiring, with the edit that makes it feed what training fed; plus the trainers' reading."""
+    from difftest.layer_rules import SPECFORGE, config_edit, target_family
+    from difftest.wiring import hidden_index
 
     def short(names) -> str:
         return "[" + ", ".join(n.removeprefix("target.").replace("h.", "h") for n in names) + "]"
 
+    ks = [hidden_index(n) for n in trained_on]
     out, others = [], []
-    for preset in ("vllm", "sglang-deepseek" if deepseek else "sglang", "specforge"):
-        try:
-            fed = list(resolve(preset, L, ids).inputs)
-        except ConfigError as e:
-            others.append(f"{preset}: {e}")
+    for rule in _serving_rules(tcfg):
+        reading = rule.predict(raw, L, chunks)
+        if reading.fed_names() == list(trained_on) and reading.refusal is None:
             continue
-        if fed != trained_on:
-            if preset == "vllm":
-                out.append(Finding("layer-ids-training", "error",
-                    f"config ids {ids}, read as h[k] (vLLM, speculators), feed fc {short(fed)}; the draft was trained "
-                    f"on {short(trained_on)}"))  # fmt: skip
-            else:
-                others.append(f"{preset} {short(fed)}")
-    if others and not out:
+        text = f"{reading.explain()}; the draft was trained on {short(trained_on)}"
+        if None not in ks:
+            edit = config_edit(raw, target_family(tcfg), rule.engine, ks, L)
+            text += (f"; fix: {edit.patch} (`difftest fix CASE --engine {rule.engine}` writes and verifies it)" if edit.possible
+                     else f"; no config fixes it: {edit.impossible}")  # fmt: skip
+        if rule.engine == "vllm":
+            out.append(Finding("layer-ids-training", "error", text))
+        else:
+            others.append(text)
+    fed = SPECFORGE.predict_ids(ids, L).fed_names()
+    if fed != list(trained_on):
+        others.append(f"SpecForge's data generation reads them as {short(fed)}")
+    if others:
         out.append(Finding("layer-ids-training", "warning",
             f"trained on {short(trained_on)}; other engines read ids {ids} differently: {'; '.join(others)}"))  # fmt: skip
     return out

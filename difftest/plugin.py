@@ -28,7 +28,7 @@ from difftest.engine import EngineSpec, check_case_settings, check_settings, eng
 from difftest.engine import parse_engine_list, parse_spec
 from difftest.engine import registered_engines
 from difftest.envs import interpreter, project_pythons
-from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineUnavailable, NotAvailable
+from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineError, EngineUnavailable, NotAvailable
 from difftest.settings import unknown_key
 from difftest.expected_failure import judge as judge_expected
 from difftest.session import Options, Session
@@ -283,7 +283,10 @@ class CheckItem(pytest.Item):
                 raise CheckFailed(f"engine required but unavailable: {e}") from None
             pytest.skip(str(e))
         except DifftestError as e:
-            self._expected_or_raise(results, record, "error", str(e), {})
+            message = str(e)
+            if isinstance(e, EngineError):
+                message = checks_mod.explain_engine_error(session, self.case, self.spec, message)
+            self._expected_or_raise(results, record, "error", message, {})
             return
         self._expected_or_raise(results, record, "passed" if verdict.passed else "failed", verdict.message, verdict.data)
 

@@ -3,22 +3,22 @@
 A wiring is an explicit, ordered list of canonical tensor names (`target.h.{k}`,
 `target.final_norm`). Users write it directly (`[h0, h3, h31]`, or `h0+h3+h31` inside
 an engine spec) or name a preset, which translates a draft config's layer ids the way
-one ecosystem does (see shared/notes/wiring-failures.md):
+one engine or trainer does. The engine presets are the rule models of difftest.layer_rules
+(one copy of each rule, verified against the real engines):
 
-| preset            | explicit id k means          | no ids in the config         |
-|-------------------|------------------------------|------------------------------|
-| vllm, speculators | h[k] (sorted, de-duplicated) | h[2], h[L//2], h[L-3]        |
-| sglang            | h[k+1] (0.5.23, Llama)       | h[2], h[L//2], h[L-3] (no +1)|
-| sglang-deepseek   | h[k+1] if ids[0]==1 else h[k]| h[2], h[L//2], h[L-3]        |
-| specforge         | h[k+1] (sorted)              | ids [1, L//2-1, L-4] -> +1   |
-| speculators-train | config ids = fc ids, h[k] sorted; verifier h[L] | fc h[2], h[L//2], h[L-3] |
-| speculators-launch| launch ids h[k] sorted; fc = all but the last, verifier = last      |
+| preset            | explicit id k means                         | no ids in the config           |
+|-------------------|---------------------------------------------|--------------------------------|
+| vllm, speculators | h[k], layer order, each once                | h[2], h[L//2], h[L-3]          |
+| sglang            | h[k+1], layer order (0.5.23, Llama, Qwen3)  | h[2], h[L//2], h[L-3] (no +1)  |
+| sglang-deepseek   | h[k+1] if ids[0]==1 else h[k], layer order  | h[2], h[L//2], h[L-3]          |
+| specforge         | h[k+1], layer order                         | ids [1, L//2-1, L-4] -> +1     |
+| speculators-train | config ids = fc ids, h[k]; verifier h[L]    | fc h[2], h[L//2], h[L-3]       |
+| speculators-launch| launch ids h[k] sorted; fc = all but the last, verifier = last |
 | speculators-legacy| v0.3/v0.4: h[k+1] sorted; fc = all but the last, verifier = last | [2, L//2, L-3, L-1] |
+| eagle             | ids ignored                                 | h[2], h[L//2], h[L-3]          |
 
-The trainers' presets store fc chunks in layer order: vLLM (speculators' data generation) and
-SGLang (SpecForge's) capture auxiliary states while walking the layers, so unsorted ids are
-stored sorted.
-| eagle             | ids ignored                  | h[2], h[L//2], h[L-3]        |
+Both engines capture auxiliary states while walking the layers, so unsorted or repeated ids
+reach fc sorted and once each, in serving and in the trainers' data generation alike.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from difftest import layer_rules
 from difftest.errors import ConfigError
+from difftest.layer_rules import LayerIdRule
 
 FINAL_NORM = "target.final_norm"
 
@@ -74,40 +76,28 @@ def _defaults(L: int) -> list[int]:
     return [2, L // 2, L - 3]
 
 
-def _vllm(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
-    # vLLM 0.32.0: ids sorted and de-duplicated; fallback (2, L//2, L-3) silently.
-    return (sorted(set(ids)) if ids else _defaults(L)), None
+def _engine_rule(rule: LayerIdRule) -> Callable[[list[int] | None, int], tuple[list[int], str | None]]:
+    """A preset that reads ids the way `rule` does (difftest.layer_rules: the one copy of each rule)."""
+
+    def preset(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
+        reading = rule.predict_ids(ids, L)
+        if any(not 0 <= k <= L for k in reading.dropped):
+            return reading.asked, None  # a layer the target does not have: resolve() names it
+        if reading.dropped or reading.refusal:
+            raise ConfigError(f"{rule.engine} convention: {reading.explain()}"
+                              + ("" if reading.refusal else ": fewer fc chunks than ids, a shape error in the engine"))  # fmt: skip
+        return reading.fed, (hidden_name(L) if rule.verifier == "L" else None)
+
+    return preset
 
 
-def _sglang(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
-    # SGLang 0.5.23 srt/models/llama.py::set_eagle3_layers_to_capture: layers_to_capture = id + 1,
-    # a capture "before layer i" is h[i]; defaults get no +1.
-    if not ids:
-        return _defaults(L), None
-    ks = [i + 1 for i in ids]
-    if L in ks:
-        raise ConfigError(f"sglang convention: layer id {L - 1} means h[{L}], which SGLang cannot capture (shape error)")
-    return ks, None
-
-
-def _sglang_deepseek(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
-    # SGLang 0.5.23 srt/models/deepseek_v2.py: +1 only when the first id is 1.
-    if not ids:
-        return _defaults(L), None
-    return ([i + 1 for i in ids] if ids[0] == 1 else list(ids)), None
-
-
-def _specforge(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
-    # SpecForge: id k is "output of layer k" = h[k+1]; default [1, L//2-1, L-4]; SGLang captures in layer order.
-    return sorted(i + 1 for i in (ids or [1, L // 2 - 1, L - 4])), None
-
-
-def _speculators_train(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
-    # speculators 0.9.0: the draft config's target_layer_ids are the fc ids only (models/utils.py::
-    # resolve_target_layer_ids, default [2, L//2, L-3]); data generation appends L (launch_vllm.py
-    # --include-last-layer, on by default) and the trainer takes hidden_states[:, -1] = h[L] as the
-    # verifier (train/data.py::ArrowDataset._get_raw_data). vLLM captures in layer order.
-    return sorted(ids) if ids else _defaults(L), hidden_name(L)
+_vllm = _engine_rule(layer_rules.VLLM_LLAMA)
+_sglang = _engine_rule(layer_rules.SGLANG_LLAMA)
+_sglang_deepseek = _engine_rule(layer_rules.SGLANG_DEEPSEEK)
+_specforge = _engine_rule(layer_rules.SPECFORGE)
+# speculators 0.9.0: the draft config's target_layer_ids are the fc ids only; data generation
+# appends L and the trainer takes the last hidden state as the verifier (layer_rules.SPECULATORS)
+_speculators_train = _engine_rule(layer_rules.SPECULATORS)
 
 
 def _speculators_launch(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:

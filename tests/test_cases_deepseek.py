@@ -60,14 +60,14 @@ def test_id0_sglang_deepseek_feeds_the_embedding_named_and_vllm_refuses_it(prese
     assert vllm["outcome"] == "error"
     assert "vllm 0.32.0 cannot feed aux layer id 0 of " in vllm["message"]
     assert ("(eagle_aux_hidden_state_layer_ids [0, 2, 4]): vLLM reads id k as target.h.k, and id 0 is the embedding "
-            "(target.h.0), which its DeepseekV3ForCausalLM (deepseek_v2.py DeepseekV2Model.forward: residual is None "
-            "before layer 0) cannot capture") in vllm["message"]  # fmt: skip
+            "(target.h.0), which its DeepseekV3ForCausalLM cannot capture") in vllm["message"]  # fmt: skip
+    assert "(hidden_states + residual with no residual yet: TypeError at the first forward)" in vllm["message"]
 
 
 def test_toplevel_ids_sglang_falls_back_to_default_layers_named(refusals):
     result = refusals.outcome("tiny_deepseek_v3_toplevel_ids", "sglang", "fc_inputs")
     assert result["outcome"] == "error"
     assert "SGLang would feed layers_to_capture [2, 3, 3] (default-layer fallback) for " in result["message"]
-    assert ("(SGLang 0.5.23 DeepseekV3ForCausalLM: no eagle_config ids; top-level eagle_aux_hidden_state_layer_ids "
-            "[2, 4, 5] ignored: default layers [2, L//2, L-3]), captures only 2 of 3 aux hidden states (a repeated "
+    assert ("finds no ids (eagle_config) and falls back to [2, L//2, L-3] = [2, 3, 3], feeding [h2, h3]; top-level "
+            "eagle_aux_hidden_state_layer_ids [2, 4, 5] ignored), captures only 2 of 3 aux hidden states (a repeated "
             "layer is captured once) and its scheduler dies") in result["message"]  # fmt: skip

@@ -98,6 +98,6 @@ def test_deepseek_ids_only_at_top_level_are_refused_naming_the_default_layer_fal
     assert result["outcome"] == "error"
     message = result["message"]
     assert "SGLang would feed layers_to_capture [2, 3, 3] (default-layer fallback)" in message
-    assert "no eagle_config ids; top-level eagle_aux_hidden_state_layer_ids [2, 4, 5] ignored" in message
+    assert "finds no ids (eagle_config)" in message and "top-level eagle_aux_hidden_state_layer_ids [2, 4, 5] ignored" in message
     assert "captures only 2 of 3 aux hidden states (a repeated layer is captured once)" in message
     assert "\n" not in message

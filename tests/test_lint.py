@@ -62,7 +62,7 @@ def test_unsorted_ids_are_flagged(models, tmp_path):
 
     [f] = lint_draft(variant(models, tmp_path, config=unsorted), models[0], TRAINED)
     assert (f.code, f.severity) == ("layer-ids-order", "error")
-    assert "vLLM uses [1, 2, 3]" in f.message
+    assert "vLLM and SGLang both capture while walking the layers and feed fc in layer order, each layer once ([1, 2, 3]" in f.message
 
 
 def test_conflicting_id_locations_are_flagged(models, tmp_path):
@@ -111,8 +111,11 @@ def test_sglang_topk_1_forces_the_draft_token_budget(models):
 def test_engine_readings_of_the_ids_are_checked_against_training(models):
     [f] = _lint_draft(models[1], models[0], TRAINED)
     assert (f.code, f.severity) == ("layer-ids-training", "warning")
-    assert f.message == ("trained on [h1, h2, h3]; other engines read ids [1, 2, 3] differently: sglang [h2, h3, h4]; "
-                         "specforge [h2, h3, h4]")  # fmt: skip
+    assert f.message == ("trained on [h1, h2, h3]; other engines read ids [1, 2, 3] differently: SGLang 0.5.23 (Llama "
+                         "rule: ids from eagle_config, layer order, k -> h[k+1]) turns [1, 2, 3] (eagle_config) into "
+                         "[h2, h3, h4]; the draft was trained on [h1, h2, h3]; fix: {'eagle_config': "
+                         "{'eagle_aux_hidden_state_layer_ids': [0, 1, 2]}} (`difftest fix CASE --engine sglang` writes "
+                         "and verifies it); SpecForge's data generation reads them as [h2, h3, h4]")  # fmt: skip
 
 
 def deepseek_target(models, tmp_path: Path) -> Path:
@@ -133,9 +136,9 @@ def test_sglang_reading_follows_the_deepseek_rule_for_a_deepseek_target(models, 
     draft = variant(models, tmp_path, config=ids_2_3_4)
     trained = ["target.h.2", "target.h.3", "target.h.4"]
     [f] = _lint_draft(draft, deepseek_target(models, tmp_path), trained)
-    assert f.message == "trained on [h2, h3, h4]; other engines read ids [2, 3, 4] differently: specforge [h3, h4, h5]"
+    assert f.message == "trained on [h2, h3, h4]; other engines read ids [2, 3, 4] differently: SpecForge's data generation reads them as [h3, h4, h5]"
     [llama] = _lint_draft(draft, models[0], trained)
-    assert "sglang [h3, h4, h5]" in llama.message
+    assert "(Llama rule: ids from eagle_config, layer order, k -> h[k+1]) turns [2, 3, 4] (eagle_config) into [h3, h4, h5]" in llama.message
 
 
 def test_ids_only_at_the_top_level_warn_that_sglang_falls_back(models, tmp_path):
@@ -158,5 +161,7 @@ def test_norm_before_residual_in_an_mla_draft_warns_that_sglang_ignores_it(model
 def test_ids_that_do_not_name_the_trained_layers_are_an_error(models):
     """The seed's bug: trained on [h0, h1, h2] (embedding first), the config says [1, 2, 3]."""
     f = _lint_draft(models[1], models[0], ["target.h.0", "target.h.1", "target.h.2"])[0]
-    assert str(f) == ("error [layer-ids-training]: config ids [1, 2, 3], read as h[k] (vLLM, speculators), feed fc "
-                      "[h1, h2, h3]; the draft was trained on [h0, h1, h2]")  # fmt: skip
+    assert str(f) == ("error [layer-ids-training]: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer "
+                      "order, k -> h[k]) turns [1, 2, 3] (top level) into [h1, h2, h3]; the draft was trained on "
+                      "[h0, h1, h2]; fix: {'eagle_aux_hidden_state_layer_ids': [0, 1, 2]} (`difftest fix CASE --engine "
+                      "vllm` writes and verifies it)")  # fmt: skip

@@ -104,7 +104,9 @@ def test_preset_wiring_says_where_it_came_from(ids, source):
 def test_sglang_id_L_minus_1_is_unreachable():
     with pytest.raises(ConfigError) as info:
         resolve("sglang", L, [2, 4, 7])
-    assert str(info.value) == "sglang convention: layer id 7 means h[8], which SGLang cannot capture (shape error)"
+    assert str(info.value) == ("sglang convention: SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, "
+                               "k -> h[k+1]) turns [2, 4, 7] (eagle_config) into [h3, h5]; [h8] cannot be captured and "
+                               "are dropped: fewer fc chunks than ids, a shape error in the engine")  # fmt: skip
 
 
 def test_speculators_launch_ids_need_an_fc_input_and_a_verifier():

@@ -1,7 +1,8 @@
 """SGLang 0.5.23 and DeepSeek-V2/V3 / Kimi-K2 targets (MLA + MoE): which layers it feeds the
 draft, and what its CPU path needs. Plain Python over config dicts; no SGLang import.
 
-Layer ids (verified against sglang 0.5.23, paths under sglang/srt/):
+Layer ids (the rule itself lives in difftest.layer_rules.SGLANG_DEEPSEEK / SGLANG_LLAMA; verified
+against sglang 0.5.23, paths under sglang/srt/):
   * SGLang reads the draft's ids only from `eagle_config.eagle_aux_hidden_state_layer_ids`
     (model_executor/model_runner_components/spec_aux_hidden_state.py); the top-level key that
     vLLM reads is ignored, and without eagle_config ids the target falls back to its defaults.
@@ -42,54 +43,43 @@ def is_mla(target_cfg: dict) -> bool:
     return text_config(target_cfg).get("kv_lora_rank") is not None
 
 
-def eagle_config_ids(draft_cfg: dict) -> list[int] | None:
-    """The ids SGLang reads: eagle_config's only."""
-    eagle = draft_cfg.get("eagle_config")
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-    return [int(i) for i in ids] if isinstance(ids, list) else None
+def _reading(target_cfg: dict, draft_cfg: dict):
+    """SGLang's reading of the draft's layer ids (difftest.layer_rules: the one copy of the rule)."""
+    from difftest.layer_rules import rule_for, target_family
 
-
-def defaults(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
+    rule = rule_for("sglang", target_family(target_cfg))
+    return rule.predict(draft_cfg, int(text_config(target_cfg)["num_hidden_layers"]))
 
 
 def layers_to_capture(target_cfg: dict, draft_cfg: dict) -> tuple[list[int], str]:
     """SGLang's layers_to_capture for this pair and the rule that produced it, in words."""
-    t = text_config(target_cfg)
-    L = int(t["num_hidden_layers"])
-    arch = (t.get("architectures") or ["?"])[0]
-    ids = eagle_config_ids(draft_cfg)
-    if ids is None:
-        top = draft_cfg.get("eagle_aux_hidden_state_layer_ids")
-        ignored = f"; top-level eagle_aux_hidden_state_layer_ids {top} ignored" if top else ""
-        return defaults(L), f"SGLang 0.5.23 {arch}: no eagle_config ids{ignored}: default layers [2, L//2, L-3]"
-    if is_deepseek(target_cfg):
-        if ids and ids[0] == 1:
-            return [i + 1 for i in ids], f"SGLang 0.5.23 {arch}: eagle_config ids {ids} start with 1 -> id+1"
-        return list(ids), f"SGLang 0.5.23 {arch}: eagle_config ids {ids} used as is (its +1 applies only when ids[0] == 1)"
-    return [i + 1 for i in ids], f"SGLang 0.5.23 {arch}: eagle_config ids {ids} -> id+1"
+    reading = _reading(target_cfg, draft_cfg)
+    return reading.asked, reading.explain()
 
 
 def unrunnable(target_cfg: dict, draft_cfg: dict, draft_path: str) -> str | None:
-    """Why SGLang's DeepSeek model would kill its scheduler on this pair's first prefill, or None.
+    """Why SGLang's DeepSeek model would kill its scheduler on this pair's first prefill, or None:
+    its AuxHiddenStatePacker expects one capture per entry of layers_to_capture, and a repeated
+    layer or one >= L is captured once or never.
 
     Only for DeepSeek targets: the Llama path's crash is left to SGLang (and its log)."""
     if not is_deepseek(target_cfg):
         return None
-    layers, rule = layers_to_capture(target_cfg, draft_cfg)
-    L = int(text_config(target_cfg)["num_hidden_layers"])
-    captured = sorted({k for k in layers if 0 <= k < L})
-    if len(captured) == len(layers):
+    reading = _reading(target_cfg, draft_cfg)
+    layers, L = reading.asked, reading.L
+    if len(reading.fed) == len(layers):
         return None
-    fallback = " (default-layer fallback)" if eagle_config_ids(draft_cfg) is None else ""
+    fallback = " (default-layer fallback)" if reading.ids is None else ""
+    top = draft_cfg.get("eagle_aux_hidden_state_layer_ids")
+    ignored = f"; top-level eagle_aux_hidden_state_layer_ids {top} ignored" if reading.ids is None and top else ""
     why = []
     if len(set(layers)) < len(layers):
         why.append("a repeated layer is captured once")
     if any(k >= L or k < 0 for k in layers):
         why.append(f"layers >= L={L} are never captured")
-    return (f"SGLang would feed layers_to_capture {layers}{fallback} for {draft_path}/config.json ({rule}), "
-            f"captures only {len(captured)} of {len(layers)} aux hidden states ({'; '.join(why)}) and its "
-            "scheduler dies (AuxHiddenStatePacker: captured n of m aux hidden states)")  # fmt: skip
+    return (f"SGLang would feed layers_to_capture {layers}{fallback} for {draft_path}/config.json "
+            f"({reading.explain()}{ignored}), captures only {len(reading.fed)} of {len(layers)} aux hidden states "
+            f"({'; '.join(why)}) and its scheduler dies (AuxHiddenStatePacker: captured n of m aux hidden states)")  # fmt: skip
 
 
 def rope_type(target_cfg: dict) -> str:

@@ -433,34 +433,26 @@ def _read_config(checkpoint: str) -> dict:
     return read_json(path, "target config")
 
 
-def vllm_aux_layer_ids(draft_cfg: dict) -> list[int] | None:
-    """The ids vLLM 0.32.0 reads from a draft config: the top-level key if truthy, else eagle_config's
-    (v1/worker/gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config)."""
-    ids = draft_cfg.get("eagle_aux_hidden_state_layer_ids")
-    if not ids and isinstance(draft_cfg.get("eagle_config"), dict):
-        ids = draft_cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
-    return [int(i) for i in ids] if isinstance(ids, (list, tuple)) and ids else None
-
-
 def _refuse_unreachable_ids(target_cfg: dict, target: str, draft: str) -> None:
-    """vLLM's DeepSeek model cannot capture id 0 (the embedding): model_executor/models/deepseek_v2.py
-    ::DeepseekV2Model.forward computes `hidden_states + residual` for an aux layer before calling the
-    layer, and residual is None before layer 0, so the first prefill dies with a TypeError deep in the
-    engine. Refuse before starting, naming vLLM's convention (id k = target.h.k)."""
-    if not compat.is_deepseek(target_cfg):
-        return
-    path = Path(draft) / "config.json"
-    if not path.is_file():
-        return
+    """Refuse before starting what vLLM would crash on deep in the engine, as its layer-id rule
+    model predicts (difftest.layer_rules.VLLM_DEEPSEEK: id 0 on a DeepSeek target, where
+    DeepseekV2Model.forward computes `hidden_states + residual` before layer 0, with no residual yet)."""
     from difftest.jsonfile import read_json
+    from difftest.layer_rules import rule_for, target_family
 
-    ids = vllm_aux_layer_ids(read_json(path, "draft config"))
-    if ids and 0 in ids:
+    path = Path(draft) / "config.json"
+    rule = rule_for("vllm", target_family(target_cfg))
+    if rule is None or rule.low_crash is None or not path.is_file() or not target_cfg:
+        return
+    L = int(compat.text_config(target_cfg)["num_hidden_layers"])
+    reading = rule.predict(read_json(path, "draft config"), L)
+    low = [k for k in reading.dropped if k < rule.bounds(L)[0]]
+    if low:
         arch = (compat.text_config(target_cfg).get("architectures") or ["DeepseekV3ForCausalLM"])[0]
         raise EngineError(
-            f"vllm {PINNED} cannot feed aux layer id 0 of {path} (eagle_aux_hidden_state_layer_ids {ids}): "
-            f"vLLM reads id k as target.h.k, and id 0 is the embedding (target.h.0), which its {arch} "
-            "(deepseek_v2.py DeepseekV2Model.forward: residual is None before layer 0) cannot capture"
+            f"vllm {PINNED} cannot feed aux layer id {low[0]} of {path} (eagle_aux_hidden_state_layer_ids {reading.ids}): "
+            f"vLLM reads id k as target.h.k, and id 0 is the embedding (target.h.0), which its {arch} cannot capture; "
+            f"{reading.explain()}"
         )
 
 

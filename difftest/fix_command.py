@@ -1,0 +1,182 @@
+"""`difftest fix CASE --engine NAME [--no-verify]`: the smallest draft-config edit that makes one
+engine version feed the draft what training fed, written as a file the user applies, then
+verified on the real engine.
+
+1. The engine's layer-id rule (difftest.layer_rules) is solved backwards for the case's training
+   wiring: which ids, written where, make that engine feed it.
+2. Written to REPORT_DIR/fix/: CASE.NAME.patch.json (a JSON merge patch for the draft's
+   config.json) and CASE.NAME.yaml (the case with the patch as that engine's
+   `draft_config_overrides`, runnable as is).
+3. Verified: `pytest CASE.NAME.yaml --engines=REFERENCE,NAME` in a subprocess, the real engine
+   under the patch; every check of that engine must pass. The verified run's report is
+   REPORT_DIR/fix/CASE.NAME.json.
+
+Where no config can do it (an engine that cannot capture a layer training used, or ids not in
+layer order), it says so, names the engines or versions that can serve the draft as trained,
+and the wiring to retrain on for this one. Exit status: 0 fixed and verified (or, with
+--no-verify, computed), 1 no config fix or the verification failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from difftest.errors import ConfigError, DifftestError
+
+HELP = "compute, write and verify the draft-config edit that makes ENGINE feed what training fed"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("fix", help=HELP)
+    p.add_argument("case", help="a case YAML file")
+    p.add_argument("--engine", required=True, help="the engine to fix for: vllm or sglang (a labelled spec NAME@LABEL works)")
+    p.add_argument("--report-dir", default="reports", help="where fix/ is written (default: reports)")
+    p.add_argument("--reference", default="ref", help="the reference engine of the verifying run (default: ref)")
+    p.add_argument("--engine-python", action="append", default=[], metavar="NAME=PATH",
+                   help="as for `difftest run`: the engine's interpreter")  # fmt: skip
+    p.add_argument("--no-verify", action="store_true", help="write the edit without running the engine")
+    p.add_argument("--engine-timeout", type=int, default=900, help="seconds for the verifying run's engine requests")
+    p.set_defaults(handler=run)
+
+
+@dataclasses.dataclass
+class FixResult:
+    case: str
+    engine: str
+    rule: str
+    trained: list[int] | None
+    before: str
+    patch: dict | None
+    ids: list[int] | None
+    impossible: str | None
+    alternatives: list[str]
+    side_effects: list[str]
+    files: list[str]
+    verified: bool | None = None  # None: not run
+    verification: list[dict] = dataclasses.field(default_factory=list)
+    verification_report: str | None = None
+
+    def lines(self) -> list[str]:
+        out = [f"{self.case} on {self.engine}: {self.before}"]
+        if self.impossible:
+            out.append(f"no config fix: {self.impossible}")
+            out += [f"  {a}" for a in self.alternatives]
+            return out
+        if not self.patch:
+            out.append("nothing to fix: the engine already feeds what training fed")
+        else:
+            out.append(f"edit: {json.dumps(self.patch)} (merge into the draft's config.json)")
+        out += [f"note: {s}" for s in self.side_effects]
+        out += [f"wrote {f}" for f in self.files]
+        if self.verified is None:
+            out.append("not verified (--no-verify)")
+        else:
+            word = "VERIFIED" if self.verified else "NOT VERIFIED"
+            out.append(f"{word} on the real engine: " + ", ".join(f"{c['check']} {c['outcome']}" for c in self.verification))
+            if self.verification_report:
+                out.append(f"verified run: {self.verification_report}")
+        return out
+
+
+def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Path | None]:
+    """The edit and its files (no engine run). Returns the result and the patched case's path."""
+    import yaml
+
+    from difftest.case import load_case
+    from difftest.engine import parse_spec
+    from difftest.layer_reading import engine_view
+    from difftest.lint import trained_wiring
+    from difftest.overlay import deep_merge
+    from difftest.session import Options, Session
+
+    spec = parse_spec(engine)
+    case = load_case(case_path)
+    session = Session(Options(engines=[spec], reference=parse_spec("ref")))
+    prepared = session.engine_case(session.prepare(case), spec)
+    trained = trained_wiring(prepared)
+    view = engine_view(prepared, spec.name, trained)
+    if view is None:
+        raise ConfigError(f"--engine {engine}: no layer-id rule models {spec.name} on this target "
+                          "(difftest.layer_rules knows vllm and sglang on Llama, Qwen3 and DeepSeek-V3 targets)")  # fmt: skip
+    if view.trained is None:
+        raise ConfigError(f"{case_path}: the training wiring {trained} is not a list of target hidden states; "
+                          "a layer-id edit cannot express it")  # fmt: skip
+    edit = view.edit()
+    before = view.reading.explain() + f"; training fed [{', '.join(f'h{k}' for k in view.trained)}]"
+    result = FixResult(case.name, spec.id, view.rule.words(), view.trained, before, edit.patch if edit.possible else None,
+                       edit.ids, edit.impossible, edit.alternatives, edit.side_effects, [])  # fmt: skip
+    if not edit.possible:
+        return result, None
+    if view.reading.fed == view.trained and view.reading.refusal is None:
+        result.patch = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{case.name}.{spec.key}"
+    patch_file = out_dir / f"{stem}.patch.json"
+    _write(patch_file, json.dumps(result.patch, indent=1) + "\n")
+    raw = yaml.safe_load(Path(case_path).read_text())
+    section = dict((raw.get("engines") or {}).get(spec.key) or {})
+    section["draft_config_overrides"] = deep_merge(section.get("draft_config_overrides") or {}, result.patch)
+    raw.setdefault("engines", {})[spec.key] = section
+    raw["name"] = f"{case.name}_fix_{spec.key.replace('@', '_')}"
+    for field in ("target", "draft"):  # relative paths keep meaning from the new location
+        value = raw.get(field)
+        if isinstance(value, str) and not value.startswith("fixture:") and not Path(value).is_absolute():
+            raw[field] = str((Path(case_path).parent / value).resolve())
+    case_file = out_dir / f"{stem}.yaml"
+    _write(case_file, f"# written by `difftest fix {case_path} --engine {engine}`\n" + yaml.safe_dump(raw, sort_keys=False))
+    result.files = [str(patch_file), str(case_file)]
+    return result, case_file
+
+
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all: a temporary beside it, then a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def verify(result: FixResult, case_file: Path, args: argparse.Namespace, out_dir: Path) -> None:
+    """The patched case on the real engine: every check of that engine must pass."""
+    report_dir = out_dir / "verified"
+    cmd = [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs",
+           "--rootdir", str(case_file.parent), "-c", "/dev/null", str(case_file),
+           f"--engines={args.reference},{result.engine}", "--require-engines", f"--report-dir={report_dir}",
+           f"--engine-timeout={args.engine_timeout}", *(f"--engine-python={e}" for e in args.engine_python)]  # fmt: skip
+    print(f"[difftest fix] verifying on the real engine: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    import yaml
+
+    report = report_dir / f"{yaml.safe_load(case_file.read_text())['name']}.json"
+    if not report.exists():
+        result.verified = False
+        result.verification = [{"check": "run", "outcome": f"no report (exit {proc.returncode}): {proc.stdout[-300:]}"}]
+        return
+    checks = [c for c in json.loads(report.read_text())["checks"] if c["engine"] == result.engine]
+    result.verification = [{"check": c["check"], "outcome": c["outcome"], "message": c["message"].splitlines()[0] if c["message"] else ""}
+                           for c in checks]  # fmt: skip
+    result.verified = bool(checks) and all(c["outcome"] == "passed" for c in checks)
+    result.verification_report = str(report)
+
+
+def run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.report_dir) / "fix"
+    try:
+        result, case_file = compute(Path(args.case), args.engine, out_dir)
+        if case_file is not None and not args.no_verify:
+            verify(result, case_file, args, out_dir)
+    except DifftestError as e:
+        print(f"difftest fix: {e}", file=sys.stderr)
+        return 2
+    for line in result.lines():
+        print(line)
+    if result.files:
+        _write(out_dir / f"{Path(result.files[0]).name.removesuffix('.patch.json')}.fix.json",
+               json.dumps(dataclasses.asdict(result), indent=1) + "\n")  # fmt: skip
+    if result.impossible or result.verified is False:
+        return 1
+    return 0

@@ -1,0 +1,98 @@
+"""A case seen through one engine's layer-id rule (difftest.layer_rules): what that engine
+reads from the draft config it is actually given (the case's draft with the engine's
+`draft_config_overrides`), what it feeds, what training fed, and the config edit that
+would make the two agree. Used by the fc_inputs diagnosis, the crash explanation and
+`difftest fix`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from difftest.case import Case
+from difftest.errors import ConfigError
+from difftest.jsonfile import read_json
+from difftest.layer_rules import ConfigEdit, LayerIdRule, Reading, config_edit, rule_for, target_family
+from difftest.overlay import deep_merge
+from difftest.wiring import hidden_index
+
+
+@dataclass(frozen=True)
+class EngineView:
+    engine: str
+    rule: LayerIdRule
+    draft_config: dict  # as the engine is given it
+    L: int
+    fc_chunks: int | None
+    reading: Reading
+    trained: list[int] | None  # h indices training fed, when the training wiring is all target.h.K
+
+    def rule_line(self) -> str:
+        line = f"rule: {self.reading.explain()}"
+        if self.trained is not None:
+            line += f"; training fed [{', '.join(f'h{k}' for k in self.trained)}]"
+        return line
+
+    def edit(self) -> ConfigEdit | None:
+        if self.trained is None:
+            return None
+        return config_edit(self.draft_config, self.rule.family, self.engine, self.trained, self.L)
+
+
+def _fc_chunks(draft_dir: Path, target_hidden: int) -> int | None:
+    from difftest.lint import tensor_meta
+
+    try:
+        entry = tensor_meta(draft_dir).get("fc.weight")
+    except Exception:  # an unreadable checkpoint is the lint's and the engines' to report, not ours
+        return None
+    shape = entry[2] if entry else None
+    if not shape or len(shape) != 2 or shape[1] % target_hidden:
+        return None
+    return shape[1] // target_hidden
+
+
+def engine_view(case: Case, engine: str, trained_wiring: list[str] | None) -> EngineView | None:
+    """`case` prepared (fixtures resolved) and already merged for a labelled spec
+    (Session.engine_case). None when no rule models this engine on this target."""
+    try:
+        tcfg = read_json(Path(case.target) / "config.json", "target config")
+        draft = read_json(Path(case.draft) / "config.json", "draft config")
+    except ConfigError:
+        return None
+    rule = rule_for(engine, target_family(tcfg))
+    if rule is None or not isinstance(draft, dict):
+        return None
+    section = case.engines.get(engine.split("[")[0].split("@")[0]) or {}
+    overrides = section.get("draft_config_overrides") or {}
+    seen = deep_merge(draft, overrides) if isinstance(overrides, dict) else draft
+    text = tcfg.get("text_config", tcfg)
+    L, H = int(text["num_hidden_layers"]), int(text["hidden_size"])
+    chunks = _fc_chunks(Path(case.draft), H)
+    trained = None
+    if trained_wiring:
+        ks = [hidden_index(n) for n in trained_wiring]
+        trained = None if None in ks else [int(k) for k in ks]
+    reading = rule.predict(seen, L, chunks)
+    return EngineView(engine, rule, seen, L, chunks, reading, trained)
+
+
+def fix_lines(view: EngineView) -> list[str]:
+    """The config edit (or why none exists), one line each."""
+    edit = view.edit()
+    if edit is None or view.reading.fed == view.trained and view.reading.refusal is None:
+        return []
+    if not edit.possible:
+        return [f"no config fixes {view.rule.label}: {edit.impossible}"] + [f"instead: {a}" for a in edit.alternatives]
+    where = " / ".join(_paths(edit.patch))
+    lines = [f"fix: set {where} = {edit.ids} (then {view.rule.label} feeds "
+             f"[{', '.join(f'h{k}' for k in view.trained)}]); verify with `difftest fix CASE --engine {view.engine}`"]  # fmt: skip
+    lines += [f"note: the edit also changes another engine: {s}" for s in edit.side_effects]
+    return lines
+
+
+def _paths(patch: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in patch.items():
+        out += _paths(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return out

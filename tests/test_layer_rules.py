@@ -1,0 +1,116 @@
+"""The layer-id rule models (difftest.layer_rules) as specifications: what each engine version feeds
+for a config, why, and the edit that fixes it. Their agreement with the real engines is
+tests/test_layer_rules_engines.py; these tests pin the semantics and the inverse."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from difftest import layer_rules as lr
+from difftest.layer_rules import KEY
+
+L = 8
+
+
+def ec(ids):
+    return {"eagle_config": {KEY: ids}}
+
+
+def test_sglang_llama_sorts_then_shifts_the_issue_example():
+    reading = lr.SGLANG_LLAMA.predict(ec([4, 2, 0]), L, 3)
+    assert reading.fed == [1, 3, 5]
+    assert reading.explain() == ("SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, k -> h[k+1]) "
+                                 "turns [4, 2, 0] (eagle_config) into [h1, h3, h5]")  # fmt: skip
+
+
+def test_vllm_reads_the_top_level_before_eagle_config():
+    cfg = {KEY: [1, 2, 3], **ec([4, 5, 6])}
+    assert lr.VLLM_LLAMA.predict(cfg, L).fed == [1, 2, 3]
+    assert lr.VLLM_LLAMA.predict(ec([4, 5, 6]), L).fed == [4, 5, 6]
+
+
+def test_sglang_ignores_top_level_ids_and_falls_back_without_the_shift():
+    reading = lr.SGLANG_LLAMA.predict({KEY: [1, 2, 3]}, L, 3)
+    assert reading.ids is None and reading.fed == [2, 4, 5]
+
+
+def test_default_fallback_on_a_shallow_target_is_narrower_than_fc_in_both_engines():
+    """L = 4: [2, L//2, L-3] = [2, 2, 1], two layers once each; fc expects three chunks."""
+    for rule in (lr.VLLM_LLAMA, lr.SGLANG_LLAMA):
+        reading = rule.predict({}, 4, 3)
+        assert reading.fed == [1, 2]
+        assert "fc expects 3 chunks but the engine captures 2" in reading.refusal
+
+
+def test_sglang_cannot_capture_the_last_layer_output():
+    reading = lr.SGLANG_LLAMA.predict(ec([2, 4, 7]), L, 3)
+    assert reading.fed == [3, 5] and reading.dropped == [8] and reading.refusal
+
+
+def test_vllm_deepseek_refuses_id_0_and_sglang_deepseek_shifts_only_when_the_first_id_is_1():
+    assert "id 0" in lr.VLLM_DEEPSEEK.predict({KEY: [0, 2, 4]}, 6, 3).refusal
+    assert lr.SGLANG_DEEPSEEK.predict(ec([1, 3, 4]), 6, 3).fed == [2, 4, 5]
+    assert lr.SGLANG_DEEPSEEK.predict(ec([0, 2, 4]), 6, 3).fed == [0, 2, 4]
+
+
+def test_families_follow_the_target_config():
+    assert lr.target_family({"model_type": "deepseek_v3"}) == lr.DEEPSEEK
+    assert lr.target_family({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}) == lr.QWEN3
+    assert lr.target_family({"model_type": "llama"}) == lr.LLAMA
+    assert lr.rule_for("sglang@new", lr.QWEN3) is lr.SGLANG_QWEN3
+    assert lr.rule_for("ref", lr.LLAMA) is None
+
+
+def test_fix_for_sglang_feeds_the_embedding_through_id_minus_1():
+    """SGLang's LlamaModel captures the input of layer i for i in layers_to_capture = id + 1: id -1
+    is layer 0's input, the embedding (verified on SGLang 0.5.23: the seed draft's accept length
+    matches the reference's with eagle_config ids [-1, 1, 3])."""
+    edit = lr.config_edit({KEY: [2, 4, 7]}, lr.LLAMA, "sglang", [0, 2, 4], L)
+    assert edit.patch == ec([-1, 1, 3])
+
+
+def test_fix_for_the_seed_shape_on_deepseek_names_sglangs_ids_and_vllms_refusal():
+    """A DeepSeek-V3 draft trained on [h0, h2, h4]: SGLang's DeepSeek rule feeds it from ids
+    [0, 2, 4] (first id not 1: no shift); vLLM's DeepSeek model cannot capture h0 at all."""
+    sglang = lr.config_edit({}, lr.DEEPSEEK, "sglang", [0, 2, 4], 6)
+    assert sglang.patch == ec([0, 2, 4])
+    vllm = lr.config_edit({}, lr.DEEPSEEK, "vllm", [0, 2, 4], 6)
+    assert not vllm.possible and "cannot feed [h0]" in vllm.impossible
+    assert any("SGLang 0.5.23 can serve it (ids [0, 2, 4] at eagle_config)" in a for a in vllm.alternatives)
+
+
+def test_ids_out_of_layer_order_have_no_config_fix():
+    edit = lr.config_edit(ec([4, 2, 0]), lr.LLAMA, "sglang", [4, 2, 0], L)
+    assert not edit.possible and "not in layer order" in edit.impossible
+
+
+def test_a_fix_that_changes_another_engines_reading_says_so():
+    """vLLM reads eagle_config when the top level has none: writing SGLang's ids there moves vLLM too."""
+    edit = lr.config_edit(ec([2, 4, 5]), lr.LLAMA, "sglang", [2, 4, 5], L)
+    assert edit.patch == ec([1, 3, 4])
+    assert edit.side_effects and edit.side_effects[0].startswith("vLLM 0.32.0 now reads [1, 3, 4] (eagle_config)")
+
+
+IDS = st.lists(st.integers(min_value=-1, max_value=L), min_size=1, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=IDS, engine=st.sampled_from(["vllm", "sglang"]), family=st.sampled_from(lr.FAMILIES))
+def test_solving_what_an_engine_feeds_gives_ids_it_reads_back_the_same_way(ids, engine, family):
+    """The inverse is exact: for whatever a config makes an engine feed, solve() finds ids that make
+    it feed the same layers (when the forward model feeds anything without failing)."""
+    rule = lr.rule_for(engine, family)
+    reading = rule.predict_ids(ids, L)
+    if reading.refusal or reading.dropped or not reading.fed:
+        return
+    solved = rule.solve(reading.fed, L)
+    assert solved.ids is not None, solved.impossible
+    assert rule.predict_ids(solved.ids, L, fc_chunks=len(reading.fed)).fed == reading.fed
+
+
+@pytest.mark.parametrize("engine,family", sorted(lr.ENGINE_RULES))
+def test_every_rule_cites_its_engine_source(engine, family):
+    rule = lr.ENGINE_RULES[(engine, family)]
+    assert rule.sources and all(s.startswith(f"{engine}/") for s in rule.sources)
