@@ -171,6 +171,10 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None) -> 
             notes.append(f"off-by-one {s:+d}" if abs(s) == 1 else f"every layer shifted by {s:+d}")
         elif sorted(gk) == sorted(wk):
             notes.append("permuted order (engine sorted the ids)" if gk == sorted(wk) else "permuted order")
+        elif gk == sorted(gk) and len({g - w for g, w in zip(gk, sorted(wk))}) == 1:
+            s = gk[0] - sorted(wk)[0]  # sorted, then every layer moved by the same amount (SGLang: sort and +1)
+            notes.append(f"permuted order (engine sorted the ids) and off-by-one {s:+d}" if abs(s) == 1
+                         else f"permuted order (engine sorted the ids) and every layer shifted by {s:+d}")  # fmt: skip
     if defaults and gk == defaults and wk != defaults:
         fallback = f"default-layer fallback (engine fed h[2], h[L//2], h[L-3] of L={L}: it did not use the config's layer ids)"
         # the same three layers can also be a shift of the trained ones: say both, the shift first

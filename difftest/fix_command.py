@@ -57,6 +57,7 @@ class FixResult:
     alternatives: list[str]
     side_effects: list[str]
     files: list[str]
+    fc_order: list[int] | None = None
     verified: bool | None = None  # None: not run
     verification: list[dict] = dataclasses.field(default_factory=list)
     verification_report: str | None = None
@@ -70,6 +71,9 @@ class FixResult:
         if not self.patch:
             out.append("nothing to fix: the engine already feeds what training fed")
         else:
+            if self.fc_order:
+                out.append(f"checkpoint edit: fc.weight's input blocks reordered into layer order (new block j = "
+                           f"trained block {self.fc_order}[j]): the same function, fed in the order the engine feeds")  # fmt: skip
             out.append(f"edit: {json.dumps(self.patch)} (merge into the draft's config.json)")
         out += [f"note: {s}" for s in self.side_effects]
         out += [f"wrote {f}" for f in self.files]
@@ -109,7 +113,7 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     edit = view.edit()
     before = view.reading.explain() + f"; training fed [{', '.join(f'h{k}' for k in view.trained)}]"
     result = FixResult(case.name, spec.id, view.rule.words(), view.trained, before, edit.patch if edit.possible else None,
-                       edit.ids, edit.impossible, edit.alternatives, edit.side_effects, [])  # fmt: skip
+                       edit.ids, edit.impossible, edit.alternatives, edit.side_effects, [], edit.fc_order)  # fmt: skip
     if not edit.possible:
         return result, None
     if view.reading.fed == view.trained and view.reading.refusal is None:
@@ -119,18 +123,68 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     patch_file = out_dir / f"{stem}.patch.json"
     _write(patch_file, json.dumps(result.patch, indent=1) + "\n")
     raw = yaml.safe_load(Path(case_path).read_text())
+    if edit.fc_order:
+        # the checkpoint edit: the same draft with fc's input blocks in layer order, for every engine
+        # (the reference included: the patched case's wiring is the layer-ordered feed)
+        edited = write_reordered_draft(Path(prepared.draft), edit.fc_order, out_dir / f"{stem}.draft")
+        raw["draft"] = str(edited)
+        raw["wiring"] = [f"h{k}" for k in edit.feeds]
+        result.files.append(str(edited))
     section = dict((raw.get("engines") or {}).get(spec.key) or {})
     section["draft_config_overrides"] = deep_merge(section.get("draft_config_overrides") or {}, result.patch)
     raw.setdefault("engines", {})[spec.key] = section
     raw["name"] = f"{case.name}_fix_{spec.key.replace('@', '_')}"
+    raw.pop("expect_failure", None)  # the fixed case must pass on this engine with no excuse declared
     for field in ("target", "draft"):  # relative paths keep meaning from the new location
         value = raw.get(field)
         if isinstance(value, str) and not value.startswith("fixture:") and not Path(value).is_absolute():
             raw[field] = str((Path(case_path).parent / value).resolve())
     case_file = out_dir / f"{stem}.yaml"
     _write(case_file, f"# written by `difftest fix {case_path} --engine {engine}`\n" + yaml.safe_dump(raw, sort_keys=False))
-    result.files = [str(patch_file), str(case_file)]
+    result.files = [str(patch_file), str(case_file), *result.files]
     return result, case_file
+
+
+def write_reordered_draft(draft: Path, order: list[int], out: Path) -> Path:
+    """A copy of `draft` (other files linked) whose fc.weight input blocks are reordered: new block j
+    = old block order[j]. With its fc fed cat(x[order[0]], x[order[1]], ...) it computes exactly what
+    the original computed on cat(x[0], x[1], ...). Written beside, then renamed into place."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    holder = None
+    for f in sorted(draft.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            key = next((k for k in h.keys() if k.removeprefix("model.") == "fc.weight"), None)
+            if key is not None:
+                holder, metadata = (f, key), h.metadata()
+                tensors = {k: h.get_tensor(k) for k in h.keys()}
+                break
+    if holder is None:
+        raise ConfigError(f"{draft}: no fc.weight in its safetensors files; cannot reorder fc's input blocks")
+    f, key = holder
+    w = tensors[key]
+    if w.shape[1] % len(order):
+        raise ConfigError(f"{draft}: fc.weight has {w.shape[1]} inputs, not a multiple of {len(order)} blocks")
+    size = w.shape[1] // len(order)
+    tensors[key] = torch.cat([w[:, j * size : (j + 1) * size] for j in order], dim=1).contiguous()
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for other in draft.iterdir():
+            if other != f:
+                (tmp / other.name).symlink_to(other.resolve())
+        save_file(tensors, str(tmp / f.name), metadata=metadata)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def _write(path: Path, text: str) -> None:
@@ -171,6 +225,9 @@ def run(args: argparse.Namespace) -> int:
             verify(result, case_file, args, out_dir)
     except DifftestError as e:
         print(f"difftest fix: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, KeyError) as e:  # unreadable files, bad YAML: one line, no traceback
+        print(f"difftest fix: {args.case}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     for line in result.lines():
         print(line)

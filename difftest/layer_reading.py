@@ -85,8 +85,11 @@ def fix_lines(view: EngineView) -> list[str]:
     if not edit.possible:
         return [f"no config fixes {view.rule.label}: {edit.impossible}"] + [f"instead: {a}" for a in edit.alternatives]
     where = " / ".join(_paths(edit.patch))
-    lines = [f"fix: set {where} = {edit.ids} (then {view.rule.label} feeds "
-             f"[{', '.join(f'h{k}' for k in view.trained)}]); verify with `difftest fix CASE --engine {view.engine}`"]  # fmt: skip
+    feeds = ", ".join(f"h{k}" for k in edit.feeds)
+    reorder = (f"reorder fc.weight's input blocks into layer order (new block j = trained block {edit.fc_order}[j]) and "
+               if edit.fc_order else "")  # fmt: skip
+    lines = [f"fix: {reorder}set {where} = {edit.ids} (then {view.rule.label} feeds [{feeds}]); "
+             f"`difftest fix CASE --engine {view.engine}` writes and verifies it"]  # fmt: skip
     lines += [f"note: the edit also changes another engine: {s}" for s in edit.side_effects]
     return lines
 

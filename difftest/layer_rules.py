@@ -148,10 +148,13 @@ class LayerIdRule:
         shifts = {0, self.shift.by, -self.shift.by}
         candidates = [sorted({t - s for s in shifts}) for t in want]
         best: list[int] | None = None
-        for ids in itertools.product(*candidates):
-            r = self.predict_ids(list(ids), L, fc_chunks=len(want))
-            if r.refusal is None and r.fed == want and (best is None or _cost(ids, want) < _cost(best, want)):
-                best = list(ids)
+        for combo in itertools.product(*candidates):
+            # the engine sorts, so the listed order matters only to order-sensitive rules (SGLang's
+            # DeepSeek shifts when the *first* id is 1: feeding h1 needs the 1 listed later)
+            for ids in dict.fromkeys(itertools.permutations(combo)):
+                r = self.predict_ids(list(ids), L, fc_chunks=len(want))
+                if r.refusal is None and r.fed == want and (best is None or _cost(ids, want) < _cost(best, want)):
+                    best = list(ids)
         if best is None:
             lo, hi = self.bounds(L)
             out = [t for t in want if not lo <= t <= hi]
@@ -161,8 +164,9 @@ class LayerIdRule:
         return Solution(self, want, best, None)
 
 
-def _cost(ids: Sequence[int], want: Sequence[int]) -> int:
-    return sum(abs(i - w) for i, w in zip(ids, want))
+def _cost(ids: Sequence[int], want: Sequence[int]) -> tuple[int, int]:
+    """Smallest change from the trained layers first, then ids in layer order when that ties."""
+    return sum(abs(i - w) for i, w in zip(sorted(ids), want)), int(list(ids) != sorted(ids))
 
 
 def _hs(ks: Sequence[int]) -> str:
@@ -300,6 +304,14 @@ class ConfigEdit:
     impossible: str | None = None
     side_effects: list[str] = field(default_factory=list)  # other engines' readings the edit changes
     alternatives: list[str] = field(default_factory=list)  # who can serve the draft as trained, and what to retrain on
+    # a checkpoint edit as well: fc.weight's input blocks reordered so that new block j is old block
+    # fc_order[j] (the training order sorted into layer order); fc(W, cat(x)) is unchanged by it
+    fc_order: list[int] | None = None
+
+    @property
+    def feeds(self) -> list[int]:
+        """The hidden states the engine feeds after the edit, in fc order."""
+        return [self.trained[j] for j in self.fc_order] if self.fc_order else list(self.trained)
 
     @property
     def possible(self) -> bool:
@@ -314,6 +326,15 @@ def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[
         raise KeyError(f"no layer-id rule for engine {engine!r} on a {family} target; known: "
                        f"{', '.join(sorted({e for e, _ in ENGINE_RULES}))}")  # fmt: skip
     sol = rule.solve(trained, L)
+    order = None
+    if sol.ids is None and len(set(trained)) == len(trained) and list(trained) != sorted(trained):
+        # not in layer order: no config can, but reordering fc's input blocks is exact
+        order = sorted(range(len(trained)), key=lambda j: trained[j])
+        by_layer = rule.solve([trained[j] for j in order], L)
+        if by_layer.ids is not None:
+            sol = by_layer
+        else:
+            order = None
     if sol.ids is None:
         others = []
         for (e, fam), r in ENGINE_RULES.items():
@@ -325,6 +346,7 @@ def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[
                           alternatives=others + [retrain] + ([f"(its nearest reading: {_hs(feedable.fed)})"] if feedable.fed else []))  # fmt: skip
     patch = _patch_for(rule, draft_config, sol.ids)
     edited = _merge(draft_config, patch)
+    feeds = [trained[j] for j in order] if order else list(trained)
     side = []
     for (e, fam), r in ENGINE_RULES.items():
         if fam != family or e == rule.engine:
@@ -333,8 +355,8 @@ def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[
         if before.fed != after.fed or before.refusal != after.refusal:
             side.append(f"{r.label} now reads {after.ids} ({after.place}): feeds {_hs(after.fed)}"
                         + (f", fails: {after.refusal}" if after.refusal else "")
-                        + ("" if after.fed == list(trained) else f" (training fed {_hs(trained)})"))  # fmt: skip
-    return ConfigEdit(engine, rule, list(trained), patch, sol.ids, side_effects=side)
+                        + ("" if after.fed == feeds else f" (the edited draft needs {_hs(feeds)})"))  # fmt: skip
+    return ConfigEdit(engine, rule, list(trained), patch, sol.ids, side_effects=side, fc_order=order)
 
 
 def _retrain_target(rule: LayerIdRule, trained: Sequence[int], L: int) -> list[int]:

@@ -115,6 +115,7 @@ CATALOGUE_LINT = {
     "catalogue_embedding_substituted": "[embedding-substituted]",
     "catalogue_lm_head_missing": "[lm-head-missing]: no lm_head.weight in the draft checkpoint",
     "catalogue_d2t_absolute": "[d2t-convention]: d2t holds absolute target ids",
+    "catalogue_ids_unsorted": "[layer-ids-order]: layer ids [5, 2, 4] are not sorted and unique",
 }  # fmt: skip
 
 
@@ -142,3 +143,9 @@ def test_catalogue_fault_vllm_handles_passes_with_vllms_wiring(vllm_wired, case)
 def test_catalogue_cases_leave_the_run_green_where_only_declared_failures_occur(vllm_wired):
     failed = [line for line in vllm_wired.output.splitlines() if line.startswith("FAILED cases/catalogue_")]
     assert failed == []
+
+
+def test_catalogue_unsorted_ids_are_named_as_layer_order_on_vllms_reading(vllm_wired):
+    fc = vllm_wired.outcome("catalogue_ids_unsorted", "ref[wiring=vllm]", "fc_inputs")
+    assert fc["outcome"] == "xfailed"
+    assert "engine fed fc [h2, h4, h5]; reference fed [h5, h2, h4]; pattern: permuted order (engine sorted the ids)" in fc["message"]

@@ -62,6 +62,10 @@ def test_unmodified_ids_name_sglangs_plus_one(tmp_path, sglang_python):
     assert fc["outcome"] == "failed"
     assert "off-by-one +1" in fc["message"], fc["message"]
     assert "target.h.3" in fc["message"]  # SGLang's fc chunk 0 is h3 where h2 was trained
+    # why (its layer-id rule, difftest.layer_rules) and the edit that fixes it
+    assert ("rule: SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, k -> h[k+1]) turns [2, 4, 5] "
+            "(eagle_config) into [h3, h5, h6]; training fed [h2, h4, h5]") in fc["message"]  # fmt: skip
+    assert "fix: set eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 4]" in fc["message"]
 
 
 def test_seed_miswiring_is_caught(tmp_path, sglang_python):
@@ -70,6 +74,8 @@ def test_seed_miswiring_is_caught(tmp_path, sglang_python):
     fc = out[("sglang", "fc_inputs")]
     assert fc["outcome"] == "failed"
     assert "draft.fc_in.0" in fc["message"] and "expected target.h.0 (the embedding)" in fc["message"], fc["message"]
+    # SGLang's id -1 is layer 0's input, the embedding: the fix the rule model computes
+    assert "fix: set eagle_config.eagle_aux_hidden_state_layer_ids = [-1, 1, 3]" in fc["message"], fc["message"]
     assert out[("sglang", "accept_length")]["outcome"] == "failed"
 
 

@@ -81,9 +81,18 @@ def test_fix_for_the_seed_shape_on_deepseek_names_sglangs_ids_and_vllms_refusal(
     assert any("SGLang 0.5.23 can serve it (ids [0, 2, 4] at eagle_config)" in a for a in vllm.alternatives)
 
 
-def test_ids_out_of_layer_order_have_no_config_fix():
+def test_training_out_of_layer_order_is_fixed_by_reordering_fc_blocks_then_ids():
+    """Both engines feed fc in layer order: a draft trained on [h4, h2, h0] needs its fc.weight input
+    blocks reordered ([2, 1, 0]: new block j = trained block 2 - j), then the ids of [h0, h2, h4]."""
     edit = lr.config_edit(ec([4, 2, 0]), lr.LLAMA, "sglang", [4, 2, 0], L)
-    assert not edit.possible and "not in layer order" in edit.impossible
+    assert edit.fc_order == [2, 1, 0] and edit.feeds == [0, 2, 4]
+    assert edit.patch == ec([-1, 1, 3])
+
+
+def test_a_layer_the_engine_cannot_capture_has_no_fix_and_names_who_can():
+    edit = lr.config_edit(ec([1, 3, 7]), lr.LLAMA, "sglang", [2, 4, 8], L)
+    assert not edit.possible and "cannot feed [h8]" in edit.impossible
+    assert any(a.startswith("vLLM 0.32.0 can serve it (ids [2, 4, 8] at top level)") for a in edit.alternatives)
 
 
 def test_a_fix_that_changes_another_engines_reading_says_so():
@@ -114,3 +123,10 @@ def test_solving_what_an_engine_feeds_gives_ids_it_reads_back_the_same_way(ids, 
 def test_every_rule_cites_its_engine_source(engine, family):
     rule = lr.ENGINE_RULES[(engine, family)]
     assert rule.sources and all(s.startswith(f"{engine}/") for s in rule.sources)
+
+
+def test_sglang_deepseek_feeds_h1_only_when_the_1_is_not_listed_first():
+    """Its +1 applies when the *first* id is 1: [h1, h2, h3] needs the ids unsorted, e.g. [2, 1, 3]."""
+    ids = lr.SGLANG_DEEPSEEK.solve([1, 2, 3], 6).ids
+    assert ids[0] != 1 and sorted(ids) == [1, 2, 3]
+    assert lr.SGLANG_DEEPSEEK.predict_ids(ids, 6).fed == [1, 2, 3]

@@ -9,6 +9,10 @@ Each is the tiny Llama draft with one fault a trainer, converter or exporter has
                                 replaces it with the target's
   tiny-llama-eagle3-no-lm-head  the exporter left out lm_head.weight (draft_vocab_size set)
   tiny-llama-eagle3-d2t-absolute  d2t written as absolute target ids instead of offsets
+  tiny-llama-eagle3-unsorted    trained on [h5, h2, h4] with config ids [5, 2, 4] (a trainer that
+                                feeds fc in the listed order): both engines feed layer order. Made
+                                from the good draft by moving fc.weight's input blocks, which is
+                                exactly the draft that training on that order would give
 
 Usage: python -m engines.ref.fixtures_catalogue [NAME ...] [--force]
 """
@@ -30,7 +34,9 @@ NBR = "tiny-llama-eagle3-nbr"
 OWN_EMBED = "tiny-llama-eagle3-own-embed"
 NO_LM_HEAD = "tiny-llama-eagle3-no-lm-head"
 D2T_ABSOLUTE = "tiny-llama-eagle3-d2t-absolute"
-NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE]
+UNSORTED = "tiny-llama-eagle3-unsorted"
+NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, UNSORTED]
+UNSORTED_ORDER = [2, 0, 1]  # the good draft's chunks [h2, h4, h5] taken as [h5, h2, h4]
 EMBED_SEED = 11
 
 
@@ -39,6 +45,7 @@ FAULTS = {
     OWN_EMBED: "embed_tokens.weight replaced by random values (trained on the target's embedding)",
     NO_LM_HEAD: "lm_head.weight left out of the checkpoint",
     D2T_ABSOLUTE: "d2t holds absolute target ids instead of offsets",
+    UNSORTED: "trained on [h5, h2, h4] (ids [5, 2, 4]); engines feed fc in layer order",
 }
 
 
@@ -105,7 +112,24 @@ def _build_d2t_absolute(out: Path, build: base._Build) -> None:
     _edited_copy(out, D2T_ABSOLUTE, tensors=absolute)
 
 
-_BUILDERS = {NBR: _build_nbr, OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute}
+def _build_unsorted(out: Path, build: base._Build) -> None:
+    good = [2, 4, 5]
+    ids = [good[j] for j in UNSORTED_ORDER]
+
+    def reorder(t):
+        w = t["fc.weight"]
+        size = w.shape[1] // len(good)
+        t["fc.weight"] = torch.cat([w[:, j * size : (j + 1) * size] for j in UNSORTED_ORDER], dim=1).contiguous()
+
+    def config(cfg):
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+        cfg.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = ids
+
+    _edited_copy(out, UNSORTED, config=config, tensors=reorder)
+
+
+_BUILDERS = {NBR: _build_nbr, OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute,
+             UNSORTED: _build_unsorted}  # fmt: skip
 _DEPS: dict[str, list[str]] = dict.fromkeys(NAMES, [])
 
 

@@ -1,0 +1,117 @@
+"""`difftest fix CASE --engine NAME`: the edit that makes an engine feed what training fed, written
+and then VERIFIED on the real engine (vLLM 0.32.0, SGLang 0.5.23), on the four shapes the field
+meets: SGLang's off-by-one, SGLang's sort + shift on a draft trained out of layer order, a draft with
+no ids at all (the default-layer fallback), and the seed's shape on a DeepSeek-V3 target (trained on
+[h0, h2, h4]: SGLang's DeepSeek rule can feed it, vLLM's DeepSeek model cannot capture h0)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import ROOT, edited_copy
+from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
+from test_engine_vllm import vllm_python
+
+from difftest.layer_rules import KEY
+from difftest.session import resolve_fixture
+
+
+def fix(case: Path, engine: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "difftest.cli", "fix", str(case), "--engine", engine,
+                           "--report-dir", str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=1800)  # fmt: skip
+
+
+def result(out: Path, case: str, engine: str) -> dict:
+    return json.loads((out / "fix" / f"{case}.{engine}.fix.json").read_text())
+
+
+def test_sglang_off_by_one_is_fixed_and_verified(tmp_path, sglang_python):  # noqa: F811
+    run = fix(ROOT / "cases" / "tiny_llama_sglang_default_ids.yaml", "sglang", tmp_path, f"--engine-python=sglang={sglang_python}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    r = result(tmp_path, "tiny_llama_sglang_default_ids", "sglang")
+    assert r["patch"] == {"eagle_config": {KEY: [1, 3, 4]}}
+    assert r["verified"] is True, r["verification"]
+    assert "VERIFIED on the real engine: " in run.stdout and "accept_length passed" in run.stdout
+    patch = json.loads((tmp_path / "fix" / "tiny_llama_sglang_default_ids.sglang.patch.json").read_text())
+    assert patch == r["patch"]
+
+
+def test_sglang_sort_and_shift_is_fixed_by_reordering_fc_and_verified(tmp_path, sglang_python):  # noqa: F811
+    """Trained on [h5, h2, h4]: SGLang sorts and adds 1 ([h3, h5, h6]); no ids alone can feed the
+    listed order, but fc.weight's input blocks moved into layer order can, with ids [1, 3, 4]."""
+    run = fix(ROOT / "cases" / "catalogue_ids_unsorted.yaml", "sglang", tmp_path, f"--engine-python=sglang={sglang_python}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    r = result(tmp_path, "catalogue_ids_unsorted", "sglang")
+    assert r["fc_order"] == [1, 2, 0] and r["patch"] == {"eagle_config": {KEY: [1, 3, 4]}}
+    assert "checkpoint edit: fc.weight's input blocks reordered into layer order" in run.stdout
+    assert r["verified"] is True, r["verification"]
+
+
+def test_missing_ids_fallback_is_fixed_on_vllm_and_verified(tmp_path):
+    """The seed draft (trained on [h0, h2, h4]) exported with no ids: vLLM falls back to
+    [h2, h4, h5]; the fix writes top-level ids [0, 2, 4]."""
+
+    def drop_ids(cfg):
+        cfg.pop(KEY, None)
+        cfg.get("eagle_config", {}).pop(KEY, None)
+
+    draft = edited_copy(Path(resolve_fixture("fixture:tiny-llama-eagle3-miswired")), tmp_path / "draft", config=drop_ids)
+    case = yaml.safe_load((ROOT / "cases" / "seed_miswired_training.yaml").read_text())
+    case.update(name="seed_no_ids", draft=str(draft), target=resolve_fixture("fixture:tiny-llama"))
+    case.pop("engines", None)
+    (tmp_path / "seed_no_ids.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
+    run = fix(tmp_path / "seed_no_ids.yaml", "vllm", tmp_path, f"--engine-python=vllm={vllm_python()}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "finds no ids (top level / eagle_config) and falls back to [2, L//2, L-3] = [2, 4, 5]" in run.stdout
+    r = result(tmp_path, "seed_no_ids", "vllm")
+    assert r["patch"] == {KEY: [0, 2, 4]} and r["verified"] is True, r["verification"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_seed_case(tmp_path_factory) -> Path:
+    """The tiny DeepSeek-V3 pair declared trained on [h0, h2, h4], the seed's shape (the embedding
+    first). The draft's weights were trained on [h2, h4, h5]: what is verified is the feed and that
+    the engine's draft computes what the reference's does on it, not the acceptance of a good draft."""
+    root = tmp_path_factory.mktemp("deepseek-seed")
+    case = yaml.safe_load((ROOT / "cases" / "tiny_deepseek_v3.yaml").read_text())
+    case.update(name="deepseek_seed", wiring=["h0", "h2", "h4"], target=resolve_fixture("fixture:tiny-deepseek-v3"),
+                draft=resolve_fixture("fixture:tiny-deepseek-v3-eagle3"))  # fmt: skip
+    case.pop("engines", None)
+    case.pop("expect", None)
+    (root / "deepseek_seed.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
+    return root / "deepseek_seed.yaml"
+
+
+def test_seed_shape_on_deepseek_names_sglangs_ids_and_is_verified(deepseek_seed_case, tmp_path, sglang_python):  # noqa: F811
+    run = fix(deepseek_seed_case, "sglang", tmp_path, f"--engine-python=sglang={sglang_python}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    r = result(tmp_path, "deepseek_seed", "sglang")
+    # DeepSeek rule: +1 only when the first id is 1, so [0, 2, 4] is read as is
+    assert r["patch"] == {"eagle_config": {KEY: [0, 2, 4]}}
+    assert r["verified"] is True, r["verification"]
+    fc = next(c for c in r["verification"] if c["check"] == "fc_inputs")
+    assert fc["outcome"] == "passed"
+
+
+def test_seed_shape_on_deepseek_is_refused_for_vllm_naming_who_can_serve_it(deepseek_seed_case, tmp_path):
+    run = fix(deepseek_seed_case, "vllm", tmp_path, "--no-verify")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "no config fix: vLLM 0.32.0 (DeepSeek-V3 rule" in run.stdout and "cannot feed [h0]" in run.stdout
+    assert "SGLang 0.5.23 can serve it (ids [0, 2, 4] at eagle_config)" in run.stdout
+    assert "to run on vLLM 0.32.0, retrain the draft on a wiring it can feed" in run.stdout
+
+
+def test_an_engine_without_a_rule_model_is_one_line(tmp_path):
+    run = fix(ROOT / "cases" / "tiny_llama.yaml", "ref", tmp_path, "--no-verify")
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("difftest fix: --engine ref: no layer-id rule models ref")
+
+
+def test_a_missing_case_file_is_one_line(tmp_path):
+    run = fix(tmp_path / "nope.yaml", "sglang", tmp_path, "--no-verify")
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "nope.yaml" in run.stderr, run.stderr
