@@ -129,7 +129,7 @@ def _rule_lines(session: Session, case: Case, spec: EngineSpec, fed: list[str | 
     edit = view.edit()
     data = {"rule": view.reading.explain(), "rule_predicted": predicted}
     if edit is not None:
-        data["fix"] = {"patch": edit.patch, "ids": edit.ids, "impossible": edit.impossible,
+        data["fix"] = {"patch": edit.patch, "ids": edit.ids, "impossible": edit.impossible, "fc_order": edit.fc_order,
                        "alternatives": edit.alternatives, "side_effects": edit.side_effects}  # fmt: skip
     return {"lines": lines, "data": data}
 

@@ -20,7 +20,7 @@ import io
 import math
 from html import escape
 
-from difftest.report import INTERRUPTED, above_noise, focus, interesting, noise_floor_line, num, ties_lines, verdict_word
+from difftest.report import INTERRUPTED, above_noise, fix_lines, fixes, focus, interesting, noise_floor_line, num, ties_lines, verdict_word
 
 OUTCOME_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#9a6700", "skipped": "#6e7781",
                    "xfailed": "#8250df"}  # xfailed: a declared expected failure, caught with its cause
@@ -389,6 +389,13 @@ def render(report: dict) -> str:
         if where:
             h.append("<p>" + " · ".join(f"{k.replace('_', ' ')} <code>{escape(str(v))}</code>" for k, v in where) + "</p>")
         h.append(f"<pre class='msg'>{escape(c['message'])}</pre>")
+    found = fixes(report)
+    if found:
+        h.append("<h2 id='fix'>Fix</h2>")
+        for f in found:
+            h.append(f"<h3>{escape(f['engine'])}</h3><p>{escape(f.get('rule') or '')}</p><ul>")
+            h += [f"<li>{escape(line)}</li>" for line in fix_lines(f, str(report.get("case_file", "CASE")))]
+            h.append("</ul>")
     h += noise_section(report)
 
     h.append("<h2 id='checks'>Checks</h2><table><tr><th>engine</th><th>check</th><th>outcome</th><th>message</th></tr>")

@@ -313,6 +313,38 @@ def markdown_inference(inf: dict) -> list[str]:
     return lines + [""]
 
 
+def fixes(report: dict) -> list[dict]:
+    """The layer-id fixes the failing fc_inputs items computed (difftest.layer_reading), one per engine."""
+    out = []
+    for c in report.get("checks", []):
+        fix = (c.get("data") or {}).get("fix")
+        if c["check"] == "fc_inputs" and fix:
+            out.append({"engine": c["engine"], "rule": c["data"].get("rule"), **fix})
+    return out
+
+
+def fix_lines(f: dict, case_file: str) -> list[str]:
+    if f.get("impossible"):
+        return [f"no config fixes it: {f['impossible']}", *[f"instead: {a}" for a in f.get("alternatives", [])]]
+    lines = [f"edit the draft's config.json: {json.dumps(f['patch'])}"]
+    if f.get("fc_order"):
+        lines.append(f"and reorder fc.weight's input blocks into layer order ({f['fc_order']})")
+    lines += [f"note: {s}" for s in f.get("side_effects", [])]
+    lines.append(f"write and verify it on the engine: difftest fix {case_file} --engine {f['engine']}")
+    return lines
+
+
+def markdown_fixes(report: dict) -> list[str]:
+    found = fixes(report)
+    if not found:
+        return []
+    lines = ["## Fix", ""]
+    for f in found:
+        lines += [f"### `{f['engine']}`", "", _md(f.get("rule") or ""), ""]
+        lines += [f"- {_md(line)}" for line in fix_lines(f, report.get("case_file", "CASE"))] + [""]
+    return lines
+
+
 def markdown(report: dict) -> str:
     lines = [f"# difftest: {report['case']}", "", f"reference: `{report['reference']}`; case file `{report['case_file']}`", ""]
     if report.get("interrupted"):
@@ -324,6 +356,7 @@ def markdown(report: dict) -> str:
     lines.append("")
     if report.get("wiring_inference"):
         lines += markdown_inference(report["wiring_inference"])
+    lines += markdown_fixes(report)
     lines += markdown_noise(report)
     lines += [f"Accept length: {report['accept_length_definition']}.", ""]
     if report.get("reproduce"):

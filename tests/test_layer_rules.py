@@ -130,3 +130,18 @@ def test_sglang_deepseek_feeds_h1_only_when_the_1_is_not_listed_first():
     ids = lr.SGLANG_DEEPSEEK.solve([1, 2, 3], 6).ids
     assert ids[0] != 1 and sorted(ids) == [1, 2, 3]
     assert lr.SGLANG_DEEPSEEK.predict_ids(ids, 6).fed == [1, 2, 3]
+
+
+def test_the_report_has_a_fix_section_for_a_failing_fc_inputs_item():
+    from difftest.html_report import render
+    from difftest.report import markdown
+
+    fix = {"patch": ec([1, 3, 4]), "ids": [1, 3, 4], "impossible": None, "fc_order": None, "alternatives": [],
+           "side_effects": []}  # fmt: skip
+    report = {"case": "c", "reference": "ref", "case_file": "cases/c.yaml", "accept_length_definition": "d",
+              "checks": [{"engine": "sglang", "check": "fc_inputs", "outcome": "failed", "message": "m",
+                          "data": {"rule": "SGLang 0.5.23 (Llama rule: ...)", "fix": fix}}]}  # fmt: skip
+    md = markdown(report)
+    assert "## Fix" in md and "difftest fix cases/c.yaml --engine sglang" in md
+    assert '{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}' in md
+    assert "<h2 id='fix'>Fix</h2>" in render(report)

@@ -51,6 +51,19 @@ def test_missing_layer_ids_mean_a_silent_fallback(models, tmp_path):
                          "(L=8), not what the draft was trained on (h.1, h.2, h.3)")  # fmt: skip
 
 
+def test_missing_layer_ids_on_a_shallow_target_name_the_fallback_narrower_than_fc_in_each_engine(models, tmp_path):
+    """L = 4: [2, L//2, L-3] = [2, 2, 1] reaches fc as two layers in both engines (layer order, each
+    once), not the three chunks fc expects: each engine's reading says so (difftest.layer_rules)."""
+    shallow = edited_copy(models[0], tmp_path / "target", config=lambda cfg: cfg.update(num_hidden_layers=4))
+    draft = variant(models, tmp_path, config=drop_ids)
+    [f] = lint_draft(draft, shallow, TRAINED)
+    assert f.code == "layer-ids-missing"
+    for engine in ("vLLM 0.32.0", "SGLang 0.5.23"):
+        assert (f"{engine} (Llama rule: ids from") in f.message
+    assert f.message.count("falls back to [2, L//2, L-3] = [2, 2, 1], feeding [h1, h2]; then fails: fc expects 3 "
+                           "chunks but the engine captures 2") == 2  # fmt: skip
+
+
 def test_missing_layer_ids_are_only_a_warning_when_training_used_the_defaults(models, tmp_path):
     draft = variant(models, tmp_path, config=drop_ids)
     assert codes(lint_draft(draft, models[0], ["target.h.2", "target.h.4", "target.h.5"])) == [("layer-ids-missing", "warning")]
