@@ -204,6 +204,12 @@ def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdic
         lines, golden = golden_rerun(session, case, spec, verdict.data["prompt"], diffs[verdict.data["prompt"]])
         verdict.message += "".join("\n" + ln for ln in lines)
         verdict.data["golden"] = golden
+    elif spec.name != session.options.reference.name and session.capture_golden(case, spec, 0) is not None:
+        # a real engine that can take golden inputs: prompt 0 re-run on the reference's draft.fc_in,
+        # so the report shows the engine's draft computing the reference's function on the same input
+        lines, golden = golden_rerun(session, case, spec, 0, diffs[0], own_passed=True)
+        verdict.message += "".join("\n" + ln for ln in lines)
+        verdict.data["golden"] = golden
     return verdict
 
 

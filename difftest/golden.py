@@ -16,8 +16,10 @@ from difftest.scopes import in_draft_scope, in_fc_scope
 from difftest.session import Session
 
 
-def golden_rerun(session: Session, case: Case, spec: EngineSpec, i: int, diff: CaptureDiff) -> tuple[list[str], dict]:
-    """Re-run the engine's draft on the reference's draft.fc_in and say which side is at fault."""
+def golden_rerun(session: Session, case: Case, spec: EngineSpec, i: int, diff: CaptureDiff,
+                 own_passed: bool = False) -> tuple[list[str], dict]:  # fmt: skip
+    """Re-run the engine's draft on the reference's draft.fc_in and say which side is at fault
+    (`own_passed`: the engine's own run is within noise; the re-run is then a confirmation)."""
     ref_spec = session.options.reference
     golden = session.capture_golden(case, spec, i)
     if golden is None:
@@ -31,6 +33,12 @@ def golden_rerun(session: Session, case: Case, spec: EngineSpec, i: int, diff: C
     fc_ok = all(d.ok for d in diff.diffs if in_fc_scope(d.name))
     data = {"outcome": "diverges" if g_first else "matches", "first_divergence": g_first.name if g_first else None,
             "tensors": [d.name for d in gdiff.diffs if d.name in scope and not d.ok]}  # fmt: skip
+    if own_passed:
+        if g_first is None:
+            return [f"golden inputs (prompt {i}): on the reference's draft.fc_in, {spec.id}'s draft matches "
+                    f"{ref_spec.id} on every draft tensor, as its own run does"], data  # fmt: skip
+        return [f"golden inputs (prompt {i}): on the reference's draft.fc_in, {spec.id}'s draft diverges at "
+                f"{g_first.noise_summary()} although its own run is within noise"], data  # fmt: skip
     if g_first is None and not fc_ok:
         return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches {ref_spec.id} on every draft "
                 "tensor: the engine captured the wrong hidden states; its draft computes correctly"], data  # fmt: skip

@@ -83,6 +83,25 @@ def test_seed_case_is_caught_on_vllm(shipped_run):
     accept = shipped_run.outcome("seed_miswired_training", "vllm", "accept_length")
     assert accept["outcome"] == "failed"
     assert "accept length collapsed" in accept["message"]
+    # the rule and its fix (difftest.layer_rules): vLLM reads the top-level ids as h[k]
+    assert "rule: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer order, k -> h[k]) turns [2, 4, 7]" in fc["message"]
+    assert "fix: set eagle_aux_hidden_state_layer_ids = [0, 2, 4]" in fc["message"]
+
+
+def test_golden_inputs_on_vllm_blame_the_captured_hidden_states_not_the_draft(shipped_run):
+    """vLLM's own draft re-run on the reference's draft.fc_in (engines/vllm/hooks.py: the input of its
+    combine_hidden_states replaced): it then matches the reference, so the seed's divergence is the
+    hidden states vLLM captured, not its draft computation."""
+    logits = shipped_run.outcome("seed_miswired_training", "vllm", "draft_logits")
+    assert logits["outcome"] == "failed" and logits["data"]["golden"]["outcome"] == "matches", logits["message"]
+    assert "vllm's draft matches ref on every draft tensor: the engine captured the wrong hidden states" in logits["message"]
+
+
+def test_golden_inputs_on_vllm_are_in_the_tiny_cases_report(shipped_run):
+    logits = shipped_run.outcome("tiny_llama", "vllm", "draft_logits")
+    assert logits["data"]["golden"]["outcome"] == "matches"
+    assert ("golden inputs (prompt 0): on the reference's draft.fc_in, vllm's draft matches ref on every draft tensor, "
+            "as its own run does") in logits["message"]  # fmt: skip
 
 
 # -- acceptance counters on drafts that are always right / always wrong ----------------------

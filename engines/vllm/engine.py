@@ -265,6 +265,16 @@ class VllmEngine(Engine):
     # -- capture ---------------------------------------------------------------------
     @torch.no_grad()
     def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
+        return self._capture(case, prompt_ids, None)
+
+    def capture_draft_from(self, case: Case, prompt_ids: list[int], fc_in: torch.Tensor) -> Capture:
+        """Layerwise golden inputs: the same prefill and draft chain, with the reference's draft.fc_in
+        fed to vLLM's own combine_hidden_states (engines/vllm/hooks.py::Recorder.wrap_combine)."""
+        if fc_in.dim() != 2 or fc_in.shape[0] != len(prompt_ids):
+            raise EngineError(f"vllm: golden fc_in of shape {tuple(fc_in.shape)} for a prompt of {len(prompt_ids)} tokens")
+        return self._capture(case, prompt_ids, fc_in)
+
+    def _capture(self, case: Case, prompt_ids: list[int], golden: torch.Tensor | None) -> Capture:
         from engines.vllm import hooks
 
         s = self.settings(case)
@@ -272,11 +282,13 @@ class VllmEngine(Engine):
         n = len(prompt_ids)
         if n + 2 > s["max_model_len"]:
             raise ConfigError(f"{case.path}: prompt of {n} tokens does not fit max_model_len {s['max_model_len']}")
-        llm.collective_rpc(hooks.arm)
+        llm.collective_rpc(hooks.arm, args=(golden,))
         try:
             res = llm.generate([{"prompt_token_ids": list(prompt_ids)}], self._sampling(2), use_tqdm=False)
         finally:
             rec = llm.collective_rpc(hooks.fetch, args=(n,))[0]
+        if rec.get("errors"):
+            raise EngineError(f"vllm: {'; '.join(rec['errors'])}")
         if rec["phase"] != "done":
             raise EngineError(f"vllm: the draft did not run after the prefill (recorder stopped at {rec['phase']!r})")
         tokens = list(res[0].outputs[0].token_ids)

@@ -23,7 +23,8 @@ What is hooked, and where it lives in vllm 0.32.0 (paths relative to the vllm pa
     combine_hidden_states / compute_logits and hooking the module itself works in both modes.
 
 Only the first target forward after `arm` (the prompt's prefill) and the first `propose`
-(the draft chain right after it) are recorded.
+(the draft chain right after it) are recorded. `arm(golden)` also feeds the reference's
+draft.fc_in to that first combine_hidden_states (layerwise golden inputs).
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ class Recorder:
             self.drafter = self.drafter.unwrap()
         self.reset(False)
 
-    def reset(self, armed: bool) -> None:
+    def reset(self, armed: bool, golden: torch.Tensor | None = None) -> None:
         self.armed = armed
+        # layerwise golden inputs: the reference's draft.fc_in replaces the first rows of what
+        # propose() hands combine_hidden_states (the prompt's n positions), in the draft's dtype
+        self.golden = golden
         self.phase = "target"  # target -> draft -> done
         self.internal = False  # our own recomputation: not recorded
         self.t: dict = {"layers": {}}
@@ -113,6 +117,14 @@ class Recorder:
 
     def wrap_combine(self, orig):
         def combine(hidden_states):
+            if self.drafting() and not self.combine and self.golden is not None:
+                g = self.golden
+                if hidden_states.dim() != 2 or hidden_states.shape[0] < g.shape[0] or hidden_states.shape[1] != g.shape[1]:
+                    self.errors.append(f"golden fc_in {tuple(g.shape)} does not fit the draft's fc input "
+                                       f"{tuple(hidden_states.shape)}")  # fmt: skip
+                else:
+                    hidden_states = hidden_states.clone()
+                    hidden_states[: g.shape[0]] = g.to(hidden_states.device, hidden_states.dtype)
             out = orig(hidden_states)
             if self.drafting() and not self.combine:
                 self.combine = {"fc_in": _clone(hidden_states), "fc_out": _clone(out)}
@@ -206,8 +218,8 @@ def install(worker, eager: bool) -> dict:
     }
 
 
-def arm(worker) -> None:
-    getattr(worker, _ATTR).reset(True)
+def arm(worker, golden: torch.Tensor | None = None) -> None:
+    getattr(worker, _ATTR).reset(True, golden)
 
 
 def disarm(worker) -> None:
@@ -226,7 +238,7 @@ def fetch(worker, n: int) -> dict:
     rec: Recorder = getattr(worker, _ATTR)
     rec.armed = False
     cpu = lambda t: t.detach().to("cpu")  # noqa: E731
-    out: dict = {"phase": rec.phase, "steps": [], "target": {}, "draft_tokens": None, "checks": {}}
+    out: dict = {"phase": rec.phase, "steps": [], "target": {}, "draft_tokens": None, "checks": {}, "errors": list(rec.errors)}
     if rec.phase != "done":
         return out
     t = rec.t
