@@ -50,6 +50,10 @@ def test_tiny_case_passes_every_check(tmp_path, sglang_python):
         assert out[("sglang", check)]["outcome"] == "passed", out[("sglang", check)]["message"]
     # draft.fc_in matched the reference's, which is HF's hidden states by value (tests/test_target_capture.py)
     assert "within noise of ref" in out[("sglang", "fc_inputs")]["message"]
+    # golden inputs on the real engine: its draft re-run on the reference's draft.fc_in (hooks.golden_hook)
+    logits = out[("sglang", "draft_logits")]
+    assert logits["data"]["golden"]["outcome"] == "matches", logits["message"]
+    assert "golden inputs (prompt 0): on the reference's draft.fc_in, sglang's draft matches ref on every draft tensor" in logits["message"]
     stats = out[("sglang", "accept_length")]["data"]["engine"]
     assert stats["accept_length"] > 1.5, stats  # a trained draft: SGLang accepts drafts
     assert "sglang meta_info" in stats["source"]
@@ -76,6 +80,10 @@ def test_seed_miswiring_is_caught(tmp_path, sglang_python):
     assert "draft.fc_in.0" in fc["message"] and "expected target.h.0 (the embedding)" in fc["message"], fc["message"]
     # SGLang's id -1 is layer 0's input, the embedding: the fix the rule model computes
     assert "fix: set eagle_config.eagle_aux_hidden_state_layer_ids = [-1, 1, 3]" in fc["message"], fc["message"]
+    # on golden inputs SGLang's draft computes what the reference's does: the fault is the fed layers
+    logits = out[("sglang", "draft_logits")]
+    assert logits["outcome"] == "failed" and logits["data"]["golden"]["outcome"] == "matches", logits["message"]
+    assert "the engine captured the wrong hidden states; its draft computes correctly" in logits["message"]
     assert out[("sglang", "accept_length")]["outcome"] == "failed"
 
 

@@ -316,6 +316,28 @@ class SglangEngine(Engine):
         n = draft_cfg.get("draft_vocab_size") or draft_cfg["vocab_size"]
         return torch.arange(n), "identity (no d2t in the draft checkpoint)"
 
+    def capture_draft_from(self, case: Case, prompt_ids: list[int], fc_in: torch.Tensor) -> Capture:
+        """Layerwise golden inputs: the same prefill and drafting round, with the reference's draft.fc_in
+        in place of the aux hidden states SGLang hands its draft (engines/sglang/hooks.py::golden_hook)."""
+        from engines.sglang.hooks import golden_path
+
+        if fc_in.dim() != 2 or fc_in.shape[0] != len(prompt_ids):
+            raise EngineError(f"sglang: golden fc_in of shape {tuple(fc_in.shape)} for a prompt of {len(prompt_ids)} tokens")
+        engine, _, _, _ = self._engine_for(case)  # the engine and its hooks directory exist first
+        # the same prompt was captured before: without a flush the radix cache serves its prefix and
+        # the prefill runs over the last token only, so the draft would never see the golden rows
+        engine.flush_cache()
+        golden = Path(golden_path(str(self._hooks_dir)))
+        torch.save(fc_in.contiguous().cpu(), golden)
+        try:
+            capture = self.capture(case, prompt_ids)
+        finally:
+            unused = golden.exists()
+            golden.unlink(missing_ok=True)
+        if unused:
+            raise EngineError("sglang: the golden fc input was never consumed (no target forward reached the hook)")
+        return capture
+
     def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
         engine, settings, _, _ = self._engine_for(case, num_steps)
         steps = int(self._effective.get("speculative_num_steps") or num_steps)

@@ -24,6 +24,8 @@ Hook specs (see `hook_specs`):
                    (the same lm_head product SGLang computes for the rows it keeps) and
                    SGLang's own next_token_logits
   root             the root module: the draft's hot_token_id (its d2t map)
+  golden           target `model` again: replaces the aux states by a golden fc input when one is
+                   waiting (layerwise golden inputs)
 """
 
 from __future__ import annotations
@@ -150,8 +152,47 @@ def root_hook(config: dict):
     return hook
 
 
+def golden_hook(config: dict):
+    """Target `model`: layerwise golden inputs. When the adapter has written the reference's
+    draft.fc_in to config["golden"] (engines/sglang/engine.py::SglangEngine.capture_draft_from), the
+    next target forward's aux hidden states (what SGLang concatenates into the draft's fc input,
+    spec_info.hidden_states) get those values in their first rows; the file is consumed, so only
+    that forward (the prompt's prefill) changes. Registered after `model`, which has recorded
+    the target's own values by then."""
+
+    def hook(module, inputs, output):
+        path = config["golden"]
+        if hasattr(module, "fc") or not isinstance(output, tuple) or not os.path.exists(path):
+            return None
+        golden = torch.load(path, weights_only=True)
+        normed, aux = output
+        n, width = golden.shape
+        if normed.shape[0] < n:  # not the prompt's prefill (a cached prefix, another request): wait for it
+            return None
+        os.remove(path)
+        if isinstance(aux, torch.Tensor):  # packed [tokens, K * H]
+            if aux.shape[0] < n or aux.shape[-1] != width:
+                raise RuntimeError(f"difftest golden input {tuple(golden.shape)} does not fit the aux states {tuple(aux.shape)}")
+            aux = aux.clone()
+            aux[:n] = golden.to(aux.device, aux.dtype)
+        else:
+            chunks = golden.split(normed.shape[-1], dim=-1)
+            if len(chunks) != len(aux) or any(a.shape[0] < n for a in aux):
+                raise RuntimeError(f"difftest golden input {tuple(golden.shape)} does not fit {len(aux)} aux states "
+                                   f"{[tuple(a.shape) for a in aux]} ({type(aux).__name__}), normed {tuple(normed.shape)}")
+            new = []
+            for a, c in zip(aux, chunks):
+                a = a.clone()
+                a[:n] = c.to(a.device, a.dtype)
+                new.append(a)
+            aux = type(output[1])(new) if isinstance(output[1], (list, tuple)) else new
+        return (normed, aux)
+
+    return hook
+
+
 def hook_specs(out_dir: str) -> list[dict]:
-    cfg = {"out_dir": out_dir}
+    cfg = {"out_dir": out_dir, "golden": golden_path(out_dir)}
     spec = lambda name, modules, factory: {  # noqa: E731
         "name": f"difftest-{name}", "target_modules": modules,
         "hook_factory": f"engines.sglang.hooks:{factory}", "config": cfg,
@@ -164,6 +205,12 @@ def hook_specs(out_dir: str) -> list[dict]:
         spec("layer0-mla", ["model.midlayer.self_attn", "model.midlayer.mlp"], "layer0_hook"),
         spec("attn-in-mla", ["model.midlayer.self_attn.fused_qkv_a_proj_with_mqa"], "attn_in_hook"),
         spec("model", ["model"], "model_hook"),
+        spec("golden", ["model"], "golden_hook"),  # after `model`: it records the target's own values first
         spec("logits", ["logits_processor"], "logits_hook"),
         spec("root", [""], "root_hook"),
     ]
+
+
+def golden_path(out_dir: str) -> str:
+    """Where the adapter leaves a golden fc input for golden_hook: beside the records, not among them."""
+    return out_dir.rstrip("/") + ".golden.pt"
