@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from difftest.layer_rules import default_layers
 from difftest.capture import Capture
 from difftest.names import split_draft
 from difftest.wiring import hidden_index, short_name
@@ -163,7 +164,7 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None) -> 
     gk = [hidden_index(g) if g else None for g in got]
     wk = [hidden_index(w) if w else None for w in want]
     L = num_layers
-    defaults = [2, L // 2, L - 3] if L else None
+    defaults = default_layers(L) if L else None
     if None not in gk and None not in wk and got != want:
         shifts = {g - w for g, w in zip(gk, wk)}
         if len(shifts) == 1:

@@ -286,6 +286,11 @@ ENGINE_RULES: dict[tuple[str, str], LayerIdRule] = {
 TRAINER_RULES = {"speculators": SPECULATORS, "specforge": SPECFORGE}
 
 
+def default_layers(L: int) -> list[int]:
+    """[2, L//2, L-3]: the fallback both engines (and EAGLE's reference code) use when a draft names no ids."""
+    return VLLM_LLAMA.default_ids(L)
+
+
 def rule_for(engine: str, family: str) -> LayerIdRule | None:
     """The serving rule for an engine name (its spec's base name: "sglang@new" -> sglang)."""
     base = engine.split("[")[0].split("@")[0]

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from difftest.case import Case
 from difftest.errors import ConfigError
+from difftest.layer_rules import default_layers
 from difftest.finding import Finding
 from difftest.jsonfile import read_json
 from difftest.lint_checkpoint import (
@@ -88,7 +89,7 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
     ids_top = raw.get("eagle_aux_hidden_state_layer_ids")
     ids_ec = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     ids = ids_ec or ids_top
-    defaults = [f"target.h.{k}" for k in (2, L // 2, L - 3)]
+    defaults = [f"target.h.{k}" for k in default_layers(L)]
     if ids is None:
         same = trained_on is not None and list(trained_on) == defaults
         # the fallback can be narrower than fc (L//2 == L-3 on small targets: de-duplicated to two layers)

@@ -73,7 +73,7 @@ def _canonical_input(token: str, where: str) -> str:
 
 
 def _defaults(L: int) -> list[int]:
-    return [2, L // 2, L - 3]
+    return layer_rules.default_layers(L)
 
 
 def _engine_rule(rule: LayerIdRule) -> Callable[[list[int] | None, int], tuple[list[int], str | None]]:

@@ -107,12 +107,18 @@ class TargetSpec:
         return self.name.replace("-", "_")
 
     def sglang_ids(self) -> list[int] | None:
-        """eagle_config ids SGLang 0.5.23 needs to feed `trained`; None = the config's ids already do."""
-        if self.family == "deepseek":
-            if self.trained[0] == 1:
-                raise ValueError("DeepSeek: ids starting with 1 get SGLang's +1; choose another first id")
+        """eagle_config ids SGLang 0.5.23 needs to feed `trained` (its rule model, difftest.layer_rules);
+        None = the config's ids already do."""
+        from difftest import layer_rules
+
+        family = {"deepseek": layer_rules.DEEPSEEK, "qwen3": layer_rules.QWEN3}.get(self.family, layer_rules.LLAMA)
+        rule = layer_rules.rule_for("sglang", family)
+        if rule.predict_ids(list(self.trained), self.num_layers).fed == list(self.trained):
             return None
-        return [k - 1 for k in self.trained]  # Llama / Qwen3: id k -> h[k+1]
+        ids = rule.solve(list(self.trained), self.num_layers).ids
+        if ids is None:
+            raise ValueError(f"{self.name}: SGLang 0.5.23 cannot feed {list(self.trained)}")
+        return ids
 
     def key(self) -> str:
         import transformers
