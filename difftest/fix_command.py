@@ -123,6 +123,8 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     patch_file = out_dir / f"{stem}.patch.json"
     _write(patch_file, json.dumps(result.patch, indent=1) + "\n")
     raw = yaml.safe_load(Path(case_path).read_text())
+    if raw.get("wiring") == "infer":  # what was inferred is what the fix was computed for: pin it
+        raw["wiring"] = [f"h{k}" for k in view.trained]
     if edit.fc_order:
         # the checkpoint edit: the same draft with fc's input blocks in layer order, for every engine
         # (the reference included: the patched case's wiring is the layer-ordered feed)

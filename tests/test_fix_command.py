@@ -115,3 +115,13 @@ def test_an_engine_without_a_rule_model_is_one_line(tmp_path):
 def test_a_missing_case_file_is_one_line(tmp_path):
     run = fix(tmp_path / "nope.yaml", "sglang", tmp_path, "--no-verify")
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "nope.yaml" in run.stderr, run.stderr
+
+
+def test_an_inferred_wiring_is_what_the_fix_is_computed_for_and_pinned_in_the_patched_case(tmp_path):
+    """`wiring: infer` (the seed draft): the inferred [h0, h2, h4] is the training feed the fix targets."""
+    run = fix(ROOT / "cases" / "seed_infer_wiring.yaml", "sglang", tmp_path, "--no-verify")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "training fed [h0, h2, h4]" in run.stdout
+    patched = yaml.safe_load((tmp_path / "fix" / "seed_infer_wiring.sglang.yaml").read_text())
+    assert patched["wiring"] == ["h0", "h2", "h4"]
+    assert patched["engines"]["sglang"]["draft_config_overrides"]["eagle_config"] == {KEY: [-1, 1, 3]}
