@@ -120,8 +120,8 @@ class LayerIdRule:
         fed = [k for k in order if lo <= k <= hi]
         dropped = [k for k in order if not lo <= k <= hi]
         refusal = None
-        if dropped and self.low_crash and any(k < lo for k in dropped):
-            refusal = self.low_crash.format(k=min(dropped), lo=lo)
+        if self.low_crash and any(0 <= k < lo for k in dropped):  # a layer that exists but crashes the engine
+            refusal = self.low_crash.format(k=min(k for k in dropped if k >= 0), lo=lo)
         elif dropped and self.beyond.startswith("crash"):
             refusal = self.beyond.removeprefix("crash: ").format(k=dropped[0], lo=lo, hi=hi, L=L)
         elif fc_chunks is not None and len(fed) != fc_chunks:

@@ -145,3 +145,9 @@ def test_the_report_has_a_fix_section_for_a_failing_fc_inputs_item():
     assert "## Fix" in md and "difftest fix cases/c.yaml --engine sglang" in md
     assert '{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}' in md
     assert "<h2 id='fix'>Fix</h2>" in render(report)
+
+
+def test_vllm_deepseek_drops_id_minus_1_without_the_id_0_crash():
+    """-1 matches no layer index in DeepseekV2Model.forward: dropped (fewer chunks), not the h0 TypeError."""
+    reading = lr.VLLM_DEEPSEEK.predict({KEY: [-1, 2, 4]}, 6, 3)
+    assert reading.fed == [2, 4] and "fc expects 3 chunks" in reading.refusal

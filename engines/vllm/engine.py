@@ -458,7 +458,7 @@ def _refuse_unreachable_ids(target_cfg: dict, target: str, draft: str) -> None:
         return
     L = int(compat.text_config(target_cfg)["num_hidden_layers"])
     reading = rule.predict(read_json(path, "draft config"), L)
-    low = [k for k in reading.dropped if k < rule.bounds(L)[0]]
+    low = [k for k in reading.dropped if 0 <= k < rule.bounds(L)[0]]
     if low:
         arch = (compat.text_config(target_cfg).get("architectures") or ["DeepseekV3ForCausalLM"])[0]
         raise EngineError(
