@@ -5,8 +5,8 @@ DeepSeek-V3-style MLA + MoE target; seeds and shapes unlike the built-in fixture
 untrained EAGLE-3 drafts, at default tolerances:
 
 * correctly wired on real vLLM and SGLang: zero failed checks. CI runs the cells the harness
-  used to get wrong (Qwen3 float32, Llama bfloat16) and the hardest one (DeepSeek-V3 bfloat16,
-  whose MoE routers flip tokens between engines); `DIFFTEST_FULL_MATRIX=1` runs all 3 targets x
+  used to get wrong (Qwen3 float32, Llama bfloat16); the hardest one (DeepSeek-V3 bfloat16, whose
+  MoE routers flip tokens between engines) and the rest run with `DIFFTEST_FULL_MATRIX=1`: all 3 targets x
   {float32, bfloat16} (scripts/independent_matrix.py prints the same matrix as a table).
 * each known miswiring, expressed on the reference engine, still fails with the right
   introduced-error tensor and cause, on the same cells (all six with DIFFTEST_FULL_MATRIX=1;
@@ -26,7 +26,7 @@ from test_engine_vllm import vllm_python
 
 ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 FULL = os.environ.get("DIFFTEST_FULL_MATRIX") == "1"
-CI_CELLS = {("indep-qwen3", "float32"), ("indep-llama", "bfloat16"), ("indep-deepseek-v3", "bfloat16")}
+CI_CELLS = {("indep-qwen3", "float32"), ("indep-llama", "bfloat16")}  # DeepSeek-V3 bf16: DIFFTEST_FULL_MATRIX=1 (CI time)
 CORRECT = [(t, d) for t in im.TARGETS for d in im.DTYPES if FULL or (t, d) in CI_CELLS]
 
 # miswiring -> (tensor where the error must be introduced (prefix), words the diagnosis must contain)
