@@ -125,8 +125,8 @@ def _rule_lines(session: Session, case: Case, spec: EngineSpec, fed: list[str | 
     if None not in fed and list(fed) != predicted:
         lines.append(f"the rule model predicted {predicted} but the engine fed {fed}: {view.rule.label}'s rule differs "
                      "from difftest.layer_rules (another version?); the fix below may not hold")  # fmt: skip
-    lines += fix_lines(view)
     edit = view.edit()
+    lines += fix_lines(view, edit)
     data = {"rule": view.reading.explain(), "rule_predicted": predicted}
     if edit is not None:
         data["fix"] = {"patch": edit.patch, "ids": edit.ids, "impossible": edit.impossible, "fc_order": edit.fc_order,

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from difftest.errors import ConfigError, DifftestError
+from difftest.report import atomic_write
 
 HELP = "compute, write and verify the draft-config edit that makes ENGINE feed what training fed"
 
@@ -121,7 +122,7 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{case.name}.{spec.key}"
     patch_file = out_dir / f"{stem}.patch.json"
-    _write(patch_file, json.dumps(result.patch, indent=1) + "\n")
+    atomic_write(patch_file, json.dumps(result.patch, indent=1) + "\n")
     raw = yaml.safe_load(Path(case_path).read_text())
     if raw.get("wiring") == "infer":  # what was inferred is what the fix was computed for: pin it
         raw["wiring"] = [f"h{k}" for k in view.trained]
@@ -142,7 +143,7 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
         if isinstance(value, str) and not value.startswith("fixture:") and not Path(value).is_absolute():
             raw[field] = str((Path(case_path).parent / value).resolve())
     case_file = out_dir / f"{stem}.yaml"
-    _write(case_file, f"# written by `difftest fix {case_path} --engine {engine}`\n" + yaml.safe_dump(raw, sort_keys=False))
+    atomic_write(case_file, f"# written by `difftest fix {case_path} --engine {engine}`\n" + yaml.safe_dump(raw, sort_keys=False))
     result.files = [str(patch_file), str(case_file), *result.files]
     return result, case_file
 
@@ -189,13 +190,6 @@ def write_reordered_draft(draft: Path, order: list[int], out: Path) -> Path:
     return out
 
 
-def _write(path: Path, text: str) -> None:
-    """Whole or not at all: a temporary beside it, then a rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def verify(result: FixResult, case_file: Path, args: argparse.Namespace, out_dir: Path) -> None:
     """The patched case on the real engine: every check of that engine must pass."""
     report_dir = out_dir / "verified"
@@ -234,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     for line in result.lines():
         print(line)
     if result.files:
-        _write(out_dir / f"{Path(result.files[0]).name.removesuffix('.patch.json')}.fix.json",
+        atomic_write(out_dir / f"{Path(result.files[0]).name.removesuffix('.patch.json')}.fix.json",
                json.dumps(dataclasses.asdict(result), indent=1) + "\n")  # fmt: skip
     if result.impossible or result.verified is False:
         return 1

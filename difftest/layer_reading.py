@@ -39,19 +39,6 @@ class EngineView:
         return config_edit(self.draft_config, self.rule.family, self.engine, self.trained, self.L)
 
 
-def _fc_chunks(draft_dir: Path, target_hidden: int) -> int | None:
-    from difftest.lint import tensor_meta
-
-    try:
-        entry = tensor_meta(draft_dir).get("fc.weight")
-    except Exception:  # an unreadable checkpoint is the lint's and the engines' to report, not ours
-        return None
-    shape = entry[2] if entry else None
-    if not shape or len(shape) != 2 or shape[1] % target_hidden:
-        return None
-    return shape[1] // target_hidden
-
-
 def engine_view(case: Case, engine: str, trained_wiring: list[str] | None) -> EngineView | None:
     """`case` prepared (fixtures resolved) and already merged for a labelled spec
     (Session.engine_case). None when no rule models this engine on this target."""
@@ -68,7 +55,9 @@ def engine_view(case: Case, engine: str, trained_wiring: list[str] | None) -> En
     seen = deep_merge(draft, overrides) if isinstance(overrides, dict) else draft
     text = tcfg.get("text_config", tcfg)
     L, H = int(text["num_hidden_layers"]), int(text["hidden_size"])
-    chunks = _fc_chunks(Path(case.draft), H)
+    from difftest.lint import fc_chunks
+
+    chunks = fc_chunks(Path(case.draft), H)
     trained = None
     if trained_wiring:
         ks = [hidden_index(n) for n in trained_wiring]
@@ -77,9 +66,8 @@ def engine_view(case: Case, engine: str, trained_wiring: list[str] | None) -> En
     return EngineView(engine, rule, seen, L, chunks, reading, trained)
 
 
-def fix_lines(view: EngineView) -> list[str]:
-    """The config edit (or why none exists), one line each."""
-    edit = view.edit()
+def fix_lines(view: EngineView, edit: ConfigEdit | None) -> list[str]:
+    """The config edit (view.edit(), or why none exists), one line each."""
     if edit is None or view.reading.fed == view.trained and view.reading.refusal is None:
         return []
     if not edit.possible:

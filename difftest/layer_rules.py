@@ -343,8 +343,9 @@ def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[
     if sol.ids is None:
         others = []
         for (e, fam), r in ENGINE_RULES.items():
-            if fam == family and e != rule.engine and r.solve(trained, L).ids is not None:
-                others.append(f"{r.label} can serve it (ids {r.solve(trained, L).ids} at {r.ids_from[0]})")
+            other = r.solve(trained, L) if fam == family and e != rule.engine else None
+            if other is not None and other.ids is not None:
+                others.append(f"{r.label} can serve it (ids {other.ids} at {r.ids_from[0]})")
         feedable = rule.predict_ids(sorted({k for k in trained if rule.bounds(L)[0] <= k <= rule.bounds(L)[1]}), L)
         retrain = f"to run on {rule.label}, retrain the draft on a wiring it can feed, e.g. {_hs(_retrain_target(rule, trained, L))}"
         return ConfigEdit(engine, rule, list(trained), impossible=sol.impossible,

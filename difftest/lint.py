@@ -93,7 +93,7 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
     if ids is None:
         same = trained_on is not None and list(trained_on) == defaults
         # the fallback can be narrower than fc (L//2 == L-3 on small targets: de-duplicated to two layers)
-        readings = [r.explain() for r in (rule.predict(raw, L, _fc_chunks(draft_dir, H_t)) for rule in _serving_rules(tcfg))
+        readings = [r.explain() for r in (rule.predict(raw, L, fc_chunks(draft_dir, H_t)) for rule in _serving_rules(tcfg))
                     if r.refusal]  # fmt: skip
         out.append(Finding("layer-ids-missing", "warning" if same else "error",
             f"no eagle_aux_hidden_state_layer_ids: engines fall back to h[2], h[L//2], h[L-3] = "
@@ -115,7 +115,7 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
             "eagle_config.eagle_aux_hidden_state_layer_ids and silently falls back to its default layers; "
             "write the ids in both places"))  # fmt: skip
     if ids is not None and trained_on:
-        out += _readings(list(ids), L, list(trained_on), tcfg, raw, _fc_chunks(draft_dir, H_t))
+        out += _readings(list(ids), L, list(trained_on), tcfg, raw, fc_chunks(draft_dir, H_t))
     if _is_mla_draft(raw) and (raw.get("norm_before_residual") or layer.get("norm_before_residual")):
         out.append(Finding("norm-flag-ignored", "warning",
             "norm_before_residual is true in an MLA draft: vLLM applies it, SGLang 0.5.23's kimi_k25_eagle3.py "
@@ -158,8 +158,13 @@ def _serving_rules(tcfg: dict) -> list:
     return [r for (_, f), r in ENGINE_RULES.items() if f == fam]
 
 
-def _fc_chunks(draft_dir: Path, H: int) -> int | None:
-    meta = tensor_meta(Path(draft_dir))
+def fc_chunks(draft_dir: Path, H: int) -> int | None:
+    """How many H-wide chunks the draft's fc.weight takes (None: no fc.weight, another width, or an
+    unreadable checkpoint, which the lint's other findings and the engines report)."""
+    try:
+        meta = tensor_meta(Path(draft_dir))
+    except Exception:
+        return None
     if "fc.weight" not in meta or meta["fc.weight"][2][1] % H:
         return None
     return meta["fc.weight"][2][1] // H

@@ -42,6 +42,7 @@ from test_engine_vllm import vllm_python
 
 from difftest import layer_rules as lr
 from difftest.layer_rules import KEY
+from difftest.overlay import deep_merge
 
 FAMILIES = {lr.LLAMA: "indep-llama", lr.QWEN3: "indep-qwen3", lr.DEEPSEEK: "indep-deepseek-v3"}
 EXAMPLES = int(os.environ.get("DIFFTEST_PROPERTY_EXAMPLES", "1"))
@@ -64,12 +65,7 @@ def _draft_config(model: im.BuiltModel, where: str, ids) -> dict:
     base.pop(KEY, None)
     if isinstance(base.get("eagle_config"), dict):
         base["eagle_config"] = {k: v for k, v in base["eagle_config"].items() if k != KEY}
-    seen = base
-    if where in ("top", "both"):
-        seen[KEY] = ids
-    if where in ("eagle_config", "both"):
-        seen.setdefault("eagle_config", {})[KEY] = ids
-    return seen
+    return deep_merge(base, _draft_config_dict(where, ids))
 
 
 def _write_cases(root: Path, engine: str, batch: list[tuple[str, int, str, list[int] | None]]) -> dict[str, dict]:
