@@ -29,7 +29,8 @@ class Capture:
     tensors: dict[str, torch.Tensor]
     meta: dict = field(default_factory=dict)
     # meta keys used by the core: engine, engine_version, versions{torch,transformers,...},
-    # device, dtype, prompt_ids, wiring{inputs,source}, target_hidden_size, num_layers, draft_tokens
+    # device, dtype, prompt_ids, wiring{inputs,source}, target_hidden_size, num_layers, draft_tokens,
+    # golden_fc_in (True on a draft re-run on another capture's draft.fc_in)
 
     @property
     def fc_chunk_size(self) -> int | None:
