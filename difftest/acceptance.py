@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-DEFINITION = "accepted draft tokens + 1 per verify step"
+from difftest import definitions
+
+DEFINITION = "accepted draft tokens + 1 per verify step"  # difftest.definitions.ACCEPT_LENGTH, in short
 
 
 @dataclass
@@ -24,6 +26,9 @@ class AcceptStats:
     num_prompts: int = 0
     source: str = ""  # e.g. "ref simulation" or "vllm counters"
     definition: str = DEFINITION
+    # the engine's own figures these counts were read from (names in difftest.definitions), so a report
+    # can say what the engine itself calls them and how they were converted
+    native: list[str] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # generated token ids per prompt, where the engine returns them
     # per request, where a live server reports them (difftest.server_client.RequestAcceptance.to_dict)
     per_request: list[dict] = field(default_factory=list)
@@ -58,6 +63,7 @@ class AcceptStats:
             self.num_prompts + other.num_prompts,
             self.source or other.source,
             outputs=self.outputs + other.outputs,
+            native=list(dict.fromkeys(self.native + other.native)),
         )
 
 
@@ -82,26 +88,28 @@ def accept_length_spread(stats: AcceptStats) -> float:
 # Normalisation between definitions, applied before engines are compared.
 # ---------------------------------------------------------------------------------------
 
-# (definition, what it counts, conversion to the harness's definition)
-NORMALISATION = [
-    ("difftest", DEFINITION, "as is"),
-    ("vllm.mean_acceptance_length", "1 + accepted / drafts (the bonus/correction token included)", "as is"),
-    ("vllm.num_accepted_tokens_per_draft", "accepted / drafts (no bonus token)", "+ 1"),
-    ("sglang.spec_accept_length", "completion_tokens / verify_ct: the prefill's first token counts too",
-     "(completion_tokens - requests) / verify_ct"),
-    ("sglang.spec_num_correct_drafts", "accepted draft tokens summed over verifies", "/ verify_ct + 1"),
-    ("acceptance_rate", "accepted / proposed draft tokens (per verify: num_draft_tokens - 1 proposed in a chain)",
-     "rate * (num_draft_tokens - 1) + 1, chains only"),
-]  # fmt: skip
+# (definition, what it counts, conversion to the harness's definition): the accept-length figures of
+# difftest.definitions, declared there once; "difftest" is the harness's own
+_CONVERTIBLE = ("vllm.mean_acceptance_length", "vllm.num_accepted_tokens_per_draft", "sglang.spec_accept_length",
+                "sglang.spec_num_correct_drafts", "acceptance_rate", "speculators.full_acc", "speculators.cond_acc",
+                "specforge.acc")  # fmt: skip
+NORMALISATION = [("difftest", DEFINITION, "as is")] + [
+    (d.name, d.counts, d.converts) for d in (definitions.definition(n) for n in _CONVERTIBLE)
+]
 
 
-def normalise(definition: str, value: float | None = None, **counts: float) -> float:
-    """Convert an engine's accept-length figure to the harness's definition.
+def normalise(definition: str, value: float | None = None, steps: list[float] | None = None, **counts: float) -> float:
+    """Convert an engine's or trainer's accept-length figure to the harness's definition.
 
     >>> normalise("sglang.spec_accept_length", completion_tokens=130, requests=10, verify_ct=40)
     3.0
     >>> normalise("vllm.num_accepted_tokens_per_draft", 1.5)
     2.5
+    >>> normalise("speculators.full_acc", steps=[0.8, 0.6, 0.4])
+    2.8
+
+    Trainer accuracies take their per-step list (`steps`, one figure per TTT step, as many as the
+    engine drafts): a prediction of the accept length the engine should reach, not a measurement.
     """
 
     def need(*keys: str) -> list[float]:
@@ -110,7 +118,12 @@ def normalise(definition: str, value: float | None = None, **counts: float) -> f
             raise ValueError(f"{definition}: needs {', '.join(missing)} to convert to '{DEFINITION}'")
         return [float(counts[k]) for k in keys]
 
-    if definition in ("difftest", "vllm.mean_acceptance_length"):
+    def per_step() -> list[float]:
+        if not steps:
+            raise ValueError(f"{definition}: needs steps (the per-step figures) to convert to '{DEFINITION}'")
+        return [float(x) for x in steps]
+
+    if definition in ("difftest", definitions.ACCEPT_LENGTH, "vllm.mean_acceptance_length"):
         return float(value)
     if definition == "vllm.num_accepted_tokens_per_draft":
         return float(value) + 1.0
@@ -123,5 +136,9 @@ def normalise(definition: str, value: float | None = None, **counts: float) -> f
     if definition == "acceptance_rate":
         (tokens,) = need("num_draft_tokens")
         return float(value) * (tokens - 1) + 1.0
+    if definition == "speculators.full_acc":  # full_acc_k is already P(K > k)
+        return definitions.accept_length_from_per_position(per_step())
+    if definition in ("speculators.cond_acc", "specforge.acc"):  # products of the per-step figures
+        return definitions.accept_length_from_per_position(definitions.per_position_from_conditional(per_step()))
     known = ", ".join(d for d, _, _ in NORMALISATION)
     raise ValueError(f"unknown accept-length definition {definition!r} (known: {known})")

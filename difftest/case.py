@@ -28,7 +28,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from difftest.check_names import ALL_CHECKS
+from difftest.check_names import known_checks
 from difftest.errors import CaseNotConfigured, ConfigError
 from difftest.expected_failure import ExpectedFailure
 from difftest.expected_failure import parse as parse_expected
@@ -46,6 +46,9 @@ KNOWN_KEYS = {
 class Prompt:
     text: str | None = None
     ids: list[int] | None = None
+    # a chat request: rendered with the target's chat template as serving renders it (difftest.chat)
+    messages: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass
@@ -117,13 +120,42 @@ def _prompt(value: object, path: Path, where: str) -> Prompt:
         if not value.strip():
             raise _err(path, where, "empty prompt")
         return Prompt(text=value)
+    if isinstance(value, dict) and "ids" not in value and ("messages" in value or "chat_template_kwargs" in value):
+        return _chat_prompt(value, path, where)
     if isinstance(value, dict):
-        _unknown(path, where, value, {"ids"})
+        _unknown(path, where, value, {"ids", "messages", "chat_template_kwargs"})
         ids = value.get("ids")
         if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
             raise _err(path, f"{where}.ids", "expected a non-empty list of non-negative integers")
         return Prompt(ids=list(ids))
-    raise _err(path, where, f"expected a string or {{ids: [...]}}, got {_shown(value)}")
+    raise _err(path, where, f"expected a string, {{ids: [...]}} or {{messages: [...]}}, got {_shown(value)}")
+
+
+def _chat_prompt(value: dict, path: Path, where: str) -> Prompt:
+    """{messages: [{role, content}, ...], chat_template_kwargs: {name: scalar}} (difftest.chat)."""
+    from difftest.chat import ROLES
+
+    _unknown(path, where, value, {"messages", "chat_template_kwargs"})
+    messages = value.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _err(path, f"{where}.messages", "expected a non-empty list of {role, content}")
+    for j, m in enumerate(messages):
+        at = f"{where}.messages[{j}]"
+        if not isinstance(m, dict):
+            raise _err(path, at, f"expected a mapping {{role, content}}, got {_shown(m)}")
+        _unknown(path, at, m, {"role", "content"})
+        if m.get("role") not in ROLES:
+            raise _err(path, f"{at}.role", f"expected one of {', '.join(ROLES)}, got {_shown(m.get('role'))}")
+        if not isinstance(m.get("content"), str) or not m["content"].strip():
+            raise _err(path, f"{at}.content", "expected a non-empty string")
+    kwargs = value.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise _err(path, f"{where}.chat_template_kwargs", f"expected a mapping, got {_shown(kwargs)}")
+    for k, v in kwargs.items():
+        if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, float, str))):
+            raise _err(path, f"{where}.chat_template_kwargs.{k}", f"expected a scalar, got {_shown(v)}")
+    return Prompt(messages=[dict(m) for m in messages], chat_template_kwargs=dict(kwargs))
 
 
 def _shown(value: object) -> str:
@@ -319,5 +351,5 @@ def load_case(path: str | Path) -> Case:
         expect=expect,
         allow_missing=list(allow_missing),
         description=description,
-        expect_failure=parse_expected(raw["expect_failure"], path, ALL_CHECKS) if "expect_failure" in raw else [],
+        expect_failure=parse_expected(raw["expect_failure"], path, known_checks()) if "expect_failure" in raw else [],
     )

@@ -2,5 +2,12 @@
 
 REFERENCE_CHECKS = ("capture", "lint")
 ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
-TRAIN_CHECKS = ("train_accuracy",)
-ALL_CHECKS = REFERENCE_CHECKS + ENGINE_CHECKS + TRAIN_CHECKS
+ALL_CHECKS = REFERENCE_CHECKS + ENGINE_CHECKS  # the core's own
+
+
+def known_checks() -> tuple[str, ...]:
+    """The core's checks and those installed engines contribute (difftest.extensions), e.g. the
+    training-data engine's train_accuracy and chat_template."""
+    from difftest.extensions import extra_checks
+
+    return ALL_CHECKS + tuple(n for n in extra_checks() if n not in ALL_CHECKS)

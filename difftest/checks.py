@@ -6,7 +6,8 @@
   fc_inputs       target hidden states and draft.fc_in (per chunk) match the reference
   draft_logits    everything the draft computes after fc matches, every draft step
   top1_agreement  the draft's greedy choices agree with the reference's
-  accept_length   simulated/engine accept length is within tolerance or 3 standard errors of the reference's
+  accept_length   accept length and per-position acceptance within the measured noise of the reference's
+                  (difftest.accept_gate; a tolerance the case declares only widens it)
 
 Engines contribute further checks through the `difftest.checks` entry points
 (difftest.extensions), e.g. the training-data engine's `train_accuracy`.
@@ -21,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from difftest import noise
-from difftest.acceptance import accept_length_spread
+from difftest import accept_gate, noise
 from difftest.case import Case
 from difftest.check_names import ENGINE_CHECKS, REFERENCE_CHECKS
 from difftest.compare import CaptureDiff, TensorDiff, top1_agreement
@@ -37,8 +37,6 @@ from difftest.session import Session
 from difftest.verdict import Verdict
 
 DEFAULT_TOP1 = 0.98
-DEFAULT_ACCEPT = {"atol": 0.2, "rtol": 0.1}
-ACCEPT_SIGMAS = 3.0  # standard errors of the accept-length difference allowed (~0.3% two-sided false alarms)
 
 
 def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: list[CaptureDiff], scope) -> Verdict:
@@ -272,31 +270,21 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
 
 
 def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdict:
-    """Accept length against the reference's, within the case's tolerance or the statistical spread of
-    the two measurements (ACCEPT_SIGMAS standard errors, from the per-position acceptance and the
-    number of verify steps: difftest.acceptance.accept_length_spread), whichever is wider."""
-    tol = {**DEFAULT_ACCEPT, **(case.expect.get("accept_length") or {})}
+    """Accept length and per-position acceptance against the reference's, within the noise of the
+    measurement (difftest.accept_gate: sampling spread over the verify steps plus the reference's
+    measured float64 move), widened only by a tolerance the case declares."""
+    tol = case.expect.get("accept_length") or None
     if session.is_live(spec):  # a running server: against the reference's replay of its own tokens
         from difftest import probe
 
         return Verdict(*probe.check(session, case, spec, tol))
     ref_stats = session.speculate(case, session.options.reference)
     stats = session.speculate(case, spec)
-    a, b = ref_stats.accept_length, stats.accept_length
-    spread = (accept_length_spread(ref_stats) ** 2 + accept_length_spread(stats) ** 2) ** 0.5
-    allowed = max(tol["atol"] + tol["rtol"] * abs(a), ACCEPT_SIGMAS * spread)
-    change = (b - a) / a * 100 if a else float("nan")
-    msg = (
-        f"accept length {b:.3f} ({stats.source}) vs reference {a:.3f} ({ref_stats.source}): "
-        f"{change:+.1f}%, allowed |diff| <= {allowed:.3f} (tolerance {tol['atol'] + tol['rtol'] * abs(a):.3f}, "
-        f"{ACCEPT_SIGMAS:g} x expected spread {spread:.3f} over {ref_stats.num_verify}/{stats.num_verify} verify steps); "
-        f"per-position acceptance {[round(x, 3) for x in stats.acceptance_rate_per_pos]} vs "
-        f"{[round(x, 3) for x in ref_stats.acceptance_rate_per_pos]}"
-    )
-    if b < a - allowed:
-        msg = "accept length collapsed: " + msg
-    return Verdict(abs(b - a) <= allowed, msg, {"reference": ref_stats.to_dict(), "engine": stats.to_dict(),
-                                                "allowed": allowed, "spread": spread})  # fmt: skip
+    numerical, noise_source = session.accept_noise(case)
+    gate = accept_gate.judge(ref_stats, stats, numerical, tol, noise_source)
+    return Verdict(gate.ok, accept_gate.message(gate, ref_stats, stats),
+                   {"reference": ref_stats.to_dict(), "engine": stats.to_dict(), "allowed": gate.allowed_accept,
+                    "spread": gate.spread, "gate": gate.to_dict()})  # fmt: skip
 
 
 CHECKS = {
@@ -309,11 +297,12 @@ CHECKS = {
 }
 
 
-def checks_for(case: Case, is_reference: bool) -> tuple[str, ...]:
+def checks_for(case: Case, is_reference: bool, engine: str | None = None) -> tuple[str, ...]:
     """The items a case gets per engine: the core's, then those engines contribute that apply to it
-    (e.g. train_accuracy, when the case names training data)."""
+    (e.g. train_accuracy, when the case names training data; chat_template only on `train`)."""
     own = REFERENCE_CHECKS if is_reference else ENGINE_CHECKS
-    return own + tuple(name for name, c in extra_checks().items() if name not in CHECKS and c.applies(case, is_reference))
+    return own + tuple(name for name, c in extra_checks().items() if name not in CHECKS and c.applies(case, is_reference)
+                       and (not c.engines or engine is None or engine in c.engines))  # fmt: skip
 
 
 def run_check(name: str, session: Session, case: Case, spec: EngineSpec) -> Verdict:

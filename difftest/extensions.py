@@ -34,6 +34,7 @@ class ExtraCheck:
     run: Callable  # (session, case, spec) -> difftest.verdict.Verdict
     applies: Callable  # (case, is_reference: bool) -> bool: does this case get the item for that engine
     doc: str = ""
+    engines: tuple[str, ...] = ()  # engine names the item is for (e.g. only `train`); empty: every engine
 
 
 @dataclass(frozen=True)

@@ -424,5 +424,11 @@ def render(report: dict) -> str:
     h.append("</table>")
     h.append(f"<h2 id='reproduce'>Reproduce</h2><pre>{escape(str(report.get('reproduce', '')))}</pre>")
     h.append(f"<h2 id='case'>Case</h2><pre>{escape(str(report.get('case_yaml', '')))}</pre>")
-    h.append(f"<p>Accept length: {escape(str(report.get('accept_length_definition', '')))}.</p></body></html>")
+    h.append(f"<p>Accept length: {escape(str(report.get('accept_length_definition', '')))}.</p>")
+    if report.get("definitions"):  # what each figure above counts, and how engines' own figures became it
+        h.append("<h2 id='definitions'>Definitions</h2><table><tr><th>figure</th><th>counts</th><th>to the harness's definition</th></tr>")
+        h += [f"<tr><td><code>{escape(str(d.get('name')))}</code></td><td>{escape(str(d.get('counts')))}</td>"
+              f"<td>{escape(str(d.get('converts')))}</td></tr>" for d in report["definitions"]]  # fmt: skip
+        h.append("</table>")
+    h.append("</body></html>")
     return "\n".join(h)

@@ -17,11 +17,12 @@ stops with one line saying so: a guess would make every verdict after it meaning
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
 
-from difftest.case import Case, Prompt
+from difftest.case import Case
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable
 from difftest.extensions import draft_loader
@@ -45,10 +46,10 @@ def evidence_case(case: Case, num_slots: int) -> Case:
     """The case the evidence is captured with: every prompt, a placeholder wiring."""
     prompts, seen = [], set()
     for p in [*case.prompts, *case.spec_prompts]:
-        key = (p.text, tuple(p.ids) if p.ids else None)
+        key = json.dumps(dataclasses.asdict(p), sort_keys=True)
         if key not in seen:
             seen.add(key)
-            prompts.append(Prompt(p.text, list(p.ids) if p.ids else None))
+            prompts.append(p)
     return dataclasses.replace(case, path=f"{case.path}#infer-wiring", wiring=["h0"] * num_slots, layer_ids=None,
                                prompts=prompts, spec_prompts=[])  # fmt: skip
 

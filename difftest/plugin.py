@@ -210,7 +210,7 @@ class CaseFile(pytest.File):
         self.config.stash[CASES][case.path] = case
         for spec in session.options.engines:
             is_ref = spec.id == session.options.reference.id
-            for check in checks_mod.checks_for(case, is_ref):
+            for check in checks_mod.checks_for(case, is_ref, spec.name):
                 yield CheckItem.from_parent(self, name=f"{spec.id}::{check}", case=case, spec=spec, check=check)
             if self.config.stash[WRITER] is not None and not spec.name.startswith(baseline_mod.PREFIX):
                 yield SaveBaselineItem.from_parent(self, name=f"{spec.id}::save_baseline", case=case, spec=spec)

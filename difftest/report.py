@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from difftest import definitions
 from difftest.acceptance import DEFINITION
 
 SCHEMA = "difftest.report/1"
@@ -53,6 +54,7 @@ def build(case, session, results: list[dict]) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "reference": session.options.reference.id,
         "accept_length_definition": DEFINITION,
+        "definitions": definitions_used(results, bool(computed)),
         "engines": engines,
         "checks": results,
         "noise_floor": noise_floor(case, session) if computed else None,
@@ -62,6 +64,36 @@ def build(case, session, results: list[dict]) -> dict:
         "reproduce": reproduce_command(case.path, [s.id for s in session.options.engines], session.options.reference.id),
         "case_yaml": _read_text(case.path),
     }
+
+
+def definitions_used(results: list[dict], compared: bool) -> list[dict]:
+    """Every figure this report shows, with what it counts and how the engines' and trainers' own
+    figures were converted to it (difftest.definitions)."""
+    names: list[str] = []
+    if compared:
+        names += [definitions.ROW_ERROR, definitions.EXCESS]
+    for r in results:
+        data = r.get("data") or {}
+        if r["check"] == "top1_agreement":
+            names.append(definitions.TOP1)
+        elif r["check"] == "accept_length" and data:
+            names += [definitions.ACCEPT_LENGTH, definitions.PER_POSITION]
+            for side in ("reference", "engine"):
+                names += (data.get(side) or {}).get("native") or []
+        elif r["check"] == "train_accuracy" and data:
+            names.append(definitions.TRAIN_ACC_STEP0)
+            names += definitions.trainer_figures(str((data.get("trainer") or {}).get("rules", "")))
+    return [{"name": n, "counts": d.counts, "converts": d.converts}
+            for n, d in ((n, definitions.BY_NAME[n]) for n in dict.fromkeys(names) if n in definitions.BY_NAME)]
+
+
+def markdown_definitions(report: dict) -> list[str]:
+    found = report.get("definitions") or []
+    if not found:
+        return []
+    lines = ["## Definitions", "", "| figure | counts | to the harness's definition |", "|---|---|---|"]
+    lines += [f"| `{d['name']}` | {_md(d['counts'])} | {_md(d['converts'])} |" for d in found]
+    return lines + [""]
 
 
 def _inference(case, session) -> dict | None:
@@ -359,6 +391,7 @@ def markdown(report: dict) -> str:
     lines += markdown_fixes(report)
     lines += markdown_noise(report)
     lines += [f"Accept length: {report['accept_length_definition']}.", ""]
+    lines += markdown_definitions(report)
     if report.get("reproduce"):
         lines += ["Reproduce:", "", "```bash", report["reproduce"], "```", ""]
     return "\n".join(lines)

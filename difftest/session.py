@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+from difftest import chat
 from difftest import infer_case as infer_mod
 from difftest import noise
 from difftest.acceptance import AcceptStats
@@ -208,9 +209,8 @@ class Session:
         key = (case.path, speculative)
         if key not in self._prompts:
             prompts = (case.spec_prompts or case.prompts) if speculative else case.prompts
-            texts = [p.text for p in prompts if p.text is not None]
             tokenizer = None
-            if texts:
+            if any(p.text is not None or p.messages is not None for p in prompts):
                 from transformers import AutoTokenizer
 
                 try:
@@ -223,8 +223,15 @@ class Session:
             # positions a run reaches: the prompt, then the draft's steps (and, speculating, the new tokens)
             extra = case.num_steps + (case.max_new_tokens if speculative else 0)
             for i, p in enumerate(prompts):
-                ids = p.ids if p.ids is not None else tokenizer(p.text, add_special_tokens=True)["input_ids"]
                 where = f"{case.path}: {field_name}[{i}]"
+                if p.messages is not None:
+                    try:
+                        ids = chat.render(tokenizer, p.messages, p.chat_template_kwargs)
+                    except Exception as e:  # a template that raises (jinja errors, missing kwargs) is the user's input
+                        raise ConfigError(f"{where}: cannot render the messages with the target's chat template: "
+                                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None  # fmt: skip
+                else:
+                    ids = p.ids if p.ids is not None else tokenizer(p.text, add_special_tokens=True)["input_ids"]
                 if len(ids) < 2:
                     raise ConfigError(f"{where}: needs at least 2 tokens, got {len(ids)}")
                 if vocab is not None and max(ids) >= vocab:
@@ -380,6 +387,20 @@ class Session:
                                             [p for p in own if p[0] is not None])  # fmt: skip
             self._floors[case.path] = floor
         return self._floors[case.path]
+
+    def accept_noise(self, case: Case) -> tuple[tuple[AcceptStats, AcceptStats] | None, str]:
+        """The reference's speculative run in the case's dtype and in float64 (difftest.accept_gate:
+        the numerical part of the accept-length noise), or None with the reason it cannot run."""
+        case = self.prepare(case)
+        if case.dtype == noise.CALIBRATION_DTYPE:
+            return None, f"the case runs in {case.dtype}: no numerical move to measure"
+        spec = self.calibration_spec()
+        exact = dataclasses.replace(case, dtype=noise.CALIBRATION_DTYPE, path=f"{case.path}#{noise.CALIBRATION_DTYPE}")
+        try:
+            pair = (self.speculate(case, spec), self.speculate(exact, spec))
+        except DifftestError as e:
+            return None, f"numerical move not measured: {spec.id} cannot speculate this case in float64 ({str(e).splitlines()[0]})"
+        return pair, f"numerical move measured: {spec.id} in {case.dtype} vs float64"
 
     def comparisons(self, case: Case, spec: EngineSpec) -> list[CaptureDiff]:
         """Per prompt: the engine's capture against the reference's."""

@@ -51,6 +51,9 @@ def test_tree_decoding_is_lossless_and_its_counts_are_consistent(models, topk, b
         ("sglang.spec_accept_length", None, {"completion_tokens": 110, "requests": 10, "verify_ct": 40}, 2.5),
         ("sglang.spec_num_correct_drafts", 60, {"verify_ct": 40}, 2.5),
         ("acceptance_rate", 0.5, {"num_draft_tokens": 4}, 2.5),
+        ("speculators.full_acc", None, {"steps": [0.8, 0.5, 0.2]}, 2.5),
+        ("speculators.cond_acc", None, {"steps": [0.8, 0.625, 0.4]}, 2.5),
+        ("specforge.acc", None, {"steps": [0.8, 0.625, 0.4]}, 2.5),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )

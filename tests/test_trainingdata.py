@@ -222,6 +222,19 @@ def test_train_acc_is_high_under_the_training_wiring_and_low_under_the_engines(p
     assert trained > 0.4 and served < trained - 0.15, (trained, served)
 
 
+def test_train_acc_states_each_figures_definition_and_the_accept_length_it_predicts(pair, seed, tmp_path, capsys):
+    out_json = tmp_path / "acc.json"
+    rc = cli.main(["train-acc", "--data", str(seed / "data"), "--draft", str(seed / "draft"), "--target", str(pair[0]),
+                   "--json", str(out_json)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "speculators.full_acc: full_acc_k: origins where draft steps 0..k were all right" in text
+    assert "difftest.accept_length: accepted draft tokens + 1 per verify step" in text
+    row = json.loads(out_json.read_text())["rows"][0]
+    # full_acc_k is P(K > k): the accept length it predicts is 1 + their sum
+    assert row["predicted_accept_length"] == pytest.approx(1 + sum(row["full_acc"]))
+
+
 def test_seed_case_train_engine_passes_and_the_serving_wiring_fails(pair, seed, tmp_path):
     (tmp_path / "cases").mkdir()
     prompts = random_prompts(512, 48, 10, seed=3)[:3]

@@ -116,4 +116,6 @@ class ServerEngine(Engine):
                         ("meta_info per-request counters (exact)" if exact else
                          "/metrics counter deltas around each request, sent one at a time (other traffic would show)"))  # fmt: skip
         total.per_request = [r.to_dict() for r in requests]
+        total.native = (["sglang.spec_num_correct_drafts", "sglang.spec_correct_drafts_histogram"] if client.kind == "sglang"
+                        else ["vllm.mean_acceptance_length", "vllm.num_accepted_tokens_per_pos"])  # fmt: skip
         return total

@@ -356,7 +356,8 @@ class SglangEngine(Engine):
         src = (f"sglang meta_info (spec_num_correct_drafts / spec_verify_ct + 1; {self._kernels}; "
                f"topk {self._effective.get('speculative_eagle_topk')}, "
                f"draft tokens {self._effective.get('speculative_num_draft_tokens')})")  # fmt: skip
-        return AcceptStats(verify, accepted, steps, per_pos, len(prompts), src, outputs=[list(o["output_ids"]) for o in outs])
+        return AcceptStats(verify, accepted, steps, per_pos, len(prompts), src, outputs=[list(o["output_ids"]) for o in outs],
+                           native=["sglang.spec_num_correct_drafts", "sglang.spec_correct_drafts_histogram"])  # fmt: skip
 
     def _shutdown(self) -> None:
         if self._engine is not None:

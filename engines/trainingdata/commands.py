@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from difftest import definitions
+from difftest.acceptance import normalise
 from difftest.case import Case, Prompt, load_case
 from difftest.engine import EngineSpec
 from difftest.errors import DifftestError
@@ -56,7 +58,8 @@ def train_acc(args) -> int:
                 for line in dump.skipped:
                     print(f"  skipped: {line}")
                 print(ident.summary())
-                print(f"scored with {engine.rules(case, s, dump)[1]}'s rules")
+                rules_name = engine.rules(case, s, dump)[1]
+                print(f"scored with {rules_name}'s rules")
                 for note in ident.notes:
                     print(f"  {note}")
                 names = [n or f"dump[{j}]" for j, n in enumerate(ident.fc_names)]
@@ -70,13 +73,20 @@ def train_acc(args) -> int:
         print(f"difftest train-acc: {e}", file=sys.stderr)
         return 2
     width = max(len(r["wiring"]) for r in rows)
-    print(f"{'wiring'.ljust(width)}  {'fc'.ljust(18)}  full_acc (ttt 0..{len(rows[0]['counted']) - 1})   cond_acc")
+    # the trainer's own figure for full_acc (speculators full_acc_k, SpecForge acc_k) and the accept
+    # length it predicts, converted by its definition (difftest.definitions)
+    figure = (definitions.trainer_figures(rules_name) or ("speculators.full_acc",))[0]
+    print(f"{'wiring'.ljust(width)}  {'fc'.ljust(18)}  full_acc (ttt 0..{len(rows[0]['counted']) - 1})   cond_acc   predicted AL")
     for r in rows:
         fc = "[" + ", ".join(r["fc"]) + "]"
         full = " ".join(f"{a:.3f}" for a in r["full_acc"])
         cond = " ".join(f"{a:.3f}" for a in r["cond_acc"])
-        print(f"{r['wiring'].ljust(width)}  {fc.ljust(18)}  {full}   {cond}")
+        r["predicted_accept_length"] = predicted = normalise(figure, steps=[0.0 if a != a else a for a in r["full_acc"]])
+        print(f"{r['wiring'].ljust(width)}  {fc.ljust(18)}  {full}   {cond}   {predicted:.2f}")
     print(f"({rows[0]['counted'][0]} loss-masked positions at step 0; targets = argmax of the dumped verifier's logits)")
+    print("definitions:")
+    for line in definitions.lines([figure, *definitions.trainer_figures(rules_name), definitions.ACCEPT_LENGTH]):
+        print(f"  {line}")
     if args.json:
         Path(args.json).write_text(json.dumps({"data": str(data), "rows": rows}, indent=1) + "\n")
     return 0

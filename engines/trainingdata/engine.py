@@ -233,6 +233,9 @@ class TrainingDataEngine(Engine):
         ident = self.identification(case, s, dump, w)
         found = dump.find(prompt_ids)
         if found is None:
+            drift = self.template_drift(case, prompt_ids, dump)
+            if drift is not None:
+                raise ConfigError(f"{s['data']}: {drift.message()}")
             raise ConfigError(
                 f"{s['data']}: no sample's token ids start with the prompt {prompt_ids[:8]}{'...' if len(prompt_ids) > 8 else ''} "
                 f"({len(dump.samples)} samples read, {len(dump.skipped)} skipped); dump the case's prompts with `difftest dump --case`"
@@ -287,6 +290,23 @@ class TrainingDataEngine(Engine):
                                "max_len": s.get("max_len") or rules.default_max_len, "wiring": inputs, **acc.to_dict()},
         }
         return Capture(tensors, meta)
+
+    def template_drift(self, case: Case, prompt_ids: list[int], dump: Dump):
+        """Why no sample starts with a chat prompt's serving ids (engines/trainingdata/chat_template.py);
+        None for a prompt not given as chat messages."""
+        from transformers import AutoTokenizer
+
+        from difftest import chat
+        from engines.trainingdata.chat_template import chat_prompts, find_drift
+
+        prompts = chat_prompts(case.prompts + case.spec_prompts)
+        if not prompts:
+            return None
+        tokenizer = AutoTokenizer.from_pretrained(case.target, local_files_only=True)
+        for i, p in prompts:
+            if chat.render(tokenizer, p.messages, p.chat_template_kwargs) == list(prompt_ids):
+                return find_drift(tokenizer, p, i, dump.samples)
+        return None
 
     @torch.no_grad()
     def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:

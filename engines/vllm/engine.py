@@ -424,6 +424,7 @@ class VllmEngine(Engine):
             num_prompts=len(prompts),
             source=f"vllm {self.info().version} counters",
             outputs=[list(r.outputs[0].token_ids) for r in res],
+            native=["vllm.mean_acceptance_length", "vllm.num_accepted_tokens_per_pos"],
         )
         agree = per_request and (req_verify, req_accepted) == (stats.num_verify, stats.num_accepted)
         print(f"[difftest.vllm] speculate: counters {delta} per_pos {per_pos}; per request accept lengths "

@@ -1,0 +1,48 @@
+"""The `chat_template` check: the training dump holds each chat prompt as serving renders it.
+
+On the `train` engine of a case that names training data and gives prompts as chat `messages`.
+Each such prompt is rendered as SGLang and vLLM render a chat request (difftest.chat) and the
+train engine is asked for its capture: it finds the dump's sample that starts with those ids,
+or explains why none does (engines/trainingdata/chat_template.py: the first differing token and
+the rendering the dump matches). Only capture requests travel to the engine.
+"""
+
+from __future__ import annotations
+
+from difftest import chat
+from difftest.case import Case
+from difftest.engine import EngineSpec
+from difftest.errors import ConfigError
+from difftest.extensions import ExtraCheck
+from difftest.session import Session
+from difftest.verdict import Verdict
+from engines.trainingdata.chat_template import CAUSE, chat_prompts
+from engines.trainingdata.train_check import TRAIN
+from engines.trainingdata.train_check import applies as names_training_data
+
+
+def applies(case: Case, is_reference: bool) -> bool:
+    return not is_reference and names_training_data(case) and bool(chat_prompts(case.prompts))
+
+
+def check_chat_template(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    lines, drifted, data = [], [], []
+    for i, p in chat_prompts(case.prompts):
+        try:
+            cap = session.capture(case, spec, i)
+        except ConfigError as e:
+            if CAUSE not in str(e):
+                raise
+            drifted.append(str(e))
+            data.append({"prompt": i, "ok": False, "message": str(e)})
+            continue
+        sample = (cap.meta.get("train_data") or {}).get("sample")
+        lines.append(f"prompt {i}: the dump's sample {sample} starts with the ids serving renders "
+                     f"({chat.describe(p.chat_template_kwargs)})")  # fmt: skip
+        data.append({"prompt": i, "ok": True, "sample": sample})
+    return Verdict(not drifted, "\n".join(drifted + lines), {"prompts": data})
+
+
+CHECK = ExtraCheck("chat_template", check_chat_template, applies,
+                   "the training dump holds each chat prompt as the target's chat template renders it for serving",
+                   engines=(TRAIN,))  # fmt: skip

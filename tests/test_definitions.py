@@ -1,0 +1,58 @@
+"""Every figure a report shows states its definition (difftest.definitions), and the engines' and
+trainers' own figures convert to the harness's through one table."""
+
+from __future__ import annotations
+
+import pytest
+
+from difftest import definitions, report
+from difftest.acceptance import NORMALISATION, AcceptStats
+
+
+def test_every_normalisable_figure_has_a_definition():
+    for name, counts, converts in NORMALISATION:
+        if name != "difftest":
+            assert definitions.definition(name).counts == counts and definitions.definition(name).converts == converts
+
+
+def test_an_unknown_figure_is_refused_naming_the_known_ones():
+    with pytest.raises(KeyError, match="no definition for 'sglang.accept_len'.*sglang.spec_accept_length"):
+        definitions.definition("sglang.accept_len")
+
+
+def test_trainers_are_told_apart_by_their_rules_name():
+    assert definitions.trainer_figures("speculators>=0.7") == ("speculators.full_acc", "speculators.cond_acc")
+    assert definitions.trainer_figures("speculators@0.6") == ("speculators.full_acc", "speculators.cond_acc")
+    assert definitions.trainer_figures("specforge@0.2") == ("specforge.acc",)
+
+
+def test_conditional_accuracies_multiply_into_per_position_acceptance():
+    assert definitions.per_position_from_conditional([0.5, 0.5, 0.5]) == [0.5, 0.25, 0.125]
+    assert definitions.accept_length_from_per_position([0.5, 0.25, 0.125]) == pytest.approx(1.875)
+
+
+def _accept_result(native: list[str]) -> dict:
+    stats = AcceptStats(10, 12, 3, [6, 4, 2], 1, native=native).to_dict()
+    return {"engine": "sglang", "check": "accept_length", "outcome": "passed", "message": "",
+            "data": {"reference": AcceptStats(10, 12, 3, [6, 4, 2], 1).to_dict(), "engine": stats}}
+
+
+def test_report_defines_the_accept_length_the_per_position_rates_and_the_engines_own_figures():
+    used = [d["name"] for d in report.definitions_used([_accept_result(["sglang.spec_num_correct_drafts"])], True)]
+    assert used == ["difftest.row_error", "difftest.excess", "difftest.accept_length",
+                    "difftest.acceptance_rate_per_pos", "sglang.spec_num_correct_drafts"]
+
+
+def test_report_defines_the_trainers_figures_under_its_rules():
+    result = {"engine": "ref", "check": "train_accuracy", "outcome": "passed", "message": "",
+              "data": {"trainer": {"rules": "specforge@0.2"}}}
+    used = [d["name"] for d in report.definitions_used([result], False)]
+    assert used == ["difftest.train_accuracy", "specforge.acc"]
+
+
+def test_markdown_report_has_a_definitions_table_row_per_figure():
+    rep = {"definitions": report.definitions_used([_accept_result(["vllm.mean_acceptance_length"])], False)}
+    lines = report.markdown_definitions(rep)
+    assert lines[0] == "## Definitions"
+    assert any(line.startswith("| `vllm.mean_acceptance_length` | 1 + accepted draft tokens / drafts") for line in lines)
+    assert len([line for line in lines if line.startswith("| `")]) == 3
