@@ -270,6 +270,7 @@ class CheckItem(pytest.Item):
 
     def runtest(self) -> None:
         session: Session = self.config.stash[SESSION]
+        session.begin_case(self.case.path)
         results = self.config.stash[RESULTS].setdefault(self.case.path, [])
         record = {"engine": self.spec.id, "check": self.check}
         try:

@@ -91,6 +91,7 @@ class Session:
         self.cache = CaptureCache(cache_root() / "captures")
         self._clients: dict[str, WorkerClient] = {}
         self._start_errors: dict[str, DifftestError] = {}
+        self._current_case: str | None = None  # the case whose items run now (begin_case)
         self._cases: dict[str, Case] = {}
         self._prompts: dict[str, list[list[int]]] = {}
         self._captures: dict[tuple, Capture] = {}
@@ -144,6 +145,19 @@ class Session:
             self._progress(f"{spec.id} ready in {time.monotonic() - t:.1f}s")
             self._clients[spec.id] = client
         return self._clients[spec.id]
+
+    def begin_case(self, path: str) -> None:
+        """A worker that died during an earlier case (e.g. an SGLang scheduler crash that case provoked)
+        is replaced for this one, so one crashing case does not fail every later case's items. Within
+        a case a dead worker stays dead: each restart would crash the same way, minutes each."""
+        if path == self._current_case:
+            return
+        self._current_case = path
+        for spec_id, client in list(self._clients.items()):
+            if client.proc is not None and client.proc.poll() is not None:
+                self._progress(f"{spec_id}: its worker died during an earlier case; a fresh one starts for {path}")
+                client.kill()
+                del self._clients[spec_id]
 
     def _progress(self, message: str) -> None:
         if self.options.progress is not None:

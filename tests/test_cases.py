@@ -49,6 +49,16 @@ def test_seed_case_shows_the_accept_length_collapse(vllm_wired):
     reference, engine = result["data"]["reference"]["accept_length"], result["data"]["engine"]["accept_length"]
     assert reference >= 2.0
     assert engine < 0.75 * reference
+    # a failing gate is re-judged with the reference's float64 move measured, and says so
+    assert "numerical move measured: ref in float32 vs float64" in result["message"]
+    assert result["data"]["gate"]["numerical_accept"] is not None
+
+
+def test_passing_accept_length_needs_no_float64_run(vllm_wired):
+    result = vllm_wired.outcome("tiny_llama", "ref[wiring=vllm]", "accept_length")
+    assert result["outcome"] == "passed"
+    assert "every position within noise" in result["message"] and "within the sampling spread alone" in result["message"]
+    assert result["data"]["gate"]["numerical_accept"] is None
 
 
 def test_seed_case_top1_agreement_fails(vllm_wired):

@@ -48,10 +48,10 @@ def test_deepseek_engines_match_hf_hidden_states_by_value(run, engine):
 
 def test_first_id_1_vllm_feeds_h1_h3_h4_and_the_harness_names_the_off_by_one(run):
     result = run.outcome("tiny_deepseek_v3_first_id_1", "vllm", "fc_inputs")
-    assert result["outcome"] == "failed"
+    assert result["outcome"] == "xfailed"  # caught as the case declares
     assert "engine's fc chunk 0 matches reference target.h.1 (cos 1.0000); expected target.h.2" in result["message"]
     assert "engine fed fc [h1, h3, h4]; reference fed [h2, h4, h5]; pattern: off-by-one -1" in result["message"]
-    assert run.outcome("tiny_deepseek_v3_first_id_1", "vllm", "accept_length")["outcome"] == "failed"
+    assert run.outcome("tiny_deepseek_v3_first_id_1", "vllm", "accept_length")["outcome"] == "xfailed"
 
 
 def test_first_id_1_sglang_adds_one_and_feeds_what_the_draft_was_trained_on(run):

@@ -61,17 +61,17 @@ def test_tiny_case_passes_every_check(tmp_path, sglang_python):
 
 def test_seed_miswiring_is_caught(tmp_path, sglang_python):
     run, out = _run(tmp_path, "cases/seed_miswired_training.yaml", sglang_python)
-    assert run.returncode != 0
+    assert run.returncode == 0, run.output[-3000:]  # every failure is one the case declares (expect_failure)
     fc = out[("sglang", "fc_inputs")]
-    assert fc["outcome"] == "failed"
+    assert fc["outcome"] == "xfailed"
     assert "draft.fc_in.0" in fc["message"] and "expected target.h.0 (the embedding)" in fc["message"], fc["message"]
     # SGLang's id -1 is layer 0's input, the embedding: the fix the rule model computes
     assert "fix: set eagle_config.eagle_aux_hidden_state_layer_ids = [-1, 1, 3]" in fc["message"], fc["message"]
     # on golden inputs SGLang's draft computes what the reference's does: the fault is the fed layers
     logits = out[("sglang", "draft_logits")]
-    assert logits["outcome"] == "failed" and logits["data"]["golden"]["outcome"] == "matches", logits["message"]
+    assert logits["outcome"] == "xfailed" and logits["data"]["golden"]["outcome"] == "matches", logits["message"]
     assert "the engine captured the wrong hidden states; its draft computes correctly" in logits["message"]
-    assert out[("sglang", "accept_length")]["outcome"] == "failed"
+    assert out[("sglang", "accept_length")]["outcome"] == "xfailed"
 
 
 def _marked_processes(marker: str) -> list[int]:

@@ -242,3 +242,15 @@ def test_bad_wiring_fails_the_engine_items_with_one_line(models, tmp_path, engin
     assert result["outcome"] == "error"
     assert expected in result["message"]
     assert "Traceback" not in run.output
+
+
+def test_a_worker_killed_by_one_case_is_replaced_for_the_next_case(models, tmp_path):
+    """A case that crashes an engine (an SGLang scheduler dying on ids it cannot capture) must not
+    fail every later case's items on that engine: the next case gets a fresh worker."""
+    target, draft = models
+    tiny = CASE.format(target=target, draft=draft)
+    root = project(tmp_path, models, name="a_crashes", body=tiny + "engines:\n  fake: {mode: crash}\n")
+    project(root, models, name="b_runs", body=tiny)
+    run = run_pytest(root, "cases/", "--engines=ref,fake", "-k", "fc_inputs or capture")
+    assert "worker died (exit -9)" in run.outcome("a_crashes", "fake", "fc_inputs")["message"]
+    assert run.outcome("b_runs", "fake", "fc_inputs")["outcome"] == "passed", run.output[-3000:]

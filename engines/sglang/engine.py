@@ -263,6 +263,10 @@ class SglangEngine(Engine):
         topk = int(self._effective.get("speculative_eagle_topk") or req["speculative_eagle_topk"])
         shutil.rmtree(self._hooks_dir, ignore_errors=True)
         self._hooks_dir.mkdir(parents=True)
+        # a prompt SGLang has served before (a case whose speculative prompts are its capture prompts,
+        # or the same prompt captured for another check) is in the radix cache: the prefill would run
+        # over the uncached suffix only and no forward would hold the whole prompt
+        engine.flush_cache()
         out = self._generate(engine, [list(prompt_ids)], 2)[0]  # the prefill and one drafting round
         if not any(self._hooks_dir.iterdir()):
             raise EngineError("SGLang ran no hooked forward (forward_hooks not registered?)")
