@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -80,6 +81,8 @@ def write_greedy_data(target_dir: Path, out: Path) -> Path:
 def _key(target_dir: Path) -> str:
     h = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode())
     h.update((HERE / "speculators_train.py").read_bytes())
+    h.update(inspect.getsource(write_greedy_data).encode())  # the data writer too
+    h.update((Path(__file__).parent.parent / "engines" / "trainingdata" / "formats.py").read_bytes())
     for f in sorted(target_dir.iterdir()):
         if f.is_file():
             h.update(f.name.encode() + f.read_bytes())
