@@ -96,6 +96,20 @@ def test_an_embedding_equal_to_the_targets_raises_nothing(models, tmp_path):
     assert findings(models, models[1], "embedding-substituted") == []
 
 
+def test_the_targets_embedding_saved_in_bfloat16_raises_nothing(models, tmp_path):
+    # speculators saves its checkpoints in bf16: a float32 target's frozen embedding comes back rounded
+    draft = variant(models, tmp_path, tensors=lambda t: t.update({"embed_tokens.weight": t["embed_tokens.weight"].to(torch.bfloat16)}))
+    assert findings(models, draft, "embedding-substituted") == []
+
+
+def test_a_retrained_embedding_saved_in_bfloat16_is_still_named(models, tmp_path):
+    def retrain(t):
+        t["embed_tokens.weight"] = (t["embed_tokens.weight"] * 1.05).to(torch.bfloat16)
+
+    draft = variant(models, tmp_path, tensors=retrain)
+    assert [f.code for f in findings(models, draft, "embedding-substituted")] == ["embedding-substituted"]
+
+
 def test_a_draft_without_embedding_gets_only_a_warning(models, tmp_path):
     draft = variant(models, tmp_path, tensors=lambda t: t.pop("embed_tokens.weight"))
     [f] = findings(models, draft, "embedding-shared")

