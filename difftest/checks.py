@@ -175,14 +175,14 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
             problems.append(f"prompt {i}: capture lacks draft.fc_in or draft.logits")
     if problems:
         return Verdict(False, "; ".join(problems[:5]))
-    wiring = session.capture(case, spec, 0).meta.get("wiring", {})
+    wiring = session.capture(case, spec, 0).meta.wiring
     inferred = session.inference(case)
     if inferred is not None:  # `wiring: infer`: say so, with the margin, wherever the wiring is shown
         margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""
-        message = (f"{n} tensors captured; fc wiring {wiring.get('inputs')} (inferred by `wiring: infer`{margin})\n"
+        message = (f"{n} tensors captured; fc wiring {wiring.inputs if wiring else None} (inferred by `wiring: infer`{margin})\n"
                    + "wiring inferred: " + "\n".join(inferred.lines()))  # fmt: skip
         return Verdict(True, message, {"wiring_inference": inferred.to_dict()})
-    return Verdict(True, f"{n} tensors captured; fc wiring {wiring.get('inputs')} ({wiring.get('source')})")
+    return Verdict(True, f"{n} tensors captured; fc wiring {wiring.inputs if wiring else None} ({wiring.source if wiring else None})")
 
 
 def _needs_tensors(session: Session, spec: EngineSpec, check: str) -> None:

@@ -121,7 +121,7 @@ def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], dict]:
     fc = other.tensors["draft.fc_in"]
     if fc.shape[-1] % size:
         return [], {}
-    expected = (ref.meta.get("wiring") or {}).get("inputs") or []
+    expected = (ref.meta.wiring.inputs if ref.meta.wiring else [])
     names = _candidates(ref)
     out, matrix = [], []
     for j in range(fc.shape[-1] // size):
@@ -211,14 +211,14 @@ def _norms_differ(m: ChunkMatch) -> bool:
 def diagnose_fc(ref: Capture, other: Capture) -> list[str]:
     """Human-readable lines; empty when the fc inputs match the reference wiring."""
     ref_fc, other_fc = ref.tensors.get("draft.fc_in"), other.tensors.get("draft.fc_in")
-    L = ref.meta.get("num_layers")
+    L = ref.meta.num_layers
     s = ref.fc_chunk_size
     if ref_fc is not None and other_fc is not None and ref_fc.shape[-1] != other_fc.shape[-1] and s:
         lines = []
         if other_fc.shape[-1] % s == 0:
-            fake = Capture(other.tensors, {**other.meta, "target_hidden_size": s})
+            fake = Capture(other.tensors, other.meta.replace(target_hidden_size=s))
             got = [(m.best if m.matched else None) for m in match_chunks(ref, fake)[0]]
-            want = (ref.meta.get("wiring") or {}).get("inputs") or []
+            want = (ref.meta.wiring.inputs if ref.meta.wiring else [])
             lines.append(f"engine fed fc [{', '.join(map(_short, got))}]; reference fed [{', '.join(map(_short, want))}]")
         lines.append(
             f"chunk count mismatch: engine fc_in has {other_fc.shape[-1] / s:g} chunks of {s}, reference {ref_fc.shape[-1] // s}"
@@ -261,7 +261,7 @@ def diagnose_hidden(ref: Capture, other: Capture, name: str) -> list[str]:
     rel, cos, _ = scores[best]
     if best == name or rel >= MATCH_REL_DIFF:
         return []
-    line = f"engine's {name} matches reference {describe(best, ref.meta.get('num_layers'))} (cos {cos:.4f})"
+    line = f"engine's {name} matches reference {describe(best, ref.meta.num_layers)} (cos {cos:.4f})"
     a, b = hidden_index(name), hidden_index(best)
     if a is not None and b is not None:
         line += f": the engine's layer numbering is shifted by {b - a:+d}"

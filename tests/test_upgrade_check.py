@@ -89,7 +89,7 @@ def test_each_label_has_its_own_cached_captures(side_by_side):
     engines = []
     for manifest in (side_by_side.cache / "captures").glob("*/*/manifest.json"):
         meta = json.loads(manifest.read_text())["meta"]
-        if "golden_input" not in meta:
+        if not meta.get("golden_fc_in"):
             engines.append(meta["engine"] + ("+float64" if meta["dtype"] == "float64" else ""))
     # the reference label also captures each prompt in float64: the noise floor (difftest.noise)
     assert sorted(engines) == ["ref@new"] * 2 + ["ref@old"] * 2 + ["ref@old+float64"] * 2 + ["ref@patch"] * 2

@@ -76,9 +76,10 @@ class CaptureMeta:
             return decode(cls, data, where, at)  # the one-line "expected an object"
         version = data.get("schema_version", LEGACY_VERSION)
         if version == LEGACY_VERSION and "schema_version" not in data:
-            known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+            known = {f.name for f in dataclasses.fields(cls)}
             extra = {k: v for k, v in data.items() if k not in known}
-            data = {k: v for k, v in data.items() if k in known} | ({"extra": extra} if extra else {})
+            if extra and isinstance(data.get("extra", {}), dict):  # otherwise decode names the bad `extra`
+                data = {k: v for k, v in data.items() if k in known} | {"extra": {**extra, **data.get("extra", {})}}
         elif version != SCHEMA_VERSION:
             raise fail(where, f"{at}.schema_version" if at else "schema_version",
                        f"capture meta schema version {version!r}; this difftest reads {SCHEMA_VERSION} "

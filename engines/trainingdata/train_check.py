@@ -44,7 +44,7 @@ def _trainer_spec(session: Session) -> EngineSpec:
 def engine_wiring(session: Session, case: Case, spec: EngineSpec) -> tuple[list[str], str]:
     """The canonical names an engine fed its fc with, and how that was found."""
     cap = session.capture(case, spec, 0)
-    names = (cap.meta.get("wiring") or {}).get("inputs") or []
+    names = cap.meta.wiring.inputs if cap.meta.wiring else []
     if names and all(hidden_index(n) is not None or n == "target.final_norm" for n in names):
         return list(names), "the engine's capture"
     ref = session.capture(case, session.options.reference, 0)
@@ -62,12 +62,12 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
     atol = float(expect.get("atol", DEFAULT_ATOL))
     floor = float(expect.get("min", DEFAULT_MIN))
     base = _trainer_spec(session)
-    trained = session.capture(case, base, 0).meta
+    trained = session.capture(case, base, 0).meta.extra
     acc_t = trained["train_accuracy"]
     names, how = engine_wiring(session, case, spec)
     short = [short_name(n) for n in names]
     rewired = EngineSpec(base.name, base.label, tuple(p for p in base.params if p[0] != "wiring") + (("wiring", "+".join(short)),))
-    acc_e = session.capture(case, rewired, 0).meta["train_accuracy"]
+    acc_e = session.capture(case, rewired, 0).meta.extra["train_accuracy"]
     a, b = acc_t["full_acc"][0], acc_e["full_acc"][0]
     fmt = lambda xs: "[" + " ".join(f"{x:.3f}" for x in xs) + "]"  # noqa: E731
     td = trained["train_data"]
