@@ -20,6 +20,7 @@ import torch
 from difftest import names
 from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
+from difftest.records.meta import SCHEMA_VERSION as META_VERSION
 from difftest.records.meta import CaptureMeta
 
 SCHEMA = "difftest.capture/1"
@@ -31,9 +32,11 @@ class Capture:
     meta: CaptureMeta = field(default_factory=CaptureMeta)
 
     def __post_init__(self) -> None:
-        # adapters describe their capture as a mapping; it is checked here, once, like a file's
+        # adapters describe their capture as a mapping of the current version (their own keys under
+        # `extra`); it is checked here, once, like a file's
         if isinstance(self.meta, dict):
-            self.meta = CaptureMeta.from_dict(self.meta, f"capture meta of {self.meta.get('engine') or 'an engine'}", "")
+            where = f"capture meta of {self.meta.get('engine') or 'an engine'}"
+            self.meta = CaptureMeta.from_dict({"schema_version": META_VERSION, **self.meta}, where, "")
 
     @property
     def fc_chunk_size(self) -> int | None:

@@ -34,6 +34,9 @@ class ExtraCheck:
     run: Callable  # (session, case, spec) -> difftest.verdict.Verdict
     applies: Callable  # (case, is_reference: bool) -> bool: does this case get the item for that engine
     doc: str = ""
+    # the difftest.records.check_data.CheckData subclass its verdicts carry: a report names it by its
+    # KIND, and reading the report back finds the record here
+    data: type | None = None
 
 
 @dataclass(frozen=True)

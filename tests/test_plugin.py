@@ -106,7 +106,7 @@ def test_failures_print_verdicts_not_tracebacks(mixed_run):
 
 def test_report_json_lists_every_check_and_engine(mixed_run):
     report = mixed_run.report("tiny")
-    assert report["schema"] == "difftest.report/1"
+    assert (report["schema"], report["schema_version"]) == ("difftest.report", 2)
     assert report["reference"] == "ref"
     assert len(report["checks"]) == 2 + 6 * 4  # reference: capture, lint
     assert report["engines"]["fake[mode=unavailable]"] == {"error": "fake: not installed; set it up with: scripts/setup-engine fake"}

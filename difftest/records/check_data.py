@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from difftest.acceptance import AcceptStats
+from difftest.chunk_match import ChunkMatch, Similarity
 from difftest.finding import Finding
 import difflib
 
-from difftest.records.fields import READER, decode, encode_fields, fail, join
+from difftest.records.fields import READER, decode, encode_fields, fail, join, kind_of
 
 
 @dataclass
@@ -40,12 +41,29 @@ class CheckData:
         return decode(cls, data, where, at, skip=("kind",))
 
 
-def _accept_stats(data: object, where: str, at: str) -> AcceptStats:
-    """AcceptStats as its to_dict wrote it: its fields, plus the properties it adds (recomputed here)."""
-    derived = {n for n, v in vars(AcceptStats).items() if isinstance(v, property)}
-    if isinstance(data, dict):
-        data = {k: v for k, v in data.items() if k not in derived}
-    return decode(AcceptStats, data, where, at)
+def _without_derived(cls: type):
+    """A reader for a record whose to_dict adds its properties (AcceptStats' accept_length, ...):
+    those keys are dropped and recomputed; every other key must be a field."""
+    derived = {n for n, v in vars(cls).items() if isinstance(v, property)}
+
+    def read(data: object, where: str, at: str):
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in derived}
+        return decode(cls, data, where, at)
+
+    return read
+
+
+_accept_stats = _without_derived(AcceptStats)
+_chunk_match = _without_derived(ChunkMatch)
+
+
+def _chunk_matches(data: object, where: str, at: str) -> list[ChunkMatch] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise fail(where, at, f"expected a list or null, got {kind_of(data)}")
+    return [_chunk_match(m, where, join(at, i)) for i, m in enumerate(data)]
 
 
 @dataclass
@@ -102,8 +120,8 @@ class ComparisonData(CheckData):
     introduced: str | None = None
     first_above_noise: str | None = None
     first_differs: str | None = None
-    fc_chunks: list[dict[str, object]] | None = None  # difftest.diagnose.ChunkMatch.to_dict per chunk
-    similarity: dict[str, object] | None = None  # chunk-vs-candidate cosines (difftest.diagnose.match_chunks)
+    fc_chunks: list[ChunkMatch] | None = field(default=None, metadata={READER: _chunk_matches})  # per chunk
+    similarity: Similarity | None = None  # chunk-vs-candidate cosines (difftest.diagnose.match_chunks)
     rule: str | None = None  # the engine's layer-id rule, explained
     rule_predicted: list[str] | None = None
     fix: FixData | None = None
@@ -173,7 +191,7 @@ def decode_data(data: object, where: str, at: str) -> CheckData | None:
     if data is None:
         return None
     if not isinstance(data, dict):
-        raise fail(where, at, f"expected an object with a kind, got {type(data).__name__}")
+        raise fail(where, at, f"expected an object with a kind, got {kind_of(data)}")
     if "kind" not in data:
         raise fail(where, join(at, "kind"), "field missing")
     kind = data["kind"]

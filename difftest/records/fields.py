@@ -35,7 +35,7 @@ def join(at: str, key: str | int) -> str:
     return f"{at}.{key}" if at else str(key)
 
 
-def _kind(value: object) -> str:
+def kind_of(value: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
 
@@ -57,6 +57,26 @@ def _is_union(hint: Any) -> bool:
     return get_origin(hint) in (typing.Union, types.UnionType)
 
 
+def _shaped(hint: Any, value: object) -> bool:
+    """Whether `value` has the outer JSON shape of `hint` (its contents unchecked)."""
+    if hint is Any or hint is object:
+        return True
+    origin = get_origin(hint) or hint
+    if _is_union(hint):
+        return any(_shaped(o, value) for o in get_args(hint))
+    if origin in (list, tuple):
+        return isinstance(value, list)
+    if origin is dict or dataclasses.is_dataclass(hint):
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    return isinstance(value, hint)
+
+
 @functools.cache
 def hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -67,21 +87,22 @@ def decode_value(hint: Any, value: object, where: str, at: str) -> Any:
     if hint is Any or hint is object:
         return value
     if _is_union(hint):
-        options = get_args(hint)
-        if value is None and type(None) in options:
+        if value is None and type(None) in get_args(hint):
             return None
-        problems = []
-        for option in (o for o in options if o is not type(None)):
+        # the options whose outer shape the value has; a value of none of them is named against all,
+        # one inside the right shape is named by the option's own, more precise, complaint
+        options = [o for o in get_args(hint) if o is not type(None) and _shaped(o, value)]
+        if not options:
+            raise fail(where, at, f"expected {_describe(hint)}, got {kind_of(value)}")
+        for option in options[:-1]:
             try:
                 return decode_value(option, value, where, at)
-            except ConfigError as e:
-                problems.append(e)
-        if len(problems) == 1:  # X | None: X's own, more precise, complaint
-            raise problems[0]
-        raise fail(where, at, f"expected {_describe(hint)}, got {_kind(value)}")
+            except ConfigError:
+                pass
+        return decode_value(options[-1], value, where, at)
     if hint is type(None):
         if value is not None:
-            raise fail(where, at, f"expected null, got {_kind(value)}")
+            raise fail(where, at, f"expected null, got {kind_of(value)}")
         return None
     if dataclasses.is_dataclass(hint):
         own = getattr(hint, "from_json", None)
@@ -89,32 +110,32 @@ def decode_value(hint: Any, value: object, where: str, at: str) -> Any:
     origin = get_origin(hint) or hint
     if origin in (list, tuple):
         if not isinstance(value, list):
-            raise fail(where, at, f"expected a list, got {_kind(value)}")
+            raise fail(where, at, f"expected a list, got {kind_of(value)}")
         args = get_args(hint)
         item = args[0] if args else object
         out = [decode_value(item, v, where, join(at, i)) for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
     if origin is dict:
         if not isinstance(value, dict):
-            raise fail(where, at, f"expected an object, got {_kind(value)}")
+            raise fail(where, at, f"expected an object, got {kind_of(value)}")
         args = get_args(hint)
         item = args[1] if args else object
         return {str(k): decode_value(item, v, where, join(at, str(k))) for k, v in value.items()}
     if hint is bool:
         if not isinstance(value, bool):
-            raise fail(where, at, f"expected a boolean, got {_kind(value)}")
+            raise fail(where, at, f"expected a boolean, got {kind_of(value)}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise fail(where, at, f"expected an integer, got {_kind(value)}")
+            raise fail(where, at, f"expected an integer, got {kind_of(value)}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise fail(where, at, f"expected a number, got {_kind(value)}")
+            raise fail(where, at, f"expected a number, got {kind_of(value)}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise fail(where, at, f"expected a string, got {_kind(value)}")
+            raise fail(where, at, f"expected a string, got {kind_of(value)}")
         return value
     raise TypeError(f"difftest.records: unsupported type hint {hint!r} at {at}")  # a harness bug, not bad input
 
@@ -129,7 +150,7 @@ def decode(cls: type, data: object, where: str, at: str = "", skip: tuple[str, .
     """A dataclass from a JSON object: every key a field, every required field present, each of its
     type. `skip`: keys the caller has consumed (a discriminator, a version)."""
     if not isinstance(data, dict):
-        raise fail(where, at, f"expected an object, got {_kind(data)}")
+        raise fail(where, at, f"expected an object, got {kind_of(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields and key not in skip:
