@@ -273,6 +273,7 @@ def _check_manifest(m: dict, where: Path) -> None:
             for i, c in enumerate(need(e, "captures", list, at)):
                 if not isinstance(c, dict) or not isinstance(c.get("tensors"), list):
                     raise ConfigError(f"{where}: {at}captures[{i}]: expected an object with a tensors list")
+                CaptureMeta.from_dict(c.get("meta", {}), str(where), f"{at}captures[{i}].meta")
 
 
 class BaselineSource:

@@ -404,6 +404,8 @@ def test_dollar_signs_in_plot_labels_stay_text():
     (lambda m: m["cases"]["c"].pop("fingerprint"), "cases.c.fingerprint: field missing"),
     (lambda m: m["cases"]["c"]["engines"]["ref"].pop("captures"), "cases.c.engines.ref.captures: field missing"),
     (lambda m: m["cases"]["c"]["engines"].update(ref=[]), "cases.c.engines.ref: expected an object"),
+    (lambda m: m["cases"]["c"]["engines"]["ref"]["captures"].append({"tensors": [], "meta": {"num_layers": "6"}}),
+     "cases.c.engines.ref.captures[0].meta.num_layers: expected an integer or null, got a string"),
 ])  # fmt: skip
 def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mutate, fragment):
     from difftest.baseline import SCHEMA, BaselineSource
