@@ -5,21 +5,20 @@ A check returns one of these in its Verdict; the report stores it as `checks[i].
 refused, naming the closest). Checks engines contribute (difftest.extensions.ExtraCheck) declare
 their own record there as `data`, e.g. the training-data engine's `train_accuracy`.
 
-Nested values other modules define and serialise (AcceptStats, lint Findings, fc chunk matches,
-the wiring inference, the layer-id rule's fix) keep the form their own to_dict gives them.
+Nested records other modules define (AcceptStats, lint Findings, fc ChunkMatches) are read back as
+those dataclasses, in the form their own to_dict gives them; the wiring inference stays a mapping.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from difftest.acceptance import AcceptStats
 from difftest.chunk_match import ChunkMatch, Similarity
 from difftest.finding import Finding
-import difflib
-
 from difftest.records.fields import READER, decode, encode_fields, fail, join, kind_of
 
 
