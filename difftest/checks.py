@@ -34,6 +34,7 @@ from difftest.scopes import in_draft_scope as _in_draft_scope
 from difftest.scopes import in_fc_scope as _in_fc_scope
 from difftest.errors import ConfigError, DifftestError, NotAvailable
 from difftest.records.check_data import AcceptLengthData, CaptureData, ComparisonData, FixData, GoldenData, LintData, Top1Data
+from difftest.records.meta import FcWiring
 from difftest.session import Session
 from difftest.verdict import Verdict
 
@@ -177,14 +178,14 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
             problems.append(f"prompt {i}: capture lacks draft.fc_in or draft.logits")
     if problems:
         return Verdict(False, "; ".join(problems[:5]), CaptureData())
-    wiring = session.capture(case, spec, 0).meta.wiring
+    wiring = session.capture(case, spec, 0).meta.wiring or FcWiring(source="not recorded")
     inferred = session.inference(case)
     if inferred is not None:  # `wiring: infer`: say so, with the margin, wherever the wiring is shown
         margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""
-        message = (f"{n} tensors captured; fc wiring {wiring.inputs if wiring else None} (inferred by `wiring: infer`{margin})\n"
+        message = (f"{n} tensors captured; fc wiring {wiring.inputs} (inferred by `wiring: infer`{margin})\n"
                    + "wiring inferred: " + "\n".join(inferred.lines()))  # fmt: skip
         return Verdict(True, message, CaptureData(wiring_inference=inferred.to_dict()))
-    return Verdict(True, f"{n} tensors captured; fc wiring {wiring.inputs if wiring else None} ({wiring.source if wiring else None})", CaptureData())
+    return Verdict(True, f"{n} tensors captured; fc wiring {wiring.inputs} ({wiring.source})", CaptureData())
 
 
 def _needs_tensors(session: Session, spec: EngineSpec, check: str) -> None:

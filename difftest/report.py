@@ -24,7 +24,6 @@ from pathlib import Path
 from difftest.acceptance import DEFINITION
 from difftest.errors import DifftestError
 from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
-from difftest.records.report import SCHEMA, SCHEMA_VERSION  # noqa: F401 - what a report file declares
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
 
