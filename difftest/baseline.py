@@ -36,6 +36,7 @@ from difftest.case import Case
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
+from difftest.records.meta import CaptureMeta
 
 SCHEMA = "difftest.baseline/1"
 DEFAULT_DIR = "baselines"
@@ -185,11 +186,11 @@ class BaselineWriter:
         entry = {
             "engine": spec.to_dict(),
             "info": info,
-            "device": captures[0].meta.get("device", "unknown"),
-            "dtype": captures[0].meta.get("dtype", prepared.dtype),
+            "device": captures[0].meta.device or "unknown",
+            "dtype": captures[0].meta.dtype or prepared.dtype,
             "file": str(rel),
             "bytes": out.stat().st_size,
-            "captures": [{"tensors": list(c.tensors), "derived": d, "meta": c.meta} for c, d in zip(captures, derived)],
+            "captures": [{"tensors": list(c.tensors), "derived": d, "meta": c.meta.to_dict()} for c, d in zip(captures, derived)],
             "accept": stats.to_dict(),
         }
         case_entry = self.entries.setdefault(case.name, {
@@ -272,6 +273,7 @@ def _check_manifest(m: dict, where: Path) -> None:
             for i, c in enumerate(need(e, "captures", list, at)):
                 if not isinstance(c, dict) or not isinstance(c.get("tensors"), list):
                     raise ConfigError(f"{where}: {at}captures[{i}]: expected an object with a tensors list")
+                CaptureMeta.from_dict(c.get("meta", {}), str(where), f"{at}captures[{i}].meta")
 
 
 class BaselineSource:
@@ -349,8 +351,9 @@ class BaselineSource:
                 tensors[n] = _scatter(src, flat[f"p{index}/{n}#columns"].long(), int(derived[n]["vocab"]))
             else:
                 tensors[n] = flat[f"p{index}/{n}"]
-        meta = dict(stored["meta"], baseline=self.name, baseline_engine=eid)
-        return Capture(tensors, meta)
+        where = str(self.path / "manifest.json")
+        meta = CaptureMeta.from_dict(stored.get("meta", {}), where, f"cases.{case.name}.engines.{eid}.captures[{index}].meta")
+        return Capture(tensors, meta.replace(baseline=self.name, baseline_engine=eid))
 
     def speculate(self, case: Case) -> AcceptStats:
         eid, e, c = self.entry(case)

@@ -7,28 +7,13 @@ import tarfile
 from pathlib import Path
 
 from difftest import report as report_mod
-from difftest.errors import ConfigError
-from difftest.jsonfile import read_json
+from difftest.records import Report
 from difftest.session import log_file_name
 
 
-def load(path: str | Path) -> dict:
-    path = Path(path)
-    data = read_json(path, "report")
-    if not isinstance(data, dict) or data.get("schema") != report_mod.SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise ConfigError(f"{path}: schema {found!r}, expected {report_mod.SCHEMA!r}")
-    missing = [k for k in REQUIRED if k not in data]
-    if missing:
-        raise ConfigError(f"{path}: report field {missing[0]!r} missing (a report has {', '.join(REQUIRED)})")
-    for key, kind in (("case", str), ("engines", dict), ("checks", list)):
-        if not isinstance(data[key], kind):
-            raise ConfigError(f"{path}: report field {key!r}: expected a {kind.__name__}, got {type(data[key]).__name__}")
-    return data
-
-
-# what rendering and bundling read at the top level (difftest.report.build writes them all)
-REQUIRED = ("case", "reference", "engines", "checks")
+def load(path: str | Path) -> Report:
+    """The report, validated (difftest.records.Report): one line naming the file and field otherwise."""
+    return Report.load(path)
 
 
 def rerender(args) -> int:
@@ -43,7 +28,7 @@ def rerender(args) -> int:
 def bundle(args) -> int:
     path = Path(args.json)
     data = load(path)
-    stem = data["case"].replace("/", "_")
+    stem = data.case.replace("/", "_")
     out = Path(args.output) if args.output else path.parent / f"{stem}.difftest.tar.gz"
     from difftest.html_report import render as render_html
 
@@ -51,11 +36,11 @@ def bundle(args) -> int:
         f"{stem}/{stem}.json": path.read_bytes(),
         f"{stem}/{stem}.md": report_mod.markdown(data).encode(),
         f"{stem}/{stem}.html": render_html(data).encode(),
-        f"{stem}/case/{Path(str(data.get('case_file') or stem + '.yaml')).name}": str(data.get("case_yaml", "")).encode(),
+        f"{stem}/case/{Path(data.case_file or stem + '.yaml').name}": data.case_yaml.encode(),
     }
     logs = path.parent / "logs"
-    for engine in data.get("engines", {}):
-        log = logs / log_file_name(str(engine))
+    for engine in data.engines:
+        log = logs / log_file_name(engine)
         if log.is_file():
             members[f"{stem}/logs/{log.name}"] = log.read_bytes()
     out.parent.mkdir(parents=True, exist_ok=True)

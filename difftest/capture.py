@@ -20,6 +20,8 @@ import torch
 from difftest import names
 from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
+from difftest.records.meta import SCHEMA_VERSION as META_VERSION
+from difftest.records.meta import CaptureMeta
 
 SCHEMA = "difftest.capture/1"
 
@@ -27,14 +29,18 @@ SCHEMA = "difftest.capture/1"
 @dataclass
 class Capture:
     tensors: dict[str, torch.Tensor]
-    meta: dict = field(default_factory=dict)
-    # meta keys used by the core: engine, engine_version, versions{torch,transformers,...},
-    # device, dtype, prompt_ids, wiring{inputs,source}, target_hidden_size, num_layers, draft_tokens,
-    # golden_fc_in (True on a draft re-run on another capture's draft.fc_in)
+    meta: CaptureMeta = field(default_factory=CaptureMeta)
+
+    def __post_init__(self) -> None:
+        # adapters describe their capture as a mapping of the current version (their own keys under
+        # `extra`); it is checked here, once, like a file's
+        if isinstance(self.meta, dict):
+            where = f"capture meta of {self.meta.get('engine') or 'an engine'}"
+            self.meta = CaptureMeta.from_dict({"schema_version": META_VERSION, **self.meta}, where, "")
 
     @property
     def fc_chunk_size(self) -> int | None:
-        return self.meta.get("target_hidden_size")
+        return self.meta.target_hidden_size
 
     def names(self) -> list[str]:
         """Stored names plus the fc_in chunk views, in data-flow order."""
@@ -55,7 +61,7 @@ class Capture:
         fc, size = self.tensors.get("draft.fc_in"), self.fc_chunk_size
         if j is not None and fc is not None and size and fc.shape[-1] % size == 0 and j < fc.shape[-1] // size:
             return fc[..., j * size : (j + 1) * size]
-        raise KeyError(f"capture of {self.meta.get('engine', '?')} has no tensor {name}")
+        raise KeyError(f"capture of {self.meta.engine or '?'} has no tensor {name}")
 
     # -- persistence -----------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
@@ -69,7 +75,7 @@ class Capture:
             save_file({n: self.tensors[n].detach().contiguous().cpu() for n in ordered}, str(tmp / "tensors.safetensors"))
             manifest = {
                 "schema": SCHEMA,
-                "meta": self.meta,
+                "meta": self.meta.to_dict(),
                 "tensors": [
                     {"name": n, "shape": list(self.tensors[n].shape), "dtype": str(self.tensors[n].dtype).removeprefix("torch.")}
                     for n in ordered
@@ -91,14 +97,16 @@ class Capture:
         directory = Path(directory)
         manifest_path = directory / "manifest.json"
         manifest = read_json(manifest_path, "capture manifest")
-        if manifest.get("schema") != SCHEMA:
-            raise ConfigError(f"{manifest_path}: schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
+        if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+            got = manifest.get("schema") if isinstance(manifest, dict) else None
+            raise ConfigError(f"{manifest_path}: schema {got!r}, expected {SCHEMA!r}")
+        meta = CaptureMeta.from_dict(manifest.get("meta", {}), str(manifest_path))
         flat = load_file(str(directory / "tensors.safetensors"), device=device)
         order = [t["name"] for t in manifest["tensors"]]
         missing = [n for n in order if n not in flat]
         if missing:
             raise ConfigError(f"{directory}: tensors listed in the manifest but absent: {', '.join(missing)}")
-        return cls({n: flat[n] for n in order}, manifest["meta"])
+        return cls({n: flat[n] for n in order}, meta)
 
 
 def cache_key(*parts: object) -> str:

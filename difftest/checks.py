@@ -33,6 +33,8 @@ from difftest.golden import golden_rerun
 from difftest.scopes import in_draft_scope as _in_draft_scope
 from difftest.scopes import in_fc_scope as _in_fc_scope
 from difftest.errors import ConfigError, DifftestError, NotAvailable
+from difftest.records.check_data import AcceptLengthData, CaptureData, ComparisonData, FixData, GoldenData, LintData, Top1Data
+from difftest.records.meta import FcWiring
 from difftest.session import Session
 from difftest.verdict import Verdict
 
@@ -60,7 +62,7 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
             msg += f"; largest: {worst.name} row error {worst.err:.3g} = {worst.excess:.2g}x its threshold {worst.threshold:.3g}"
         if ties:
             msg += "; " + "; ".join(ties)
-        return Verdict(True, msg, {"noise": floor.source, "ties": ties})
+        return Verdict(True, msg, ComparisonData(noise=floor.source, ties=ties))
     i, d = failing[0]
     cd = diffs[i]
     introduced = cd.first_introduced() or cd.first_divergence() or d
@@ -76,25 +78,24 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
     if differs is not None:
         lines.append(f"first tensor that differs at all: {differs.summary()}")
     lines.append(f"noise floor: {floor.source}")
-    data = {"prompt": i, "tensor": d.name, "first_divergence": introduced.name, "introduced": introduced.name,
-            "first_above_noise": first_above.name if first_above else None,
-            "first_differs": differs.name if differs else None, "noise": floor.source, "ties": ties}  # fmt: skip
+    data = ComparisonData(noise=floor.source, ties=ties, prompt=i, tensor=d.name, first_divergence=introduced.name,
+                          introduced=introduced.name, first_above_noise=first_above.name if first_above else None,
+                          first_differs=differs.name if differs else None)  # fmt: skip
     ref_cap, cap = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
     if introduced.name.startswith("draft.fc_in"):
         lines += diagnose_fc(ref_cap, cap)
         matches, similarity = match_chunks(ref_cap, cap)
-        data["fc_chunks"] = [m.to_dict() for m in matches]
-        data["similarity"] = similarity
-        rule = _rule_lines(session, case, spec, [m.best if m.matched else None for m in matches])
-        lines += rule["lines"]
-        data.update(rule["data"])
+        data.fc_chunks, data.similarity = matches, similarity
+        rule_lines, data.rule, data.rule_predicted, data.fix = _rule_lines(session, case, spec,
+                                                                           [m.best if m.matched else None for m in matches])  # fmt: skip
+        lines += rule_lines
     elif introduced.name.startswith("target."):
         lines += diagnose_hidden(ref_cap, cap, introduced.name)
     else:
         lines += diagnose_draft(introduced.name)
     causes = _known_causes(session, case, spec, introduced.name)
     lines += [f"known cause (lint [{f.code}]): {f.message}" for f in causes]
-    data["known_causes"] = [f.code for f in causes]
+    data.known_causes = [f.code for f in causes]
     return Verdict(False, "\n".join(lines), data)
 
 
@@ -110,14 +111,16 @@ def _view(session: Session, case: Case, spec: EngineSpec):
     return engine_view(prepared, spec.name, trained)
 
 
-def _rule_lines(session: Session, case: Case, spec: EngineSpec, fed: list[str | None]) -> dict:
+def _rule_lines(session: Session, case: Case, spec: EngineSpec,
+                fed: list[str | None]) -> tuple[list[str], str | None, list[str] | None, FixData | None]:  # fmt: skip
     """Why the engine fed what it fed (its layer-id rule, difftest.layer_rules) and the config edit
-    that makes it feed what training fed; says so when the rule model did not predict the feed."""
+    that makes it feed what training fed; says so when the rule model did not predict the feed.
+    (lines, the rule explained, the feed it predicts, the edit)"""
     from difftest.layer_reading import fix_lines
 
     view = _view(session, case, spec)
     if view is None:
-        return {"lines": [], "data": {}}
+        return [], None, None, None
     lines = [view.rule_line()]
     predicted = view.reading.fed_names()
     if None not in fed and list(fed) != predicted:
@@ -125,11 +128,11 @@ def _rule_lines(session: Session, case: Case, spec: EngineSpec, fed: list[str | 
                      "from difftest.layer_rules (another version?); the fix below may not hold")  # fmt: skip
     edit = view.edit()
     lines += fix_lines(view, edit)
-    data = {"rule": view.reading.explain(), "rule_predicted": predicted}
+    fix = None
     if edit is not None:
-        data["fix"] = {"patch": edit.patch, "ids": edit.ids, "impossible": edit.impossible, "fc_order": edit.fc_order,
-                       "alternatives": edit.alternatives, "side_effects": edit.side_effects}  # fmt: skip
-    return {"lines": lines, "data": data}
+        fix = FixData(patch=edit.patch, ids=edit.ids, impossible=edit.impossible, fc_order=edit.fc_order,
+                      alternatives=list(edit.alternatives), side_effects=list(edit.side_effects))  # fmt: skip
+    return lines, view.reading.explain(), predicted, fix
 
 
 def explain_engine_error(session: Session, case: Case, spec: EngineSpec, error: str) -> str:
@@ -172,15 +175,15 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
         if "draft.fc_in" not in cap.tensors or "draft.logits" not in cap.tensors:
             problems.append(f"prompt {i}: capture lacks draft.fc_in or draft.logits")
     if problems:
-        return Verdict(False, "; ".join(problems[:5]))
-    wiring = session.capture(case, spec, 0).meta.get("wiring", {})
+        return Verdict(False, "; ".join(problems[:5]), CaptureData())
+    wiring = session.capture(case, spec, 0).meta.wiring or FcWiring(source="not recorded")
     inferred = session.inference(case)
     if inferred is not None:  # `wiring: infer`: say so, with the margin, wherever the wiring is shown
         margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""
-        message = (f"{n} tensors captured; fc wiring {wiring.get('inputs')} (inferred by `wiring: infer`{margin})\n"
+        message = (f"{n} tensors captured; fc wiring {wiring.inputs} (inferred by `wiring: infer`{margin})\n"
                    + "wiring inferred: " + "\n".join(inferred.lines()))  # fmt: skip
-        return Verdict(True, message, {"wiring_inference": inferred.to_dict()})
-    return Verdict(True, f"{n} tensors captured; fc wiring {wiring.get('inputs')} ({wiring.get('source')})")
+        return Verdict(True, message, CaptureData(wiring_inference=inferred.to_dict()))
+    return Verdict(True, f"{n} tensors captured; fc wiring {wiring.inputs} ({wiring.source})", CaptureData())
 
 
 def _needs_tensors(session: Session, spec: EngineSpec, check: str) -> None:
@@ -199,9 +202,9 @@ def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdic
     diffs = session.comparisons(case, spec)
     verdict = _divergence_report(session, case, spec, diffs, _in_draft_scope)
     if not verdict.passed:
-        lines, golden = golden_rerun(session, case, spec, verdict.data["prompt"], diffs[verdict.data["prompt"]])
+        lines, golden = golden_rerun(session, case, spec, verdict.data.prompt, diffs[verdict.data.prompt])
         verdict.message += "".join("\n" + ln for ln in lines)
-        verdict.data["golden"] = golden
+        verdict.data.golden = golden
     elif spec.name != session.options.reference.name:
         # a real engine that can take golden inputs: prompt 0 re-run on the reference's draft.fc_in,
         # so the report shows the engine's draft computing the reference's function on the same input;
@@ -210,10 +213,10 @@ def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdic
             supported = session.capture_golden(case, spec, 0) is not None
             lines, golden = golden_rerun(session, case, spec, 0, diffs[0], own_passed=True) if supported else ([], None)
         except DifftestError as e:
-            lines, golden = [f"golden inputs (prompt 0): could not be run: {str(e).splitlines()[0]}"], {"outcome": "error"}
+            lines, golden = [f"golden inputs (prompt 0): could not be run: {str(e).splitlines()[0]}"], GoldenData("error")
         verdict.message += "".join("\n" + ln for ln in lines)
         if golden is not None:
-            verdict.data["golden"] = golden
+            verdict.data.golden = golden
     return verdict
 
 
@@ -222,7 +225,7 @@ def check_lint(session: Session, case: Case, spec: EngineSpec) -> Verdict:
 
     findings = lint_case(session.prepare(case))
     errors = [f for f in findings if f.severity == "error"]
-    data = {"findings": [f.to_dict() for f in findings]}
+    data = LintData(findings=list(findings))
     if not findings:
         return Verdict(True, "draft config: layer ids, norm flags, vocab map and fc width are unambiguous", data)
     head = f"{len(errors)} error(s), {len(findings) - len(errors)} warning(s) in the draft config"
@@ -262,7 +265,7 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
            f"clear reference choice (threshold {threshold}); ties within noise: {ties} ({tie_agree} agree)")  # fmt: skip
     if skipped:
         msg += f"; {skipped} step tensors not compared (after a tie the engine resolved the other way)"
-    data = {"agree": agree, "total": total, "rate": rate, "ties": ties, "ties_agree": tie_agree, "noise": floor.source}
+    data = Top1Data(agree=agree, total=total, rate=rate, ties=ties, ties_agree=tie_agree, noise=floor.source)
     if total == 0:
         return Verdict(ties > 0, msg + ("; every position is a tie: agreement cannot be judged here" if ties else
                                         "; nothing to compare"), data)  # fmt: skip
@@ -277,7 +280,7 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
     if session.is_live(spec):  # a running server: against the reference's replay of its own tokens
         from difftest import probe
 
-        return Verdict(*probe.check(session, case, spec, tol))
+        return Verdict(*probe.check(session, case, spec, tol))  # its data: a ServerAcceptData
     ref_stats = session.speculate(case, session.options.reference)
     stats = session.speculate(case, spec)
     # the measured numerical move only widens what is allowed, so it is measured (a float64 speculative
@@ -288,8 +291,8 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
         numerical, noise_source = session.accept_noise(case)
         gate = accept_gate.judge(ref_stats, stats, numerical, tol, noise_source)
     return Verdict(gate.ok, accept_gate.message(gate, ref_stats, stats),
-                   {"reference": ref_stats.to_dict(), "engine": stats.to_dict(), "allowed": gate.allowed_accept,
-                    "spread": gate.spread, "gate": gate.to_dict()})  # fmt: skip
+                   AcceptLengthData(reference=ref_stats, engine=stats, allowed=gate.allowed_accept, spread=gate.spread,
+                                    gate=gate.to_dict()))  # fmt: skip
 
 
 CHECKS = {

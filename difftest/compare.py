@@ -308,7 +308,7 @@ def compare_captures(
     router_ties = noise.router_tie_rows(ref, floor)
     cd = CaptureDiff(diffs, floor.source, tie)
     cd.router_ties = {k: int(v.sum()) for k, v in router_ties.items() if bool(v.any())}
-    wiring, num_layers = (ref.meta.get("wiring") or {}).get("inputs") or [], ref.meta.get("num_layers")
+    wiring, num_layers = (ref.meta.wiring.inputs if ref.meta.wiring else []), ref.meta.num_layers
     judge_along_flow(cd, wiring, num_layers, {f"target.h.{k + 1}": v for k, v in router_ties.items()}, dtype)
     localise(cd, wiring, num_layers)
     return cd
@@ -388,7 +388,7 @@ def _tie_step(ref: Capture, other: Capture, floor: noise.NoiseFloor) -> tuple[in
     """The first draft step where the engine drafted another token than the reference *at a tie*:
     later steps compute on another token and are not compared. A drafted token that differs where
     the reference's margin is clear is no tie: that step's logits diverge and say so."""
-    a, b = ref.meta.get("draft_tokens"), other.meta.get("draft_tokens")
+    a, b = ref.meta.draft_tokens, other.meta.draft_tokens
     s = noise._diverged_step(a, b)
     if s is None:
         return None, ""

@@ -15,42 +15,15 @@ suspect (fc, norms, attention, residual, lm_head, vocab map, later steps).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 
 from difftest.layer_rules import default_layers
 from difftest.capture import Capture
+from difftest.chunk_match import MATCH_REL_DIFF, ChunkMatch, Similarity
 from difftest.names import split_draft
 from difftest.wiring import hidden_index, short_name
 
-MATCH_REL_DIFF = 1e-3  # a chunk "is" a reference tensor below this mean per-token rel_diff (bf16 noise ~1e-5)
 NORM_PREFIX = "rmsnorm("
-
-
-@dataclass
-class ChunkMatch:
-    chunk: int
-    expected: str | None  # reference wiring at this slot
-    best: str  # reference tensor the engine's chunk matches best (maybe "rmsnorm(target.h.k)")
-    cosine: float  # mean per-token cosine against `best`
-    min_cosine: float  # worst token
-    rel_diff: float  # mean per-token rel_diff against `best`
-    max_abs: float
-    norm: float  # mean per-token RMS of the engine's chunk
-    norm_spread: float  # its standard deviation over tokens
-    expected_norm: float | None = None  # mean per-token RMS of the expected reference tensor
-
-    @property
-    def matched(self) -> bool:
-        return self.rel_diff < MATCH_REL_DIFF
-
-    @property
-    def correct(self) -> bool:
-        return self.best == self.expected and self.matched
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "matched": self.matched, "correct": self.correct}
 
 
 def describe(name: str, num_layers: int | None = None) -> str:
@@ -113,15 +86,15 @@ def _score(chunk: torch.Tensor, ref: Capture, names: list[str]) -> dict[str, tup
     return out
 
 
-def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], dict]:
+def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], Similarity | None]:
     """Match every H-wide chunk of the engine's fc_in; also the chunk x candidate cosine matrix (for plots)."""
     size = ref.fc_chunk_size
     if "draft.fc_in" not in other.tensors or not size:
-        return [], {}
+        return [], None
     fc = other.tensors["draft.fc_in"]
     if fc.shape[-1] % size:
-        return [], {}
-    expected = (ref.meta.get("wiring") or {}).get("inputs") or []
+        return [], None
+    expected = (ref.meta.wiring.inputs if ref.meta.wiring else [])
     names = _candidates(ref)
     out, matrix = [], []
     for j in range(fc.shape[-1] // size):
@@ -143,7 +116,7 @@ def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], dict]:
         max_abs = float((chunk - _tensor(ref, best).to(chunk.device)).abs().max())
         out.append(ChunkMatch(j, want, best, cos, min_cos, rel, max_abs, float(rms.mean()),
                               float(rms.std()) if rms.numel() > 1 else 0.0, want_rms))  # fmt: skip
-    return out, {"chunks": [f"chunk {m.chunk}" for m in out], "candidates": names, "cosine": matrix}
+    return out, Similarity([f"chunk {m.chunk}" for m in out], names, matrix)
 
 
 def match_fc_chunks(ref: Capture, other: Capture) -> list[ChunkMatch]:
@@ -211,14 +184,14 @@ def _norms_differ(m: ChunkMatch) -> bool:
 def diagnose_fc(ref: Capture, other: Capture) -> list[str]:
     """Human-readable lines; empty when the fc inputs match the reference wiring."""
     ref_fc, other_fc = ref.tensors.get("draft.fc_in"), other.tensors.get("draft.fc_in")
-    L = ref.meta.get("num_layers")
+    L = ref.meta.num_layers
     s = ref.fc_chunk_size
     if ref_fc is not None and other_fc is not None and ref_fc.shape[-1] != other_fc.shape[-1] and s:
         lines = []
         if other_fc.shape[-1] % s == 0:
-            fake = Capture(other.tensors, {**other.meta, "target_hidden_size": s})
+            fake = Capture(other.tensors, other.meta.replace(target_hidden_size=s))
             got = [(m.best if m.matched else None) for m in match_chunks(ref, fake)[0]]
-            want = (ref.meta.get("wiring") or {}).get("inputs") or []
+            want = (ref.meta.wiring.inputs if ref.meta.wiring else [])
             lines.append(f"engine fed fc [{', '.join(map(_short, got))}]; reference fed [{', '.join(map(_short, want))}]")
         lines.append(
             f"chunk count mismatch: engine fc_in has {other_fc.shape[-1] / s:g} chunks of {s}, reference {ref_fc.shape[-1] // s}"
@@ -261,7 +234,7 @@ def diagnose_hidden(ref: Capture, other: Capture, name: str) -> list[str]:
     rel, cos, _ = scores[best]
     if best == name or rel >= MATCH_REL_DIFF:
         return []
-    line = f"engine's {name} matches reference {describe(best, ref.meta.get('num_layers'))} (cos {cos:.4f})"
+    line = f"engine's {name} matches reference {describe(best, ref.meta.num_layers)} (cos {cos:.4f})"
     a, b = hidden_index(name), hidden_index(best)
     if a is not None and b is not None:
         line += f": the engine's layer numbering is shifted by {b - a:+d}"

@@ -35,6 +35,9 @@ class ExtraCheck:
     applies: Callable  # (case, is_reference: bool) -> bool: does this case get the item for that engine
     doc: str = ""
     engines: tuple[str, ...] = ()  # engine names the item is for (e.g. only `train`); empty: every engine
+    # the difftest.records.check_data.CheckData subclass its verdicts carry: a report names it by its
+    # KIND, and reading the report back finds the record here
+    data: type | None = None
 
 
 @dataclass(frozen=True)

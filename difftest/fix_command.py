@@ -206,10 +206,12 @@ def verify(result: FixResult, case_file: Path, args: argparse.Namespace, out_dir
         result.verified = False
         result.verification = [{"check": "run", "outcome": f"no report (exit {proc.returncode}): {proc.stdout[-300:]}"}]
         return
-    checks = [c for c in json.loads(report.read_text())["checks"] if c["engine"] == result.engine]
-    result.verification = [{"check": c["check"], "outcome": c["outcome"], "message": c["message"].splitlines()[0] if c["message"] else ""}
+    from difftest.records import Report
+
+    checks = Report.load(report).results(result.engine)
+    result.verification = [{"check": c.check, "outcome": c.outcome, "message": c.message.splitlines()[0] if c.message else ""}
                            for c in checks]  # fmt: skip
-    result.verified = bool(checks) and all(c["outcome"] == "passed" for c in checks)
+    result.verified = bool(checks) and all(c.outcome == "passed" for c in checks)
     result.verification_report = str(report)
 
 

@@ -12,27 +12,28 @@ from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
 from difftest.diagnose import diagnose_draft
 from difftest.engine import EngineSpec
+from difftest.records.check_data import GoldenData
 from difftest.scopes import in_draft_scope, in_fc_scope
 from difftest.session import Session
 
 
 def golden_rerun(session: Session, case: Case, spec: EngineSpec, i: int, diff: CaptureDiff,
-                 own_passed: bool = False) -> tuple[list[str], dict]:  # fmt: skip
+                 own_passed: bool = False) -> tuple[list[str], GoldenData]:  # fmt: skip
     """Re-run the engine's draft on the reference's draft.fc_in and say which side is at fault
     (`own_passed`: the engine's own run is within noise; the re-run is then a confirmation)."""
     ref_spec = session.options.reference
     golden = session.capture_golden(case, spec, i)
     if golden is None:
         return [f"golden-input re-run: not supported by {spec.id}, so wrong hidden states and a draft that "
-                "computes differently cannot be told apart"], {"outcome": "unsupported"}  # fmt: skip
+                "computes differently cannot be told apart"], GoldenData("unsupported")  # fmt: skip
     ref = session.capture(case, ref_spec, i)
     scope = [n for n in ref.names() if in_draft_scope(n)]
     gdiff = compare_captures(ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing],
                              floor=session.noise_floor(case))  # fmt: skip
     g_first = gdiff.first_introduced(scope) or gdiff.first_divergence(scope)
     fc_ok = all(d.ok for d in diff.diffs if in_fc_scope(d.name))
-    data = {"outcome": "diverges" if g_first else "matches", "first_divergence": g_first.name if g_first else None,
-            "tensors": [d.name for d in gdiff.diffs if d.name in scope and not d.ok]}  # fmt: skip
+    data = GoldenData("diverges" if g_first else "matches", g_first.name if g_first else None,
+                      [d.name for d in gdiff.diffs if d.name in scope and not d.ok])  # fmt: skip
     if own_passed:
         if g_first is None:
             return [f"golden inputs (prompt {i}): on the reference's draft.fc_in, {spec.id}'s draft matches "

@@ -20,6 +20,8 @@ import io
 import math
 from html import escape
 
+from difftest.records import AcceptLengthData, CheckResult, ComparisonData, PromptComparison, Report, ServerAcceptData
+from difftest.records.report import SCHEMA, SCHEMA_VERSION
 from difftest.report import INTERRUPTED, above_noise, fix_lines, fixes, focus, interesting, noise_floor_line, num, ties_lines, verdict_word
 
 OUTCOME_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#9a6700", "skipped": "#6e7781",
@@ -73,9 +75,9 @@ def _finite(x, floor=1e-12):
     return max(min(x, 1e30), floor)
 
 
-def _comparison(report: dict, engine: str) -> dict | None:
-    runs = report.get("comparisons", {}).get(engine) or []
-    return next((r for r in runs if r.get("first_divergence")), runs[0] if runs else None)
+def _comparison(report: Report, engine: str) -> PromptComparison | None:
+    runs = report.comparisons.get(engine) or []
+    return next((r for r in runs if r.first_divergence), runs[0] if runs else None)
 
 
 # -- the noise view: error against the measured noise floor, per engine (inline SVG) ----------------
@@ -118,9 +120,9 @@ def _polyline(points: list[tuple[float, float] | None], colour: str, dash: str =
     return "".join(out)
 
 
-def svg_noise(entry: dict, engine: str) -> str | None:
+def svg_noise(entry: PromptComparison, engine: str) -> str | None:
     """Every tensor of one prompt along the data flow: err (log scale) against floor and threshold."""
-    tensors = [t for t in entry.get("tensors") or [] if "name" in t]
+    tensors = [t for t in entry.tensors if "name" in t]
     if not tensors or not any("threshold" in t or "err" in t for t in tensors):
         return None  # a report from before the noise criterion
     values = [v for t in tensors for v in (_pos(t.get("err")), _pos(t.get("noise_floor")), _pos(t.get("threshold"))) if v]
@@ -180,7 +182,7 @@ def svg_noise(entry: dict, engine: str) -> str | None:
         if t.get("introduced"):
             s.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="9" fill="none" stroke="{C_ABOVE}" stroke-width="2" class="introduced"/>')
         s.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{colour}" class="{cls}"><title>{tip}</title></circle>')
-    first = entry.get("first_divergence")
+    first = entry.first_divergence
     if first and any(t["name"] == first for t in tensors):
         i = next(i for i, t in enumerate(tensors) if t["name"] == first)
         anchor, dx = ("start", 5) if i < n / 2 else ("end", -5)
@@ -209,11 +211,11 @@ def svg_noise(entry: dict, engine: str) -> str | None:
     return "".join(s)
 
 
-def noise_section(report: dict) -> list[str]:
+def noise_section(report: Report) -> list[str]:
     """The noise floor's source line, then per engine the SVG, the compact table and the ties."""
     h = ["<h2 id='noise'>Error against the noise floor</h2>",
          f"<p class='noise-source' id='noise-source'>{escape(noise_floor_line(report))}</p>"]  # fmt: skip
-    nf = report.get("noise_floor") or {}
+    nf = report.noise_floor or {}
     if nf.get("tensors"):
         h.append("<details><summary>measured floor per tensor</summary><table><tr><th>tensor</th><th>floor</th>"
                  "<th>max</th><th>rows</th><th>threshold</th></tr>")  # fmt: skip
@@ -221,23 +223,23 @@ def noise_section(report: dict) -> list[str]:
             h.append(f"<tr><td><code>{escape(str(name))}</code></td><td>{num(f.get('floor'))}</td><td>{num(f.get('max'))}</td>"
                      f"<td>{escape(str(f.get('rows')))}</td><td>{num(f.get('threshold'))}</td></tr>")  # fmt: skip
         h.append("</table></details>")
-    comparisons = report.get("comparisons") or {}
+    comparisons = report.comparisons
     if not comparisons:
         h.append("<p>No engine was compared with the reference.</p>")
     for engine, entries in comparisons.items():
         entry = focus(entries)
         if entry is None:
             continue
-        first = entry.get("first_divergence")
-        head = f"{escape(engine)} · prompt {escape(str(entry.get('prompt')))} · " + (
+        first = entry.first_divergence
+        head = f"{escape(engine)} · prompt {escape(str(entry.prompt))} · " + (
             f"error introduced at <code>{escape(first)}</code>" if first else "every tensor within noise")
         h.append(f"<h3 class='noise-engine'>{head}</h3>")
         if first:
-            h.append(f"<p>first above noise <code>{escape(str(entry.get('first_above_noise')))}</code> · first that differs "
-                     f"at all <code>{escape(str(entry.get('first_differs')))}</code></p>")  # fmt: skip
+            h.append(f"<p>first above noise <code>{escape(str(entry.first_above_noise))}</code> · first that differs "
+                     f"at all <code>{escape(str(entry.first_differs))}</code></p>")  # fmt: skip
         svg = svg_noise(entry, engine)
         if svg:
-            h.append(f"<figure>{svg}<figcaption>{escape(engine)}, prompt {escape(str(entry.get('prompt')))}: per-row relative "
+            h.append(f"<figure>{svg}<figcaption>{escape(engine)}, prompt {escape(str(entry.prompt))}: per-row relative "
                      "error of every tensor along the data flow (largest row, log scale) against the reference's measured "
                      "noise floor and the threshold; hover a point for its numbers</figcaption></figure>")  # fmt: skip
         rows, left = interesting(entry)
@@ -260,20 +262,20 @@ def noise_section(report: dict) -> list[str]:
     return h
 
 
-def plot_dataflow(report: dict) -> str | None:
-    engines = [e for e in report.get("comparisons", {}) if _comparison(report, e)]
+def plot_dataflow(report: Report) -> str | None:
+    engines = [e for e in report.comparisons if _comparison(report, e)]
     if not engines:
         return None
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
     names: list[str] = []
     for e in engines:
-        for t in _comparison(report, e)["tensors"]:
+        for t in _comparison(report, e).tensors:
             if t["name"] not in names:
                 names.append(t["name"])
     x = {n: i for i, n in enumerate(names)}
     for e in engines:
-        tensors = [t for t in _comparison(report, e)["tensors"] if t.get("numel")]
+        tensors = [t for t in _comparison(report, e).tensors if t.get("numel")]
         xs = [x[t["name"]] for t in tensors]
         ax1.plot(xs, [_finite(t["max_abs"]) or 1e-12 for t in tensors], marker="o", label=e)
         ax2.plot(xs, [_finite(1 - t["cosine"]) or 1e-12 for t in tensors], marker="o", label=e)
@@ -288,17 +290,17 @@ def plot_dataflow(report: dict) -> str | None:
     return _png(fig)
 
 
-def plot_tokens(report: dict) -> str | None:
+def plot_tokens(report: Report) -> str | None:
     """Per-token error of each engine's introduced-error tensor: row error / threshold (1 = the noise
     threshold); reports from before the noise criterion: max |diff| per row."""
     plt = _plt()
     series = []
-    for e in report.get("comparisons", {}):
+    for e in report.comparisons:
         c = _comparison(report, e)
-        name = c and c.get("first_divergence")
-        t = next((t for t in c["tensors"] if t["name"] == name), None) if name else None
+        name = c and c.first_divergence
+        t = next((t for t in c.tensors if t["name"] == name), None) if name else None
         if t and (t.get("row_err") or t.get("row_max_abs")):
-            series.append((e, name, c["prompt"], t))
+            series.append((e, name, c.prompt, t))
     if not series:
         return None
     noise_units = all(t.get("row_err") and _pos(t.get("threshold")) for _, _, _, t in series)
@@ -316,9 +318,10 @@ def plot_tokens(report: dict) -> str | None:
     return _png(fig)
 
 
-def plot_similarity(check: dict) -> str | None:
-    sim = (check.get("data") or {}).get("similarity") or {}
-    rows = sim.get("cosine") or []
+def plot_similarity(check: CheckResult) -> str | None:
+    data = check.data if isinstance(check.data, ComparisonData) else ComparisonData()
+    sim = data.similarity
+    rows = sim.cosine if sim is not None else []
     if not rows:
         return None
     plt = _plt()
@@ -327,27 +330,28 @@ def plot_similarity(check: dict) -> str | None:
     m = np.array([[np.nan if v is None else v for v in r] for r in rows], dtype=float)
     fig, ax = plt.subplots(figsize=(min(11, 2 + 0.45 * m.shape[1]), 1.2 + 0.5 * m.shape[0]))
     im = ax.imshow(m, cmap="viridis", vmin=min(0.0, float(np.nanmin(m))) if m.size else 0, vmax=1, aspect="auto")
-    ax.set_xticks(range(m.shape[1]), [c.removeprefix("target.") for c in sim["candidates"]], rotation=60, ha="right", fontsize=8)
-    ax.set_yticks(range(m.shape[0]), sim["chunks"], fontsize=8)
-    for j, fc in enumerate((check.get("data") or {}).get("fc_chunks") or []):
-        if fc.get("expected") in sim["candidates"]:
-            ax.scatter([sim["candidates"].index(fc["expected"])], [j], marker="s", s=160, facecolors="none", edgecolors="red")
+    ax.set_xticks(range(m.shape[1]), [c.removeprefix("target.") for c in sim.candidates], rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(range(m.shape[0]), sim.chunks, fontsize=8)
+    for j, fc in enumerate(data.fc_chunks or []):
+        if fc.expected in sim.candidates:
+            ax.scatter([sim.candidates.index(fc.expected)], [j], marker="s", s=160, facecolors="none", edgecolors="red")
     fig.colorbar(im, ax=ax, label="mean per-token cosine")
-    ax.set_title(f"{check['engine']}: engine fc chunk vs reference tensor (red square: expected)", fontsize=9)
+    ax.set_title(f"{check.engine}: engine fc chunk vs reference tensor (red square: expected)", fontsize=9)
     return _png(fig)
 
 
-def plot_acceptance(check: dict) -> str | None:
-    data = check.get("data") or {}
-    ref, eng = data.get("reference") or {}, data.get("engine") or {}
-    a, b = ref.get("acceptance_rate_per_pos") or [], eng.get("acceptance_rate_per_pos") or []
+def plot_acceptance(check: CheckResult) -> str | None:
+    if not isinstance(check.data, (AcceptLengthData, ServerAcceptData)):
+        return None
+    ref, eng = check.data.reference, check.data.engine
+    a, b = ref.acceptance_rate_per_pos, eng.acceptance_rate_per_pos
     if not a and not b:
         return None
     plt = _plt()
     n = max(len(a), len(b))
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.bar([i - 0.2 for i in range(len(a))], a, width=0.4, label=f"reference ({ref.get('accept_length', float('nan')):.2f})")
-    ax.bar([i + 0.2 for i in range(len(b))], b, width=0.4, label=f"{check['engine']} ({eng.get('accept_length', float('nan')):.2f})")
+    ax.bar([i - 0.2 for i in range(len(a))], a, width=0.4, label=f"reference ({ref.accept_length:.2f})")
+    ax.bar([i + 0.2 for i in range(len(b))], b, width=0.4, label=f"{check.engine} ({eng.accept_length:.2f})")
     ax.set_xticks(range(n), [str(i + 1) for i in range(n)])
     ax.set_xlabel("draft position"), ax.set_ylabel("acceptance rate"), ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8), ax.set_title("per-position acceptance (accept length in the legend)", fontsize=9)
@@ -358,77 +362,77 @@ def _outcome(o: str) -> str:
     return f'<span class="outcome" style="background:{OUTCOME_COLOURS.get(o, "#6e7781")}">{escape(o)}</span>'
 
 
-def render(report: dict) -> str:
-    checks = report.get("checks", [])
-    failed = [c for c in checks if c["outcome"] in ("failed", "error")]
-    title = f"difftest: {report.get('case', '?')}"
+def render(report: Report) -> str:
+    checks = report.checks
+    failed = [c for c in checks if c.failed]
+    title = f"difftest: {report.case}"
     verdict = (
-        f"{len(failed)} of {len(checks)} checks failed: " + ", ".join(f"{c['engine']}::{c['check']}" for c in failed)
+        f"{len(failed)} of {len(checks)} checks failed: " + ", ".join(f"{c.engine}::{c.check}" for c in failed)
         if failed
         else f"all {len(checks)} checks passed"
     )
     h = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{escape(title)}</title><style>{CSS}</style></head><body>"]
     h.append(f"<h1>{escape(title)}</h1>")
-    h.append(f"<p>reference <code>{escape(str(report.get('reference')))}</code> · case file <code>{escape(str(report.get('case_file')))}</code>"
-             f" · {escape(str(report.get('created', '')))} · schema {escape(str(report.get('schema')))}</p>")  # fmt: skip
-    if report.get("interrupted"):
+    h.append(f"<p>reference <code>{escape(report.reference)}</code> · case file <code>{escape(report.case_file)}</code>"
+             f" · {escape(report.created)} · schema {SCHEMA} version {SCHEMA_VERSION}</p>")  # fmt: skip
+    if report.interrupted:
         verdict = f"interrupted: {INTERRUPTED} ({verdict})"
-    bad = failed or report.get("interrupted")
+    bad = failed or report.interrupted
     h.append(f"<div class='verdict {'failed' if bad else 'passed'}' id='verdict'>{escape(verdict)}</div>")
 
     h.append("<h2 id='first-divergence'>First divergence and diagnosis</h2>")
-    diag = [c for c in failed if c["check"] in ("fc_inputs", "draft_logits", "lint")]
+    diag = [c for c in failed if c.check in ("fc_inputs", "draft_logits", "lint")]
     if not diag:
         h.append("<p>No tensor diverges.</p>")
     for c in diag:
-        data = c.get("data") or {}
-        fd = data.get("introduced") or data.get("first_divergence")
+        data = c.data if isinstance(c.data, ComparisonData) else ComparisonData()  # lint: a message, no tensors
+        fd = data.introduced or data.first_divergence
         where = f" · error introduced at <code>{escape(fd)}</code>" if fd else ""
-        h.append(f"<h3>{escape(c['engine'])} · {escape(c['check'])}{where}</h3>")
-        where = [(k, data.get(k)) for k in ("first_above_noise", "first_differs") if data.get(k)]
+        h.append(f"<h3>{escape(c.engine)} · {escape(c.check)}{where}</h3>")
+        where = [(k, v) for k, v in (("first above noise", data.first_above_noise), ("first differs", data.first_differs)) if v]
         if where:
-            h.append("<p>" + " · ".join(f"{k.replace('_', ' ')} <code>{escape(str(v))}</code>" for k, v in where) + "</p>")
-        h.append(f"<pre class='msg'>{escape(c['message'])}</pre>")
+            h.append("<p>" + " · ".join(f"{k} <code>{escape(str(v))}</code>" for k, v in where) + "</p>")
+        h.append(f"<pre class='msg'>{escape(c.message)}</pre>")
     found = fixes(report)
     if found:
         h.append("<h2 id='fix'>Fix</h2>")
         for f in found:
-            h.append(f"<h3>{escape(f['engine'])}</h3><p>{escape(f.get('rule') or '')}</p><ul>")
-            h += [f"<li>{escape(line)}</li>" for line in fix_lines(f, str(report.get("case_file", "CASE")))]
+            h.append(f"<h3>{escape(f.engine)}</h3><p>{escape(f.rule)}</p><ul>")
+            h += [f"<li>{escape(line)}</li>" for line in fix_lines(f, report.case_file or "CASE")]
             h.append("</ul>")
     h += noise_section(report)
 
     h.append("<h2 id='checks'>Checks</h2><table><tr><th>engine</th><th>check</th><th>outcome</th><th>message</th></tr>")
     for c in checks:
-        h.append(f"<tr><td><code>{escape(c['engine'])}</code></td><td>{escape(c['check'])}</td><td>{_outcome(c['outcome'])}</td>"
-                 f"<td class='msg'>{escape(c['message'])}</td></tr>")  # fmt: skip
+        h.append(f"<tr><td><code>{escape(c.engine)}</code></td><td>{escape(c.check)}</td><td>{_outcome(c.outcome)}</td>"
+                 f"<td class='msg'>{escape(c.message)}</td></tr>")  # fmt: skip
     h.append("</table>")
 
     h.append("<h2 id='plots'>Plots</h2>")
     figures = [(plot_dataflow(report), "elementwise statistics along the data flow (prompt of the first divergence)"),
                (plot_tokens(report), "per-token error of the tensor where the error is introduced")]  # fmt: skip
     for c in checks:
-        if c["check"] == "fc_inputs":
-            figures.append((plot_similarity(c), f"{c['engine']}: chunk-vs-layer similarity"))
-        if c["check"] == "accept_length":
-            figures.append((plot_acceptance(c), f"{c['engine']}: per-position acceptance"))
+        if c.check == "fc_inputs":
+            figures.append((plot_similarity(c), f"{c.engine}: chunk-vs-layer similarity"))
+        if c.check == "accept_length":
+            figures.append((plot_acceptance(c), f"{c.engine}: per-position acceptance"))
     shown = [_figure(png, cap) for png, cap in figures if png]
     h += shown or ["<p>No numeric data to plot.</p>"]
 
     h.append("<h2 id='environment'>Environment</h2><table><tr><th>what</th><th>value</th></tr>")
-    for k, v in (report.get("environment") or {}).items():
+    for k, v in report.environment.items():
         h.append(f"<tr><td>{escape(str(k))}</td><td><code>{escape(str(v))}</code></td></tr>")
-    for e, entry in (report.get("engines") or {}).items():
-        value = entry.get("info") or {"error": entry.get("error")}
+    for e, entry in report.engines.items():
+        value = entry.info or {"error": entry.error}
         h.append(f"<tr><td>engine <code>{escape(e)}</code></td><td><code>{escape(str(value))}</code></td></tr>")
     h.append("</table>")
-    h.append(f"<h2 id='reproduce'>Reproduce</h2><pre>{escape(str(report.get('reproduce', '')))}</pre>")
-    h.append(f"<h2 id='case'>Case</h2><pre>{escape(str(report.get('case_yaml', '')))}</pre>")
-    h.append(f"<p>Accept length: {escape(str(report.get('accept_length_definition', '')))}.</p>")
-    if report.get("definitions"):  # what each figure above counts, and how engines' own figures became it
+    h.append(f"<h2 id='reproduce'>Reproduce</h2><pre>{escape(report.reproduce)}</pre>")
+    h.append(f"<h2 id='case'>Case</h2><pre>{escape(report.case_yaml)}</pre>")
+    h.append(f"<p>Accept length: {escape(report.accept_length_definition)}.</p>")
+    if report.definitions:  # what each figure above counts, and how engines' own figures became it
         h.append("<h2 id='definitions'>Definitions</h2><table><tr><th>figure</th><th>counts</th><th>to the harness's definition</th></tr>")
-        h += [f"<tr><td><code>{escape(str(d.get('name')))}</code></td><td>{escape(str(d.get('counts')))}</td>"
-              f"<td>{escape(str(d.get('converts')))}</td></tr>" for d in report["definitions"]]  # fmt: skip
+        h += [f"<tr><td><code>{escape(d.name)}</code></td><td>{escape(d.counts)}</td><td>{escape(d.converts)}</td></tr>"
+              for d in report.definitions]  # fmt: skip
         h.append("</table>")
     h.append("</body></html>")
     return "\n".join(h)

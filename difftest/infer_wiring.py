@@ -226,7 +226,7 @@ def evidence_from_captures(captures: Sequence, source: str) -> Evidence:
     label_source = "target greedy (argmax of target.logits)"
     num_layers = 0
     for i, cap in enumerate(captures):
-        ids = list(cap.meta.get("prompt_ids") or [])
+        ids = list(cap.meta.prompt_ids)
         t = {n: v.float() for n, v in cap.tensors.items() if hidden_index(n) is not None or n == FINAL_NORM}
         if not t or not ids:
             raise ConfigError(f"infer wiring: {source} capture of prompt {i} holds no target.h.* or no prompt ids")
@@ -241,7 +241,7 @@ def evidence_from_captures(captures: Sequence, source: str) -> Evidence:
         tokens.append(ids)
         labels.append(lab.long())
         tensors.append(t)
-        num_layers = max(num_layers, int(cap.meta.get("num_layers") or 0), *(hidden_index(n) or 0 for n in t))
+        num_layers = max(num_layers, int(cap.meta.num_layers or 0), *(hidden_index(n) or 0 for n in t))
     return Evidence(tokens, labels, tensors, num_layers, source, label_source)
 
 

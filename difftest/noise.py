@@ -246,7 +246,7 @@ def _draft_own_floor(own: list[tuple]) -> dict[str, torch.Tensor]:
 
     out: dict[str, list[torch.Tensor]] = {}
     for cap, exact in own:
-        flip = _diverged_step(cap.meta.get("draft_tokens"), exact.meta.get("draft_tokens"))
+        flip = _diverged_step(cap.meta.draft_tokens, exact.meta.draft_tokens)
         for name in cap.tensors:
             d = split_draft(name)
             if d is None or name not in exact.tensors or (flip is not None and d[0] > flip):
@@ -270,7 +270,7 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] 
     for i, (cap, exact) in enumerate(pairs):
         # A draft step after the two runs drafted different tokens computes on another token: it says
         # nothing about rounding, so it is left out (its threshold comes from the other prompts).
-        flip = _diverged_step(cap.meta.get("draft_tokens"), exact.meta.get("draft_tokens"))
+        flip = _diverged_step(cap.meta.draft_tokens, exact.meta.draft_tokens)
         if flip is not None:
             excluded.append(f"prompt {i}: draft steps > {flip} (float64 drafted another token at step {flip})")
         ties = tie_from[i]

@@ -31,6 +31,7 @@ from difftest.envs import interpreter, project_pythons
 from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineError, EngineUnavailable, NotAvailable
 from difftest.settings import unknown_key
 from difftest.expected_failure import judge as judge_expected
+from difftest.records import CheckData, CheckResult, ExpectedFailureRecord
 from difftest.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
@@ -272,14 +273,13 @@ class CheckItem(pytest.Item):
         session: Session = self.config.stash[SESSION]
         session.begin_case(self.case.path)
         results = self.config.stash[RESULTS].setdefault(self.case.path, [])
-        record = {"engine": self.spec.id, "check": self.check}
         try:
             verdict = checks_mod.run_check(self.check, session, self.case, self.spec)
         except NotAvailable as e:
-            results.append({**record, "outcome": "not available", "message": str(e)})
+            results.append(CheckResult(self.spec.id, self.check, "not available", str(e)))
             pytest.skip(str(e))
         except EngineUnavailable as e:
-            results.append({**record, "outcome": "skipped", "message": str(e)})
+            results.append(CheckResult(self.spec.id, self.check, "skipped", str(e)))
             if self.config.getoption("require_engines"):
                 raise CheckFailed(f"engine required but unavailable: {e}") from None
             pytest.skip(str(e))
@@ -287,21 +287,21 @@ class CheckItem(pytest.Item):
             message = str(e)
             if isinstance(e, EngineError):
                 message = checks_mod.explain_engine_error(session, self.case, self.spec, message)
-            self._expected_or_raise(results, record, "error", message, {})
+            self._expected_or_raise(results, "error", message, None)
             return
-        self._expected_or_raise(results, record, "passed" if verdict.passed else "failed", verdict.message, verdict.data)
+        self._expected_or_raise(results, "passed" if verdict.passed else "failed", verdict.message, verdict.data)
 
-    def _expected_or_raise(self, results: list, record: dict, outcome: str, message: str, data: dict) -> None:
+    def _expected_or_raise(self, results: list, outcome: str, message: str, data: CheckData | None) -> None:
         """Record the outcome; a declared expected failure (difftest.expected_failure) is judged strictly."""
         expected = next((e for e in self.case.expect_failure if e.matches(self.spec.name, self.spec.id, self.check)), None)
         if expected is None:
-            results.append({**record, "outcome": outcome, "message": message, "data": data})
+            results.append(CheckResult(self.spec.id, self.check, outcome, message, data))
             if outcome != "passed":
                 raise CheckFailed(message)
             return
         judged = judge_expected(expected, outcome == "passed", message)
-        results.append({**record, "outcome": "xfailed" if judged.expected else "failed", "message": judged.message,
-                        "data": data, "expected_failure": expected.to_dict()})  # fmt: skip
+        results.append(CheckResult(self.spec.id, self.check, "xfailed" if judged.expected else "failed", judged.message, data,
+                                   ExpectedFailureRecord(expected.engine, expected.check, expected.cause)))  # fmt: skip
         if not judged.expected:
             raise CheckFailed(judged.message)
         pytest.xfail(f"expected failure: {expected.cause}")
@@ -379,7 +379,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         try:  # one case's report failing (disk full, ...) must not lose the others' or the summary
             report = report_mod.build(case, config.stash[SESSION], results)
             if len(results) < selected[path]:  # Ctrl-C, -x, a crash of the run: not every check ran
-                report["interrupted"] = True
+                report.interrupted = True
                 previous = report_mod.json_path(report, report_dir)
                 if report_mod.is_complete(previous):
                     kept.append(previous)  # an interrupted run never replaces a finished report

@@ -22,6 +22,7 @@ from difftest.acceptance import AcceptStats, accept_length_spread
 from difftest.case import Case
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
+from difftest.records.check_data import ServerAcceptData
 
 
 def flags(settings: dict, case: Case) -> list[str]:
@@ -57,7 +58,7 @@ def _fmt(xs: list[float]) -> str:
     return "[" + ", ".join(f"{x:.2f}" for x in xs) + "]"
 
 
-def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool, str, dict]:
+def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool, str, ServerAcceptData]:
     """(passed, message, data) of a server's accept length against the reference's replay."""
     reference = session.options.reference
     settings = session.client(spec).info["settings"]
@@ -119,8 +120,7 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
         msg.append(f"note: the reference target's greedy token differs from the server's at {mismatched} output positions "
                    "(another model, lower precision or near ties): the replay still follows the server's tokens")  # fmt: skip
     msg += lines
-    data = {"reference": ref_total.to_dict(), "engine": server_total.to_dict(), "allowed": allowed, "spread": spread,
-            "gate": gate.to_dict(),
-            "server_settings": settings, "flags": flag_lines, "per_request": per_request,
-            "numbers": "exact" if exact else "deltas", "verdict": verdict}  # fmt: skip
+    data = ServerAcceptData(reference=ref_total, engine=server_total, allowed=allowed, spread=spread, gate=gate.to_dict(),
+                            server_settings=settings, flags=flag_lines, per_request=per_request,
+                            numbers="exact" if exact else "deltas", verdict=verdict)  # fmt: skip
     return passed, "\n".join(msg), data

@@ -49,6 +49,7 @@ def main(args: argparse.Namespace) -> int:
     from difftest import checks
     from difftest import report as report_mod
     from difftest.case import load_case
+    from difftest.records import CheckResult
     from difftest.engine import parse_spec
     from difftest.errors import DifftestError
     from difftest.session import Options, Session
@@ -71,10 +72,10 @@ def main(args: argparse.Namespace) -> int:
             try:
                 checks.CHECKS[name](session, case, server)
             except DifftestError as e:  # NotAvailable: a server exposes no tensors
-                results.append({"engine": server.id, "check": name, "outcome": "not available", "message": str(e)})
+                results.append(CheckResult(server.id, name, "not available", str(e)))
         verdict = checks.check_accept_length(session, case, server)
-        results.append({"engine": server.id, "check": "accept_length", "outcome": "passed" if verdict.passed else "failed",
-                        "message": verdict.message, "data": verdict.data})  # fmt: skip
+        results.append(CheckResult(server.id, "accept_length", "passed" if verdict.passed else "failed", verdict.message,
+                                   verdict.data))  # fmt: skip
         path = report_mod.write(report_mod.build(case, session, results), report_dir)
     except DifftestError as e:
         print(f"difftest probe: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

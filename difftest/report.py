@@ -1,4 +1,4 @@
-"""Per-case reports: JSON (schema difftest.report/1), a Markdown digest and a self-contained
+"""Per-case reports: JSON (a difftest.records.Report, schema difftest.report version 2), a Markdown digest and a self-contained
 HTML page (difftest.html_report), written atomically. The JSON is the source: `difftest
 report PATH.json` re-renders the other two from it. Layout: reports/README.md.
 
@@ -18,12 +18,14 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from difftest import definitions
 from difftest.acceptance import DEFINITION
-
-SCHEMA = "difftest.report/1"
+from difftest.errors import DifftestError
+from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
+from difftest.records.report import FigureDefinition
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
 
@@ -40,59 +42,56 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def build(case, session, results: list[dict]) -> dict:
+def build(case, session, results: list[CheckResult]) -> Report:
     engines = {}
     for spec in session.options.engines:
         info, err = session.engine_info(spec), session.start_error(spec)
-        engines[spec.id] = {"info": info} if info else {"error": err or "not started"}
+        engines[spec.id] = EngineEntry(info=info) if info else EngineEntry(error=err or "not started")
     computed = session.computed_comparisons(case)
     comparisons = {engine_id: [prompt_entry(i, cd) for i, cd in enumerate(diffs)] for engine_id, diffs in computed.items()}
-    return {
-        "schema": SCHEMA,
-        "case": case.name,
-        "case_file": case.path,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "reference": session.options.reference.id,
-        "accept_length_definition": DEFINITION,
-        "definitions": definitions_used(results, bool(computed)),
-        "engines": engines,
-        "checks": results,
-        "noise_floor": noise_floor(case, session) if computed else None,
-        "wiring_inference": _inference(case, session),
-        "comparisons": comparisons,
-        "environment": environment(),
-        "reproduce": reproduce_command(case.path, [s.id for s in session.options.engines], session.options.reference.id),
-        "case_yaml": _read_text(case.path),
-    }
+    return Report(
+        case=case.name,
+        case_file=case.path,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        reference=session.options.reference.id,
+        accept_length_definition=DEFINITION,
+        definitions=definitions_used(results, bool(computed)),
+        engines=engines,
+        checks=list(results),
+        noise_floor=noise_floor(case, session) if computed else None,
+        wiring_inference=_inference(case, session),
+        comparisons=comparisons,
+        environment=environment(),
+        reproduce=reproduce_command(case.path, [s.id for s in session.options.engines], session.options.reference.id),
+        case_yaml=_read_text(case.path),
+    )
 
 
-def definitions_used(results: list[dict], compared: bool) -> list[dict]:
+def definitions_used(results: list[CheckResult], compared: bool) -> list[FigureDefinition]:
     """Every figure this report shows, with what it counts and how the engines' and trainers' own
     figures were converted to it (difftest.definitions)."""
     names: list[str] = []
     if compared:
         names += [definitions.ROW_ERROR, definitions.EXCESS]
     for r in results:
-        data = r.get("data") or {}
-        if r["check"] == "top1_agreement":
+        data = r.data
+        if r.check == "top1_agreement":
             names.append(definitions.TOP1)
-        elif r["check"] == "accept_length" and data:
+        elif r.check == "accept_length" and data is not None and hasattr(data, "reference"):
             names += [definitions.ACCEPT_LENGTH, definitions.PER_POSITION]
-            for side in ("reference", "engine"):
-                names += (data.get(side) or {}).get("native") or []
-        elif r["check"] == "train_accuracy" and data:
+            names += list(data.reference.native) + list(data.engine.native)
+        elif r.check == "train_accuracy" and data is not None and isinstance(getattr(data, "trainer", None), dict):
             names.append(definitions.TRAIN_ACC_STEP0)
-            names += definitions.trainer_figures(str((data.get("trainer") or {}).get("rules", "")))
-    return [{"name": n, "counts": d.counts, "converts": d.converts}
+            names += definitions.trainer_figures(str(data.trainer.get("rules", "")))
+    return [FigureDefinition(n, d.counts, d.converts)
             for n, d in ((n, definitions.BY_NAME[n]) for n in dict.fromkeys(names) if n in definitions.BY_NAME)]
 
 
-def markdown_definitions(report: dict) -> list[str]:
-    found = report.get("definitions") or []
-    if not found:
+def markdown_definitions(report: Report) -> list[str]:
+    if not report.definitions:
         return []
     lines = ["## Definitions", "", "| figure | counts | to the harness's definition |", "|---|---|---|"]
-    lines += [f"| `{d['name']}` | {_md(d['counts'])} | {_md(d['converts'])} |" for d in found]
+    lines += [f"| `{d.name}` | {_md(d.counts)} | {_md(d.converts)} |" for d in report.definitions]
     return lines + [""]
 
 
@@ -106,20 +105,20 @@ def _name(d) -> str | None:
     return d.name if d is not None else None
 
 
-def prompt_entry(i: int, cd) -> dict:
+def prompt_entry(i: int, cd) -> PromptComparison:
     """One prompt's comparison. `first_divergence` is the tensor where the error is introduced
     (difftest.noise; the first tensor above noise when none is marked introduced): the tensor the
     failing checks lead with and the summary table shows."""
     introduced, above = cd.first_introduced(), cd.first_divergence()
-    return {
-        "prompt": i,
-        "first_divergence": _name(introduced or above),
-        "first_introduced": _name(introduced),
-        "first_above_noise": _name(above),
-        "first_differs": _name(cd.first_differs()),
-        "tie": cd.tie,
-        "tensors": [dataclasses.asdict(d) for d in cd.diffs],
-    }
+    return PromptComparison(
+        prompt=i,
+        first_divergence=_name(introduced or above),
+        first_introduced=_name(introduced),
+        first_above_noise=_name(above),
+        first_differs=_name(cd.first_differs()),
+        tie=cd.tie,
+        tensors=[dataclasses.asdict(d) for d in cd.diffs],
+    )
 
 
 def noise_floor(case, session) -> dict:
@@ -218,26 +217,26 @@ def verdict_word(t: dict) -> str:
     return {"tie": "tie (not compared)", "allowed-missing": "missing (allowed)"}.get(status, str(status))
 
 
-def focus(entries: list[dict]) -> dict | None:
+def focus(entries: list[PromptComparison]) -> PromptComparison | None:
     """The prompt an engine's noise view shows: the first with a divergence, else the one that moved
     most (largest finite excess), else the first."""
     if not entries:
         return None
-    first = next((p for p in entries if p.get("first_divergence")), None)
+    first = next((p for p in entries if p.first_divergence), None)
     if first is not None:
         return first
 
-    def moved(p: dict) -> float:
-        return max((float(t.get("excess") or 0.0) for t in p.get("tensors", []) if t.get("status") == "ok"), default=0.0)
+    def moved(p: PromptComparison) -> float:
+        return max((float(t.get("excess") or 0.0) for t in p.tensors if t.get("status") == "ok"), default=0.0)
 
     return max(entries, key=moved)
 
 
-def interesting(entry: dict, top: int = TOP_MOVERS, cap: int = MAX_ROWS) -> tuple[list[dict], int]:
+def interesting(entry: PromptComparison, top: int = TOP_MOVERS, cap: int = MAX_ROWS) -> tuple[list[dict], int]:
     """(rows of the compact table in data-flow order, how many tensors above noise were left out):
     the tensors above noise (the introduced ones first, then by excess) up to `cap`, or, when none is,
     the `top` movers by excess."""
-    tensors = entry.get("tensors") or []
+    tensors = entry.tensors
     above = [t for t in tensors if above_noise(t)]
     if above:
         ranked = sorted(above, key=lambda t: (not t.get("introduced"), -float(t.get("excess") or 0.0)))
@@ -249,19 +248,17 @@ def interesting(entry: dict, top: int = TOP_MOVERS, cap: int = MAX_ROWS) -> tupl
     return [t for t in tensors if id(t) in keep], 0
 
 
-def ties(report: dict, engine: str) -> dict:
+def ties(report: Report, engine: str) -> dict:
     """Ties for one engine: top-1 positions within noise (the top1_agreement item) and the draft steps
     not compared because the engine drafted another token at a tie (per prompt)."""
-    top1 = next((c.get("data") or {} for c in report.get("checks", []) if c.get("engine") == engine
-                 and c.get("check") == "top1_agreement"), {})  # fmt: skip
-    prompts = report.get("comparisons", {}).get(engine) or []
-    return {"top1_ties": top1.get("ties"), "top1_ties_agree": top1.get("ties_agree"),
-            "skipped": [{"prompt": p.get("prompt"), "tie": p["tie"],
-                         "tensors": sum(1 for t in p.get("tensors", []) if t.get("status") == "tie")}
-                        for p in prompts if p.get("tie")]}  # fmt: skip
+    top1 = next((c.data for c in report.results(engine, "top1_agreement") if isinstance(c.data, Top1Data)), None)
+    prompts = report.comparisons.get(engine) or []
+    return {"top1_ties": top1.ties if top1 else None, "top1_ties_agree": top1.ties_agree if top1 else None,
+            "skipped": [{"prompt": p.prompt, "tie": p.tie, "tensors": sum(1 for t in p.tensors if t.get("status") == "tie")}
+                        for p in prompts if p.tie]}  # fmt: skip
 
 
-def ties_lines(report: dict, engine: str) -> list[str]:
+def ties_lines(report: Report, engine: str) -> list[str]:
     t = ties(report, engine)
     out = []
     if t["top1_ties"] is not None:
@@ -271,8 +268,8 @@ def ties_lines(report: dict, engine: str) -> list[str]:
     return out
 
 
-def noise_floor_line(report: dict) -> str:
-    nf = report.get("noise_floor")
+def noise_floor_line(report: Report) -> str:
+    nf = report.noise_floor
     if not nf:
         return "noise floor: not in this report (no engine was compared)"
     measured = "measured" if nf.get("measured") else "NOT measured"
@@ -286,9 +283,9 @@ def _md(text: str) -> str:
     return str(text).replace("\n", "<br>").replace("|", "\\|")
 
 
-def markdown_noise(report: dict) -> list[str]:
+def markdown_noise(report: Report) -> list[str]:
     """Per engine: the compact error-vs-noise table of its focus prompt, and its ties."""
-    comparisons = report.get("comparisons") or {}
+    comparisons = report.comparisons
     if not comparisons:
         return []
     lines = ["## Error against the noise floor", "", _md(noise_floor_line(report)), ""]
@@ -296,14 +293,13 @@ def markdown_noise(report: dict) -> list[str]:
         entry = focus(entries)
         if entry is None:
             continue
-        head = f"### `{engine}`, prompt {entry.get('prompt')}: "
-        if entry.get("first_divergence"):
-            head += f"error introduced at `{entry['first_divergence']}`"
-            lines += [head, "", f"first above noise `{entry.get('first_above_noise')}`; first that differs at all "
-                                f"`{entry.get('first_differs')}`", ""]  # fmt: skip
+        head = f"### `{engine}`, prompt {entry.prompt}: "
+        if entry.first_divergence:
+            head += f"error introduced at `{entry.first_divergence}`"
+            lines += [head, "", f"first above noise `{entry.first_above_noise}`; first that differs at all "
+                                f"`{entry.first_differs}`", ""]  # fmt: skip
         else:
-            differs = entry.get("first_differs") or next((t["name"] for t in entry.get("tensors", [])
-                                                          if t.get("differs")), None)  # fmt: skip
+            differs = entry.first_differs or next((t["name"] for t in entry.tensors if t.get("differs")), None)
             lines += [head + ("every tensor within noise" if differs else "every compared tensor bit-identical"), ""]
         rows, left = interesting(entry)
         if rows:
@@ -345,82 +341,88 @@ def markdown_inference(inf: dict) -> list[str]:
     return lines + [""]
 
 
-def fixes(report: dict) -> list[dict]:
-    """The layer-id fixes the failing fc_inputs items computed (difftest.layer_reading), one per engine."""
-    out = []
-    for c in report.get("checks", []):
-        fix = (c.get("data") or {}).get("fix")
-        if c["check"] == "fc_inputs" and fix:
-            out.append({"engine": c["engine"], "rule": c["data"].get("rule"), **fix})
-    return out
+@dataclass
+class Fix:
+    """A failing fc_inputs item's layer-id fix (difftest.layer_reading) for one engine."""
+
+    engine: str
+    rule: str
+    edit: FixData
 
 
-def fix_lines(f: dict, case_file: str) -> list[str]:
-    if f.get("impossible"):
-        return [f"no config fixes it: {f['impossible']}", *[f"instead: {a}" for a in f.get("alternatives", [])]]
-    lines = [f"edit the draft's config.json: {json.dumps(f['patch'])}"]
-    if f.get("fc_order"):
-        lines.append(f"and reorder fc.weight's input blocks into layer order ({f['fc_order']})")
-    lines += [f"note: {s}" for s in f.get("side_effects", [])]
-    lines.append(f"write and verify it on the engine: difftest fix {case_file} --engine {f['engine']}")
+def fixes(report: Report) -> list[Fix]:
+    """The layer-id fixes the failing fc_inputs items computed, one per engine."""
+    return [Fix(c.engine, c.data.rule or "", c.data.fix) for c in report.checks
+            if c.check == "fc_inputs" and isinstance(c.data, ComparisonData) and c.data.fix is not None]  # fmt: skip
+
+
+def fix_lines(f: Fix, case_file: str) -> list[str]:
+    if f.edit.impossible:
+        return [f"no config fixes it: {f.edit.impossible}", *[f"instead: {a}" for a in f.edit.alternatives]]
+    lines = [f"edit the draft's config.json: {json.dumps(f.edit.patch)}"]
+    if f.edit.fc_order:
+        lines.append(f"and reorder fc.weight's input blocks into layer order ({f.edit.fc_order})")
+    lines += [f"note: {s}" for s in f.edit.side_effects]
+    lines.append(f"write and verify it on the engine: difftest fix {case_file} --engine {f.engine}")
     return lines
 
 
-def markdown_fixes(report: dict) -> list[str]:
+def markdown_fixes(report: Report) -> list[str]:
     found = fixes(report)
     if not found:
         return []
     lines = ["## Fix", ""]
     for f in found:
-        lines += [f"### `{f['engine']}`", "", _md(f.get("rule") or ""), ""]
-        lines += [f"- {_md(line)}" for line in fix_lines(f, report.get("case_file", "CASE"))] + [""]
+        lines += [f"### `{f.engine}`", "", _md(f.rule), ""]
+        lines += [f"- {_md(line)}" for line in fix_lines(f, report.case_file or "CASE")] + [""]
     return lines
 
 
-def markdown(report: dict) -> str:
-    lines = [f"# difftest: {report['case']}", "", f"reference: `{report['reference']}`; case file `{report['case_file']}`", ""]
-    if report.get("interrupted"):
+def markdown(report: Report) -> str:
+    lines = [f"# difftest: {report.case}", "", f"reference: `{report.reference}`; case file `{report.case_file}`", ""]
+    if report.interrupted:
         lines += [f"**Interrupted**: {INTERRUPTED}.", ""]
     lines += ["| engine | check | outcome | message |", "|---|---|---|---|"]
-    for r in report["checks"]:
-        msg = r["message"].replace("\n", "<br>").replace("|", "\\|")
-        lines.append(f"| `{r['engine']}` | {r['check']} | {r['outcome']} | {msg} |")
+    for r in report.checks:
+        msg = r.message.replace("\n", "<br>").replace("|", "\\|")
+        lines.append(f"| `{r.engine}` | {r.check} | {r.outcome} | {msg} |")
     lines.append("")
-    if report.get("wiring_inference"):
-        lines += markdown_inference(report["wiring_inference"])
+    if report.wiring_inference:
+        lines += markdown_inference(report.wiring_inference)
     lines += markdown_fixes(report)
     lines += markdown_noise(report)
-    lines += [f"Accept length: {report['accept_length_definition']}.", ""]
+    lines += [f"Accept length: {report.accept_length_definition}.", ""]
     lines += markdown_definitions(report)
-    if report.get("reproduce"):
-        lines += ["Reproduce:", "", "```bash", report["reproduce"], "```", ""]
+    if report.reproduce:
+        lines += ["Reproduce:", "", "```bash", report.reproduce, "```", ""]
     return "\n".join(lines)
 
 
-def json_path(report: dict, directory: Path) -> Path:
-    return directory / f"{report['case'].replace('/', '_')}.json"
+def json_path(report: Report, directory: Path) -> Path:
+    return directory / f"{report.case.replace('/', '_')}.json"
 
 
 def is_complete(path: Path) -> bool:
-    """A report on disk from a run that finished its case (not marked `interrupted`)."""
+    """A report on disk from a run that finished its case (not marked `interrupted`); one this
+    difftest cannot read (missing, damaged, an older schema version) is not one to keep."""
     try:
-        return not json.loads(path.read_text()).get("interrupted", False)
-    except (OSError, ValueError, AttributeError):
+        return not Report.load(path).interrupted
+    except DifftestError:
         return False
 
 
-def write(report: dict, directory: Path) -> Path:
+def write(report: Report, directory: Path) -> Path:
     path = json_path(report, directory)
-    atomic_write(path, json.dumps(report, indent=1, default=str))
+    atomic_write(path, json.dumps(report.to_dict(), indent=1, default=str))
     render(report, directory)
     return path
 
 
-def render(report: dict, directory: Path) -> tuple[Path, Path]:
-    """Markdown and HTML beside the JSON, from the report dict alone."""
+def render(report: Report, directory: Path) -> tuple[Path, Path]:
+    """Markdown and HTML beside the JSON, from the report alone."""
     from difftest.html_report import render as render_html
 
-    stem = report["case"].replace("/", "_")
+    stem = report.case.replace("/", "_")
     atomic_write(directory / f"{stem}.md", markdown(report))
     atomic_write(directory / f"{stem}.html", render_html(report))
     return directory / f"{stem}.md", directory / f"{stem}.html"

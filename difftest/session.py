@@ -426,7 +426,7 @@ class Session:
                 a, b = self.capture(case, ref, i), self.capture(case, spec, i)
                 # An engine's capture meta may list `partial: [patterns]`: reference tensors it cannot
                 # expose (e.g. vLLM: target layers it does not capture); missing those is allowed.
-                partial = [p for p in b.meta.get("partial") or [] if isinstance(p, str)]
+                partial = list(b.meta.partial)
                 out.append(compare_captures(a, b, case.dtype, case.tolerances, [*case.allow_missing, *partial],
                                             floor=self.noise_floor(case)))  # fmt: skip
             self._diffs[memo] = out

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from difftest.records import AcceptLengthData, CheckResult, PromptComparison, Report, ServerAcceptData
+
 SAME, DRIFTED, REGRESSED, ERROR, SKIPPED = "same", "drifted", "regressed", "error", "skipped"
 PASSED = "passed"
 # A case's declared expected failure (difftest.expected_failure): still caught as declared, or changed
@@ -40,20 +42,20 @@ class SummaryRow:
     html: str
 
 
-def _accept(results: list[dict]) -> tuple[float | None, float | None]:
+def _accept(results: list[CheckResult]) -> tuple[float | None, float | None]:
     for r in results:
-        if r["check"] == "accept_length" and r.get("data"):
-            return r["data"]["reference"]["accept_length"], r["data"]["engine"]["accept_length"]
+        if r.check == "accept_length" and isinstance(r.data, (AcceptLengthData, ServerAcceptData)):
+            return r.data.reference.accept_length, r.data.engine.accept_length
     return None, None
 
 
-def _first_divergence(prompts: list[dict]) -> str:
+def _first_divergence(prompts: list[PromptComparison]) -> str:
     """The tensor where the error is introduced, in the first prompt that has one (the report's
     `first_divergence` is that tensor; reports before the noise criterion named the first failing one)."""
     for p in prompts:
-        name = p.get("first_divergence")
+        name = p.first_divergence
         if name:
-            return f"{name} (prompt {p['prompt']})"
+            return f"{name} (prompt {p.prompt})"
     return "-"
 
 
@@ -80,12 +82,12 @@ def _describe(t: dict) -> str:
     return f"{t['name']} max|d| {t.get('max_abs', 0.0):.2e}"
 
 
-def _largest_drift(prompts: list[dict]) -> tuple[str, bool]:
+def _largest_drift(prompts: list[PromptComparison]) -> tuple[str, bool]:
     """(the largest mover within noise, by excess, or "-"; whether every compared tensor is bit-identical).
     Tensors not compared (`tie`) or allowed missing do not count."""
     worst, identical = None, True
     for p in prompts:
-        for t in p["tensors"]:
+        for t in p.tensors:
             if t["status"] in ("allowed-missing", "tie"):
                 continue
             moved = t["status"] != "ok" or _moved(t)
@@ -95,20 +97,20 @@ def _largest_drift(prompts: list[dict]) -> tuple[str, bool]:
     return (_describe(worst) if worst else "-"), identical
 
 
-def summarise(report: dict, report_dir: Path) -> list[SummaryRow]:
-    """One row per compared engine of a case report (difftest.report/1)."""
+def summarise(report: Report, report_dir: Path) -> list[SummaryRow]:
+    """One row per compared engine of a case report (difftest.records.Report)."""
     rows = []
-    html = str(Path(report_dir) / f"{report['case'].replace('/', '_')}.html")
-    engines = [e for e in report["engines"] if e != report["reference"]]
+    html = str(Path(report_dir) / f"{report.case.replace('/', '_')}.html")
+    engines = [e for e in report.engines if e != report.reference]
     for engine in engines:
-        results = [r for r in report["checks"] if r["engine"] == engine]
+        results = report.results(engine)
         if not results:
             continue
-        prompts = report["comparisons"].get(engine, [])
+        prompts = report.comparisons.get(engine, [])
         ref_al, eng_al = _accept(results)
         drift, identical = _largest_drift(prompts)
-        outcomes = {r["outcome"] for r in results}
-        if any(r.get("expected_failure") and r["outcome"] == "failed" for r in results):
+        outcomes = {r.outcome for r in results}
+        if any(r.expected_failure and r.outcome == "failed" for r in results):
             verdict = CHANGED
         elif "error" in outcomes:
             verdict = ERROR
@@ -124,7 +126,7 @@ def summarise(report: dict, report_dir: Path) -> list[SummaryRow]:
             verdict = SAME
         else:
             verdict = DRIFTED
-        rows.append(SummaryRow(report["case"], engine, report["reference"], ref_al, eng_al,
+        rows.append(SummaryRow(report.case, engine, report.reference, ref_al, eng_al,
                                _first_divergence(prompts), drift, verdict, html))  # fmt: skip
     return rows
 

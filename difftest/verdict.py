@@ -5,11 +5,13 @@ importing the core's checks, and the core's checks need none of theirs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from difftest.records.check_data import CheckData
 
 
 @dataclass
 class Verdict:
     passed: bool
     message: str
-    data: dict = field(default_factory=dict)
+    data: CheckData | None = None  # the check's own record (difftest.records.check_data), stored in the report

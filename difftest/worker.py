@@ -198,7 +198,7 @@ def _handle(engine, msg: dict) -> dict:
         fc_in = load_file(msg["fc_in"])["draft.fc_in"]
         capture = engine.capture_draft_from(Case.from_dict(msg["case"]), list(msg["prompt_ids"]), fc_in)
         # the draft tensors follow the given fc_in, not the engine's own hidden states: say so on disk
-        capture.meta["golden_fc_in"] = True
+        capture.meta.golden_fc_in = True
         capture.save(msg["out"])
         return {}
     if op == "replay":

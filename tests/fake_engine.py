@@ -52,7 +52,7 @@ class FakeEngine(RefEngine):
             print(f"child pid {child.pid}", flush=True)
             time.sleep(3600)
         cap = super().capture(case, prompt_ids)
-        cap.meta["engine"] = self.spec.id
+        cap.meta.engine = self.spec.id
         if mode == "diverge":
             cap.tensors["draft.logits"] = cap.tensors["draft.logits"].clone()
             cap.tensors["draft.logits"][1, 7] += 0.5

@@ -76,6 +76,25 @@ def test_saved_baseline_stores_every_prompt_capture_and_the_accept_stats(saved):
     assert ref["bytes"] == (saved.root / "baselines" / "v1" / ref["file"]).stat().st_size
 
 
+def test_saved_baseline_stores_each_captures_typed_meta_with_its_schema_version(saved):
+    for stored in manifest(saved.root)["cases"]["tiny"]["engines"]["ref"]["captures"]:
+        assert (stored["meta"]["schema_version"], stored["meta"]["engine"], stored["meta"]["dtype"]) == (2, "ref", "float32")
+
+
+def test_baseline_saved_before_typed_records_still_compares(saved, models, cache, tmp_path):
+    root = project(tmp_path, models)
+    shutil.copytree(saved.root / "baselines", root / "baselines")
+    path = root / "baselines" / "v1" / "manifest.json"
+    m = json.loads(path.read_text())
+    for stored in m["cases"]["tiny"]["engines"]["ref"]["captures"]:  # as written before: untyped, adapter keys flat
+        stored["meta"].pop("schema_version")
+        stored["meta"]["hot_token_id_source"] = "an adapter's own key"
+    path.write_text(json.dumps(m))
+    result = run(root, cache, "--engines=ref", "--baseline", "v1")
+    assert result.returncode == 0, result.output
+    assert result.outcome("tiny", "ref", "fc_inputs")["outcome"] == "passed"
+
+
 def test_saved_baseline_reports_its_size(saved):
     size = sum(f.stat().st_size for f in (saved.root / "baselines" / "v1").rglob("*") if f.is_file())
     assert f"baseline 'v1' written: {saved.root / 'baselines' / 'v1'} (1 case x engine entries, {size / 1024:.0f} KiB)" in saved.output

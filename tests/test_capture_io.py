@@ -13,6 +13,7 @@ from difftest import names
 from difftest.capture import SCHEMA, Capture
 from difftest.case import load_case
 from difftest.errors import ConfigError
+from difftest.records import CaptureMeta
 
 # ---------------------------------------------------------------------------------------
 # Capture save / load
@@ -42,7 +43,7 @@ DTYPE_OF = {"target.h.2": torch.bfloat16, "target.h.10": torch.float16, "draft.l
 META = {
     "engine": "ref",
     "dtype": "float32",
-    "prompt_ids": [[1, 2, 3]],
+    "prompt_ids": [1, 2, 3],
     "wiring": {"inputs": ["target.h.0", "target.h.2", "target.h.10"], "source": "explicit"},
     "target_hidden_size": 4,
     "num_layers": 10,
@@ -70,7 +71,7 @@ def test_round_trip_preserves_values_dtypes_and_meta(tmp_path):
     for name, t in original.tensors.items():
         assert loaded.tensors[name].dtype == t.dtype, name
         assert torch.equal(loaded.tensors[name], t), name
-    assert loaded.meta == META
+    assert loaded.meta == CaptureMeta.from_dict(META, "META")
 
 
 def test_round_trip_stores_names_in_dataflow_order(tmp_path):

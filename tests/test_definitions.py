@@ -7,6 +7,10 @@ import pytest
 
 from difftest import definitions, report
 from difftest.acceptance import NORMALISATION, AcceptStats
+from difftest.records import CheckResult
+from difftest.records.check_data import AcceptLengthData
+from difftest.records.report import Report
+from engines.trainingdata.train_check import TrainAccuracyData
 
 
 def test_every_normalisable_figure_has_a_definition():
@@ -31,28 +35,29 @@ def test_conditional_accuracies_multiply_into_per_position_acceptance():
     assert definitions.accept_length_from_per_position([0.5, 0.25, 0.125]) == pytest.approx(1.875)
 
 
-def _accept_result(native: list[str]) -> dict:
-    stats = AcceptStats(10, 12, 3, [6, 4, 2], 1, native=native).to_dict()
-    return {"engine": "sglang", "check": "accept_length", "outcome": "passed", "message": "",
-            "data": {"reference": AcceptStats(10, 12, 3, [6, 4, 2], 1).to_dict(), "engine": stats}}
+def _accept_result(native: list[str]) -> CheckResult:
+    data = AcceptLengthData(reference=AcceptStats(10, 12, 3, [6, 4, 2], 1),
+                            engine=AcceptStats(10, 12, 3, [6, 4, 2], 1, native=native), allowed=0.5, spread=0.1)  # fmt: skip
+    return CheckResult("sglang", "accept_length", "passed", "", data)
 
 
 def test_report_defines_the_accept_length_the_per_position_rates_and_the_engines_own_figures():
-    used = [d["name"] for d in report.definitions_used([_accept_result(["sglang.spec_num_correct_drafts"])], True)]
+    used = [d.name for d in report.definitions_used([_accept_result(["sglang.spec_num_correct_drafts"])], True)]
     assert used == ["difftest.row_error", "difftest.excess", "difftest.accept_length",
                     "difftest.acceptance_rate_per_pos", "sglang.spec_num_correct_drafts"]
 
 
 def test_report_defines_the_trainers_figures_under_its_rules():
-    result = {"engine": "ref", "check": "train_accuracy", "outcome": "passed", "message": "",
-              "data": {"trainer": {"rules": "specforge@0.2"}}}
-    used = [d["name"] for d in report.definitions_used([result], False)]
+    data = TrainAccuracyData(trainer={"rules": "specforge@0.2"}, engine={}, engine_wiring=[], identification={}, skipped=0)
+    used = [d.name for d in report.definitions_used([CheckResult("ref", "train_accuracy", "passed", "", data)], False)]
     assert used == ["difftest.train_accuracy", "specforge.acc"]
 
 
 def test_markdown_report_has_a_definitions_table_row_per_figure():
-    rep = {"definitions": report.definitions_used([_accept_result(["vllm.mean_acceptance_length"])], False)}
+    rep = Report("c", "c.yaml", "", "ref", "", {}, [],
+                 definitions=report.definitions_used([_accept_result(["vllm.mean_acceptance_length"])], False))
     lines = report.markdown_definitions(rep)
+    assert Report.from_dict(rep.to_dict(), "r.json").definitions == rep.definitions  # round trip
     assert lines[0] == "## Definitions"
     assert any(line.startswith("| `vllm.mean_acceptance_length` | 1 + accepted draft tokens / drafts") for line in lines)
     assert len([line for line in lines if line.startswith("| `")]) == 3

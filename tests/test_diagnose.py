@@ -213,7 +213,7 @@ def test_similarity_matrix_covers_every_chunk_and_candidate(states):
     inputs = ["target.h.1", "target.h.2", "target.h.3"]
     ref = _synthetic([states[n] for n in inputs], states, inputs)
     matches, sim = match_chunks(ref, _synthetic([states[n] for n in ["target.h.2", "target.h.3", "target.h.4"]], states, inputs))
-    assert sim["chunks"] == ["chunk 0", "chunk 1", "chunk 2"]
-    assert sim["candidates"] == [f"target.h.{k}" for k in range(5)]
-    assert sim["cosine"][0][2] == pytest.approx(1.0, abs=1e-6)
+    assert sim.chunks == ["chunk 0", "chunk 1", "chunk 2"]
+    assert sim.candidates == [f"target.h.{k}" for k in range(5)]
+    assert sim.cosine[0][2] == pytest.approx(1.0, abs=1e-6)
     assert [m.best for m in matches] == ["target.h.2", "target.h.3", "target.h.4"]

@@ -11,8 +11,9 @@ from html.parser import HTMLParser
 import pytest
 
 from difftest import cli
-from difftest.html_report import render
-from difftest.report import SCHEMA, markdown
+from difftest import html_report, report
+from difftest.records import Report
+from difftest.records.report import SCHEMA, SCHEMA_VERSION
 
 EVIL = "<script>alert('x')</script>&"
 
@@ -24,6 +25,23 @@ def tensor(name, status="ok", max_abs=0.0, cosine=1.0, rows=None, err=0.0, thres
             "introduced": introduced, "differs": err > 0, "row_err": [err, err / 2, err / 4]}  # fmt: skip
 
 
+def render(data: dict) -> str:
+    return html_report.render(Report.from_dict(data, "sample.json"))
+
+
+def markdown(data: dict) -> str:
+    return report.markdown(Report.from_dict(data, "sample.json"))
+
+
+def check(engine: str, name: str, outcome: str, message: str, data: dict | None = None) -> dict:
+    return {"schema_version": 2, "engine": engine, "check": name, "outcome": outcome, "message": message,
+            **({"data": data} if data is not None else {})}  # fmt: skip
+
+
+def stats(verify: int, accepted: int, per_pos: list[int]) -> dict:
+    return {"num_verify": verify, "num_accepted": accepted, "num_draft_steps": len(per_pos), "accepted_per_pos": per_pos}
+
+
 def sample_report() -> dict:
     bad = [tensor("target.h.1"), tensor("draft.embeds", err=3e-6),
            tensor("draft.fc_in.0", "mismatch", 0.5, 0.7, [0.5, 0.1, 0.2], err=0.4, introduced=True),
@@ -31,6 +49,7 @@ def sample_report() -> dict:
            {"name": "draft.step1.logits", "status": "tie", "detail": "not compared: a tie"}]  # fmt: skip
     return {
         "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
         "case": "tiny",
         "case_file": "cases/tiny.yaml",
         "created": "2026-01-01T00:00:00",
@@ -38,16 +57,17 @@ def sample_report() -> dict:
         "accept_length_definition": "accepted draft tokens + 1 per verify step",
         "engines": {"ref": {"info": {"version": "1"}}, f"evil[{EVIL}]": {"error": EVIL}},
         "checks": [
-            {"engine": "ref", "check": "capture", "outcome": "passed", "message": "ok", "data": {}},
-            {"engine": f"evil[{EVIL}]", "check": "fc_inputs", "outcome": "failed", "message": f"chunk 0 {EVIL}",
-             "data": {"first_divergence": "draft.fc_in.0",
-                      "similarity": {"chunks": ["chunk 0"], "candidates": ["target.h.0", "target.h.1"], "cosine": [[0.2, 1.0]]},
-                      "fc_chunks": [{"expected": "target.h.0"}]}},
-            {"engine": f"evil[{EVIL}]", "check": "top1_agreement", "outcome": "passed", "message": "ok",
-             "data": {"agree": 9, "total": 9, "rate": 1.0, "ties": 2, "ties_agree": 1}},
-            {"engine": f"evil[{EVIL}]", "check": "accept_length", "outcome": "failed", "message": "collapsed",
-             "data": {"reference": {"accept_length": 2.5, "acceptance_rate_per_pos": [0.9, 0.5]},
-                      "engine": {"accept_length": 1.1, "acceptance_rate_per_pos": [0.1, 0.0]}}},
+            check("ref", "capture", "passed", "ok", {"kind": "capture"}),
+            check(f"evil[{EVIL}]", "fc_inputs", "failed", f"chunk 0 {EVIL}",
+                  {"kind": "comparison", "first_divergence": "draft.fc_in.0",
+                   "similarity": {"chunks": ["chunk 0"], "candidates": ["target.h.0", "target.h.1"], "cosine": [[0.2, 1.0]]},
+                   "fc_chunks": [{"chunk": 0, "expected": "target.h.0", "best": "target.h.1", "cosine": 1.0, "min_cosine": 1.0,
+                                  "rel_diff": 0.0, "max_abs": 0.0, "norm": 1.0, "norm_spread": 0.0}]}),
+            check(f"evil[{EVIL}]", "top1_agreement", "passed", "ok",
+                  {"kind": "top1_agreement", "agree": 9, "total": 9, "rate": 1.0, "ties": 2, "ties_agree": 1, "noise": "measured"}),
+            check(f"evil[{EVIL}]", "accept_length", "failed", "collapsed",
+                  {"kind": "accept_length", "reference": stats(10, 14, [9, 5]), "engine": stats(10, 1, [1, 0]),
+                   "allowed": 0.3, "spread": 0.1}),
         ],  # fmt: skip
         "noise_floor": {"dtype": "float32", "measured": True, "source": "measured: ref in float32 vs float64 over 1 prompts",
                         "excluded": [], "tensors": {"draft.fc_in.0": {"name": "draft.fc_in.0", "floor": 1e-6, "max": 2e-6,
@@ -124,7 +144,7 @@ def test_report_command_refuses_other_json(tmp_path, capsys):
     path = tmp_path / "x.json"
     path.write_text('{"schema": "other/1"}')
     assert cli.main(["report", str(path)]) == 2
-    assert "schema 'other/1', expected 'difftest.report/1'" in capsys.readouterr().err
+    assert "x.json: schema: 'other/1', expected 'difftest.report'" in capsys.readouterr().err
 
 
 def test_bundle_packs_json_html_case_and_logs(tmp_path, capsys):
@@ -142,14 +162,13 @@ def test_bundle_packs_json_html_case_and_logs(tmp_path, capsys):
 
 # -- the noise view --------------------------------------------------------------------------------
 def old_report() -> dict:
-    """A report written before the noise criterion: no noise floor, no per-tensor err/threshold."""
+    """A report whose comparisons carry no noise numbers: no noise floor, no per-tensor err/threshold."""
     r = sample_report()
-    del r["noise_floor"]
+    r["noise_floor"] = None
     for p in r["comparisons"][f"evil[{EVIL}]"]:
         p["tensors"] = [{k: v for k, v in t.items() if k in ("name", "status", "numel", "max_abs", "cosine", "row_max_abs")}
                         for t in p["tensors"]]  # fmt: skip
-        for k in ("first_introduced", "first_above_noise", "first_differs", "tie"):
-            del p[k]
+        p.update(first_introduced=None, first_above_noise=None, first_differs=None, tie="")
     return r
 
 

@@ -136,11 +136,12 @@ def test_the_report_has_a_fix_section_for_a_failing_fc_inputs_item():
     from difftest.html_report import render
     from difftest.report import markdown
 
-    fix = {"patch": ec([1, 3, 4]), "ids": [1, 3, 4], "impossible": None, "fc_order": None, "alternatives": [],
-           "side_effects": []}  # fmt: skip
-    report = {"case": "c", "reference": "ref", "case_file": "cases/c.yaml", "accept_length_definition": "d",
-              "checks": [{"engine": "sglang", "check": "fc_inputs", "outcome": "failed", "message": "m",
-                          "data": {"rule": "SGLang 0.5.23 (Llama rule: ...)", "fix": fix}}]}  # fmt: skip
+    from difftest.records import CheckResult, ComparisonData, FixData, Report
+
+    fix = FixData(patch=ec([1, 3, 4]), ids=[1, 3, 4])
+    data = ComparisonData(rule="SGLang 0.5.23 (Llama rule: ...)", fix=fix)
+    report = Report(case="c", case_file="cases/c.yaml", created="now", reference="ref", accept_length_definition="d",
+                    engines={}, checks=[CheckResult("sglang", "fc_inputs", "failed", "m", data)])  # fmt: skip
     md = markdown(report)
     assert "## Fix" in md and "difftest fix cases/c.yaml --engine sglang" in md
     assert '{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}' in md

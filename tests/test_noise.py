@@ -49,7 +49,7 @@ def _perturbed(cap: Capture, rel: float, names, rows=None, seed: int = 1) -> Cap
         sel = slice(None) if rows is None else rows
         x[sel] = x[sel] + rel * x[sel].norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1]) * torch.randn(x[sel].shape, generator=g)
         t[n] = x
-    return Capture(t, dict(cap.meta))
+    return Capture(t, cap.meta.replace())
 
 
 def test_row_error_is_the_relative_norm_of_each_row():
@@ -83,7 +83,7 @@ def test_most_rows_above_threshold_diverge():
 def test_the_floor_is_a_quantile_of_the_reference_against_float64_and_sets_the_threshold():
     cap = _capture()
     exact = _capture()
-    exact = Capture({n: t.double() for n, t in exact.tensors.items()}, dict(exact.meta))
+    exact = Capture({n: t.double() for n, t in exact.tensors.items()}, exact.meta.replace())
     noisy = _perturbed(cap, 1e-6, ["draft.fc_out"])
     floor = noise.measure_floor([(noisy, exact)], "float32", "test")
     f = floor.tensors["draft.fc_out"]
@@ -123,7 +123,7 @@ def test_a_wrong_fc_chunk_is_introduced_at_the_chunk_when_the_target_matches():
     t = dict(ref.tensors)
     t["draft.fc_in"] = torch.cat([ref.tensors["target.h.2"], ref.tensors["target.h.3"]], -1)  # off by one
     t["draft.fc_out"] = ref.tensors["draft.fc_out"] + 1.0
-    cd = compare_captures(ref, Capture(t, dict(ref.meta)), "float32", floor=_floor(1e-5))
+    cd = compare_captures(ref, Capture(t, ref.meta.replace()), "float32", floor=_floor(1e-5))
     assert cd.first_introduced().name == "draft.fc_in.0"
     assert not cd.get("draft.fc_out").introduced
 
@@ -133,7 +133,7 @@ def test_a_target_layer_that_diverges_is_introduced_there_and_the_fc_chunk_that_
     other = _perturbed(ref, 0.3, ["target.h.2", "target.h.3"])
     t = dict(other.tensors)
     t["draft.fc_in"] = torch.cat([other.tensors["target.h.1"], other.tensors["target.h.2"]], -1)
-    cd = compare_captures(ref, Capture(t, dict(ref.meta)), "float32", floor=_floor(1e-5))
+    cd = compare_captures(ref, Capture(t, ref.meta.replace()), "float32", floor=_floor(1e-5))
     assert cd.first_introduced().name == "target.h.2"
     assert not cd.get("draft.fc_in.1").introduced and not cd.get("draft.fc_in.1").ok
 
@@ -152,8 +152,8 @@ def test_a_drafted_token_that_differs_at_a_reference_tie_leaves_later_steps_unco
     tied = torch.zeros(1, V)
     tied[0, 3], tied[0, 9] = 5.0, 5.0 - 1e-7  # the reference's top-1 by a hair
     t["draft.logits_target"] = torch.cat([ref.tensors["draft.logits_target"][:-1], tied])
-    ref = Capture(t, dict(ref.meta))
-    other = Capture({**t, "draft.step1.embeds": t["draft.step1.embeds"] + 1}, {**ref.meta, "draft_tokens": [9, 4]})
+    ref = Capture(t, ref.meta.replace())
+    other = Capture({**t, "draft.step1.embeds": t["draft.step1.embeds"] + 1}, ref.meta.replace(draft_tokens=[9, 4]))
     cd = compare_captures(ref, other, "float32", floor=_floor(1e-5))
     assert cd.get("draft.step1.embeds").status == "tie" and cd.ok and "tie" in cd.tie
 
@@ -164,8 +164,8 @@ def test_a_drafted_token_that_differs_where_the_reference_is_clear_is_not_a_tie(
     clear = torch.zeros(1, V)
     clear[0, 3] = 5.0
     t["draft.logits_target"] = torch.cat([ref.tensors["draft.logits_target"][:-1], clear])
-    ref = Capture(t, dict(ref.meta))
-    other = Capture({**t, "draft.step1.embeds": t["draft.step1.embeds"] + 1}, {**ref.meta, "draft_tokens": [9, 4]})
+    ref = Capture(t, ref.meta.replace())
+    other = Capture({**t, "draft.step1.embeds": t["draft.step1.embeds"] + 1}, ref.meta.replace(draft_tokens=[9, 4]))
     cd = compare_captures(ref, other, "float32", floor=_floor(1e-5))
     assert cd.get("draft.step1.embeds").status == "mismatch" and not cd.tie
 
@@ -209,7 +209,7 @@ def _jump_row(cap: Capture, names, row: int, rel: float = 0.5) -> Capture:
         x = t[n].clone()
         x[row] = x[row] + rel * x[row].norm() / math.sqrt(x.shape[-1])
         t[n] = x
-    return Capture(t, dict(cap.meta))
+    return Capture(t, cap.meta.replace())
 
 
 def test_one_target_row_that_jumps_is_a_discrete_numerical_event_not_a_divergence():
@@ -225,7 +225,7 @@ def test_a_draft_row_inherited_from_such_a_target_row_is_not_a_divergence_either
     other = _jump_row(ref, ["target.h.2", "target.h.3"], row=4)
     t = dict(other.tensors)
     t["draft.fc_in"] = torch.cat([other.tensors["target.h.1"], other.tensors["target.h.2"]], -1)
-    other = _jump_row(Capture(t, dict(ref.meta)), ["draft.fc_out", "draft.layer0.attn_in"], row=4)
+    other = _jump_row(Capture(t, ref.meta.replace()), ["draft.fc_out", "draft.layer0.attn_in"], row=4)
     cd = compare_captures(ref, other, "float32", floor=_floor(1e-5))
     assert cd.ok, [d.noise_summary() for d in cd.diffs if not d.ok]
 

@@ -44,6 +44,18 @@ def test_correctly_wired_engine_passes_every_check(mixed_run):
         assert mixed_run.outcome("tiny", "ref[wiring=vllm]", check)["outcome"] == "passed", check
 
 
+def test_written_report_reads_back_as_a_record_with_each_checks_typed_data(mixed_run):
+    from difftest.records import AcceptLengthData, CaptureData, ComparisonData, LintData, Report, Top1Data
+
+    report = Report.load(mixed_run.root / "reports" / "tiny.json")
+    kinds = {(r.engine, r.check): type(r.data) for r in report.checks}
+    assert kinds[("ref", "capture")] is CaptureData and kinds[("ref", "lint")] is LintData
+    assert kinds[("ref[wiring=vllm]", "fc_inputs")] is kinds[("ref[wiring=sglang]", "draft_logits")] is ComparisonData
+    assert kinds[("ref[wiring=vllm]", "top1_agreement")] is Top1Data
+    assert kinds[("ref[wiring=vllm]", "accept_length")] is AcceptLengthData
+    assert report.result("fake[mode=error]", "fc_inputs").data is None  # an error carries its message only
+
+
 def test_reference_gets_a_capture_item(mixed_run):
     assert mixed_run.outcome("tiny", "ref", "capture")["outcome"] == "passed"
     listed = run_pytest(mixed_run.root, "cases/", "--engines=ref,ref[wiring=vllm]", "--collect-only", "-q")
@@ -106,7 +118,7 @@ def test_failures_print_verdicts_not_tracebacks(mixed_run):
 
 def test_report_json_lists_every_check_and_engine(mixed_run):
     report = mixed_run.report("tiny")
-    assert report["schema"] == "difftest.report/1"
+    assert (report["schema"], report["schema_version"]) == ("difftest.report", 2)
     assert report["reference"] == "ref"
     assert len(report["checks"]) == 2 + 6 * 4  # reference: capture, lint
     assert report["engines"]["fake[mode=unavailable]"] == {"error": "fake: not installed; set it up with: scripts/setup-engine fake"}

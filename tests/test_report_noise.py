@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from difftest import noise, report, upgrade
+from difftest.acceptance import AcceptStats
 from difftest.compare import CaptureDiff, TensorDiff
+from difftest.records import AcceptLengthData, CheckResult, Report
 
 
 def diff(name, status="ok", err=0.0, threshold=1e-5, introduced=False, differs=None, max_abs=None) -> TensorDiff:
@@ -67,7 +69,11 @@ def case(tmp_path):
 
 def build(case, session) -> dict:
     # through JSON, as `difftest report` and the summary read it
-    return json.loads(json.dumps(report.build(case, session, []), default=str))
+    return json.loads(json.dumps(report.build(case, session, []).to_dict(), default=str))
+
+
+def read(data: dict) -> Report:
+    return Report.from_dict(data, "c.json")
 
 
 # -- the JSON report ------------------------------------------------------------------------------------
@@ -75,7 +81,7 @@ def test_report_records_the_cases_noise_floor(case):
     r = build(case, StubSession({"eng": [faulty()]}))
     assert r["noise_floor"] == json.loads(json.dumps(FLOOR.to_dict()))
     assert r["noise_floor"]["tensors"]["draft.fc_out"]["threshold"] == 1e-5
-    assert r["schema"] == "difftest.report/1"
+    assert (r["schema"], r["schema_version"]) == ("difftest.report", 2)
 
 
 def test_report_records_why_the_noise_floor_could_not_be_computed(case):
@@ -117,7 +123,7 @@ def test_report_prompt_within_noise_has_no_divergence_but_names_the_first_that_d
 def test_markdown_and_html_render_the_report_built_from_a_session(case):
     from difftest.html_report import render
 
-    r = build(case, StubSession({"eng": [faulty()]}))
+    r = read(build(case, StubSession({"eng": [faulty()]})))
     md = report.markdown(r)
     assert "### `eng`, prompt 0: error introduced at `draft.fc_out`" in md
     assert "noise floor (measured, float32): measured: ref in float32 vs float64 over 1 prompts; excluded: prompt 0" in md
@@ -130,11 +136,10 @@ PASSED = {"fc_inputs": "passed", "draft_logits": "passed", "top1_agreement": "pa
 
 
 def summary(case, cd: CaptureDiff, outcomes=PASSED, accept=(2.5, 2.5)) -> upgrade.SummaryRow:
-    r = build(case, StubSession({"eng": [cd]}))
-    r["checks"] = [{"engine": "eng", "check": c, "outcome": o, "message": ""} for c, o in outcomes.items()]
-    for c in r["checks"]:
-        if c["check"] == "accept_length":
-            c["data"] = {"reference": {"accept_length": accept[0]}, "engine": {"accept_length": accept[1]}}
+    r = read(build(case, StubSession({"eng": [cd]})))
+    stats = lambda al: AcceptStats(num_verify=2, num_accepted=round((al - 1) * 2), num_draft_steps=3)  # noqa: E731
+    r.checks = [CheckResult("eng", c, o, "", AcceptLengthData(stats(accept[0]), stats(accept[1]), 0.2, 0.0)
+                            if c == "accept_length" else None) for c, o in outcomes.items()]  # fmt: skip
     (row,) = upgrade.summarise(r, Path("reports"))
     return row
 

@@ -366,12 +366,15 @@ def test_non_utf8_project_file_is_a_one_line_usage_error(tmp_path, checkpoints):
 
 
 # -- reports --------------------------------------------------------------------------------------
+REPORT = {"schema": "difftest.report", "schema_version": 2, "case": "c", "case_file": "c.yaml", "created": "now",
+          "reference": "ref", "accept_length_definition": "d", "engines": {}, "checks": []}  # fmt: skip
+
+
 @pytest.mark.parametrize("data, fragment", [
-    ({"schema": "difftest.report/1"}, "report field 'case' missing"),
-    ({"schema": "difftest.report/1", "case": "c", "reference": "ref", "engines": [], "checks": []},
-     "report field 'engines': expected a dict, got list"),
-    ({"schema": "difftest.report/1", "case": "c", "reference": "ref", "engines": {}, "checks": [{"x": 1}]},
-     "not a complete difftest report"),
+    ({"schema": "difftest.report", "schema_version": 2}, "case: field missing"),
+    ({**REPORT, "engines": []}, "engines: expected an object, got a list"),
+    ({**REPORT, "checks": [{"schema_version": 2, "x": 1}]}, "checks[0].x: unknown field"),
+    ({"schema": "difftest.report/1", "case": "c"}, "schema_version: report schema version 1"),
 ])  # fmt: skip
 @pytest.mark.parametrize("command", ["report", "bundle"])
 def test_report_json_with_fields_missing_is_one_line(tmp_path, capsys, command, data, fragment):
@@ -401,6 +404,8 @@ def test_dollar_signs_in_plot_labels_stay_text():
     (lambda m: m["cases"]["c"].pop("fingerprint"), "cases.c.fingerprint: field missing"),
     (lambda m: m["cases"]["c"]["engines"]["ref"].pop("captures"), "cases.c.engines.ref.captures: field missing"),
     (lambda m: m["cases"]["c"]["engines"].update(ref=[]), "cases.c.engines.ref: expected an object"),
+    (lambda m: m["cases"]["c"]["engines"]["ref"]["captures"].append({"tensors": [], "meta": {"num_layers": "6"}}),
+     "cases.c.engines.ref.captures[0].meta.num_layers: expected an integer or null, got a string"),
 ])  # fmt: skip
 def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mutate, fragment):
     from difftest.baseline import SCHEMA, BaselineSource

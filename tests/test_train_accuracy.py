@@ -93,14 +93,17 @@ class _Captures:
                             "full_acc": full, "cond_acc": full}  # fmt: skip
         td = {"identification": {"summary": "dumped tensors = [h2, h4, h5, h8]; verifier = h8"}, "path": "/data",
               "format": "speculators", "samples": 4, "skipped": 0}  # fmt: skip
-        self._meta = {"trained": {"train_accuracy": acc(trained), "train_data": td}, "rewired": {"train_accuracy": acc(rewired)},
+        self._meta = {"trained": {"extra": {"train_accuracy": acc(trained), "train_data": td}},
+                      "rewired": {"extra": {"train_accuracy": acc(rewired)}},
                       "engine": {"wiring": {"inputs": ["target.h.2", "target.h.4", "target.h.5"]}}}  # fmt: skip
 
     def capture(self, case, spec, index):
         from types import SimpleNamespace
 
+        from difftest.records import CaptureMeta
+
         key = "engine" if spec.name != "train" else ("rewired" if spec.param("wiring") else "trained")
-        return SimpleNamespace(meta=self._meta[key])
+        return SimpleNamespace(meta=CaptureMeta.from_dict(self._meta[key], "test"))
 
 
 def _case(expect: dict | None = None) -> Case:

@@ -18,6 +18,8 @@ import pytest
 import yaml
 
 from difftest import upgrade
+from difftest.acceptance import AcceptStats
+from difftest.records import AcceptLengthData, CheckResult, EngineEntry, PromptComparison, Report
 from helpers import HANG_GUARD_S, ROOT, TINY_CASE, make_tiny_pair, run_pytest
 from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
 
@@ -89,7 +91,7 @@ def test_each_label_has_its_own_cached_captures(side_by_side):
     engines = []
     for manifest in (side_by_side.cache / "captures").glob("*/*/manifest.json"):
         meta = json.loads(manifest.read_text())["meta"]
-        if "golden_input" not in meta:
+        if not meta.get("golden_fc_in"):
             engines.append(meta["engine"] + ("+float64" if meta["dtype"] == "float64" else ""))
     # the reference label also captures each prompt in float64: the noise floor (difftest.noise)
     assert sorted(engines) == ["ref@new"] * 2 + ["ref@old"] * 2 + ["ref@old+float64"] * 2 + ["ref@patch"] * 2
@@ -105,15 +107,15 @@ def test_difftest_run_prints_the_same_summary(side_by_side):
 
 
 # -- verdicts, from reports alone -------------------------------------------------------------------
-def _report(outcomes: dict[str, str], max_abs: float = 0.0, accept=(2.5, 2.5), status: str = "ok") -> dict:
-    checks = [{"engine": "e@new", "check": c, "outcome": o, "message": ""} for c, o in outcomes.items()]
-    for c in checks:
-        if c["check"] == "accept_length":
-            c["data"] = {"reference": {"accept_length": accept[0]}, "engine": {"accept_length": accept[1]}}
+def _report(outcomes: dict[str, str], max_abs: float = 0.0, accept=(2.5, 2.5), status: str = "ok") -> Report:
+    stats = lambda al: AcceptStats(num_verify=10, num_accepted=round((al - 1) * 10), num_draft_steps=3)  # noqa: E731
+    checks = [CheckResult("e@new", c, o, "", AcceptLengthData(stats(accept[0]), stats(accept[1]), 0.2, 0.0)
+                          if c == "accept_length" else None) for c, o in outcomes.items()]  # fmt: skip
     tensors = [{"name": "draft.fc_in", "status": status, "max_abs": max_abs, "nonfinite_mismatch": 0}]
     first = None if status == "ok" else "draft.fc_in"
-    return {"case": "c", "reference": "e@old", "engines": {"e@old": {}, "e@new": {}}, "checks": checks,
-            "comparisons": {"e@new": [{"prompt": 0, "first_divergence": first, "tensors": tensors}]}}  # fmt: skip
+    return Report(case="c", case_file="c.yaml", created="now", reference="e@old", accept_length_definition="d",
+                  engines={"e@old": EngineEntry(), "e@new": EngineEntry()}, checks=checks,
+                  comparisons={"e@new": [PromptComparison(0, first, None, first, None, "", tensors)]})  # fmt: skip
 
 
 PASSED = {"fc_inputs": "passed", "draft_logits": "passed", "top1_agreement": "passed", "accept_length": "passed"}

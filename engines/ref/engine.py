@@ -173,9 +173,9 @@ class RefEngine(Engine):
         # the reference captured fc_in in the case's dtype already, so the cast changes nothing
         fc = fc_in.to(DTYPES[case.dtype])[None]
         tensors, drafted = capture_draft_chain(loaded.model, fc, prompt_ids, next_token, case.num_steps)
-        meta = {"engine": self.spec.id, "golden_input": "reference draft.fc_in", "dtype": case.dtype,
-                "prompt_ids": list(prompt_ids), "draft_tokens": drafted,
-                "target_hidden_size": loaded.config.target_hidden_size}  # fmt: skip
+        meta = {"engine": self.spec.id, "dtype": case.dtype, "prompt_ids": list(prompt_ids), "draft_tokens": drafted,
+                "target_hidden_size": loaded.config.target_hidden_size,
+                "extra": {"golden_input": "reference draft.fc_in"}}  # fmt: skip
         return Capture(tensors, meta)
 
     @torch.no_grad()

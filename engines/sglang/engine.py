@@ -297,13 +297,13 @@ class SglangEngine(Engine):
                 "source": f"{rule} -> layers_to_capture {planned}; captured {ex.captured_layers}",
                 "verifier": None,
             },  # fmt: skip
-            "captured_target_layers": ex.captured_layers,
             "compat": list(settings["compat"]),
             "settings": self._settings_meta(settings),
             "checkpoints": {"target": target, "draft": draft},
-            "hot_token_id_source": hot_source,
             "partial": PARTIAL + ([] if topk == 1 else ["draft.step*"]),
-            "consistency": ex.checks,
+            # SGLang's own: which layers its hook recorded, where hot_token_id came from, its self-checks
+            "extra": {"captured_target_layers": ex.captured_layers, "hot_token_id_source": hot_source,
+                      "consistency": ex.checks},
         }
         return Capture(ex.tensors, meta)
 

@@ -269,14 +269,13 @@ class TrainingDataEngine(Engine):
             "dtype": case.dtype,
             "prompt_ids": list(prompt_ids),
             "target_next_token": next_token,
-            "next_token_source": next_src,
             "draft_tokens": drafted,
             "num_layers": ident.num_layers,
             "target_hidden_size": cfg.target_hidden_size,
             "wiring": {"inputs": inputs, "source": source, "verifier": ident.verifier.name},
             # only the dumped tensors exist here; the reference's other target tensors are not missing by mistake
             "partial": ["target.*"],
-            "train_data": {
+            "extra": {"next_token_source": next_src, "train_data": {
                 "path": s["data"],
                 "format": dump.format,
                 "sample": sample.source,
@@ -287,7 +286,7 @@ class TrainingDataEngine(Engine):
                 "identification": ident.to_dict(),
             },
             "train_accuracy": {"rules": rules.name, "trainer": trainer_how, "ttt_steps": len(acc.counted),
-                               "max_len": s.get("max_len") or rules.default_max_len, "wiring": inputs, **acc.to_dict()},
+                               "max_len": s.get("max_len") or rules.default_max_len, "wiring": inputs, **acc.to_dict()}},
         }
         return Capture(tensors, meta)
 

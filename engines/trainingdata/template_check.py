@@ -9,16 +9,36 @@ the rendering the dump matches). Only capture requests travel to the engine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 from difftest import chat
 from difftest.case import Case
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
 from difftest.extensions import ExtraCheck
+from difftest.records.check_data import CheckData
 from difftest.session import Session
 from difftest.verdict import Verdict
 from engines.trainingdata.chat_template import CAUSE, chat_prompts
 from engines.trainingdata.train_check import TRAIN
 from engines.trainingdata.train_check import applies as names_training_data
+
+
+@dataclass
+class PromptRendering:
+    prompt: int  # index into the case's prompts
+    ok: bool  # a sample of the dump starts with serving's rendering
+    sample: str | None = None  # that sample's file
+    message: str = ""  # the drift, when not ok
+
+
+@dataclass
+class ChatTemplateData(CheckData):
+    """`chat_template`: per chat prompt, whether the dump holds it as serving renders it."""
+
+    KIND: ClassVar[str] = "chat_template"
+    prompts: list[PromptRendering] = field(default_factory=list)
 
 
 def applies(case: Case, is_reference: bool) -> bool:
@@ -34,15 +54,15 @@ def check_chat_template(session: Session, case: Case, spec: EngineSpec) -> Verdi
             if CAUSE not in str(e):
                 raise
             drifted.append(str(e))
-            data.append({"prompt": i, "ok": False, "message": str(e)})
+            data.append(PromptRendering(i, False, message=str(e)))
             continue
         sample = (cap.meta.get("train_data") or {}).get("sample")
         lines.append(f"prompt {i}: the dump's sample {sample} starts with the ids serving renders "
                      f"({chat.describe(p.chat_template_kwargs)})")  # fmt: skip
-        data.append({"prompt": i, "ok": True, "sample": sample})
-    return Verdict(not drifted, "\n".join(drifted + lines), {"prompts": data})
+        data.append(PromptRendering(i, True, sample=sample))
+    return Verdict(not drifted, "\n".join(drifted + lines), ChatTemplateData(data))
 
 
 CHECK = ExtraCheck("chat_template", check_chat_template, applies,
                    "the training dump holds each chat prompt as the target's chat template renders it for serving",
-                   engines=(TRAIN,))  # fmt: skip
+                   engines=(TRAIN,), data=ChatTemplateData)  # fmt: skip

@@ -14,11 +14,15 @@ travel to engines; the core imports none.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from difftest.case import Case
 from difftest.diagnose import match_fc_chunks
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
 from difftest.extensions import ExtraCheck
+from difftest.records.check_data import CheckData
 from difftest.session import Session
 from difftest.verdict import Verdict
 from difftest.wiring import hidden_index, short_name
@@ -27,6 +31,19 @@ TRAIN = "train"
 DEFAULT_ATOL = 0.05
 DEFAULT_MIN = 0.05  # a trained draft scores far above this under its own wiring; chance is 1/draft_vocab
 EXPECT_KEYS = ("atol", "min")
+
+
+@dataclass
+class TrainAccuracyData(CheckData):
+    """The trainer's accuracy under its own fc wiring and under the engine's (each the train engine's
+    `train_accuracy` capture meta: rules, wiring, full_acc / cond_acc per TTT step, ...)."""
+
+    KIND: ClassVar[str] = "train_accuracy"
+    trainer: dict[str, object]
+    engine: dict[str, object]
+    engine_wiring: list[str]  # the canonical tensors the engine fed its fc
+    identification: dict[str, object]  # which target layer each dumped tensor is (layer_identity)
+    skipped: int  # unusable samples in the dump
 
 
 def applies(case: Case) -> bool:
@@ -44,7 +61,7 @@ def _trainer_spec(session: Session) -> EngineSpec:
 def engine_wiring(session: Session, case: Case, spec: EngineSpec) -> tuple[list[str], str]:
     """The canonical names an engine fed its fc with, and how that was found."""
     cap = session.capture(case, spec, 0)
-    names = (cap.meta.get("wiring") or {}).get("inputs") or []
+    names = cap.meta.wiring.inputs if cap.meta.wiring else []
     if names and all(hidden_index(n) is not None or n == "target.final_norm" for n in names):
         return list(names), "the engine's capture"
     ref = session.capture(case, session.options.reference, 0)
@@ -62,12 +79,12 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
     atol = float(expect.get("atol", DEFAULT_ATOL))
     floor = float(expect.get("min", DEFAULT_MIN))
     base = _trainer_spec(session)
-    trained = session.capture(case, base, 0).meta
+    trained = session.capture(case, base, 0).meta.extra
     acc_t = trained["train_accuracy"]
     names, how = engine_wiring(session, case, spec)
     short = [short_name(n) for n in names]
     rewired = EngineSpec(base.name, base.label, tuple(p for p in base.params if p[0] != "wiring") + (("wiring", "+".join(short)),))
-    acc_e = session.capture(case, rewired, 0).meta["train_accuracy"]
+    acc_e = session.capture(case, rewired, 0).meta.extra["train_accuracy"]
     a, b = acc_t["full_acc"][0], acc_e["full_acc"][0]
     fmt = lambda xs: "[" + " ".join(f"{x:.3f}" for x in xs) + "]"  # noqa: E731
     td = trained["train_data"]
@@ -78,7 +95,8 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
         f"{td['identification']['summary']}",
         f"training data {td['path']} ({td['format']}): {td['samples']} samples, {td['skipped']} skipped",
     ]
-    data = {"trainer": acc_t, "engine": acc_e, "engine_wiring": names, "identification": td["identification"], "skipped": td["skipped"]}
+    data = TrainAccuracyData(trainer=acc_t, engine=acc_e, engine_wiring=list(names), identification=td["identification"],
+                             skipped=td["skipped"])  # fmt: skip
     if not a >= floor:  # NaN (nothing counted) fails too
         lines.insert(0, (
             f"training accuracy under the trainer's own wiring is {a:.3f} (below expect.train_accuracy.min {floor}): "
@@ -96,4 +114,4 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
 # registered under the `difftest.checks` entry points (pyproject.toml): every non-reference engine
 # of a case that names training data gets the item
 CHECK = ExtraCheck("train_accuracy", check_train_accuracy, lambda case, is_reference: not is_reference and applies(case),
-                   "the draft's training accuracy with this engine's fc wiring vs the trainer's")  # fmt: skip
+                   "the draft's training accuracy with this engine's fc wiring vs the trainer's", data=TrainAccuracyData)  # fmt: skip

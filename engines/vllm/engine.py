@@ -383,11 +383,12 @@ class VllmEngine(Engine):
                 "draft_vocab_size": w["draft_vocab_size"],
                 "has_d2t": w["has_d2t"],
             },
-            "checks": {
+            # vLLM's own self-checks of the recorded tensors
+            "extra": {"checks": {
                 **rec["checks"],
                 "aux_vs_layer_hooks_max_abs": aux_consistency,
                 "generated": tokens,
-            },
+            }},
         }
         return Capture(tensors, meta)
 

@@ -1,0 +1,26 @@
+"""Typed records for what difftest writes and reads back: capture meta, check results with their
+per-check data, and the case report. Each is a plain dataclass with a JSON round trip
+(`to_dict` / `from_dict`), a `schema_version` in its JSON, and validation on load that refuses an
+unknown, missing or wrong-typed field in one line naming the file and the field
+(difftest.records.fields)."""
+
+from difftest.records.check_data import (
+    AcceptLengthData,
+    CaptureData,
+    CheckData,
+    ComparisonData,
+    FixData,
+    GoldenData,
+    LintData,
+    ServerAcceptData,
+    Top1Data,
+)
+from difftest.records.check_result import CheckResult, ExpectedFailureRecord
+from difftest.records.meta import CaptureMeta, FcWiring
+from difftest.records.report import EngineEntry, PromptComparison, Report
+
+__all__ = [
+    "AcceptLengthData", "CaptureData", "CaptureMeta", "CheckData", "CheckResult", "ComparisonData", "EngineEntry",
+    "ExpectedFailureRecord", "FcWiring", "FixData", "GoldenData", "LintData", "PromptComparison", "Report",
+    "ServerAcceptData", "Top1Data",
+]  # fmt: skip

@@ -1,0 +1,204 @@
+"""What each check records beside its message: one record per kind of check, tagged with `kind`.
+
+A check returns one of these in its Verdict; the report stores it as `checks[i].data` with
+`"kind": KIND` first, and reading a report picks the class by that tag (an unknown kind is
+refused, naming the closest). Checks engines contribute (difftest.extensions.ExtraCheck) declare
+their own record there as `data`, e.g. the training-data engine's `train_accuracy`.
+
+Nested records other modules define (AcceptStats, lint Findings, fc ChunkMatches) are read back as
+those dataclasses, in the form their own to_dict gives them; the wiring inference stays a mapping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from difftest.acceptance import AcceptStats
+from difftest.chunk_match import ChunkMatch, Similarity
+from difftest.finding import Finding
+from difftest.records.fields import READER, decode, encode_fields, fail, join, kind_of
+
+
+@dataclass
+class CheckData:
+    """Base of the per-check records: `kind` names the record in JSON."""
+
+    KIND: ClassVar[str] = ""
+
+    @property
+    def kind(self) -> str:
+        return self.KIND
+
+    def to_dict(self) -> dict:
+        return {"kind": self.KIND, **encode_fields(self)}
+
+    @classmethod
+    def from_json(cls, data: object, where: str, at: str) -> "CheckData":
+        return decode(cls, data, where, at, skip=("kind",))
+
+
+def _without_derived(cls: type):
+    """A reader for a record whose to_dict adds its properties (AcceptStats' accept_length, ...):
+    those keys are dropped and recomputed; every other key must be a field."""
+    derived = {n for n, v in vars(cls).items() if isinstance(v, property)}
+
+    def read(data: object, where: str, at: str):
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in derived}
+        return decode(cls, data, where, at)
+
+    return read
+
+
+_accept_stats = _without_derived(AcceptStats)
+_chunk_match = _without_derived(ChunkMatch)
+
+
+def _chunk_matches(data: object, where: str, at: str) -> list[ChunkMatch] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise fail(where, at, f"expected a list or null, got {kind_of(data)}")
+    return [_chunk_match(m, where, join(at, i)) for i, m in enumerate(data)]
+
+
+@dataclass
+class CaptureData(CheckData):
+    """`capture`: the reference captured every prompt; how a `wiring: infer` case's wiring was found."""
+
+    KIND: ClassVar[str] = "capture"
+    wiring_inference: dict[str, object] | None = None  # difftest.infer_case's inference (to_dict)
+
+
+@dataclass
+class LintData(CheckData):
+    KIND: ClassVar[str] = "lint"
+    findings: list[Finding] = field(default_factory=list)
+
+
+@dataclass
+class FixData:
+    """The draft-config edit the layer-id rule computed (difftest.layer_reading), or why none exists."""
+
+    patch: dict[str, object] | None = None
+    ids: list[int] | None = None
+    impossible: str | None = None
+    fc_order: list[int] | None = None
+    alternatives: list[str] = field(default_factory=list)
+    side_effects: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GoldenData:
+    """The engine's draft re-run on the reference's draft.fc_in (difftest.golden)."""
+
+    outcome: str  # diverges | matches | unsupported | error
+    first_divergence: str | None = None
+    tensors: list[str] = field(default_factory=list)  # draft tensors above noise in the re-run
+
+    def to_dict(self) -> dict:
+        # an unsupported or failed re-run has nothing else to say
+        return encode_fields(self) if self.outcome in ("diverges", "matches") else {"outcome": self.outcome}
+
+
+@dataclass
+class ComparisonData(CheckData):
+    """`fc_inputs` and `draft_logits`: tensor comparisons against the reference, judged by the noise.
+    A passing one holds the noise source and ties; a failing one where the error is introduced, the
+    fc diagnosis (for fc_inputs) and the golden re-run (for draft_logits)."""
+
+    KIND: ClassVar[str] = "comparison"
+    noise: str = ""  # the noise floor's source line
+    ties: list[str] = field(default_factory=list)
+    prompt: int | None = None  # the first prompt that diverges
+    tensor: str | None = None  # first divergence within this check's scope
+    first_divergence: str | None = None  # where the error is introduced (what the message leads with)
+    introduced: str | None = None
+    first_above_noise: str | None = None
+    first_differs: str | None = None
+    fc_chunks: list[ChunkMatch] | None = field(default=None, metadata={READER: _chunk_matches})  # per chunk
+    similarity: Similarity | None = None  # chunk-vs-candidate cosines (difftest.diagnose.match_chunks)
+    rule: str | None = None  # the engine's layer-id rule, explained
+    rule_predicted: list[str] | None = None
+    fix: FixData | None = None
+    known_causes: list[str] | None = None  # lint codes naming this engine
+    golden: GoldenData | None = None
+
+    def to_dict(self) -> dict:
+        # a passing comparison stays as small as it always was
+        optional = tuple(f.name for f in dataclasses.fields(self) if f.name not in ("noise", "ties"))
+        return {"kind": self.KIND, **encode_fields(self, omit_none=optional)}
+
+
+@dataclass
+class Top1Data(CheckData):
+    KIND: ClassVar[str] = "top1_agreement"
+    agree: int
+    total: int
+    rate: float
+    ties: int  # positions whose reference top-1 is a tie within noise (not judged)
+    ties_agree: int
+    noise: str
+
+
+@dataclass
+class AcceptLengthData(CheckData):
+    """`accept_length` of an engine the harness drives: both measurements and the allowed difference."""
+
+    KIND: ClassVar[str] = "accept_length"
+    reference: AcceptStats = field(metadata={READER: _accept_stats})
+    engine: AcceptStats = field(metadata={READER: _accept_stats})
+    allowed: float
+    spread: float
+    gate: dict[str, object] | None = None  # the per-position verdict (difftest.accept_gate.AcceptGate.to_dict)
+
+
+@dataclass
+class ServerAcceptData(CheckData):
+    """`accept_length` of a running server (difftest.probe): its counters against the reference's
+    replay of the very tokens it generated."""
+
+    KIND: ClassVar[str] = "server_acceptance"
+    reference: AcceptStats = field(metadata={READER: _accept_stats})
+    engine: AcceptStats = field(metadata={READER: _accept_stats})
+    allowed: float
+    spread: float
+    server_settings: dict[str, object] = field(default_factory=dict)
+    flags: list[str] = field(default_factory=list)
+    per_request: list[dict[str, object]] = field(default_factory=list)
+    numbers: str = ""  # exact | deltas
+    verdict: str = ""
+    gate: dict[str, object] | None = None  # the per-position verdict (difftest.accept_gate.AcceptGate.to_dict)
+
+
+CORE_KINDS: dict[str, type[CheckData]] = {
+    c.KIND: c for c in (CaptureData, LintData, ComparisonData, Top1Data, AcceptLengthData, ServerAcceptData)
+}
+
+
+def data_kinds() -> dict[str, type[CheckData]]:
+    """The core's kinds and those engine packages contribute with their checks."""
+    from difftest.extensions import extra_checks
+
+    contributed = {c.data.KIND: c.data for c in extra_checks().values() if c.data is not None}
+    return {**CORE_KINDS, **contributed}
+
+
+def decode_data(data: object, where: str, at: str) -> CheckData | None:
+    """A check's data record by its `kind` (None: a result without data, e.g. an error)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise fail(where, at, f"expected an object with a kind, got {kind_of(data)}")
+    if "kind" not in data:
+        raise fail(where, join(at, "kind"), "field missing")
+    kind = data["kind"]
+    kinds = CORE_KINDS if kind in CORE_KINDS else data_kinds()
+    if kind not in kinds:
+        close = difflib.get_close_matches(str(kind), sorted(kinds), n=1)
+        raise fail(where, join(at, "kind"), f"unknown kind {kind!r}"
+                   + (f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(kinds))})"))  # fmt: skip
+    return kinds[kind].from_json(data, where, at)

@@ -1,0 +1,104 @@
+"""Report: one case's run, the JSON in reports/ that the Markdown, the HTML, the session summary,
+`difftest report` and `difftest bundle` are rendered from (difftest.report writes it).
+
+Schema versions: `schema` names the kind of file ("difftest.report"), `schema_version` its layout.
+2 is this record (typed check data with a `kind`). A report without `schema_version` is version 1,
+written before typed records: it is refused, naming the version and the command that writes it
+again (its `reproduce` line), rather than read with its untyped check data guessed at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from difftest.jsonfile import read_json
+from difftest.records.check_result import CheckResult
+from difftest.records.fields import decode, encode_fields, fail
+
+SCHEMA = "difftest.report"
+SCHEMA_VERSION = 2
+LEGACY_SCHEMA = "difftest.report/1"  # version 1 named its version in `schema` and had no schema_version
+
+
+@dataclass
+class EngineEntry:
+    """An engine of the run: what it reported about itself, or why it did not start."""
+
+    info: dict[str, object] | None = None  # difftest.engine.EngineInfo as a dict (name, version, versions, ...)
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return encode_fields(self, omit_none=("info", "error"))
+
+
+@dataclass
+class PromptComparison:
+    """One prompt's tensor comparison against the reference (difftest.compare.CaptureDiff)."""
+
+    prompt: int
+    first_divergence: str | None  # where the error is introduced, else the first tensor above noise
+    first_introduced: str | None
+    first_above_noise: str | None
+    first_differs: str | None
+    tie: str  # the draft steps left out at a tie, or ""
+    tensors: list[dict[str, object]]  # difftest.compare.TensorDiff as a dict, in data-flow order
+
+
+@dataclass
+class FigureDefinition:
+    """What one figure of the report counts and how the engines' own figures convert to it
+    (difftest.definitions)."""
+
+    name: str
+    counts: str
+    converts: str
+
+
+@dataclass
+class Report:
+    case: str
+    case_file: str
+    created: str
+    reference: str  # the reference engine's spec id
+    accept_length_definition: str
+    engines: dict[str, EngineEntry]  # by spec id, the reference included
+    checks: list[CheckResult]
+    noise_floor: dict[str, object] | None = None  # difftest.noise.NoiseFloor.to_dict(); None: nothing compared
+    wiring_inference: dict[str, object] | None = None  # `wiring: infer` cases (difftest.infer_case)
+    comparisons: dict[str, list[PromptComparison]] = field(default_factory=dict)  # by engine spec id
+    environment: dict[str, object] = field(default_factory=dict)  # the harness side (difftest.report.environment)
+    reproduce: str = ""
+    case_yaml: str = ""
+    interrupted: bool = False
+    definitions: list[FigureDefinition] = field(default_factory=list)  # every figure the report shows  # the run stopped before every check of the case ran
+
+    def results(self, engine: str, check: str | None = None) -> list[CheckResult]:
+        return [c for c in self.checks if c.engine == engine and (check is None or c.check == check)]
+
+    def result(self, engine: str, check: str) -> CheckResult | None:
+        return next(iter(self.results(engine, check)), None)
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **encode_fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> "Report":
+        if not isinstance(data, dict):
+            raise fail(where, "", f"not a difftest report (a JSON {type(data).__name__}, expected an object)")
+        schema, version = data.get("schema"), data.get("schema_version")
+        if schema == LEGACY_SCHEMA and version is None:
+            again = f": write it again with `{data['reproduce']}`" if isinstance(data.get("reproduce"), str) else ""
+            raise fail(where, "schema_version", f"report schema version 1 ({LEGACY_SCHEMA}, before typed records); "
+                                                f"this difftest reads version {SCHEMA_VERSION}{again}")  # fmt: skip
+        if schema != SCHEMA:
+            raise fail(where, "schema", f"{schema!r}, expected {SCHEMA!r}")
+        if version != SCHEMA_VERSION:
+            problem = "field missing" if version is None else f"report schema version {version!r}; this difftest reads {SCHEMA_VERSION}"
+            raise fail(where, "schema_version", problem)
+        return decode(cls, data, where, skip=("schema", "schema_version"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Report":
+        """A report file, validated: a missing, malformed or incomplete one is one line naming it."""
+        return cls.from_dict(read_json(path, "report"), str(path))

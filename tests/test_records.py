@@ -1,0 +1,290 @@
+"""The typed records (difftest.records): CaptureMeta, CheckResult with its per-check data kinds, and
+Report. Each round-trips through JSON, writes its schema version, and refuses on load an unknown,
+missing or wrong-typed field in one line that names the file and the field. The readers (the
+summary, the Markdown and HTML, bundle, baselines) take records."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftest import report as report_mod
+from difftest import upgrade
+from difftest.acceptance import AcceptStats
+from difftest.capture import Capture
+from difftest.chunk_match import ChunkMatch, Similarity
+from difftest.compare import TensorDiff
+from difftest.errors import ConfigError
+from difftest.finding import Finding
+from difftest.records import (
+    AcceptLengthData,
+    CaptureData,
+    CaptureMeta,
+    CheckResult,
+    ComparisonData,
+    EngineEntry,
+    ExpectedFailureRecord,
+    FcWiring,
+    FixData,
+    GoldenData,
+    LintData,
+    PromptComparison,
+    Report,
+    ServerAcceptData,
+    Top1Data,
+)
+from difftest.records import meta as meta_mod
+from engines.trainingdata.train_check import TrainAccuracyData
+
+STATS = AcceptStats(num_verify=4, num_accepted=6, num_draft_steps=3, accepted_per_pos=[3, 2, 1], num_prompts=2,
+                    source="ref simulation", outputs=[[1, 2], [3]])  # fmt: skip
+
+
+def meta() -> CaptureMeta:
+    return CaptureMeta(engine="ref[wiring=vllm]", engine_version="ref-1", versions={"torch": "2.13.0"}, kernels="torch",
+                       device="cpu", dtype="float32", prompt_ids=[1, 5, 9], target_next_token=7, draft_tokens=[3, 4],
+                       num_layers=6, target_hidden_size=64, wiring=FcWiring(["target.h.2", "target.h.3"], "vllm preset"),
+                       partial=["target.*"], compat=["patched"], checkpoints={"draft": "/d"}, notes=["n"],
+                       extra={"consistency": {"ok": True}})  # fmt: skip
+
+
+DATA = [
+    CaptureData(wiring_inference={"wiring": ["target.h.0"], "margin": 0.5}),
+    LintData([Finding("layer-ids", "error", "ids differ", ("vllm", "sglang"), "draft.fc_in")]),
+    ComparisonData(noise="measured", ties=["prompt 1: a tie"]),
+    ComparisonData(noise="measured", prompt=0, tensor="draft.fc_in.0", first_divergence="draft.fc_in.0",
+                   introduced="draft.fc_in.0", first_above_noise="draft.fc_in.0", first_differs="draft.embeds",
+                   fc_chunks=[ChunkMatch(0, "target.h.1", "target.h.2", 1.0, 0.99, 0.0, 0.0, 1.0, 0.1, 1.2)],
+                   similarity=Similarity(["chunk 0"], ["target.h.1", "target.h.2"], [[0.3, None]]), rule="vLLM: h[k]",
+                   rule_predicted=["target.h.2"], fix=FixData({"eagle_config": {}}, [1, 2], None, [1, 0], ["x"], ["y"]),
+                   known_causes=["layer-ids"], golden=GoldenData("matches", None, []))  # fmt: skip
+    ,
+    Top1Data(agree=9, total=10, rate=0.9, ties=2, ties_agree=1, noise="measured"),
+    AcceptLengthData(reference=STATS, engine=STATS, allowed=0.3, spread=0.1),
+    ServerAcceptData(reference=STATS, engine=STATS, allowed=0.3, spread=0.1, server_settings={"topk": 1}, flags=["f"],
+                     per_request=[{"judged": True}], numbers="exact", verdict="PASS"),  # fmt: skip
+    TrainAccuracyData(trainer={"full_acc": [0.7]}, engine={"full_acc": [0.3]}, engine_wiring=["target.h.2"],
+                      identification={"summary": "s"}, skipped=1),  # fmt: skip
+]
+
+
+def sample_report() -> Report:
+    results = [CheckResult("ref", "capture", "passed", "ok", DATA[0]),
+               CheckResult("eng", "fc_inputs", "failed", "diverges", DATA[3]),
+               CheckResult("eng", "accept_length", "xfailed", "collapsed", DATA[5], ExpectedFailureRecord("eng", "accept_length", "collapsed")),
+               CheckResult("eng", "draft_logits", "error", "engine crashed")]  # fmt: skip
+    tensors = [dataclasses.asdict(TensorDiff("draft.fc_in.0", "mismatch", [3, 4], 12, max_abs=0.5, cosine=0.7, err=0.4,
+                                             threshold=1e-5, excess=4e4, introduced=True))]  # fmt: skip
+    return Report(case="tiny", case_file="cases/tiny.yaml", created="2026-01-01T00:00:00", reference="ref",
+                  accept_length_definition="accepted draft tokens + 1 per verify step",
+                  engines={"ref": EngineEntry(info={"version": "1"}), "eng": EngineEntry(error="not started")},
+                  checks=results, noise_floor={"dtype": "float32", "measured": True, "source": "measured"},
+                  comparisons={"eng": [PromptComparison(0, "draft.fc_in.0", "draft.fc_in.0", "draft.fc_in.0", None, "", tensors)]},
+                  environment={"torch": "2.13.0"}, reproduce="difftest run cases/tiny.yaml --engines=ref,eng",
+                  case_yaml="target: t\n")  # fmt: skip
+
+
+def through_json(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))
+
+
+def refusal(call) -> str:
+    with pytest.raises(ConfigError) as e:
+        call()
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
+
+
+# -- round trips and versions ----------------------------------------------------------------------------
+def test_capture_meta_round_trips_through_json_with_its_schema_version():
+    d = through_json(meta().to_dict())
+    assert d["schema_version"] == meta_mod.SCHEMA_VERSION == 2
+    assert CaptureMeta.from_dict(d, "m.json") == meta()
+
+
+def test_capture_meta_leaves_fields_at_their_defaults_out_of_the_json():
+    d = CaptureMeta(engine="ref", num_layers=6).to_dict()
+    assert d == {"schema_version": 2, "engine": "ref", "num_layers": 6}
+
+
+def test_capture_round_trips_its_typed_meta_through_the_manifest(tmp_path):
+    loaded = Capture.load(Capture({"draft.logits": torch.zeros(2, 3)}, meta()).save(tmp_path / "cap"))
+    assert loaded.meta == meta() and loaded.meta.wiring.inputs == ["target.h.2", "target.h.3"]
+
+
+@pytest.mark.parametrize("data", DATA, ids=lambda d: d.kind)
+def test_each_check_data_kind_round_trips_inside_a_check_result(data):
+    result = CheckResult("eng", "x", "failed", "m", data)
+    d = through_json(result.to_dict())
+    assert d["schema_version"] == 2 and d["data"]["kind"] == data.kind
+    assert CheckResult.from_json(d, "r.json", "checks[0]") == result
+
+
+def test_accept_stats_in_check_data_keep_their_derived_numbers_in_the_json():
+    d = AcceptLengthData(STATS, STATS, 0.3, 0.1).to_dict()
+    assert d["engine"]["accept_length"] == STATS.accept_length and d["engine"]["acceptance_rate_per_pos"] == [0.75, 0.5, 0.25]
+
+
+def test_report_round_trips_through_json_with_schema_and_version():
+    d = through_json(sample_report().to_dict())
+    assert (d["schema"], d["schema_version"]) == ("difftest.report", 2)
+    assert Report.from_dict(d, "r.json") == sample_report()
+
+
+def test_report_json_keeps_the_keys_readers_of_reports_use():
+    d = through_json(sample_report().to_dict())
+    assert d["engines"]["eng"] == {"error": "not started"}  # no "info": null beside the error
+    failed = d["checks"][1]
+    assert (failed["engine"], failed["check"], failed["outcome"], failed["data"]["tensor"]) == ("eng", "fc_inputs", "failed", "draft.fc_in.0")
+    assert d["checks"][2]["data"]["engine"]["accept_length"] == STATS.accept_length
+    assert "data" not in d["checks"][3]  # an error has no data
+
+
+# -- older versions ----------------------------------------------------------------------------------------
+def test_report_of_schema_version_1_is_refused_naming_the_version_and_the_rerun(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"schema": "difftest.report/1", "case": "tiny", "reproduce": "difftest run cases/tiny.yaml --engines=ref"}))
+    message = refusal(lambda: Report.load(path))
+    assert message.startswith(f"{path}: schema_version: report schema version 1 (difftest.report/1")
+    assert "this difftest reads version 2" in message and "`difftest run cases/tiny.yaml --engines=ref`" in message
+
+
+def test_report_of_a_newer_schema_version_is_refused_naming_it():
+    d = {**sample_report().to_dict(), "schema_version": 3}
+    assert refusal(lambda: Report.from_dict(d, "r.json")) == "r.json: schema_version: report schema version 3; this difftest reads 2"
+
+
+def test_capture_meta_without_schema_version_is_read_as_version_1_its_own_keys_in_extra():
+    legacy = {"engine": "sglang", "num_layers": 6, "wiring": {"inputs": ["target.h.1"], "source": "s", "verifier": None},
+              "hot_token_id_source": "d2t", "consistency": {"ok": True}}  # fmt: skip
+    m = CaptureMeta.from_dict(legacy, "manifest.json")
+    assert (m.engine, m.num_layers, m.wiring.inputs) == ("sglang", 6, ["target.h.1"])
+    assert m.extra == {"hot_token_id_source": "d2t", "consistency": {"ok": True}}
+
+
+def test_capture_meta_version_1_core_keys_are_still_checked():
+    assert refusal(lambda: CaptureMeta.from_dict({"num_layers": "6"}, "manifest.json")) == \
+        "manifest.json: meta.num_layers: expected an integer or null, got a string"  # fmt: skip
+
+
+def test_capture_meta_of_an_unknown_version_is_refused_naming_it():
+    message = refusal(lambda: CaptureMeta.from_dict({"schema_version": 9}, "manifest.json"))
+    assert message.startswith("manifest.json: meta.schema_version: capture meta schema version 9; this difftest reads 2")
+
+
+# -- validation: one line naming file and field ------------------------------------------------------------
+def _mutated(edit) -> dict:
+    d = through_json(sample_report().to_dict())
+    edit(d)
+    return d
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda d: d.pop("case"), "r.json: case: field missing"),
+    (lambda d: d.update(casee="x"), "r.json: casee: unknown field (did you mean 'case'?)"),
+    (lambda d: d.update(checks={}), "r.json: checks: expected a list, got an object"),
+    (lambda d: d["checks"][1].pop("outcome"), "r.json: checks[1].outcome: field missing"),
+    (lambda d: d["checks"][1].update(outcome="fine"), "r.json: checks[1].outcome: 'fine' is not one of 'passed', "),
+    (lambda d: d["checks"][1].pop("schema_version"), "r.json: checks[1].schema_version: field missing"),
+    (lambda d: d["checks"][1]["data"].pop("kind"), "r.json: checks[1].data.kind: field missing"),
+    (lambda d: d["checks"][1]["data"].update(kind="comparision"), "r.json: checks[1].data.kind: unknown kind 'comparision' (did you mean 'comparison'?)"),
+    (lambda d: d["checks"][1]["data"].update(prompt="0"), "r.json: checks[1].data.prompt: expected an integer or null, got a string"),
+    (lambda d: d["checks"][1]["data"]["fix"].update(ids=[1, "2"]), "r.json: checks[1].data.fix.ids[1]: expected an integer, got a string"),
+    (lambda d: d["checks"][2]["data"].update(allowed=True), "r.json: checks[2].data.allowed: expected a number, got a boolean"),
+    (lambda d: d["checks"][2]["data"]["engine"].pop("num_verify"), "r.json: checks[2].data.engine.num_verify: field missing"),
+    (lambda d: d["checks"][2]["data"]["engine"].update(num_verfy=1), "r.json: checks[2].data.engine.num_verfy: unknown field (did you mean 'num_verify'?)"),
+    (lambda d: d["checks"][2]["expected_failure"].pop("cause"), "r.json: checks[2].expected_failure.cause: field missing"),
+    (lambda d: d["engines"]["ref"].update(info=[]), "r.json: engines.ref.info: expected an object or null, got a list"),
+    (lambda d: d["comparisons"]["eng"][0].update(prompt=None), "r.json: comparisons.eng[0].prompt: expected an integer, got null"),
+    (lambda d: d["comparisons"]["eng"][0].update(tensorz=[]), "r.json: comparisons.eng[0].tensorz: unknown field (did you mean 'tensors'?)"),
+    (lambda d: d["checks"][1]["data"]["fc_chunks"][0].pop("best"), "r.json: checks[1].data.fc_chunks[0].best: field missing"),
+    (lambda d: d["checks"][1]["data"]["similarity"].update(cosine=[["x"]]), "r.json: checks[1].data.similarity.cosine[0][0]: expected a number or null, got a string"),
+    (lambda d: d.update(interrupted="yes"), "r.json: interrupted: expected a boolean, got a string"),
+], ids=["missing", "unknown", "wrong-type", "result-missing", "outcome-choice", "result-version", "kind-missing",
+        "kind-unknown", "data-type", "nested-list-item", "bool-as-number", "stats-missing", "stats-unknown",
+        "expected-failure", "engine-info", "comparison-null", "comparison-unknown", "chunk-missing", "similarity-item",
+        "interrupted"])  # fmt: skip
+def test_bad_report_field_is_refused_in_one_line_naming_file_and_field(edit, expected):
+    assert refusal(lambda: Report.from_dict(_mutated(edit), "r.json")).startswith(expected)
+
+
+@pytest.mark.parametrize("meta_json, expected", [
+    ({"schema_version": 2, "engnie": "ref"}, "meta.engnie: unknown field (did you mean 'engine'?)"),
+    ({"schema_version": 2, "wiring": {"inputs": "target.h.1"}}, "meta.wiring.inputs: expected a list, got a string"),
+    ({"schema_version": 2, "prompt_ids": [1, True]}, "meta.prompt_ids[1]: expected an integer, got a boolean"),
+    ({"schema_version": 2, "golden_fc_in": 1}, "meta.golden_fc_in: expected a boolean, got an integer"),
+    ([], "meta: expected an object, got a list"),
+], ids=["unknown", "nested", "list-item", "bool", "not-an-object"])  # fmt: skip
+def test_bad_capture_meta_in_a_manifest_is_refused_naming_the_manifest_and_field(tmp_path, meta_json, expected):
+    directory = Capture({"draft.logits": torch.zeros(2, 3)}).save(tmp_path / "cap")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    (directory / "manifest.json").write_text(json.dumps({**manifest, "meta": meta_json}))
+    assert refusal(lambda: Capture.load(directory)) == f"{directory / 'manifest.json'}: {expected}"
+
+
+def test_adapter_meta_with_an_unknown_key_is_refused_naming_the_engine():
+    message = refusal(lambda: Capture({}, {"engine": "sglang", "consistancy": {}}))
+    assert message == "capture meta of sglang: consistancy: unknown field (known: " + message.split("(known: ")[1]
+
+
+# -- the readers read records ---------------------------------------------------------------------------
+def test_summary_reads_accept_lengths_and_verdict_from_the_records():
+    report = sample_report()
+    report.checks = [CheckResult("eng", "accept_length", "passed", "ok", AcceptLengthData(STATS, AcceptStats(4, 2, 3), 0.3, 0.1))]
+    (row,) = upgrade.summarise(report, Path("reports"))
+    assert (row.reference_accept, row.engine_accept) == (STATS.accept_length, 1.5)
+    assert row.first_divergence == "draft.fc_in.0 (prompt 0)"
+
+
+def test_summary_calls_a_failed_expected_failure_a_changed_expectation():
+    report = sample_report()
+    report.checks[2].outcome = "failed"
+    (row,) = upgrade.summarise(report, Path("reports"))
+    assert row.verdict == upgrade.CHANGED
+
+
+def test_markdown_and_html_render_from_a_report_record():
+    from difftest.html_report import render
+
+    report = sample_report()
+    report.checks.append(CheckResult("eng", "fc_inputs", "failed", "m", ComparisonData(rule="SGLang rule", fix=FixData({"a": 1}))))
+    md = report_mod.markdown(report)
+    assert "| `eng` | fc_inputs | failed | diverges |" in md and "## Fix" in md and "SGLang rule" in md
+    html = render(report)
+    assert "error introduced at <code>draft.fc_in.0</code>" in html and "schema difftest.report version 2" in html
+
+
+def test_written_report_reads_back_as_the_same_record(tmp_path):
+    path = report_mod.write(sample_report(), tmp_path)
+    assert Report.load(path) == sample_report()
+    assert report_mod.is_complete(path)
+
+
+def test_an_unreadable_previous_report_is_not_complete(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"schema": "difftest.report/1", "case": "tiny"}))
+    assert not report_mod.is_complete(path)
+
+
+def test_bundle_loads_a_report_record(tmp_path):
+    from difftest import bundle
+
+    path = report_mod.write(sample_report(), tmp_path)
+    assert bundle.load(path) == sample_report()
+
+
+def test_report_command_refuses_a_version_1_report_in_one_line(tmp_path, capsys):
+    from difftest.cli import main
+
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"schema": "difftest.report/1", "case": "tiny"}))
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"difftest report: {path}: schema_version: report schema version 1 (difftest.report/1, before typed " \
+                  "records); this difftest reads version 2"  # fmt: skip
+
