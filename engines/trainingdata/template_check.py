@@ -56,7 +56,7 @@ def check_chat_template(session: Session, case: Case, spec: EngineSpec) -> Verdi
             drifted.append(str(e))
             data.append(PromptRendering(i, False, message=str(e)))
             continue
-        sample = (cap.meta.get("train_data") or {}).get("sample")
+        sample = (cap.meta.extra.get("train_data") or {}).get("sample")  # the train engine's own meta key
         lines.append(f"prompt {i}: the dump's sample {sample} starts with the ids serving renders "
                      f"({chat.describe(p.chat_template_kwargs)})")  # fmt: skip
         data.append(PromptRendering(i, True, sample=sample))
