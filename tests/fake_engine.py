@@ -29,7 +29,7 @@ from engines.ref.settings import SCHEMA as REF_SETTINGS
 class FakeEngine(RefEngine):
     SETTINGS = Schema("fake", REF_SETTINGS.settings + (
         Setting("mode", "choice", "injected behaviour", default="same",
-                choices=("same", "diverge", "unavailable", "error", "crash", "hang")),
+                choices=("same", "diverge", "unavailable", "error", "crash", "hang", "spawn_hang")),
         Setting("golden", "choice", "no: no golden-input re-run", choices=("no",)),
     ))  # fmt: skip
 
