@@ -49,6 +49,12 @@ def resolve_fixture(ref: str) -> str:
     raise ConfigError(f"fixture {name!r} is not provided by any installed fixture provider ({len(providers)} found)")
 
 
+def calibration_case(case: Case) -> Case:
+    """The case in float64 under its own path (its captures and runs are cached apart): what the
+    reference computes to measure the noise floor and the accept gate's numerical move."""
+    return dataclasses.replace(case, dtype=noise.CALIBRATION_DTYPE, path=f"{case.path}#{noise.CALIBRATION_DTYPE}")
+
+
 def log_file_name(spec_id: str) -> str:
     """A file name for an engine's log: the spec id, made safe (no '/', at most ~120 bytes: a long
     spec parameter must not make the log, and so the engine, impossible to start)."""
@@ -387,7 +393,7 @@ class Session:
         case = self.prepare(case)
         if case.path not in self._floors:
             spec = self.calibration_spec()
-            exact = dataclasses.replace(case, dtype=noise.CALIBRATION_DTYPE, path=f"{case.path}#{noise.CALIBRATION_DTYPE}")
+            exact = calibration_case(case)
             try:
                 pairs = [(self.capture(case, spec, i), self.capture(exact, spec, i)) for i in range(len(case.prompts))]
                 # the draft alone: its own rounding, on the float64 run's fc_in (difftest.noise: draft floor)
@@ -409,7 +415,7 @@ class Session:
         if case.dtype == noise.CALIBRATION_DTYPE:
             return None, f"the case runs in {case.dtype}: no numerical move to measure"
         spec = self.calibration_spec()
-        exact = dataclasses.replace(case, dtype=noise.CALIBRATION_DTYPE, path=f"{case.path}#{noise.CALIBRATION_DTYPE}")
+        exact = calibration_case(case)
         try:
             pair = (self.speculate(case, spec), self.speculate(exact, spec))
         except DifftestError as e:
