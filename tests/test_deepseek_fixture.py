@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from difftest.case import load_case
 from difftest.engine import parse_spec
-from engines.ref import fixtures as base
+from engines.ref import draft_pipeline as drafts
+from engines.ref import fixture_targets as targets
 from engines.ref import fixtures_deepseek as ds
 from engines.ref.engine import RefEngine
 from engines.ref.target import load_target
@@ -81,7 +82,7 @@ def test_target_directory_has_a_tokenizer_with_the_fixture_vocab(paths):
 
     tok = AutoTokenizer.from_pretrained(paths[ds.TARGET], local_files_only=True)
     assert len(tok) == 1024
-    assert tok.decode(tok("<s> " + base.make_words(3)[2])["input_ids"]) == "<s> " + base.make_words(3)[2]
+    assert tok.decode(tok("<s> " + targets.make_words(3)[2])["input_ids"]) == "<s> " + targets.make_words(3)[2]
 
 
 def test_draft_config_has_ids_2_4_5_at_top_level_and_in_eagle_config(paths):
@@ -223,7 +224,7 @@ def test_step0_agreement_recomputed_on_heldout_matches_quality_json(paths, targe
     from engines.ref.train import prepare_data, step0_agreement
 
     draft = load_draft(paths[ds.DRAFT]).model
-    heldout = base.heldout_sequences(target)
+    heldout = drafts.heldout_sequences(target)
     agreement = step0_agreement(draft, prepare_data(target, ds.GOOD_WIRING, heldout))
     assert agreement == pytest.approx(quality["step0_agreement"], abs=0.01)
 

@@ -334,7 +334,7 @@ def test_fixture_is_the_mla_class_with_the_targets_shapes_and_ids(mla_fixture):
 def test_fixture_draft_predicts_the_target_under_its_training_wiring_only(mla_fixture):
     """Recomputed on 16 sequences from the held-out seed: the trained wiring agrees with the target's greedy tokens
     (quality.json: 0.918 on all 64), SGLang's Llama +1 reading ([h3, h5, h6]) does not (0.046)."""
-    from engines.ref import fixtures as base
+    from engines.ref import draft_pipeline as drafts
     from engines.ref import fixtures_deepseek as deepseek
     from engines.ref.target import load_target
     from engines.ref.train import prepare_data, step0_agreement
@@ -342,7 +342,7 @@ def test_fixture_draft_predicts_the_target_under_its_training_wiring_only(mla_fi
     target = load_target(deepseek.fixture_path(deepseek.TARGET))
     draft = load_draft(mla_fixture).model
     assert isinstance(draft, Eagle3MLADraft)
-    heldout = base.generate_sequences(target, 16, base.HELDOUT_PROMPT, base.HELDOUT_NEW, base.HELDOUT_SEED)
+    heldout = drafts.generate_sequences(target, 16, drafts.HELDOUT_PROMPT, drafts.HELDOUT_NEW, drafts.HELDOUT_SEED)
     trained = step0_agreement(draft, prepare_data(target, deepseek.GOOD_WIRING, heldout))
     shifted = step0_agreement(draft, prepare_data(target, deepseek.SHIFTED_WIRING, heldout))
     assert trained > 0.85

@@ -16,6 +16,9 @@ import pytest
 import torch
 
 from difftest.wiring import resolve
+from engines.ref import draft_pipeline as drafts
+from engines.ref import fixture_cache as cache
+from engines.ref import fixture_targets as targets
 from engines.ref import fixtures as fx
 from difftest.jsonfile import read_json
 from engines.ref.eagle3 import load_draft
@@ -37,7 +40,7 @@ def target(paths):
 
 @pytest.fixture(scope="session")
 def heldout(target) -> torch.Tensor:
-    return fx.heldout_sequences(target)
+    return drafts.heldout_sequences(target)
 
 
 def quality(paths, name: str) -> dict:
@@ -123,8 +126,8 @@ def test_eagle_and_speculators_formats_load_to_identical_logits(paths):
     spec = load_draft(paths["tiny-llama-eagle3-speculators"])
     assert (eagle.config.format, spec.config.format) == ("eagle", "speculators")
     g = torch.Generator().manual_seed(0)
-    fc_in = torch.randn(2, 9, 3 * fx.HIDDEN, generator=g)
-    ids = torch.randint(0, fx.VOCAB, (2, 9), generator=g)
+    fc_in = torch.randn(2, 9, 3 * targets.HIDDEN, generator=g)
+    ids = torch.randint(0, targets.VOCAB, (2, 9), generator=g)
     positions = torch.arange(9)[None, :].expand(2, 9)
     with torch.no_grad():
         a = eagle.model(ids, eagle.model.combine(fc_in), positions)
@@ -173,20 +176,20 @@ def test_target_weights_are_rebuilt_bit_identically(paths):
     from safetensors.torch import load_file
 
     saved = load_file(str(paths["tiny-llama"] / "model.safetensors"))
-    rebuilt = fx.build_llama_target().state_dict()
+    rebuilt = targets.build_llama_target().state_dict()
     assert sorted(saved) == sorted(rebuilt)
     assert [k for k in saved if not torch.equal(saved[k], rebuilt[k])] == []
 
 
 def test_target_greedy_token_depends_on_the_previous_token(target, heldout):
-    assert fx.context_dependence(target, heldout) >= 0.5
+    assert drafts.context_dependence(target, heldout) >= 0.5
 
 
 def test_target_tokenizer_loads_offline_with_autotokenizer(paths):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(paths["tiny-llama"], local_files_only=True)
-    words = fx.make_words(3)
+    words = targets.make_words(3)
     ids = tok(" ".join(words)).input_ids
     assert (len(tok), ids, tok.decode(ids)) == (1024, [4, 5, 6], " ".join(words))
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
@@ -196,7 +199,7 @@ def test_qwen3_fixture_exposes_every_residual_stream_with_the_last_before_the_no
     model = load_target(paths["tiny-qwen3"])
     assert type(model).__name__ == "Qwen3ForCausalLM"
     out = run_target(model, torch.tensor([[5, 9, 33, 100]]))
-    assert len(out.hidden) == fx.QWEN3_LAYERS + 1
+    assert len(out.hidden) == targets.QWEN3_LAYERS + 1
     torch.testing.assert_close(model.model.norm(out.hidden[-1]), out.final_norm, rtol=0, atol=0)
 
 
@@ -222,7 +225,7 @@ def test_concurrent_builds_build_once_and_leave_no_temporary_directories(tmp_pat
     ]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
-    built = tmp_path / "fixtures" / fx.FIXTURES_VERSION / "tiny-qwen3"
+    built = tmp_path / "fixtures" / cache.FIXTURES_VERSION / "tiny-qwen3"
     assert sum(o.count("[fixtures] building tiny-qwen3") for o in outputs) == 1
     assert [o.strip().splitlines()[-1] for o in outputs] == [str(built)] * 2
     assert sorted(p.name for p in built.parent.iterdir()) == [".lock", "tiny-qwen3"]

@@ -90,7 +90,7 @@ def target_path(name: str) -> Path:
 
 @torch.no_grad()
 def build_qwen3_circuit():
-    """A Qwen3ForCausalLM carrying tiny-llama's constructed circuit (engines/ref/fixtures.py): the same
+    """A Qwen3ForCausalLM carrying tiny-llama's constructed circuit (engines/ref/fixture_targets.py): the same
     weights, plus q/k-norm weights set to the median RMS of the Llama's queries (positional heads) and
     keys per layer, so the normalised queries and keys keep their scale and the positional heads still
     attend where the circuit needs (the Qwen3 and the Llama agree on every greedy token here).
@@ -98,11 +98,13 @@ def build_qwen3_circuit():
     for its wiring to show (agreement ~0.1 on tests/independent_models.py's Qwen3)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from engines.ref import fixtures as fx
+    from engines.ref import draft_pipeline as drafts
+    from engines.ref import fixture_cache as cache
+    from engines.ref import fixture_targets as targets
 
-    with fx._pinned_threads(1):
-        llama = fx.build_llama_target()
-        c = fx._llama_config()
+    with cache.pinned_threads(1):
+        llama = targets.build_llama_target()
+        c = targets.llama_config()
         cfg = Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                           num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                           num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, max_position_embeddings=2048,
@@ -112,7 +114,7 @@ def build_qwen3_circuit():
             model = Qwen3ForCausalLM(cfg).eval()
         missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
         assert not unexpected and all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing)
-        seqs = fx.generate_sequences(llama, 32, 8, 24, seed=7)
+        seqs = drafts.generate_sequences(llama, 32, 8, 24, seed=7)
         rms: dict[tuple[str, int], torch.Tensor] = {}
         hooks = []
         d = c.head_dim

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from engines.ref import draft_pipeline as drafts
+from engines.ref import fixture_cache as cache
 from engines.ref import fixtures as base
 
 NBR = "tiny-llama-eagle3-nbr"
@@ -68,31 +69,17 @@ def _edited_copy(out: Path, fault: str, config=None, tensors=None) -> None:
     (out / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
 
 
-def _build_nbr(out: Path, build: base._Build) -> None:
-    from engines.ref.target import load_target
-    from engines.ref.train import prepare_data, save_eagle_format, train_draft
-
-    target = load_target(base.fixture_path("tiny-llama"))
-    t0 = time.time()
-    sequences = base.generate_sequences(target, base.TRAIN_SEQS, base.TRAIN_PROMPT, base.TRAIN_NEW,
-                                        base.TRAIN_DATA_SEED, eps=base.TRAIN_EPS)  # fmt: skip
-    data = prepare_data(target, base.GOOD_WIRING, sequences)
-    cfg = dataclasses.replace(base.draft_config(), norm_before_residual=True)
-    with torch.enable_grad():
-        draft = train_draft(target, cfg, base.GOOD_WIRING, data, seed=base.DRAFT_SEED, log=build.log, log_every=100,
-                            **base.TRAIN)  # fmt: skip
-    save_eagle_format(draft, out, base.GOOD_IDS)
-    heldout = base.heldout_sequences(target)
-    prompts = heldout[: base.SIM_PROMPTS, : base.HELDOUT_PROMPT].tolist()
-    served = base.evaluate_draft(target, draft, base.GOOD_WIRING, heldout, prompts)
-    quality = base._quality_common(base.GOOD_WIRING, base.GOOD_IDS, "eagle", time.time() - t0)
-    quality.update(catalogue_fault=FAULTS[NBR], step0_agreement=served["step0_agreement"],
-                   accept_length=served["accept_length"], acceptance_rate_per_pos=served["acceptance_rate_per_pos"])  # fmt: skip
-    (out / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
-    build.log(f"[fixtures] {NBR}: step-0 agreement {served['step0_agreement']:.3f}, accept length {served['accept_length']:.2f}")
+NBR_RECIPE = drafts.DraftRecipe(
+    name=NBR,
+    target="tiny-llama",
+    train_wiring=base.GOOD_WIRING,
+    layer_ids=base.GOOD_IDS,
+    config=lambda: dataclasses.replace(drafts.draft_config(), norm_before_residual=True),
+    extra={"catalogue_fault": FAULTS[NBR]},
+)
 
 
-def _build_own_embed(out: Path, build: base._Build) -> None:
+def _build_own_embed(out: Path, build: cache.Build) -> None:
     def random_embedding(t):
         g = torch.Generator().manual_seed(EMBED_SEED)
         e = t["embed_tokens.weight"]
@@ -101,18 +88,18 @@ def _build_own_embed(out: Path, build: base._Build) -> None:
     _edited_copy(out, OWN_EMBED, tensors=random_embedding)
 
 
-def _build_no_lm_head(out: Path, build: base._Build) -> None:
+def _build_no_lm_head(out: Path, build: cache.Build) -> None:
     _edited_copy(out, NO_LM_HEAD, tensors=lambda t: t.pop("lm_head.weight"))
 
 
-def _build_d2t_absolute(out: Path, build: base._Build) -> None:
+def _build_d2t_absolute(out: Path, build: cache.Build) -> None:
     def absolute(t):
         t["d2t"] = t["d2t"] + torch.arange(t["d2t"].numel(), dtype=t["d2t"].dtype)
 
     _edited_copy(out, D2T_ABSOLUTE, tensors=absolute)
 
 
-def _build_unsorted(out: Path, build: base._Build) -> None:
+def _build_unsorted(out: Path, build: cache.Build) -> None:
     good = [2, 4, 5]
     ids = [good[j] for j in UNSORTED_ORDER]
 
@@ -128,25 +115,21 @@ def _build_unsorted(out: Path, build: base._Build) -> None:
     _edited_copy(out, UNSORTED, config=config, tensors=reorder)
 
 
-_BUILDERS = {NBR: _build_nbr, OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute,
+_BUILDERS: dict[str, cache.Builder] = {NBR: lambda out, build: drafts.build_draft(NBR_RECIPE, out, build), OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute,
              UNSORTED: _build_unsorted}  # fmt: skip
 _DEPS: dict[str, list[str]] = dict.fromkeys(NAMES, [])
 
 
 def ensure_fixtures(names: list[str] | None = None, log=print, force: bool = False) -> dict[str, Path]:
-    wanted = list(NAMES if names is None else names)
-    for name in wanted:
-        if name not in NAMES:
-            raise KeyError(f"unknown fixture {name!r}; known: {', '.join(NAMES)}")
     base.ensure_fixtures(["tiny-llama", "tiny-llama-eagle3"], log=log)  # built under their own provider
-    return base.ensure_built(wanted, NAMES, _BUILDERS, _DEPS, log=log, force=force)
+    return cache.ensure_built(list(NAMES if names is None else names), NAMES, _BUILDERS, _DEPS, log=log, force=force)
 
 
 # -- the `difftest.fixtures` provider interface (pyproject entry point "catalogue") ---------------
 
 
 def resolve_fixture(name: str) -> Path | None:
-    return base.resolve_from(name, NAMES, ensure_fixtures)
+    return cache.resolve_from(name, NAMES, ensure_fixtures)
 
 
 def build_all(force: bool = False) -> None:
@@ -155,7 +138,7 @@ def build_all(force: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return base.provider_main(argv, "python -m engines.ref.fixtures_catalogue", __doc__, NAMES, ensure_fixtures)
+    return cache.provider_main(argv, "python -m engines.ref.fixtures_catalogue", __doc__, NAMES, ensure_fixtures)
 
 
 if __name__ == "__main__":

@@ -51,14 +51,16 @@ from pathlib import Path
 
 import torch
 
-from engines.ref import fixtures as base
+from engines.ref import draft_pipeline as drafts
+from engines.ref import fixture_cache as cache
+from engines.ref import fixture_targets as targets
 
 TARGET = "tiny-deepseek-v3"
 DRAFT = "tiny-deepseek-v3-eagle3"
 NAMES = [TARGET, DRAFT]
 
 # -- sizes ---------------------------------------------------------------------------------
-HIDDEN, LAYERS, HEADS = base.HIDDEN, 6, 4
+HIDDEN, LAYERS, HEADS = targets.HIDDEN, 6, 4
 Q_LORA, KV_LORA, ROPE, NOPE, V_HEAD = 64, 512, 64, 32, 32
 INTERMEDIATE, MOE_INTERMEDIATE = 256, 64
 EXPERTS, TOPK, SHARED, N_GROUP, TOPK_GROUP = 8, 2, 1, 2, 1
@@ -86,7 +88,7 @@ def deepseek_config():
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(
-        vocab_size=base.VOCAB,
+        vocab_size=targets.VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
         moe_intermediate_size=MOE_INTERMEDIATE,
@@ -156,14 +158,14 @@ def build_deepseek_target(
 ):
     """The tiny-deepseek-v3 target (module docstring). Built in float64 on one thread, so the float32
     weights do not depend on the caller's thread count."""
-    with base._pinned_threads(1), torch.no_grad():
+    with cache.pinned_threads(1), torch.no_grad():
         return _build(seed, growth, num_frequent, logit_scale, noise, content_heads, gap)
 
 
 def _build(seed: int, growth: float, num_frequent: int, logit_scale: float, noise: float, content_heads: float, gap: float):
     from transformers import DeepseekV3ForCausalLM
 
-    H, V = HIDDEN, base.VOCAB
+    H, V = HIDDEN, targets.VOCAB
     qk_head = NOPE + ROPE
     gen = torch.Generator().manual_seed(seed)
 
@@ -276,7 +278,7 @@ def _build(seed: int, growth: float, num_frequent: int, logit_scale: float, nois
         sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
         sd[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
     sd["model.norm.weight"] = torch.ones(H, dtype=torch.float64)
-    specials = len(base.SPECIALS)
+    specials = len(targets.SPECIALS)
     frequent = torch.randperm(V - specials, generator=gen)[:num_frequent] + specials
     A = unit_rows(V, 32) * 0.3
     B = unit_rows(V, 32) * 0.3
@@ -319,9 +321,9 @@ def weights_checksum(model) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def _build_target(out: Path, build: base._Build) -> None:
+def _build_target(out: Path, build: cache.Build) -> None:
     model = build_deepseek_target()
-    base._save_target(
+    targets.save_target(
         model,
         out,
         "DeepseekV3ForCausalLM (MLA + MoE, Kimi-K2-like config) with a seeded second-order circuit: greedy next "
@@ -330,55 +332,42 @@ def _build_target(out: Path, build: base._Build) -> None:
     config = json.loads((out / "config.json").read_text())
     if config.get("moe_layer_freq") != 1:  # save_pretrained keeps extra attributes today; make sure of it
         config["moe_layer_freq"] = 1
-        base._write_json(out / "config.json", config)
+        cache.write_json(out / "config.json", config)
     meta = json.loads((out / "fixture.json").read_text())
     meta["weights_sha256"] = weights_checksum(model)
-    base._write_json(out / "fixture.json", meta)
+    cache.write_json(out / "fixture.json", meta)
 
 
-def _build_draft(out: Path, build: base._Build) -> None:
-    from engines.ref.target import load_target
-    from engines.ref.train import save_eagle_format
-
-    target = load_target(base.fixtures_dir() / TARGET)
-    draft, train_time, heldout = base._train(target, GOOD_WIRING, build)
-    save_eagle_format(draft, out, GOOD_IDS)
-    prompts = heldout[: base.SIM_PROMPTS, : base.HELDOUT_PROMPT].tolist()
-    served = base.evaluate_draft(target, draft, GOOD_WIRING, heldout, prompts)
-    shifted = base.evaluate_draft(target, draft, SHIFTED_WIRING, heldout, prompts)
-    quality = base._quality_common(GOOD_WIRING, GOOD_IDS, "eagle", train_time, target=TARGET)
-    quality.update(
-        step0_agreement=served["step0_agreement"],
-        accept_length=served["accept_length"],
-        acceptance_rate_per_pos=served["acceptance_rate_per_pos"],
-        simulation=served["stats"],
-        served_off_by_one={
-            "note": "what SGLang 0.5.23's Llama rule (id k -> h[k+1]) would feed for ids [2, 4, 5]; "
+DRAFT_RECIPE = drafts.DraftRecipe(
+    name=DRAFT,
+    target=TARGET,
+    train_wiring=GOOD_WIRING,
+    layer_ids=GOOD_IDS,
+    alternatives=(
+        drafts.Alternative(
+            "served_off_by_one",
+            "what SGLang 0.5.23's Llama rule (id k -> h[k+1]) would feed for ids [2, 4, 5]; "
             "its DeepSeek model (ids[0] != 1 -> h[k]) and vLLM feed the trained [h2, h4, h5]",
-            **{k: shifted[k] for k in ("wiring", "wiring_short", "step0_agreement", "accept_length", "acceptance_rate_per_pos")},
-        },
-        target_context_dependence=base.context_dependence(target, heldout),
-    )
-    base._write_json(out / "quality.json", quality)
-    build.log(base._summary(DRAFT, quality))
+            SHIFTED_WIRING,
+        ),
+    ),
+    context_dependence=True,
+)
 
 
-_BUILDERS = {TARGET: _build_target, DRAFT: _build_draft}
+_BUILDERS: dict[str, cache.Builder] = {TARGET: _build_target, DRAFT: lambda out, build: drafts.build_draft(DRAFT_RECIPE, out, build)}
 _DEPS: dict[str, list[str]] = {TARGET: [], DRAFT: [TARGET]}
 
 
 def fixture_path(name: str) -> Path:
     if name not in NAMES:
         raise KeyError(f"unknown fixture {name!r}; known: {', '.join(NAMES)}")
-    return base.fixtures_dir() / name
+    return cache.fixtures_dir() / name
 
 
-def ensure_fixtures(names: list[str] | None = None, log: base.Log = print, force: bool = False) -> dict[str, Path]:
+def ensure_fixtures(names: list[str] | None = None, log: cache.Log = print, force: bool = False) -> dict[str, Path]:
     """Build the named DeepSeek fixtures (default: both) unless cached; returns name -> directory."""
-    wanted = list(NAMES if names is None else names)
-    for name in wanted:
-        fixture_path(name)  # validates the name
-    return base.ensure_built(wanted, NAMES, _BUILDERS, _DEPS, log=log, force=force)
+    return cache.ensure_built(list(NAMES if names is None else names), NAMES, _BUILDERS, _DEPS, log=log, force=force)
 
 
 # -- the `difftest.fixtures` provider interface (pyproject entry point "deepseek") ---------------
@@ -386,7 +375,7 @@ def ensure_fixtures(names: list[str] | None = None, log: base.Log = print, force
 
 def resolve_fixture(name: str) -> Path | None:
     """`fixture:NAME` in a case: the directory of one of these fixtures, built on first use; None if not ours."""
-    return base.resolve_from(name, NAMES, ensure_fixtures)
+    return cache.resolve_from(name, NAMES, ensure_fixtures)
 
 
 def build_all(force: bool = False) -> None:
@@ -395,7 +384,7 @@ def build_all(force: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return base.provider_main(argv, "python -m engines.ref.fixtures_deepseek", __doc__, NAMES, ensure_fixtures)
+    return cache.provider_main(argv, "python -m engines.ref.fixtures_deepseek", __doc__, NAMES, ensure_fixtures)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,11 @@ This module is the `difftest.fixtures` provider "mla" (resolve_fixture, build_al
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import torch
-
-from engines.ref import fixtures as base
+from engines.ref import draft_pipeline as drafts
+from engines.ref import fixture_cache as cache
+from engines.ref import fixture_targets as targets
 from engines.ref import fixtures_deepseek as deepseek
 
 DRAFT = "tiny-deepseek-v3-eagle3-mla"
@@ -41,8 +40,8 @@ def mla_draft_config():
         num_attention_heads=deepseek.HEADS,
         num_key_value_heads=deepseek.HEADS,
         head_dim=deepseek.NOPE + deepseek.ROPE,
-        vocab_size=base.VOCAB,
-        draft_vocab_size=base.DRAFT_VOCAB,
+        vocab_size=targets.VOCAB,
+        draft_vocab_size=drafts.DRAFT_VOCAB,
         target_hidden_size=deepseek.HIDDEN,
         num_aux=len(deepseek.GOOD_IDS),
         rms_norm_eps=1e-6,
@@ -58,62 +57,35 @@ def mla_draft_config():
     )
 
 
-def _train(target, build: base._Build):
-    from engines.ref.train import prepare_data, train_draft
-
-    t0 = time.time()
-    sequences = base.generate_sequences(
-        target, base.TRAIN_SEQS, base.TRAIN_PROMPT, base.TRAIN_NEW, base.TRAIN_DATA_SEED, eps=base.TRAIN_EPS
-    )
-    data = prepare_data(target, deepseek.GOOD_WIRING, sequences)
-    with torch.enable_grad():
-        draft = train_draft(
-            target, mla_draft_config(), deepseek.GOOD_WIRING, data, seed=base.DRAFT_SEED, log=build.log, log_every=100, **base.TRAIN
-        )
-    return draft, time.time() - t0
-
-
-def _build_draft(out: Path, build: base._Build) -> None:
+def _save(draft, out: Path, layer_ids: list[int], target_dir: Path) -> None:
     from engines.ref.eagle3_mla import save_mla_draft
-    from engines.ref.target import load_target
 
-    target_dir = deepseek.fixture_path(deepseek.TARGET)
-    target = load_target(target_dir)
-    draft, train_time = _train(target, build)
-    save_mla_draft(draft, out, deepseek.GOOD_IDS, target_config=json.loads((target_dir / "config.json").read_text()))
-    heldout = base.heldout_sequences(target)
-    prompts = heldout[: base.SIM_PROMPTS, : base.HELDOUT_PROMPT].tolist()
-    served = base.evaluate_draft(target, draft, deepseek.GOOD_WIRING, heldout, prompts)
-    shifted = base.evaluate_draft(target, draft, deepseek.SHIFTED_WIRING, heldout, prompts)
-    quality = base._quality_common(deepseek.GOOD_WIRING, deepseek.GOOD_IDS, "eagle-mla", train_time, target=deepseek.TARGET)
-    quality.update(
-        architecture="Eagle3DeepseekV2ForCausalLM",
-        step0_agreement=served["step0_agreement"],
-        accept_length=served["accept_length"],
-        acceptance_rate_per_pos=served["acceptance_rate_per_pos"],
-        simulation=served["stats"],
-        served_off_by_one={
-            "note": "what SGLang 0.5.23's Llama rule (id k -> h[k+1]) would feed for ids [2, 4, 5]",
-            **{k: shifted[k] for k in ("wiring", "wiring_short", "step0_agreement", "accept_length", "acceptance_rate_per_pos")},
-        },
-    )
-    base._write_json(out / "quality.json", quality)
-    base._write_json(
-        out / "fixture.json",
-        {"version": base.FIXTURES_VERSION, "description": "MLA EAGLE-3 draft (Kimi-K2.5 family) TTT-trained on tiny-deepseek-v3 "
-         "fc [h2, h4, h5]; see engines/ref/fixtures_mla.py"},
-    )  # fmt: skip
-    build.log(base._summary(DRAFT, quality))
+    save_mla_draft(draft, out, layer_ids, target_config=json.loads((target_dir / "config.json").read_text()))
 
 
-def ensure_fixtures(names: list[str] | None = None, log: base.Log = print, force: bool = False) -> dict[str, Path]:
-    wanted = list(NAMES if names is None else names)
-    for name in wanted:
-        if name not in NAMES:
-            raise KeyError(f"unknown fixture {name!r}; known: {', '.join(NAMES)}")
+RECIPE = drafts.DraftRecipe(
+    name=DRAFT,
+    target=deepseek.TARGET,
+    train_wiring=deepseek.GOOD_WIRING,
+    layer_ids=deepseek.GOOD_IDS,
+    save=_save,
+    fmt="eagle-mla",
+    config=mla_draft_config,
+    alternatives=(
+        drafts.Alternative("served_off_by_one", "what SGLang 0.5.23's Llama rule (id k -> h[k+1]) would feed for ids [2, 4, 5]",
+                           deepseek.SHIFTED_WIRING),
+    ),  # fmt: skip
+    extra={"architecture": "Eagle3DeepseekV2ForCausalLM"},
+    description="MLA EAGLE-3 draft (Kimi-K2.5 family) TTT-trained on tiny-deepseek-v3 fc [h2, h4, h5]; "
+    "see engines/ref/fixtures_mla.py",
+)
+
+
+def ensure_fixtures(names: list[str] | None = None, log: cache.Log = print, force: bool = False) -> dict[str, Path]:
     # The target belongs to another provider: built first, outside this build's lock (the lock is not reentrant).
     deepseek.ensure_fixtures([deepseek.TARGET], log=log)
-    return base.ensure_built(wanted, NAMES, {DRAFT: _build_draft}, {DRAFT: []}, log=log, force=force)
+    builders: dict[str, cache.Builder] = {DRAFT: lambda out, build: drafts.build_draft(RECIPE, out, build)}
+    return cache.ensure_built(list(NAMES if names is None else names), NAMES, builders, {DRAFT: []}, log=log, force=force)
 
 
 # -- the `difftest.fixtures` provider interface (pyproject entry point "mla") ---------------
@@ -121,7 +93,7 @@ def ensure_fixtures(names: list[str] | None = None, log: base.Log = print, force
 
 def resolve_fixture(name: str) -> Path | None:
     """`fixture:NAME` in a case: the draft's directory, built on first use; None if not ours."""
-    return base.resolve_from(name, NAMES, ensure_fixtures)
+    return cache.resolve_from(name, NAMES, ensure_fixtures)
 
 
 def build_all(force: bool = False) -> None:
@@ -130,7 +102,7 @@ def build_all(force: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return base.provider_main(argv, "python -m engines.ref.fixtures_mla", __doc__, NAMES, ensure_fixtures)
+    return cache.provider_main(argv, "python -m engines.ref.fixtures_mla", __doc__, NAMES, ensure_fixtures)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,7 @@ cache, keyed by the recipe and the target checkpoint's files.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 RECIPES = {
@@ -39,35 +36,20 @@ CASE_PROMPTS = [
 ]
 
 
-def _signature(target_dir: Path) -> str:
-    files = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in target_dir.iterdir() if f.is_file())
-    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:12]
-
-
 def build(name: str, force: bool = False) -> Path:
-    from difftest.paths import cache_root
     from difftest.session import resolve_fixture
+    from engines.ref.fixture_cache import content_signature, publish_keyed
     from engines.trainingdata.dump import dump_from_target, random_prompts
 
     fmt, layers = RECIPES[name]
     target = Path(resolve_fixture(TARGET))
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
-    key = hashlib.sha256(json.dumps([fmt, layers, CASE_PROMPTS, CONTINUE, _signature(target)]).encode()).hexdigest()[:12]
-    out = cache_root() / "fixtures" / "train-data" / f"{name}-{key}"
-    if out.exists() and not force:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         prompts = CASE_PROMPTS + random_prompts(vocab, 16, 12, seed=1)
         dump_from_target(target, tmp, fmt, layers, prompts, CONTINUE)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return publish_keyed("train-data", name, [fmt, layers, CASE_PROMPTS, CONTINUE, content_signature(target)], write, force)
 
 
 def resolve_fixture(name: str) -> Path | None:

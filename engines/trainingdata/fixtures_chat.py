@@ -17,10 +17,7 @@ template, the conversations and the target checkpoint's files.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
-import tempfile
 from pathlib import Path
 
 CHAT_TARGET = "tiny-llama-chat"
@@ -54,36 +51,9 @@ CONVERSATIONS = [
 ]
 
 
-def _signature(directory: Path) -> str:
-    files = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in directory.iterdir() if f.is_file())
-    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:12]
-
-
-def _publish(name: str, key_parts: list, write, force: bool = False) -> Path:
-    from difftest.paths import cache_root
-
-    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:12]
-    out = cache_root() / "fixtures" / "chat" / f"{name}-{key}"
-    if out.exists() and force:
-        shutil.rmtree(out)
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
-    try:
-        write(tmp)
-        if out.exists():  # another process published it meanwhile
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
 def build_chat_target(force: bool = False) -> Path:
     from difftest.session import resolve_fixture
+    from engines.ref.fixture_cache import content_signature, publish_keyed
 
     base = Path(resolve_fixture(BASE_TARGET))
 
@@ -97,10 +67,12 @@ def build_chat_target(force: bool = False) -> Path:
         tokenizer.chat_template = TEMPLATE
         tokenizer.save_pretrained(str(tmp))
 
-    return _publish(CHAT_TARGET, [TEMPLATE, _signature(base)], write, force)
+    return publish_keyed("chat", CHAT_TARGET, [TEMPLATE, content_signature(base)], write, force)
 
 
 def build_thinking_data(force: bool = False) -> Path:
+    from engines.ref.fixture_cache import content_signature, publish_keyed
+
     target = build_chat_target(force)
 
     def write(tmp: Path) -> None:
@@ -114,7 +86,7 @@ def build_thinking_data(force: bool = False) -> Path:
         prompts = [chat.render(tokenizer, [{"role": "user", "content": c}]) for c in CONVERSATIONS]
         dump_from_target(target, tmp, "speculators", LAYERS, prompts, CONTINUE)
 
-    return _publish(THINKING_DATA, [LAYERS, CONVERSATIONS, CONTINUE, _signature(target)], write, force)
+    return publish_keyed("chat", THINKING_DATA, [LAYERS, CONVERSATIONS, CONTINUE, content_signature(target)], write, force)
 
 
 def resolve_fixture(name: str) -> Path | None:

@@ -1,0 +1,213 @@
+"""Where built fixtures live and how they get there: one cache, one lock, atomic publication.
+
+Every fixture provider (the tiny Llama family, DeepSeek-V3, MLA, the failure catalogue, the
+training-data dumps, the chat target) builds through this module, so a fixture is either
+absent or complete, concurrent processes build each one once, and a killed build leaves
+nothing a later reader could mistake for a fixture.
+
+Two layouts:
+  * named fixtures, `fixtures/<FIXTURES_VERSION>/<name>/` (`ensure_built`): deterministic builds
+    whose recipe is the code at FIXTURES_VERSION;
+  * keyed fixtures, `fixtures/<group>/<name>-<key>/` (`publish_keyed`): derived from another
+    fixture, keyed by the recipe and the *contents* of what they derive from, so a rebuilt
+    source gets a fresh derivative instead of a stale one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from difftest.paths import cache_root
+
+FIXTURES_VERSION = "v1"
+# One thread: reproducible, and far faster than two on a shared 2-core machine (OpenMP spin-waits
+# make small-op decoding ~10x slower under contention).
+BUILD_THREADS = 1
+
+Log = Callable[[str], None]
+Builder = Callable[[Path, "Build"], None]
+
+
+@dataclass
+class Build:
+    """What builders share within one ensure_built call: the log and memoised intermediate results."""
+
+    log: Log
+    memo: dict = field(default_factory=dict)
+
+
+def fixtures_dir() -> Path:
+    return cache_root() / "fixtures" / FIXTURES_VERSION
+
+
+@contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Exclusive flock on <directory>/.lock: one builder at a time across processes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Move a finished build into place with rename(2): readers see all of it or nothing."""
+    if final.exists():  # only with force: move the old one aside first, then drop it
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
+@contextmanager
+def pinned_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def with_dependencies(names: list[str], deps: dict[str, list[str]]) -> set[str]:
+    out: set[str] = set()
+    stack = list(names)
+    while stack:
+        n = stack.pop()
+        if n not in out:
+            out.add(n)
+            stack.extend(deps[n])
+    return out
+
+
+def ensure_built(
+    wanted: list[str],
+    known: list[str],
+    builders: dict[str, Builder],
+    deps: dict[str, list[str]],
+    log: Log = print,
+    force: bool = False,
+) -> dict[str, Path]:
+    """Build the `wanted` named fixtures unless cached; returns name -> directory.
+
+    `known` is the provider's build order, `builders[name](tmp_dir, build)` writes one fixture,
+    `deps[name]` names the fixtures (of the same provider) it needs built first. Safe from
+    concurrent processes: builds happen under a file lock, each in a temporary directory next to
+    its final place, renamed into place when complete.
+    """
+    for name in wanted:
+        if name not in known:
+            raise KeyError(f"unknown fixture {name!r}; known: {', '.join(known)}")
+    order = [n for n in known if n in with_dependencies(wanted, deps)]
+    paths = {n: fixtures_dir() / n for n in order}
+    if not force and all(p.exists() for p in paths.values()):
+        return {n: paths[n] for n in wanted}
+    root = fixtures_dir()
+    with locked(root), torch.random.fork_rng(devices=[]), pinned_threads(BUILD_THREADS), torch.no_grad():
+        for stale in root.glob(".tmp-*"):  # left by a killed builder; we hold the lock, so nobody owns them
+            shutil.rmtree(stale, ignore_errors=True)
+        build = Build(log)
+        for name in order:
+            final = paths[name]
+            if final.exists() and not (force and name in wanted):
+                continue
+            t0 = time.time()
+            log(f"[fixtures] building {name} ...")
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+            try:
+                builders[name](tmp, build)
+                os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+                publish(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log(f"[fixtures] {name} ready in {time.time() - t0:.1f}s: {final}")
+    return {n: paths[n] for n in wanted}
+
+
+def content_signature(directory: Path) -> str:
+    """sha256 over the names and bytes of a directory's files: what a keyed fixture derives from.
+
+    Contents, not sizes and mtimes: a source rewritten in place with the same size (or restored
+    with its old mtime) must not reuse a derivative of the old contents.
+    """
+    h = hashlib.sha256()
+    for f in sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")):
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def publish_keyed(group: str, name: str, key_parts: list, write: Callable[[Path], None], force: bool = False) -> Path:
+    """A keyed fixture: `write(tmp)` builds it once per `key_parts` into `fixtures/<group>/<name>-<key>/`."""
+    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:12]
+    parent = cache_root() / "fixtures" / group
+    out = parent / f"{name}-{key}"
+    if out.exists() and not force:
+        return out
+    with locked(parent):
+        if out.exists() and not force:  # another process built it while we waited for the lock
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent))
+        try:
+            write(tmp)
+            os.chmod(tmp, 0o755)
+            publish(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def log_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- what every `difftest.fixtures` provider exposes, written once ------------------------------
+
+
+def resolve_from(name: str, names: list[str], ensure: Callable[..., dict[str, Path]]) -> Path | None:
+    """A provider's resolve_fixture: build `name` through `ensure` if it is one of `names`."""
+    return ensure([name], log=log_stderr)[name] if name in names else None
+
+
+def provider_main(argv: list[str] | None, prog: str, doc: str | None, names: list[str],
+                  ensure: Callable[..., dict[str, Path]]) -> int:  # fmt: skip
+    """A provider's command line: build its fixtures (all, or those named) and print their quality."""
+    import argparse
+
+    from engines.ref.draft_pipeline import summary
+
+    parser = argparse.ArgumentParser(prog=prog, description=(doc or "").splitlines()[0] if doc else None)
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("names", nargs="*", help=f"fixtures to build (default: all): {', '.join(names)}")
+    args = parser.parse_args(argv)
+    t0 = time.time()
+    paths = ensure(args.names or None, force=args.force)
+    print(f"[fixtures] cache: {fixtures_dir()}  ({time.time() - t0:.1f}s)")
+    for name, path in paths.items():
+        q = path / "quality.json"
+        print(summary(name, json.loads(q.read_text())) if q.exists() else f"[fixtures] {name}: {path}")
+    return 0
