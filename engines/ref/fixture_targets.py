@@ -142,32 +142,72 @@ def build_llama_target(
         return _build_llama_target(seed, growth, num_frequent, logit_scale, noise, content_heads)
 
 
+class SeededDraws:
+    """Every random draw of a constructed target, float64, from one seeded generator: the order of the
+    calls is part of the recipe, so the weights are bit-identical across builds."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, dtype=torch.float64)
+
+    def unit_rows(self, n: int, k: int) -> torch.Tensor:
+        x = self.randn(n, k)
+        return x / x.norm(dim=1, keepdim=True)
+
+    def orthogonal(self, n: int) -> torch.Tensor:
+        return torch.linalg.qr(self.randn(n, n))[0]
+
+
+# The residual layout of a constructed target (before its global rotation): the signal
+# s = [E(t_i) ; P E(t_{i-1})], a constant coordinate u, and coordinates for nonlinear "noise".
+SIG, TOK, PREV, U, NOISE = slice(0, 64), slice(0, 32), slice(32, 64), 64, slice(65, 128)
+N_NOISE = 63
+
+
+def circuit_embedding(draws: SeededDraws, vocab: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token embedding (unit token identity in TOK, u = 1) and P, the basis of the previous-token copy."""
+    E = torch.zeros(vocab, hidden, dtype=torch.float64)
+    E[:, TOK] = draws.unit_rows(vocab, 32)
+    E[:, U] = 1.0  # the constant coordinate positional heads key on
+    return E, draws.orthogonal(32)
+
+
+def signal_norms(layers: int, growth: float) -> list[float]:
+    """Norm of the signal s entering each layer (layer 0: E only; then [E; P E_prev] grown by `growth` per layer)."""
+    return [1.0] + [math.sqrt(2.0) * growth ** (k - 1) for k in range(1, layers + 1)]
+
+
+def circuit_readout(draws: SeededDraws, P: torch.Tensor, rotation: torch.Tensor, *, vocab: int, hidden: int, layers: int,
+                    growth: float, num_frequent: int, logit_scale: float) -> torch.Tensor:  # fmt: skip
+    """lm_head: logits = scale * (a_v . E(t_i) + b_v . E(t_{i-1})), a_v, b_v unit for the frequent tokens,
+    short for the rest, 0 for the specials; read through the layers' accumulated rotation of s."""
+    specials = len(SPECIALS)
+    frequent = torch.randperm(vocab - specials, generator=draws.gen)[:num_frequent] + specials
+    A = draws.unit_rows(vocab, 32) * 0.3
+    B = draws.unit_rows(vocab, 32) * 0.3
+    A[frequent], B[frequent] = draws.unit_rows(num_frequent, 32), draws.unit_rows(num_frequent, 32)
+    A[:specials] = 0
+    B[:specials] = 0
+    readout = torch.cat([A, B @ P.T], dim=1)  # reads [E; P E_prev]
+    rms_final = math.sqrt((signal_norms(layers, growth)[layers] ** 2 + 1.0) / hidden)
+    lm_head = torch.zeros(vocab, hidden, dtype=torch.float64)
+    lm_head[:, SIG] = logit_scale * rms_final / growth ** (layers - 1) * readout @ rotation.T
+    return lm_head
+
+
 def _build_llama_target(seed: int, growth: float, num_frequent: int, logit_scale: float, noise: float, content_heads: float):
     from transformers import LlamaForCausalLM
 
     H, d, V = HIDDEN, HEAD_DIM, VOCAB
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    def unit_rows(n: int, k: int) -> torch.Tensor:
-        x = randn(n, k)
-        return x / x.norm(dim=1, keepdim=True)
-
-    def orthogonal(n: int) -> torch.Tensor:
-        return torch.linalg.qr(randn(n, n))[0]
-
-    SIG, TOK, PREV, U, NOISE = slice(0, 64), slice(0, 32), slice(32, 64), 64, slice(65, 128)
-    n_noise = 63
+    draws = SeededDraws(seed)
+    randn, orthogonal = draws.randn, draws.orthogonal
+    n_noise = N_NOISE
     sd: dict[str, torch.Tensor] = {}
-    E = torch.zeros(V, H, dtype=torch.float64)
-    E[:, TOK] = unit_rows(V, 32)  # token identity, unit norm
-    E[:, U] = 1.0  # the constant coordinate positional heads key on
+    E, P = circuit_embedding(draws, V, H)
     sd["model.embed_tokens.weight"] = E
-    P = orthogonal(32)  # basis of the previous-token copy
-    # norm of the signal s entering layer k (layer 0: E only; then [E; P E_prev] grown by `growth` per layer)
-    sig_norm = [1.0] + [math.sqrt(2.0) * growth ** (k - 1) for k in range(1, LAYERS + 1)]
+    sig_norm = signal_norms(LAYERS, growth)
     rotation = torch.eye(64, dtype=torch.float64)  # s entering the current layer = growth^.. * rotation @ [E; P E_prev]
     q_prev, k_prev = _positional_qk(1, gap=15.0)
     q_self, k_self = _positional_qk(0, gap=15.0)
@@ -210,17 +250,8 @@ def _build_llama_target(seed: int, growth: float, num_frequent: int, logit_scale
         sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
         sd[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
     sd["model.norm.weight"] = torch.ones(H, dtype=torch.float64)
-    # Readout over [E(t_i); E(t_{i-1})]: a_v, b_v unit for the frequent tokens, short for the rest, 0 for specials.
-    frequent = torch.randperm(V - len(SPECIALS), generator=gen)[:num_frequent] + len(SPECIALS)
-    A = unit_rows(V, 32) * 0.3
-    B = unit_rows(V, 32) * 0.3
-    A[frequent], B[frequent] = unit_rows(num_frequent, 32), unit_rows(num_frequent, 32)
-    A[: len(SPECIALS)] = 0
-    B[: len(SPECIALS)] = 0
-    readout = torch.cat([A, B @ P.T], dim=1)  # reads [E; P E_prev]
-    rms_final = math.sqrt((sig_norm[LAYERS] ** 2 + 1.0) / H)
-    lm_head = torch.zeros(V, H, dtype=torch.float64)
-    lm_head[:, SIG] = logit_scale * rms_final / growth ** (LAYERS - 1) * readout @ rotation.T
+    lm_head = circuit_readout(draws, P, rotation, vocab=V, hidden=H, layers=LAYERS, growth=growth,
+                              num_frequent=num_frequent, logit_scale=logit_scale)  # fmt: skip
     sd["lm_head.weight"] = lm_head
     # One global rotation of the residual basis.
     Q = orthogonal(H)

@@ -167,17 +167,8 @@ def _build(seed: int, growth: float, num_frequent: int, logit_scale: float, nois
 
     H, V = HIDDEN, targets.VOCAB
     qk_head = NOPE + ROPE
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    def unit_rows(n: int, k: int) -> torch.Tensor:
-        x = randn(n, k)
-        return x / x.norm(dim=1, keepdim=True)
-
-    def orthogonal(n: int) -> torch.Tensor:
-        return torch.linalg.qr(randn(n, n))[0]
+    draws = targets.SeededDraws(seed)
+    randn, orthogonal = draws.randn, draws.orthogonal
 
     cfg = deepseek_config()
     with torch.random.fork_rng(devices=[]):  # HF's init draws from the global generator; all overwritten below
@@ -186,15 +177,12 @@ def _build(seed: int, growth: float, num_frequent: int, logit_scale: float, nois
     # DeepseekV3Attention.scaling: qk_head^-0.5 times yarn's mscale^2; cos/sin carry attention_scaling (1 here).
     softmax_scale = model.model.layers[0].self_attn.scaling * model.model.rotary_emb.attention_scaling**2
 
-    TOK, PREV, SIG, U, NOISE = slice(0, 32), slice(32, 64), slice(0, 64), 64, slice(65, 128)
-    n_noise = 63
+    TOK, PREV, SIG, U, NOISE = targets.TOK, targets.PREV, targets.SIG, targets.U, targets.NOISE
+    n_noise = targets.N_NOISE
     sd: dict[str, torch.Tensor] = {}
-    E = torch.zeros(V, H, dtype=torch.float64)
-    E[:, TOK] = unit_rows(V, 32)
-    E[:, U] = 1.0
+    E, P = targets.circuit_embedding(draws, V, H)
     sd["model.embed_tokens.weight"] = E
-    P = orthogonal(32)
-    sig_norm = [1.0] + [math.sqrt(2.0) * growth ** (k - 1) for k in range(1, LAYERS + 1)]
+    sig_norm = targets.signal_norms(LAYERS, growth)
     rotation = torch.eye(64, dtype=torch.float64)
     q_prev, k_prev = _positional_qk(1, gap, inv_freq, softmax_scale)
     q_self, k_self = _positional_qk(0, gap, inv_freq, softmax_scale)
@@ -278,17 +266,8 @@ def _build(seed: int, growth: float, num_frequent: int, logit_scale: float, nois
         sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
         sd[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
     sd["model.norm.weight"] = torch.ones(H, dtype=torch.float64)
-    specials = len(targets.SPECIALS)
-    frequent = torch.randperm(V - specials, generator=gen)[:num_frequent] + specials
-    A = unit_rows(V, 32) * 0.3
-    B = unit_rows(V, 32) * 0.3
-    A[frequent], B[frequent] = unit_rows(num_frequent, 32), unit_rows(num_frequent, 32)
-    A[:specials] = 0
-    B[:specials] = 0
-    readout = torch.cat([A, B @ P.T], dim=1)
-    rms_final = math.sqrt((sig_norm[LAYERS] ** 2 + 1.0) / H)
-    lm_head = torch.zeros(V, H, dtype=torch.float64)
-    lm_head[:, SIG] = logit_scale * rms_final / growth ** (LAYERS - 1) * readout @ rotation.T
+    lm_head = targets.circuit_readout(draws, P, rotation, vocab=V, hidden=H, layers=LAYERS, growth=growth,
+                                      num_frequent=num_frequent, logit_scale=logit_scale)  # fmt: skip
     sd["lm_head.weight"] = lm_head
     # One global rotation of the residual basis: weights that read the residual turn with it, weights that
     # write into it turn the other way; q_b_proj / kv_b_proj read latents and stay as they are.
