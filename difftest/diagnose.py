@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from difftest.layer_rules import default_layers
+from difftest.layer_rules import declared_ids, default_layers
 from difftest.capture import Capture
 from difftest.chunk_match import MATCH_REL_DIFF, ChunkMatch, Similarity
 from difftest.names import split_draft
@@ -123,8 +123,9 @@ def match_fc_chunks(ref: Capture, other: Capture) -> list[ChunkMatch]:
     return match_chunks(ref, other)[0]
 
 
-def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None) -> str:
-    """Name the miswiring, e.g. "off-by-one +1 and embedding dropped"."""
+def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, draft_config: dict | None = None) -> str:
+    """Name the miswiring, e.g. "off-by-one +1 and embedding dropped". `draft_config` (when known) tells
+    a default-layer fallback from a config whose own ids name the default layers."""
     got = [m.best if m.matched else None for m in matches]
     want = [m.expected for m in matches]
     if got == want:
@@ -149,8 +150,10 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None) -> 
             s = gk[0] - sorted(wk)[0]  # sorted, then every layer moved by the same amount (SGLang: sort and +1)
             notes.append(f"permuted order (engine sorted the ids) and off-by-one {s:+d}" if abs(s) == 1
                          else f"permuted order (engine sorted the ids) and every layer shifted by {s:+d}")  # fmt: skip
-    if defaults and gk == defaults and wk != defaults:
-        fallback = f"default-layer fallback (engine fed h[2], h[L//2], h[L-3] of L={L}: it did not use the config's layer ids)"
+    if defaults and gk == defaults and wk != defaults and not _config_names(draft_config, defaults):
+        why = ("the draft config names no layer ids" if draft_config is not None and declared_ids(draft_config) is None
+               else "it did not use the config's layer ids")  # fmt: skip
+        fallback = f"default-layer fallback (engine fed h[2], h[L//2], h[L-3] of L={L}: {why})"
         # the same three layers can also be a shift of the trained ones: say both, the shift first
         notes = [f"{notes[0]} or {fallback}"] + notes[1:] if notes else [fallback]
     if "target.h.0" in want and "target.h.0" not in got:
@@ -169,6 +172,13 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None) -> 
     return " and ".join(notes)
 
 
+def _config_names(draft_config: dict | None, layers: list[int]) -> bool:
+    """Whether the config's own ids lead to these layers under either engine numbering (id k -> h[k] or
+    h[k+1], in layer order): then an engine that fed them followed the config, it did not fall back."""
+    ids = declared_ids(draft_config) if draft_config is not None else None
+    return ids is not None and any(sorted({k + s for k in ids}) == layers for s in (0, 1))
+
+
 def _norm_note(m: ChunkMatch) -> str:
     if m.expected_norm is None:
         return ""
@@ -181,8 +191,9 @@ def _norms_differ(m: ChunkMatch) -> bool:
     return e is not None and e > 0 and m.norm > 0 and max(m.norm / e, e / m.norm) > 2.0
 
 
-def diagnose_fc(ref: Capture, other: Capture) -> list[str]:
-    """Human-readable lines; empty when the fc inputs match the reference wiring."""
+def diagnose_fc(ref: Capture, other: Capture, draft_config: dict | None = None) -> list[str]:
+    """Human-readable lines; empty when the fc inputs match the reference wiring. `draft_config`: the
+    draft's config.json when known (see wiring_pattern)."""
     ref_fc, other_fc = ref.tensors.get("draft.fc_in"), other.tensors.get("draft.fc_in")
     L = ref.meta.num_layers
     s = ref.fc_chunk_size
@@ -217,7 +228,7 @@ def diagnose_fc(ref: Capture, other: Capture) -> list[str]:
             )
     got = "[" + ", ".join(_short(m.best) if m.matched else "?" for m in matches) + "]"
     want = "[" + ", ".join(_short(m.expected) for m in matches) + "]"
-    pattern = wiring_pattern(matches, L)
+    pattern = wiring_pattern(matches, L, draft_config)
     lines.append(f"engine fed fc {got}; reference fed {want}" + (f"; pattern: {pattern}" if pattern else ""))
     return lines
 

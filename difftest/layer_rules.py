@@ -291,6 +291,16 @@ def default_layers(L: int) -> list[int]:
     return VLLM_LLAMA.default_ids(L)
 
 
+def declared_ids(draft_config: dict) -> list[int] | None:
+    """The layer ids a draft config declares, wherever some engine or trainer reads them (eagle_config
+    first, then the top level); None when it declares none."""
+    for holder in (draft_config.get(EAGLE_CONFIG), draft_config):
+        ids = holder.get(KEY) if isinstance(holder, dict) else None
+        if isinstance(ids, list) and ids and all(isinstance(k, int) for k in ids):
+            return list(ids)
+    return None
+
+
 def rule_for(engine: str, family: str) -> LayerIdRule | None:
     """The serving rule for an engine name (its spec's base name: "sglang@new" -> sglang)."""
     base = engine.split("[")[0].split("@")[0]

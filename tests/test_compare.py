@@ -289,3 +289,23 @@ def test_diagnose_fc_reports_a_chunk_matching_nothing(target_states):
 def test_diagnose_fc_is_silent_when_the_wiring_matches(target_states):
     ref = capture(target_states, [0, 3, 7], [0, 3, 7])
     assert diagnose_fc(ref, capture(target_states, [0, 3, 7], [0, 3, 7])) == []
+
+
+def test_a_config_whose_own_ids_name_the_default_layers_is_not_called_a_fallback(target_states):
+    # trained on [h5, h2, h4] with ids [5, 2, 4]; the engine feeds them in layer order = the defaults [h2, h4, h5]
+    config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [5, 2, 4]}}
+    lines = diagnose_fc(capture(target_states, [5, 2, 4], [5, 2, 4]), capture(target_states, [2, 4, 5], [2, 4, 5]), config)
+    assert lines[-1] == "engine fed fc [h2, h4, h5]; reference fed [h5, h2, h4]; pattern: permuted order (engine sorted the ids)"
+
+
+def test_a_config_without_ids_is_named_as_the_reason_for_the_fallback(target_states):
+    lines = diagnose_fc(capture(target_states, [1, 3, 6], [1, 3, 6]), capture(target_states, [2, 4, 5], [2, 4, 5]), {})
+    assert lines[-1] == ("engine fed fc [h2, h4, h5]; reference fed [h1, h3, h6]; pattern: default-layer fallback "
+                         "(engine fed h[2], h[L//2], h[L-3] of L=8: the draft config names no layer ids)")
+
+
+def test_a_config_whose_ids_were_ignored_keeps_the_fallback_reading(target_states):
+    config = {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}
+    lines = diagnose_fc(capture(target_states, [1, 3, 6], [1, 3, 6]), capture(target_states, [2, 4, 5], [2, 4, 5]), config)
+    assert lines[-1].endswith("pattern: default-layer fallback (engine fed h[2], h[L//2], h[L-3] of L=8: it did not use the "
+                              "config's layer ids)")
