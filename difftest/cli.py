@@ -1,6 +1,6 @@
 """`difftest` command line.
 
-    difftest fixtures [NAME ...] [--force]       build the built-in tiny models (cached; all, or those named)
+    difftest fixtures [NAME ...] [--force] [--jobs N]   build the built-in tiny models (cached; all, or those named)
     difftest run [CASES...] --engines=ref,...    run cases through the pytest plugin, write reports
                  [--save-baseline NAME [--force] | --baseline NAME]   golden baselines (difftest.baseline)
     difftest env create ENGINE[==VERSION] [--label L]   an engine environment for --engines=ENGINE@L
@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
 
@@ -30,8 +31,19 @@ def _fixtures(args: argparse.Namespace) -> int:
         print("difftest: no fixture provider installed (is the project installed with `pip install -e .`?)", file=sys.stderr)
         return 2
     if not args.names:
-        for ep in providers:
-            ep.load().build_all(force=args.force)
+        lanes = _lanes(providers)
+        jobs = min(args.jobs, len(lanes))
+        if jobs <= 1:
+            for lane in lanes:
+                _build_lane(lane, args.force)
+            return 0
+        # one process per lane: builds pin one thread each (reproducible), so lanes use the other cores
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for future in [pool.submit(_build_lane, lane, args.force) for lane in lanes]:
+                future.result()
         return 0
     if args.force:
         print("difftest fixtures: --force rebuilds every fixture; give no names with it", file=sys.stderr)
@@ -44,6 +56,31 @@ def _fixtures(args: argparse.Namespace) -> int:
             return 2
         print(f"[fixtures] {name}: {path}")
     return 0
+
+
+def _lanes(providers: list) -> list[list[str]]:
+    """Providers grouped by the `LANE` they declare (default: their own): a lane builds on its own
+    fixtures only, so lanes can build side by side while a lane's providers build in order."""
+    lanes: dict[str, list[str]] = {}
+    for ep in providers:
+        lanes.setdefault(getattr(ep.load(), "LANE", ep.name), []).append(ep.name)
+    return list(lanes.values())
+
+
+def _build_lane(names: list[str], force: bool) -> None:
+    providers = {ep.name: ep for ep in metadata.entry_points(group=FIXTURE_GROUP)}
+    for name in names:
+        providers[name].load().build_all(force=force)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -131,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fixtures", help="build the built-in tiny target and drafts into the cache")
     f.add_argument("names", nargs="*", metavar="NAME", help="only these fixtures (default: every provider's)")
     f.add_argument("--force", action="store_true", help="rebuild even if cached")
+    f.add_argument("--jobs", type=_positive_int, default=max(1, min(2, os.cpu_count() or 1)), metavar="N",
+                   help="lanes of fixtures built side by side, one process and one thread each (default: up to 2 cores)")
     r = sub.add_parser("run", help="run cases (extra arguments go to pytest)")
     r.add_argument("cases", nargs="*", default=["cases/"])
     r.add_argument("--engines", default="ref")

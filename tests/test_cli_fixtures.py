@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from difftest import cli
 from engines.ref import fixtures as fx
 
@@ -19,3 +21,30 @@ def test_an_unknown_fixture_name_is_one_line_and_exit_2(capsys):
 def test_force_with_names_is_refused(capsys):
     assert cli.main(["fixtures", "--force", "tiny-llama"]) == 2
     assert capsys.readouterr().err == "difftest fixtures: --force rebuilds every fixture; give no names with it\n"
+
+
+def test_providers_that_build_on_each_other_share_a_lane():
+    from importlib import metadata
+
+    from difftest.session import FIXTURE_GROUP
+
+    lanes = cli._lanes(list(metadata.entry_points(group=FIXTURE_GROUP)))
+    assert sorted(sorted(lane) for lane in lanes) == [["builtin", "catalogue", "chat", "train-data"], ["deepseek", "mla"]]
+
+
+def test_a_lane_builds_its_providers_in_installed_order():
+    from importlib import metadata
+
+    from difftest.session import FIXTURE_GROUP
+
+    names = [ep.name for ep in metadata.entry_points(group=FIXTURE_GROUP)]
+    for lane in cli._lanes(list(metadata.entry_points(group=FIXTURE_GROUP))):
+        assert lane == sorted(lane, key=names.index)
+
+
+@pytest.mark.parametrize("jobs, why", [("0", "expected 1 or more, got 0"), ("two", "expected a whole number, got 'two'")])
+def test_a_bad_jobs_count_is_refused_in_one_line(capsys, jobs, why):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["fixtures", "--jobs", jobs])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"difftest fixtures: error: argument --jobs: {why}"

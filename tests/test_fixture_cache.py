@@ -48,7 +48,7 @@ def test_a_failed_keyed_build_leaves_nothing_behind(empty_cache):
 
     with pytest.raises(RuntimeError):
         cache.publish_keyed("group", "thing", ["recipe"], write)
-    assert sorted(p.name for p in (empty_cache / "fixtures" / "group").iterdir()) == [".lock"]
+    assert sorted(p.name for p in (empty_cache / "fixtures" / "group").iterdir()) == [".locks"]
 
 
 def test_a_named_build_of_an_unknown_fixture_names_the_known_ones(empty_cache):
@@ -71,3 +71,30 @@ def test_named_builds_run_dependencies_first_and_once(empty_cache):
     cache.ensure_built(["draft"], ["target", "draft"], {n: builder(n) for n in deps}, deps, log=lambda m: None)
     assert order == ["target", "draft"]
     assert (paths["draft"] / "name").read_text() == "draft"
+
+
+def test_a_killed_builders_leftovers_are_cleared_by_the_next_build_of_that_fixture_only(tmp_path):
+    (tmp_path / ".tmp-tiny.abc123").mkdir()  # a killed build of "tiny"
+    (tmp_path / ".tmp-tiny-draft.def456").mkdir()  # another fixture's build, maybe still running
+    cache.build_once(tmp_path / "tiny", lambda tmp: (tmp / "x").write_text("x"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".locks", ".tmp-tiny-draft.def456", "tiny"]
+
+
+def test_two_fixtures_build_side_by_side_but_one_fixture_once(tmp_path):
+    import threading
+
+    started = threading.Barrier(2, timeout=10)
+    calls = []
+
+    def write(tmp):
+        calls.append(tmp.name)
+        started.wait()  # both builders are inside their builds at once: different fixtures do not wait on each other
+        (tmp / "x").write_text("x")
+
+    threads = [threading.Thread(target=cache.build_once, args=(tmp_path / n, write)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cache.build_once(tmp_path / "a", write)
+    assert len(calls) == 2 and sorted(p.name for p in tmp_path.iterdir()) == [".locks", "a", "b"]

@@ -228,5 +228,5 @@ def test_concurrent_builds_build_once_and_leave_no_temporary_directories(tmp_pat
     built = tmp_path / "fixtures" / cache.FIXTURES_VERSION / "tiny-qwen3"
     assert sum(o.count("[fixtures] building tiny-qwen3") for o in outputs) == 1
     assert [o.strip().splitlines()[-1] for o in outputs] == [str(built)] * 2
-    assert sorted(p.name for p in built.parent.iterdir()) == [".lock", "tiny-qwen3"]
+    assert sorted(p.name for p in built.parent.iterdir()) == [".locks", "tiny-qwen3"]
     assert (built / "model.safetensors").exists() and (built / "tokenizer.json").exists()

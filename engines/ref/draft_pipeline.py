@@ -176,14 +176,20 @@ class _Data:
     heldout: torch.Tensor
 
 
-def _data(target, target_name: str, build: Build) -> _Data:
-    """The training and held-out sequences of a target, generated once per build (every draft of a
-    target trains on the same data; the generator is seeded, so a fresh build makes the same)."""
-    key = ("sequences", target_name)
-    if key not in build.memo:
+# Sequences per target checkpoint, for the life of the process: every draft of a target trains on the
+# same data, so a process building several (one `difftest fixtures` lane) generates it once.
+_SEQUENCES: dict[tuple[str, int, int], _Data] = {}
+
+
+def _data(target, target_dir: Path) -> _Data:
+    """The training and held-out sequences of a target (seeded: a fresh generation makes the same)."""
+    weights = target_dir / "model.safetensors"
+    stat = weights.stat() if weights.exists() else None
+    key = (str(target_dir), stat.st_size if stat else 0, stat.st_mtime_ns if stat else 0)
+    if key not in _SEQUENCES:
         train = generate_sequences(target, TRAIN_SEQS, TRAIN_PROMPT, TRAIN_NEW, TRAIN_DATA_SEED, eps=TRAIN_EPS)
-        build.memo[key] = _Data(train, heldout_sequences(target))
-    return build.memo[key]
+        _SEQUENCES[key] = _Data(train, heldout_sequences(target))
+    return _SEQUENCES[key]
 
 
 def build_draft(recipe: DraftRecipe, out: Path, build: Build) -> dict:
@@ -194,7 +200,7 @@ def build_draft(recipe: DraftRecipe, out: Path, build: Build) -> dict:
     target_dir = fixtures_dir() / recipe.target
     target = load_target(target_dir)
     t0 = time.time()
-    data = _data(target, recipe.target, build)
+    data = _data(target, target_dir)
     examples = prepare_data(target, recipe.train_wiring, data.train)
     with torch.enable_grad():
         draft = train_draft(target, recipe.config(), recipe.train_wiring, examples, seed=DRAFT_SEED, log=build.log,

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -43,10 +43,9 @@ Builder = Callable[[Path, "Build"], None]
 
 @dataclass
 class Build:
-    """What builders share within one ensure_built call: the log and memoised intermediate results."""
+    """What a builder is handed besides its output directory."""
 
     log: Log
-    memo: dict = field(default_factory=dict)
 
 
 def fixtures_dir() -> Path:
@@ -54,10 +53,12 @@ def fixtures_dir() -> Path:
 
 
 @contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """Exclusive flock on <directory>/.lock: one builder at a time across processes."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as fh:
+def locked(directory: Path, name: str = "") -> Iterator[None]:
+    """Exclusive flock on <directory>/.locks/<name>.lock: one builder of a thing at a time across processes
+    (builders of different things run side by side)."""
+    locks = directory / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name or 'all'}.lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -97,6 +98,32 @@ def with_dependencies(names: list[str], deps: dict[str, list[str]]) -> set[str]:
     return out
 
 
+def build_once(final: Path, write: Callable[[Path], None], force: bool = False, log: Log | None = None) -> Path:
+    """`write(tmp)` builds `final` once across processes: under its own lock, in a temporary directory
+    next to it, renamed into place when complete (readers see all of it or nothing)."""
+    if final.exists() and not force:
+        return final
+    parent = final.parent
+    with locked(parent, final.name):
+        if final.exists() and not force:  # another process built it while we waited
+            return final
+        for stale in parent.glob(f".tmp-{final.name}.*"):  # a killed builder's; we hold its lock, nobody owns them
+            shutil.rmtree(stale, ignore_errors=True)
+        t0 = time.time()
+        if log:
+            log(f"[fixtures] building {final.name} ...")
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=parent))
+        try:
+            write(tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+            publish(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if log:
+            log(f"[fixtures] {final.name} ready in {time.time() - t0:.1f}s: {final}")
+    return final
+
+
 def ensure_built(
     wanted: list[str],
     known: list[str],
@@ -108,9 +135,8 @@ def ensure_built(
     """Build the `wanted` named fixtures unless cached; returns name -> directory.
 
     `known` is the provider's build order, `builders[name](tmp_dir, build)` writes one fixture,
-    `deps[name]` names the fixtures (of the same provider) it needs built first. Safe from
-    concurrent processes: builds happen under a file lock, each in a temporary directory next to
-    its final place, renamed into place when complete.
+    `deps[name]` names the fixtures (of the same provider) it needs built first. Each fixture is
+    built once across processes (build_once); different fixtures build side by side.
     """
     for name in wanted:
         if name not in known:
@@ -119,25 +145,12 @@ def ensure_built(
     paths = {n: fixtures_dir() / n for n in order}
     if not force and all(p.exists() for p in paths.values()):
         return {n: paths[n] for n in wanted}
-    root = fixtures_dir()
-    with locked(root), torch.random.fork_rng(devices=[]), pinned_threads(BUILD_THREADS), torch.no_grad():
-        for stale in root.glob(".tmp-*"):  # left by a killed builder; we hold the lock, so nobody owns them
-            shutil.rmtree(stale, ignore_errors=True)
-        build = Build(log)
+    fixtures_dir().mkdir(parents=True, exist_ok=True)
+    build = Build(log)
+    with torch.random.fork_rng(devices=[]), pinned_threads(BUILD_THREADS), torch.no_grad():
         for name in order:
-            final = paths[name]
-            if final.exists() and not (force and name in wanted):
-                continue
-            t0 = time.time()
-            log(f"[fixtures] building {name} ...")
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
-            try:
-                builders[name](tmp, build)
-                os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-                publish(tmp, final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            log(f"[fixtures] {name} ready in {time.time() - t0:.1f}s: {final}")
+            rebuild = force and name in wanted
+            build_once(paths[name], lambda tmp, name=name: builders[name](tmp, build), force=rebuild, log=log)
     return {n: paths[n] for n in wanted}
 
 
@@ -161,20 +174,8 @@ def publish_keyed(group: str, name: str, key_parts: list, write: Callable[[Path]
     """A keyed fixture: `write(tmp)` builds it once per `key_parts` into `fixtures/<group>/<name>-<key>/`."""
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:12]
     parent = cache_root() / "fixtures" / group
-    out = parent / f"{name}-{key}"
-    if out.exists() and not force:
-        return out
-    with locked(parent):
-        if out.exists() and not force:  # another process built it while we waited for the lock
-            return out
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent))
-        try:
-            write(tmp)
-            os.chmod(tmp, 0o755)
-            publish(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    parent.mkdir(parents=True, exist_ok=True)
+    return build_once(parent / f"{name}-{key}", write, force)
 
 
 def write_json(path: Path, obj: dict) -> None:

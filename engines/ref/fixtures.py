@@ -29,6 +29,8 @@ from engines.ref import draft_pipeline as drafts
 from engines.ref import fixture_cache as cache
 from engines.ref import fixture_targets as targets
 
+# `difftest fixtures` builds each lane in its own process; providers building on these fixtures join it
+LANE = "tiny-llama"
 NAMES = [
     "tiny-llama",
     "tiny-qwen3",

@@ -36,6 +36,7 @@ OWN_EMBED = "tiny-llama-eagle3-own-embed"
 NO_LM_HEAD = "tiny-llama-eagle3-no-lm-head"
 D2T_ABSOLUTE = "tiny-llama-eagle3-d2t-absolute"
 UNSORTED = "tiny-llama-eagle3-unsorted"
+LANE = base.LANE  # edits and retrains of the tiny-llama drafts
 NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, UNSORTED]
 UNSORTED_ORDER = [2, 0, 1]  # the good draft's chunks [h2, h4, h5] taken as [h5, h2, h4]
 EMBED_SEED = 11

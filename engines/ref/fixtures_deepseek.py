@@ -57,6 +57,7 @@ from engines.ref import fixture_targets as targets
 
 TARGET = "tiny-deepseek-v3"
 DRAFT = "tiny-deepseek-v3-eagle3"
+LANE = TARGET  # `difftest fixtures` builds this lane beside the tiny-llama one
 NAMES = [TARGET, DRAFT]
 
 # -- sizes ---------------------------------------------------------------------------------

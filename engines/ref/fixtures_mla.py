@@ -26,6 +26,7 @@ from engines.ref import fixture_targets as targets
 from engines.ref import fixtures_deepseek as deepseek
 
 DRAFT = "tiny-deepseek-v3-eagle3-mla"
+LANE = deepseek.LANE  # trained on the DeepSeek target: after it, in its process
 NAMES = [DRAFT]
 INTERMEDIATE = 256
 

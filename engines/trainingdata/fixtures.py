@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+LANE = "tiny-llama"  # dumps of tiny-llama: in engines.ref.fixtures' lane (`difftest fixtures`)
 RECIPES = {
     "tiny-llama-train-data": ("speculators", "h2+h4+h5+h8"),
     "tiny-llama-train-data-miswired": ("speculators", "h0+h2+h4+h7"),

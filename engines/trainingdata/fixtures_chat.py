@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+LANE = "tiny-llama"  # derived from tiny-llama: in engines.ref.fixtures' lane (`difftest fixtures`)
 CHAT_TARGET = "tiny-llama-chat"
 THINKING_DATA = "tiny-llama-train-data-thinking"
 NAMES = [CHAT_TARGET, THINKING_DATA]
