@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -315,29 +314,18 @@ def _build(spec: TargetSpec, out: Path) -> None:
 
 
 def ensure_model(name: str, log=print) -> BuiltModel:
-    """Build `name` unless cached (by content key); atomic: built in a temp dir, then renamed."""
-    spec = TARGETS[name]
-    root = cache_root()
-    final = root / f"{name}-{spec.key()}"
-    if (final / "model.json").exists():
-        return BuiltModel(spec, final)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    """Build `name` unless cached (by content key), once across processes (fixture_cache.build_once)."""
     import time
 
-    t0 = time.time()
-    try:
-        _build(spec, tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process published it first
-            if not (final / "model.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log(f"[independent] built {name} in {time.time() - t0:.1f}s: {final}")
+    from engines.ref.fixture_cache import build_once
+
+    spec = TARGETS[name]
+    final = cache_root() / f"{name}-{spec.key()}"
+    if not final.exists():
+        cache_root().mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        build_once(final, lambda tmp: _build(spec, tmp))
+        log(f"[independent] built {name} in {time.time() - t0:.1f}s: {final}")
     return BuiltModel(spec, final)
 
 

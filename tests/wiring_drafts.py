@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -136,22 +135,11 @@ def build_qwen3_circuit():
 
 
 def _ensure_qwen3_circuit() -> Path:
+    from engines.ref.fixture_cache import build_once
+
     final = root() / f"targets/{QWEN3}-v{BUILDER_VERSION}"
-    if (final / "config.json").exists():
-        return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{QWEN3}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        build_qwen3_circuit().save_pretrained(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process published it first
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(final, lambda tmp: build_qwen3_circuit().save_pretrained(tmp))
 
 
 @lru_cache(maxsize=None)
@@ -221,25 +209,15 @@ def _build(recipe: Recipe, out: Path) -> None:
 
 
 def ensure_draft(name: str, log=print) -> Path:
+    from engines.ref.fixture_cache import build_once
+
     recipe = RECIPES[name]
     final = root() / f"{name}-{recipe.key()}"
-    if (final / "recipe.json").exists():
-        return final
-    root().mkdir(parents=True, exist_ok=True)
-    tmp = root() / f".tmp-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    t0 = time.time()
-    try:
-        _build(recipe, tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process published it first
-            if not (final / "recipe.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log(f"[infer-wiring] trained {name} on {list(recipe.wiring)} in {time.time() - t0:.1f}s: {final}")
+    if not final.exists():
+        root().mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        build_once(final, lambda tmp: _build(recipe, tmp))
+        log(f"[infer-wiring] trained {name} on {list(recipe.wiring)} in {time.time() - t0:.1f}s: {final}")
     return final
 
 
