@@ -270,7 +270,7 @@ def _kill_own_group() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _set_parent_death_signal(sig: int) -> bool:
+def set_parent_death_signal(sig: int) -> bool:
     """Ask the kernel to send `sig` when our parent exits (Linux prctl); False where unavailable."""
     if not sys.platform.startswith("linux"):
         return False
@@ -302,7 +302,7 @@ def die_with_parent(out_fd: int, parent_pid: int | None) -> None:
         parent_pid = None  # started through a wrapper that forked: only the pipe tells
     signal.signal(signal.SIGTERM, lambda *_: _kill_own_group())
     if parent_pid is not None:
-        _set_parent_death_signal(signal.SIGTERM)
+        set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != parent_pid:  # the harness died before the prctl took effect
             _kill_own_group()
 

@@ -7,6 +7,7 @@ group: SIGTERM, then SIGKILL; `stop` returns only once no process of the group i
 
 from __future__ import annotations
 
+import ctypes  # noqa: F401  (imported now, not after fork: set_parent_death_signal needs it in the child)
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from difftest.session import cache_root
+from difftest.worker import set_parent_death_signal
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTH_TIMEOUT = 600.0  # seconds: a server start on a loaded 2-core machine takes 60-90 s, more under load
@@ -89,6 +91,12 @@ class LiveServer:
         return group_members(pgid)
 
 
+def _die_with_the_tests() -> None:
+    """In the server's process before exec: SIGTERM when the test process that started it dies (a killed
+    test run must not leave servers behind; the server's own shutdown then ends its children)."""
+    set_parent_death_signal(signal.SIGTERM)
+
+
 def start(kind: str, args: list[str], log: Path, env: dict | None = None) -> LiveServer:
     """`python -m engines.KIND.serve ARGS --host 127.0.0.1 --port P` in the engine's environment."""
     python = engine_python(kind)
@@ -99,7 +107,7 @@ def start(kind: str, args: list[str], log: Path, env: dict | None = None) -> Liv
     with open(log, "ab") as f:
         proc = subprocess.Popen([python, "-m", f"engines.{kind}.serve", *args, "--host", "127.0.0.1", "--port", str(port)],
                                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, preexec_fn=_die_with_the_tests)  # fmt: skip
     server = LiveServer(kind, f"http://127.0.0.1:{port}", proc, log, 0.0)
     deadline = t0 + HEALTH_TIMEOUT
     while time.monotonic() < deadline:
