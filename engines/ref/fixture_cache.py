@@ -212,3 +212,25 @@ def provider_main(argv: list[str] | None, prog: str, doc: str | None, names: lis
         q = path / "quality.json"
         print(summary(name, json.loads(q.read_text())) if q.exists() else f"[fixtures] {name}: {path}")
     return 0
+
+
+@dataclass(frozen=True)
+class NamedProvider:
+    """The `difftest.fixtures` interface of a provider of named fixtures, written once: a provider
+    module binds `resolve_fixture`, `build_all` and `main` from one of these."""
+
+    prog: str  # how `main` names itself, e.g. "python -m engines.ref.fixtures"
+    doc: str | None
+    names: list[str]
+    ensure: Callable[..., dict[str, Path]]  # the provider's ensure_fixtures
+
+    def resolve_fixture(self, name: str) -> Path | None:
+        """`fixture:NAME` in a case: the fixture's directory, built on first use; None if not ours."""
+        return resolve_from(name, self.names, self.ensure)
+
+    def build_all(self, force: bool = False) -> None:
+        """`difftest fixtures [--force]`: build every fixture of the provider and print its quality figures."""
+        self.main(["--force"] if force else [])
+
+    def main(self, argv: list[str] | None = None) -> int:
+        return provider_main(argv, self.prog, self.doc, self.names, self.ensure)

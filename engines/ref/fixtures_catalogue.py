@@ -127,19 +127,8 @@ def ensure_fixtures(names: list[str] | None = None, log=print, force: bool = Fal
 
 
 # -- the `difftest.fixtures` provider interface (pyproject entry point "catalogue") ---------------
-
-
-def resolve_fixture(name: str) -> Path | None:
-    return cache.resolve_from(name, NAMES, ensure_fixtures)
-
-
-def build_all(force: bool = False) -> None:
-    """`difftest fixtures [--force]`: build every catalogue draft."""
-    main(["--force"] if force else [])
-
-
-def main(argv: list[str] | None = None) -> int:
-    return cache.provider_main(argv, "python -m engines.ref.fixtures_catalogue", __doc__, NAMES, ensure_fixtures)
+_PROVIDER = cache.NamedProvider("python -m engines.ref.fixtures_catalogue", __doc__, NAMES, ensure_fixtures)
+resolve_fixture, build_all, main = _PROVIDER.resolve_fixture, _PROVIDER.build_all, _PROVIDER.main
 
 
 if __name__ == "__main__":

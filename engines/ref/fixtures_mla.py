@@ -90,20 +90,8 @@ def ensure_fixtures(names: list[str] | None = None, log: cache.Log = print, forc
 
 
 # -- the `difftest.fixtures` provider interface (pyproject entry point "mla") ---------------
-
-
-def resolve_fixture(name: str) -> Path | None:
-    """`fixture:NAME` in a case: the draft's directory, built on first use; None if not ours."""
-    return cache.resolve_from(name, NAMES, ensure_fixtures)
-
-
-def build_all(force: bool = False) -> None:
-    """`difftest fixtures [--force]`: build the MLA draft and print its quality figures."""
-    main(["--force"] if force else [])
-
-
-def main(argv: list[str] | None = None) -> int:
-    return cache.provider_main(argv, "python -m engines.ref.fixtures_mla", __doc__, NAMES, ensure_fixtures)
+_PROVIDER = cache.NamedProvider("python -m engines.ref.fixtures_mla", __doc__, NAMES, ensure_fixtures)
+resolve_fixture, build_all, main = _PROVIDER.resolve_fixture, _PROVIDER.build_all, _PROVIDER.main
 
 
 if __name__ == "__main__":
