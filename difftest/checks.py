@@ -20,9 +20,6 @@ inputs) to tell "captured the wrong hidden states" from "the draft computes diff
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from difftest import accept_gate, noise
@@ -86,7 +83,7 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
                           first_differs=differs.name if differs else None)  # fmt: skip
     ref_cap, cap = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
     if introduced.name.startswith("draft.fc_in"):
-        lines += diagnose_fc(ref_cap, cap, _draft_config(case))
+        lines += diagnose_fc(ref_cap, cap, _draft_config(session, case, spec))
         matches, similarity = match_chunks(ref_cap, cap)
         data.fc_chunks, data.similarity = matches, similarity
         rule_lines, data.rule, data.rule_predicted, data.fix = _rule_lines(session, case, spec,
@@ -114,13 +111,12 @@ def _view(session: Session, case: Case, spec: EngineSpec):
     return engine_view(prepared, spec.name, trained)
 
 
-def _draft_config(case: Case) -> dict | None:
-    """The draft's config.json, or None when it cannot be read (a diagnosis never fails on it)."""
-    try:
-        config = json.loads((Path(case.draft) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return None
-    return config if isinstance(config, dict) else None
+def _draft_config(session: Session, case: Case, spec: EngineSpec) -> dict | None:
+    """The draft config as this engine was given it (fixtures resolved, its overrides merged); None
+    when it cannot be read (a diagnosis never fails on it)."""
+    from difftest.layer_reading import draft_config_seen
+
+    return draft_config_seen(session.engine_case(session.prepare(case), spec), spec.name)
 
 
 def _rule_lines(session: Session, case: Case, spec: EngineSpec,

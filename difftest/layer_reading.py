@@ -39,20 +39,31 @@ class EngineView:
         return config_edit(self.draft_config, self.rule.family, self.engine, self.trained, self.L)
 
 
+def draft_config_seen(case: Case, engine: str) -> dict | None:
+    """The draft's config.json as `engine` is given it (its case section's draft_config_overrides
+    merged in); `case` prepared. None when the config cannot be read."""
+    try:
+        draft = read_json(Path(case.draft) / "config.json", "draft config")
+    except ConfigError:
+        return None
+    if not isinstance(draft, dict):
+        return None
+    section = case.engines.get(engine.split("[")[0].split("@")[0]) or {}
+    overrides = section.get("draft_config_overrides") or {}
+    return deep_merge(draft, overrides) if isinstance(overrides, dict) else draft
+
+
 def engine_view(case: Case, engine: str, trained_wiring: list[str] | None) -> EngineView | None:
     """`case` prepared (fixtures resolved) and already merged for a labelled spec
     (Session.engine_case). None when no rule models this engine on this target."""
     try:
         tcfg = read_json(Path(case.target) / "config.json", "target config")
-        draft = read_json(Path(case.draft) / "config.json", "draft config")
     except ConfigError:
         return None
+    seen = draft_config_seen(case, engine)
     rule = rule_for(engine, target_family(tcfg))
-    if rule is None or not isinstance(draft, dict):
+    if rule is None or seen is None:
         return None
-    section = case.engines.get(engine.split("[")[0].split("@")[0]) or {}
-    overrides = section.get("draft_config_overrides") or {}
-    seen = deep_merge(draft, overrides) if isinstance(overrides, dict) else draft
     text = tcfg.get("text_config", tcfg)
     L, H = int(text["num_hidden_layers"]), int(text["hidden_size"])
     from difftest.lint import fc_chunks

@@ -159,3 +159,5 @@ def test_catalogue_unsorted_ids_are_named_as_layer_order_on_vllms_reading(vllm_w
     fc = vllm_wired.outcome("catalogue_ids_unsorted", "ref[wiring=vllm]", "fc_inputs")
     assert fc["outcome"] == "xfailed"
     assert "engine fed fc [h2, h4, h5]; reference fed [h5, h2, h4]; pattern: permuted order (engine sorted the ids)" in fc["message"]
+    # the draft config's own ids [5, 2, 4] lead to [h2, h4, h5]: the engine followed them, it did not fall back
+    assert "default-layer fallback" not in fc["message"]

@@ -15,16 +15,18 @@ def empty_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def test_a_source_rewritten_with_the_same_size_and_mtime_gets_a_new_signature(tmp_path):
+def test_a_fixture_derived_from_a_source_rewritten_with_the_same_size_and_mtime_is_built_afresh(empty_cache, tmp_path):
+    from difftest.content_digest import signature
+
     source = tmp_path / "target"
     source.mkdir()
     weights = source / "model.safetensors"
     weights.write_bytes(b"\x01" * 64)
     stamp = weights.stat().st_mtime_ns
-    before = cache.content_signature(source)
+    before = cache.publish_keyed("group", "derived", [signature(source)], lambda tmp: None)
     weights.write_bytes(b"\x02" * 64)
     os.utime(weights, ns=(stamp, stamp))
-    assert cache.content_signature(source) != before
+    assert cache.publish_keyed("group", "derived", [signature(source)], lambda tmp: None) != before
 
 
 def test_a_keyed_fixture_is_written_once_per_key(empty_cache):

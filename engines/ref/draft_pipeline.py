@@ -13,6 +13,7 @@ config, saver, and the alternative wirings it is scored under.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,16 +177,17 @@ class _Data:
     heldout: torch.Tensor
 
 
-# Sequences per target checkpoint, for the life of the process: every draft of a target trains on the
+# Sequences per target checkpoint (by content), for the life of the process: every draft of a target trains on the
 # same data, so a process building several (one `difftest fixtures` lane) generates it once.
-_SEQUENCES: dict[tuple[str, int, int], _Data] = {}
+_SEQUENCES: dict[str, _Data] = {}
 
 
 def _data(target, target_dir: Path) -> _Data:
-    """The training and held-out sequences of a target (seeded: a fresh generation makes the same)."""
-    weights = target_dir / "model.safetensors"
-    stat = weights.stat() if weights.exists() else None
-    key = (str(target_dir), stat.st_size if stat else 0, stat.st_mtime_ns if stat else 0)
+    """The training and held-out sequences of a target (seeded: a fresh generation makes the same),
+    per checkpoint contents (difftest.content_digest)."""
+    from difftest.content_digest import signature
+
+    key = json.dumps(signature(target_dir))
     if key not in _SEQUENCES:
         train = generate_sequences(target, TRAIN_SEQS, TRAIN_PROMPT, TRAIN_NEW, TRAIN_DATA_SEED, eps=TRAIN_EPS)
         _SEQUENCES[key] = _Data(train, heldout_sequences(target))

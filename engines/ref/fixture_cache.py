@@ -53,12 +53,12 @@ def fixtures_dir() -> Path:
 
 
 @contextmanager
-def locked(directory: Path, name: str = "") -> Iterator[None]:
+def locked(directory: Path, name: str) -> Iterator[None]:
     """Exclusive flock on <directory>/.locks/<name>.lock: one builder of a thing at a time across processes
     (builders of different things run side by side)."""
     locks = directory / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{name or 'all'}.lock", "w") as fh:
+    with open(locks / f"{name}.lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -154,24 +154,9 @@ def ensure_built(
     return {n: paths[n] for n in wanted}
 
 
-def content_signature(directory: Path) -> str:
-    """sha256 over the names and bytes of a directory's files: what a keyed fixture derives from.
-
-    Contents, not sizes and mtimes: a source rewritten in place with the same size (or restored
-    with its old mtime) must not reuse a derivative of the old contents.
-    """
-    h = hashlib.sha256()
-    for f in sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")):
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
 def publish_keyed(group: str, name: str, key_parts: list, write: Callable[[Path], None], force: bool = False) -> Path:
-    """A keyed fixture: `write(tmp)` builds it once per `key_parts` into `fixtures/<group>/<name>-<key>/`."""
+    """A keyed fixture: `write(tmp)` builds it once per `key_parts` into `fixtures/<group>/<name>-<key>/`.
+    A fixture derived from another keys on its source's contents: difftest.content_digest.signature."""
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:12]
     parent = cache_root() / "fixtures" / group
     parent.mkdir(parents=True, exist_ok=True)

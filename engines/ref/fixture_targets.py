@@ -45,6 +45,10 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 128, 8, 4, 2, 32, 256
 QWEN3_LAYERS = 4
 TARGET_SEED, QWEN3_SEED, TOKENIZER_SEED = 0, 1, 2
+# what the tiny Llama and Qwen3 share (each adds its depth; the Llama its rope theta)
+_TINY_SHAPE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=HEADS,
+                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -92,22 +96,7 @@ def build_tokenizer():
 def llama_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return LlamaConfig(**_TINY_SHAPE, num_hidden_layers=LAYERS, rope_theta=10000.0)
 
 
 def _positional_qk(delta: int, gap: float, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,21 +262,7 @@ def build_qwen3_target(seed: int = QWEN3_SEED):
     """A small Qwen3ForCausalLM at HF's random init (std 0.02), seeded."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=QWEN3_LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = Qwen3Config(**_TINY_SHAPE, num_hidden_layers=QWEN3_LAYERS)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(cfg)

@@ -39,7 +39,8 @@ CASE_PROMPTS = [
 
 def build(name: str, force: bool = False) -> Path:
     from difftest.session import resolve_fixture
-    from engines.ref.fixture_cache import content_signature, publish_keyed
+    from difftest.content_digest import signature
+    from engines.ref.fixture_cache import publish_keyed
     from engines.trainingdata.dump import dump_from_target, random_prompts
 
     fmt, layers = RECIPES[name]
@@ -50,7 +51,7 @@ def build(name: str, force: bool = False) -> Path:
         prompts = CASE_PROMPTS + random_prompts(vocab, 16, 12, seed=1)
         dump_from_target(target, tmp, fmt, layers, prompts, CONTINUE)
 
-    return publish_keyed("train-data", name, [fmt, layers, CASE_PROMPTS, CONTINUE, content_signature(target)], write, force)
+    return publish_keyed("train-data", name, [fmt, layers, CASE_PROMPTS, CONTINUE, signature(target)], write, force)
 
 
 def resolve_fixture(name: str) -> Path | None:

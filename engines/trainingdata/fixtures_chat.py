@@ -54,7 +54,8 @@ CONVERSATIONS = [
 
 def build_chat_target(force: bool = False) -> Path:
     from difftest.session import resolve_fixture
-    from engines.ref.fixture_cache import content_signature, publish_keyed
+    from difftest.content_digest import signature
+    from engines.ref.fixture_cache import publish_keyed
 
     base = Path(resolve_fixture(BASE_TARGET))
 
@@ -68,11 +69,12 @@ def build_chat_target(force: bool = False) -> Path:
         tokenizer.chat_template = TEMPLATE
         tokenizer.save_pretrained(str(tmp))
 
-    return publish_keyed("chat", CHAT_TARGET, [TEMPLATE, content_signature(base)], write, force)
+    return publish_keyed("chat", CHAT_TARGET, [TEMPLATE, signature(base)], write, force)
 
 
 def build_thinking_data(force: bool = False) -> Path:
-    from engines.ref.fixture_cache import content_signature, publish_keyed
+    from difftest.content_digest import signature
+    from engines.ref.fixture_cache import publish_keyed
 
     target = build_chat_target(force)
 
@@ -87,7 +89,7 @@ def build_thinking_data(force: bool = False) -> Path:
         prompts = [chat.render(tokenizer, [{"role": "user", "content": c}]) for c in CONVERSATIONS]
         dump_from_target(target, tmp, "speculators", LAYERS, prompts, CONTINUE)
 
-    return publish_keyed("chat", THINKING_DATA, [LAYERS, CONVERSATIONS, CONTINUE, content_signature(target)], write, force)
+    return publish_keyed("chat", THINKING_DATA, [LAYERS, CONVERSATIONS, CONTINUE, signature(target)], write, force)
 
 
 def resolve_fixture(name: str) -> Path | None:
