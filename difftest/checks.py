@@ -20,6 +20,8 @@ inputs) to tell "captured the wrong hidden states" from "the draft computes diff
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from difftest import accept_gate, noise
@@ -96,7 +98,43 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
     causes = _known_causes(session, case, spec, introduced.name)
     lines += [f"known cause (lint [{f.code}]): {f.message}" for f in causes]
     data.known_causes = [f.code for f in causes]
+    lines += _upgrade_lines(session, case, spec)
     return Verdict(False, "\n".join(lines), data)
+
+
+def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
+    """When the reference is another release of the same engine (`--engines=sglang@OLD,sglang`, or a
+    baseline saved on it): each recorded behaviour change between the two releases that this draft
+    meets (difftest.engine_releases), with both releases' readings and the change cited."""
+    from difftest import engine_releases
+    from difftest.layer_rules import target_family
+    from difftest.lint import fc_chunks
+
+    reference = session.options.reference
+    old, new = session.engine_info(reference) or {}, session.engine_info(spec) or {}
+    engine = new.get("name")
+    if engine not in engine_releases.SUPPORTED or old.get("name") != engine:
+        return []
+    a, b = engine_releases.release(str(old.get("version"))), engine_releases.release(str(new.get("version")))
+    if a == b:
+        return []
+    try:
+        prepared = session.prepare(case)
+        old_cfg = _draft_config(session, case, reference) if reference.name == engine else _draft_config(session, case, spec)
+        new_cfg = _draft_config(session, case, spec)
+        from difftest.jsonfile import read_json
+
+        tcfg = read_json(Path(prepared.target) / "config.json", "target config")
+        text = tcfg.get("text_config", tcfg)
+        L, H = int(text["num_hidden_layers"]), int(text["hidden_size"])
+        lines = []
+        diff = engine_releases.layer_difference(engine, target_family(tcfg), a, b, old_cfg or {}, L,
+                                                fc_chunks(Path(prepared.draft), H), new_cfg or {})  # fmt: skip
+        if diff is not None:
+            lines.append(diff.line())
+        return lines + engine_releases.flag_differences(engine, a, b, new_cfg or {})
+    except (ConfigError, KeyError, ValueError, OSError):  # a diagnosis never fails on it
+        return []
 
 
 def _view(session: Session, case: Case, spec: EngineSpec):
@@ -108,7 +146,13 @@ def _view(session: Session, case: Case, spec: EngineSpec):
         trained = trained_wiring(prepared)
     except ConfigError:
         trained = None
-    return engine_view(prepared, spec.name, trained)
+    return engine_view(prepared, spec.name, trained, _release(session, spec))
+
+
+def _release(session: Session, spec: EngineSpec) -> str | None:
+    """The engine release a spec ran (its worker's own report), for the rules of that release."""
+    info = session.engine_info(spec) or {}
+    return info.get("version") if info.get("name") == spec.name else None
 
 
 def _draft_config(session: Session, case: Case, spec: EngineSpec) -> dict | None:
@@ -167,6 +211,18 @@ def _known_causes(session: Session, case: Case, spec: EngineSpec, introduced: st
         findings = lint_case(session.prepare(case))
     except ConfigError:
         return []  # the lint item reports it
+    release = _release(session, spec)
+    if release and release.split("+")[0] != ENGINES[spec.name].version:
+        # the lint speaks for the pinned release; this engine runs another: its own flag rules
+        from difftest.engine_releases import engine_draft_rules
+        from difftest.lint_checkpoint import flag_findings
+
+        raw = _draft_config(session, case, spec) or {}
+        try:
+            own = flag_findings(raw, [engine_draft_rules(spec.name, release)])
+        except ConfigError:
+            own = []
+        findings = [f for f in findings if f.code != "flag-ignored"] + own
     hits = [f for f in findings if f.severity == "error" and spec.name in f.engines]
     return sorted(hits, key=lambda f: f.tensor != introduced)
 
@@ -202,7 +258,15 @@ def _needs_tensors(session: Session, spec: EngineSpec, check: str) -> None:
 
 def check_fc_inputs(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     _needs_tensors(session, spec, "fc_inputs")
-    return _divergence_report(session, case, spec, session.comparisons(case, spec), _in_fc_scope)
+    verdict = _divergence_report(session, case, spec, session.comparisons(case, spec), _in_fc_scope)
+    # what the engine fed fc, by value: the reference's feed when every chunk matched it, else each
+    # chunk's best match (None: no reference tensor matches it); the version table reads it
+    if verdict.data.fc_chunks:
+        verdict.data.fed = [m.best if m.matched else None for m in verdict.data.fc_chunks]
+    elif verdict.passed:
+        wiring = session.capture(case, session.options.reference, 0).meta.wiring
+        verdict.data.fed = list(wiring.inputs) if wiring and wiring.inputs else None
+    return verdict
 
 
 def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdict:

@@ -12,6 +12,7 @@
     difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
     difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
     difftest probe --server URL --case CASE [--kind sglang|vllm]   a running server's acceptance vs the reference
+    difftest versions REPORT_DIR...              EAGLE-3 behaviour by engine release, from runs over several releases
 """
 
 from __future__ import annotations
@@ -182,17 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
     _env_parsers(sub)
     _report_parsers(sub)
-    from difftest import fix_command, probe_cli
+    from difftest import fix_command, probe_cli, version_table
 
     probe_cli.add_parser(sub)
     fix_command.add_parser(sub)
+    version_table.add_parser(sub)
     try:
         contributed = _extension_parsers(sub)
     except DifftestError as e:
         print(f"difftest: {e}", file=sys.stderr)
         return 2
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("report", "bundle", "env", "probe", "fix", *contributed):
+    if args.command in ("report", "bundle", "env", "probe", "fix", "versions", *contributed):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

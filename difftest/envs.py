@@ -31,6 +31,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from difftest import engine_releases
 from difftest.engine import parse_spec
 from difftest.errors import ConfigError
 
@@ -117,6 +118,22 @@ def plan(requirement: str, label: str | None = None, cache: Path | None = None, 
     text, pinned = rewrite_requirements(original, ENGINE_DISTRIBUTIONS[name], version or "0", str(reqs))
     if version is None:
         version, text = pinned, original
+    elif version != pinned:
+        if name in engine_releases.SUPPORTED:
+            engine_releases.check_runs_here(name, version)
+        # an older release with pins of its own (its dependencies moved): engines/NAME/releases/VERSION.txt,
+        # built by releases/setup-env-VERSION.sh when the release needs its own steps too
+        recipe = spec / "releases" / f"{version}.txt"
+        if recipe.is_file():
+            text = recipe.read_text()
+            _, listed = rewrite_requirements(text, ENGINE_DISTRIBUTIONS[name], version, str(recipe))
+            if listed != version:
+                raise ConfigError(f"{recipe}: pins {ENGINE_DISTRIBUTIONS[name]}=={listed}, not {version}")
+            # the release's own setup steps, else the engine's script for older releases, else the pinned one's
+            for own in (spec / "releases" / f"setup-env-{version}.sh", spec / "releases" / "setup-env-release.sh"):
+                if own.is_file():
+                    setup = own
+                    break
     label = label or version
     parse_spec(f"{name}@{label}")  # the label must be usable in --engines
     envs = (cache or cache_root()) / "envs"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from difftest.errors import ConfigError
 
-FIELDS = ("engine", "check", "cause")
+FIELDS = ("engine", "check", "cause", "reference")
+REQUIRED = ("engine", "check", "cause")
 ANY = "*"
 
 
@@ -24,12 +25,17 @@ class ExpectedFailure:
     engine: str  # an engine name (any spec of it), a full spec id such as ref[wiring=vllm], or "*"
     check: str  # a check name or "*"
     cause: str  # text the failure message must contain
+    # the run's reference this failure is declared against (a spec id such as sglang@0.5.16, or a
+    # name); "*": any. An upgrade check (`--engines=sglang@OLD,sglang`) declares its own entries.
+    reference: str = ANY
 
-    def matches(self, spec_name: str, spec_id: str, check: str) -> bool:
-        return self.check in (check, ANY) and self.engine in (spec_name, spec_id, ANY)
+    def matches(self, spec_name: str, spec_id: str, check: str, reference: tuple[str, str] = (ANY, ANY)) -> bool:
+        """`reference`: the run's reference as (name, spec id)."""
+        return (self.check in (check, ANY) and self.engine in (spec_name, spec_id, ANY)
+                and self.reference in (*reference, ANY))  # fmt: skip
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "reference" or v != ANY}
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class Outcome:
 
 
 def parse(value: object, path: Path, checks: tuple[str, ...]) -> list[ExpectedFailure]:
-    """`expect_failure:` as a mapping or a list of mappings {engine, check, cause}."""
+    """`expect_failure:` as a mapping or a list of mappings {engine, check, cause[, reference]}."""
     entries = [value] if isinstance(value, dict) else value
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{path}: expect_failure: expected a mapping {{engine, check, cause}} or a list of them")
@@ -53,13 +59,13 @@ def parse(value: object, path: Path, checks: tuple[str, ...]) -> list[ExpectedFa
                 close = difflib.get_close_matches(str(key), FIELDS, n=1)
                 raise ConfigError(f"{where}: unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         for key in FIELDS:
-            if not isinstance(entry.get(key), str) or not entry[key].strip():
+            if (key in REQUIRED or key in entry) and (not isinstance(entry.get(key), str) or not entry[key].strip()):
                 raise ConfigError(f"{where}.{key}: expected a non-empty string")
         if entry["check"] not in (*checks, ANY):
             close = difflib.get_close_matches(entry["check"], checks, n=1)
             raise ConfigError(f"{where}.check: unknown check {entry['check']!r}"
                               + (f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(checks)}"))  # fmt: skip
-        out.append(ExpectedFailure(entry["engine"], entry["check"], entry["cause"]))
+        out.append(ExpectedFailure(entry["engine"], entry["check"], entry["cause"], entry.get("reference", ANY)))
     return out
 
 

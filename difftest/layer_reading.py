@@ -12,7 +12,8 @@ from pathlib import Path
 from difftest.case import Case
 from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
-from difftest.layer_rules import ConfigEdit, LayerIdRule, Reading, config_edit, rule_for, target_family
+from difftest.engine_releases import layer_rule
+from difftest.layer_rules import ConfigEdit, LayerIdRule, Reading, config_edit, target_family
 from difftest.overlay import deep_merge
 from difftest.wiring import hidden_index
 
@@ -36,7 +37,7 @@ class EngineView:
     def edit(self) -> ConfigEdit | None:
         if self.trained is None:
             return None
-        return config_edit(self.draft_config, self.rule.family, self.engine, self.trained, self.L)
+        return config_edit(self.draft_config, self.rule.family, self.engine, self.trained, self.L, self.rule)
 
 
 def draft_config_seen(case: Case, engine: str) -> dict | None:
@@ -53,15 +54,16 @@ def draft_config_seen(case: Case, engine: str) -> dict | None:
     return deep_merge(draft, overrides) if isinstance(overrides, dict) else draft
 
 
-def engine_view(case: Case, engine: str, trained_wiring: list[str] | None) -> EngineView | None:
+def engine_view(case: Case, engine: str, trained_wiring: list[str] | None, version: str | None = None) -> EngineView | None:
     """`case` prepared (fixtures resolved) and already merged for a labelled spec
-    (Session.engine_case). None when no rule models this engine on this target."""
+    (Session.engine_case); `version` the engine's release (None: the pinned one, whose rules
+    difftest.layer_rules states). None when no rule models this engine on this target."""
     try:
         tcfg = read_json(Path(case.target) / "config.json", "target config")
     except ConfigError:
         return None
     seen = draft_config_seen(case, engine)
-    rule = rule_for(engine, target_family(tcfg))
+    rule = layer_rule(engine, target_family(tcfg), version)
     if rule is None or seen is None:
         return None
     text = tcfg.get("text_config", tcfg)

@@ -333,10 +333,12 @@ class ConfigEdit:
         return self.impossible is None
 
 
-def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[int], L: int) -> ConfigEdit:
-    """Solve `engine`'s rule for `trained` (h indices in fc order) and write the ids where it reads
-    them; then say what the edit does to the other engine's reading of the same config."""
-    rule = rule_for(engine, family)
+def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[int], L: int,
+                rule: LayerIdRule | None = None) -> ConfigEdit:  # fmt: skip
+    """Solve `engine`'s rule (`rule`, default: the pinned release's) for `trained` (h indices in fc
+    order) and write the ids where it reads them; then say what the edit does to the other engine's
+    reading of the same config."""
+    rule = rule or rule_for(engine, family)
     if rule is None:
         raise KeyError(f"no layer-id rule for engine {engine!r} on a {family} target; known: "
                        f"{', '.join(sorted({e for e, _ in ENGINE_RULES}))}")  # fmt: skip

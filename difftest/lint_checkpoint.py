@@ -9,8 +9,9 @@ checkpoint is read from its config and safetensors headers, plus a few embedding
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
-from difftest.draft_rules import ENGINES, FLAG_TENSORS, engine_reading, flag_locations
+from difftest.draft_rules import ENGINES, FLAG_TENSORS, EngineDraftRules, engine_reading, flag_locations
 from difftest.finding import Finding
 
 # The tensors of a Llama-style EAGLE-3 decoder layer (HF: `midlayer.`, speculators: `layers.0.`).
@@ -38,15 +39,16 @@ def _engines_line(names: list[str]) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def flag_findings(raw: dict) -> list[Finding]:
-    """A flag the draft's config sets that an engine never reads, or reads from another place."""
+def flag_findings(raw: dict, engines: Iterable[EngineDraftRules] | None = None) -> list[Finding]:
+    """A flag the draft's config sets that an engine (default: each pinned release) never reads, or
+    reads from another place."""
     out: list[Finding] = []
     located = flag_locations(raw)
     speculators = raw.get("speculators_model_type") is not None
     for flag, places in located.items():
         # The trainer's meaning: the reference reads every place a trainer may write (eagle_config first).
         meant = next(iter(places.values())) if len(places) == 1 else places.get("eagle_config", next(iter(places.values())))
-        for rules in ENGINES.values():
+        for rules in ENGINES.values() if engines is None else engines:
             if speculators and not rules.reads_speculators_format:
                 continue  # format_findings says the engine cannot read the config at all
             got, where = engine_reading(rules, flag, places)

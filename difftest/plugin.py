@@ -293,7 +293,9 @@ class CheckItem(pytest.Item):
 
     def _expected_or_raise(self, results: list, outcome: str, message: str, data: CheckData | None) -> None:
         """Record the outcome; a declared expected failure (difftest.expected_failure) is judged strictly."""
-        expected = next((e for e in self.case.expect_failure if e.matches(self.spec.name, self.spec.id, self.check)), None)
+        ref = self.config.stash[SESSION].options.reference
+        expected = next((e for e in self.case.expect_failure
+                         if e.matches(self.spec.name, self.spec.id, self.check, (ref.name, ref.id))), None)  # fmt: skip
         if expected is None:
             results.append(CheckResult(self.spec.id, self.check, outcome, message, data))
             if outcome != "passed":
@@ -301,7 +303,8 @@ class CheckItem(pytest.Item):
             return
         judged = judge_expected(expected, outcome == "passed", message)
         results.append(CheckResult(self.spec.id, self.check, "xfailed" if judged.expected else "failed", judged.message, data,
-                                   ExpectedFailureRecord(expected.engine, expected.check, expected.cause)))  # fmt: skip
+                                   ExpectedFailureRecord(expected.engine, expected.check, expected.cause,
+                                                         None if expected.reference == "*" else expected.reference)))  # fmt: skip
         if not judged.expected:
             raise CheckFailed(judged.message)
         pytest.xfail(f"expected failure: {expected.cause}")

@@ -4,8 +4,8 @@
 Only the fc_inputs items run (`-k fc_inputs`): the diagnosis is there, and the speculative
 simulations of the other items are not needed for it. The engine conventions come from the
 reference's wiring presets (no engine needed); the two refusals that only a real adapter
-makes (vLLM's DeepSeek model and id 0; SGLang's default-layer fallback) run the real adapters,
-which refuse before starting an engine, and skip without their environments.
+makes (vLLM's DeepSeek model and id 0; SGLang's default-layer fallback) are read from the one
+real run of the user's command over every shipped case, and skip without the engines' environments.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import shutil
 
 import pytest
 from helpers import ROOT, run_pytest
-from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
-from test_engine_vllm import vllm_python
+from shipped_run import shipped_or_skip
 
 CASES = ("tiny_deepseek_v3_first_id_1", "tiny_deepseek_v3_id0", "tiny_deepseek_v3_toplevel_ids")
 
@@ -35,11 +34,10 @@ def presets(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory, sglang_python):  # noqa: F811
-    root = _project(tmp_path_factory, CASES[1:])
-    return run_pytest(root, "cases/", "--engines=ref,vllm,sglang", f"--engine-python=vllm={vllm_python()}",
-                      f"--engine-python=sglang={sglang_python}", "--no-capture-cache", "--engine-timeout=300",
-                      "-k", "(id0 and vllm or toplevel and sglang) and fc_inputs")  # fmt: skip
+def refusals():
+    """The real adapters' refusals, from the one real run of the user's command over every shipped
+    case (tests/shipped_run.py)."""
+    return shipped_or_skip()
 
 
 def test_first_id_1_vllm_feeds_h1_h3_h4_named_off_by_one_and_sglang_deepseek_feeds_training(presets):

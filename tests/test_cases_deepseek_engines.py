@@ -4,29 +4,20 @@
 The correct case passes every check on both engines; with config ids [1, 3, 4] the two engines
 part ways for real: SGLang's DeepSeek model adds 1 when the first id is 1 and feeds what the
 draft was trained on, vLLM reads id k as h[k] and the harness names its layers and the
-off-by-one. One pytest session; captures are not reused."""
+off-by-one. Read from the one real run of the user's command over every shipped case."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from helpers import ROOT, run_pytest
-from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
-from test_engine_vllm import vllm_python
+from shipped_run import shipped_or_skip
 
 CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, sglang_python):  # noqa: F811
-    root = tmp_path_factory.mktemp("deepseek")
-    (root / "cases").mkdir()
-    for name in ("tiny_deepseek_v3", "tiny_deepseek_v3_first_id_1"):
-        shutil.copy(ROOT / "cases" / f"{name}.yaml", root / "cases" / f"{name}.yaml")
-    return run_pytest(root, "cases/", "--engines=ref,vllm,sglang", f"--engine-python=vllm={vllm_python()}",
-                      f"--engine-python=sglang={sglang_python}", "--require-engines", "--no-capture-cache",
-                      "--engine-timeout=600", timeout=2400)  # fmt: skip
+def run():
+    """The one real run of the user's command over every shipped case (tests/shipped_run.py)."""
+    return shipped_or_skip()
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

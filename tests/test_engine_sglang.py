@@ -1,6 +1,7 @@
 """The SGLang adapter end to end: real `sglang.Engine` EAGLE-3 (CPU kernel shim on CPU machines).
 
-Each test runs `pytest <case> --engines=ref,sglang` in a subprocess, as a user would. They
+The shipped cases are judged from the one real run of the user's command (tests/shipped_run.py);
+the other tests run `pytest <case> --engines=ref,sglang` in a subprocess, as a user would. They
 need SGLang's environment (`scripts/setup-engine sglang`); without it they skip with that
 command, unless DIFFTEST_REQUIRE_ENGINES=1 (CI), where they fail.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import COUNTERS_CASE, HANG_GUARD_S, ROOT, make_degenerate_pair, run_pytest
+from shipped_run import shipped_or_skip
 
 from difftest.paths import cache_root
 
@@ -43,9 +45,14 @@ def _run(tmp: Path, case: str, sglang_python: str, marker: str | None = None, ti
     return run, outcomes
 
 
-def test_tiny_case_passes_every_check(tmp_path, sglang_python):
-    run, out = _run(tmp_path, "cases/tiny_llama.yaml", sglang_python)
-    assert run.returncode == 0, run.output[-4000:]
+def _shipped(case: str) -> dict:
+    """The shipped case's SGLang results from the one real run of the user's command (tests/shipped_run.py)."""
+    report = shipped_or_skip().report(case)
+    return {(c["engine"], c["check"]): c for c in report["checks"]}
+
+
+def test_tiny_case_passes_every_check():
+    out = _shipped("tiny_llama")
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         assert out[("sglang", check)]["outcome"] == "passed", out[("sglang", check)]["message"]
     # draft.fc_in matched the reference's, which is HF's hidden states by value (tests/test_target_capture.py)
@@ -59,9 +66,8 @@ def test_tiny_case_passes_every_check(tmp_path, sglang_python):
     assert "sglang meta_info" in stats["source"]
 
 
-def test_seed_miswiring_is_caught(tmp_path, sglang_python):
-    run, out = _run(tmp_path, "cases/seed_miswired_training.yaml", sglang_python)
-    assert run.returncode == 0, run.output[-3000:]  # every failure is one the case declares (expect_failure)
+def test_seed_miswiring_is_caught():
+    out = _shipped("seed_miswired_training")  # the run is green: every failure is one the case declares
     fc = out[("sglang", "fc_inputs")]
     assert fc["outcome"] == "xfailed"
     assert "draft.fc_in.0" in fc["message"] and "expected target.h.0 (the embedding)" in fc["message"], fc["message"]
@@ -125,15 +131,15 @@ engines:
 
 @pytest.fixture(scope="module")
 def counters(tmp_path_factory, sglang_python):
-    out = {}
+    """Both degenerate drafts in one session: one SGLang start-up."""
+    root = tmp_path_factory.mktemp("counters")
+    (root / "cases").mkdir()
     for name, right in (("always_right", True), ("always_wrong", False)):
-        root = tmp_path_factory.mktemp(name)
-        t, d = make_degenerate_pair(root / "models", right)
-        (root / "cases").mkdir()
+        t, d = make_degenerate_pair(root / name, right)
         (root / "cases" / f"{name}.yaml").write_text(COUNTERS_CASE.format(target=t, draft=d, k=K, extra=SGLANG_IDS))
-        _, outcomes = _run(root / "reports", str(root / "cases" / f"{name}.yaml"), sglang_python)
-        out[name] = outcomes[("sglang", "accept_length")]
-    return out
+    run = run_pytest(root, "cases/", "--engines=ref,sglang", "--require-engines", "--no-capture-cache",
+                     f"--engine-python=sglang={sglang_python}", "--engine-timeout=600", timeout=TIMEOUT)  # fmt: skip
+    return {name: run.outcome(name, "sglang", "accept_length") for name in ("always_right", "always_wrong")}
 
 
 def test_sglang_always_right_draft_accepts_k_plus_1(counters):
@@ -151,12 +157,11 @@ def test_sglang_always_wrong_draft_accepts_1(counters):
     assert counters["always_wrong"]["outcome"] == "passed", counters["always_wrong"]["message"]
 
 
-def test_catalogue_norm_flag_sglang_ignores_is_caught_with_its_cause(tmp_path, sglang_python):
+def test_catalogue_norm_flag_sglang_ignores_is_caught_with_its_cause():
     """A draft trained with norm_before_residual=true: SGLang 0.5.23 never reads the flag. Its draft
     diverges at draft.layer0.mlp_out, the failure names the lint's known cause, and acceptance falls
     the way the reference predicts for a draft without the flag (the case's expect_failure: green)."""
-    run, out = _run(tmp_path, "cases/catalogue_norm_flag_ignored.yaml", sglang_python)
-    assert run.returncode == 0, run.output[-4000:]
+    out = _shipped("catalogue_norm_flag_ignored")
     assert out[("sglang", "fc_inputs")]["outcome"] == "passed"
     logits = out[("sglang", "draft_logits")]
     assert logits["outcome"] == "xfailed" and logits["data"]["introduced"] == "draft.layer0.mlp_out"

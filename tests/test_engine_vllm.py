@@ -8,12 +8,12 @@ not a pass.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-from helpers import COUNTERS_CASE, ROOT, make_degenerate_pair, run_pytest
+from helpers import COUNTERS_CASE, make_degenerate_pair, run_pytest
+from shipped_run import shipped_or_skip
 
 SETUP = "scripts/setup-engine vllm"
 REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
@@ -46,15 +46,10 @@ def run_vllm(root: Path, *args: str):
 
 
 @pytest.fixture(scope="module")
-def shipped_run(tmp_path_factory):
-    """tiny_llama and the seed's miswired case, ref against real vLLM, in one session."""
-    vllm_python()
-    root = tmp_path_factory.mktemp("shipped")
-    (root / "cases").mkdir()
-    for name in ("tiny_llama.yaml", "seed_miswired_training.yaml"):
-        shutil.copy(ROOT / "cases" / name, root / "cases" / name)
-    # fixtures are built once into the user's cache and shared; captures are not reused
-    return run_vllm(root, "--engines=ref,vllm", "--no-capture-cache")
+def shipped_run():
+    """tiny_llama and the seed's miswired case on real vLLM: the one real run of the user's command
+    over every shipped case (tests/shipped_run.py)."""
+    return shipped_or_skip()
 
 
 def test_tiny_case_passes_every_check_on_vllm(shipped_run):

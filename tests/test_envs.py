@@ -123,10 +123,31 @@ def test_create_builds_once_and_links_the_label(tmp_path):
 
 def test_failed_build_leaves_nothing_behind(tmp_path):
     _stub_engine(tmp_path, "echo 'no such wheel' >&2; exit 3\n")
-    p = envs.plan("sglang==9.9.9", cache=tmp_path / "cache", root=tmp_path)
-    with pytest.raises(ConfigError, match=r"^difftest env create: building sglang==9.9.9 failed .*nothing was kept$"):
+    p = envs.plan("sglang==0.5.21", cache=tmp_path / "cache", root=tmp_path)
+    with pytest.raises(ConfigError, match=r"^difftest env create: building sglang==0.5.21 failed .*nothing was kept$"):
         envs.create(p, log=lambda m: None)
     assert sorted(x.name for x in (tmp_path / "cache" / "envs").iterdir()) == [".sglang.lock"]
+
+
+def test_a_release_outside_the_supported_range_is_refused_before_anything_is_built(tmp_path):
+    with pytest.raises(ConfigError, match=r"^sglang 0\.4\.9 is outside the supported releases sglang 0\.5\.5 - 0\.5\.23"):
+        envs.plan("sglang==0.4.9", cache=tmp_path)
+    with pytest.raises(ConfigError, match=r"^vllm 0\.24\.0 cannot run here: the releases that run on a CPU are 0\.27\.0 - 0\.32\.0"):
+        envs.plan("vllm==0.24.0", cache=tmp_path)
+    assert not (tmp_path / "envs").exists()
+
+
+def test_an_older_release_builds_from_its_own_pins_and_setup_script(tmp_path):
+    _stub_engine(tmp_path, "exit 9\n")  # the pinned release's script: never used for an older one
+    releases = tmp_path / "engines" / "sglang" / "releases"
+    releases.mkdir()
+    (releases / "0.5.16.txt").write_text("torch==2.13.0\nsglang==0.5.16\ntransformers==5.3.0\n")
+    (releases / "setup-env-release.sh").write_text('cp "$2" "$DIFFTEST_ENV_DIR/installed.txt"\n')
+    p = envs.plan("sglang==0.5.16", cache=tmp_path / "cache", root=tmp_path)
+    assert p.setup_script == releases / "setup-env-release.sh"
+    envs.create(p, log=lambda m: None)
+    assert (p.directory / "installed.txt").read_text() == "torch==2.13.0\nsglang==0.5.16\ntransformers==5.3.0\n"
+    assert p.link.name == "sglang@0.5.16"
 
 
 # -- the project file --------------------------------------------------------------------------

@@ -121,6 +121,7 @@ class ComparisonData(CheckData):
     first_differs: str | None = None
     fc_chunks: list[ChunkMatch] | None = field(default=None, metadata={READER: _chunk_matches})  # per chunk
     similarity: Similarity | None = None  # chunk-vs-candidate cosines (difftest.diagnose.match_chunks)
+    fed: list[str | None] | None = None  # fc_inputs: the reference tensors the engine's fc chunks are, by value
     rule: str | None = None  # the engine's layer-id rule, explained
     rule_predicted: list[str] | None = None
     fix: FixData | None = None

@@ -20,6 +20,7 @@ class ExpectedFailureRecord:
     engine: str
     check: str
     cause: str
+    reference: str | None = None  # the reference it is declared against (None: any)
 
 
 @dataclass

@@ -9,6 +9,9 @@ Each is the tiny Llama draft with one fault a trainer, converter or exporter has
                                 replaces it with the target's
   tiny-llama-eagle3-no-lm-head  the exporter left out lm_head.weight (draft_vocab_size set)
   tiny-llama-eagle3-d2t-absolute  d2t written as absolute target ids instead of offsets
+  tiny-llama-eagle3-nbfc        trained with norm_before_fc=true (an RMSNorm over the whole fc input),
+                                written in the HF layout: SGLang reads it from 0.5.17 (sglang PR 32334),
+                                0.5.16 and older run the draft without it
   tiny-llama-eagle3-unsorted    trained on [h5, h2, h4] with config ids [5, 2, 4] (a trainer that
                                 feeds fc in the listed order): both engines feed layer order. Made
                                 from the good draft by moving fc.weight's input blocks, which is
@@ -36,8 +39,9 @@ OWN_EMBED = "tiny-llama-eagle3-own-embed"
 NO_LM_HEAD = "tiny-llama-eagle3-no-lm-head"
 D2T_ABSOLUTE = "tiny-llama-eagle3-d2t-absolute"
 UNSORTED = "tiny-llama-eagle3-unsorted"
+NBFC = "tiny-llama-eagle3-nbfc"
 LANE = base.LANE  # edits and retrains of the tiny-llama drafts
-NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, UNSORTED]
+NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, UNSORTED, NBFC]
 UNSORTED_ORDER = [2, 0, 1]  # the good draft's chunks [h2, h4, h5] taken as [h5, h2, h4]
 EMBED_SEED = 11
 
@@ -48,6 +52,7 @@ FAULTS = {
     NO_LM_HEAD: "lm_head.weight left out of the checkpoint",
     D2T_ABSOLUTE: "d2t holds absolute target ids instead of offsets",
     UNSORTED: "trained on [h5, h2, h4] (ids [5, 2, 4]); engines feed fc in layer order",
+    NBFC: "trained with norm_before_fc=true (an RMSNorm over the concatenated fc input), saved in the HF layout",
 }
 
 
@@ -77,6 +82,12 @@ NBR_RECIPE = drafts.DraftRecipe(
     layer_ids=base.GOOD_IDS,
     config=lambda: dataclasses.replace(drafts.draft_config(), norm_before_residual=True),
     extra={"catalogue_fault": FAULTS[NBR]},
+)
+
+
+NBFC_RECIPE = dataclasses.replace(
+    NBR_RECIPE, name=NBFC, config=lambda: dataclasses.replace(drafts.draft_config(), norm_before_fc=True),
+    extra={"catalogue_fault": FAULTS[NBFC]},
 )
 
 
@@ -117,7 +128,7 @@ def _build_unsorted(out: Path, build: cache.Build) -> None:
 
 
 _BUILDERS: dict[str, cache.Builder] = {NBR: lambda out, build: drafts.build_draft(NBR_RECIPE, out, build), OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute,
-             UNSORTED: _build_unsorted}  # fmt: skip
+             UNSORTED: _build_unsorted, NBFC: lambda out, build: drafts.build_draft(NBFC_RECIPE, out, build)}  # fmt: skip
 _DEPS: dict[str, list[str]] = dict.fromkeys(NAMES, [])
 
 

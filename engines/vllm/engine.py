@@ -58,7 +58,7 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError, EngineUnavailable
 from difftest.names import draft_name
 from difftest.paths import cache_root
-from engines.vllm import compat
+from engines.vllm import compat, releases
 from engines.vllm.settings import SCHEMA
 
 PINNED = "0.32.0"  # the version whose internals engines/vllm/hooks.py names
@@ -161,7 +161,8 @@ class VllmEngine(Engine):
         versions = {"vllm": vllm.__version__, "distribution": dist, "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": sys.version.split()[0]}  # fmt: skip
         if vllm.__version__ != PINNED:
-            versions["warning"] = f"hooks are written against vllm {PINNED}"
+            versions["warning"] = (f"hooks are written against vllm {PINNED}; release differences they account for: "
+                                   "engines/vllm/releases.py")  # fmt: skip
         return EngineInfo(name="vllm", version=vllm.__version__, versions=versions, kernels=f"vllm-{device}")
 
     # -- settings --------------------------------------------------------------------
@@ -182,6 +183,12 @@ class VllmEngine(Engine):
             raise self._failed[key]
         self._shutdown()
         vllm = self._lib()
+        if not releases.hooks_supported(vllm.__version__):
+            raise EngineUnavailable(
+                f"vllm {vllm.__version__} in {sys.executable} predates what engines/vllm/hooks.py hooks "
+                f"(needs >= {'.'.join(map(str, releases.HOOKS_FROM))}: interfaces.py::EagleModelMixin._maybe_add_hidden_state); "
+                "see docs/vllm-releases.md"
+            )
         draft = s["draft"]
         if s["draft_config_overrides"]:
             draft = str(self._overlay(draft, s["draft_config_overrides"]))
@@ -213,6 +220,10 @@ class VllmEngine(Engine):
             per_request_spec_decode_metrics="detailed",
             speculative_config=speculative,
         )
+        if not releases.has_per_request_spec_metrics(vllm.__version__):
+            # EngineArgs.per_request_spec_decode_metrics exists from 0.29.0 (engines/vllm/releases.py);
+            # older releases refuse the keyword, and acceptance then comes from the counters alone
+            del kwargs["per_request_spec_decode_metrics"]
         kwargs.update(s["llm_args"])
         if compat.ROPE_NATIVE in measures:
             kwargs = compat.with_native_rope(kwargs)
@@ -410,7 +421,7 @@ class VllmEngine(Engine):
         req_verify = req_accepted = 0
         per_request = []
         for r in res:
-            m = r.outputs[0].spec_decode_metrics
+            m = getattr(r.outputs[0], "spec_decode_metrics", None)  # outputs.py: from vllm 0.29.0
             if m is None:
                 continue
             verify = sum(m.histogram)

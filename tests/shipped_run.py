@@ -1,0 +1,114 @@
+"""One real run of the user's command over every shipped case, shared by every test that judges a
+shipped case on the real engines.
+
+`pytest cases/ --engines=ref,vllm,sglang,...` is what a user runs and what the README promises is
+green. Starting vLLM and SGLang once per test module made CI pay for the same engine start-ups
+and the same captures again and again; now the suite runs that command once and the tests read its
+reports (`SHIPPED.report(case)`, `SHIPPED.outcome(case, engine, check)`).
+
+The run is stored under `${DIFFTEST_CACHE}/shipped-runs/<key>/` where the key covers everything
+its verdicts depend on: every file under `cases/`, `difftest/` and `engines/` (so the fixtures'
+builders and the adapters too), the engine list and each engine environment's resolved directory
+(whose name hashes its pins). A test stream that needs it while another builds it waits on a file
+lock; a second test run on the same tree reads it. The run itself captures with
+`--no-capture-cache`: its verdicts are those of the engines now, not of an older capture.
+
+`python tests/shipped_run.py` runs it (or finds it) and prints where its reports are.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+if str(TESTS.parent) not in sys.path:
+    sys.path.insert(0, str(TESTS.parent))
+
+from helpers import ROOT, Run, run_pytest  # noqa: E402
+
+from difftest.content_digest import signature  # noqa: E402
+from difftest.paths import cache_root  # noqa: E402
+
+# The real engines, and the reference presets and training-data engine that the shipped cases'
+# declared expectations name: one session, so every `expect_failure` entry is exercised.
+REAL = ("vllm", "sglang")
+ENGINES = ("ref", "vllm", "sglang", "train", "ref[wiring=vllm]", "ref[wiring=sglang]", "ref[norm_before_residual=false]")
+SOURCES = ("cases", "difftest", "engines")
+TIMEOUT_S = 3600.0
+
+
+def engine_python(name: str) -> Path:
+    return cache_root() / "envs" / name / "bin" / "python"
+
+
+def missing_engines() -> list[str]:
+    return [n for n in REAL if not engine_python(n).exists()]
+
+
+def _sources(part: str) -> list:
+    """The part's files by content; Python's bytecode caches aside (importing the tree writes them)."""
+    return [entry for entry in signature(ROOT / part) if "__pycache__" not in Path(entry[0]).parts]
+
+
+def run_key() -> str:
+    h = hashlib.sha256()
+    for part in SOURCES:
+        h.update(json.dumps([part, _sources(part)]).encode())
+    h.update(json.dumps(ENGINES).encode())
+    for name in REAL:
+        h.update(str(engine_python(name).resolve()).encode())
+    return h.hexdigest()[:16]
+
+
+def _load(directory: Path) -> Run:
+    meta = json.loads((directory / "run.json").read_text())
+    return Run(meta["returncode"], (directory / "output.txt").read_text(), directory)
+
+
+def shipped() -> Run:
+    """The stored run for this tree and these environments, made now if there is none."""
+    base = cache_root() / "shipped-runs"
+    base.mkdir(parents=True, exist_ok=True)
+    directory = base / run_key()
+    with open(base / f".{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (directory / "run.json").exists():
+            partial = directory.with_name(directory.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+            pythons = [f"--engine-python={n}={engine_python(n)}" for n in REAL]
+            run = run_pytest(ROOT, "cases/", f"--engines={','.join(ENGINES)}", *pythons, "--require-engines",
+                             "--no-capture-cache", "--engine-timeout=600", f"--report-dir={partial / 'reports'}",
+                             "--durations=15", timeout=TIMEOUT_S)  # fmt: skip
+            (partial / "output.txt").write_text(run.output)
+            (partial / "run.json").write_text(json.dumps({"returncode": run.returncode, "engines": ENGINES}))
+            os.rename(partial, directory)
+    return _load(directory)
+
+
+def shipped_or_skip() -> Run:
+    """For a test: the run, or a skip naming the setup commands (a failure under DIFFTEST_REQUIRE_ENGINES=1, CI)."""
+    import pytest
+
+    missing = missing_engines()
+    if missing:
+        why = "the shipped-case run needs " + ", ".join(f"{n} (scripts/setup-engine {n})" for n in missing)
+        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
+            pytest.fail(f"DIFFTEST_REQUIRE_ENGINES=1: {why}")
+        pytest.skip(why)
+    return shipped()
+
+
+if __name__ == "__main__":
+    run = shipped()
+    print(run.output[-2500:])
+    print(f"shipped run: rc {run.returncode}, reports in {run.root / 'reports'}")
+    sys.exit(0 if run.returncode == 0 else 1)

@@ -1,0 +1,114 @@
+"""Rules keyed by engine release (difftest.engine_releases): an older release's rules are the pinned
+ones with each change it predates undone, every difference is cited, and a release outside the
+supported range is refused in one line naming the range."""
+
+from __future__ import annotations
+
+import pytest
+
+from difftest import draft_rules
+from difftest import engine_releases as er
+from difftest import layer_rules as lr
+from difftest.errors import ConfigError
+
+SGLANG_IDS = {"eagle_config": {lr.KEY: [2, 4, 5]}}
+
+
+def test_the_pinned_release_reads_exactly_the_pinned_rules():
+    assert er.layer_rule("sglang", lr.DEEPSEEK, "0.5.23+cpu-shim.a3") is lr.SGLANG_DEEPSEEK
+    assert er.layer_rule("vllm", lr.LLAMA, None) is lr.VLLM_LLAMA
+    assert er.engine_draft_rules("sglang", "0.5.23") is draft_rules.SGLANG
+
+
+def test_sglang_before_25454_shifts_deepseek_ids_whose_first_id_is_2():
+    old = er.layer_rule("sglang", lr.DEEPSEEK, "0.5.12").predict(SGLANG_IDS, 7, 3)
+    new = er.layer_rule("sglang", lr.DEEPSEEK, "0.5.13").predict(SGLANG_IDS, 7, 3)
+    assert (old.fed, new.fed) == ([3, 5, 6], [2, 4, 5])
+    assert old.rule.label == "SGLang 0.5.12"
+
+
+def test_sglang_llama_rule_is_the_same_in_every_supported_release():
+    for v in ("0.5.5", "0.5.12", "0.5.16", "0.5.23"):
+        assert er.layer_rule("sglang", lr.LLAMA, v).predict(SGLANG_IDS, 8, 3).fed == [3, 5, 6]
+
+
+def test_an_upgrade_names_the_change_that_moved_the_feed_and_cites_it():
+    diff = er.layer_difference("sglang", lr.DEEPSEEK, "0.5.12", "0.5.23", SGLANG_IDS, 7, 3)
+    assert diff.line() == ("upgrade: SGLang 0.5.12 feeds [h3, h5, h6]; SGLang 0.5.23 feeds [h2, h4, h5]: the +1 on DeepSeek "
+                           "aux layer ids now applies only when the first id is 1 (sgl-project/sglang#25454, first in sglang 0.5.13)")
+
+
+def test_a_change_that_does_not_touch_this_config_is_not_cited():
+    # ids [2, 4, 5] never ask for h0: the 0.5.14 h0-capture change is crossed but irrelevant
+    diff = er.layer_difference("sglang", lr.DEEPSEEK, "0.5.12", "0.5.23", SGLANG_IDS, 7, 3)
+    assert [c.first for c in diff.changes] == ["0.5.13"]
+
+
+def test_releases_that_read_a_config_alike_show_no_difference():
+    assert er.layer_difference("sglang", lr.DEEPSEEK, "0.5.16", "0.5.23", SGLANG_IDS, 7, 3) is None
+    assert er.layer_difference("sglang", lr.LLAMA, "0.5.5", "0.5.23", SGLANG_IDS, 8, 3) is None
+
+
+def test_sglang_before_32334_ignores_norm_before_fc():
+    lines = er.flag_differences("sglang", "0.5.16", "0.5.23", {"norm_before_fc": True})
+    assert lines == ["upgrade: norm_before_fc: SGLang 0.5.16 ignores it (never read); SGLang 0.5.23 takes True (top level); "
+                     "first moved tensor draft.fc_out: norm_before_fc is honoured (eagle_config, then the top level); "
+                     "before, it was ignored (sgl-project/sglang#32334, first in sglang 0.5.17)"]  # fmt: skip
+    assert er.flag_differences("sglang", "0.5.17", "0.5.23", {"norm_before_fc": True}) == []
+
+
+def test_vllm_speculators_flags_arrive_release_by_release():
+    cfg = {"speculators_model_type": "eagle3", "norm_before_fc": True, "fc_norm": True, "norm_output": True}
+    located = draft_rules.flag_locations(cfg)
+
+    def reads(version: str, flag: str):
+        return draft_rules.engine_reading(er.engine_draft_rules("vllm", version), flag, located[flag])[0]
+
+    assert [reads(v, "norm_before_fc") for v in ("0.18.0", "0.19.0", "0.32.0")] == [None, True, True]
+    assert [reads(v, "fc_norm") for v in ("0.21.0", "0.24.0", "0.25.0")] == [None, None, True]
+    assert [reads(v, "norm_output") for v in ("0.21.0", "0.24.0", "0.25.0")] == [None, None, True]
+
+
+def test_vllm_before_0_22_reads_ids_only_at_the_top_level():
+    old = er.layer_rule("vllm", lr.LLAMA, "0.21.0").predict({"eagle_config": {lr.KEY: [0, 2, 4]}}, 8, 3)
+    assert old.ids is None and old.fed == [2, 4, 5]  # the default layers, silently
+
+
+def test_a_downgrade_lists_the_same_changes_newest_first():
+    up = er.changes_between("vllm", "0.21.0", "0.32.0")
+    assert er.changes_between("vllm", "0.32.0", "0.21.0") == up[::-1]
+    assert [c.first for c in up] == ["0.22.0", "0.22.0", "0.25.0"]
+
+
+@pytest.mark.parametrize("engine,version,words", [
+    ("sglang", "0.4.9", "outside the supported releases sglang 0.5.5 - 0.5.23"),
+    ("sglang", "0.5.24", "outside the supported releases sglang 0.5.5 - 0.5.23"),
+    ("vllm", "0.11.0", "outside the supported releases vllm 0.18.0 - 0.32.0"),
+    ("vllm", "latest", "is not a release version"),
+])  # fmt: skip
+def test_a_release_outside_the_range_is_refused_naming_it(engine, version, words):
+    with pytest.raises(ConfigError) as e:
+        er.check_supported(engine, version)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_release_whose_rules_are_known_but_that_cannot_run_here_says_why():
+    with pytest.raises(ConfigError) as e:
+        er.check_runs_here("sglang", "0.5.12")
+    assert "the releases that run on a CPU are 0.5.16 - 0.5.23" in str(e.value)
+    assert er.check_runs_here("vllm", "0.27.0") == "0.27.0"
+
+
+@pytest.mark.parametrize("change", er.CHANGES, ids=lambda c: f"{c.engine}-{c.first}-{c.reference.split('#')[-1]}")
+def test_every_recorded_change_changes_something(change):
+    """Undoing a change in the release that has it must alter a rule: a change that alters nothing is data rot."""
+    before = er._version(change.engine, change.first)
+    assert er.SUPPORTED[change.engine].contains(str(before))
+    altered = False
+    for fam, _ in change.layer_before:
+        at = er.layer_rule(change.engine, fam, change.first)
+        altered |= change.undo_layer(at, fam) != at
+    rules = er.engine_draft_rules(change.engine, change.first)
+    for flag, read_from in change.flags_before:
+        altered |= rules.flag(flag).read_from != tuple(read_from)
+    assert altered

@@ -1,0 +1,70 @@
+"""Every shipped case on the real engines: the user's command `pytest cases/ --engines=ref,vllm,sglang`
+(with the reference presets and the training-data engine that the cases' expectations name) is
+green, every case runs on vLLM and SGLang, and every declared `expect_failure` is exercised:
+caught as declared, not skipped past. One real run serves all of them (tests/shipped_run.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+from shipped_run import ENGINES, REAL, shipped_or_skip
+
+from difftest.case import load_case
+
+CASES = sorted((ROOT / "cases").glob("*.yaml"))
+CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
+
+
+@pytest.fixture(scope="module")
+def run():
+    return shipped_or_skip()
+
+
+def _runnable(path: Path) -> bool:
+    """A case this machine can run: one for a model it does not have (an unset ${VAR}) skips by design."""
+    from difftest.errors import CaseNotConfigured
+
+    try:
+        load_case(path)
+    except CaseNotConfigured:
+        return False
+    return True
+
+
+def _engine_of(spec_id: str) -> str:
+    return spec_id.split("[")[0].split("@")[0]
+
+
+def test_the_users_command_is_green_on_the_real_engines(run):
+    assert run.returncode == 0, run.output[-4000:]
+    for path in filter(_runnable, CASES):
+        for r in run.report(path.stem)["checks"]:
+            assert r["outcome"] in ("passed", "xfailed", "skipped"), f"{path.name} {r['engine']} {r['check']}: {r['message']}"
+
+
+@pytest.mark.parametrize("engine", REAL)
+def test_every_runnable_shipped_case_is_judged_by_each_real_engine(run, engine):
+    """No shipped case skips an engine: each check has a verdict (passed, or failed as declared)."""
+    for path in filter(_runnable, CASES):
+        results = {r["check"]: r for r in run.report(path.stem)["checks"] if r["engine"] == engine}
+        for check in CHECKS:
+            assert check in results, f"{path.name}: no {check} result for {engine}"
+            assert results[check]["outcome"] in ("passed", "xfailed"), (
+                f"{path.name} {engine} {check}: {results[check]['outcome']}: {results[check]['message']}")
+
+
+def test_every_declared_expectation_is_exercised(run):
+    """Each `expect_failure` entry of each shipped case matched a real failure with its declared cause."""
+    for path in filter(_runnable, CASES):
+        case = load_case(path)
+        checks = run.report(path.stem)["checks"]
+        for expected in case.expect_failure:
+            if expected.engine != "*" and expected.engine not in ENGINES and expected.engine not in map(_engine_of, ENGINES):
+                pytest.fail(f"{path.name}: expect_failure names {expected.engine!r}, which the shipped run does not run")
+            hits = [r for r in checks if (r.get("expected_failure") or {}).get("cause") == expected.cause
+                    and (r.get("expected_failure") or {}).get("engine") == expected.engine]  # fmt: skip
+            assert hits, f"{path.name}: expect_failure {expected} was never exercised"
+            for r in hits:
+                assert r["outcome"] == "xfailed", f"{path.name} {r['engine']} {r['check']}: {r['outcome']}: {r['message']}"
