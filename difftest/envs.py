@@ -92,6 +92,27 @@ def rewrite_requirements(text: str, dist: str, version: str, where: str) -> tupl
     return "".join(out), old
 
 
+def _with_recipe(pinned: str, recipe: str, dist: str, version: str, where: str) -> str:
+    """The requirements an older release is built from: the recipe itself when it pins `dist` (a whole
+    list), else `pinned` (already re-pinned to `version`) with the recipe's lines laid over it."""
+    lines = {}
+    for line in recipe.splitlines():
+        m = _REQ_LINE.match(line)
+        if m:
+            lines[_canonical(m.group("dist"))] = line
+    own = lines.get(_canonical(dist))
+    if own is not None:
+        listed = _REQ_LINE.match(own).group("version")
+        if listed != version:
+            raise ConfigError(f"{where}: pins {dist}=={listed}, not {version}")
+        return recipe
+    out = []
+    for line in pinned.splitlines():
+        m = _REQ_LINE.match(line)
+        out.append(lines.pop(_canonical(m.group("dist"))) if m and _canonical(m.group("dist")) in lines else line)
+    return "\n".join(out + list(lines.values())) + "\n"
+
+
 def env_hash(requirements: str, setup_script: Path) -> str:
     """What scripts/setup-engine computes: `cat requirements setup-env.sh | sha256sum | cut -c1-12`."""
     return hashlib.sha256(requirements.encode() + setup_script.read_bytes()).hexdigest()[:12]
@@ -122,13 +143,12 @@ def plan(requirement: str, label: str | None = None, cache: Path | None = None, 
         if name in engine_releases.SUPPORTED:
             engine_releases.check_runs_here(name, version)
         # an older release with pins of its own (its dependencies moved): engines/NAME/releases/VERSION.txt,
-        # built by releases/setup-env-VERSION.sh when the release needs its own steps too
+        # either its whole list (it pins the engine's distribution itself) or the lines that differ from
+        # the pinned list (each replaces that distribution's pin, or is added); built by
+        # releases/setup-env-VERSION.sh or releases/setup-env-release.sh when the release needs other steps
         recipe = spec / "releases" / f"{version}.txt"
         if recipe.is_file():
-            text = recipe.read_text()
-            _, listed = rewrite_requirements(text, ENGINE_DISTRIBUTIONS[name], version, str(recipe))
-            if listed != version:
-                raise ConfigError(f"{recipe}: pins {ENGINE_DISTRIBUTIONS[name]}=={listed}, not {version}")
+            text = _with_recipe(text, recipe.read_text(), ENGINE_DISTRIBUTIONS[name], version, str(recipe))
             # the release's own setup steps, else the engine's script for older releases, else the pinned one's
             for own in (spec / "releases" / f"setup-env-{version}.sh", spec / "releases" / "setup-env-release.sh"):
                 if own.is_file():
@@ -147,8 +167,9 @@ def create(p: EnvPlan, log=print) -> Path:
     """
     envs = p.directory.parent
     envs.mkdir(parents=True, exist_ok=True)
-    with open(envs / f".{p.engine}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # scripts/setup-engine takes the same lock
+    with open(envs / f".{p.directory.name}.lock", "w") as lock:
+        # one lock per environment, the one scripts/setup-engine takes: releases build side by side
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if not p.built:
             partial = p.directory.with_name(p.directory.name + ".partial")
             log(f"difftest env: building {p.directory} ({p.engine} {p.version}; minutes and GBs, once per requirements)")

@@ -126,7 +126,7 @@ def test_failed_build_leaves_nothing_behind(tmp_path):
     p = envs.plan("sglang==0.5.21", cache=tmp_path / "cache", root=tmp_path)
     with pytest.raises(ConfigError, match=r"^difftest env create: building sglang==0.5.21 failed .*nothing was kept$"):
         envs.create(p, log=lambda m: None)
-    assert sorted(x.name for x in (tmp_path / "cache" / "envs").iterdir()) == [".sglang.lock"]
+    assert sorted(x.name for x in (tmp_path / "cache" / "envs").iterdir()) == [f".{p.directory.name}.lock"]
 
 
 def test_a_release_outside_the_supported_range_is_refused_before_anything_is_built(tmp_path):

@@ -43,21 +43,23 @@ def is_mla(target_cfg: dict) -> bool:
     return text_config(target_cfg).get("kv_lora_rank") is not None
 
 
-def _reading(target_cfg: dict, draft_cfg: dict):
-    """SGLang's reading of the draft's layer ids (difftest.layer_rules: the one copy of the rule)."""
-    from difftest.layer_rules import rule_for, target_family
+def _reading(target_cfg: dict, draft_cfg: dict, version: str | None = None):
+    """SGLang's reading of the draft's layer ids (difftest.layer_rules: the one copy of the rule; an
+    older release's differences from it: engines/sglang/versions.py)."""
+    from difftest.layer_rules import target_family
+    from engines.sglang.versions import layer_rule
 
-    rule = rule_for("sglang", target_family(target_cfg))
+    rule = layer_rule(target_family(target_cfg), version)
     return rule.predict(draft_cfg, int(text_config(target_cfg)["num_hidden_layers"]))
 
 
-def layers_to_capture(target_cfg: dict, draft_cfg: dict) -> tuple[list[int], str]:
+def layers_to_capture(target_cfg: dict, draft_cfg: dict, version: str | None = None) -> tuple[list[int], str]:
     """SGLang's layers_to_capture for this pair and the rule that produced it, in words."""
-    reading = _reading(target_cfg, draft_cfg)
+    reading = _reading(target_cfg, draft_cfg, version)
     return reading.asked, reading.explain()
 
 
-def unrunnable(target_cfg: dict, draft_cfg: dict, draft_path: str) -> str | None:
+def unrunnable(target_cfg: dict, draft_cfg: dict, draft_path: str, version: str | None = None) -> str | None:
     """Why SGLang's DeepSeek model would kill its scheduler on this pair's first prefill, or None:
     its AuxHiddenStatePacker expects one capture per entry of layers_to_capture, and a repeated
     layer or one >= L is captured once or never.
@@ -65,8 +67,10 @@ def unrunnable(target_cfg: dict, draft_cfg: dict, draft_path: str) -> str | None
     Only for DeepSeek targets: the Llama path's crash is left to SGLang (and its log)."""
     if not is_deepseek(target_cfg):
         return None
-    reading = _reading(target_cfg, draft_cfg)
+    reading = _reading(target_cfg, draft_cfg, version)
     layers, L = reading.asked, reading.L
+    if reading.refusal and reading.rule.low_crash and any(0 <= k < int(reading.rule.capturable[0]) for k in layers):
+        return f"SGLang would feed layers_to_capture {layers} for {draft_path}/config.json ({reading.explain()})"
     if len(reading.fed) == len(layers):
         return None
     fallback = " (default-layer fallback)" if reading.ids is None else ""

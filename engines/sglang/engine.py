@@ -40,7 +40,7 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
 from difftest.paths import cache_root
-from engines.sglang import cpu_shim, deepseek
+from engines.sglang import cpu_shim, deepseek, versions
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
 from engines.sglang.settings import SCHEMA
@@ -200,10 +200,17 @@ class SglangEngine(Engine):
         sglang = self._import()
         settings = self._settings(case, num_steps)
         target, draft = self._checkpoints(case, settings)
+        caveat = versions.cpu_caveat(sglang.__version__) if settings["device"] == "cpu" else None
+        if caveat:
+            settings["compat"].append(caveat)
         key = cache_key(target, draft, settings)
         if self._engine is not None and self._engine_key == key:
             return self._engine, settings, target, draft
-        why = deepseek.unrunnable(_config(target, "target config"), _config(draft, "draft config"), draft)
+        if settings["device"] == "cpu" and self._kernels == cpu_shim.CPU_SHIM:
+            why = versions.unsupported_on_cpu(sglang.__version__)
+            if why:
+                raise EngineUnavailable(why)
+        why = deepseek.unrunnable(_config(target, "target config"), _config(draft, "draft config"), draft, sglang.__version__)
         if why:  # refused before start: SGLang's own message would not say which layers or why
             raise EngineError(why)
         self._shutdown()
@@ -278,7 +285,7 @@ class SglangEngine(Engine):
             raise EngineError(f"SGLang's first output token {out['output_ids'][0]} is not the recorded prefill's argmax {ex.next_token}")
         L = target_cfg["num_hidden_layers"]
         h = target_cfg["hidden_size"]
-        planned, rule = deepseek.layers_to_capture(target_cfg, draft_cfg)
+        planned, rule = deepseek.layers_to_capture(target_cfg, draft_cfg, self.info().versions["sglang"])
         chunks = ex.tensors["draft.fc_in"].shape[-1] // h
         meta = {
             "engine": self.spec.id,

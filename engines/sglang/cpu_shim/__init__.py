@@ -1,4 +1,5 @@
-"""Run SGLang 0.5.23's real EAGLE-3 path on a CPU without its compiled kernels.
+"""Run SGLang's real EAGLE-3 path on a CPU without its compiled kernels (0.5.23, and 0.5.16 on:
+the first release whose EAGLE worker has an intel_amx draft backend; see docs/sglang-releases.md).
 
 SGLang's kernel wheels (`sglang-kernel`, `sgl-kernel`) are CUDA builds, and its own CPU
 backend wants an AMX Xeon and a source build. `activate()` makes SGLang usable anyway:
@@ -62,8 +63,36 @@ def activate(env: dict | None = None) -> None:
     ops.register_torchvision_nms_schema()  # before anything imports torchvision
 
 
-def install_platform_override() -> None:
-    """Call after `import sglang`: report AMX so the intel_amx backend (shimmed) is kept."""
-    from sglang.srt.runtime_context import override_platform
+# Where releases without runtime_context.override_platform (first in 0.5.19) decide, while resolving
+# server args, whether `intel_amx` falls back to torch_native (`... and not cpu_has_amx_support()`):
+# 0.5.15-0.5.18 arg_groups/overrides.py::_attention_backend_platform_fallbacks, <= 0.5.14
+# server_args.py::ServerArgs._handle_attention_backend_compatibility.
+_AMX_CHECKS = ("sglang.srt.arg_groups.overrides", "sglang.srt.server_args")
 
-    override_platform(has_amx=True).install()
+
+def install_platform_override() -> None:
+    """Call after `import sglang`: report AMX so the intel_amx backend (shimmed) is kept.
+
+    Only server-arg resolution in this (the caller's) process sees it: SGLang's layers decide their
+    own AMX paths in the scheduler processes, where nothing is overridden."""
+    import importlib
+
+    try:
+        from sglang.srt.runtime_context import override_platform
+    except ImportError:
+        override_platform = None
+    if override_platform is not None:
+        override_platform(has_amx=True).install()
+        return
+    patched = []
+    for name in _AMX_CHECKS:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "cpu_has_amx_support"):
+            mod.cpu_has_amx_support = lambda: True
+            patched.append(name)
+    if not patched:
+        raise EngineUnavailable("cpu-shim: found neither runtime_context.override_platform nor a cpu_has_amx_support "
+                                f"check in {', '.join(_AMX_CHECKS)}: cannot keep the intel_amx backend")  # fmt: skip

@@ -86,16 +86,28 @@ def fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, accept_out) -> No
     accept_out[: sel.numel()] = out_cache_loc[sel]
 
 
-def build_tree_kernel_efficient_cpu(*args) -> None:
-    from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
+def _spec_tree():
+    """SGLang's own Triton tree kernels: sglang/kernels/ops/speculative/spec_tree.py from 0.5.17 on; in
+    0.5.16 the same two functions live in sglang/srt/speculative/eagle_utils.py (sgl_build_tree_kernel_triton,
+    verify_tree_greedy_triton; same signatures)."""
+    try:
+        from sglang.kernels.ops.speculative import spec_tree  # 0.5.16 has the module, without these two
 
-    sgl_build_tree_kernel_triton(*args)
+        if hasattr(spec_tree, "sgl_build_tree_kernel_triton"):
+            return spec_tree
+    except ImportError:
+        pass
+    from sglang.srt.speculative import eagle_utils
+
+    return eagle_utils
+
+
+def build_tree_kernel_efficient_cpu(*args) -> None:
+    _spec_tree().sgl_build_tree_kernel_triton(*args)
 
 
 def verify_tree_greedy_cpu(**kw) -> None:
-    from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_triton
-
-    verify_tree_greedy_triton(
+    _spec_tree().verify_tree_greedy_triton(
         predicts=kw["predicts"],
         accept_index=kw["accept_index"],
         accept_token_num=kw["accept_token_num"],
@@ -187,10 +199,106 @@ _ATTENTION_SCHEMAS = {
 _libraries: list = []  # keep the torch.library fragments alive
 
 
-def register_torch_ops() -> None:
-    """Register the attention ops as torch.ops.sgl_kernel.* (SGLang looks them up there).
+# -- older releases' call signatures of the two attention ops ----------------------------
+# SGLang's intel_amx backend calls torch.ops.sgl_kernel.{extend,decode}_attention_cpu positionally
+# (srt/layers/attention/intel_amx_backend.py::IntelAMXAttnBackend.forward_extend / forward_decode), and
+# the argument list grew release by release (read in each released wheel):
+#   <= 0.5.12.post1  extend (q, k, v, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+#                    extend_seq_lens, extend_start_loc, max_len_extend, scaling, logit_cap);
+#                    decode (q, k_buffer, v_buffer, o, key, value, loc, attn_logits, req_to_token,
+#                    req_pool_indices, seq_lens, scaling, logit_cap)
+#   0.5.13           both + is_cross, sliding_window, encoder_lens, sinks
+#   0.5.16           extend + custom_mask (the EAGLE tree mask; also the first release whose
+#                    speculative/draft_utils.py gives EAGLE an intel_amx draft backend)
+#   0.5.19           extend + is_causal
+#   0.5.20           both + k_scale, v_scale after the buffers (the layout above, _ATTENTION_SCHEMAS)
+# Each older form is the current op with the missing arguments at the values the older backend implied
+# (scales 1.0, no mask, causal, no window, no sinks).
+
+
+def _extend_0_5_19(q, k, v, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_seq_lens,
+                   extend_start_loc, max_len_extend, scaling, logit_cap, is_cross, sliding_window, encoder_lens,
+                   sinks, custom_mask, is_causal) -> None:  # fmt: skip
+    extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, 1.0, 1.0, req_to_token, req_pool_indices, seq_lens,
+                         extend_seq_lens, extend_start_loc, max_len_extend, scaling, logit_cap, is_cross,
+                         sliding_window, encoder_lens, sinks, custom_mask, is_causal)  # fmt: skip
+
+
+def _extend_0_5_16(*args) -> None:
+    _extend_0_5_19(*args, True)
+
+
+def _extend_0_5_13(*args) -> None:
+    _extend_0_5_19(*args, None, True)
+
+
+def _extend_0_5_1(*args) -> None:
+    _extend_0_5_19(*args, False, -1, None, None, None, True)
+
+
+def _decode_0_5_13(q, k_buffer, v_buffer, o, key, value, loc, attn_logits, req_to_token, req_pool_indices, seq_lens,
+                   scaling, logit_cap, is_cross, sliding_window, encoder_lens, sinks) -> None:  # fmt: skip
+    decode_attention_cpu(q, k_buffer, v_buffer, 1.0, 1.0, o, key, value, loc, attn_logits, req_to_token,
+                         req_pool_indices, seq_lens, scaling, logit_cap, is_cross, sliding_window, encoder_lens, sinks)  # fmt: skip
+
+
+def _decode_0_5_1(*args) -> None:
+    _decode_0_5_13(*args, False, -1, None, None)
+
+
+_EXT_HEAD = ("extend_attention_cpu(Tensor q, Tensor? k, Tensor? v, Tensor(a!) o, Tensor k_buffer, Tensor v_buffer, "
+             "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor extend_seq_lens, "
+             "Tensor extend_start_loc, int max_len_extend, float scaling, float logit_cap")  # fmt: skip
+_DEC_HEAD = ("decode_attention_cpu(Tensor q, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor(c!) o, Tensor? key, "
+             "Tensor? value, Tensor loc, Tensor attn_logits, Tensor req_to_token, Tensor req_pool_indices, "
+             "Tensor seq_lens, float scaling, float logit_cap")  # fmt: skip
+_NEW_ARGS = ", bool is_cross, int sliding_window, Tensor? encoder_lens, Tensor? sinks"
+_DEC_0_5_13 = (_DEC_HEAD + _NEW_ARGS + ") -> ()", _decode_0_5_13)
+# (first release, {op: (schema, function)}), newest first
+ATTENTION_ABIS = [
+    ((0, 5, 20), _ATTENTION_SCHEMAS),
+    ((0, 5, 19), {"extend_attention_cpu": (_EXT_HEAD + _NEW_ARGS + ", Tensor? custom_mask, bool is_causal) -> ()", _extend_0_5_19),
+                  "decode_attention_cpu": _DEC_0_5_13}),
+    ((0, 5, 16), {"extend_attention_cpu": (_EXT_HEAD + _NEW_ARGS + ", Tensor? custom_mask) -> ()", _extend_0_5_16),
+                  "decode_attention_cpu": _DEC_0_5_13}),
+    ((0, 5, 13), {"extend_attention_cpu": (_EXT_HEAD + _NEW_ARGS + ") -> ()", _extend_0_5_13),
+                  "decode_attention_cpu": _DEC_0_5_13}),
+    ((0,), {"extend_attention_cpu": (_EXT_HEAD + ") -> ()", _extend_0_5_1),
+            "decode_attention_cpu": (_DEC_HEAD + ") -> ()", _decode_0_5_1)}),
+]  # fmt: skip
+
+
+def release(version: str) -> tuple[int, ...]:
+    """'0.5.12.post1' -> (0, 5, 12, 1): comparable with the tuples above."""
+    import re
+
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0]))
+
+
+def installed_sglang() -> str | None:
+    """The installed SGLang's version, from its distribution metadata (no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def attention_schemas(version: str | None = None) -> dict:
+    """The attention ops' schemas and implementations for an SGLang release (None: the newest form)."""
+    if version is None:
+        return _ATTENTION_SCHEMAS
+    v = release(version)
+    return next(table for first, table in ATTENTION_ABIS if v >= first)
+
+
+def register_torch_ops(version: str | None = None) -> None:
+    """Register the attention ops as torch.ops.sgl_kernel.* (SGLang looks them up there), in the
+    call signature of the installed SGLang (`version`, default: read from its metadata).
     Idempotent: an op that already exists (a real kernel, or an earlier call) is left alone."""
-    missing = {n: s for n, s in _ATTENTION_SCHEMAS.items() if not hasattr(torch.ops.sgl_kernel, n)}
+    schemas = attention_schemas(version or installed_sglang())
+    missing = {n: s for n, s in schemas.items() if not hasattr(torch.ops.sgl_kernel, n)}
     if not missing:
         return
     lib = torch.library.Library("sgl_kernel", "FRAGMENT")

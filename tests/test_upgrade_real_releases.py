@@ -1,0 +1,119 @@
+"""The pre-upgrade check on real releases, as a user runs it before a bump: the old release first
+(the reference), the pinned one after it, on the shipped case that exhibits a behaviour change.
+
+  SGLang 0.5.16 -> 0.5.23   crosses sgl-project/sglang#32334 (first in 0.5.17): norm_before_fc is
+                            honoured. `cases/release_sglang_norm_before_fc.yaml` (a draft trained
+                            with it) must fail at draft.fc_out, naming the change and the release.
+  vLLM 0.27.0 -> 0.32.0     crosses no recorded change to what a draft is fed or which flags are
+                            read: the same cases must pass.
+
+Each pair is one pytest session (`--engines=sglang@0.5.16,sglang`), its environments built by
+`difftest env create sglang==0.5.16` / `vllm==0.27.0` (.ci/run builds them). Without them the tests
+skip naming that command, or fail under DIFFTEST_REQUIRE_ENGINES=1 (CI)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, Run, run_pytest
+
+from difftest.case import load_case
+from difftest.paths import cache_root
+
+OLD_SGLANG, OLD_VLLM = "0.5.16", "0.27.0"
+CASE = "release_sglang_norm_before_fc"
+
+
+def _python(engine: str, release: str) -> str:
+    python = cache_root() / "envs" / f"{engine}@{release}" / "bin" / "python"
+    if not python.exists():
+        why = f"{engine} {release}'s environment is not built ({python}); build it with: .venv/bin/difftest env create {engine}=={release}"
+        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
+            pytest.fail(f"DIFFTEST_REQUIRE_ENGINES=1: {why}")
+        pytest.skip(why)
+    return str(python)
+
+
+def _pinned(engine: str) -> str:
+    python = cache_root() / "envs" / engine / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"{engine}'s environment is not set up; set it up with: scripts/setup-engine {engine}")
+    return str(python)
+
+
+def _bump(out: Path, engine: str, release: str, *cases: str, reference: str | None = None) -> Run:
+    """`pytest CASES --engines=ENGINE@OLD,ENGINE` in the project (`--engines=REFERENCE,ENGINE@OLD` with
+    a reference), its reports under `out`."""
+    old = _python(engine, release)
+    engines = f"{reference},{engine}@{release}" if reference else f"{engine}@{release},{engine}"
+    run = run_pytest(ROOT, *cases, f"--engines={engines}", f"--engine-python={engine}@{release}={old}",
+                     f"--engine-python={engine}={_pinned(engine)}", "--require-engines", "--no-capture-cache",
+                     "--engine-timeout=900", f"--report-dir={out / 'reports'}", timeout=3000)  # fmt: skip
+    run.root = out  # Run.report reads root/reports
+    return run
+
+
+@pytest.fixture(scope="module")
+def sglang_bump(tmp_path_factory):
+    return _bump(tmp_path_factory.mktemp("sglang-bump"), "sglang", OLD_SGLANG, f"cases/{CASE}.yaml")
+
+
+@pytest.fixture(scope="module")
+def sglang_old(tmp_path_factory):
+    """The old release alone against the reference: what a user of 0.5.16 gets today."""
+    return _bump(tmp_path_factory.mktemp("sglang-old"), "sglang", OLD_SGLANG, f"cases/{CASE}.yaml", reference="ref")
+
+
+@pytest.fixture(scope="module")
+def vllm_bump(tmp_path_factory):
+    return _bump(tmp_path_factory.mktemp("vllm-bump"), "vllm", OLD_VLLM, f"cases/{CASE}.yaml", "cases/tiny_llama.yaml")
+
+
+def test_the_sglang_bump_is_green_with_every_change_declared(sglang_bump):
+    assert sglang_bump.returncode == 0, sglang_bump.output[-4000:]
+
+
+def test_the_sglang_bump_reports_the_norm_change_at_draft_fc_out_citing_the_pull_request(sglang_bump):
+    logits = sglang_bump.outcome(CASE, "sglang", "draft_logits")
+    assert logits["outcome"] == "xfailed", logits["message"]
+    assert logits["data"]["introduced"] == "draft.fc_out", logits["message"]
+    assert ("upgrade: norm_before_fc: SGLang 0.5.16 ignores it (never read); SGLang 0.5.23 takes True (top level); "
+            "first moved tensor draft.fc_out") in logits["message"]  # fmt: skip
+    assert "(sgl-project/sglang#32334, first in sglang 0.5.17)" in logits["message"]
+
+
+def test_the_sglang_bump_feeds_the_same_layers(sglang_bump):
+    fc = sglang_bump.outcome(CASE, "sglang", "fc_inputs")
+    assert fc["outcome"] == "passed", fc["message"]
+    assert fc["data"]["fed"] == ["target.h.2", "target.h.4", "target.h.5"]
+
+
+def test_the_vllm_bump_changes_nothing_these_drafts_meet(vllm_bump):
+    assert vllm_bump.returncode == 0, vllm_bump.output[-4000:]
+    for case in (CASE, "tiny_llama"):
+        for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+            r = vllm_bump.outcome(case, "vllm", check)
+            assert r["outcome"] == "passed", f"{case} {check}: {r['message']}"
+
+
+def test_the_old_release_against_the_reference_names_the_flag_it_never_reads(sglang_old):
+    assert sglang_old.returncode == 0, sglang_old.output[-4000:]
+    logits = sglang_old.outcome(CASE, f"sglang@{OLD_SGLANG}", "draft_logits")
+    assert logits["outcome"] == "xfailed" and logits["data"]["introduced"] == "draft.fc_out", logits["message"]
+    assert "never reads it (sglang/srt/models/llama_eagle3.py::LlamaModel.__init__ (before sgl-project/sglang#32334))" in logits["message"]
+    accept = sglang_old.outcome(CASE, f"sglang@{OLD_SGLANG}", "accept_length")
+    assert accept["data"]["engine"]["accept_length"] < accept["data"]["reference"]["accept_length"] - 1.0
+
+
+@pytest.mark.parametrize("reference", [f"sglang@{OLD_SGLANG}", "ref"])
+def test_every_expectation_the_case_declares_for_the_old_release_is_exercised(reference, request):
+    run = request.getfixturevalue("sglang_bump" if reference != "ref" else "sglang_old")
+    declared = [e for e in load_case(ROOT / "cases" / f"{CASE}.yaml").expect_failure
+                if e.reference == reference and (reference != "ref" or e.engine == f"sglang@{OLD_SGLANG}")]  # fmt: skip
+    assert declared, "the case declares what the old release does"
+    checks = run.report(CASE)["checks"]
+    for e in declared:
+        hits = [r for r in checks if (r.get("expected_failure") or {}).get("cause") == e.cause]
+        assert hits and all(r["outcome"] == "xfailed" for r in hits), (e, [r["outcome"] for r in hits])
