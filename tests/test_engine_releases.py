@@ -115,3 +115,11 @@ def test_every_recorded_change_changes_something(change):
     for flag, read_from in change.flags_before:
         altered |= rules.flag(flag).read_from != tuple(read_from)
     assert altered
+
+
+def test_a_flag_both_releases_run_alike_is_not_a_difference():
+    # 0.24.0 does not read a speculators config's fc_norm, 0.32.0 reads it as False: the draft runs the same
+    cfg = {"speculators_model_type": "eagle3", "fc_norm": False, "norm_output": True}
+    lines = er.flag_differences("vllm", "0.24.0", "0.32.0", cfg)
+    assert [ln.split(":")[1].strip() for ln in lines] == ["norm_output"]
+    assert lines[0].endswith("(vllm-project/vllm#46488, first in vllm 0.25.0)")

@@ -4,11 +4,14 @@
   SGLang 0.5.16 -> 0.5.23   crosses sgl-project/sglang#32334 (first in 0.5.17): norm_before_fc is
                             honoured. `cases/release_sglang_norm_before_fc.yaml` (a draft trained
                             with it) must fail at draft.fc_out, naming the change and the release.
-  vLLM 0.27.0 -> 0.32.0     crosses no recorded change to what a draft is fed or which flags are
-                            read: the same cases must pass.
+  vLLM 0.24.0 -> 0.32.0     crosses vllm-project/vllm#46488 (first in 0.25.0): norm_output is
+                            propagated from a speculators config. `cases/release_vllm_speculators_norm_output.yaml`
+                            must fail where draft step 1 begins, naming the change; the tiny case,
+                            which meets no change, must pass.
 
 Each pair is one pytest session (`--engines=sglang@0.5.16,sglang`), its environments built by
-`difftest env create sglang==0.5.16` / `vllm==0.27.0` (.ci/run builds them). Without them the tests
+`difftest env create sglang==0.5.16` / `vllm==0.24.0` (.ci/run builds them; vLLM 0.24.0 on PyPI's
+CUDA build of torch 2.11.0, engines/vllm/releases/setup-env-0.24.0.sh). Without them the tests
 skip naming that command, or fail under DIFFTEST_REQUIRE_ENGINES=1 (CI)."""
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from helpers import ROOT, Run, run_pytest
 from difftest.case import load_case
 from difftest.paths import cache_root
 
-OLD_SGLANG, OLD_VLLM = "0.5.16", "0.27.0"
+OLD_SGLANG, OLD_VLLM = "0.5.16", "0.24.0"
 CASE = "release_sglang_norm_before_fc"
+VLLM_CASE = "release_vllm_speculators_norm_output"
 
 
 def _python(engine: str, release: str) -> str:
@@ -68,7 +72,7 @@ def sglang_old(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_bump(tmp_path_factory):
-    return _bump(tmp_path_factory.mktemp("vllm-bump"), "vllm", OLD_VLLM, f"cases/{CASE}.yaml", "cases/tiny_llama.yaml")
+    return _bump(tmp_path_factory.mktemp("vllm-bump"), "vllm", OLD_VLLM, f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml")
 
 
 def test_the_sglang_bump_is_green_with_every_change_declared(sglang_bump):
@@ -90,12 +94,24 @@ def test_the_sglang_bump_feeds_the_same_layers(sglang_bump):
     assert fc["data"]["fed"] == ["target.h.2", "target.h.4", "target.h.5"]
 
 
-def test_the_vllm_bump_changes_nothing_these_drafts_meet(vllm_bump):
+def test_the_vllm_bump_is_green_with_every_change_declared(vllm_bump):
     assert vllm_bump.returncode == 0, vllm_bump.output[-4000:]
-    for case in (CASE, "tiny_llama"):
-        for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
-            r = vllm_bump.outcome(case, "vllm", check)
-            assert r["outcome"] == "passed", f"{case} {check}: {r['message']}"
+
+
+def test_the_vllm_bump_reports_norm_output_where_it_enters_citing_the_pull_request(vllm_bump):
+    logits = vllm_bump.outcome(VLLM_CASE, "vllm", "draft_logits")
+    assert logits["outcome"] == "xfailed", logits["message"]
+    assert logits["data"]["introduced"].startswith("draft.step1."), logits["message"]
+    assert ("upgrade: norm_output: vLLM 0.24.0 ignores it (not set where it reads); vLLM 0.32.0 takes True "
+            "(speculators config)") in logits["message"]  # fmt: skip
+    assert "(vllm-project/vllm#46488, first in vllm 0.25.0)" in logits["message"]
+    assert vllm_bump.outcome(VLLM_CASE, "vllm", "fc_inputs")["outcome"] == "passed"
+
+
+def test_the_vllm_bump_changes_nothing_a_draft_without_those_flags_meets(vllm_bump):
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        r = vllm_bump.outcome("tiny_llama", "vllm", check)
+        assert r["outcome"] == "passed", f"tiny_llama {check}: {r['message']}"
 
 
 def test_the_old_release_against_the_reference_names_the_flag_it_never_reads(sglang_old):
@@ -107,13 +123,17 @@ def test_the_old_release_against_the_reference_names_the_flag_it_never_reads(sgl
     assert accept["data"]["engine"]["accept_length"] < accept["data"]["reference"]["accept_length"] - 1.0
 
 
-@pytest.mark.parametrize("reference", [f"sglang@{OLD_SGLANG}", "ref"])
-def test_every_expectation_the_case_declares_for_the_old_release_is_exercised(reference, request):
-    run = request.getfixturevalue("sglang_bump" if reference != "ref" else "sglang_old")
-    declared = [e for e in load_case(ROOT / "cases" / f"{CASE}.yaml").expect_failure
-                if e.reference == reference and (reference != "ref" or e.engine == f"sglang@{OLD_SGLANG}")]  # fmt: skip
+@pytest.mark.parametrize("run_name,case,reference,engine", [
+    ("sglang_bump", CASE, f"sglang@{OLD_SGLANG}", "sglang"),
+    ("sglang_old", CASE, "ref", f"sglang@{OLD_SGLANG}"),
+    ("vllm_bump", VLLM_CASE, f"vllm@{OLD_VLLM}", "vllm"),
+])  # fmt: skip
+def test_every_expectation_a_case_declares_for_the_old_release_is_exercised(run_name, case, reference, engine, request):
+    run = request.getfixturevalue(run_name)
+    declared = [e for e in load_case(ROOT / "cases" / f"{case}.yaml").expect_failure
+                if e.reference == reference and e.engine == engine]  # fmt: skip
     assert declared, "the case declares what the old release does"
-    checks = run.report(CASE)["checks"]
+    checks = run.report(case)["checks"]
     for e in declared:
         hits = [r for r in checks if (r.get("expected_failure") or {}).get("cause") == e.cause]
         assert hits and all(r["outcome"] == "xfailed" for r in hits), (e, [r["outcome"] for r in hits])

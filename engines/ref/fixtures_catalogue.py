@@ -12,6 +12,9 @@ Each is the tiny Llama draft with one fault a trainer, converter or exporter has
   tiny-llama-eagle3-nbfc        trained with norm_before_fc=true (an RMSNorm over the whole fc input),
                                 written in the HF layout: SGLang reads it from 0.5.17 (sglang PR 32334),
                                 0.5.16 and older run the draft without it
+  tiny-llama-eagle3-spec-normout trained with norm_output=true, saved in the speculators format: vLLM
+                                propagates it from a speculators config from 0.25.0 (vllm PR 46488);
+                                0.22.0 - 0.24.0 read it from HF configs only and run the draft without it
   tiny-llama-eagle3-unsorted    trained on [h5, h2, h4] with config ids [5, 2, 4] (a trainer that
                                 feeds fc in the listed order): both engines feed layer order. Made
                                 from the good draft by moving fc.weight's input blocks, which is
@@ -40,8 +43,9 @@ NO_LM_HEAD = "tiny-llama-eagle3-no-lm-head"
 D2T_ABSOLUTE = "tiny-llama-eagle3-d2t-absolute"
 UNSORTED = "tiny-llama-eagle3-unsorted"
 NBFC = "tiny-llama-eagle3-nbfc"
+SPEC_NORMOUT = "tiny-llama-eagle3-spec-normout"
 LANE = base.LANE  # edits and retrains of the tiny-llama drafts
-NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, UNSORTED, NBFC]
+NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, UNSORTED, NBFC, SPEC_NORMOUT]
 UNSORTED_ORDER = [2, 0, 1]  # the good draft's chunks [h2, h4, h5] taken as [h5, h2, h4]
 EMBED_SEED = 11
 
@@ -53,6 +57,7 @@ FAULTS = {
     D2T_ABSOLUTE: "d2t holds absolute target ids instead of offsets",
     UNSORTED: "trained on [h5, h2, h4] (ids [5, 2, 4]); engines feed fc in layer order",
     NBFC: "trained with norm_before_fc=true (an RMSNorm over the concatenated fc input), saved in the HF layout",
+    SPEC_NORMOUT: "trained with norm_output=true (later draft steps fed the normed output), saved in the speculators format",
 }
 
 
@@ -89,6 +94,19 @@ NBFC_RECIPE = dataclasses.replace(
     NBR_RECIPE, name=NBFC, config=lambda: dataclasses.replace(drafts.draft_config(), norm_before_fc=True),
     extra={"catalogue_fault": FAULTS[NBFC]},
 )
+
+
+def _save_speculators(draft, out: Path, layer_ids: list[int], target_dir: Path) -> None:
+    from engines.ref.train import save_speculators_format
+
+    save_speculators_format(draft, out, layer_ids, verifier_name_or_path="tiny-llama")
+
+
+SPEC_NORMOUT_RECIPE = dataclasses.replace(
+    NBR_RECIPE, name=SPEC_NORMOUT, save=_save_speculators, fmt="speculators",
+    config=lambda: dataclasses.replace(drafts.draft_config(), norm_output=True),
+    extra={"catalogue_fault": FAULTS[SPEC_NORMOUT]},
+)  # fmt: skip
 
 
 def _build_own_embed(out: Path, build: cache.Build) -> None:
@@ -128,7 +146,8 @@ def _build_unsorted(out: Path, build: cache.Build) -> None:
 
 
 _BUILDERS: dict[str, cache.Builder] = {NBR: lambda out, build: drafts.build_draft(NBR_RECIPE, out, build), OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute,
-             UNSORTED: _build_unsorted, NBFC: lambda out, build: drafts.build_draft(NBFC_RECIPE, out, build)}  # fmt: skip
+             UNSORTED: _build_unsorted, NBFC: lambda out, build: drafts.build_draft(NBFC_RECIPE, out, build),
+             SPEC_NORMOUT: lambda out, build: drafts.build_draft(SPEC_NORMOUT_RECIPE, out, build)}  # fmt: skip
 _DEPS: dict[str, list[str]] = dict.fromkeys(NAMES, [])
 
 

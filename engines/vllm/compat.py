@@ -114,8 +114,10 @@ def _widen_block_sizes(module) -> None:
     if getattr(orig, "_difftest_widened", False):
         return
 
-    def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        sizes = list(orig(kv_cache_spec))
+    # its signature moved between releases (vllm 0.27.0: no parameters; 0.32.0: kv_cache_spec=None):
+    # the caller's arguments pass through unchanged
+    def get_supported_kernel_block_sizes(*args, **kwargs):
+        sizes = list(orig(*args, **kwargs))
         return sizes if 16 in sizes else [16, *sizes]
 
     get_supported_kernel_block_sizes._difftest_widened = True
