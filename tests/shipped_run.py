@@ -82,16 +82,18 @@ def shipped() -> Run:
     with open(base / f".{directory.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (directory / "run.json").exists():
-            partial = directory.with_name(directory.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
+            # written in place (the reports' links name their final paths); run.json, renamed into place
+            # last, marks a finished run: a directory without it is an interrupted one and starts over
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
             pythons = [f"--engine-python={n}={engine_python(n)}" for n in REAL]
             run = run_pytest(ROOT, "cases/", f"--engines={','.join(ENGINES)}", *pythons, "--require-engines",
-                             "--no-capture-cache", "--engine-timeout=600", f"--report-dir={partial / 'reports'}",
+                             "--no-capture-cache", "--engine-timeout=600", f"--report-dir={directory / 'reports'}",
                              "--durations=15", timeout=TIMEOUT_S)  # fmt: skip
-            (partial / "output.txt").write_text(run.output)
-            (partial / "run.json").write_text(json.dumps({"returncode": run.returncode, "engines": ENGINES}))
-            os.rename(partial, directory)
+            (directory / "output.txt").write_text(run.output)
+            marker = directory / "run.json.tmp"
+            marker.write_text(json.dumps({"returncode": run.returncode, "engines": ENGINES}))
+            os.rename(marker, directory / "run.json")
     return _load(directory)
 
 
