@@ -111,7 +111,7 @@ def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
     from difftest.lint import fc_chunks
 
     reference = session.options.reference
-    old, new = session.engine_info(reference) or {}, session.engine_info(spec) or {}
+    old, new = session.case_engine_info(case, reference) or {}, session.engine_info(spec) or {}
     engine = new.get("name")
     if engine not in engine_releases.SUPPORTED or old.get("name") != engine:
         return []

@@ -448,6 +448,19 @@ class Session:
         c = self._clients.get(spec.id)
         return c.info if c else None
 
+    def case_engine_info(self, case: Case, spec: EngineSpec) -> dict | None:
+        """The engine that produced `spec`'s results for this case: a stored baseline answers with the
+        info of the engine it was saved from (its name and release), a running engine with its own."""
+        stored = self._stored.get(spec.id)
+        if stored is not None and hasattr(stored, "entry"):
+            try:
+                _, entry, _ = stored.entry(self.prepare(case))
+            except ConfigError:
+                return None
+            info = entry.get("info")
+            return info if isinstance(info, dict) else None
+        return self.engine_info(spec)
+
     def start_error(self, spec: EngineSpec) -> str | None:
         e = self._start_errors.get(spec.id)
         return str(e) if e else None
