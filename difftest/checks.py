@@ -211,10 +211,11 @@ def _known_causes(session: Session, case: Case, spec: EngineSpec, introduced: st
         findings = lint_case(session.prepare(case))
     except ConfigError:
         return []  # the lint item reports it
+    from difftest.engine_releases import engine_draft_rules, release as release_of
+
     release = _release(session, spec)
-    if release and release.split("+")[0] != ENGINES[spec.name].version:
+    if release and release_of(release) != ENGINES[spec.name].version:
         # the lint speaks for the pinned release; this engine runs another: its own flag rules
-        from difftest.engine_releases import engine_draft_rules
         from difftest.lint_checkpoint import flag_findings
 
         raw = _draft_config(session, case, spec) or {}
