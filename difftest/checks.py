@@ -20,8 +20,6 @@ inputs) to tell "captured the wrong hidden states" from "the draft computes diff
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from difftest import accept_gate, noise
@@ -107,8 +105,6 @@ def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
     baseline saved on it): each recorded behaviour change between the two releases that this draft
     meets (difftest.engine_releases), with both releases' readings and the change cited."""
     from difftest import engine_releases
-    from difftest.layer_rules import target_family
-    from difftest.lint import fc_chunks
 
     reference = session.options.reference
     old, new = session.case_engine_info(case, reference) or {}, session.engine_info(spec) or {}
@@ -119,20 +115,13 @@ def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
     if a == b:
         return []
     try:
-        prepared = session.prepare(case)
-        old_cfg = _draft_config(session, case, reference) if reference.name == engine else _draft_config(session, case, spec)
-        new_cfg = _draft_config(session, case, spec)
-        from difftest.jsonfile import read_json
-
-        tcfg = read_json(Path(prepared.target) / "config.json", "target config")
-        text = tcfg.get("text_config", tcfg)
-        L, H = int(text["num_hidden_layers"]), int(text["hidden_size"])
-        lines = []
-        diff = engine_releases.layer_difference(engine, target_family(tcfg), a, b, old_cfg or {}, L,
-                                                fc_chunks(Path(prepared.draft), H), new_cfg or {})  # fmt: skip
-        if diff is not None:
-            lines.append(diff.line())
-        return lines + engine_releases.flag_differences(engine, a, b, new_cfg or {})
+        view = _view(session, case, spec)  # the target's family, L, fc width and the config the new release is given
+        if view is None:
+            return []
+        old_cfg = _draft_config(session, case, reference) if reference.name == engine else view.draft_config
+        diff = engine_releases.layer_difference(engine, view.rule.family, a, b, old_cfg or {}, view.L, view.fc_chunks,
+                                                view.draft_config)  # fmt: skip
+        return ([diff.line()] if diff is not None else []) + engine_releases.flag_differences(engine, a, b, view.draft_config)
     except (ConfigError, KeyError, ValueError, OSError):  # a diagnosis never fails on it
         return []
 
