@@ -64,3 +64,16 @@ def test_a_full_spec_id_matches_only_that_spec():
 
 def test_wildcards_match_every_engine_and_check():
     assert ExpectedFailure("*", "*", "x").matches("vllm", "vllm", "accept_length")
+
+
+def test_a_misspelt_reference_key_is_refused_naming_the_closest():
+    with pytest.raises(ConfigError, match=r"expect_failure\[0\]: unknown key 'referance' \(did you mean 'reference'\?\)$"):
+        parse({"engine": "sglang", "check": "fc_inputs", "cause": "x", "referance": "sglang@0.5.16"}, Path("c.yaml"), ALL_CHECKS)
+
+
+def test_an_entry_with_a_reference_applies_only_to_runs_against_that_reference():
+    (e,) = parse({"engine": "sglang", "check": "fc_inputs", "cause": "x", "reference": "sglang@0.5.16"}, Path("c.yaml"), ALL_CHECKS)
+    assert e.matches("sglang", "sglang", "fc_inputs", ("sglang", "sglang@0.5.16"))
+    assert not e.matches("sglang", "sglang", "fc_inputs", ("ref", "ref"))
+    with pytest.raises(ConfigError, match=r"expect_failure\[0\]\.reference: expected a non-empty string"):
+        parse({"engine": "sglang", "check": "fc_inputs", "cause": "x", "reference": ""}, Path("c.yaml"), ALL_CHECKS)
