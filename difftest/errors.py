@@ -13,6 +13,12 @@ class EngineError(DifftestError):
     """An engine failed, crashed or hung; the message carries its last error line and log path."""
 
 
+class EngineSpent(EngineError):
+    """The engine failed in a way its process cannot recover from (e.g. an engine whose second start
+    after a failed one hangs): the worker answers with this error and then ends, so that the next
+    case gets a fresh process instead of inheriting the failure."""
+
+
 class Unsupported(DifftestError):
     """The engine does not implement an optional operation (e.g. re-running its draft on golden inputs)."""
 

@@ -161,7 +161,8 @@ class Session:
         self._current_case = path
         for spec_id, client in list(self._clients.items()):
             if client.proc is not None and client.proc.poll() is not None:
-                self._progress(f"{spec_id}: its worker died during an earlier case; a fresh one starts for {path}")
+                how = "ended after an engine that cannot restart in it failed" if client.ended_with else "died"
+                self._progress(f"{spec_id}: its worker {how} during an earlier case; a fresh one starts for {path}")
                 client.kill()
                 del self._clients[spec_id]
 

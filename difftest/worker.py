@@ -16,7 +16,8 @@ never corrupts the protocol. Captures travel as directories (difftest.capture).
     {"op": "replay", "case": {...}, "requests": [[prompt, output], ...], "num_steps": k, "topk": t,
      "num_draft_tokens": n}                        -> {"ok": true, "replays": [...]}  (Engine.replay)
     {"op": "close"}                                -> {"ok": true}
-Errors: {"ok": false, "kind": "unavailable" | "config" | "unsupported" | "engine" | "crash", "error": "one line"}.
+Errors: {"ok": false, "kind": "unavailable" | "config" | "unsupported" | "engine" | "crash", "error": "one line"},
+with "ends": true when the worker exits after that reply (errors.EngineSpent).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from difftest.errors import ConfigError, DifftestError, EngineError, EngineUnavailable, Unsupported
+from difftest.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable, Unsupported
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Starting a worker (a fresh interpreter importing torch and the engine) takes tens of seconds on
@@ -66,6 +67,7 @@ class WorkerClient:
         self.proc: subprocess.Popen | None = None
         self.info: dict | None = None
         self.busy = False  # a request is in flight (an interrupted wait leaves it so)
+        self.ended_with: str | None = None  # the error after which the worker ended itself (EngineSpent)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> dict:
@@ -130,6 +132,8 @@ class WorkerClient:
     def request(self, msg: dict, timeout: float | None = None) -> dict:
         assert self.proc is not None, "worker not started"
         timeout = self.timeout if timeout is None else timeout
+        if self.ended_with is not None:  # later items of the same case carry the cause, not "worker gone"
+            raise EngineError(f"{self.ended_with} (earlier in this case; the worker ended after it)")
         if self.proc.poll() is not None or self._w.closed:  # killed after a timeout, or crashed, earlier
             raise EngineError(f"{self.spec.id}: worker is no longer running (exit {self.proc.returncode}) after an "
                               f"earlier failure; log: {self.log_path}")  # fmt: skip
@@ -151,6 +155,9 @@ class WorkerClient:
         if reply.get("ok"):
             return reply
         kind, error = reply.get("kind"), reply.get("error", "unknown error")
+        if reply.get("ends"):
+            self.ended_with = f"{self.spec.id}: {error} (log: {self.log_path})"
+            self.kill()
         if kind == "unavailable":
             raise EngineUnavailable(error)
         if kind == "config":
@@ -236,6 +243,11 @@ def serve(in_fd: int, out_fd: int) -> int:
             reply({"ok": False, "kind": "unsupported", "error": str(e) or f"{msg['op']} is not supported"})
         except ConfigError as e:
             reply({"ok": False, "kind": "config", "error": str(e)})
+        except EngineSpent as e:  # nothing more can run in this process: answer, then end it
+            reply({"ok": False, "kind": "engine", "error": str(e), "ends": True})
+            if engine is not None:
+                engine.close()
+            return 1
         except DifftestError as e:
             reply({"ok": False, "kind": "engine", "error": str(e)})
         except Exception as e:  # an engine bug: full traceback to the log, one line to the harness

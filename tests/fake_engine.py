@@ -7,6 +7,7 @@ behaviour comes from the spec, e.g. `fake[mode=hang]`:
   mode=unavailable  info() raises EngineUnavailable with a setup command
   mode=error        capture raises an ordinary exception (an engine bug)
   mode=crash        the worker process dies with SIGKILL mid-request
+  mode=spent        capture raises EngineSpent (an engine that cannot start again in this process)
   mode=hang         capture never returns
   mode=spawn_hang   capture starts a child process (as engines start schedulers), logs
                     "child pid N" and never returns
@@ -20,7 +21,7 @@ import sys
 import time
 
 from difftest.engine import Engine, EngineInfo
-from difftest.errors import EngineUnavailable
+from difftest.errors import EngineSpent, EngineUnavailable
 from difftest.settings import Schema, Setting
 from engines.ref.engine import RefEngine
 from engines.ref.settings import SCHEMA as REF_SETTINGS
@@ -29,7 +30,7 @@ from engines.ref.settings import SCHEMA as REF_SETTINGS
 class FakeEngine(RefEngine):
     SETTINGS = Schema("fake", REF_SETTINGS.settings + (
         Setting("mode", "choice", "injected behaviour", default="same",
-                choices=("same", "diverge", "unavailable", "error", "crash", "hang", "spawn_hang")),
+                choices=("same", "diverge", "unavailable", "error", "crash", "spent", "hang", "spawn_hang")),
         Setting("golden", "choice", "no: no golden-input re-run", choices=("no",)),
     ))  # fmt: skip
 
@@ -45,6 +46,8 @@ class FakeEngine(RefEngine):
         if mode == "crash":
             print("fatal: simulated scheduler crash", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "spent":
+            raise EngineSpent("fake: engine failed to start: ValueError: no model_type in config.json")
         if mode == "hang":
             time.sleep(3600)
         if mode == "spawn_hang":

@@ -266,3 +266,22 @@ def test_a_worker_killed_by_one_case_is_replaced_for_the_next_case(models, tmp_p
     run = run_pytest(root, "cases/", "--engines=ref,fake", "-k", "fc_inputs or capture")
     assert "worker died (exit -9)" in run.outcome("a_crashes", "fake", "fc_inputs")["message"]
     assert run.outcome("b_runs", "fake", "fc_inputs")["outcome"] == "passed", run.output[-3000:]
+
+
+def test_an_engine_that_cannot_restart_fails_its_case_with_the_cause_and_the_next_case_runs(models, tmp_path):
+    """An engine whose failed start leaves its process unable to start it again (sglang.Engine) ends
+    its worker after answering: every item of that case names the engine's own error, and the next
+    case, on a fresh worker, runs as if nothing had happened."""
+    target, draft = models
+    tiny = CASE.format(target=target, draft=draft)
+    root = project(tmp_path, models, name="a_spent", body=tiny + "engines:\n  fake: {mode: spent}\n")
+    project(root, models, name="b_runs", body=tiny)
+    run = run_pytest(root, "cases/", "--engines=ref,fake", "-k", "fc_inputs or draft_logits or capture")
+    for check in ("fc_inputs", "draft_logits"):
+        result = run.outcome("a_spent", "fake", check)
+        assert result["outcome"] == "error"  # an engine that failed, not a verdict on its wiring
+        assert "no model_type in config.json" in result["message"], result["message"]
+        assert "worker died" not in result["message"]
+    assert run.outcome("b_runs", "fake", "fc_inputs")["outcome"] == "passed", run.output[-3000:]
+    assert run.outcome("b_runs", "fake", "draft_logits")["outcome"] == "passed", run.output[-3000:]
+    assert "Traceback" not in run.output

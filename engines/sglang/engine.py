@@ -37,7 +37,7 @@ from difftest.acceptance import AcceptStats
 from difftest.capture import Capture, cache_key
 from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
-from difftest.errors import ConfigError, EngineError, EngineUnavailable
+from difftest.errors import ConfigError, EngineError, EngineSpent, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
 from difftest.paths import cache_root
 from engines.sglang import cpu_shim, deepseek, versions
@@ -99,7 +99,6 @@ class SglangEngine(Engine):
         self._engine_key: str | None = None
         self._effective: dict = {}
         self._workdir: Path | None = None
-        self._failed: str | None = None
 
     # -- environment -----------------------------------------------------------------
     def _import(self):
@@ -233,17 +232,17 @@ class SglangEngine(Engine):
             cpu_shim.install_platform_override()
         print(f"[sglang adapter] sglang.Engine({json.dumps({k: v for k, v in kwargs.items() if k != 'forward_hooks'}, default=str)})",
               file=sys.stderr, flush=True)  # fmt: skip
-        if self._failed is not None:  # a second sglang.Engine after a failed one can hang: do not retry
-            raise EngineError(f"sglang.Engine failed to start earlier in this worker: {self._failed}")
         log_offset = _log_size()
         try:
             self._engine = sglang.Engine(**kwargs)
         except Exception as e:
             cause = _root_cause(log_offset)
-            self._failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            if cause and cause not in self._failed:
-                self._failed = f"{cause} (then {self._failed})"
-            raise EngineError(f"sglang.Engine failed to start: {self._failed}") from None
+            failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if cause and cause not in failed:
+                failed = f"{cause} (then {failed})"
+            # a second sglang.Engine in a process whose first start failed can hang: this worker ends
+            # after answering, and the next case starts a fresh one
+            raise EngineSpent(f"sglang.Engine failed to start: {failed}") from None
         self._engine_key = key
         resolved = self._engine.get_server_info()
         self._effective = {k: resolved.get(k) for k in (*settings["requested"], "speculative_algorithm", "device")}
