@@ -25,7 +25,7 @@ import torch
 from difftest import accept_gate, noise
 from difftest.case import Case
 from difftest.check_names import ENGINE_CHECKS, REFERENCE_CHECKS
-from difftest.compare import CaptureDiff, TensorDiff, top1_agreement
+from difftest.compare import CaptureDiff, TensorDiff
 from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
 from difftest.extensions import extra_checks

@@ -20,7 +20,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import torch
 
 from difftest.case import Case
 from difftest.engine import EngineSpec

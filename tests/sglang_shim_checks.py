@@ -6,7 +6,6 @@ NAME`), the environment the engine's worker runs in."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from difftest.case import load_case
 from difftest.errors import CaseNotConfigured, EngineUnavailable
 from engines.ref import target as target_mod
-from helpers import ROOT, TINY_CASE, make_tiny_pair, run_pytest
+from helpers import ROOT, make_tiny_pair, run_pytest
 
 KIMI_CASE = ROOT / "cases" / "kimi_k25_gpu.yaml"
 

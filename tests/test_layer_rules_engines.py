@@ -32,7 +32,6 @@ import random
 from pathlib import Path
 
 import independent_models as im
-import pytest
 import yaml
 from helpers import run_pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings

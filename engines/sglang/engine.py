@@ -37,7 +37,7 @@ from difftest.acceptance import AcceptStats
 from difftest.capture import Capture, cache_key
 from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
-from difftest.errors import ConfigError, EngineError, EngineSpent, EngineUnavailable
+from difftest.errors import EngineError, EngineSpent, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
 from difftest.paths import cache_root
 from engines.sglang import cpu_shim, deepseek, versions
