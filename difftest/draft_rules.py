@@ -120,6 +120,29 @@ SGLANG = EngineDraftRules(
 ENGINES: dict[str, EngineDraftRules] = {r.engine: r for r in (VLLM, SGLANG)}
 
 
+@dataclass(frozen=True)
+class TargetLoadRule:
+    """What an engine's loader does with a target checkpoint that does not hold what its config describes."""
+
+    engine: str
+    version: str
+    missing: str  # a tensor the architecture has and the checkpoint lacks
+    unexpected: str  # a tensor the checkpoint holds and the architecture lacks (e.g. layers past num_hidden_layers)
+    source: str
+
+
+TARGET_LOADING: dict[str, TargetLoadRule] = {r.engine: r for r in (
+    TargetLoadRule("vllm", "0.32.0",
+        missing="refuses at load ('Following weights were not initialized from checkpoint')",
+        unexpected="refuses at load (a name no module or parameter has is an error in its weight loader)",
+        source="vllm/model_executor/model_loader/default_loader.py::DefaultModelLoader.load_weights"),
+    TargetLoadRule("sglang", "0.5.23",
+        missing="loads without a word: the tensor keeps its uninitialised memory",
+        unexpected="skips it without a word (only names the model has are loaded)",
+        source="sglang/srt/models/llama.py::LlamaForCausalLM.load_weights (`if name in params_dict`)"),
+)}  # fmt: skip
+
+
 def flag_locations(raw: dict) -> dict[str, dict[str, object]]:
     """flag -> {location: value} for every EAGLE-3 flag the config sets, wherever it sets it."""
     speculators = raw.get("speculators_model_type") is not None

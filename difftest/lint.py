@@ -31,6 +31,13 @@ and, from difftest.lint_checkpoint (the engines' rules in difftest.draft_rules):
   embedding-shared      no embedding in the draft: engines use the target's (warning)
   rope-conflict / rope-dropped / rope-differs   the draft's rope as engines read it
   d2t-convention        d2t stored as absolute target ids instead of offsets
+
+and, from difftest.checkpoint_integrity (both checkpoints, headers only):
+
+  checkpoint-index      an index naming a missing shard, or a tensor its shard lacks
+  target-weights        a target tensor missing (untied head, embedding, a layer), layers past
+                        num_hidden_layers, shapes that disagree with vocab_size / hidden_size
+  checkpoint-dtype      stored dtype differs from the config's (warning)
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from difftest.case import Case
+from difftest.checkpoint_integrity import stored_tensors, target_findings
 from difftest.errors import ConfigError
 from difftest.layer_rules import default_layers
 from difftest.finding import Finding
@@ -144,6 +152,9 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
         out += rope_findings(layer, tcfg, speculators)
     out += format_findings(raw)
     out += _sglang_findings(engines or {})
+    # the checkpoints themselves: each holds what its config describes (difftest.checkpoint_integrity)
+    out += stored_tensors(draft_dir)[1]
+    out += target_findings(target_dir)
     return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from difftest.checkpoint_integrity import refuse_on_errors, target_findings
 from difftest.errors import ConfigError, EngineUnavailable
 
 
@@ -74,6 +75,9 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
     if not (path / "config.json").exists():
         raise ConfigError(f"{path}: target checkpoint not found (no config.json)")
     config = target_config(path)
+    # the reference never runs a tensor left at its initialisation: a checkpoint that does not hold
+    # what its config describes is refused here, naming the tensor and the field
+    refuse_on_errors(target_findings(path), f"target {path}")
     check_fits(path, dtype)
     kwargs = {}
     if dtype == torch.float64 and any(config.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts")):
@@ -81,11 +85,21 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
         # run takes the per-expert loop, the same maths
         kwargs["experts_implementation"] = "eager"
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs)
+        model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                              output_loading_info=True, **kwargs)  # fmt: skip
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
         # a truncated safetensors file, a config transformers cannot build a model from, ...
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ConfigError(f"{path}: transformers cannot load this target ({type(e).__name__}: {first})") from None
+    # transformers' own report, for what the header checks cannot see (an MoE layer's experts, a
+    # family's own tensors): anything it initialised or dropped is a refusal, not a log line
+    for kind, why in (("missing_keys", "missing (transformers would initialise them randomly)"),
+                      ("mismatched_keys", "shaped differently from the config"),
+                      ("unexpected_keys", "in the checkpoint but not in the architecture (transformers drops them)")):  # fmt: skip
+        keys = sorted(map(str, loading.get(kind) or []))
+        if keys:
+            shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+            raise ConfigError(f"target {path}: tensors {why}: {shown}")
     model.eval()
     return model
 
