@@ -172,3 +172,14 @@ def test_stored_dtype_other_than_the_configs_is_a_warning_not_an_error(pair, tmp
     findings = target_findings(cast)
     assert [f.severity for f in findings if f.code == "checkpoint-dtype"] == ["warning"]
     assert errors(findings, "target-weights") == []
+
+
+def test_the_reference_refuses_a_draft_whose_index_names_a_missing_shard(pair, tmp_path):
+    from engines.ref.eagle3 import load_state_dict
+
+    _, draft = pair
+    sharded = split_into_shards(draft, tmp_path / "d")
+    assert set(load_state_dict(sharded))  # intact: both shards read
+    (sharded / "model-00001-of-00002.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"model-00001-of-00002\.safetensors, which does not exist"):
+        load_state_dict(sharded)
