@@ -20,6 +20,7 @@ that lives elsewhere (`target: ${KIMI_TARGET}`) skips, naming the variable, wher
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -32,6 +33,7 @@ from difftest.check_names import known_checks
 from difftest.errors import CaseNotConfigured, ConfigError
 from difftest.expected_failure import ExpectedFailure
 from difftest.expected_failure import parse as parse_expected
+from difftest.names import NAME_FORMS, example_names, pattern_could_match
 from difftest.settings import unknown_key
 from difftest.yamlfile import load_yaml
 
@@ -120,6 +122,13 @@ def _prompt(value: object, path: Path, where: str) -> Prompt:
         if not value.strip():
             raise _err(path, where, "empty prompt")
         return Prompt(text=value)
+    if isinstance(value, dict) and "ids" in value:
+        # ids are sent as they are; messages and their kwargs go through the chat template: with
+        # both, one of them would be dropped without a word
+        chat = next((k for k in ("messages", "chat_template_kwargs") if k in value), None)
+        if chat is not None:
+            raise _err(path, where, f"both ids and {chat} given; a prompt is either {{ids: [...]}} (sent as they are) "
+                                    "or {messages: [...]} (rendered with the chat template)")  # fmt: skip
     if isinstance(value, dict) and "ids" not in value and ("messages" in value or "chat_template_kwargs" in value):
         return _chat_prompt(value, path, where)
     if isinstance(value, dict):
@@ -189,6 +198,23 @@ def _tolerance_pair(value: object, path: Path, where: str, required: bool) -> di
 
 # expect: what the checks read (difftest.checks, engines.trainingdata.train_check)
 EXPECT_KEYS = ("top1_agreement", "accept_length", "train_accuracy")
+
+
+def _tensor_pattern(pattern: str, path: Path, where: str, num_steps: int) -> str:
+    """A `tolerances:` or `allow_missing:` pattern (an fnmatch glob over canonical names,
+    difftest.names) that matches some tensor this case's captures can hold: one that matches none
+    (draft.logitz, draft.layr0.*, draft.step4.* with 4 steps) would be ignored without a word."""
+    if not pattern.strip():
+        raise _err(path, where, "empty pattern; expected a tensor name pattern like draft.logits* or draft.layer0.*")
+    if pattern_could_match(pattern, num_steps):
+        return pattern
+    if pattern_could_match(pattern):
+        later = "" if num_steps == 1 else ", draft.step1.*" if num_steps == 2 else f", draft.step1.* .. draft.step{num_steps - 1}.*"
+        raise _err(path, where, f"pattern {pattern!r} matches no tensor of this case: with speculative.num_steps "
+                                f"{num_steps} it captures target.*, draft.*{later}")  # fmt: skip
+    close = difflib.get_close_matches(pattern, example_names(num_steps), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    raise _err(path, where, f"pattern {pattern!r} matches no canonical tensor name{hint} (names: {NAME_FORMS})")
 
 
 def _expect(raw: object, path: Path) -> dict:
@@ -266,6 +292,13 @@ def _model_ref(value: object, path: Path, field_name: str) -> str:
     return str(p)
 
 
+def _expect_failure(value: object, path: Path) -> list[ExpectedFailure]:
+    # difftest.engine imports this module (its Case type): the registry is read when a case loads
+    from difftest.engine import registered_engines
+
+    return parse_expected(value, path, known_checks(), registered_engines())
+
+
 def load_case(path: str | Path) -> Case:
     path = Path(path)
     try:
@@ -324,13 +357,18 @@ def load_case(path: str | Path) -> Case:
     if not isinstance(tolerances, dict):
         raise _err(path, "tolerances", f"expected a mapping of tensor pattern -> {{atol, rtol}}, got {_shown(tolerances)}")
     tolerances = {str(p): _tolerance_pair(t, path, f"tolerances.{p}", required=True) for p, t in tolerances.items()}
+    num_steps = spec.get("num_steps", 4)
+    for p in tolerances:
+        _tensor_pattern(p, path, "tolerances", num_steps)
     expect = _expect({} if raw.get("expect") is None else raw["expect"], path)
     allow_missing = raw.get("allow_missing")
     allow_missing = [] if allow_missing is None else allow_missing
-    if not isinstance(allow_missing, list) or not all(isinstance(p, str) and p for p in allow_missing):
+    if not isinstance(allow_missing, list) or not all(isinstance(p, str) for p in allow_missing):
         # a bare string would be read character by character, and "*" allows every tensor
         raise _err(path, "allow_missing", f"expected a list of tensor name patterns like [draft.layer0.*], got "
                                           f"{_shown(allow_missing)}")  # fmt: skip
+    for i, p in enumerate(allow_missing):
+        _tensor_pattern(p, path, f"allow_missing[{i}]", num_steps)
     description = raw.get("description", "")
     if not isinstance(description, str):
         raise _err(path, "description", f"expected a string, got {_shown(description)}")
@@ -351,5 +389,5 @@ def load_case(path: str | Path) -> Case:
         expect=expect,
         allow_missing=list(allow_missing),
         description=description,
-        expect_failure=parse_expected(raw["expect_failure"], path, known_checks()) if "expect_failure" in raw else [],
+        expect_failure=_expect_failure(raw["expect_failure"], path) if "expect_failure" in raw else [],
     )

@@ -10,6 +10,7 @@ upgrade fixed it) or when the cause changes (the check now fails for another rea
 from __future__ import annotations
 
 import difflib
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,8 +45,21 @@ class Outcome:
     message: str
 
 
-def parse(value: object, path: Path, checks: tuple[str, ...]) -> list[ExpectedFailure]:
-    """`expect_failure:` as a mapping or a list of mappings {engine, check, cause[, reference]}."""
+def parse(value: object, path: Path, checks: tuple[str, ...], engines: Collection[str] | None = None) -> list[ExpectedFailure]:
+    """`expect_failure:` as a mapping or a list of mappings {engine, check, cause[, reference]}.
+
+    `engine` and `reference` are checked against the engines installed here (`engines`, default:
+    difftest.engine.registered_engines()), not against the run's --engines: a case declares
+    failures for engines a given run leaves out (`vllm@0.24.0` while this run is ref,vllm,sglang),
+    so only what can never apply is refused. Each is `*` or an engine spec, NAME[@LABEL][[k=v,...]]
+    as --engines takes it, whose NAME is a registered engine (a typo such as `reff` names the
+    closest); the LABEL is free (a release such as 0.24.0, or a name such as old), as on the
+    command line. Either may also be a stored run, baseline:NAME[:ENGINE] (--baseline).
+    """
+    if engines is None:
+        from difftest.engine import registered_engines  # difftest.engine imports difftest.case, which imports this
+
+        engines = registered_engines()
     entries = [value] if isinstance(value, dict) else value
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{path}: expect_failure: expected a mapping {{engine, check, cause}} or a list of them")
@@ -65,8 +79,34 @@ def parse(value: object, path: Path, checks: tuple[str, ...]) -> list[ExpectedFa
             close = difflib.get_close_matches(entry["check"], checks, n=1)
             raise ConfigError(f"{where}.check: unknown check {entry['check']!r}"
                               + (f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(checks)}"))  # fmt: skip
+        for key in ("engine", "reference"):
+            if key in entry:
+                _check_engine(entry[key], f"{where}.{key}", engines)
         out.append(ExpectedFailure(entry["engine"], entry["check"], entry["cause"], entry.get("reference", ANY)))
     return out
+
+
+BASELINE_PREFIX = "baseline:"  # difftest.baseline.PREFIX: a stored run standing in as the reference
+
+
+def _check_engine(text: str, where: str, engines: Collection[str]) -> None:
+    """`*`, a stored run (baseline:NAME), or a spec whose name is a registered engine: an entry for
+    an engine that does not exist never applies, so its failure fails the run while the case
+    declares it known."""
+    from difftest.engine import _SPEC  # --engines' grammar (imported here: difftest.engine imports difftest.case)
+
+    if text == ANY or (text.startswith(BASELINE_PREFIX) and text[len(BASELINE_PREFIX) :].strip()):
+        return
+    m = _SPEC.fullmatch(text)  # as matches() compares it: unstripped
+    if m is None:
+        raise ConfigError(f"{where}: cannot read engine {text!r}; expected NAME, NAME@LABEL (e.g. vllm@0.24.0), "
+                          "a spec id such as ref[wiring=vllm], or '*'")  # fmt: skip
+    name = m.group("name")
+    if name not in engines:
+        known = sorted(engines)
+        close = difflib.get_close_matches(name, known, n=1)
+        raise ConfigError(f"{where}: unknown engine {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                          + f"; registered: {', '.join(known) or 'none'}")  # fmt: skip
 
 
 def judge(expected: ExpectedFailure, passed: bool, message: str) -> Outcome:

@@ -77,3 +77,30 @@ def test_an_entry_with_a_reference_applies_only_to_runs_against_that_reference()
     assert not e.matches("sglang", "sglang", "fc_inputs", ("ref", "ref"))
     with pytest.raises(ConfigError, match=r"expect_failure\[0\]\.reference: expected a non-empty string"):
         parse({"engine": "sglang", "check": "fc_inputs", "cause": "x", "reference": ""}, Path("c.yaml"), ALL_CHECKS)
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("engine", "reff", "expect_failure[0].engine: unknown engine 'reff' (did you mean 'ref'?); registered: "),
+    ("engine", "vlm@0.24.0", "expect_failure[0].engine: unknown engine 'vlm' (did you mean 'vllm'?)"),
+    ("reference", "sglan@0.5.16", "expect_failure[0].reference: unknown engine 'sglan' (did you mean 'sglang'?)"),
+    ("engine", "vllm 0.24", "expect_failure[0].engine: cannot read engine 'vllm 0.24'"),
+])  # fmt: skip
+def test_an_entry_for_an_engine_that_is_not_registered_is_refused(key, value, fragment):
+    entry = {"engine": "sglang", "check": "fc_inputs", "cause": "x", key: value}
+    with pytest.raises(ConfigError) as e:
+        parse(entry, CASE, ALL_CHECKS, engines={"ref", "sglang", "vllm"})
+    assert str(e.value).startswith(f"{CASE}: {fragment}")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "vllm@0.24.0", "sglang@old", "ref[wiring=vllm]", "*", "baseline:main"])
+def test_an_entry_for_a_registered_engine_parses_whether_or_not_this_run_has_it(engine):
+    (e,) = parse({"engine": engine, "check": "fc_inputs", "cause": "x"}, CASE, ALL_CHECKS, engines={"ref", "sglang", "vllm"})
+    assert e.engine == engine
+
+
+def test_engines_default_to_the_registered_adapters():
+    from difftest.engine import registered_engines
+
+    assert "ref" in registered_engines()
+    with pytest.raises(ConfigError, match="unknown engine 'reff'"):
+        parse({"engine": "reff", "check": "fc_inputs", "cause": "x"}, CASE, ALL_CHECKS)

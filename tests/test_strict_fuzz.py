@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from difftest.case import DTYPES, EXPECT_KEYS, KNOWN_KEYS, Case, load_case
 from difftest.engine import check_case_settings, check_settings, engine_schema, parse_engine_list
 from difftest.errors import CaseNotConfigured, ConfigError
+from difftest.names import pattern_could_match
 from engines.trainingdata.formats import read_dump
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -35,7 +36,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(
 floats = st.one_of(st.floats(0, 1), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["1e-3", "x", True]))
 tolerance_pairs = st.dictionaries(st.sampled_from(["atol", "rtol", "atl"]), floats, max_size=2)
 prompt_lists = st.lists(st.one_of(st.just("hello there"), st.just(""), st.just({"ids": [1, 2, 3]}),
-                                  st.just({"ids": [1, True]}), st.just({"ids": [1], "text": "x"}), st.integers()),
+                                  st.just({"ids": [1, True]}), st.just({"ids": [1], "text": "x"}), st.integers(),
+                                  st.just({"ids": [1], "messages": [{"role": "user", "content": "hi"}]})),
                         max_size=3)  # fmt: skip
 # per field, values that are right and values that are nearly right (the mistakes people make)
 field_values = {
@@ -60,13 +62,14 @@ field_values = {
                                                      "ttt_steps": st.integers(0, 3)}),
         "reff": st.just({}),
     }), st.just("ref")),
-    "tolerances": st.one_of(st.dictionaries(st.sampled_from(["draft.*", "target.h.*"]), st.one_of(tolerance_pairs, floats),
+    "tolerances": st.one_of(st.dictionaries(st.sampled_from(["draft.*", "target.h.*", "draft.logitz", "draft.step9.*", ""]),
+                                            st.one_of(tolerance_pairs, floats),
                                             max_size=2), st.just([1])),
     "expect": st.one_of(st.fixed_dictionaries({}, optional={
         "top1_agreement": floats, "accept_length": tolerance_pairs, "train_accuracy": tolerance_pairs,
         "top1_agrement": st.just(0.5),
     }), st.just(0.9)),
-    "allow_missing": st.one_of(st.lists(st.sampled_from(["draft.layer0.*", "target.h.*", "", 3]), max_size=2),
+    "allow_missing": st.one_of(st.lists(st.sampled_from(["draft.layer0.*", "target.h.*", "", 3, "draft.layr0.*"]), max_size=2),
                                st.just("draft.layer0.*"), st.none()),
 }
 mutations_st = st.one_of(
@@ -88,6 +91,8 @@ def check_case_invariants(case: Case) -> None:
     for n in (case.num_steps, case.max_new_tokens):
         assert type(n) is int and n >= 1
     assert isinstance(case.allow_missing, list) and all(isinstance(p, str) and p for p in case.allow_missing)
+    # every pattern names some tensor the case's captures can hold (a typo is never ignored)
+    assert all(pattern_could_match(p, case.num_steps) for p in [*case.allow_missing, *case.tolerances])
     for tol in list(case.tolerances.values()) + ([case.expect["accept_length"]] if "accept_length" in case.expect else []):
         assert set(tol) <= {"atol", "rtol"}
         assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in tol.values())
@@ -96,6 +101,7 @@ def check_case_invariants(case: Case) -> None:
         assert 0 <= case.expect["top1_agreement"] <= 1
     for p in case.prompts + case.spec_prompts:
         assert (p.text and p.text.strip()) or (p.ids and all(type(i) is int and i >= 0 for i in p.ids))
+        assert not (p.ids and (p.messages or p.chat_template_kwargs))  # neither is dropped silently
     assert isinstance(case.wiring, str) or all(isinstance(w, str) for w in case.wiring)
     assert all(isinstance(s, dict) for s in case.engines.values())
     assert len(case.name) <= 100 and "/" not in case.name

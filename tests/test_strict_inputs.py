@@ -181,6 +181,96 @@ def test_recursive_yaml_alias_is_refused(tmp_path):
         load_case(path)
 
 
+# -- tensor name patterns: a pattern that matches no tensor of the case would be ignored -----------------
+@pytest.mark.parametrize("extra, fragment", [
+    ('tolerances: {"draft.logitz": {atol: 1e-3, rtol: 1e-3}}\n',
+     "tolerances: pattern 'draft.logitz' matches no canonical tensor name; did you mean 'draft.logits'"),
+    ('allow_missing: ["draft.layr0.*"]\n',
+     "allow_missing[0]: pattern 'draft.layr0.*' matches no canonical tensor name; did you mean 'draft.layer0.*'"),
+    ('allow_missing: ["draft.layer0.*", "targt.h.*"]\n', "allow_missing[1]: pattern 'targt.h.*' matches no canonical"),
+    ('tolerances: {"": {atol: 1e-3}}\n', "tolerances: empty pattern"),
+    ('allow_missing: [""]\n', "allow_missing[0]: empty pattern"),
+    ('allow_missing: ["draft.step1.fc_out"]\n', "pattern 'draft.step1.fc_out' matches no canonical tensor name"),
+])  # fmt: skip
+def test_tensor_pattern_that_matches_no_canonical_name_is_refused_naming_the_closest(tmp_path, checkpoints, extra, fragment):
+    path = write_case(tmp_path, checkpoints, extra)
+    with pytest.raises(ConfigError) as e:
+        load_case(path)
+    message = one_line(e)
+    assert message.startswith(f"{path}: ") and fragment in message
+
+
+def test_pattern_for_a_draft_step_the_case_does_not_take_is_refused_naming_num_steps(tmp_path, checkpoints):
+    path = write_case(tmp_path, checkpoints, 'speculative: {num_steps: 3}\ntolerances: {"draft.step3.*": {atol: 1e-3}}\n')
+    with pytest.raises(ConfigError) as e:
+        load_case(path)
+    assert one_line(e) == (f"{path}: tolerances: pattern 'draft.step3.*' matches no tensor of this case: with "
+                           "speculative.num_steps 3 it captures target.*, draft.*, draft.step1.* .. draft.step2.*")  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", [
+    "target.h.61",           # any layer index: the target's depth is not read at load time
+    "target.h.?", "target.h.1*", "target.*", "*", "draft.*", "draft.layer0.*", "draft.logits*",
+    "draft.fc_in.[0-2]",     # the fc chunk views
+    "draft.step3.*", "draft.step*.logits", "draft.step[1-3].layer0.attn_out", "draft.hidden_prenorm",
+])  # fmt: skip
+def test_pattern_that_matches_a_name_the_case_can_capture_loads(tmp_path, checkpoints, pattern):
+    case = load_case(write_case(tmp_path, checkpoints, f'tolerances: {{"{pattern}": {{atol: 1e-3}}}}\nallow_missing: ["{pattern}"]\n'))
+    assert list(case.tolerances) == [pattern] and case.allow_missing == [pattern]
+
+
+@pytest.mark.parametrize("pattern, matches", [
+    ("target.h.01", False),                 # names carry str(k): no leading zero
+    ("draft.step0.logits", False),          # step 0 is draft.logits
+    ("draft.step1.fc_in", False),           # fc runs at step 0 only
+    ("aux.router.0.scores", False),         # reference-side facts, never compared
+    ("draft.step1[0-9].*", False),          # draft.step10.. with 4 steps
+    ("target.h.[!0-9]", False),
+    ("draft.step?.embeds", True),
+    ("draft.fc_in.1?", True),
+])  # fmt: skip
+def test_pattern_validity_is_decided_against_the_name_grammar_not_a_list(pattern, matches):
+    from difftest.names import pattern_could_match
+
+    assert pattern_could_match(pattern, num_steps=4) is matches
+
+
+# -- prompts -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt, given", [
+    ("{ids: [1, 2], messages: [{role: user, content: hi}]}", "messages"),
+    ("{ids: [1, 2], chat_template_kwargs: {enable_thinking: false}}", "chat_template_kwargs"),
+])  # fmt: skip
+def test_prompt_with_both_ids_and_messages_is_refused_naming_the_prompt(tmp_path, checkpoints, prompt, given):
+    path = write_case(tmp_path, checkpoints, f"speculative:\n  prompts: [{{ids: [1]}}, {prompt}]\n")
+    with pytest.raises(ConfigError) as e:
+        load_case(path)
+    assert one_line(e).startswith(f"{path}: speculative.prompts[1]: both ids and {given} given; a prompt is either")
+
+
+def test_prompt_with_both_ids_and_messages_in_prompts_is_refused(tmp_path, checkpoints):
+    path = write_case(tmp_path, checkpoints)
+    path.write_text(path.read_text().replace("- ids: [1, 2, 3]", "- {ids: [1, 2, 3], messages: [{role: user, content: hi}]}"))
+    with pytest.raises(ConfigError) as e:
+        load_case(path)
+    assert one_line(e).startswith(f"{path}: prompts[0]: both ids and messages given")
+
+
+# -- expect_failure's engine: checked against the registered engines, not the run's --------------------
+def test_expect_failure_for_an_unknown_engine_is_refused_naming_the_closest(tmp_path, checkpoints):
+    path = write_case(tmp_path, checkpoints, "expect_failure: [{engine: reff, check: fc_inputs, cause: x}]\n")
+    with pytest.raises(ConfigError) as e:
+        load_case(path)
+    message = one_line(e)
+    assert message.startswith(f"{path}: expect_failure[0].engine: unknown engine 'reff' (did you mean 'ref'?)")
+
+
+def test_expect_failure_for_a_registered_engine_outside_the_run_loads(tmp_path, checkpoints):
+    # `vllm@0.24.0` applies to `--engines=ref,vllm@0.24.0`, not to a run of ref alone: still declared
+    path = write_case(tmp_path, checkpoints, "expect_failure: [{engine: vllm@0.24.0, reference: ref, check: fc_inputs, cause: x}]\n")
+    (e,) = load_case(path).expect_failure
+    assert (e.engine, e.reference) == ("vllm@0.24.0", "ref")
+
+
 def test_non_utf8_case_file_is_one_line(tmp_path):
     path = tmp_path / "latin.yaml"
     path.write_bytes(b"name: caf\xe9\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -58,6 +59,55 @@ def test_trainer_version_chooses_the_token_feeding_rule():
 def test_unknown_trainer_is_refused_with_the_closest_name():
     with pytest.raises(ConfigError, match="did you mean 'specforge'"):
         rules_for("specforg@0.2")
+
+
+@pytest.mark.parametrize("trainer", ["speculators@99.0", "speculators@0.10", "speculators@0.2", "specforge@0.3"])
+def test_trainer_version_outside_the_covered_ranges_is_refused_naming_them(trainer):
+    with pytest.raises(ConfigError) as e:
+        rules_for(trainer, where="--trainer")
+    assert str(e.value) == (f"--trainer: {trainer} is outside the trainer versions whose rules difftest has "
+                            f"(speculators 0.3 to 0.9.x, specforge 0.2.x); give a version in those ranges")  # fmt: skip
+
+
+@pytest.mark.parametrize("trainer, fragment", [
+    ("speculators@0.9junk", "cannot read a version from '0.9junk'"),
+    ("speculators@", "'speculators@' has an empty version"),
+])  # fmt: skip
+def test_trainer_version_that_is_not_a_version_is_refused(trainer, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        rules_for(trainer)
+
+
+@pytest.mark.parametrize("trainer", ["speculators@0.3.0", "speculators@0.9.2", "speculators@v0.6.0rc1", "speculators@0.3.1.dev5+g12ab",
+                                     "specforge@0.2.1"])  # fmt: skip
+def test_trainer_versions_inside_the_covered_ranges_are_scored(trainer):
+    assert rules_for(trainer).name
+
+
+def test_train_acc_refuses_an_uncovered_trainer_before_reading_anything(tmp_path, capsys):
+    from difftest import cli
+
+    code = cli.main(["train-acc", "--data", str(tmp_path / "nowhere"), "--draft", "fixture:x", "--target", "fixture:y",
+                     "--trainer", "speculators@99.0"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip() == ("difftest train-acc: --trainer: speculators@99.0 is outside the trainer versions whose rules "
+                           "difftest has (speculators 0.3 to 0.9.x, specforge 0.2.x); give a version in those ranges")  # fmt: skip
+
+
+def test_draft_config_speculators_version_outside_the_ranges_is_refused_naming_the_config(tmp_path):
+    from types import SimpleNamespace
+
+    from engines.trainingdata.engine import TrainingDataEngine
+
+    (tmp_path / "config.json").write_text('{"speculators_version": "0.12.0"}')
+    case = Case(name="c", path=str(tmp_path / "c.yaml"), target="fixture:t", draft=str(tmp_path))
+    engine = TrainingDataEngine(EngineSpec("train"))
+    with pytest.raises(ConfigError) as e:
+        engine.rules(case, {}, SimpleNamespace(format="speculators"))
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: speculators_version: speculators@0.12.0 is outside")
+    assert str(e.value).endswith("or choose the rules with train[trainer=...] (train-acc: --trainer)")
+    assert engine.rules(case, {"trainer": "speculators@0.9"}, SimpleNamespace(format="speculators"))[0].name == "speculators>=0.7"
 
 
 def test_counts_add_over_samples_micro_average():

@@ -34,18 +34,22 @@ def _model(ref: str) -> str:
 
 def train_acc(args) -> int:
     from engines.trainingdata.engine import TrainingDataEngine
+    from engines.trainingdata.train_accuracy import rules_for
 
     data = Path(args.data).resolve()
-    case = Case(
-        name="train-acc", path=str(data / "train-acc"), target=_model(args.target), draft=_model(args.draft),
-        dtype=args.dtype, layer_ids=[int(x) for x in args.layer_ids.replace("+", ",").split(",")] if args.layer_ids else None,
-        prompts=[Prompt(ids=[0, 0])], num_steps=args.ttt_steps or 3,
-        engines={"train": {k: v for k, v in {"data": str(data), "format": args.format, "identify": args.identify,
-                                             "ttt_steps": args.ttt_steps, "max_len": args.max_len,
-                                             "trainer": args.trainer}.items() if v is not None}},  # unset: the default
-    )  # fmt: skip
     rows = []
     try:
+        if args.trainer is not None:
+            rules_for(args.trainer, where="--trainer")  # refused as typed, before any data is read
+        # inside the try: an unknown fixture or a bad checkpoint path is one line too
+        case = Case(
+            name="train-acc", path=str(data / "train-acc"), target=_model(args.target), draft=_model(args.draft),
+            dtype=args.dtype, layer_ids=[int(x) for x in args.layer_ids.replace("+", ",").split(",")] if args.layer_ids else None,
+            prompts=[Prompt(ids=[0, 0])], num_steps=args.ttt_steps or 3,
+            engines={"train": {k: v for k, v in {"data": str(data), "format": args.format, "identify": args.identify,
+                                                 "ttt_steps": args.ttt_steps, "max_len": args.max_len,
+                                                 "trainer": args.trainer}.items() if v is not None}},  # unset: the default
+        )  # fmt: skip
         for wiring in [None, *args.wiring]:
             engine = TrainingDataEngine(EngineSpec("train", params=(("wiring", wiring),) if wiring else ()))
             s = engine.settings(case)

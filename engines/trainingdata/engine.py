@@ -125,6 +125,11 @@ class TrainingDataEngine(Engine):
                     v = None
                 if isinstance(v, str) and v:
                     trainer, how = f"speculators@{v}", "the draft config's speculators_version"
+                    try:
+                        rules_for(trainer, where=f"{Path(case.draft) / 'config.json'}: speculators_version")
+                    except ConfigError as e:  # a release past the covered ones: the user picks the rules
+                        raise ConfigError(f"{e}; or choose the rules with {self.spec.name}[trainer=...] "
+                                          "(train-acc: --trainer)") from None  # fmt: skip
         return rules_for(trainer, where=f"{self.spec.id}: trainer"), f"{trainer} ({how})"
 
     # -- models and data -------------------------------------------------------------

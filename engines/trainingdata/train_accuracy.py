@@ -77,25 +77,53 @@ RULES = {
 DEFAULT_TRAINER = {"speculators": "speculators@0.9", "speculators-legacy": "speculators@0.6", "specforge": "specforge@0.2"}
 
 
+# The releases these rules were read from (the module docstring): speculators v0.3.x to 0.9.0 (the
+# rules change at 0.4 and 0.7), SpecForge 0.2.0. Outside them a trainer may count differently, and
+# scoring with the nearest rules would name rules that were never checked: such versions are refused.
+COVERED = {"speculators": ((0, 3), (0, 9)), "specforge": ((0, 2), (0, 2))}  # first, last major.minor; any patch
+# a release as pip and the draft configs write it: 0.9, 0.9.0, v0.9.0, 0.9.0rc1, 0.3.1.dev5+g1234abc
+_VERSION = re.compile(r"v?(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.-]?(?:a|b|rc|post|dev)\d*)*(?:\+[A-Za-z0-9.]+)?")
+
+
+def covered_ranges() -> str:
+    """'speculators 0.3 to 0.9.x, specforge 0.2.x': what a refusal names."""
+    def one(name: str, first: tuple[int, int], last: tuple[int, int]) -> str:
+        return f"{name} {first[0]}.{first[1]}.x" if first == last else f"{name} {first[0]}.{first[1]} to {last[0]}.{last[1]}.x"
+
+    return ", ".join(one(name, *span) for name, span in COVERED.items())
+
+
 def _version_tuple(text: str, where: str) -> tuple[int, ...]:
-    m = re.match(r"^v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", text.strip())
+    m = _VERSION.fullmatch(text.strip())
     if not m:
         raise ConfigError(f"{where}: cannot read a version from {text!r}; expected e.g. 0.9 or 0.9.0")
     return tuple(int(x or 0) for x in m.groups())
 
 
+def _covered(name: str, version: str, where: str) -> tuple[int, ...]:
+    v = _version_tuple(version, where)
+    first, last = COVERED[name]
+    if not first <= v[:2] <= last:
+        raise ConfigError(f"{where}: {name}@{version} is outside the trainer versions whose rules difftest has "
+                          f"({covered_ranges()}); give a version in those ranges")  # fmt: skip
+    return v
+
+
 def rules_for(trainer: str, where: str = "trainer") -> TrainerRules:
-    """`speculators@0.9`, `speculators@0.6.2`, `specforge@0.2` (or a bare name: its current version) -> rules."""
-    name, _, version = trainer.strip().partition("@")
+    """`speculators@0.9`, `speculators@0.6.2`, `specforge@0.2` (or a bare name: its current version) -> rules.
+    A version outside COVERED is refused, naming the covered ranges."""
+    name, at, version = trainer.strip().partition("@")
+    if at and not version.strip():
+        raise ConfigError(f"{where}: {trainer!r} has an empty version; expected e.g. {name}@0.9, or {name} alone for its latest covered")
     if name == "speculators":
-        v = _version_tuple(version or "0.9", where)
+        v = _covered(name, version or "0.9", where)
         if v >= (0, 7):
             return SPECULATORS_CURRENT
         # v0.3.x `models/eagle3/core.py`: targets = verifier_lm_head(verifier_last_hidden_states), no norm;
         # v0.6.0 adds verifier_norm; both feed the draft's own argmax (mapped through d2t) at steps >= 1
         return replace(SPECULATORS_BEFORE_0_7, name=f"speculators@{version}", verifier_norm=v >= (0, 4))
     if name == "specforge":
-        _version_tuple(version or "0.2", where)
+        _covered(name, version or "0.2", where)
         return SPECFORGE
     close = difflib.get_close_matches(name, ["speculators", "specforge"], n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
