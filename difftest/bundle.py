@@ -7,6 +7,7 @@ import tarfile
 from pathlib import Path
 
 from difftest import report as report_mod
+from difftest.outputs import atomic_path, check_output_dir, check_output_file
 from difftest.records import Report
 from difftest.session import log_file_name
 
@@ -18,8 +19,9 @@ def load(path: str | Path) -> Report:
 
 def rerender(args) -> int:
     path = Path(args.json)
+    out_dir = check_output_dir(args.out_dir or path.parent, "--out-dir" if args.out_dir else "--out-dir (default: beside the JSON)")
     data = load(path)
-    md, html = report_mod.render(data, Path(args.out_dir) if args.out_dir else path.parent)
+    md, html = report_mod.render(data, out_dir)
     print(md)
     print(html)
     return 0
@@ -27,9 +29,13 @@ def rerender(args) -> int:
 
 def bundle(args) -> int:
     path = Path(args.json)
+    if args.output:
+        check_output_file(args.output, "-o/--output")
     data = load(path)
     stem = data.case.replace("/", "_")
-    out = Path(args.output) if args.output else path.parent / f"{stem}.difftest.tar.gz"
+    # the default path needs the case name from the JSON, so it is checked once that is read
+    out = Path(args.output) if args.output else check_output_file(path.parent / f"{stem}.difftest.tar.gz",
+                                                                    "-o/--output (default: beside the JSON)")  # fmt: skip
     from difftest.html_report import render as render_html
 
     members: dict[str, bytes] = {
@@ -43,14 +49,11 @@ def bundle(args) -> int:
         log = logs / log_file_name(engine)
         if log.is_file():
             members[f"{stem}/logs/{log.name}"] = log.read_bytes()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
+    with atomic_path(out) as tmp, tarfile.open(tmp, "w:gz") as tar:
         for name, blob in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(blob)
             info.mtime = 0
             tar.addfile(info, io.BytesIO(blob))
-    tmp.replace(out)
     print(out)
     return 0

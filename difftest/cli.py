@@ -144,6 +144,9 @@ def _report_parsers(sub) -> None:
             except DifftestError as e:
                 print(f"difftest {args.command}: {e}", file=sys.stderr)
                 return 2
+            except OSError as e:  # a write the checks up front could not foresee (a full disk): nothing is left
+                print(f"difftest {args.command}: {e.filename or args.json}: {e.strerror or e}", file=sys.stderr)
+                return 2
             except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
                 # valid JSON whose nested fields are missing or of the wrong kind (hand-edited, truncated
                 # by another tool): one line naming the file, not a traceback

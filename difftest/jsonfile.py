@@ -17,3 +17,12 @@ def read_json(path: str | Path, what: str = "file") -> object:
         raise ConfigError(f"{path}: {what} not found") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON in {what} ({e.msg} at line {e.lineno})") from None
+
+
+def read_json_object(path: str | Path, what: str = "file") -> dict:
+    """As read_json, for a file that must hold a JSON object (a config.json): anything else is a
+    ConfigError naming the file and what it holds instead."""
+    data = read_json(path, what)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

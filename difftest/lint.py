@@ -49,7 +49,7 @@ from difftest.checkpoint_integrity import stored_tensors, target_findings
 from difftest.errors import ConfigError
 from difftest.layer_rules import default_layers
 from difftest.finding import Finding
-from difftest.jsonfile import read_json
+from difftest.jsonfile import read_json_object
 from difftest.lint_checkpoint import (
     d2t_convention_findings,
     embedding_findings,
@@ -58,27 +58,24 @@ from difftest.lint_checkpoint import (
     rope_findings,
     weight_findings,
 )
+from difftest.weight_files import open_safetensors
 
 __all__ = ["Finding", "lint_case", "lint_draft", "trained_wiring"]
 
 
 def tensor_meta(model_dir: Path) -> dict[str, tuple]:
     """name -> shape for every tensor in the draft's safetensors files (headers only)."""
-    from safetensors import safe_open
-
     out = {}
     for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
+        with open_safetensors(f) as h:
             for k in h.keys():
                 out[k.removeprefix("model.")] = (f, k, tuple(h.get_slice(k).get_shape()))
     return out
 
 
 def _load(meta: dict, name: str):
-    from safetensors import safe_open
-
     f, key, _ = meta[name]
-    with safe_open(str(f), framework="pt") as h:
+    with open_safetensors(f) as h:
         return h.get_tensor(key)
 
 
@@ -86,10 +83,10 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
                engines: dict | None = None) -> list[Finding]:  # fmt: skip
     """Findings for one draft/target pair; `trained_on` = the case's resolved training wiring."""
     draft_dir, target_dir = Path(draft_dir), Path(target_dir)
-    raw = read_json(draft_dir / "config.json")
-    tcfg = read_json(target_dir / "config.json")
-    tcfg = tcfg.get("text_config", tcfg)
-    L, H_t, V = int(tcfg["num_hidden_layers"]), int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
+    # read in the words the reference engine's loaders use, so the lint and capture items fail alike
+    raw = read_json_object(draft_dir / "config.json")
+    tcfg = _text_config(read_json_object(target_dir / "config.json", "target config"), target_dir / "config.json")
+    L, H_t, V = (_size(tcfg, k, target_dir / "config.json") for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
     speculators = raw.get("speculators_model_type") is not None
     layer = raw.get("transformer_layer_config", raw) if speculators else raw
     out: list[Finding] = []
@@ -156,6 +153,21 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
     out += stored_tensors(draft_dir)[1]
     out += target_findings(target_dir)
     return out
+
+
+def _text_config(config: dict, where: Path) -> dict:
+    text = config.get("text_config", config)
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: text_config: expected a JSON object, got {type(text).__name__}")
+    return text
+
+
+def _size(config: dict, key: str, where: Path) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{where}: {key}: expected a positive integer, got {value!r}" if key in config
+                          else f"{where}: {key} missing")  # fmt: skip
+    return value
 
 
 def _is_mla_draft(raw: dict) -> bool:
@@ -263,13 +275,14 @@ def trained_wiring(case: Case) -> list[str] | None:
     """The case's training wiring resolved against the target's depth and the draft's ids."""
     from difftest.wiring import resolve
 
-    raw = read_json(Path(case.draft) / "config.json")
-    tcfg = read_json(Path(case.target) / "config.json")
+    raw = read_json_object(Path(case.draft) / "config.json")
+    tcfg = read_json_object(Path(case.target) / "config.json", "target config")
     ids = case.layer_ids or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or raw.get(
         "eagle_aux_hidden_state_layer_ids"
     )
     try:
-        return list(resolve(case.wiring, int(tcfg.get("text_config", tcfg)["num_hidden_layers"]), ids).inputs)
+        where = Path(case.target) / "config.json"
+        return list(resolve(case.wiring, _size(_text_config(tcfg, where), "num_hidden_layers", where), ids).inputs)
     except ConfigError:
         return None
 

@@ -13,6 +13,7 @@ from typing import Iterable
 
 from difftest.draft_rules import ENGINES, FLAG_TENSORS, EngineDraftRules, engine_reading, flag_locations
 from difftest.finding import Finding
+from difftest.weight_files import open_safetensors
 
 # The tensors of a Llama-style EAGLE-3 decoder layer (HF: `midlayer.`, speculators: `layers.0.`).
 _LAYER_TENSORS = (
@@ -120,10 +121,8 @@ def weight_findings(meta: dict, raw: dict, layer: dict, draft_vocab: int, V: int
 
 
 def _target_embedding_rows(target_dir: Path, rows: int):
-    from safetensors import safe_open
-
     for f in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
+        with open_safetensors(f) as h:
             for key in h.keys():
                 if key.endswith("embed_tokens.weight"):
                     sl = h.get_slice(key)
@@ -146,8 +145,6 @@ def _same_at_coarser_dtype(a, b) -> bool:
 
 def embedding_findings(meta: dict, target_dir: Path) -> list[Finding]:
     """A draft that ships its own embedding: SGLang replaces it with the target's."""
-    from safetensors import safe_open
-
     if "embed_tokens.weight" not in meta:
         return [Finding("embedding-shared", "warning",
             "no embed_tokens.weight in the draft: every engine uses the target's embedding, right only if the draft "
@@ -156,7 +153,7 @@ def embedding_findings(meta: dict, target_dir: Path) -> list[Finding]:
     t_shape, t_rows = _target_embedding_rows(target_dir, _EMBED_ROWS)
     if t_shape is None or tuple(t_shape) != tuple(shape):
         return []  # another width: SGLang keeps the draft's own (llama.py::set_embed), as vLLM does
-    with safe_open(str(f), framework="pt") as h:
+    with open_safetensors(f) as h:
         d_rows = h.get_slice(key)[:_EMBED_ROWS]
     if d_rows.float().allclose(t_rows.float(), rtol=1e-3, atol=1e-6) or _same_at_coarser_dtype(d_rows, t_rows):
         return []

@@ -13,7 +13,6 @@ reference (`baseline:NAME`). Every session ends with the per-case verdict table 
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from difftest.engine import EngineSpec, check_case_settings, check_settings, eng
 from difftest.engine import parse_engine_list, parse_spec
 from difftest.engine import registered_engines
 from difftest.envs import interpreter, project_pythons
+from difftest.outputs import check_output_dir
 from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineError, EngineUnavailable, NotAvailable
 from difftest.settings import unknown_key
 from difftest.expected_failure import judge as judge_expected
@@ -135,15 +135,8 @@ def _engine_python(item: str) -> dict[str, str]:
     return {spec.key: interpreter(path, f"--engine-python {item}")}
 
 
-def _check_writable_dir(path: Path, option: str) -> None:
-    """Refuse at start-up, not at session end, a directory that cannot be created or written."""
-    p = path
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    if not p.is_dir():
-        raise ConfigError(f"{option}: {p} is not a directory" + (f" (needed for {path})" if p != path else ""))
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option}: {p} is not writable")
+# refused at start-up, not at session end: a directory that cannot be created or written
+_check_writable_dir = check_output_dir
 
 
 def _progress_writer(config: pytest.Config):

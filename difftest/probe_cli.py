@@ -52,12 +52,14 @@ def main(args: argparse.Namespace) -> int:
     from difftest.records import CheckResult
     from difftest.engine import parse_spec
     from difftest.errors import DifftestError
+    from difftest.outputs import check_output_dir
     from difftest.session import Options, Session
 
     ensure_server_engine()
     report_dir = Path(args.report_dir)
     session = None
     try:
+        check_output_dir(report_dir, "--report-dir")  # before the server and the reference are asked anything
         if args.timeout <= 0:
             raise DifftestError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
         case = load_case(args.case)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import shlex
 import subprocess
@@ -24,22 +23,10 @@ from pathlib import Path
 from difftest import definitions
 from difftest.acceptance import DEFINITION
 from difftest.errors import DifftestError
+from difftest.outputs import atomic_write
 from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
 from difftest.records.report import FigureDefinition
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write through a temporary file and a rename: a reader (or an interrupted run) sees the old
-    file or the new one, never half of one, and no temporary file is left behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def build(case, session, results: list[CheckResult]) -> Report:

@@ -34,6 +34,7 @@ import re
 import shlex
 import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
@@ -45,6 +46,15 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # counters that must move by exactly one request's worth when nobody else is using the server
 TRAFFIC = ("vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens")
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# what a proxy or gateway answers for a host it cannot reach
+GATEWAY_ERRORS = (502, 503, 504)
+
+
+def _proxy_for(url: str) -> str | None:
+    """The proxy urllib sends `url` through (the *_proxy environment variables), if any."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    proxy = urllib.request.getproxies().get(urllib.parse.urlsplit(url).scheme)
+    return None if proxy is None or urllib.request.proxy_bypass(host) else proxy
 
 
 class ServerError(Exception):
@@ -121,9 +131,23 @@ class ServerClient:
             reason = e.reason
             if isinstance(reason, (socket.timeout, TimeoutError)):
                 raise ServerError(f"{self.url}{path}: no answer within {t:g}s (timeout)") from None
-            raise ServerError(f"{self.url}: cannot reach the server ({reason})") from None
+            raise self._unreachable(reason) from None
         except (ConnectionError, OSError) as e:
-            raise ServerError(f"{self.url}: cannot reach the server ({e})") from None
+            raise self._unreachable(e) from None
+
+    def _unreachable(self, reason) -> ServerError:
+        """The host cannot be reached, said in words: refused, not resolved, timed out, ..."""
+        if isinstance(reason, socket.gaierror):
+            why = f"host name {urllib.parse.urlsplit(self.url).hostname!r} not resolved"
+        elif isinstance(reason, ConnectionRefusedError):
+            why = "connection refused: nothing listens at that host and port"
+        elif isinstance(reason, (socket.timeout, TimeoutError)):
+            why = "connection timed out"
+        elif isinstance(reason, OSError) and reason.strerror:
+            why = reason.strerror[0].lower() + reason.strerror[1:]
+        else:
+            why = str(reason)
+        return ServerError(f"{self.url}: cannot reach the server ({why})")
 
     def _json(self, path: str, body: dict | None = None) -> dict:
         status, raw = self._request(path, body)
@@ -136,14 +160,23 @@ class ServerClient:
             raise ServerError(f"{self.url}{path}: the answer is not JSON: {raw[:120]!r}") from None
 
     def _detect_kind(self) -> str:
-        status, _ = self._request("/get_model_info")
-        if status == 200:
+        info_status, _ = self._request("/get_model_info")
+        if info_status == 200:
             return "sglang"
         status, raw = self._request("/metrics")
         if status == 200 and b"vllm:" in raw:
             return "vllm"
-        raise ServerError(f"{self.url}: neither an SGLang server (/get_model_info) nor a vLLM server (vllm: metrics); "
-                          "give kind=sglang|vllm")  # fmt: skip
+        proxy = _proxy_for(self.url)
+        via = f" through the proxy {proxy}" if proxy else ""
+        if info_status in GATEWAY_ERRORS and status in GATEWAY_ERRORS:
+            raise ServerError(f"{self.url}: cannot reach the server{via} (a proxy or gateway answered HTTP {info_status} "
+                              f"for it: the host is unreachable from there)")  # fmt: skip
+        # Something answered, but not SGLang or vLLM: another service on that port, or a proxy (transparent
+        # or configured) answering for a host it cannot reach; both look the same from here.
+        raise ServerError(f"{self.url}: no SGLang or vLLM server reachable there{via}: /get_model_info answered HTTP "
+                          f"{info_status}, /metrics HTTP {status}{' without vllm: counters' if status == 200 else ''} "
+                          "(another service, or a proxy answering for an unreachable host); check the URL, or give "
+                          "kind=sglang|vllm")  # fmt: skip
 
     def healthy(self) -> bool:
         try:

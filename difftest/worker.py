@@ -44,11 +44,12 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MIN_START_TIMEOUT_S = 120.0
 
 
-def last_error_line(log_path: Path, max_bytes: int = 65536) -> str:
-    """The most telling line of a log: the last exception line, else the last non-empty line."""
+def last_error_line(log_path: Path, max_bytes: int = 65536, start: int = 0) -> str:
+    """The most telling line of a log from byte `start` on: the last exception line, else the last
+    non-empty line."""
     try:
         with open(log_path, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - max_bytes))
+            f.seek(max(start, f.seek(0, 2) - max_bytes))
             lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
@@ -68,6 +69,7 @@ class WorkerClient:
         self.info: dict | None = None
         self.busy = False  # a request is in flight (an interrupted wait leaves it so)
         self.ended_with: str | None = None  # the error after which the worker ended itself (EngineSpent)
+        self._log_start = 0
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> dict:
@@ -80,6 +82,7 @@ class WorkerClient:
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%H:%M:%S')} start {self.spec.id} with {self.python}\n".encode())
             log.flush()
+            self._log_start = log.tell()  # this worker's own lines begin here (an earlier one's come before)
             try:
                 self.proc = subprocess.Popen(
                     [self.python, "-m", "difftest.worker", "--in-fd", str(req_r), "--out-fd", str(rep_w),
@@ -134,6 +137,8 @@ class WorkerClient:
         timeout = self.timeout if timeout is None else timeout
         if self.ended_with is not None:  # later items of the same case carry the cause, not "worker gone"
             raise EngineError(f"{self.ended_with} (earlier in this case; the worker ended after it)")
+        if self.proc.poll() is not None and self.info is None:  # exited before hello: no earlier failure
+            raise self._died()
         if self.proc.poll() is not None or self._w.closed:  # killed after a timeout, or crashed, earlier
             raise EngineError(f"{self.spec.id}: worker is no longer running (exit {self.proc.returncode}) after an "
                               f"earlier failure; log: {self.log_path}")  # fmt: skip
@@ -168,7 +173,12 @@ class WorkerClient:
 
     def _died(self) -> EngineError:
         rc = self.proc.wait()
-        why = last_error_line(self.log_path)
+        why = last_error_line(self.log_path, start=self._log_start)
+        if self.info is None:
+            # it never answered hello: the interpreter itself (a wrong --engine-python, a broken
+            # environment) is at fault, not an engine failure
+            return EngineError(f"{self.spec.id}: the engine interpreter {self.python} exited (code {rc}) before "
+                               f"answering{': ' + why if why else ''}; log: {self.log_path}")  # fmt: skip
         return EngineError(f"{self.spec.id}: worker died (exit {rc}){': ' + why if why else ''}; log: {self.log_path}")
 
 
@@ -188,22 +198,35 @@ def _load_engine(target: str, spec_dict: dict):
     return cls(EngineSpec.from_dict(spec_dict))
 
 
+def _returned(engine, method: str, value, expected: type):
+    """An adapter's answer, checked: the wrong type is named in one line (the adapter's bug), not an
+    AttributeError from deep inside the worker."""
+    if not isinstance(value, expected):
+        cls = type(engine)
+        raise EngineError(f"adapter {cls.__module__}.{cls.__name__}.{method}() returned {type(value).__name__} "
+                          f"instead of a {expected.__name__}")  # fmt: skip
+    return value
+
+
 def _handle(engine, msg: dict) -> dict:
+    from difftest.acceptance import AcceptStats
+    from difftest.capture import Capture
     from difftest.case import Case
 
     op = msg["op"]
     if op == "capture":
-        capture = engine.capture(Case.from_dict(msg["case"]), list(msg["prompt_ids"]))
+        capture = _returned(engine, "capture", engine.capture(Case.from_dict(msg["case"]), list(msg["prompt_ids"])), Capture)
         capture.save(msg["out"])
         return {}
     if op == "speculate":
         stats = engine.speculate(Case.from_dict(msg["case"]), msg["prompts"], msg["num_steps"], msg["max_new_tokens"])
-        return {"stats": stats.to_dict()}
+        return {"stats": _returned(engine, "speculate", stats, AcceptStats).to_dict()}
     if op == "capture_draft_from":
         from safetensors.torch import load_file
 
         fc_in = load_file(msg["fc_in"])["draft.fc_in"]
-        capture = engine.capture_draft_from(Case.from_dict(msg["case"]), list(msg["prompt_ids"]), fc_in)
+        capture = _returned(engine, "capture_draft_from",
+                            engine.capture_draft_from(Case.from_dict(msg["case"]), list(msg["prompt_ids"]), fc_in), Capture)  # fmt: skip
         # the draft tensors follow the given fc_in, not the engine's own hidden states: say so on disk
         capture.meta.golden_fc_in = True
         capture.save(msg["out"])
@@ -228,8 +251,10 @@ def serve(in_fd: int, out_fd: int) -> int:
         print(f"[difftest.worker] {time.strftime('%H:%M:%S')} request {msg['op']}", file=sys.stderr, flush=True)
         try:
             if msg["op"] == "hello":
+                from difftest.engine import EngineInfo
+
                 engine = _load_engine(msg["target"], msg["spec"])
-                reply({"ok": True, "info": asdict(engine.info())})
+                reply({"ok": True, "info": asdict(_returned(engine, "info", engine.info(), EngineInfo))})
             elif msg["op"] == "close":
                 if engine is not None:
                     engine.close()

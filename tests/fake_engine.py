@@ -9,6 +9,7 @@ behaviour comes from the spec, e.g. `fake[mode=hang]`:
   mode=crash        the worker process dies with SIGKILL mid-request
   mode=spent        capture raises EngineSpent (an engine that cannot start again in this process)
   mode=hang         capture never returns
+  mode=wrong_type   capture returns a dict of tensors instead of a Capture (an adapter bug)
   mode=spawn_hang   capture starts a child process (as engines start schedulers), logs
                     "child pid N" and never returns
   golden=no         (any mode) no golden-input re-run: Engine.capture_draft_from's default
@@ -30,7 +31,7 @@ from engines.ref.settings import SCHEMA as REF_SETTINGS
 class FakeEngine(RefEngine):
     SETTINGS = Schema("fake", REF_SETTINGS.settings + (
         Setting("mode", "choice", "injected behaviour", default="same",
-                choices=("same", "diverge", "unavailable", "error", "crash", "spent", "hang", "spawn_hang")),
+                choices=("same", "diverge", "unavailable", "error", "crash", "spent", "hang", "spawn_hang", "wrong_type")),
         Setting("golden", "choice", "no: no golden-input re-run", choices=("no",)),
     ))  # fmt: skip
 
@@ -50,6 +51,8 @@ class FakeEngine(RefEngine):
             raise EngineSpent("fake: engine failed to start: ValueError: no model_type in config.json")
         if mode == "hang":
             time.sleep(3600)
+        if mode == "wrong_type":
+            return dict(super().capture(case, prompt_ids).tensors)
         if mode == "spawn_hang":
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
             print(f"child pid {child.pid}", flush=True)

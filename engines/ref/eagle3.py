@@ -31,7 +31,6 @@ Checkpoint formats (`load_draft`):
 from __future__ import annotations
 
 import math
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -42,6 +41,7 @@ from torch import nn
 
 from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
+from difftest.weight_files import first_line, load_safetensors, torch_load_tensors
 
 Recorder = Callable[[str, torch.Tensor], None]
 
@@ -289,17 +289,11 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """safetensors (single or sharded) or a torch pickle loaded with weights_only=True. Every
     weight must be floating point (a cast from an integer tensor would silently invent values);
     the integer vocabulary maps d2t / t2d are the exception. Damaged files name themselves."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     files = sorted(model_dir.glob("*.safetensors"))
     for f in files:
-        try:
-            part = load_file(str(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ConfigError(f"{f}: not a readable safetensors file ({_first_line(e)})") from None
+        part = load_safetensors(f)
         out.update(part)
         origin.update(dict.fromkeys(part, f))
     if not files:
@@ -322,24 +316,10 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def _torch_load(f: Path) -> dict[str, torch.Tensor]:
     """A torch pickle holding a flat state dict, loaded with weights_only=True (nothing else runs)."""
-    try:
-        data = torch.load(f, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # torch's own message is many lines and suggests weights_only=False, which would run the pickle
-        raise ConfigError(
-            f"{f}: refused: it holds objects other than tensors (loaded with weights_only=True), "
-            "or is not a torch checkpoint; save the state dict as safetensors"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ConfigError(f"{f}: not a readable torch checkpoint ({_first_line(e)})") from None
+    data = torch_load_tensors(f)  # a refused or damaged pickle is one line naming f (difftest.weight_files)
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()):
         raise ConfigError(f"{f}: expected a state dict (tensor name -> tensor), got {type(data).__name__}")
     return data
-
-
-def _first_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0][:200]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _ids(value: object, where: str) -> list[int] | None:
@@ -459,7 +439,7 @@ def load_draft(
         else:
             cfg = parse_config(raw_config, model_dir / "config.json")
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # e.g. hidden_size: "big"
-        raise ConfigError(f"{model_dir / 'config.json'}: malformed draft config ({_first_line(e)})") from None
+        raise ConfigError(f"{model_dir / 'config.json'}: malformed draft config ({first_line(e)})") from None
     raw = {_canonical_key(k): v for k, v in load_state_dict(model_dir).items()}
     notes: list[str] = []
     shared: list[str] = []

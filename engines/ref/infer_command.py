@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -57,7 +58,8 @@ def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[i
     out: list[list[int]] = []
     texts: list[str] = []
     for p in args.prompts:
-        if p.endswith((".yaml", ".yml")) and Path(p).exists():
+        _refuse_path_that_is_not_a_case(p)
+        if p.lower().endswith((".yaml", ".yml")):
             case = load_case(p)
             for q in [*case.prompts, *case.spec_prompts]:
                 if q.ids is not None:
@@ -83,6 +85,31 @@ def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[i
     if bad:
         raise ConfigError(f"--prompts: prompt {bad[0]} needs at least 2 token ids in [0, {vocab})")
     return out
+
+
+# What a file name looks like: --prompts reads case YAML files only, so any other file, or a case
+# file that does not exist, is a mistake to name, not text to tokenize.
+_FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".txt")
+
+
+def _refuse_path_that_is_not_a_case(p: str) -> None:
+    """--prompts takes case YAML files, ids:1,2,3, or text: one word that looks like a path (a file
+    suffix, a path separator) is a path, so a missing one is refused naming it rather than
+    tokenized as a prompt. Text with spaces stays text ("what is 1/2?")."""
+    from difftest.errors import ConfigError
+
+    if p.startswith("ids:") or any(c.isspace() for c in p):
+        return
+    looks_like_path = p.lower().endswith(_FILE_SUFFIXES) or "/" in p or os.sep in p
+    if not looks_like_path:
+        return
+    path = Path(p)
+    if not path.exists():
+        raise ConfigError(f"--prompts: {p}: no such file (a path, not prompt text: --prompts reads case YAML files, "
+                          "ids:1,2,3 or text)")  # fmt: skip
+    if path.is_dir() or not p.lower().endswith((".yaml", ".yml")):
+        raise ConfigError(f"--prompts: {p}: not a case YAML file (--prompts reads case files, ids:1,2,3 or text; "
+                          "put the prompts in a case file)")  # fmt: skip
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import torch
 
 from difftest.checkpoint_integrity import refuse_on_errors, target_findings
 from difftest.errors import ConfigError, EngineUnavailable
+from difftest.weight_files import LOAD_ERRORS, explain_load_failure
 
 
 @dataclass
@@ -87,10 +88,10 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                               output_loading_info=True, **kwargs)  # fmt: skip
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
-        # a truncated safetensors file, a config transformers cannot build a model from, ...
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise ConfigError(f"{path}: transformers cannot load this target ({type(e).__name__}: {first})") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError, *LOAD_ERRORS) as e:
+        # a truncated safetensors file or a refused pickle (named, in the words the draft loader and the
+        # lint use), a config transformers cannot build a model from, ...
+        raise explain_load_failure(path, e, "transformers cannot load this target") from None
     # transformers' own report, for what the header checks cannot see (an MoE layer's experts, a
     # family's own tensors): anything it initialised or dropped is a refusal, not a log line
     for kind, why in (("missing_keys", "missing (transformers would initialise them randomly)"),

@@ -21,6 +21,7 @@ from difftest.case import Case, Prompt, load_case
 from difftest.engine import EngineSpec
 from difftest.errors import DifftestError
 from difftest.extensions import Command
+from difftest.outputs import atomic_write, check_output_dir, check_output_file
 from difftest.wiring import short_name
 
 
@@ -36,6 +37,12 @@ def train_acc(args) -> int:
     from engines.trainingdata.engine import TrainingDataEngine
     from engines.trainingdata.train_accuracy import rules_for
 
+    try:
+        if args.json:  # checked before the computation, not found unwritable after it
+            check_output_file(args.json, "--json")
+    except DifftestError as e:
+        print(f"difftest train-acc: {e}", file=sys.stderr)
+        return 2
     data = Path(args.data).resolve()
     rows = []
     try:
@@ -92,7 +99,11 @@ def train_acc(args) -> int:
     for line in definitions.lines([figure, *definitions.trainer_figures(rules_name), definitions.ACCEPT_LENGTH]):
         print(f"  {line}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"data": str(data), "rows": rows}, indent=1) + "\n")
+        try:
+            atomic_write(args.json, json.dumps({"data": str(data), "rows": rows}, indent=1) + "\n")
+        except OSError as e:  # what the check up front cannot foresee (a full disk); no partial file is left
+            print(f"difftest train-acc: --json: {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -102,6 +113,7 @@ def dump(args) -> int:
     target = _model(args.target)
     prompts: list[list[int]] = []
     try:
+        check_output_dir(args.out, "--out")  # before the target runs, not after
         for path in args.case:
             case = load_case(path)
             for p in [*case.prompts, *case.spec_prompts]:

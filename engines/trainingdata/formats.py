@@ -40,6 +40,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,6 +149,9 @@ def _torch_load(path: Path) -> dict:
                 data = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
         else:
             data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's text advises weights_only=False, which would run the pickle
+        raise SampleError(f"{path}: refused: not a plain-tensor file (it holds objects other than tensors, "
+                          "which difftest never unpickles)") from None
     except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError, gzip BadGzipFile/EOFError
         raise SampleError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
     if not isinstance(data, dict):
