@@ -74,7 +74,7 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         if name == "__metadata__":
             continue
         try:
-            shape, dtype, (start, stop) = tuple(int(d) for d in entry["shape"]), str(entry["dtype"]), entry["data_offsets"]
+            shape, dtype, (_, stop) = tuple(int(d) for d in entry["shape"]), str(entry["dtype"]), entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise ConfigError(f"{path}: not a safetensors file (tensor {name!r} has no shape, dtype and offsets)") from None
         out[name] = StoredTensor(path, name, shape, dtype)
