@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from difftest.checkpoint_integrity import refuse_on_errors, stored_tensors
 from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
 from difftest.weight_files import first_line, load_safetensors, torch_load_tensors
@@ -291,6 +292,8 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     the integer vocabulary maps d2t / t2d are the exception. Damaged files name themselves."""
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
+    # an index naming a shard that does not exist, or a truncated file, is refused before any load
+    refuse_on_errors(stored_tensors(model_dir)[1], f"draft {model_dir}")
     files = sorted(model_dir.glob("*.safetensors"))
     for f in files:
         part = load_safetensors(f)
