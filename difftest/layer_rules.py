@@ -85,6 +85,9 @@ class LayerIdRule:
     sorted_by_layer: bool = True
     notes: tuple[str, ...] = ()
     low_crash: str | None = None  # a crash for ids below `capturable` (vLLM's DeepSeek at id 0)
+    # what the engine's own error says when fc gets fewer chunks than it expects (a regular expression):
+    # a predicted refusal is confirmed only by this, never by any error at all
+    shape_error: str = r"shape|size|cannot be multiplied|mat1 and mat2"
 
     # -- the model -------------------------------------------------------------------
     def default_ids(self, L: int) -> list[int]:
@@ -185,6 +188,19 @@ class Reading:
     dropped: list[int]  # asked but not capturable
     refusal: str | None  # the error the engine will raise, when it will
     L: int
+
+    @property
+    def outcome(self) -> str:
+        """The class of this reading: "default" (no ids where the engine reads them: its fallback layers,
+        fed or refused), "refused" (ids read; the engine fails on them), "sorted" (ids out of layer
+        order, fed in layer order), "fed"."""
+        if self.ids is None:
+            return "default"
+        if self.refusal:
+            return "refused"
+        if list(self.asked) != sorted(set(self.asked)):
+            return "sorted"
+        return "fed"
 
     def fed_names(self) -> list[str]:
         return [f"target.h.{k}" for k in self.fed]

@@ -240,7 +240,10 @@ def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
         missing = " and ".join(n for n, has in (("d2t", has_d2t), ("t2d", has_t2d)) if not has)
         return [Finding("vocab-map", "error" if not has_d2t else "warning",
             f"{missing} absent while draft vocab {draft_vocab} < target vocab {V}"
-            + (": draft ids map to the first target ids" if not has_d2t else ""))]  # fmt: skip
+            + (": draft ids map to the first target ids (vLLM and SGLang read draft id i as target id i)"
+               if not has_d2t else ""),
+            engines=("sglang", "vllm") if not has_d2t else (),
+            tensor="draft.logits_target" if not has_d2t else None)]  # fmt: skip
     out = []
     d2t, t2d = _load(meta, "d2t").long(), _load(meta, "t2d").bool()
     convention = d2t_convention_findings(d2t, t2d, V)

@@ -125,6 +125,7 @@ CATALOGUE_LINT = {
     "catalogue_embedding_substituted": "[embedding-substituted]",
     "catalogue_lm_head_missing": "[lm-head-missing]: no lm_head.weight in the draft checkpoint",
     "catalogue_d2t_absolute": "[d2t-convention]: d2t holds absolute target ids",
+    "catalogue_d2t_missing": "[vocab-map]",
     "catalogue_ids_unsorted": "[layer-ids-order]: layer ids [5, 2, 4] are not sorted and unique",
 }  # fmt: skip
 
@@ -136,12 +137,13 @@ def test_catalogue_case_lint_names_its_fault_as_declared(vllm_wired, case):
     assert CATALOGUE_LINT[case] in lint["message"]
 
 
-@pytest.mark.parametrize("case, cause", [("catalogue_lm_head_missing", "no lm_head.weight"),
-                                         ("catalogue_d2t_absolute", "holds absolute target ids, not offsets")])  # fmt: skip
-def test_catalogue_checkpoint_the_reference_refuses_is_named_on_every_item(vllm_wired, case, cause):
+@pytest.mark.parametrize("case", ["catalogue_lm_head_missing", "catalogue_d2t_absolute", "catalogue_d2t_missing"])
+def test_catalogue_reference_runs_the_draft_as_trained_not_the_broken_export(vllm_wired, case):
+    """The export is the engines' to serve (tests/test_shipped_cases.py); the reference runs
+    engines.ref.draft, the checkpoint as trained, and never refuses on the row's behalf."""
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         r = vllm_wired.outcome(case, "ref[wiring=vllm]", check)
-        assert r["outcome"] == "xfailed" and cause in r["message"], (check, r["message"])
+        assert r["outcome"] == "passed", (check, r["message"])
 
 
 @pytest.mark.parametrize("case", ["catalogue_norm_flag_ignored", "catalogue_embedding_substituted"])
@@ -161,3 +163,27 @@ def test_catalogue_unsorted_ids_are_named_as_layer_order_on_vllms_reading(vllm_w
     assert "engine fed fc [h2, h4, h5]; reference fed [h5, h2, h4]; pattern: permuted order (engine sorted the ids)" in fc["message"]
     # the draft config's own ids [5, 2, 4] lead to [h2, h4, h5]: the engine followed them, it did not fall back
     assert "default-layer fallback" not in fc["message"]
+
+
+# -- EAGLE-3.1 flags on the reference: computing a draft as an engine that ignores them does
+
+
+@pytest.fixture(scope="module")
+def nbfc_ignored(tmp_path_factory):
+    return run_pytest(project(tmp_path_factory), "cases/release_sglang_norm_before_fc.yaml",
+                      "--engines=ref,ref[norm_before_fc=false]", "-k", "fc_inputs or draft_logits")  # fmt: skip
+
+
+def test_ignoring_norm_before_fc_on_the_reference_moves_the_draft_at_fc_out(nbfc_ignored):
+    assert nbfc_ignored.outcome("release_sglang_norm_before_fc", "ref[norm_before_fc=false]", "fc_inputs")["outcome"] == "passed"
+    logits = nbfc_ignored.outcome("release_sglang_norm_before_fc", "ref[norm_before_fc=false]", "draft_logits")
+    assert logits["outcome"] == "failed"
+    assert "error introduced at draft.fc_out" in logits["message"], logits["message"]
+    assert "known cause (lint [flag-ignored]): norm_before_fc" in logits["message"], logits["message"]
+
+
+def test_a_flag_the_draft_has_no_weights_for_cannot_be_turned_on(tmp_path_factory):
+    run = run_pytest(project(tmp_path_factory), "cases/tiny_llama.yaml", "--engines=ref,ref[fc_norm=true]", "-k", "fc_inputs")
+    result = run.outcome("tiny_llama", "ref[fc_norm=true]", "fc_inputs")
+    assert result["outcome"] == "error"
+    assert "fc_norm=true, but" in result["message"] and "has no fc_norm weights" in result["message"]

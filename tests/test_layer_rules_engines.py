@@ -9,8 +9,9 @@ the engine did:
     the measured noise), in that order;
   * a predicted failure (fewer layers than fc expects, an uncapturable id): the engine's capture errors.
 
-Bounded for CI: DIFFTEST_PROPERTY_EXAMPLES configs per family (default 1: a fed one), drawn by hypothesis, then
-all run in one pytest session per engine (each config is a fresh engine instance: ~10 s in vLLM,
+Every outcome class the model predicts is drawn in every run (draw_configs: fed, fed in layer order,
+the default fallback, a refusal), DIFFTEST_PROPERTY_EXAMPLES configs of each (default 1), then all
+run in one pytest session per engine (each config is a fresh engine instance: ~10 s in vLLM,
 ~25 s in SGLang on 2 CPU cores). The seed is drawn per run, printed, and written to
 reports/layer-rule-seeds.log; rerun one with DIFFTEST_PROPERTY_SEED=N. No shrinking: every example
 costs engine starts; a failure lists every config that disagreed.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import independent_models as im
@@ -90,7 +92,8 @@ def _write_cases(root: Path, engine: str, batch: list[tuple[str, int, str, list[
                 "wiring": [f"h{k}" for k in wiring], "prompts": [{"ids": cap[0]}]}  # fmt: skip
         (root / "cases" / f"{name}.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
         expected[name] = {"config": {"where": where, "ids": ids}, "reading": reading.explain(),
-                          "fails": reading.refusal is not None, "fed": reading.fed_names()}  # fmt: skip
+                          "fails": reading.refusal is not None, "fed": reading.fed_names(),
+                          "class": reading.outcome, "says": reading.rule.shape_error}  # fmt: skip
     return expected
 
 
@@ -101,6 +104,10 @@ def _judge(run, engine: str, expected: dict[str, dict]) -> list[str]:
         if want["fails"]:
             if r["outcome"] != "error":
                 wrong.append(f"{name} {want['config']}: predicted a failure ({want['reading']}), engine {r['outcome']}")
+            elif not re.search(want["says"], r["message"], re.IGNORECASE):
+                # any error is not a confirmation: the engine's own must say what the model predicted
+                wrong.append(f"{name} {want['config']}: predicted {want['reading']}; the engine failed otherwise: "
+                             f"{r['message'].splitlines()[0][:300]}")  # fmt: skip
         elif r["outcome"] != "passed":
             chunks = [c.get("best") for c in (r.get("data") or {}).get("fc_chunks", [])]
             wrong.append(f"{name} {want['config']}: predicted {want['fed']} ({want['reading']}), engine "
@@ -116,15 +123,15 @@ def _record_seed(engine: str) -> None:
     print(f"layer-rule property test ({engine}): DIFFTEST_PROPERTY_SEED={SEED}")
 
 
-def draw_configs(family: str, salt: int, engine: str) -> list[tuple[str, list[int] | None]]:
-    """EXAMPLES distinct configs for `family`, drawn by hypothesis from configs(L) (its generator
-    favours the edges: -1, 0, L, repeats) under the recorded seed, then sampled with that seed,
-    half from the draws the engine's model says it can feed and half from those it says fail
-    (on 4- and 5-layer targets most random ids fail in SGLang, which cannot capture h[L]).
-    Engines run afterwards on the whole batch: one engine session per engine, not one per draw."""
+CLASSES = ("fed", "sorted", "default", "refused")
+
+
+def _draws(family: str, salt: int) -> list[tuple[str, list[int] | None]]:
+    """Distinct configs for `family` drawn by hypothesis from configs(L) (its generator favours the
+    edges: -1, 0, L, repeats) under the recorded seed."""
     seen: list = []
 
-    @settings(max_examples=60, deadline=None, phases=[Phase.generate], database=None,
+    @settings(max_examples=80, deadline=None, phases=[Phase.generate], database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @seed(SEED + salt)
     @given(cfg=configs(im.TARGETS[FAMILIES[family]].num_layers))
@@ -133,13 +140,42 @@ def draw_configs(family: str, salt: int, engine: str) -> list[tuple[str, list[in
             seen.append(cfg)
 
     collect()
-    rule, L = lr.rule_for(engine, family), im.TARGETS[FAMILIES[family]].num_layers
-    chunks = len(im.TARGETS[FAMILIES[family]].trained)
-    fed = [c for c in seen if rule.predict(_draft_config_dict(*c), L, chunks).refusal is None]
-    fails = [c for c in seen if c not in fed]
-    rng = random.Random(SEED + salt)
-    want_fed = min(len(fed), (EXAMPLES + 1) // 2)
-    return rng.sample(fed, want_fed) + rng.sample(fails, min(len(fails), EXAMPLES - want_fed))
+    return seen
+
+
+def _reading(engine: str, family: str, cfg) -> lr.Reading:
+    spec = im.TARGETS[FAMILIES[family]]
+    return lr.rule_for(engine, family).predict(_draft_config_dict(*cfg), spec.num_layers, len(spec.trained))
+
+
+def draw_configs(engine: str) -> list[tuple[str, int, str, list[int] | None]]:
+    """EXAMPLES configs of each outcome class the engine's rule model predicts (CLASSES: fed, fed in
+    layer order, the default fallback, a refusal), each class on a family drawn by the seed, so
+    every class is observed on the real engine in every run. Predicted refusals are drawn on Llama and
+    Qwen3 only: on DeepSeek targets the adapters refuse before starting what the model predicts would
+    crash, so there the engine's own error could not confirm the prediction. On SGLang the default
+    class prefers ids at the top level only (which it never reads). Engines run afterwards on the
+    whole batch: one engine session per engine, not one per draw."""
+    rng = random.Random(SEED)
+    pools = {family: _draws(family, salt=n) for n, family in enumerate(FAMILIES)}
+    batch, i = [], 0
+    for cls in CLASSES:
+        families = list(FAMILIES)
+        rng.shuffle(families)
+        for _ in range(EXAMPLES):
+            for family in families:  # the first family (in the seed's order) that has this class
+                fits = [c for c in pools[family] if _reading(engine, family, c).outcome == cls
+                        and not (family == lr.DEEPSEEK and _reading(engine, family, c).refusal)
+                        and (family, c) not in [(b[0], (b[2], b[3])) for b in batch]]  # fmt: skip
+                if cls == "default" and any(c[0] == "top" for c in fits):
+                    fits = [c for c in fits if c[0] == "top"]
+                if fits:
+                    where, ids = rng.choice(fits)
+                    batch.append((family, i, where, ids))
+                    i += 1
+                    families.append(families.pop(families.index(family)))  # the next example: another family
+                    break
+    return batch
 
 
 def _draft_config_dict(where: str, ids) -> dict:
@@ -152,15 +188,16 @@ def _draft_config_dict(where: str, ids) -> dict:
 
 
 def _check(engine: str, python_option: str, tmp_path_factory) -> None:
-    batch = [(family, i, where, ids) for n, family in enumerate(FAMILIES)
-             for i, (where, ids) in enumerate(draw_configs(family, salt=n, engine=engine))]  # fmt: skip
+    batch = draw_configs(engine)
+    drawn = {_reading(engine, family, (where, ids)).outcome for family, _, where, ids in batch}
+    assert drawn == set(CLASSES), f"DIFFTEST_PROPERTY_SEED={SEED}: no draw of {set(CLASSES) - drawn}"
     root = tmp_path_factory.mktemp(f"rules-{engine}")
     expected = _write_cases(root, engine, batch)
     run = run_pytest(root, "cases/", f"--engines=ref,{engine}", python_option, "--require-engines",
                      "--no-capture-cache", "--engine-timeout=600", "-k", "fc_inputs", timeout=2400)  # fmt: skip
     for name, want in expected.items():  # the record of what was tried (pytest -s shows it)
         got = run.outcome(name, engine, "fc_inputs")
-        print(f"{name}: {want['config']} -> {'failure' if want['fails'] else want['fed']}; engine: {got['outcome']}"
+        print(f"{name} [{want['class']}]: {want['config']} -> {'failure' if want['fails'] else want['fed']}; engine: {got['outcome']}"
               + (f" ({got['message'].splitlines()[-1][:160]})" if got["outcome"] == "error" else "")
               + (" [not a verification: the worker was down]" if "after an earlier failure" in got["message"] else ""))  # fmt: skip
     wrong = _judge(run, engine, expected)

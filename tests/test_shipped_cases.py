@@ -65,3 +65,28 @@ def test_every_declared_expectation_is_exercised(run):
             assert hits, f"{path.name}: expect_failure {expected} was never exercised"
             for r in hits:
                 assert r["outcome"] == "xfailed", f"{path.name} {r['engine']} {r['check']}: {r['outcome']}: {r['message']}"
+
+
+# -- catalogue rows the engines run on the broken export itself (the reference: the draft as trained)
+
+
+@pytest.mark.parametrize("engine", REAL)
+def test_a_draft_without_lm_head_diverges_at_draft_logits_on_each_engine_and_collapses_acceptance(run, engine):
+    logits = run.outcome("catalogue_lm_head_missing", engine, "draft_logits")
+    assert logits["outcome"] == "xfailed" and "error introduced at draft.logits" in logits["message"], logits["message"]
+    assert run.outcome("catalogue_lm_head_missing", engine, "fc_inputs")["outcome"] == "passed"  # upstream intact
+    accept = run.outcome("catalogue_lm_head_missing", engine, "accept_length")
+    assert accept["outcome"] == "xfailed" and "accept length collapsed" in accept["message"], accept["message"]
+
+
+def test_absolute_d2t_fails_in_vllms_own_compute_logits(run):
+    r = run.outcome("catalogue_d2t_absolute", "vllm", "draft_logits")
+    assert r["outcome"] == "xfailed" and "IndexError: index 1026 is out of bounds" in r["message"], r["message"]
+
+
+@pytest.mark.parametrize("engine", REAL)
+def test_a_draft_without_d2t_diverges_where_its_ids_are_mapped_on_each_engine(run, engine):
+    logits = run.outcome("catalogue_d2t_missing", engine, "draft_logits")
+    assert logits["outcome"] == "xfailed", logits["message"]
+    assert "error introduced at draft.logits_target" in logits["message"], logits["message"]
+    assert run.outcome("catalogue_d2t_missing", engine, "accept_length")["outcome"] == "xfailed"

@@ -208,9 +208,11 @@ class Eagle3Draft(nn.Module):
     def combine(self, fc_in: torch.Tensor, record: Recorder | None = None) -> torch.Tensor:
         """[B, n, num_aux * H_target] -> [B, n, H]."""
         x = fc_in
-        if self.input_norm is not None:
+        # the weights come with the checkpoint; the flag is read at run time, so the reference can
+        # compute the draft as an engine that ignores it does (ref[norm_before_fc=false])
+        if self.input_norm is not None and self.cfg.norm_before_fc:
             x = self.input_norm(x)
-        if self.fc_norm is not None:
+        if self.fc_norm is not None and self.cfg.fc_norm:
             chunks = x.chunk(self.cfg.num_aux, dim=-1)
             x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         out = self.fc(x)

@@ -8,7 +8,8 @@ an engine wired this draft like SGLang" without SGLang installed.
 
 Spec parameters that make the reference draft *compute* like a misconfigured engine:
 `norm_before_residual=true|false` and `norm_output=true|false` override the draft
-config's flags (failure class 7), `d2t=identity` drops the vocab map (class 8). They
+config's flags (failure class 7), `norm_before_fc=false` and `fc_norm=false` ignore the
+EAGLE-3.1 fc norms (their weights stay unused), `d2t=identity` drops the vocab map (class 8). They
 change the draft, not the wiring, so the golden-input re-run tells them apart.
 """
 
@@ -33,6 +34,9 @@ from engines.ref.target import load_target, num_layers, run_target
 # changes. 2: norms and rope keep float64 in the noise-floor run; MoE routers recorded (aux.router.*).
 CAPTURE_REVISION = 2
 
+# Draft flags a spec or case can override to compute the draft as an engine that reads them otherwise
+OVERRIDABLE_FLAGS = ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -43,6 +47,7 @@ class RefEngine(Engine):
         super().__init__(spec)
         self._targets: dict[tuple, torch.nn.Module] = {}
         self._drafts: dict[tuple, LoadedDraft] = {}
+        self._trained_flags: dict[tuple, dict[str, bool]] = {}
 
     def info(self) -> EngineInfo:
         import transformers
@@ -61,32 +66,45 @@ class RefEngine(Engine):
         if tkey not in self._targets:
             self._targets[tkey] = load_target(case.target, dtype)
         target = self._targets[tkey]
-        dkey = (case.draft, case.target, case.dtype)
+        draft = self.draft_path(case)
+        dkey = (draft, case.target, case.dtype)
         if dkey not in self._drafts:
             self._drafts[dkey] = load_draft(
-                case.draft,
+                draft,
                 target_embed=target.get_input_embeddings().weight.detach(),
                 target_lm_head=target.get_output_embeddings().weight.detach(),
                 dtype=dtype,
             )
+            self._trained_flags[dkey] = {f: getattr(self._drafts[dkey].config, f) for f in OVERRIDABLE_FLAGS}
         loaded = self._drafts[dkey]
-        self._apply_overrides(loaded, case)
+        self._apply_overrides(loaded, case, self._trained_flags[dkey])
         if loaded.config.vocab_size != target.config.vocab_size:
             raise ConfigError(
-                f"{case.draft}: draft vocab_size {loaded.config.vocab_size} != target vocab_size {target.config.vocab_size}"
+                f"{draft}: draft vocab_size {loaded.config.vocab_size} != target vocab_size {target.config.vocab_size}"
             )
         if loaded.config.target_hidden_size != target.config.hidden_size:
             raise ConfigError(
-                f"{case.draft}: target_hidden_size {loaded.config.target_hidden_size} != target hidden_size "
+                f"{draft}: target_hidden_size {loaded.config.target_hidden_size} != target hidden_size "
                 f"{target.config.hidden_size}"
             )
         return target, loaded
 
-    def _apply_overrides(self, loaded: LoadedDraft, case: Case) -> None:
+    def draft_path(self, case: Case) -> str:
+        """The draft the reference runs: `engines.ref.draft` (the checkpoint as trained, when the case's
+        draft is the export the engines serve, e.g. one that lost its lm_head), else the case's."""
+        return str(self.settings_for(case)["draft"] or case.draft)
+
+    def _apply_overrides(self, loaded: LoadedDraft, case: Case, trained: dict[str, bool]) -> None:
+        """The case's flag overrides on the cached draft, every flag reset to the checkpoint's first (the
+        draft is shared by the cases of one worker; the flags are read at run time by Eagle3Draft)."""
         s = self.settings_for(case)
-        for flag in ("norm_before_residual", "norm_output"):
-            if s[flag] is not None:
-                setattr(loaded.config, flag, s[flag])  # read at run time by Eagle3Draft.forward
+        # EAGLE-3.1's fc norms carry weights: an engine can ignore them (false), not invent them (true)
+        weights = {"norm_before_fc": getattr(loaded.model, "input_norm", None), "fc_norm": getattr(loaded.model, "fc_norm", None)}
+        for flag in OVERRIDABLE_FLAGS:
+            if s[flag] and flag in weights and weights[flag] is None:
+                raise ConfigError(f"{self.spec.id}: {flag}=true, but {self.draft_path(case)} has no {flag} weights "
+                                  "(the draft was not trained with it)")  # fmt: skip
+            setattr(loaded.config, flag, trained[flag] if s[flag] is None else s[flag])
         if s["d2t"] == "identity":
             loaded.model.d2t.zero_()
 
@@ -108,7 +126,7 @@ class RefEngine(Engine):
         wiring = resolve(choice, L, ids, where=where, ids_source=src)
         if len(wiring.inputs) != loaded.config.num_aux:
             raise ConfigError(
-                f"{where}: wiring {wiring.short()} has {len(wiring.inputs)} inputs but {case.draft} fc expects "
+                f"{where}: wiring {wiring.short()} has {len(wiring.inputs)} inputs but {self.draft_path(case)} fc expects "
                 f"{loaded.config.num_aux} x {loaded.config.target_hidden_size} (in_features "
                 f"{loaded.config.num_aux * loaded.config.target_hidden_size})"
             )

@@ -9,6 +9,8 @@ Each is the tiny Llama draft with one fault a trainer, converter or exporter has
                                 replaces it with the target's
   tiny-llama-eagle3-no-lm-head  the exporter left out lm_head.weight (draft_vocab_size set)
   tiny-llama-eagle3-d2t-absolute  d2t written as absolute target ids instead of offsets
+  tiny-llama-eagle3-no-d2t      the exporter left out d2t and t2d (draft_vocab_size still set): engines
+                                read draft id i as target id i
   tiny-llama-eagle3-nbfc        trained with norm_before_fc=true (an RMSNorm over the whole fc input),
                                 written in the HF layout: SGLang reads it from 0.5.17 (sglang PR 32334),
                                 0.5.16 and older run the draft without it
@@ -41,11 +43,12 @@ NBR = "tiny-llama-eagle3-nbr"
 OWN_EMBED = "tiny-llama-eagle3-own-embed"
 NO_LM_HEAD = "tiny-llama-eagle3-no-lm-head"
 D2T_ABSOLUTE = "tiny-llama-eagle3-d2t-absolute"
+NO_D2T = "tiny-llama-eagle3-no-d2t"
 UNSORTED = "tiny-llama-eagle3-unsorted"
 NBFC = "tiny-llama-eagle3-nbfc"
 SPEC_NORMOUT = "tiny-llama-eagle3-spec-normout"
 LANE = base.LANE  # edits and retrains of the tiny-llama drafts
-NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, UNSORTED, NBFC, SPEC_NORMOUT]
+NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, NO_D2T, UNSORTED, NBFC, SPEC_NORMOUT]
 UNSORTED_ORDER = [2, 0, 1]  # the good draft's chunks [h2, h4, h5] taken as [h5, h2, h4]
 EMBED_SEED = 11
 
@@ -55,6 +58,7 @@ FAULTS = {
     OWN_EMBED: "embed_tokens.weight replaced by random values (trained on the target's embedding)",
     NO_LM_HEAD: "lm_head.weight left out of the checkpoint",
     D2T_ABSOLUTE: "d2t holds absolute target ids instead of offsets",
+    NO_D2T: "d2t and t2d left out of the checkpoint (draft_vocab_size still set)",
     UNSORTED: "trained on [h5, h2, h4] (ids [5, 2, 4]); engines feed fc in layer order",
     NBFC: "trained with norm_before_fc=true (an RMSNorm over the concatenated fc input), saved in the HF layout",
     SPEC_NORMOUT: "trained with norm_output=true (later draft steps fed the normed output), saved in the speculators format",
@@ -129,6 +133,14 @@ def _build_d2t_absolute(out: Path, build: cache.Build) -> None:
     _edited_copy(out, D2T_ABSOLUTE, tensors=absolute)
 
 
+def _build_no_d2t(out: Path, build: cache.Build) -> None:
+    def drop_maps(t):
+        t.pop("d2t")
+        t.pop("t2d", None)
+
+    _edited_copy(out, NO_D2T, tensors=drop_maps)
+
+
 def _build_unsorted(out: Path, build: cache.Build) -> None:
     good = [2, 4, 5]
     ids = [good[j] for j in UNSORTED_ORDER]
@@ -145,7 +157,7 @@ def _build_unsorted(out: Path, build: cache.Build) -> None:
     _edited_copy(out, UNSORTED, config=config, tensors=reorder)
 
 
-_BUILDERS: dict[str, cache.Builder] = {NBR: lambda out, build: drafts.build_draft(NBR_RECIPE, out, build), OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute,
+_BUILDERS: dict[str, cache.Builder] = {NBR: lambda out, build: drafts.build_draft(NBR_RECIPE, out, build), OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute, NO_D2T: _build_no_d2t,
              UNSORTED: _build_unsorted, NBFC: lambda out, build: drafts.build_draft(NBFC_RECIPE, out, build),
              SPEC_NORMOUT: lambda out, build: drafts.build_draft(SPEC_NORMOUT_RECIPE, out, build)}  # fmt: skip
 _DEPS: dict[str, list[str]] = dict.fromkeys(NAMES, [])

@@ -45,7 +45,7 @@ def load_forwards(out_dir: str) -> list[Forward]:
     pending: dict = {}
     for name in names:
         kind = name.split("_", 1)[1][: -len(".pt")]
-        rec = torch.load(os.path.join(out_dir, name), weights_only=False)
+        rec = torch.load(os.path.join(out_dir, name), weights_only=True)  # our hooks write tensors, lists and scalars only
         if kind in SUBMODULE_KINDS:
             pending[kind] = rec
         elif kind == "model":
@@ -58,8 +58,16 @@ def load_forwards(out_dir: str) -> list[Forward]:
 
 def scatter_to_target(logits: torch.Tensor, hot_token_id: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Draft-vocab logits -> target vocab through SGLang's hot_token_id (-inf elsewhere)."""
+    ids = hot_token_id.long()
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        bad = int((ids >= vocab_size).nonzero()[0, 0])
+        # SGLang itself then drafts token ids past its vocabulary and fails in its embedding
+        # (vocab_parallel_embedding: "index out of range"): say why before it does
+        raise EngineError(
+            f"the draft's d2t maps draft id {bad} to target id {int(ids[bad])} (hot_token_id = d2t + arange), past "
+            f"the target vocabulary of {vocab_size}: d2t holds absolute ids where SGLang adds offsets")
     full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
-    full[..., hot_token_id.long()] = logits
+    full[..., ids] = logits
     return full
 
 
