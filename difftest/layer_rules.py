@@ -88,6 +88,9 @@ class LayerIdRule:
     # what the engine's own error says when fc gets fewer chunks than it expects (a regular expression):
     # a predicted refusal is confirmed only by this, never by any error at all
     shape_error: str = r"shape|size|cannot be multiplied|mat1 and mat2"
+    # SGLang's draft applies fc only when the hidden states are not already its own width
+    # (llama_eagle3.py::LlamaModel.forward): one captured layer of the target's width skips fc silently
+    skips_fc_at_draft_width: bool = False
 
     # -- the model -------------------------------------------------------------------
     def default_ids(self, L: int) -> list[int]:
@@ -128,6 +131,10 @@ class LayerIdRule:
         elif dropped and self.beyond.startswith("crash"):
             refusal = self.beyond.removeprefix("crash: ").format(k=dropped[0], lo=lo, hi=hi, L=L)
         elif fc_chunks is not None and len(fed) != fc_chunks:
+            if self.skips_fc_at_draft_width and len(fed) == 1:
+                unfused = (f"fc expects {fc_chunks} chunks but the engine captures 1 ({_hs(fed)}), as wide as the "
+                           "draft's hidden state: it skips fc and runs the draft on that layer as is, with no error")  # fmt: skip
+                return Reading(self, list(ids) if ids else None, place, asked, fed, dropped, None, L, unfused)
             refusal = (f"fc expects {fc_chunks} chunks but the engine captures {len(fed)} "
                        f"({_hs(fed)}): a shape error at the first draft forward")  # fmt: skip
         return Reading(self, list(ids) if ids else None, place, asked, fed, dropped, refusal, L)
@@ -188,16 +195,19 @@ class Reading:
     dropped: list[int]  # asked but not capturable
     refusal: str | None  # the error the engine will raise, when it will
     L: int
+    unfused: str | None = None  # the engine runs the draft without fc, silently (SGLang at one chunk)
 
     @property
     def outcome(self) -> str:
         """The class of this reading: "default" (no ids where the engine reads them: its fallback layers,
-        fed or refused), "refused" (ids read; the engine fails on them), "sorted" (ids out of layer
-        order, fed in layer order), "fed"."""
+        whatever follows), "refused" (ids read; the engine fails on them), "unfused" (ids read; the
+        engine silently skips fc), "sorted" (ids out of layer order, fed in layer order), "fed"."""
         if self.ids is None:
             return "default"
         if self.refusal:
             return "refused"
+        if self.unfused:
+            return "unfused"
         if list(self.asked) != sorted(set(self.asked)):
             return "sorted"
         return "fed"
@@ -217,6 +227,8 @@ class Reading:
             text += f"; {_hs(self.dropped)} cannot be captured and are dropped"
         if self.refusal:
             text += f"; then fails: {self.refusal}"
+        if self.unfused:
+            text += f"; then {self.unfused}"
         return text
 
 
@@ -268,6 +280,7 @@ SGLANG_LLAMA = LayerIdRule(
     sources=(_SGL_IDS, "sglang/srt/models/llama.py::LlamaForCausalLM.set_eagle3_layers_to_capture",
              "sglang/srt/models/llama.py::LlamaModel.forward"),
     notes=("id -1 asks for h0 (the embedding): layers_to_capture = [0, ...]",),
+    skips_fc_at_draft_width=True,
 )  # fmt: skip
 SGLANG_QWEN3 = replace(SGLANG_LLAMA, family=QWEN3,
                        sources=(_SGL_IDS, "sglang/srt/models/qwen3.py::Qwen3ForCausalLM.set_eagle3_layers_to_capture",
@@ -275,6 +288,7 @@ SGLANG_QWEN3 = replace(SGLANG_LLAMA, family=QWEN3,
 SGLANG_DEEPSEEK = LayerIdRule(
     engine="sglang", label="SGLang 0.5.23", family=DEEPSEEK, ids_from=(EAGLE_CONFIG,), shift=Shift(+1, when_first_is=1),
     defaults="2, L//2, L-3", defaults_shifted=False, capturable=("0", "L-1"), beyond="dropped",
+    skips_fc_at_draft_width=True,
     sources=(_SGL_IDS, "sglang/srt/models/deepseek_v2.py::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
              "sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward"),
 )  # fmt: skip

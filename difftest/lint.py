@@ -99,7 +99,7 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
         same = trained_on is not None and list(trained_on) == defaults
         # the fallback can be narrower than fc (L//2 == L-3 on small targets: de-duplicated to two layers)
         readings = [r.explain() for r in (rule.predict(raw, L, fc_chunks(draft_dir, H_t)) for rule in _serving_rules(tcfg))
-                    if r.refusal]  # fmt: skip
+                    if r.refusal or r.unfused]  # fmt: skip
         out.append(Finding("layer-ids-missing", "warning" if same else "error",
             f"no eagle_aux_hidden_state_layer_ids: engines fall back to h[2], h[L//2], h[L-3] = "
             f"[h2, h{L // 2}, h{L - 3}] (L={L})" + ("" if same else

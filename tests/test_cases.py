@@ -179,7 +179,7 @@ def test_ignoring_norm_before_fc_on_the_reference_moves_the_draft_at_fc_out(nbfc
     logits = nbfc_ignored.outcome("release_sglang_norm_before_fc", "ref[norm_before_fc=false]", "draft_logits")
     assert logits["outcome"] == "failed"
     assert "error introduced at draft.fc_out" in logits["message"], logits["message"]
-    assert "known cause (lint [flag-ignored]): norm_before_fc" in logits["message"], logits["message"]
+    assert "suspect: fc differs while its input matches: fc weights, norm_before_fc or fc_norm" in logits["message"]
 
 
 def test_a_flag_the_draft_has_no_weights_for_cannot_be_turned_on(tmp_path_factory):

@@ -431,8 +431,8 @@ BAD_CHECKPOINTS = [
     ("no-lm_head-small-vocab", _no_lm_head_small_vocab, ["no lm_head.weight", "draft vocab != target vocab"]),
     ("no-embed-no-target", _no_embed_no_target, ["no embed_tokens.weight"]),
     ("no-weights", _no_weights, ["no weights found"]),
-    ("unsafe-pickle-bin", _unsafe_bin, ["pytorch_model.bin", "weights_only"]),
-    ("garbage-bin", _garbage_bin, ["pytorch_model.bin", "weights_only"]),
+    ("unsafe-pickle-bin", _unsafe_bin, ["pytorch_model.bin", "not a plain-tensor checkpoint"]),
+    ("garbage-bin", _garbage_bin, ["pytorch_model.bin", "not a plain-tensor checkpoint"]),
 ]
 
 
