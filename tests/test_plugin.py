@@ -285,3 +285,15 @@ def test_an_engine_that_cannot_restart_fails_its_case_with_the_cause_and_the_nex
     assert run.outcome("b_runs", "fake", "fc_inputs")["outcome"] == "passed", run.output[-3000:]
     assert run.outcome("b_runs", "fake", "draft_logits")["outcome"] == "passed", run.output[-3000:]
     assert "Traceback" not in run.output
+
+
+def test_a_worker_killed_for_a_hang_is_replaced_for_the_next_case(models, tmp_path):
+    """A worker killed after its timeout mid-case (a hang) takes only that case's items with it."""
+    target, draft = models
+    tiny = CASE.format(target=target, draft=draft)
+    root = project(tmp_path, models, name="a_hangs", body=tiny + "engines:\n  fake: {mode: hang}\n")
+    project(root, models, name="b_runs", body=tiny)
+    run = run_pytest(root, "cases/", "--engines=ref,fake", "--engine-timeout=30", "-k", "fc_inputs or capture",
+                     env={"DIFFTEST_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    assert "worker killed" in run.outcome("a_hangs", "fake", "fc_inputs")["message"]
+    assert run.outcome("b_runs", "fake", "fc_inputs")["outcome"] == "passed", run.output[-3000:]
