@@ -126,6 +126,7 @@ CATALOGUE_LINT = {
     "catalogue_lm_head_missing": "[lm-head-missing]: no lm_head.weight in the draft checkpoint",
     "catalogue_d2t_absolute": "[d2t-convention]: d2t holds absolute target ids",
     "catalogue_d2t_missing": "[vocab-map]",
+    "catalogue_rope_conflict": "[rope-conflict]: draft config: rope_theta 500000.0 but rope_parameters.rope_theta 10000.0",
     "catalogue_ids_unsorted": "[layer-ids-order]: layer ids [5, 2, 4] are not sorted and unique",
 }  # fmt: skip
 
@@ -137,7 +138,8 @@ def test_catalogue_case_lint_names_its_fault_as_declared(vllm_wired, case):
     assert CATALOGUE_LINT[case] in lint["message"]
 
 
-@pytest.mark.parametrize("case", ["catalogue_lm_head_missing", "catalogue_d2t_absolute", "catalogue_d2t_missing"])
+@pytest.mark.parametrize("case", ["catalogue_lm_head_missing", "catalogue_d2t_absolute", "catalogue_d2t_missing",
+                                  "catalogue_rope_conflict"])
 def test_catalogue_reference_runs_the_draft_as_trained_not_the_broken_export(vllm_wired, case):
     """The export is the engines' to serve (tests/test_shipped_cases.py); the reference runs
     engines.ref.draft, the checkpoint as trained, and never refuses on the row's behalf."""

@@ -90,3 +90,11 @@ def test_a_draft_without_d2t_diverges_where_its_ids_are_mapped_on_each_engine(ru
     assert logits["outcome"] == "xfailed", logits["message"]
     assert "error introduced at draft.logits_target" in logits["message"], logits["message"]
     assert run.outcome("catalogue_d2t_missing", engine, "accept_length")["outcome"] == "xfailed"
+
+
+@pytest.mark.parametrize("engine", REAL)
+def test_a_rope_conflict_enters_at_the_draft_attention_naming_both_thetas(run, engine):
+    logits = run.outcome("catalogue_rope_conflict", engine, "draft_logits")
+    assert logits["outcome"] == "xfailed", logits["message"]
+    assert "error introduced at draft.layer0.attn_out" in logits["message"], logits["message"]
+    assert "rope_theta 500000.0 but rope_parameters.rope_theta 10000.0" in logits["message"]

@@ -17,6 +17,11 @@ Each is the tiny Llama draft with one fault a trainer, converter or exporter has
   tiny-llama-eagle3-spec-normout trained with norm_output=true, saved in the speculators format: vLLM
                                 propagates it from a speculators config from 0.25.0 (vllm PR 46488);
                                 0.22.0 - 0.24.0 read it from HF configs only and run the draft without it
+  tiny-llama-eagle3-rope500k    trained with the draft's own rope theta 500000 (rope_theta and
+                                rope_parameters agree): the draft as trained
+  tiny-llama-eagle3-rope-conflict  that draft as a converter exported it: rope_theta 500000 kept,
+                                rope_parameters rebuilt with theta 10000 (speculators PR 574): the
+                                engines (transformers 5) read rope_parameters
   tiny-llama-eagle3-unsorted    trained on [h5, h2, h4] with config ids [5, 2, 4] (a trainer that
                                 feeds fc in the listed order): both engines feed layer order. Made
                                 from the good draft by moving fc.weight's input blocks, which is
@@ -44,11 +49,14 @@ OWN_EMBED = "tiny-llama-eagle3-own-embed"
 NO_LM_HEAD = "tiny-llama-eagle3-no-lm-head"
 D2T_ABSOLUTE = "tiny-llama-eagle3-d2t-absolute"
 NO_D2T = "tiny-llama-eagle3-no-d2t"
+ROPE_TRAINED = "tiny-llama-eagle3-rope500k"
+ROPE_CONFLICT = "tiny-llama-eagle3-rope-conflict"
 UNSORTED = "tiny-llama-eagle3-unsorted"
 NBFC = "tiny-llama-eagle3-nbfc"
 SPEC_NORMOUT = "tiny-llama-eagle3-spec-normout"
 LANE = base.LANE  # edits and retrains of the tiny-llama drafts
-NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, NO_D2T, UNSORTED, NBFC, SPEC_NORMOUT]
+NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, NO_D2T, UNSORTED, NBFC, SPEC_NORMOUT, ROPE_TRAINED, ROPE_CONFLICT]
+ROPE_THETA = 500000.0
 UNSORTED_ORDER = [2, 0, 1]  # the good draft's chunks [h2, h4, h5] taken as [h5, h2, h4]
 EMBED_SEED = 11
 
@@ -59,15 +67,17 @@ FAULTS = {
     NO_LM_HEAD: "lm_head.weight left out of the checkpoint",
     D2T_ABSOLUTE: "d2t holds absolute target ids instead of offsets",
     NO_D2T: "d2t and t2d left out of the checkpoint (draft_vocab_size still set)",
+    ROPE_TRAINED: "trained with rope theta 500000 (its own, not the target's 10000)",
+    ROPE_CONFLICT: "rope_theta 500000 but rope_parameters.rope_theta 10000 (a converter rebuilt rope_parameters)",
     UNSORTED: "trained on [h5, h2, h4] (ids [5, 2, 4]); engines feed fc in layer order",
     NBFC: "trained with norm_before_fc=true (an RMSNorm over the concatenated fc input), saved in the HF layout",
     SPEC_NORMOUT: "trained with norm_output=true (later draft steps fed the normed output), saved in the speculators format",
 }
 
 
-def _edited_copy(out: Path, fault: str, config=None, tensors=None) -> None:
-    """The good tiny draft with its config and weights edited (the fault an exporter makes)."""
-    src = base.fixture_path("tiny-llama-eagle3")
+def _edited_copy(out: Path, fault: str, config=None, tensors=None, source: str = "tiny-llama-eagle3") -> None:
+    """The good tiny draft (or `source`) with its config and weights edited (the fault an exporter makes)."""
+    src = base.fixture_path(source) if source == "tiny-llama-eagle3" else cache.fixtures_dir() / source
     for f in src.iterdir():
         if f.is_file():
             shutil.copy2(f, out / f.name)
@@ -80,7 +90,7 @@ def _edited_copy(out: Path, fault: str, config=None, tensors=None) -> None:
         tensors(t)
         save_file(t, str(out / "model.safetensors"))
     quality = json.loads((src / "quality.json").read_text())
-    quality.update(catalogue_fault=FAULTS[fault], edited_from="tiny-llama-eagle3")
+    quality.update(catalogue_fault=FAULTS[fault], edited_from=source)
     (out / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
 
 
@@ -141,6 +151,19 @@ def _build_no_d2t(out: Path, build: cache.Build) -> None:
     _edited_copy(out, NO_D2T, tensors=drop_maps)
 
 
+ROPE_RECIPE = dataclasses.replace(
+    NBR_RECIPE, name=ROPE_TRAINED, config=lambda: dataclasses.replace(drafts.draft_config(), rope_theta=ROPE_THETA),
+    extra={"catalogue_fault": FAULTS[ROPE_TRAINED]},
+)  # fmt: skip
+
+
+def _build_rope_conflict(out: Path, build: cache.Build) -> None:
+    def rebuilt_rope_parameters(cfg):
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+
+    _edited_copy(out, ROPE_CONFLICT, config=rebuilt_rope_parameters, source=ROPE_TRAINED)
+
+
 def _build_unsorted(out: Path, build: cache.Build) -> None:
     good = [2, 4, 5]
     ids = [good[j] for j in UNSORTED_ORDER]
@@ -159,8 +182,10 @@ def _build_unsorted(out: Path, build: cache.Build) -> None:
 
 _BUILDERS: dict[str, cache.Builder] = {NBR: lambda out, build: drafts.build_draft(NBR_RECIPE, out, build), OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute, NO_D2T: _build_no_d2t,
              UNSORTED: _build_unsorted, NBFC: lambda out, build: drafts.build_draft(NBFC_RECIPE, out, build),
-             SPEC_NORMOUT: lambda out, build: drafts.build_draft(SPEC_NORMOUT_RECIPE, out, build)}  # fmt: skip
-_DEPS: dict[str, list[str]] = dict.fromkeys(NAMES, [])
+             SPEC_NORMOUT: lambda out, build: drafts.build_draft(SPEC_NORMOUT_RECIPE, out, build),
+             ROPE_TRAINED: lambda out, build: drafts.build_draft(ROPE_RECIPE, out, build),
+             ROPE_CONFLICT: _build_rope_conflict}  # fmt: skip
+_DEPS: dict[str, list[str]] = {**dict.fromkeys(NAMES, []), ROPE_CONFLICT: [ROPE_TRAINED]}
 
 
 def ensure_fixtures(names: list[str] | None = None, log=print, force: bool = False) -> dict[str, Path]:
