@@ -175,3 +175,13 @@ def test_train_accuracy_check_passes_when_the_engine_wiring_keeps_the_trainers_a
 def test_train_accuracy_check_refuses_an_unknown_expect_key():
     with pytest.raises(ConfigError, match="expect.train_accuracy.minimum: unknown key"):
         check_train_accuracy(_Captures([0.7], [0.7]), _case({"minimum": 0.1}), EngineSpec("vllm"))
+
+
+def test_train_acc_refuses_layer_ids_that_are_not_whole_numbers_in_one_line(tmp_path, capsys):
+    from difftest import cli
+
+    code = cli.main(["train-acc", "--data", str(tmp_path), "--draft", str(tmp_path / "d"), "--target",
+                     str(tmp_path / "t"), "--layer-ids", "2,x,7"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "--layer-ids: expected whole numbers separated by commas (e.g. 2,4,7), got '2,x,7'" in err

@@ -19,7 +19,7 @@ from difftest import definitions
 from difftest.acceptance import normalise
 from difftest.case import Case, Prompt, load_case
 from difftest.engine import EngineSpec
-from difftest.errors import DifftestError
+from difftest.errors import ConfigError, DifftestError
 from difftest.extensions import Command
 from difftest.outputs import atomic_write, check_output_dir, check_output_file
 from difftest.wiring import short_name
@@ -31,6 +31,17 @@ def _model(ref: str) -> str:
 
         return resolve_fixture(ref)
     return str(Path(ref).resolve())
+
+
+
+def _layer_ids(text: str | None) -> list[int] | None:
+    """--layer-ids 2,4,7 (or 2+4+7): whole numbers, refused in one line otherwise."""
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.replace("+", ",").split(",")]
+    except ValueError:
+        raise ConfigError(f"--layer-ids: expected whole numbers separated by commas (e.g. 2,4,7), got {text!r}") from None
 
 
 def train_acc(args) -> int:
@@ -51,7 +62,7 @@ def train_acc(args) -> int:
         # inside the try: an unknown fixture or a bad checkpoint path is one line too
         case = Case(
             name="train-acc", path=str(data / "train-acc"), target=_model(args.target), draft=_model(args.draft),
-            dtype=args.dtype, layer_ids=[int(x) for x in args.layer_ids.replace("+", ",").split(",")] if args.layer_ids else None,
+            dtype=args.dtype, layer_ids=_layer_ids(args.layer_ids),
             prompts=[Prompt(ids=[0, 0])], num_steps=args.ttt_steps or 3,
             engines={"train": {k: v for k, v in {"data": str(data), "format": args.format, "identify": args.identify,
                                                  "ttt_steps": args.ttt_steps, "max_len": args.max_len,
