@@ -288,7 +288,8 @@ SGLANG_QWEN3 = replace(SGLANG_LLAMA, family=QWEN3,
 SGLANG_DEEPSEEK = LayerIdRule(
     engine="sglang", label="SGLang 0.5.23", family=DEEPSEEK, ids_from=(EAGLE_CONFIG,), shift=Shift(+1, when_first_is=1),
     defaults="2, L//2, L-3", defaults_shifted=False, capturable=("0", "L-1"), beyond="dropped",
-    skips_fc_at_draft_width=True,
+    # no silent fc skip here: DeepSeek's AuxHiddenStatePacker dies first when it captures fewer layers
+    # than it was asked for (engines/sglang/deepseek.py::unrunnable refuses that before starting)
     sources=(_SGL_IDS, "sglang/srt/models/deepseek_v2.py::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
              "sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward"),
 )  # fmt: skip

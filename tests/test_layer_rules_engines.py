@@ -156,7 +156,7 @@ def _draws(family: str, salt: int) -> list[tuple[str, list[int] | None]]:
     edges: -1, 0, L, repeats) under the recorded seed."""
     seen: list = []
 
-    @settings(max_examples=80, deadline=None, phases=[Phase.generate], database=None,
+    @settings(max_examples=200, deadline=None, phases=[Phase.generate], database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @seed(SEED + salt)
     @given(cfg=configs(im.TARGETS[FAMILIES[family]].num_layers))
@@ -196,8 +196,8 @@ def draw_configs(engine: str) -> list[tuple[str, int, str, list[int] | None]]:
         for _ in range(EXAMPLES):
             for family in families:  # the first family (in the seed's order) that has this class
                 fits = [c for c in pools[family] if _reading(engine, family, c).outcome == cls
-                        and not (family == lr.DEEPSEEK and _reading(engine, family, c).outcome in ("refused", "unfused")
-                                 or family == lr.DEEPSEEK and _reading(engine, family, c).refusal)
+                        and not (family == lr.DEEPSEEK and (_reading(engine, family, c).refusal
+                                                             or _reading(engine, family, c).unfused))
                         and (family, c) not in [(b[0], (b[2], b[3])) for b in batch]]  # fmt: skip
                 if cls == "default" and any(c[0] == "top" for c in fits):
                     fits = [c for c in fits if c[0] == "top"]

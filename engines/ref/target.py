@@ -78,8 +78,8 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
     config = target_config(path)
     # the reference never runs a tensor left at its initialisation: a checkpoint that does not hold
     # what its config describes is refused here, naming the tensor and the field
+    check_fits(path, dtype)  # first: a target this machine cannot hold is refused with the way out
     refuse_on_errors(target_findings(path), f"target {path}")
-    check_fits(path, dtype)
     kwargs = {}
     if dtype == torch.float64 and any(config.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts")):
         # torch._grouped_mm (transformers' default MoE experts kernel) has no float64: the noise-floor
