@@ -174,6 +174,14 @@ def _rule(engine: str, family: str) -> lr.LayerIdRule:
     return layer_rule(name, family, version or None)
 
 
+def _runs(engine: str, family: str) -> bool:
+    """Whether the release runs this family's target on CPU at all (vLLM before 0.32: no MLA)."""
+    from engines.vllm.releases import runs_mla_on_cpu
+
+    name, _, version = engine.partition("@")
+    return not (name == "vllm" and version and family == lr.DEEPSEEK and not runs_mla_on_cpu(version))
+
+
 def _reading(engine: str, family: str, cfg) -> lr.Reading:
     spec = im.TARGETS[FAMILIES[family]]
     return _rule(engine, family).predict(_draft_config_dict(*cfg), spec.num_layers, len(spec.trained))
@@ -188,10 +196,10 @@ def draw_configs(engine: str) -> list[tuple[str, int, str, list[int] | None]]:
     class prefers ids at the top level only (which it never reads). Engines run afterwards on the
     whole batch: one engine session per engine, not one per draw."""
     rng = random.Random(SEED)
-    pools = {family: _draws(family, salt=n) for n, family in enumerate(FAMILIES)}
+    pools = {family: _draws(family, salt=n) for n, family in enumerate(FAMILIES) if _runs(engine, family)}
     batch, i = [], 0
     for cls in sorted(_classes(engine), key=CLASSES.index):
-        families = list(FAMILIES)
+        families = list(pools)
         rng.shuffle(families)
         for _ in range(EXAMPLES):
             for family in families:  # the first family (in the seed's order) that has this class

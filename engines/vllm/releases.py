@@ -62,3 +62,13 @@ def cpu_recovered_kernel_lacks_fp64_gumbel(version: str) -> bool:
 
 def hooks_supported(version: str) -> bool:
     return parse(version) >= HOOKS_FROM
+
+
+# MLA attention (DeepSeek-V3 / Kimi targets) on the CPU platform: vllm/platforms/cpu.py raises
+# "MLA is not supported on CPU" in 0.24.0 and 0.27.0 (read in the wheels; measured on 0.24.0), and
+# not in the pinned 0.32.0. 0.28 - 0.31 are not checked: treated as refusing until one is.
+MLA_ON_CPU_FROM = (0, 32, 0)
+
+
+def runs_mla_on_cpu(version: str) -> bool:
+    return parse(version) >= MLA_ON_CPU_FROM
