@@ -1,6 +1,6 @@
 """Lint rules for the draft checkpoint itself: flags, weights, embedding, rope, d2t, format.
 
-Each rule is one of the public failure classes (README, "Failure catalogue"): a fault an
+Each rule is one of the public failure classes (docs/failure-catalogue.md): a fault an
 engine loads without an error and then serves with a lower accept length. The engines'
 behaviour comes from difftest.draft_rules (one table, cited to the engine's source); the
 checkpoint is read from its config and safetensors headers, plus a few embedding rows.

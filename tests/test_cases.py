@@ -117,7 +117,7 @@ def test_inferred_wiring_feeds_the_checks_of_a_serving_wired_engine(vllm_wired):
     assert vllm_wired.outcome("seed_infer_wiring", "ref[wiring=vllm]", "accept_length")["outcome"] == "failed"
 
 
-# -- the failure catalogue (README, "Failure catalogue"): each case's declared failure is caught
+# -- the failure catalogue (docs/failure-catalogue.md): each case's declared failure is caught
 # with its cause, so the items are xfailed and the run stays green on them.
 
 CATALOGUE_LINT = {

@@ -1,4 +1,4 @@
-"""Tiny drafts for the failure catalogue (README, "Failure catalogue"): one per public failure class.
+"""Tiny drafts for the failure catalogue (docs/failure-catalogue.md): one per public failure class.
 
 Each is the tiny Llama draft with one fault a trainer, converter or exporter has shipped:
 
