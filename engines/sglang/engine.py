@@ -40,7 +40,7 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import EngineError, EngineSpent, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
 from difftest.paths import cache_root
-from engines.sglang import cpu_shim, deepseek, versions
+from engines.sglang import cpu_shim, deepseek, process_start, versions
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
 from engines.sglang.settings import SCHEMA
@@ -234,7 +234,8 @@ class SglangEngine(Engine):
               file=sys.stderr, flush=True)  # fmt: skip
         log_offset = _log_size()
         try:
-            self._engine = sglang.Engine(**kwargs)
+            with process_start.engine_start():  # its processes fork from a server with SGLang imported
+                self._engine = sglang.Engine(**kwargs)
         except Exception as e:
             cause = _root_cause(log_offset)
             failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -372,7 +373,8 @@ class SglangEngine(Engine):
     def _shutdown(self) -> None:
         if self._engine is not None:
             try:
-                self._engine.shutdown()
+                with process_start.keeping_forkserver():  # the next case's processes fork from it too
+                    self._engine.shutdown()
             finally:
                 self._engine = None
                 self._engine_key = None
