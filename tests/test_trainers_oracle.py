@@ -16,16 +16,15 @@ skipped naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail inst
 * readers: a speculators folder (arrow dataset + hidden states in a separate --hidden-states-path) read
   by speculators' ArrowDataset, and a SpecForge rows_a-b folder (.ckpt and .ckpt.gz, with its
   vocab_mapping/vocab_mapping.pt) read by SpecForge's offline reader, give difftest's reader the same
-  tensors.
+  tensors; difftest reads the arrow folder `datasets` wrote without `datasets` (the default install).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-from contextlib import nullcontext
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,16 +54,12 @@ def trainer_python(name: str, setup: str | None = None) -> str:
     return str(candidate)
 
 
-def run_oracle(name: str, script: str, *args: str, with_difftest: bool = False) -> None:
+def run_oracle(name: str, script: str, *args: str) -> None:
     # SpecForge's metric functions are torch.compile'd; their eager code is the same function and
     # skips minutes of CPU compilation
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) if with_difftest else "", TORCH_COMPILE_DISABLE="1")
+    env = dict(os.environ, PYTHONPATH="", TORCH_COMPILE_DISABLE="1")
     proc = subprocess.run([trainer_python(name), str(HERE / script), *args], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def _has_datasets() -> bool:
-    return importlib.util.find_spec("datasets") is not None
 
 
 # -- the shared draft and data ------------------------------------------------------------------
@@ -157,23 +152,23 @@ def _hidden_samples(seed: int, n: int = 3, layers: int = 4) -> list[dict]:
     return out
 
 
-def test_speculators_folder_with_separate_hidden_states_reads_as_their_trainer_reads_it(tmp_path):
+def test_speculators_folder_with_separate_hidden_states_reads_as_their_trainer_reads_it(tmp_path, monkeypatch):
     samples = _hidden_samples(3)
     torch.save(samples, tmp_path / "in.pt")
     data, hs = tmp_path / "data", tmp_path / "elsewhere" / "hs"
     run_oracle("speculators", "speculators_reader.py", str(tmp_path / "in.pt"), str(data), str(hs), str(tmp_path / "out.pt"))
     theirs = torch.load(tmp_path / "out.pt", weights_only=True)
-    # difftest's reader where `datasets` is installed (it reads the arrow dataset part through it)
-    run_oracle("speculators", "difftest_reader.py", str(data), str(hs), str(tmp_path / "ours.pt"), with_difftest=True)
-    dump = torch.load(tmp_path / "ours.pt", weights_only=True)  # auto: hidden_states given means speculators
-    assert dump["format"] == "speculators" and not dump["skipped"] and len(dump["samples"]) == len(theirs)
-    for s, t in zip(dump["samples"], theirs):
-        assert torch.equal(s["input_ids"], t["input_ids"].long())
-        assert torch.equal(s["loss_mask"], t["loss_mask"].bool())
-        assert torch.equal(s["fc_in"], t["hidden_states"])  # [seq, 3H]: every layer but the last, flattened in order
-        assert torch.equal(s["verifier"], t["verifier_last_hidden_states"])
-    with pytest.raises(ConfigError, match="install `datasets`") if not _has_datasets() else nullcontext():
-        read_dump(data, hidden_states=hs)  # here: refused in one line naming what to install, or read
+    monkeypatch.setitem(sys.modules, "datasets", None)  # the default install has no `datasets`: importing it fails
+    dump = read_dump(data, hidden_states=hs)  # auto: hidden_states given means speculators
+    assert dump.format == "speculators" and not dump.skipped and len(dump.samples) == len(theirs)
+    for s, t in zip(dump.samples, theirs):
+        assert torch.equal(s.input_ids, t["input_ids"].long())
+        assert torch.equal(s.loss_mask, t["loss_mask"].bool())
+        assert torch.equal(s.fc_in, t["hidden_states"])  # [seq, 3H]: every layer but the last, flattened in order
+        assert torch.equal(s.verifier, t["verifier_last_hidden_states"])
+    with pytest.raises(ConfigError, match=r"holds a speculators arrow dataset \(3 samples in data-00000-of-00001.arrow\) "
+                                          r"but no hidden states: .*--hidden-states DIR"):  # fmt: skip
+        read_dump(data)  # the same folder without its hidden states: what was found and where they are expected
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["ckpt", "ckpt.gz"])
