@@ -8,6 +8,8 @@ skipped naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail inst
   acc_k) equal the trainers' `compute_metrics` / `_compute_metric_counts` exactly, so the ratios agree
   to 1e-6. The draft logits are the verifier's targets plus noise (accuracies between about 0.2 and 0.9,
   so AND-ing steps and masks matter), loss masks have gaps, and some targets fall outside the draft vocab.
+* the sliding window: a speculators draft whose config records a window shorter than the samples is
+  scored as speculators' forward scores it (its masks keep keys q - W < k <= q at step 0).
 * the training forward: a draft built by speculators itself (`Eagle3DraftModel.from_training_args`, the
   `speculators train` defaults) scored by its own training forward (ArrowDataset -> CollateFn(shift_batch)
   -> forward metrics) gives the counts `difftest train-acc` gives on the same draft and dump, with the
@@ -243,6 +245,45 @@ def test_train_acc_truncates_samples_where_speculators_collate_does(speculators_
     assert ours["counted"] == theirs["full_acc_total"] and ours["correct"] == theirs["full_acc_sum"], (ours, theirs)
     assert ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
     assert ours["counted"][0] < speculators_draft_run["theirs"]["full"]["full_acc_total"][0]  # it did cut
+
+
+# -- speculators' sliding window: samples longer than the draft's window --------------------------------
+
+
+WINDOW = 4  # the samples are 20 tokens (19 origins after shift_batch): most origins see fewer keys than under causal
+
+
+@pytest.fixture(scope="module")
+def speculators_windowed_run(speculators_draft_run):
+    """The same target, data and seed, the draft built with `--sliding-window 4` (speculators records it as
+    transformer_layer_config.sliding_window + layer_types ["sliding_attention"]) and scored by speculators'
+    own training forward, whose mask (models/eagle3/attention.py::create_combined_mask_mod) applies it."""
+    python = trainer_python("speculators")
+    run = speculators_draft_run
+    root = run["root"]
+    env = dict(os.environ, PYTHONPATH="")
+    proc = subprocess.run([python, str(HERE / "speculators_forward.py"), str(run["target"]), str(run["data"]), str(root / "draft_w"),
+                           str(root / "theirs_w.json"), "3", "16", "1,3,4", "", str(WINDOW)],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**run, "draft": root / "draft_w", "theirs": json.loads((root / "theirs_w.json").read_text())}
+
+
+def test_train_acc_applies_the_drafts_sliding_window_as_speculators_training_forward_does(speculators_windowed_run, capsys):
+    from safetensors.torch import load_file
+
+    run = speculators_windowed_run
+    layer = json.loads((run["draft"] / "config.json").read_text())["transformer_layer_config"]
+    assert (layer["sliding_window"], layer["layer_types"]) == (WINDOW, ["sliding_attention"])  # as speculators records it
+    theirs, theirs_2048 = run["theirs"]["full"], json.loads((run["root"] / "theirs.json").read_text())["full"]
+    ours = _train_acc(run)
+    assert f"attention: sliding window {WINDOW} (the draft config's layer_types[0] = sliding_attention" in capsys.readouterr().out
+    assert ours["correct"] == theirs["full_acc_sum"] and ours["counted"] == theirs["full_acc_total"], (ours, theirs)
+    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    # the window alone makes the difference: same weights as the 2048-window draft, different counts
+    w, w2048 = load_file(str(run["draft"] / "model.safetensors")), load_file(str(run["root"] / "draft" / "model.safetensors"))
+    assert w.keys() == w2048.keys() and all(torch.equal(w[k], w2048[k]) for k in w)
+    assert theirs["full_acc_sum"] != theirs_2048["full_acc_sum"], (theirs, theirs_2048)
 
 
 # -- speculators 0.6.0: the pre-0.7 rule, against the real release ------------------------------------

@@ -387,6 +387,7 @@ def test_train_acc_reads_hidden_states_from_the_folder_given_as_hidden_states(pa
 
 def test_train_acc_refuses_a_missing_hidden_states_folder_in_one_line(pair, tmp_path, capsys):
     data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    capsys.readouterr()  # the dump's own model loading
     rc = cli.main(["train-acc", "--data", str(data), "--draft", str(pair[1]), "--target", str(pair[0]),
                    "--hidden-states", str(tmp_path / "nope")])  # fmt: skip
     err = capsys.readouterr().err

@@ -47,7 +47,7 @@ def _layer_ids(text: str | None) -> list[int] | None:
 
 def train_acc(args) -> int:
     from engines.trainingdata.engine import TrainingDataEngine
-    from engines.trainingdata.train_accuracy import rules_for
+    from engines.trainingdata.train_accuracy import describe_attention, rules_for
 
     try:
         if args.json:  # checked before the computation, not found unwritable after it
@@ -86,8 +86,9 @@ def train_acc(args) -> int:
                 for line in dump.skipped:
                     print(f"  skipped: {line}")
                 print(ident.summary())
-                rules_name = engine.rules(case, s, dump)[1]
+                rules, rules_name = engine.rules(case, s, dump)
                 print(f"scored with {rules_name}'s rules")
+                print(f"attention: {describe_attention(loaded.config, rules)}")
                 for note in ident.notes:
                     print(f"  {note}")
                 names = [n or f"dump[{j}]" for j, n in enumerate(ident.fc_names)]

@@ -45,6 +45,7 @@ from engines.trainingdata.train_accuracy import (
     StepCounts,
     TrainerRules,
     VerifierHead,
+    describe_attention,
     rules_for,
     sample_accuracy,
 )
@@ -291,6 +292,7 @@ class TrainingDataEngine(Engine):
                 "identification": ident.to_dict(),
             },
             "train_accuracy": {"rules": rules.name, "trainer": trainer_how, "ttt_steps": len(acc.counted),
+                               "attention": describe_attention(cfg, rules),
                                "max_len": s.get("max_len") or rules.default_max_len, "wiring": inputs, **acc.to_dict()}},
         }
         return Capture(tensors, meta)
