@@ -185,3 +185,100 @@ def test_train_acc_refuses_layer_ids_that_are_not_whole_numbers_in_one_line(tmp_
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "--layer-ids: expected whole numbers separated by commas (e.g. 2,4,7), got '2,x,7'" in err
+
+
+# -- attention over long samples: the draft config's sliding window --------------------------------------
+
+
+def _layer_config(**layer) -> dict:
+    """A speculators-format draft config; `layer` adds to its transformer_layer_config."""
+    return {"speculators_model_type": "eagle3", "draft_vocab_size": 32, "norm_output": True,
+            "transformer_layer_config": {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                         "vocab_size": 32, "intermediate_size": 32, "num_hidden_layers": 1, **layer}}  # fmt: skip
+
+
+def test_ttt_mask_with_a_window_keeps_the_last_w_step0_keys_and_every_steps_diagonal():
+    from engines.trainingdata.train_accuracy import ttt_mask
+
+    n, step, w = 7, 2, 3
+    by_hand = torch.zeros(n, n * (step + 1), dtype=torch.bool)
+    for q in range(n):
+        for k in range(n):  # speculators create_combined_mask_mod: q >= kv and kv > q - window
+            by_hand[q, k] = q - w < k <= q
+        for s in range(1, step + 1):  # extend_*_mask_for_draft_tokens: the query's own origin, unwindowed
+            by_hand[q, s * n + q] = True
+    assert torch.equal(ttt_mask(n, step, window=w), by_hand)
+    assert torch.equal(ttt_mask(n, step, window=n), ttt_mask(n, step))  # a window as long as the sample is causal
+
+
+@pytest.mark.parametrize("layer, window", [
+    ({"sliding_window": 2048, "use_sliding_window": True, "layer_types": ["sliding_attention"]}, 2048),  # speculators train
+    ({"sliding_window": 2048, "use_sliding_window": True, "layer_types": ["full_attention"]}, None),  # --full-attention-indices 0
+    ({"sliding_window": None, "layer_types": ["sliding_attention"]}, None),  # speculators' mask_mod skips a None window
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 28}, None),  # no layer_types: not read
+], ids=["sliding", "full-layer", "no-window", "qwen2-fields-only"])  # fmt: skip
+def test_draft_config_window_is_read_from_layer_types_as_speculators_reads_it(layer, window, tmp_path):
+    from engines.ref.eagle3 import parse_config
+
+    assert parse_config(_layer_config(**layer), tmp_path / "config.json").sliding_window == window
+
+
+@pytest.mark.parametrize("layer, fragment", [
+    ({"layer_types": ["chunked_attention"], "sliding_window": 8},
+     "transformer_layer_config.layer_types[0] is 'chunked_attention'; the reference draft runs 'full_attention' or 'sliding_attention' only"),
+    ({"layer_types": ["sliding_attention"], "sliding_window": 0},
+     "transformer_layer_config.sliding_window is 0 for a sliding_attention layer; expected a whole number of tokens >= 1"),
+    ({"layer_types": "sliding_attention", "sliding_window": 8},
+     "transformer_layer_config.layer_types must be a list of strings, got 'sliding_attention'"),
+], ids=["unknown-type", "zero-window", "not-a-list"])  # fmt: skip
+def test_draft_config_attention_the_reference_cannot_run_is_refused_in_one_line(layer, fragment, tmp_path):
+    from engines.ref.eagle3 import parse_config
+
+    with pytest.raises(ConfigError) as e:
+        parse_config(_layer_config(**layer), tmp_path / "config.json")
+    assert str(e.value) == f"{tmp_path / 'config.json'}: {fragment}"
+
+
+def test_the_window_is_applied_only_under_rules_whose_trainer_applies_it(tmp_path):
+    from engines.ref.eagle3 import parse_config
+    from engines.trainingdata.train_accuracy import describe_attention, scoring_window
+
+    cfg = parse_config(_layer_config(sliding_window=8, layer_types=["sliding_attention"]), tmp_path / "config.json")
+    assert scoring_window(cfg, rules_for("speculators@0.9")) == 8 and scoring_window(cfg, rules_for("speculators@0.7.0")) == 8
+    assert scoring_window(cfg, rules_for("speculators@0.6")) is None  # 0.6.0's EAGLE-3 draft has no window
+    assert scoring_window(cfg, rules_for("specforge@0.2")) is None  # SpecForge 0.2.0's draft never reads one
+    assert describe_attention(cfg, rules_for("specforge")) == (
+        "full causal (the draft config records a sliding window of 8, which specforge@0.2 does not apply)")
+
+
+def _random_draft(window: int | None):
+    from engines.ref.eagle3 import Eagle3Config, build_draft
+
+    cfg = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                       vocab_size=32, draft_vocab_size=32, target_hidden_size=16, num_aux=3, norm_output=True,
+                       sliding_window=window)  # fmt: skip
+    torch.manual_seed(0)
+    draft = build_draft(cfg)
+    with torch.no_grad():  # sharper attention than the init's, so which keys are visible shows in the argmax
+        draft.layer.self_attn.q_proj.weight.mul_(6.0)
+        draft.layer.self_attn.k_proj.weight.mul_(6.0)
+    return draft.double().eval()
+
+
+def test_a_sample_longer_than_the_window_scores_each_origin_as_if_it_saw_only_its_window():
+    """Origin q under window W sees base keys q-W+1..q: exactly what a windowless run on the slice of the
+    sample starting at q-W+1 gives its origin W-1 (rotary attention depends on relative positions only)."""
+    from engines.trainingdata.train_accuracy import unroll
+
+    W, N, steps = 3, 16, 3
+    g = torch.Generator().manual_seed(1)
+    fc, ids = torch.randn(N, 48, generator=g, dtype=torch.float64), torch.randint(0, 32, (N,), generator=g)
+    rules = RULES["speculators"]
+    windowed = unroll(_random_draft(W), fc, ids, steps, rules)
+    causal = _random_draft(None)
+    full = unroll(causal, fc, ids, steps, rules)
+    for q in range(W - 1, N - steps):  # origins whose steps all have a teacher-forced token in the slice
+        a = q - W + 1
+        sliced = unroll(causal, fc[a : q + steps + 1], ids[a : q + steps + 1], steps, rules)
+        assert [int(p[q]) for p in windowed] == [int(p[W - 1]) for p in sliced], q
+    assert any(not torch.equal(w[W:], f[W:]) for w, f in zip(windowed, full))  # the window changes predictions here

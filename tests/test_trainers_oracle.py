@@ -8,6 +8,8 @@ skipped naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail inst
   acc_k) equal the trainers' `compute_metrics` / `_compute_metric_counts` exactly, so the ratios agree
   to 1e-6. The draft logits are the verifier's targets plus noise (accuracies between about 0.2 and 0.9,
   so AND-ing steps and masks matter), loss masks have gaps, and some targets fall outside the draft vocab.
+* the sliding window: a speculators draft whose config records a window shorter than the samples is
+  scored as speculators' forward scores it (its masks keep keys q - W < k <= q at step 0).
 * the training forward: a draft built by speculators itself (`Eagle3DraftModel.from_training_args`, the
   `speculators train` defaults) scored by its own training forward (ArrowDataset -> CollateFn(shift_batch)
   -> forward metrics) gives the counts `difftest train-acc` gives on the same draft and dump, with the
@@ -16,16 +18,15 @@ skipped naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail inst
 * readers: a speculators folder (arrow dataset + hidden states in a separate --hidden-states-path) read
   by speculators' ArrowDataset, and a SpecForge rows_a-b folder (.ckpt and .ckpt.gz, with its
   vocab_mapping/vocab_mapping.pt) read by SpecForge's offline reader, give difftest's reader the same
-  tensors.
+  tensors; difftest reads the arrow folder `datasets` wrote without `datasets` (the default install).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-from contextlib import nullcontext
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,16 +56,12 @@ def trainer_python(name: str, setup: str | None = None) -> str:
     return str(candidate)
 
 
-def run_oracle(name: str, script: str, *args: str, with_difftest: bool = False) -> None:
+def run_oracle(name: str, script: str, *args: str) -> None:
     # SpecForge's metric functions are torch.compile'd; their eager code is the same function and
     # skips minutes of CPU compilation
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) if with_difftest else "", TORCH_COMPILE_DISABLE="1")
+    env = dict(os.environ, PYTHONPATH="", TORCH_COMPILE_DISABLE="1")
     proc = subprocess.run([trainer_python(name), str(HERE / script), *args], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def _has_datasets() -> bool:
-    return importlib.util.find_spec("datasets") is not None
 
 
 # -- the shared draft and data ------------------------------------------------------------------
@@ -157,23 +154,23 @@ def _hidden_samples(seed: int, n: int = 3, layers: int = 4) -> list[dict]:
     return out
 
 
-def test_speculators_folder_with_separate_hidden_states_reads_as_their_trainer_reads_it(tmp_path):
+def test_speculators_folder_with_separate_hidden_states_reads_as_their_trainer_reads_it(tmp_path, monkeypatch):
     samples = _hidden_samples(3)
     torch.save(samples, tmp_path / "in.pt")
     data, hs = tmp_path / "data", tmp_path / "elsewhere" / "hs"
     run_oracle("speculators", "speculators_reader.py", str(tmp_path / "in.pt"), str(data), str(hs), str(tmp_path / "out.pt"))
     theirs = torch.load(tmp_path / "out.pt", weights_only=True)
-    # difftest's reader where `datasets` is installed (it reads the arrow dataset part through it)
-    run_oracle("speculators", "difftest_reader.py", str(data), str(hs), str(tmp_path / "ours.pt"), with_difftest=True)
-    dump = torch.load(tmp_path / "ours.pt", weights_only=True)  # auto: hidden_states given means speculators
-    assert dump["format"] == "speculators" and not dump["skipped"] and len(dump["samples"]) == len(theirs)
-    for s, t in zip(dump["samples"], theirs):
-        assert torch.equal(s["input_ids"], t["input_ids"].long())
-        assert torch.equal(s["loss_mask"], t["loss_mask"].bool())
-        assert torch.equal(s["fc_in"], t["hidden_states"])  # [seq, 3H]: every layer but the last, flattened in order
-        assert torch.equal(s["verifier"], t["verifier_last_hidden_states"])
-    with pytest.raises(ConfigError, match="install `datasets`") if not _has_datasets() else nullcontext():
-        read_dump(data, hidden_states=hs)  # here: refused in one line naming what to install, or read
+    monkeypatch.setitem(sys.modules, "datasets", None)  # the default install has no `datasets`: importing it fails
+    dump = read_dump(data, hidden_states=hs)  # auto: hidden_states given means speculators
+    assert dump.format == "speculators" and not dump.skipped and len(dump.samples) == len(theirs)
+    for s, t in zip(dump.samples, theirs):
+        assert torch.equal(s.input_ids, t["input_ids"].long())
+        assert torch.equal(s.loss_mask, t["loss_mask"].bool())
+        assert torch.equal(s.fc_in, t["hidden_states"])  # [seq, 3H]: every layer but the last, flattened in order
+        assert torch.equal(s.verifier, t["verifier_last_hidden_states"])
+    with pytest.raises(ConfigError, match=r"holds a speculators arrow dataset \(3 samples in data-00000-of-00001.arrow\) "
+                                          r"but no hidden states: .*--hidden-states DIR"):  # fmt: skip
+        read_dump(data)  # the same folder without its hidden states: what was found and where they are expected
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["ckpt", "ckpt.gz"])
@@ -248,6 +245,45 @@ def test_train_acc_truncates_samples_where_speculators_collate_does(speculators_
     assert ours["counted"] == theirs["full_acc_total"] and ours["correct"] == theirs["full_acc_sum"], (ours, theirs)
     assert ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
     assert ours["counted"][0] < speculators_draft_run["theirs"]["full"]["full_acc_total"][0]  # it did cut
+
+
+# -- speculators' sliding window: samples longer than the draft's window --------------------------------
+
+
+WINDOW = 4  # the samples are 20 tokens (19 origins after shift_batch): most origins see fewer keys than under causal
+
+
+@pytest.fixture(scope="module")
+def speculators_windowed_run(speculators_draft_run):
+    """The same target, data and seed, the draft built with `--sliding-window 4` (speculators records it as
+    transformer_layer_config.sliding_window + layer_types ["sliding_attention"]) and scored by speculators'
+    own training forward, whose mask (models/eagle3/attention.py::create_combined_mask_mod) applies it."""
+    python = trainer_python("speculators")
+    run = speculators_draft_run
+    root = run["root"]
+    env = dict(os.environ, PYTHONPATH="")
+    proc = subprocess.run([python, str(HERE / "speculators_forward.py"), str(run["target"]), str(run["data"]), str(root / "draft_w"),
+                           str(root / "theirs_w.json"), "3", "16", "1,3,4", "", str(WINDOW)],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**run, "draft": root / "draft_w", "theirs": json.loads((root / "theirs_w.json").read_text())}
+
+
+def test_train_acc_applies_the_drafts_sliding_window_as_speculators_training_forward_does(speculators_windowed_run, capsys):
+    from safetensors.torch import load_file
+
+    run = speculators_windowed_run
+    layer = json.loads((run["draft"] / "config.json").read_text())["transformer_layer_config"]
+    assert (layer["sliding_window"], layer["layer_types"]) == (WINDOW, ["sliding_attention"])  # as speculators records it
+    theirs, theirs_2048 = run["theirs"]["full"], json.loads((run["root"] / "theirs.json").read_text())["full"]
+    ours = _train_acc(run)
+    assert f"attention: sliding window {WINDOW} (the draft config's layer_types[0] = sliding_attention" in capsys.readouterr().out
+    assert ours["correct"] == theirs["full_acc_sum"] and ours["counted"] == theirs["full_acc_total"], (ours, theirs)
+    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    # the window alone makes the difference: same weights as the 2048-window draft, different counts
+    w, w2048 = load_file(str(run["draft"] / "model.safetensors")), load_file(str(run["root"] / "draft" / "model.safetensors"))
+    assert w.keys() == w2048.keys() and all(torch.equal(w[k], w2048[k]) for k in w)
+    assert theirs["full_acc_sum"] != theirs_2048["full_acc_sum"], (theirs, theirs_2048)
 
 
 # -- speculators 0.6.0: the pre-0.7 rule, against the real release ------------------------------------

@@ -289,3 +289,116 @@ def test_auxiliary_files_alone_are_no_training_data(tmp_path):
     torch.save({"counts": torch.zeros(2)}, tmp_path / "token_freq.pt")
     with pytest.raises(ConfigError, match="no training data found"):
         read_dump(tmp_path)
+
+
+# -- the speculators dataset part as `prepare-data` writes it ------------------------------------------
+
+
+def _save_to_disk_layout(path, rows: list[dict], shards: int = 1) -> None:
+    """The folder `datasets` save_to_disk writes (state.json listing data-XXXXX-of-YYYYY.arrow, each an
+    Arrow IPC stream), written with pyarrow alone so the core environment can build it."""
+    import pyarrow as pa
+
+    path.mkdir(parents=True, exist_ok=True)
+    per = -(-len(rows) // shards)
+    names = [f"data-{k:05d}-of-{shards:05d}.arrow" for k in range(shards)]
+    for k, name in enumerate(names):
+        part = rows[k * per : (k + 1) * per]
+        table = pa.table({"input_ids": pa.array([r["input_ids"] for r in part], pa.list_(pa.int64())),
+                          "loss_mask": pa.array([r["loss_mask"] for r in part], pa.list_(pa.int64())),
+                          "seq_len": pa.array([len(r["input_ids"]) for r in part], pa.int64())})  # fmt: skip
+        with pa.OSFile(str(path / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=2)  # several record batches per shard
+    (path / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names], "_format_type": "torch"}))
+    (path / "dataset_info.json").write_text("{}")
+
+
+def _as_prepare_data(dump_dir, out, shards: int = 2):
+    """A difftest dump's dataset part rewritten as prepare-data's arrow folder (samples.jsonl removed)."""
+    rows = [json.loads(x) for x in (dump_dir / "samples.jsonl").read_text().splitlines()]
+    for r in rows:  # a mask the jsonl did not have, so reading it from the arrow columns shows
+        r["loss_mask"] = [int(i % 3 != 0) for i in range(len(r["input_ids"]))]
+    _save_to_disk_layout(out, rows, shards)
+    return rows
+
+
+def test_speculators_arrow_dataset_part_is_read_by_the_default_install(pair, tmp_path):
+    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    rows = _as_prepare_data(data, data, shards=2)
+    (data / "samples.jsonl").unlink()
+    dump = read_dump(data)
+    assert dump.format == "speculators" and not dump.skipped and not dump.notes
+    assert len(dump.samples) == len(rows)
+    for s, r in zip(dump.samples, rows):  # row i across both shards and their batches is hs_{i}
+        assert s.input_ids.tolist() == r["input_ids"]
+        assert s.loss_mask.tolist() == [bool(m) for m in r["loss_mask"]]
+
+
+def test_a_dataset_row_whose_tokens_differ_from_its_hidden_states_skips_that_sample(pair, tmp_path):
+    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    rows = [json.loads(x) for x in (data / "samples.jsonl").read_text().splitlines()]
+    rows[1], rows[2] = rows[2], rows[1]  # the dataset's order no longer matches hs_1 / hs_2
+    (data / "samples.jsonl").unlink()
+    _save_to_disk_layout(data, rows)
+    dump = read_dump(data)
+    assert [s.index for s in dump.samples] == [0, 3, 4, 5]
+    assert [line.split(": ")[1] for line in dump.skipped] == ["token_ids", "token_ids"]
+
+
+def test_prepare_data_folder_without_hidden_states_says_where_they_are_expected(pair, tmp_path):
+    from difftest.errors import ConfigError
+
+    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    _as_prepare_data(data, tmp_path / "prepared", shards=2)
+    with pytest.raises(ConfigError) as e:
+        read_dump(tmp_path / "prepared")
+    msg = str(e.value)
+    assert "\n" not in msg and "no training data found" not in msg
+    assert f"holds a speculators arrow dataset ({len(PROMPTS)} samples in data-00000-of-00002.arrow .. data-00001-of-00002.arrow)" in msg
+    assert f"expected {tmp_path / 'prepared' / 'hidden_states'}/hs_*.safetensors" in msg
+    assert "hidden_states=DIR (train-acc: --hidden-states DIR)" in msg
+
+
+def test_a_dataset_dictionary_folder_is_refused_naming_the_split_to_give(tmp_path):
+    from difftest.errors import ConfigError
+
+    _save_to_disk_layout(tmp_path / "dd" / "train", [{"input_ids": [1, 2], "loss_mask": [1, 1]}])
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    with pytest.raises(ConfigError, match=r"is a dataset dictionary \(splits: train\); give one split's folder, e.g. .*/dd/train$"):
+        read_dump(tmp_path / "dd", hidden_states=tmp_path)
+
+
+def test_train_acc_reads_hidden_states_from_the_folder_given_as_hidden_states(pair, tmp_path, capsys):
+    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    args = ["train-acc", "--draft", str(pair[1]), "--target", str(pair[0]), "--ttt-steps", "2"]
+    assert cli.main([*args, "--data", str(data), "--json", str(tmp_path / "here.json")]) == 0
+    rows = _as_prepare_data(data, tmp_path / "prepared")
+    (data / "hidden_states").rename(tmp_path / "elsewhere")  # as generate-offline-data --output puts them
+    capsys.readouterr()
+    rc = cli.main([*args, "--data", str(tmp_path / "prepared"), "--hidden-states", str(tmp_path / "elsewhere"),
+                   "--json", str(tmp_path / "apart.json")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"(speculators, {len(PROMPTS)} samples, 0 skipped; hidden states from {tmp_path / 'elsewhere'})" in out
+    here, apart = (json.loads((tmp_path / f).read_text())["rows"][0] for f in ("here.json", "apart.json"))
+    # the positions counted at step 0 are those the arrow part's own loss mask selects (speculators: m_{i+1})
+    assert apart["counted"][0] == sum(sum(r["loss_mask"][1:]) for r in rows) != here["counted"][0]
+
+
+def test_train_acc_refuses_a_missing_hidden_states_folder_in_one_line(pair, tmp_path, capsys):
+    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    capsys.readouterr()  # the dump's own model loading
+    rc = cli.main(["train-acc", "--data", str(data), "--draft", str(pair[1]), "--target", str(pair[0]),
+                   "--hidden-states", str(tmp_path / "nope")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err == f"difftest train-acc: --hidden-states: {tmp_path / 'nope'}: directory not found\n"
+
+
+def test_an_empty_hidden_states_folder_names_the_option_to_give_another(pair, tmp_path):
+    from difftest.errors import ConfigError
+
+    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"empty: no hs_\*.safetensors files .*check the folder given as hidden_states=DIR \(train-acc: --hidden-states DIR\)$"):
+        read_dump(data, hidden_states=tmp_path / "empty")

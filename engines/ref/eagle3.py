@@ -68,6 +68,11 @@ class Eagle3Config:
     format: str = "eagle"  # "eagle" (HF/EAGLE) or "speculators"
     layer_ids_top: list[int] | None = None  # eagle_aux_hidden_state_layer_ids at top level
     layer_ids_eagle_config: list[int] | None = None  # ... inside eagle_config
+    # The draft layer's attention window as the config records it: `layer_types[0] == "sliding_attention"`
+    # with `sliding_window` W (speculators >= 0.7 writes both into transformer_layer_config, every layer
+    # sliding, W = 2048 by default). None: full causal attention. Applied where a trainer applies it
+    # (engines.trainingdata.train_accuracy.scoring_window); the serving chain's default mask does not.
+    sliding_window: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -335,6 +340,34 @@ def _ids(value: object, where: str) -> list[int] | None:
     return list(value)
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _sliding_window(layer: dict, where: str, prefix: str) -> int | None:
+    """The window of the draft's single layer, read as speculators reads it (0.7.0 - 0.9.0
+    `models/eagle3/core.py::Eagle3DraftModel.__init__`: the layers whose `layer_types` entry is
+    "sliding_attention" get `sliding_window`; `use_sliding_window` and `max_window_layers` are not
+    read) and as vLLM's `model_executor/models/llama.py` reads `layer_types[layer_idx]`. A sliding
+    layer with no window is plain causal there too (speculators' mask_mod skips a None window)."""
+    types = layer.get("layer_types")
+    if types is None or types == []:
+        return None
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ConfigError(f"{where}: {prefix}layer_types must be a list of strings, got {types!r}")
+    if types[0] not in ATTENTION_LAYER_TYPES:
+        raise ConfigError(f"{where}: {prefix}layer_types[0] is {types[0]!r}; the reference draft runs "
+                          f"{' or '.join(map(repr, ATTENTION_LAYER_TYPES))} only")  # fmt: skip
+    if types[0] != "sliding_attention":
+        return None
+    window = layer.get("sliding_window")
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"{where}: {prefix}sliding_window is {window!r} for a sliding_attention layer; "
+                          "expected a whole number of tokens >= 1")  # fmt: skip
+    return window
+
+
 def parse_config(raw: dict, path: Path) -> Eagle3Config:
     where = str(path)
     if raw.get("speculators_model_type") is not None:
@@ -395,6 +428,7 @@ def parse_config(raw: dict, path: Path) -> Eagle3Config:
         format=fmt,
         layer_ids_top=ids_top,
         layer_ids_eagle_config=ids_ec,
+        sliding_window=_sliding_window(layer, where, "transformer_layer_config." if fmt == "speculators" else ""),
     )
 
 

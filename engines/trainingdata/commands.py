@@ -1,9 +1,10 @@
 """The `difftest train-acc` and `difftest dump` commands, contributed to the CLI through the
 `difftest.commands` entry points (difftest.extensions): their arguments and what they run.
 
-    difftest train-acc --data DIR --draft CKPT --target CKPT [--wiring vllm --wiring sglang ...]
+    difftest train-acc --data DIR --draft CKPT --target CKPT [--hidden-states DIR] [--wiring vllm --wiring sglang ...]
         the trainer's accuracy of a draft on a dump under the training wiring, and under each
-        engine wiring side by side (fc rebuilt from the dumped tensors by identity)
+        engine wiring side by side (fc rebuilt from the dumped tensors by identity); --hidden-states:
+        the speculators hs_*.safetensors folder when it is not DATA/hidden_states
     difftest dump --target CKPT --out DIR --format speculators --layers h0+h2+h4+h7 [--case FILE ...]
         write training data from the reference target
 """
@@ -46,7 +47,7 @@ def _layer_ids(text: str | None) -> list[int] | None:
 
 def train_acc(args) -> int:
     from engines.trainingdata.engine import TrainingDataEngine
-    from engines.trainingdata.train_accuracy import rules_for
+    from engines.trainingdata.train_accuracy import describe_attention, rules_for
 
     try:
         if args.json:  # checked before the computation, not found unwritable after it
@@ -55,8 +56,11 @@ def train_acc(args) -> int:
         print(f"difftest train-acc: {e}", file=sys.stderr)
         return 2
     data = Path(args.data).resolve()
+    hidden_states = Path(args.hidden_states).resolve() if args.hidden_states else None
     rows = []
     try:
+        if hidden_states is not None and not hidden_states.is_dir():  # named as typed, before anything loads
+            raise ConfigError(f"--hidden-states: {args.hidden_states}: directory not found")
         if args.trainer is not None:
             rules_for(args.trainer, where="--trainer")  # refused as typed, before any data is read
         # inside the try: an unknown fixture or a bad checkpoint path is one line too
@@ -66,7 +70,8 @@ def train_acc(args) -> int:
             prompts=[Prompt(ids=[0, 0])], num_steps=args.ttt_steps or 3,
             engines={"train": {k: v for k, v in {"data": str(data), "format": args.format, "identify": args.identify,
                                                  "ttt_steps": args.ttt_steps, "max_len": args.max_len,
-                                                 "trainer": args.trainer}.items() if v is not None}},  # unset: the default
+                                                 "trainer": args.trainer, "hidden_states": str(hidden_states) if hidden_states else None,
+                                                 }.items() if v is not None}},  # unset: the default
         )  # fmt: skip
         for wiring in [None, *args.wiring]:
             engine = TrainingDataEngine(EngineSpec("train", params=(("wiring", wiring),) if wiring else ()))
@@ -76,12 +81,14 @@ def train_acc(args) -> int:
             loaded = engine.draft(case, w)
             ident = engine.identification(case, s, dump, w)
             if wiring is None:
-                print(f"training data: {data} ({dump.format}, {len(dump.samples)} samples, {len(dump.skipped)} skipped)")
+                hs = f"; hidden states from {hidden_states}" if hidden_states else ""
+                print(f"training data: {data} ({dump.format}, {len(dump.samples)} samples, {len(dump.skipped)} skipped{hs})")
                 for line in dump.skipped:
                     print(f"  skipped: {line}")
                 print(ident.summary())
-                rules_name = engine.rules(case, s, dump)[1]
+                rules, rules_name = engine.rules(case, s, dump)
                 print(f"scored with {rules_name}'s rules")
+                print(f"attention: {describe_attention(loaded.config, rules)}")
                 for note in ident.notes:
                     print(f"  {note}")
                 names = [n or f"dump[{j}]" for j, n in enumerate(ident.fc_names)]
@@ -151,6 +158,9 @@ def train_acc_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--data", required=True, help="training data directory (speculators, legacy .pt or SpecForge .ckpt)")
     t.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
     t.add_argument("--target", required=True, help="target checkpoint or fixture:NAME (its lm_head/norm make the targets)")
+    t.add_argument("--hidden-states", default=None, metavar="DIR",
+                   help="the speculators hs_*.safetensors folder when it is not DATA/hidden_states "
+                   "(generate-offline-data --output, the trainer's --hidden-states-path)")
     t.add_argument("--format", default="auto", help="speculators | speculators-legacy | specforge | auto")
     t.add_argument("--identify", default="target", choices=["target", "stats"], help="identify dumped layers by a target run or by statistics")
     t.add_argument("--wiring", action="append", default=[], help="an engine wiring to compare (preset or h2+h4+h7); repeatable")

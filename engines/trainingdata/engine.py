@@ -45,6 +45,7 @@ from engines.trainingdata.train_accuracy import (
     StepCounts,
     TrainerRules,
     VerifierHead,
+    describe_attention,
     rules_for,
     sample_accuracy,
 )
@@ -167,7 +168,7 @@ class TrainingDataEngine(Engine):
         return self._drafts[key]
 
     def identification(self, case: Case, s: dict, dump: Dump, w: dict) -> Identification:
-        key = (s["data"], s["format"], s["identify"], case.target)
+        key = (s["data"], s["format"], s.get("hidden_states"), s["identify"], case.target)
         if key not in self._idents:
             first = dump.samples[0]
             if s["identify"] == "target":
@@ -216,7 +217,7 @@ class TrainingDataEngine(Engine):
         rules, _ = self.rules(case, s, dump)
         steps = s.get("ttt_steps") or rules.default_ttt_steps
         max_len = s.get("max_len") or rules.default_max_len
-        key = (s["data"], s["format"], str(s.get("wiring")), case.draft, steps, max_len, rules.name)
+        key = (s["data"], s["format"], s.get("hidden_states"), str(s.get("wiring")), case.draft, steps, max_len, rules.name)
         max_len += 1 if rules.max_len_after_shift else 0  # tokens kept before the shift
         if key not in self._accuracy:
             total = StepCounts()
@@ -291,6 +292,7 @@ class TrainingDataEngine(Engine):
                 "identification": ident.to_dict(),
             },
             "train_accuracy": {"rules": rules.name, "trainer": trainer_how, "ttt_steps": len(acc.counted),
+                               "attention": describe_attention(cfg, rules),
                                "max_len": s.get("max_len") or rules.default_max_len, "wiring": inputs, **acc.to_dict()}},
         }
         return Capture(tensors, meta)

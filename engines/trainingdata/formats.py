@@ -8,13 +8,15 @@ the files do not say (see engines.trainingdata.layer_identity).
 
 speculators (current; vllm-project/speculators `train/data.py::ArrowDataset`):
     DIR/hidden_states/hs_{i}.safetensors   hidden_states [seq, n_layers, H], token_ids [seq]
-    DIR/ (datasets.load_from_disk)         input_ids, loss_mask, seq_len per sample i
+    DIR/ (datasets save_to_disk)           input_ids, loss_mask, seq_len per sample i
+  The dataset part is the folder `prepare-data` writes with `datasets`' save_to_disk: state.json
+  lists `_data_files` (data-00000-of-0000N.arrow, Arrow IPC streams), read here with pyarrow
+  directly (a difftest dependency), so the default install reads real data without `datasets`.
+  Or DIR/samples.jsonl ({"index", "input_ids", "loss_mask"} a line), which `difftest dump` writes.
   The hidden states may live elsewhere (`generate-offline-data --output`, the trainer's
   `--hidden-states-path`): read_dump(..., hidden_states=PATH).
   The trainer checks token_ids == input_ids, feeds fc hidden_states[:, :-1] (flattened)
-  and uses hidden_states[:, -1] as the verifier. Without the `datasets` package the
-  dataset part is read from DIR/samples.jsonl ({"index", "input_ids", "loss_mask"} a line),
-  which is what `difftest dump` writes.
+  and uses hidden_states[:, -1] as the verifier.
 speculators legacy (`SampleFileDataset` / `standardize_data_v1`):
     DIR/**/*.pt (torch.save)   input_ids [seq], loss_mask [seq], hidden_states: list of [seq, H]
   fc = cat(list[:-1]), verifier = list[-1].
@@ -48,6 +50,7 @@ from pathlib import Path
 import torch
 
 from difftest.errors import ConfigError
+from difftest.weight_files import first_line
 
 FORMATS = ("speculators", "speculators-legacy", "specforge")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -128,6 +131,15 @@ def detect_format(path: Path, hidden_states: Path | None = None) -> str:
         return "specforge"
     if legacy_files(path):
         return "speculators-legacy"
+    if (path / "dataset_dict.json").is_file():
+        _arrow_files(path)  # refused, naming the split folders to give instead
+    dataset = describe_dataset_part(path)
+    if dataset is not None:  # prepare-data's output alone: the hidden states went elsewhere
+        raise ConfigError(
+            f"{path}: holds {dataset} but no hidden states: expected {path / 'hidden_states'}/hs_*.safetensors; "
+            f"if `generate-offline-data --output` put them elsewhere, give that folder with "
+            "hidden_states=DIR (train-acc: --hidden-states DIR)"
+        )
     raise ConfigError(
         f"{path}: no training data found (expected hidden_states/hs_*.safetensors (speculators), "
         "*.pt (speculators legacy) or rows_*/data_*.ckpt[.gz] (SpecForge offline))"
@@ -265,17 +277,137 @@ def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
                 bad.append(f"{jsonl}: line {n + 1}: expected {{\"index\": N, \"input_ids\": [...], \"loss_mask\": [...]}} "
                            "(row skipped)")  # fmt: skip
         return rows, bad
-    if next(path.glob("*.arrow"), None) is not None or (path / "dataset_info.json").exists():
-        try:
-            from datasets import load_from_disk
-        except ImportError:
-            raise ConfigError(
-                f"{path}: the dataset part is an arrow dataset; install `datasets` to read it, "
-                "or write samples.jsonl ({\"index\", \"input_ids\", \"loss_mask\"} per line)"
-            ) from None
-        ds = load_from_disk(str(path))
-        return {i: {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for i, r in enumerate(ds)}, []
+    if is_arrow_dataset(path):
+        return read_arrow_rows(path)
     return {}, [f"{path}: no dataset (samples.jsonl or arrow): input_ids = token_ids, loss_mask = all ones"]
+
+
+# ---------------------------------------------------------------------------------------
+# The speculators dataset part: a `datasets` save_to_disk folder, read with pyarrow
+# ---------------------------------------------------------------------------------------
+# Layout (datasets `arrow_dataset.py::Dataset.save_to_disk`, as speculators 0.9.0
+# `cli/prepare_data.py` calls it): DIR/state.json {"_data_files": [{"filename": ...}], ...},
+# DIR/dataset_info.json (features), DIR/data-XXXXX-of-YYYYY.arrow, each an Arrow IPC *stream*.
+# Row i over the files in state.json's order is the sample whose hidden states are hs_{i}
+# (speculators `train/data.py::ArrowDataset` indexes load_from_disk(DIR) the same way).
+
+
+def is_arrow_dataset(path: Path) -> bool:
+    """A save_to_disk folder (or a DatasetDict's, which _arrow_files refuses naming its splits)."""
+    return any((path / n).is_file() for n in ("state.json", "dataset_dict.json")) or next(path.glob("*.arrow"), None) is not None
+
+
+def _arrow_files(path: Path) -> list[Path]:
+    dict_file = path / "dataset_dict.json"
+    if dict_file.is_file():  # DatasetDict.save_to_disk: one folder per split
+        try:
+            splits = ", ".join(str(x) for x in json.loads(dict_file.read_text()).get("splits", []))
+        except (ValueError, AttributeError):
+            splits = "?"
+        raise ConfigError(f"{path}: is a dataset dictionary (splits: {splits}); give one split's folder, e.g. {path}/train")
+    state_file = path / "state.json"
+    if not state_file.is_file():  # no state.json: the shards by name (zero-padded, so name order is shard order)
+        return sorted(path.glob("*.arrow"))
+    try:
+        state = json.loads(state_file.read_text())
+        names = [str(f["filename"]) for f in state["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{state_file}: expected datasets' save_to_disk state (a \"_data_files\" list of "
+                          f"{{\"filename\": ...}}), could not read it ({type(e).__name__})") from None  # fmt: skip
+    if state.get("_indices_data_files"):  # an index mapping: rows are not the files' rows in order
+        raise ConfigError(f"{state_file}: the dataset has an indices mapping (_indices_data_files); re-save it with "
+                          "`datasets` save_to_disk, which writes the selected rows themselves")  # fmt: skip
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise ConfigError(f"{state_file}: lists {missing[0]}, which is not in {path}")
+    return [path / n for n in names]
+
+
+def _import_pyarrow():
+    try:
+        import pyarrow as pa
+        import pyarrow.ipc  # noqa: F401
+    except ImportError:  # a venv from before pyarrow was a dependency
+        raise ConfigError("pyarrow is not installed (a difftest dependency, needed for the speculators arrow dataset); "
+                          "run `bash scripts/setup`") from None  # fmt: skip
+    return pa
+
+
+def _record_batches(pa, f: Path):
+    """The record batches of one shard: an Arrow IPC stream as datasets writes it, or the IPC file format."""
+    try:
+        source = pa.memory_map(str(f))
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        return list(reader)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"{f}: cannot be read as an Arrow stream ({first_line(e)})") from None
+
+
+def _list_column(pa, batch, name: str, f: Path) -> list[torch.Tensor | None]:
+    """One list-of-integers column as per-row int64 tensors (None for a null row)."""
+    col = batch.column(batch.schema.get_field_index(name))
+    ok = pa.types.is_list(col.type) or pa.types.is_large_list(col.type)
+    if not ok or not (pa.types.is_integer(col.type.value_type) or pa.types.is_boolean(col.type.value_type)):
+        raise ConfigError(f"{f}: column {name}: type {col.type}, expected a list of integers")
+    # offsets index into the whole child array (a sliced column keeps its parent's), so both are taken whole
+    offsets = col.offsets.to_numpy(zero_copy_only=False)
+    values = torch.from_numpy(col.values.to_numpy(zero_copy_only=False).astype("int64"))
+    valid = col.is_valid().to_numpy(zero_copy_only=False)
+    return [values[int(offsets[r]) : int(offsets[r + 1])] if valid[r] else None for r in range(len(col))]
+
+
+def read_arrow_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
+    """input_ids / loss_mask per row index from a save_to_disk folder. A row whose input_ids is null is
+    left out (its sample is then skipped as not in the dataset) with one line naming it."""
+    pa = _import_pyarrow()
+    files = _arrow_files(path)
+    if not files:
+        raise ConfigError(f"{path}: no data-*.arrow files (the dataset part is empty)")
+    rows: dict[int, dict] = {}
+    problems: list[str] = []
+    index = 0
+    has_mask = True
+    for f in files:
+        for batch in _record_batches(pa, f):
+            names = batch.schema.names
+            if "input_ids" not in names:
+                raise ConfigError(f"{f}: no input_ids column (columns: {', '.join(names)})")
+            ids = _list_column(pa, batch, "input_ids", f)
+            has_mask = has_mask and "loss_mask" in names
+            masks = _list_column(pa, batch, "loss_mask", f) if "loss_mask" in names else [None] * len(ids)
+            for r, (i, m) in enumerate(zip(ids, masks)):
+                if i is None:
+                    problems.append(f"{f}: row {index + r}: input_ids is null (row skipped)")
+                elif m is None:  # no mask: _read_speculators_sample counts every position
+                    rows[index + r] = {"input_ids": i}
+                else:
+                    rows[index + r] = {"input_ids": i, "loss_mask": m}
+            index += batch.num_rows
+    if not has_mask:
+        problems.append(f"{path}: the dataset has no loss_mask column: every position counts")
+    return rows, problems
+
+
+def describe_dataset_part(path: Path) -> str | None:
+    """'a speculators arrow dataset (N samples in data-....arrow)' for a folder holding a dataset part
+    (an arrow save_to_disk folder or samples.jsonl), else None. Only names things: an unreadable
+    dataset is still described, its problem is reported when it is read."""
+    if (path / "samples.jsonl").is_file():
+        return "a speculators dataset part (samples.jsonl)"
+    if not is_arrow_dataset(path):
+        return None
+    try:
+        pa = _import_pyarrow()
+        files = _arrow_files(path)
+        n = sum(b.num_rows for f in files for b in _record_batches(pa, f))
+        shown = files[0].name + (f" .. {files[-1].name}" if len(files) > 1 else "")
+        return f"a speculators arrow dataset ({n} samples in {shown})"
+    except (ConfigError, IndexError):
+        return "a speculators arrow dataset (state.json / *.arrow)"
 
 
 def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hidden_states: str | Path | None = None) -> Dump:
@@ -334,6 +466,11 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hid
             mask = _mask(_field(data, "loss_mask", p), len(ids), p)
             return Sample(n, str(p), ids, mask, chunks + [last], len(chunks))
 
+    if not files and fmt == "speculators":
+        where = hs_dir or path / "hidden_states"
+        given = "hidden_states=DIR (train-acc: --hidden-states DIR)"
+        raise ConfigError(f"{where}: no hs_*.safetensors files (the speculators hidden states); "
+                          + (f"check the folder given as {given}" if hs_dir else f"if they are elsewhere, give their folder with {given}"))
     if not files:
         raise ConfigError(f"{path}: no {fmt} sample files found")
     read_ok: list[tuple[int, Path, Sample]] = []

@@ -26,6 +26,8 @@ at origin i predicts the target at j = i+k+1. Checked against the trainers' own 
               logs it per step as acc_k. cond_acc (not a SpecForge metric): the same over the
               origins whose earlier steps were all counted and right.
 Counts add over samples (micro average, what the trainers' reductions do).
+Attention over the sample: full causal, except under speculators >= 0.7 for a draft config whose
+layer records a sliding window (the `speculators train` default, 2048): see scoring_window.
 
 The draft is any module with the reference draft's interface (engines/ref/eagle3.py):
 `combine(fc_in)`, `forward(ids, hidden, positions, cache=, mask=)` returning logits,
@@ -55,19 +57,23 @@ class TrainerRules:
     default_ttt_steps: int  # the trainer's default unroll depth
     default_max_len: int  # the trainer's default truncation of a sample
     max_len_after_shift: bool  # truncation applies to the shifted sample (N-1 positions), not the raw N tokens
+    applies_sliding_window: bool  # the trainer's draft attends within the window its config records (scoring_window)
 
 
 SPECULATORS_CURRENT = TrainerRules("speculators>=0.7", mask_offset=1, verifier_norm=True, on_policy_tokens=False,
                                    out_of_vocab_is_miss=False, and_previous_steps=True, position_offset=1,
-                                   default_ttt_steps=3, default_max_len=8192, max_len_after_shift=True)  # fmt: skip
+                                   default_ttt_steps=3, default_max_len=8192, max_len_after_shift=True,
+                                   applies_sliding_window=True)  # fmt: skip
 # speculators 0.9.0 train/config/schema.py: ttt_steps 3, total_seq_len 8192; CollateFn truncates to max_len
-# after the preprocess shift_batch
-SPECULATORS_BEFORE_0_7 = replace(SPECULATORS_CURRENT, name="speculators<0.7", on_policy_tokens=True)
+# after the preprocess shift_batch. Sliding window: since v0.7.0 (PR #684), see scoring_window.
+SPECULATORS_BEFORE_0_7 = replace(SPECULATORS_CURRENT, name="speculators<0.7", on_policy_tokens=True,
+                                 applies_sliding_window=False)  # fmt: skip
 # SpecForge 0.2.0 config/schema.py: ttt_length 7, data.max_length 2048;
 # algorithms/eagle3/data.py::normalize_offline_sample truncates the raw sample
 SPECFORGE = TrainerRules("specforge@0.2", mask_offset=0, verifier_norm=False, on_policy_tokens=False,
                          out_of_vocab_is_miss=True, and_previous_steps=False, position_offset=0,
-                         default_ttt_steps=7, default_max_len=2048, max_len_after_shift=False)  # fmt: skip
+                         default_ttt_steps=7, default_max_len=2048, max_len_after_shift=False,
+                         applies_sliding_window=False)  # fmt: skip
 
 RULES = {
     "speculators": SPECULATORS_CURRENT,
@@ -238,10 +244,48 @@ def score_steps(
     return out
 
 
-def ttt_mask(n: int, step: int) -> torch.Tensor:
-    """[n, n*(step+1)] bool: step-0 keys causal, steps 1..step only the query's own origin."""
+def ttt_mask(n: int, step: int, window: int | None = None) -> torch.Tensor:
+    """[n, n*(step+1)] bool: step-0 keys causal (within the last `window` origins, the query's own
+    included, when a window is given), steps 1..step only the query's own origin."""
     idx = torch.arange(n)
-    return torch.cat([idx[None, :] <= idx[:, None]] + [torch.eye(n, dtype=torch.bool)] * step, dim=1)
+    base = idx[None, :] <= idx[:, None]
+    if window is not None:
+        base &= idx[None, :] > idx[:, None] - window
+    return torch.cat([base] + [torch.eye(n, dtype=torch.bool)] * step, dim=1)
+
+
+# The attention of the trainers' drafts over a training sample (checked in the releases named):
+#   speculators >= 0.7 (v0.7.0 PR #684 to 0.9.0): `models/eagle3/core.py::Eagle3DraftModel.__init__` takes
+#     the layers whose transformer_layer_config.layer_types entry is "sliding_attention" and its
+#     `sliding_window`; `forward` builds their mask from `models/eagle3/attention.py::create_combined_mask_mod`
+#     (flex BlockMask by default, the same mask_mod densified for sdpa/eager): key k is visible to query q
+#     when q - W < k <= q (same document), and `extend_mask_for_draft_tokens` /
+#     `extend_dense_mask_for_draft_tokens` add, per TTT step, only the diagonal (the query's own origin),
+#     unwindowed. `speculators train` (train/config/schema.py) defaults to --sliding-window 2048 on every
+#     draft layer (train/cli.py::create_transformer_layer_config) and --total-seq-len 8192: samples past
+#     2048 tokens are scored differently from full causal attention.
+#   speculators < 0.7 (0.6.0 checked): no window in the EAGLE-3 draft (only DFlash has one).
+#   SpecForge 0.2.0: none. training/model_loading.py copies `sliding_window`, `use_sliding_window`,
+#     `max_window_layers` from the target into the draft config (_TARGET_ARCHITECTURE_FIELDS), but
+#     `modeling/draft/llama3_eagle.py` never reads them: sdpa / eager take the causal + suffix mask,
+#     flex `modeling/draft/flex_attention.py::generate_eagle3_mask` is causal + padding + diagonal,
+#     and the flash paths pass window_size=(-1, -1).
+def scoring_window(cfg, rules: TrainerRules) -> int | None:
+    """The window the trainer's draft attends within when scoring: the config's (Eagle3Config.sliding_window,
+    read as speculators reads it) under rules whose trainer applies one, else None (full causal)."""
+    window = getattr(cfg, "sliding_window", None)
+    return window if rules.applies_sliding_window else None
+
+
+def describe_attention(cfg, rules: TrainerRules) -> str:
+    """One line for reports: the attention the scoring used and why."""
+    recorded = getattr(cfg, "sliding_window", None)
+    window = scoring_window(cfg, rules)
+    if window is not None:
+        return f"sliding window {window} (the draft config's layer_types[0] = sliding_attention, as {rules.name} applies it)"
+    if recorded is not None:
+        return f"full causal (the draft config records a sliding window of {recorded}, which {rules.name} does not apply)"
+    return "full causal (the draft config records no sliding window)"
 
 
 @torch.no_grad()
@@ -253,6 +297,7 @@ def unroll(draft, fc_in: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int, 
     hidden = draft.combine(fc_in[None, :n].to(dtype))  # [1, n, H]
     data_next = input_ids[None, 1:]  # [1, n]: t_{i+1}
     cache, ids, preds = None, data_next, []
+    window = scoring_window(draft.cfg, rules)
     for k in range(ttt_steps):
         if k > 0:
             if rules.on_policy_tokens:
@@ -260,7 +305,7 @@ def unroll(draft, fc_in: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int, 
             else:  # t_{i+k+1}, padded past the end (those positions are never counted)
                 ids = torch.cat([data_next[:, k:], data_next.new_zeros(1, k)], dim=1)
         positions = (torch.arange(n) + k + rules.position_offset)[None, :]
-        out = draft(ids, hidden, positions, cache=cache, mask=ttt_mask(n, k))
+        out = draft(ids, hidden, positions, cache=cache, mask=ttt_mask(n, k, window))
         cache, hidden = out.cache, out.hidden_next
         preds.append(out.logits[0].argmax(-1))  # [n] draft ids
     return preds

@@ -1,8 +1,10 @@
 """Runs in speculators' own environment: builds a speculators EAGLE-3 draft for a verifier and scores
-it on training data with speculators' own training forward. TARGET DATA DRAFT_OUT OUT STEPS VD IDS
+it on training data with speculators' own training forward. TARGET DATA DRAFT_OUT OUT STEPS VD IDS [MAX_LENS [WINDOW]]
 
 The draft: `Eagle3DraftModel.from_training_args` (what `speculators train` builds; sdpa attention,
-draft vocab = target ids 0..VD-1, fc ids IDS), seeded random weights, saved with save_pretrained.
+draft vocab = target ids 0..VD-1, fc ids IDS, sliding window WINDOW on its layer, default 2048 as
+`speculators train`'s), seeded random weights (the window takes none: the same seed gives the same
+weights for any window), saved with save_pretrained.
 The data: DATA holds hidden_states/hs_{i}.safetensors and samples.jsonl (difftest dump); the
 dataset part is saved as the arrow dataset `prepare-data` writes. Each sample then goes through
 the trainer's own path: `ArrowDataset` -> `CollateFn(preprocess=shift_batch)` -> the model's
@@ -26,12 +28,13 @@ from transformers import AutoConfig
 
 target, data, draft_out, out = sys.argv[1:5]
 steps, vd, ids = int(sys.argv[5]), int(sys.argv[6]), [int(x) for x in sys.argv[7].split(",")]
-max_lens = [int(x) for x in sys.argv[8].split(",")] if len(sys.argv) > 8 else []  # also score truncated to these
+max_lens = [int(x) for x in sys.argv[8].split(",") if x] if len(sys.argv) > 8 else []  # also score truncated to these
+window = int(sys.argv[9]) if len(sys.argv) > 9 else 2048
 vcfg = AutoConfig.from_pretrained(target)
 # `speculators train` defaults for eagle3 (train/config/schema.py): one llama layer, silu, sliding
-# window 2048 on every layer, norm_output on
+# window 2048 on every layer (here WINDOW), norm_output on
 layer_cfg = create_transformer_layer_config(verifier_name_or_path=target, num_layers=1, draft_arch="llama", hidden_act="silu",
-                                            sliding_window=2048, full_attention_indices=[])
+                                            sliding_window=window, full_attention_indices=[])
 t2d = torch.zeros(vcfg.vocab_size, dtype=torch.bool)
 t2d[:vd] = True
 d2t = torch.zeros(vd, dtype=torch.long)
