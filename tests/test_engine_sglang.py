@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -90,6 +91,18 @@ def _marked_processes(marker: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def test_every_engine_start_in_one_worker_forks_from_the_same_server():
+    """engines/sglang/process_start.py on the real engine: in the shipped run, each worker's SGLang
+    starts (one per case) all fork from the one forkserver that has SGLang imported."""
+    log = (shipped_or_skip().root / "reports" / "logs" / "sglang.log").read_text()
+    starts_per_worker = [re.findall(r"engine processes started by forkserver pid (\d+)", part)
+                         for part in log.split("\n=== ")[1:]]  # fmt: skip
+    reused = [pids for pids in starts_per_worker if len(pids) >= 2]
+    assert reused, f"no worker started SGLang twice: {starts_per_worker}"
+    for pids in starts_per_worker:
+        assert len(set(pids)) <= 1, f"one worker's engine starts came from several forkservers: {pids}"
 
 
 def test_scheduler_crash_fails_only_sglang_with_its_error_and_leaves_no_processes(tmp_path, sglang_python):

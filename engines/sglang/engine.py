@@ -245,6 +245,7 @@ class SglangEngine(Engine):
             # after answering, and the next case starts a fresh one
             raise EngineSpent(f"sglang.Engine failed to start: {failed}") from None
         self._engine_key = key
+        print(f"[sglang adapter] engine processes started by {process_start.describe()}", file=sys.stderr, flush=True)
         resolved = self._engine.get_server_info()
         self._effective = {k: resolved.get(k) for k in (*settings["requested"], "speculative_algorithm", "device")}
         return self._engine, settings, target, draft

@@ -67,6 +67,14 @@ def engine_start() -> Iterator[None]:
         multiprocessing.set_start_method = real
 
 
+def describe() -> str:
+    """For a capture's metadata: how this engine's processes started."""
+    if method() == "spawn":
+        return "spawn (SGLang's own)"
+    pid = _forkserver_pid()
+    return f"forkserver pid {pid}" if pid is not None else "forkserver (not started)"
+
+
 def _forkserver_pid() -> int | None:
     # multiprocessing keeps the running server's pid on its module-level ForkServer (CPython 3.11)
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
