@@ -417,29 +417,20 @@ void row(const typename Src<D>::T* a, const typename Src<D>::T* b, int64_t C, fl
         softmax<D, false>(a, b, C, row.ma, row.mb, scratch, o, r);
 }
 
-template <int D>
-void rows(const void* a, const void* b, int64_t stride_a, int64_t stride_b, int64_t R, int64_t C, float atol,
-          float rtol, bool logits, int threads, const Out& o) {
-    using T = typename Src<D>::T;
-    const T* pa = static_cast<const T*>(a);
-    const T* pb = static_cast<const T*>(b);
-    // rows handed out in groups of ~64K elements: few atomic operations, and a balanced end
+// fn(r) for every row r < R on `threads` threads (this one included); rows are handed out in
+// groups of ~64K elements: few atomic operations, and a balanced end. Every thread first makes
+// its own state (make_state(), e.g. scratch) and passes it to fn.
+template <class Make, class Fn>
+void parallel_rows(int64_t R, int64_t C, int threads, Make&& make_state, Fn&& fn) {
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, R));
     const int64_t group = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(C, 1));
     std::atomic<int64_t> next{0};
     auto work = [&]() {
-        std::vector<float> scratch;
-        if (logits && C <= SCRATCH_MAX_COLS) {
-            try {
-                scratch.resize(2 * ((C + W - 1) / W * W));
-            } catch (const std::bad_alloc&) {  // computed twice instead
-            }
-        }
-        float* const s = scratch.empty() ? nullptr : scratch.data();
+        auto state = make_state();
         for (;;) {
             const int64_t r0 = next.fetch_add(group);
             if (r0 >= R) return;
-            for (int64_t r = r0; r < std::min(R, r0 + group); ++r)
-                row<D>(pa + r * stride_a, pb + r * stride_b, C, atol, rtol, logits, s, o, r);
+            for (int64_t r = r0; r < std::min(R, r0 + group); ++r) fn(r, state);
         }
     };
     std::vector<std::thread> pool;
@@ -454,12 +445,143 @@ void rows(const void* a, const void* b, int64_t stride_a, int64_t stride_b, int6
     for (auto& t : pool) t.join();
 }
 
+template <class Fn>
+void parallel_rows(int64_t R, int64_t C, int threads, Fn&& fn) {
+    parallel_rows(R, C, threads, [] { return 0; }, [&](int64_t r, int) { fn(r); });
+}
+
+template <int D>
+void rows(const void* a, const void* b, int64_t stride_a, int64_t stride_b, int64_t R, int64_t C, float atol,
+          float rtol, bool logits, int threads, const Out& o) {
+    using T = typename Src<D>::T;
+    const T* pa = static_cast<const T*>(a);
+    const T* pb = static_cast<const T*>(b);
+    auto scratch = [&]() {
+        std::vector<float> s;
+        if (logits && C <= SCRATCH_MAX_COLS) {
+            try {
+                s.resize(2 * ((C + W - 1) / W * W));
+            } catch (const std::bad_alloc&) {  // computed twice instead
+            }
+        }
+        return s;
+    };
+    parallel_rows(R, C, threads, scratch, [&](int64_t r, std::vector<float>& s) {
+        row<D>(pa + r * stride_a, pb + r * stride_b, C, atol, rtol, logits, s.empty() ? nullptr : s.data(), o, r);
+    });
+}
+
+// ---- noise.row_rel_err: per row, in float64, sum (x - ref)^2 and sum ref^2 over the elements
+// where both are finite and differ, and the count of elements where one is NaN/inf and they
+// differ. Float64 lanes, 4 to a 256-bit register; one sweep from DRAM. The same split as above: a
+// block whose plain sums are finite had no NaN/inf (and no square overflowing float64), otherwise
+// it is recomputed with the rule's masks.
+typedef double d4 __attribute__((vector_size(32)));
+typedef int64_t l4 __attribute__((vector_size(32)));
+typedef float f4 __attribute__((vector_size(16)));
+typedef uint16_t u16x4 __attribute__((vector_size(8)));
+typedef uint32_t u4 __attribute__((vector_size(16)));
+typedef _Float16 h4 __attribute__((vector_size(8)));
+
+template <int D> d4 load4(const typename Src<D>::T* p);
+template <> d4 load4<F64>(const double* p) { d4 v; std::memcpy(&v, p, sizeof v); return v; }
+template <> d4 load4<F32>(const float* p) { f4 v; std::memcpy(&v, p, sizeof v); return __builtin_convertvector(v, d4); }
+template <> d4 load4<BF16>(const uint16_t* p) {
+    u16x4 h;
+    std::memcpy(&h, p, sizeof h);
+    return __builtin_convertvector((f4)(__builtin_convertvector(h, u4) << 16), d4);
+}
+template <> d4 load4<F16>(const _Float16* p) { h4 h; std::memcpy(&h, p, sizeof h); return __builtin_convertvector(h, d4); }
+
+inline d4 dfmadd(d4 a, d4 b, d4 c) {
+#ifdef DIFFTEST_V3
+    return (d4)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+#else
+    return a * b + c;
+#endif
+}
+inline double hsum4(d4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+
+// f(x, r, c) on every 4 columns of [c0, c1), the last group zero-padded (0 == 0: it adds nothing).
+template <int DX, int DR, class F>
+inline void for_vectors4(const typename Src<DX>::T* x, const typename Src<DR>::T* r, int64_t c0, int64_t c1, F&& f) {
+    int64_t c = c0;
+    for (; c + 4 <= c1; c += 4) f(load4<DX>(x + c), load4<DR>(r + c));
+    if (c < c1) {
+        typename Src<DX>::T tx[4];
+        typename Src<DR>::T tr[4];
+        std::memset(tx, 0, sizeof tx);
+        std::memset(tr, 0, sizeof tr);
+        std::memcpy(tx, x + c, (c1 - c) * sizeof(tx[0]));
+        std::memcpy(tr, r + c, (c1 - c) * sizeof(tr[0]));
+        f(load4<DX>(tx), load4<DR>(tr));
+    }
+}
+
+template <int DX, int DR>
+void rel_err_row(const typename Src<DX>::T* x, const typename Src<DR>::T* r, int64_t C, double* num, double* den,
+                 int64_t* bad) {
+    double t_num = 0, t_den = 0;
+    int64_t t_bad = 0;
+    for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {
+        const int64_t c1 = std::min(C, c0 + BLOCK);
+        d4 s_num{}, s_den{};
+        for_vectors4<DX, DR>(x, r, c0, c1, [&](d4 a, d4 b) __attribute__((always_inline)) {
+            const d4 d = a - b;
+            s_num = dfmadd(d, d, s_num);
+            s_den = dfmadd(b, b, s_den);
+        });
+        double b_num = hsum4(s_num), b_den = hsum4(s_den);
+        if (!std::isfinite(b_num) || !std::isfinite(b_den)) {
+            const double dinf = std::numeric_limits<double>::infinity();
+            const d4 inf = {dinf, dinf, dinf, dinf}, zero{};
+            l4 n_bad{};
+            s_num = s_den = zero;
+            for_vectors4<DX, DR>(x, r, c0, c1, [&](d4 a, d4 b) __attribute__((always_inline)) {
+                const l4 same = a == b;
+                const l4 fin = (((d4)((l4)a & INT64_MAX)) < inf) & (((d4)((l4)b & INT64_MAX)) < inf);
+                const d4 d = (d4)(((l4)(a - b)) & (fin & ~same));
+                const d4 bf = (d4)((l4)b & fin);
+                s_num = dfmadd(d, d, s_num);
+                s_den = dfmadd(bf, bf, s_den);
+                n_bad -= ~same & ~fin;
+            });
+            b_num = hsum4(s_num), b_den = hsum4(s_den);
+            t_bad += n_bad[0] + n_bad[1] + n_bad[2] + n_bad[3];
+        }
+        t_num += b_num, t_den += b_den;
+    }
+    *num = t_num, *den = t_den, *bad = t_bad;
+}
+
+template <int DX, int DR>
+void rel_err_rows(const void* x, const void* r, int64_t stride_x, int64_t stride_r, int64_t R, int64_t C, int threads,
+                  double* num, double* den, int64_t* bad) {
+    const auto* px = static_cast<const typename Src<DX>::T*>(x);
+    const auto* pr = static_cast<const typename Src<DR>::T*>(r);
+    parallel_rows(R, C, threads, [&](int64_t i) {
+        rel_err_row<DX, DR>(px + i * stride_x, pr + i * stride_r, C, num + i, den + i, bad + i);
+    });
+}
+
+template <int DX>
+int rel_err_dispatch(int dtype_r, const void* x, const void* r, int64_t sx, int64_t sr, int64_t R, int64_t C,
+                     int threads, double* num, double* den, int64_t* bad) {
+    switch (dtype_r) {
+        case F32: rel_err_rows<DX, F32>(x, r, sx, sr, R, C, threads, num, den, bad); return 0;
+        case BF16: rel_err_rows<DX, BF16>(x, r, sx, sr, R, C, threads, num, den, bad); return 0;
+        case F16: rel_err_rows<DX, F16>(x, r, sx, sr, R, C, threads, num, den, bad); return 0;
+        case F64: rel_err_rows<DX, F64>(x, r, sx, sr, R, C, threads, num, den, bad); return 0;
+        default: return -1;
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
 // Bumped whenever the signature or the output layout changes; rowkernel.py checks it.
-int difftest_rowkernel_abi(void) { return 1; }
+int difftest_rowkernel_abi(void) { return 2; }
 
 // a, b: [R, C] of one dtype (F32/BF16/F16/F64), unit column stride, row strides in elements,
 // 0 < C < 2^31. fout: N_FLOAT x R float64, iout: N_INT x R int64 (field-major; kl, tv and rank
@@ -467,12 +589,25 @@ int difftest_rowkernel_abi(void) { return 1; }
 int difftest_row_stats(const void* a, const void* b, int dtype, int64_t stride_a, int64_t stride_b, int64_t R,
                        int64_t C, float atol, float rtol, int logits, int threads, double* fout, int64_t* iout) {
     const Out o{fout, iout, R};
-    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, R));
     switch (dtype) {
         case F32: rows<F32>(a, b, stride_a, stride_b, R, C, atol, rtol, logits, threads, o); return 0;
         case BF16: rows<BF16>(a, b, stride_a, stride_b, R, C, atol, rtol, logits, threads, o); return 0;
         case F16: rows<F16>(a, b, stride_a, stride_b, R, C, atol, rtol, logits, threads, o); return 0;
         case F64: rows<F64>(a, b, stride_a, stride_b, R, C, atol, rtol, logits, threads, o); return 0;
+        default: return -1;
+    }
+}
+
+// x, ref: [R, C] of any two dtypes (F32/BF16/F16/F64), unit column stride, row strides in
+// elements. num, den: float64 [R]; bad: int64 [R] (see rel_err_row). Returns 0, or -1 for a dtype
+// this file does not handle.
+int difftest_rel_err(const void* x, int dtype_x, const void* ref, int dtype_ref, int64_t stride_x, int64_t stride_ref,
+                     int64_t R, int64_t C, int threads, double* num, double* den, int64_t* bad) {
+    switch (dtype_x) {
+        case F32: return rel_err_dispatch<F32>(dtype_ref, x, ref, stride_x, stride_ref, R, C, threads, num, den, bad);
+        case BF16: return rel_err_dispatch<BF16>(dtype_ref, x, ref, stride_x, stride_ref, R, C, threads, num, den, bad);
+        case F16: return rel_err_dispatch<F16>(dtype_ref, x, ref, stride_x, stride_ref, R, C, threads, num, den, bad);
+        case F64: return rel_err_dispatch<F64>(dtype_ref, x, ref, stride_x, stride_ref, R, C, threads, num, den, bad);
         default: return -1;
     }
 }

@@ -1,4 +1,5 @@
-"""Build, cache and call the native row kernel (rowkernel.cpp) of difftest.rowstats.
+"""Build, cache and call the native row kernel (rowkernel.cpp) of difftest.rowstats (and of
+difftest.noise's float64 per-row relative error).
 
 The kernel is plain C++ (no torch headers, no ninja): one g++ call of a few seconds, made on
 first use and cached under `cache_root()/kernels/` in a file named by the hash of the source,
@@ -30,7 +31,7 @@ import torch
 from difftest.paths import cache_root
 
 SOURCE = Path(__file__).with_name("rowkernel.cpp")
-ABI = 1  # difftest_rowkernel_abi() of the source this module speaks to
+ABI = 2  # difftest_rowkernel_abi() of the source this module speaks to
 
 # field order of the kernel's float64 and int64 outputs (rowkernel.cpp's O_* enums)
 FLOAT_FIELDS = ("max_abs", "sum_abs", "sum_sq", "sum_ab", "sum_aa", "sum_bb", "max_rel", "kl", "tv")
@@ -117,12 +118,30 @@ class Kernel:
                 del out[k]
         return out
 
+    def rel_err_sums(self, x2: torch.Tensor, r2: torch.Tensor, threads: int | None = None) -> dict[str, torch.Tensor]:
+        """noise.row_rel_err's per-row sums in float64 of CPU [R, C] tensors of any dtypes in DTYPES
+        with unit column stride (`supports(x2, r2, mixed=True)`): `num` (sum of (x - ref)^2 where
+        both are finite and differ), `den` (sum of ref^2 where both are finite), `bad` (elements
+        where one is NaN/inf and they differ)."""
+        R, C = r2.shape
+        num, den = torch.empty(R, dtype=torch.float64), torch.empty(R, dtype=torch.float64)
+        bad = torch.empty(R, dtype=torch.int64)
+        rc = self.lib.difftest_rel_err(
+            ctypes.c_void_p(x2.data_ptr()), DTYPES[x2.dtype], ctypes.c_void_p(r2.data_ptr()), DTYPES[r2.dtype],
+            x2.stride(0), r2.stride(0), R, C, threads or torch.get_num_threads(),
+            ctypes.c_void_p(num.data_ptr()), ctypes.c_void_p(den.data_ptr()), ctypes.c_void_p(bad.data_ptr()),
+        )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"rowkernel: dtypes {x2.dtype}/{r2.dtype} not handled (code {rc})")
+        return {"num": num, "den": den, "bad": bad}
 
-def supports(a2: torch.Tensor, b2: torch.Tensor) -> bool:
-    """Whether the native kernel takes this pair as it is (no copy): CPU, one handled dtype,
-    contiguous rows, column indices within int32."""
+
+def supports(a2: torch.Tensor, b2: torch.Tensor, mixed: bool = False) -> bool:
+    """Whether the native kernel takes this pair as it is (no copy): CPU, handled dtypes (one
+    dtype unless `mixed`: rel_err_sums takes any two), contiguous rows, column indices within int32."""
     return (
-        a2.device.type == "cpu" and b2.device.type == "cpu" and a2.dtype == b2.dtype and a2.dtype in DTYPES
+        a2.device.type == "cpu" and b2.device.type == "cpu" and a2.dtype in DTYPES and b2.dtype in DTYPES
+        and (mixed or a2.dtype == b2.dtype)
         and a2.dim() == 2 and a2.shape == b2.shape and 0 < a2.shape[1] <= MAX_COLS
         and (a2.stride(1) == 1 or a2.shape[1] == 1) and (b2.stride(1) == 1 or b2.shape[1] == 1)
     )  # fmt: skip
@@ -143,4 +162,6 @@ def load(variant: str | None = None) -> Kernel:
     lib.difftest_row_stats.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float,
                                        ctypes.c_int, ctypes.c_int, ptr, ptr]  # fmt: skip
     lib.difftest_row_stats.restype = ctypes.c_int
+    lib.difftest_rel_err.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    lib.difftest_rel_err.restype = ctypes.c_int
     return Kernel(variant, path, lib)

@@ -4,7 +4,7 @@ difftest.rowstats): counts, maxima, max_col and rank equal; sums, KL and TV to f
 Both builds where they differ (x86-64-v3 on a CPU with AVX2, and generic), every dtype it takes,
 on pairs with NaN, +-inf, -inf vocabulary masks, tied differences and tied reference maxima, zero,
 identical and all -inf rows, squares that overflow float32, and shapes from one element to rows
-wider than L2 and wider than the kernel's scratch."""
+wider than L2 and wider than the kernel's scratch. The same for noise.row_rel_err's float64 sums."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from difftest import rowkernel, rowstats
+from difftest import noise, rowkernel, rowstats
 from difftest.compare import compare_tensor
 from difftest.tolerances import DEFAULTS
 
@@ -197,3 +197,35 @@ def test_the_tolerance_boundary_is_rounded_as_torch_does(native, dtype):
     out = native.row_stats(a, b, tol.atol, tol.rtol, False)
     eager = rowstats._row_stats_eager(a, b, tol.atol, tol.rtol, False, rowstats.CHUNK)
     assert torch.equal(out["mismatched"], eager["mismatched"]) and 0 < int(eager["mismatched"].sum()) < a.numel()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (7, 2049), (2, 300_000)], ids=lambda s: "x".join(map(str, s)))
+def test_native_rel_err_gives_the_eager_numbers(kernel, shape):
+    """noise.row_rel_err (the calibration's float64 comparison), every pair of dtypes: a capture
+    against its float64 twin, and same-dtype pairs."""
+    R, C = shape
+    for dx in DTYPES:
+        for dr in dict.fromkeys([torch.float64, dx]):
+            x, ref = nasty_pair(R, C, torch.float64, seed=C)
+            if R > 1:
+                x[R - 1] = ref[R - 1]  # an exact row: error 0
+            x[0, 0] = ref[0, 0] * 1e200 if C > 1 else x[0, 0]  # a square beyond float64 (or inf once cast)
+            x, ref = x.to(dx), ref.to(dr)
+            s = kernel.rel_err_sums(x, ref)
+            native = noise._rel_err(s["num"], s["den"], s["bad"] > 0)
+            torch.testing.assert_close(native, noise.row_rel_err(x, ref, path="eager"), rtol=1e-12, atol=0, equal_nan=True)
+
+
+def test_row_rel_err_takes_the_native_path_for_large_cpu_pairs(native, monkeypatch):
+    x, ref = clean_pair(600, 512, torch.bfloat16, seed=4)  # >= NATIVE_MIN elements
+    ref = ref.double()
+    calls, real = [], rowkernel.Kernel.rel_err_sums
+
+    def counted(self, x2, r2, threads=None):
+        calls.append(tuple(x2.shape))
+        return real(self, x2, r2, threads)
+
+    monkeypatch.setattr(rowkernel.Kernel, "rel_err_sums", counted)
+    torch.testing.assert_close(noise.row_rel_err(x, ref), noise.row_rel_err(x, ref, path="eager"), rtol=1e-12, atol=0)
+    noise.row_rel_err(x[:4], ref[:4])  # small: eager
+    assert calls == [(600, 512)]
