@@ -318,21 +318,58 @@ struct Out {
     void seti(int field, int64_t r, int64_t v) const { i[field * R + r] = v; }
 };
 
-// Softmax sweeps 2 and 3 of one row whose maxima ma, mb are known. ORDINARY: ma, mb finite and no
-// NaN in b, so every exp argument is <= 0 or -inf and no maximum needs NaN propagation. scratch:
-// room for 2 x C (rounded up to W) floats, or null: sweep 2 keeps exp(a - ma) and exp(b - mb) there
-// so that sweep 3 need not compute them again (two exps are most of sweep 3's work; the scratch
-// is one row pair per thread, and stays in L2/L3 as the row does).
-template <int D, bool ORDINARY>
-void softmax(const typename Src<D>::T* a, const typename Src<D>::T* b, int64_t C, float fa, float fb, float* scratch,
-             const Out& o, int64_t r) {
+// How much of the NaN/inf machinery a row's softmax sweeps need, from what sweep 1 saw:
+//  CLEAN:    every value finite (and no square overflowed): exp arguments are finite and <= 0, and
+//            W needs no p_ref > 0 mask (a - b is finite). Exp arguments below -87 give ~1e-38
+//            instead of a subnormal or 0, nothing a float32 sum of terms up to 1 can hold.
+//  ORDINARY: maxima finite and no NaN in b, -inf allowed (logits outside a draft vocabulary): exp
+//            arguments are <= 0 or -inf; subnormals exact, W masked where p_ref == 0.
+//  ANY:      the rest (NaN, +inf): every rule in full, NaN-propagating maxima.
+enum Kind { CLEAN, ORDINARY, ANY };
+
+// exp(x) for finite x <= 0 whose result only enters sums: 2^n as one exponent field.
+inline f8 exp_clean(f8 x) {
+    const f8 xc = vmax(x, splat(-87.0f));  // keeps 2^n a normal float
+    const f8 t = fmadd(xc, splat(1.44269504088896341f), splat(MAGIC));
+    const f8 n = t - splat(MAGIC);
+    f8 r = fmadd(n, splat(-0.693359375f), xc);
+    r = fmadd(n, splat(2.12194440e-4f), r);
+    return exp_poly(r) * (f8)(((i8)t + (127 - MAGIC_BITS)) << 23);
+}
+
+// The engine's logit at the reference's top-1 (the greatest over tied top-1s), from the blocks of
+// columns whose greatest reference logit is ma (block_max: sweep 1's, per block): one block
+// to read, typically, instead of a blend and a max per vector in sweep 2. NaN-free rows only.
+template <int D>
+float logit_at_top1(const typename Src<D>::T* a, const typename Src<D>::T* b, int64_t C, float fa,
+                    const std::vector<float>& block_max) {
+    f8 vat = splat(-INF);
+    for (size_t k = 0; k < block_max.size(); ++k) {
+        if (block_max[k] != fa) continue;
+        const int64_t c0 = (int64_t)k * BLOCK;
+        for_vectors<D>(a, b, c0, std::min(C, c0 + BLOCK), [&](f8 x, f8 y, i8 valid, int64_t) {
+            vat = vmax((valid & (x == splat(fa))) ? y : splat(-INF), vat);
+        });
+    }
+    return hmax(vat);
+}
+
+// Softmax sweeps 2 and 3 of one row whose maxima fa, fb are known. scratch: room for 2 x C
+// (rounded up to W) floats, or null: sweep 2 keeps exp(a - ma) and exp(b - mb) there so that
+// sweep 3 need not compute them again (two exps are most of its work, 2.4x the time measured;
+// the scratch is one row pair per thread, and stays in L2/L3 as the row does).
+template <int D, Kind K>
+void softmax(const typename Src<D>::T* a, const typename Src<D>::T* b, int64_t C, float fa, float fb,
+             const std::vector<float>& block_max, float* scratch, const Out& o, int64_t r) {
     const f8 ma = splat(fa), mb = splat(fb), zero = splat(0.0f), ninf = splat(-INF);
-    auto ex = [](f8 x) __attribute__((always_inline)) { return ORDINARY ? exp_nonpositive(x) : exp_any(x); };
+    auto ex = [](f8 x) __attribute__((always_inline)) {
+        return K == CLEAN ? exp_clean(x) : K == ORDINARY ? exp_nonpositive(x) : exp_any(x);
+    };
     const int64_t half = (C + W - 1) / W * W;
     float* const sa = scratch;
     float* const sb = scratch ? scratch + half : nullptr;
-    // sweep 2: S_a, S_b, W = sum exp(a - ma) (a - b) (KL = W / S_a - (lse_a - lse_b)) and the
-    // engine's logit at the reference's top-1 (the greatest over tied top-1s)
+    // sweep 2: S_a, S_b, W = sum exp(a - ma) (a - b) (KL = W / S_a - (lse_a - lse_b)), and for
+    // ANY rows the engine's logit at the reference's top-1
     double t_a = 0, t_b = 0, t_w = 0;
     f8 vat = ninf;
     for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {
@@ -345,13 +382,15 @@ void softmax(const typename Src<D>::T* a, const typename Src<D>::T* b, int64_t C
             }
             s_a += ea;
             s_b += eb;
-            s_w += keep(ea > zero, ea * (x - y));  // 0 * inf where p_ref == 0 is masked
-            const f8 at = (valid & (x == ma)) ? y : ninf;
-            vat = ORDINARY ? vmax(at, vat) : nanmax(vat, at);
+            if (K == CLEAN)
+                s_w = fmadd(ea, x - y, s_w);
+            else
+                s_w += keep(ea > zero, ea * (x - y));  // 0 * inf where p_ref == 0 is masked
+            if (K == ANY) vat = nanmax(vat, (valid & (x == ma)) ? y : ninf);
         });
         t_a += hsum(s_a), t_b += hsum(s_b), t_w += hsum(s_w);
     }
-    const float at = ORDINARY ? hmax(vat) : hnanmax(vat);
+    const float at = K == ANY ? hnanmax(vat) : logit_at_top1<D>(a, b, C, fa, block_max);
     // lse_a - lse_b = (ma - mb) + (log S_a - log S_b) in float64 (see rowstats._softmax_rest)
     double kl = t_w / t_a - (((double)fa - (double)fb) + (std::log(t_a) - std::log(t_b)));
     if (kl < 0.0) kl = 0.0;  // >= 0 in exact arithmetic; NaN stays NaN (as torch's clamp_min)
@@ -388,7 +427,9 @@ void row(const typename Src<D>::T* a, const typename Src<D>::T* b, int64_t C, fl
     // block that needed the exact rules the next one starts with them (rows of -inf spans)
     Stats row;
     int64_t col = 0;
-    bool exact = false;
+    bool exact = false, any_exact = false;
+    std::vector<float> block_max;
+    if (logits) block_max.reserve((C + BLOCK - 1) / BLOCK);
     for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {
         const int64_t c1 = std::min(C, c0 + BLOCK);
         Stats s;
@@ -397,11 +438,13 @@ void row(const typename Src<D>::T* a, const typename Src<D>::T* b, int64_t C, fl
             s = Stats();
             exact_block<D>(a, b, c0, c1, atol, rtol, logits, s);
             exact = s.nan_a + s.nan_b + s.inf_a + s.inf_b > 0;
+            any_exact = true;
         }
         if (s.max_abs > row.max_abs) {  // strict: an earlier block keeps a tie
             row.max_abs = s.max_abs;
             col = first_col<D>(a, b, c0, c1, s.max_abs);
         }
+        if (logits) block_max.push_back(s.ma);
         row.add(s);
     }
     o.set(O_MAX_ABS, r, row.max_abs), o.seti(O_MAX_COL, r, col);
@@ -411,10 +454,12 @@ void row(const typename Src<D>::T* a, const typename Src<D>::T* b, int64_t C, fl
     o.seti(O_NAN_A, r, row.nan_a), o.seti(O_NAN_B, r, row.nan_b);
     o.seti(O_INF_A, r, row.inf_a), o.seti(O_INF_B, r, row.inf_b);
     if (!logits) return;
-    if (std::isfinite(row.ma) && std::isfinite(row.mb) && row.nan_b == 0)
-        softmax<D, true>(a, b, C, row.ma, row.mb, scratch, o, r);
+    if (!any_exact)  // every block was finite_block's: no NaN/inf, no overflowing square
+        softmax<D, CLEAN>(a, b, C, row.ma, row.mb, block_max, scratch, o, r);
+    else if (std::isfinite(row.ma) && std::isfinite(row.mb) && row.nan_b == 0)
+        softmax<D, ORDINARY>(a, b, C, row.ma, row.mb, block_max, scratch, o, r);
     else
-        softmax<D, false>(a, b, C, row.ma, row.mb, scratch, o, r);
+        softmax<D, ANY>(a, b, C, row.ma, row.mb, block_max, scratch, o, r);
 }
 
 // fn(r) for every row r < R on `threads` threads (this one included); rows are handed out in

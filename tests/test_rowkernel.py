@@ -59,7 +59,7 @@ def nasty_pair(R: int, C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Ten
         a[(torch.rand(R, C, generator=g) < 0.002) & (rows % 4 == 1)] = math.inf
         b[R // 2, 1::7] = 6e4 if dtype == torch.float16 else 1e30  # squares overflow float32
     if R > 3 and C > 8:
-        a[3, 2] = a[3, 7] = a[3].max() + 1  # a tied reference top-1
+        a[3, 2] = a[3, 7] = a[3, -1] = a[3].max() + 1  # a tied reference top-1 (across blocks when wide)
         b[3, 4] = a[3, 4] + 5  # tied greatest differences: the first column is reported
         b[3, 6] = a[3, 6] + 5
     if R > 4:
@@ -72,8 +72,12 @@ def nasty_pair(R: int, C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Ten
 def clean_pair(R: int, C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every value finite: the kernel's short paths."""
     g = torch.Generator().manual_seed(seed)
-    a = (torch.randn(R, C, generator=g) * 3).to(dtype)
-    return a, (a.float() + torch.randn(R, C, generator=g) * 0.05).to(dtype)
+    a = torch.randn(R, C, generator=g) * 3
+    b = a + torch.randn(R, C, generator=g) * 0.05
+    if C > 1:  # a reference top-1 tied across blocks of columns; the engine likes the later one best
+        a[0, 1] = a[0, -1] = a[0].max() + 1
+        b[0, 1], b[0, -1] = a[0, 1] - 1, a[0, 1] - 0.5
+    return a.to(dtype), b.to(dtype)
 
 
 def assert_same(native: dict, eager: dict) -> None:
