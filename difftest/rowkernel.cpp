@@ -1,5 +1,6 @@
 // Native row kernel of difftest.rowstats: every per-row statistic of a (reference, engine) pair
-// of [R, C] row-major tensors from one read of each tensor from memory.
+// of [R, C] row-major tensors from one read of each tensor from memory; and, at the end of this
+// file, the float64 sums of difftest.noise.row_rel_err (the calibration's comparison).
 //
 // The definition is difftest/rowstats.py's eager path (_elementwise, _sums, _rank_tv); this file
 // computes the same numbers. Counts, maxima, max_col and rank are exact; sums are float32 within
@@ -15,9 +16,9 @@
 //  * the common case is cheap and the rare one exact: a block of columns with no NaN/inf (and no
 //    square overflowing float32) needs none of the non-finite masks, and its float32 sums of squares
 //    say whether it had any; a block whose sums are not finite is recomputed with the full rules.
-//    The softmax sweeps likewise take a short path for rows whose maxima are finite and whose engine
-//    row has no NaN (the reference's NaNs already make its maximum NaN), -inf included (logits
-//    outside a draft vocabulary).
+//    The softmax sweeps likewise (see Kind): rows sweep 1 found all finite need no masks, rows with
+//    -inf (logits outside a draft vocabulary) but no NaN/+inf only KL's p_ref > 0 mask, and only
+//    the rest every rule.
 //
 // Build flags must include -ffp-contract=off: GCC would otherwise fuse `atol + rtol * |ref|` into
 // one FMA, whose single rounding can flip an element that sits exactly on the tolerance boundary

@@ -9,9 +9,10 @@ One definition, three implementations:
     float32 on the tensors' own device; no float32 copy of a whole tensor is ever made.
   * native (difftest/rowkernel.cpp, CPU pairs of NATIVE_MIN elements or more): every
     statistic, softmax metrics included, from one read of each tensor from memory, rows in
-    parallel; a few KiB of extra memory. Built with the system C++ compiler on first use and
-    cached (difftest.rowkernel). Counts, maxima, max_col and rank equal the eager path's;
-    sums agree to float32 rounding (the native ones are float64 across blocks).
+    parallel; extra memory one row pair of float32 per thread at most. Built with the system
+    C++ compiler on first use and cached (difftest.rowkernel). Counts, maxima, max_col and
+    rank equal the eager path's; sums agree to float32 rounding (the native ones are float64
+    across blocks).
   * compiled (torch.compile, Inductor): the same functions fused into a few loops; used for
     tensors of COMPILE_MIN elements or more that the native kernel does not take (other
     devices, mixed dtypes, non-unit column strides).
