@@ -29,6 +29,12 @@ that machine load disturbs least (two separate runs of a case on a shared 2-core
 by more than the calibration costs). Where (b) goes: the float64 captures are recaptured in the
 warm worker (forward passes only) and the models are loaded again in this process (load only).
 Nothing timing-related is asserted; the floor being measured is.
+
+rel_err[DTYPE]: the calibration's per-row comparison (noise.row_rel_err: a capture in the case's
+dtype against its float64 twin, in float64) on a Kimi-sized logits pair (DIFFTEST_BENCH_LOGITS,
+default [1024 x 163840]; needs no fixtures): the path it takes (native, else eager) against the
+eager path, min of 3 rounds each, against the memory-copy limit of the same two tensors, and peak
+extra memory in a fresh process, printed with the machine line of test_bench_compare.py.
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from difftest import checks as checks_mod
-from difftest import noise
+from difftest import noise, rowkernel, rowstats
 from difftest import report as report_mod
 from difftest.case import load_case
 from difftest.engine import parse_engine_list
@@ -53,6 +60,9 @@ from difftest.session import Options, Session
 from engines.ref.eagle3 import load_draft
 from engines.ref.engine import DTYPES as REF_DTYPES
 from engines.ref.target import load_target
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_bench_compare import _shape, best_of, machine_line, memory_limits, peak_extra  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = 'ref,ref[wiring=vllm]'
@@ -67,6 +77,7 @@ CASES = {
 DTYPES = ["case", "bfloat16"]
 
 RESULTS: dict[tuple[str, str], dict] = {}
+REL_ERR: dict[str, dict] = {}
 
 
 def _fixtures_built(names: list[str]) -> bool:
@@ -297,8 +308,67 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
             s.close()
 
 
+def _rel_err_pair(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(capture in dtype, its float64 twin): the same values up to the dtype's rounding, plus noise."""
+    rows, cols = _shape("DIFFTEST_BENCH_LOGITS", "1024x163840")
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(rows, cols, generator=g, dtype=torch.float64).mul_(3)
+    return exact.to(dtype).add_(torch.randn(rows, cols, generator=g).mul_(1e-3).to(dtype)), exact
+
+
+def _rel_err_memory(dtype: torch.dtype, path: str) -> int:
+    code = f"""
+import sys; sys.path[:0] = {[str(Path(__file__).parent), str(ROOT)]!r}
+import torch
+from test_bench_calibration import _rel_err_pair, peak_extra
+from difftest import noise
+x, ref = _rel_err_pair(getattr(torch, {str(dtype).removeprefix("torch.")!r}))
+noise.row_rel_err(x[:64], ref[:64], path={path!r})  # one-off set-up (and a kernel build): not counted
+print(peak_extra(lambda: noise.row_rel_err(x, ref, path={path!r})))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_rel_err(benchmark, dtype):
+    x, ref = _rel_err_pair(getattr(torch, dtype))
+    noise.row_rel_err(x[:64], ref[:64])  # the kernel build, if any: not timed
+    cols = x.shape[-1]
+    native = rowstats.NATIVE_MIN <= x.numel() and rowkernel.supports(x.reshape(-1, cols), ref.reshape(-1, cols), mixed=True)
+    path = "native" if native and rowstats.native_kernel() is not None else "eager"
+    errs = benchmark.pedantic(lambda: noise.row_rel_err(x, ref, path=path), rounds=3, iterations=1, warmup_rounds=0)
+    eager_errs = noise.row_rel_err(x, ref, path="eager")
+    torch.testing.assert_close(errs, eager_errs, rtol=1e-9, atol=0)
+    r = REL_ERR[dtype] = {
+        "path": path, "shape": list(x.shape), "seconds": benchmark.stats.stats.min,
+        "eager_seconds": best_of(lambda: noise.row_rel_err(x, ref, path="eager"), 3),
+        "mib": (x.numel() * x.element_size() / 2**20, ref.numel() * ref.element_size() / 2**20),
+        **memory_limits(x, ref),
+    }  # fmt: skip
+    del x, ref, errs, eager_errs
+    r["memory"] = _rel_err_memory(getattr(torch, dtype), path), _rel_err_memory(getattr(torch, dtype), "eager")
+    benchmark.extra_info.update({k: v for k, v in r.items() if k != "mib"})
+
+
 def ratio_lines() -> list[str]:
-    lines = ["", f"calibration cost (min over {ROUNDS} rounds; seconds; target: adds <= 25% to a case's wall time)"]
+    lines = [""]
+    if REL_ERR:
+        lines.append(machine_line())
+    for dtype, r in REL_ERR.items():
+        lines.append(
+            f"rel_err {dtype} vs float64 {r['shape']} ({r['mib'][0]:.0f} + {r['mib'][1]:.0f} MiB), path {r['path']}: "
+            f"{r['seconds']:.3f} s, eager path {r['eager_seconds']:.3f} s -> {r['eager_seconds'] / r['seconds']:.1f}x faster; "
+            f"memory copy of both {r['copy_seconds']:.3f} s (read-only sum {r['read_seconds']:.3f} s) -> "
+            f"{100 * r['copy_seconds'] / r['seconds']:.0f}% of the copy limit "
+            f"({100 * r['read_seconds'] / r['seconds']:.0f}% of the read-only pass); "
+            f"peak extra memory {r['memory'][0] / 2**20:.0f} MiB vs eager {r['memory'][1] / 2**20:.0f} MiB"
+        )
+    if not RESULTS:
+        return lines
+    lines.append(f"calibration cost (min over {ROUNDS} rounds; seconds; target: adds <= 25% to a case's wall time)")
     for (stem, dtype), r in RESULTS.items():
         m = lambda k: min(r[k]) if k in r else float("nan")  # noqa: E731
         a, b, c = m("ref_captures"), m("calibration"), m("run")

@@ -1,21 +1,31 @@
-"""Benchmarks (pytest-benchmark): difftest's compare vs torch.testing.assert_close on large bf16 pairs.
+"""Benchmarks (pytest-benchmark): difftest's compare vs torch.testing.assert_close on large pairs,
+and against the memory-copy limit of the same tensors, measured in the same run.
 
 Not part of the test suite (pyproject's testpaths is tests/). Run:
 
-    .venv/bin/python -m pytest benchmarks/ --benchmark-only -s
-    DIFFTEST_BENCH_LOGITS=4096x163840 DIFFTEST_BENCH_FC=4096x21504 .venv/bin/python -m pytest benchmarks/ ...
+    .venv/bin/python -m pytest benchmarks/test_bench_compare.py --benchmark-only -s
+    DIFFTEST_BENCH_LOGITS=1024x163840 DIFFTEST_BENCH_FC=4096x21504 DIFFTEST_BENCH_DTYPES=bfloat16,float16,float32 ...
 
-Shapes default to the issue's fc pair [4096 x 21504] and a logits pair of [1024 x 163840]
-(the issue's [4096 x 163840] needs ~2.7 GB for the pair alone plus assert_close's ~6 GB
-of temporaries; set DIFFTEST_BENCH_LOGITS to run it). Peak extra memory is the peak growth
-of the process's RSS over the inputs while one comparison runs (sampled every millisecond).
-Each benchmark also checks that the compiled kernel and the eager path agree.
+Shapes default to a Kimi-sized logits pair [1024 x 163840] and the fc-input pair [4096 x 21504];
+dtypes to bfloat16, float16 and float32. Printed at the end (visible with -s): first what the
+figures depend on (CPU model, CPUs available, torch threads, torch version and CPU capability, the
+comparison path taken), then per case and dtype:
+  * difftest: compare_tensor, min of 3 rounds; the eager path extrapolated from 16 rows;
+  * assert_close: torch.testing.assert_close, min of 3 rounds -> the speed-up;
+  * the memory-copy limit: copying both tensors into preallocated tensors of their shape
+    (`dst.copy_(src)`, torch's threads, min of 5 rounds; a fresh `empty_like` would add page faults
+    and flatter the figure), and a read-only pass (`x.sum()`) for information -> the fraction
+    of the copy limit difftest reaches (copy time / difftest time);
+  * peak extra memory of one comparison in a fresh process: the peak growth of its RSS over the
+    inputs, sampled every millisecond.
+Each difftest benchmark also checks that the path it took agrees with the eager path.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -29,7 +39,8 @@ from difftest import rowstats
 from difftest.compare import compare_tensor
 from difftest.tolerances import DEFAULTS
 
-RESULTS: dict[tuple[str, str], dict] = {}
+RESULTS: dict[tuple[str, str, str], dict] = {}
+COPY_ROUNDS = 5
 
 
 def _shape(var: str, default: str) -> tuple[int, int]:
@@ -37,11 +48,11 @@ def _shape(var: str, default: str) -> tuple[int, int]:
     return int(r), int(c)
 
 
-def _pair(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(rows, cols, generator=g).mul_(3).to(torch.bfloat16)
+    a = torch.randn(rows, cols, generator=g).mul_(3).to(dtype)
     b = a.clone()
-    noise = torch.randn(rows, cols // 8, generator=g).mul_(0.05).to(torch.bfloat16)
+    noise = torch.randn(rows, cols // 8, generator=g).mul_(0.05).to(dtype)
     b[:, : cols // 8] += noise  # an engine with its own kernels: a slice of every row differs
     return a, b
 
@@ -80,10 +91,44 @@ def assert_close(a, b):
         pass
 
 
+def best_of(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def memory_limits(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """Seconds to copy both tensors (into preallocated ones) and to read both once (a sum)."""
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    da.copy_(a), db.copy_(b)  # touch the destination pages outside the timing
+    copy = best_of(lambda: (da.copy_(a), db.copy_(b)), COPY_ROUNDS)
+    del da, db
+    read = best_of(lambda: (a.sum(), b.sum()), COPY_ROUNDS)
+    return {"copy_seconds": copy, "read_seconds": read}
+
+
 CASES = {
     "logits": ("draft.logits", lambda: _shape("DIFFTEST_BENCH_LOGITS", "1024x163840")),
     "fc_in": ("draft.fc_in", lambda: _shape("DIFFTEST_BENCH_FC", "4096x21504")),
 }
+DTYPES = [getattr(torch, d) for d in os.environ.get("DIFFTEST_BENCH_DTYPES", "bfloat16,float16,float32").split(",")]
+
+
+def machine_line() -> str:
+    """What every figure depends on."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"machine: {model}; {available} CPUs available of {os.cpu_count()}; torch {torch.__version__} "
+            f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads; "
+            f"comparison kernel: {rowstats.compile_status()}")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -93,32 +138,35 @@ def ratios():
     print("\n" + "\n".join(ratio_lines()))
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=[(k, d) for k in CASES for d in DTYPES],
+                ids=lambda p: f"{p[0]}-{str(p[1]).removeprefix('torch.')}")  # fmt: skip
 def pair(request):
-    name, shape = CASES[request.param]
-    a, b = _pair(*shape())
-    rowstats.row_stats(a[:64], b[:64], 0.05, 0.05, name.endswith("logits"), compiled=True)  # compile outside the timing
-    yield request.param, name, a, b
+    kind, dtype = request.param
+    name, shape = CASES[kind]
+    a, b = _pair(*shape(), dtype)
+    # the first comparison of a process may build the native kernel (once per cache): not timed
+    compare_tensor(name, a[:64], b[:64], DEFAULTS[str(dtype).removeprefix("torch.")])
+    yield kind, name, a, b
     del a, b
     gc.collect()
 
 
-def measure_memory(kind: str, impl: str) -> int:
+def measure_memory(kind: str, dtype: torch.dtype, impl: str) -> int:
     """Peak extra RSS of one comparison in a fresh process (a long-lived process keeps freed
     memory resident, which hides later allocations)."""
     code = f"""
 import sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parent.parent)]!r}
+import torch
 from test_bench_compare import CASES, _pair, assert_close, peak_extra
-from difftest import rowstats
 from difftest.compare import compare_tensor
 from difftest.tolerances import DEFAULTS
 name, shape = CASES[{kind!r}]
-a, b = _pair(*shape())
-if {impl!r} == "difftest":
-    rowstats.row_stats(a[:64], b[:64], 0.05, 0.05, name.endswith("logits"), compiled=True)
-    print(peak_extra(lambda: compare_tensor(name, a, b, DEFAULTS["bfloat16"])))
-else:
-    print(peak_extra(lambda: assert_close(a, b)))
+dtype = getattr(torch, {str(dtype).removeprefix("torch.")!r})
+a, b = _pair(*shape(), dtype)
+tol = DEFAULTS[str(dtype).removeprefix("torch.")]
+fn = (lambda a, b: compare_tensor(name, a, b, tol)) if {impl!r} == "difftest" else assert_close
+fn(a[:64], b[:64])  # one-off imports (torch.unravel_index's alone are ~36 MiB) and the kernel build: not counted
+print(peak_extra(lambda: fn(a, b)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if out.returncode:
@@ -127,43 +175,53 @@ else:
 
 
 @pytest.mark.parametrize("impl", ["difftest", "assert_close"])
-def test_compare_large_bf16(benchmark, pair, impl):
+def test_compare_large(benchmark, pair, impl):
     kind, name, a, b = pair
-    tol = DEFAULTS["bfloat16"]
+    dname = str(a.dtype).removeprefix("torch.")
+    tol = DEFAULTS[dname]
     fn = (lambda: compare_tensor(name, a, b, tol)) if impl == "difftest" else (lambda: assert_close(a, b))
     benchmark.pedantic(fn, rounds=3, iterations=1, warmup_rounds=0)
-    mem = measure_memory(kind, impl)
-    RESULTS[(kind, impl)] = {"seconds": benchmark.stats.stats.min, "peak_extra_bytes": mem, "shape": list(a.shape)}
-    benchmark.extra_info.update(RESULTS[(kind, impl)])
-    if impl == "difftest":  # the compiled kernel agrees with the eager path (on 64 rows: eager is ~40x slower)
-        assert rowstats.compile_status() == "compiled"
-        a, b = a[:64], b[:64]
-        old = rowstats.COMPILE_MIN
-        try:
-            rowstats.COMPILE_MIN = 0
-            fast = compare_tensor(name, a, b, tol)
-            rowstats.COMPILE_MIN = 1 << 62
-            compare_tensor(name, a[:8], b[:8], tol)  # the first eager call pays one-off set-up
-            t = time.perf_counter()
-            eager = compare_tensor(name, a, b, tol)
-            RESULTS[(kind, "difftest-eager")] = {"seconds": (time.perf_counter() - t) * pair[2].shape[0] / 64}
-        finally:
-            rowstats.COMPILE_MIN = old
-        assert (fast.mismatched, fast.max_abs, fast.max_abs_index) == (eager.mismatched, eager.max_abs, eager.max_abs_index)
-        assert fast.cosine == pytest.approx(eager.cosine, rel=1e-4)
+    mem = measure_memory(kind, a.dtype, impl)
+    RESULTS[(kind, dname, impl)] = {"seconds": benchmark.stats.stats.min, "peak_extra_bytes": mem, "shape": list(a.shape)}
+    benchmark.extra_info.update(RESULTS[(kind, dname, impl)])
+    if impl != "difftest":
+        return
+    path = rowstats.choose_path(a, b)
+    limits = memory_limits(a, b)
+    RESULTS[(kind, dname, impl)].update(limits, path=path, bytes=a.numel() * a.element_size() * 2)
+    benchmark.extra_info.update(limits, path=path)
+    # the path taken agrees with the eager path (on 16 rows: eager is ~200x slower)
+    a, b = a[:16], b[:16]
+    fast = rowstats.row_stats(a, b, tol.atol, tol.rtol, name.endswith("logits"), path=path)
+    rowstats.row_stats(a[:8], b[:8], tol.atol, tol.rtol, name.endswith("logits"), path="eager")  # one-off set-up
+    t = time.perf_counter()
+    eager = rowstats.row_stats(a, b, tol.atol, tol.rtol, name.endswith("logits"), path="eager")
+    RESULTS[(kind, dname, "difftest-eager")] = {"seconds": (time.perf_counter() - t) * pair[2].shape[0] / 16}
+    for k in ("max_abs", "max_col", "mismatched", "nonfinite", "rank"):
+        if k in eager:
+            assert torch.equal(fast[k], eager[k]), k
+    for k in ("sum_abs", "sum_sq", "sum_ab", "sum_aa", "sum_bb", "kl", "tv"):
+        if k in eager:
+            torch.testing.assert_close(fast[k], eager[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 def ratio_lines() -> list[str]:
-    lines = []
+    lines = [machine_line()]
     for kind in CASES:
-        ours, theirs = RESULTS.get((kind, "difftest")), RESULTS.get((kind, "assert_close"))
-        if not ours or not theirs:
-            continue
-        eager = RESULTS.get((kind, "difftest-eager"), {}).get("seconds", float("nan"))
-        lines.append(
-            f"{kind} {ours['shape']}: difftest {ours['seconds']:.3f} s (eager path, extrapolated from 64 rows: {eager:.1f} s), assert_close "
-            f"{theirs['seconds']:.3f} s -> {theirs['seconds'] / ours['seconds']:.1f}x faster; peak extra memory "
-            f"{ours['peak_extra_bytes'] / 2**20:.0f} MiB vs {theirs['peak_extra_bytes'] / 2**20:.0f} MiB -> "
-            f"{ours['peak_extra_bytes'] / max(theirs['peak_extra_bytes'], 1):.2f} of it"
-        )
+        for dtype in DTYPES:
+            d = str(dtype).removeprefix("torch.")
+            ours, theirs = RESULTS.get((kind, d, "difftest")), RESULTS.get((kind, d, "assert_close"))
+            if not ours or not theirs:
+                continue
+            eager = RESULTS.get((kind, d, "difftest-eager"), {}).get("seconds", float("nan"))
+            lines.append(
+                f"{kind} {d} {ours['shape']} (2 x {ours['bytes'] / 2 / 2**20:.0f} MiB), path {ours['path']}: "
+                f"difftest {ours['seconds']:.3f} s (eager path, extrapolated from 16 rows: {eager:.0f} s), "
+                f"assert_close {theirs['seconds']:.3f} s -> {theirs['seconds'] / ours['seconds']:.1f}x faster; "
+                f"memory copy of both {ours['copy_seconds']:.3f} s (read-only sum {ours['read_seconds']:.3f} s) -> "
+                f"difftest at {100 * ours['copy_seconds'] / ours['seconds']:.0f}% of the copy limit "
+                f"({100 * ours['read_seconds'] / ours['seconds']:.0f}% of the read-only pass); "
+                f"peak extra memory {ours['peak_extra_bytes'] / 2**20:.0f} MiB vs "
+                f"{theirs['peak_extra_bytes'] / 2**20:.0f} MiB"
+            )
     return lines

@@ -7,8 +7,9 @@ cosine, rel_diff) are kept as information; a case's `tolerances:` pattern makes 
 tensors it matches judged elementwise instead, as the user asked.
 
 Large tensors (full-vocab logits, 3 x 7168-wide fc inputs) are compared on the device
-they live on, row block by row block (difftest.rowstats): no full-size float32 copy is
-ever made, and tensors of 16M elements or more go through one fused, compiled kernel.
+they live on (difftest.rowstats): no full-size float32 copy is ever made; on the CPU a
+native kernel computes every statistic in one read of each tensor, elsewhere large
+tensors go through a fused, compiled (Inductor) kernel.
 Every statistic is kept per row (= per token position): the error profile along the
 prompt, and for logits the distribution metrics (top-1, top-k membership, KL, TV).
 """

@@ -67,6 +67,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from difftest import rowkernel, rowstats
+
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 SAFETY = 10.0
 FLOOR_QUANTILE = 0.9
@@ -94,10 +96,22 @@ ROUTER_PREFIX = "aux.router."
 BLOCK_ELEMENTS = 1 << 22
 
 
-def row_rel_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Per-row ||x - ref|| / ||ref|| in float64 over the last dim ([R] on CPU)."""
+def row_rel_err(x: torch.Tensor, ref: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """Per-row ||x - ref|| / ||ref|| in float64 over the last dim ([R] on CPU).
+
+    path: None takes the native kernel (difftest.rowkernel: one read of each tensor, no float64
+    copies) for CPU pairs of rowstats.NATIVE_MIN elements or more, else "eager" (the definition)."""
     cols = ref.shape[-1] if ref.dim() else 1
     x2, r2 = x.reshape(-1, cols), ref.reshape(-1, cols)
+    if path is None:
+        native = r2.numel() >= rowstats.NATIVE_MIN and rowkernel.supports(x2, r2, mixed=True)
+        path = "native" if native and rowstats.native_kernel() is not None else "eager"
+    if path == "native":
+        kernel = rowstats.native_kernel()
+        if kernel is None or not rowkernel.supports(x2, r2, mixed=True):
+            raise RuntimeError(f"native kernel unavailable or not for this pair ({rowstats.compile_status()})")
+        s = kernel.rel_err_sums(x2, r2)
+        return _rel_err(s["num"], s["den"], s["bad"] > 0)
     rows = max(1, BLOCK_ELEMENTS // max(cols, 1))
     out = []
     for r in range(0, r2.shape[0], rows):
@@ -108,9 +122,13 @@ def row_rel_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         num = (d * d).sum(-1)
         den = torch.where(finite, b * b, 0.0).sum(-1)
         bad = (~same & ~finite).any(-1)
-        err = torch.where(den > 0, (num / den.clamp_min(1e-300)).sqrt(), torch.where(num > 0, torch.inf, 0.0))
-        out.append(torch.where(bad, torch.inf, err).cpu())
+        out.append(_rel_err(num, den, bad).cpu())
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def _rel_err(num: torch.Tensor, den: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    err = torch.where(den > 0, (num / den.clamp_min(1e-300)).sqrt(), torch.where(num > 0, torch.inf, 0.0))
+    return torch.where(bad, torch.inf, err)
 
 
 @dataclass

@@ -4,13 +4,19 @@ A tensor is viewed as rows x columns (rows = every leading dimension, i.e. posit
 columns = the last dimension). Every statistic is reduced per row, so the caller gets a
 per-token error profile for free and global numbers by combining rows in float64.
 
-Two implementations of one definition:
-  * eager: row/column blocks of at most CHUNK elements, each upcast to float32 on the
-    tensors' own device; no float32 copy of a whole tensor is ever made.
-  * compiled (torch.compile, Inductor): the same function fused into a few loops that
-    read the native-dtype inputs directly; used for tensors of COMPILE_MIN elements or
-    more, where the eager path's ~20 passes over memory dominate (see benchmarks/).
-    If compilation fails (no C++ compiler), the eager path is used and a warning says why.
+One definition, three implementations:
+  * eager (the definition): row/column blocks of at most CHUNK elements, each upcast to
+    float32 on the tensors' own device; no float32 copy of a whole tensor is ever made.
+  * native (difftest/rowkernel.cpp, CPU pairs of NATIVE_MIN elements or more): every
+    statistic, softmax metrics included, from one read of each tensor from memory, rows in
+    parallel; extra memory one row pair of float32 per thread at most. Built with the system
+    C++ compiler on first use and cached (difftest.rowkernel). Counts, maxima, max_col and
+    rank equal the eager path's; sums agree to float32 rounding (the native ones are float64
+    across blocks).
+  * compiled (torch.compile, Inductor): the same functions fused into a few loops; used for
+    tensors of COMPILE_MIN elements or more that the native kernel does not take (other
+    devices, mixed dtypes, non-unit column strides).
+If a kernel cannot be built (no C++ compiler), the eager path is used and a warning says why.
 
 Elementwise rule (as torch.isclose, b the reference): |a - b| <= atol + rtol * |ref|;
 equal values (also equal infinities) always match; NaN never matches; an infinity
@@ -23,6 +29,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+
+from difftest import rowkernel
 
 ROW_FIELDS = (
     "max_abs", "max_col", "mismatched", "nonfinite", "sum_abs", "sum_sq", "sum_ab", "sum_aa", "sum_bb",
@@ -74,6 +82,10 @@ def _elementwise(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> 
 #      W = sum exp(a - max a) * (a - b), which gives KL without a normalised pass:
 #      KL = sum p_a (log p_a - log p_b) = W / S_a - (lse_a - lse_b)   (_sums),
 #   3. the rank and total variation, which need the denominators (_rank_tv).
+# KL's difference of log-sum-exps is taken in float64 from the maxima and the denominators
+# ((ma - mb) + (log S_a - log S_b)): a float32 lse near 10-20 carries ~1e-6 of rounding, as
+# much as the KL of two near-equal rows. For the same reason TV's probabilities are
+# exp(a - max) / S rather than exp(a - lse).
 # No argmax/gather: Inductor does not vectorise them (10x the rest on CPU).
 
 
@@ -95,25 +107,29 @@ def _sums(a, b, ma, mb) -> dict[str, torch.Tensor]:
     }
 
 
-def _rank_tv(a, b, lse_a, lse_b, at) -> dict[str, torch.Tensor]:
+def _rank_tv(a, b, ma, mb, ia, ib, at) -> dict[str, torch.Tensor]:
+    """ia, ib: 1 / S of each row (float32)."""
     a, b = a.float(), b.float()
-    return {"rank": (b > at).sum(-1), "tv": 0.5 * ((a - lse_a).exp() - (b - lse_b).exp()).abs().sum(-1)}
+    return {"rank": (b > at).sum(-1), "tv": 0.5 * ((a - ma).exp() * ia - (b - mb).exp() * ib).abs().sum(-1)}
 
 
 def _softmax_rest(a, b, ma, mb, sums, rank_tv) -> dict[str, torch.Tensor]:
     """Passes 2 and 3 for one row block whose maxima are known; float64 results on CPU."""
     s = sums(a, b, ma[:, None], mb[:, None])
-    lse_a, lse_b = ma + s["sa"].log(), mb + s["sb"].log()
-    out = _cpu(rank_tv(a, b, lse_a[:, None], lse_b[:, None], s["at"][:, None]))
-    w, sa = s["w"].double().cpu(), s["sa"].double().cpu()
-    kl = w / sa - (lse_a.double().cpu() - lse_b.double().cpu())
+    ia, ib = 1.0 / s["sa"], 1.0 / s["sb"]
+    out = _cpu(rank_tv(a, b, ma[:, None], mb[:, None], ia[:, None], ib[:, None], s["at"][:, None]))
+    w, sa, sb, ma64, mb64 = (x.double().cpu() for x in (s["w"], s["sa"], s["sb"], ma, mb))
+    kl = w / sa - ((ma64 - mb64) + (sa.log() - sb.log()))
     out["kl"] = kl.clamp_min(0.0)  # >= 0 in exact arithmetic; float32 sums may dip just below
     return out
 
 
 CHUNK = 1 << 20  # elements per eager block
-COMPILE_MIN = 1 << 24  # tensors at least this large take the compiled path
+NATIVE_MIN = 1 << 18  # CPU tensors at least this large take the native kernel (smaller: eager, ~0.1 s at most,
+#                       and no kernel build in processes that never compare anything large)
+COMPILE_MIN = 1 << 24  # tensors at least this large that the native kernel does not take go through Inductor
 COMPILED_BLOCK = 1 << 23  # elements per compiled call (bf16: 16 MiB per tensor, well inside L3)
+PATHS = ("native", "compiled", "eager")
 
 
 @dataclass
@@ -122,7 +138,14 @@ class _Compiled:
     error: str | None = None
 
 
+@dataclass
+class _Native:
+    kernel: rowkernel.Kernel | None = None
+    error: str | None = None
+
+
 _COMPILED = _Compiled()
+_NATIVE = _Native()
 
 
 def _compiled_fns() -> tuple:
@@ -131,19 +154,55 @@ def _compiled_fns() -> tuple:
     return _COMPILED.fns
 
 
+def _reason(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def native_kernel() -> rowkernel.Kernel | None:
+    """The native kernel, built and loaded on first call; None (and one warning) if it cannot be."""
+    if _NATIVE.kernel is None and _NATIVE.error is None:
+        try:
+            _NATIVE.kernel = rowkernel.load()
+        except Exception as e:  # noqa: BLE001 - any build/load failure falls back to the same numbers, eagerly
+            _NATIVE.error = _reason(e)
+            warnings.warn(f"difftest: native comparison kernel unavailable ({_NATIVE.error}); using the eager path")
+    return _NATIVE.kernel
+
+
+def choose_path(a2: torch.Tensor, b2: torch.Tensor) -> str:
+    """The path row_stats takes for this pair when none is asked for (see the module docstring)."""
+    n = a2.numel()
+    if n >= NATIVE_MIN and rowkernel.supports(a2, b2) and native_kernel() is not None:
+        return "native"
+    if n >= COMPILE_MIN and _COMPILED.error is None:
+        return "compiled"
+    return "eager"
+
+
 def row_stats(a2: torch.Tensor, b2: torch.Tensor, atol: float, rtol: float, logits: bool,
-              chunk: int | None = None, compiled: bool | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Per-row statistics of [R, C] tensors on one device; returns float64/int64 tensors of [R] on CPU."""
-    R, C = a2.shape
-    chunk = chunk or CHUNK
-    use_compiled = (a2.numel() >= COMPILE_MIN) if compiled is None else compiled
-    if use_compiled and _COMPILED.error is None:
+              chunk: int | None = None, path: str | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Per-row statistics of [R, C] tensors on one device; returns float64/int64 tensors of [R] on CPU.
+
+    path: None chooses (choose_path); "native" raises RuntimeError where the kernel is unavailable
+    or does not take the pair; "compiled" falls back to eager (with a warning) if Inductor fails."""
+    if path not in (None, *PATHS):
+        raise ValueError(f"path must be one of {PATHS}, not {path!r}")
+    path = path or choose_path(a2, b2)
+    if path == "native":
+        kernel = native_kernel()
+        if kernel is None:
+            raise RuntimeError(f"native comparison kernel unavailable: {_NATIVE.error}")
+        if not rowkernel.supports(a2, b2):
+            raise RuntimeError(f"native kernel does not take {a2.dtype}/{b2.dtype} {a2.device} {tuple(a2.stride())}")
+        return kernel.row_stats(a2, b2, atol, rtol, logits)
+    if path == "compiled" and _COMPILED.error is None:
         try:
             return _row_stats_compiled(a2, b2, atol, rtol, logits)
         except Exception as e:  # noqa: BLE001 - any compile failure falls back to the same numbers, eagerly
-            _COMPILED.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            _COMPILED.error = _reason(e)
             warnings.warn(f"difftest: compiled comparison unavailable ({_COMPILED.error}); using the eager path")
-    return _row_stats_eager(a2, b2, atol, rtol, logits, chunk)
+    return _row_stats_eager(a2, b2, atol, rtol, logits, chunk or CHUNK)
 
 
 def _cpu(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -202,7 +261,14 @@ def _merge_columns(x: dict, y: dict) -> dict:
 
 
 def compile_status() -> str:
-    """For reports: whether large comparisons ran fused."""
+    """For reports: the kernels large comparisons ran through in this process."""
+    if _NATIVE.kernel is not None:
+        used = f"native ({_NATIVE.kernel.variant})"
+        return used + ("; compiled for the rest" if _COMPILED.fns is not None and _COMPILED.error is None else "")
+    why = f"native kernel unavailable: {_NATIVE.error}" if _NATIVE.error else ""
     if _COMPILED.error:
-        return f"eager (compile failed: {_COMPILED.error})"
-    return "compiled" if _COMPILED.fns is not None else "eager"
+        why = "; ".join(filter(None, [why, f"compile failed: {_COMPILED.error}"]))
+        return f"eager ({why})"
+    if _COMPILED.fns is not None:
+        return "compiled" + (f" ({why})" if why else "")
+    return f"eager ({why})" if why else "eager"

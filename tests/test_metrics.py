@@ -80,7 +80,8 @@ def test_only_logits_get_distribution_metrics():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_compiled_kernel_gives_the_eager_numbers(dtype):
-    """The fused Inductor path (tensors >= 16M elements) forced on a small pair: same statistics."""
+    """The fused Inductor path (large tensors the native kernel does not take: other devices, mixed
+    dtypes) forced on a small pair: same statistics. The native kernel: tests/test_rowkernel.py."""
     pytest.importorskip("torch._inductor")
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("no C++ compiler: Inductor cannot build the fused kernel here (difftest falls back to eager)")
@@ -98,7 +99,7 @@ def test_compiled_kernel_gives_the_eager_numbers(dtype):
         compare_mod.row_stats.__globals__["COMPILE_MIN"] = old
     from difftest.rowstats import compile_status
 
-    assert compile_status() == "compiled"
+    assert "compiled" in compile_status()
     for k in ("status", "mismatched", "nonfinite_mismatch", "max_abs", "max_abs_index", "rows_mismatched", "worst_row",
               "row_mismatched", "top1_agree", "topk_member", "nan_other", "inf_ref", "inf_other"):  # fmt: skip
         assert getattr(fused, k) == getattr(eager, k), k
