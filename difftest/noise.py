@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from difftest import rowkernel, rowstats
+from difftest import rowstats
 
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 SAFETY = 10.0
@@ -104,13 +104,9 @@ def row_rel_err(x: torch.Tensor, ref: torch.Tensor, path: str | None = None) -> 
     cols = ref.shape[-1] if ref.dim() else 1
     x2, r2 = x.reshape(-1, cols), ref.reshape(-1, cols)
     if path is None:
-        native = r2.numel() >= rowstats.NATIVE_MIN and rowkernel.supports(x2, r2, mixed=True)
-        path = "native" if native and rowstats.native_kernel() is not None else "eager"
+        path = "native" if rowstats.takes_native(x2, r2, mixed=True) else "eager"
     if path == "native":
-        kernel = rowstats.native_kernel()
-        if kernel is None or not rowkernel.supports(x2, r2, mixed=True):
-            raise RuntimeError(f"native kernel unavailable or not for this pair ({rowstats.compile_status()})")
-        s = kernel.rel_err_sums(x2, r2)
+        s = rowstats.require_native(x2, r2, mixed=True).rel_err_sums(x2, r2)
         return _rel_err(s["num"], s["den"], s["bad"] > 0)
     rows = max(1, BLOCK_ELEMENTS // max(cols, 1))
     out = []

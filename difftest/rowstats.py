@@ -170,12 +170,27 @@ def native_kernel() -> rowkernel.Kernel | None:
     return _NATIVE.kernel
 
 
+def takes_native(a2: torch.Tensor, b2: torch.Tensor, mixed: bool = False) -> bool:
+    """Whether the native kernel is the automatic choice for this pair: NATIVE_MIN elements or more,
+    a pair it takes as it is (rowkernel.supports), and a kernel that could be built."""
+    return a2.numel() >= NATIVE_MIN and rowkernel.supports(a2, b2, mixed=mixed) and native_kernel() is not None
+
+
+def require_native(a2: torch.Tensor, b2: torch.Tensor, mixed: bool = False) -> rowkernel.Kernel:
+    """The native kernel for a pair it must take; RuntimeError naming why not otherwise."""
+    kernel = native_kernel()
+    if kernel is None:
+        raise RuntimeError(f"native comparison kernel unavailable: {_NATIVE.error}")
+    if not rowkernel.supports(a2, b2, mixed=mixed):
+        raise RuntimeError(f"native kernel does not take {a2.dtype}/{b2.dtype} {a2.device} {tuple(a2.stride())}")
+    return kernel
+
+
 def choose_path(a2: torch.Tensor, b2: torch.Tensor) -> str:
     """The path row_stats takes for this pair when none is asked for (see the module docstring)."""
-    n = a2.numel()
-    if n >= NATIVE_MIN and rowkernel.supports(a2, b2) and native_kernel() is not None:
+    if takes_native(a2, b2):
         return "native"
-    if n >= COMPILE_MIN and _COMPILED.error is None:
+    if a2.numel() >= COMPILE_MIN and _COMPILED.error is None:
         return "compiled"
     return "eager"
 
@@ -190,12 +205,7 @@ def row_stats(a2: torch.Tensor, b2: torch.Tensor, atol: float, rtol: float, logi
         raise ValueError(f"path must be one of {PATHS}, not {path!r}")
     path = path or choose_path(a2, b2)
     if path == "native":
-        kernel = native_kernel()
-        if kernel is None:
-            raise RuntimeError(f"native comparison kernel unavailable: {_NATIVE.error}")
-        if not rowkernel.supports(a2, b2):
-            raise RuntimeError(f"native kernel does not take {a2.dtype}/{b2.dtype} {a2.device} {tuple(a2.stride())}")
-        return kernel.row_stats(a2, b2, atol, rtol, logits)
+        return require_native(a2, b2).row_stats(a2, b2, atol, rtol, logits)
     if path == "compiled" and _COMPILED.error is None:
         try:
             return _row_stats_compiled(a2, b2, atol, rtol, logits)
