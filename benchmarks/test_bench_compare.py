@@ -37,6 +37,7 @@ import torch
 
 from difftest import rowstats
 from difftest.compare import compare_tensor
+from difftest.settings import suggest
 from difftest.tolerances import DEFAULTS
 
 RESULTS: dict[tuple[str, str, str], dict] = {}
@@ -114,7 +115,20 @@ CASES = {
     "logits": ("draft.logits", lambda: _shape("DIFFTEST_BENCH_LOGITS", "1024x163840")),
     "fc_in": ("draft.fc_in", lambda: _shape("DIFFTEST_BENCH_FC", "4096x21504")),
 }
-DTYPES = [getattr(torch, d) for d in os.environ.get("DIFFTEST_BENCH_DTYPES", "bfloat16,float16,float32").split(",")]
+BENCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _dtypes(var: str, default: str) -> list[torch.dtype]:
+    """The dtypes named in var; a name outside BENCH_DTYPES stops the run in one line."""
+    out = []
+    for name in os.environ.get(var, default).split(","):
+        if name not in BENCH_DTYPES:
+            pytest.exit(f"{var}: {name!r} is not one of {', '.join(BENCH_DTYPES)}{suggest(name, BENCH_DTYPES)}", returncode=4)
+        out.append(BENCH_DTYPES[name])
+    return out
+
+
+DTYPES = _dtypes("DIFFTEST_BENCH_DTYPES", "bfloat16,float16,float32")
 
 
 def machine_line() -> str:
