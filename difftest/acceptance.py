@@ -118,24 +118,29 @@ def normalise(definition: str, value: float | None = None, steps: list[float] | 
             raise ValueError(f"{definition}: needs {', '.join(missing)} to convert to '{DEFINITION}'")
         return [float(counts[k]) for k in keys]
 
+    def figure() -> float:
+        if value is None:
+            raise ValueError(f"{definition}: needs the figure itself to convert to '{DEFINITION}'")
+        return float(value)
+
     def per_step() -> list[float]:
         if not steps:
             raise ValueError(f"{definition}: needs steps (the per-step figures) to convert to '{DEFINITION}'")
         return [float(x) for x in steps]
 
     if definition in ("difftest", definitions.ACCEPT_LENGTH, "vllm.mean_acceptance_length"):
-        return float(value)
+        return figure()
     if definition == "vllm.num_accepted_tokens_per_draft":
-        return float(value) + 1.0
+        return figure() + 1.0
     if definition == "sglang.spec_accept_length":
         completion, requests, verify = need("completion_tokens", "requests", "verify_ct")
         return (completion - requests) / verify
     if definition == "sglang.spec_num_correct_drafts":
         (verify,) = need("verify_ct")
-        return float(value) / verify + 1.0
+        return figure() / verify + 1.0
     if definition == "acceptance_rate":
         (tokens,) = need("num_draft_tokens")
-        return float(value) * (tokens - 1) + 1.0
+        return figure() * (tokens - 1) + 1.0
     if definition == "speculators.full_acc":  # full_acc_k is already P(K > k)
         return definitions.accept_length_from_per_position(per_step())
     if definition in ("speculators.cond_acc", "specforge.acc"):  # products of the per-step figures

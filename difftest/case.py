@@ -259,6 +259,11 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
+def _expand_mapping(raw: dict, path: Path) -> dict:
+    """The case's top-level mapping with ${VAR} expanded (a mapping stays a mapping)."""
+    return {k: _expand(v, path, str(k)) for k, v in raw.items()}
+
+
 def _expand(value: object, path: Path, where: str) -> object:
     """${VAR} and ${VAR:-default} in every string of the raw case, recursively."""
     if isinstance(value, dict):
@@ -313,7 +318,7 @@ def load_case(path: str | Path) -> Case:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     _unknown(path, "", raw, KNOWN_KEYS)
-    raw = _expand(raw, path, "")
+    raw = _expand_mapping(raw, path)
     for required in ("target", "draft", "prompts"):
         if required not in raw:
             raise _err(path, required, "required field missing")

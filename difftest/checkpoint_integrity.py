@@ -139,7 +139,8 @@ def target_findings(target_dir: Path) -> list[Finding]:
         raise ConfigError(f"{where}: cannot read the target config ({type(e).__name__})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(config).__name__}")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    sub = config.get("text_config")
+    text: dict = sub if isinstance(sub, dict) else config
     tensors, out = stored_tensors(target_dir)
     if not tensors:
         return out  # no safetensors: a .bin checkpoint, read by its loader alone

@@ -41,6 +41,13 @@ from difftest.verdict import Verdict
 DEFAULT_TOP1 = 0.98
 
 
+def _comparison_data(verdict: Verdict) -> ComparisonData:
+    """The comparison record every divergence verdict carries (see _divergence_report)."""
+    if not isinstance(verdict.data, ComparisonData):
+        raise TypeError(f"a divergence verdict carries {type(verdict.data).__name__}, not ComparisonData")  # a harness bug
+    return verdict.data
+
+
 def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: list[CaptureDiff], scope) -> Verdict:
     """Judged against the measured noise (difftest.noise): a check fails when a tensor in its scope
     is above noise; the message leads with the tensor where the error is *introduced*, beside the
@@ -249,13 +256,14 @@ def _needs_tensors(session: Session, spec: EngineSpec, check: str) -> None:
 def check_fc_inputs(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     _needs_tensors(session, spec, "fc_inputs")
     verdict = _divergence_report(session, case, spec, session.comparisons(case, spec), _in_fc_scope)
+    data = _comparison_data(verdict)
     # what the engine fed fc, by value: the reference's feed when every chunk matched it, else each
     # chunk's best match (None: no reference tensor matches it); the version table reads it
-    if verdict.data.fc_chunks:
-        verdict.data.fed = [m.best if m.matched else None for m in verdict.data.fc_chunks]
+    if data.fc_chunks:
+        data.fed = [m.best if m.matched else None for m in data.fc_chunks]
     elif verdict.passed:
         wiring = session.capture(case, session.options.reference, 0).meta.wiring
-        verdict.data.fed = list(wiring.inputs) if wiring and wiring.inputs else None
+        data.fed = list(wiring.inputs) if wiring and wiring.inputs else None
     return verdict
 
 
@@ -263,10 +271,13 @@ def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdic
     _needs_tensors(session, spec, "draft_logits")
     diffs = session.comparisons(case, spec)
     verdict = _divergence_report(session, case, spec, diffs, _in_draft_scope)
+    data = _comparison_data(verdict)
+    golden: GoldenData | None
     if not verdict.passed:
-        lines, golden = golden_rerun(session, case, spec, verdict.data.prompt, diffs[verdict.data.prompt])
+        first = data.prompt or 0  # a failing verdict names the first prompt that diverges
+        lines, golden = golden_rerun(session, case, spec, first, diffs[first])
         verdict.message += "".join("\n" + ln for ln in lines)
-        verdict.data.golden = golden
+        data.golden = golden
     elif spec.name != session.options.reference.name:
         # a real engine that can take golden inputs: prompt 0 re-run on the reference's draft.fc_in,
         # so the report shows the engine's draft computing the reference's function on the same input;
@@ -278,7 +289,7 @@ def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdic
             lines, golden = [f"golden inputs (prompt 0): could not be run: {str(e).splitlines()[0]}"], GoldenData("error")
         verdict.message += "".join("\n" + ln for ln in lines)
         if golden is not None:
-            verdict.data.golden = golden
+            data.golden = golden
     return verdict
 
 

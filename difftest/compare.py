@@ -157,9 +157,11 @@ def _row_cosine(ab: torch.Tensor, aa: torch.Tensor, bb: torch.Tensor) -> torch.T
 
 
 def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Tolerance, topk: int = TOPK,
-                   threshold: float | None = None, noise_floor: float = 0.0) -> TensorDiff:  # fmt: skip
+                   threshold: float | None = None, noise_floor: float = 0.0,
+                   row_errors: dict[str, torch.Tensor] | None = None) -> TensorDiff:  # fmt: skip
     """threshold: the per-row relative error above which a row is off (difftest.noise); None judges
-    elementwise against `tol` (a case's explicit tolerance)."""
+    elementwise against `tol` (a case's explicit tolerance). `row_errors` collects the full per-row
+    errors by tensor name, for the data-flow pass (judge_along_flow); the report keeps a profile only."""
     if tuple(ref.shape) != tuple(other.shape):
         return TensorDiff(name, "shape", list(ref.shape), detail=f"shape {list(other.shape)} vs reference {list(ref.shape)}",
                           excess=math.inf, err=math.inf)  # fmt: skip
@@ -219,7 +221,8 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
         d.status = "mismatch" if j.diverges else "ok"
         d.worst_row = int(errs.argmax()) if j.diverges else -1
     d.err, d.err_q, d.rows_above, d.excess = j.err, j.err_q, j.rows_above, j.excess
-    d._errs = errs  # full per-row errors for the data-flow pass (compare.judge_along_flow); not reported
+    if row_errors is not None:
+        row_errors[name] = errs
     d.threshold, d.noise_floor = (threshold or 0.0), noise_floor
     if d.criterion != "noise":
         d.excess = math.inf if mismatched else 0.0
@@ -287,6 +290,7 @@ def compare_captures(
     floor = floor or noise.unmeasured(dtype, "no calibration given")
     skip_after, tie = _tie_step(ref, other, floor)
     diffs = []
+    row_errors: dict[str, torch.Tensor] = {}
     other_names = set(other.names())
     for name in ref.names():
         if name.startswith(noise.AUX_PREFIX):
@@ -305,12 +309,12 @@ def compare_captures(
             continue
         tol, threshold = _thresholds(name, dtype, tolerances or {}, floor)
         diffs.append(compare_tensor(name, ref.get(name), other.get(name), tol, threshold=threshold,
-                                    noise_floor=floor.floor(name)))  # fmt: skip
+                                    noise_floor=floor.floor(name), row_errors=row_errors))  # fmt: skip
     router_ties = noise.router_tie_rows(ref, floor)
     cd = CaptureDiff(diffs, floor.source, tie)
     cd.router_ties = {k: int(v.sum()) for k, v in router_ties.items() if bool(v.any())}
     wiring, num_layers = (ref.meta.wiring.inputs if ref.meta.wiring else []), ref.meta.num_layers
-    judge_along_flow(cd, wiring, num_layers, {f"target.h.{k + 1}": v for k, v in router_ties.items()}, dtype)
+    judge_along_flow(cd, row_errors, wiring, num_layers, {f"target.h.{k + 1}": v for k, v in router_ties.items()}, dtype)
     localise(cd, wiring, num_layers)
     return cd
 
@@ -331,7 +335,7 @@ def _attends(name: str) -> bool:
     return (name.startswith("target.h.") and name != "target.h.0") or name.endswith("layer0.attn_out")
 
 
-def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None,
+def judge_along_flow(cd: CaptureDiff, row_errors: dict[str, torch.Tensor], wiring: list[str], num_layers: int | None,
                      router_ties: dict[str, torch.Tensor] | None = None, dtype: str = "float32") -> None:  # fmt: skip
     """Final noise verdicts in data-flow order (difftest.noise): the quorum everywhere, the isolated-row
     rule in the draft only. A row is *excused* (not counted) where a discrete numerical event
@@ -357,7 +361,7 @@ def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None,
         return out
 
     for d in cd.diffs:
-        errs = getattr(d, "_errs", None)
+        errs = row_errors.get(d.name)
         if errs is None:
             continue
         excused = torch.zeros(errs.numel(), dtype=torch.bool)
@@ -381,8 +385,6 @@ def judge_along_flow(cd: CaptureDiff, wiring: list[str], num_layers: int | None,
         events[d.name] = (excused & moved) | (above if not j.diverges else torch.zeros_like(above))
         if fc_chunk_index(d.name) is not None and "draft.fc_in" in events:  # fc reads the chunks together
             events["draft.fc_in"] = events["draft.fc_in"] | _aligned(events[d.name], events["draft.fc_in"].numel())
-    for d in cd.diffs:
-        d.__dict__.pop("_errs", None)
 
 
 def _tie_step(ref: Capture, other: Capture, floor: noise.NoiseFloor) -> tuple[int | None, str]:

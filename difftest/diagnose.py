@@ -135,11 +135,11 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, dra
     if normed:
         notes.append("norm applied before fc (engine's chunk = rmsnorm(reference tensor))")
         got = [w if j in normed else g for j, (g, w) in enumerate(zip(got, want))]
-    gk = [hidden_index(g) if g else None for g in got]
-    wk = [hidden_index(w) if w else None for w in want]
+    gk = _indices(got)
+    wk = _indices(want)
     L = num_layers
     defaults = default_layers(L) if L else None
-    if None not in gk and None not in wk and got != want:
+    if gk is not None and wk is not None and got != want:
         shifts = {g - w for g, w in zip(gk, wk)}
         if len(shifts) == 1:
             s = shifts.pop()
@@ -170,6 +170,12 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, dra
     if not notes:
         notes.append("different layers")
     return " and ".join(notes)
+
+
+def _indices(names: list[str | None]) -> list[int] | None:
+    """The hidden-state layer index of every name, or None when any slot is not a layer h[k]."""
+    ks = [hidden_index(n) if n else None for n in names]
+    return None if None in ks else [k for k in ks if k is not None]
 
 
 def _config_names(draft_config: dict | None, layers: list[int]) -> bool:
@@ -226,10 +232,10 @@ def diagnose_fc(ref: Capture, other: Capture, draft_config: dict | None = None) 
                 f"engine's fc chunk {m.chunk} matches no reference tensor (closest {m.best}, cos {m.cosine:.4f}, "
                 f"rel_diff {m.rel_diff:.2e}); {expect}{_norm_note(m)}"
             )
-    got = "[" + ", ".join(_short(m.best) if m.matched else "?" for m in matches) + "]"
-    want = "[" + ", ".join(_short(m.expected) for m in matches) + "]"
+    fed = "[" + ", ".join(_short(m.best) if m.matched else "?" for m in matches) + "]"
+    expected = "[" + ", ".join(_short(m.expected) for m in matches) + "]"
     pattern = wiring_pattern(matches, L, draft_config)
-    lines.append(f"engine fed fc {got}; reference fed {want}" + (f"; pattern: {pattern}" if pattern else ""))
+    lines.append(f"engine fed fc {fed}; reference fed {expected}" + (f"; pattern: {pattern}" if pattern else ""))
     return lines
 
 

@@ -18,6 +18,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from importlib import metadata
+from typing import Sequence
 
 from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
@@ -164,7 +165,7 @@ class EngineInfo:
     settings: dict = field(default_factory=dict)  # a live server's effective settings (difftest.server_client)
 
 
-def check_case_settings(case: Case, specs: list["EngineSpec"] = (), merged=None) -> None:
+def check_case_settings(case: Case, specs: Sequence[EngineSpec] = (), merged=None) -> None:
     """Every `engines.<name>` section of the case (also of engines not run now: a typo is a typo)
     against its engine's schema, then each spec's parameters merged with its section
     (`merged(case, spec)`: the case a labelled spec's worker is sent). ConfigError at the first problem."""

@@ -12,7 +12,7 @@ say *which* change moved a tensor ("0.5.A feeds [h3, h5, h6]; 0.5.23 feeds [h2, 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from packaging.version import InvalidVersion, Version
 
@@ -32,7 +32,7 @@ class Change:
     summary: str  # what changed, in a user's words
     source: str  # file::function in `first` where the new behaviour lives
     # LayerIdRule fields as they were before the change, per target family
-    layer_before: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+    layer_before: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     # draft flags as they were read before the change: (flag, read_from); () = never read
     flags_before: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
@@ -243,6 +243,8 @@ def layer_difference(engine: str, family: str, old: str, new: str, draft_config:
     def matters(c: Change) -> bool:
         """Undoing this change alone, in the release that has it, changes what this config is fed."""
         at = layer_rule(base, family, c.first)
+        if at is None:  # no rule for this family in that release: nothing to undo
+            return False
         before = c.undo_layer(at, family)
         pa, pb = at.predict(cfg_new, L, fc_chunks), before.predict(cfg_new, L, fc_chunks)
         return (pa.fed, pa.refusal) != (pb.fed, pb.refusal)

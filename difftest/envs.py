@@ -101,8 +101,9 @@ def _with_recipe(pinned: str, recipe: str, dist: str, version: str, where: str) 
         if m:
             lines[_canonical(m.group("dist"))] = line
     own = lines.get(_canonical(dist))
-    if own is not None:
-        listed = _REQ_LINE.match(own).group("version")
+    matched = _REQ_LINE.match(own) if own is not None else None
+    if matched is not None:
+        listed = matched.group("version")
         if listed != version:
             raise ConfigError(f"{where}: pins {dist}=={listed}, not {version}")
         return recipe

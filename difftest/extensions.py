@@ -19,9 +19,12 @@ import argparse
 import functools
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from difftest.errors import ConfigError
+
+if TYPE_CHECKING:  # the records layer reads this registry back (check_data.data_kinds)
+    from difftest.records.check_data import CheckData
 
 CHECK_GROUP = "difftest.checks"
 COMMAND_GROUP = "difftest.commands"
@@ -37,7 +40,7 @@ class ExtraCheck:
     engines: tuple[str, ...] = ()  # engine names the item is for (e.g. only `train`); empty: every engine
     # the difftest.records.check_data.CheckData subclass its verdicts carry: a report names it by its
     # KIND, and reading the report back finds the record here
-    data: type | None = None
+    data: type[CheckData] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ def _load(group: str, kind: type) -> dict:
             obj = ep.load()
         except Exception as e:  # a broken plugin must not take the harness down with a traceback
             raise ConfigError(f"entry point {group}:{ep.name} = {ep.value} cannot be loaded ({type(e).__name__}: {e})") from None
-        if not isinstance(obj, kind) or obj.name != ep.name:
+        if not isinstance(obj, kind) or getattr(obj, "name", None) != ep.name:
             raise ConfigError(f"entry point {group}:{ep.name} = {ep.value} is not a {kind.__name__} named {ep.name!r}")
         found[ep.name] = obj
     return found

@@ -108,17 +108,18 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     if view is None:
         raise ConfigError(f"--engine {engine}: no layer-id rule models {spec.name} on this target "
                           "(difftest.layer_rules knows vllm and sglang on Llama, Qwen3 and DeepSeek-V3 targets)")  # fmt: skip
-    if view.trained is None:
+    edit = view.edit()
+    if view.trained is None or edit is None:
         raise ConfigError(f"{case_path}: the training wiring {trained} is not a list of target hidden states; "
                           "a layer-id edit cannot express it")  # fmt: skip
-    edit = view.edit()
     before = view.reading.explain() + f"; training fed [{', '.join(f'h{k}' for k in view.trained)}]"
     result = FixResult(case.name, spec.id, view.rule.words(), view.trained, before, edit.patch if edit.possible else None,
                        edit.ids, edit.impossible, edit.alternatives, edit.side_effects, [], edit.fc_order)  # fmt: skip
     if not edit.possible:
         return result, None
-    if view.reading.fed == view.trained and view.reading.refusal is None:
-        result.patch = {}
+    # already fed as trained: nothing to set
+    patch = {} if view.reading.fed == view.trained and view.reading.refusal is None else edit.patch
+    result.patch = patch
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{case.name}.{spec.key}"
     patch_file = out_dir / f"{stem}.patch.json"
@@ -134,7 +135,7 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
         raw["wiring"] = [f"h{k}" for k in edit.feeds]
         result.files.append(str(edited))
     section = dict((raw.get("engines") or {}).get(spec.key) or {})
-    section["draft_config_overrides"] = deep_merge(section.get("draft_config_overrides") or {}, result.patch)
+    section["draft_config_overrides"] = deep_merge(section.get("draft_config_overrides") or {}, patch)
     raw.setdefault("engines", {})[spec.key] = section
     raw["name"] = f"{case.name}_fix_{spec.key.replace('@', '_')}"
     raw.pop("expect_failure", None)  # the fixed case must pass on this engine with no excuse declared

@@ -263,19 +263,19 @@ def noise_section(report: Report) -> list[str]:
 
 
 def plot_dataflow(report: Report) -> str | None:
-    engines = [e for e in report.comparisons if _comparison(report, e)]
-    if not engines:
+    runs = {e: c for e in report.comparisons if (c := _comparison(report, e)) is not None}
+    if not runs:
         return None
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
     names: list[str] = []
-    for e in engines:
-        for t in _comparison(report, e).tensors:
+    for c in runs.values():
+        for t in c.tensors:
             if t["name"] not in names:
                 names.append(t["name"])
     x = {n: i for i, n in enumerate(names)}
-    for e in engines:
-        tensors = [t for t in _comparison(report, e).tensors if t.get("numel")]
+    for e, c in runs.items():
+        tensors = [t for t in c.tensors if t.get("numel")]
         xs = [x[t["name"]] for t in tensors]
         ax1.plot(xs, [_finite(t["max_abs"]) or 1e-12 for t in tensors], marker="o", label=e)
         ax2.plot(xs, [_finite(1 - t["cosine"]) or 1e-12 for t in tensors], marker="o", label=e)
@@ -297,8 +297,10 @@ def plot_tokens(report: Report) -> str | None:
     series = []
     for e in report.comparisons:
         c = _comparison(report, e)
-        name = c and c.first_divergence
-        t = next((t for t in c.tensors if t["name"] == name), None) if name else None
+        name = c.first_divergence if c is not None else None
+        if c is None or not name:
+            continue
+        t = next((t for t in c.tensors if t["name"] == name), None)
         if t and (t.get("row_err") or t.get("row_max_abs")):
             series.append((e, name, c.prompt, t))
     if not series:
@@ -321,9 +323,9 @@ def plot_tokens(report: Report) -> str | None:
 def plot_similarity(check: CheckResult) -> str | None:
     data = check.data if isinstance(check.data, ComparisonData) else ComparisonData()
     sim = data.similarity
-    rows = sim.cosine if sim is not None else []
-    if not rows:
+    if sim is None or not sim.cosine:
         return None
+    rows = sim.cosine
     plt = _plt()
     import numpy as np
 
@@ -333,7 +335,7 @@ def plot_similarity(check: CheckResult) -> str | None:
     ax.set_xticks(range(m.shape[1]), [c.removeprefix("target.") for c in sim.candidates], rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(m.shape[0]), sim.chunks, fontsize=8)
     for j, fc in enumerate(data.fc_chunks or []):
-        if fc.expected in sim.candidates:
+        if fc.expected is not None and fc.expected in sim.candidates:
             ax.scatter([sim.candidates.index(fc.expected)], [j], marker="s", s=160, facecolors="none", edgecolors="red")
     fig.colorbar(im, ax=ax, label="mean per-token cosine")
     ax.set_title(f"{check.engine}: engine fc chunk vs reference tensor (red square: expected)", fontsize=9)
@@ -389,9 +391,9 @@ def render(report: Report) -> str:
         fd = data.introduced or data.first_divergence
         where = f" · error introduced at <code>{escape(fd)}</code>" if fd else ""
         h.append(f"<h3>{escape(c.engine)} · {escape(c.check)}{where}</h3>")
-        where = [(k, v) for k, v in (("first above noise", data.first_above_noise), ("first differs", data.first_differs)) if v]
-        if where:
-            h.append("<p>" + " · ".join(f"{k} <code>{escape(str(v))}</code>" for k, v in where) + "</p>")
+        marks = [(k, v) for k, v in (("first above noise", data.first_above_noise), ("first differs", data.first_differs)) if v]
+        if marks:
+            h.append("<p>" + " · ".join(f"{k} <code>{escape(str(v))}</code>" for k, v in marks) + "</p>")
         h.append(f"<pre class='msg'>{escape(c.message)}</pre>")
     found = fixes(report)
     if found:

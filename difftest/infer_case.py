@@ -26,7 +26,7 @@ from difftest.engine import EngineSpec
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable
 from difftest.extensions import draft_loader
 from difftest.infer_wiring import WiringInference, evidence_from_captures, infer_from_evidence
-from difftest.jsonfile import read_json
+from difftest.jsonfile import read_json, read_json_object
 
 INFER = "infer"
 
@@ -36,7 +36,7 @@ def wants_inference(case: Case) -> bool:
 
 
 def target_family(target: str | Path) -> str:
-    cfg = read_json(Path(target) / "config.json")
+    cfg = read_json_object(Path(target) / "config.json", "target config")
     kind = str(cfg.get("model_type") or (cfg.get("text_config") or {}).get("model_type") or "")
     return "deepseek" if "deepseek" in kind or "kimi" in kind else "llama"
 

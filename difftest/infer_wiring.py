@@ -167,9 +167,9 @@ class Search:
                 continue
             self.widened += 1
             for a, b in itertools.product([w[i], *close[i]], [w[j], *close[j]]):
-                v = list(w)
-                v[i], v[j] = a, b
-                v = tuple(v)
+                slots = list(w)
+                slots[i], slots[j] = a, b
+                v = tuple(slots)
                 if self.count(v) > self.count(w):
                     return v
         return None
@@ -207,7 +207,8 @@ class Evidence:
     def candidates(self) -> list[str]:
         """Target tensors every prompt holds, in data-flow order (h0..hL, then the final norm)."""
         common = set(self.tensors[0]).intersection(*self.tensors[1:]) if self.tensors else set()
-        hs = sorted((n for n in common if hidden_index(n) is not None), key=hidden_index)
+        layers = {n: k for n in common if (k := hidden_index(n)) is not None}
+        hs = sorted(layers, key=layers.__getitem__)
         return hs + ([FINAL_NORM] if FINAL_NORM in common else [])
 
     @property

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from difftest.case import Case
 from difftest.errors import ConfigError
-from difftest.jsonfile import read_json
+from difftest.jsonfile import read_json, read_json_object
 from difftest.engine_releases import layer_rule
 from difftest.layer_rules import ConfigEdit, LayerIdRule, Reading, config_edit, target_family
 from difftest.overlay import deep_merge
@@ -59,7 +59,7 @@ def engine_view(case: Case, engine: str, trained_wiring: list[str] | None, versi
     (Session.engine_case); `version` the engine's release (None: the pinned one, whose rules
     difftest.layer_rules states). None when no rule models this engine on this target."""
     try:
-        tcfg = read_json(Path(case.target) / "config.json", "target config")
+        tcfg = read_json_object(Path(case.target) / "config.json", "target config")
     except ConfigError:
         return None
     seen = draft_config_seen(case, engine)
@@ -74,7 +74,7 @@ def engine_view(case: Case, engine: str, trained_wiring: list[str] | None, versi
     trained = None
     if trained_wiring:
         ks = [hidden_index(n) for n in trained_wiring]
-        trained = None if None in ks else [int(k) for k in ks]
+        trained = None if None in ks else [k for k in ks if k is not None]
     reading = rule.predict(seen, L, chunks)
     return EngineView(engine, rule, seen, L, chunks, reading, trained)
 

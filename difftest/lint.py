@@ -209,8 +209,9 @@ def _readings(ids: list[int], L: int, trained_on: list[str], tcfg: dict, raw: di
         if reading.fed_names() == list(trained_on) and reading.refusal is None:
             continue
         text = f"{reading.explain()}; the draft was trained on {short(trained_on)}"
-        if None not in ks:
-            edit = config_edit(raw, target_family(tcfg), rule.engine, ks, L)
+        layers = [k for k in ks if k is not None]
+        if len(layers) == len(ks):
+            edit = config_edit(raw, target_family(tcfg), rule.engine, layers, L)
             text += (f"; fix: {edit.patch} (`difftest fix CASE --engine {rule.engine}` writes and verifies it)" if edit.possible
                      else f"; no config fixes it: {edit.impossible}")  # fmt: skip
         if rule.engine == "vllm":

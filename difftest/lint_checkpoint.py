@@ -171,11 +171,9 @@ def _rope(section: dict) -> tuple[float | None, dict | None, str]:
     params = section.get("rope_parameters")
     if isinstance(params, dict) and params:
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if scaling.get("rope_type", "default") == "default":
-            scaling = None
-        return params.get("rope_theta"), scaling, "rope_parameters"
-    scaling = section.get("rope_scaling")
-    return section.get("rope_theta"), scaling or None, "rope_theta/rope_scaling"
+        default = scaling.get("rope_type", "default") == "default"
+        return params.get("rope_theta"), None if default else scaling, "rope_parameters"
+    return section.get("rope_theta"), section.get("rope_scaling") or None, "rope_theta/rope_scaling"
 
 
 def rope_findings(layer: dict, tcfg: dict, speculators: bool) -> list[Finding]:

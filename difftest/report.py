@@ -25,6 +25,7 @@ from difftest.acceptance import DEFINITION
 from difftest.errors import DifftestError
 from difftest.outputs import atomic_write
 from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
+from difftest.records.check_data import AcceptLengthData, ServerAcceptData
 from difftest.records.report import FigureDefinition
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
@@ -64,12 +65,12 @@ def definitions_used(results: list[CheckResult], compared: bool) -> list[FigureD
         data = r.data
         if r.check == "top1_agreement":
             names.append(definitions.TOP1)
-        elif r.check == "accept_length" and data is not None and hasattr(data, "reference"):
+        elif r.check == "accept_length" and isinstance(data, (AcceptLengthData, ServerAcceptData)):
             names += [definitions.ACCEPT_LENGTH, definitions.PER_POSITION]
             names += list(data.reference.native) + list(data.engine.native)
-        elif r.check == "train_accuracy" and data is not None and isinstance(getattr(data, "trainer", None), dict):
-            names.append(definitions.TRAIN_ACC_STEP0)
-            names += definitions.trainer_figures(str(data.trainer.get("rules", "")))
+        elif r.check == "train_accuracy" and isinstance(trainer := getattr(data, "trainer", None), dict):
+            names.append(definitions.TRAIN_ACC_STEP0)  # the record is the train engine's own: read by field
+            names += definitions.trainer_figures(str(trainer.get("rules", "")))
     return [FigureDefinition(n, d.counts, d.converts)
             for n, d in ((n, definitions.BY_NAME[n]) for n in dict.fromkeys(names) if n in definitions.BY_NAME)]
 
@@ -201,7 +202,7 @@ def verdict_word(t: dict) -> str:
         return "above noise" if str(t.get("criterion", "noise")) == "noise" else "outside tolerance"
     if status == "ok":
         return "within noise" if t.get("differs", t.get("max_abs", 0) != 0) else "identical"
-    return {"tie": "tie (not compared)", "allowed-missing": "missing (allowed)"}.get(status, str(status))
+    return {"tie": "tie (not compared)", "allowed-missing": "missing (allowed)"}.get(str(status), str(status))
 
 
 def focus(entries: list[PromptComparison]) -> PromptComparison | None:

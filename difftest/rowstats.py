@@ -149,7 +149,7 @@ _NATIVE = _Native()
 
 
 def _compiled_fns() -> tuple:
-    if _COMPILED.fns is None and _COMPILED.error is None:
+    if _COMPILED.fns is None:
         _COMPILED.fns = tuple(torch.compile(f, dynamic=True) for f in (_first_pass, _sums, _rank_tv))
     return _COMPILED.fns
 

@@ -110,17 +110,17 @@ def _convert(s: Setting, value: object, from_spec: bool) -> object:
         if isinstance(value, bool):
             raise ValueError("a number")
         if isinstance(value, (int, float)):
-            v = float(value)
+            x = float(value)
         elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                v = float(value)
+                x = float(value)
             except ValueError:
                 raise ValueError("a number") from None
         else:
             raise ValueError("a number")
-        if not math.isfinite(v):
+        if not math.isfinite(x):
             raise ValueError("a finite number")
-        return _in_range(s, v)
+        return _in_range(s, x)
     if t == "path" and value == "" and not from_spec:
         return None  # `data: ${VAR:-}` with VAR unset: not given (the adapter says what it needs)
     if t in ("str", "path", "choice"):

@@ -20,6 +20,7 @@ from pathlib import Path
 from difftest import engine_releases
 from difftest.errors import ConfigError, DifftestError
 from difftest.jsonfile import read_json
+from difftest.records.check_data import AcceptLengthData, ServerAcceptData
 from difftest.records.report import Report
 
 
@@ -83,7 +84,7 @@ def cells(report: Report) -> list[Cell]:
         else:
             draft = f"differs from {getattr(logits.data, 'introduced', None) or '?'}"
         ref_al = eng_al = None
-        if accept is not None and accept.data is not None and hasattr(accept.data, "engine"):
+        if accept is not None and isinstance(accept.data, (AcceptLengthData, ServerAcceptData)):
             ref_al, eng_al = accept.data.reference.accept_length, accept.data.engine.accept_length
         out.append(Cell(report.case, engine, release, spec, fed, draft, eng_al, ref_al, refused))
     return out

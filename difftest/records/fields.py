@@ -104,7 +104,7 @@ def decode_value(hint: Any, value: object, where: str, at: str) -> Any:
         if value is not None:
             raise fail(where, at, f"expected null, got {kind_of(value)}")
         return None
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         own = getattr(hint, "from_json", None)
         return own(value, where, at) if own is not None else decode(hint, value, where, at)
     origin = get_origin(hint) or hint
@@ -186,7 +186,7 @@ def encode(value: object) -> object:
     return value
 
 
-def encode_fields(record: object, omit_none: tuple[str, ...] = ()) -> dict:
+def encode_fields(record: Any, omit_none: tuple[str, ...] = ()) -> dict:
     """A record's fields, each encoded; those named in `omit_none` left out while None."""
     out = {}
     for f in dataclasses.fields(record):

@@ -14,6 +14,7 @@ loads. Any other version is refused, naming it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from dataclasses import dataclass, field
 
 from difftest.records.fields import decode, encode, fail
@@ -61,7 +62,7 @@ class CaptureMeta:
         out: dict = {"schema_version": SCHEMA_VERSION}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             if value != default:
                 out[f.name] = encode(value)
         return out
@@ -86,5 +87,5 @@ class CaptureMeta:
                        f"(and {LEGACY_VERSION}, without schema_version): capture it again")  # fmt: skip
         return decode(cls, data, where, at, skip=("schema_version",))
 
-    def replace(self, **changes: object) -> "CaptureMeta":
+    def replace(self, **changes: Any) -> "CaptureMeta":
         return dataclasses.replace(self, **changes)
