@@ -53,6 +53,7 @@ import yaml
 from difftest import checks as checks_mod
 from difftest import noise, rowkernel, rowstats
 from difftest import report as report_mod
+from difftest import report_files
 from difftest.case import load_case
 from difftest.engine import parse_engine_list
 from difftest.errors import DifftestError
@@ -233,7 +234,7 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
                         outcomes[f"{spec.id}::{check}"] = v.passed
                         results.append({"engine": spec.id, "check": check, "outcome": "passed" if v.passed else "failed",
                                         "message": v.message, "data": v.data})  # fmt: skip
-                report_mod.write(report_mod.build(case, s, results), tmp_path / "reports")
+                report_files.write(report_mod.build(case, s, results), tmp_path / "reports")
                 state["outcomes"] = outcomes
 
         else:  # cli

@@ -206,7 +206,8 @@ class BaselineWriter:
 
     def commit(self) -> Path:
         """Manifest last, then one rename: the baseline appears complete or not at all."""
-        from difftest.report import atomic_write, environment
+        from difftest.outputs import atomic_write
+        from difftest.report import environment
 
         self.refuse_existing()  # another run may have written it meanwhile
         tmp = self._staging()

@@ -7,6 +7,7 @@ import tarfile
 from pathlib import Path
 
 from difftest import report as report_mod
+from difftest import report_files
 from difftest.outputs import atomic_path, check_output_dir, check_output_file
 from difftest.records import Report
 from difftest.session import log_file_name
@@ -21,7 +22,7 @@ def rerender(args) -> int:
     path = Path(args.json)
     out_dir = check_output_dir(args.out_dir or path.parent, "--out-dir" if args.out_dir else "--out-dir (default: beside the JSON)")
     data = load(path)
-    md, html = report_mod.render(data, out_dir)
+    md, html = report_files.render(data, out_dir)
     print(md)
     print(html)
     return 0

@@ -18,13 +18,15 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
-from difftest.case import Case
 from difftest.errors import ConfigError
 from difftest.settings import Schema, suggest, unknown_key, validate
+
+if TYPE_CHECKING:  # annotations only: difftest.case reads the engine registry (one direction)
+    from difftest.case import Case
 
 ENTRY_POINT_GROUP = "difftest.engines"
 _SPEC = re.compile(r"(?P<name>[A-Za-z_][\w-]*)(?:@(?P<label>[\w.-]+))?(?:\[(?P<params>[^\]]*)\])?")
@@ -223,5 +225,5 @@ class Engine(ABC):
         on those tokens: {"stats": AcceptStats dict, "target_mismatches": int, "first_mismatch": int|None}."""
         raise NotImplementedError(f"{self.spec.id}: replaying another engine's tokens is not supported")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default: an engine that holds nothing has nothing to release
         """Release models and child processes."""

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from difftest.errors import ConfigError, DifftestError
-from difftest.report import atomic_write
+from difftest.outputs import atomic_write
 
 HELP = "compute, write and verify the draft-config edit that makes ENGINE feed what training fed"
 

@@ -26,7 +26,7 @@ from difftest.engine import EngineSpec
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable
 from difftest.extensions import draft_loader
 from difftest.infer_wiring import WiringInference, evidence_from_captures, infer_from_evidence
-from difftest.jsonfile import read_json, read_json_object
+from difftest.jsonfile import read_json_object
 
 INFER = "infer"
 

@@ -22,6 +22,7 @@ from difftest import baseline as baseline_mod
 from difftest import checks as checks_mod
 from difftest import upgrade as upgrade_mod
 from difftest import report as report_mod
+from difftest import report_files
 from difftest.case import Case, load_case
 from difftest.engine import EngineSpec, check_case_settings, check_settings, engine_schema, engine_target
 from difftest.engine import parse_engine_list, parse_spec
@@ -380,7 +381,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
                 if report_mod.is_complete(previous):
                     kept.append(previous)  # an interrupted run never replaces a finished report
                     continue
-            written.append(report_mod.write(report, report_dir))
+            written.append(report_files.write(report, report_dir))
             rows += upgrade_mod.summarise(report, report_dir)
         except (DifftestError, OSError) as e:
             written.append(f"{case.name}: report NOT written: {e}")

@@ -48,6 +48,7 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     from difftest import checks
     from difftest import report as report_mod
+    from difftest import report_files
     from difftest.case import load_case
     from difftest.records import CheckResult
     from difftest.engine import parse_spec
@@ -78,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         verdict = checks.check_accept_length(session, case, server)
         results.append(CheckResult(server.id, "accept_length", "passed" if verdict.passed else "failed", verdict.message,
                                    verdict.data))  # fmt: skip
-        path = report_mod.write(report_mod.build(case, session, results), report_dir)
+        path = report_files.write(report_mod.build(case, session, results), report_dir)
     except DifftestError as e:
         print(f"difftest probe: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

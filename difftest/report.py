@@ -23,7 +23,6 @@ from pathlib import Path
 from difftest import definitions
 from difftest.acceptance import DEFINITION
 from difftest.errors import DifftestError
-from difftest.outputs import atomic_write
 from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
 from difftest.records.check_data import AcceptLengthData, ServerAcceptData
 from difftest.records.report import FigureDefinition
@@ -399,18 +398,3 @@ def is_complete(path: Path) -> bool:
         return False
 
 
-def write(report: Report, directory: Path) -> Path:
-    path = json_path(report, directory)
-    atomic_write(path, json.dumps(report.to_dict(), indent=1, default=str))
-    render(report, directory)
-    return path
-
-
-def render(report: Report, directory: Path) -> tuple[Path, Path]:
-    """Markdown and HTML beside the JSON, from the report alone."""
-    from difftest.html_report import render as render_html
-
-    stem = report.case.replace("/", "_")
-    atomic_write(directory / f"{stem}.md", markdown(report))
-    atomic_write(directory / f"{stem}.html", render_html(report))
-    return directory / f"{stem}.md", directory / f"{stem}.html"

@@ -28,7 +28,7 @@ from difftest.compare import CaptureDiff, compare_captures
 from difftest.engine import EngineSpec, engine_target
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable, Unsupported
 from difftest.paths import cache_root
-from difftest.report import atomic_write
+from difftest.outputs import atomic_write
 from difftest.worker import WorkerClient
 
 FIXTURE_GROUP = "difftest.fixtures"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from difftest import report as report_mod
+from difftest import report_files
 from difftest import upgrade
 from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
@@ -260,7 +261,7 @@ def test_markdown_and_html_render_from_a_report_record():
 
 
 def test_written_report_reads_back_as_the_same_record(tmp_path):
-    path = report_mod.write(sample_report(), tmp_path)
+    path = report_files.write(sample_report(), tmp_path)
     assert Report.load(path) == sample_report()
     assert report_mod.is_complete(path)
 
@@ -274,7 +275,7 @@ def test_an_unreadable_previous_report_is_not_complete(tmp_path):
 def test_bundle_loads_a_report_record(tmp_path):
     from difftest import bundle
 
-    path = report_mod.write(sample_report(), tmp_path)
+    path = report_files.write(sample_report(), tmp_path)
     assert bundle.load(path) == sample_report()
 
 

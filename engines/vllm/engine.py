@@ -370,7 +370,7 @@ class VllmEngine(Engine):
         if tokens and tokens[0] != next_token:
             raise EngineError(f"vllm: draft step 0 was fed token {next_token} but the target sampled {tokens[0]}")
         for step, st in enumerate(steps):
-            put = lambda name, v: tensors.__setitem__(draft_name(step, name), v)  # noqa: E731
+            put = lambda name, v, step=step: tensors.__setitem__(draft_name(step, name), v)  # noqa: E731
             put("embeds", st["embeds"])
             for ours, canon in (("attn_in", "layer0.attn_in"), ("attn_out", "layer0.attn_out"), ("mlp_out", "layer0.mlp_out")):
                 if ours in st:

@@ -44,7 +44,7 @@ model = Eagle3DraftModel.from_training_args(
     ttt_steps=steps, verifier_name_or_path=target, target_layer_ids=ids, draft_attn_impl="sdpa",
 )
 with torch.no_grad():  # livelier than the init's small weights, so predictions spread over the draft vocab
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         if p.requires_grad and p.dim() == 2:
             p.mul_(8.0)
 model.eval()

@@ -1,0 +1,43 @@
+"""The code standards, checked by the ecosystem's own tools with the settings in pyproject.toml:
+
+* import-linter: the architecture (the core never imports an engine, no circles in the core, the
+  serving adapters independent of each other, records at the bottom, entry points on top);
+* ruff: pyflakes, syntax and statement errors, bugbear's likely bugs;
+* mypy: the core's types, its typed records included.
+
+Each runs as the user would run it, from the project root, in the project's environment."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+BIN = Path(sys.executable).parent
+
+
+def run_tool(*argv: str) -> subprocess.CompletedProcess:
+    tool = BIN / argv[0]
+    if not tool.exists():
+        pytest.fail(f"{argv[0]} is not installed in {BIN}: scripts/setup installs it (requirements-cpu.txt)")
+    return subprocess.run([str(tool), *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_the_architecture_contracts_hold():
+    out = run_tool("lint-imports")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout and "Contracts: 5 kept" in out.stdout, out.stdout[-2000:]
+
+
+def test_ruff_finds_nothing():
+    out = run_tool("ruff", "check", "--no-cache", "difftest", "engines", "tests", "benchmarks", "scripts")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_mypy_finds_no_type_error_in_the_core(tmp_path):
+    out = run_tool("mypy", "--cache-dir", str(tmp_path / "mypy-cache"))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "Success: no issues found" in out.stdout, out.stdout[-2000:]
