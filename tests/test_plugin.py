@@ -1,5 +1,6 @@
 """The pytest plugin, black-box: `pytest cases/ --engines=...` in a subprocess, with a fake engine
-that injects divergence, errors, crashes and hangs (tests/fake_engine.py)."""
+that injects divergence, errors, crashes and hangs (tests/fake_engine.py); what the plugin decides
+before any engine runs (usage errors, bad case files) in this process, through pytester."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ def project(tmp_path: Path, models, name: str = "tiny", body: str | None = None)
     target, draft = models
     (tmp_path / "cases" / f"{name}.yaml").write_text(body if body is not None else CASE.format(target=target, draft=draft))
     return tmp_path
+
+
+def in_process(pytester: pytest.Pytester, models, *args: str, body: str | None = None) -> tuple[int, str]:
+    """`pytest ARGS` run by pytester in this process, in a project holding the tiny case (or `body`):
+    for what the plugin decides before any engine runs (usage errors, case files), no subprocess."""
+    project(pytester.path, models, body=body)
+    result = pytester.runpytest_inprocess("-p", "difftest.plugin", *args)
+    return int(result.ret), "\n".join(result.outlines + result.errlines)
 
 
 @pytest.fixture(scope="module")
@@ -216,11 +225,11 @@ def test_second_run_reuses_cached_captures(models, tmp_path):
     ],
     ids=["unknown-engine", "unparsable-spec"],
 )
-def test_bad_engine_list_is_a_one_line_usage_error(models, tmp_path, engines, body, expected):
-    run = run_pytest(project(tmp_path, models), "cases/", f"--engines={engines}")
-    assert run.returncode == 4
-    assert expected in run.output
-    assert "Traceback" not in run.output
+def test_bad_engine_list_is_a_one_line_usage_error(models, pytester, engines, body, expected):
+    ret, output = in_process(pytester, models, "cases/", f"--engines={engines}")
+    assert ret == 4
+    assert expected in output
+    assert "Traceback" not in output
 
 
 @pytest.mark.parametrize(
@@ -232,11 +241,11 @@ def test_bad_engine_list_is_a_one_line_usage_error(models, tmp_path, engines, bo
     ],
     ids=["malformed-yaml", "missing-checkpoint", "unknown-field"],
 )
-def test_bad_case_file_fails_its_load_item_with_file_and_field(models, tmp_path, body, expected):
-    run = run_pytest(project(tmp_path, models, body=body), "cases/", "--engines=ref")
-    assert run.returncode == 1
-    assert expected in run.output
-    assert "Traceback" not in run.output
+def test_bad_case_file_fails_its_load_item_with_file_and_field(models, pytester, body, expected):
+    ret, output = in_process(pytester, models, "cases/", "--engines=ref", body=body)
+    assert ret == 1
+    assert expected in output
+    assert "Traceback" not in output
 
 
 @pytest.mark.parametrize(
