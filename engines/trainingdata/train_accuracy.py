@@ -26,6 +26,12 @@ at origin i predicts the target at j = i+k+1. Checked against the trainers' own 
               logs it per step as acc_k. cond_acc (not a SpecForge metric): the same over the
               origins whose earlier steps were all counted and right.
 Counts add over samples (micro average, what the trainers' reductions do).
+Packed: speculators trains and validates on rows of several samples (`train/data.py::CollateFn`, multipack
+to --total-seq-len; `Trainer.val_epoch` sums each row's metrics). Attention and positions are per sample,
+but `align_for_step` slices the row, not the sample: an origin's step-k target may lie in the next sample.
+Its full counts then gain that sample's loss positions among its first k targets (none for chat data,
+whose first tokens are prompt), and its cond denominators (prev_correct.sum()) also count origins whose
+target lies past their own sample's end: StepCounts.packed_cond_extra and packing_line say how many.
 Attention over the sample: full causal, except under speculators >= 0.7 for a draft config whose
 layer records a sliding window (the `speculators train` default, 2048): see scoring_window.
 
