@@ -78,7 +78,7 @@ def test_a_ratio_speculators_refuses_is_refused(tmp_path, ratio, why):
 
 def test_specforge_data_has_no_split_to_reproduce(tmp_path):
     dump = read_dump(_dump(tmp_path, fmt="specforge"))
-    with pytest.raises(ConfigError, match=r"split=val: only speculators data .*SpecForge evaluates on a separate dataset"):
+    with pytest.raises(ConfigError, match=r"split=val: only speculators data .*data\.eval_hidden_states_path"):
         choose_split(dump, "val", 0.5, tmp_path)
 
 

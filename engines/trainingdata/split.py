@@ -12,7 +12,8 @@ draft in, and the argv in train_command.txt.
 
 A split is reproduced only when every row in it is a usable sample here: a row the trainer would
 generate (`--on-missing generate`, the default) or skip is not in the data, so the counts could not be the
-trainer's. SpecForge 0.2.0 takes its evaluation data as a separate dataset (no split of the training data).
+trainer's. SpecForge 0.2.0 takes its evaluation data as a separate offline folder (`data.eval_hidden_states_path`
+with `training.eval_interval`, config/schema.py), no split of the training data: score that folder whole.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def choose_split(dump: Dump, split: str, ratio: float | None, draft: str | Path,
         return Split("all", 0, dump.dataset_rows or len(dump.samples), dump.dataset_rows or len(dump.samples), ratio, "")
     if dump.format != "speculators":
         raise ConfigError(f"{where}={split}: only speculators data has a trainer split to reproduce (this data is {dump.format}; "
-                          "SpecForge evaluates on a separate dataset); score it whole (split=all)")  # fmt: skip
+                          "SpecForge evaluates on its own folder, data.eval_hidden_states_path); score that folder whole (split=all)")  # fmt: skip
     if dump.dataset_rows is None:
         raise ConfigError(f"{where}={split}: {dump.path}: the dataset part's row count is unknown "
                           f"({'; '.join(dump.notes) or 'no arrow dataset or samples.jsonl numbered 0..N-1'}), "
