@@ -19,6 +19,7 @@ a non-default): bfloat16 arithmetic is a further difference this bound does not 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,9 +69,18 @@ class Precision:
 
 
 def draft_precision(draft: str | Path, scored: str) -> Precision:
+    """The coarsest float dtype the draft's safetensors hold; without safetensors, its config's dtype."""
     tensors, _ = stored_tensors(Path(draft))
     floats = [t.dtype for t in tensors.values() if t.dtype in UNIT_ROUNDOFF]
-    stored = max(floats, key=lambda c: UNIT_ROUNDOFF[c]) if floats else "F32"
+    if floats:
+        stored = max(floats, key=lambda c: UNIT_ROUNDOFF[c])
+    else:
+        try:
+            cfg = json.loads((Path(draft) / "config.json").read_text())
+        except (OSError, ValueError):
+            cfg = {}
+        named = cfg.get("dtype") or cfg.get("torch_dtype") if isinstance(cfg, dict) else None
+        stored = CODES.get(str(named), "F32")
     return Precision(stored, scored, trainer_compute(draft))
 
 
