@@ -15,6 +15,8 @@ skipped naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail inst
   -> forward metrics) gives the counts `difftest train-acc` gives on the same draft and dump, with the
   rules chosen from the draft config's speculators_version (teacher-forced tokens, positions from 1,
   norm_output).
+* precision: the same speculators-built draft rounded to bf16 (as the trainer's checkpointer saves it) moves
+  the counts by no more than the near ties `train-acc` reports for it.
 * readers: a speculators folder (arrow dataset + hidden states in a separate --hidden-states-path) read
   by speculators' ArrowDataset, and a SpecForge rows_a-b folder (.ckpt and .ckpt.gz, with its
   vocab_mapping/vocab_mapping.pt) read by SpecForge's offline reader, give difftest's reader the same
@@ -313,3 +315,29 @@ def test_train_acc_equals_speculators_0_6_training_forward_feeding_the_drafts_ow
     assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
     teacher_forced = _train_acc(speculators06_draft_run, "--trainer", "speculators@0.9")
     assert teacher_forced["correct"][1:] != theirs["full_acc_sum"][1:], (teacher_forced, theirs)  # the rule shows on this draft
+
+
+# -- precision: the same draft rounded to bf16, as speculators' checkpointer saves it ----------------------------
+
+
+def test_rounding_a_speculators_draft_to_bf16_moves_its_counts_by_no_more_than_the_near_ties_reported(speculators_draft_run, capsys):
+    """An independent draft (speculators-built, random weights x8, float32 as saved) and its bf16 rounding, the
+    checkpointer's float_dtype: the fp32 draft's counts are what a trainer holding those master weights counts
+    (test_train_acc_equals_speculators_training_forward_on_its_own_draft), and the bf16 copy's differ from them by
+    at most the near ties train-acc reports for it."""
+    from safetensors.torch import load_file, save_file
+
+    run = speculators_draft_run
+    bf16 = run["root"] / "draft_bf16"
+    bf16.mkdir(exist_ok=True)
+    (bf16 / "config.json").write_text((run["draft"] / "config.json").read_text())
+    weights = load_file(str(run["draft"] / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}, str(bf16 / "model.safetensors"))
+    master = _train_acc(run)
+    assert "no rounding between these counts and float32 master weights" in capsys.readouterr().out
+    rounded = _train_acc({**run, "draft": bf16})
+    assert "precision: weights stored in bfloat16" in capsys.readouterr().out
+    diff = [abs(a - b) for a, b in zip(master["correct"], rounded["correct"])]
+    print(f"fp32 correct {master['correct']}, bf16 {rounded['correct']}, |diff| {diff}, near ties {rounded['near_ties']}")
+    assert all(d <= n for d, n in zip(diff, rounded["near_ties"])), (diff, rounded["near_ties"])
+    assert sum(rounded["near_ties"]) < sum(rounded["counted"])  # the bound says something

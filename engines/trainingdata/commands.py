@@ -1,10 +1,11 @@
 """The `difftest train-acc` and `difftest dump` commands, contributed to the CLI through the
 `difftest.commands` entry points (difftest.extensions): their arguments and what they run.
 
-    difftest train-acc --data DIR --draft CKPT --target CKPT [--hidden-states DIR] [--wiring vllm --wiring sglang ...]
+    difftest train-acc --data DIR --draft CKPT --target CKPT [--hidden-states DIR] [--split val] [--wiring vllm ...]
         the trainer's accuracy of a draft on a dump under the training wiring, and under each
         engine wiring side by side (fc rebuilt from the dumped tensors by identity); --hidden-states:
-        the speculators hs_*.safetensors folder when it is not DATA/hidden_states
+        the speculators hs_*.safetensors folder when it is not DATA/hidden_states; --split val: the trainer's
+        validation split (engines.trainingdata.split)
     difftest dump --target CKPT --out DIR --format speculators --layers h0+h2+h4+h7 [--case FILE ...]
         write training data from the reference target
 """
@@ -47,7 +48,7 @@ def _layer_ids(text: str | None) -> list[int] | None:
 
 def train_acc(args) -> int:
     from engines.trainingdata.engine import TrainingDataEngine
-    from engines.trainingdata.train_accuracy import describe_attention, rules_for
+    from engines.trainingdata.train_accuracy import StepCounts, describe_attention, packing_line, rules_for
 
     try:
         if args.json:  # checked before the computation, not found unwritable after it
@@ -71,12 +72,14 @@ def train_acc(args) -> int:
             engines={"train": {k: v for k, v in {"data": str(data), "format": args.format, "identify": args.identify,
                                                  "ttt_steps": args.ttt_steps, "max_len": args.max_len,
                                                  "trainer": args.trainer, "hidden_states": str(hidden_states) if hidden_states else None,
+                                                 "split": args.split, "train_data_ratio": args.train_data_ratio,
                                                  }.items() if v is not None}},  # unset: the default
         )  # fmt: skip
         for wiring in [None, *args.wiring]:
             engine = TrainingDataEngine(EngineSpec("train", params=(("wiring", wiring),) if wiring else ()))
             s = engine.settings(case)
             dump = engine.dump(s)
+            split = engine.split(case, s, dump)  # refused before any model loads
             w, head = engine.head(case, s)
             loaded = engine.draft(case, w)
             ident = engine.identification(case, s, dump, w)
@@ -89,6 +92,8 @@ def train_acc(args) -> int:
                 rules, rules_name = engine.rules(case, s, dump)
                 print(f"scored with {rules_name}'s rules")
                 print(f"attention: {describe_attention(loaded.config, rules)}")
+                print(f"scored: {split.describe()}")
+                precision = engine.precision(case)
                 for note in ident.notes:
                     print(f"  {note}")
                 names = [n or f"dump[{j}]" for j, n in enumerate(ident.fc_names)]
@@ -113,6 +118,11 @@ def train_acc(args) -> int:
         r["predicted_accept_length"] = predicted = normalise(figure, steps=[0.0 if a != a else a for a in r["full_acc"]])
         print(f"{r['wiring'].ljust(width)}  {fc.ljust(18)}  {full}   {cond}   {predicted:.2f}")
     print(f"({rows[0]['counted'][0]} loss-masked positions at step 0; targets = argmax of the dumped verifier's logits)")
+    print(f"correct {rows[0]['correct']} of {rows[0]['counted']}; cond {rows[0]['cond_correct']} of {rows[0]['cond_counted']}")
+    print(precision.line(rows[0]["near_ties"]))
+    packed = packing_line(StepCounts.from_dict(rows[0]))
+    if packed:
+        print(packed)
     print("definitions:")
     for line in definitions.lines([figure, *definitions.trainer_figures(rules_name), definitions.ACCEPT_LENGTH]):
         print(f"  {line}")
@@ -169,6 +179,12 @@ def train_acc_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--max-len", type=int, default=None, help="truncate samples as the trainer does (default: the trainer's)")
     t.add_argument("--trainer", default=None, help="rules to score with: speculators@VERSION | specforge@VERSION "
                    "(default: the draft config's speculators_version, else by data format)")
+    t.add_argument("--split", default="all", choices=["all", "train", "val"],
+                   help="score all samples, or the trainer's training / validation split (speculators: rows "
+                   "[int(N*ratio), N) are validation); refused when the data cannot reproduce it")
+    t.add_argument("--train-data-ratio", type=float, default=None, metavar="R",
+                   help="the trainer's --train-data-ratio for --split (default: the run.yaml `speculators train` saved "
+                   "beside the draft; speculators' own default is 0.9)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--json", default=None, help="also write the table as JSON here")
 

@@ -14,6 +14,11 @@ Settings (spec parameters override the case's `engines.train`):
   ttt_steps  training-accuracy unroll depth (default: the trainer's own, 3 speculators / 7 SpecForge)
   max_len    truncate every sample to this many tokens before scoring, as the trainer does
              (default: the trainer's, 8192 speculators `--total-seq-len` / 2048 SpecForge)
+  split      all (default) | train | val: the trainer's training / validation split of speculators data
+             (rows [int(N*ratio), N) are validation; engines.trainingdata.split), refused when it cannot
+             be reproduced from the data
+  train_data_ratio  the trainer's --train-data-ratio (default: the run.yaml `speculators train` saved
+             beside the draft)
   trainer    whose rules score the accuracy: speculators@VERSION | specforge@VERSION (default: the
              draft config's `speculators_version` for speculators data, else speculators@0.9 /
              speculators@0.6 for legacy .pt dumps / specforge@0.2; engines.trainingdata.train_accuracy)
@@ -55,6 +60,8 @@ from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_gr
 from engines.ref.target import final_norm_module, load_target, num_layers, run_target
 from engines.trainingdata.formats import Dump, Sample, read_dump
 from engines.trainingdata.settings import SCHEMA
+from engines.trainingdata.precision import Precision, draft_precision
+from engines.trainingdata.split import Split, choose_split, samples_in
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -213,19 +220,30 @@ class TrainingDataEngine(Engine):
             src += f"; {', '.join(from_target)} from the reference target (not in the dump)"
         return torch.cat(parts, dim=-1), inputs, src
 
+    def split(self, case: Case, s: dict, dump: Dump) -> Split:
+        """The samples scored: all, or the trainer's train / validation split (engines.trainingdata.split)."""
+        return choose_split(dump, s.get("split") or "all", s.get("train_data_ratio"), case.draft, where=f"{self.spec.id}: split")
+
+    def precision(self, case: Case) -> Precision:
+        """The draft's stored precision against the scoring dtype (engines.trainingdata.precision)."""
+        return draft_precision(case.draft, case.dtype)
+
     def accuracy(self, case: Case, s: dict, dump: Dump, ident: Identification, loaded: LoadedDraft, head: VerifierHead) -> StepCounts:
         rules, _ = self.rules(case, s, dump)
         steps = s.get("ttt_steps") or rules.default_ttt_steps
         max_len = s.get("max_len") or rules.default_max_len
-        key = (s["data"], s["format"], s.get("hidden_states"), str(s.get("wiring")), case.draft, steps, max_len, rules.name)
+        split = self.split(case, s, dump)
+        resolution = self.precision(case).resolution
+        key = (s["data"], s["format"], s.get("hidden_states"), str(s.get("wiring")), case.draft, steps, max_len, rules.name,
+               split.name, split.start, split.stop, case.dtype)  # fmt: skip
         max_len += 1 if rules.max_len_after_shift else 0  # tokens kept before the shift
         if key not in self._accuracy:
             total = StepCounts()
-            for sample in dump.samples:
+            for sample in samples_in(dump, split):
                 fc, _, _ = self.fc_for(case, s, sample, ident, loaded)
                 total = total.add(sample_accuracy(loaded.model, head, fc[:max_len], sample.verifier[:max_len],
                                                   sample.input_ids[:max_len], sample.loss_mask[:max_len], steps,
-                                                  rules))  # fmt: skip
+                                                  rules, resolution))  # fmt: skip
             self._accuracy[key] = total
         return self._accuracy[key]
 
@@ -293,6 +311,8 @@ class TrainingDataEngine(Engine):
             },
             "train_accuracy": {"rules": rules.name, "trainer": trainer_how, "ttt_steps": len(acc.counted),
                                "attention": describe_attention(cfg, rules),
+                               "split": self.split(case, s, dump).describe(),
+                               "precision": self.precision(case).line(acc.near_ties),
                                "max_len": s.get("max_len") or rules.default_max_len, "wiring": inputs, **acc.to_dict()}},
         }
         return Capture(tensors, meta)

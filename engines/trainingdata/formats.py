@@ -84,6 +84,9 @@ class Dump:
     samples: list[Sample]
     skipped: list[str] = field(default_factory=list)  # one line per unusable sample
     notes: list[str] = field(default_factory=list)
+    # speculators: the rows of the dataset part, usable or not, as the trainer's len(load_from_disk(DIR)) counts
+    # them (its train/validation split is taken from this, engines.trainingdata.split); None when unknown
+    dataset_rows: int | None = None
 
     def find(self, prompt_ids: list[int]) -> tuple[Sample, int] | None:
         """The first sample whose token ids start with prompt_ids, and the prompt length."""
@@ -257,15 +260,18 @@ def _read_speculators_sample(path: Path, index: int, rows: dict[int, dict] | Non
     return Sample(index, str(path), input_ids, mask, tensors, len(tensors) - 1)
 
 
-def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
-    """input_ids/loss_mask per sample index from the speculators dataset part."""
+def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str], int | None]:
+    """input_ids/loss_mask per sample index from the speculators dataset part, and its row count (for
+    samples.jsonl: its lines when they are numbered 0..N-1 with none left out, else None)."""
     jsonl = path / "samples.jsonl"
     if jsonl.exists():
         rows: dict[int, dict] = {}
         bad: list[str] = []
+        lines = 0
         for n, line in enumerate(jsonl.read_text().splitlines()):
             if not line.strip():
                 continue
+            lines += 1
             try:
                 row = json.loads(line)
                 index = row["index"]
@@ -276,10 +282,11 @@ def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
                 # its sample is then skipped as "not in the dataset"; the other rows stand
                 bad.append(f"{jsonl}: line {n + 1}: expected {{\"index\": N, \"input_ids\": [...], \"loss_mask\": [...]}} "
                            "(row skipped)")  # fmt: skip
-        return rows, bad
+        numbered = not bad and sorted(rows) == list(range(lines))
+        return rows, bad, lines if numbered else None
     if is_arrow_dataset(path):
         return read_arrow_rows(path)
-    return {}, [f"{path}: no dataset (samples.jsonl or arrow): input_ids = token_ids, loss_mask = all ones"]
+    return {}, [f"{path}: no dataset (samples.jsonl or arrow): input_ids = token_ids, loss_mask = all ones"], None
 
 
 # ---------------------------------------------------------------------------------------
@@ -360,9 +367,9 @@ def _list_column(pa, batch, name: str, f: Path) -> list[torch.Tensor | None]:
     return [values[int(offsets[r]) : int(offsets[r + 1])] if valid[r] else None for r in range(len(col))]
 
 
-def read_arrow_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
-    """input_ids / loss_mask per row index from a save_to_disk folder. A row whose input_ids is null is
-    left out (its sample is then skipped as not in the dataset) with one line naming it."""
+def read_arrow_rows(path: Path) -> tuple[dict[int, dict], list[str], int]:
+    """input_ids / loss_mask per row index from a save_to_disk folder, and the number of rows. A row whose
+    input_ids is null is left out (its sample is then skipped as not in the dataset) with one line naming it."""
     pa = _import_pyarrow()
     files = _arrow_files(path)
     if not files:
@@ -389,7 +396,7 @@ def read_arrow_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
             index += batch.num_rows
     if not has_mask:
         problems.append(f"{path}: the dataset has no loss_mask column: every position counts")
-    return rows, problems
+    return rows, problems, index
 
 
 def describe_dataset_part(path: Path) -> str | None:
@@ -426,8 +433,9 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hid
     samples: list[Sample] = []
     skipped: list[str] = []
     notes: list[str] = []
+    dataset_rows = None
     if fmt == "speculators":
-        rows, row_problems = _dataset_rows(path)
+        rows, row_problems, dataset_rows = _dataset_rows(path)
         skipped += [p for p in row_problems if p.endswith("(row skipped)")]
         notes = [p for p in row_problems if not p.endswith("(row skipped)")]
         files = _numbered((hs_dir or path / "hidden_states").glob("hs_*.safetensors"))
@@ -502,7 +510,7 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hid
             continue
         samples.append(x)
     skipped += [line for _, line in sorted(problems, key=lambda t: t[0])]
-    return Dump(str(path), fmt, samples, skipped, notes)
+    return Dump(str(path), fmt, samples, skipped, notes, dataset_rows)
 
 
 # ---------------------------------------------------------------------------------------

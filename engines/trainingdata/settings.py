@@ -13,5 +13,8 @@ SCHEMA = Schema("train", (
             min=1),
     Setting("max_len", "int", "truncate every sample to this many tokens before scoring, as the trainer does", min=1),
     Setting("hidden_states", "path", "the hidden-state folder when it is not DATA/hidden_states (speculators --output)"),
+    Setting("split", "choice", "score all samples, or the trainer's train / val split (speculators --train-data-ratio)",
+            default="all", choices=("all", "train", "val")),
+    Setting("train_data_ratio", "float", "the trainer's --train-data-ratio (default: the run.yaml beside the draft)"),
     Setting("trainer", "str", "the trainer rules: speculators@VERSION or specforge@VERSION (default: from the data)"),
 ))  # fmt: skip

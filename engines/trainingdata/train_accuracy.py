@@ -26,6 +26,12 @@ at origin i predicts the target at j = i+k+1. Checked against the trainers' own 
               logs it per step as acc_k. cond_acc (not a SpecForge metric): the same over the
               origins whose earlier steps were all counted and right.
 Counts add over samples (micro average, what the trainers' reductions do).
+Packed: speculators trains and validates on rows of several samples (`train/data.py::CollateFn`, multipack
+to --total-seq-len; `Trainer.val_epoch` sums each row's metrics). Attention and positions are per sample,
+but `align_for_step` slices the row, not the sample: an origin's step-k target may lie in the next sample.
+Its full counts then gain that sample's loss positions among its first k targets (none for chat data,
+whose first tokens are prompt), and its cond denominators (prev_correct.sum()) also count origins whose
+target lies past their own sample's end: StepCounts.packed_cond_extra and packing_line say how many.
 Attention over the sample: full causal, except under speculators >= 0.7 for a draft config whose
 layer records a sliding window (the `speculators train` default, 2048): see scoring_window.
 
@@ -143,15 +149,32 @@ class StepCounts:
     cond_correct: list[int] = field(default_factory=list)
     cond_counted: list[int] = field(default_factory=list)
     samples: int = 0
+    # per step: counted positions with a step <= k whose top-2 draft logits lie within the precision's reach
+    # (engines.trainingdata.precision); empty when the scoring was not asked to find them
+    near_ties: list[int] = field(default_factory=list)
+    # speculators packs samples into rows (--total-seq-len) for training and validation; the forward masks
+    # attention by document, but its metrics run over the whole row (module docstring, "packed"):
+    # packed_cond_extra: origins whose step-k target lies past their sample's end and whose steps so far were
+    #   all inside it and right: the packed cond_acc_k denominator counts them (unless the sample ends its row)
+    # packed_cond_extra_max: that plus the origins that need a right prediction of the next sample's tokens
+    # lead_masked: loss-mask positions among each sample's first k shifted positions: a step-k target there is
+    #   counted in full_acc_k when the sample follows another in a row (0: full counts are packing-free)
+    packed_cond_extra: list[int] = field(default_factory=list)
+    packed_cond_extra_max: list[int] = field(default_factory=list)
+    lead_masked: list[int] = field(default_factory=list)
 
     def add(self, other: "StepCounts") -> "StepCounts":
         if not self.counted:
             return StepCounts(*(list(x) for x in (other.correct, other.counted, other.cond_correct, other.cond_counted)),
-                              other.samples)  # fmt: skip
+                              other.samples, *(list(x) for x in (other.near_ties, other.packed_cond_extra,
+                                                                  other.packed_cond_extra_max, other.lead_masked)))  # fmt: skip
         z = lambda a, b: [x + y for x, y in zip(a, b)]  # noqa: E731
         return StepCounts(z(self.correct, other.correct), z(self.counted, other.counted),
                           z(self.cond_correct, other.cond_correct), z(self.cond_counted, other.cond_counted),
-                          self.samples + other.samples)  # fmt: skip
+                          self.samples + other.samples, z(self.near_ties, other.near_ties),
+                          z(self.packed_cond_extra, other.packed_cond_extra),
+                          z(self.packed_cond_extra_max, other.packed_cond_extra_max),
+                          z(self.lead_masked, other.lead_masked))  # fmt: skip
 
     @property
     def full_acc(self) -> list[float]:
@@ -166,7 +189,8 @@ class StepCounts:
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepCounts":
-        return cls(d["correct"], d["counted"], d["cond_correct"], d["cond_counted"], d.get("samples", 0))
+        return cls(d["correct"], d["counted"], d["cond_correct"], d["cond_counted"], d.get("samples", 0), d.get("near_ties", []),
+                   d.get("packed_cond_extra", []), d.get("packed_cond_extra_max", []), d.get("lead_masked", []))
 
     def short(self) -> str:
         f = " ".join(f"{a:.3f}" for a in self.full_acc)
@@ -210,8 +234,11 @@ def score_steps(
     loss_mask: torch.Tensor,  # [N] bool
     rules: TrainerRules,
     in_vocab: torch.Tensor | None = None,  # [N] bool: the full-vocab target lies in the draft vocab
+    near: list[torch.Tensor] | None = None,  # per step k: [N-1] bool, the prediction is within the precision's reach
 ) -> StepCounts:
-    """Count correct predictions per TTT step with the trainer's alignment and masks (module docstring)."""
+    """Count correct predictions per TTT step with the trainer's alignment and masks (module docstring).
+    near: also count, per step, the counted positions whose steps 0..k hold a prediction in `near`: a
+    prediction that can flip moves the counts of its own and every later step at that origin."""
     N = int(targets.shape[0])
     origins = torch.arange(N - 1)
     mask = loss_mask.bool()
@@ -219,16 +246,24 @@ def score_steps(
     all_right = torch.ones(N - 1, dtype=torch.bool)  # SpecForge cond: steps 0..k-1 counted and right at origin i
     # speculators' prev_correct: the origin's own mask (shifted, m_{i+1}), ANDed with each step's equality
     prev_correct = mask[1:].clone()
+    reach = torch.zeros(N - 1, dtype=torch.bool)
     for k, pred in enumerate(preds):
         j = origins + k + 1  # target index
         m = origins + k + rules.mask_offset  # loss-mask index
         exists = (j <= N - 1) & (m <= N - 1)
         valid = exists & mask[m.clamp(max=N - 1)]
+        if near is not None:
+            reach |= near[k].cpu()
+            out.near_ties.append(int((reach & valid).sum()))
         equal = pred.cpu() == targets[j.clamp(max=N - 1)]
         if rules.out_of_vocab_is_miss and in_vocab is not None:
             equal &= in_vocab[j.clamp(max=N - 1)]  # SpecForge compares target ids: no draft id can hit it
         if rules.and_previous_steps:
             out.cond_counted.append(int((prev_correct & exists).sum()))
+            # the origin whose step-k target is the first past the end: every earlier step was inside, so known
+            out.packed_cond_extra.append(int((prev_correct & (origins + k == N - 1)).sum()))
+            out.packed_cond_extra_max.append(int((prev_correct & ~exists).sum()))
+            out.lead_masked.append(int(mask[1 : 1 + k].sum()))
             prev_correct &= equal | ~exists  # origins past the end keep their state (align_for_step slices them off)
             right = prev_correct & valid
             out.correct.append(int(right.sum()))
@@ -289,8 +324,10 @@ def describe_attention(cfg, rules: TrainerRules) -> str:
 
 
 @torch.no_grad()
-def unroll(draft, fc_in: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int, rules: TrainerRules) -> list[torch.Tensor]:
-    """Run the TTT unroll over one sample. fc_in [N, A*H], input_ids [N] -> per step [N-1] draft ids."""
+def unroll(draft, fc_in: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int, rules: TrainerRules,
+           margins: list | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Run the TTT unroll over one sample. fc_in [N, A*H], input_ids [N] -> per step [N-1] draft ids.
+    margins: appended per step with [N-1] (top-1 - top-2 logit) / the row's largest |logit|."""
     N = int(input_ids.shape[0])
     n = N - 1
     dtype = next(draft.parameters()).dtype
@@ -308,16 +345,42 @@ def unroll(draft, fc_in: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int, 
         out = draft(ids, hidden, positions, cache=cache, mask=ttt_mask(n, k, window))
         cache, hidden = out.cache, out.hidden_next
         preds.append(out.logits[0].argmax(-1))  # [n] draft ids
+        if margins is not None:
+            logits = out.logits[0].float()
+            top = logits.topk(2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
+            margins.append((top[:, 0] - top[:, 1]) / logits.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny))
     return preds
 
 
 @torch.no_grad()
 def sample_accuracy(
     draft, head: VerifierHead, fc_in: torch.Tensor, verifier: torch.Tensor, input_ids: torch.Tensor,
-    loss_mask: torch.Tensor, ttt_steps: int, rules: TrainerRules,
+    loss_mask: torch.Tensor, ttt_steps: int, rules: TrainerRules, tie_resolution: float | None = None,
 ) -> StepCounts:  # fmt: skip
+    """tie_resolution: also count the positions whose top-2 draft logits are within this fraction of the row's
+    largest |logit| (StepCounts.near_ties; engines.trainingdata.precision)."""
     if input_ids.shape[0] < 2:
-        return StepCounts([0] * ttt_steps, [0] * ttt_steps, [0] * ttt_steps, [0] * ttt_steps, 1)
+        zeros = [0] * ttt_steps
+        return StepCounts(zeros, list(zeros), list(zeros), list(zeros), 1, list(zeros) if tie_resolution is not None else [])
     targets, in_vocab = head.targets(verifier, draft.d2t, rules)
-    preds = unroll(draft, fc_in, input_ids, ttt_steps, rules)
-    return score_steps(preds, targets, loss_mask, rules, in_vocab)
+    margins: list | None = [] if tie_resolution is not None else None
+    preds = unroll(draft, fc_in, input_ids, ttt_steps, rules, margins)
+    near = [m <= tie_resolution for m in margins] if margins is not None else None
+    return score_steps(preds, targets, loss_mask, rules, in_vocab, near)
+
+
+def packing_line(c: StepCounts) -> str | None:
+    """One line for train-acc: how speculators' packed batches (training and its logged validation) count
+    these samples, from StepCounts' packed_* and lead_masked; None for rules without packing accounting."""
+    if not c.packed_cond_extra:
+        return None
+    low = [n + e for n, e in zip(c.cond_counted, c.packed_cond_extra)]
+    high = [n + e for n, e in zip(c.cond_counted, c.packed_cond_extra_max)]
+    full = ("full counts are the same packed (no sample has a loss position among its first "
+            f"{len(c.counted) - 1} targets)" if not any(c.lead_masked) else
+            f"packed, full_acc counts can gain up to {c.lead_masked} positions (loss positions among a sample's "
+            "first targets, reached from the sample before it)")  # fmt: skip
+    return (f"packing: the trainer scores samples packed into --total-seq-len rows: {full}; its cond_acc denominators "
+            f"also count origins whose target lies past their sample's end: cond counted {low} packed"
+            + ("" if low == high else f", up to {high} if predictions hit the next packed sample's tokens")
+            + " (less for a sample that ends its row)")

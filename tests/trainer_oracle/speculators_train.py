@@ -17,7 +17,9 @@ DUMP is a speculators-layout folder (hidden_states/hs_{i}.safetensors + samples.
 * Two monkeypatches, nothing edited: train/trainer.py imports `get_local_rank` (an accelerator index) ->
   "cpu", and `torch.accelerator.synchronize` (its step timer) -> no-op when there is no accelerator.
 
-OUT gets: dataset/ (arrow), ckpt/ (the trainer's checkpoints), train.log (its console log), metrics.jsonl
+OUT gets: dataset/ (arrow), ckpt/ (the trainer's checkpoints), master/ (the last epoch's float32 master
+weights, the ones its last validation ran with, beside the bf16 checkpoint's config: the oracle for
+what rounding the checkpoint to bf16 changes), train.log (its console log), metrics.jsonl
 (every record the trainer sent to its metric logger `speculators.metrics`, as its tensorboard/wandb
 handlers receive them), val/ (the validation split as the trainer's ArrowDataset(split="val") yields it,
 written back as hs_{i}.safetensors + samples.jsonl for difftest) and result.json.
@@ -84,6 +86,21 @@ def setup_metric_logger(*a, **k):
 
 train_cli.setup_metric_logger = setup_metric_logger
 
+master = {}
+_val_epoch = trainer_mod.Trainer.val_epoch
+
+
+def val_epoch(self, epoch):
+    """The trainer's own validation; then keep the float32 weights it validated with (each epoch's
+    replaces the last; checkpoints are saved in bf16, train/checkpointer.py::save_checkpoint)."""
+    metrics = _val_epoch(self, epoch)
+    master.clear()
+    master.update({k: v.detach().float().clone() for k, v in self.model.state_dict().items()})
+    return metrics
+
+
+trainer_mod.Trainer.val_epoch = val_epoch
+
 ckpt = out / "ckpt"
 if ckpt.exists():
     shutil.rmtree(ckpt)
@@ -97,6 +114,20 @@ argv = [
 t0 = time.time()
 train_cli.main(TrainConfig.resolve(argv))
 wall = time.time() - t0
+
+# -- the float32 master weights as a draft folder: the bf16 checkpoint's config and tensor names
+from safetensors.torch import save_file  # noqa: E402
+
+last = ckpt / str(epochs - 1)
+names = load_file(str(last / "model.safetensors")).keys()
+mdir = out / "master"
+if mdir.exists():
+    shutil.rmtree(mdir)
+mdir.mkdir()
+cfg = json.loads((last / "config.json").read_text())
+cfg["dtype"] = "float32"
+(mdir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+save_file({k: master[k].contiguous() for k in names}, str(mdir / "model.safetensors"))
 
 # -- the validation split exactly as the trainer read it (train/data.py ArrowDataset: rows [int(N*ratio), N),
 # hidden states file index = row + start_file_idx), renumbered from 0 for difftest
