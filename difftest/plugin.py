@@ -267,7 +267,8 @@ class CheckItem(pytest.Item):
         session.begin_case(self.case.path)
         results = self.config.stash[RESULTS].setdefault(self.case.path, [])
         try:
-            verdict = checks_mod.run_check(self.check, session, self.case, self.spec)
+            with session.clock.phase("check", self.case.path, self.spec.id, self.case.dtype):
+                verdict = checks_mod.run_check(self.check, session, self.case, self.spec)
         except NotAvailable as e:
             results.append(CheckResult(self.spec.id, self.check, "not available", str(e)))
             pytest.skip(str(e))
