@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-import safetensors.torch
 import torch
 
 from difftest import names, tensorfile
