@@ -169,11 +169,11 @@ def environment() -> dict:
     from difftest import __version__
     from difftest.rowstats import compile_status
 
-    try:
-        import transformers
+    from importlib import metadata
 
-        tf = transformers.__version__
-    except ImportError:
+    try:  # its installed version, not an import of it: importing transformers takes seconds
+        tf = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
         tf = "not installed"
     return {
         "difftest": __version__,
