@@ -393,24 +393,25 @@ class Session:
         if memo not in self._stats and spec.id in self._stored:
             self._stats[memo] = self._stored[spec.id].speculate(case)
         if memo not in self._stats:
-            case = self.engine_case(case, spec)
-            client = self.client(spec)
-            prompts = self.prompt_ids(case, speculative=True)
-            key = cache_key("speculate", spec.id, client.info["version"], self.inputs_key(case, spec), prompts)
-            path = self.cache.path(key).with_suffix(".json")
-            live = bool(client.info.get("live"))  # a running server: ask it again every run, never cache
-            if self.options.use_cache and not live and path.exists():
-                stats = AcceptStats.from_dict(json.loads(path.read_text()))
-            else:
-                self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
-                with self.clock.phase("session", case.path, spec.id, case.dtype):
-                    reply = self._request(client, {"op": "speculate", "case": case.to_dict(), "prompts": prompts,
-                                                   "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens})  # fmt: skip
-                stats = AcceptStats.from_dict(reply["stats"])
-                if not live:
-                    atomic_write(path, json.dumps(stats.to_dict(), indent=1))
-            self._stats[memo] = stats
+            with self.clock.phase("session", case.path, spec.id, case.dtype):
+                self._stats[memo] = self._speculate(self.engine_case(case, spec), spec)
         return self._stats[memo]
+
+    def _speculate(self, case: Case, spec: EngineSpec) -> AcceptStats:
+        client = self.client(spec)
+        prompts = self.prompt_ids(case, speculative=True)
+        key = cache_key("speculate", spec.id, client.info["version"], self.inputs_key(case, spec), prompts)
+        path = self.cache.path(key).with_suffix(".json")
+        live = bool(client.info.get("live"))  # a running server: ask it again every run, never cache
+        if self.options.use_cache and not live and path.exists():
+            return AcceptStats.from_dict(json.loads(path.read_text()))
+        self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
+        reply = self._request(client, {"op": "speculate", "case": case.to_dict(), "prompts": prompts,
+                                       "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens})  # fmt: skip
+        stats = AcceptStats.from_dict(reply["stats"])
+        if not live:
+            atomic_write(path, json.dumps(stats.to_dict(), indent=1))
+        return stats
 
     def is_live(self, spec: EngineSpec) -> bool:
         """A running server (EngineInfo.live): no tensors to compare, acceptance only."""
