@@ -19,6 +19,7 @@ from difftest.records.timings import PhaseTime, Timings, WorkerPhase
 
 # name -> (owner, what it counts): declared once, read by the report and docs/benchmarks.md
 PHASES: dict[str, tuple[str, str]] = {
+    "collect": ("harness", "a case file collected: read, checked against the engines' settings"),
     "engine.start": ("engine", "a worker's interpreter start, its imports and the adapter's set-up (the hello request)"),
     "engine.capture": ("engine", "the adapter's capture in the worker: models loaded on first use, forward passes"),
     "engine.speculate": ("engine", "the adapter's speculative decoding in the worker"),
