@@ -2,11 +2,17 @@
 
 On disk a capture is one directory: `tensors.safetensors` and `manifest.json`
 (schema `difftest.capture/1`). Directories are written under a temporary name and
-renamed into place, so a reader never sees half a capture.
+renamed into place, so a reader never sees half a capture. The temporary name carries the
+writer's process id: what a writer killed mid-write (an engine worker's crash, a timeout's
+SIGKILL) leaves is removed by `remove_partial` once that process is gone.
+
+The tensors travel between an engine's worker and the harness through this file without copies
+(difftest.tensorfile): the worker writes them from their memory, the harness maps the file.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -17,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from difftest import names
+from difftest import names, tensorfile
 from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
 from difftest.records.meta import SCHEMA_VERSION as META_VERSION
@@ -63,16 +69,19 @@ class Capture:
             return fc[..., j * size : (j + 1) * size]
         raise KeyError(f"capture of {self.meta.engine or '?'} has no tensor {name}")
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its stored tensors hold (what a transfer moves)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
     # -- persistence -----------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        from safetensors.torch import save_file
-
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(directory), dir=directory.parent))
         try:
             ordered = names.in_dataflow_order(self.tensors)
-            save_file({n: self.tensors[n].detach().contiguous().cpu() for n in ordered}, str(tmp / "tensors.safetensors"))
+            tensorfile.write(tmp / "tensors.safetensors", {n: self.tensors[n] for n in ordered})
             manifest = {
                 "schema": SCHEMA,
                 "meta": self.meta.to_dict(),
@@ -92,8 +101,7 @@ class Capture:
 
     @classmethod
     def load(cls, directory: str | Path, device: str = "cpu") -> "Capture":
-        from safetensors.torch import load_file
-
+        """A capture from its directory; its tensors are views of the mapped file (difftest.tensorfile)."""
         directory = Path(directory)
         manifest_path = directory / "manifest.json"
         manifest = read_json(manifest_path, "capture manifest")
@@ -101,12 +109,51 @@ class Capture:
             got = manifest.get("schema") if isinstance(manifest, dict) else None
             raise ConfigError(f"{manifest_path}: schema {got!r}, expected {SCHEMA!r}")
         meta = CaptureMeta.from_dict(manifest.get("meta", {}), str(manifest_path))
-        flat = load_file(str(directory / "tensors.safetensors"), device=device)
+        flat = tensorfile.read(directory / "tensors.safetensors")
+        if device != "cpu":
+            flat = {n: t.to(device) for n, t in flat.items()}
         order = [t["name"] for t in manifest["tensors"]]
         missing = [n for n in order if n not in flat]
         if missing:
             raise ConfigError(f"{directory}: tensors listed in the manifest but absent: {', '.join(missing)}")
         return cls({n: flat[n] for n in order}, meta)
+
+
+def partial_prefix(final: Path) -> str:
+    """The name prefix of what the current process writes on its way to `final` (a temporary
+    directory renamed into place, a file handed to a worker)."""
+    return f".{final.name}.{os.getpid()}."
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_partial(final: str | Path) -> list[Path]:
+    """Remove what a writer that is no longer running left on its way to `final` (see
+    partial_prefix); what a running process writes now is kept. Returns what was removed."""
+    final = Path(final)
+    removed = []
+    try:
+        candidates = list(final.parent.glob(f".{glob.escape(final.name)}.*.*"))
+    except OSError:
+        return removed
+    for p in candidates:
+        pid = p.name[len(final.name) + 2 :].split(".", 1)[0]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
 
 
 def cache_key(*parts: object) -> str:

@@ -156,6 +156,16 @@ def _row_cosine(ab: torch.Tensor, aa: torch.Tensor, bb: torch.Tensor) -> torch.T
     return torch.where(denom > 0, ab / denom, torch.where(aa == bb, 1.0, 0.0))
 
 
+def unravel(flat: int, shape: list[int]) -> list[int]:
+    """The index in `shape` of the flat position `flat` (row-major). Not torch.unravel_index: its
+    argument checks import torch.fx's symbolic shapes and sympy, seconds of a run's first comparison."""
+    index = []
+    for size in reversed(shape):
+        flat, at = divmod(flat, size) if size else (flat, 0)
+        index.append(at)
+    return index[::-1]
+
+
 def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Tolerance, topk: int = TOPK,
                    threshold: float | None = None, noise_floor: float = 0.0,
                    row_errors: dict[str, torch.Tensor] | None = None) -> TensorDiff:  # fmt: skip
@@ -181,7 +191,7 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
     cosine = sum_ab / denom if denom > 0 else (1.0 if sum_aa == sum_bb else 0.0)
     rel_diff = 1.0 - 2.0 * sum_ab / (sum_aa + sum_bb) if (sum_aa + sum_bb) > 0 else 0.0
     mismatched = int(s["mismatched"].sum())
-    index = list(torch.unravel_index(torch.tensor(max_at), ref.shape)) if ref.dim() else []
+    index = unravel(max_at, list(ref.shape))
     flat_a, flat_b = ref.reshape(-1), other.reshape(-1)
     d = TensorDiff(
         name=name,
@@ -190,7 +200,7 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
         numel=n,
         mismatched=mismatched,
         max_abs=max(float(s["max_abs"][worst]), 0.0),
-        max_abs_index=[int(i) for i in index],
+        max_abs_index=index,
         ref_value=float(flat_a[max_at]),
         other_value=float(flat_b[max_at]),
         max_rel=float(s["max_rel"].max()),

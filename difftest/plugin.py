@@ -190,15 +190,18 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path):
 class CaseFile(pytest.File):
     def collect(self):
         session: Session = self.config.stash[SESSION]
-        try:
-            case = load_case(self.path)
-        except ConfigError as e:
-            yield ErrorItem.from_parent(self, name="load", error=str(e))
+        with session.clock.phase("collect", str(self.path)):  # a case's path is its file's (load_case)
+            try:
+                case = load_case(self.path)
+            except ConfigError as e:
+                case, problem = None, ErrorItem.from_parent(self, name="load", error=str(e))
+            except CaseNotConfigured as e:
+                case, problem = None, NotConfiguredItem.from_parent(self, name="load", reason=str(e))
+            else:
+                problem = self._check(case, session)
+        if case is None:
+            yield problem
             return
-        except CaseNotConfigured as e:
-            yield NotConfiguredItem.from_parent(self, name="load", reason=str(e))
-            return
-        problem = self._check(case, session)
         if problem is not None:
             yield ErrorItem.from_parent(self, name="load", error=problem)
             return
@@ -268,7 +271,8 @@ class CheckItem(pytest.Item):
         session.begin_case(self.case.path)
         results = self.config.stash[RESULTS].setdefault(self.case.path, [])
         try:
-            verdict = checks_mod.run_check(self.check, session, self.case, self.spec)
+            with session.clock.phase("check", self.case.path, self.spec.id, self.case.dtype):
+                verdict = checks_mod.run_check(self.check, session, self.case, self.spec)
         except NotAvailable as e:
             results.append(CheckResult(self.spec.id, self.check, "not available", str(e)))
             pytest.skip(str(e))

@@ -30,6 +30,16 @@ INTERRUPTED = "the run stopped before every check of this case ran; the checks b
 
 
 def build(case, session, results: list[CheckResult]) -> Report:
+    clock = getattr(session, "clock", None)  # session-like objects may not time their phases
+    if clock is None:
+        return _build(case, session, results)
+    with clock.phase("report", case.path):
+        report = _build(case, session, results)
+    report.timings = clock.timings(case.path)
+    return report
+
+
+def _build(case, session, results: list[CheckResult]) -> Report:
     engines = {}
     for spec in session.options.engines:
         info, err = session.engine_info(spec), session.start_error(spec)
@@ -159,11 +169,11 @@ def environment() -> dict:
     from difftest import __version__
     from difftest.rowstats import compile_status
 
-    try:
-        import transformers
+    from importlib import metadata
 
-        tf = transformers.__version__
-    except ImportError:
+    try:  # its installed version, not an import of it: importing transformers takes seconds
+        tf = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
         tf = "not installed"
     return {
         "difftest": __version__,
@@ -380,9 +390,24 @@ def markdown(report: Report) -> str:
     lines += markdown_noise(report)
     lines += [f"Accept length: {report.accept_length_definition}.", ""]
     lines += markdown_definitions(report)
+    lines += markdown_timings(report)
     if report.reproduce:
         lines += ["Reproduce:", "", "```bash", report.reproduce, "```", ""]
     return "\n".join(lines)
+
+
+def markdown_timings(report: Report) -> list[str]:
+    """Where the case's time went: the harness's share, then each phase (difftest.timings)."""
+    t = report.timings
+    if t is None or not t.phases:
+        return []
+    total = t.harness_seconds + t.engine_seconds
+    share = f" ({100 * t.harness_seconds / total:.0f}%)" if total > 0 else ""
+    lines = [f"Time: harness {t.harness_seconds:.2f} s{share}, engines {t.engine_seconds:.2f} s ({t.scope}).", "",
+             "| phase | owner | engine | dtype | seconds | count | MiB |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {p.phase} | {p.owner} | {p.engine or ''} | {p.dtype or ''} | {p.seconds:.3f} | {p.count} | "
+              f"{p.bytes / 2**20:.1f} |" for p in t.phases]  # fmt: skip
+    return lines + [""]
 
 
 def json_path(report: Report, directory: Path) -> Path:

@@ -21,7 +21,8 @@ from difftest import chat
 from difftest import infer_case as infer_mod
 from difftest import noise
 from difftest.acceptance import AcceptStats
-from difftest.capture import Capture, CaptureCache, cache_key
+from difftest import tensorfile
+from difftest.capture import Capture, CaptureCache, cache_key, partial_prefix, remove_partial
 from difftest.content_digest import paths_signature
 from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
@@ -29,6 +30,9 @@ from difftest.engine import EngineSpec, engine_target
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable, Unsupported
 from difftest.paths import cache_root
 from difftest.outputs import atomic_write
+from difftest.records.fields import decode_value
+from difftest.records.timings import Timings, WorkerPhase
+from difftest.timings import PhaseClock, case_of
 from difftest.worker import WorkerClient
 
 FIXTURE_GROUP = "difftest.fixtures"
@@ -108,6 +112,7 @@ class Session:
         self._stored: dict[str, object] = {}
         # case path -> `wiring: infer` result (difftest.infer_wiring.WiringInference) or the error it raised
         self._inferences: dict[str, object] = {}
+        self.clock = PhaseClock()  # where each case's time goes (difftest.timings; in its report)
 
     def add_stored(self, source) -> None:
         """Serve `source.spec` from disk (captures, accept stats, info) instead of a worker."""
@@ -143,7 +148,8 @@ class Session:
             self._progress(f"starting {spec.id} ({self.python_for(spec)})")
             t = time.monotonic()
             try:
-                client.start()
+                with self.clock.phase("engine.start", engine=spec.id):
+                    client.start()
             except DifftestError as e:
                 client.kill()
                 self._start_errors[spec.id] = e
@@ -159,6 +165,7 @@ class Session:
         if path == self._current_case:
             return
         self._current_case = path
+        self.clock.current_case = case_of(path)
         for spec_id, client in list(self._clients.items()):
             if client.proc is not None and client.proc.poll() is not None:
                 how = "ended after an engine that cannot restart in it failed" if client.ended_with else "died"
@@ -289,17 +296,53 @@ class Session:
         if memo not in self._captures and spec.id in self._stored:
             self._captures[memo] = self._stored[spec.id].capture(case, index)
         if memo not in self._captures:
-            case = self.engine_case(case, spec)
-            client = self.client(spec)
-            key = cache_key("capture", spec.id, client.info["version"], self.inputs_key(case, spec), ids)
-            cached = self.cache.get(key) if self.options.use_cache else None
-            if cached is None:
-                out = self.cache.path(key)
-                self._progress(f"{spec.id}: capturing {case.name} prompt {index + 1}/{len(self.prompt_ids(case))}")
-                client.request({"op": "capture", "case": case.to_dict(), "prompt_ids": ids, "out": str(out)})
-                cached = Capture.load(out)
+            with self.clock.phase("session", case.path, spec.id, case.dtype):
+                case = self.engine_case(case, spec)
+                client = self.client(spec)
+                key = cache_key("capture", spec.id, client.info["version"], self.inputs_key(case, spec), ids)
+                cached = self._cached(key)
+                if cached is None:
+                    out = self.cache.path(key)
+                    self._progress(f"{spec.id}: capturing {case.name} prompt {index + 1}/{len(self.prompt_ids(case))}")
+                    self._request(client, {"op": "capture", "case": case.to_dict(), "prompt_ids": ids, "out": str(out)},
+                                  out)  # fmt: skip
+                    cached = self._load(out)
             self._captures[memo] = cached
         return self._captures[memo]
+
+    def _cached(self, key: str) -> Capture | None:
+        if not self.options.use_cache:
+            return None
+        with self.clock.phase("transfer.read") as frame:
+            found = self.cache.get(key)
+            frame.bytes = found.nbytes if found is not None else 0
+        return found
+
+    def _load(self, out: Path) -> Capture:
+        with self.clock.phase("transfer.read") as frame:
+            capture = Capture.load(out)
+            frame.bytes = capture.nbytes
+        return capture
+
+    def _request(self, client: WorkerClient, msg: dict, out: Path | None = None) -> dict:
+        """A worker request, timed (the worker's own phases come back in its reply); what a worker
+        that died writing `out` left half-written is removed."""
+        try:
+            with self.clock.phase("request"):
+                reply = client.request(msg)
+                try:
+                    measured = decode_value(list[WorkerPhase], reply.get("timings", []), "worker reply", "timings")
+                except ConfigError:
+                    measured = []  # a worker of another difftest version: its phases are not counted
+                self.clock.add_inner(measured)
+        finally:
+            if out is not None:
+                remove_partial(out)
+        return reply
+
+    def timings(self, case: Case) -> Timings:
+        """Where the case's time went so far (difftest.timings)."""
+        return self.clock.timings(case.path)
 
     def capture_golden(self, case: Case, spec: EngineSpec, index: int, source: EngineSpec | None = None,
                        source_case: Case | None = None) -> Capture | None:  # fmt: skip
@@ -311,34 +354,38 @@ class Session:
         source_case = self.prepare(source_case) if source_case is not None else case
         memo = (case.path, spec.id, index, "golden", source.id, source_case.path)
         if memo not in self._captures:
-            ref = self.capture(source_case, source, index)
-            if "draft.fc_in" not in ref.tensors:
-                return None
-            client = self.client(spec)
-            ids = self.prompt_ids(case)[index]
-            ref_key = cache_key("capture", source.id, self.engine_info(source)["version"],
-                                self.inputs_key(self.engine_case(source_case, source), source), ids)  # fmt: skip
-            case = self.engine_case(case, spec)
-            key = cache_key("golden", spec.id, client.info["version"], self.inputs_key(case, spec), ref_key)
-            cached = self.cache.get(key) if self.options.use_cache else None
-            if cached is None:
-                from safetensors.torch import save_file
-
-                out = self.cache.path(key)
-                fc_file = out.with_name(out.name + ".fc_in.safetensors")
-                fc_file.parent.mkdir(parents=True, exist_ok=True)
-                save_file({"draft.fc_in": ref.tensors["draft.fc_in"].contiguous().cpu()}, str(fc_file))
-                try:
-                    client.request({"op": "capture_draft_from", "case": case.to_dict(), "prompt_ids": ids,
-                                    "fc_in": str(fc_file), "out": str(out)})  # fmt: skip
-                except Unsupported:
-                    self._captures[memo] = None
-                    return None
-                finally:
-                    fc_file.unlink(missing_ok=True)
-                cached = Capture.load(out)
-            self._captures[memo] = cached
+            with self.clock.phase("session", case.path, spec.id, case.dtype):
+                self._captures[memo] = self._capture_golden(case, spec, index, source, source_case)
         return self._captures[memo]
+
+    def _capture_golden(self, case: Case, spec: EngineSpec, index: int, source: EngineSpec,
+                        source_case: Case) -> Capture | None:  # fmt: skip
+        ref = self.capture(source_case, source, index)
+        if "draft.fc_in" not in ref.tensors:
+            return None
+        client = self.client(spec)
+        ids = self.prompt_ids(case)[index]
+        ref_key = cache_key("capture", source.id, self.engine_info(source)["version"],
+                            self.inputs_key(self.engine_case(source_case, source), source), ids)  # fmt: skip
+        case = self.engine_case(case, spec)
+        key = cache_key("golden", spec.id, client.info["version"], self.inputs_key(case, spec), ref_key)
+        cached = self._cached(key)
+        if cached is None:
+            out = self.cache.path(key)
+            # the harness's pid in its name: left behind by a harness killed now, it is removed later
+            fc_file = out.with_name(partial_prefix(out) + "fc_in.safetensors")
+            fc_file.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with self.clock.phase("transfer.write") as frame:
+                    frame.bytes = tensorfile.write(fc_file, {"draft.fc_in": ref.tensors["draft.fc_in"]})
+                self._request(client, {"op": "capture_draft_from", "case": case.to_dict(), "prompt_ids": ids,
+                                       "fc_in": str(fc_file), "out": str(out)}, out)  # fmt: skip
+            except Unsupported:
+                return None
+            finally:
+                fc_file.unlink(missing_ok=True)
+            cached = self._load(out)
+        return cached
 
     def speculate(self, case: Case, spec: EngineSpec) -> AcceptStats:
         case = self.prepare(case)
@@ -346,25 +393,25 @@ class Session:
         if memo not in self._stats and spec.id in self._stored:
             self._stats[memo] = self._stored[spec.id].speculate(case)
         if memo not in self._stats:
-            case = self.engine_case(case, spec)
-            client = self.client(spec)
-            prompts = self.prompt_ids(case, speculative=True)
-            key = cache_key("speculate", spec.id, client.info["version"], self.inputs_key(case, spec), prompts)
-            path = self.cache.path(key).with_suffix(".json")
-            live = bool(client.info.get("live"))  # a running server: ask it again every run, never cache
-            if self.options.use_cache and not live and path.exists():
-                stats = AcceptStats.from_dict(json.loads(path.read_text()))
-            else:
-                self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
-                reply = client.request(
-                    {"op": "speculate", "case": case.to_dict(), "prompts": prompts,
-                     "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens}
-                )  # fmt: skip
-                stats = AcceptStats.from_dict(reply["stats"])
-                if not live:
-                    atomic_write(path, json.dumps(stats.to_dict(), indent=1))
-            self._stats[memo] = stats
+            with self.clock.phase("session", case.path, spec.id, case.dtype):
+                self._stats[memo] = self._speculate(self.engine_case(case, spec), spec)
         return self._stats[memo]
+
+    def _speculate(self, case: Case, spec: EngineSpec) -> AcceptStats:
+        client = self.client(spec)
+        prompts = self.prompt_ids(case, speculative=True)
+        key = cache_key("speculate", spec.id, client.info["version"], self.inputs_key(case, spec), prompts)
+        path = self.cache.path(key).with_suffix(".json")
+        live = bool(client.info.get("live"))  # a running server: ask it again every run, never cache
+        if self.options.use_cache and not live and path.exists():
+            return AcceptStats.from_dict(json.loads(path.read_text()))
+        self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
+        reply = self._request(client, {"op": "speculate", "case": case.to_dict(), "prompts": prompts,
+                                       "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens})  # fmt: skip
+        stats = AcceptStats.from_dict(reply["stats"])
+        if not live:
+            atomic_write(path, json.dumps(stats.to_dict(), indent=1))
+        return stats
 
     def is_live(self, spec: EngineSpec) -> bool:
         """A running server (EngineInfo.live): no tensors to compare, acceptance only."""
@@ -377,8 +424,10 @@ class Session:
         if spec.id in self._stored:
             raise Unsupported(f"{spec.id}: a stored baseline cannot replay a server's tokens; use --reference=ref")
         self._progress(f"{spec.id}: replaying {len(requests)} server outputs through the draft")
-        reply = self.client(spec).request({"op": "replay", "case": case.to_dict(), "requests": requests,
-                                           "num_steps": num_steps, "topk": topk, "num_draft_tokens": num_draft_tokens})  # fmt: skip
+        with self.clock.phase("session", case.path, spec.id, case.dtype):
+            reply = self._request(self.client(spec), {"op": "replay", "case": case.to_dict(), "requests": requests,
+                                                      "num_steps": num_steps, "topk": topk,
+                                                      "num_draft_tokens": num_draft_tokens})  # fmt: skip
         return reply["replays"]
 
     # -- the noise floor (difftest.noise) ----------------------------------------------------
@@ -394,20 +443,21 @@ class Session:
         case = self.prepare(case)
         if case.path not in self._floors:
             spec = self.calibration_spec()
-            exact = calibration_case(case)
-            try:
-                pairs = [(self.capture(case, spec, i), self.capture(exact, spec, i)) for i in range(len(case.prompts))]
-                # the draft alone: its own rounding, on the float64 run's fc_in (difftest.noise: draft floor)
-                own = [(self.capture_golden(case, spec, i, source=spec, source_case=exact), exact_cap)
-                       for i, (_, exact_cap) in enumerate(pairs)]  # fmt: skip
-            except DifftestError as e:
-                floor = noise.unmeasured(case.dtype, f"{spec.id} cannot run this case in float64: {str(e).splitlines()[0]}")
-            else:
-                floor = noise.measure_floor(pairs, case.dtype, f"measured: {spec.id} in {case.dtype} vs float64 "
-                                                               f"over {len(pairs)} prompts",
-                                            [p for p in own if p[0] is not None])  # fmt: skip
-            self._floors[case.path] = floor
+            with self.clock.phase("noise_floor", case.path, spec.id, case.dtype):
+                self._floors[case.path] = self._measure_floor(case, spec)
         return self._floors[case.path]
+
+    def _measure_floor(self, case: Case, spec: EngineSpec) -> noise.NoiseFloor:
+        exact = calibration_case(case)
+        try:
+            pairs = [(self.capture(case, spec, i), self.capture(exact, spec, i)) for i in range(len(case.prompts))]
+            # the draft alone: its own rounding, on the float64 run's fc_in (difftest.noise: draft floor)
+            own = [(self.capture_golden(case, spec, i, source=spec, source_case=exact), exact_cap)
+                   for i, (_, exact_cap) in enumerate(pairs)]  # fmt: skip
+        except DifftestError as e:
+            return noise.unmeasured(case.dtype, f"{spec.id} cannot run this case in float64: {str(e).splitlines()[0]}")
+        return noise.measure_floor(pairs, case.dtype, f"measured: {spec.id} in {case.dtype} vs float64 over {len(pairs)} "
+                                                      f"prompts", [p for p in own if p[0] is not None])  # fmt: skip
 
     def accept_noise(self, case: Case) -> tuple[tuple[AcceptStats, AcceptStats] | None, str]:
         """The reference's speculative run in the case's dtype and in float64 (difftest.accept_gate:
@@ -434,8 +484,10 @@ class Session:
                 # An engine's capture meta may list `partial: [patterns]`: reference tensors it cannot
                 # expose (e.g. vLLM: target layers it does not capture); missing those is allowed.
                 partial = list(b.meta.partial)
-                out.append(compare_captures(a, b, case.dtype, case.tolerances, [*case.allow_missing, *partial],
-                                            floor=self.noise_floor(case)))  # fmt: skip
+                floor = self.noise_floor(case)
+                with self.clock.phase("compare", case.path, spec.id, case.dtype):
+                    out.append(compare_captures(a, b, case.dtype, case.tolerances, [*case.allow_missing, *partial],
+                                                floor=floor))  # fmt: skip
             self._diffs[memo] = out
         return self._diffs[memo]
 

@@ -7,7 +7,7 @@ one engine cannot share an environment. Protocol: JSON lines over two dedicated 
 never corrupts the protocol. Captures travel as directories (difftest.capture).
 
     {"op": "hello", "spec": {...}, "target": "module:attr"} -> {"ok": true, "info": {...}}
-    {"op": "capture", "case": {...}, "prompt_ids": [...], "out": DIR} -> {"ok": true}
+    {"op": "capture", "case": {...}, "prompt_ids": [...], "out": DIR} -> {"ok": true, "timings": [...]}
     {"op": "speculate", "case": {...}, "prompts": [[...]], "num_steps": k, "max_new_tokens": n}
                                                    -> {"ok": true, "stats": {...}}
     {"op": "capture_draft_from", "case": {...}, "prompt_ids": [...], "fc_in": FILE, "out": DIR}
@@ -16,6 +16,8 @@ never corrupts the protocol. Captures travel as directories (difftest.capture).
     {"op": "replay", "case": {...}, "requests": [[prompt, output], ...], "num_steps": k, "topk": t,
      "num_draft_tokens": n}                        -> {"ok": true, "replays": [...]}  (Engine.replay)
     {"op": "close"}                                -> {"ok": true}
+Replies to the requests after hello carry "timings": the phases the worker measured
+(difftest.records.timings.WorkerPhase: the engine's work, the capture file's writing).
 Errors: {"ok": false, "kind": "unavailable" | "config" | "unsupported" | "engine" | "crash", "error": "one line"},
 with "ends": true when the worker exits after that reply (errors.EngineSpent).
 """
@@ -208,33 +210,53 @@ def _returned(engine, method: str, value, expected: type):
     return value
 
 
+def _timed(phases: list, name: str, fn, *args):
+    """fn(*args), its time appended to `phases` (sent back in the reply: difftest.timings)."""
+    from difftest.records.timings import WorkerPhase
+
+    t = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        phases.append(WorkerPhase(name, time.perf_counter() - t))
+
+
+def _save(phases: list, capture, out: str) -> None:
+    _timed(phases, "transfer.write", capture.save, out)
+    phases[-1].bytes = capture.nbytes
+
+
 def _handle(engine, msg: dict) -> dict:
     from difftest.acceptance import AcceptStats
     from difftest.capture import Capture
     from difftest.case import Case
 
     op = msg["op"]
+    phases: list = []  # difftest.records.timings.WorkerPhase, measured here
     if op == "capture":
-        capture = _returned(engine, "capture", engine.capture(Case.from_dict(msg["case"]), list(msg["prompt_ids"])), Capture)
-        capture.save(msg["out"])
-        return {}
+        capture = _timed(phases, "engine.capture", engine.capture, Case.from_dict(msg["case"]), list(msg["prompt_ids"]))
+        _save(phases, _returned(engine, "capture", capture, Capture), msg["out"])
+        return {"timings": [asdict(p) for p in phases]}
     if op == "speculate":
-        stats = engine.speculate(Case.from_dict(msg["case"]), msg["prompts"], msg["num_steps"], msg["max_new_tokens"])
-        return {"stats": _returned(engine, "speculate", stats, AcceptStats).to_dict()}
+        stats = _timed(phases, "engine.speculate", engine.speculate, Case.from_dict(msg["case"]), msg["prompts"],
+                       msg["num_steps"], msg["max_new_tokens"])  # fmt: skip
+        return {"stats": _returned(engine, "speculate", stats, AcceptStats).to_dict(), "timings": [asdict(p) for p in phases]}
     if op == "capture_draft_from":
-        from safetensors.torch import load_file
+        from difftest import tensorfile
 
-        fc_in = load_file(msg["fc_in"])["draft.fc_in"]
-        capture = _returned(engine, "capture_draft_from",
-                            engine.capture_draft_from(Case.from_dict(msg["case"]), list(msg["prompt_ids"]), fc_in), Capture)  # fmt: skip
+        fc_in = _timed(phases, "transfer.read", tensorfile.read, msg["fc_in"])["draft.fc_in"]
+        capture = _timed(phases, "engine.capture", engine.capture_draft_from, Case.from_dict(msg["case"]),
+                         list(msg["prompt_ids"]), fc_in)  # fmt: skip
+        capture = _returned(engine, "capture_draft_from", capture, Capture)
         # the draft tensors follow the given fc_in, not the engine's own hidden states: say so on disk
         capture.meta.golden_fc_in = True
-        capture.save(msg["out"])
-        return {}
+        _save(phases, capture, msg["out"])
+        return {"timings": [asdict(p) for p in phases]}
     if op == "replay":
         pairs = [(list(p), list(o)) for p, o in msg["requests"]]
-        return {"replays": engine.replay(Case.from_dict(msg["case"]), pairs, msg["num_steps"], msg["topk"],
-                                         msg["num_draft_tokens"])}  # fmt: skip
+        replays = _timed(phases, "engine.replay", engine.replay, Case.from_dict(msg["case"]), pairs, msg["num_steps"],
+                         msg["topk"], msg["num_draft_tokens"])  # fmt: skip
+        return {"replays": replays, "timings": [asdict(p) for p in phases]}
     raise ConfigError(f"worker: unknown op {op!r}")
 
 

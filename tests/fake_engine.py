@@ -12,6 +12,9 @@ behaviour comes from the spec, e.g. `fake[mode=hang]`:
   mode=wrong_type   capture returns a dict of tensors instead of a Capture (an adapter bug)
   mode=spawn_hang   capture starts a child process (as engines start schedulers), logs
                     "child pid N" and never returns
+  mode=synthetic    a capture of fixed seeded tensors (synthetic_tensors), no model loaded: what
+                    a transfer between worker and harness must deliver unchanged
+  mode=crash_writing  as `synthetic`, and the worker dies with SIGKILL half-way through writing it
   golden=no         (any mode) no golden-input re-run: Engine.capture_draft_from's default
 """
 
@@ -21,6 +24,10 @@ import subprocess
 import sys
 import time
 
+import torch
+
+from difftest import tensorfile
+from difftest.capture import Capture
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import EngineSpent, EngineUnavailable
 from difftest.settings import Schema, Setting
@@ -28,10 +35,33 @@ from engines.ref.engine import RefEngine
 from engines.ref.settings import SCHEMA as REF_SETTINGS
 
 
+def synthetic_tensors() -> dict[str, torch.Tensor]:
+    """Seeded tensors of every kind a capture holds (widths, dtypes, an empty and a 0-d one)."""
+    g = torch.Generator().manual_seed(29)
+    return {
+        "target.h.0": torch.randn(5, 8, generator=g).to(torch.bfloat16),
+        "target.logits": torch.randn(5, 33, generator=g).to(torch.float16),
+        "draft.fc_in": torch.randn(5, 24, generator=g),
+        "draft.logits": torch.randn(3, 33, generator=g, dtype=torch.float64),
+        "draft.tokens": torch.randint(0, 33, (3,), generator=g),
+        "draft.mask": torch.tensor([True, False, True]),
+        "draft.empty": torch.zeros(0, 8),
+        "draft.scalar": torch.tensor(2.5),
+    }
+
+
+def _write_half_then_die(path, tensors):
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+        f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FakeEngine(RefEngine):
     SETTINGS = Schema("fake", REF_SETTINGS.settings + (
         Setting("mode", "choice", "injected behaviour", default="same",
-                choices=("same", "diverge", "unavailable", "error", "crash", "spent", "hang", "spawn_hang", "wrong_type")),
+                choices=("same", "diverge", "unavailable", "error", "crash", "spent", "hang", "spawn_hang", "wrong_type",
+                         "synthetic", "crash_writing")),
         Setting("golden", "choice", "no: no golden-input re-run", choices=("no",)),
     ))  # fmt: skip
 
@@ -51,6 +81,10 @@ class FakeEngine(RefEngine):
             raise EngineSpent("fake: engine failed to start: ValueError: no model_type in config.json")
         if mode == "hang":
             time.sleep(3600)
+        if mode in ("synthetic", "crash_writing"):
+            if mode == "crash_writing":
+                tensorfile.write = _write_half_then_die  # this worker's next capture file is its last
+            return Capture(synthetic_tensors(), {"engine": self.spec.id, "prompt_ids": list(prompt_ids)})
         if mode == "wrong_type":
             return dict(super().capture(case, prompt_ids).tensors)
         if mode == "spawn_hang":

@@ -6,10 +6,9 @@ import json
 import random
 
 import pytest
-import safetensors.torch
 import torch
 
-from difftest import names
+from difftest import names, tensorfile
 from difftest.capture import SCHEMA, Capture
 from difftest.case import load_case
 from difftest.errors import ConfigError
@@ -96,12 +95,14 @@ def test_save_over_an_existing_capture_replaces_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cap"]
 
 
-def _failing_save_file(*args, **kwargs):
+def _failing_write(path, tensors):
+    with open(path, "wb") as f:
+        f.write(b"half a file")  # a writer that fails half-way
     raise OSError("disk full")
 
 
 def test_failed_save_leaves_no_directory(tmp_path, monkeypatch):
-    monkeypatch.setattr(safetensors.torch, "save_file", _failing_save_file)
+    monkeypatch.setattr(tensorfile, "write", _failing_write)
     with pytest.raises(OSError, match="disk full"):
         make_capture().save(tmp_path / "cap")
     assert list(tmp_path.iterdir()) == []
@@ -109,7 +110,7 @@ def test_failed_save_leaves_no_directory(tmp_path, monkeypatch):
 
 def test_failed_save_keeps_the_previous_capture(tmp_path, monkeypatch):
     make_capture().save(tmp_path / "cap")
-    monkeypatch.setattr(safetensors.torch, "save_file", _failing_save_file)
+    monkeypatch.setattr(tensorfile, "write", _failing_write)
     with pytest.raises(OSError):
         Capture({"target.h.0": torch.zeros(2)}).save(tmp_path / "cap")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cap"]

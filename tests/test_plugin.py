@@ -65,6 +65,19 @@ def test_written_report_reads_back_as_a_record_with_each_checks_typed_data(mixed
     assert report.result("fake[mode=error]", "fc_inputs").data is None  # an error carries its message only
 
 
+def test_report_records_where_the_cases_time_went_by_phase_and_owner(mixed_run):
+    from difftest.records import Report
+
+    t = Report.load(mixed_run.root / "reports" / "tiny.json").timings
+    seen = {(p.phase, p.engine) for p in t.phases}
+    for phase in [("engine.start", "ref"), ("engine.capture", "ref"), ("transfer.write", "ref"), ("transfer.read", "ref"),
+                  ("compare", "ref[wiring=vllm]"), ("noise_floor", "ref"), ("check", "ref"), ("report", None)]:  # fmt: skip
+        assert phase in seen, phase
+    assert any(p.phase == "engine.capture" and p.dtype == "float64" for p in t.phases)  # the noise floor's calibration
+    assert t.harness_seconds == round(sum(p.seconds for p in t.phases if p.owner == "harness"), 6) > 0
+    assert t.engine_seconds > 0
+
+
 def test_reference_gets_a_capture_item(mixed_run):
     assert mixed_run.outcome("tiny", "ref", "capture")["outcome"] == "passed"
     listed = run_pytest(mixed_run.root, "cases/", "--engines=ref,ref[wiring=vllm]", "--collect-only", "-q")

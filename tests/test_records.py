@@ -137,6 +137,23 @@ def test_report_round_trips_through_json_with_schema_and_version():
     assert Report.from_dict(d, "r.json") == sample_report()
 
 
+def test_a_reports_timings_round_trip_as_a_typed_record():
+    from difftest.records.timings import PhaseTime, Timings
+
+    timings = Timings([PhaseTime("engine.capture", "engine", 2.5, 4, "ref", "float64"),
+                       PhaseTime("transfer.read", "harness", 0.01, 4, "ref", "float32", 1 << 20)], 0.01, 2.5, "scope")  # fmt: skip
+    report = dataclasses.replace(sample_report(), timings=timings)
+    assert Report.from_dict(through_json(report.to_dict()), "r.json").timings == timings
+
+
+def test_a_phase_owned_by_neither_harness_nor_engine_is_refused_naming_the_field():
+    from difftest.records.timings import PhaseTime, Timings
+
+    d = through_json(dataclasses.replace(sample_report(), timings=Timings([PhaseTime("compare", "harness", 1.0, 1)], 1.0, 0.0)).to_dict())
+    d["timings"]["phases"][0]["owner"] = "user"
+    assert refusal(lambda: Report.from_dict(d, "r.json")) == "r.json: timings.phases[0].owner: 'user' is not one of 'harness', 'engine'"
+
+
 def test_report_json_keeps_the_keys_readers_of_reports_use():
     d = through_json(sample_report().to_dict())
     assert d["engines"]["eng"] == {"error": "not started"}  # no "info": null beside the error

@@ -16,6 +16,7 @@ from typing import Any
 from difftest.jsonfile import read_json
 from difftest.records.check_result import CheckResult
 from difftest.records.fields import decode, encode_fields, fail
+from difftest.records.timings import Timings
 
 SCHEMA = "difftest.report"
 SCHEMA_VERSION = 2
@@ -73,6 +74,7 @@ class Report:
     case_yaml: str = ""
     interrupted: bool = False
     definitions: list[FigureDefinition] = field(default_factory=list)  # every figure the report shows  # the run stopped before every check of the case ran
+    timings: Timings | None = None  # where the case's time went, by phase (difftest.timings)
 
     def results(self, engine: str, check: str | None = None) -> list[CheckResult]:
         return [c for c in self.checks if c.engine == engine and (check is None or c.check == check)]
