@@ -31,7 +31,6 @@ transfer[MEDIUM]: a Kimi-width logits capture (DIFFTEST_BENCH_LOGITS, default [1
 from __future__ import annotations
 
 import gc
-import json
 import os
 import subprocess
 import sys

@@ -139,7 +139,7 @@ def remove_partial(final: str | Path) -> list[Path]:
     """Remove what a writer that is no longer running left on its way to `final` (see
     partial_prefix); what a running process writes now is kept. Returns what was removed."""
     final = Path(final)
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = list(final.parent.glob(f".{glob.escape(final.name)}.*.*"))
     except OSError:

@@ -97,8 +97,9 @@ class PhaseClock:
         for p in measured:
             if p.phase not in PHASES:
                 continue  # a worker of another difftest version: its phase is not ours to name
-            self._add(_Frame(p.phase, outer and outer.case or self.current_case, outer and outer.engine,
-                             outer and outer.dtype, 0.0), p.seconds, p.bytes)  # fmt: skip
+            case = (outer.case if outer is not None else None) or self.current_case
+            engine, dtype = (outer.engine, outer.dtype) if outer is not None else (None, None)
+            self._add(_Frame(p.phase, case, engine, dtype, 0.0), p.seconds, p.bytes)
             if outer is not None:
                 outer.inner += p.seconds
 

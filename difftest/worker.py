@@ -97,7 +97,8 @@ class WorkerClient:
                     start_new_session=True,  # its own process group: killed as a whole
                 )
             except OSError as e:
-                os.close(req_r), os.close(req_w), os.close(rep_r), os.close(rep_w)
+                for fd in (req_r, req_w, rep_r, rep_w):
+                    os.close(fd)
                 raise EngineUnavailable(f"{self.spec.id}: cannot start interpreter {self.python}: {e.strerror}") from None
         os.close(req_r)
         os.close(rep_w)
@@ -174,6 +175,8 @@ class WorkerClient:
         raise EngineError(f"{self.spec.id}: {error} (log: {self.log_path})")
 
     def _died(self) -> EngineError:
+        if self.proc is None:
+            return EngineError(f"{self.spec.id}: the engine worker never started (log: {self.log_path})")
         rc = self.proc.wait()
         why = last_error_line(self.log_path, start=self._log_start)
         if self.info is None:
