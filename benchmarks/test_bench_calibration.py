@@ -63,7 +63,7 @@ from engines.ref.engine import DTYPES as REF_DTYPES
 from engines.ref.target import load_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_bench_compare import _shape, best_of, machine_line, memory_limits, peak_extra  # noqa: E402
+from test_bench_compare import _shape, best_of, machine_line, memory_limits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = 'ref,ref[wiring=vllm]'
@@ -340,12 +340,14 @@ def test_rel_err(benchmark, dtype):
     cols = x.shape[-1]
     native = rowstats.NATIVE_MIN <= x.numel() and rowkernel.supports(x.reshape(-1, cols), ref.reshape(-1, cols), mixed=True)
     path = "native" if native and rowstats.native_kernel() is not None else "eager"
-    errs = benchmark.pedantic(lambda: noise.row_rel_err(x, ref, path=path), rounds=3, iterations=1, warmup_rounds=0)
+    # the tensors bound as defaults: they are deleted below, before the memory is measured
+    errs = benchmark.pedantic(lambda x=x, ref=ref: noise.row_rel_err(x, ref, path=path), rounds=3, iterations=1,
+                              warmup_rounds=0)  # fmt: skip
     eager_errs = noise.row_rel_err(x, ref, path="eager")
     torch.testing.assert_close(errs, eager_errs, rtol=1e-9, atol=0)
     r = REL_ERR[dtype] = {
         "path": path, "shape": list(x.shape), "seconds": benchmark.stats.stats.min,
-        "eager_seconds": best_of(lambda: noise.row_rel_err(x, ref, path="eager"), 3),
+        "eager_seconds": best_of(lambda x=x, ref=ref: noise.row_rel_err(x, ref, path="eager"), 3),
         "mib": (x.numel() * x.element_size() / 2**20, ref.numel() * ref.element_size() / 2**20),
         **memory_limits(x, ref),
     }  # fmt: skip
@@ -371,7 +373,7 @@ def ratio_lines() -> list[str]:
         return lines
     lines.append(f"calibration cost (min over {ROUNDS} rounds; seconds; target: adds <= 25% to a case's wall time)")
     for (stem, dtype), r in RESULTS.items():
-        m = lambda k: min(r[k]) if k in r else float("nan")  # noqa: E731
+        m = lambda k, r=r: min(r[k]) if k in r else float("nan")  # noqa: E731
         a, b, c = m("ref_captures"), m("calibration"), m("run")
         in_run = m("run_noise_floor")
         lines.append(

@@ -105,7 +105,7 @@ def memory_limits(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """Seconds to copy both tensors (into preallocated ones) and to read both once (a sum)."""
     da, db = torch.empty_like(a), torch.empty_like(b)
     da.copy_(a), db.copy_(b)  # touch the destination pages outside the timing
-    copy = best_of(lambda: (da.copy_(a), db.copy_(b)), COPY_ROUNDS)
+    copy = best_of(lambda da=da, db=db: (da.copy_(a), db.copy_(b)), COPY_ROUNDS)  # bound: deleted below
     del da, db
     read = best_of(lambda: (a.sum(), b.sum()), COPY_ROUNDS)
     return {"copy_seconds": copy, "read_seconds": read}
