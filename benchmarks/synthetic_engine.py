@@ -12,9 +12,20 @@ from difftest.capture import Capture
 from difftest.engine import Engine, EngineInfo
 
 
+def parse_shape(text: str) -> tuple[int, int] | None:
+    """ROWSxCOLS (e.g. 1024x163840) as two positive integers; None when it is not that."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
 def logits_shape() -> tuple[int, int]:
-    rows, cols = os.environ.get("DIFFTEST_BENCH_LOGITS", "1024x163840").lower().split("x")
-    return int(rows), int(cols)
+    """DIFFTEST_BENCH_LOGITS, checked by the benchmark before any engine starts."""
+    shape = parse_shape(os.environ.get("DIFFTEST_BENCH_LOGITS", "1024x163840"))
+    if shape is None:
+        raise ValueError(f"DIFFTEST_BENCH_LOGITS: expected ROWSxCOLS, got {os.environ['DIFFTEST_BENCH_LOGITS']!r}")
+    return shape
 
 
 def synthetic_logits() -> torch.Tensor:

@@ -45,8 +45,14 @@ COPY_ROUNDS = 5
 
 
 def _shape(var: str, default: str) -> tuple[int, int]:
-    r, c = os.environ.get(var, default).lower().split("x")
-    return int(r), int(c)
+    """The ROWSxCOLS shape in var; anything else stops the run in one line."""
+    from synthetic_engine import parse_shape
+
+    text = os.environ.get(var, default)
+    shape = parse_shape(text)
+    if shape is None:
+        pytest.exit(f"{var}: expected ROWSxCOLS of positive integers (e.g. {default}), got {text!r}", returncode=4)
+    return shape
 
 
 def _pair(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
