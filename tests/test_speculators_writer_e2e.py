@@ -73,8 +73,10 @@ def write_prompts(target_dir: Path, path: Path) -> None:
     path.write_text("".join(json.dumps({"index": i, "input_ids": r, "loss_mask": mask}) + "\n" for i, r in enumerate(ids.tolist())))
 
 
-def _run(cmd: list, log: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", COLUMNS="400")
+def _run(cmd: list, log: Path, timeout: float, **env_extra: str) -> subprocess.CompletedProcess:
+    """CMD in a trainer environment (none of difftest's path); COLUMNS: the trainer logs through rich,
+    which wraps at the terminal width."""
+    env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", COLUMNS="400", **env_extra)
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=timeout)
     log.write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{cmd[1:3]} failed (log {log}):\n" + (proc.stdout + proc.stderr)[-4000:]
@@ -83,12 +85,13 @@ def _run(cmd: list, log: Path, timeout: float) -> subprocess.CompletedProcess:
 
 def server_args(target: Path, stage: Path) -> list[str]:
     """vLLM's flags for hidden-state extraction, as speculators' data-generation docs launch it, with
-    the CPU stand-in connector."""
+    the CPU stand-in connector. bfloat16, as targets are served for it: the files hold bf16 states of
+    a bf16 forward, which train-acc identifies against the float32 target."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}}}  # fmt: skip
     kv = {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": "engines.vllm.cpu_hidden_states",
           "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(stage)}}  # fmt: skip
-    return ["--model", str(target), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
+    return ["--model", str(target), "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "8",
             "--enforce-eager", "--seed", "0", "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
 
 
@@ -128,10 +131,8 @@ def trained(generated) -> dict:
     dataset, checks every file with generate-offline-data's own check, and keeps the master weights)."""
     python = trainer_python("speculators")
     root, out = generated["root"], generated["root"] / "train"
-    env_extra = ["TORCHINDUCTOR_CACHE_DIR"]  # noqa: F841  (set below: the compile cache stays in the run)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     _run([python, HERE / "speculators_train.py", generated["target"], root, out, RECIPE["epochs"], RECIPE["total_seq_len"],
-          RECIPE["train_ratio"]], root / "train.log", 900)  # fmt: skip
+          RECIPE["train_ratio"]], root / "train.log", 900, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"))  # fmt: skip
     result = json.loads((out / "result.json").read_text())
     return {**generated, "out": out, "draft": out / "ckpt" / str(RECIPE["epochs"] - 1), "master": out / "master",
             "train_dataset": out / "dataset", "result": result}  # fmt: skip
@@ -172,8 +173,9 @@ def test_generate_offline_data_through_the_vllm_server_wrote_every_sample_with_t
     for i in (0, RECIPE["prompts"] - 1):
         hs = load_file(str(generated["hidden_states"] / f"hs_{i}.safetensors"))
         assert hs["token_ids"].tolist() == rows[i]["input_ids"]
-        # one slot per requested id, in request order; the file's dtype is the server's
+        # one slot per requested id, in request order, in the server's dtype
         assert tuple(hs["hidden_states"].shape) == (len(rows[i]["input_ids"]), len(LAYER_IDS), 128), hs["hidden_states"].shape
+        assert hs["hidden_states"].dtype == torch.bfloat16
 
 
 def test_train_acc_identifies_the_layers_vllm_wrote_and_its_verifier(scored):
@@ -196,7 +198,8 @@ def test_train_acc_on_the_writers_data_reproduces_the_trainers_logged_validation
     assert "no rounding between these counts and float32 master weights" in scored["master_text"]
     for k in range(STEPS):
         assert logged[f"full_acc_{k}_epoch"] == pytest.approx(master["correct"][k] / master["counted"][k], abs=1e-12), k
-    assert logged["full_acc_0_epoch"] > 0.3  # the draft learned something, so the comparison can fail
+    # the draft learned something (under vLLM's wiring it scores ~0.02), so the comparison can fail
+    assert logged["full_acc_0_epoch"] > 0.2
     row = scored["rows"][0]
     for k in range(STEPS):
         assert abs(row["full_acc"][k] - logged[f"full_acc_{k}_epoch"]) * row["counted"][k] <= row["near_ties"][k] + 1e-6
