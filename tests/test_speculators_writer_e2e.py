@@ -62,15 +62,19 @@ def _target() -> Path:
 @torch.no_grad()
 def write_prompts(target_dir: Path, path: Path) -> None:
     """samples.jsonl: random prompts + the target's greedy continuation, loss on the continuation."""
-    from engines.ref.target import load_target, run_target
+    from engines.ref.target import load_target
     from engines.trainingdata.dump import random_prompts
 
     target = load_target(target_dir)
-    ids = torch.tensor(random_prompts(target.config.vocab_size, RECIPE["prompts"], RECIPE["prompt_len"], RECIPE["seed"]))
+    ids = torch.tensor(
+        random_prompts(target.config.vocab_size, RECIPE["prompts"], RECIPE["prompt_len"], RECIPE["seed"])
+    )
     for _ in range(RECIPE["continue"]):
         ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     mask = [0] * RECIPE["prompt_len"] + [1] * RECIPE["continue"]
-    path.write_text("".join(json.dumps({"index": i, "input_ids": r, "loss_mask": mask}) + "\n" for i, r in enumerate(ids.tolist())))
+    path.write_text(
+        "".join(json.dumps({"index": i, "input_ids": r, "loss_mask": mask}) + "\n" for i, r in enumerate(ids.tolist()))
+    )
 
 
 def _run(cmd: list, log: Path, timeout: float, **env_extra: str) -> subprocess.CompletedProcess:
@@ -119,8 +123,10 @@ def generated(request, tmp_path_factory) -> dict:
     finally:
         left = server.stop()
     assert not left, f"processes left after stopping the vLLM server's process group: {left}"
-    print(f"vLLM server healthy after {started:.0f}s; generate-offline-data {wrote_s:.1f}s; "
-          f"whole writer fixture {time.monotonic() - t0:.0f}s")
+    print(
+        f"vLLM server healthy after {started:.0f}s; generate-offline-data {wrote_s:.1f}s; "
+        f"whole writer fixture {time.monotonic() - t0:.0f}s"
+    )
     return {"target": target, "root": root, "dataset": root / "dataset", "hidden_states": root / "hidden_states",
             "log": proc.stdout + proc.stderr, "server_log": server.log}  # fmt: skip
 
@@ -153,7 +159,9 @@ def scored(trained, tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("scored")
     common = ["--data", str(trained["dataset"]), "--hidden-states", str(trained["hidden_states"]),
               "--target", str(trained["target"])]  # fmt: skip
-    rows, text = train_acc(*common, "--draft", str(trained["draft"]), "--split", "val", "--wiring", "vllm", json_out=d / "val.json")
+    rows, text = train_acc(
+        *common, "--draft", str(trained["draft"]), "--split", "val", "--wiring", "vllm", json_out=d / "val.json"
+    )
     master, master_text = train_acc(*common, "--draft", str(trained["master"]), "--split", "val", "--train-data-ratio",
                                     str(RECIPE["train_ratio"]), json_out=d / "master.json")  # fmt: skip
     print(text)
@@ -174,7 +182,9 @@ def test_generate_offline_data_through_the_vllm_server_wrote_every_sample_with_t
         hs = load_file(str(generated["hidden_states"] / f"hs_{i}.safetensors"))
         assert hs["token_ids"].tolist() == rows[i]["input_ids"]
         # one slot per requested id, in request order, in the server's dtype
-        assert tuple(hs["hidden_states"].shape) == (len(rows[i]["input_ids"]), len(LAYER_IDS), 128), hs["hidden_states"].shape
+        assert tuple(hs["hidden_states"].shape) == (len(rows[i]["input_ids"]), len(LAYER_IDS), 128), hs[
+            "hidden_states"
+        ].shape
         assert hs["hidden_states"].dtype == torch.bfloat16
 
 
@@ -193,8 +203,10 @@ def test_train_acc_on_the_writers_data_reproduces_the_trainers_logged_validation
     logged = trained["result"]["val"]
     assert logged is not None, "the trainer logged no validation metrics"
     master = scored["master"]
-    print(f"trainer's logged val full_acc {[round(logged[f'full_acc_{k}_epoch'], 4) for k in range(STEPS)]}; "
-          f"train-acc on the master weights {master['correct']} of {master['counted']}")
+    print(
+        f"trainer's logged val full_acc {[round(logged[f'full_acc_{k}_epoch'], 4) for k in range(STEPS)]}; "
+        f"train-acc on the master weights {master['correct']} of {master['counted']}"
+    )
     assert "no rounding between these counts and float32 master weights" in scored["master_text"]
     for k in range(STEPS):
         assert logged[f"full_acc_{k}_epoch"] == pytest.approx(master["correct"][k] / master["counted"][k], abs=1e-12), k
