@@ -34,6 +34,7 @@ import json
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -110,18 +111,21 @@ def generated(request, tmp_path_factory) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     write_prompts(target, root / "samples.jsonl")
-    _run([python, HERE / "speculators_prepare.py", root / "samples.jsonl", root / "dataset"], root / "prepare.log", 300)
-    server = live_servers.start("vllm", server_args(target, root / "stage"), logs / "live-vllm-hidden-states.log",
-                                env={"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # fmt: skip
-    try:
-        started = server.started_s
-        t1 = time.monotonic()
-        proc = _run([python, "-m", "speculators", "generate-offline-data", "--preprocessed-data", root / "dataset",
-                     "--endpoint", f"{server.url}/v1", "--output", root / "hidden_states", "--concurrency", "8",
-                     "--validate-outputs", "--fail-on-error"], root / "generate.log", 600)  # fmt: skip
-        wrote_s = time.monotonic() - t1
-    finally:
-        left = server.stop()
+    with ThreadPoolExecutor(1) as pool:  # the arrow dataset is saved while the server starts
+        prepared = pool.submit(_run, [python, HERE / "speculators_prepare.py", root / "samples.jsonl", root / "dataset"],
+                               root / "prepare.log", 300)  # fmt: skip
+        server = live_servers.start("vllm", server_args(target, root / "stage"), logs / "live-vllm-hidden-states.log",
+                                    env={"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # fmt: skip
+        try:
+            started = server.started_s
+            prepared.result()
+            t1 = time.monotonic()
+            proc = _run([python, "-m", "speculators", "generate-offline-data", "--preprocessed-data", root / "dataset",
+                         "--endpoint", f"{server.url}/v1", "--output", root / "hidden_states", "--concurrency", "8",
+                         "--validate-outputs", "--fail-on-error"], root / "generate.log", 600)  # fmt: skip
+            wrote_s = time.monotonic() - t1
+        finally:
+            left = server.stop()
     assert not left, f"processes left after stopping the vLLM server's process group: {left}"
     print(
         f"vLLM server healthy after {started:.0f}s; generate-offline-data {wrote_s:.1f}s; "
@@ -172,6 +176,7 @@ def scored(trained, tmp_path_factory) -> dict:
 
 
 def test_generate_offline_data_through_the_vllm_server_wrote_every_sample_with_the_prompts_tokens(generated):
+    assert f"Saved {RECIPE['prompts']} new data points" in " ".join(generated["log"].split()), generated["log"][-3000:]
     files = sorted(generated["hidden_states"].glob("hs_*.safetensors"))
     assert len(files) == RECIPE["prompts"], generated["log"][-3000:]
     assert not list(generated["hidden_states"].glob("*.lock")), "the writer left lock files"
@@ -190,7 +195,11 @@ def test_generate_offline_data_through_the_vllm_server_wrote_every_sample_with_t
 
 def test_train_acc_identifies_the_layers_vllm_wrote_and_its_verifier(scored):
     text = scored["text"]
-    assert scored["rows"][0]["fc"] == ["h0", "h2", "h4"], text  # by a target run, not by the requested ids
+    # by a target run, not by the requested ids
+    assert "dumped tensors = [h0, h2, h4, h8]; trainer fed fc [h0, h2, h4]; verifier = h8 (the final layer)" in text, (
+        text
+    )
+    assert scored["rows"][0]["fc"] == ["h0", "h2", "h4"], text
     assert "hidden states from" in text and "0 skipped" in text, text
 
 
