@@ -248,3 +248,34 @@ def test_the_draft_collapses_under_vllms_reading_of_its_config(trained, scored):
     rows = scored["rows"]
     assert [r["fc"] for r in rows] == [["h0", "h2", "h4"], ["h2", "h4", "h5"]]
     assert rows[1]["full_acc"][0] < rows[0]["full_acc"][0] / 2, (rows[0]["full_acc"], rows[1]["full_acc"])
+
+
+# -- the CPU stand-in itself -----------------------------------------------------------------------
+
+STAND_IN_PROBE = """
+import torch
+from engines.vllm import cpu_hidden_states as c
+from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
+if torch.cuda.is_available():
+    assert c.CpuHiddenStatesConnector is m.ExampleHiddenStatesConnector
+    raise SystemExit("CUDA build: the stock connector")
+assert issubclass(c.CpuHiddenStatesConnector, m.ExampleHiddenStatesConnector)
+e = m.torch.cuda.Event()
+e.record(m.torch.cuda.Stream())
+x = torch.arange(6.0)
+with m.torch.cuda.stream(m.torch.cuda.Stream()):
+    y = m.torch.empty_like(x, device="cpu", pin_memory=True)
+    y.copy_(x, non_blocking=True)
+print("event done", e.query(), "copied", y.tolist() == x.tolist(), "tensor", m.torch.Tensor is torch.Tensor,
+      "global torch.cuda untouched", torch.cuda.Event is not m.torch.cuda.Event)
+"""
+
+
+def test_the_cpu_stand_in_completes_events_and_copies_for_the_connector_module_only():
+    python = live_servers.engine_python("vllm")
+    env = dict(os.environ, PYTHONPATH=str(live_servers.ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([python, "-c", STAND_IN_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    if "CUDA build: the stock connector" in proc.stderr:
+        pytest.skip("a CUDA build of vLLM keeps the stock connector (checked)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "event done True copied True tensor True global torch.cuda untouched True" in proc.stdout, proc.stdout
