@@ -5,7 +5,9 @@ vLLM writes the hidden states speculators trains on through
 ExampleHiddenStatesConnector`. Its `_submit_async_write` copies them out of the cache-only
 attention layer's buffer on a side CUDA stream into pinned host memory, records a CUDA event, and
 `get_finished` / the writer thread poll and wait on that event. A CPU build has neither streams,
-events nor pinned memory, so the stock connector fails on the first finished request.
+events nor pinned memory, so the stock connector fails on the first finished request (torch 2.13
+CPU: "Tried to instantiate dummy base class Event"; "pin_memory=True requires a CUDA or other
+accelerator backend").
 
 On CPU the buffer already lives in host memory and every copy is synchronous: the copy is complete
 when the call returns. So this module gives the connector's module, and only it, a view of torch in
