@@ -13,6 +13,7 @@ behaviour comes from the spec, e.g. `fake[mode=hang]`:
   mode=spawn_hang   capture starts a child process (as engines start schedulers), logs
                     "child pid N" and never returns
   golden=no         (any mode) no golden-input re-run: Engine.capture_draft_from's default
+  release=N==V      (any mode) info() answers as engine N at release V (e.g. sglang==0.5.24)
 """
 
 import os
@@ -33,11 +34,15 @@ class FakeEngine(RefEngine):
         Setting("mode", "choice", "injected behaviour", default="same",
                 choices=("same", "diverge", "unavailable", "error", "crash", "spent", "hang", "spawn_hang", "wrong_type")),
         Setting("golden", "choice", "no: no golden-input re-run", choices=("no",)),
+        Setting("release", "str", "NAME==VERSION: answer as that engine release (one outside the supported range)"),
     ))  # fmt: skip
 
     def info(self) -> EngineInfo:
         if self.spec.param("mode") == "unavailable":
             raise EngineUnavailable("fake: not installed; set it up with: scripts/setup-engine fake")
+        if self.spec.param("release"):
+            name, _, version = self.spec.param("release").partition("==")
+            return EngineInfo(name=name, version=version, versions={}, kernels="none")
         return EngineInfo(name="fake", version="fake-1", versions={}, kernels="none")
 
     def capture(self, case, prompt_ids):
