@@ -334,7 +334,7 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
             ties += int(tie.sum())
             tie_agree += int((same & tie).sum())
     rate = agree / total if total else 0.0
-    msg = (f"draft top-1 agreement with {session.options.reference.id}: {agree}/{total} = {rate:.3f} over positions with a "
+    msg = (f"draft top-1 agreement with {session.reference_label(case)}: {agree}/{total} = {rate:.3f} over positions with a "
            f"clear reference choice (threshold {threshold}); ties within noise: {ties} ({tie_agree} agree)")  # fmt: skip
     if skipped:
         msg += f"; {skipped} step tensors not compared (after a tie the engine resolved the other way)"

@@ -30,8 +30,9 @@ class ExpectedFailure:
     # name); "*": any. An upgrade check (`--engines=sglang@OLD,sglang`) declares its own entries.
     reference: str = ANY
 
-    def matches(self, spec_name: str, spec_id: str, check: str, reference: tuple[str, str] = (ANY, ANY)) -> bool:
-        """`reference`: the run's reference as (name, spec id)."""
+    def matches(self, spec_name: str, spec_id: str, check: str, reference: tuple[str, ...] = (ANY, ANY)) -> bool:
+        """`reference`: what the run's reference answers to: its name and spec id, and for a stored
+        baseline those of the engine it was saved from (Session.reference_names)."""
         return (self.check in (check, ANY) and self.engine in (spec_name, spec_id, ANY)
                 and self.reference in (*reference, ANY))  # fmt: skip
 

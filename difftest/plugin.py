@@ -291,9 +291,9 @@ class CheckItem(pytest.Item):
 
     def _expected_or_raise(self, results: list, outcome: str, message: str, data: CheckData | None) -> None:
         """Record the outcome; a declared expected failure (difftest.expected_failure) is judged strictly."""
-        ref = self.config.stash[SESSION].options.reference
+        reference = self.config.stash[SESSION].reference_names(self.case)
         expected = next((e for e in self.case.expect_failure
-                         if e.matches(self.spec.name, self.spec.id, self.check, (ref.name, ref.id))), None)  # fmt: skip
+                         if e.matches(self.spec.name, self.spec.id, self.check, reference)), None)  # fmt: skip
         if expected is None:
             results.append(CheckResult(self.spec.id, self.check, outcome, message, data))
             if outcome != "passed":

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from difftest import chat
+from difftest import engine_releases
 from difftest import infer_case as infer_mod
 from difftest import noise
 from difftest.acceptance import AcceptStats
@@ -26,7 +27,7 @@ from difftest.capture import Capture, CaptureCache, cache_key, partial_prefix, r
 from difftest.content_digest import paths_signature
 from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
-from difftest.engine import EngineSpec, engine_target
+from difftest.engine import EngineSpec, engine_target, parse_spec
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable, Unsupported
 from difftest.paths import cache_root
 from difftest.outputs import atomic_write
@@ -150,6 +151,7 @@ class Session:
             try:
                 with self.clock.phase("engine.start", engine=spec.id):
                     client.start()
+                self._check_release(spec, client.info)
             except DifftestError as e:
                 client.kill()
                 self._start_errors[spec.id] = e
@@ -157,6 +159,17 @@ class Session:
             self._progress(f"{spec.id} ready in {time.monotonic() - t:.1f}s")
             self._clients[spec.id] = client
         return self._clients[spec.id]
+
+    def _check_release(self, spec: EngineSpec, info: dict) -> None:
+        """An engine with release rules (difftest.engine_releases) running a release outside them is
+        refused in one line naming the supported range: every reading of its draft would be a guess."""
+        name = info.get("name")
+        if name not in engine_releases.SUPPORTED:
+            return
+        try:
+            engine_releases.check_supported(name, str(info.get("version")))
+        except ConfigError as e:
+            raise ConfigError(f"{spec.id} ({self.python_for(spec)}): {e}") from None
 
     def begin_case(self, path: str) -> None:
         """A worker that died during an earlier case (e.g. an SGLang scheduler crash that case provoked)
@@ -513,6 +526,33 @@ class Session:
             info = entry.get("info")
             return info if isinstance(info, dict) else None
         return self.engine_info(spec)
+
+    def _stored_engine(self, case: Case, spec: EngineSpec) -> EngineSpec | None:
+        """The engine a stored baseline standing in as `spec` was saved from, for this case (None:
+        `spec` runs here, or the baseline has no usable entry for the case)."""
+        stored = self._stored.get(spec.id)
+        if stored is None or not hasattr(stored, "entry"):
+            return None
+        try:
+            engine_id, _, _ = stored.entry(self.prepare(case))
+            return parse_spec(engine_id)
+        except ConfigError:
+            return None
+
+    def reference_names(self, case: Case) -> tuple[str, ...]:
+        """What the run's reference answers to in a case's `expect_failure: reference`: its name and
+        spec id, and for a stored baseline also those of the engine it was saved from, so a failure
+        declared against `sglang@0.5.16` holds whether that release runs now or was stored on it."""
+        ref = self.options.reference
+        saved = self._stored_engine(case, ref)
+        return (ref.name, ref.id) + ((saved.name, saved.id) if saved is not None else ())
+
+    def reference_label(self, case: Case) -> str:
+        """The reference as check messages name it: its spec id, or for a stored baseline the engine
+        it was saved from and the baseline (`sglang@0.5.16 (baseline sgl0516)`)."""
+        ref = self.options.reference
+        saved = self._stored_engine(case, ref)
+        return ref.id if saved is None else f"{saved.id} (baseline {self._stored[ref.id].name})"
 
     def start_error(self, spec: EngineSpec) -> str | None:
         e = self._start_errors.get(spec.id)

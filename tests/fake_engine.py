@@ -16,6 +16,7 @@ behaviour comes from the spec, e.g. `fake[mode=hang]`:
                     a transfer between worker and harness must deliver unchanged
   mode=crash_writing  as `synthetic`, and the worker dies with SIGKILL half-way through writing it
   golden=no         (any mode) no golden-input re-run: Engine.capture_draft_from's default
+  release=N==V      (any mode) info() answers as engine N at release V (e.g. sglang==0.5.24)
 """
 
 import os
@@ -63,11 +64,15 @@ class FakeEngine(RefEngine):
                 choices=("same", "diverge", "unavailable", "error", "crash", "spent", "hang", "spawn_hang", "wrong_type",
                          "synthetic", "crash_writing")),
         Setting("golden", "choice", "no: no golden-input re-run", choices=("no",)),
+        Setting("release", "str", "NAME==VERSION: answer as that engine release (one outside the supported range)"),
     ))  # fmt: skip
 
     def info(self) -> EngineInfo:
         if self.spec.param("mode") == "unavailable":
             raise EngineUnavailable("fake: not installed; set it up with: scripts/setup-engine fake")
+        if self.spec.param("release"):
+            name, _, version = self.spec.param("release").partition("==")
+            return EngineInfo(name=name, version=version, versions={}, kernels="none")
         return EngineInfo(name="fake", version="fake-1", versions={}, kernels="none")
 
     def capture(self, case, prompt_ids):

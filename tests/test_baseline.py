@@ -157,6 +157,23 @@ def test_miswired_engine_against_the_baseline_regresses_at_fc_chunk_0(saved, cac
     assert "draft.fc_in.0 (prompt 0)  regressed" in line
 
 
+def test_a_failure_declared_against_the_engine_a_baseline_was_saved_from_holds_against_the_baseline(saved, models, cache, tmp_path):
+    """An upgrade check declares its expected verdicts against the old release (`reference:
+    sglang@0.5.16`): they hold whether it runs in the session or was stored, and declaring them after
+    the baseline was saved leaves it valid (expectations are judged, not captured)."""
+    root = project(tmp_path, models)
+    case = root / "cases" / "tiny.yaml"
+    case.write_text(case.read_text() + "expect_failure:\n"
+                    '  - {engine: "ref[wiring=sglang]", reference: ref, check: fc_inputs, cause: "draft.fc_in.0"}\n')  # fmt: skip
+    shutil.copytree(saved.root / "baselines", root / "baselines")
+    result = run(root, cache, "--engines=ref[wiring=sglang]", "--baseline", "v1")
+    fc = result.outcome("tiny", "ref[wiring=sglang]", "fc_inputs")
+    assert fc["outcome"] == "xfailed", fc["message"]
+    assert fc["expected_failure"]["reference"] == "ref"
+    top1 = result.outcome("tiny", "ref[wiring=sglang]", "top1_agreement")["message"]
+    assert top1.startswith("draft top-1 agreement with ref (baseline v1): "), top1
+
+
 def test_changed_case_is_refused_against_the_baseline(saved, models, cache, tmp_path):
     root = project(tmp_path, models)
     case = root / "cases" / "tiny.yaml"

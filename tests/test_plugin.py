@@ -42,6 +42,7 @@ def mixed_run(models, tmp_path_factory):
     """One session with a correct engine, a miswired one and every fault the fake engine injects."""
     root = project(tmp_path_factory.mktemp("mixed"), models)
     engines = "ref,ref[wiring=vllm],ref[wiring=sglang],fake[mode=diverge],fake[mode=error],fake[mode=crash],fake[mode=unavailable]"
+    engines += ",fake[release=sglang==0.5.24]"  # an installed release outside the supported range
     cache = tmp_path_factory.mktemp("cache")
     run = run_pytest(root, "cases/", f"--engines={engines}", env={"DIFFTEST_CACHE": str(cache)})
     run.cache = cache
@@ -132,6 +133,15 @@ def test_unavailable_engine_skips_with_its_setup_command(mixed_run):
     assert "SKIPPED" in mixed_run.output and "set it up with" in mixed_run.output
 
 
+def test_an_engine_release_outside_the_supported_range_is_refused_in_one_line_naming_the_range(mixed_run):
+    result = mixed_run.outcome("tiny", "fake[release=sglang==0.5.24]", "fc_inputs")
+    assert result["outcome"] == "error"
+    assert result["message"].startswith("fake[release=sglang==0.5.24] ("), result["message"]
+    assert result["message"].endswith("): sglang 0.5.24 is outside the supported releases sglang 0.5.5 - 0.5.23: "
+                                      "its EAGLE-3 rules were not read in its wheel"), result["message"]  # fmt: skip
+    assert "\n" not in result["message"]
+
+
 def test_failures_print_verdicts_not_tracebacks(mixed_run):
     assert "Traceback" not in mixed_run.output
     assert "internal error in difftest" not in mixed_run.output
@@ -142,7 +152,7 @@ def test_report_json_lists_every_check_and_engine(mixed_run):
     report = mixed_run.report("tiny")
     assert (report["schema"], report["schema_version"]) == ("difftest.report", 2)
     assert report["reference"] == "ref"
-    assert len(report["checks"]) == 2 + 6 * 4  # reference: capture, lint
+    assert len(report["checks"]) == 2 + 7 * 4  # reference: capture, lint
     assert report["engines"]["fake[mode=unavailable]"] == {"error": "fake: not installed; set it up with: scripts/setup-engine fake"}
     assert report["comparisons"]["ref[wiring=sglang]"][0]["first_divergence"] == "draft.fc_in.0"
     assert (mixed_run.root / "reports" / "tiny.md").exists()

@@ -1,5 +1,6 @@
-"""The pre-upgrade check on real releases, as a user runs it before a bump: the old release first
-(the reference), the pinned one after it, on the shipped case that exhibits a behaviour change.
+"""The pre-upgrade check on real releases, as a user runs it before a bump: a golden baseline saved
+on the old release (`--save-baseline`), the pinned release compared against it (`--baseline`), on the
+shipped case that exhibits a behaviour change.
 
   SGLang 0.5.16 -> 0.5.23   crosses sgl-project/sglang#32334 (first in 0.5.17): norm_before_fc is
                             honoured. `cases/release_sglang_norm_before_fc.yaml` (a draft trained
@@ -9,13 +10,20 @@
                             must fail where draft step 1 begins, naming the change; the tiny case,
                             which meets no change, must pass.
 
-Each pair is one pytest session (`--engines=sglang@0.5.16,sglang`), its environments built by
-`difftest env create sglang==0.5.16` / `vllm==0.24.0` (.ci/run builds them; vLLM 0.24.0 on PyPI's
-CUDA build of torch 2.11.0, engines/vllm/releases/setup-env-0.24.0.sh). Without them the tests
-skip naming that command, or fail under DIFFTEST_REQUIRE_ENGINES=1 (CI)."""
+Each old release starts once: its session saves the baseline (SGLang's also runs it against the
+reference, `--engines=ref,sglang@0.5.16`: what a user of 0.5.16 gets today), and the pinned
+release's session compares against the stored run (`--engines=sglang --baseline NAME:sglang@0.5.16`,
+`--engines=vllm --baseline NAME`). The cases declare each release pair's expected verdicts against
+the old release (`reference: sglang@0.5.16`), which hold whether it runs in the session
+(`--engines=sglang@0.5.16,sglang`, tests/test_upgrade_check.py runs that form on two labels of one
+install) or was stored. The environments are built by `difftest env create sglang==0.5.16` /
+`vllm==0.24.0` (.ci/run builds them; vLLM 0.24.0 on PyPI's CUDA build of torch 2.11.0,
+engines/vllm/releases/setup-env-0.24.0.sh). Without them the tests skip naming that command, or
+fail under DIFFTEST_REQUIRE_ENGINES=1 (CI)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -23,11 +31,13 @@ import pytest
 from helpers import ROOT, Run, run_pytest
 
 from difftest.case import load_case
+from difftest.engine_releases import release
 from difftest.paths import cache_root
 
 OLD_SGLANG, OLD_VLLM = "0.5.16", "0.24.0"
 CASE = "release_sglang_norm_before_fc"
 VLLM_CASE = "release_vllm_speculators_norm_output"
+SGLANG_BASELINE, VLLM_BASELINE = f"sglang-{OLD_SGLANG}", f"vllm-{OLD_VLLM}"
 
 
 def _python(engine: str, release: str) -> str:
@@ -47,36 +57,77 @@ def _pinned(engine: str) -> str:
     return str(python)
 
 
-def _bump(out: Path, engine: str, release: str, *cases: str, reference: str | None = None) -> Run:
-    """`pytest CASES --engines=ENGINE@OLD,ENGINE` in the project (`--engines=REFERENCE,ENGINE@OLD` with
-    a reference), its reports under `out`."""
-    old = _python(engine, release)
-    engines = f"{reference},{engine}@{release}" if reference else f"{engine}@{release},{engine}"
-    run = run_pytest(ROOT, *cases, f"--engines={engines}", f"--engine-python={engine}@{release}={old}",
-                     f"--engine-python={engine}={_pinned(engine)}", "--require-engines", "--no-capture-cache",
-                     "--engine-timeout=900", f"--report-dir={out / 'reports'}", timeout=3000)  # fmt: skip
+def _session(out: Path, baselines: Path, engines: str, python: dict[str, str], *args: str) -> Run:
+    """`pytest ARGS --engines=ENGINES` in the project, its reports under `out`, baselines in `baselines`."""
+    run = run_pytest(ROOT, *args, f"--engines={engines}", *(f"--engine-python={k}={v}" for k, v in python.items()),
+                     "--require-engines", "--no-capture-cache", "--engine-timeout=900", f"--baseline-dir={baselines}",
+                     f"--report-dir={out / 'reports'}", timeout=3000)  # fmt: skip
     run.root = out  # Run.report reads root/reports
     return run
 
 
 @pytest.fixture(scope="module")
-def sglang_bump(tmp_path_factory):
-    return _bump(tmp_path_factory.mktemp("sglang-bump"), "sglang", OLD_SGLANG, f"cases/{CASE}.yaml")
+def baselines(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("baselines")
 
 
 @pytest.fixture(scope="module")
-def sglang_old(tmp_path_factory):
-    """The old release alone against the reference: what a user of 0.5.16 gets today."""
-    return _bump(tmp_path_factory.mktemp("sglang-old"), "sglang", OLD_SGLANG, f"cases/{CASE}.yaml", reference="ref")
+def sglang_old(tmp_path_factory, baselines):
+    """The old release against the reference (what a user of 0.5.16 gets today), saved as a golden
+    baseline in the same session: the release starts once."""
+    old = f"sglang@{OLD_SGLANG}"
+    return _session(tmp_path_factory.mktemp("sglang-old"), baselines, f"ref,{old}", {old: _python("sglang", OLD_SGLANG)},
+                    f"cases/{CASE}.yaml", "--save-baseline", SGLANG_BASELINE)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def vllm_bump(tmp_path_factory):
-    return _bump(tmp_path_factory.mktemp("vllm-bump"), "vllm", OLD_VLLM, f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml")
+def sglang_bump(tmp_path_factory, baselines, sglang_old):
+    """The pinned release against the stored old one (the baseline holds ref and 0.5.16: pick one)."""
+    assert sglang_old.returncode == 0, sglang_old.output[-4000:]
+    return _session(tmp_path_factory.mktemp("sglang-bump"), baselines, "sglang", {"sglang": _pinned("sglang")},
+                    f"cases/{CASE}.yaml", "--baseline", f"{SGLANG_BASELINE}:sglang@{OLD_SGLANG}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_old(tmp_path_factory, baselines):
+    """The old release alone, saved as a golden baseline (`--engines=vllm@0.24.0 --save-baseline`)."""
+    old = f"vllm@{OLD_VLLM}"
+    return _session(tmp_path_factory.mktemp("vllm-old"), baselines, old, {old: _python("vllm", OLD_VLLM)},
+                    f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml", "--save-baseline", VLLM_BASELINE)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_bump(tmp_path_factory, baselines, vllm_old):
+    """The pinned release against the stored old one: `--engines=vllm --baseline vllm-0.24.0`."""
+    assert vllm_old.returncode == 0, vllm_old.output[-4000:]
+    return _session(tmp_path_factory.mktemp("vllm-bump"), baselines, "vllm", {"vllm": _pinned("vllm")},
+                    f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml", "--baseline", VLLM_BASELINE)  # fmt: skip
+
+
+def _manifest(baselines: Path, name: str) -> dict:
+    return json.loads((baselines / name / "manifest.json").read_text())
+
+
+def test_the_old_sglang_release_is_saved_as_a_baseline_naming_its_release(sglang_old, baselines):
+    assert f"baseline '{SGLANG_BASELINE}' written: {baselines / SGLANG_BASELINE} (2 case x engine entries" in sglang_old.output
+    engines = _manifest(baselines, SGLANG_BASELINE)["cases"][CASE]["engines"]
+    assert sorted(engines) == ["ref", f"sglang@{OLD_SGLANG}"]
+    info = engines[f"sglang@{OLD_SGLANG}"]["info"]
+    assert (info["name"], release(info["version"])) == ("sglang", OLD_SGLANG), info
+
+
+def test_the_old_vllm_release_is_saved_as_a_baseline_naming_its_release(vllm_old, baselines):
+    m = _manifest(baselines, VLLM_BASELINE)["cases"]
+    assert sorted(m) == [VLLM_CASE, "tiny_llama"]
+    for case in m.values():
+        assert list(case["engines"]) == [f"vllm@{OLD_VLLM}"]
+        info = case["engines"][f"vllm@{OLD_VLLM}"]["info"]
+        assert (info["name"], release(info["version"])) == ("vllm", OLD_VLLM), info
 
 
 def test_the_sglang_bump_is_green_with_every_change_declared(sglang_bump):
     assert sglang_bump.returncode == 0, sglang_bump.output[-4000:]
+    assert sglang_bump.report(CASE)["reference"] == f"baseline:{SGLANG_BASELINE}:sglang@{OLD_SGLANG}"
 
 
 def test_the_sglang_bump_reports_the_norm_change_at_draft_fc_out_citing_the_pull_request(sglang_bump):
@@ -96,6 +147,7 @@ def test_the_sglang_bump_feeds_the_same_layers(sglang_bump):
 
 def test_the_vllm_bump_is_green_with_every_change_declared(vllm_bump):
     assert vllm_bump.returncode == 0, vllm_bump.output[-4000:]
+    assert vllm_bump.report(VLLM_CASE)["reference"] == f"baseline:{VLLM_BASELINE}"
 
 
 def test_the_vllm_bump_reports_norm_output_where_it_enters_citing_the_pull_request(vllm_bump):
