@@ -291,10 +291,11 @@ class BaselineSource:
             have = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(".")) if Path(root).is_dir() else []
             raise ConfigError(f"--baseline: no baseline {name!r} in {root} (found: {', '.join(have) or 'none'})")
         manifest_path = self.path / "manifest.json"
-        self.manifest = read_json(manifest_path, "baseline manifest")
-        if not isinstance(self.manifest, dict) or self.manifest.get("schema") != SCHEMA:
-            got = self.manifest.get("schema") if isinstance(self.manifest, dict) else None
+        manifest = read_json(manifest_path, "baseline manifest")
+        if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+            got = manifest.get("schema") if isinstance(manifest, dict) else None
             raise ConfigError(f"{manifest_path}: schema {got!r}, expected {SCHEMA!r}")
+        self.manifest: dict = manifest
         _check_manifest(self.manifest, manifest_path)
         self.spec = EngineSpec(PREFIX + name + (f":{engine}" if engine else ""))
         self._tensors: dict[str, dict] = {}

@@ -309,7 +309,7 @@ class CheckItem(pytest.Item):
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, CheckFailed):
-            report_dir = self.config._difftest_report_dir  # type: ignore[attr-defined]
+            report_dir = self.config._difftest_report_dir
             return f"{excinfo.value}\nreport: {report_dir / (self.case.name + '.json')}"
         return "internal error in difftest (a harness bug, not an engine divergence):\n" + str(
             super().repr_failure(excinfo, style)
@@ -329,6 +329,8 @@ class SaveBaselineItem(pytest.Item):
 
     def runtest(self) -> None:
         writer = self.config.stash[WRITER]
+        if writer is None:  # these items exist only under --save-baseline, which makes the writer
+            raise CheckFailed("--save-baseline: no baseline is being written")
         try:
             writer.add(self.config.stash[SESSION], self.case, self.spec)
         except EngineUnavailable as e:
@@ -374,7 +376,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         return
     report_dir = config._difftest_report_dir  # type: ignore[attr-defined]
     selected = Counter(item.case.path for item in session.items if isinstance(item, CheckItem))
-    written, kept, rows = [], [], []
+    written: list[Path | str] = []  # a report's path, or why it was not written
+    kept: list[Path] = []
+    rows: list = []
     for path, results in config.stash[RESULTS].items():
         case = config.stash[CASES][path]
         try:  # one case's report failing (disk full, ...) must not lose the others' or the summary

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from difftest import chat
 from difftest import engine_releases
@@ -35,6 +35,9 @@ from difftest.records.fields import decode_value
 from difftest.records.timings import Timings, WorkerPhase
 from difftest.timings import PhaseClock, case_of
 from difftest.worker import WorkerClient
+
+if TYPE_CHECKING:  # annotations only: difftest.baseline builds on the session
+    from difftest.baseline import BaselineSource
 
 FIXTURE_GROUP = "difftest.fixtures"
 
@@ -104,18 +107,19 @@ class Session:
         self._start_errors: dict[str, DifftestError] = {}
         self._current_case: str | None = None  # the case whose items run now (begin_case)
         self._cases: dict[str, Case] = {}
-        self._prompts: dict[str, list[list[int]]] = {}
+        self._prompts: dict[tuple[str, bool], list[list[int]]] = {}
         self._captures: dict[tuple, Capture] = {}
+        self._golden: dict[tuple, Capture | None] = {}  # None: the engine takes no golden input
         self._stats: dict[tuple, AcceptStats] = {}
         self._diffs: dict[tuple, list[CaptureDiff]] = {}
         self._floors: dict[str, noise.NoiseFloor] = {}
         # spec id -> a stored run standing in for an engine (difftest.baseline.BaselineSource)
-        self._stored: dict[str, object] = {}
-        # case path -> `wiring: infer` result (difftest.infer_wiring.WiringInference) or the error it raised
-        self._inferences: dict[str, object] = {}
+        self._stored: dict[str, BaselineSource] = {}
+        # case path -> `wiring: infer` result ((case, difftest.infer_wiring.WiringInference)) or the error it raised
+        self._inferences: dict[str, tuple[Case, Any] | DifftestError] = {}
         self.clock = PhaseClock()  # where each case's time goes (difftest.timings; in its report)
 
-    def add_stored(self, source) -> None:
+    def add_stored(self, source: BaselineSource) -> None:
         """Serve `source.spec` from disk (captures, accept stats, info) instead of a worker."""
         self._stored[source.spec.id] = source
 
@@ -151,7 +155,7 @@ class Session:
             try:
                 with self.clock.phase("engine.start", engine=spec.id):
                     client.start()
-                self._check_release(spec, client.info)
+                self._check_release(spec, client.started_info)
             except DifftestError as e:
                 client.kill()
                 self._start_errors[spec.id] = e
@@ -250,7 +254,7 @@ class Session:
         key = (case.path, speculative)
         if key not in self._prompts:
             prompts = (case.spec_prompts or case.prompts) if speculative else case.prompts
-            tokenizer = None
+            tokenizer: Any = None  # a transformers tokenizer, loaded when a prompt is text
             if any(p.text is not None or p.messages is not None for p in prompts):
                 from transformers import AutoTokenizer
 
@@ -312,7 +316,7 @@ class Session:
             with self.clock.phase("session", case.path, spec.id, case.dtype):
                 case = self.engine_case(case, spec)
                 client = self.client(spec)
-                key = cache_key("capture", spec.id, client.info["version"], self.inputs_key(case, spec), ids)
+                key = cache_key("capture", spec.id, client.started_info["version"], self.inputs_key(case, spec), ids)
                 cached = self._cached(key)
                 if cached is None:
                     out = self.cache.path(key)
@@ -366,10 +370,10 @@ class Session:
         source = source or self.options.reference
         source_case = self.prepare(source_case) if source_case is not None else case
         memo = (case.path, spec.id, index, "golden", source.id, source_case.path)
-        if memo not in self._captures:
+        if memo not in self._golden:
             with self.clock.phase("session", case.path, spec.id, case.dtype):
-                self._captures[memo] = self._capture_golden(case, spec, index, source, source_case)
-        return self._captures[memo]
+                self._golden[memo] = self._capture_golden(case, spec, index, source, source_case)
+        return self._golden[memo]
 
     def _capture_golden(self, case: Case, spec: EngineSpec, index: int, source: EngineSpec,
                         source_case: Case) -> Capture | None:  # fmt: skip
@@ -378,10 +382,10 @@ class Session:
             return None
         client = self.client(spec)
         ids = self.prompt_ids(case)[index]
-        ref_key = cache_key("capture", source.id, self.engine_info(source)["version"],
+        ref_key = cache_key("capture", source.id, self._version(source),
                             self.inputs_key(self.engine_case(source_case, source), source), ids)  # fmt: skip
         case = self.engine_case(case, spec)
-        key = cache_key("golden", spec.id, client.info["version"], self.inputs_key(case, spec), ref_key)
+        key = cache_key("golden", spec.id, client.started_info["version"], self.inputs_key(case, spec), ref_key)
         cached = self._cached(key)
         if cached is None:
             out = self.cache.path(key)
@@ -413,9 +417,9 @@ class Session:
     def _speculate(self, case: Case, spec: EngineSpec) -> AcceptStats:
         client = self.client(spec)
         prompts = self.prompt_ids(case, speculative=True)
-        key = cache_key("speculate", spec.id, client.info["version"], self.inputs_key(case, spec), prompts)
+        key = cache_key("speculate", spec.id, client.started_info["version"], self.inputs_key(case, spec), prompts)
         path = self.cache.path(key).with_suffix(".json")
-        live = bool(client.info.get("live"))  # a running server: ask it again every run, never cache
+        live = bool(client.started_info.get("live"))  # a running server: ask it again every run, never cache
         if self.options.use_cache and not live and path.exists():
             return AcceptStats.from_dict(json.loads(path.read_text()))
         self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
@@ -428,7 +432,7 @@ class Session:
 
     def is_live(self, spec: EngineSpec) -> bool:
         """A running server (EngineInfo.live): no tensors to compare, acceptance only."""
-        return spec.id not in self._stored and bool(self.client(spec).info.get("live"))
+        return spec.id not in self._stored and bool(self.client(spec).started_info.get("live"))
 
     def replay(self, case: Case, spec: EngineSpec, requests: list[tuple[list[int], list[int]]], num_steps: int,
                topk: int, num_draft_tokens: int) -> list[dict]:  # fmt: skip
@@ -507,6 +511,13 @@ class Session:
     def computed_comparisons(self, case: Case) -> dict[str, list[CaptureDiff]]:
         """spec id -> per-prompt diffs, for the comparisons this session has already made."""
         return {engine_id: diffs for (path, engine_id), diffs in self._diffs.items() if path == case.path}
+
+    def _version(self, spec: EngineSpec) -> str:
+        """The engine's version, as its cache keys name it (a stored run: the version it was saved as)."""
+        info = self.engine_info(spec)
+        if info is None:
+            raise EngineUnavailable(f"{spec.id}: not started, so its version is unknown")
+        return str(info["version"])
 
     def engine_info(self, spec: EngineSpec) -> dict | None:
         if spec.id in self._stored:

@@ -109,6 +109,13 @@ class WorkerClient:
         self.info = reply["info"]
         return self.info
 
+    @property
+    def started_info(self) -> dict:
+        """The engine's info (EngineInfo as a dict) once the worker has said hello."""
+        if self.info is None:
+            raise EngineError(f"{self.spec.id}: the engine worker has not started (log: {self.log_path})")
+        return self.info
+
     def close(self) -> None:
         if self.proc is None:
             return
