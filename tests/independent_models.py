@@ -509,3 +509,204 @@ def write_miswired_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=p
                 path.write_text(_case_yaml(model, dtype, wiring, name, desc, sglang=False))
                 out.append(CaseFile(path, name, tname, dtype, m.name))
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Miswired exports served by the real engines (issue 24, item 5)
+# ---------------------------------------------------------------------------------------
+#
+# Each miswiring is a broken export the engines load: a config whose ids feed other layers, a draft
+# trained in another fc order, a flipped flag, a checkpoint without d2t. The reference runs the
+# draft as trained (`engines.ref.draft` where the case's draft is the export), so what is compared
+# is each engine's own behaviour on the export. Whether an engine is hurt by an export, and where
+# and why the error must be introduced, comes from the rule data (difftest.layer_rules for ids,
+# difftest.draft_rules for flags, the lint's findings for weights), never from a table here.
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one engine must show on one miswired export. fails False: the engine is immune (its rules
+    say it feeds or computes what training did) and every check must pass."""
+
+    fails: bool
+    where: str = ""  # tensor (prefix) where the error must be introduced
+    why: str = ""  # words the diagnosis must contain
+    because: str = ""  # the rule reading that predicts it
+
+
+@dataclass(frozen=True)
+class ExportMiswire:
+    name: str
+    description: str
+    kind: str  # "ids" | "flag" | "weights"
+    flag: str = ""  # kind "flag": the flag the export flips at the top level
+
+
+EXPORT_MISWIRES: list[ExportMiswire] = [
+    ExportMiswire("off_by_one", "the export's ids feed every trained layer shifted by one", "ids"),
+    ExportMiswire("permutation", "a draft trained with fc fed [hc, hb, ha], its ids listed in that order", "ids"),
+    ExportMiswire("embedding_dropped", "a draft trained on [h0, ha, hb] whose export names [ha, hb, hc]", "ids"),
+    ExportMiswire("norm_before_residual", "the export's config says norm_before_residual true (trained false)",
+                  "flag", flag="norm_before_residual"),
+    ExportMiswire("norm_output", "the export's config says norm_output true (trained false)", "flag",
+                  flag="norm_output"),
+    ExportMiswire("d2t_missing", "the export lost d2t / t2d (draft vocab < target vocab)", "weights"),
+]  # fmt: skip
+SERVING_ENGINES = ("vllm", "sglang")
+_FAMILY = {"llama": "llama", "qwen3": "qwen3", "deepseek": "deepseek-v3"}
+
+
+def _rule(engine: str, spec: TargetSpec):
+    from difftest import layer_rules
+
+    return layer_rules.rule_for(engine, _FAMILY[spec.family])
+
+
+def _shift_for(engine: str, spec: TargetSpec) -> int:
+    """+1 where the engine can capture every trained layer + 1 (as the reference miswiring), else -1."""
+    rule = _rule(engine, spec)
+    up = [k + 1 for k in spec.trained]
+    return +1 if rule.solve(up, spec.num_layers).ids is not None else -1
+
+
+def training_wiring(m: ExportMiswire, spec: TargetSpec) -> list[int]:
+    """The hidden states (fc order) the export's draft was trained on: the reference's wiring."""
+    if m.name == "permutation":
+        return list(reversed(spec.trained))
+    if m.name == "embedding_dropped":
+        return [0, *spec.trained[:2]]
+    return list(spec.trained)
+
+
+def served_ids(m: ExportMiswire, spec: TargetSpec, engine: str) -> list[int]:
+    """The layer ids `engine` is given (where it reads them) for this export."""
+    rule, L = _rule(engine, spec), spec.num_layers
+    correct = rule.solve(list(spec.trained), L).ids
+    if m.name == "off_by_one":
+        return rule.solve([k + _shift_for(engine, spec) for k in spec.trained], L).ids
+    if m.name == "permutation":
+        return list(reversed(correct))
+    return correct
+
+
+def _pattern(fed: list[int], trained: list[int]) -> str:
+    shifts = {f - t for f, t in zip(fed, trained)}
+    if len(shifts) == 1:
+        return f"off-by-one {shifts.pop():+d}"
+    if sorted(fed) == sorted(trained):
+        return "permuted order"
+    if 0 in trained and 0 not in fed:
+        return "embedding dropped"
+    return "different layers"
+
+
+def expectation(m: ExportMiswire, spec: TargetSpec, engine: str, export: Path, target: Path) -> Expect:
+    """What the rule data says `engine` does with this export."""
+    if m.kind == "ids":
+        rule, trained = _rule(engine, spec), training_wiring(m, spec)
+        reading = rule.predict_ids(served_ids(m, spec, engine), spec.num_layers, fc_chunks=len(trained))
+        if reading.refusal or reading.unfused:
+            raise ValueError(f"{m.name} on {spec.name}: {reading.explain()} (not a silent miswiring)")
+        if reading.fed == trained:
+            return Expect(False, because=reading.explain())
+        return Expect(True, "draft.fc_in.", _pattern(reading.fed, trained), reading.explain())
+    if m.kind == "flag":
+        from difftest.draft_rules import ENGINES, FLAG_TENSORS, engine_reading, flag_locations
+
+        trained_cfg = json.loads((export.parent / "draft-as-trained" / "config.json").read_text())
+        cfg = json.loads((export / "config.json").read_text())
+        value, where = engine_reading(ENGINES[engine], m.flag, flag_locations(cfg).get(m.flag, {}))
+        # a flag the engine never reads is off in it (both engines' drafts default every flag to false)
+        served = bool(value) if value is not None else False
+        because = f"{engine} takes {m.flag}={served} ({where}); trained {trained_cfg[m.flag]}"
+        if served == bool(trained_cfg[m.flag]):
+            return Expect(False, because=because)
+        return Expect(True, FLAG_TENSORS[m.flag], m.flag, because)
+    from difftest.lint import lint_draft
+
+    found = [f for f in lint_draft(export, target) if f.tensor and engine in (f.engines or ())]
+    if not found:
+        return Expect(False, because="the lint names no tensor this engine gets wrong")
+    return Expect(True, found[0].tensor, f"lint [{found[0].code}]", found[0].message)
+
+
+def _write_export(m: ExportMiswire, model: BuiltModel, out: Path) -> tuple[Path, Path | None]:
+    """(the draft the engines serve, the draft the reference runs instead or None) under `out`."""
+    from safetensors.torch import load_file, save_file
+
+    spec = model.spec
+    if m.kind == "ids" and m.name != "permutation":
+        return model.draft, None  # the ids reach each engine through draft_config_overrides
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((model.draft / "config.json").read_text())
+    weights = load_file(str(model.draft / "model.safetensors"))
+    if m.name == "permutation":  # the same function, trained with fc's input blocks in reverse order
+        H = spec.hidden
+        blocks = weights["fc.weight"].split(H, dim=1)
+        weights["fc.weight"] = torch.cat(list(reversed(blocks)), dim=1).contiguous()
+        ids = list(reversed(spec.trained))
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        exported, as_trained = out / "draft", None
+    else:
+        shutil.copytree(model.draft, out / "draft-as-trained", dirs_exist_ok=True)
+        exported, as_trained = out / "export", out / "draft-as-trained"
+        if m.kind == "flag":
+            cfg[m.flag] = not cfg[m.flag]
+        else:
+            weights = {k: v for k, v in weights.items() if k not in ("d2t", "t2d")}
+    exported.mkdir(parents=True, exist_ok=True)
+    (exported / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(weights, str(exported / "model.safetensors"), metadata={"format": "pt"})
+    return exported, as_trained
+
+
+def _ids_override(ids: list[int]) -> list[str]:
+    flow = "[" + ", ".join(map(str, ids)) + "]"
+    return ["    draft_config_overrides:", f"      eagle_config: {{eagle_aux_hidden_state_layer_ids: {flow}}}",
+            f"      eagle_aux_hidden_state_layer_ids: {flow}"]  # fmt: skip
+
+
+@dataclass
+class MiswiredCase:
+    path: Path
+    name: str
+    target: str
+    dtype: str
+    miswire: ExportMiswire
+    expect: dict[str, Expect]  # engine -> what its rules predict
+
+
+def write_export_miswired_cases(cases_dir: str | Path, exports_dir: str | Path, names=None, dtypes=DTYPES,
+                                log=print) -> list[MiswiredCase]:  # fmt: skip
+    """One case per target x dtype x EXPORT_MISWIRES: the engines serve the export (each engine the ids
+    it reads as the miswiring), the reference runs the draft as trained."""
+    cases_dir, exports_dir = Path(cases_dir), Path(exports_dir)
+    cases_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for tname, model in ensure_models(names, log).items():
+        spec = model.spec
+        for m in EXPORT_MISWIRES:
+            served, as_trained = _write_export(m, model, exports_dir / tname / m.name)
+            expect = {e: expectation(m, spec, e, served, model.target) for e in SERVING_ENGINES}
+            wiring = training_wiring(m, spec)
+            for dtype in dtypes:
+                name = case_name(spec, dtype, f"_x_{m.name}")
+                desc = (f"Miswired export {m.name} of {tname}: {m.description}. The draft was trained on "
+                        f"{_short(wiring)}; the engines serve the export, the reference the draft as trained.")
+                text = _case_yaml(model, dtype, wiring, name, desc, sglang=False)
+                text = text.replace(f"draft: {model.draft}\n", f"draft: {served}\n")
+                engines = []
+                if as_trained is not None:
+                    engines += ["  ref:", f"    draft: {as_trained}"]
+                for e in SERVING_ENGINES:
+                    ids = served_ids(m, spec, e)
+                    if m.kind == "ids" and ids != json.loads((served / "config.json").read_text())[
+                            "eagle_config"]["eagle_aux_hidden_state_layer_ids"] or (m.kind != "ids" and ids != list(spec.trained)):
+                        engines += [f"  {e}:", *_ids_override(ids)]
+                if engines:
+                    text += "engines:\n" + "\n".join(engines) + "\n"
+                path = cases_dir / f"{name}.yaml"
+                path.write_text(text)
+                out.append(MiswiredCase(path, name, tname, dtype, m, expect))
+    return out
