@@ -1,7 +1,7 @@
 """Independent tiny models (issue 12): verdicts that hold on models the harness was not tuned on.
 
 Three NEW random-weight targets, unlike the built-in fixtures (tiny-llama: 8 layers, hidden 128,
-a constructed circuit; tiny-deepseek-v3: 6 layers, hidden 128), each with an untrained EAGLE-3
+a constructed circuit; tiny-deepseek-v3: 6 layers, hidden 128), each with an EAGLE-3
 draft (HF/vLLM format, `LlamaForCausalLMEagle3`, draft vocab < target vocab through a d2t map):
 
 | target           | class                 | L | H   | attention                                   | vocab / draft | seed | trained on     |
@@ -17,10 +17,9 @@ AMX_MLA backend (bf16 on an AMX CPU: v1/attention/backends/mla/amx_mla.py forwar
 W_UV, N = v_head_dim: "RuntimeError: tinygemm requires N to be 32x" with v_head_dim 48).
 
 Weights: fan-in scaled normals (std 1/sqrt(fan_in); embeddings std 1; lm_head std 3/sqrt(H); norm
-weights U(0.8, 1.2)), so every layer moves the residual stream and logits are not flat. Drafts: the
-engines' reference init (engines/ref/train.py init_draft: seeded default init, the target's embedding,
-lm_head from the target's rows of the draft vocab), norm weights U(0.8, 1.2); d2t: a seeded sorted
-random subset of the target vocab. Saved float32 (bf16 runs load them as bf16); no tokenizer
+weights U(0.8, 1.2)), so every layer moves the residual stream and logits are not flat. Drafts:
+`fit_draft` (engines/ref/train.py train_draft from init_draft, FIT_STEPS steps) on the float32
+target's greedy continuations of the cases' 10 prompts; d2t from those labels. Saved float32 (bf16 runs load them as bf16); no tokenizer
 (cases give prompts as ids; vLLM and SGLang run with skip_tokenizer_init).
 
 Each target directory (cached under ${DIFFTEST_CACHE:-~/.cache/difftest}/independent/<name>-<key>,
@@ -29,6 +28,7 @@ key = content hash of the spec and builder version; built in a temp dir and rena
   target/               the target
   draft/                the draft: ids = the trained layers in vLLM's convention (id k -> h[k]),
                         top level and in eagle_config; norm_before_residual false
+  draft-h0/             a draft fitted on [h0, a, b] (config ids [0, a, b]): the embedding-dropped cases
   draft-nbr-flipped/    the same weights, config norm_before_residual true (a wrong flag)
   draft-no-d2t/         the same weights without d2t/t2d: engines/ref/eagle3.py load_draft then maps
                         draft id d to target id d (d2t all 0, "draft ids map to the first target ids"),
@@ -53,7 +53,8 @@ layers [a, b, c] (e.g. indep-llama [h1, h2, h4]):
 
 `embedding_dropped` needs its own case (wiring [h0, ha, hb]): `write_miswired_cases` writes it.
 Every variant must fail the compared engine's fc_inputs or draft_logits check (and top1_agreement);
-accept_length may pass: an untrained draft accepts ~nothing either way (AL 1.0 vs 1.0).
+The drafts are fitted to the target's continuations of the cases' own prompts (`fit_draft`), so a
+correct wiring accepts and a miswiring's accept length collapses.
 `Miswire.engines(spec)` gives the --engines list, `Miswire.case_name(spec, dtype)` the case file stem.
 `ENGINE_MISWIRES`: the flipped-config and no-d2t drafts given to vLLM (`vllm[draft=...]`) against `ref`.
 """
@@ -68,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: drafts fitted to the target's continuations of the cases' prompts
 DTYPES = ("float32", "bfloat16")
 DTYPE_TAG = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -178,6 +179,10 @@ class BuiltModel:
         return self.root / "draft-nbr-flipped"
 
     @property
+    def draft_h0(self) -> Path:
+        return self.root / "draft-h0"
+
+    @property
     def draft_no_d2t(self) -> Path:
         return self.root / "draft-no-d2t"
 
@@ -277,6 +282,43 @@ def build_draft(spec: TargetSpec, target):
     return draft
 
 
+FIT_STEPS = 150
+
+
+@torch.no_grad()
+def _continuations(spec: TargetSpec, target) -> torch.Tensor:
+    """[10, T]: the cases' 4 capture and 6 speculative prompts, each continued greedily by the float32
+    target to one length T (the longest prompt + max_new_tokens 16 + num_steps 3 + 1)."""
+    cap, spec_prompts = prompts(spec)
+    seqs = cap + spec_prompts
+    T = max(len(p) for p in seqs) + 20
+    out = []
+    for p in seqs:
+        ids = torch.tensor([p])
+        out.append(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=T - len(p),
+                                   min_new_tokens=T - len(p), do_sample=False, pad_token_id=0)[0])  # fmt: skip
+    return torch.stack(out)
+
+
+def fit_draft(spec: TargetSpec, target, wiring: list[int], data: torch.Tensor):
+    """A draft fitted (engines/ref/train.py train_draft, FIT_STEPS steps) to the target's greedy
+    continuations of the cases' own prompts, reading `wiring` (h indices, fc order). A random target's
+    next token is not predictable from its features (a draft trained on 2,700 of its continuations
+    agreed with it on 15% of held-out positions), so a draft that accepts has to know these
+    continuations; then a correct wiring accepts nearly num_steps + 1 tokens per step and a miswiring
+    collapses it, which is what the accept-length gate must see."""
+    from engines.ref.eagle3 import Eagle3Config
+    from engines.ref.train import train_draft
+
+    d = spec.draft
+    cfg = Eagle3Config(hidden_size=spec.hidden, intermediate_size=d.intermediate, num_attention_heads=d.heads,
+                       num_key_value_heads=d.kv_heads, head_dim=d.head_dim, vocab_size=spec.vocab,
+                       draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.hidden, num_aux=len(wiring))  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        return train_draft(target, cfg, [f"target.h.{k}" for k in wiring], data, steps=FIT_STEPS, seed=d.seed,
+                           batch_size=data.shape[0])  # fmt: skip
+
+
 def _build(spec: TargetSpec, out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -292,7 +334,10 @@ def _build(spec: TargetSpec, out: Path) -> None:
         if spec.family == "deepseek":
             cfg["moe_layer_freq"] = 1
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-        draft = build_draft(spec, target)
+        data = _continuations(spec, target)
+        draft = fit_draft(spec, target, list(spec.trained), data)
+        h0 = [0, *spec.trained[:2]]
+        save_eagle_format(fit_draft(spec, target, h0, data), out / "draft-h0", h0)
     finally:
         torch.set_num_threads(before)
     ids = list(spec.trained)
@@ -417,7 +462,7 @@ def write_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=print) -> 
             how = (f"SGLang is given eagle_config ids {sg} (its +1 rule)" if sg is not None
                    else "SGLang's DeepSeek rule (first id != 1) reads them as is")  # fmt: skip
             desc = (f"Independent random-weight {tname} ({spec.family}, {spec.num_layers} layers, hidden {spec.hidden}, "
-                    f"seed {spec.seed}) with an untrained EAGLE-3 draft trained on {_short(spec.trained)}: "
+                    f"seed {spec.seed}) with an EAGLE-3 draft fitted on {_short(spec.trained)}: "
                     f"config ids {list(spec.trained)} (vLLM id k -> h[k]); {how}. {dtype}, default tolerances.")  # fmt: skip
             path = cases_dir / f"{name}.yaml"
             path.write_text(_case_yaml(model, dtype, list(spec.trained), name, desc))
@@ -506,7 +551,8 @@ def write_miswired_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=p
                 desc = (f"Miswired variant {m.name} of {tname}: the draft was trained on "
                         f"{_short(wiring)}; `--engines={','.join(m.engines(model.spec))}` must fail.")  # fmt: skip
                 path = cases_dir / f"{name}.yaml"
-                path.write_text(_case_yaml(model, dtype, wiring, name, desc, sglang=False))
+                text = _case_yaml(model, dtype, wiring, name, desc, sglang=False)
+                path.write_text(text.replace(f"draft: {model.draft}\n", f"draft: {model.draft_h0}\n"))
                 out.append(CaseFile(path, name, tname, dtype, m.name))
     return out
 
@@ -635,12 +681,17 @@ def _write_export(m: ExportMiswire, model: BuiltModel, out: Path) -> tuple[Path,
     from safetensors.torch import load_file, save_file
 
     spec = model.spec
-    if m.kind == "ids" and m.name != "permutation":
+    if m.name == "off_by_one":
         return model.draft, None  # the ids reach each engine through draft_config_overrides
     out.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((model.draft / "config.json").read_text())
-    weights = load_file(str(model.draft / "model.safetensors"))
-    if m.name == "permutation":  # the same function, trained with fc's input blocks in reverse order
+    source = model.draft_h0 if m.name == "embedding_dropped" else model.draft
+    cfg = json.loads((source / "config.json").read_text())
+    weights = load_file(str(source / "model.safetensors"))
+    if m.name == "embedding_dropped":  # trained on [h0, a, b], exported naming [a, b, c]
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(spec.trained)
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(spec.trained)
+        exported, as_trained = out / "draft", None
+    elif m.name == "permutation":  # the same function, trained with fc's input blocks in reverse order
         H = spec.hidden
         blocks = weights["fc.weight"].split(H, dim=1)
         weights["fc.weight"] = torch.cat(list(reversed(blocks)), dim=1).contiguous()
@@ -710,3 +761,25 @@ def write_export_miswired_cases(cases_dir: str | Path, exports_dir: str | Path, 
                 path.write_text(text)
                 out.append(MiswiredCase(path, name, tname, dtype, m, expect))
     return out
+
+
+def write_expectations(path: str | Path, cases: list[MiswiredCase]) -> None:
+    """The rule data's predictions per miswired case and engine, for the matrix table
+    (scripts/independent_matrix.py --table)."""
+    out = {c.name: {"target": c.target, "dtype": c.dtype, "miswire": c.miswire.name,
+                    "expect": {e: asdict(x) for e, x in c.expect.items()}} for c in cases}  # fmt: skip
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def introduced_in(introduced: str, where: str) -> bool:
+    """Whether the tensor where an error was introduced is the one the rules blame: `where` names a
+    tensor, or ending in "." a family (draft.fc_in.); a flag acting from a later draft step
+    (norm_output: draft.step1.fc_out) may first show anywhere in that step ..."""
+    step = where.split(".", 2)[1] if where.startswith("draft.step") else None
+    if step is None:
+        return introduced.startswith(where)
+    # ... or in the state the previous step carries into it (difftest.names.inputs_of), where an engine
+    # that applies the flag records its normed state and no pre-norm one
+    s = int(step.removeprefix("step"))
+    carried = "draft.hidden_prenorm" if s == 1 else f"draft.step{s - 1}.hidden_prenorm"
+    return introduced.startswith(where) or introduced.startswith(f"draft.{step}.") or introduced == carried

@@ -2,7 +2,7 @@
 
 Independent random-weight targets (tests/independent_models.py: Llama, Qwen3 with q/k-norm, a
 DeepSeek-V3-style MLA + MoE target; seeds and shapes unlike the built-in fixtures) with
-untrained EAGLE-3 drafts, at default tolerances, on real vLLM and SGLang:
+EAGLE-3 drafts fitted to the targets' continuations of the cases' prompts, at default tolerances, on real vLLM and SGLang:
 
 * correctly wired: zero failed checks, accept length included.
 * each miswired export (`independent_models.EXPORT_MISWIRES`: ids off by one, a draft trained in
@@ -68,6 +68,7 @@ def engines_run(tmp_path_factory, sglang_python):  # noqa: F811
         for c in im.write_export_miswired_cases(root / "cases", root / "exports", names=[target], dtypes=[dtype],
                                                 log=lambda _: None):  # fmt: skip
             miswired[c.name] = c
+    im.write_expectations(root / "expectations.json", list(miswired.values()))
     run = run_pytest(root, "cases/", "--engines=ref,vllm,sglang", f"--engine-python=vllm={vllm_python()}",
                      f"--engine-python=sglang={sglang_python}", "--require-engines", "--engine-timeout=900",
                      timeout=3600 * (4 if FULL else 1))  # fmt: skip
@@ -95,13 +96,6 @@ def test_noise_floor_is_measured_for_every_correct_case(correct_run, target, dty
     assert floor["tensors"]["draft.logits"]["rows"] > 0
 
 
-def _introduced_in(introduced: str, where: str) -> bool:
-    """`where` names the tensor (or, ending in ".", the chunk family) the rules blame; a flag that acts
-    from a later draft step (norm_output: draft.step1.fc_out) may first show anywhere in that step."""
-    step = where.split(".", 2)[1] if where.startswith("draft.step") else None
-    return introduced.startswith(where) or (step is not None and introduced.startswith(f"draft.{step}."))
-
-
 @pytest.mark.parametrize("engine", im.SERVING_ENGINES)
 @pytest.mark.parametrize("miswire", [m.name for m in im.EXPORT_MISWIRES])
 @pytest.mark.parametrize("target,dtype", MISWIRED)
@@ -119,7 +113,7 @@ def test_each_miswired_export_fails_on_the_engines_where_their_rules_say(engines
     compared = [results["fc_inputs"], results["draft_logits"]]
     first = next((r for r in compared if r["outcome"] == "failed"), None)
     assert first is not None, f"{case.name} on {engine} ({expect.because}) passed fc_inputs and draft_logits:\n{told}"
-    assert _introduced_in(first["data"]["introduced"], expect.where), f"{expect.because}\n{first['message']}"
+    assert im.introduced_in(first["data"]["introduced"], expect.where), f"{expect.because}\n{first['message']}"
     assert expect.why in first["message"], f"{expect.because}\n{first['message']}"
 
 
