@@ -276,7 +276,7 @@ def build_draft(spec: TargetSpec, target):
         draft = init_draft(target, cfg, _d2t(spec), seed=d.seed)
     gen = torch.Generator().manual_seed(d.seed)
     with torch.no_grad():
-        for name, p in sorted(draft.named_parameters()):
+        for _name, p in sorted(draft.named_parameters()):
             if p.dim() == 1:
                 p.copy_((torch.rand(*p.shape, generator=gen, dtype=torch.float64) * 0.4 + 0.8).float())
     return draft
