@@ -57,6 +57,10 @@ The drafts are fitted to the target's continuations of the cases' own prompts (`
 correct wiring accepts and a miswiring's accept length collapses.
 `Miswire.engines(spec)` gives the --engines list, `Miswire.case_name(spec, dtype)` the case file stem.
 `ENGINE_MISWIRES`: the flipped-config and no-d2t drafts given to vLLM (`vllm[draft=...]`) against `ref`.
+
+Miswired exports (`EXPORT_MISWIRES`, issue 24): the same faults as checkpoints the real engines load
+(`write_export_miswired_cases`), the reference running the draft as trained; `expectation()` reads
+what each engine must show from difftest.layer_rules, difftest.draft_rules and the lint.
 """
 
 from __future__ import annotations
