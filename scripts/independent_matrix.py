@@ -3,6 +3,8 @@
     .venv/bin/python scripts/independent_matrix.py DIR                       # build + write DIR/cases, DIR/miswired/cases
     .venv/bin/python scripts/independent_matrix.py DIR --run --engines ref,vllm,sglang
     .venv/bin/python scripts/independent_matrix.py DIR --run --engines ref --miswired
+    .venv/bin/python scripts/independent_matrix.py DIR --exports --run     # + the miswired exports
+    .venv/bin/python scripts/independent_matrix.py --table ROOT            # the matrix of a finished run
 
 Models and cases: tests/independent_models.py. --run runs one pytest session per engine, the
 reference alone first (its captures are then cached for the others), then `--engines=REF,ENGINE`
@@ -11,6 +13,13 @@ table of per-case, per-engine check outcomes (P passed, F failed, E error, S ski
 first line of each failing message. --miswired runs every miswired variant (reference engine
 only; see MISWIRES; plus ENGINE_MISWIRES for vLLM when --engines names vllm) and shows the same
 table for them (there the compared engine's checks should fail).
+--exports also writes the miswired exports (independent_models.EXPORT_MISWIRES) as cases beside
+the correct ones, and DIR/expectations.json, what each engine's rule data predicts for each.
+--table ROOT prints, from a finished run's ROOT/reports and ROOT/expectations.json (the
+`indep0` folder of `DIFFTEST_FULL_MATRIX=1 pytest tests/test_noise_matrix.py --basetemp=B`, or
+a DIR of this script), one row per case and engine: the checks, the tensor where the error
+was introduced, the accept lengths, and for each miswired export whether the engine did what
+its rules predict.
 Exit status: 0 unless a session could not run at all (failing checks are the table's business).
 """
 
@@ -116,9 +125,61 @@ def print_table(rows: list[tuple[str, str, dict]]) -> None:
                 print(f"{'':<{wc}}  {'':<{we}}    {c}: {res[c][1]}")
 
 
+def _report_rows(reports: Path) -> dict[tuple[str, str], dict[str, dict]]:
+    """(case, engine) -> check -> result, from a session's JSON reports."""
+    rows: dict[tuple[str, str], dict[str, dict]] = {}
+    for path in sorted(reports.glob("*.json")):
+        for r in json.loads(path.read_text()).get("checks", []):
+            rows.setdefault((path.stem, r["engine"]), {})[r["check"]] = r
+    return rows
+
+
+def _accept(result: dict | None) -> str:
+    data = (result or {}).get("data") or {}
+    eng, ref = data.get("engine"), data.get("reference")
+    pick = (lambda d: d.get("accept_length") if isinstance(d, dict) else d)  # noqa: E731
+    e, r = pick(eng), pick(ref)
+    return f"{e:.3f}/{r:.3f}" if isinstance(e, (int, float)) and isinstance(r, (int, float)) else "-"
+
+
+def print_matrix(root: Path) -> int:
+    """The matrix of a finished run (see the module doc); 1 when an engine did not do what its rules say."""
+    expectations = json.loads((root / "expectations.json").read_text()) if (root / "expectations.json").exists() else {}
+    rows = _report_rows(root / "reports")
+    compared = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
+    bad = 0
+    print(f"{'case':<44} {'engine':<7} {'checks':<34} {'introduced':<22} {'AL eng/ref':<12} expected")
+    for (case, engine), checks in sorted(rows.items()):
+        if engine in ("ref", "train") or "[" in engine:
+            continue
+        cells = " ".join(f"{c[:5]}={LETTER.get(checks[c]['outcome'], '?')}" for c in compared if c in checks)
+        first = next((checks[c] for c in ("fc_inputs", "draft_logits") if checks.get(c, {}).get("outcome") == "failed"), None)
+        introduced = ((first or {}).get("data") or {}).get("introduced") or "-"
+        exp = expectations.get(case, {}).get("expect", {}).get(engine)
+        if exp is None:
+            verdict = "correct: " + ("ok" if all(checks.get(c, {}).get("outcome") == "passed" for c in compared) else "FAILED")
+        elif not exp["fails"]:
+            ok = all(checks.get(c, {}).get("outcome") == "passed" for c in compared)
+            verdict = f"immune ({exp['because']}): " + ("ok" if ok else "FAILED")
+        else:
+            msg = (first or {}).get("message") or ""
+            ok = first is not None and im.introduced_in(introduced, exp["where"]) and exp["why"] in msg
+            verdict = f"fails at {exp['where']} '{exp['why']}': " + ("ok" if ok else "MISMATCH")
+        bad += verdict.endswith(("FAILED", "MISMATCH"))
+        print(f"{case:<44} {engine:<7} {cells:<34} {introduced:<22} {_accept(checks.get('accept_length')):<12} {verdict}")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--table"]:
+        return print_matrix(Path(argv[1]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path, help="work directory: cases go to DIR/cases, reports to DIR/reports")
+    ap.add_argument("--exports", action="store_true", help="also the miswired exports, served by the engines")
+    ap.add_argument("--one-session", action="store_true", help="--run: one session on every engine, reports in "
+                    "DIR/reports, then the --table matrix")
     ap.add_argument("--targets", default=",".join(im.TARGETS), help="comma list (default: all)")
     ap.add_argument("--dtypes", default=",".join(im.DTYPES), help="comma list (default: float32,bfloat16)")
     ap.add_argument("--run", action="store_true", help="run the correct-wiring cases")
@@ -135,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [d for d in a.dtypes.split(",") if d]
     correct = im.write_cases(workdir / "cases", targets, dtypes)
     extra_cases = im.write_miswired_cases(workdir / "miswired" / "cases", targets, dtypes)
+    if a.exports:
+        exported = im.write_export_miswired_cases(workdir / "cases", workdir / "exports", targets, dtypes)
+        im.write_expectations(workdir / "expectations.json", exported)
+        print(f"wrote {len(exported)} miswired-export cases to {workdir / 'cases'}")
     print(f"wrote {len(correct)} cases to {workdir / 'cases'} and {len(extra_cases)} to {workdir / 'miswired' / 'cases'}")
     if not (a.run or a.miswired):
         return 0
@@ -146,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     walls: list[tuple[str, float, int]] = []
     rows: list[tuple[str, str, dict]] = []
     bad = 0
+    if a.run and a.one_session:  # every engine in one session, as tests/test_noise_matrix.py runs them
+        rc, wall, _ = run_session(workdir, ["cases/"], engines, workdir / "reports", extra, a.session_timeout)
+        walls.append((",".join(engines), wall, rc))
+        bad += rc not in (0, 1)
+        print(f"\nwall times:\n  {','.join(engines):<40} {wall:7.0f}s  rc {rc}\n")
+        print_matrix(workdir)
+        return 1 if bad else 0
     if a.run:
         rc, wall, _ = run_session(workdir, ["cases/"], [ref], workdir / "reports" / ref, extra, a.session_timeout)
         walls.append((ref, wall, rc))

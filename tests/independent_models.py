@@ -1,7 +1,7 @@
 """Independent tiny models (issue 12): verdicts that hold on models the harness was not tuned on.
 
 Three NEW random-weight targets, unlike the built-in fixtures (tiny-llama: 8 layers, hidden 128,
-a constructed circuit; tiny-deepseek-v3: 6 layers, hidden 128), each with an untrained EAGLE-3
+a constructed circuit; tiny-deepseek-v3: 6 layers, hidden 128), each with an EAGLE-3
 draft (HF/vLLM format, `LlamaForCausalLMEagle3`, draft vocab < target vocab through a d2t map):
 
 | target           | class                 | L | H   | attention                                   | vocab / draft | seed | trained on     |
@@ -17,10 +17,9 @@ AMX_MLA backend (bf16 on an AMX CPU: v1/attention/backends/mla/amx_mla.py forwar
 W_UV, N = v_head_dim: "RuntimeError: tinygemm requires N to be 32x" with v_head_dim 48).
 
 Weights: fan-in scaled normals (std 1/sqrt(fan_in); embeddings std 1; lm_head std 3/sqrt(H); norm
-weights U(0.8, 1.2)), so every layer moves the residual stream and logits are not flat. Drafts: the
-engines' reference init (engines/ref/train.py init_draft: seeded default init, the target's embedding,
-lm_head from the target's rows of the draft vocab), norm weights U(0.8, 1.2); d2t: a seeded sorted
-random subset of the target vocab. Saved float32 (bf16 runs load them as bf16); no tokenizer
+weights U(0.8, 1.2)), so every layer moves the residual stream and logits are not flat. Drafts:
+`fit_draft` (engines/ref/train.py train_draft from init_draft, FIT_STEPS steps) on the float32
+target's greedy continuations of the cases' 10 prompts; d2t from those labels. Saved float32 (bf16 runs load them as bf16); no tokenizer
 (cases give prompts as ids; vLLM and SGLang run with skip_tokenizer_init).
 
 Each target directory (cached under ${DIFFTEST_CACHE:-~/.cache/difftest}/independent/<name>-<key>,
@@ -29,6 +28,7 @@ key = content hash of the spec and builder version; built in a temp dir and rena
   target/               the target
   draft/                the draft: ids = the trained layers in vLLM's convention (id k -> h[k]),
                         top level and in eagle_config; norm_before_residual false
+  draft-h0/             a draft fitted on [h0, a, b] (config ids [0, a, b]): the embedding-dropped cases
   draft-nbr-flipped/    the same weights, config norm_before_residual true (a wrong flag)
   draft-no-d2t/         the same weights without d2t/t2d: engines/ref/eagle3.py load_draft then maps
                         draft id d to target id d (d2t all 0, "draft ids map to the first target ids"),
@@ -53,9 +53,14 @@ layers [a, b, c] (e.g. indep-llama [h1, h2, h4]):
 
 `embedding_dropped` needs its own case (wiring [h0, ha, hb]): `write_miswired_cases` writes it.
 Every variant must fail the compared engine's fc_inputs or draft_logits check (and top1_agreement);
-accept_length may pass: an untrained draft accepts ~nothing either way (AL 1.0 vs 1.0).
+The drafts are fitted to the target's continuations of the cases' own prompts (`fit_draft`), so a
+correct wiring accepts and a miswiring's accept length collapses.
 `Miswire.engines(spec)` gives the --engines list, `Miswire.case_name(spec, dtype)` the case file stem.
 `ENGINE_MISWIRES`: the flipped-config and no-d2t drafts given to vLLM (`vllm[draft=...]`) against `ref`.
+
+Miswired exports (`EXPORT_MISWIRES`, issue 24): the same faults as checkpoints the real engines load
+(`write_export_miswired_cases`), the reference running the draft as trained; `expectation()` reads
+what each engine must show from difftest.layer_rules, difftest.draft_rules and the lint.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ from pathlib import Path
 
 import torch
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: drafts fitted to the target's continuations of the cases' prompts
 DTYPES = ("float32", "bfloat16")
 DTYPE_TAG = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -178,6 +183,10 @@ class BuiltModel:
         return self.root / "draft-nbr-flipped"
 
     @property
+    def draft_h0(self) -> Path:
+        return self.root / "draft-h0"
+
+    @property
     def draft_no_d2t(self) -> Path:
         return self.root / "draft-no-d2t"
 
@@ -271,10 +280,47 @@ def build_draft(spec: TargetSpec, target):
         draft = init_draft(target, cfg, _d2t(spec), seed=d.seed)
     gen = torch.Generator().manual_seed(d.seed)
     with torch.no_grad():
-        for name, p in sorted(draft.named_parameters()):
+        for _name, p in sorted(draft.named_parameters()):
             if p.dim() == 1:
                 p.copy_((torch.rand(*p.shape, generator=gen, dtype=torch.float64) * 0.4 + 0.8).float())
     return draft
+
+
+FIT_STEPS = 150
+
+
+@torch.no_grad()
+def _continuations(spec: TargetSpec, target) -> torch.Tensor:
+    """[10, T]: the cases' 4 capture and 6 speculative prompts, each continued greedily by the float32
+    target to one length T (the longest prompt + max_new_tokens 16 + num_steps 3 + 1)."""
+    cap, spec_prompts = prompts(spec)
+    seqs = cap + spec_prompts
+    T = max(len(p) for p in seqs) + 20
+    out = []
+    for p in seqs:
+        ids = torch.tensor([p])
+        out.append(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=T - len(p),
+                                   min_new_tokens=T - len(p), do_sample=False, pad_token_id=0)[0])  # fmt: skip
+    return torch.stack(out)
+
+
+def fit_draft(spec: TargetSpec, target, wiring: list[int], data: torch.Tensor):
+    """A draft fitted (engines/ref/train.py train_draft, FIT_STEPS steps) to the target's greedy
+    continuations of the cases' own prompts, reading `wiring` (h indices, fc order). A random target's
+    next token is not predictable from its features (a draft trained on 2,700 of its continuations
+    agreed with it on 15% of held-out positions), so a draft that accepts has to know these
+    continuations; then a correct wiring accepts nearly num_steps + 1 tokens per step and a miswiring
+    collapses it, which is what the accept-length gate must see."""
+    from engines.ref.eagle3 import Eagle3Config
+    from engines.ref.train import train_draft
+
+    d = spec.draft
+    cfg = Eagle3Config(hidden_size=spec.hidden, intermediate_size=d.intermediate, num_attention_heads=d.heads,
+                       num_key_value_heads=d.kv_heads, head_dim=d.head_dim, vocab_size=spec.vocab,
+                       draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.hidden, num_aux=len(wiring))  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        return train_draft(target, cfg, [f"target.h.{k}" for k in wiring], data, steps=FIT_STEPS, seed=d.seed,
+                           batch_size=data.shape[0])  # fmt: skip
 
 
 def _build(spec: TargetSpec, out: Path) -> None:
@@ -292,7 +338,10 @@ def _build(spec: TargetSpec, out: Path) -> None:
         if spec.family == "deepseek":
             cfg["moe_layer_freq"] = 1
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-        draft = build_draft(spec, target)
+        data = _continuations(spec, target)
+        draft = fit_draft(spec, target, list(spec.trained), data)
+        h0 = [0, *spec.trained[:2]]
+        save_eagle_format(fit_draft(spec, target, h0, data), out / "draft-h0", h0)
     finally:
         torch.set_num_threads(before)
     ids = list(spec.trained)
@@ -417,7 +466,7 @@ def write_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=print) -> 
             how = (f"SGLang is given eagle_config ids {sg} (its +1 rule)" if sg is not None
                    else "SGLang's DeepSeek rule (first id != 1) reads them as is")  # fmt: skip
             desc = (f"Independent random-weight {tname} ({spec.family}, {spec.num_layers} layers, hidden {spec.hidden}, "
-                    f"seed {spec.seed}) with an untrained EAGLE-3 draft trained on {_short(spec.trained)}: "
+                    f"seed {spec.seed}) with an EAGLE-3 draft fitted on {_short(spec.trained)}: "
                     f"config ids {list(spec.trained)} (vLLM id k -> h[k]); {how}. {dtype}, default tolerances.")  # fmt: skip
             path = cases_dir / f"{name}.yaml"
             path.write_text(_case_yaml(model, dtype, list(spec.trained), name, desc))
@@ -506,6 +555,235 @@ def write_miswired_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=p
                 desc = (f"Miswired variant {m.name} of {tname}: the draft was trained on "
                         f"{_short(wiring)}; `--engines={','.join(m.engines(model.spec))}` must fail.")  # fmt: skip
                 path = cases_dir / f"{name}.yaml"
-                path.write_text(_case_yaml(model, dtype, wiring, name, desc, sglang=False))
+                text = _case_yaml(model, dtype, wiring, name, desc, sglang=False)
+                path.write_text(text.replace(f"draft: {model.draft}\n", f"draft: {model.draft_h0}\n"))
                 out.append(CaseFile(path, name, tname, dtype, m.name))
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Miswired exports served by the real engines (issue 24, item 5)
+# ---------------------------------------------------------------------------------------
+#
+# Each miswiring is a broken export the engines load: a config whose ids feed other layers, a draft
+# trained in another fc order, a flipped flag, a checkpoint without d2t. The reference runs the
+# draft as trained (`engines.ref.draft` where the case's draft is the export), so what is compared
+# is each engine's own behaviour on the export. Whether an engine is hurt by an export, and where
+# and why the error must be introduced, comes from the rule data (difftest.layer_rules for ids,
+# difftest.draft_rules for flags, the lint's findings for weights), never from a table here.
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one engine must show on one miswired export. fails False: the engine is immune (its rules
+    say it feeds or computes what training did) and every check must pass."""
+
+    fails: bool
+    where: str = ""  # tensor (prefix) where the error must be introduced
+    why: str = ""  # words the diagnosis must contain
+    because: str = ""  # the rule reading that predicts it
+
+
+@dataclass(frozen=True)
+class ExportMiswire:
+    name: str
+    description: str
+    kind: str  # "ids" | "flag" | "weights"
+    flag: str = ""  # kind "flag": the flag the export flips at the top level
+
+
+EXPORT_MISWIRES: list[ExportMiswire] = [
+    ExportMiswire("off_by_one", "the export's ids feed every trained layer shifted by one", "ids"),
+    ExportMiswire("permutation", "a draft trained with fc fed [hc, hb, ha], its ids listed in that order", "ids"),
+    ExportMiswire("embedding_dropped", "a draft trained on [h0, ha, hb] whose export names [ha, hb, hc]", "ids"),
+    ExportMiswire("norm_before_residual", "the export's config says norm_before_residual true (trained false)",
+                  "flag", flag="norm_before_residual"),
+    ExportMiswire("norm_output", "the export's config says norm_output true (trained false)", "flag",
+                  flag="norm_output"),
+    ExportMiswire("d2t_missing", "the export lost d2t / t2d (draft vocab < target vocab)", "weights"),
+]  # fmt: skip
+SERVING_ENGINES = ("vllm", "sglang")
+_FAMILY = {"llama": "llama", "qwen3": "qwen3", "deepseek": "deepseek-v3"}
+
+
+def _rule(engine: str, spec: TargetSpec):
+    from difftest import layer_rules
+
+    return layer_rules.rule_for(engine, _FAMILY[spec.family])
+
+
+def _shift_for(engine: str, spec: TargetSpec) -> int:
+    """+1 where the engine can capture every trained layer + 1 (as the reference miswiring), else -1."""
+    rule = _rule(engine, spec)
+    up = [k + 1 for k in spec.trained]
+    return +1 if rule.solve(up, spec.num_layers).ids is not None else -1
+
+
+def training_wiring(m: ExportMiswire, spec: TargetSpec) -> list[int]:
+    """The hidden states (fc order) the export's draft was trained on: the reference's wiring."""
+    if m.name == "permutation":
+        return list(reversed(spec.trained))
+    if m.name == "embedding_dropped":
+        return [0, *spec.trained[:2]]
+    return list(spec.trained)
+
+
+def served_ids(m: ExportMiswire, spec: TargetSpec, engine: str) -> list[int]:
+    """The layer ids `engine` is given (where it reads them) for this export."""
+    rule, L = _rule(engine, spec), spec.num_layers
+    correct = rule.solve(list(spec.trained), L).ids
+    if m.name == "off_by_one":
+        return rule.solve([k + _shift_for(engine, spec) for k in spec.trained], L).ids
+    if m.name == "permutation":
+        return list(reversed(correct))
+    return correct
+
+
+def _pattern(fed: list[int], trained: list[int]) -> str:
+    shifts = {f - t for f, t in zip(fed, trained)}
+    if len(shifts) == 1:
+        return f"off-by-one {shifts.pop():+d}"
+    if sorted(fed) == sorted(trained):
+        return "permuted order"
+    if 0 in trained and 0 not in fed:
+        return "embedding dropped"
+    return "different layers"
+
+
+def expectation(m: ExportMiswire, spec: TargetSpec, engine: str, export: Path, target: Path) -> Expect:
+    """What the rule data says `engine` does with this export."""
+    if m.kind == "ids":
+        rule, trained = _rule(engine, spec), training_wiring(m, spec)
+        reading = rule.predict_ids(served_ids(m, spec, engine), spec.num_layers, fc_chunks=len(trained))
+        if reading.refusal or reading.unfused:
+            raise ValueError(f"{m.name} on {spec.name}: {reading.explain()} (not a silent miswiring)")
+        if reading.fed == trained:
+            return Expect(False, because=reading.explain())
+        return Expect(True, "draft.fc_in.", _pattern(reading.fed, trained), reading.explain())
+    if m.kind == "flag":
+        from difftest.draft_rules import ENGINES, FLAG_TENSORS, engine_reading, flag_locations
+
+        trained_cfg = json.loads((export.parent / "draft-as-trained" / "config.json").read_text())
+        cfg = json.loads((export / "config.json").read_text())
+        value, where = engine_reading(ENGINES[engine], m.flag, flag_locations(cfg).get(m.flag, {}))
+        # a flag the engine never reads is off in it (both engines' drafts default every flag to false)
+        served = bool(value) if value is not None else False
+        because = f"{engine} takes {m.flag}={served} ({where}); trained {trained_cfg[m.flag]}"
+        if served == bool(trained_cfg[m.flag]):
+            return Expect(False, because=because)
+        return Expect(True, FLAG_TENSORS[m.flag], m.flag, because)
+    from difftest.lint import lint_draft
+
+    found = [f for f in lint_draft(export, target) if f.tensor and engine in (f.engines or ())]
+    if not found:
+        return Expect(False, because="the lint names no tensor this engine gets wrong")
+    return Expect(True, found[0].tensor, f"lint [{found[0].code}]", found[0].message)
+
+
+def _write_export(m: ExportMiswire, model: BuiltModel, out: Path) -> tuple[Path, Path | None]:
+    """(the draft the engines serve, the draft the reference runs instead or None) under `out`."""
+    from safetensors.torch import load_file, save_file
+
+    spec = model.spec
+    if m.name == "off_by_one":
+        return model.draft, None  # the ids reach each engine through draft_config_overrides
+    out.mkdir(parents=True, exist_ok=True)
+    source = model.draft_h0 if m.name == "embedding_dropped" else model.draft
+    cfg = json.loads((source / "config.json").read_text())
+    weights = load_file(str(source / "model.safetensors"))
+    if m.name == "embedding_dropped":  # trained on [h0, a, b], exported naming [a, b, c]
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(spec.trained)
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(spec.trained)
+        exported, as_trained = out / "draft", None
+    elif m.name == "permutation":  # the same function, trained with fc's input blocks in reverse order
+        H = spec.hidden
+        blocks = weights["fc.weight"].split(H, dim=1)
+        weights["fc.weight"] = torch.cat(list(reversed(blocks)), dim=1).contiguous()
+        ids = list(reversed(spec.trained))
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        exported, as_trained = out / "draft", None
+    else:
+        shutil.copytree(model.draft, out / "draft-as-trained", dirs_exist_ok=True)
+        exported, as_trained = out / "export", out / "draft-as-trained"
+        if m.kind == "flag":
+            cfg[m.flag] = not cfg[m.flag]
+        else:
+            weights = {k: v for k, v in weights.items() if k not in ("d2t", "t2d")}
+    exported.mkdir(parents=True, exist_ok=True)
+    (exported / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(weights, str(exported / "model.safetensors"), metadata={"format": "pt"})
+    return exported, as_trained
+
+
+def _ids_override(ids: list[int]) -> list[str]:
+    flow = "[" + ", ".join(map(str, ids)) + "]"
+    return ["    draft_config_overrides:", f"      eagle_config: {{eagle_aux_hidden_state_layer_ids: {flow}}}",
+            f"      eagle_aux_hidden_state_layer_ids: {flow}"]  # fmt: skip
+
+
+@dataclass
+class MiswiredCase:
+    path: Path
+    name: str
+    target: str
+    dtype: str
+    miswire: ExportMiswire
+    expect: dict[str, Expect]  # engine -> what its rules predict
+
+
+def write_export_miswired_cases(cases_dir: str | Path, exports_dir: str | Path, names=None, dtypes=DTYPES,
+                                log=print) -> list[MiswiredCase]:  # fmt: skip
+    """One case per target x dtype x EXPORT_MISWIRES: the engines serve the export (each engine the ids
+    it reads as the miswiring), the reference runs the draft as trained."""
+    cases_dir, exports_dir = Path(cases_dir), Path(exports_dir)
+    cases_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for tname, model in ensure_models(names, log).items():
+        spec = model.spec
+        for m in EXPORT_MISWIRES:
+            served, as_trained = _write_export(m, model, exports_dir / tname / m.name)
+            expect = {e: expectation(m, spec, e, served, model.target) for e in SERVING_ENGINES}
+            wiring = training_wiring(m, spec)
+            for dtype in dtypes:
+                name = case_name(spec, dtype, f"_x_{m.name}")
+                desc = (f"Miswired export {m.name} of {tname}: {m.description}. The draft was trained on "
+                        f"{_short(wiring)}; the engines serve the export, the reference the draft as trained.")
+                text = _case_yaml(model, dtype, wiring, name, desc, sglang=False)
+                text = text.replace(f"draft: {model.draft}\n", f"draft: {served}\n")
+                engines = []
+                if as_trained is not None:
+                    engines += ["  ref:", f"    draft: {as_trained}"]
+                for e in SERVING_ENGINES:
+                    ids = served_ids(m, spec, e)
+                    if m.kind == "ids" and ids != json.loads((served / "config.json").read_text())[
+                            "eagle_config"]["eagle_aux_hidden_state_layer_ids"] or (m.kind != "ids" and ids != list(spec.trained)):
+                        engines += [f"  {e}:", *_ids_override(ids)]
+                if engines:
+                    text += "engines:\n" + "\n".join(engines) + "\n"
+                path = cases_dir / f"{name}.yaml"
+                path.write_text(text)
+                out.append(MiswiredCase(path, name, tname, dtype, m, expect))
+    return out
+
+
+def write_expectations(path: str | Path, cases: list[MiswiredCase]) -> None:
+    """The rule data's predictions per miswired case and engine, for the matrix table
+    (scripts/independent_matrix.py --table)."""
+    out = {c.name: {"target": c.target, "dtype": c.dtype, "miswire": c.miswire.name,
+                    "expect": {e: asdict(x) for e, x in c.expect.items()}} for c in cases}  # fmt: skip
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def introduced_in(introduced: str, where: str) -> bool:
+    """Whether the tensor where an error was introduced is the one the rules blame: `where` names a
+    tensor, or ending in "." a family (draft.fc_in.); a flag acting from a later draft step
+    (norm_output: draft.step1.fc_out) may first show anywhere in that step ..."""
+    step = where.split(".", 2)[1] if where.startswith("draft.step") else None
+    if step is None:
+        return introduced.startswith(where)
+    # ... or in the state the previous step carries into it (difftest.names.inputs_of), where an engine
+    # that applies the flag records its normed state and no pre-norm one
+    s = int(step.removeprefix("step"))
+    carried = "draft.hidden_prenorm" if s == 1 else f"draft.step{s - 1}.hidden_prenorm"
+    return introduced.startswith(where) or introduced.startswith(f"draft.{step}.") or introduced == carried

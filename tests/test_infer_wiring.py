@@ -55,11 +55,13 @@ def test_untrained_draft_cannot_tell():
 
 
 def test_random_draft_of_an_independent_target_cannot_tell():
-    from independent_models import ensure_model
+    from independent_models import build_draft, ensure_model
+    from transformers import AutoModelForCausalLM
 
-    model = ensure_model("indep-qwen3")
-    loaded = load_draft(model.draft)
-    result = infer_from_evidence(loaded.model, loaded.config.layer_ids, wd.evidence_head("indep-qwen3", 16))
+    model = ensure_model("indep-qwen3")  # its saved draft is fitted to the cases' prompts: build the random one
+    target = AutoModelForCausalLM.from_pretrained(model.target, dtype=torch.float32)
+    draft = build_draft(model.spec, target).eval()
+    result = infer_from_evidence(draft, list(model.spec.trained), wd.evidence_head("indep-qwen3", 16))
     assert not result.decided
 
 
