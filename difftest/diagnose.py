@@ -21,7 +21,7 @@ from difftest.layer_rules import declared_ids, default_layers
 from difftest.capture import Capture
 from difftest.chunk_match import MATCH_REL_DIFF, ChunkMatch, Similarity
 from difftest.names import split_draft
-from difftest.wiring import hidden_index, short_name
+from difftest.wiring import hidden_index, hidden_indices, short_name
 
 NORM_PREFIX = "rmsnorm("
 
@@ -135,8 +135,8 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, dra
     if normed:
         notes.append("norm applied before fc (engine's chunk = rmsnorm(reference tensor))")
         got = [w if j in normed else g for j, (g, w) in enumerate(zip(got, want))]
-    gk = _indices(got)
-    wk = _indices(want)
+    gk = hidden_indices(got)
+    wk = hidden_indices(want)
     L = num_layers
     defaults = default_layers(L) if L else None
     if gk is not None and wk is not None and got != want:
@@ -170,12 +170,6 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, dra
     if not notes:
         notes.append("different layers")
     return " and ".join(notes)
-
-
-def _indices(names: list[str | None]) -> list[int] | None:
-    """The hidden-state layer index of every name, or None when any slot is not a layer h[k]."""
-    ks = [hidden_index(n) if n else None for n in names]
-    return None if None in ks else [k for k in ks if k is not None]
 
 
 def _config_names(draft_config: dict | None, layers: list[int]) -> bool:

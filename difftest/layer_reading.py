@@ -15,7 +15,7 @@ from difftest.jsonfile import read_json, read_json_object
 from difftest.engine_releases import layer_rule
 from difftest.layer_rules import ConfigEdit, LayerIdRule, Reading, config_edit, target_family
 from difftest.overlay import deep_merge
-from difftest.wiring import hidden_index
+from difftest.wiring import hidden_indices
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,7 @@ def engine_view(case: Case, engine: str, trained_wiring: list[str] | None, versi
     chunks = fc_chunks(Path(case.draft), H)
     trained = None
     if trained_wiring:
-        ks = [hidden_index(n) for n in trained_wiring]
-        trained = None if None in ks else [k for k in ks if k is not None]
+        trained = hidden_indices(trained_wiring)
     reading = rule.predict(seen, L, chunks)
     return EngineView(engine, rule, seen, L, chunks, reading, trained)
 

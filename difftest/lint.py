@@ -197,20 +197,19 @@ def _readings(ids: list[int], L: int, trained_on: list[str], tcfg: dict, raw: di
     """How each serving engine's layer-id rule (difftest.layer_rules) reads the config, against the
     training wiring, with the edit that makes it feed what training fed; plus the trainers' reading."""
     from difftest.layer_rules import SPECFORGE, config_edit, target_family
-    from difftest.wiring import hidden_index
+    from difftest.wiring import hidden_indices
 
     def short(names) -> str:
         return "[" + ", ".join(n.removeprefix("target.").replace("h.", "h") for n in names) + "]"
 
-    ks = [hidden_index(n) for n in trained_on]
+    layers = hidden_indices(trained_on)
     out, others = [], []
     for rule in _serving_rules(tcfg):
         reading = rule.predict(raw, L, chunks)
         if reading.fed_names() == list(trained_on) and reading.refusal is None:
             continue
         text = f"{reading.explain()}; the draft was trained on {short(trained_on)}"
-        layers = [k for k in ks if k is not None]
-        if len(layers) == len(ks):
+        if layers is not None:
             edit = config_edit(raw, target_family(tcfg), rule.engine, layers, L)
             text += (f"; fix: {edit.patch} (`difftest fix CASE --engine {rule.engine}` writes and verifies it)" if edit.possible
                      else f"; no config fixes it: {edit.impossible}")  # fmt: skip

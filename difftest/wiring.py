@@ -57,6 +57,12 @@ def hidden_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def hidden_indices(names: Sequence[str | None]) -> list[int] | None:
+    """k of every `target.h.{k}` in names; None when any slot is something else (or unknown)."""
+    ks = [hidden_index(n) if n else None for n in names]
+    return None if None in ks else [k for k in ks if k is not None]
+
+
 def short_name(name: str) -> str:
     k = hidden_index(name)
     return f"h{k}" if k is not None else name.removeprefix("target.")
