@@ -314,9 +314,9 @@ class Session:
             self._captures[memo] = self._stored[spec.id].capture(case, index)
         if memo not in self._captures:
             with self.clock.phase("session", case.path, spec.id, case.dtype):
-                case = self.engine_case(case, spec)
                 client = self.client(spec)
-                key = cache_key("capture", spec.id, client.started_info["version"], self.inputs_key(case, spec), ids)
+                key = self._capture_key(case, spec, ids)
+                case = self.engine_case(case, spec)
                 cached = self._cached(key)
                 if cached is None:
                     out = self.cache.path(key)
@@ -326,6 +326,10 @@ class Session:
                     cached = self._load(out)
             self._captures[memo] = cached
         return self._captures[memo]
+
+    def _capture_key(self, case: Case, spec: EngineSpec, ids: list[int]) -> str:
+        """The cache key of `spec`'s capture of prompt `ids` of `case` (prepared; started or stored)."""
+        return cache_key("capture", spec.id, self._version(spec), self.inputs_key(self.engine_case(case, spec), spec), ids)
 
     def _cached(self, key: str) -> Capture | None:
         if not self.options.use_cache:
@@ -382,8 +386,7 @@ class Session:
             return None
         client = self.client(spec)
         ids = self.prompt_ids(case)[index]
-        ref_key = cache_key("capture", source.id, self._version(source),
-                            self.inputs_key(self.engine_case(source_case, source), source), ids)  # fmt: skip
+        ref_key = self._capture_key(source_case, source, ids)
         case = self.engine_case(case, spec)
         key = cache_key("golden", spec.id, client.started_info["version"], self.inputs_key(case, spec), ref_key)
         cached = self._cached(key)
