@@ -190,14 +190,30 @@ def explain_engine_error(session: Session, case: Case, spec: EngineSpec, error: 
         view = _view(session, case, spec)
     except Exception:  # explaining must never hide the error itself
         return error
-    if view is None or view.reading.refusal is None or view.rule.words() in error:  # the adapter said it already
+    if view is not None and view.reading.refusal is not None and view.rule.words() not in error:
+        return f"predicted by the layer-id rule: {view.reading.explain()}\n{error}"
+    try:
+        causes = [f for f in _engine_findings(session, case, spec) if _explains(f, error)]
+    except Exception:  # explaining must never hide the error itself
         return error
-    return f"predicted by the layer-id rule: {view.reading.explain()}\n{error}"
+    return "\n".join([f"known cause (lint [{f.code}]): {f.message}" for f in causes] + [error])
+
+
+def _explains(finding, error: str) -> bool:
+    """A lint finding that accounts for an engine's error: it names a checkpoint tensor the error names
+    (a loader refusing a weight), or the engine cannot read the checkpoint's format at all."""
+    return any(w in error for w in finding.weights) or finding.code == "checkpoint-format"
 
 
 def _known_causes(session: Session, case: Case, spec: EngineSpec, introduced: str) -> list:
     """The lint's errors that name this engine (difftest.draft_rules), the one whose first changed
     tensor is where the error was introduced first: the static reason for a divergence just seen."""
+    hits = [f for f in _engine_findings(session, case, spec) if f.severity == "error"]
+    return sorted(hits, key=lambda f: f.tensor != introduced)
+
+
+def _engine_findings(session: Session, case: Case, spec: EngineSpec) -> list:
+    """The lint's findings that name this engine, under the rules of the release it runs."""
     from difftest.draft_rules import ENGINES
     from difftest.lint import lint_case
 
@@ -220,8 +236,7 @@ def _known_causes(session: Session, case: Case, spec: EngineSpec, introduced: st
         except ConfigError:
             own = []
         findings = [f for f in findings if f.code != "flag-ignored"] + own
-    hits = [f for f in findings if f.severity == "error" and spec.name in f.engines]
-    return sorted(hits, key=lambda f: f.tensor != introduced)
+    return [f for f in findings if spec.name in f.engines]
 
 
 def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:

@@ -27,6 +27,15 @@ FLAG_TENSORS = {
     "norm_output": "draft.step1.fc_out",
 }
 
+# The weights a flag brings into the checkpoint (tensor-name prefixes, as the engines' draft classes
+# and speculators name them): a draft trained with the flag holds them, and an engine that builds the
+# draft without the flag has no parameter to put them in (EngineDraftRules.unexpected_weights).
+FLAG_WEIGHTS = {
+    "norm_before_fc": ("input_norm.",),
+    "fc_norm": ("fc_norm.",),
+    "use_aux_norm": ("fc_norm.", "aux_norm_"),
+}
+
 
 @dataclass(frozen=True)
 class FlagRule:
@@ -48,6 +57,15 @@ class WeightRule:
 
 
 @dataclass(frozen=True)
+class LoadRule:
+    """What the engine's draft loader does with a tensor its model has no parameter for."""
+
+    unexpected: str
+    refuses: bool  # True: the engine fails to start; False: the tensor is dropped without a word
+    source: str
+
+
+@dataclass(frozen=True)
 class EngineDraftRules:
     engine: str
     version: str
@@ -57,6 +75,7 @@ class EngineDraftRules:
     reads_speculators_format: bool
     rope: str  # which config fields set the draft's rope
     d2t: str  # the d2t convention the engine assumes
+    unexpected_weights: LoadRule
 
     def flag(self, name: str) -> FlagRule | None:
         return next((r for r in self.flags if r.flag == name or name in r.aliases), None)
@@ -89,6 +108,10 @@ VLLM = EngineDraftRules(
     reads_speculators_format=True,  # vllm/transformers_utils/configs/speculators/algos.py::update_eagle3
     rope="rope_parameters (transformers 5 folds rope_theta / rope_scaling into it)",
     d2t="offsets: target id = draft id + d2t[draft id] (LlamaForCausalLMEagle3.compute_logits)",
+    # 0.32.0: AutoWeightsLoader raises "There is no module or parameter named ..."; 0.22.0 - 0.24.0:
+    # LlamaModel.load_weights indexes params_dict[name] (KeyError), read in both wheels.
+    unexpected_weights=LoadRule("refused at load: its weight loader has no parameter for them", True,
+                                f"{_VLLM_DRAFT}::LlamaModel.load_weights"),
 )
 
 SGLANG = EngineDraftRules(
@@ -115,6 +138,8 @@ SGLANG = EngineDraftRules(
     reads_speculators_format=False,  # no speculators_model_type handling anywhere in 0.5.23
     rope="rope_parameters, else rope_theta / rope_scaling (LlamaAttention)",
     d2t="offsets: hot_token_id = d2t + arange (LlamaForCausalLMEagle3.load_weights)",
+    # load_weights copies a tensor only `if param_name in params_dict`
+    unexpected_weights=LoadRule("dropped without a word", False, f"{_SGL_DRAFT}::LlamaForCausalLMEagle3.load_weights"),
 )
 
 ENGINES: dict[str, EngineDraftRules] = {r.engine: r for r in (VLLM, SGLANG)}

@@ -12,6 +12,9 @@ class Finding:
     message: str
     engines: tuple[str, ...] = ()  # the engines (difftest.draft_rules) that compute the draft differently
     tensor: str | None = None  # the first draft tensor the fault changes, where one can be named
+    # checkpoint tensor-name prefixes the fault concerns: an engine error naming one of them
+    # (a loader refusing a weight) is explained by this finding
+    weights: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return f"{self.severity} [{self.code}]: {self.message}"
@@ -19,4 +22,5 @@ class Finding:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["engines"] = list(self.engines)
+        d["weights"] = list(self.weights)
         return d

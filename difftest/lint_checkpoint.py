@@ -11,7 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from difftest.draft_rules import ENGINES, FLAG_TENSORS, EngineDraftRules, engine_reading, flag_locations
+from difftest.draft_rules import (
+    ENGINES,
+    FLAG_TENSORS,
+    FLAG_WEIGHTS,
+    SPECULATORS,
+    TOP,
+    EngineDraftRules,
+    engine_reading,
+    flag_locations,
+)
 from difftest.finding import Finding
 from difftest.weight_files import open_safetensors
 
@@ -60,11 +69,23 @@ def flag_findings(raw: dict, engines: Iterable[EngineDraftRules] | None = None) 
                    else f"reads it only from {' or '.join(rule.read_from)}")  # fmt: skip
             cite = rule.source if rule is not None else "(not in its draft class)"
             where_set = " and ".join(f"{w}" for w in places)
+            weights = FLAG_WEIGHTS.get(flag, ()) if meant and not got else ()
+            load = rules.unexpected_weights
+            if weights and load.refuses:
+                # the draft's weights for the flag have no parameter to go to: a refusal, not a divergence
+                what = (f"it builds the draft without {flag}, and the checkpoint's {' / '.join(w + '*' for w in weights)} "
+                        f"weights are {load.unexpected} ({load.source})")  # fmt: skip
+            else:
+                what = f"it runs the draft with {flag}={bool(got)}; the first tensor that differs is {FLAG_TENSORS[flag]}"
+            if speculators and rule is not None and TOP in rule.read_from and SPECULATORS not in rule.read_from:
+                fix = (f"convert the draft to the HF EAGLE-3 layout (the flag at the top level), or serve it with a "
+                       f"{rules.engine} release that reads speculators configs")  # fmt: skip
+            else:
+                fix = f"write the flag where {rules.engine} reads it, or train without it"
             out.append(Finding("flag-ignored", "error",
                 f"{flag}: {meant!r} in the draft config ({where_set}), but {rules.engine} {rules.version} {how} "
-                f"({cite}): it runs the draft with {flag}={bool(got)}; the first tensor that differs is "
-                f"{FLAG_TENSORS[flag]}. Fix: write the flag where {rules.engine} reads it, or train without it",
-                engines=(rules.engine,), tensor=FLAG_TENSORS[flag]))  # fmt: skip
+                f"({cite}): {what}. Fix: {fix}",
+                engines=(rules.engine,), tensor=FLAG_TENSORS[flag], weights=weights))  # fmt: skip
     return out
 
 

@@ -123,3 +123,26 @@ def test_a_flag_both_releases_run_alike_is_not_a_difference():
     lines = er.flag_differences("vllm", "0.24.0", "0.32.0", cfg)
     assert [ln.split(":")[1].strip() for ln in lines] == ["norm_output"]
     assert lines[0].endswith("(vllm-project/vllm#46488, first in vllm 0.25.0)")
+
+
+SPEC_FC_NORM = {"speculators_model_type": "eagle3", "fc_norm": True}
+
+
+def test_a_weighted_flag_an_old_vllm_does_not_build_is_predicted_as_a_load_refusal_naming_its_weights():
+    from difftest.lint_checkpoint import flag_findings
+
+    [f] = flag_findings(SPEC_FC_NORM, [er.engine_draft_rules("vllm", "0.24.0")])
+    assert f.code == "flag-ignored" and f.engines == ("vllm",) and f.weights == ("fc_norm.",)
+    assert f.message.startswith("fc_norm: True in the draft config (speculators config), but vllm 0.24.0 reads it only "
+                                "from top level")  # fmt: skip
+    assert "the checkpoint's fc_norm.* weights are refused at load" in f.message
+    assert "Fix: convert the draft to the HF EAGLE-3 layout" in f.message
+    assert flag_findings(SPEC_FC_NORM, [er.engine_draft_rules("vllm", "0.25.0")]) == []
+
+
+def test_a_weighted_flag_an_engine_drops_silently_is_predicted_as_a_divergence():
+    from difftest.lint_checkpoint import flag_findings
+
+    [f] = flag_findings({"norm_before_fc": True}, [er.engine_draft_rules("sglang", "0.5.16")])
+    assert "it runs the draft with norm_before_fc=False; the first tensor that differs is draft.fc_out" in f.message
+    assert "refused at load" not in f.message  # SGLang's loader drops the input_norm weights without a word

@@ -8,10 +8,12 @@ shipped case that exhibits a behaviour change.
   vLLM 0.24.0 -> 0.32.0     crosses vllm-project/vllm#46488 (first in 0.25.0): norm_output is
                             propagated from a speculators config. `cases/release_vllm_speculators_norm_output.yaml`
                             must fail where draft step 1 begins, naming the change; the tiny case,
-                            which meets no change, must pass.
+                            which meets no change, must pass. The same draft trained with fc_norm
+                            (`cases/release_vllm_speculators_fc_norm.yaml`) is refused by 0.24.0 at
+                            load: the failure names the flag, the weights and the fix.
 
-Each old release starts once: its session saves the baseline (SGLang's also runs it against the
-reference, `--engines=ref,sglang@0.5.16`: what a user of 0.5.16 gets today), and the pinned
+Each old release's session runs it against the reference (`--engines=ref,sglang@0.5.16`: what a user
+of 0.5.16 gets today) and saves the baseline, and the pinned
 release's session compares against the stored run (`--engines=sglang --baseline NAME:sglang@0.5.16`,
 `--engines=vllm --baseline NAME`). The cases declare each release pair's expected verdicts against
 the old release (`reference: sglang@0.5.16`), which hold whether it runs in the session
@@ -37,6 +39,7 @@ from difftest.paths import cache_root
 OLD_SGLANG, OLD_VLLM = "0.5.16", "0.24.0"
 CASE = "release_sglang_norm_before_fc"
 VLLM_CASE = "release_vllm_speculators_norm_output"
+FC_NORM_CASE = "release_vllm_speculators_fc_norm"
 SGLANG_BASELINE, VLLM_BASELINE = f"sglang-{OLD_SGLANG}", f"vllm-{OLD_VLLM}"
 
 
@@ -90,18 +93,30 @@ def sglang_bump(tmp_path_factory, baselines, sglang_old):
 
 @pytest.fixture(scope="module")
 def vllm_old(tmp_path_factory, baselines):
-    """The old release alone, saved as a golden baseline (`--engines=vllm@0.24.0 --save-baseline`)."""
+    """The old release against the reference, saved as a golden baseline in the same session
+    (`--engines=ref,vllm@0.24.0 --save-baseline`)."""
     old = f"vllm@{OLD_VLLM}"
-    return _session(tmp_path_factory.mktemp("vllm-old"), baselines, old, {old: _python("vllm", OLD_VLLM)},
+    return _session(tmp_path_factory.mktemp("vllm-old"), baselines, f"ref,{old}", {old: _python("vllm", OLD_VLLM)},
                     f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml", "--save-baseline", VLLM_BASELINE)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
+def vllm_old_fc_norm(tmp_path_factory, baselines):
+    """The fc_norm draft on the old release (`--engines=ref,vllm@0.24.0`): refused at load. No baseline:
+    a release that cannot load a draft has no run of it to store."""
+    old = f"vllm@{OLD_VLLM}"
+    return _session(tmp_path_factory.mktemp("vllm-old-fcnorm"), baselines, f"ref,{old}", {old: _python("vllm", OLD_VLLM)},
+                    f"cases/{FC_NORM_CASE}.yaml")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def vllm_bump(tmp_path_factory, baselines, vllm_old):
-    """The pinned release against the stored old one: `--engines=vllm --baseline vllm-0.24.0`."""
+    """The pinned release against the stored old one (the baseline holds ref and 0.24.0: pick one):
+    `--engines=vllm --baseline vllm-0.24.0:vllm@0.24.0`."""
     assert vllm_old.returncode == 0, vllm_old.output[-4000:]
     return _session(tmp_path_factory.mktemp("vllm-bump"), baselines, "vllm", {"vllm": _pinned("vllm")},
-                    f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml", "--baseline", VLLM_BASELINE)  # fmt: skip
+                    f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml", "--baseline",
+                    f"{VLLM_BASELINE}:vllm@{OLD_VLLM}")  # fmt: skip
 
 
 def _manifest(baselines: Path, name: str) -> dict:
@@ -120,7 +135,7 @@ def test_the_old_vllm_release_is_saved_as_a_baseline_naming_its_release(vllm_old
     m = _manifest(baselines, VLLM_BASELINE)["cases"]
     assert sorted(m) == [VLLM_CASE, "tiny_llama"]
     for case in m.values():
-        assert list(case["engines"]) == [f"vllm@{OLD_VLLM}"]
+        assert sorted(case["engines"]) == ["ref", f"vllm@{OLD_VLLM}"]
         info = case["engines"][f"vllm@{OLD_VLLM}"]["info"]
         assert (info["name"], release(info["version"])) == ("vllm", OLD_VLLM), info
 
@@ -147,7 +162,7 @@ def test_the_sglang_bump_feeds_the_same_layers(sglang_bump):
 
 def test_the_vllm_bump_is_green_with_every_change_declared(vllm_bump):
     assert vllm_bump.returncode == 0, vllm_bump.output[-4000:]
-    assert vllm_bump.report(VLLM_CASE)["reference"] == f"baseline:{VLLM_BASELINE}"
+    assert vllm_bump.report(VLLM_CASE)["reference"] == f"baseline:{VLLM_BASELINE}:vllm@{OLD_VLLM}"
 
 
 def test_the_vllm_bump_reports_norm_output_where_it_enters_citing_the_pull_request(vllm_bump):
@@ -175,10 +190,36 @@ def test_the_old_release_against_the_reference_names_the_flag_it_never_reads(sgl
     assert accept["data"]["engine"]["accept_length"] < accept["data"]["reference"]["accept_length"] - 1.0
 
 
+def test_the_old_vllm_release_against_the_reference_runs_the_draft_without_norm_output(vllm_old):
+    assert vllm_old.returncode == 0, vllm_old.output[-4000:]
+    logits = vllm_old.outcome(VLLM_CASE, f"vllm@{OLD_VLLM}", "draft_logits")
+    assert logits["outcome"] == "xfailed" and logits["data"]["introduced"].startswith("draft.step1."), logits["message"]
+    accept = vllm_old.outcome(VLLM_CASE, f"vllm@{OLD_VLLM}", "accept_length")
+    assert accept["data"]["engine"]["accept_length"] < accept["data"]["reference"]["accept_length"] - 0.5
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        r = vllm_old.outcome("tiny_llama", f"vllm@{OLD_VLLM}", check)
+        assert r["outcome"] == "passed", f"tiny_llama {check}: {r['message']}"
+
+
+def test_the_old_vllm_release_refuses_an_fc_norm_draft_naming_the_flag_its_weights_and_the_fix(vllm_old_fc_norm):
+    assert vllm_old_fc_norm.returncode == 0, vllm_old_fc_norm.output[-4000:]
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        r = vllm_old_fc_norm.outcome(FC_NORM_CASE, f"vllm@{OLD_VLLM}", check)
+        assert r["outcome"] == "xfailed", r["message"]
+    message = vllm_old_fc_norm.outcome(FC_NORM_CASE, f"vllm@{OLD_VLLM}", "fc_inputs")["message"]
+    assert ("known cause (lint [flag-ignored]): fc_norm: True in the draft config (speculators config), but vllm 0.24.0 "
+            "reads it only from top level") in message  # fmt: skip
+    assert "the checkpoint's fc_norm.* weights are refused at load" in message
+    assert "Fix: convert the draft to the HF EAGLE-3 layout" in message
+    assert "KeyError: 'fc_norm.0.weight'" in message  # the engine's own error, beneath the cause
+
+
 @pytest.mark.parametrize("run_name,case,reference,engine", [
     ("sglang_bump", CASE, f"sglang@{OLD_SGLANG}", "sglang"),
     ("sglang_old", CASE, "ref", f"sglang@{OLD_SGLANG}"),
     ("vllm_bump", VLLM_CASE, f"vllm@{OLD_VLLM}", "vllm"),
+    ("vllm_old", VLLM_CASE, "ref", f"vllm@{OLD_VLLM}"),
+    ("vllm_old_fc_norm", FC_NORM_CASE, "*", f"vllm@{OLD_VLLM}"),
 ])  # fmt: skip
 def test_every_expectation_a_case_declares_for_the_old_release_is_exercised(run_name, case, reference, engine, request):
     run = request.getfixturevalue(run_name)

@@ -17,6 +17,10 @@ Each is the tiny Llama draft with one fault a trainer, converter or exporter has
   tiny-llama-eagle3-spec-normout trained with norm_output=true, saved in the speculators format: vLLM
                                 propagates it from a speculators config from 0.25.0 (vllm PR 46488);
                                 0.22.0 - 0.24.0 read it from HF configs only and run the draft without it
+  tiny-llama-eagle3-spec-fcnorm trained with fc_norm=true (an RMSNorm per fc input chunk), saved in the
+                                speculators format: vLLM 0.25.0 and later build the norms from a
+                                speculators config (vllm PR 46488); 0.22.0 - 0.24.0 do not, and their
+                                loader has no place for the norms' weights
   tiny-llama-eagle3-rope500k    trained with the draft's own rope theta 500000 (rope_theta and
                                 rope_parameters agree): the draft as trained
   tiny-llama-eagle3-rope-conflict  that draft as a converter exported it: rope_theta 500000 kept,
@@ -54,8 +58,10 @@ ROPE_CONFLICT = "tiny-llama-eagle3-rope-conflict"
 UNSORTED = "tiny-llama-eagle3-unsorted"
 NBFC = "tiny-llama-eagle3-nbfc"
 SPEC_NORMOUT = "tiny-llama-eagle3-spec-normout"
+SPEC_FCNORM = "tiny-llama-eagle3-spec-fcnorm"
 LANE = base.LANE  # edits and retrains of the tiny-llama drafts
-NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, NO_D2T, UNSORTED, NBFC, SPEC_NORMOUT, ROPE_TRAINED, ROPE_CONFLICT]
+NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, NO_D2T, UNSORTED, NBFC, SPEC_NORMOUT, SPEC_FCNORM,
+         ROPE_TRAINED, ROPE_CONFLICT]
 ROPE_THETA = 500000.0
 UNSORTED_ORDER = [2, 0, 1]  # the good draft's chunks [h2, h4, h5] taken as [h5, h2, h4]
 EMBED_SEED = 11
@@ -72,6 +78,7 @@ FAULTS = {
     UNSORTED: "trained on [h5, h2, h4] (ids [5, 2, 4]); engines feed fc in layer order",
     NBFC: "trained with norm_before_fc=true (an RMSNorm over the concatenated fc input), saved in the HF layout",
     SPEC_NORMOUT: "trained with norm_output=true (later draft steps fed the normed output), saved in the speculators format",
+    SPEC_FCNORM: "trained with fc_norm=true (one RMSNorm per fc input chunk), saved in the speculators format",
 }
 
 
@@ -120,6 +127,11 @@ SPEC_NORMOUT_RECIPE = dataclasses.replace(
     NBR_RECIPE, name=SPEC_NORMOUT, save=_save_speculators, fmt="speculators",
     config=lambda: dataclasses.replace(drafts.draft_config(), norm_output=True),
     extra={"catalogue_fault": FAULTS[SPEC_NORMOUT]},
+)  # fmt: skip
+
+SPEC_FCNORM_RECIPE = dataclasses.replace(
+    SPEC_NORMOUT_RECIPE, name=SPEC_FCNORM, config=lambda: dataclasses.replace(drafts.draft_config(), fc_norm=True),
+    extra={"catalogue_fault": FAULTS[SPEC_FCNORM]},
 )  # fmt: skip
 
 
@@ -183,6 +195,7 @@ def _build_unsorted(out: Path, build: cache.Build) -> None:
 _BUILDERS: dict[str, cache.Builder] = {NBR: lambda out, build: drafts.build_draft(NBR_RECIPE, out, build), OWN_EMBED: _build_own_embed, NO_LM_HEAD: _build_no_lm_head, D2T_ABSOLUTE: _build_d2t_absolute, NO_D2T: _build_no_d2t,
              UNSORTED: _build_unsorted, NBFC: lambda out, build: drafts.build_draft(NBFC_RECIPE, out, build),
              SPEC_NORMOUT: lambda out, build: drafts.build_draft(SPEC_NORMOUT_RECIPE, out, build),
+             SPEC_FCNORM: lambda out, build: drafts.build_draft(SPEC_FCNORM_RECIPE, out, build),
              ROPE_TRAINED: lambda out, build: drafts.build_draft(ROPE_RECIPE, out, build),
              ROPE_CONFLICT: _build_rope_conflict}  # fmt: skip
 _DEPS: dict[str, list[str]] = {**dict.fromkeys(NAMES, []), ROPE_CONFLICT: [ROPE_TRAINED]}
