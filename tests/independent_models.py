@@ -787,3 +787,17 @@ def introduced_in(introduced: str, where: str) -> bool:
     s = int(step.removeprefix("step"))
     carried = "draft.hidden_prenorm" if s == 1 else f"draft.step{s - 1}.hidden_prenorm"
     return introduced.startswith(where) or introduced.startswith(f"draft.{step}.") or introduced == carried
+
+
+if __name__ == "__main__":
+    # `python tests/independent_models.py [NAME ...]`: build the targets and drafts (all, or those
+    # named) into the cache. .ci/run does this during setup, beside the installs and the fixture
+    # lanes, so that no test stream pays for a first build.
+    import sys
+
+    names = sys.argv[1:] or list(TARGETS)
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        print(f"independent_models.py: no target {unknown[0]!r}; known: {', '.join(TARGETS)}", file=sys.stderr)
+        raise SystemExit(2)
+    ensure_models(names)

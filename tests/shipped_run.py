@@ -74,12 +74,18 @@ def _load(directory: Path) -> Run:
     return Run(meta["returncode"], (directory / "output.txt").read_text(), directory)
 
 
-def shipped() -> Run:
-    """The stored run for this tree and these environments, made now if there is none."""
+def _places() -> tuple[Path, Path]:
+    """The stored run's directory for this tree and these environments, and the lock its maker holds."""
     base = cache_root() / "shipped-runs"
     base.mkdir(parents=True, exist_ok=True)
-    directory = base / run_key()
-    with open(base / f".{directory.name}.lock", "w") as lock:
+    key = run_key()
+    return base / key, base / f".{key}.lock"
+
+
+def shipped() -> Run:
+    """The stored run for this tree and these environments, made now if there is none."""
+    directory, lock_path = _places()
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (directory / "run.json").exists():
             # written in place (the reports' links name their final paths); run.json, renamed into place
@@ -95,6 +101,25 @@ def shipped() -> Run:
             marker.write_text(json.dumps({"returncode": run.returncode, "engines": ENGINES}))
             os.rename(marker, directory / "run.json")
     return _load(directory)
+
+
+def reference_captures() -> None:
+    """Before a test runs shipped cases on `ref` beside another engine (`ref[wiring=vllm]`, `train`):
+    while the shipped run is being made (scripts/test starts it before the suite), wait for it. It
+    writes the reference's captures and speculative runs of every shipped case into the capture
+    cache (`--no-capture-cache` only stops it reading the cache), so the test's own run reads them
+    by content key instead of computing the reference again. Nothing is started here: without a
+    run under way (no engines, or a test run alone) the test computes the reference itself."""
+    if missing_engines():
+        return
+    directory, lock_path = _places()
+    if (directory / "run.json").exists():
+        return
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its maker holds the lock: wait until the run is stored
+            fcntl.flock(lock, fcntl.LOCK_EX)
 
 
 def shipped_or_skip() -> Run:

@@ -1,5 +1,8 @@
-"""The shipped cases, run as a user runs them: `pytest cases/ --engines=ref,"ref[wiring=...]"`
-on the built-in tiny models (built once into the cache)."""
+"""The shipped cases, run as a user runs them: `pytest cases/... --engines=ref,"ref[wiring=...]"`
+on the built-in tiny models (built once into the cache).
+
+The `ref` lane of these runs is the shipped run's (tests/shipped_run.py): each run waits for it
+and reads the reference's captures from the capture cache, so only the other lane is computed."""
 
 from __future__ import annotations
 
@@ -8,18 +11,33 @@ import shutil
 import pytest
 
 from helpers import ROOT, run_pytest
+from shipped_run import reference_captures
 
 
 def project(tmp_path_factory):
-    """A copy of cases/ in a scratch root, so reports do not land in the repository."""
+    """A copy of cases/ in a scratch root, so reports do not land in the repository; the shipped
+    run's reference captures in the cache first."""
+    reference_captures()
     root = tmp_path_factory.mktemp("project")
     shutil.copytree(ROOT / "cases", root / "cases")
     return root
 
 
+# The shipped cases this module judges on vLLM's wiring: the tiny pair, the seed and its inferred
+# twin, and every catalogue case (its lint, and that it fails only as declared). The DeepSeek cases
+# are judged on the presets by tests/test_cases_deepseek.py and tests/test_deepseek_fixture.py, and
+# every shipped case on the engines themselves by the shipped run (tests/test_shipped_cases.py).
+JUDGED = ("tiny_llama", "tiny_llama_speculators", "seed_miswired_training", "seed_infer_wiring")
+
+
+def judged_cases() -> list[str]:
+    catalogue = sorted(p.stem for p in (ROOT / "cases").glob("catalogue_*.yaml"))
+    return [f"cases/{name}.yaml" for name in (*JUDGED, *catalogue)]
+
+
 @pytest.fixture(scope="module")
 def vllm_wired(tmp_path_factory):
-    return run_pytest(project(tmp_path_factory), "cases/", "--engines=ref,ref[wiring=vllm]")
+    return run_pytest(project(tmp_path_factory), *judged_cases(), "--engines=ref,ref[wiring=vllm]")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,53 @@
+"""The order the suite's modules are handed to scripts/test's two streams.
+
+`pytest-xdist --dist loadfile` keeps a module on one stream and hands the next module to whichever
+stream is free. By default it hands them out by test count, most first, which puts the modules
+that run engine sessions over a few tests (the `difftest fix` runs, the writer and trainer
+end-to-end runs, the rule property test) last, where one stream runs the last of them while the
+other has finished. scripts/test passes `--no-loadscope-reorder`, so the streams take the modules
+in this order instead: the long ones first, longest first (longest-processing-time order), then
+the rest by test count as before, so that short modules fill in while the long ones finish.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+# Seconds on one stream in the last fresh-clone CI measure (stop 25: module setup plus its slowest
+# items), longest first. An estimate only orders the queue; a wrong one costs balance, not results.
+LONG_MODULES = (
+    "test_noise_matrix.py",  # 457: the independent models' session on ref, vLLM and SGLang
+    "test_upgrade_real_releases.py",  # 292: four sessions on the old and pinned releases
+    "test_fix_command.py",  # 284: `difftest fix` verified on SGLang three times
+    "test_speculators_writer_e2e.py",  # ~200: vLLM server, speculators' writer and trainer
+    "test_trainer_e2e.py",  # ~170: a trainer run, serving e2e and the metric oracle
+    "test_layer_rules_engines.py",  # 126 and more: the rule property test on SGLang and vLLM
+    "test_upgrade_check.py",  # 125: the simulated two-label SGLang upgrade
+    "test_cases.py",  # the reference presets over every shipped case, after the shipped run
+)
+
+
+def _check_listed() -> None:
+    missing = [name for name in LONG_MODULES if not (HERE / name).exists()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: LONG_MODULES names {missing[0]}, which is not in tests/")
+
+
+_check_listed()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    counts = Counter(item.path for item in items)
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+
+    def order(item: pytest.Item) -> tuple:
+        if item.path.name in rank and item.path.parent == HERE:
+            return (0, rank[item.path.name], 0, "")
+        return (1, 0, -counts[item.path], str(item.path))
+
+    items.sort(key=order)  # stable: a module's own tests keep their order
