@@ -48,3 +48,19 @@ def test_a_bad_jobs_count_is_refused_in_one_line(capsys, jobs, why):
         cli.main(["fixtures", "--jobs", jobs])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"difftest fixtures: error: argument --jobs: {why}"
+
+
+def test_the_build_queue_takes_the_lanes_in_turn_and_lists_every_fixture_once():
+    from importlib import metadata
+
+    from difftest.session import FIXTURE_GROUP
+
+    lanes = cli._lanes(list(metadata.entry_points(group=FIXTURE_GROUP)))
+    queue = cli._queue(lanes)
+    lane_of = {provider: i for i, lane in enumerate(lanes) for provider in lane}
+    assert len(queue) == len(set(queue))
+    assert [lane_of[p] for p, _ in queue[: len(lanes)]] == list(range(len(lanes)))  # each process its own lane first
+    from engines.ref import fixtures_catalogue
+
+    assert [n for p, n in queue if p == "catalogue"] == fixtures_catalogue.NAMES  # in the provider's build order
+    assert ("train-data", None) in queue  # no per-fixture command line: built whole
