@@ -263,6 +263,8 @@ class VllmEngine(Engine):
             # NUMA node per rank) and refuses TP = 2 on a one-node machine; "nobind" leaves the
             # threads where OMP_NUM_THREADS and the scheduler put them. A user's own binding wins.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            if measures:  # the rank processes are spawned: they apply the measures on import (compat.py)
+                kwargs.setdefault("worker_extension_cls", compat.RANK_EXTENSION)
         if compat.CPU_MLA in measures:
             kwargs["attention_backend"] = "CPU_MLA"
             if compat.is_mla(_read_config(draft)):
