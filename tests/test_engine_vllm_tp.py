@@ -138,16 +138,25 @@ def llama(tmp_path_factory):
     return _session(tmp_path_factory.mktemp("vllm_tp_llama"), LLAMA, f"ref,vllm,{TP2}")
 
 
-def _captures(cache: Path, engine: str) -> dict[tuple, object]:
-    """The session's captures of `engine` by (prompt ids, golden or not)."""
+def _captures(cache: Path, engine: str, case: str) -> dict[tuple, object]:
+    """The session's captures of `engine` on `case` by (prompt ids, golden or not). The shipped
+    Llama cases share their prompts: a capture's case is told by the draft it ran (the adapter
+    names it in meta.wiring.source)."""
     from difftest.capture import Capture
 
+    draft = _yaml_field(case, "draft").removeprefix("fixture:")
     out = {}
     for manifest in (cache / "captures").rglob("manifest.json"):
         meta = json.loads(manifest.read_text())["meta"]
-        if meta.get("engine") == engine:
+        if meta.get("engine") == engine and meta["wiring"]["source"].endswith(f"/{draft})"):
             out[(tuple(meta["prompt_ids"]), bool(meta.get("golden_fc_in")))] = Capture.load(manifest.parent)
     return out
+
+
+def _yaml_field(case: str, field: str) -> str:
+    import yaml
+
+    return str(yaml.safe_load((ROOT / "cases" / f"{case}.yaml").read_text())[field])
 
 
 def test_tp2_gives_the_tp1_verdicts_on_the_llama_cases(llama):
@@ -175,7 +184,7 @@ def test_tp2_captures_are_within_the_measured_noise_of_tp1(llama):
     figures = []
     for case in LLAMA:
         floor = NoiseFloor.from_dict(llama.report(case)["noise_floor"])
-        one, two = _captures(llama.cache, "vllm"), _captures(llama.cache, TP2)
+        one, two = _captures(llama.cache, "vllm", case), _captures(llama.cache, TP2, case)
         prompts = [k for k in one if not k[1] and k in two]
         assert prompts, f"{case}: no TP=1 / TP=2 capture pairs in {llama.cache}"
         for key in prompts:
@@ -187,8 +196,8 @@ def test_tp2_captures_are_within_the_measured_noise_of_tp1(llama):
 
 
 def test_tp2_capture_is_one_whole_tensor_per_name_with_its_gather_in_meta(llama):
-    two = _captures(llama.cache, TP2)
-    one = _captures(llama.cache, "vllm")
+    two = _captures(llama.cache, TP2, "tiny_llama")
+    one = _captures(llama.cache, "vllm", "tiny_llama")
     key = next(k for k in two if not k[1])
     cap = two[key]
     tp_meta = cap.meta.extra["tensor_parallel"]
@@ -217,7 +226,7 @@ def test_tp2_golden_inputs_rerun_the_draft_on_the_reference_fc_in(llama):
     for case in LLAMA:
         golden = llama.outcome(case, TP2, "draft_logits")["data"]["golden"]
         assert golden["outcome"] == "matches", f"{case}: {golden}"
-    assert any(k[1] for k in _captures(llama.cache, TP2)), "no golden-input capture was made at TP=2"
+    assert any(k[1] for k in _captures(llama.cache, TP2, "tiny_llama")), "no golden-input capture was made at TP=2"
 
 
 # -- a rank's process killed mid-session -----------------------------------------------------------
