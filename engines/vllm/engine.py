@@ -379,8 +379,14 @@ class VllmEngine(Engine):
         try:
             res = self._guarded(lambda: llm.generate([{"prompt_token_ids": list(prompt_ids)}], self._sampling(2),
                                                      use_tqdm=False))  # fmt: skip
-        finally:
-            recs = self._rpc(hooks.fetch, n)
+        except BaseException:
+            if self._llm is not None:  # still running: disarm it, keep the generate error
+                try:
+                    self._rpc(hooks.disarm)
+                except Exception:
+                    pass
+            raise
+        recs = self._rpc(hooks.fetch, n)
         for r, rec in enumerate(recs):
             where = f" (tensor-parallel rank {r})" if len(recs) > 1 else ""
             if rec.get("errors"):
