@@ -2,8 +2,9 @@
 
 One `pytest cases/ --engines=ref,vllm,"vllm[tensor_parallel_size=2]"` session over the shipped Llama
 cases (tiny_llama: correct; seed_miswired_training: miswired) gives TP = 1 and TP = 2 side by side
-against the same reference; a second, short session kills one rank's process. The DeepSeek-V3
-(MLA + MoE) cases at TP = 2 are heavier and run with DIFFTEST_FULL_MATRIX=1.
+against the same reference. Each TP = 2 start spawns two rank processes that import vLLM afresh,
+so the other sessions run with DIFFTEST_FULL_MATRIX=1 only: one that kills a rank's process, and
+the DeepSeek-V3 (MLA + MoE) cases at TP = 1 and TP = 2.
 
 The gather itself (engines/vllm/tp.py) is also tested without an engine, on records built here.
 Needs vLLM's environment (`scripts/setup-engine vllm`) for the sessions: skipped with that command
@@ -260,6 +261,8 @@ def _alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """tiny_llama with ref and vllm at TP = 2; rank 1's process is SIGKILLed once the hooks are in."""
+    if not FULL:
+        pytest.skip("a rank killed mid-session (one more TP=2 engine start): set DIFFTEST_FULL_MATRIX=1")
     python = vllm_python()
     tmp = tmp_path_factory.mktemp("vllm_tp_kill")
     root = tmp / "run"
@@ -294,7 +297,8 @@ def test_a_killed_rank_fails_only_vllms_items_with_that_ranks_own_exit(killed):
         assert result["outcome"] == "error", f"{check}: {result['message']}"
         assert f"rank 1 (pid {killed.victim}) killed by SIGKILL" in result["message"], result["message"]
         assert "\n" not in result["message"]
-        assert killed.outcome("tiny_llama", "ref", check)["outcome"] != "error"
+    ref = [r for r in killed.report("tiny_llama")["checks"] if r["engine"] == "ref"]
+    assert ref and all(r["outcome"] == "passed" for r in ref), ref
 
 
 def test_a_killed_rank_leaves_no_process_of_any_rank_behind(killed):
