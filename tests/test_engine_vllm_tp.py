@@ -325,3 +325,24 @@ def test_deepseek_mla_moe_cases_give_the_tp1_verdicts_at_tp2(deepseek):
             assert two["outcome"] == one["outcome"], f"{case} {check}: TP=2 {two['message']}\nTP=1 {one['message']}"
     assert deepseek.outcome("tiny_deepseek_v3", TP2, "fc_inputs")["outcome"] == "passed"
     assert deepseek.outcome("tiny_deepseek_v3_first_id_1", TP2, "fc_inputs")["outcome"] == "xfailed"
+
+
+# -- `difftest fix` verified at TP = 2: DIFFTEST_FULL_MATRIX=1 ------------------------------------
+
+
+def test_difftest_fix_for_the_seed_case_is_verified_on_vllm_at_tp2(tmp_path):
+    """The seed's config fix (ids [0, 2, 4]) verified by `pytest --engines=ref,vllm[tensor_parallel_size=2]`
+    on the patched case: every check of the tensor-parallel engine passes."""
+    import subprocess
+    import sys
+
+    if not FULL:
+        pytest.skip("`difftest fix` verified at TP=2 (one more TP=2 engine start): set DIFFTEST_FULL_MATRIX=1")
+    run = subprocess.run([sys.executable, "-m", "difftest.cli", "fix", str(ROOT / "cases" / "seed_miswired_training.yaml"),
+                          "--engine", TP2, "--report-dir", str(tmp_path), f"--engine-python=vllm={vllm_python()}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads((tmp_path / "fix" / "seed_miswired_training.vllm.fix.json").read_text())
+    assert result["patch"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}
+    assert result["verified"] is True, result["verification"]
+    assert "accept_length passed" in run.stdout

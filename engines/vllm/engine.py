@@ -30,6 +30,11 @@ speculate(): greedy generation over the prompts; acceptance from vLLM's own coun
 _num_accepted_tokens_per_pos, as deltas) cross-checked against the per-request
 `spec_decode_metrics`. Accept length = accepted / drafts + 1 (= vLLM's mean_acceptance_length).
 
+Tensor parallel (tensor_parallel_size > 1): vLLM's MultiprocExecutor runs one process per rank;
+the hooks run in each, and engines/vllm/tp.py gathers the ranks' records into one whole tensor per
+name (replicated ones checked equal, vocabulary slices joined); a rank process that dies ends this
+worker with that rank's exit (EngineSpent).
+
 Settings (case `engines: {vllm: {...}}`, overridden by the engine spec `vllm[key=value]`):
   enforce_eager (default true), max_model_len (512), tensor_parallel_size (1), seed (0),
   dtype (default: the case's), num_speculative_tokens (default: the case's num_steps),
