@@ -140,9 +140,9 @@ def llama(tmp_path_factory):
 
 
 def _captures(cache: Path, engine: str, case: str) -> dict[tuple, object]:
-    """The session's captures of `engine` on `case` by (prompt ids, golden or not). The shipped
-    Llama cases share their prompts: a capture's case is told by the draft it ran (the adapter
-    names it in meta.wiring.source)."""
+    """The session's captures of `engine` on `case` by (prompt ids, golden or not, wiring source).
+    The shipped cases share prompts and drafts: a capture's case is told by the draft it ran and
+    the aux layers vLLM read (both in meta.wiring.source, the same string at TP = 1 and 2)."""
     from difftest.capture import Capture
 
     draft = _yaml_field(case, "draft").removeprefix("fixture:")
@@ -150,7 +150,8 @@ def _captures(cache: Path, engine: str, case: str) -> dict[tuple, object]:
     for manifest in (cache / "captures").rglob("manifest.json"):
         meta = json.loads(manifest.read_text())["meta"]
         if meta.get("engine") == engine and meta["wiring"]["source"].endswith(f"/{draft})"):
-            out[(tuple(meta["prompt_ids"]), bool(meta.get("golden_fc_in")))] = Capture.load(manifest.parent)
+            key = (tuple(meta["prompt_ids"]), bool(meta.get("golden_fc_in")), meta["wiring"]["source"])
+            out[key] = Capture.load(manifest.parent)
     return out
 
 
