@@ -2,8 +2,9 @@
 
 One `pytest cases/ --engines=ref,vllm,"vllm[tensor_parallel_size=2]"` session over the shipped Llama
 cases (tiny_llama: correct; seed_miswired_training: miswired) gives TP = 1 and TP = 2 side by side
-against the same reference. Each TP = 2 start spawns two rank processes that import vLLM afresh,
-so the other sessions run with DIFFTEST_FULL_MATRIX=1 only: one that kills a rank's process, and
+against the same reference (the default suite: the miswired case only). Each TP = 2 start spawns
+two rank processes that import vLLM afresh, so the rest runs with DIFFTEST_FULL_MATRIX=1 only:
+tiny_llama in that session, a `difftest fix` verified at TP = 2, one that kills a rank's process, and
 the DeepSeek-V3 (MLA + MoE) cases at TP = 1 and TP = 2.
 
 The gather itself (engines/vllm/tp.py) is also tested without an engine, on records built here.
@@ -29,10 +30,12 @@ from test_engine_vllm import vllm_python
 from difftest.errors import EngineError
 
 TP2 = "vllm[tensor_parallel_size=2]"
-LLAMA = ("tiny_llama", "seed_miswired_training")
+FULL = os.environ.get("DIFFTEST_FULL_MATRIX") == "1"
+# The default suite runs the miswired case alone (TP = 1 and TP = 2 are four vLLM starts per
+# case, about 2.5 min on a 2-core machine); the correct one joins it under DIFFTEST_FULL_MATRIX.
+LLAMA = ("seed_miswired_training", "tiny_llama") if FULL else ("seed_miswired_training",)
 DEEPSEEK = ("tiny_deepseek_v3", "tiny_deepseek_v3_mla_draft", "tiny_deepseek_v3_first_id_1")
 CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
-FULL = os.environ.get("DIFFTEST_FULL_MATRIX") == "1"
 
 
 # -- the gather, on records built here --------------------------------------------------------
@@ -162,11 +165,14 @@ def _yaml_field(case: str, field: str) -> str:
 
 
 def test_tp2_gives_the_tp1_verdicts_on_the_llama_cases(llama):
+    """Every check's outcome at TP = 2 is TP = 1's: the miswired case fails (xfailed, as it
+    declares) and, with DIFFTEST_FULL_MATRIX=1, tiny_llama passes."""
     for case in LLAMA:
         for check in CHECKS:
             one, two = llama.outcome(case, "vllm", check), llama.outcome(case, TP2, check)
             assert two["outcome"] == one["outcome"], f"{case} {check}: TP=2 {two['message']}\nTP=1 {one['message']}"
-    assert llama.outcome("tiny_llama", TP2, "fc_inputs")["outcome"] == "passed"
+    if "tiny_llama" in LLAMA:
+        assert llama.outcome("tiny_llama", TP2, "fc_inputs")["outcome"] == "passed"
 
 
 def test_tp2_fails_the_miswired_case_with_the_tp1_cause(llama):
@@ -198,8 +204,8 @@ def test_tp2_captures_are_within_the_measured_noise_of_tp1(llama):
 
 
 def test_tp2_capture_is_one_whole_tensor_per_name_with_its_gather_in_meta(llama):
-    two = _captures(llama.cache, TP2, "tiny_llama")
-    one = _captures(llama.cache, "vllm", "tiny_llama")
+    two = _captures(llama.cache, TP2, LLAMA[0])
+    one = _captures(llama.cache, "vllm", LLAMA[0])
     key = next(k for k in two if not k[1])
     cap = two[key]
     tp_meta = cap.meta.extra["tensor_parallel"]
@@ -228,7 +234,7 @@ def test_tp2_golden_inputs_rerun_the_draft_on_the_reference_fc_in(llama):
     for case in LLAMA:
         golden = llama.outcome(case, TP2, "draft_logits")["data"]["golden"]
         assert golden["outcome"] == "matches", f"{case}: {golden}"
-    assert any(k[1] for k in _captures(llama.cache, TP2, "tiny_llama")), "no golden-input capture was made at TP=2"
+    assert any(k[1] for k in _captures(llama.cache, TP2, LLAMA[0])), "no golden-input capture was made at TP=2"
 
 
 # -- a rank's process killed mid-session -----------------------------------------------------------
