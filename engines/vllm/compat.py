@@ -30,7 +30,12 @@ The patch has to exist in every process that builds the attention backends. The 
 and its worker run in the difftest worker (VLLM_ENABLE_V1_MULTIPROCESSING=0), and vLLM forks
 its processes on CPU, so patching here before `vllm.LLM` covers them; for spawned processes
 the measure list travels in the environment (DIFFTEST_VLLM_COMPAT) and this module applies it
-at import (module top level), when such a process imports the adapter's modules.
+at import (module top level), when such a process imports the adapter's modules. Under tensor
+parallelism (tensor_parallel_size > 1) vLLM spawns one process per rank
+(platforms/cpu.py::CpuPlatform.check_and_update_config sets VLLM_WORKER_MULTIPROC_METHOD=spawn),
+and nothing in it imports this module by itself: the adapter names `RankProcess` as vLLM's
+`worker_extension_cls`, which v1/worker/worker_base.py::WorkerWrapperBase.init_worker imports in
+every rank before the model and its attention backends are built.
 """
 
 from __future__ import annotations
@@ -164,5 +169,12 @@ def _apply_from_env() -> None:
         raise RuntimeError(f"{ENV}={os.environ[ENV]!r}: unknown measure {unknown[0]!r} (known: {', '.join(DESCRIPTIONS)})")
     apply(names)
 
+
+class RankProcess:
+    """vLLM's worker_extension_cls for tensor-parallel ranks: importing it (this module) applies the
+    measures DIFFTEST_VLLM_COMPAT names in the rank's own process. It adds no methods."""
+
+
+RANK_EXTENSION = f"{__name__}.RankProcess"
 
 _apply_from_env()

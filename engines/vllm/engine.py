@@ -30,6 +30,11 @@ speculate(): greedy generation over the prompts; acceptance from vLLM's own coun
 _num_accepted_tokens_per_pos, as deltas) cross-checked against the per-request
 `spec_decode_metrics`. Accept length = accepted / drafts + 1 (= vLLM's mean_acceptance_length).
 
+Tensor parallel (tensor_parallel_size > 1): vLLM's MultiprocExecutor runs one process per rank;
+the hooks run in each, and engines/vllm/tp.py gathers the ranks' records into one whole tensor per
+name (replicated ones checked equal, vocabulary slices joined); a rank process that dies ends this
+worker with that rank's exit (EngineSpent).
+
 Settings (case `engines: {vllm: {...}}`, overridden by the engine spec `vllm[key=value]`):
   enforce_eager (default true), max_model_len (512), tensor_parallel_size (1), seed (0),
   dtype (default: the case's), num_speculative_tokens (default: the case's num_steps),
@@ -43,6 +48,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -55,10 +61,10 @@ from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
 from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
-from difftest.errors import ConfigError, EngineError, EngineUnavailable
+from difftest.errors import ConfigError, EngineError, EngineSpent, EngineUnavailable
 from difftest.names import draft_name
 from difftest.paths import cache_root
-from engines.vllm import compat, releases
+from engines.vllm import compat, releases, tp
 from engines.vllm.settings import SCHEMA
 
 PINNED = "0.32.0"  # the version whose internals engines/vllm/hooks.py names
@@ -161,6 +167,7 @@ class VllmEngine(Engine):
         self._vllm = None
         self._failed: dict[str, EngineError] = {}  # settings -> why vLLM would not start: not retried
         self._compat: list[str] = []  # compatibility measures the running engine was started with
+        self._ranks: list[dict] = []  # the running engine's tensor-parallel ranks (hooks.rank_of)
 
     # -- environment -----------------------------------------------------------------
     def _lib(self):
@@ -251,6 +258,18 @@ class VllmEngine(Engine):
         kwargs.update(s["llm_args"])
         if compat.ROPE_NATIVE in measures:
             kwargs = compat.with_native_rope(kwargs)
+        if s["tensor_parallel_size"] > 1:
+            # one worker process per rank (v1/executor/multiproc_executor.py::MultiprocExecutor); the
+            # engine core stays in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so collective_rpc
+            # reaches every rank and the executor's processes are children of this worker
+            kwargs.setdefault("distributed_executor_backend", "mp")
+            # vLLM binds rank r's OpenMP threads to NUMA node r by default ("auto":
+            # utils/ompmultiprocessing.py::OMPProcessManager._get_autobind_cpu_ids asserts one allowed
+            # NUMA node per rank) and refuses TP = 2 on a one-node machine; "nobind" leaves the
+            # threads where OMP_NUM_THREADS and the scheduler put them. A user's own binding wins.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            if measures:  # the rank processes are spawned: they apply the measures on import (compat.py)
+                kwargs.setdefault("worker_extension_cls", compat.RANK_EXTENSION)
         if compat.CPU_MLA in measures:
             kwargs["attention_backend"] = "CPU_MLA"
             if compat.is_mla(_read_config(draft)):
@@ -271,10 +290,54 @@ class VllmEngine(Engine):
         print(f"[difftest.vllm] engine up in {time.time() - started:.1f}s", file=sys.stderr, flush=True)
         from engines.vllm import hooks
 
-        self._wiring = llm.collective_rpc(hooks.install, args=(s["enforce_eager"],))[0]
-        print(f"[difftest.vllm] hooks installed: {self._wiring}", file=sys.stderr, flush=True)
-        self._llm, self._key = llm, key
+        self._llm, self._key = llm, key  # from here on close() shuts it down, whatever fails next
+        wirings = self._rpc(hooks.install, s["enforce_eager"])
+        self._ranks = self._rpc(hooks.rank_of)
+        for rank, other in enumerate(wirings[1:], 1):
+            if other != wirings[0]:
+                self._shutdown()
+                raise EngineError(f"vllm: tensor-parallel rank {rank} sees another model than rank 0: {other} vs {wirings[0]}")
+        self._wiring = wirings[0]
+        print(f"[difftest.vllm] hooks installed on {len(wirings)} rank(s) {self._ranks}: {self._wiring}",
+              file=sys.stderr, flush=True)  # fmt: skip
         return llm
+
+    def _rpc(self, fn, *args) -> list:
+        """`LLM.collective_rpc(fn)`: one answer per tensor-parallel rank, in rank order."""
+        return self._guarded(lambda: self._llm.collective_rpc(fn, args=args))
+
+    def _guarded(self, call):
+        """`call()` on the running engine; a rank process that died under it (tensor parallel: the
+        MultiprocExecutor's workers) ends this worker with that rank's own exit, not vLLM's
+        follow-up error ("Executor failed.")."""
+        try:
+            return call()
+        except Exception as e:
+            dead = self._dead_ranks()
+            if not dead:
+                raise
+            traceback.print_exc()
+            self._shutdown()
+            raise EngineSpent(f"vllm: tensor-parallel {'; '.join(dead)} (vLLM then: {_first_line(e)}); "
+                              "the engine's other ranks were shut down with it") from None  # fmt: skip
+
+    def _dead_ranks(self) -> list[str]:
+        """Rank processes of the running engine that have exited, as 'rank R (pid P) ...' lines.
+        v1/executor/multiproc_executor.py::MultiprocExecutor.workers: one WorkerProcHandle per rank,
+        whose multiprocessing `proc` knows its exit code."""
+        try:
+            workers = self._llm.llm_engine.engine_core.engine_core.model_executor.workers
+        except AttributeError:  # the uniprocess executor (TP = 1): no rank processes
+            return []
+        out = []
+        for w in workers:
+            proc = getattr(w, "proc", None)
+            code = None if proc is None else proc.exitcode
+            if code is None:
+                continue
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            out.append(f"rank {w.rank} (pid {proc.pid}) {how}")
+        return out
 
     def _overlay(self, draft: str, overrides: dict) -> Path:
         from difftest.overlay import overlay_checkpoint
@@ -317,19 +380,77 @@ class VllmEngine(Engine):
         n = len(prompt_ids)
         if n + 2 > s["max_model_len"]:
             raise ConfigError(f"{case.path}: prompt of {n} tokens does not fit max_model_len {s['max_model_len']}")
-        llm.collective_rpc(hooks.arm, args=(golden,))
+        self._rpc(hooks.arm, golden)
         try:
-            res = llm.generate([{"prompt_token_ids": list(prompt_ids)}], self._sampling(2), use_tqdm=False)
-        finally:
-            rec = llm.collective_rpc(hooks.fetch, args=(n,))[0]
-        if rec.get("errors"):
-            raise EngineError(f"vllm: {'; '.join(rec['errors'])}")
-        if rec["phase"] != "done":
-            raise EngineError(f"vllm: the draft did not run after the prefill (recorder stopped at {rec['phase']!r})")
+            res = self._guarded(lambda: llm.generate([{"prompt_token_ids": list(prompt_ids)}], self._sampling(2),
+                                                     use_tqdm=False))  # fmt: skip
+        except BaseException:
+            if self._llm is not None:  # still running: disarm it, keep the generate error
+                try:
+                    self._rpc(hooks.disarm)
+                except Exception:
+                    pass
+            raise
+        recs = self._rpc(hooks.fetch, n)
+        for r, rec in enumerate(recs):
+            where = f" (tensor-parallel rank {r})" if len(recs) > 1 else ""
+            if rec.get("errors"):
+                raise EngineError(f"vllm{where}: {'; '.join(rec['errors'])}")
+            if rec["phase"] != "done":
+                raise EngineError(f"vllm{where}: the draft did not run after the prefill (recorder stopped at {rec['phase']!r})")
         tokens = list(res[0].outputs[0].token_ids)
-        return self._build_capture(case, s, list(prompt_ids), rec, tokens)
+        return self._build_capture(case, s, list(prompt_ids), recs, tokens)
 
-    def _build_capture(self, case: Case, s: dict, prompt: list[int], rec: dict, tokens: list[int]) -> Capture:
+    def _build_capture(self, case: Case, s: dict, prompt: list[int], recs: list[dict], tokens: list[int]) -> Capture:
+        """One capture from every rank's record: at TP = 1 the one record's tensors; under tensor
+        parallelism one whole tensor per name, gathered by vLLM's sharding rule (engines/vllm/tp.py)."""
+        per_rank = [self._rank_tensors(s, prompt, rec, tokens, r if len(recs) > 1 else None) for r, rec in enumerate(recs)]
+        rec = recs[0]
+        if len(recs) == 1:
+            tensors, aux_consistency = per_rank[0]
+            gathered = None
+        else:
+            pids = {int(x["rank"]): int(x["pid"]) for x in self._ranks}
+            tensors, gathered = tp.gather([tp.RankRecord(r, pids.get(r, -1), t, _shards(rec_r))
+                                           for r, ((t, _), rec_r) in enumerate(zip(per_rank, recs))])  # fmt: skip
+            aux_consistency = max(a for _, a in per_rank)
+        w = self._wiring
+        aux_ids = sorted(set(w["aux_layers"]))
+        steps = rec["steps"]
+        next_token = int(steps[0]["input_ids"][-1])
+        drafted = rec["draft_tokens"][0].tolist() if rec["draft_tokens"] is not None else []
+        L = int(w["num_layers"])
+        provided = set(tensors)
+        partial = [f"target.h.{k}" for k in range(L + 1) if f"target.h.{k}" not in provided]
+        if not any(n_.startswith("draft.layer0.") for n_ in provided):
+            partial += ["draft.layer0.*", "draft.step*.layer0.*"]
+        if w["norm_output"]:
+            partial += ["draft.hidden_prenorm", "draft.step*.hidden_prenorm"]
+        extra: dict = {"checks": {
+            **rec["checks"],
+            "aux_vs_layer_hooks_max_abs": aux_consistency,
+            "generated": tokens,
+        }}  # fmt: skip
+        if gathered is not None:
+            extra["tensor_parallel"] = {
+                "size": len(recs),
+                "ranks": self._ranks,
+                "rule": f"engines/vllm/tp.py::RULE (verified on vllm {tp.VERIFIED})",
+                "tensors": gathered,
+            }
+        return Capture(tensors, self._meta(s, prompt, w, aux_ids, next_token, drafted, L, partial, extra))
+
+    def _rank_tensors(self, s: dict, prompt: list[int], rec: dict, tokens: list[int], rank: int | None):
+        """One rank's record in canonical names, checked (rows, positions, the draft's shifted ids);
+        tensors a rank does not hold (logits gathered to rank 0 only) are left out."""
+        try:
+            return self._canonical(s, prompt, rec, tokens)
+        except EngineError as e:
+            if rank is None:
+                raise
+            raise EngineError(f"{e} (tensor-parallel rank {rank})") from None
+
+    def _canonical(self, s: dict, prompt: list[int], rec: dict, tokens: list[int]) -> tuple[dict, float]:
         n = len(prompt)
         w = self._wiring
         t = rec["target"]
@@ -351,7 +472,8 @@ class VllmEngine(Engine):
                 aux_consistency = max(aux_consistency, float((tensors[f"target.h.{k}"] - h).abs().max()))
             tensors[f"target.h.{k}"] = h  # what vLLM actually handed to the draft
         tensors["target.final_norm"] = t["final_norm"]
-        tensors["target.logits"] = t["logits"]
+        if t["logits"] is not None:
+            tensors["target.logits"] = t["logits"]
         steps = rec["steps"]
         k_steps = s["num_speculative_tokens"]
         if len(steps) != k_steps:
@@ -377,18 +499,15 @@ class VllmEngine(Engine):
                     put(canon, st[ours])
             if not w["norm_output"]:
                 put("hidden_prenorm", st["aux_out"])
-            put("logits", st["logits"])
-            put("logits_target", st["logits_target"])
-        drafted = rec["draft_tokens"][0].tolist() if rec["draft_tokens"] is not None else []
-        L = int(w["num_layers"])
-        provided = set(tensors)
-        partial = [f"target.h.{k}" for k in range(L + 1) if f"target.h.{k}" not in provided]
-        if not any(n_.startswith("draft.layer0.") for n_ in provided):
-            partial += ["draft.layer0.*", "draft.step*.layer0.*"]
-        if w["norm_output"]:
-            partial += ["draft.hidden_prenorm", "draft.step*.hidden_prenorm"]
+            for name in ("logits", "logits_target"):
+                if st[name] is not None:
+                    put(name, st[name])
+        return tensors, aux_consistency
+
+    def _meta(self, s: dict, prompt: list[int], w: dict, aux_ids: list[int], next_token: int, drafted: list[int],
+              L: int, partial: list[str], extra: dict) -> dict:  # fmt: skip
         info = self.info()
-        meta = {
+        return {
             "engine": self.spec.id,
             "engine_version": info.version,
             "versions": info.versions,
@@ -418,14 +537,9 @@ class VllmEngine(Engine):
                 "draft_vocab_size": w["draft_vocab_size"],
                 "has_d2t": w["has_d2t"],
             },
-            # vLLM's own self-checks of the recorded tensors
-            "extra": {"checks": {
-                **rec["checks"],
-                "aux_vs_layer_hooks_max_abs": aux_consistency,
-                "generated": tokens,
-            }},
+            # vLLM's own self-checks of the recorded tensors; tensor_parallel: what was gathered per tensor
+            "extra": extra,
         }
-        return Capture(tensors, meta)
 
     # -- acceptance ------------------------------------------------------------------
     def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
@@ -433,9 +547,8 @@ class VllmEngine(Engine):
         s["num_speculative_tokens"] = num_steps
         llm = self._engine(case, s)
         before = _spec_counters(llm)
-        res = llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], self._sampling(max_new_tokens), use_tqdm=False
-        )
+        res = self._guarded(lambda: llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                                 self._sampling(max_new_tokens), use_tqdm=False))  # fmt: skip
         after = _spec_counters(llm)
         delta = {k: after[k] - before[k] for k in SPEC_METRICS[:3]}
         per_pos_before = before[SPEC_METRICS[3]]
@@ -471,6 +584,18 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         self._shutdown()
+
+
+def _shards(rec: dict) -> dict[str, tp.Shard]:
+    """One rank's vocabulary slices (hooks.fetch `local_logits`) under their canonical names."""
+    out = {}
+    local = rec["target"].get("local_logits")
+    if local is not None:
+        out["target.logits"] = tp.Shard(**local)
+    for step, st in enumerate(rec["steps"]):
+        if st.get("local_logits") is not None:
+            out[draft_name(step, "logits")] = tp.Shard(**st["local_logits"])
+    return out
 
 
 def _read_config(checkpoint: str) -> dict:

@@ -22,6 +22,12 @@ What is hooked, and where it lives in vllm 0.32.0 (paths relative to the vllm pa
     Eagle3LlamaForCausalLM is not compiled (its inner LlamaModel is), so wrapping
     combine_hidden_states / compute_logits and hooking the module itself works in both modes.
 
+Tensor parallel (tensor_parallel_size > 1): these functions run in every rank's worker process and
+`collective_rpc` returns one answer per rank; `fetch` adds each rank's own vocabulary slice of
+every logits tensor (`local_logits`), which engines/vllm/tp.py joins into the whole tensor and
+checks against vLLM's own gather. Every rank runs the same `fetch`, so the collectives inside
+vLLM's modules (all-reduce, all-gather) stay matched across ranks.
+
 Only the first target forward after `arm` (the prompt's prefill) and the first `propose`
 (the draft chain right after it) are recorded. `arm(golden)` also feeds the reference's
 draft.fc_in to that first combine_hidden_states (layerwise golden inputs).
@@ -135,14 +141,15 @@ class Recorder:
     def wrap_compute_logits(self, orig):
         def compute_logits(hidden_states):
             out = orig(hidden_states)
-            if self.drafting():
+            # None on ranks > 0 where LogitsProcessor gathers to rank 0 only (no all-gather)
+            if self.drafting() and out is not None:
                 self.logits_tv.append(_clone(out))
             return out
 
         return compute_logits
 
     def draft_logits_post(self, module, args, out):
-        if self.drafting():
+        if self.drafting() and out is not None:
             self.logits_dv.append(_clone(out))
 
     def draft_pre(self, module, args, kwargs):
@@ -219,6 +226,32 @@ def install(worker, eager: bool) -> dict:
     }
 
 
+def rank_of(worker) -> dict:
+    """This worker's place in the tensor-parallel group (v1/worker/worker_base.py::WorkerBase.rank)."""
+    import os
+
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return {"rank": int(get_tensor_model_parallel_rank()), "world_size": int(get_tensor_model_parallel_world_size()),
+            "pid": os.getpid(), "worker_rank": int(getattr(worker, "rank", 0))}  # fmt: skip
+
+
+def _local_logits(model, hidden: torch.Tensor) -> dict | None:
+    """This rank's slice of the vocabulary: `LogitsProcessor.forward(..., skip_gather=True)`
+    (model_executor/layers/logits_processor.py::LogitsProcessor._get_logits before _gather_logits),
+    and which vocabulary rows it holds (layers/vocab_parallel_embedding.py::
+    VocabParallelEmbeddingShardIndices: org_vocab_start_index .. org_vocab_end_index; the padded
+    rows after them are dropped). None at TP = 1, where the whole tensor is already there."""
+    head = getattr(model, "lm_head", None)
+    if head is None or int(getattr(head, "tp_size", 1)) <= 1:
+        return None
+    idx = head.shard_indices
+    local = model.logits_processor(head, hidden, skip_gather=True)
+    return {"tensor": local[..., : idx.num_org_elements].detach().to("cpu"),
+            "start": int(idx.org_vocab_start_index), "end": int(idx.org_vocab_end_index),
+            "vocab": int(model.logits_processor.org_vocab_size)}  # fmt: skip
+
+
 def arm(worker, golden: torch.Tensor | None = None) -> None:
     getattr(worker, _ATTR).reset(True, golden)
 
@@ -252,7 +285,9 @@ def fetch(worker, n: int) -> dict:
     out["target"]["final_norm"] = cpu(final)
     rec.internal = True
     try:
-        out["target"]["logits"] = cpu(rec.target.compute_logits(final))
+        logits = rec.target.compute_logits(final)
+        out["target"]["logits"] = None if logits is None else cpu(logits)
+        out["target"]["local_logits"] = _local_logits(rec.target, final)
         steps = []
         for s, st in enumerate(rec.steps):
             rows = n if s == 0 else 1
@@ -261,8 +296,11 @@ def fetch(worker, n: int) -> dict:
             last = st["last_hidden"][:rows]
             ids = st["input_ids"][:rows]
             d["embeds"] = cpu(rec.drafter.embed_input_ids(ids))
-            d["logits"] = cpu(rec.drafter.logits_processor(rec.drafter.lm_head, last))
-            d["logits_target"] = cpu(rec.drafter.compute_logits(last))
+            dv = rec.drafter.logits_processor(rec.drafter.lm_head, last)
+            tv = rec.drafter.compute_logits(last)
+            d["logits"] = None if dv is None else cpu(dv)
+            d["logits_target"] = None if tv is None else cpu(tv)
+            d["local_logits"] = _local_logits(rec.drafter, last)
             steps.append(d)
         out["steps"] = steps
     finally:
@@ -272,7 +310,7 @@ def fetch(worker, n: int) -> dict:
         out["fc_out"] = cpu(rec.combine["fc_out"][:n])
     out["draft_tokens"] = cpu(rec.draft_tokens) if rec.draft_tokens is not None else None
     # vLLM's own logits for the sampled rows vs ours recomputed from the same hidden states.
-    if rec.logits_tv and out["steps"]:
+    if rec.logits_tv and out["steps"] and out["steps"][0]["logits_target"] is not None:
         own = rec.logits_tv[0][-1].float().cpu()
         mine = out["steps"][0]["logits_target"][-1].float()
         fin = torch.isfinite(own)
