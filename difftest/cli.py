@@ -186,9 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
     _env_parsers(sub)
     _report_parsers(sub)
-    from difftest import fix_command, probe_cli, version_table
+    from difftest import fix_command, version_table
 
-    probe_cli.add_parser(sub)
     fix_command.add_parser(sub)
     version_table.add_parser(sub)
     try:
@@ -197,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"difftest: {e}", file=sys.stderr)
         return 2
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("report", "bundle", "env", "probe", "fix", "versions", *contributed):
+    if args.command in ("report", "bundle", "env", "fix", "versions", *contributed):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

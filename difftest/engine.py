@@ -164,7 +164,7 @@ class EngineInfo:
     # A live system outside the harness (a running server): nothing is captured inside it, and its
     # results are never cached (each run asks it again).
     live: bool = False
-    settings: dict = field(default_factory=dict)  # a live server's effective settings (difftest.server_client)
+    settings: dict = field(default_factory=dict)  # a live server's effective settings (engines/server/client.py)
 
 
 def check_case_settings(case: Case, specs: Sequence[EngineSpec] = (), merged=None) -> None:
