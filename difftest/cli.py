@@ -87,7 +87,9 @@ def _positive_int(text: str) -> int:
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     import pytest
 
-    argv = ["-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs", *args.cases, f"--engines={args.engines}"]
+    argv = ["-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs", *args.cases]
+    if args.engines:  # else the plugin's default: the engine that calibrates (difftest.engine.calibration_engine)
+        argv.append(f"--engines={args.engines}")
     if args.reference:
         argv.append(f"--reference={args.reference}")
     if args.report_dir:
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="lanes of fixtures built side by side, one process and one thread each (default: up to 2 cores)")
     r = sub.add_parser("run", help="run cases (extra arguments go to pytest)")
     r.add_argument("cases", nargs="*", default=["cases/"])
-    r.add_argument("--engines", default="ref")
+    r.add_argument("--engines", default=None, help="engines to compare (default: the engine that calibrates, ref)")
     r.add_argument("--reference", default=None)
     r.add_argument("--report-dir", default=None)
     r.add_argument("--engine-python", action="append", default=[], metavar="NAME=PATH")

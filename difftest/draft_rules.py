@@ -143,6 +143,27 @@ TARGET_LOADING: dict[str, TargetLoadRule] = {r.engine: r for r in (
 )}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ChainBudgetRule:
+    """A serving setting an engine overrides without a word: with topk 1 (a chain) it drafts
+    num_steps + 1 tokens per verify whatever num_draft_tokens says. The names are the settings'
+    keys in a case's `engines.<engine>` section."""
+
+    engine: str
+    version: str
+    topk: str
+    num_steps: str
+    num_draft_tokens: str
+    source: str
+
+
+CHAIN_BUDGETS: tuple[ChainBudgetRule, ...] = (
+    ChainBudgetRule("sglang", "0.5.23", "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens",
+                    "sglang/srt/arg_groups/speculative_hook.py::_handle_eagle_family ('speculative_num_draft_tokens is "
+                    "adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1')"),
+)  # fmt: skip
+
+
 def flag_locations(raw: dict) -> dict[str, dict[str, object]]:
     """flag -> {location: value} for every EAGLE-3 flag the config sets, wherever it sets it."""
     speculators = raw.get("speculators_model_type") is not None

@@ -115,6 +115,11 @@ def extra_checks() -> dict[str, ExtraCheck]:
     return _load(CHECK_GROUP, ExtraCheck)
 
 
+def contributed_definitions() -> dict[str, Definition]:
+    """name -> definition of every figure only a contributed check reports."""
+    return {d.name: d for c in extra_checks().values() for d in c.definitions}
+
+
 def replacement(item: str, engine: str) -> ExtraCheck | None:
     """The contributed check that runs the core item `item` for engine `engine`, if any."""
     return next((c for c in extra_checks().values() if c.replaces == item and engine in c.engines), None)

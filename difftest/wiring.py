@@ -128,6 +128,9 @@ def _eagle(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
     return _defaults(L), None
 
 
+# a case that states no `wiring:` was trained as vLLM serves it (the speculators convention, h[k])
+DEFAULT_PRESET = "vllm"
+
 PRESETS: dict[str, Callable[[list[int] | None, int], tuple[list[int], str | None]]] = {
     "vllm": _vllm,
     "speculators": _vllm,
