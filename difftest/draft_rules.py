@@ -45,11 +45,13 @@ class WeightRule:
     missing: str
     present: str
     source: str
+    replaces_draft_weight: bool = False  # the draft's own tensor, present, is swapped for the target's
 
 
 @dataclass(frozen=True)
 class EngineDraftRules:
     engine: str
+    label: str  # as a user reads it: vLLM, SGLang
     version: str
     flags: tuple[FlagRule, ...]
     lm_head: WeightRule
@@ -67,6 +69,7 @@ _SGL_DRAFT = "sglang/srt/models/llama_eagle3.py"
 
 VLLM = EngineDraftRules(
     engine="vllm",
+    label="vLLM",
     version="0.32.0",
     flags=(
         FlagRule("norm_before_residual", (TOP, SPECULATORS), f"{_VLLM_DRAFT}::LlamaDecoderLayer.__init__"),
@@ -93,6 +96,7 @@ VLLM = EngineDraftRules(
 
 SGLANG = EngineDraftRules(
     engine="sglang",
+    label="SGLang",
     version="0.5.23",
     flags=(
         # LlamaDecoderLayer.forward always keeps the un-normed hidden state as the residual.
@@ -111,6 +115,7 @@ SGLANG = EngineDraftRules(
         missing="the target's embedding is used",
         present="replaced by the target's embedding (set_embed), whatever the draft trained",
         source="sglang/srt/speculative/eagle_worker_v2.py (set_embed) and sglang/srt/models/llama.py::set_embed",
+        replaces_draft_weight=True,
     ),
     reads_speculators_format=False,  # no speculators_model_type handling anywhere in 0.5.23
     rope="rope_parameters, else rope_theta / rope_scaling (LlamaAttention)",
@@ -118,6 +123,7 @@ SGLANG = EngineDraftRules(
 )
 
 ENGINES: dict[str, EngineDraftRules] = {r.engine: r for r in (VLLM, SGLANG)}
+SERVING = tuple(sorted(ENGINES))  # the serving engines these rules describe, as findings name them
 
 
 @dataclass(frozen=True)

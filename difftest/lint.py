@@ -48,7 +48,7 @@ from difftest.case import Case
 from difftest.checkpoint_integrity import stored_tensors, target_findings
 from difftest.errors import ConfigError
 from difftest.draft_rules import CHAIN_BUDGETS
-from difftest.draft_rules import ENGINES as DRAFT_RULES
+from difftest.draft_rules import SERVING
 from difftest.layer_rules import default_layers
 from difftest.finding import Finding
 from difftest.jsonfile import read_json_object
@@ -252,7 +252,7 @@ def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
             f"{missing} absent while draft vocab {draft_vocab} < target vocab {V}"
             + (": draft ids map to the first target ids (vLLM and SGLang read draft id i as target id i)"
                if not has_d2t else ""),
-            engines=tuple(sorted(DRAFT_RULES)) if not has_d2t else (),
+            engines=SERVING if not has_d2t else (),
             tensor="draft.logits_target" if not has_d2t else None)]  # fmt: skip
     out = []
     d2t, t2d = _load(meta, "d2t").long(), _load(meta, "t2d").bool()
