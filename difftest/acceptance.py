@@ -30,7 +30,7 @@ class AcceptStats:
     # can say what the engine itself calls them and how they were converted
     native: list[str] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # generated token ids per prompt, where the engine returns them
-    # per request, where a live server reports them (difftest.server_client.RequestAcceptance.to_dict)
+    # per request, where a live server reports them (engines/server/client.py: RequestAcceptance.to_dict)
     per_request: list[dict] = field(default_factory=list)
 
     @property

@@ -35,6 +35,7 @@ from difftest.expected_failure import ExpectedFailure
 from difftest.expected_failure import parse as parse_expected
 from difftest.names import NAME_FORMS, example_names, pattern_could_match
 from difftest.settings import unknown_key
+from difftest.wiring import DEFAULT_PRESET
 from difftest.yamlfile import load_yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -60,7 +61,7 @@ class Case:
     target: str  # "fixture:NAME" or an absolute path
     draft: str
     dtype: str = "float32"
-    wiring: str | list[str] = "vllm"
+    wiring: str | list[str] = DEFAULT_PRESET
     layer_ids: list[int] | None = None
     prompts: list[Prompt] = field(default_factory=list)
     num_steps: int = 4
@@ -196,8 +197,21 @@ def _tolerance_pair(value: object, path: Path, where: str, required: bool) -> di
     return {k: _tolerance(v, path, f"{where}.{k}") for k, v in value.items()}
 
 
-# expect: what the checks read (difftest.checks, engines.trainingdata.train_check)
-EXPECT_KEYS = ("top1_agreement", "accept_length", "train_accuracy")
+# expect: what the core's checks read (difftest.checks); a check an engine contributes declares its
+# own (difftest.extensions.ExtraCheck.expect, e.g. the train engine's train_accuracy: {atol, min})
+EXPECT_KEYS = ("top1_agreement", "accept_length")
+
+
+def contributed_expect() -> dict[str, tuple[str, ...]]:
+    """`expect.<check>` -> the keys it may hold, for every check an installed engine contributes."""
+    from difftest.extensions import own_items
+
+    return {name: c.expect for name, c in own_items().items() if c.expect and name not in EXPECT_KEYS}
+
+
+def expect_keys() -> tuple[str, ...]:
+    """Every key a case's `expect:` may hold: the core's and those contributed checks declare."""
+    return EXPECT_KEYS + tuple(contributed_expect())
 
 
 def _tensor_pattern(pattern: str, path: Path, where: str, num_steps: int) -> str:
@@ -220,7 +234,9 @@ def _tensor_pattern(pattern: str, path: Path, where: str, num_steps: int) -> str
 def _expect(raw: object, path: Path) -> dict:
     if not isinstance(raw, dict):
         raise _err(path, "expect", f"expected a mapping, got {_shown(raw)}")
-    _unknown(path, "expect", raw, EXPECT_KEYS)
+    # the registry (importing the engines' checks) only when the case names an expectation beyond the core's
+    contributed = contributed_expect() if any(k not in EXPECT_KEYS for k in raw) else {}
+    _unknown(path, "expect", raw, EXPECT_KEYS + tuple(contributed))
     out: dict = {}
     if "top1_agreement" in raw:
         x = _tolerance(raw["top1_agreement"], path, "expect.top1_agreement")
@@ -229,12 +245,14 @@ def _expect(raw: object, path: Path) -> dict:
         out["top1_agreement"] = x
     if "accept_length" in raw:
         out["accept_length"] = _tolerance_pair(raw["accept_length"], path, "expect.accept_length", required=False)
-    if "train_accuracy" in raw:
-        acc = raw["train_accuracy"]
-        if not isinstance(acc, dict) or not acc:
-            raise _err(path, "expect.train_accuracy", f"expected {{atol: X}}, got {_shown(acc)}")
-        _unknown(path, "expect.train_accuracy", acc, {"atol"})
-        out["train_accuracy"] = {"atol": _tolerance(acc["atol"], path, "expect.train_accuracy.atol")}
+    for name, keys in contributed.items():  # each a mapping of the keys its check declares, numbers >= 0
+        if name in raw:
+            value, where = raw[name], f"expect.{name}"
+            if not isinstance(value, dict) or not value:
+                shape = ", ".join(f"{k}: X" for k in keys)
+                raise _err(path, where, f"expected {{{shape}}} (any of them), got {_shown(value)}")
+            _unknown(path, where, value, keys)
+            out[name] = {k: _tolerance(v, path, f"{where}.{k}") for k, v in value.items()}
     return out
 
 
@@ -340,7 +358,7 @@ def load_case(path: str | Path) -> Case:
     spec_prompts = [] if spec_prompts is None else spec_prompts
     if not isinstance(spec_prompts, list):
         raise _err(path, "speculative.prompts", f"expected a list, got {_shown(spec_prompts)}")
-    wiring = raw.get("wiring", "vllm")
+    wiring = raw.get("wiring", DEFAULT_PRESET)
     if not (isinstance(wiring, str) and wiring) and not (
         isinstance(wiring, list) and wiring and all(isinstance(w, str) and w for w in wiring)
     ):

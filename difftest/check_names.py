@@ -8,6 +8,6 @@ ALL_CHECKS = REFERENCE_CHECKS + ENGINE_CHECKS  # the core's own
 def known_checks() -> tuple[str, ...]:
     """The core's checks and those installed engines contribute (difftest.extensions), e.g. the
     training-data engine's train_accuracy and chat_template."""
-    from difftest.extensions import extra_checks
+    from difftest.extensions import own_items
 
-    return ALL_CHECKS + tuple(n for n in extra_checks() if n not in ALL_CHECKS)
+    return ALL_CHECKS + tuple(n for n in own_items() if n not in ALL_CHECKS)

@@ -28,7 +28,7 @@ from difftest.check_names import ENGINE_CHECKS, REFERENCE_CHECKS
 from difftest.compare import CaptureDiff, TensorDiff
 from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
-from difftest.extensions import extra_checks
+from difftest.extensions import own_items, replacement
 from difftest.golden import golden_rerun
 from difftest.scopes import in_draft_scope as _in_draft_scope
 from difftest.scopes import in_fc_scope as _in_fc_scope
@@ -365,10 +365,9 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
     measurement (difftest.accept_gate: sampling spread over the verify steps plus the reference's
     measured float64 move), widened only by a tolerance the case declares."""
     tol = case.expect.get("accept_length") or None
-    if session.is_live(spec):  # a running server: against the reference's replay of its own tokens
-        from difftest import probe
-
-        return Verdict(*probe.check(session, case, spec, tol))  # its data: a ServerAcceptData
+    if session.is_live(spec):  # a running server is judged by the check its engine contributes (run_check)
+        raise NotAvailable(f"accept_length: no check for {spec.id}, a running server, is registered "
+                           "(reinstall difftest: pip install -e .)")  # fmt: skip
     ref_stats = session.speculate(case, session.options.reference)
     stats = session.speculate(case, spec)
     # the measured numerical move only widens what is allowed, so it is measured (a float64 speculative
@@ -397,10 +396,13 @@ def checks_for(case: Case, is_reference: bool, engine: str | None = None) -> tup
     """The items a case gets per engine: the core's, then those engines contribute that apply to it
     (e.g. train_accuracy, when the case names training data; chat_template only on `train`)."""
     own = REFERENCE_CHECKS if is_reference else ENGINE_CHECKS
-    return own + tuple(name for name, c in extra_checks().items() if name not in CHECKS and c.applies(case, is_reference)
+    return own + tuple(name for name, c in own_items().items() if name not in CHECKS and c.applies(case, is_reference)
                        and (not c.engines or engine is None or engine in c.engines))  # fmt: skip
 
 
 def run_check(name: str, session: Session, case: Case, spec: EngineSpec) -> Verdict:
-    check = CHECKS.get(name) or extra_checks()[name].run
+    """The core's item, or the one an engine contributes; an engine's replacement of a core item
+    (e.g. a running server's accept_length) where it registered one."""
+    replaced = replacement(name, spec.name) if name in CHECKS else None
+    check = replaced.run if replaced is not None else CHECKS.get(name) or own_items()[name].run
     return check(session, case, spec)

@@ -114,7 +114,9 @@ def _positive_int(text: str) -> int:
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     import pytest
 
-    argv = ["-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs", *args.cases, f"--engines={args.engines}"]
+    argv = ["-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs", *args.cases]
+    if args.engines:  # else the plugin's default: the engine that calibrates (difftest.engine.calibration_engine)
+        argv.append(f"--engines={args.engines}")
     if args.reference:
         argv.append(f"--reference={args.reference}")
     if args.report_dir:
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="lanes of fixtures built side by side, one process and one thread each (default: up to 2 cores)")
     r = sub.add_parser("run", help="run cases (extra arguments go to pytest)")
     r.add_argument("cases", nargs="*", default=["cases/"])
-    r.add_argument("--engines", default="ref")
+    r.add_argument("--engines", default=None, help="engines to compare (default: the engine that calibrates, ref)")
     r.add_argument("--reference", default=None)
     r.add_argument("--report-dir", default=None)
     r.add_argument("--engine-python", action="append", default=[], metavar="NAME=PATH")
@@ -213,9 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
     _env_parsers(sub)
     _report_parsers(sub)
-    from difftest import fix_command, probe_cli, version_table
+    from difftest import fix_command, version_table
 
-    probe_cli.add_parser(sub)
     fix_command.add_parser(sub)
     version_table.add_parser(sub)
     try:
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"difftest: {e}", file=sys.stderr)
         return 2
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("report", "bundle", "env", "probe", "fix", "versions", *contributed):
+    if args.command in ("report", "bundle", "env", "fix", "versions", *contributed):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

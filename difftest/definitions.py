@@ -39,7 +39,6 @@ PER_POSITION = "difftest.acceptance_rate_per_pos"
 TOP1 = "difftest.top1_agreement"
 ROW_ERROR = "difftest.row_error"
 EXCESS = "difftest.excess"
-TRAIN_ACC_STEP0 = "difftest.train_accuracy"
 
 DEFINITIONS: tuple[Definition, ...] = (
     # the harness's own figures
@@ -54,8 +53,6 @@ DEFINITIONS: tuple[Definition, ...] = (
                "as is"),
     Definition(EXCESS, "a tensor's largest row error divided by its noise threshold (10 x the reference's own "
                "float64-measured rounding error); above 1 is outside noise", "as is"),
-    Definition(TRAIN_ACC_STEP0, "the trainer's step-0 accuracy on its own training data, recomputed with the "
-               "trainer's rules (full_acc[0]: draft's first prediction equals the target's next token)", "as is"),
     # engines' own figures
     Definition("vllm.mean_acceptance_length", "1 + accepted draft tokens / drafts (the bonus or correction token "
                "included), from the spec_decode counters", "as is"),

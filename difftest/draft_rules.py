@@ -54,6 +54,7 @@ class WeightRule:
     missing: str
     present: str
     source: str
+    replaces_draft_weight: bool = False  # the draft's own tensor, present, is swapped for the target's
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class LoadRule:
 @dataclass(frozen=True)
 class EngineDraftRules:
     engine: str
+    label: str  # as a user reads it: vLLM, SGLang
     version: str
     flags: tuple[FlagRule, ...]
     lm_head: WeightRule
@@ -86,6 +88,7 @@ _SGL_DRAFT = "sglang/srt/models/llama_eagle3.py"
 
 VLLM = EngineDraftRules(
     engine="vllm",
+    label="vLLM",
     version="0.32.0",
     flags=(
         FlagRule("norm_before_residual", (TOP, SPECULATORS), f"{_VLLM_DRAFT}::LlamaDecoderLayer.__init__"),
@@ -116,6 +119,7 @@ VLLM = EngineDraftRules(
 
 SGLANG = EngineDraftRules(
     engine="sglang",
+    label="SGLang",
     version="0.5.23",
     flags=(
         # LlamaDecoderLayer.forward always keeps the un-normed hidden state as the residual.
@@ -134,6 +138,7 @@ SGLANG = EngineDraftRules(
         missing="the target's embedding is used",
         present="replaced by the target's embedding (set_embed), whatever the draft trained",
         source="sglang/srt/speculative/eagle_worker_v2.py (set_embed) and sglang/srt/models/llama.py::set_embed",
+        replaces_draft_weight=True,
     ),
     reads_speculators_format=False,  # no speculators_model_type handling anywhere in 0.5.23
     rope="rope_parameters, else rope_theta / rope_scaling (LlamaAttention)",
@@ -143,6 +148,7 @@ SGLANG = EngineDraftRules(
 )
 
 ENGINES: dict[str, EngineDraftRules] = {r.engine: r for r in (VLLM, SGLANG)}
+SERVING = tuple(sorted(ENGINES))  # the serving engines these rules describe, as findings name them
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,27 @@ TARGET_LOADING: dict[str, TargetLoadRule] = {r.engine: r for r in (
         unexpected="skips it without a word (only names the model has are loaded)",
         source="sglang/srt/models/llama.py::LlamaForCausalLM.load_weights (`if name in params_dict`)"),
 )}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChainBudgetRule:
+    """A serving setting an engine overrides without a word: with topk 1 (a chain) it drafts
+    num_steps + 1 tokens per verify whatever num_draft_tokens says. The names are the settings'
+    keys in a case's `engines.<engine>` section."""
+
+    engine: str
+    version: str
+    topk: str
+    num_steps: str
+    num_draft_tokens: str
+    source: str
+
+
+CHAIN_BUDGETS: tuple[ChainBudgetRule, ...] = (
+    ChainBudgetRule("sglang", "0.5.23", "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens",
+                    "sglang/srt/arg_groups/speculative_hook.py::_handle_eagle_family ('speculative_num_draft_tokens is "
+                    "adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1')"),
+)  # fmt: skip
 
 
 def flag_locations(raw: dict) -> dict[str, dict[str, object]]:

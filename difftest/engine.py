@@ -13,6 +13,7 @@ environments of one engine apart (`--engine-python sglang@old=/path/python`).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from abc import ABC, abstractmethod
@@ -133,18 +134,42 @@ def engine_target(name: str) -> str:
     return known[name]
 
 
+def _engine_class(target: str) -> type | None:
+    """The adapter class at 'module:attr', or None where it cannot be imported here (it lives in
+    another environment)."""
+    module, _, attr = target.partition(":")
+    try:
+        import importlib
+
+        return getattr(importlib.import_module(module), attr)
+    except Exception:  # noqa: BLE001 - an adapter for another environment
+        return None
+
+
 def engine_schema(name: str) -> Schema | None:
     """The settings schema the adapter registered under `name` declares (its class's SETTINGS), or
     None where the adapter cannot be imported here (it lives in another environment): its worker
     then validates the same schema when it reads the settings."""
-    module, _, attr = engine_target(name).partition(":")
-    try:
-        import importlib
+    return getattr(_engine_class(engine_target(name)), "SETTINGS", None)
 
-        cls = getattr(importlib.import_module(module), attr)
-    except Exception:  # noqa: BLE001 - an adapter for another environment; the worker validates
-        return None
-    return getattr(cls, "SETTINGS", None)
+
+@functools.lru_cache(maxsize=8)
+def _calibration(registered: tuple[tuple[str, str], ...]) -> str | None:
+    for name, target in registered:
+        if getattr(_engine_class(target), "CALIBRATES", False):
+            return name
+    return None
+
+
+def calibration_engine() -> str:
+    """The name of the registered engine that calibrates (its class sets CALIBRATES): it measures
+    the noise floor in float64, is the default engine and reference, and captures the evidence of
+    `wiring: infer`. The core names no engine: the registry says which."""
+    name = _calibration(tuple(registered_engines().items()))
+    if name is None:
+        raise ConfigError("no registered engine calibrates (an adapter class with CALIBRATES = True, difftest.engines "
+                          "entry points): reinstall difftest (bash scripts/setup)")  # fmt: skip
+    return name
 
 
 def check_settings(schema: Schema, spec: "EngineSpec", case: Case | None = None) -> dict:
@@ -164,7 +189,7 @@ class EngineInfo:
     # A live system outside the harness (a running server): nothing is captured inside it, and its
     # results are never cached (each run asks it again).
     live: bool = False
-    settings: dict = field(default_factory=dict)  # a live server's effective settings (difftest.server_client)
+    settings: dict = field(default_factory=dict)  # a live server's effective settings (engines/server/client.py)
 
 
 def check_case_settings(case: Case, specs: Sequence[EngineSpec] = (), merged=None) -> None:
@@ -194,6 +219,9 @@ class Engine(ABC):
     schema, refuses any case setting or spec parameter."""
 
     SETTINGS: Schema = Schema("")
+    # True for the one engine that calibrates (difftest.engine.calibration_engine): it computes any
+    # case in float64 as well as its dtype (the noise floor) and captures every target hidden state
+    CALIBRATES: bool = False
 
     def __init__(self, spec: EngineSpec):
         self.spec = spec

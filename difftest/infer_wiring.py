@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 import torch
 
 from difftest.errors import ConfigError
-from difftest.wiring import FINAL_NORM, PRESETS, hidden_index, hidden_name, short_name
+from difftest.wiring import FINAL_NORM, PRESETS, READING_PRESETS, hidden_index, hidden_name, short_name
 
 Z_DECIDE = 3.0  # standard errors a contrast must reach to count (see the module docstring)
 Z_WIDEN = 2.0  # alternatives within this many standard errors of the chosen one are "close"
@@ -315,14 +315,9 @@ class DraftScorer:
 # Starts and the config's readings
 # ---------------------------------------------------------------------------------------
 
-READING_ENGINES = {"vllm": "vllm", "sglang": "sglang", "specforge": "specforge"}
-
-
 def config_readings(ids: list[int] | None, num_layers: int, num_slots: int, family: str = "llama") -> dict[str, WiringKey | None]:
     """engine -> the wiring that engine feeds for these config ids (None: it cannot serve them)."""
-    engines = dict(READING_ENGINES)
-    if family == "deepseek":
-        engines["sglang"] = "sglang-deepseek"
+    engines = READING_PRESETS.get(family, READING_PRESETS["llama"])  # difftest.wiring: rule data
     out: dict[str, WiringKey | None] = {}
     for engine, preset in engines.items():
         try:

@@ -91,6 +91,10 @@ class LayerIdRule:
     # SGLang's draft applies fc only when the hidden states are not already its own width
     # (llama_eagle3.py::LlamaModel.forward): one captured layer of the target's width skips fc silently
     skips_fc_at_draft_width: bool = False
+    # the lint's severity when this reading is not the training wiring (layer-ids-training): an engine
+    # that reads the ids as written (h[k]) misreading them means the config states the wrong layers
+    # (an error); another engine's convention differing is a warning
+    misreading: str = "warning"
 
     # -- the model -------------------------------------------------------------------
     def default_ids(self, L: int) -> list[int]:
@@ -255,7 +259,7 @@ VLLM_LLAMA = LayerIdRule(
     # the top level first; eagle_config only when the top level has no ids
     ids_from=(TOP, EAGLE_CONFIG), shift=Shift(0), defaults="2, L//2, L-3", defaults_shifted=False,
     # _maybe_add_hidden_state before the first layer (h0, the embedding) and after each layer i (h[i+1])
-    capturable=("0", "L"), beyond="dropped",
+    capturable=("0", "L"), beyond="dropped", misreading="error",
     sources=(_VLLM_IDS, _VLLM_DEFAULTS, "vllm/model_executor/models/interfaces.py::_maybe_add_hidden_state",
              "vllm/model_executor/models/llama.py::LlamaModel.forward"),
 )  # fmt: skip
@@ -266,7 +270,7 @@ VLLM_DEEPSEEK = LayerIdRule(
     defaults="2, L//2, L-3", defaults_shifted=False,
     # DeepseekV2Model.forward captures `hidden_states + residual` before layer idx: residual is None
     # before layer 0, so id 0 raises a TypeError; h[L] is taken after the loop (end_layer)
-    capturable=("1", "L"), beyond="dropped",
+    capturable=("1", "L"), beyond="dropped", misreading="error",
     low_crash="id 0 asks for h0, which vLLM's DeepSeek model cannot capture (hidden_states + residual with no residual yet: TypeError at the first forward)",
     sources=(_VLLM_IDS, "vllm/model_executor/models/deepseek_v2.py::DeepseekV2Model.forward",
              "vllm/model_executor/models/deepseek_v2.py::DeepseekV2ForCausalLM.get_eagle3_aux_hidden_state_layers"),

@@ -47,6 +47,8 @@ from pathlib import Path
 from difftest.case import Case
 from difftest.checkpoint_integrity import stored_tensors, target_findings
 from difftest.errors import ConfigError
+from difftest.draft_rules import CHAIN_BUDGETS
+from difftest.draft_rules import SERVING
 from difftest.layer_rules import default_layers
 from difftest.finding import Finding
 from difftest.jsonfile import read_json_object
@@ -115,10 +117,11 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
             f"and feed fc in layer order, each layer once ({sorted(set(ids))} before their index shift), so a "
             "draft trained on the listed order gets its fc chunks permuted or fewer (difftest.layer_rules)"))  # fmt: skip
     if ids_top is not None and ids_ec is None:
-        out.append(Finding("layer-ids-sglang-location", "warning",
-            f"eagle_aux_hidden_state_layer_ids {ids_top} only at the top level: SGLang 0.5.23 reads only "
-            "eagle_config.eagle_aux_hidden_state_layer_ids and silently falls back to its default layers; "
-            "write the ids in both places"))  # fmt: skip
+        for rule in _eagle_config_only_rules():
+            out.append(Finding(f"layer-ids-{rule.engine}-location", "warning",
+                f"eagle_aux_hidden_state_layer_ids {ids_top} only at the top level: {rule.label} reads only "
+                "eagle_config.eagle_aux_hidden_state_layer_ids and silently falls back to its default layers; "
+                "write the ids in both places"))  # fmt: skip
     if ids is not None and trained_on:
         out += _readings(list(ids), L, list(trained_on), tcfg, raw, fc_chunks(draft_dir, H_t))
     if _is_mla_draft(raw) and (raw.get("norm_before_residual") or layer.get("norm_before_residual")):
@@ -148,7 +151,7 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
         out += embedding_findings(meta, target_dir)
         out += rope_findings(layer, tcfg, speculators)
     out += format_findings(raw)
-    out += _sglang_findings(engines or {})
+    out += _chain_budget_findings(engines or {})
     # the checkpoints themselves: each holds what its config describes (difftest.checkpoint_integrity)
     out += stored_tensors(draft_dir)[1]
     out += target_findings(target_dir)
@@ -172,6 +175,13 @@ def _size(config: dict, key: str, where: Path) -> int:
 
 def _is_mla_draft(raw: dict) -> bool:
     return any("Deepseek" in a or "DeepSeek" in a for a in raw.get("architectures") or []) or "kv_lora_rank" in raw
+
+
+def _eagle_config_only_rules() -> list:
+    """One rule per serving engine that reads layer ids from eagle_config only (difftest.layer_rules)."""
+    from difftest.layer_rules import ENGINE_RULES, TOP
+
+    return list({r.engine: r for r in ENGINE_RULES.values() if TOP not in r.ids_from}.values())
 
 
 def _serving_rules(tcfg: dict) -> list:
@@ -213,7 +223,7 @@ def _readings(ids: list[int], L: int, trained_on: list[str], tcfg: dict, raw: di
             edit = config_edit(raw, target_family(tcfg), rule.engine, layers, L)
             text += (f"; fix: {edit.patch} (`difftest fix CASE --engine {rule.engine}` writes and verifies it)" if edit.possible
                      else f"; no config fixes it: {edit.impossible}")  # fmt: skip
-        if rule.engine == "vllm":
+        if rule.misreading == "error":  # difftest.layer_rules: vLLM reads the ids as written
             out.append(Finding("layer-ids-training", "error", text))
         else:
             others.append(text)
@@ -242,7 +252,7 @@ def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
             f"{missing} absent while draft vocab {draft_vocab} < target vocab {V}"
             + (": draft ids map to the first target ids (vLLM and SGLang read draft id i as target id i)"
                if not has_d2t else ""),
-            engines=("sglang", "vllm") if not has_d2t else (),
+            engines=SERVING if not has_d2t else (),
             tensor="draft.logits_target" if not has_d2t else None)]  # fmt: skip
     out = []
     d2t, t2d = _load(meta, "d2t").long(), _load(meta, "t2d").bool()
@@ -264,14 +274,17 @@ def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
     return out
 
 
-def _sglang_findings(engines: dict) -> list[Finding]:
-    s = engines.get("sglang") or {}
-    topk, steps, tokens = s.get("speculative_eagle_topk"), s.get("speculative_num_steps"), s.get("speculative_num_draft_tokens")
-    if topk == 1 and steps is not None and tokens is not None and int(tokens) != int(steps) + 1:
-        return [Finding("sglang-topk", "warning",
-            f"engines.sglang: speculative_eagle_topk == 1 forces num_draft_tokens = num_steps + 1 = {int(steps) + 1}; "
-            f"the configured {tokens} is silently ignored")]  # fmt: skip
-    return []
+def _chain_budget_findings(engines: dict) -> list[Finding]:
+    """A case's engine settings that the engine overrides for a chain (difftest.draft_rules.CHAIN_BUDGETS)."""
+    out = []
+    for rule in CHAIN_BUDGETS:
+        s = engines.get(rule.engine) or {}
+        topk, steps, tokens = s.get(rule.topk), s.get(rule.num_steps), s.get(rule.num_draft_tokens)
+        if topk == 1 and steps is not None and tokens is not None and int(tokens) != int(steps) + 1:
+            out.append(Finding(f"{rule.engine}-topk", "warning",
+                f"engines.{rule.engine}: {rule.topk} == 1 forces num_draft_tokens = num_steps + 1 = {int(steps) + 1}; "
+                f"the configured {tokens} is silently ignored"))  # fmt: skip
+    return out
 
 
 def trained_wiring(case: Case) -> list[str] | None:

@@ -15,6 +15,7 @@ from difftest.draft_rules import (
     ENGINES,
     FLAG_TENSORS,
     FLAG_WEIGHTS,
+    SERVING,
     SPECULATORS,
     TOP,
     EngineDraftRules,
@@ -122,12 +123,11 @@ def weight_findings(meta: dict, raw: dict, layer: dict, draft_vocab: int, V: int
     missing = sorted(expected - names - {"d2t"})  # a missing d2t is the vocab-map rule's
     if "lm_head.weight" in missing:
         missing.remove("lm_head.weight")
-        head_v, head_s = ENGINES["vllm"].lm_head, ENGINES["sglang"].lm_head
+        readings = "; ".join(f"{r.label} {r.version}: {r.lm_head.missing} ({r.lm_head.source})" for r in ENGINES.values())
         out.append(Finding("lm-head-missing", "error",
             f"no lm_head.weight in the draft checkpoint (draft vocab {draft_vocab}, tie_word_embeddings false): "
-            f"vLLM {ENGINES['vllm'].version}: {head_v.missing} ({head_v.source}); SGLang {ENGINES['sglang'].version}: "
-            f"{head_s.missing} ({head_s.source}). The draft's logits are not the ones it trained: save the draft's head",
-            engines=("sglang", "vllm"), tensor="draft.logits"))  # fmt: skip
+            f"{readings}. The draft's logits are not the ones it trained: save the draft's head",
+            engines=SERVING, tensor="draft.logits"))  # fmt: skip
     if missing:
         out.append(Finding("draft-weights", "error",
             f"missing draft tensors {missing}: engines keep their random initialisation for them without a warning",
@@ -178,13 +178,17 @@ def embedding_findings(meta: dict, target_dir: Path) -> list[Finding]:
         d_rows = h.get_slice(key)[:_EMBED_ROWS]
     if d_rows.float().allclose(t_rows.float(), rtol=1e-3, atol=1e-6) or _same_at_coarser_dtype(d_rows, t_rows):
         return []
-    rule = ENGINES["sglang"].embed_tokens
+    swapping = [r for r in ENGINES.values() if r.embed_tokens.replaces_draft_weight]
+    if not swapping:
+        return []
+    keeping = [r for r in ENGINES.values() if not r.embed_tokens.replaces_draft_weight]
+    readings = "; ".join([*(f"{r.label} {r.version}: {r.embed_tokens.present} ({r.embed_tokens.source})" for r in swapping),
+                          *(f"{r.label} {r.version}: {r.embed_tokens.present}" for r in keeping)])  # fmt: skip
     return [Finding("embedding-substituted", "error",
         f"the draft ships its own embed_tokens.weight, different from the target's (first {_EMBED_ROWS} rows): "
-        f"SGLang {ENGINES['sglang'].version}: {rule.present} ({rule.source}); vLLM {ENGINES['vllm'].version}: "
-        f"{ENGINES['vllm'].embed_tokens.present}. The engines' drafts differ from draft.embeds on. Fix: train on the "
+        f"{readings}. The engines' drafts differ from draft.embeds on. Fix: train on the "
         "target's embedding, or serve with an engine that keeps the draft's",
-        engines=("sglang",), tensor="draft.embeds")]  # fmt: skip
+        engines=tuple(r.engine for r in swapping), tensor="draft.embeds")]  # fmt: skip
 
 
 def _rope(section: dict) -> tuple[float | None, dict | None, str]:
@@ -205,9 +209,9 @@ def rope_findings(layer: dict, tcfg: dict, speculators: bool) -> list[Finding]:
     if isinstance(params, dict) and params.get("rope_theta") is not None and top is not None and float(top) != float(params["rope_theta"]):
         out.append(Finding("rope-conflict", "error",
             f"draft {where}: rope_theta {top} but rope_parameters.rope_theta {params['rope_theta']}: transformers 5 "
-            f"(vLLM {ENGINES['vllm'].version}, SGLang {ENGINES['sglang'].version}) use rope_parameters, older readers "
+            f"({', '.join(f'{r.label} {r.version}' for r in ENGINES.values())}) use rope_parameters, older readers "
             "rope_theta: the draft's attention differs (draft.layer0.attn_out). Fix: keep one value",
-            engines=("sglang", "vllm"), tensor="draft.layer0.attn_out"))  # fmt: skip
+            engines=SERVING, tensor="draft.layer0.attn_out"))  # fmt: skip
     theta, scaling, _ = _rope(layer)
     t_theta, t_scaling, _ = _rope(tcfg)
     if theta is None and scaling is None:
@@ -216,7 +220,7 @@ def rope_findings(layer: dict, tcfg: dict, speculators: bool) -> list[Finding]:
                 f"the draft {where} has no rope_theta / rope_parameters: engines use theta 10000 with no scaling; the "
                 f"target uses theta {t_theta} scaling {t_scaling}, and trainers build the draft's rope from the target's "
                 "config: a converter dropped it? The draft's attention differs (draft.layer0.attn_out)",
-                engines=("sglang", "vllm"), tensor="draft.layer0.attn_out"))  # fmt: skip
+                engines=SERVING, tensor="draft.layer0.attn_out"))  # fmt: skip
     elif (theta is not None and t_theta is not None and float(theta) != float(t_theta)) or (scaling or None) != (t_scaling or None):
         out.append(Finding("rope-differs", "warning",
             f"draft rope theta {theta} scaling {scaling}; target theta {t_theta} scaling {t_scaling}: engines give the "
@@ -254,4 +258,4 @@ def _absolute(d2t) -> Finding:
         f"d2t holds absolute target ids (d2t[:4] = {d2t[:4].tolist()}), not offsets: vLLM and SGLang compute target id = "
         "draft id + d2t[draft id], so every drafted token maps to the wrong target token (draft.logits_target). "
         "Fix: store d2t - arange(draft_vocab)",
-        engines=("sglang", "vllm"), tensor="draft.logits_target")  # fmt: skip
+        engines=SERVING, tensor="draft.logits_target")  # fmt: skip

@@ -26,7 +26,7 @@ from difftest import report_files
 from difftest.case import Case, load_case
 from difftest.engine import EngineSpec, check_case_settings, check_settings, engine_schema, engine_target
 from difftest.engine import parse_engine_list, parse_spec
-from difftest.engine import registered_engines
+from difftest.engine import calibration_engine, registered_engines
 from difftest.envs import interpreter, project_pythons
 from difftest.outputs import check_output_dir
 from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineError, EngineUnavailable, NotAvailable
@@ -48,7 +48,8 @@ class CheckFailed(Exception):
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("difftest", "EAGLE-3 differential testing")
-    g.addoption("--engines", default="ref", help='engines to compare, e.g. ref,"ref[wiring=sglang]",vllm (default: ref)')
+    g.addoption("--engines", default=None, help='engines to compare, e.g. ref,"ref[wiring=sglang]",vllm (default: the '
+                'engine that calibrates, ref)')
     g.addoption("--reference", default=None, help="the engine others are compared to (default: the first of --engines)")
     g.addoption("--engine-python", action="append", default=[], metavar="NAME=PATH",
                 help="interpreter for an engine's worker (NAME is name or name@label); repeatable")  # fmt: skip
@@ -68,7 +69,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "difftest(check, engine): an item generated from a difftest case")
     try:
-        engines = parse_engine_list(config.getoption("engines"))
+        engines = parse_engine_list(config.getoption("engines") or calibration_engine())
         reference = parse_spec(config.getoption("reference")) if config.getoption("reference") else engines[0]
         if reference.id not in [e.id for e in engines]:
             engines.insert(0, reference)

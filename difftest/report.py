@@ -23,6 +23,7 @@ from pathlib import Path
 from difftest import definitions
 from difftest.acceptance import DEFINITION
 from difftest.errors import DifftestError
+from difftest.extensions import contributed_definitions, own_items
 from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
 from difftest.records.check_data import AcceptLengthData, ServerAcceptData
 from difftest.records.report import FigureDefinition
@@ -77,11 +78,10 @@ def definitions_used(results: list[CheckResult], compared: bool) -> list[FigureD
         elif r.check == "accept_length" and isinstance(data, (AcceptLengthData, ServerAcceptData)):
             names += [definitions.ACCEPT_LENGTH, definitions.PER_POSITION]
             names += list(data.reference.native) + list(data.engine.native)
-        elif r.check == "train_accuracy" and isinstance(trainer := getattr(data, "trainer", None), dict):
-            names.append(definitions.TRAIN_ACC_STEP0)  # the record is the train engine's own: read by field
-            names += definitions.trainer_figures(str(trainer.get("rules", "")))
-    return [FigureDefinition(n, d.counts, d.converts)
-            for n, d in ((n, definitions.BY_NAME[n]) for n in dict.fromkeys(names) if n in definitions.BY_NAME)]
+        elif (check := own_items().get(r.check)) is not None and check.figures is not None and data is not None:
+            names += check.figures(data)  # a contributed check names its own figures (difftest.extensions)
+    known = {**definitions.BY_NAME, **contributed_definitions()}
+    return [FigureDefinition(n, d.counts, d.converts) for n, d in ((n, known[n]) for n in dict.fromkeys(names) if n in known)]
 
 
 def markdown_definitions(report: Report) -> list[str]:

@@ -27,7 +27,7 @@ from difftest.capture import Capture, CaptureCache, cache_key, partial_prefix, r
 from difftest.content_digest import paths_signature
 from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
-from difftest.engine import EngineSpec, engine_target, parse_spec
+from difftest.engine import EngineSpec, calibration_engine, engine_target, parse_spec
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable, Unsupported
 from difftest.paths import cache_root
 from difftest.outputs import atomic_write
@@ -452,10 +452,10 @@ class Session:
 
     # -- the noise floor (difftest.noise) ----------------------------------------------------
     def calibration_spec(self) -> EngineSpec:
-        """The engine that measures the noise floor: the reference when it is the `ref` engine
-        (with its wiring and flags), else a plain `ref` beside it."""
-        ref = self.options.reference
-        return ref if ref.name == "ref" and ref.id not in self._stored else EngineSpec("ref")
+        """The engine that measures the noise floor: the reference when it is the calibration engine
+        (difftest.engine.calibration_engine, with its wiring and flags), else a plain one beside it."""
+        ref, name = self.options.reference, calibration_engine()
+        return ref if ref.name == name and ref.id not in self._stored else EngineSpec(name)
 
     def noise_floor(self, case: Case) -> noise.NoiseFloor:
         """Per canonical tensor, how far the reference moves when it computes the case in float64

@@ -128,6 +128,16 @@ def _eagle(ids: list[int] | None, L: int) -> tuple[list[int], str | None]:
     return _defaults(L), None
 
 
+# the preset each serving engine (and SpecForge's data generation) reads a config's layer ids with,
+# by target family (difftest.layer_rules.target_family); a family not listed reads as "llama"
+READING_PRESETS: dict[str, dict[str, str]] = {
+    "llama": {"vllm": "vllm", "sglang": "sglang", "specforge": "specforge"},
+    "deepseek": {"vllm": "vllm", "sglang": "sglang-deepseek", "specforge": "specforge"},
+}
+
+# a case that states no `wiring:` was trained as vLLM serves it (the speculators convention, h[k])
+DEFAULT_PRESET = "vllm"
+
 PRESETS: dict[str, Callable[[list[int] | None, int], tuple[list[int], str | None]]] = {
     "vllm": _vllm,
     "speculators": _vllm,

@@ -1,11 +1,15 @@
 """The core knows no engine: engines reach the core only through entry points (adapters, fixtures,
 checks, CLI commands: difftest.extensions). That nothing under difftest/ imports the `engines`
-package is an import-linter contract (pyproject.toml; tests/test_code_standards.py)."""
+package is an import-linter contract (pyproject.toml; tests/test_code_standards.py); that no core
+logic names an engine in a string is checked here, since import-linter sees imports only."""
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,59 @@ def test_one_cache_root_expands_the_user_directory(monkeypatch):
     assert cache_root() == Path.home() / "somewhere"
     monkeypatch.delenv("DIFFTEST_CACHE")
     assert cache_root() == Path.home() / ".cache" / "difftest"
+
+
+# the engines' rules as data, keyed by engine and release (pyproject.toml's "Rule data is data" contract)
+RULE_DATA = {"difftest/draft_rules.py", "difftest/layer_rules.py", "difftest/engine_releases.py", "difftest/wiring.py"}
+
+
+def registered_engine_names() -> set[str]:
+    """The names pyproject.toml registers adapters under (difftest.engines entry points)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return set(project["project"]["entry-points"]["difftest.engines"])
+
+
+def engine_literals(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, text) of every string constant that is an engine name or spec (`vllm`, `ref[...]`,
+    `sglang@old`) outside docstrings."""
+    tree = ast.parse(source)
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}  # fmt: skip
+    spec = re.compile(rf"({'|'.join(map(re.escape, sorted(names)))})([\[@].*)?", re.S)
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs and spec.fullmatch(n.value)]  # fmt: skip
+
+
+def test_the_literal_scan_finds_engine_names_and_specs_but_not_prose():
+    found = engine_literals('"""About vllm."""\nA = "vllm"\nB = f"{x} sglang"\nC = "ref[wiring=h0]"\nD = "vllm-cpu"\n',
+                            {"vllm", "sglang", "ref"})  # fmt: skip
+    assert found == [(2, "vllm"), (4, "ref[wiring=h0]")]
+
+
+def test_core_logic_names_no_engine_outside_the_rule_data():
+    names = registered_engine_names()
+    assert {"ref", "vllm", "sglang", "train", "server"} <= names
+    found = {f"{p.relative_to(ROOT)}:{line}: {text!r}" for p in sorted((ROOT / "difftest").rglob("*.py"))
+             if str(p.relative_to(ROOT)) not in RULE_DATA for line, text in engine_literals(p.read_text(), names)}  # fmt: skip
+    assert not found, "engine names in core logic (move them to rule data or the engine):\n" + "\n".join(sorted(found))
+    assert all(engine_literals((ROOT / p).read_text(), names) for p in RULE_DATA)  # the list holds no stale entry
+
+
+def test_the_calibration_engine_is_the_one_whose_adapter_says_so():
+    from difftest.engine import calibration_engine, registered_engines
+    from engines.ref.engine import RefEngine
+
+    assert registered_engines()[calibration_engine()] == f"{RefEngine.__module__}:{RefEngine.__name__}"
+    assert RefEngine.CALIBRATES
+
+
+def test_the_server_engine_brings_its_probe_command_and_its_accept_length():
+    from difftest.extensions import commands, replacement
+
+    assert commands()["probe"].run.__module__ == "engines.server.command"
+    assert replacement("accept_length", "server").run.__module__ == "engines.server.probe"
+    assert replacement("accept_length", "vllm") is None
 
 
 def test_engines_contribute_checks_and_commands_through_entry_points():

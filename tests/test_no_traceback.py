@@ -264,7 +264,7 @@ def _answering(status: int):
 
 
 def test_a_refused_connection_says_the_server_cannot_be_reached(monkeypatch):
-    from difftest.server_client import ServerClient, ServerError
+    from engines.server.client import ServerClient, ServerError
 
     monkeypatch.delenv("http_proxy", raising=False)
     url = f"http://127.0.0.1:{_free_port()}"
@@ -274,7 +274,7 @@ def test_a_refused_connection_says_the_server_cannot_be_reached(monkeypatch):
 
 
 def test_a_host_name_that_does_not_resolve_says_so(monkeypatch):
-    from difftest.server_client import ServerClient, ServerError
+    from engines.server.client import ServerClient, ServerError
 
     monkeypatch.delenv("http_proxy", raising=False)
     with pytest.raises(ServerError) as e:  # .invalid never resolves (RFC 6761)
@@ -283,7 +283,7 @@ def test_a_host_name_that_does_not_resolve_says_so(monkeypatch):
 
 
 def test_a_gateway_error_for_the_host_says_it_cannot_be_reached(monkeypatch):
-    from difftest.server_client import ServerClient, ServerError
+    from engines.server.client import ServerClient, ServerError
 
     monkeypatch.delenv("http_proxy", raising=False)
     server = _answering(502)
@@ -297,7 +297,7 @@ def test_a_gateway_error_for_the_host_says_it_cannot_be_reached(monkeypatch):
 
 
 def test_an_http_answer_that_is_neither_kind_names_what_answered(monkeypatch):
-    from difftest.server_client import ServerClient, ServerError
+    from engines.server.client import ServerClient, ServerError
 
     monkeypatch.delenv("http_proxy", raising=False)
     server = _answering(404)

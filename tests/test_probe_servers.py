@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from difftest.overlay import overlay_checkpoint
-from difftest.probe_cli import SERVER_ENGINE, ensure_server_engine
-from difftest.server_client import counters, parse_launch_command, parse_prometheus
+from engines.server.command import PROBE_CHECK, SERVER_ENGINE, ensure_server_engine
+from engines.server.client import counters, parse_launch_command, parse_prometheus
 from difftest.session import cache_root, resolve_fixture
 from tests import live_servers
 from tests.helpers import run_pytest
@@ -168,7 +168,8 @@ def test_server_spec_stands_beside_other_engines_in_a_pytest_run(sglang_server, 
     engines = f"fake=fake_engine:FakeEngine;server={SERVER_ENGINE}"  # registered whatever the installed metadata says
     run = run_pytest(small_case.parent.parent, f"cases/{small_case.name}",
                      f"--engines=ref,server[url={sglang_server.url},kind=sglang]", f"--report-dir={tmp_path}",
-                     "-k", "accept_length or fc_inputs", env={"DIFFTEST_ENGINES": engines}, timeout=900)  # fmt: skip
+                     "-k", "accept_length or fc_inputs", env={"DIFFTEST_ENGINES": engines,
+                     "DIFFTEST_CHECKS": f"server_accept_length={PROBE_CHECK}"}, timeout=900)  # fmt: skip
     checks = _report(tmp_path)
     assert checks[("server", "accept_length")]["outcome"] == "passed", run.output[-3000:]
     assert checks[("server", "fc_inputs")]["outcome"] == "not available"
@@ -277,7 +278,7 @@ def test_launch_command_gives_what_was_asked_for():
 
 
 def test_vllm_deltas_touched_by_a_concurrent_request_are_flagged(vllm_server):
-    from difftest.server_client import ServerClient
+    from engines.server.client import ServerClient
 
     prompt = [574, 554, 303, 298, 472, 148, 901, 664]
     other = threading.Thread(target=lambda: ServerClient(vllm_server.url, "vllm").generate(prompt, 300, 4))

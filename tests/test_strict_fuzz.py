@@ -17,7 +17,7 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from difftest.case import DTYPES, EXPECT_KEYS, KNOWN_KEYS, Case, load_case
+from difftest.case import DTYPES, KNOWN_KEYS, Case, expect_keys, load_case
 from difftest.engine import check_case_settings, check_settings, engine_schema, parse_engine_list
 from difftest.errors import CaseNotConfigured, ConfigError
 from difftest.names import pattern_could_match
@@ -96,7 +96,7 @@ def check_case_invariants(case: Case) -> None:
     for tol in list(case.tolerances.values()) + ([case.expect["accept_length"]] if "accept_length" in case.expect else []):
         assert set(tol) <= {"atol", "rtol"}
         assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in tol.values())
-    assert set(case.expect) <= set(EXPECT_KEYS)
+    assert set(case.expect) <= set(expect_keys())
     if "top1_agreement" in case.expect:
         assert 0 <= case.expect["top1_agreement"] <= 1
     for p in case.prompts + case.spec_prompts:

@@ -172,6 +172,30 @@ def test_train_accuracy_check_passes_when_the_engine_wiring_keeps_the_trainers_a
     assert v.passed, v.message
 
 
+def _yaml_case(tmp_path, expect: str):
+    for role in ("target", "draft"):
+        (tmp_path / role).mkdir(exist_ok=True)
+        (tmp_path / role / "config.json").write_text("{}")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"target: target\ndraft: draft\nprompts: [{{ids: [1, 2]}}]\nexpect: {expect}\n")
+    return path
+
+
+def test_a_case_file_sets_the_keys_the_train_accuracy_check_declares(tmp_path):
+    from difftest.case import load_case
+
+    case = load_case(_yaml_case(tmp_path, "{train_accuracy: {atol: 0.1, min: 0.2}}"))
+    assert case.expect["train_accuracy"] == {"atol": 0.1, "min": 0.2}
+
+
+def test_a_case_file_key_the_train_accuracy_check_does_not_declare_is_refused_naming_the_file(tmp_path):
+    from difftest.case import load_case
+
+    path = _yaml_case(tmp_path, "{train_accuracy: {minimum: 0.2}}")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: expect.train_accuracy.minimum: unknown field; did you mean 'min'?")):
+        load_case(path)
+
+
 def test_train_accuracy_check_refuses_an_unknown_expect_key():
     with pytest.raises(ConfigError, match="expect.train_accuracy.minimum: unknown key"):
         check_train_accuracy(_Captures([0.7], [0.7]), _case({"minimum": 0.1}), EngineSpec("vllm"))

@@ -42,6 +42,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class RefEngine(Engine):
     SETTINGS = SCHEMA
+    CALIBRATES = True  # the noise floor, the default engine and reference (difftest.engine.calibration_engine)
 
     def __init__(self, spec):
         super().__init__(spec)

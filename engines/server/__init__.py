@@ -1,1 +1,1 @@
-"""A running SGLang or vLLM server as an engine (difftest.server_client)."""
+"""A running SGLang or vLLM server as an engine (engines.server.client)."""

@@ -3,9 +3,9 @@
 Nothing is captured inside the server (no tensors: the tensor checks report "not available"),
 so it works on any deployment. It answers two things: the server's effective settings
 (`info().settings`) and, per speculative prompt of the case, the generated tokens and the
-acceptance the server reports for that request (difftest.server_client). The reference's
+acceptance the server reports for that request (engines.server.client). The reference's
 prediction on those very tokens comes from the reference engine (Engine.replay), compared in
-difftest.probe.
+engines.server.probe.
 
 Spec parameters:
   url      the server, http://HOST:PORT (required)
@@ -22,13 +22,13 @@ import json
 import os
 from pathlib import Path
 
-from difftest import server_client
+from engines.server import client as server_client
 from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
 from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError
-from difftest.server_client import ServerClient, ServerError
+from engines.server.client import ServerClient, ServerError
 from engines.server.settings import SCHEMA
 
 

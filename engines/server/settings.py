@@ -1,6 +1,6 @@
 """The server engine's settings (difftest.settings): `server[url=...,kind=...,timeout=...,model=...]`."""
 
-from difftest import server_client
+from engines.server import client as server_client
 from difftest.settings import Schema, Setting
 
 SCHEMA = Schema("server", (

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from difftest.case import Case
+from difftest.definitions import Definition, trainer_figures
 from difftest.diagnose import match_fc_chunks
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
@@ -30,7 +31,10 @@ from difftest.wiring import hidden_index, short_name
 TRAIN = "train"
 DEFAULT_ATOL = 0.05
 DEFAULT_MIN = 0.05  # a trained draft scores far above this under its own wiring; chance is 1/draft_vocab
-EXPECT_KEYS = ("atol", "min")
+EXPECT_KEYS = ("atol", "min")  # `expect.train_accuracy`: the case parser accepts these (ExtraCheck.expect)
+STEP0 = Definition("difftest.train_accuracy", "the trainer's step-0 accuracy on its own training data, recomputed "
+                   "with the trainer's rules (full_acc[0]: draft's first prediction equals the target's next token)",
+                   "as is")  # fmt: skip
 
 
 @dataclass
@@ -113,5 +117,14 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
 
 # registered under the `difftest.checks` entry points (pyproject.toml): every non-reference engine
 # of a case that names training data gets the item
+def figures(data: CheckData) -> list[str]:
+    """The figures a verdict reports: the step-0 accuracy and the figures its trainer logs."""
+    trainer = getattr(data, "trainer", None)
+    if not isinstance(trainer, dict):
+        return []
+    return [STEP0.name, *trainer_figures(str(trainer.get("rules", "")))]
+
+
 CHECK = ExtraCheck("train_accuracy", check_train_accuracy, lambda case, is_reference: not is_reference and applies(case),
-                   "the draft's training accuracy with this engine's fc wiring vs the trainer's", data=TrainAccuracyData)  # fmt: skip
+                   "the draft's training accuracy with this engine's fc wiring vs the trainer's", data=TrainAccuracyData,
+                   expect=EXPECT_KEYS, figures=figures, definitions=(STEP0,))  # fmt: skip

@@ -1,6 +1,8 @@
 """`difftest probe --server URL --case CASE [--kind sglang|vllm]`: one live-server check, one report.
+Contributed to the CLI by the `server` engine through the `difftest.commands` entry point `probe`
+(difftest.extensions), as any engine contributes a command.
 
-The same check as `--engines=ref,server[url=...]` in a pytest run (difftest.probe), without
+The same check as `--engines=ref,server[url=...]` in a pytest run (engines.server.probe), without
 pytest: the reference replays the server's tokens, the verdict and the report (JSON, Markdown,
 HTML; `difftest bundle` packs them) are written as for any engine, the tensor checks recorded as
 "not available". Exit status: 0 the deployment accepts what the reference predicts, 1 it does
@@ -15,16 +17,31 @@ import os
 import sys
 from pathlib import Path
 
-SERVER_ENGINE = "engines.server.engine:ServerEngine"
+from difftest.extensions import Command
+from engines.server.engine import ServerEngine
+
+NAME = "server"  # the name this package registers its engine under (pyproject.toml, difftest.engines)
+SERVER_ENGINE = f"{ServerEngine.__module__}:{ServerEngine.__name__}"
+PROBE_CHECK = "engines.server.probe:CHECK"
+PROBE_COMMAND = f"{__name__}:PROBE"
+
+
+def _register(variable: str, name: str, target: str, known: dict[str, str]) -> None:
+    if known.get(name) != target:
+        os.environ[variable] = ";".join(filter(None, [os.environ.get(variable, ""), f"{name}={target}"]))
 
 
 def ensure_server_engine() -> None:
-    """Register the `server` engine where the installed metadata predates it (an old editable install)."""
+    """Register the `server` engine, its accept-length check and `difftest probe` where the installed
+    metadata predates them (an old editable install: `pip install -e .` refreshes it), through the
+    variables the registries read besides entry points (DIFFTEST_ENGINES, DIFFTEST_CHECKS,
+    DIFFTEST_COMMANDS); a process started after this call inherits them."""
     from difftest.engine import registered_engines
+    from difftest.extensions import CHECK_GROUP, COMMAND_GROUP, registered
 
-    if "server" not in registered_engines():
-        current = os.environ.get("DIFFTEST_ENGINES", "")
-        os.environ["DIFFTEST_ENGINES"] = ";".join(filter(None, [current, f"server={SERVER_ENGINE}"]))
+    _register("DIFFTEST_ENGINES", NAME, SERVER_ENGINE, registered_engines())
+    _register("DIFFTEST_CHECKS", "server_accept_length", PROBE_CHECK, registered(CHECK_GROUP))
+    _register("DIFFTEST_COMMANDS", "probe", PROBE_COMMAND, registered(COMMAND_GROUP))
 
 
 def server_spec_text(url: str, kind: str | None, timeout: float, model: str | None) -> str:
@@ -32,8 +49,7 @@ def server_spec_text(url: str, kind: str | None, timeout: float, model: str | No
     return f"server[{','.join(params)}]"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("probe", help="check a running SGLang or vLLM server's acceptance against the reference's prediction")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, metavar="URL", help="http://HOST:PORT of the running server")
     p.add_argument("--case", required=True, help="the case whose target and draft the server runs (cases/NAME.yaml)")
     p.add_argument("--kind", choices=["sglang", "vllm"], default=None, help="server kind (default: detected)")
@@ -42,7 +58,6 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="the served model's name when it is not the case's target path")
     p.add_argument("--report-dir", default="reports")
     p.add_argument("--engine-timeout", type=float, default=900.0, help="seconds per reference request (default 900)")
-    p.set_defaults(handler=main)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -73,10 +88,10 @@ def main(args: argparse.Namespace) -> int:
         results = []
         for name in ("fc_inputs", "draft_logits", "top1_agreement"):
             try:
-                checks.CHECKS[name](session, case, server)
+                checks.run_check(name, session, case, server)
             except DifftestError as e:  # NotAvailable: a server exposes no tensors
                 results.append(CheckResult(server.id, name, "not available", str(e)))
-        verdict = checks.check_accept_length(session, case, server)
+        verdict = checks.run_check("accept_length", session, case, server)  # engines.server.probe.CHECK
         results.append(CheckResult(server.id, "accept_length", "passed" if verdict.passed else "failed", verdict.message,
                                    verdict.data))  # fmt: skip
         path = report_files.write(report_mod.build(case, session, results), report_dir)
@@ -89,3 +104,7 @@ def main(args: argparse.Namespace) -> int:
     print(verdict.message)
     print(f"report: {path} (and {path.with_suffix('.html')})")
     return 0 if verdict.passed else 1
+
+
+PROBE = Command("probe", "check a running SGLang or vLLM server's acceptance against the reference's prediction",
+                add_arguments, main)  # fmt: skip

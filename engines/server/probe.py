@@ -1,7 +1,8 @@
 """The live-server check: a running server's acceptance against the reference's prediction on the
-server's own tokens.
+server's own tokens. The `server` engine contributes it (the `difftest.checks` entry point
+`server_accept_length`, difftest.extensions) as the `accept_length` item of its engines.
 
-  1. the server's effective settings (`server` engine info, difftest.server_client), with flags
+  1. the server's effective settings (`server` engine info, engines.server.client), with flags
      where they differ from what was asked for or what the case describes;
   2. the case's speculative prompts sent one at a time, greedy (the `server` engine's speculate);
   3. the reference replays each request's prompt + output through its draft with the server's
@@ -11,7 +12,7 @@ server's own tokens.
 
 Which numbers are exact: SGLang's are the server's own per-request counters. vLLM's are /metrics
 deltas around each request: a request another client ran at the same time is in them too; such a
-request is marked (difftest.server_client) and left out of the verdict when clean ones remain.
+request is marked (engines.server.client) and left out of the verdict when clean ones remain.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from difftest.acceptance import AcceptStats, accept_length_spread
 from difftest.case import Case
 from difftest.engine import EngineSpec
 from difftest.errors import ConfigError
+from difftest.extensions import ExtraCheck
 from difftest.records.check_data import ServerAcceptData
+from difftest.verdict import Verdict
 
 
 def flags(settings: dict, case: Case) -> list[str]:
@@ -124,3 +127,13 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
                             server_settings=settings, flags=flag_lines, per_request=per_request,
                             numbers="exact" if exact else "deltas", verdict=verdict)  # fmt: skip
     return passed, "\n".join(msg), data
+
+
+def check_server_acceptance(session, case: Case, spec: EngineSpec) -> Verdict:
+    """The `accept_length` item of a running server; a tolerance the case declares only widens it."""
+    return Verdict(*check(session, case, spec, case.expect.get("accept_length") or None))
+
+
+CHECK = ExtraCheck("server_accept_length", check_server_acceptance, lambda case, is_reference: not is_reference,
+                   "a running server's acceptance against the reference's replay of its own tokens",
+                   engines=("server",), data=ServerAcceptData, replaces="accept_length")  # fmt: skip
