@@ -40,7 +40,7 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import EngineError, EngineSpent, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
 from difftest.paths import cache_root
-from engines.sglang import cpu_shim, deepseek, process_start, tensor_parallel, versions
+from engines.sglang import cpu_shim, deepseek, process_start, rank_crash, tensor_parallel, versions
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
 from engines.sglang.settings import SCHEMA
@@ -74,16 +74,19 @@ def _log_size() -> int:
         return 0
 
 
-def _root_cause(offset: int) -> str:
-    """The first exception line SGLang's processes wrote to the log since `offset`: the
-    scheduler's own error, which the Engine's exception ("scheduler died") does not carry."""
+def _log_since(offset: int, limit: int = 4 << 20) -> str:
     try:
         with open("/proc/self/fd/2", "rb") as f:
             f.seek(offset)
-            text = f.read(4 << 20).decode(errors="replace")
+            return f.read(limit).decode(errors="replace")
     except OSError:
         return ""
-    for line in text.splitlines():
+
+
+def _root_cause(offset: int) -> str:
+    """The first exception line SGLang's processes wrote to the log since `offset`: the
+    scheduler's own error, which the Engine's exception ("scheduler died") does not carry."""
+    for line in _log_since(offset).splitlines():
         m = re.match(r"^([A-Za-z_.]*(?:Error|Exception)): (.+)$", line.strip())
         if m:
             return f"{m.group(1)}: {m.group(2)}"[:400]
@@ -265,6 +268,8 @@ class SglangEngine(Engine):
             # after answering, and the next case starts a fresh one
             raise EngineSpent(f"sglang.Engine failed to start: {failed}") from None
         self._engine_key = key
+        if int(settings["requested"]["tp_size"]) > 1:
+            rank_crash.install(lambda: _log_since(log_offset))
         print(f"[sglang adapter] engine processes started by {process_start.describe()}", file=sys.stderr, flush=True)
         resolved = self._engine.get_server_info()
         self._effective = {k: resolved.get(k) for k in (*settings["requested"], "speculative_algorithm", "device")}
