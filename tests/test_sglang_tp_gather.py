@@ -89,9 +89,19 @@ def test_every_rule_cites_sglang_code_and_names_a_known_sharding():
         assert rule.why, rule
 
 
-def test_a_rank_killed_outright_is_named_with_its_signal():
-    log = ("[2026-12-02 08:00:01 TP0] RuntimeError: Connection closed by peer\n"
-           "[2026-12-02 08:00:01] Subprocess scheduler_1 (pid=4242) crashed with exit code -9. Triggering SIGQUIT\n")  # fmt: skip
+# what SGLang 0.5.23 logged when rank 1's scheduler was SIGKILLed mid-request at tp_size 2
+_ECHO_LOG = ("[2026-12-02 08:08:37 TP0] Scheduler hit an exception: Traceback (most recent call last):\n"
+             "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:10154: Connection reset by peer.\n"
+             "[2026-12-02 08:08:38] Subprocess scheduler_0 (pid=21170) crashed with exit code 255. Triggering SIGQUIT\n")
+
+
+def test_a_rank_killed_outright_is_named_with_its_signal_not_the_survivors_echo():
+    cause = crash_cause(_ECHO_LOG, {0: (21170, 255), 1: (21171, -9)})
+    assert cause == "SGLang's tensor-parallel rank 1 (scheduler pid 21171) died: killed by SIGKILL"
+
+
+def test_without_exit_codes_the_watchdogs_rank_is_named():
+    log = "[2026-12-02 08:00:01] Subprocess scheduler_1 (pid=4242) crashed with exit code -9. Triggering SIGQUIT\n"
     assert crash_cause(log) == "SGLang's tensor-parallel rank 1 (scheduler pid 4242) died: killed by SIGKILL"
 
 
@@ -99,5 +109,7 @@ def test_a_rank_that_raised_is_named_with_its_own_error():
     log = ("[2026-12-02 08:00:01 TP1] Scheduler hit an exception: Traceback (most recent call last):\n"
            '  File "x.py", line 1, in f\n'
            "ValueError: rank one's own failure\n"
-           "[2026-12-02 08:00:02 TP0] RuntimeError: Connection closed by peer\n")  # fmt: skip
-    assert crash_cause(log) == "SGLang's tensor-parallel rank 1 (its scheduler) failed: ValueError: rank one's own failure"
+           "[2026-12-02 08:00:01 TP0] Scheduler hit an exception: Traceback (most recent call last):\n"
+           "RuntimeError: Connection closed by peer\n")  # fmt: skip
+    cause = crash_cause(log, {0: (10, 255), 1: (11, 1)})
+    assert cause == "SGLang's tensor-parallel rank 1 (its scheduler) failed: ValueError: rank one's own failure"

@@ -120,6 +120,8 @@ class SglangEngine(Engine):
         self._engine_key: str | None = None
         self._effective: dict = {}
         self._workdir: Path | None = None
+        self._tp_logged = False
+        self._crash_watch: rank_crash.Watch | None = None  # tp_size > 1: names a rank that died
 
     # -- environment -----------------------------------------------------------------
     def _import(self):
@@ -268,18 +270,30 @@ class SglangEngine(Engine):
             # after answering, and the next case starts a fresh one
             raise EngineSpent(f"sglang.Engine failed to start: {failed}") from None
         self._engine_key = key
+        self._tp_logged = False
+        self._crash_watch = None
         if int(settings["requested"]["tp_size"]) > 1:
-            rank_crash.install(lambda: _log_since(log_offset))
+            self._crash_watch = rank_crash.install(self._engine, lambda: _log_since(log_offset))
         print(f"[sglang adapter] engine processes started by {process_start.describe()}", file=sys.stderr, flush=True)
         resolved = self._engine.get_server_info()
         self._effective = {k: resolved.get(k) for k in (*settings["requested"], "speculative_algorithm", "device")}
         return self._engine, settings, target, draft
 
+    def _guarded(self, call, *args, **kwargs):
+        """A request to the engine; where a tensor-parallel rank died meanwhile, its own error."""
+        try:
+            out = call(*args, **kwargs)
+        except Exception:
+            if self._crash_watch is not None:
+                self._crash_watch.check()  # a rank died: its error, not the stopped event loop's
+            raise
+        if self._crash_watch is not None:
+            self._crash_watch.check()
+        return out
+
     def _generate(self, engine, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
-        out = engine.generate(
-            input_ids=prompts,
-            sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-        )
+        sampling = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        out = self._guarded(engine.generate, input_ids=prompts, sampling_params=sampling)
         return out if isinstance(out, list) else [out]
 
     def _settings_meta(self, settings: dict) -> dict:
@@ -299,7 +313,7 @@ class SglangEngine(Engine):
         # a prompt SGLang has served before (a case whose speculative prompts are its capture prompts,
         # or the same prompt captured for another check) is in the radix cache: the prefill would run
         # over the uncached suffix only and no forward would hold the whole prompt
-        engine.flush_cache()
+        self._guarded(engine.flush_cache)
         out = self._generate(engine, [list(prompt_ids)], 2)[0]  # the prefill and one drafting round
         gathered = tensor_parallel.gather(str(self._hooks_dir))  # every rank's records, joined
         draft_cfg = json.loads((Path(draft) / "config.json").read_text())
@@ -340,6 +354,10 @@ class SglangEngine(Engine):
                                           "tensors": tensor_parallel.describe(gathered.how, gathered.tp_size,
                                                                               list(ex.tensors))}},
         }
+        if gathered.tp_size > 1 and not self._tp_logged:  # once per engine: what the joins were, in the log
+            self._tp_logged = True
+            for name, how in meta["extra"]["tensor_parallel"]["tensors"].items():
+                print(f"[sglang adapter] tp_size {gathered.tp_size}: {name}: {how}", file=sys.stderr, flush=True)
         return Capture(ex.tensors, meta)
 
     @staticmethod
@@ -365,7 +383,7 @@ class SglangEngine(Engine):
         engine, settings, _, _ = self._engine_for(case)  # the engine and its hooks directory exist first
         # the same prompt was captured before: without a flush the radix cache serves its prefix and
         # the prefill runs over the last token only, so the draft would never see the golden rows
-        engine.flush_cache()
+        self._guarded(engine.flush_cache)
         # every rank's target replaces its own (replicated) aux states: one copy per rank
         ranks = range(int(self._effective.get("tp_size") or settings["requested"]["tp_size"]))
         goldens = [Path(golden_path(str(self._hooks_dir), r)) for r in ranks]

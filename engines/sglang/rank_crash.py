@@ -11,9 +11,16 @@ tokenizer_manager.py::SignalHandler.running_phase_sigquit_handler) then kills th
 this worker with it, and the surviving ranks' errors (a gloo peer that vanished) are the last lines in
 the log: the harness would report one of those, naming the wrong rank.
 
-`install` puts the adapter's handler in its place for a tensor-parallel engine: it names the rank and
-its own error, and raises EngineSpent in the request that was running, so that only SGLang's items
-fail and the worker ends after answering (its close kills every process of every rank).
+A rank killed outright writes nothing, and the watchdog names the first dead scheduler in rank order,
+which may be a survivor that died of the lost peer. So `snapshot` records each rank's scheduler
+process when the engine starts (its title, srt/managers/scheduler.py::run_scheduler_process:
+"sglang::scheduler_TP<r>"), and the cause is chosen in this order: a rank that died of a signal; a
+rank whose own exception is not a lost-peer echo (gloo/NCCL "Connection reset/closed by peer"); the
+first rank that logged an exception; the watchdog's line.
+
+`install` puts the adapter's handler in place of SGLang's for a tensor-parallel engine: it names the
+rank and its own error, which the request that was running raises as EngineSpent, so that only
+SGLang's items fail and the worker ends after answering (its close kills every process of every rank).
 """
 
 from __future__ import annotations
@@ -26,41 +33,106 @@ from difftest.errors import EngineSpent
 _EXCEPTION = re.compile(r"TP(\d+)\] Scheduler hit an exception")
 _WATCHDOG = re.compile(r"Subprocess scheduler_(\d+) \(pid=(\d+)\) crashed with exit code (-?\d+)")
 _ERROR_LINE = re.compile(r"^([A-Za-z_.]*(?:Error|Exception|Interrupt)): (.*)$")
+_ECHO = re.compile(r"gloo|nccl|Connection (reset|closed) by peer|Broken pipe", re.IGNORECASE)
+_TITLE = re.compile(r"^sglang::scheduler_TP(\d+)$")
 
 
-def crash_cause(log_text: str) -> str:
-    """The first rank that died, and how, from the log SGLang's processes wrote (see the module doc)."""
-    lines = log_text.splitlines()
+def _how(code: int) -> str:
+    if code < 0 and -code in {s.value for s in signal.Signals}:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _rank_errors(lines: list[str]) -> dict[int, str]:
+    """Each rank's own exception (the first error line after its "Scheduler hit an exception")."""
+    errors: dict[int, str] = {}
     for i, line in enumerate(lines):
         m = _EXCEPTION.search(line)
-        if m:
-            error = next((ln.strip() for ln in lines[i + 1 :] if _ERROR_LINE.match(ln.strip())), "")
-            return f"SGLang's tensor-parallel rank {m.group(1)} (its scheduler) failed: {error or 'see the log'}"
+        if m and int(m.group(1)) not in errors:
+            errors[int(m.group(1))] = next((ln.strip() for ln in lines[i + 1 :] if _ERROR_LINE.match(ln.strip())), "")
+    return errors
+
+
+def crash_cause(log_text: str, exits: dict[int, tuple[int, int | None]] | None = None) -> str:
+    """The rank that failed first, and how. `exits`: rank -> (scheduler pid, exit code or None)."""
+    exits = exits or {}
+    errors = _rank_errors(log_text.splitlines())
+    signalled = [r for r, (_, code) in sorted(exits.items()) if code is not None and code < 0]
+    if signalled:
+        r = signalled[0]
+        pid, code = exits[r]
+        own = f"; its last error: {errors[r]}" if errors.get(r) else ""
+        return f"SGLang's tensor-parallel rank {r} (scheduler pid {pid}) died: {_how(code)}{own}"
+    own = [r for r, e in sorted(errors.items()) if e and not _ECHO.search(e)]
+    for r in own or sorted(errors):
+        return f"SGLang's tensor-parallel rank {r} (its scheduler) failed: {errors[r] or 'see the log'}"
     m = _WATCHDOG.search(log_text)
     if m:
-        rank, pid, code = m.group(1), m.group(2), int(m.group(3))
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
-        return f"SGLang's tensor-parallel rank {rank} (scheduler pid {pid}) died: {how}"
+        return f"SGLang's tensor-parallel rank {m.group(1)} (scheduler pid {m.group(2)}) died: {_how(int(m.group(3)))}"
     return "an SGLang process sent SIGQUIT (one of its processes failed) and named no rank"
 
 
-def install(read_log) -> None:
+def snapshot() -> dict[int, tuple[int, object]]:
+    """Right after the engine started: rank -> (scheduler pid, its multiprocessing.Process, whose exit
+    code the forkserver reports to this process)."""
+    import multiprocessing
+
+    import psutil
+
+    procs = {p.pid: p for p in multiprocessing.active_children()}
+    ranks = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            m = _TITLE.match((child.cmdline() or [""])[0])
+        except psutil.Error:
+            continue
+        if m:
+            ranks[int(m.group(1))] = (child.pid, procs.get(child.pid))
+    return ranks
+
+
+class Watch:
+    """The adapter's SIGQUIT handler for one tensor-parallel engine (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.cause: str | None = None
+
+    def check(self) -> None:
+        """After a request to SGLang returned or raised: the dead rank's error, if one died."""
+        if self.cause is not None:
+            raise EngineSpent(self.cause)
+
+
+def install(engine, read_log) -> Watch:
     """Replace SGLang's running-phase SIGQUIT handler (on the engine's event loop) with ours.
-    `read_log()` returns what SGLang's processes wrote to the log since the engine started."""
-    import asyncio
+    `read_log()` returns what SGLang's processes wrote to the log since the engine started.
 
-    from sglang.srt.utils import get_or_create_event_loop  # the loop the tokenizer manager registered on
+    SGLang's loop is uvloop, which runs a Python signal handler inside one of its own callbacks and
+    swallows what it raises; so the handler records the cause and stops the loop, and the request
+    that was waiting on it (`run_until_complete`: "Event loop stopped before Future completed")
+    ends; `Watch.check` then raises the cause in its place."""
+    import time
 
-    loop = get_or_create_event_loop()
-    try:
-        loop.remove_signal_handler(signal.SIGQUIT)
-    except (RuntimeError, ValueError, asyncio.InvalidStateError):
-        pass
+    engine.tokenizer_manager.auto_create_handle_loop()  # registers SGLang's handler: replace it after
+    ranks = snapshot()
+    loop = engine.tokenizer_manager.event_loop
+    loop.remove_signal_handler(signal.SIGQUIT)
+    watch = Watch()
 
     def on_quit(signum, frame):
-        import time
+        import sys
 
-        time.sleep(1.5)  # the watchdog's line (it polls every second) or the traceback reaches the log
-        raise EngineSpent(crash_cause(read_log()))
+        print(f"[sglang adapter] SIGQUIT: a process of the engine failed; ranks {ranks}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 3.0  # the ranks' exit codes and last lines reach us
+        exits = {}
+        while time.monotonic() < deadline:
+            exits = {r: (pid, getattr(p, "exitcode", None)) for r, (pid, p) in ranks.items()}
+            if all(code is not None for _, code in exits.values()):
+                break
+            time.sleep(0.2)
+        watch.cause = crash_cause(read_log(), exits)
+        print(f"[sglang adapter] {watch.cause}; stopping the engine's event loop", file=sys.stderr, flush=True)
+        loop.stop()
 
-    signal.signal(signal.SIGQUIT, on_quit)
+    loop.add_signal_handler(signal.SIGQUIT, on_quit, signal.SIGQUIT, None)
+    return watch
