@@ -422,6 +422,8 @@ class SglangEngine(Engine):
                            native=["sglang.spec_num_correct_drafts", "sglang.spec_correct_drafts_histogram"])  # fmt: skip
 
     def _shutdown(self) -> None:
+        if self._crash_watch is not None:
+            self._crash_watch.stop()
         if self._engine is not None:
             try:
                 with process_start.keeping_forkserver():  # the next case's processes fork from it too

@@ -18,9 +18,9 @@ process when the engine starts (its title, srt/managers/scheduler.py::run_schedu
 rank whose own exception is not a lost-peer echo (gloo/NCCL "Connection reset/closed by peer"); the
 first rank that logged an exception; the watchdog's line.
 
-`install` puts the adapter's handler in place of SGLang's for a tensor-parallel engine: it names the
-rank and its own error, which the request that was running raises as EngineSpent, so that only
-SGLang's items fail and the worker ends after answering (its close kills every process of every rank).
+`install` takes over from SGLang's handler for a tensor-parallel engine: it names the rank and its
+own error, which the request that was running raises as EngineSpent, so that only SGLang's items
+fail and the worker ends after answering (its close kills every process of every rank).
 """
 
 from __future__ import annotations
@@ -96,6 +96,10 @@ class Watch:
 
     def __init__(self) -> None:
         self.cause: str | None = None
+        self.stopped = False  # the adapter shuts the engine down: its ranks exit by design
+
+    def stop(self) -> None:
+        self.stopped = True
 
     def check(self) -> None:
         """After a request to SGLang returned or raised: the dead rank's error, if one died."""
@@ -104,35 +108,49 @@ class Watch:
 
 
 def install(engine, read_log) -> Watch:
-    """Replace SGLang's running-phase SIGQUIT handler (on the engine's event loop) with ours.
+    """Take over from SGLang's running-phase SIGQUIT handler for a tensor-parallel engine.
     `read_log()` returns what SGLang's processes wrote to the log since the engine started.
 
-    SGLang's loop is uvloop, which runs a Python signal handler inside one of its own callbacks and
-    swallows what it raises; so the handler records the cause and stops the loop, and the request
-    that was waiting on it (`run_until_complete`: "Event loop stopped before Future completed")
-    ends; `Watch.check` then raises the cause in its place."""
+    SGLang's running-phase handler (TokenizerManager's SignalHandler, registered on the engine's
+    loop at its first request) would kill this worker; it is made a no-op, and a thread watches the
+    ranks' scheduler processes itself: when one has
+    exited, it names the rank and stops the loop from outside (`call_soon_threadsafe`); the request
+    waiting on it (`run_until_complete`: "Event loop stopped before Future completed") ends, and
+    `Watch.check` raises the cause in its place."""
+    import sys
+    import threading
     import time
 
-    engine.tokenizer_manager.auto_create_handle_loop()  # registers SGLang's handler: replace it after
     ranks = snapshot()
-    loop = engine.tokenizer_manager.event_loop
-    loop.remove_signal_handler(signal.SIGQUIT)
+    loop = engine.loop  # the loop Engine.generate runs its requests on (srt/entrypoints/engine.py)
+    manager = engine.tokenizer_manager
+    base = manager.signal_handler_class
+
+    class Quiet(base):  # type: ignore[misc, valid-type]
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            pass  # the watcher below answers a dead rank, and names it
+
+    # registered on the loop at the first request (TokenizerManager.auto_create_handle_loop)
+    manager.signal_handler_class = Quiet
+    signal.signal(signal.SIGQUIT, lambda signum, frame: None)  # until then, the launch-phase handler's place
     watch = Watch()
 
-    def on_quit(signum, frame):
-        import sys
+    def exits() -> dict:
+        return {r: (pid, getattr(p, "exitcode", None)) for r, (pid, p) in ranks.items()}
 
-        print(f"[sglang adapter] SIGQUIT: a process of the engine failed; ranks {ranks}", file=sys.stderr, flush=True)
-        deadline = time.monotonic() + 3.0  # the ranks' exit codes and last lines reach us
-        exits = {}
-        while time.monotonic() < deadline:
-            exits = {r: (pid, getattr(p, "exitcode", None)) for r, (pid, p) in ranks.items()}
-            if all(code is not None for _, code in exits.values()):
-                break
-            time.sleep(0.2)
-        watch.cause = crash_cause(read_log(), exits)
-        print(f"[sglang adapter] {watch.cause}; stopping the engine's event loop", file=sys.stderr, flush=True)
-        loop.stop()
+    def watcher() -> None:
+        while watch.cause is None:
+            time.sleep(0.5)
+            if watch.stopped or loop.is_closed():
+                return
+            if any(code is not None for _, code in exits().values()):
+                time.sleep(1.5)  # the other ranks' exit codes and the log's last lines arrive
+                if watch.stopped:
+                    return
+                watch.cause = crash_cause(read_log(), exits())
+                print(f"[sglang adapter] {watch.cause}; stopping the engine's event loop", file=sys.stderr, flush=True)
+                loop.call_soon_threadsafe(loop.stop)
 
-    loop.add_signal_handler(signal.SIGQUIT, on_quit, signal.SIGQUIT, None)
+    if ranks:
+        threading.Thread(target=watcher, name="difftest-rank-watch", daemon=True).start()
     return watch
