@@ -90,7 +90,8 @@ def test_tp2_log_says_per_tensor_what_was_gathered_and_what_checked_replicated(l
     _, log = llama_tp2
     assert "tp_size 2: target.logits: gathered: 2 shards joined on the last dimension (" in log
     assert "tp_size 2: target.h.2: replicated: rank 0's, checked equal on 2 ranks (" in log
-    assert "tp_size 2: draft.step0.layer0.mlp_out: replicated: rank 0's, checked equal on 2 ranks (" in log
+    assert "tp_size 2: draft.layer0.mlp_out: replicated: rank 0's, checked equal on 2 ranks (" in log
+    assert "tp_size 2: draft.step1.logits_target: gathered: 2 shards joined on the last dimension (" in log
 
 
 @full_only

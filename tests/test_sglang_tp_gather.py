@@ -76,7 +76,9 @@ def test_ranks_that_recorded_different_forwards_are_refused(tmp_path):
 def test_capture_meta_says_per_canonical_tensor_what_was_gathered_or_checked():
     how = {("logits", "all_logits", None): tensor_parallel.rule_for("logits", "all_logits", {}),
            ("model", "aux", None): tensor_parallel.rule_for("model", "aux", {})}  # fmt: skip
-    said = tensor_parallel.describe(how, 2, ["target.logits", "target.h.3", "draft.step1.logits_target", "x"])
+    names = ["target.logits", "target.h.3", "draft.logits", "draft.step1.logits_target", "x"]
+    said = tensor_parallel.describe(how, 2, names)
+    assert said["draft.logits"].startswith("gathered: 2 shards")
     assert said["target.logits"].startswith("gathered: 2 shards joined on the last dimension (")
     assert said["draft.step1.logits_target"].startswith("gathered: 2 shards")
     assert said["target.h.3"].startswith("replicated: rank 0's, checked equal on 2 ranks (")

@@ -16,6 +16,10 @@ Settings: the case's `engines.sglang` mapping, overridden by the engine spec's p
   server_args: {...}                                 any other sglang.Engine argument
 Capture meta reports what was requested and what SGLang resolved (`settings`).
 
+tp_size > 1 runs one scheduler process per rank: each rank's hooks write their own records, joined
+into whole tensors by engines/sglang/tensor_parallel.py (its RULES cite SGLang's sharding per
+tensor); a rank that dies is named by engines/sglang/rank_crash.py.
+
 On a machine without SGLang's compiled kernels the CPU shim (engines/sglang/cpu_shim) stands
 in for them; meta `kernels` says "cpu-shim" or "sgl-kernel".
 """

@@ -44,7 +44,7 @@ class Rule:
     field: str  # the key in that record
     how: str  # REPLICATED | CONCAT | SUM
     why: str  # SGLang 0.5.23 file::function that decides it
-    tensors: tuple[str, ...]  # the canonical tensors it becomes (engines/sglang/records.py)
+    tensors: tuple[str, ...]  # the canonical tensors it becomes (engines/sglang/records.py; step 0 unprefixed)
     when: tuple[str, object] | None = None  # applies only to records whose (key, value) is this
 
 
@@ -59,10 +59,10 @@ RULES: tuple[Rule, ...] = (
     Rule("model", "fc_in", REPLICATED, "spec_info.hidden_states: the target's replicated aux states joined",
          ("draft.fc_in",)),
     Rule("model", "normed", REPLICATED, f"the draft layer's output through RMSNorm; {_ROW}", ()),
-    Rule("model", "aux_out", REPLICATED, f"the draft layer's residual stream; {_ROW}", ("draft.step*.hidden_prenorm",)),
+    Rule("model", "aux_out", REPLICATED, f"the draft layer's residual stream; {_ROW}", ("draft.hidden_prenorm", "draft.step*.hidden_prenorm")),
     # draft sub-modules
     Rule("embed", "embeds", REPLICATED, "layers/vocab_parallel_embedding.py::VocabParallelEmbedding.forward "
-         "all-reduces each rank's masked lookup", ("draft.step*.embeds",)),
+         "all-reduces each rank's masked lookup", ("draft.embeds", "draft.step*.embeds")),
     Rule("fc", "fc_in_normed", REPLICATED, "the fc input: built from replicated aux states", ()),
     Rule("fc", "fc_out", REPLICATED, "llama_eagle3.py::LlamaModel.__init__: fc is a torch.nn.Linear, whole on every rank",
          ("draft.fc_out",), when=("module", "Linear")),
@@ -70,17 +70,17 @@ RULES: tuple[Rule, ...] = (
          "gather_output=False (Eagle3MLAModel.forward gathers it after, with _fc_gatherer)",
          ("draft.fc_out",), when=("module", "ColumnParallelLinear")),
     Rule("attn_in", "t", REPLICATED, "the input of QKVParallelLinear (column-parallel) or of the MLA draft's "
-         "ReplicatedLinear fused_qkv_a_proj_with_mqa", ("draft.step*.layer0.attn_in",)),
+         "ReplicatedLinear fused_qkv_a_proj_with_mqa", ("draft.layer0.attn_in", "draft.step*.layer0.attn_in")),
     Rule("attn_out", "t", REPLICATED, f"o_proj is a RowParallelLinear with reduce_results=True; {_ROW} "
          "(llama_eagle3.py::LlamaDecoderLayer.__init__: stage_boundaries=False; kimi_k25_eagle3.py::"
-         "Eagle3MLADecoderLayer.__init__: reduce_results=True)", ("draft.step*.layer0.attn_out",),
+         "Eagle3MLADecoderLayer.__init__: reduce_results=True)", ("draft.layer0.attn_out", "draft.step*.layer0.attn_out"),
          when=("reduced", True)),
     Rule("attn_out", "t", SUM, "o_proj is a RowParallelLinear with reduce_results=False: the target's layers "
          "(llama.py::LlamaDecoderLayer.__init__ with stage_boundaries, deepseek_v2.py::DeepseekV2DecoderLayer) "
          "all-reduce later, at the stage boundary", (), when=("reduced", False)),
     Rule("mlp_out", "t", REPLICATED, f"down_proj is a RowParallelLinear with reduce_results=True; {_ROW} "
          "(llama_eagle3.py::LlamaDecoderLayer.__init__ builds LlamaMLP with the default True; "
-         "kimi_k25_eagle3.py builds DeepseekV2MLP with the default True)", ("draft.step*.layer0.mlp_out",),
+         "kimi_k25_eagle3.py builds DeepseekV2MLP with the default True)", ("draft.layer0.mlp_out", "draft.step*.layer0.mlp_out"),
          when=("reduced", True)),
     Rule("mlp_out", "t", SUM, "down_proj (or the MoE) with reduce_results=False: the target's layers "
          "(llama.py::LlamaDecoderLayer.__init__, deepseek_v2.py::DeepseekV2DecoderLayer.__init__) all-reduce at "
@@ -90,7 +90,8 @@ RULES: tuple[Rule, ...] = (
     Rule("logits", "all_logits", CONCAT, "hidden @ lm_head.weight on each rank: a ParallelLMHead holds vocabulary rows "
          "[r * V/N, (r+1) * V/N) of the padded vocabulary V (layers/vocab_parallel_embedding.py::"
          "VocabParallelEmbedding.__init__, get_shard_indices)",
-         ("target.logits", "draft.step*.logits", "draft.step*.logits_target")),
+         ("target.logits", "draft.logits", "draft.logits_target", "draft.step*.logits",
+          "draft.step*.logits_target")),
     Rule("logits", "next_token_logits", REPLICATED, "LogitsProcessor._get_logits all-gathers the vocabulary "
          "(do_tensor_parallel_all_gather when tp_size > 1)", ()),
     Rule("root", "hot_token_id", REPLICATED, "a buffer loaded whole on every rank (llama_eagle3.py::"
