@@ -16,6 +16,10 @@ Settings: the case's `engines.sglang` mapping, overridden by the engine spec's p
   server_args: {...}                                 any other sglang.Engine argument
 Capture meta reports what was requested and what SGLang resolved (`settings`).
 
+tp_size > 1 runs one scheduler process per rank: each rank's hooks write their own records, joined
+into whole tensors by engines/sglang/tensor_parallel.py (its RULES cite SGLang's sharding per
+tensor); a rank that dies is named by engines/sglang/rank_crash.py.
+
 On a machine without SGLang's compiled kernels the CPU shim (engines/sglang/cpu_shim) stands
 in for them; meta `kernels` says "cpu-shim" or "sgl-kernel".
 """
@@ -40,16 +44,17 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import EngineError, EngineSpent, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
 from difftest.paths import cache_root
-from engines.sglang import cpu_shim, deepseek, process_start, versions
+from engines.sglang import cpu_shim, deepseek, process_start, rank_crash, tensor_parallel, versions
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
 from engines.sglang.settings import SCHEMA
 
-ADAPTER_REVISION = 2  # part of the capture cache key: bump when what a capture contains changes
+ADAPTER_REVISION = 3  # part of the capture cache key: bump when what a capture contains changes
 SETUP_HINT = "scripts/setup-engine sglang"
 # Partial by construction: SGLang captures only the aux layers the draft asks for, and the
 # draft steps exist only while drafting is a chain.
 PARTIAL = ["target.h.*"]
+BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
 def _config(checkpoint: str, what: str) -> dict:
@@ -73,20 +78,40 @@ def _log_size() -> int:
         return 0
 
 
-def _root_cause(offset: int) -> str:
-    """The first exception line SGLang's processes wrote to the log since `offset`: the
-    scheduler's own error, which the Engine's exception ("scheduler died") does not carry."""
+def _log_since(offset: int, limit: int = 4 << 20) -> str:
     try:
         with open("/proc/self/fd/2", "rb") as f:
             f.seek(offset)
-            text = f.read(4 << 20).decode(errors="replace")
+            return f.read(limit).decode(errors="replace")
     except OSError:
         return ""
-    for line in text.splitlines():
+
+
+def _root_cause(offset: int) -> str:
+    """The first exception line SGLang's processes wrote to the log since `offset`: the
+    scheduler's own error, which the Engine's exception ("scheduler died") does not carry."""
+    for line in _log_since(offset).splitlines():
         m = re.match(r"^([A-Za-z_.]*(?:Error|Exception)): (.+)$", line.strip())
         if m:
             return f"{m.group(1)}: {m.group(2)}"[:400]
     return ""
+
+
+def _bind_ranks_to_cores(tp_size: int) -> None:
+    """SGLang's CPU engine gives each rank its own cores (srt/utils/numa_utils.py::init_threads_binding,
+    0.5.23): without SGLANG_CPU_OMP_THREADS_BIND it asks for one NUMA node per rank and asserts
+    tp_size <= the node count, which a one-node machine (every CI runner) fails at tp_size 2. The
+    cores this process may use are split into tp_size groups ("0|1" on two cores; a core is shared
+    when there are fewer cores than ranks). A value the user set is kept. The schedulers fork from
+    the forkserver (process_start), which holds the environment it started with: one started
+    without the binding is stopped, and the next start brings up a fresh one that has it."""
+    if os.environ.get(BIND_ENV):
+        return
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    per = max(1, len(cores) // tp_size)
+    groups = [cores[(r * per) % len(cores) : (r * per) % len(cores) + per] for r in range(tp_size)]
+    os.environ[BIND_ENV] = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+    process_start.restart_forkserver()
 
 
 class SglangEngine(Engine):
@@ -99,6 +124,8 @@ class SglangEngine(Engine):
         self._engine_key: str | None = None
         self._effective: dict = {}
         self._workdir: Path | None = None
+        self._tp_logged = False
+        self._crash_watch: rank_crash.Watch | None = None  # tp_size > 1: names a rank that died
 
     # -- environment -----------------------------------------------------------------
     def _import(self):
@@ -230,6 +257,8 @@ class SglangEngine(Engine):
             kwargs["disable_cuda_graph"] = True
         if self._kernels == cpu_shim.CPU_SHIM:
             cpu_shim.install_platform_override()
+        if settings["device"] == "cpu" and int(settings["requested"]["tp_size"]) > 1:
+            _bind_ranks_to_cores(int(settings["requested"]["tp_size"]))
         print(f"[sglang adapter] sglang.Engine({json.dumps({k: v for k, v in kwargs.items() if k != 'forward_hooks'}, default=str)})",
               file=sys.stderr, flush=True)  # fmt: skip
         log_offset = _log_size()
@@ -245,16 +274,30 @@ class SglangEngine(Engine):
             # after answering, and the next case starts a fresh one
             raise EngineSpent(f"sglang.Engine failed to start: {failed}") from None
         self._engine_key = key
+        self._tp_logged = False
+        self._crash_watch = None
+        if int(settings["requested"]["tp_size"]) > 1:
+            self._crash_watch = rank_crash.install(self._engine, lambda: _log_since(log_offset))
         print(f"[sglang adapter] engine processes started by {process_start.describe()}", file=sys.stderr, flush=True)
         resolved = self._engine.get_server_info()
         self._effective = {k: resolved.get(k) for k in (*settings["requested"], "speculative_algorithm", "device")}
         return self._engine, settings, target, draft
 
+    def _guarded(self, call, *args, **kwargs):
+        """A request to the engine; where a tensor-parallel rank died meanwhile, its own error."""
+        try:
+            out = call(*args, **kwargs)
+        except Exception:
+            if self._crash_watch is not None:
+                self._crash_watch.check()  # a rank died: its error, not the stopped event loop's
+            raise
+        if self._crash_watch is not None:
+            self._crash_watch.check()
+        return out
+
     def _generate(self, engine, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
-        out = engine.generate(
-            input_ids=prompts,
-            sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-        )
+        sampling = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        out = self._guarded(engine.generate, input_ids=prompts, sampling_params=sampling)
         return out if isinstance(out, list) else [out]
 
     def _settings_meta(self, settings: dict) -> dict:
@@ -274,14 +317,13 @@ class SglangEngine(Engine):
         # a prompt SGLang has served before (a case whose speculative prompts are its capture prompts,
         # or the same prompt captured for another check) is in the radix cache: the prefill would run
         # over the uncached suffix only and no forward would hold the whole prompt
-        engine.flush_cache()
+        self._guarded(engine.flush_cache)
         out = self._generate(engine, [list(prompt_ids)], 2)[0]  # the prefill and one drafting round
-        if not any(self._hooks_dir.iterdir()):
-            raise EngineError("SGLang ran no hooked forward (forward_hooks not registered?)")
+        gathered = tensor_parallel.gather(str(self._hooks_dir))  # every rank's records, joined
         draft_cfg = json.loads((Path(draft) / "config.json").read_text())
         target_cfg = json.loads((Path(target) / "config.json").read_text())
         hot, hot_source = self._hot_token_id(draft, draft_cfg)
-        ex = extract(load_forwards(str(self._hooks_dir)), list(prompt_ids), steps, topk, hot, target_cfg["vocab_size"])
+        ex = extract(load_forwards(gathered.records), list(prompt_ids), steps, topk, hot, target_cfg["vocab_size"])
         if out["output_ids"] and out["output_ids"][0] != ex.next_token:
             raise EngineError(f"SGLang's first output token {out['output_ids'][0]} is not the recorded prefill's argmax {ex.next_token}")
         L = target_cfg["num_hidden_layers"]
@@ -311,8 +353,15 @@ class SglangEngine(Engine):
             "partial": PARTIAL + ([] if topk == 1 else ["draft.step*"]),
             # SGLang's own: which layers its hook recorded, where hot_token_id came from, its self-checks
             "extra": {"captured_target_layers": ex.captured_layers, "hot_token_id_source": hot_source,
-                      "consistency": ex.checks},
+                      "consistency": ex.checks,
+                      "tensor_parallel": {"tp_size": gathered.tp_size, "rule_verified_on": tensor_parallel.VERIFIED,
+                                          "tensors": tensor_parallel.describe(gathered.how, gathered.tp_size,
+                                                                              list(ex.tensors))}},
         }
+        if gathered.tp_size > 1 and not self._tp_logged:  # once per engine: what the joins were, in the log
+            self._tp_logged = True
+            for name, how in meta["extra"]["tensor_parallel"]["tensors"].items():
+                print(f"[sglang adapter] tp_size {gathered.tp_size}: {name}: {how}", file=sys.stderr, flush=True)
         return Capture(ex.tensors, meta)
 
     @staticmethod
@@ -335,19 +384,24 @@ class SglangEngine(Engine):
 
         if fc_in.dim() != 2 or fc_in.shape[0] != len(prompt_ids):
             raise EngineError(f"sglang: golden fc_in of shape {tuple(fc_in.shape)} for a prompt of {len(prompt_ids)} tokens")
-        engine, _, _, _ = self._engine_for(case)  # the engine and its hooks directory exist first
+        engine, settings, _, _ = self._engine_for(case)  # the engine and its hooks directory exist first
         # the same prompt was captured before: without a flush the radix cache serves its prefix and
         # the prefill runs over the last token only, so the draft would never see the golden rows
-        engine.flush_cache()
-        golden = Path(golden_path(str(self._hooks_dir)))
-        torch.save(fc_in.contiguous().cpu(), golden)
+        self._guarded(engine.flush_cache)
+        # every rank's target replaces its own (replicated) aux states: one copy per rank
+        ranks = range(int(self._effective.get("tp_size") or settings["requested"]["tp_size"]))
+        goldens = [Path(golden_path(str(self._hooks_dir), r)) for r in ranks]
+        for golden in goldens:
+            torch.save(fc_in.contiguous().cpu(), golden)
         try:
             capture = self.capture(case, prompt_ids)
         finally:
-            unused = golden.exists()
-            golden.unlink(missing_ok=True)
+            unused = [r for r, golden in zip(ranks, goldens) if golden.exists()]
+            for golden in goldens:
+                golden.unlink(missing_ok=True)
         if unused:
-            raise EngineError("sglang: the golden fc input was never consumed (no target forward reached the hook)")
+            raise EngineError(f"sglang: the golden fc input was never consumed on rank(s) {unused} "
+                              "(no target forward reached the hook)")
         return capture
 
     def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
@@ -372,6 +426,8 @@ class SglangEngine(Engine):
                            native=["sglang.spec_num_correct_drafts", "sglang.spec_correct_drafts_histogram"])  # fmt: skip
 
     def _shutdown(self) -> None:
+        if self._crash_watch is not None:
+            self._crash_watch.stop()
         if self._engine is not None:
             try:
                 with process_start.keeping_forkserver():  # the next case's processes fork from it too

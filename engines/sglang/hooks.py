@@ -2,7 +2,7 @@
 
 They run inside SGLang's scheduler process, on the target's and the draft's modules
 alike (SGLang registers every spec on both models), and save what they see as numbered
-files in config["out_dir"]: `{seq:06d}_{kind}.pt`, each a dict of CPU tensors and plain
+files in config["out_dir"]/rank<r>: `{seq:06d}_{kind}.pt`, each a dict of CPU tensors and plain
 values. The adapter (engines/sglang/capture.py) groups and names them afterwards.
 
 Module calls happen in a fixed order in one model forward: sub-modules (embed_tokens,
@@ -42,10 +42,28 @@ def _cpu(t):
     return t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t
 
 
+def tp_rank() -> tuple[int, int]:
+    """(this scheduler's tensor-parallel rank, tp size): SGLang's own tp group (0.5.23
+    srt/distributed/parallel_state.py::get_tensor_model_parallel_rank); (0, 1) without one."""
+    from sglang.srt.distributed import parallel_state
+
+    try:
+        group = parallel_state.get_tp_group()
+    except Exception as e:  # noqa: BLE001  (no parallel context: a single-process model)
+        import sys
+
+        print(f"[difftest hooks] no SGLang tp group ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return 0, 1
+    return int(group.rank_in_group), int(group.world_size)
+
+
 def _save(config: dict, kind: str, record: dict) -> None:
-    out_dir = config["out_dir"]
+    # one folder per rank: every rank's hooks fire, and engines/sglang/tensor_parallel.py joins them
+    rank, size = tp_rank()
+    out_dir = os.path.join(config["out_dir"], f"rank{rank}")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{next(_counter):06d}_{kind}.pt")
+    record = {**record, "tp_rank": rank, "tp_size": size}
     torch.save({k: _cpu(v) for k, v in record.items()}, path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -90,7 +108,8 @@ def model_hook(config: dict):
 def fc_hook(config: dict):
     def hook(module, inputs, output):
         out = output[0] if isinstance(output, tuple) else output  # SGLang's parallel linears return (out, bias)
-        _save(config, "fc", {"fc_in_normed": inputs[0], "fc_out": out})
+        # the module's class decides fc_out's sharding (engines/sglang/tensor_parallel.py RULES)
+        _save(config, "fc", {"fc_in_normed": inputs[0], "fc_out": out, "module": type(module).__name__})
 
     return hook
 
@@ -110,11 +129,21 @@ def layer0_hook(config: dict):
         if "QKV" in name:
             _save(config, "attn_in", {"t": inputs[0]})
         elif "MLP" in name:
-            _save(config, "mlp_out", {"t": output})
+            _save(config, "mlp_out", {"t": output, "reduced": _reduced(module, "down_proj")})
         else:
-            _save(config, "attn_out", {"t": output[0] if isinstance(output, tuple) else output})
+            out = output[0] if isinstance(output, tuple) else output
+            _save(config, "attn_out", {"t": out, "reduced": _reduced(module, "o_proj")})
 
     return hook
+
+
+def _reduced(module, proj: str) -> bool | None:
+    """Whether the module's output is whole on every rank: its row-parallel output projection's own
+    reduce_results (SGLang 0.5.23 layers/linear.py::RowParallelLinear.forward all-reduces only then;
+    llama.py::LlamaDecoderLayer builds the target's with reduce_results=False and all-reduces at its
+    stage boundary, the EAGLE-3 draft's layer with True). None: no such attribute."""
+    value = getattr(getattr(module, proj, None), "reduce_results", getattr(module, "reduce_results", None))
+    return None if value is None else bool(value)
 
 
 def attn_in_hook(config: dict):
@@ -137,7 +166,9 @@ def logits_hook(config: dict):
             scale = getattr(module, "logit_scale", None)
             if scale is not None:
                 full = full * scale
-            rec["all_logits"] = full[..., : rec["vocab_size"]]
+            # this rank's rows of a vocabulary-parallel head: cut to vocab_size once the ranks' slices
+            # are joined (engines/sglang/tensor_parallel.py)
+            rec["all_logits"] = full
         rec["next_token_logits"] = getattr(output, "next_token_logits", None)
         _save(config, "logits", rec)
 
@@ -154,14 +185,14 @@ def root_hook(config: dict):
 
 def golden_hook(config: dict):
     """Target `model`: layerwise golden inputs. When the adapter has written the reference's
-    draft.fc_in to config["golden"] (engines/sglang/engine.py::SglangEngine.capture_draft_from), the
+    draft.fc_in to golden_path (one per rank) (engines/sglang/engine.py::SglangEngine.capture_draft_from), the
     next target forward's aux hidden states (what SGLang concatenates into the draft's fc input,
     spec_info.hidden_states) get those values in their first rows; the file is consumed, so only
     that forward (the prompt's prefill) changes. Registered after `model`, which has recorded
     the target's own values by then."""
 
     def hook(module, inputs, output):
-        path = config["golden"]
+        path = golden_path(config["out_dir"], tp_rank()[0])
         if hasattr(module, "fc") or not isinstance(output, tuple) or not os.path.exists(path):
             return None
         golden = torch.load(path, weights_only=True)
@@ -192,7 +223,7 @@ def golden_hook(config: dict):
 
 
 def hook_specs(out_dir: str) -> list[dict]:
-    cfg = {"out_dir": out_dir, "golden": golden_path(out_dir)}
+    cfg = {"out_dir": out_dir}
     spec = lambda name, modules, factory: {  # noqa: E731
         "name": f"difftest-{name}", "target_modules": modules,
         "hook_factory": f"engines.sglang.hooks:{factory}", "config": cfg,
@@ -211,6 +242,7 @@ def hook_specs(out_dir: str) -> list[dict]:
     ]
 
 
-def golden_path(out_dir: str) -> str:
-    """Where the adapter leaves a golden fc input for golden_hook: beside the records, not among them."""
-    return out_dir.rstrip("/") + ".golden.pt"
+def golden_path(out_dir: str, rank: int = 0) -> str:
+    """Where the adapter leaves a golden fc input for golden_hook: beside the records, not among them;
+    one copy per tensor-parallel rank (each rank's hook consumes its own)."""
+    return out_dir.rstrip("/") + f".golden.rank{rank}.pt"

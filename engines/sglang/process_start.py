@@ -99,3 +99,11 @@ def keeping_forkserver() -> Iterator[None]:
         yield
     finally:
         engine_module.kill_process_tree = real
+
+
+def restart_forkserver() -> None:
+    """Stop a running forkserver: the next engine start brings up a fresh one with this worker's
+    environment as it is now (a forkserver's children inherit the server's environment, not ours)."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if _forkserver_pid() is not None and hasattr(server, "_stop"):
+        server._stop()  # CPython 3.8+: closes its pipe and waits for it

@@ -7,7 +7,6 @@ and checked, never assumed: a record that does not line up with the prompt is an
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -39,13 +38,12 @@ class Forward:
         return int(self.model["input_ids"].shape[0])
 
 
-def load_forwards(out_dir: str) -> list[Forward]:
-    names = sorted(f for f in os.listdir(out_dir) if f.endswith(".pt"))
+def load_forwards(records: list[tuple[str, dict]]) -> list[Forward]:
+    """Group the hooks' records, in the order they were written (whole tensors: the ranks' records
+    joined by engines/sglang/tensor_parallel.py::gather), into forwards."""
     forwards: list[Forward] = []
     pending: dict = {}
-    for name in names:
-        kind = name.split("_", 1)[1][: -len(".pt")]
-        rec = torch.load(os.path.join(out_dir, name), weights_only=True)  # our hooks write tensors, lists and scalars only
+    for kind, rec in records:
         if kind in SUBMODULE_KINDS:
             pending[kind] = rec
         elif kind == "model":
