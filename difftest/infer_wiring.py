@@ -46,7 +46,8 @@ from typing import Callable, Sequence
 import torch
 
 from difftest.errors import ConfigError
-from difftest.wiring import FINAL_NORM, PRESETS, hidden_index, hidden_name, short_name
+from difftest.names import FINAL_NORM, TARGET_LOGITS, hidden_index, hidden_name
+from difftest.wiring import PRESETS, short_name
 
 Z_DECIDE = 3.0  # standard errors a contrast must reach to count (see the module docstring)
 Z_WIDEN = 2.0  # alternatives within this many standard errors of the chosen one are "close"
@@ -234,8 +235,8 @@ def evidence_from_captures(captures: Sequence, source: str) -> Evidence:
         bad = [n for n, v in t.items() if v.dim() != 2 or v.shape[0] != len(ids)]
         if bad:
             raise ConfigError(f"infer wiring: {source} prompt {i}: {bad[0]} has shape {list(t[bad[0]].shape)}, expected [{len(ids)}, H]")
-        if "target.logits" in cap.tensors:
-            lab = cap.tensors["target.logits"].float().argmax(-1)
+        if TARGET_LOGITS in cap.tensors:
+            lab = cap.tensors[TARGET_LOGITS].float().argmax(-1)
         else:
             label_source = "the sequences' next tokens (no target.logits in the capture)"
             lab = torch.tensor(ids[1:] + [-1])

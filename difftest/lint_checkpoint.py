@@ -14,6 +14,7 @@ from typing import Iterable
 from difftest.draft_rules import ENGINES, FLAG_TENSORS, EngineDraftRules, engine_reading, flag_locations
 from difftest.finding import Finding
 from difftest.weight_files import open_safetensors
+from difftest.names import DRAFT_LOGITS, DRAFT_LOGITS_TARGET, EMBEDS
 
 # The tensors of a Llama-style EAGLE-3 decoder layer (HF: `midlayer.`, speculators: `layers.0.`).
 _LAYER_TENSORS = (
@@ -106,7 +107,7 @@ def weight_findings(meta: dict, raw: dict, layer: dict, draft_vocab: int, V: int
             f"no lm_head.weight in the draft checkpoint (draft vocab {draft_vocab}, tie_word_embeddings false): "
             f"vLLM {ENGINES['vllm'].version}: {head_v.missing} ({head_v.source}); SGLang {ENGINES['sglang'].version}: "
             f"{head_s.missing} ({head_s.source}). The draft's logits are not the ones it trained: save the draft's head",
-            engines=("sglang", "vllm"), tensor="draft.logits"))  # fmt: skip
+            engines=("sglang", "vllm"), tensor=DRAFT_LOGITS))  # fmt: skip
     if missing:
         out.append(Finding("draft-weights", "error",
             f"missing draft tensors {missing}: engines keep their random initialisation for them without a warning",
@@ -163,7 +164,7 @@ def embedding_findings(meta: dict, target_dir: Path) -> list[Finding]:
         f"SGLang {ENGINES['sglang'].version}: {rule.present} ({rule.source}); vLLM {ENGINES['vllm'].version}: "
         f"{ENGINES['vllm'].embed_tokens.present}. The engines' drafts differ from draft.embeds on. Fix: train on the "
         "target's embedding, or serve with an engine that keeps the draft's",
-        engines=("sglang",), tensor="draft.embeds")]  # fmt: skip
+        engines=("sglang",), tensor=EMBEDS)]  # fmt: skip
 
 
 def _rope(section: dict) -> tuple[float | None, dict | None, str]:
@@ -233,4 +234,4 @@ def _absolute(d2t) -> Finding:
         f"d2t holds absolute target ids (d2t[:4] = {d2t[:4].tolist()}), not offsets: vLLM and SGLang compute target id = "
         "draft id + d2t[draft id], so every drafted token maps to the wrong target token (draft.logits_target). "
         "Fix: store d2t - arange(draft_vocab)",
-        engines=("sglang", "vllm"), tensor="draft.logits_target")  # fmt: skip
+        engines=("sglang", "vllm"), tensor=DRAFT_LOGITS_TARGET)  # fmt: skip

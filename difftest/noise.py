@@ -68,6 +68,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from difftest import rowstats
+from difftest.names import in_fc_in
 
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 SAFETY = 10.0
@@ -310,7 +311,7 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] 
         errs, all_errs = torch.cat(parts), torch.cat(every[name])
         if errs.numel() < min(MIN_FLOOR_ROWS, all_errs.numel()):  # (nearly) every row after a router tie
             # the draft's own rounding where it was measured, else every row (events included)
-            errs = own_rows.get(name, all_errs) if name != "draft.fc_in" and not name.startswith("draft.fc_in.") else all_errs
+            errs = own_rows.get(name, all_errs) if not in_fc_in(name) else all_errs
         elif name in own_rows:  # at least the draft's own rounding
             errs = torch.cat([errs, own_rows[name]])
         floor = _quantile(errs, FLOOR_QUANTILE)

@@ -10,7 +10,6 @@ against that floor (the compact table below, and an SVG plot in the HTML).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import platform
 import shlex
@@ -26,6 +25,7 @@ from difftest.errors import DifftestError
 from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
 from difftest.records.check_data import AcceptLengthData, ServerAcceptData
 from difftest.records.report import FigureDefinition
+from difftest.records.tensor_diff import TensorDiff, TensorStatus
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
 
@@ -114,7 +114,7 @@ def prompt_entry(i: int, cd) -> PromptComparison:
         first_above_noise=_name(above),
         first_differs=_name(cd.first_differs()),
         tie=cd.tie,
-        tensors=[dataclasses.asdict(d) for d in cd.diffs],
+        tensors=list(cd.diffs),
     )
 
 
@@ -200,18 +200,27 @@ def num(x) -> str:
     return "inf" if x == float("inf") else f"{x:.3g}"
 
 
-def above_noise(t: dict) -> bool:
-    return t.get("status") in ("mismatch", "missing", "shape")
+def noise_cells(t: TensorDiff) -> tuple[str, str, str, str]:
+    """err, floor, threshold and excess as the tables show them; "-" for a row without them."""
+    if not t.has_noise_numbers:
+        return "-", "-", "-", "-"
+    return num(t.err), num(t.noise_floor), num(t.threshold), num(t.excess)
 
 
-def verdict_word(t: dict) -> str:
+def above_noise(t: TensorDiff) -> bool:
+    return t.status.above_noise
+
+
+def verdict_word(t: TensorDiff) -> str:
     """A tensor's verdict in words: above noise / within noise / identical / tie / missing / shape."""
-    status = t.get("status")
-    if status == "mismatch":
-        return "above noise" if str(t.get("criterion", "noise")) == "noise" else "outside tolerance"
-    if status == "ok":
-        return "within noise" if t.get("differs", t.get("max_abs", 0) != 0) else "identical"
-    return {"tie": "tie (not compared)", "allowed-missing": "missing (allowed)"}.get(str(status), str(status))
+    if t.status == TensorStatus.MISMATCH:  # a row from before the noise criterion was judged... above noise
+        return "outside tolerance" if t.has_noise_numbers and not t.by_noise else "above noise"
+    if t.status == TensorStatus.OK:
+        return "within noise" if t.differs else "identical"
+    return _VERDICT_WORDS.get(t.status, t.status.value)
+
+
+_VERDICT_WORDS = {TensorStatus.TIE: "tie (not compared)", TensorStatus.ALLOWED_MISSING: "missing (allowed)"}
 
 
 def focus(entries: list[PromptComparison]) -> PromptComparison | None:
@@ -224,23 +233,22 @@ def focus(entries: list[PromptComparison]) -> PromptComparison | None:
         return first
 
     def moved(p: PromptComparison) -> float:
-        return max((float(t.get("excess") or 0.0) for t in p.tensors if t.get("status") == "ok"), default=0.0)
+        return max((t.excess for t in p.tensors if t.status == TensorStatus.OK), default=0.0)
 
     return max(entries, key=moved)
 
 
-def interesting(entry: PromptComparison, top: int = TOP_MOVERS, cap: int = MAX_ROWS) -> tuple[list[dict], int]:
+def interesting(entry: PromptComparison, top: int = TOP_MOVERS, cap: int = MAX_ROWS) -> tuple[list[TensorDiff], int]:
     """(rows of the compact table in data-flow order, how many tensors above noise were left out):
     the tensors above noise (the introduced ones first, then by excess) up to `cap`, or, when none is,
     the `top` movers by excess."""
     tensors = entry.tensors
     above = [t for t in tensors if above_noise(t)]
     if above:
-        ranked = sorted(above, key=lambda t: (not t.get("introduced"), -float(t.get("excess") or 0.0)))
-        keep = {id(t) for t in ranked[:max(cap, sum(1 for t in above if t.get("introduced")))]}
+        ranked = sorted(above, key=lambda t: (not t.introduced, -t.excess))
+        keep = {id(t) for t in ranked[:max(cap, sum(1 for t in above if t.introduced))]}
         return [t for t in tensors if id(t) in keep], len(above) - len(keep)
-    movers = sorted((t for t in tensors if t.get("status") == "ok" and float(t.get("excess") or 0.0) > 0),
-                    key=lambda t: -float(t["excess"]))[:top]  # fmt: skip
+    movers = sorted((t for t in tensors if t.status == TensorStatus.OK and t.excess > 0), key=lambda t: -t.excess)[:top]
     keep = {id(t) for t in movers}
     return [t for t in tensors if id(t) in keep], 0
 
@@ -251,7 +259,7 @@ def ties(report: Report, engine: str) -> dict:
     top1 = next((c.data for c in report.results(engine, "top1_agreement") if isinstance(c.data, Top1Data)), None)
     prompts = report.comparisons.get(engine) or []
     return {"top1_ties": top1.ties if top1 else None, "top1_ties_agree": top1.ties_agree if top1 else None,
-            "skipped": [{"prompt": p.prompt, "tie": p.tie, "tensors": sum(1 for t in p.tensors if t.get("status") == "tie")}
+            "skipped": [{"prompt": p.prompt, "tie": p.tie, "tensors": sum(1 for t in p.tensors if t.status == TensorStatus.TIE)}
                         for p in prompts if p.tie]}  # fmt: skip
 
 
@@ -296,15 +304,15 @@ def markdown_noise(report: Report) -> list[str]:
             lines += [head, "", f"first above noise `{entry.first_above_noise}`; first that differs at all "
                                 f"`{entry.first_differs}`", ""]  # fmt: skip
         else:
-            differs = entry.first_differs or next((t["name"] for t in entry.tensors if t.get("differs")), None)
+            differs = entry.first_differs or next((t.name for t in entry.tensors if t.differs), None)
             lines += [head + ("every tensor within noise" if differs else "every compared tensor bit-identical"), ""]
         rows, left = interesting(entry)
         if rows:
             lines += ["| tensor | err | floor | threshold | excess | verdict | introduced |", "|---|---|---|---|---|---|---|"]
             for t in rows:
-                mark = "**<- introduced**" if t.get("introduced") else ""
-                lines.append(f"| `{t['name']}` | {num(t.get('err'))} | {num(t.get('noise_floor'))} | {num(t.get('threshold'))} "
-                             f"| {num(t.get('excess'))}x | {verdict_word(t)} | {mark} |")  # fmt: skip
+                mark = "**<- introduced**" if t.introduced else ""
+                err, floor, threshold, excess = noise_cells(t)
+                lines.append(f"| `{t.name}` | {err} | {floor} | {threshold} | {excess}x | {verdict_word(t)} | {mark} |")
             if left:
                 lines.append(f"\n{left} more tensors above noise not shown (see the HTML or JSON report).")
             lines.append("")

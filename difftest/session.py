@@ -35,6 +35,7 @@ from difftest.records.fields import decode_value
 from difftest.records.timings import Timings, WorkerPhase
 from difftest.timings import PhaseClock, case_of
 from difftest.worker import WorkerClient
+from difftest.names import FC_IN
 
 if TYPE_CHECKING:  # annotations only: difftest.baseline builds on the session
     from difftest.baseline import BaselineSource
@@ -382,7 +383,7 @@ class Session:
     def _capture_golden(self, case: Case, spec: EngineSpec, index: int, source: EngineSpec,
                         source_case: Case) -> Capture | None:  # fmt: skip
         ref = self.capture(source_case, source, index)
-        if "draft.fc_in" not in ref.tensors:
+        if FC_IN not in ref.tensors:
             return None
         client = self.client(spec)
         ids = self.prompt_ids(case)[index]
@@ -397,7 +398,7 @@ class Session:
             fc_file.parent.mkdir(parents=True, exist_ok=True)
             try:
                 with self.clock.phase("transfer.write") as frame:
-                    frame.bytes = tensorfile.write(fc_file, {"draft.fc_in": ref.tensors["draft.fc_in"]})
+                    frame.bytes = tensorfile.write(fc_file, {FC_IN: ref.tensors[FC_IN]})
                 self._request(client, {"op": "capture_draft_from", "case": case.to_dict(), "prompt_ids": ids,
                                        "fc_in": str(fc_file), "out": str(out)}, out)  # fmt: skip
             except Unsupported:

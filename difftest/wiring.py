@@ -30,8 +30,7 @@ from typing import Callable, Sequence
 from difftest import layer_rules
 from difftest.errors import ConfigError
 from difftest.layer_rules import LayerIdRule
-
-FINAL_NORM = "target.final_norm"
+from difftest.names import FINAL_NORM, hidden_index, hidden_name
 
 
 @dataclass(frozen=True)
@@ -46,15 +45,6 @@ class Wiring:
 
     def short(self) -> str:
         return "[" + ", ".join(short_name(n) for n in self.inputs) + "]"
-
-
-def hidden_name(k: int) -> str:
-    return f"target.h.{k}"
-
-
-def hidden_index(name: str) -> int | None:
-    m = re.fullmatch(r"target\.h\.(\d+)", name)
-    return int(m.group(1)) if m else None
 
 
 def hidden_indices(names: Sequence[str | None]) -> list[int] | None:

@@ -39,6 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from difftest.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable, Unsupported
+from difftest.names import FC_IN
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Starting a worker (a fresh interpreter importing torch and the engine) takes tens of seconds on
@@ -254,7 +255,7 @@ def _handle(engine, msg: dict) -> dict:
     if op == "capture_draft_from":
         from difftest import tensorfile
 
-        fc_in = _timed(phases, "transfer.read", tensorfile.read, msg["fc_in"])["draft.fc_in"]
+        fc_in = _timed(phases, "transfer.read", tensorfile.read, msg["fc_in"])[FC_IN]
         capture = _timed(phases, "engine.capture", engine.capture_draft_from, Case.from_dict(msg["case"]),
                          list(msg["prompt_ids"]), fc_in)  # fmt: skip
         capture = _returned(engine, "capture_draft_from", capture, Capture)

@@ -78,8 +78,8 @@ def sample_report() -> Report:
                CheckResult("eng", "fc_inputs", "failed", "diverges", DATA[3]),
                CheckResult("eng", "accept_length", "xfailed", "collapsed", DATA[5], ExpectedFailureRecord("eng", "accept_length", "collapsed")),
                CheckResult("eng", "draft_logits", "error", "engine crashed")]  # fmt: skip
-    tensors = [dataclasses.asdict(TensorDiff("draft.fc_in.0", "mismatch", [3, 4], 12, max_abs=0.5, cosine=0.7, err=0.4,
-                                             threshold=1e-5, excess=4e4, introduced=True))]  # fmt: skip
+    tensors = [TensorDiff("draft.fc_in.0", "mismatch", [3, 4], 12, max_abs=0.5, cosine=0.7, err=0.4, threshold=1e-5,
+                          excess=4e4, introduced=True)]  # fmt: skip
     return Report(case="tiny", case_file="cases/tiny.yaml", created="2026-01-01T00:00:00", reference="ref",
                   accept_length_definition="accepted draft tokens + 1 per verify step",
                   engines={"ref": EngineEntry(info={"version": "1"}), "eng": EngineEntry(error="not started")},

@@ -16,6 +16,7 @@ from typing import Any
 from difftest.jsonfile import read_json
 from difftest.records.check_result import CheckResult
 from difftest.records.fields import decode, encode_fields, fail
+from difftest.records.tensor_diff import TensorDiff
 from difftest.records.timings import Timings
 
 SCHEMA = "difftest.report"
@@ -44,7 +45,7 @@ class PromptComparison:
     first_above_noise: str | None
     first_differs: str | None
     tie: str  # the draft steps left out at a tie, or ""
-    tensors: list[dict[str, Any]]  # difftest.compare.TensorDiff as a dict, in data-flow order
+    tensors: list[TensorDiff]  # in data-flow order
 
 
 @dataclass
