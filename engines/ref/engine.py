@@ -28,6 +28,8 @@ from engines.ref.eagle3 import LoadedDraft, load_draft
 from engines.ref.settings import SCHEMA
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import load_target, num_layers, run_target
+from difftest.names import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
+from difftest.records import CaptureMeta, FcWiring
 
 # float64 is not a case dtype: the harness asks for it to measure the noise floor (difftest.noise)
 # Part of the engine version (so of every capture-cache key): bumped when what a ref capture holds
@@ -141,29 +143,29 @@ class RefEngine(Engine):
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         out = run_target(target, ids)
         next_token = int(out.logits[0, -1].argmax())
-        tensors: dict[str, torch.Tensor] = {f"target.h.{k}": h[0] for k, h in enumerate(out.hidden)}
-        tensors["target.final_norm"] = out.final_norm[0]
-        tensors["target.logits"] = out.logits[0]
+        tensors: dict[str, torch.Tensor] = {hidden_name(k): h[0] for k, h in enumerate(out.hidden)}
+        tensors[FINAL_NORM] = out.final_norm[0]
+        tensors[TARGET_LOGITS] = out.logits[0]
         for k, (scores, margin) in (out.routers or {}).items():  # MoE routing, for router ties (difftest.noise)
             tensors[f"aux.router.{k}.scores"], tensors[f"aux.router.{k}.margin"] = scores, margin
         fc_in = gather_fc_in(out, wiring.inputs)
         draft_tensors, drafted = capture_draft_chain(loaded.model, fc_in, prompt_ids, next_token, case.num_steps)
         tensors.update(draft_tensors)
         cfg = loaded.config
-        meta = {
-            "engine": self.spec.id,
-            "engine_version": self.info().version,
-            "versions": self.info().versions,
-            "kernels": "torch",
-            "device": "cpu",
-            "dtype": case.dtype,
-            "prompt_ids": list(prompt_ids),
-            "target_next_token": next_token,
-            "draft_tokens": drafted,
-            "num_layers": L,
-            "target_hidden_size": cfg.target_hidden_size,
-            "wiring": {"inputs": list(wiring.inputs), "source": wiring.source, "verifier": wiring.verifier},
-            "draft_config": {
+        meta = CaptureMeta(
+            engine=self.spec.id,
+            engine_version=self.info().version,
+            versions=self.info().versions,
+            kernels="torch",
+            device="cpu",
+            dtype=case.dtype,
+            prompt_ids=list(prompt_ids),
+            target_next_token=next_token,
+            draft_tokens=list(drafted),
+            num_layers=L,
+            target_hidden_size=cfg.target_hidden_size,
+            wiring=FcWiring(list(wiring.inputs), wiring.source, wiring.verifier),
+            draft_config={
                 "format": cfg.format,
                 "norm_before_fc": cfg.norm_before_fc,
                 "fc_norm": cfg.fc_norm,
@@ -174,8 +176,8 @@ class RefEngine(Engine):
                 "draft_vocab_size": cfg.draft_vocab_size,
                 "shared_from_target": loaded.shared,
             },
-            "notes": loaded.notes,
-        }
+            notes=list(loaded.notes),
+        )
         return Capture(tensors, meta)
 
     @torch.no_grad()
@@ -191,9 +193,9 @@ class RefEngine(Engine):
         # the reference captured fc_in in the case's dtype already, so the cast changes nothing
         fc = fc_in.to(DTYPES[case.dtype])[None]
         tensors, drafted = capture_draft_chain(loaded.model, fc, prompt_ids, next_token, case.num_steps)
-        meta = {"engine": self.spec.id, "dtype": case.dtype, "prompt_ids": list(prompt_ids), "draft_tokens": drafted,
-                "target_hidden_size": loaded.config.target_hidden_size,
-                "extra": {"golden_input": "reference draft.fc_in"}}  # fmt: skip
+        meta = CaptureMeta(engine=self.spec.id, dtype=case.dtype, prompt_ids=list(prompt_ids), draft_tokens=list(drafted),
+                           target_hidden_size=loaded.config.target_hidden_size,
+                           extra={"golden_input": f"reference {FC_IN}"})  # fmt: skip
         return Capture(tensors, meta)
 
     @torch.no_grad()

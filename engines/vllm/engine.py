@@ -58,6 +58,7 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError, EngineUnavailable
 from difftest.names import draft_name
 from difftest.paths import cache_root
+from difftest.records import CaptureMeta, FcWiring
 from engines.vllm import compat, releases
 from engines.vllm.settings import SCHEMA
 
@@ -388,28 +389,28 @@ class VllmEngine(Engine):
         if w["norm_output"]:
             partial += ["draft.hidden_prenorm", "draft.step*.hidden_prenorm"]
         info = self.info()
-        meta = {
-            "engine": self.spec.id,
-            "engine_version": info.version,
-            "versions": info.versions,
-            "kernels": info.kernels,
-            "device": info.kernels.removeprefix("vllm-"),
-            "dtype": s["dtype"],
-            "prompt_ids": prompt,
-            "target_next_token": next_token,
-            "draft_tokens": drafted,
-            "num_layers": L,
-            "target_hidden_size": int(w["target_hidden_size"]),
-            "wiring": {
-                "inputs": [f"target.h.{k}" for k in aux_ids],
-                "source": f"vllm {info.version} aux_hidden_state_layers {tuple(w['aux_layers'])} "
+        meta = CaptureMeta(
+            engine=self.spec.id,
+            engine_version=info.version,
+            versions=info.versions,
+            kernels=info.kernels,
+            device=info.kernels.removeprefix("vllm-"),
+            dtype=s["dtype"],
+            prompt_ids=prompt,
+            target_next_token=next_token,
+            draft_tokens=drafted,
+            num_layers=L,
+            target_hidden_size=int(w["target_hidden_size"]),
+            wiring=FcWiring(
+                inputs=[f"target.h.{k}" for k in aux_ids],
+                source=f"vllm {info.version} aux_hidden_state_layers {tuple(w['aux_layers'])} "
                 f"({w['target_class']}, draft config {s['draft']})",
-                "verifier": None,
-            },
-            "partial": partial,
-            "compat": list(self._compat),
-            "settings": {k: v for k, v in s.items() if k not in ("target", "draft")},
-            "draft_config": {
+                verifier=None,
+            ),
+            partial=partial,
+            compat=list(self._compat),
+            settings={k: v for k, v in s.items() if k not in ("target", "draft")},
+            draft_config={
                 "norm_before_fc": w["norm_before_fc"],
                 "fc_norm": w["fc_norm"],
                 "norm_output": w["norm_output"],
@@ -419,12 +420,12 @@ class VllmEngine(Engine):
                 "has_d2t": w["has_d2t"],
             },
             # vLLM's own self-checks of the recorded tensors
-            "extra": {"checks": {
+            extra={"checks": {
                 **rec["checks"],
                 "aux_vs_layer_hooks_max_abs": aux_consistency,
                 "generated": tokens,
             }},
-        }
+        )
         return Capture(tensors, meta)
 
     # -- acceptance ------------------------------------------------------------------
