@@ -36,6 +36,7 @@ from difftest.records import (
     PromptComparison,
     Report,
     ServerAcceptData,
+    TensorStatus,
     Top1Data,
 )
 from difftest.records import meta as meta_mod
@@ -306,3 +307,63 @@ def test_report_command_refuses_a_version_1_report_in_one_line(tmp_path, capsys)
     assert err == f"difftest report: {path}: schema_version: report schema version 1 (difftest.report/1, before typed " \
                   "records); this difftest reads version 2"  # fmt: skip
 
+
+
+# -- tensor rows: a typed record, the JSON reports were written with -----------------------------------
+# Rows exactly as difftest wrote them before the rows were typed (dataclasses.asdict of the
+# comparison; the first from a shipped run's catalogue_d2t_missing report), inside a report of the
+# same schema version.
+ROW_MISMATCH = {"name": "draft.step1.logits", "status": "mismatch", "shape": [1, 512], "numel": 512, "mismatched": 512, "max_abs": 8.413053512573242, "max_abs_index": [0, 487], "ref_value": -1.4122788906097412, "other_value": 7.00077486038208, "max_rel": 280.7458801269531, "mean_abs": 1.9521583318710327, "cosine": 0.4890461075705989, "rel_diff": 0.5109547634571722, "nonfinite_mismatch": 0, "tolerance": "atol=0.0001, rtol=0.0001 (float32 default)", "detail": "", "nan_ref": 0, "nan_other": 0, "inf_ref": 0, "inf_other": 0, "rows": 1, "rows_mismatched": 1, "worst_row": 0, "row_max_abs": [8.413053512573242], "row_mismatched": [512], "row_cosine": [0.4890461075705989], "topk": 5, "top1_agree": 0, "topk_member": 1, "kl_mean": 2.7873947769252614, "kl_max": 2.7873947769252614, "tv_mean": 0.8165450692176819, "tv_max": 0.8165450692176819, "criterion": "noise", "err": 1.0118506885830794, "err_q": 1.0118506885830794, "noise_floor": 4.1149027214431495e-07, "threshold": 4.114902721443149e-06, "rows_above": 1, "excess": 245899.0545050383, "introduced": False, "row_err": [1.0118506885830794], "differs": True}  # fmt: skip
+ROW_MISSING = '{"name": "draft.fc_out", "status": "missing", "shape": [], "numel": 0, "mismatched": 0, "max_abs": 0.0, "max_abs_index": [], "ref_value": 0.0, "other_value": 0.0, "max_rel": 0.0, "mean_abs": 0.0, "cosine": 1.0, "rel_diff": 0.0, "nonfinite_mismatch": 0, "tolerance": "", "detail": "not captured by the engine", "nan_ref": 0, "nan_other": 0, "inf_ref": 0, "inf_other": 0, "rows": 0, "rows_mismatched": 0, "worst_row": -1, "row_max_abs": [], "row_mismatched": [], "row_cosine": [], "topk": 0, "top1_agree": 0, "topk_member": 0, "kl_mean": 0.0, "kl_max": 0.0, "tv_mean": 0.0, "tv_max": 0.0, "criterion": "noise", "err": Infinity, "err_q": 0.0, "noise_floor": 0.0, "threshold": 0.0, "rows_above": 0, "excess": Infinity, "introduced": false, "row_err": [], "differs": false}'  # fmt: skip
+
+
+def _report_with_rows(rows: list) -> dict:
+    d = through_json(sample_report().to_dict())
+    d["comparisons"]["eng"][0]["tensors"] = rows
+    return d
+
+
+def test_a_report_written_before_typed_rows_loads_them_as_records_and_writes_the_same_json(tmp_path):
+    path = tmp_path / "old.json"
+    written = _report_with_rows([ROW_MISMATCH, json.loads(ROW_MISSING)])
+    path.write_text(json.dumps(written))
+    loaded = Report.load(path)
+    mismatch, missing = loaded.comparisons["eng"][0].tensors
+    assert isinstance(mismatch, TensorDiff) and mismatch.status is TensorStatus.MISMATCH
+    assert (mismatch.name, mismatch.excess, mismatch.row_err, mismatch.differs) == ("draft.step1.logits", 245899.0545050383,
+                                                                                    [1.0118506885830794], True)  # fmt: skip
+    assert missing.status is TensorStatus.MISSING and missing.err == float("inf") and not missing.ok
+    assert json.loads(json.dumps(loaded.to_dict())) == json.loads(path.read_text())
+
+
+def test_a_computed_row_is_written_as_the_fields_with_the_status_as_its_value():
+    row = TensorDiff("draft.fc_out", TensorStatus.TIE, detail="not compared: a tie")
+    d = json.loads(json.dumps(dataclasses.replace(sample_report(), comparisons={
+        "eng": [PromptComparison(0, None, None, None, None, "a tie", [row])]}).to_dict()))  # fmt: skip
+    written = d["comparisons"]["eng"][0]["tensors"][0]
+    assert written["status"] == "tie" and list(written) == [f.name for f in dataclasses.fields(TensorDiff)]
+
+
+def test_a_tensor_row_with_an_unknown_status_is_refused_naming_the_closest():
+    d = _report_with_rows([{**ROW_MISMATCH, "status": "mismatched"}])
+    assert refusal(lambda: Report.from_dict(d, "r.json")) == (
+        "r.json: comparisons.eng[0].tensors[0].status: 'mismatched' is not one of 'ok', 'mismatch', 'missing', "
+        "'allowed-missing', 'shape', 'tie' (did you mean 'mismatch'?)")
+
+
+def test_a_tensor_row_with_an_unknown_field_is_refused_naming_the_closest():
+    d = _report_with_rows([{**ROW_MISMATCH, "exess": 1.0}])
+    assert refusal(lambda: Report.from_dict(d, "r.json")).startswith(
+        "r.json: comparisons.eng[0].tensors[0].exess: unknown field (did you mean 'excess'?)")
+
+
+def test_a_row_without_noise_numbers_reads_as_not_judged_by_noise_and_differs_by_its_diff():
+    moved = TensorDiff.from_json({"name": "draft.fc_out", "status": "ok", "max_abs": 3e-7}, "r.json", "t")
+    still = TensorDiff.from_json({"name": "draft.fc_out", "status": "ok", "max_abs": 0.0}, "r.json", "t")
+    assert (moved.has_noise_numbers, moved.by_noise, moved.differs, still.differs) == (False, False, True, False)
+
+
+def test_the_status_vocabulary_says_which_verdicts_pass_and_which_are_above_noise():
+    assert {s.value for s in TensorStatus if s.passes} == {"ok", "allowed-missing", "tie"}
+    assert {s.value for s in TensorStatus if s.above_noise} == {"mismatch", "missing", "shape"}
+    assert {s.value for s in TensorStatus if s.compared} == {"ok", "mismatch"}
