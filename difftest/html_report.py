@@ -217,13 +217,13 @@ def noise_section(report: Report) -> list[str]:
     """The noise floor's source line, then per engine the SVG, the compact table and the ties."""
     h = ["<h2 id='noise'>Error against the noise floor</h2>",
          f"<p class='noise-source' id='noise-source'>{escape(noise_floor_line(report))}</p>"]  # fmt: skip
-    nf = report.noise_floor or {}
-    if nf.get("tensors"):
+    nf = report.noise_floor
+    if nf is not None and nf.tensors:
         h.append("<details><summary>measured floor per tensor</summary><table><tr><th>tensor</th><th>floor</th>"
                  "<th>max</th><th>rows</th><th>threshold</th></tr>")  # fmt: skip
-        for name, f in nf["tensors"].items():
-            h.append(f"<tr><td><code>{escape(str(name))}</code></td><td>{num(f.get('floor'))}</td><td>{num(f.get('max'))}</td>"
-                     f"<td>{escape(str(f.get('rows')))}</td><td>{num(f.get('threshold'))}</td></tr>")  # fmt: skip
+        for name, f in nf.tensors.items():
+            h.append(f"<tr><td><code>{escape(name)}</code></td><td>{num(f.floor)}</td><td>{num(f.max)}</td>"
+                     f"<td>{escape(str(f.rows))}</td><td>{num(f.threshold)}</td></tr>")  # fmt: skip
         h.append("</table></details>")
     comparisons = report.comparisons
     if not comparisons:

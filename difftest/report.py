@@ -24,6 +24,7 @@ from difftest.acceptance import DEFINITION
 from difftest.errors import DifftestError
 from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
 from difftest.records.check_data import AcceptLengthData, ServerAcceptData
+from difftest.records.noise_floor import NoiseFloorRecord
 from difftest.records.report import FigureDefinition
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
@@ -118,15 +119,15 @@ def prompt_entry(i: int, cd) -> PromptComparison:
     )
 
 
-def noise_floor(case, session) -> dict:
-    """The case's noise floor (difftest.noise.NoiseFloor.to_dict()); memoised by the session once
+def noise_floor(case, session) -> NoiseFloorRecord:
+    """The case's noise floor (difftest.noise.NoiseFloor.record()); memoised by the session once
     any engine was compared. Should computing it fail, the report says why instead of failing."""
     try:
-        return session.noise_floor(case).to_dict()
+        return session.noise_floor(case).record()
     except Exception as e:  # noqa: BLE001 - the report must still be written
         error = f"{type(e).__name__}: {e}"
-        return {"dtype": getattr(case, "dtype", None), "measured": False, "excluded": [], "tensors": {},
-                "source": f"could not be computed ({error.splitlines()[0]})", "error": error}  # fmt: skip
+        return NoiseFloorRecord(getattr(case, "dtype", None), False, f"could not be computed ({error.splitlines()[0]})",
+                                error=error)  # fmt: skip
 
 
 def _read_text(path: str) -> str:
@@ -275,12 +276,12 @@ def ties_lines(report: Report, engine: str) -> list[str]:
 
 def noise_floor_line(report: Report) -> str:
     nf = report.noise_floor
-    if not nf:
+    if nf is None:
         return "noise floor: not in this report (no engine was compared)"
-    measured = "measured" if nf.get("measured") else "NOT measured"
-    line = f"noise floor ({measured}, {nf.get('dtype')}): {nf.get('source')}"
-    if nf.get("excluded"):
-        line += "; excluded: " + "; ".join(map(str, nf["excluded"]))
+    measured = "measured" if nf.measured else "NOT measured"
+    line = f"noise floor ({measured}, {nf.dtype}): {nf.source}"
+    if nf.excluded:
+        line += "; excluded: " + "; ".join(nf.excluded)
     return line
 
 

@@ -33,6 +33,7 @@ from difftest.records import (
     FixData,
     GoldenData,
     LintData,
+    NoiseFloorRecord,
     PromptComparison,
     Report,
     ServerAcceptData,
@@ -84,7 +85,7 @@ def sample_report() -> Report:
     return Report(case="tiny", case_file="cases/tiny.yaml", created="2026-01-01T00:00:00", reference="ref",
                   accept_length_definition="accepted draft tokens + 1 per verify step",
                   engines={"ref": EngineEntry(info={"version": "1"}), "eng": EngineEntry(error="not started")},
-                  checks=results, noise_floor={"dtype": "float32", "measured": True, "source": "measured"},
+                  checks=results, noise_floor=NoiseFloorRecord("float32", True, "measured"),
                   comparisons={"eng": [PromptComparison(0, "draft.fc_in.0", "draft.fc_in.0", "draft.fc_in.0", None, "", tensors)]},
                   environment={"torch": "2.13.0"}, reproduce="difftest run cases/tiny.yaml --engines=ref,eng",
                   case_yaml="target: t\n")  # fmt: skip

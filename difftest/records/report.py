@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from difftest.jsonfile import read_json
 from difftest.records.check_result import CheckResult
 from difftest.records.fields import decode, encode_fields, fail
+from difftest.records.noise_floor import NoiseFloorRecord
 from difftest.records.tensor_diff import TensorDiff
 from difftest.records.timings import Timings
 
@@ -67,7 +67,7 @@ class Report:
     accept_length_definition: str
     engines: dict[str, EngineEntry]  # by spec id, the reference included
     checks: list[CheckResult]
-    noise_floor: dict[str, Any] | None = None  # difftest.noise.NoiseFloor.to_dict(); None: nothing compared
+    noise_floor: NoiseFloorRecord | None = None  # None: nothing compared
     wiring_inference: dict[str, object] | None = None  # `wiring: infer` cases (difftest.infer_case)
     comparisons: dict[str, list[PromptComparison]] = field(default_factory=dict)  # by engine spec id
     environment: dict[str, object] = field(default_factory=dict)  # the harness side (difftest.report.environment)
