@@ -245,7 +245,7 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
         margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""
         message = (f"{n} tensors captured; fc wiring {wiring.inputs} (inferred by `wiring: infer`{margin})\n"
                    + "wiring inferred: " + "\n".join(inferred.lines()))  # fmt: skip
-        return Verdict(True, message, CaptureData(wiring_inference=inferred.to_dict()))
+        return Verdict(True, message, CaptureData(wiring_inference=inferred))
     return Verdict(True, f"{n} tensors captured; fc wiring {wiring.inputs} ({wiring.source})", CaptureData())
 
 

@@ -49,6 +49,12 @@ def hidden_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def short_name(name: str) -> str:
+    """target.h.{k} as h{k}, other target names without `target.` (the wiring as reports write it)."""
+    k = hidden_index(name)
+    return f"h{k}" if k is not None else name.removeprefix(TARGET_PREFIX)
+
+
 def fc_chunk_name(j: int) -> str:
     return f"{FC_CHUNK_PREFIX}{j}"
 

@@ -27,6 +27,8 @@ from difftest.records.check_data import AcceptLengthData, ServerAcceptData
 from difftest.records.noise_floor import NoiseFloorRecord
 from difftest.records.report import FigureDefinition
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
+from difftest.records.wiring_inference import WiringInference
+from difftest.names import short_name
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
 
@@ -93,10 +95,9 @@ def markdown_definitions(report: Report) -> list[str]:
     return lines + [""]
 
 
-def _inference(case, session) -> dict | None:
+def _inference(case, session) -> WiringInference | None:
     """`wiring: infer`: the inference behind the run's wiring (difftest.infer_case); None for other cases."""
-    found = getattr(session, "inference", lambda _case: None)(case)  # session-like objects may not infer
-    return found.to_dict() if found is not None else None
+    return getattr(session, "inference", lambda _case: None)(case)  # session-like objects may not infer
 
 
 def _name(d) -> str | None:
@@ -323,27 +324,26 @@ def markdown_noise(report: Report) -> list[str]:
     return lines
 
 
-def markdown_inference(inf: dict) -> list[str]:
+def markdown_inference(inf: WiringInference) -> list[str]:
     """`wiring: infer`: what the run's wiring was inferred as, and how firmly."""
-    from difftest.wiring import short_name
 
     def w(names) -> str:
         return "[" + ", ".join(short_name(n) for n in names) + "]" if names else "-"
 
     lines = ["## Wiring inferred (`wiring: infer`)", "",
-             f"trained on **{w(inf['wiring'])}**, step-0 agreement {inf['agreement']:.3f}; evidence: {inf['source']}, "
-             f"{inf['positions']} positions, {inf['forwards']} draft forwards (full grid {inf['grid_size']})"]  # fmt: skip
-    if inf.get("runner_up"):
-        lines.append(f"runner-up {w(inf['runner_up'])} ({inf['runner_up_agreement']:.3f}): margin {inf['margin']:.3f} "
-                     f"(z {inf['margin_z']:.1f})")  # fmt: skip
+             f"trained on **{w(inf.wiring)}**, step-0 agreement {inf.agreement:.3f}; evidence: {inf.source}, "
+             f"{inf.positions} positions, {inf.forwards} draft forwards (full grid {inf.grid_size})"]  # fmt: skip
+    if inf.runner_up:
+        lines.append(f"runner-up {w(inf.runner_up)} ({inf.runner_up_agreement:.3f}): margin {inf.margin:.3f} "
+                     f"(z {inf.margin_z:.1f})")  # fmt: skip
     lines += ["", "| slot | inferred | best alternative | agreement drop | z (agreement) | z (log-prob) |", "|---|---|---|---|---|---|"]
-    for s in inf["slots"]:
-        lines.append(f"| {s['slot']} | {short_name(s['chosen'])} | {short_name(s['alternative'])} | {s['drop']:.3f} | "
-                     f"{s['z']:.1f} | {s['z_logp']:.1f} |")  # fmt: skip
+    for s in inf.slots:
+        lines.append(f"| {s.slot} | {short_name(s.chosen)} | {short_name(s.alternative)} | {s.drop:.3f} | "
+                     f"{s.z:.1f} | {s.z_logp:.1f} |")  # fmt: skip
     lines += ["", "| engine | reads the config as | agreement |", "|---|---|---|"]
-    for r in inf["readings"]:
-        agreement = "-" if r["agreement"] is None else f"{r['agreement']:.3f}"
-        lines.append(f"| {r['engine']} | {w(r['wiring']) if r['wiring'] else 'cannot serve these ids'} | {agreement} |")
+    for r in inf.readings:
+        agreement = "-" if r.agreement is None else f"{r.agreement:.3f}"
+        lines.append(f"| {r.engine} | {w(r.wiring) if r.wiring else 'cannot serve these ids'} | {agreement} |")
     return lines + [""]
 
 

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 from difftest import layer_rules
 from difftest.errors import ConfigError
 from difftest.layer_rules import LayerIdRule
-from difftest.names import FINAL_NORM, hidden_index, hidden_name
+from difftest.names import FINAL_NORM, hidden_index, hidden_name, short_name
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,6 @@ def hidden_indices(names: Sequence[str | None]) -> list[int] | None:
     """k of every `target.h.{k}` in names; None when any slot is something else (or unknown)."""
     ks = [hidden_index(n) if n else None for n in names]
     return None if None in ks else [k for k in ks if k is not None]
-
-
-def short_name(name: str) -> str:
-    k = hidden_index(name)
-    return f"h{k}" if k is not None else name.removeprefix("target.")
 
 
 def _canonical_input(token: str, where: str) -> str:

@@ -41,6 +41,7 @@ from difftest.records import (
     Top1Data,
 )
 from difftest.records import meta as meta_mod
+from difftest.records.wiring_inference import Reading, SlotContrast, WiringInference
 from engines.trainingdata.train_check import TrainAccuracyData
 
 STATS = AcceptStats(num_verify=4, num_accepted=6, num_draft_steps=3, accepted_per_pos=[3, 2, 1], num_prompts=2,
@@ -56,7 +57,11 @@ def meta() -> CaptureMeta:
 
 
 DATA = [
-    CaptureData(wiring_inference={"wiring": ["target.h.0"], "margin": 0.5}),
+    CaptureData(wiring_inference=WiringInference(
+        decided=True, wiring=["target.h.0"], agreement=0.9, runner_up=None, runner_up_agreement=None, margin=0.5,
+        margin_z=None, readings=[Reading("vllm", ["target.h.0"], 0.9), Reading("sglang", None, None)],
+        slots=[SlotContrast(0, "target.h.0", "target.h.1", 0.4, 0.5, 4.0, 3.5)], shuffled_agreement=0.1,
+        shuffled_z=5.0, positions=10, forwards=3, grid_size=9, source="s", label_source="l")),
     LintData([Finding("layer-ids", "error", "ids differ", ("vllm", "sglang"), "draft.fc_in")]),
     ComparisonData(noise="measured", ties=["prompt 1: a tie"]),
     ComparisonData(noise="measured", prompt=0, tensor="draft.fc_in.0", first_divergence="draft.fc_in.0",

@@ -6,7 +6,7 @@ refused, naming the closest). Checks engines contribute (difftest.extensions.Ext
 their own record there as `data`, e.g. the training-data engine's `train_accuracy`.
 
 Nested records other modules define (AcceptStats, lint Findings, fc ChunkMatches) are read back as
-those dataclasses, in the form their own to_dict gives them; the wiring inference stays a mapping.
+those dataclasses, in the form their own to_dict gives them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import ClassVar
 from difftest.acceptance import AcceptStats
 from difftest.chunk_match import ChunkMatch, Similarity
 from difftest.finding import Finding
+from difftest.records.wiring_inference import WiringInference
 from difftest.records.fields import READER, decode, encode_fields, fail, join, kind_of
 
 
@@ -70,7 +71,7 @@ class CaptureData(CheckData):
     """`capture`: the reference captured every prompt; how a `wiring: infer` case's wiring was found."""
 
     KIND: ClassVar[str] = "capture"
-    wiring_inference: dict[str, object] | None = None  # difftest.infer_case's inference (to_dict)
+    wiring_inference: WiringInference | None = None  # difftest.infer_case's inference
 
 
 @dataclass

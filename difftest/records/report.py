@@ -17,6 +17,7 @@ from difftest.records.check_result import CheckResult
 from difftest.records.fields import decode, encode_fields, fail
 from difftest.records.noise_floor import NoiseFloorRecord
 from difftest.records.tensor_diff import TensorDiff
+from difftest.records.wiring_inference import WiringInference
 from difftest.records.timings import Timings
 
 SCHEMA = "difftest.report"
@@ -68,7 +69,7 @@ class Report:
     engines: dict[str, EngineEntry]  # by spec id, the reference included
     checks: list[CheckResult]
     noise_floor: NoiseFloorRecord | None = None  # None: nothing compared
-    wiring_inference: dict[str, object] | None = None  # `wiring: infer` cases (difftest.infer_case)
+    wiring_inference: WiringInference | None = None  # `wiring: infer` cases (difftest.infer_case)
     comparisons: dict[str, list[PromptComparison]] = field(default_factory=dict)  # by engine spec id
     environment: dict[str, object] = field(default_factory=dict)  # the harness side (difftest.report.environment)
     reproduce: str = ""
