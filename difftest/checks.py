@@ -367,7 +367,7 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
         gate = accept_gate.judge(ref_stats, stats, numerical, tol, noise_source)
     return Verdict(gate.ok, accept_gate.message(gate, ref_stats, stats),
                    AcceptLengthData(reference=ref_stats, engine=stats, allowed=gate.allowed_accept, spread=gate.spread,
-                                    gate=gate.to_dict()))  # fmt: skip
+                                    gate=gate))  # fmt: skip
 
 
 CHECKS = {

@@ -120,7 +120,7 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
         msg.append(f"note: the reference target's greedy token differs from the server's at {mismatched} output positions "
                    "(another model, lower precision or near ties): the replay still follows the server's tokens")  # fmt: skip
     msg += lines
-    data = ServerAcceptData(reference=ref_total, engine=server_total, allowed=allowed, spread=spread, gate=gate.to_dict(),
+    data = ServerAcceptData(reference=ref_total, engine=server_total, allowed=allowed, spread=spread, gate=gate,
                             server_settings=settings, flags=flag_lines, per_request=per_request,
                             numbers="exact" if exact else "deltas", verdict=verdict)  # fmt: skip
     return passed, "\n".join(msg), data

@@ -373,3 +373,15 @@ def test_the_status_vocabulary_says_which_verdicts_pass_and_which_are_above_nois
     assert {s.value for s in TensorStatus if s.passes} == {"ok", "allowed-missing", "tie"}
     assert {s.value for s in TensorStatus if s.above_noise} == {"mismatch", "missing", "shape"}
     assert {s.value for s in TensorStatus if s.compared} == {"ok", "mismatch"}
+
+
+def test_an_accept_gate_is_kept_as_a_record_with_each_positions_z_in_the_json():
+    from difftest.accept_gate import AcceptGate, judge
+
+    ref = AcceptStats(num_verify=10, num_accepted=15, num_draft_steps=3, accepted_per_pos=[9, 5, 1])
+    eng = AcceptStats(num_verify=10, num_accepted=2, num_draft_steps=3, accepted_per_pos=[2, 0, 0])
+    data = AcceptLengthData(ref, eng, 0.3, 0.1, gate=judge(ref, eng, noise="not measured"))
+    written = through_json(data.to_dict())
+    assert [p["z"] for p in written["gate"]["positions"]] == [p.z for p in data.gate.positions]
+    back = CheckResult.from_json(through_json(CheckResult("e", "accept_length", "failed", "m", data).to_dict()), "r.json", "c")
+    assert isinstance(back.data.gate, AcceptGate) and back.data.gate == data.gate and not back.data.gate.ok

@@ -16,6 +16,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from difftest.accept_gate import AcceptGate, PositionJudgement
 from difftest.acceptance import AcceptStats
 from difftest.chunk_match import ChunkMatch, Similarity
 from difftest.finding import Finding
@@ -56,6 +57,18 @@ def _without_derived(cls: type):
 
 _accept_stats = _without_derived(AcceptStats)
 _chunk_match = _without_derived(ChunkMatch)
+_POSITION_DERIVED = {n for n, v in vars(PositionJudgement).items() if isinstance(v, property)}
+
+
+def _accept_gate(data: object, where: str, at: str) -> AcceptGate | None:
+    """AcceptGate.to_dict: its fields, each position with its derived `z` (dropped and recomputed)."""
+    if data is None:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("positions"), list):
+        positions = [{k: v for k, v in p.items() if k not in _POSITION_DERIVED} if isinstance(p, dict) else p
+                     for p in data["positions"]]  # fmt: skip
+        data = {**data, "positions": positions}
+    return decode(AcceptGate, data, where, at)
 
 
 def _chunk_matches(data: object, where: str, at: str) -> list[ChunkMatch] | None:
@@ -155,7 +168,7 @@ class AcceptLengthData(CheckData):
     engine: AcceptStats = field(metadata={READER: _accept_stats})
     allowed: float
     spread: float
-    gate: dict[str, object] | None = None  # the per-position verdict (difftest.accept_gate.AcceptGate.to_dict)
+    gate: AcceptGate | None = field(default=None, metadata={READER: _accept_gate})  # the per-position verdict
 
 
 @dataclass
@@ -173,7 +186,7 @@ class ServerAcceptData(CheckData):
     per_request: list[dict[str, object]] = field(default_factory=list)
     numbers: str = ""  # exact | deltas
     verdict: str = ""
-    gate: dict[str, object] | None = None  # the per-position verdict (difftest.accept_gate.AcceptGate.to_dict)
+    gate: AcceptGate | None = field(default=None, metadata={READER: _accept_gate})  # the per-position verdict
 
 
 CORE_KINDS: dict[str, type[CheckData]] = {
