@@ -36,6 +36,7 @@ from difftest.records.timings import Timings, WorkerPhase
 from difftest.timings import PhaseClock, case_of
 from difftest.worker import WorkerClient
 from difftest.names import FC_IN
+from difftest.records.check_data import ReplayRow
 
 if TYPE_CHECKING:  # annotations only: difftest.baseline builds on the session
     from difftest.baseline import BaselineSource
@@ -439,7 +440,7 @@ class Session:
         return spec.id not in self._stored and bool(self.client(spec).started_info.get("live"))
 
     def replay(self, case: Case, spec: EngineSpec, requests: list[tuple[list[int], list[int]]], num_steps: int,
-               topk: int, num_draft_tokens: int) -> list[dict]:  # fmt: skip
+               topk: int, num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
         """`spec`'s prediction on another engine's tokens (Engine.replay), per (prompt, output)."""
         case = self.engine_case(self.prepare(case), spec)
         if spec.id in self._stored:
@@ -449,7 +450,7 @@ class Session:
             reply = self._request(self.client(spec), {"op": "replay", "case": case.to_dict(), "requests": requests,
                                                       "num_steps": num_steps, "topk": topk,
                                                       "num_draft_tokens": num_draft_tokens})  # fmt: skip
-        return reply["replays"]
+        return [ReplayRow.from_json(r, f"{spec.id}'s replay", f"replays[{i}]") for i, r in enumerate(reply["replays"])]
 
     # -- the noise floor (difftest.noise) ----------------------------------------------------
     def calibration_spec(self) -> EngineSpec:

@@ -267,7 +267,7 @@ def _handle(engine, msg: dict) -> dict:
         pairs = [(list(p), list(o)) for p, o in msg["requests"]]
         replays = _timed(phases, "engine.replay", engine.replay, Case.from_dict(msg["case"]), pairs, msg["num_steps"],
                          msg["topk"], msg["num_draft_tokens"])  # fmt: skip
-        return {"replays": replays, "timings": [asdict(p) for p in phases]}
+        return {"replays": [r.to_dict() for r in replays], "timings": [asdict(p) for p in phases]}
     raise ConfigError(f"worker: unknown op {op!r}")
 
 

@@ -385,3 +385,14 @@ def test_an_accept_gate_is_kept_as_a_record_with_each_positions_z_in_the_json():
     assert [p["z"] for p in written["gate"]["positions"]] == [p.z for p in data.gate.positions]
     back = CheckResult.from_json(through_json(CheckResult("e", "accept_length", "failed", "m", data).to_dict()), "r.json", "c")
     assert isinstance(back.data.gate, AcceptGate) and back.data.gate == data.gate and not back.data.gate.ok
+
+
+def test_a_replay_row_crosses_the_worker_as_json_and_comes_back_a_record():
+    from difftest.records import ReplayRow
+
+    row = ReplayRow(AcceptStats(num_verify=4, num_accepted=6, num_draft_steps=3, accepted_per_pos=[3, 2, 1]), 2, 5)
+    back = ReplayRow.from_json(through_json(row.to_dict()), "ref's replay", "replays[0]")
+    assert back == row and back.stats.accept_length == row.stats.accept_length
+    bad = {**through_json(row.to_dict()), "first_mismatch": "5"}
+    assert refusal(lambda: ReplayRow.from_json(bad, "ref's replay", "replays[0]")) == (
+        "ref's replay: replays[0].first_mismatch: expected an integer or null, got a string")

@@ -12,6 +12,7 @@ from difftest.records.check_data import (
     FixData,
     GoldenData,
     LintData,
+    ReplayRow,
     ServerAcceptData,
     Top1Data,
 )
@@ -23,6 +24,6 @@ from difftest.records.tensor_diff import TensorDiff, TensorStatus
 
 __all__ = [
     "AcceptLengthData", "CaptureData", "CaptureMeta", "CheckData", "CheckResult", "ComparisonData", "EngineEntry",
-    "ExpectedFailureRecord", "FcWiring", "FixData", "GoldenData", "LintData", "NoiseFloorRecord", "PromptComparison", "Report",
+    "ExpectedFailureRecord", "FcWiring", "FixData", "GoldenData", "LintData", "NoiseFloorRecord", "PromptComparison", "ReplayRow", "Report",
     "ServerAcceptData", "TensorDiff", "TensorFloor", "TensorStatus", "Top1Data",
 ]  # fmt: skip

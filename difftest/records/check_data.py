@@ -189,6 +189,23 @@ class ServerAcceptData(CheckData):
     gate: AcceptGate | None = field(default=None, metadata={READER: _accept_gate})  # the per-position verdict
 
 
+@dataclass
+class ReplayRow:
+    """One server request replayed through the reference's draft (difftest.engine.Engine.replay): the
+    acceptance it predicts on the server's very tokens, and where its target would have chosen another."""
+
+    stats: AcceptStats = field(metadata={READER: _accept_stats})
+    target_mismatches: int  # output positions where the reference target's greedy token is not the server's
+    first_mismatch: int | None  # the first of them
+
+    def to_dict(self) -> dict:
+        return encode_fields(self)
+
+    @classmethod
+    def from_json(cls, data: object, where: str, at: str) -> "ReplayRow":
+        return decode(cls, data, where, at)
+
+
 CORE_KINDS: dict[str, type[CheckData]] = {
     c.KIND: c for c in (CaptureData, LintData, ComparisonData, Top1Data, AcceptLengthData, ServerAcceptData)
 }

@@ -29,7 +29,7 @@ from engines.ref.settings import SCHEMA
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import load_target, num_layers, run_target
 from difftest.names import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
-from difftest.records import CaptureMeta, FcWiring
+from difftest.records import CaptureMeta, FcWiring, ReplayRow
 
 # float64 is not a case dtype: the harness asks for it to measure the noise floor (difftest.noise)
 # Part of the engine version (so of every capture-cache key): bumped when what a ref capture holds
@@ -215,7 +215,7 @@ class RefEngine(Engine):
 
     @torch.no_grad()
     def replay(self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int,
-               num_draft_tokens: int) -> list[dict]:  # fmt: skip
+               num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
         """Per request (prompt, output): the acceptance this draft predicts on those very tokens
         (engines/ref/replay.py), with the number of output tokens its target would have chosen otherwise."""
         from engines.ref.replay import replay_request
@@ -227,8 +227,7 @@ class RefEngine(Engine):
             r = replay_request(target, loaded.model, wiring.inputs, prompt, output, num_steps, topk, num_draft_tokens)
             r.stats.source = (f"ref replay of the server's tokens (wiring {wiring.short()}, topk {topk}, "
                               f"num_draft_tokens {num_draft_tokens})")  # fmt: skip
-            out.append({"stats": r.stats.to_dict(), "target_mismatches": r.target_mismatches,
-                        "first_mismatch": r.first_mismatch})  # fmt: skip
+            out.append(ReplayRow(r.stats, r.target_mismatches, r.first_mismatch))
         return out
 
     def _tree_settings(self, case: Case, num_steps: int) -> tuple[int, int]:
