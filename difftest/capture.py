@@ -51,10 +51,10 @@ class Capture:
     def names(self) -> list[str]:
         """Stored names plus the fc_in chunk views, in data-flow order."""
         out = list(self.tensors)
-        fc = self.tensors.get("draft.fc_in")
+        fc = self.tensors.get(names.FC_IN)
         size = self.fc_chunk_size
         if fc is not None and size and fc.shape[-1] % size == 0:
-            out += [f"draft.fc_in.{j}" for j in range(fc.shape[-1] // size)]
+            out += [names.fc_chunk_name(j) for j in range(fc.shape[-1] // size)]
         return names.in_dataflow_order(out)
 
     def __contains__(self, name: str) -> bool:
@@ -64,7 +64,7 @@ class Capture:
         if name in self.tensors:
             return self.tensors[name]
         j = names.fc_chunk_index(name)
-        fc, size = self.tensors.get("draft.fc_in"), self.fc_chunk_size
+        fc, size = self.tensors.get(names.FC_IN), self.fc_chunk_size
         if j is not None and fc is not None and size and fc.shape[-1] % size == 0 and j < fc.shape[-1] // size:
             return fc[..., j * size : (j + 1) * size]
         raise KeyError(f"capture of {self.meta.engine or '?'} has no tensor {name}")

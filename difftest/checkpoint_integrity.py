@@ -29,6 +29,7 @@ from pathlib import Path
 from difftest.draft_rules import TARGET_LOADING
 from difftest.errors import ConfigError
 from difftest.finding import Finding
+from difftest.names import TARGET_LOGITS
 
 INDEX_NAME = "model.safetensors.index.json"
 # A header larger than this is not a real one (safetensors itself caps it at 100 MB).
@@ -183,7 +184,7 @@ def target_findings(target_dir: Path) -> list[Finding]:
             f"{target_dir}: tensors missing from the target checkpoint: {', '.join(shown)} "
             f"(config: tie_word_embeddings {str(tied).lower()}, num_hidden_layers {L}): transformers "
             f"initialises them randomly; {_engines_say('missing')}", tensor="target.h.0" if
-            "model.embed_tokens.weight" in missing else "target.logits" if "lm_head.weight" in missing else None))  # fmt: skip
+            "model.embed_tokens.weight" in missing else TARGET_LOGITS if "lm_head.weight" in missing else None))  # fmt: skip
     fields = {"model.embed_tokens.weight": ("vocab_size", "hidden_size"), "lm_head.weight": ("vocab_size", "hidden_size"),
               "model.norm.weight": ("hidden_size",)}  # fmt: skip
     for name, want in expected.items():

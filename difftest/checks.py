@@ -25,7 +25,8 @@ import torch
 from difftest import accept_gate, noise
 from difftest.case import Case
 from difftest.check_names import ENGINE_CHECKS, REFERENCE_CHECKS
-from difftest.compare import CaptureDiff, TensorDiff
+from difftest.compare import CaptureDiff, TensorDiff, noise_summary
+from difftest.records.tensor_diff import TensorStatus
 from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.engine import EngineSpec
 from difftest.extensions import own_items, replacement
@@ -37,6 +38,7 @@ from difftest.records.check_data import AcceptLengthData, CaptureData, Compariso
 from difftest.records.meta import FcWiring
 from difftest.session import Session
 from difftest.verdict import Verdict
+from difftest.names import DRAFT_LOGITS, FC_IN, in_fc_in
 
 DEFAULT_TOP1 = 0.98
 
@@ -61,8 +63,8 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
     floor = session.noise_floor(case)
     ties = [f"prompt {i}: {cd.tie}" for i, cd in enumerate(diffs) if cd.tie]
     if not failing:
-        n = sum(1 for cd in diffs for d in cd.diffs if scope(d.name) and d.status not in ("tie",))
-        moved = [d for cd in diffs for d in cd.diffs if scope(d.name) and d.criterion == "noise" and d.threshold > 0]
+        n = sum(1 for cd in diffs for d in cd.diffs if scope(d.name) and d.status != TensorStatus.TIE)
+        moved = [d for cd in diffs for d in cd.diffs if scope(d.name) and d.by_noise and d.threshold > 0]
         worst = max(moved, key=lambda d: d.excess, default=None)
         msg = f"{n} tensor comparisons over {len(diffs)} prompts within noise of {ref} (noise floor {floor.source})"
         if worst is not None and worst.differs:
@@ -76,9 +78,9 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
     first_above = cd.first_divergence()
     differs = cd.first_differs()
     lines = [f"{spec.id} diverges from {ref} on {len(failing)}/{len(diffs)} prompts; prompt {i}: error introduced at "
-             f"{introduced.noise_summary()}"]  # fmt: skip
+             f"{noise_summary(introduced)}"]  # fmt: skip
     if d.name != introduced.name:
-        lines.append(f"in this check's scope first at {d.noise_summary()}")
+        lines.append(f"in this check's scope first at {noise_summary(d)}")
     if first_above is not None and first_above.name not in (introduced.name, d.name):
         lines.append(f"first tensor above noise: {first_above.name} (excess {first_above.excess:.3g}x, propagated "
                      f"into {introduced.name}'s inputs below the jump of {noise.JUMP:g}x)")  # fmt: skip
@@ -89,7 +91,7 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
                           introduced=introduced.name, first_above_noise=first_above.name if first_above else None,
                           first_differs=differs.name if differs else None)  # fmt: skip
     ref_cap, cap = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
-    if introduced.name.startswith("draft.fc_in"):
+    if in_fc_in(introduced.name):
         lines += diagnose_fc(ref_cap, cap, _draft_config(session, case, spec))
         matches, similarity = match_chunks(ref_cap, cap)
         data.fc_chunks, data.similarity = matches, similarity
@@ -248,8 +250,8 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
             n += 1
             if not name.endswith("logits_target") and not bool(torch.isfinite(t).all()):
                 problems.append(f"prompt {i}: {name} has {int((~torch.isfinite(t)).sum())} NaN/Inf values")
-        if "draft.fc_in" not in cap.tensors or "draft.logits" not in cap.tensors:
-            problems.append(f"prompt {i}: capture lacks draft.fc_in or draft.logits")
+        if FC_IN not in cap.tensors or DRAFT_LOGITS not in cap.tensors:
+            problems.append(f"prompt {i}: capture lacks {FC_IN} or {DRAFT_LOGITS}")
     if problems:
         return Verdict(False, "; ".join(problems[:5]), CaptureData())
     wiring = session.capture(case, spec, 0).meta.wiring or FcWiring(source="not recorded")
@@ -258,7 +260,7 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
         margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""
         message = (f"{n} tensors captured; fc wiring {wiring.inputs} (inferred by `wiring: infer`{margin})\n"
                    + "wiring inferred: " + "\n".join(inferred.lines()))  # fmt: skip
-        return Verdict(True, message, CaptureData(wiring_inference=inferred.to_dict()))
+        return Verdict(True, message, CaptureData(wiring_inference=inferred))
     return Verdict(True, f"{n} tensors captured; fc wiring {wiring.inputs} ({wiring.source})", CaptureData())
 
 
@@ -335,7 +337,7 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
         ref, other = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
         for name in (n for n in ref.names() if n.endswith("logits_target")):
             d = cd.get(name)
-            if name not in other or (d is not None and d.status == "tie"):
+            if name not in other or (d is not None and d.status == TensorStatus.TIE):
                 skipped += 1
                 continue
             a, b = ref.get(name), other.get(name)
@@ -379,7 +381,7 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
         gate = accept_gate.judge(ref_stats, stats, numerical, tol, noise_source)
     return Verdict(gate.ok, accept_gate.message(gate, ref_stats, stats),
                    AcceptLengthData(reference=ref_stats, engine=stats, allowed=gate.allowed_accept, spread=gate.spread,
-                                    gate=gate.to_dict()))  # fmt: skip
+                                    gate=gate))  # fmt: skip
 
 
 CHECKS = {

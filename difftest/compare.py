@@ -24,7 +24,8 @@ import torch
 
 from difftest import noise
 from difftest.capture import Capture
-from difftest.names import fc_chunk_index, inputs_of, split_draft
+from difftest.names import FC_CHUNK_PREFIX, FC_IN, TARGET_LOGITS, draft_name, fc_chunk_index, hidden_name, inputs_of, split_draft
+from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.rowstats import row_stats
 from difftest.tolerances import Tolerance, tolerance_for
 
@@ -37,100 +38,20 @@ PROFILE_MAX_ROWS = 4096  # per-row profiles longer than this are stored as a str
 
 def is_logits(name: str) -> bool:
     """Tensors whose rows are distributions: softmax metrics (top-k, KL, TV) apply."""
-    return name == "target.logits" or name.endswith(".logits") or name.endswith(".logits_target")
+    return name == TARGET_LOGITS or name.endswith(".logits") or name.endswith(".logits_target")
 
 
-@dataclass
-class TensorDiff:
-    name: str
-    status: str  # "ok" | "mismatch" (above noise) | "missing" | "shape" | "allowed-missing" | "tie" (not comparable)
-    shape: list[int] = field(default_factory=list)
-    numel: int = 0
-    mismatched: int = 0
-    max_abs: float = 0.0
-    max_abs_index: list[int] = field(default_factory=list)
-    ref_value: float = 0.0
-    other_value: float = 0.0
-    max_rel: float = 0.0
-    mean_abs: float = 0.0
-    cosine: float = 1.0
-    rel_diff: float = 0.0  # SGLang's dump comparator: 1 - 2 sum(xy) / sum(x^2 + y^2)
-    nonfinite_mismatch: int = 0  # NaN anywhere, or an infinity the other side lacks
-    tolerance: str = ""
-    detail: str = ""
-    # NaN/Inf counts per side (equal infinities, e.g. -inf outside the draft vocab, are not errors)
-    nan_ref: int = 0
-    nan_other: int = 0
-    inf_ref: int = 0
-    inf_other: int = 0
-    # per-token (per-row: every leading dim flattened) error profile
-    rows: int = 0
-    rows_mismatched: int = 0
-    worst_row: int = -1
-    row_max_abs: list[float] = field(default_factory=list)
-    row_mismatched: list[int] = field(default_factory=list)
-    row_cosine: list[float] = field(default_factory=list)
-    # logits tensors only (is_logits): distribution metrics over rows, softmax over the last dim
-    topk: int = 0  # 0: not computed
-    top1_agree: int = 0  # rows where the reference's top-1 is also the engine's (no engine logit above it)
-    topk_member: int = 0  # rows whose reference top-1 is within the engine's top-k
-    kl_mean: float = 0.0  # KL(softmax(ref) || softmax(engine)), nats, mean over rows
-    kl_max: float = 0.0
-    tv_mean: float = 0.0  # total variation distance, mean over rows
-    tv_max: float = 0.0
-    # the verdict (difftest.noise): per-row relative error ||engine - ref|| / ||ref|| against the
-    # threshold derived from the measured noise floor
-    criterion: str = "noise"  # "noise" | "elementwise (case tolerance PATTERN)"
-    err: float = 0.0  # largest per-row relative error
-    err_q: float = 0.0  # its FLOOR_QUANTILE quantile over rows
-    noise_floor: float = 0.0  # the reference's own per-row error against float64 (quantile)
-    threshold: float = 0.0
-    rows_above: int = 0  # rows whose error exceeds the threshold
-    excess: float = 0.0  # err / threshold (noise units; > 1: above noise)
-    introduced: bool = False  # above noise and not explained by its inputs (difftest.noise)
-    row_err: list[float] = field(default_factory=list)  # per-row relative error profile
-    differs: bool = False  # any element not bit-identical
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("ok", "allowed-missing", "tie")
-
-    def noise_summary(self) -> str:
-        """One line on the verdict: the error against the noise floor."""
-        if self.status in ("missing", "allowed-missing", "shape", "tie"):
-            return f"{self.name}: {self.detail}"
-        if self.criterion != "noise":
-            return self.summary()
-        rows = f"{self.rows_above}/{self.rows} rows" if self.rows > 1 else "its row"
-        verb = "above" if self.status == "mismatch" else "within"
-        return (f"{self.name}: {rows} above the noise threshold; row error up to {self.err:.3g} "
-                f"({self.excess:.3g}x the threshold {self.threshold:.3g} = {noise.SAFETY:g} x measured floor "
-                f"{self.noise_floor:.3g}) -> {verb} noise; cos {self.cosine:.4f}")  # fmt: skip
-
-    def summary(self) -> str:
-        if self.status in ("missing", "allowed-missing", "shape", "tie"):
-            return f"{self.name}: {self.detail}"
-        pct = 100.0 * self.mismatched / max(self.numel, 1)
-        idx = ", ".join(map(str, self.max_abs_index))
-        head = (
-            f"{self.name}: {self.mismatched}/{self.numel} elements ({pct:.1f}%) outside {self.tolerance}"
-            if self.mismatched
-            else f"{self.name}: all {self.numel} elements within {self.tolerance}"
-        )
-        text = (
-            f"{head}; greatest |diff| {self.max_abs:.4g} at [{idx}] (reference {self.ref_value:.4g}, "
-            f"engine {self.other_value:.4g}); cos {self.cosine:.4f}, rel_diff {self.rel_diff:.2e}"
-            + (f"; {self.nonfinite_mismatch} NaN/Inf mismatches" if self.nonfinite_mismatch else "")
-        )
-        if self.mismatched and self.rows > 1:
-            text += f"; rows off {self.rows_mismatched}/{self.rows} (worst row {self.worst_row})"
-        if self.topk and self.mismatched:
-            text += (
-                f"; top-1 agree {self.top1_agree}/{self.rows}, reference top-1 in engine top-{self.topk} "
-                f"{self.topk_member}/{self.rows}, KL mean {self.kl_mean:.3g} max {self.kl_max:.3g}, "
-                f"TV mean {self.tv_mean:.3g} max {self.tv_max:.3g}"
-            )
-        return text
+def noise_summary(d: TensorDiff) -> str:
+    """One line on a tensor's verdict: its error against the noise floor."""
+    if not d.status.compared:
+        return f"{d.name}: {d.detail}"
+    if not d.by_noise:
+        return d.summary()
+    rows = f"{d.rows_above}/{d.rows} rows" if d.rows > 1 else "its row"
+    verb = "above" if d.status == TensorStatus.MISMATCH else "within"
+    return (f"{d.name}: {rows} above the noise threshold; row error up to {d.err:.3g} "
+            f"({d.excess:.3g}x the threshold {d.threshold:.3g} = {noise.SAFETY:g} x measured floor "
+            f"{d.noise_floor:.3g}) -> {verb} noise; cos {d.cosine:.4f}")  # fmt: skip
 
 
 def _profile(values: torch.Tensor, kind=float) -> list:
@@ -173,7 +94,7 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
     elementwise against `tol` (a case's explicit tolerance). `row_errors` collects the full per-row
     errors by tensor name, for the data-flow pass (judge_along_flow); the report keeps a profile only."""
     if tuple(ref.shape) != tuple(other.shape):
-        return TensorDiff(name, "shape", list(ref.shape), detail=f"shape {list(other.shape)} vs reference {list(ref.shape)}",
+        return TensorDiff(name, TensorStatus.SHAPE, list(ref.shape), detail=f"shape {list(other.shape)} vs reference {list(ref.shape)}",
                           excess=math.inf, err=math.inf)  # fmt: skip
     other = other.to(ref.device)
     n = ref.numel()
@@ -182,7 +103,7 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
     logits = is_logits(name) and ref.dim() >= 1 and n > 0
     s = row_stats(a2, b2, tol.atol, tol.rtol, logits, chunk=CHUNK_ELEMENTS) if n else None
     if s is None:
-        return TensorDiff(name, "ok", list(ref.shape), tolerance=str(tol), threshold=threshold or 0.0)
+        return TensorDiff(name, TensorStatus.OK, list(ref.shape), tolerance=str(tol), threshold=threshold or 0.0)
     R = a2.shape[0]
     worst = int(s["max_abs"].argmax()) if R else 0
     max_at = worst * cols + int(s["max_col"][worst])
@@ -195,7 +116,7 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
     flat_a, flat_b = ref.reshape(-1), other.reshape(-1)
     d = TensorDiff(
         name=name,
-        status="mismatch" if mismatched else "ok",
+        status=TensorStatus.MISMATCH if mismatched else TensorStatus.OK,
         shape=list(ref.shape),
         numel=n,
         mismatched=mismatched,
@@ -228,13 +149,13 @@ def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Toler
         j = noise.judge_rows(errs, math.inf)
     else:
         j = noise.judge_rows(errs, threshold)
-        d.status = "mismatch" if j.diverges else "ok"
+        d.status = TensorStatus.MISMATCH if j.diverges else TensorStatus.OK
         d.worst_row = int(errs.argmax()) if j.diverges else -1
     d.err, d.err_q, d.rows_above, d.excess = j.err, j.err_q, j.rows_above, j.excess
     if row_errors is not None:
         row_errors[name] = errs
     d.threshold, d.noise_floor = (threshold or 0.0), noise_floor
-    if d.criterion != "noise":
+    if not d.by_noise:
         d.excess = math.inf if mismatched else 0.0
     if logits:
         d.topk = min(topk, cols)
@@ -265,14 +186,14 @@ class CaptureDiff:
         for d in self.diffs:
             if not hit(d) or (names is not None and d.name not in names):
                 continue
-            if d.name == "draft.fc_in" and by_chunk(d):
-                return next((c for c in self.diffs if c.name.startswith("draft.fc_in.") and (chunk_hit or hit)(c)), d)
+            if d.name == FC_IN and by_chunk(d):
+                return next((c for c in self.diffs if c.name.startswith(FC_CHUNK_PREFIX) and (chunk_hit or hit)(c)), d)
             return d
         return None
 
     def first_divergence(self, names=None) -> TensorDiff | None:
         """The first tensor above noise in data-flow order (a failing fc_in is named by its first failing chunk)."""
-        return self._first(lambda d: not d.ok, names, by_chunk=lambda d: d.status == "mismatch")
+        return self._first(lambda d: not d.ok, names, by_chunk=lambda d: d.status == TensorStatus.MISMATCH)
 
     def first_introduced(self, names=None) -> TensorDiff | None:
         """The first tensor where the error is introduced (above noise, not explained by its inputs)."""
@@ -280,7 +201,7 @@ class CaptureDiff:
 
     def first_differs(self) -> TensorDiff | None:
         """The first tensor whose values differ at all (not bit-identical), noise included."""
-        return self._first(lambda d: d.differs or d.status in ("missing", "shape"), chunk_hit=lambda c: c.differs)
+        return self._first(lambda d: d.differs or d.status in (TensorStatus.MISSING, TensorStatus.SHAPE), chunk_hit=lambda c: c.differs)
 
 
 def _thresholds(name: str, dtype: str, tolerances: dict, floor: noise.NoiseFloor) -> tuple[Tolerance, float | None]:
@@ -307,12 +228,12 @@ def compare_captures(
             continue
         step = split_draft(name)
         if skip_after is not None and step is not None and step[0] > skip_after:
-            diffs.append(TensorDiff(name, "tie", detail=f"not compared: {tie}"))
+            diffs.append(TensorDiff(name, TensorStatus.TIE, detail=f"not compared: {tie}"))
             continue
         if name not in other_names:
             allowed = any(fnmatchcase(name, p) for p in allow_missing or [])
             diffs.append(
-                TensorDiff(name, "allowed-missing" if allowed else "missing",
+                TensorDiff(name, TensorStatus.ALLOWED_MISSING if allowed else TensorStatus.MISSING,
                            detail="not captured by the engine" + (" (allowed by the case)" if allowed else ""),
                            excess=0.0 if allowed else math.inf)
             )  # fmt: skip
@@ -324,7 +245,7 @@ def compare_captures(
     cd = CaptureDiff(diffs, floor.source, tie)
     cd.router_ties = {k: int(v.sum()) for k, v in router_ties.items() if bool(v.any())}
     wiring, num_layers = (ref.meta.wiring.inputs if ref.meta.wiring else []), ref.meta.num_layers
-    judge_along_flow(cd, row_errors, wiring, num_layers, {f"target.h.{k + 1}": v for k, v in router_ties.items()}, dtype)
+    judge_along_flow(cd, row_errors, wiring, num_layers, {hidden_name(k + 1): v for k, v in router_ties.items()}, dtype)
     localise(cd, wiring, num_layers)
     return cd
 
@@ -382,19 +303,19 @@ def judge_along_flow(cd: CaptureDiff, row_errors: dict[str, torch.Tensor], wirin
             if mixing:  # attention reads every earlier position: an event at row j reaches rows >= j
                 rows = torch.cummax(rows.to(torch.int8), 0).values.bool() if rows.numel() else rows
             excused |= _aligned(rows, errs.numel())
-        above = errs > d.threshold if d.criterion == "noise" else torch.zeros_like(excused)
-        if d.criterion != "noise":
+        above = errs > d.threshold if d.by_noise else torch.zeros_like(excused)
+        if not d.by_noise:
             events[d.name] = excused & above
             continue
         j = noise.judge_rows(errs, d.threshold, excused, isolated_rule=d.name.startswith("draft."))
-        d.status = "mismatch" if j.diverges else "ok"
+        d.status = TensorStatus.MISMATCH if j.diverges else TensorStatus.OK
         d.worst_row = int(errs.argmax()) if j.diverges else -1
         # An excused row passes its excuse on where it really moved: above the threshold, or above the
         # dtype's rounding (SAFETY x unit roundoff) where the threshold took events into its floor.
         moved = errs > min(d.threshold, noise.SAFETY * noise.unit_roundoff(dtype))
         events[d.name] = (excused & moved) | (above if not j.diverges else torch.zeros_like(above))
-        if fc_chunk_index(d.name) is not None and "draft.fc_in" in events:  # fc reads the chunks together
-            events["draft.fc_in"] = events["draft.fc_in"] | _aligned(events[d.name], events["draft.fc_in"].numel())
+        if fc_chunk_index(d.name) is not None and FC_IN in events:  # fc reads the chunks together
+            events[FC_IN] = events[FC_IN] | _aligned(events[d.name], events[FC_IN].numel())
 
 
 def _tie_step(ref: Capture, other: Capture, floor: noise.NoiseFloor) -> tuple[int | None, str]:
@@ -405,7 +326,7 @@ def _tie_step(ref: Capture, other: Capture, floor: noise.NoiseFloor) -> tuple[in
     s = noise._diverged_step(a, b)
     if s is None:
         return None, ""
-    name = "draft.logits_target" if s == 0 else f"draft.step{s}.logits_target"
+    name = draft_name(s, "logits_target")
     if name not in ref.tensors:
         return None, ""
     row = ref.tensors[name].reshape(-1, ref.tensors[name].shape[-1])[-1:]
@@ -430,9 +351,9 @@ def localise(cd: CaptureDiff, wiring: list[str], num_layers: int | None) -> None
                 continue
             seen.add(i)
             d = by_name.get(i)
-            if d is None or d.status in ("missing", "allowed-missing"):
+            if d is None or d.status in (TensorStatus.MISSING, TensorStatus.ALLOWED_MISSING):
                 out += effective(i, seen)
-            elif d.status != "tie":
+            elif d.status != TensorStatus.TIE:
                 out.append(d)
         return out
 

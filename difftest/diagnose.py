@@ -20,8 +20,8 @@ import torch
 from difftest.layer_rules import declared_ids, default_layers
 from difftest.capture import Capture
 from difftest.chunk_match import MATCH_REL_DIFF, ChunkMatch, Similarity
-from difftest.names import split_draft
-from difftest.wiring import hidden_index, hidden_indices, short_name
+from difftest.names import FC_IN, FINAL_NORM, HIDDEN_PREFIX, hidden_index, split_draft
+from difftest.wiring import hidden_indices, short_name
 
 NORM_PREFIX = "rmsnorm("
 
@@ -34,7 +34,7 @@ def describe(name: str, num_layers: int | None = None) -> str:
         return f"{name} (the embedding)"
     if num_layers is not None and k == num_layers:
         return f"{name} (last layer, pre-norm)"
-    if name == "target.final_norm":
+    if name == FINAL_NORM:
         return f"{name} (last layer, post-norm)"
     return name
 
@@ -65,7 +65,7 @@ def token_similarity(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _candidates(ref: Capture) -> list[str]:
-    return [n for n in ref.names() if n.startswith("target.h.") or n == "target.final_norm"]
+    return [n for n in ref.names() if n.startswith(HIDDEN_PREFIX) or n == FINAL_NORM]
 
 
 def _tensor(ref: Capture, name: str) -> torch.Tensor:
@@ -89,9 +89,9 @@ def _score(chunk: torch.Tensor, ref: Capture, names: list[str]) -> dict[str, tup
 def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], Similarity | None]:
     """Match every H-wide chunk of the engine's fc_in; also the chunk x candidate cosine matrix (for plots)."""
     size = ref.fc_chunk_size
-    if "draft.fc_in" not in other.tensors or not size:
+    if FC_IN not in other.tensors or not size:
         return [], None
-    fc = other.tensors["draft.fc_in"]
+    fc = other.tensors[FC_IN]
     if fc.shape[-1] % size:
         return [], None
     expected = (ref.meta.wiring.inputs if ref.meta.wiring else [])
@@ -160,9 +160,9 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, dra
         notes.append("embedding dropped")
     if "target.h.0" in got and "target.h.0" not in want:
         notes.append("embedding fed but not trained on")
-    if "target.final_norm" in got and "target.final_norm" not in want:
+    if FINAL_NORM in got and FINAL_NORM not in want:
         notes.append("final layer taken post-norm")
-    if "target.final_norm" in want and "target.final_norm" not in got:
+    if FINAL_NORM in want and FINAL_NORM not in got:
         notes.append("final layer taken pre-norm")
     layered = any(n.startswith(("off-by-one", "every layer", "permuted")) for n in notes)
     if not layered and len(got) > 1 and None not in got and got[:-1] == want[1:]:
@@ -194,7 +194,7 @@ def _norms_differ(m: ChunkMatch) -> bool:
 def diagnose_fc(ref: Capture, other: Capture, draft_config: dict | None = None) -> list[str]:
     """Human-readable lines; empty when the fc inputs match the reference wiring. `draft_config`: the
     draft's config.json when known (see wiring_pattern)."""
-    ref_fc, other_fc = ref.tensors.get("draft.fc_in"), other.tensors.get("draft.fc_in")
+    ref_fc, other_fc = ref.tensors.get(FC_IN), other.tensors.get(FC_IN)
     L = ref.meta.num_layers
     s = ref.fc_chunk_size
     if ref_fc is not None and other_fc is not None and ref_fc.shape[-1] != other_fc.shape[-1] and s:
@@ -235,7 +235,7 @@ def diagnose_fc(ref: Capture, other: Capture, draft_config: dict | None = None) 
 
 def diagnose_hidden(ref: Capture, other: Capture, name: str) -> list[str]:
     """A diverging target hidden state: which reference tensor is it really?"""
-    if name not in other or not (name.startswith("target.h.") or name == "target.final_norm"):
+    if name not in other or not (name.startswith(HIDDEN_PREFIX) or name == FINAL_NORM):
         return []
     t = _rows(other.get(name))
     scores = _score(t, ref, _candidates(ref))

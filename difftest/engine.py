@@ -25,6 +25,7 @@ from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
 from difftest.errors import ConfigError
 from difftest.settings import Schema, suggest, unknown_key, validate
+from difftest.records.check_data import ReplayRow
 
 if TYPE_CHECKING:  # annotations only: difftest.case reads the engine registry (one direction)
     from difftest.case import Case
@@ -248,9 +249,9 @@ class Engine(ABC):
         raise NotImplementedError(f"{self.spec.id}: capture_draft_from (golden fc inputs) is not supported")
 
     def replay(self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int,
-               num_draft_tokens: int) -> list[dict]:  # fmt: skip
+               num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
         """Optional (live servers): per (prompt, output) pair, the acceptance this engine's draft predicts
-        on those tokens: {"stats": AcceptStats dict, "target_mismatches": int, "first_mismatch": int|None}."""
+        on those tokens and where its target would have chosen another token."""
         raise NotImplementedError(f"{self.spec.id}: replaying another engine's tokens is not supported")
 
     def close(self) -> None:  # noqa: B027 - a default: an engine that holds nothing has nothing to release

@@ -9,7 +9,7 @@ session for the extra capture and returns the lines and data the verdict adds.
 from __future__ import annotations
 
 from difftest.case import Case
-from difftest.compare import CaptureDiff, compare_captures
+from difftest.compare import CaptureDiff, compare_captures, noise_summary
 from difftest.diagnose import diagnose_draft
 from difftest.engine import EngineSpec
 from difftest.records.check_data import GoldenData
@@ -39,14 +39,14 @@ def golden_rerun(session: Session, case: Case, spec: EngineSpec, i: int, diff: C
             return [f"golden inputs (prompt {i}): on the reference's draft.fc_in, {spec.id}'s draft matches "
                     f"{ref_spec.id} on every draft tensor, as its own run does"], data  # fmt: skip
         return [f"golden inputs (prompt {i}): on the reference's draft.fc_in, {spec.id}'s draft diverges at "
-                f"{g_first.noise_summary()} although its own run is within noise"], data  # fmt: skip
+                f"{noise_summary(g_first)} although its own run is within noise"], data  # fmt: skip
     if g_first is None and not fc_ok:
         return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches {ref_spec.id} on every draft "
                 "tensor: the engine captured the wrong hidden states; its draft computes correctly"], data  # fmt: skip
     if g_first is None:
         return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches, yet its own run diverges with "
                 "matching fc inputs: nondeterminism, or a capture that is not what the draft consumed"], data  # fmt: skip
-    where = f"error introduced at {g_first.noise_summary()}"
+    where = f"error introduced at {noise_summary(g_first)}"
     lines = [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft still diverges, {where}: the engine's "
              "draft computes differently"]  # fmt: skip
     own = diff.first_introduced() or diff.first_divergence([d.name for d in diff.diffs if in_draft_scope(d.name)])

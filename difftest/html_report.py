@@ -22,7 +22,9 @@ from html import escape
 
 from difftest.records import AcceptLengthData, CheckResult, ComparisonData, PromptComparison, Report, ServerAcceptData
 from difftest.records.report import SCHEMA, SCHEMA_VERSION
-from difftest.report import INTERRUPTED, above_noise, fix_lines, fixes, focus, interesting, noise_floor_line, num, ties_lines, verdict_word
+from difftest.records.tensor_diff import TensorDiff, TensorStatus
+from difftest.report import (INTERRUPTED, above_noise, fix_lines, fixes, focus, interesting, noise_cells, noise_floor_line, num,
+                             ties_lines, verdict_word)  # fmt: skip
 
 OUTCOME_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#9a6700", "skipped": "#6e7781",
                    "xfailed": "#8250df"}  # xfailed: a declared expected failure, caught with its cause
@@ -93,14 +95,14 @@ def _pos(x) -> float | None:
     return x if 0 < x < math.inf else None
 
 
-def _tip(t: dict) -> str:
-    parts = [t["name"], verdict_word(t)]
-    if t.get("status") in ("ok", "mismatch"):
-        parts.append(f"err {num(t.get('err'))} (rows above {t.get('rows_above', 0)}/{t.get('rows', 0)}), floor "
-                     f"{num(t.get('noise_floor'))}, threshold {num(t.get('threshold'))}, excess {num(t.get('excess'))}x")  # fmt: skip
-    elif t.get("detail"):
-        parts.append(str(t["detail"]))
-    if t.get("introduced"):
+def _tip(t: TensorDiff) -> str:
+    parts = [t.name, verdict_word(t)]
+    if t.status.compared:
+        err, floor, threshold, excess = noise_cells(t)
+        parts.append(f"err {err} (rows above {t.rows_above}/{t.rows}), floor {floor}, threshold {threshold}, excess {excess}x")
+    elif t.detail:
+        parts.append(t.detail)
+    if t.introduced:
         parts.append("error introduced here")
     return escape(" · ".join(parts))
 
@@ -122,15 +124,15 @@ def _polyline(points: list[tuple[float, float] | None], colour: str, dash: str =
 
 def svg_noise(entry: PromptComparison, engine: str) -> str | None:
     """Every tensor of one prompt along the data flow: err (log scale) against floor and threshold."""
-    tensors = [t for t in entry.tensors if "name" in t]
-    if not tensors or not any("threshold" in t or "err" in t for t in tensors):
+    tensors = entry.tensors
+    if not tensors or not any(t.has_noise_numbers for t in tensors):
         return None  # a report from before the noise criterion
-    values = [v for t in tensors for v in (_pos(t.get("err")), _pos(t.get("noise_floor")), _pos(t.get("threshold"))) if v]
+    values = [v for t in tensors for v in (_pos(t.err), _pos(t.noise_floor), _pos(t.threshold)) if v]
     lo = math.floor(math.log10(min(values))) if values else -8
     hi = math.ceil(math.log10(max(values))) if values else 0
     hi = max(hi, lo + 1)
     n = len(tensors)
-    longest = max(len(t["name"]) for t in tensors)
+    longest = max(len(t.name) for t in tensors)
     left, right, top, height = 58, 16, 34, 230
     step = max(980 / n, 12.0)  # at least 980 wide (the legend), at least 12 per tensor (the names)
     width = left + right + step * n
@@ -143,7 +145,7 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
          f'role="img" aria-label="{escape(engine)}: error against the noise floor along the data flow">']  # fmt: skip
     # tie-skipped tensors: shaded columns
     for i, t in enumerate(tensors):
-        if t.get("status") == "tie":
+        if t.status == TensorStatus.TIE:
             s.append(f'<rect x="{X(i) - step / 2:.1f}" y="{top}" width="{step:.1f}" height="{height}" fill="{C_TIE}">'
                      f"<title>{_tip(t)}</title></rect>")  # fmt: skip
     # decades
@@ -156,22 +158,22 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
              'text-anchor="middle">row error ||engine - ref|| / ||ref||</text>')  # fmt: skip
 
     def series(key: str, keep=lambda t: True) -> list[tuple[float, float] | None]:
-        return [(X(i), Y(v)) if (v := _pos(t.get(key))) and keep(t) else None for i, t in enumerate(tensors)]
+        return [(X(i), Y(v)) if (v := _pos(getattr(t, key))) and keep(t) else None for i, t in enumerate(tensors)]
 
     # floor, threshold, the engine's error
     s.append(_polyline(series("noise_floor"), C_FLOOR, "4 3"))
     s.append(_polyline(series("threshold"), C_THRESH))
-    s.append(_polyline(series("err", lambda t: t.get("status") in ("ok", "mismatch")), "#54aeff"))
+    s.append(_polyline(series("err", lambda t: t.status.compared), "#54aeff"))
     for i, t in enumerate(tensors):
         x, tip = X(i), _tip(t)
-        status, err = t.get("status"), _pos(t.get("err"))
-        if status == "tie":
+        status, err = t.status, _pos(t.err)
+        if status == TensorStatus.TIE:
             continue
-        if status in ("missing", "shape") or (status == "mismatch" and err is None):
+        if status in (TensorStatus.MISSING, TensorStatus.SHAPE) or (status == TensorStatus.MISMATCH and err is None):
             s.append(f'<text x="{x:.1f}" y="{ceiling + 4:.1f}" font-size="13" text-anchor="middle" fill="{C_ABOVE}" '
                      f'class="err above">×<title>{tip}</title></text>')  # fmt: skip
             continue
-        if status == "allowed-missing":
+        if status == TensorStatus.ALLOWED_MISSING:
             continue
         if err is None:  # bit-identical (or zero error): on the bottom axis
             s.append(f'<circle cx="{x:.1f}" cy="{bottom:.1f}" r="3" fill="#fff" stroke="{C_ERR}" class="err identical">'
@@ -179,22 +181,22 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
             continue
         y = Y(err)
         colour, cls, r = (C_ABOVE, "err above", 4.5) if above_noise(t) else (C_ERR, "err within", 3.5)
-        if t.get("introduced"):
+        if t.introduced:
             s.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="9" fill="none" stroke="{C_ABOVE}" stroke-width="2" class="introduced"/>')
         s.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{colour}" class="{cls}"><title>{tip}</title></circle>')
     first = entry.first_divergence
-    if first and any(t["name"] == first for t in tensors):
-        i = next(i for i, t in enumerate(tensors) if t["name"] == first)
+    if first and any(t.name == first for t in tensors):
+        i = next(i for i, t in enumerate(tensors) if t.name == first)
         anchor, dx = ("start", 5) if i < n / 2 else ("end", -5)
         s.append(f'<line x1="{X(i):.1f}" x2="{X(i):.1f}" y1="{top}" y2="{bottom}" stroke="{C_ABOVE}" stroke-width="1" '
                  f'stroke-dasharray="2 2" class="introduced-marker"/><text x="{X(i) + dx:.1f}" y="{top + 12}" font-size="11" '
                  f'font-weight="600" fill="{C_ABOVE}" text-anchor="{anchor}">error introduced: {escape(first)}</text>')  # fmt: skip
     # tensor names
     for i, t in enumerate(tensors):
-        colour = C_ABOVE if above_noise(t) else ("#8c959f" if t.get("status") == "tie" else "#1f2328")
-        weight = ' font-weight="700"' if t.get("introduced") else ""
+        colour = C_ABOVE if above_noise(t) else ("#8c959f" if t.status == TensorStatus.TIE else "#1f2328")
+        weight = ' font-weight="700"' if t.introduced else ""
         s.append(f'<text x="{X(i) + 3:.1f}" y="{bottom + 10:.1f}" font-size="9" fill="{colour}"{weight} text-anchor="end" '
-                 f'transform="rotate(-60 {X(i) + 3:.1f} {bottom + 10:.1f})">{escape(t["name"])}</text>')  # fmt: skip
+                 f'transform="rotate(-60 {X(i) + 3:.1f} {bottom + 10:.1f})">{escape(t.name)}</text>')  # fmt: skip
     # legend
     items = [(f'<circle cx="6" cy="-3" r="3.5" fill="{C_ERR}"/>', "err (within noise)"),
              (f'<circle cx="6" cy="-3" r="4.5" fill="{C_ABOVE}"/>', "above noise"),
@@ -215,13 +217,13 @@ def noise_section(report: Report) -> list[str]:
     """The noise floor's source line, then per engine the SVG, the compact table and the ties."""
     h = ["<h2 id='noise'>Error against the noise floor</h2>",
          f"<p class='noise-source' id='noise-source'>{escape(noise_floor_line(report))}</p>"]  # fmt: skip
-    nf = report.noise_floor or {}
-    if nf.get("tensors"):
+    nf = report.noise_floor
+    if nf is not None and nf.tensors:
         h.append("<details><summary>measured floor per tensor</summary><table><tr><th>tensor</th><th>floor</th>"
                  "<th>max</th><th>rows</th><th>threshold</th></tr>")  # fmt: skip
-        for name, f in nf["tensors"].items():
-            h.append(f"<tr><td><code>{escape(str(name))}</code></td><td>{num(f.get('floor'))}</td><td>{num(f.get('max'))}</td>"
-                     f"<td>{escape(str(f.get('rows')))}</td><td>{num(f.get('threshold'))}</td></tr>")  # fmt: skip
+        for name, f in nf.tensors.items():
+            h.append(f"<tr><td><code>{escape(name)}</code></td><td>{num(f.floor)}</td><td>{num(f.max)}</td>"
+                     f"<td>{escape(str(f.rows))}</td><td>{num(f.threshold)}</td></tr>")  # fmt: skip
         h.append("</table></details>")
     comparisons = report.comparisons
     if not comparisons:
@@ -248,9 +250,10 @@ def noise_section(report: Report) -> list[str]:
                      "<th>verdict</th><th>introduced</th></tr>")  # fmt: skip
             for t in rows:
                 cls = " class='above'" if above_noise(t) else ""
-                h.append(f"<tr{cls}><td><code>{escape(t['name'])}</code></td><td>{num(t.get('err'))}</td>"
-                         f"<td>{num(t.get('noise_floor'))}</td><td>{num(t.get('threshold'))}</td><td>{num(t.get('excess'))}x</td>"
-                         f"<td>{escape(verdict_word(t))}</td><td>{'◀ introduced' if t.get('introduced') else ''}</td></tr>")  # fmt: skip
+                err, floor, threshold, excess = noise_cells(t)
+                h.append(f"<tr{cls}><td><code>{escape(t.name)}</code></td><td>{err}</td><td>{floor}</td><td>{threshold}</td>"
+                         f"<td>{excess}x</td><td>{escape(verdict_word(t))}</td>"
+                         f"<td>{'◀ introduced' if t.introduced else ''}</td></tr>")  # fmt: skip
             h.append("</table>")
             if left:
                 h.append(f"<p>{left} more tensors above noise are in the plot and the JSON.</p>")
@@ -271,16 +274,16 @@ def plot_dataflow(report: Report) -> str | None:
     names: list[str] = []
     for c in runs.values():
         for t in c.tensors:
-            if t["name"] not in names:
-                names.append(t["name"])
+            if t.name not in names:
+                names.append(t.name)
     x = {n: i for i, n in enumerate(names)}
     for e, c in runs.items():
-        tensors = [t for t in c.tensors if t.get("numel")]
-        xs = [x[t["name"]] for t in tensors]
-        ax1.plot(xs, [_finite(t["max_abs"]) or 1e-12 for t in tensors], marker="o", label=e)
-        ax2.plot(xs, [_finite(1 - t["cosine"]) or 1e-12 for t in tensors], marker="o", label=e)
-        bad = [t for t in tensors if t["status"] == "mismatch"]
-        ax1.scatter([x[t["name"]] for t in bad], [_finite(t["max_abs"]) or 1e-12 for t in bad], s=90, facecolors="none", edgecolors="red")
+        tensors = [t for t in c.tensors if t.numel]
+        xs = [x[t.name] for t in tensors]
+        ax1.plot(xs, [_finite(t.max_abs) or 1e-12 for t in tensors], marker="o", label=e)
+        ax2.plot(xs, [_finite(1 - t.cosine) or 1e-12 for t in tensors], marker="o", label=e)
+        bad = [t for t in tensors if t.status == TensorStatus.MISMATCH]
+        ax1.scatter([x[t.name] for t in bad], [_finite(t.max_abs) or 1e-12 for t in bad], s=90, facecolors="none", edgecolors="red")
     ax1.set_yscale("log"), ax2.set_yscale("log")
     ax1.set_ylabel("max |diff|"), ax2.set_ylabel("1 - cos")
     ax2.set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=7)
@@ -300,15 +303,15 @@ def plot_tokens(report: Report) -> str | None:
         name = c.first_divergence if c is not None else None
         if c is None or not name:
             continue
-        t = next((t for t in c.tensors if t["name"] == name), None)
-        if t and (t.get("row_err") or t.get("row_max_abs")):
+        t = next((t for t in c.tensors if t.name == name), None)
+        if t and (t.row_err or t.row_max_abs):
             series.append((e, name, c.prompt, t))
     if not series:
         return None
-    noise_units = all(t.get("row_err") and _pos(t.get("threshold")) for _, _, _, t in series)
+    noise_units = all(t.row_err and _pos(t.threshold) for _, _, _, t in series)
     fig, ax = plt.subplots(figsize=(11, 3.2))
     for e, name, prompt, t in series:
-        ys = [v / t["threshold"] for v in t["row_err"]] if noise_units else t["row_max_abs"]
+        ys = [v / t.threshold for v in t.row_err] if noise_units else t.row_max_abs
         ax.plot([_finite(v) or 1e-12 for v in ys], marker=".", label=f"{e}: {name} (prompt {prompt})")
     if noise_units:
         ax.axhline(1.0, color=C_THRESH, linewidth=1, label="noise threshold")

@@ -40,15 +40,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from difftest.errors import ConfigError
-from difftest.wiring import FINAL_NORM, PRESETS, READING_PRESETS, hidden_index, hidden_name, short_name
+from difftest.names import FINAL_NORM, TARGET_LOGITS, hidden_index, hidden_name
+from difftest.records.wiring_inference import Z_DECIDE, Reading, SlotContrast, WiringInference
+from difftest.wiring import PRESETS, READING_PRESETS, short_name
 
-Z_DECIDE = 3.0  # standard errors a contrast must reach to count (see the module docstring)
 Z_WIDEN = 2.0  # alternatives within this many standard errors of the chosen one are "close"
 WIDEN_TOP = 3  # at most this many close alternatives per slot enter the pairwise search
 MAX_CLIMBS = 3  # starts climbed from (the best and those not significantly worse)
@@ -89,14 +90,6 @@ def paired_t(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     sd = float(d.std())
     return 0.0 if sd == 0 else float(d.mean()) / (sd / math.sqrt(d.numel()))
-
-
-def _num(x: float | None) -> str:
-    return "not in the evidence" if x is None else f"{x:.2f}"
-
-
-def short(w: Sequence[str]) -> str:
-    return "[" + ", ".join(short_name(n) for n in w) + "]"
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,8 +227,8 @@ def evidence_from_captures(captures: Sequence, source: str) -> Evidence:
         bad = [n for n, v in t.items() if v.dim() != 2 or v.shape[0] != len(ids)]
         if bad:
             raise ConfigError(f"infer wiring: {source} prompt {i}: {bad[0]} has shape {list(t[bad[0]].shape)}, expected [{len(ids)}, H]")
-        if "target.logits" in cap.tensors:
-            lab = cap.tensors["target.logits"].float().argmax(-1)
+        if TARGET_LOGITS in cap.tensors:
+            lab = cap.tensors[TARGET_LOGITS].float().argmax(-1)
         else:
             label_source = "the sequences' next tokens (no target.logits in the capture)"
             lab = torch.tensor(ids[1:] + [-1])
@@ -349,85 +342,6 @@ def starts_for(ids: list[int] | None, num_layers: int, num_slots: int, family: s
 # ---------------------------------------------------------------------------------------
 # The result
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class SlotContrast:
-    slot: int
-    chosen: str
-    alternative: str  # the best other tensor for this slot, others fixed
-    alternative_agreement: float
-    drop: float  # agreement(best) - agreement(alternative)
-    z: float  # McNemar z of the agreement drop
-    z_logp: float  # paired z of the drop in the log-probability of the target's token
-
-    @property
-    def decided_by(self) -> str | None:
-        if self.z >= Z_DECIDE:
-            return "agreement"
-        return "log-probability" if self.z_logp >= Z_DECIDE else None
-
-
-@dataclass
-class Reading:
-    engine: str
-    wiring: list[str] | None  # None: that engine cannot serve these ids
-    agreement: float | None
-
-
-@dataclass
-class WiringInference:
-    decided: bool
-    wiring: list[str]  # the best wiring found (trusted only when decided)
-    agreement: float
-    runner_up: list[str] | None
-    runner_up_agreement: float | None
-    margin: float | None
-    margin_z: float | None
-    readings: list[Reading]
-    slots: list[SlotContrast]
-    shuffled_agreement: float
-    shuffled_z: float
-    positions: int
-    forwards: int
-    grid_size: int  # what the full grid would have cost
-    source: str
-    label_source: str
-    reasons: list[str] = field(default_factory=list)  # why it cannot tell (empty when decided)
-
-    def short(self) -> str:
-        return short(self.wiring)
-
-    def headline(self) -> str:
-        readings = "; ".join(
-            f"the config reads as {short(r.wiring)} in {r.engine} ({_num(r.agreement)})" if r.wiring
-            else f"{r.engine} cannot serve the config's ids"
-            for r in self.readings
-        )  # fmt: skip
-        if self.decided:
-            head = f"trained on {self.short()} (agreement {self.agreement:.2f})"
-            if self.runner_up is not None:
-                head += f"; runner-up {short(self.runner_up)} ({self.runner_up_agreement:.2f}, margin {self.margin:.2f}, z {self.margin_z:.1f})"
-        else:
-            head = f"cannot tell what the draft was trained on: {self.reasons[0]}"
-            head += f" (best found {self.short()}, agreement {self.agreement:.2f})"
-        return head + (f"; {readings}" if readings else "")
-
-    def lines(self) -> list[str]:
-        out = [self.headline()]
-        for s in self.slots:
-            how = f"; pinned by {s.decided_by}" if s.decided_by else "; not pinned"
-            out.append(f"slot {s.slot}: {short_name(s.chosen)}; moved alone to {short_name(s.alternative)} agreement "
-                       f"drops {s.drop:+.3f} to {s.alternative_agreement:.3f} (z {s.z:.1f}; log-probability z "
-                       f"{s.z_logp:.1f}){how}")  # fmt: skip
-        out.append(f"features from unrelated positions: agreement {self.shuffled_agreement:.3f} (z {self.shuffled_z:.1f})")
-        out += [f"cannot tell: {r}" for r in self.reasons[1:]]
-        out.append(f"evidence: {self.source}; labels: {self.label_source}; {self.positions} positions; "
-                   f"{self.forwards} draft forwards (full grid: {self.grid_size}); decided at z >= {Z_DECIDE:g}")  # fmt: skip
-        return out
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def infer(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Sequence
+from difftest.names import hidden_name
 
 TOP = "top level"
 EAGLE_CONFIG = "eagle_config"
@@ -217,7 +218,7 @@ class Reading:
         return "fed"
 
     def fed_names(self) -> list[str]:
-        return [f"target.h.{k}" for k in self.fed]
+        return [hidden_name(k) for k in self.fed]
 
     def explain(self) -> str:
         """E.g. "SGLang 0.5.23 (Llama rule: ...) turns [4, 2, 0] into [h1, h3, h5]"."""

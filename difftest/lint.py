@@ -61,6 +61,7 @@ from difftest.lint_checkpoint import (
     weight_findings,
 )
 from difftest.weight_files import open_safetensors
+from difftest.names import DRAFT_LOGITS_TARGET, hidden_name
 
 __all__ = ["Finding", "lint_case", "lint_draft", "trained_wiring"]
 
@@ -96,7 +97,7 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
     ids_top = raw.get("eagle_aux_hidden_state_layer_ids")
     ids_ec = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     ids = ids_ec or ids_top
-    defaults = [f"target.h.{k}" for k in default_layers(L)]
+    defaults = [hidden_name(k) for k in default_layers(L)]
     if ids is None:
         same = trained_on is not None and list(trained_on) == defaults
         # the fallback can be narrower than fc (L//2 == L-3 on small targets: de-duplicated to two layers)
@@ -253,7 +254,7 @@ def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
             + (": draft ids map to the first target ids (vLLM and SGLang read draft id i as target id i)"
                if not has_d2t else ""),
             engines=SERVING if not has_d2t else (),
-            tensor="draft.logits_target" if not has_d2t else None)]  # fmt: skip
+            tensor=DRAFT_LOGITS_TARGET if not has_d2t else None)]  # fmt: skip
     out = []
     d2t, t2d = _load(meta, "d2t").long(), _load(meta, "t2d").bool()
     convention = d2t_convention_findings(d2t, t2d, V)

@@ -24,6 +24,7 @@ from difftest.draft_rules import (
 )
 from difftest.finding import Finding
 from difftest.weight_files import open_safetensors
+from difftest.names import DRAFT_LOGITS, DRAFT_LOGITS_TARGET, EMBEDS
 
 # The tensors of a Llama-style EAGLE-3 decoder layer (HF: `midlayer.`, speculators: `layers.0.`).
 _LAYER_TENSORS = (
@@ -127,7 +128,7 @@ def weight_findings(meta: dict, raw: dict, layer: dict, draft_vocab: int, V: int
         out.append(Finding("lm-head-missing", "error",
             f"no lm_head.weight in the draft checkpoint (draft vocab {draft_vocab}, tie_word_embeddings false): "
             f"{readings}. The draft's logits are not the ones it trained: save the draft's head",
-            engines=SERVING, tensor="draft.logits"))  # fmt: skip
+            engines=SERVING, tensor=DRAFT_LOGITS))  # fmt: skip
     if missing:
         out.append(Finding("draft-weights", "error",
             f"missing draft tensors {missing}: engines keep their random initialisation for them without a warning",
@@ -188,7 +189,7 @@ def embedding_findings(meta: dict, target_dir: Path) -> list[Finding]:
         f"the draft ships its own embed_tokens.weight, different from the target's (first {_EMBED_ROWS} rows): "
         f"{readings}. The engines' drafts differ from draft.embeds on. Fix: train on the "
         "target's embedding, or serve with an engine that keeps the draft's",
-        engines=tuple(r.engine for r in swapping), tensor="draft.embeds")]  # fmt: skip
+        engines=tuple(r.engine for r in swapping), tensor=EMBEDS)]  # fmt: skip
 
 
 def _rope(section: dict) -> tuple[float | None, dict | None, str]:
@@ -258,4 +259,4 @@ def _absolute(d2t) -> Finding:
         f"d2t holds absolute target ids (d2t[:4] = {d2t[:4].tolist()}), not offsets: vLLM and SGLang compute target id = "
         "draft id + d2t[draft id], so every drafted token maps to the wrong target token (draft.logits_target). "
         "Fix: store d2t - arange(draft_vocab)",
-        engines=SERVING, tensor="draft.logits_target")  # fmt: skip
+        engines=SERVING, tensor=DRAFT_LOGITS_TARGET)  # fmt: skip

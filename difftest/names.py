@@ -24,6 +24,46 @@ from __future__ import annotations
 import fnmatch
 import re
 
+# The canonical names code refers to by name (the rest are built from DRAFT_ORDER and indices).
+TARGET_PREFIX = "target."
+DRAFT_PREFIX = "draft."
+HIDDEN_PREFIX = "target.h."  # + k
+FINAL_NORM = "target.final_norm"
+TARGET_LOGITS = "target.logits"
+EMBEDS = "draft.embeds"
+FC_IN = "draft.fc_in"
+FC_CHUNK_PREFIX = "draft.fc_in."  # + j
+FC_OUT = "draft.fc_out"
+DRAFT_LOGITS = "draft.logits"
+DRAFT_LOGITS_TARGET = "draft.logits_target"
+
+
+def hidden_name(k: int) -> str:
+    """target.h.{k}: the residual stream entering target layer k."""
+    return f"{HIDDEN_PREFIX}{k}"
+
+
+def hidden_index(name: str) -> int | None:
+    """k of `target.h.{k}`; None for any other name."""
+    m = _HIDDEN.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def short_name(name: str) -> str:
+    """target.h.{k} as h{k}, other target names without `target.` (the wiring as reports write it)."""
+    k = hidden_index(name)
+    return f"h{k}" if k is not None else name.removeprefix(TARGET_PREFIX)
+
+
+def fc_chunk_name(j: int) -> str:
+    return f"{FC_CHUNK_PREFIX}{j}"
+
+
+def in_fc_in(name: str) -> bool:
+    """draft.fc_in or one of its chunks."""
+    return name == FC_IN or name.startswith(FC_CHUNK_PREFIX)
+
+
 DRAFT_ORDER = [
     "embeds",
     "fc_in",
@@ -36,6 +76,7 @@ DRAFT_ORDER = [
     "logits_target",
 ]
 
+_HIDDEN = re.compile(r"target\.h\.(\d+)")
 _STEP = re.compile(r"draft\.step(\d+)\.(.+)")
 _CHUNK = re.compile(r"draft\.fc_in\.(\d+)")
 

@@ -63,11 +63,13 @@ falls back to UNMEASURED_REL[dtype]; every verdict then says so.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from difftest import rowstats
+from difftest.records.noise_floor import NoiseFloorRecord, TensorFloor
+from difftest.names import in_fc_in
 
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 SAFETY = 10.0
@@ -128,15 +130,6 @@ def _rel_err(num: torch.Tensor, den: torch.Tensor, bad: torch.Tensor) -> torch.T
 
 
 @dataclass
-class TensorFloor:
-    name: str
-    floor: float  # FLOOR_QUANTILE of the reference's own per-row error against float64
-    max: float  # the largest such row error
-    rows: int  # rows measured
-    threshold: float  # SAFETY * max(floor, unit roundoff)
-
-
-@dataclass
 class NoiseFloor:
     dtype: str
     measured: bool
@@ -169,12 +162,14 @@ class NoiseFloor:
         f = self.tensors.get(name)
         return f.floor if f else self.threshold(name) / SAFETY
 
+    def record(self) -> NoiseFloorRecord:
+        """The floor as the report keeps it, with the settings it was judged with."""
+        return NoiseFloorRecord(self.dtype, self.measured, self.source, list(self.excluded), dict(self.router_noise),
+                                dict(self.tensors), {"safety": SAFETY, "floor_quantile": FLOOR_QUANTILE, "row_quorum": ROW_QUORUM,
+                                                     "isolated_factor": ISOLATED_FACTOR, "jump": JUMP, "tie_factor": TIE_FACTOR})  # fmt: skip
+
     def to_dict(self) -> dict:
-        return {"dtype": self.dtype, "measured": self.measured, "source": self.source, "excluded": self.excluded,
-                "router_noise": self.router_noise,
-                "tensors": {n: asdict(f) for n, f in self.tensors.items()},
-                "constants": {"safety": SAFETY, "floor_quantile": FLOOR_QUANTILE, "row_quorum": ROW_QUORUM,
-                              "isolated_factor": ISOLATED_FACTOR, "jump": JUMP, "tie_factor": TIE_FACTOR}}  # fmt: skip
+        return self.record().to_dict()
 
     @classmethod
     def from_dict(cls, d: dict) -> "NoiseFloor":
@@ -310,7 +305,7 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] 
         errs, all_errs = torch.cat(parts), torch.cat(every[name])
         if errs.numel() < min(MIN_FLOOR_ROWS, all_errs.numel()):  # (nearly) every row after a router tie
             # the draft's own rounding where it was measured, else every row (events included)
-            errs = own_rows.get(name, all_errs) if name != "draft.fc_in" and not name.startswith("draft.fc_in.") else all_errs
+            errs = own_rows.get(name, all_errs) if not in_fc_in(name) else all_errs
         elif name in own_rows:  # at least the draft's own rounding
             errs = torch.cat([errs, own_rows[name]])
         floor = _quantile(errs, FLOOR_QUANTILE)

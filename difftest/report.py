@@ -10,7 +10,6 @@ against that floor (the compact table below, and an SVG plot in the HTML).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import platform
 import shlex
@@ -26,7 +25,11 @@ from difftest.errors import DifftestError
 from difftest.extensions import contributed_definitions, own_items
 from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
 from difftest.records.check_data import AcceptLengthData, ServerAcceptData
+from difftest.records.noise_floor import NoiseFloorRecord
 from difftest.records.report import FigureDefinition
+from difftest.records.tensor_diff import TensorDiff, TensorStatus
+from difftest.records.wiring_inference import WiringInference
+from difftest.names import short_name
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
 
@@ -92,10 +95,9 @@ def markdown_definitions(report: Report) -> list[str]:
     return lines + [""]
 
 
-def _inference(case, session) -> dict | None:
+def _inference(case, session) -> WiringInference | None:
     """`wiring: infer`: the inference behind the run's wiring (difftest.infer_case); None for other cases."""
-    found = getattr(session, "inference", lambda _case: None)(case)  # session-like objects may not infer
-    return found.to_dict() if found is not None else None
+    return getattr(session, "inference", lambda _case: None)(case)  # session-like objects may not infer
 
 
 def _name(d) -> str | None:
@@ -114,19 +116,19 @@ def prompt_entry(i: int, cd) -> PromptComparison:
         first_above_noise=_name(above),
         first_differs=_name(cd.first_differs()),
         tie=cd.tie,
-        tensors=[dataclasses.asdict(d) for d in cd.diffs],
+        tensors=list(cd.diffs),
     )
 
 
-def noise_floor(case, session) -> dict:
-    """The case's noise floor (difftest.noise.NoiseFloor.to_dict()); memoised by the session once
+def noise_floor(case, session) -> NoiseFloorRecord:
+    """The case's noise floor (difftest.noise.NoiseFloor.record()); memoised by the session once
     any engine was compared. Should computing it fail, the report says why instead of failing."""
     try:
-        return session.noise_floor(case).to_dict()
+        return session.noise_floor(case).record()
     except Exception as e:  # noqa: BLE001 - the report must still be written
         error = f"{type(e).__name__}: {e}"
-        return {"dtype": getattr(case, "dtype", None), "measured": False, "excluded": [], "tensors": {},
-                "source": f"could not be computed ({error.splitlines()[0]})", "error": error}  # fmt: skip
+        return NoiseFloorRecord(getattr(case, "dtype", None), False, f"could not be computed ({error.splitlines()[0]})",
+                                error=error)  # fmt: skip
 
 
 def _read_text(path: str) -> str:
@@ -200,18 +202,27 @@ def num(x) -> str:
     return "inf" if x == float("inf") else f"{x:.3g}"
 
 
-def above_noise(t: dict) -> bool:
-    return t.get("status") in ("mismatch", "missing", "shape")
+def noise_cells(t: TensorDiff) -> tuple[str, str, str, str]:
+    """err, floor, threshold and excess as the tables show them; "-" for a row without them."""
+    if not t.has_noise_numbers:
+        return "-", "-", "-", "-"
+    return num(t.err), num(t.noise_floor), num(t.threshold), num(t.excess)
 
 
-def verdict_word(t: dict) -> str:
+def above_noise(t: TensorDiff) -> bool:
+    return t.status.above_noise
+
+
+def verdict_word(t: TensorDiff) -> str:
     """A tensor's verdict in words: above noise / within noise / identical / tie / missing / shape."""
-    status = t.get("status")
-    if status == "mismatch":
-        return "above noise" if str(t.get("criterion", "noise")) == "noise" else "outside tolerance"
-    if status == "ok":
-        return "within noise" if t.get("differs", t.get("max_abs", 0) != 0) else "identical"
-    return {"tie": "tie (not compared)", "allowed-missing": "missing (allowed)"}.get(str(status), str(status))
+    if t.status == TensorStatus.MISMATCH:  # a row from before the noise criterion was judged... above noise
+        return "outside tolerance" if t.has_noise_numbers and not t.by_noise else "above noise"
+    if t.status == TensorStatus.OK:
+        return "within noise" if t.differs else "identical"
+    return _VERDICT_WORDS.get(t.status, t.status.value)
+
+
+_VERDICT_WORDS = {TensorStatus.TIE: "tie (not compared)", TensorStatus.ALLOWED_MISSING: "missing (allowed)"}
 
 
 def focus(entries: list[PromptComparison]) -> PromptComparison | None:
@@ -224,23 +235,22 @@ def focus(entries: list[PromptComparison]) -> PromptComparison | None:
         return first
 
     def moved(p: PromptComparison) -> float:
-        return max((float(t.get("excess") or 0.0) for t in p.tensors if t.get("status") == "ok"), default=0.0)
+        return max((t.excess for t in p.tensors if t.status == TensorStatus.OK), default=0.0)
 
     return max(entries, key=moved)
 
 
-def interesting(entry: PromptComparison, top: int = TOP_MOVERS, cap: int = MAX_ROWS) -> tuple[list[dict], int]:
+def interesting(entry: PromptComparison, top: int = TOP_MOVERS, cap: int = MAX_ROWS) -> tuple[list[TensorDiff], int]:
     """(rows of the compact table in data-flow order, how many tensors above noise were left out):
     the tensors above noise (the introduced ones first, then by excess) up to `cap`, or, when none is,
     the `top` movers by excess."""
     tensors = entry.tensors
     above = [t for t in tensors if above_noise(t)]
     if above:
-        ranked = sorted(above, key=lambda t: (not t.get("introduced"), -float(t.get("excess") or 0.0)))
-        keep = {id(t) for t in ranked[:max(cap, sum(1 for t in above if t.get("introduced")))]}
+        ranked = sorted(above, key=lambda t: (not t.introduced, -t.excess))
+        keep = {id(t) for t in ranked[:max(cap, sum(1 for t in above if t.introduced))]}
         return [t for t in tensors if id(t) in keep], len(above) - len(keep)
-    movers = sorted((t for t in tensors if t.get("status") == "ok" and float(t.get("excess") or 0.0) > 0),
-                    key=lambda t: -float(t["excess"]))[:top]  # fmt: skip
+    movers = sorted((t for t in tensors if t.status == TensorStatus.OK and t.excess > 0), key=lambda t: -t.excess)[:top]
     keep = {id(t) for t in movers}
     return [t for t in tensors if id(t) in keep], 0
 
@@ -251,7 +261,7 @@ def ties(report: Report, engine: str) -> dict:
     top1 = next((c.data for c in report.results(engine, "top1_agreement") if isinstance(c.data, Top1Data)), None)
     prompts = report.comparisons.get(engine) or []
     return {"top1_ties": top1.ties if top1 else None, "top1_ties_agree": top1.ties_agree if top1 else None,
-            "skipped": [{"prompt": p.prompt, "tie": p.tie, "tensors": sum(1 for t in p.tensors if t.get("status") == "tie")}
+            "skipped": [{"prompt": p.prompt, "tie": p.tie, "tensors": sum(1 for t in p.tensors if t.status == TensorStatus.TIE)}
                         for p in prompts if p.tie]}  # fmt: skip
 
 
@@ -267,12 +277,12 @@ def ties_lines(report: Report, engine: str) -> list[str]:
 
 def noise_floor_line(report: Report) -> str:
     nf = report.noise_floor
-    if not nf:
+    if nf is None:
         return "noise floor: not in this report (no engine was compared)"
-    measured = "measured" if nf.get("measured") else "NOT measured"
-    line = f"noise floor ({measured}, {nf.get('dtype')}): {nf.get('source')}"
-    if nf.get("excluded"):
-        line += "; excluded: " + "; ".join(map(str, nf["excluded"]))
+    measured = "measured" if nf.measured else "NOT measured"
+    line = f"noise floor ({measured}, {nf.dtype}): {nf.source}"
+    if nf.excluded:
+        line += "; excluded: " + "; ".join(nf.excluded)
     return line
 
 
@@ -296,15 +306,15 @@ def markdown_noise(report: Report) -> list[str]:
             lines += [head, "", f"first above noise `{entry.first_above_noise}`; first that differs at all "
                                 f"`{entry.first_differs}`", ""]  # fmt: skip
         else:
-            differs = entry.first_differs or next((t["name"] for t in entry.tensors if t.get("differs")), None)
+            differs = entry.first_differs or next((t.name for t in entry.tensors if t.differs), None)
             lines += [head + ("every tensor within noise" if differs else "every compared tensor bit-identical"), ""]
         rows, left = interesting(entry)
         if rows:
             lines += ["| tensor | err | floor | threshold | excess | verdict | introduced |", "|---|---|---|---|---|---|---|"]
             for t in rows:
-                mark = "**<- introduced**" if t.get("introduced") else ""
-                lines.append(f"| `{t['name']}` | {num(t.get('err'))} | {num(t.get('noise_floor'))} | {num(t.get('threshold'))} "
-                             f"| {num(t.get('excess'))}x | {verdict_word(t)} | {mark} |")  # fmt: skip
+                mark = "**<- introduced**" if t.introduced else ""
+                err, floor, threshold, excess = noise_cells(t)
+                lines.append(f"| `{t.name}` | {err} | {floor} | {threshold} | {excess}x | {verdict_word(t)} | {mark} |")
             if left:
                 lines.append(f"\n{left} more tensors above noise not shown (see the HTML or JSON report).")
             lines.append("")
@@ -314,27 +324,26 @@ def markdown_noise(report: Report) -> list[str]:
     return lines
 
 
-def markdown_inference(inf: dict) -> list[str]:
+def markdown_inference(inf: WiringInference) -> list[str]:
     """`wiring: infer`: what the run's wiring was inferred as, and how firmly."""
-    from difftest.wiring import short_name
 
     def w(names) -> str:
         return "[" + ", ".join(short_name(n) for n in names) + "]" if names else "-"
 
     lines = ["## Wiring inferred (`wiring: infer`)", "",
-             f"trained on **{w(inf['wiring'])}**, step-0 agreement {inf['agreement']:.3f}; evidence: {inf['source']}, "
-             f"{inf['positions']} positions, {inf['forwards']} draft forwards (full grid {inf['grid_size']})"]  # fmt: skip
-    if inf.get("runner_up"):
-        lines.append(f"runner-up {w(inf['runner_up'])} ({inf['runner_up_agreement']:.3f}): margin {inf['margin']:.3f} "
-                     f"(z {inf['margin_z']:.1f})")  # fmt: skip
+             f"trained on **{w(inf.wiring)}**, step-0 agreement {inf.agreement:.3f}; evidence: {inf.source}, "
+             f"{inf.positions} positions, {inf.forwards} draft forwards (full grid {inf.grid_size})"]  # fmt: skip
+    if inf.runner_up:
+        lines.append(f"runner-up {w(inf.runner_up)} ({inf.runner_up_agreement:.3f}): margin {inf.margin:.3f} "
+                     f"(z {inf.margin_z:.1f})")  # fmt: skip
     lines += ["", "| slot | inferred | best alternative | agreement drop | z (agreement) | z (log-prob) |", "|---|---|---|---|---|---|"]
-    for s in inf["slots"]:
-        lines.append(f"| {s['slot']} | {short_name(s['chosen'])} | {short_name(s['alternative'])} | {s['drop']:.3f} | "
-                     f"{s['z']:.1f} | {s['z_logp']:.1f} |")  # fmt: skip
+    for s in inf.slots:
+        lines.append(f"| {s.slot} | {short_name(s.chosen)} | {short_name(s.alternative)} | {s.drop:.3f} | "
+                     f"{s.z:.1f} | {s.z_logp:.1f} |")  # fmt: skip
     lines += ["", "| engine | reads the config as | agreement |", "|---|---|---|"]
-    for r in inf["readings"]:
-        agreement = "-" if r["agreement"] is None else f"{r['agreement']:.3f}"
-        lines.append(f"| {r['engine']} | {w(r['wiring']) if r['wiring'] else 'cannot serve these ids'} | {agreement} |")
+    for r in inf.readings:
+        agreement = "-" if r.agreement is None else f"{r.agreement:.3f}"
+        lines.append(f"| {r.engine} | {w(r.wiring) if r.wiring else 'cannot serve these ids'} | {agreement} |")
     return lines + [""]
 
 

@@ -3,11 +3,11 @@ or what the draft computes after them."""
 
 from __future__ import annotations
 
-from difftest.names import split_draft
+from difftest.names import TARGET_PREFIX, in_fc_in, split_draft
 
 
 def in_fc_scope(name: str) -> bool:
-    return name.startswith("target.") or name.startswith("draft.fc_in")
+    return name.startswith(TARGET_PREFIX) or in_fc_in(name)
 
 
 def in_draft_scope(name: str) -> bool:

@@ -35,6 +35,8 @@ from difftest.records.fields import decode_value
 from difftest.records.timings import Timings, WorkerPhase
 from difftest.timings import PhaseClock, case_of
 from difftest.worker import WorkerClient
+from difftest.names import FC_IN
+from difftest.records.check_data import ReplayRow
 
 if TYPE_CHECKING:  # annotations only: difftest.baseline builds on the session
     from difftest.baseline import BaselineSource
@@ -382,7 +384,7 @@ class Session:
     def _capture_golden(self, case: Case, spec: EngineSpec, index: int, source: EngineSpec,
                         source_case: Case) -> Capture | None:  # fmt: skip
         ref = self.capture(source_case, source, index)
-        if "draft.fc_in" not in ref.tensors:
+        if FC_IN not in ref.tensors:
             return None
         client = self.client(spec)
         ids = self.prompt_ids(case)[index]
@@ -397,7 +399,7 @@ class Session:
             fc_file.parent.mkdir(parents=True, exist_ok=True)
             try:
                 with self.clock.phase("transfer.write") as frame:
-                    frame.bytes = tensorfile.write(fc_file, {"draft.fc_in": ref.tensors["draft.fc_in"]})
+                    frame.bytes = tensorfile.write(fc_file, {FC_IN: ref.tensors[FC_IN]})
                 self._request(client, {"op": "capture_draft_from", "case": case.to_dict(), "prompt_ids": ids,
                                        "fc_in": str(fc_file), "out": str(out)}, out)  # fmt: skip
             except Unsupported:
@@ -438,7 +440,7 @@ class Session:
         return spec.id not in self._stored and bool(self.client(spec).started_info.get("live"))
 
     def replay(self, case: Case, spec: EngineSpec, requests: list[tuple[list[int], list[int]]], num_steps: int,
-               topk: int, num_draft_tokens: int) -> list[dict]:  # fmt: skip
+               topk: int, num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
         """`spec`'s prediction on another engine's tokens (Engine.replay), per (prompt, output)."""
         case = self.engine_case(self.prepare(case), spec)
         if spec.id in self._stored:
@@ -448,7 +450,7 @@ class Session:
             reply = self._request(self.client(spec), {"op": "replay", "case": case.to_dict(), "requests": requests,
                                                       "num_steps": num_steps, "topk": topk,
                                                       "num_draft_tokens": num_draft_tokens})  # fmt: skip
-        return reply["replays"]
+        return [ReplayRow.from_json(r, f"{spec.id}'s replay", f"replays[{i}]") for i, r in enumerate(reply["replays"])]
 
     # -- the noise floor (difftest.noise) ----------------------------------------------------
     def calibration_spec(self) -> EngineSpec:

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from difftest.records import AcceptLengthData, CheckResult, PromptComparison, Report, ServerAcceptData
+from difftest.records import AcceptLengthData, CheckResult, PromptComparison, Report, ServerAcceptData, TensorDiff, TensorStatus
 
 SAME, DRIFTED, REGRESSED, ERROR, SKIPPED = "same", "drifted", "regressed", "error", "skipped"
 PASSED = "passed"
@@ -59,40 +59,30 @@ def _first_divergence(prompts: list[PromptComparison]) -> str:
     return "-"
 
 
-def _moved(t: dict) -> bool:
-    """Not bit-identical (reports before `differs` existed: a nonzero |diff| or a NaN/Inf mismatch)."""
-    if "differs" in t:
-        return bool(t["differs"])
-    return t.get("max_abs", 0) != 0 or bool(t.get("nonfinite_mismatch"))
-
-
-def _by_noise(t: dict) -> bool:
-    return "excess" in t and str(t.get("criterion", "noise")) == "noise"
-
-
-def _drift_key(t: dict) -> tuple:
+def _drift_key(t: TensorDiff) -> tuple:
     # Movers judged against noise rank by excess (noise units); elementwise or older entries after
     # them, by |diff|.
-    return (1, float(t["excess"])) if _by_noise(t) else (0, float(t.get("max_abs") or 0.0))
+    return (1, t.excess) if t.by_noise else (0, t.max_abs)
 
 
-def _describe(t: dict) -> str:
-    if _by_noise(t):
-        return f"{t['name']} {t['excess']:.2g}x noise threshold, err {t['err']:.2e}"
-    return f"{t['name']} max|d| {t.get('max_abs', 0.0):.2e}"
+def _describe(t: TensorDiff) -> str:
+    if t.by_noise:
+        return f"{t.name} {t.excess:.2g}x noise threshold, err {t.err:.2e}"
+    return f"{t.name} max|d| {t.max_abs:.2e}"
 
 
 def _largest_drift(prompts: list[PromptComparison]) -> tuple[str, bool]:
     """(the largest mover within noise, by excess, or "-"; whether every compared tensor is bit-identical).
     Tensors not compared (`tie`) or allowed missing do not count."""
-    worst, identical = None, True
+    worst: TensorDiff | None = None
+    identical = True
     for p in prompts:
         for t in p.tensors:
-            if t["status"] in ("allowed-missing", "tie"):
+            if t.status in (TensorStatus.ALLOWED_MISSING, TensorStatus.TIE):
                 continue
-            moved = t["status"] != "ok" or _moved(t)
+            moved = t.status != TensorStatus.OK or t.differs
             identical = identical and not moved
-            if moved and t["status"] == "ok" and (worst is None or _drift_key(t) > _drift_key(worst)):
+            if moved and t.status == TensorStatus.OK and (worst is None or _drift_key(t) > _drift_key(worst)):
                 worst = t
     return (_describe(worst) if worst else "-"), identical
 

@@ -30,8 +30,7 @@ from typing import Callable, Sequence
 from difftest import layer_rules
 from difftest.errors import ConfigError
 from difftest.layer_rules import LayerIdRule
-
-FINAL_NORM = "target.final_norm"
+from difftest.names import FINAL_NORM, hidden_index, hidden_name, short_name
 
 
 @dataclass(frozen=True)
@@ -48,24 +47,10 @@ class Wiring:
         return "[" + ", ".join(short_name(n) for n in self.inputs) + "]"
 
 
-def hidden_name(k: int) -> str:
-    return f"target.h.{k}"
-
-
-def hidden_index(name: str) -> int | None:
-    m = re.fullmatch(r"target\.h\.(\d+)", name)
-    return int(m.group(1)) if m else None
-
-
 def hidden_indices(names: Sequence[str | None]) -> list[int] | None:
     """k of every `target.h.{k}` in names; None when any slot is something else (or unknown)."""
     ks = [hidden_index(n) if n else None for n in names]
     return None if None in ks else [k for k in ks if k is not None]
-
-
-def short_name(name: str) -> str:
-    k = hidden_index(name)
-    return f"h{k}" if k is not None else name.removeprefix("target.")
 
 
 def _canonical_input(token: str, where: str) -> str:

@@ -39,6 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from difftest.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable, Unsupported
+from difftest.names import FC_IN
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Starting a worker (a fresh interpreter importing torch and the engine) takes tens of seconds on
@@ -254,7 +255,7 @@ def _handle(engine, msg: dict) -> dict:
     if op == "capture_draft_from":
         from difftest import tensorfile
 
-        fc_in = _timed(phases, "transfer.read", tensorfile.read, msg["fc_in"])["draft.fc_in"]
+        fc_in = _timed(phases, "transfer.read", tensorfile.read, msg["fc_in"])[FC_IN]
         capture = _timed(phases, "engine.capture", engine.capture_draft_from, Case.from_dict(msg["case"]),
                          list(msg["prompt_ids"]), fc_in)  # fmt: skip
         capture = _returned(engine, "capture_draft_from", capture, Capture)
@@ -266,7 +267,7 @@ def _handle(engine, msg: dict) -> dict:
         pairs = [(list(p), list(o)) for p, o in msg["requests"]]
         replays = _timed(phases, "engine.replay", engine.replay, Case.from_dict(msg["case"]), pairs, msg["num_steps"],
                          msg["topk"], msg["num_draft_tokens"])  # fmt: skip
-        return {"replays": replays, "timings": [asdict(p) for p in phases]}
+        return {"replays": [r.to_dict() for r in replays], "timings": [asdict(p) for p in phases]}
     raise ConfigError(f"worker: unknown op {op!r}")
 
 

@@ -33,12 +33,15 @@ from difftest.records import (
     FixData,
     GoldenData,
     LintData,
+    NoiseFloorRecord,
     PromptComparison,
     Report,
     ServerAcceptData,
+    TensorStatus,
     Top1Data,
 )
 from difftest.records import meta as meta_mod
+from difftest.records.wiring_inference import Reading, SlotContrast, WiringInference
 from engines.trainingdata.train_check import TrainAccuracyData
 
 STATS = AcceptStats(num_verify=4, num_accepted=6, num_draft_steps=3, accepted_per_pos=[3, 2, 1], num_prompts=2,
@@ -54,7 +57,11 @@ def meta() -> CaptureMeta:
 
 
 DATA = [
-    CaptureData(wiring_inference={"wiring": ["target.h.0"], "margin": 0.5}),
+    CaptureData(wiring_inference=WiringInference(
+        decided=True, wiring=["target.h.0"], agreement=0.9, runner_up=None, runner_up_agreement=None, margin=0.5,
+        margin_z=None, readings=[Reading("vllm", ["target.h.0"], 0.9), Reading("sglang", None, None)],
+        slots=[SlotContrast(0, "target.h.0", "target.h.1", 0.4, 0.5, 4.0, 3.5)], shuffled_agreement=0.1,
+        shuffled_z=5.0, positions=10, forwards=3, grid_size=9, source="s", label_source="l")),
     LintData([Finding("layer-ids", "error", "ids differ", ("vllm", "sglang"), "draft.fc_in")]),
     ComparisonData(noise="measured", ties=["prompt 1: a tie"]),
     ComparisonData(noise="measured", prompt=0, tensor="draft.fc_in.0", first_divergence="draft.fc_in.0",
@@ -78,12 +85,12 @@ def sample_report() -> Report:
                CheckResult("eng", "fc_inputs", "failed", "diverges", DATA[3]),
                CheckResult("eng", "accept_length", "xfailed", "collapsed", DATA[5], ExpectedFailureRecord("eng", "accept_length", "collapsed")),
                CheckResult("eng", "draft_logits", "error", "engine crashed")]  # fmt: skip
-    tensors = [dataclasses.asdict(TensorDiff("draft.fc_in.0", "mismatch", [3, 4], 12, max_abs=0.5, cosine=0.7, err=0.4,
-                                             threshold=1e-5, excess=4e4, introduced=True))]  # fmt: skip
+    tensors = [TensorDiff("draft.fc_in.0", "mismatch", [3, 4], 12, max_abs=0.5, cosine=0.7, err=0.4, threshold=1e-5,
+                          excess=4e4, introduced=True)]  # fmt: skip
     return Report(case="tiny", case_file="cases/tiny.yaml", created="2026-01-01T00:00:00", reference="ref",
                   accept_length_definition="accepted draft tokens + 1 per verify step",
                   engines={"ref": EngineEntry(info={"version": "1"}), "eng": EngineEntry(error="not started")},
-                  checks=results, noise_floor={"dtype": "float32", "measured": True, "source": "measured"},
+                  checks=results, noise_floor=NoiseFloorRecord("float32", True, "measured"),
                   comparisons={"eng": [PromptComparison(0, "draft.fc_in.0", "draft.fc_in.0", "draft.fc_in.0", None, "", tensors)]},
                   environment={"torch": "2.13.0"}, reproduce="difftest run cases/tiny.yaml --engines=ref,eng",
                   case_yaml="target: t\n")  # fmt: skip
@@ -306,3 +313,86 @@ def test_report_command_refuses_a_version_1_report_in_one_line(tmp_path, capsys)
     assert err == f"difftest report: {path}: schema_version: report schema version 1 (difftest.report/1, before typed " \
                   "records); this difftest reads version 2"  # fmt: skip
 
+
+
+# -- tensor rows: a typed record, the JSON reports were written with -----------------------------------
+# Rows exactly as difftest wrote them before the rows were typed (dataclasses.asdict of the
+# comparison; the first from a shipped run's catalogue_d2t_missing report), inside a report of the
+# same schema version.
+ROW_MISMATCH = {"name": "draft.step1.logits", "status": "mismatch", "shape": [1, 512], "numel": 512, "mismatched": 512, "max_abs": 8.413053512573242, "max_abs_index": [0, 487], "ref_value": -1.4122788906097412, "other_value": 7.00077486038208, "max_rel": 280.7458801269531, "mean_abs": 1.9521583318710327, "cosine": 0.4890461075705989, "rel_diff": 0.5109547634571722, "nonfinite_mismatch": 0, "tolerance": "atol=0.0001, rtol=0.0001 (float32 default)", "detail": "", "nan_ref": 0, "nan_other": 0, "inf_ref": 0, "inf_other": 0, "rows": 1, "rows_mismatched": 1, "worst_row": 0, "row_max_abs": [8.413053512573242], "row_mismatched": [512], "row_cosine": [0.4890461075705989], "topk": 5, "top1_agree": 0, "topk_member": 1, "kl_mean": 2.7873947769252614, "kl_max": 2.7873947769252614, "tv_mean": 0.8165450692176819, "tv_max": 0.8165450692176819, "criterion": "noise", "err": 1.0118506885830794, "err_q": 1.0118506885830794, "noise_floor": 4.1149027214431495e-07, "threshold": 4.114902721443149e-06, "rows_above": 1, "excess": 245899.0545050383, "introduced": False, "row_err": [1.0118506885830794], "differs": True}  # fmt: skip
+ROW_MISSING = '{"name": "draft.fc_out", "status": "missing", "shape": [], "numel": 0, "mismatched": 0, "max_abs": 0.0, "max_abs_index": [], "ref_value": 0.0, "other_value": 0.0, "max_rel": 0.0, "mean_abs": 0.0, "cosine": 1.0, "rel_diff": 0.0, "nonfinite_mismatch": 0, "tolerance": "", "detail": "not captured by the engine", "nan_ref": 0, "nan_other": 0, "inf_ref": 0, "inf_other": 0, "rows": 0, "rows_mismatched": 0, "worst_row": -1, "row_max_abs": [], "row_mismatched": [], "row_cosine": [], "topk": 0, "top1_agree": 0, "topk_member": 0, "kl_mean": 0.0, "kl_max": 0.0, "tv_mean": 0.0, "tv_max": 0.0, "criterion": "noise", "err": Infinity, "err_q": 0.0, "noise_floor": 0.0, "threshold": 0.0, "rows_above": 0, "excess": Infinity, "introduced": false, "row_err": [], "differs": false}'  # fmt: skip
+
+
+def _report_with_rows(rows: list) -> dict:
+    d = through_json(sample_report().to_dict())
+    d["comparisons"]["eng"][0]["tensors"] = rows
+    return d
+
+
+def test_a_report_written_before_typed_rows_loads_them_as_records_and_writes_the_same_json(tmp_path):
+    path = tmp_path / "old.json"
+    written = _report_with_rows([ROW_MISMATCH, json.loads(ROW_MISSING)])
+    path.write_text(json.dumps(written))
+    loaded = Report.load(path)
+    mismatch, missing = loaded.comparisons["eng"][0].tensors
+    assert isinstance(mismatch, TensorDiff) and mismatch.status is TensorStatus.MISMATCH
+    assert (mismatch.name, mismatch.excess, mismatch.row_err, mismatch.differs) == ("draft.step1.logits", 245899.0545050383,
+                                                                                    [1.0118506885830794], True)  # fmt: skip
+    assert missing.status is TensorStatus.MISSING and missing.err == float("inf") and not missing.ok
+    assert json.loads(json.dumps(loaded.to_dict())) == json.loads(path.read_text())
+
+
+def test_a_computed_row_is_written_as_the_fields_with_the_status_as_its_value():
+    row = TensorDiff("draft.fc_out", TensorStatus.TIE, detail="not compared: a tie")
+    d = json.loads(json.dumps(dataclasses.replace(sample_report(), comparisons={
+        "eng": [PromptComparison(0, None, None, None, None, "a tie", [row])]}).to_dict()))  # fmt: skip
+    written = d["comparisons"]["eng"][0]["tensors"][0]
+    assert written["status"] == "tie" and list(written) == [f.name for f in dataclasses.fields(TensorDiff)]
+
+
+def test_a_tensor_row_with_an_unknown_status_is_refused_naming_the_closest():
+    d = _report_with_rows([{**ROW_MISMATCH, "status": "mismatched"}])
+    assert refusal(lambda: Report.from_dict(d, "r.json")) == (
+        "r.json: comparisons.eng[0].tensors[0].status: 'mismatched' is not one of 'ok', 'mismatch', 'missing', "
+        "'allowed-missing', 'shape', 'tie' (did you mean 'mismatch'?)")
+
+
+def test_a_tensor_row_with_an_unknown_field_is_refused_naming_the_closest():
+    d = _report_with_rows([{**ROW_MISMATCH, "exess": 1.0}])
+    assert refusal(lambda: Report.from_dict(d, "r.json")).startswith(
+        "r.json: comparisons.eng[0].tensors[0].exess: unknown field (did you mean 'excess'?)")
+
+
+def test_a_row_without_noise_numbers_reads_as_not_judged_by_noise_and_differs_by_its_diff():
+    moved = TensorDiff.from_json({"name": "draft.fc_out", "status": "ok", "max_abs": 3e-7}, "r.json", "t")
+    still = TensorDiff.from_json({"name": "draft.fc_out", "status": "ok", "max_abs": 0.0}, "r.json", "t")
+    assert (moved.has_noise_numbers, moved.by_noise, moved.differs, still.differs) == (False, False, True, False)
+
+
+def test_the_status_vocabulary_says_which_verdicts_pass_and_which_are_above_noise():
+    assert {s.value for s in TensorStatus if s.passes} == {"ok", "allowed-missing", "tie"}
+    assert {s.value for s in TensorStatus if s.above_noise} == {"mismatch", "missing", "shape"}
+    assert {s.value for s in TensorStatus if s.compared} == {"ok", "mismatch"}
+
+
+def test_an_accept_gate_is_kept_as_a_record_with_each_positions_z_in_the_json():
+    from difftest.accept_gate import AcceptGate, judge
+
+    ref = AcceptStats(num_verify=10, num_accepted=15, num_draft_steps=3, accepted_per_pos=[9, 5, 1])
+    eng = AcceptStats(num_verify=10, num_accepted=2, num_draft_steps=3, accepted_per_pos=[2, 0, 0])
+    data = AcceptLengthData(ref, eng, 0.3, 0.1, gate=judge(ref, eng, noise="not measured"))
+    written = through_json(data.to_dict())
+    assert [p["z"] for p in written["gate"]["positions"]] == [p.z for p in data.gate.positions]
+    back = CheckResult.from_json(through_json(CheckResult("e", "accept_length", "failed", "m", data).to_dict()), "r.json", "c")
+    assert isinstance(back.data.gate, AcceptGate) and back.data.gate == data.gate and not back.data.gate.ok
+
+
+def test_a_replay_row_crosses_the_worker_as_json_and_comes_back_a_record():
+    from difftest.records import ReplayRow
+
+    row = ReplayRow(AcceptStats(num_verify=4, num_accepted=6, num_draft_steps=3, accepted_per_pos=[3, 2, 1]), 2, 5)
+    back = ReplayRow.from_json(through_json(row.to_dict()), "ref's replay", "replays[0]")
+    assert back == row and back.stats.accept_length == row.stats.accept_length
+    bad = {**through_json(row.to_dict()), "first_mismatch": "5"}
+    assert refusal(lambda: ReplayRow.from_json(bad, "ref's replay", "replays[0]")) == (
+        "ref's replay: replays[0].first_mismatch: expected an integer or null, got a string")

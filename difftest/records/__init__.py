@@ -12,15 +12,18 @@ from difftest.records.check_data import (
     FixData,
     GoldenData,
     LintData,
+    ReplayRow,
     ServerAcceptData,
     Top1Data,
 )
 from difftest.records.check_result import CheckResult, ExpectedFailureRecord
 from difftest.records.meta import CaptureMeta, FcWiring
+from difftest.records.noise_floor import NoiseFloorRecord, TensorFloor
 from difftest.records.report import EngineEntry, PromptComparison, Report
+from difftest.records.tensor_diff import TensorDiff, TensorStatus
 
 __all__ = [
     "AcceptLengthData", "CaptureData", "CaptureMeta", "CheckData", "CheckResult", "ComparisonData", "EngineEntry",
-    "ExpectedFailureRecord", "FcWiring", "FixData", "GoldenData", "LintData", "PromptComparison", "Report",
-    "ServerAcceptData", "Top1Data",
+    "ExpectedFailureRecord", "FcWiring", "FixData", "GoldenData", "LintData", "NoiseFloorRecord", "PromptComparison", "ReplayRow", "Report",
+    "ServerAcceptData", "TensorDiff", "TensorFloor", "TensorStatus", "Top1Data",
 ]  # fmt: skip

@@ -6,7 +6,7 @@ refused, naming the closest). Checks engines contribute (difftest.extensions.Ext
 their own record there as `data`, e.g. the training-data engine's `train_accuracy`.
 
 Nested records other modules define (AcceptStats, lint Findings, fc ChunkMatches) are read back as
-those dataclasses, in the form their own to_dict gives them; the wiring inference stays a mapping.
+those dataclasses, in the form their own to_dict gives them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import difflib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from difftest.accept_gate import AcceptGate, PositionJudgement
 from difftest.acceptance import AcceptStats
 from difftest.chunk_match import ChunkMatch, Similarity
 from difftest.finding import Finding
+from difftest.records.wiring_inference import WiringInference
 from difftest.records.fields import READER, decode, encode_fields, fail, join, kind_of
 
 
@@ -55,6 +57,18 @@ def _without_derived(cls: type):
 
 _accept_stats = _without_derived(AcceptStats)
 _chunk_match = _without_derived(ChunkMatch)
+_POSITION_DERIVED = {n for n, v in vars(PositionJudgement).items() if isinstance(v, property)}
+
+
+def _accept_gate(data: object, where: str, at: str) -> AcceptGate | None:
+    """AcceptGate.to_dict: its fields, each position with its derived `z` (dropped and recomputed)."""
+    if data is None:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("positions"), list):
+        positions = [{k: v for k, v in p.items() if k not in _POSITION_DERIVED} if isinstance(p, dict) else p
+                     for p in data["positions"]]  # fmt: skip
+        data = {**data, "positions": positions}
+    return decode(AcceptGate, data, where, at)
 
 
 def _chunk_matches(data: object, where: str, at: str) -> list[ChunkMatch] | None:
@@ -70,7 +84,7 @@ class CaptureData(CheckData):
     """`capture`: the reference captured every prompt; how a `wiring: infer` case's wiring was found."""
 
     KIND: ClassVar[str] = "capture"
-    wiring_inference: dict[str, object] | None = None  # difftest.infer_case's inference (to_dict)
+    wiring_inference: WiringInference | None = None  # difftest.infer_case's inference
 
 
 @dataclass
@@ -154,7 +168,7 @@ class AcceptLengthData(CheckData):
     engine: AcceptStats = field(metadata={READER: _accept_stats})
     allowed: float
     spread: float
-    gate: dict[str, object] | None = None  # the per-position verdict (difftest.accept_gate.AcceptGate.to_dict)
+    gate: AcceptGate | None = field(default=None, metadata={READER: _accept_gate})  # the per-position verdict
 
 
 @dataclass
@@ -172,7 +186,24 @@ class ServerAcceptData(CheckData):
     per_request: list[dict[str, object]] = field(default_factory=list)
     numbers: str = ""  # exact | deltas
     verdict: str = ""
-    gate: dict[str, object] | None = None  # the per-position verdict (difftest.accept_gate.AcceptGate.to_dict)
+    gate: AcceptGate | None = field(default=None, metadata={READER: _accept_gate})  # the per-position verdict
+
+
+@dataclass
+class ReplayRow:
+    """One server request replayed through the reference's draft (difftest.engine.Engine.replay): the
+    acceptance it predicts on the server's very tokens, and where its target would have chosen another."""
+
+    stats: AcceptStats = field(metadata={READER: _accept_stats})
+    target_mismatches: int  # output positions where the reference target's greedy token is not the server's
+    first_mismatch: int | None  # the first of them
+
+    def to_dict(self) -> dict:
+        return encode_fields(self)
+
+    @classmethod
+    def from_json(cls, data: object, where: str, at: str) -> "ReplayRow":
+        return decode(cls, data, where, at)
 
 
 CORE_KINDS: dict[str, type[CheckData]] = {

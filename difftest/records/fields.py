@@ -4,13 +4,15 @@ A record's fields and their type hints are its schema, declared once: `decode` r
 key (naming the closest field), a missing required field and a value of the wrong type, each as
 one ConfigError line that names the file and the field's path (`checks[2].data.allowed`). Supported
 hints: str, int, float (an int is a float), bool, None, object (any JSON value), X | Y, list[X],
-tuple[X, ...], dict[str, X] and nested dataclasses (a class's own `from_json` when it has one).
+tuple[X, ...], dict[str, X], a str Enum (one of its values) and nested dataclasses (a class's own
+`from_json` when it has one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import functools
 import types
 import typing
@@ -50,7 +52,13 @@ def _describe(hint: Any) -> str:
         return "a list"
     if origin is dict or hint is dict or dataclasses.is_dataclass(hint):
         return "an object"
+    if _is_enum(hint):
+        return "one of " + ", ".join(repr(m.value) for m in hint)
     return {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}.get(hint, str(hint))
+
+
+def _is_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, enum.Enum)
 
 
 def _is_union(hint: Any) -> bool:
@@ -74,6 +82,8 @@ def _shaped(hint: Any, value: object) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is type(None):
         return value is None
+    if _is_enum(hint):
+        return isinstance(value, str)
     return isinstance(value, hint)
 
 
@@ -133,6 +143,13 @@ def decode_value(hint: Any, value: object, where: str, at: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise fail(where, at, f"expected a number, got {kind_of(value)}")
         return float(value)
+    if _is_enum(hint):
+        values = [m.value for m in hint]
+        if value not in values:
+            close = difflib.get_close_matches(str(value), values, n=1, cutoff=0.6)
+            also = f" (did you mean {close[0]!r}?)" if close else ""
+            raise fail(where, at, f"{value!r} is not one of {', '.join(map(repr, values))}{also}")
+        return hint(value)
     if hint is str:
         if not isinstance(value, str):
             raise fail(where, at, f"expected a string, got {kind_of(value)}")
@@ -183,6 +200,8 @@ def encode(value: object) -> object:
         return {k: encode(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [encode(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 

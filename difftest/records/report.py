@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from difftest.jsonfile import read_json
 from difftest.records.check_result import CheckResult
 from difftest.records.fields import decode, encode_fields, fail
+from difftest.records.noise_floor import NoiseFloorRecord
+from difftest.records.tensor_diff import TensorDiff
+from difftest.records.wiring_inference import WiringInference
 from difftest.records.timings import Timings
 
 SCHEMA = "difftest.report"
@@ -44,7 +46,7 @@ class PromptComparison:
     first_above_noise: str | None
     first_differs: str | None
     tie: str  # the draft steps left out at a tie, or ""
-    tensors: list[dict[str, Any]]  # difftest.compare.TensorDiff as a dict, in data-flow order
+    tensors: list[TensorDiff]  # in data-flow order
 
 
 @dataclass
@@ -66,8 +68,8 @@ class Report:
     accept_length_definition: str
     engines: dict[str, EngineEntry]  # by spec id, the reference included
     checks: list[CheckResult]
-    noise_floor: dict[str, Any] | None = None  # difftest.noise.NoiseFloor.to_dict(); None: nothing compared
-    wiring_inference: dict[str, object] | None = None  # `wiring: infer` cases (difftest.infer_case)
+    noise_floor: NoiseFloorRecord | None = None  # None: nothing compared
+    wiring_inference: WiringInference | None = None  # `wiring: infer` cases (difftest.infer_case)
     comparisons: dict[str, list[PromptComparison]] = field(default_factory=dict)  # by engine spec id
     environment: dict[str, object] = field(default_factory=dict)  # the harness side (difftest.report.environment)
     reproduce: str = ""

@@ -28,6 +28,8 @@ from engines.ref.eagle3 import LoadedDraft, load_draft
 from engines.ref.settings import SCHEMA
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import load_target, num_layers, run_target
+from difftest.names import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
+from difftest.records import CaptureMeta, FcWiring, ReplayRow
 
 # float64 is not a case dtype: the harness asks for it to measure the noise floor (difftest.noise)
 # Part of the engine version (so of every capture-cache key): bumped when what a ref capture holds
@@ -142,29 +144,29 @@ class RefEngine(Engine):
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         out = run_target(target, ids)
         next_token = int(out.logits[0, -1].argmax())
-        tensors: dict[str, torch.Tensor] = {f"target.h.{k}": h[0] for k, h in enumerate(out.hidden)}
-        tensors["target.final_norm"] = out.final_norm[0]
-        tensors["target.logits"] = out.logits[0]
+        tensors: dict[str, torch.Tensor] = {hidden_name(k): h[0] for k, h in enumerate(out.hidden)}
+        tensors[FINAL_NORM] = out.final_norm[0]
+        tensors[TARGET_LOGITS] = out.logits[0]
         for k, (scores, margin) in (out.routers or {}).items():  # MoE routing, for router ties (difftest.noise)
             tensors[f"aux.router.{k}.scores"], tensors[f"aux.router.{k}.margin"] = scores, margin
         fc_in = gather_fc_in(out, wiring.inputs)
         draft_tensors, drafted = capture_draft_chain(loaded.model, fc_in, prompt_ids, next_token, case.num_steps)
         tensors.update(draft_tensors)
         cfg = loaded.config
-        meta = {
-            "engine": self.spec.id,
-            "engine_version": self.info().version,
-            "versions": self.info().versions,
-            "kernels": "torch",
-            "device": "cpu",
-            "dtype": case.dtype,
-            "prompt_ids": list(prompt_ids),
-            "target_next_token": next_token,
-            "draft_tokens": drafted,
-            "num_layers": L,
-            "target_hidden_size": cfg.target_hidden_size,
-            "wiring": {"inputs": list(wiring.inputs), "source": wiring.source, "verifier": wiring.verifier},
-            "draft_config": {
+        meta = CaptureMeta(
+            engine=self.spec.id,
+            engine_version=self.info().version,
+            versions=self.info().versions,
+            kernels="torch",
+            device="cpu",
+            dtype=case.dtype,
+            prompt_ids=list(prompt_ids),
+            target_next_token=next_token,
+            draft_tokens=list(drafted),
+            num_layers=L,
+            target_hidden_size=cfg.target_hidden_size,
+            wiring=FcWiring(list(wiring.inputs), wiring.source, wiring.verifier),
+            draft_config={
                 "format": cfg.format,
                 "norm_before_fc": cfg.norm_before_fc,
                 "fc_norm": cfg.fc_norm,
@@ -175,8 +177,8 @@ class RefEngine(Engine):
                 "draft_vocab_size": cfg.draft_vocab_size,
                 "shared_from_target": loaded.shared,
             },
-            "notes": loaded.notes,
-        }
+            notes=list(loaded.notes),
+        )
         return Capture(tensors, meta)
 
     @torch.no_grad()
@@ -192,9 +194,9 @@ class RefEngine(Engine):
         # the reference captured fc_in in the case's dtype already, so the cast changes nothing
         fc = fc_in.to(DTYPES[case.dtype])[None]
         tensors, drafted = capture_draft_chain(loaded.model, fc, prompt_ids, next_token, case.num_steps)
-        meta = {"engine": self.spec.id, "dtype": case.dtype, "prompt_ids": list(prompt_ids), "draft_tokens": drafted,
-                "target_hidden_size": loaded.config.target_hidden_size,
-                "extra": {"golden_input": "reference draft.fc_in"}}  # fmt: skip
+        meta = CaptureMeta(engine=self.spec.id, dtype=case.dtype, prompt_ids=list(prompt_ids), draft_tokens=list(drafted),
+                           target_hidden_size=loaded.config.target_hidden_size,
+                           extra={"golden_input": f"reference {FC_IN}"})  # fmt: skip
         return Capture(tensors, meta)
 
     @torch.no_grad()
@@ -214,7 +216,7 @@ class RefEngine(Engine):
 
     @torch.no_grad()
     def replay(self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int,
-               num_draft_tokens: int) -> list[dict]:  # fmt: skip
+               num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
         """Per request (prompt, output): the acceptance this draft predicts on those very tokens
         (engines/ref/replay.py), with the number of output tokens its target would have chosen otherwise."""
         from engines.ref.replay import replay_request
@@ -226,8 +228,7 @@ class RefEngine(Engine):
             r = replay_request(target, loaded.model, wiring.inputs, prompt, output, num_steps, topk, num_draft_tokens)
             r.stats.source = (f"ref replay of the server's tokens (wiring {wiring.short()}, topk {topk}, "
                               f"num_draft_tokens {num_draft_tokens})")  # fmt: skip
-            out.append({"stats": r.stats.to_dict(), "target_mismatches": r.target_mismatches,
-                        "first_mismatch": r.first_mismatch})  # fmt: skip
+            out.append(ReplayRow(r.stats, r.target_mismatches, r.first_mismatch))
         return out
 
     def _tree_settings(self, case: Case, num_steps: int) -> tuple[int, int]:

@@ -19,6 +19,8 @@ import torch
 
 from difftest.errors import DifftestError
 from difftest.extensions import Command
+from difftest.names import FINAL_NORM, TARGET_LOGITS, hidden_name
+from difftest.records import CaptureMeta
 
 
 HELP = "infer which target hidden states a draft was trained on, from its behaviour"
@@ -125,9 +127,9 @@ def infer(target_ref: str, draft_ref: str, prompts: list[list[int]], layer_ids: 
     caps = []
     for ids in prompts:
         out = run_target(model, torch.tensor([ids]))
-        t = {f"target.h.{k}": h[0] for k, h in enumerate(out.hidden)}
-        t["target.final_norm"], t["target.logits"] = out.final_norm[0], out.logits[0]
-        caps.append(Capture(t, {"prompt_ids": list(ids), "num_layers": len(out.hidden) - 1}))
+        t = {hidden_name(k): h[0] for k, h in enumerate(out.hidden)}
+        t[FINAL_NORM], t[TARGET_LOGITS] = out.final_norm[0], out.logits[0]
+        caps.append(Capture(t, CaptureMeta(prompt_ids=list(ids), num_layers=len(out.hidden) - 1)))
     loaded = load_inference_draft(draft_dir, target_dir)
     evidence = evidence_from_captures(caps, f"reference target run over {len(prompts)} prompts")
     ids = layer_ids if layer_ids is not None else loaded.config.layer_ids

@@ -23,9 +23,9 @@ from typing import Callable, Sequence
 import torch
 
 from difftest.acceptance import AcceptStats
-from difftest.names import draft_name
+from difftest.names import FC_IN, draft_name
 from difftest.errors import ConfigError
-from difftest.wiring import FINAL_NORM, hidden_index
+from difftest.names import FINAL_NORM, hidden_index
 from engines.ref.eagle3 import Eagle3Draft, KVCache
 from engines.ref.target import TargetOutput, run_target
 
@@ -112,7 +112,7 @@ def capture_draft_chain(
     Step 0 runs over every prompt position: row i pairs the features at i with token i+1,
     the last row with `next_token` (the target's choice after the prompt).
     """
-    tensors: dict[str, torch.Tensor] = {"draft.fc_in": fc_in[0]}
+    tensors: dict[str, torch.Tensor] = {FC_IN: fc_in[0]}
 
     def record(step: int, name: str, t: torch.Tensor) -> None:
         tensors[draft_name(step, name)] = t[0]

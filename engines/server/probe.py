@@ -80,7 +80,7 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
     lines, per_request = [], []
     for i, (r, rep) in enumerate(zip(requests, replays)):
         s = AcceptStats(r["num_verify"], r["num_accepted"], steps, list(r["accepted_per_pos"]), 1)
-        p = AcceptStats.from_dict(rep["stats"])
+        p = rep.stats
         if i in judged:
             server_total, ref_total = server_total.merge(s), ref_total.merge(p)
         ref_total.source = p.source
@@ -88,13 +88,13 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
         kind = "exact" if r["exact"] else "delta"
         note = f"; NOT JUDGED: {r['contaminated']}" if r.get("contaminated") and clean else (
             f"; {r['contaminated']}" if r.get("contaminated") else "")  # fmt: skip
-        mism = f"; the reference target picks another token at {rep['target_mismatches']} output positions (first: {rep['first_mismatch']})" \
-            if rep["target_mismatches"] else ""  # fmt: skip
+        mism = f"; the reference target picks another token at {rep.target_mismatches} output positions (first: {rep.first_mismatch})" \
+            if rep.target_mismatches else ""  # fmt: skip
         lines.append(f"  request {i}: AL {s.accept_length:.3f} ({kind}, {s.num_verify} verifies) vs predicted "
                      f"{p.accept_length:.3f} +- {ACCEPT_SIGMAS * spread:.3f}; per position {_fmt(s.acceptance_rate_per_pos)} vs "
                      f"{_fmt(p.acceptance_rate_per_pos)}{mism}{note}")  # fmt: skip
-        per_request.append({"server": r, "predicted": rep["stats"], "target_mismatches": rep["target_mismatches"],
-                            "first_mismatch": rep["first_mismatch"], "judged": i in judged, "numbers": kind})  # fmt: skip
+        per_request.append({"server": r, "predicted": rep.stats.to_dict(), "target_mismatches": rep.target_mismatches,
+                            "first_mismatch": rep.first_mismatch, "judged": i in judged, "numbers": kind})  # fmt: skip
     a, b = ref_total.accept_length, server_total.accept_length
     # the same tokens on both sides: no numerical move to add; sampling spread over the verifies only
     gate = accept_gate.judge(ref_total, server_total, None, tol, "on the server's own tokens")
@@ -114,7 +114,7 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
                "on the server would be in them and is flagged")  # fmt: skip
     shown = {k: settings.get(k) for k in ("kind", "url", "model", "draft_model", "algorithm", "num_steps", "topk", "num_draft_tokens")}
     flag_lines = flags(settings, case)
-    mismatched = sum(r["target_mismatches"] for r in replays)
+    mismatched = sum(r.target_mismatches for r in replays)
     msg = [head, verdict,
            "server: " + ", ".join(f"{k} {v}" for k, v in shown.items() if v is not None),
            *(f"flag: {f}" for f in flag_lines),
@@ -123,7 +123,7 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
         msg.append(f"note: the reference target's greedy token differs from the server's at {mismatched} output positions "
                    "(another model, lower precision or near ties): the replay still follows the server's tokens")  # fmt: skip
     msg += lines
-    data = ServerAcceptData(reference=ref_total, engine=server_total, allowed=allowed, spread=spread, gate=gate.to_dict(),
+    data = ServerAcceptData(reference=ref_total, engine=server_total, allowed=allowed, spread=spread, gate=gate,
                             server_settings=settings, flags=flag_lines, per_request=per_request,
                             numbers="exact" if exact else "deltas", verdict=verdict)  # fmt: skip
     return passed, "\n".join(msg), data

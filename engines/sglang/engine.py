@@ -44,6 +44,7 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import EngineError, EngineSpent, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
 from difftest.paths import cache_root
+from difftest.records import CaptureMeta, FcWiring
 from engines.sglang import cpu_shim, deepseek, process_start, rank_crash, tensor_parallel, versions
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
@@ -330,37 +331,37 @@ class SglangEngine(Engine):
         h = target_cfg["hidden_size"]
         planned, rule = deepseek.layers_to_capture(target_cfg, draft_cfg, self.info().versions["sglang"])
         chunks = ex.tensors["draft.fc_in"].shape[-1] // h
-        meta = {
-            "engine": self.spec.id,
-            "engine_version": self.info().version,
-            "versions": self.info().versions,
-            "kernels": self._kernels,
-            "device": settings["device"],
-            "dtype": case.dtype,
-            "prompt_ids": list(prompt_ids),
-            "target_next_token": ex.next_token,
-            "draft_tokens": ex.draft_tokens,
-            "num_layers": L,
-            "target_hidden_size": h,
-            "wiring": {
-                "inputs": [f"target.h.{k}" for k in ex.captured_layers][:chunks],
-                "source": f"{rule} -> layers_to_capture {planned}; captured {ex.captured_layers}",
-                "verifier": None,
-            },  # fmt: skip
-            "compat": list(settings["compat"]),
-            "settings": self._settings_meta(settings),
-            "checkpoints": {"target": target, "draft": draft},
-            "partial": PARTIAL + ([] if topk == 1 else ["draft.step*"]),
+        meta = CaptureMeta(
+            engine=self.spec.id,
+            engine_version=self.info().version,
+            versions=self.info().versions,
+            kernels=self._kernels,
+            device=settings["device"],
+            dtype=case.dtype,
+            prompt_ids=list(prompt_ids),
+            target_next_token=ex.next_token,
+            draft_tokens=ex.draft_tokens,
+            num_layers=L,
+            target_hidden_size=h,
+            wiring=FcWiring(
+                inputs=[f"target.h.{k}" for k in ex.captured_layers][:chunks],
+                source=f"{rule} -> layers_to_capture {planned}; captured {ex.captured_layers}",
+                verifier=None,
+            ),  # fmt: skip
+            compat=list(settings["compat"]),
+            settings=self._settings_meta(settings),
+            checkpoints={"target": target, "draft": draft},
+            partial=PARTIAL + ([] if topk == 1 else ["draft.step*"]),
             # SGLang's own: which layers its hook recorded, where hot_token_id came from, its self-checks
-            "extra": {"captured_target_layers": ex.captured_layers, "hot_token_id_source": hot_source,
-                      "consistency": ex.checks,
-                      "tensor_parallel": {"tp_size": gathered.tp_size, "rule_verified_on": tensor_parallel.VERIFIED,
-                                          "tensors": tensor_parallel.describe(gathered.how, gathered.tp_size,
-                                                                              list(ex.tensors))}},
-        }
+            extra={"captured_target_layers": ex.captured_layers, "hot_token_id_source": hot_source,
+                   "consistency": ex.checks,
+                   "tensor_parallel": {"tp_size": gathered.tp_size, "rule_verified_on": tensor_parallel.VERIFIED,
+                                       "tensors": tensor_parallel.describe(gathered.how, gathered.tp_size,
+                                                                           list(ex.tensors))}},
+        )
         if gathered.tp_size > 1 and not self._tp_logged:  # once per engine: what the joins were, in the log
             self._tp_logged = True
-            for name, how in meta["extra"]["tensor_parallel"]["tensors"].items():
+            for name, how in meta.extra["tensor_parallel"]["tensors"].items():
                 print(f"[sglang adapter] tp_size {gathered.tp_size}: {name}: {how}", file=sys.stderr, flush=True)
         return Capture(ex.tensors, meta)
 

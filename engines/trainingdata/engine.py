@@ -62,6 +62,8 @@ from engines.trainingdata.formats import Dump, Sample, read_dump
 from engines.trainingdata.settings import SCHEMA
 from engines.trainingdata.precision import Precision, draft_precision
 from engines.trainingdata.split import Split, choose_split, samples_in
+from difftest.names import FINAL_NORM, TARGET_PREFIX, hidden_name
+from difftest.records import CaptureMeta, FcWiring
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -180,8 +182,8 @@ class TrainingDataEngine(Engine):
             first = dump.samples[0]
             if s["identify"] == "target":
                 res = run_target(self.target(case), first.input_ids[None])
-                ref = {f"target.h.{k}": h[0] for k, h in enumerate(res.hidden)}
-                ref["target.final_norm"] = res.final_norm[0]
+                ref = {hidden_name(k): h[0] for k, h in enumerate(res.hidden)}
+                ref[FINAL_NORM] = res.final_norm[0]
                 ident = identify_against_target(first.tensors, ref, first.fc_count, num_layers(self.target(case)))
             else:
                 some = dump.samples[:8]
@@ -284,22 +286,22 @@ class TrainingDataEngine(Engine):
         acc = self.accuracy(case, s, dump, ident, loaded, head)
         rules, trainer_how = self.rules(case, s, dump)
         cfg = loaded.config
-        meta = {
-            "engine": self.spec.id,
-            "engine_version": self.info().version,
-            "versions": self.info().versions,
-            "kernels": "none",
-            "device": "cpu",
-            "dtype": case.dtype,
-            "prompt_ids": list(prompt_ids),
-            "target_next_token": next_token,
-            "draft_tokens": drafted,
-            "num_layers": ident.num_layers,
-            "target_hidden_size": cfg.target_hidden_size,
-            "wiring": {"inputs": inputs, "source": source, "verifier": ident.verifier.name},
+        meta = CaptureMeta(
+            engine=self.spec.id,
+            engine_version=self.info().version,
+            versions=self.info().versions,
+            kernels="none",
+            device="cpu",
+            dtype=case.dtype,
+            prompt_ids=list(prompt_ids),
+            target_next_token=next_token,
+            draft_tokens=list(drafted),
+            num_layers=ident.num_layers,
+            target_hidden_size=cfg.target_hidden_size,
+            wiring=FcWiring(list(inputs), source, ident.verifier.name),
             # only the dumped tensors exist here; the reference's other target tensors are not missing by mistake
-            "partial": ["target.*"],
-            "extra": {"next_token_source": next_src, "train_data": {
+            partial=[TARGET_PREFIX + "*"],
+            extra={"next_token_source": next_src, "train_data": {
                 "path": s["data"],
                 "format": dump.format,
                 "sample": sample.source,
@@ -314,7 +316,7 @@ class TrainingDataEngine(Engine):
                                "split": self.split(case, s, dump).describe(),
                                "precision": self.precision(case).line(acc.near_ties),
                                "max_len": s.get("max_len") or rules.default_max_len, "wiring": inputs, **acc.to_dict()}},
-        }
+        )
         return Capture(tensors, meta)
 
     def template_drift(self, case: Case, prompt_ids: list[int], dump: Dump):

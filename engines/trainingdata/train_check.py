@@ -26,7 +26,8 @@ from difftest.extensions import ExtraCheck
 from difftest.records.check_data import CheckData
 from difftest.session import Session
 from difftest.verdict import Verdict
-from difftest.wiring import hidden_index, short_name
+from difftest.names import FINAL_NORM, hidden_index
+from difftest.wiring import short_name
 
 TRAIN = "train"
 DEFAULT_ATOL = 0.05
@@ -66,7 +67,7 @@ def engine_wiring(session: Session, case: Case, spec: EngineSpec) -> tuple[list[
     """The canonical names an engine fed its fc with, and how that was found."""
     cap = session.capture(case, spec, 0)
     names = cap.meta.wiring.inputs if cap.meta.wiring else []
-    if names and all(hidden_index(n) is not None or n == "target.final_norm" for n in names):
+    if names and all(hidden_index(n) is not None or n == FINAL_NORM for n in names):
         return list(names), "the engine's capture"
     ref = session.capture(case, session.options.reference, 0)
     matches = match_fc_chunks(ref, cap)

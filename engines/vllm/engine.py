@@ -64,6 +64,7 @@ from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError, EngineError, EngineSpent, EngineUnavailable
 from difftest.names import draft_name
 from difftest.paths import cache_root
+from difftest.records import CaptureMeta, FcWiring
 from engines.vllm import compat, releases, tp
 from engines.vllm.settings import SCHEMA
 
@@ -505,30 +506,30 @@ class VllmEngine(Engine):
         return tensors, aux_consistency
 
     def _meta(self, s: dict, prompt: list[int], w: dict, aux_ids: list[int], next_token: int, drafted: list[int],
-              L: int, partial: list[str], extra: dict) -> dict:  # fmt: skip
+              L: int, partial: list[str], extra: dict) -> CaptureMeta:  # fmt: skip
         info = self.info()
-        return {
-            "engine": self.spec.id,
-            "engine_version": info.version,
-            "versions": info.versions,
-            "kernels": info.kernels,
-            "device": info.kernels.removeprefix("vllm-"),
-            "dtype": s["dtype"],
-            "prompt_ids": prompt,
-            "target_next_token": next_token,
-            "draft_tokens": drafted,
-            "num_layers": L,
-            "target_hidden_size": int(w["target_hidden_size"]),
-            "wiring": {
-                "inputs": [f"target.h.{k}" for k in aux_ids],
-                "source": f"vllm {info.version} aux_hidden_state_layers {tuple(w['aux_layers'])} "
+        return CaptureMeta(
+            engine=self.spec.id,
+            engine_version=info.version,
+            versions=info.versions,
+            kernels=info.kernels,
+            device=info.kernels.removeprefix("vllm-"),
+            dtype=s["dtype"],
+            prompt_ids=prompt,
+            target_next_token=next_token,
+            draft_tokens=drafted,
+            num_layers=L,
+            target_hidden_size=int(w["target_hidden_size"]),
+            wiring=FcWiring(
+                inputs=[f"target.h.{k}" for k in aux_ids],
+                source=f"vllm {info.version} aux_hidden_state_layers {tuple(w['aux_layers'])} "
                 f"({w['target_class']}, draft config {s['draft']})",
-                "verifier": None,
-            },
-            "partial": partial,
-            "compat": list(self._compat),
-            "settings": {k: v for k, v in s.items() if k not in ("target", "draft")},
-            "draft_config": {
+                verifier=None,
+            ),
+            partial=partial,
+            compat=list(self._compat),
+            settings={k: v for k, v in s.items() if k not in ("target", "draft")},
+            draft_config={
                 "norm_before_fc": w["norm_before_fc"],
                 "fc_norm": w["fc_norm"],
                 "norm_output": w["norm_output"],
@@ -538,8 +539,8 @@ class VllmEngine(Engine):
                 "has_d2t": w["has_d2t"],
             },
             # vLLM's own self-checks of the recorded tensors; tensor_parallel: what was gathered per tensor
-            "extra": extra,
-        }
+            extra=extra,
+        )
 
     # -- acceptance ------------------------------------------------------------------
     def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:

@@ -1,0 +1,38 @@
+"""NoiseFloorRecord: a case's noise floor as its report keeps it (`noise_floor` of the report JSON),
+and TensorFloor, one tensor's measured floor.
+
+difftest.noise measures the floor (NoiseFloor, which judges with it) and writes it as this record;
+the report, the HTML and `difftest report` read it back by field. Its JSON is the one
+NoiseFloor.to_dict wrote before the record existed: a floor that could not be computed has no
+`router_noise` and no `constants`, and an `error`; a computed one has no `error`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from difftest.records.fields import encode_fields
+
+
+@dataclass
+class TensorFloor:
+    name: str
+    floor: float  # FLOOR_QUANTILE of the reference's own per-row error against float64
+    max: float  # the largest such row error
+    rows: int  # rows measured
+    threshold: float  # SAFETY * max(floor, unit roundoff)
+
+
+@dataclass
+class NoiseFloorRecord:
+    dtype: str | None
+    measured: bool
+    source: str  # one line: how the floor was obtained, or why it was not
+    excluded: list[str] = field(default_factory=list)  # "prompt 2: steps >= 2 (float64 drafted another token)"
+    router_noise: dict[str, float] | None = None  # MoE layer k -> score noise; None: not computed
+    tensors: dict[str, TensorFloor] = field(default_factory=dict)
+    constants: dict[str, float] | None = None  # difftest.noise's settings the floor was judged with
+    error: str | None = None  # why it could not be computed (the exception, every line)
+
+    def to_dict(self) -> dict:
+        return encode_fields(self, omit_none=("router_noise", "constants", "error"))
