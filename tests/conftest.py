@@ -1,4 +1,5 @@
-"""The order the suite's modules are handed to scripts/test's two streams.
+"""The order the suite's modules are handed to scripts/test's two streams, and the fixtures several
+engine modules share.
 
 `pytest-xdist --dist loadfile` keeps a module on one stream and hands the next module to whichever
 stream is free. By default it hands them out by test count, most first, which puts the modules
@@ -51,3 +52,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return (1, 0, -counts[item.path], str(item.path))
 
     items.sort(key=order)  # stable: a module's own tests keep their order
+
+
+@pytest.fixture(scope="module")
+def sglang_python() -> str:
+    """SGLang's interpreter, for the modules that start SGLang sessions; skips (fails under
+    DIFFTEST_REQUIRE_ENGINES=1) naming the setup command when it is not built."""
+    import os
+
+    from difftest.paths import cache_root
+
+    python = cache_root() / "envs" / "sglang" / "bin" / "python"
+    if not python.exists():
+        msg = f"SGLang's environment is not set up ({python} missing); set it up with: scripts/setup-engine sglang"
+        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return str(python)

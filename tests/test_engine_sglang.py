@@ -9,7 +9,6 @@ command, unless DIFFTEST_REQUIRE_ENGINES=1 (CI), where they fail.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import uuid
@@ -19,20 +18,8 @@ import pytest
 from helpers import COUNTERS_CASE, HANG_GUARD_S, ROOT, make_degenerate_pair, run_pytest
 from shipped_run import shipped_or_skip
 
-from difftest.paths import cache_root
 
 TIMEOUT = HANG_GUARD_S  # per pytest run; a hung engine is killed by --engine-timeout well before
-
-
-@pytest.fixture(scope="module")
-def sglang_python() -> str:
-    python = cache_root() / "envs" / "sglang" / "bin" / "python"
-    if not python.exists():
-        msg = f"SGLang's environment is not set up ({python} missing); set it up with: scripts/setup-engine sglang"
-        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return str(python)
 
 
 def _run(tmp: Path, case: str, sglang_python: str, marker: str | None = None, timeout_s: int = 600, case_dir: Path = ROOT):

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from deepseek_helpers import hf_greedy, make_deepseek_pair
 from helpers import COUNTERS_CASE, run_pytest
-from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
 
 K = 3
 PROMPTS = [[1, 5, 9, 33, 77, 101, 7], [4, 8, 15, 16, 23, 42]]
@@ -25,7 +24,7 @@ TOPLEVEL_ONLY = "engines:\n  sglang:\n    draft_config_overrides:\n      eagle_c
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, sglang_python):  # noqa: F811
+def run(tmp_path_factory, sglang_python):
     root = tmp_path_factory.mktemp("sglang_deepseek")
     (root / "cases").mkdir()
     rand_t, rand_d = make_deepseek_pair(root / "models" / "random", [2, 4, 5], plain=True)

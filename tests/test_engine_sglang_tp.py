@@ -21,23 +21,11 @@ import pytest
 from helpers import HANG_GUARD_S, ROOT, run_pytest, start_pytest
 from shipped_run import shipped_or_skip
 
-from difftest.paths import cache_root
 
 TP2 = "sglang[tp_size=2]"
 FULL = os.environ.get("DIFFTEST_FULL_MATRIX") == "1"
 full_only = pytest.mark.skipif(not FULL, reason="a further SGLang TP = 2 session (minutes): DIFFTEST_FULL_MATRIX=1")
 CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
-
-
-@pytest.fixture(scope="module")
-def sglang_python() -> str:
-    python = cache_root() / "envs" / "sglang" / "bin" / "python"
-    if not python.exists():
-        msg = f"SGLang's environment is not set up ({python} missing); set it up with: scripts/setup-engine sglang"
-        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return str(python)
 
 
 def _args(sglang_python: str, report_dir: Path, engines: str, *extra: str) -> tuple[str, ...]:
