@@ -6,7 +6,10 @@
 #    plus difftest's own requirements, in ${DIFFTEST_CACHE:-~/.cache/difftest}/envs/vllm-gpu;
 # 2. runs the tiny cases with dtype bfloat16 on the GPU: `pytest cases/ --engines=ref,vllm`
 #    (the reference runs on CPU in bf16; vLLM on CUDA in bf16) and the same cases in float32;
-# 3. prints a summary: outcome per case x check, accept lengths, greatest |diff| per tensor kind.
+# 3. prints a summary: outcome per case x check, accept lengths, greatest |diff| per tensor kind;
+# 4. with the Kimi-K2.5 checkpoints (DIFFTEST_KIMI_TARGET, _DRAFT, _TRAIN_DATA) and DIFFTEST_TP GPUs
+#    (default 8, the deployment's), cases/kimi_k25_gpu.yaml on vLLM at that tensor_parallel_size
+#    against its training dump; otherwise it says SKIP and why.
 # Expected: tiny_llama* pass (or fail only within bf16 noise, which the summary shows),
 # seed_miswired_training fails fc_inputs on draft.fc_in.0 and accept_length.
 # Untested so far: written on a CPU-only machine (no device was lent to that task).
@@ -77,4 +80,19 @@ for sub in ("bf16", "fp32"):
         if worst:
             print("  greatest |diff| vs ref: " + ", ".join(f"{k} {v:.3g}" for k, v in worst.items()))
 PY
+# -- 4. Kimi-K2.5 at the deployment's TP -----------------------------------------------------------
+tp=${DIFFTEST_TP:-8}
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l || echo 0)
+if [ -z "${DIFFTEST_KIMI_TARGET:-}" ] || [ -z "${DIFFTEST_KIMI_DRAFT:-}" ] || [ -z "${DIFFTEST_KIMI_TRAIN_DATA:-}" ]; then
+  say "kimi_k25_gpu tensor_parallel_size=$tp: SKIP: set DIFFTEST_KIMI_TARGET, DIFFTEST_KIMI_DRAFT and" \
+      "DIFFTEST_KIMI_TRAIN_DATA (the training dump is the reference at full size)"
+elif [ "$gpus" -lt "$tp" ]; then
+  say "kimi_k25_gpu tensor_parallel_size=$tp: SKIP: $gpus GPU(s); DIFFTEST_TP sets the TP"
+else
+  (cd "$root" && DIFFTEST_TP=$tp "$py" -m pytest -p difftest.plugin -p no:cacheprovider -q -rfEs \
+      cases/kimi_k25_gpu.yaml --engines=train,vllm --reference=train --require-engines \
+      --engine-python "vllm=$py" --engine-timeout 3600 --report-dir "$work/reports-kimi-tp$tp") \
+      > "$work/kimi.out" 2>&1 || true
+  say "kimi_k25_gpu tensor_parallel_size=$tp: $(tail -n 1 "$work/kimi.out")"
+fi
 say "done; outputs and reports in $work"
