@@ -21,6 +21,9 @@ Each is the tiny Llama draft with one fault a trainer, converter or exporter has
                                 speculators format: vLLM 0.25.0 and later build the norms from a
                                 speculators config (vllm PR 46488); 0.22.0 - 0.24.0 do not, and their
                                 loader has no place for the norms' weights
+  tiny-llama-eagle3-spec-nbfc   trained with norm_before_fc=true, saved in the speculators format: vLLM
+                                reads it from a speculators config from 0.19.0 (vllm PR 38111), so
+                                every release that runs EAGLE-3 on a CPU (0.22.0 on) honours it
   tiny-llama-eagle3-rope500k    trained with the draft's own rope theta 500000 (rope_theta and
                                 rope_parameters agree): the draft as trained
   tiny-llama-eagle3-rope-conflict  that draft as a converter exported it: rope_theta 500000 kept,
@@ -59,8 +62,9 @@ UNSORTED = "tiny-llama-eagle3-unsorted"
 NBFC = "tiny-llama-eagle3-nbfc"
 SPEC_NORMOUT = "tiny-llama-eagle3-spec-normout"
 SPEC_FCNORM = "tiny-llama-eagle3-spec-fcnorm"
+SPEC_NBFC = "tiny-llama-eagle3-spec-nbfc"
 LANE = base.LANE  # edits and retrains of the tiny-llama drafts
-NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, NO_D2T, UNSORTED, NBFC, SPEC_NORMOUT, SPEC_FCNORM,
+NAMES = [NBR, OWN_EMBED, NO_LM_HEAD, D2T_ABSOLUTE, NO_D2T, UNSORTED, NBFC, SPEC_NORMOUT, SPEC_FCNORM, SPEC_NBFC,
          ROPE_TRAINED, ROPE_CONFLICT]
 ROPE_THETA = 500000.0
 UNSORTED_ORDER = [2, 0, 1]  # the good draft's chunks [h2, h4, h5] taken as [h5, h2, h4]
@@ -79,6 +83,7 @@ FAULTS = {
     NBFC: "trained with norm_before_fc=true (an RMSNorm over the concatenated fc input), saved in the HF layout",
     SPEC_NORMOUT: "trained with norm_output=true (later draft steps fed the normed output), saved in the speculators format",
     SPEC_FCNORM: "trained with fc_norm=true (one RMSNorm per fc input chunk), saved in the speculators format",
+    SPEC_NBFC: "trained with norm_before_fc=true (an RMSNorm over the concatenated fc input), saved in the speculators format",
 }
 
 
@@ -132,6 +137,11 @@ SPEC_NORMOUT_RECIPE = dataclasses.replace(
 SPEC_FCNORM_RECIPE = dataclasses.replace(
     SPEC_NORMOUT_RECIPE, name=SPEC_FCNORM, config=lambda: dataclasses.replace(drafts.draft_config(), fc_norm=True),
     extra={"catalogue_fault": FAULTS[SPEC_FCNORM]},
+)  # fmt: skip
+
+SPEC_NBFC_RECIPE = dataclasses.replace(
+    SPEC_NORMOUT_RECIPE, name=SPEC_NBFC, config=lambda: dataclasses.replace(drafts.draft_config(), norm_before_fc=True),
+    extra={"catalogue_fault": FAULTS[SPEC_NBFC]},
 )  # fmt: skip
 
 
@@ -196,6 +206,7 @@ _BUILDERS: dict[str, cache.Builder] = {NBR: lambda out, build: drafts.build_draf
              UNSORTED: _build_unsorted, NBFC: lambda out, build: drafts.build_draft(NBFC_RECIPE, out, build),
              SPEC_NORMOUT: lambda out, build: drafts.build_draft(SPEC_NORMOUT_RECIPE, out, build),
              SPEC_FCNORM: lambda out, build: drafts.build_draft(SPEC_FCNORM_RECIPE, out, build),
+             SPEC_NBFC: lambda out, build: drafts.build_draft(SPEC_NBFC_RECIPE, out, build),
              ROPE_TRAINED: lambda out, build: drafts.build_draft(ROPE_RECIPE, out, build),
              ROPE_CONFLICT: _build_rope_conflict}  # fmt: skip
 _DEPS: dict[str, list[str]] = {**dict.fromkeys(NAMES, []), ROPE_CONFLICT: [ROPE_TRAINED]}
