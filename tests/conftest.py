@@ -56,16 +56,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="module")
 def sglang_python() -> str:
-    """SGLang's interpreter, for the modules that start SGLang sessions; skips (fails under
-    DIFFTEST_REQUIRE_ENGINES=1) naming the setup command when it is not built."""
-    import os
+    """SGLang's interpreter, for the modules that start SGLang sessions (helpers.sglang_python_or_skip)."""
+    from helpers import sglang_python_or_skip
 
-    from difftest.paths import cache_root
-
-    python = cache_root() / "envs" / "sglang" / "bin" / "python"
-    if not python.exists():
-        msg = f"SGLang's environment is not set up ({python} missing); set it up with: scripts/setup-engine sglang"
-        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return str(python)
+    return sglang_python_or_skip()

@@ -42,6 +42,22 @@ speculative:
 {extra}"""
 
 
+def sglang_python_or_skip() -> str:
+    """SGLang's interpreter; skips (fails under DIFFTEST_REQUIRE_ENGINES=1) naming the setup command
+    when its environment is not built."""
+    import pytest
+
+    from difftest.paths import cache_root
+
+    python = cache_root() / "envs" / "sglang" / "bin" / "python"
+    if not python.exists():
+        msg = f"SGLang's environment is not set up ({python} missing); set it up with: scripts/setup-engine sglang"
+        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return str(python)
+
+
 def make_tiny_pair(directory: Path, num_layers: int = 6, seed: int = 0) -> tuple[Path, Path]:
     """A random Llama target (vocab 512, H=64) and an untrained EAGLE-3 draft (ids [1, 2, 3], draft vocab 256)."""
     from transformers import LlamaConfig, LlamaForCausalLM

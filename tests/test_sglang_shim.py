@@ -11,9 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from difftest.paths import cache_root
 from engines.sglang.cpu_shim import ops
-from helpers import HANG_GUARD_S, ROOT, TESTS
+from helpers import HANG_GUARD_S, ROOT, TESTS, sglang_python_or_skip
 
 
 def _pool(reqs=3, pool_len=32, seed=0):
@@ -191,14 +190,9 @@ def test_verify_tree_greedy_chain_accepts_the_matching_prefix():
     if importlib.util.find_spec("sglang") is not None:
         sglang_shim_checks.verify_tree_greedy_chain_accepts_the_matching_prefix()
         return
-    python = cache_root() / "envs" / "sglang" / "bin" / "python"
-    if not python.exists():
-        why = f"SGLang's environment is not set up ({python} missing); set it up with: scripts/setup-engine sglang"
-        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
+    python = sglang_python_or_skip()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
-    proc = subprocess.run([str(python), sglang_shim_checks.__file__, "verify_tree_greedy_chain_accepts_the_matching_prefix"],
+    proc = subprocess.run([python, sglang_shim_checks.__file__, "verify_tree_greedy_chain_accepts_the_matching_prefix"],
                           env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "ok verify_tree_greedy_chain_accepts_the_matching_prefix" in proc.stdout
