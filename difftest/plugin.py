@@ -206,10 +206,15 @@ class CaseFile(pytest.File):
         if problem is not None:
             yield ErrorItem.from_parent(self, name="load", error=problem)
             return
+        try:  # the checks engines contribute are loaded here first: a broken registration is one line
+            checks = {spec.id: checks_mod.checks_for(case, spec.id == session.options.reference.id, spec.name)
+                      for spec in session.options.engines}  # fmt: skip
+        except ConfigError as e:
+            yield ErrorItem.from_parent(self, name="load", error=str(e))
+            return
         self.config.stash[CASES][case.path] = case
         for spec in session.options.engines:
-            is_ref = spec.id == session.options.reference.id
-            for check in checks_mod.checks_for(case, is_ref, spec.name):
+            for check in checks[spec.id]:
                 yield CheckItem.from_parent(self, name=f"{spec.id}::{check}", case=case, spec=spec, check=check)
             if self.config.stash[WRITER] is not None and not spec.name.startswith(baseline_mod.PREFIX):
                 yield SaveBaselineItem.from_parent(self, name=f"{spec.id}::save_baseline", case=case, spec=spec)

@@ -271,6 +271,15 @@ def test_bad_case_file_fails_its_load_item_with_file_and_field(models, pytester,
     assert "Traceback" not in output
 
 
+def test_a_broken_check_registration_fails_the_load_item_in_one_line(models, tmp_path):
+    """DIFFTEST_CHECKS (checks registered without packaging) is read when a case's items are made:
+    a malformed entry fails the case's load item naming the variable, not a traceback."""
+    run = run_pytest(project(tmp_path, models), "cases/", "--engines=ref", env={"DIFFTEST_CHECKS": "bogus"})
+    assert run.returncode == 1
+    assert "FAILED cases/tiny.yaml::load - DIFFTEST_CHECKS: 'bogus' is not name=mod" in run.output
+    assert "Traceback" not in run.output and "ERROR collecting" not in run.output
+
+
 @pytest.mark.parametrize(
     "engine, expected",
     [
