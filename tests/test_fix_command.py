@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import ROOT, edited_copy
-from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
 from test_engine_vllm import vllm_python
 
 from difftest.layer_rules import KEY

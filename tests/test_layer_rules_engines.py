@@ -44,7 +44,6 @@ import yaml
 from helpers import run_pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
-from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
 from test_engine_vllm import vllm_python
 
 from difftest import layer_rules as lr

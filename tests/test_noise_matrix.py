@@ -26,7 +26,6 @@ import shutil
 import independent_models as im
 import pytest
 from helpers import run_pytest
-from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
 from test_engine_vllm import vllm_python
 
 ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")

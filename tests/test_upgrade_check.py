@@ -21,7 +21,6 @@ from difftest import upgrade
 from difftest.acceptance import AcceptStats
 from difftest.records import AcceptLengthData, CheckResult, EngineEntry, PromptComparison, Report, TensorDiff
 from helpers import HANG_GUARD_S, ROOT, TINY_CASE, make_tiny_pair, run_pytest
-from test_engine_sglang import sglang_python  # noqa: F401  (the fixture)
 
 UPGRADE_SECTION = """\
 engines:
