@@ -27,7 +27,7 @@ from difftest.capture import Capture, CaptureCache, cache_key, partial_prefix, r
 from difftest.content_digest import paths_signature
 from difftest.case import Case
 from difftest.compare import CaptureDiff, compare_captures
-from difftest.engine import EngineSpec, calibration_engine, engine_target, parse_spec
+from difftest.engine import EngineSpec, calibration_engine, engine_schema, engine_target, parse_spec
 from difftest.errors import ConfigError, DifftestError, EngineUnavailable, Unsupported
 from difftest.paths import cache_root
 from difftest.outputs import atomic_write
@@ -304,9 +304,23 @@ class Session:
     # -- results ---------------------------------------------------------------------
     def inputs_key(self, case: Case, spec: EngineSpec) -> list:
         """What a cached result of `spec` on `case` depends on besides the engine's version: the
-        case's fingerprint (the target and draft by content) and, by content too, any file or
-        directory the engine's settings or spec parameters name (its own draft, training data)."""
-        return [case.fingerprint(), paths_signature({"settings": case.engines.get(spec.name), "params": dict(spec.params)})]
+        case's fingerprint as the engine reads it (the target and draft by content, its own settings
+        section, a draft its settings run instead of the case's: Case.fingerprint) and, by content
+        too, any file or directory its settings or spec parameters name (its own draft, training data).
+        Cases that differ only in what an engine never reads share its results (the exports of one
+        draft, each run as trained on the reference)."""
+        section, params = dict(case.engines.get(spec.name) or {}), dict(spec.params)
+        # a stored baseline names no adapter: its stored results carry their own key
+        schema, replaced = (None if spec.id in self._stored else engine_schema(spec.name)), {}
+        for layer in (section, params):  # the spec's parameters win over the case's section
+            for key in list(layer):
+                field_name = schema.replacing(key) if schema is not None else None
+                if field_name is not None:
+                    replaced[field_name] = layer.pop(key)
+        # An adapter reads its own section only (difftest.engine.check_settings); the other engines'
+        # sections and the fields its settings replace never reach it.
+        as_read = dataclasses.replace(case, engines={spec.name: section} if section else {}, **replaced)
+        return [as_read.fingerprint(), paths_signature({"settings": section, "params": params})]
 
     def capture(self, case: Case, spec: EngineSpec, index: int) -> Capture:
         case = self.prepare(case)

@@ -36,6 +36,9 @@ class Setting:
     min: float | None = None
     max: float | None = None
     choices: tuple[str, ...] = ()
+    # A case field this setting stands in for when set (e.g. "draft": the engine runs this checkpoint
+    # and never reads the case's): what a cached result depends on is this value, not the field's.
+    replaces: str | None = None
 
     def __post_init__(self) -> None:
         if self.type not in TYPES:
@@ -54,6 +57,11 @@ class Schema:
             for key in (s.name, *s.aliases):
                 out[key] = s
         return out
+
+    def replacing(self, key: str) -> str | None:
+        """The case field the setting under `key` (a name or alias) stands in for (Setting.replaces)."""
+        s = self.names().get(key)
+        return s.replaces if s is not None else None
 
     def defaults(self) -> dict:
         return {s.name: copy.deepcopy(s.default) for s in self.settings}  # a mapping default is never shared

@@ -704,8 +704,9 @@ def _write_export(m: ExportMiswire, model: BuiltModel, out: Path) -> tuple[Path,
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
         exported, as_trained = out / "draft", None
     else:
-        shutil.copytree(model.draft, out / "draft-as-trained", dirs_exist_ok=True)
-        exported, as_trained = out / "export", out / "draft-as-trained"
+        # the reference runs the fitted draft itself: one checkpoint, so every export of it shares the
+        # reference's cached results (Session.inputs_key)
+        exported, as_trained = out / "export", model.draft
         if m.kind == "flag":
             cfg[m.flag] = not cfg[m.flag]
         else:

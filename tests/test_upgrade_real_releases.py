@@ -61,9 +61,12 @@ def _pinned(engine: str) -> str:
 
 
 def _session(out: Path, baselines: Path, engines: str, python: dict[str, str], *args: str) -> Run:
-    """`pytest ARGS --engines=ENGINES` in the project, its reports under `out`, baselines in `baselines`."""
+    """`pytest ARGS --engines=ENGINES` in the project, its reports under `out`, baselines in `baselines`.
+    The capture cache is shared: its keys name each engine's release (Session.inputs_key), so the old
+    release's results are its own, and the pinned release and the reference reuse what the shipped
+    run (tests/shipped_run.py) already captured of the same cases."""
     run = run_pytest(ROOT, *args, f"--engines={engines}", *(f"--engine-python={k}={v}" for k, v in python.items()),
-                     "--require-engines", "--no-capture-cache", "--engine-timeout=900", f"--baseline-dir={baselines}",
+                     "--require-engines", "--engine-timeout=900", f"--baseline-dir={baselines}",
                      f"--report-dir={out / 'reports'}", timeout=3000)  # fmt: skip
     run.root = out  # Run.report reads root/reports
     return run

@@ -13,7 +13,7 @@ SCHEMA = Schema("vllm", (
     Setting("kv_cache_space_gib", "int", "VLLM_CPU_KVCACHE_SPACE", default=1, min=1),
     Setting("draft_config_overrides", "mapping", "deep-merged into the draft's config.json (an overlay)", default={}),
     Setting("target", "path", "serve this target instead of the case's"),
-    Setting("draft", "path", "serve this draft instead of the case's"),
+    Setting("draft", "path", "serve this draft instead of the case's", replaces="draft"),
     Setting("llm_args", "mapping", "any other vllm.LLM argument", default={}),
     Setting("speculative_config", "mapping", "merged into vllm's speculative_config", default={}),
 ))  # fmt: skip
