@@ -220,7 +220,7 @@ def test_quality_json_shows_collapse_under_h3_h5_h6(quality):
 
 
 def test_step0_agreement_recomputed_on_heldout_matches_quality_json(paths, target, quality):
-    from engines.ref.eagle3 import load_draft
+    from engines.ref.draft_loading import load_draft
     from engines.ref.train import prepare_data, step0_agreement
 
     draft = load_draft(paths[ds.DRAFT]).model

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from difftest.errors import ConfigError
-from engines.ref.eagle3 import load_draft
+from engines.ref.draft_loading import load_draft
 from engines.ref.fixtures_deepseek import ROPE_PARAMETERS
 from engines.ref.eagle3_mla import (
     Eagle3MLAConfig,

@@ -21,7 +21,7 @@ from engines.ref import fixture_cache as cache
 from engines.ref import fixture_targets as targets
 from engines.ref import fixtures as fx
 from difftest.jsonfile import read_json
-from engines.ref.eagle3 import load_draft
+from engines.ref.draft_loading import load_draft
 from engines.ref.target import load_target, run_target
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import torch
 
 import wiring_drafts as wd
 from difftest.infer_wiring import Scores, Search, infer, infer_from_evidence, paired_z, starts_for
-from engines.ref.eagle3 import load_draft
+from engines.ref.draft_loading import load_draft
 
 
 @pytest.fixture(autouse=True, scope="module")

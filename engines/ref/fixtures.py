@@ -101,7 +101,7 @@ def _build_tiny_qwen3(out: Path, build: cache.Build) -> None:
 
 def _build_speculators_draft(out: Path, build: cache.Build) -> None:
     """The good draft's weights in the speculators layout (a format, not a new training)."""
-    from engines.ref.eagle3 import load_draft
+    from engines.ref.draft_loading import load_draft
     from engines.ref.train import save_speculators_format
 
     src = fixture_path("tiny-llama-eagle3")
