@@ -363,10 +363,10 @@ def _build(spec: TargetSpec, out: Path) -> None:
 
 
 def ensure_model(name: str, log=print) -> BuiltModel:
-    """Build `name` unless cached (by content key), once across processes (fixture_cache.build_once)."""
+    """Build `name` unless cached (by content key), once across processes (fixtures.cache.build_once)."""
     import time
 
-    from engines.ref.fixture_cache import build_once
+    from fixtures.cache import build_once
 
     spec = TARGETS[name]
     final = cache_root() / f"{name}-{spec.key()}"

@@ -1,4 +1,4 @@
-"""The built-in tiny DeepSeek-V3 target and its EAGLE-3 draft (engines/ref/fixtures_deepseek.py), the
+"""The built-in tiny DeepSeek-V3 target and its EAGLE-3 draft (fixtures/deepseek.py), the
 reference engine's capture of it, and cases/tiny_deepseek_v3.yaml run as a user runs it."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from safetensors import safe_open
 
 from difftest.case import load_case
 from difftest.engine import parse_spec
-from engines.ref import draft_pipeline as drafts
-from engines.ref import fixture_targets as targets
-from engines.ref import fixtures_deepseek as ds
+from fixtures import drafts, targets
+from fixtures import deepseek as ds
 from engines.ref.engine import RefEngine
 from engines.ref.target import load_target
 from helpers import ROOT, run_pytest

@@ -43,7 +43,7 @@ def test_inference_does_not_follow_the_config_ids():
 
 
 def test_untrained_draft_cannot_tell():
-    from engines.ref.draft_pipeline import draft_config
+    from fixtures.drafts import draft_config
     from engines.ref.train import init_draft
 
     target = wd._target("tiny-llama")
@@ -146,7 +146,7 @@ def test_a_case_with_wiring_infer_on_an_untrained_draft_stops_saying_it_cannot_t
     from difftest.engine import EngineSpec
     from difftest.errors import ConfigError
     from difftest.session import Options, Session
-    from engines.ref.draft_pipeline import draft_config
+    from fixtures.drafts import draft_config
     from engines.ref.train import init_draft, save_eagle_format
 
     draft = init_draft(wd._target("tiny-llama"), draft_config(), torch.zeros(512, dtype=torch.long), seed=5)
