@@ -58,7 +58,7 @@ from difftest.case import load_case
 from difftest.engine import parse_engine_list
 from difftest.errors import DifftestError
 from difftest.session import Options, Session
-from engines.ref.eagle3 import load_draft
+from engines.ref.draft_loading import load_draft
 from engines.ref.engine import DTYPES as REF_DTYPES
 from engines.ref.target import load_target
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import wiring_drafts as wd  # noqa: E402
 from difftest.infer_wiring import Scores, Search, infer_from_evidence, starts_for  # noqa: E402
-from engines.ref.eagle3 import load_draft  # noqa: E402
+from engines.ref.draft_loading import load_draft  # noqa: E402
 
 TINY = ["llama-embed", "qwen3-unsorted-postnorm", "deepseek-unsorted-prenorm"]
 LAYERS = 61

@@ -74,7 +74,7 @@ class DraftLoader:
     """Loads a draft checkpoint as a runnable model for the core's own draft forwards (`wiring: infer`)."""
 
     name: str
-    load: Callable  # (draft_dir, target_dir) -> a loaded draft (engines.ref.eagle3.LoadedDraft)
+    load: Callable  # (draft_dir, target_dir) -> a loaded draft (engines.ref.draft_loading.LoadedDraft)
 
 
 def _variable(group: str) -> str:

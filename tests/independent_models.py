@@ -30,7 +30,7 @@ key = content hash of the spec and builder version; built in a temp dir and rena
                         top level and in eagle_config; norm_before_residual false
   draft-h0/             a draft fitted on [h0, a, b] (config ids [0, a, b]): the embedding-dropped cases
   draft-nbr-flipped/    the same weights, config norm_before_residual true (a wrong flag)
-  draft-no-d2t/         the same weights without d2t/t2d: engines/ref/eagle3.py load_draft then maps
+  draft-no-d2t/         the same weights without d2t/t2d: engines/ref/draft_loading.py load_draft then maps
                         draft id d to target id d (d2t all 0, "draft ids map to the first target ids"),
                         as vLLM (draft_id_to_target_id stays zeros) and SGLang (hot_token_id None) do
 
@@ -363,10 +363,10 @@ def _build(spec: TargetSpec, out: Path) -> None:
 
 
 def ensure_model(name: str, log=print) -> BuiltModel:
-    """Build `name` unless cached (by content key), once across processes (fixture_cache.build_once)."""
+    """Build `name` unless cached (by content key), once across processes (fixtures.cache.build_once)."""
     import time
 
-    from engines.ref.fixture_cache import build_once
+    from fixtures.cache import build_once
 
     spec = TARGETS[name]
     final = cache_root() / f"{name}-{spec.key()}"

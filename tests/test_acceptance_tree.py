@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from difftest.acceptance import NORMALISATION, normalise
-from engines.ref.eagle3 import load_draft
+from engines.ref.draft_loading import load_draft
 from engines.ref.speculate import greedy_decode, simulate_greedy
 from engines.ref.target import load_target
 from engines.ref.tree import simulate_tree

@@ -1,4 +1,4 @@
-"""The built-in tiny DeepSeek-V3 target and its EAGLE-3 draft (engines/ref/fixtures_deepseek.py), the
+"""The built-in tiny DeepSeek-V3 target and its EAGLE-3 draft (fixtures/deepseek.py), the
 reference engine's capture of it, and cases/tiny_deepseek_v3.yaml run as a user runs it."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from safetensors import safe_open
 
 from difftest.case import load_case
 from difftest.engine import parse_spec
-from engines.ref import draft_pipeline as drafts
-from engines.ref import fixture_targets as targets
-from engines.ref import fixtures_deepseek as ds
+from fixtures import drafts, targets
+from fixtures import deepseek as ds
 from engines.ref.engine import RefEngine
 from engines.ref.target import load_target
 from helpers import ROOT, run_pytest
@@ -220,7 +219,7 @@ def test_quality_json_shows_collapse_under_h3_h5_h6(quality):
 
 
 def test_step0_agreement_recomputed_on_heldout_matches_quality_json(paths, target, quality):
-    from engines.ref.eagle3 import load_draft
+    from engines.ref.draft_loading import load_draft
     from engines.ref.train import prepare_data, step0_agreement
 
     draft = load_draft(paths[ds.DRAFT]).model

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from difftest.errors import ConfigError
-from engines.ref.eagle3 import load_draft
-from engines.ref.fixtures_deepseek import ROPE_PARAMETERS
+from engines.ref.draft_loading import load_draft
+from fixtures.deepseek import ROPE_PARAMETERS
 from engines.ref.eagle3_mla import (
     Eagle3MLAConfig,
     Eagle3MLADraft,
@@ -314,13 +314,13 @@ def test_norm_before_fc_is_refused_because_neither_engine_applies_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def mla_fixture() -> Path:
-    from engines.ref import fixtures_mla
+    from fixtures import mla as fixtures_mla
 
     return fixtures_mla.ensure_fixtures()[fixtures_mla.DRAFT]
 
 
 def test_fixture_is_the_mla_class_with_the_targets_shapes_and_ids(mla_fixture):
-    from engines.ref import fixtures_deepseek as deepseek
+    from fixtures import deepseek
 
     config = json.loads((mla_fixture / "config.json").read_text())
     target = json.loads((deepseek.fixture_path(deepseek.TARGET) / "config.json").read_text())
@@ -334,8 +334,7 @@ def test_fixture_is_the_mla_class_with_the_targets_shapes_and_ids(mla_fixture):
 def test_fixture_draft_predicts_the_target_under_its_training_wiring_only(mla_fixture):
     """Recomputed on 16 sequences from the held-out seed: the trained wiring agrees with the target's greedy tokens
     (quality.json: 0.918 on all 64), SGLang's Llama +1 reading ([h3, h5, h6]) does not (0.046)."""
-    from engines.ref import draft_pipeline as drafts
-    from engines.ref import fixtures_deepseek as deepseek
+    from fixtures import deepseek, drafts
     from engines.ref.target import load_target
     from engines.ref.train import prepare_data, step0_agreement
 

@@ -1,4 +1,4 @@
-"""The fixture cache (engines/ref/fixture_cache.py): built once, published whole, keyed by contents."""
+"""The fixture cache (fixtures/cache.py): built once, published whole, keyed by contents."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from engines.ref import fixture_cache as cache
+from fixtures import cache
 
 
 @pytest.fixture

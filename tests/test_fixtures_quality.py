@@ -1,4 +1,4 @@
-"""The built-in fixtures (engines/ref/fixtures.py) are what the cases rely on: check it.
+"""The built-in fixtures (fixtures/tiny_llama.py) are what the cases rely on: check it.
 
 Quality figures are read from each draft's quality.json (written at build time) and, where
 cheap, recomputed here on the same held-out sequences.
@@ -16,12 +16,10 @@ import pytest
 import torch
 
 from difftest.wiring import resolve
-from engines.ref import draft_pipeline as drafts
-from engines.ref import fixture_cache as cache
-from engines.ref import fixture_targets as targets
-from engines.ref import fixtures as fx
+from fixtures import cache, drafts, targets
+from fixtures import tiny_llama as fx
 from difftest.jsonfile import read_json
-from engines.ref.eagle3 import load_draft
+from engines.ref.draft_loading import load_draft
 from engines.ref.target import load_target, run_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,7 +215,7 @@ def test_provider_resolves_only_its_own_names(paths):
 
 
 def test_concurrent_builds_build_once_and_leave_no_temporary_directories(tmp_path):
-    code = "from engines.ref.fixtures import ensure_fixtures; print(ensure_fixtures(['tiny-qwen3'])['tiny-qwen3'])"
+    code = "from fixtures.tiny_llama import ensure_fixtures; print(ensure_fixtures(['tiny-qwen3'])['tiny-qwen3'])"
     env = {**os.environ, "DIFFTEST_CACHE": str(tmp_path)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

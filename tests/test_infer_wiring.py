@@ -10,7 +10,7 @@ import torch
 
 import wiring_drafts as wd
 from difftest.infer_wiring import Scores, Search, infer, infer_from_evidence, paired_z, starts_for
-from engines.ref.eagle3 import load_draft
+from engines.ref.draft_loading import load_draft
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -43,7 +43,7 @@ def test_inference_does_not_follow_the_config_ids():
 
 
 def test_untrained_draft_cannot_tell():
-    from engines.ref.draft_pipeline import draft_config
+    from fixtures.drafts import draft_config
     from engines.ref.train import init_draft
 
     target = wd._target("tiny-llama")
@@ -146,7 +146,7 @@ def test_a_case_with_wiring_infer_on_an_untrained_draft_stops_saying_it_cannot_t
     from difftest.engine import EngineSpec
     from difftest.errors import ConfigError
     from difftest.session import Options, Session
-    from engines.ref.draft_pipeline import draft_config
+    from fixtures.drafts import draft_config
     from engines.ref.train import init_draft, save_eagle_format
 
     draft = init_draft(wd._target("tiny-llama"), draft_config(), torch.zeros(512, dtype=torch.long), seed=5)

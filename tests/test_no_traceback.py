@@ -69,7 +69,7 @@ def test_an_unreadable_draft_safetensors_gives_the_lint_the_loaders_one_line(mod
 @pytest.mark.parametrize("which", ["draft", "target"])
 def test_a_config_json_that_is_not_an_object_gives_the_lint_the_loaders_one_line(models, tmp_path, which):
     from difftest.lint import lint_draft
-    from engines.ref.eagle3 import load_draft
+    from engines.ref.draft_loading import load_draft
     from engines.ref.target import target_config
 
     target, draft = models

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.ref.eagle3 import load_draft
+from engines.ref.draft_loading import load_draft
 from engines.ref.replay import replay_request
 from engines.ref.speculate import simulate_greedy
 from engines.ref.target import load_target

@@ -148,9 +148,9 @@ def test_ttt_mask_lets_step_k_see_causal_step_0_keys_and_its_own_chain():
 
 @pytest.fixture(scope="session")
 def fixture_models():
-    from engines.ref.draft_pipeline import heldout_prompts
-    from engines.ref.eagle3 import load_draft
-    from engines.ref.fixtures import ensure_fixtures
+    from fixtures.drafts import heldout_prompts
+    from engines.ref.draft_loading import load_draft
+    from fixtures.tiny_llama import ensure_fixtures
     from engines.ref.target import load_target
 
     paths = ensure_fixtures()

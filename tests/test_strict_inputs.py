@@ -359,7 +359,7 @@ def test_bad_target_config_is_one_line_naming_the_file(tmp_path, config, fragmen
      "malformed draft config (ValueError"),
 ])  # fmt: skip
 def test_bad_draft_config_is_one_line_naming_the_file(tmp_path, config, fragment):
-    from engines.ref.eagle3 import load_draft
+    from engines.ref.draft_loading import load_draft
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError) as e:

@@ -276,7 +276,8 @@ def test_the_window_is_applied_only_under_rules_whose_trainer_applies_it(tmp_pat
 
 
 def _random_draft(window: int | None):
-    from engines.ref.eagle3 import Eagle3Config, build_draft
+    from engines.ref.eagle3 import Eagle3Config
+    from engines.ref.draft_loading import build_draft
 
     cfg = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                        vocab_size=32, draft_vocab_size=32, target_hidden_size=16, num_aux=3, norm_output=True,

@@ -189,7 +189,7 @@ def test_legacy_and_specforge_bad_fields_are_named(pair, tmp_path):
 def seed(pair, target, tmp_path_factory):
     """A miswired dump [h0, h2, h4, h5] (verifier h5, not the final h6) and a draft trained on it as the
     seed's trainer did (fc cat(h0, h2, h4), targets from h5), saved with config ids [2, 4, 5]."""
-    from engines.ref.eagle3 import load_draft
+    from engines.ref.draft_loading import load_draft
     from engines.ref.train import TrainData, save_eagle_format, train_draft
 
     root = tmp_path_factory.mktemp("seed")

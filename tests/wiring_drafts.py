@@ -89,7 +89,7 @@ def target_path(name: str) -> Path:
 
 @torch.no_grad()
 def build_qwen3_circuit():
-    """A Qwen3ForCausalLM carrying tiny-llama's constructed circuit (engines/ref/fixture_targets.py): the same
+    """A Qwen3ForCausalLM carrying tiny-llama's constructed circuit (fixtures/targets.py): the same
     weights, plus q/k-norm weights set to the median RMS of the Llama's queries (positional heads) and
     keys per layer, so the normalised queries and keys keep their scale and the positional heads still
     attend where the circuit needs (the Qwen3 and the Llama agree on every greedy token here).
@@ -97,9 +97,7 @@ def build_qwen3_circuit():
     for its wiring to show (agreement ~0.1 on tests/independent_models.py's Qwen3)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from engines.ref import draft_pipeline as drafts
-    from engines.ref import fixture_cache as cache
-    from engines.ref import fixture_targets as targets
+    from fixtures import cache, drafts, targets
 
     with cache.pinned_threads(1):
         llama = targets.build_llama_target()
@@ -135,7 +133,7 @@ def build_qwen3_circuit():
 
 
 def _ensure_qwen3_circuit() -> Path:
-    from engines.ref.fixture_cache import build_once
+    from fixtures.cache import build_once
 
     final = root() / f"targets/{QWEN3}-v{BUILDER_VERSION}"
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -209,7 +207,7 @@ def _build(recipe: Recipe, out: Path) -> None:
 
 
 def ensure_draft(name: str, log=print) -> Path:
-    from engines.ref.fixture_cache import build_once
+    from fixtures.cache import build_once
 
     recipe = RECIPES[name]
     final = root() / f"{name}-{recipe.key()}"

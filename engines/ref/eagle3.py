@@ -19,7 +19,7 @@ The flags mirror the engines' draft classes (vLLM 0.32.0
 `srt/models/llama_eagle3.py`): norm_before_fc (one RMSNorm over the whole fc input),
 fc_norm (one RMSNorm per H-wide chunk), norm_before_residual, norm_output.
 
-Checkpoint formats (`load_draft`):
+Checkpoint formats (read here; `draft_loading.load_draft` builds the draft from them):
   * HF/EAGLE: `architectures: [LlamaForCausalLMEagle3]`, keys `midlayer.*`, `fc`,
     `norm`, `lm_head`, `d2t`, `t2d`; layer ids top-level or in `eagle_config`;
     norm_before_residual defaults to False.
@@ -41,8 +41,7 @@ from torch import nn
 
 from difftest.checkpoint_integrity import refuse_on_errors, stored_tensors
 from difftest.errors import ConfigError
-from difftest.jsonfile import read_json
-from difftest.weight_files import first_line, load_safetensors, torch_load_tensors
+from difftest.weight_files import load_safetensors, torch_load_tensors
 
 Recorder = Callable[[str, torch.Tensor], None]
 
@@ -191,7 +190,11 @@ class DraftOutput:
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
+    """fc, embedding, the one layer, final norm, lm_head and d2t. `layer_class` builds the layer from
+    the config: Llama's DecoderLayer here; a draft with another attention passes its own layer
+    (eagle3_mla.py), which takes the same (x, positions, cache, mask) through `self_attn`."""
+
+    def __init__(self, cfg: Eagle3Config, layer_class: Callable[[Eagle3Config], nn.Module] = DecoderLayer):
         super().__init__()
         self.cfg = cfg
         fc_in = cfg.num_aux * cfg.target_hidden_size
@@ -203,7 +206,7 @@ class Eagle3Draft(nn.Module):
         )
         self.fc = nn.Linear(fc_in, cfg.hidden_size, bias=False)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layer = DecoderLayer(cfg)
+        self.layer = layer_class(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         # Draft id d -> target id d + d2t[d]; identity when the checkpoint has no map.
@@ -430,96 +433,3 @@ def parse_config(raw: dict, path: Path) -> Eagle3Config:
         layer_ids_eagle_config=ids_ec,
         sliding_window=_sliding_window(layer, where, "transformer_layer_config." if fmt == "speculators" else ""),
     )
-
-
-def build_draft(cfg: Eagle3Config) -> Eagle3Draft:
-    """The module a config describes: MLA attention (eagle3_mla.py) for an Eagle3MLAConfig, else Llama's."""
-    from engines.ref.eagle3_mla import Eagle3MLAConfig, Eagle3MLADraft
-
-    return Eagle3MLADraft(cfg) if isinstance(cfg, Eagle3MLAConfig) else Eagle3Draft(cfg)
-
-
-@dataclass
-class LoadedDraft:
-    model: Eagle3Draft
-    config: Eagle3Config
-    shared: list[str]  # weights taken from the target ("embed_tokens", "lm_head")
-    notes: list[str]
-
-
-def _check_d2t(model_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor | None, vocab: int) -> None:
-    """Refuse a vocab map that sends draft ids outside the target vocabulary (or two onto one)."""
-    from difftest.lint_checkpoint import d2t_convention_findings
-
-    targets = torch.arange(d2t.numel()) + d2t
-    if bool(((targets >= 0) & (targets < vocab)).all()) and targets.unique().numel() == targets.numel():
-        return
-    absolute = d2t_convention_findings(d2t, None if t2d is None else t2d.bool(), vocab)
-    why = ("it holds absolute target ids, not offsets (engines add the draft id): store d2t - arange(draft_vocab)"
-           if absolute else "arange + d2t leaves the target vocabulary or repeats an id")  # fmt: skip
-    raise ConfigError(f"{model_dir}: d2t maps draft ids outside the target vocabulary of {vocab}: {why}")
-
-
-def load_draft(
-    model_dir: str | Path,
-    target_embed: torch.Tensor | None = None,
-    target_lm_head: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> LoadedDraft:
-    model_dir = Path(model_dir)
-    raw_config = read_json(model_dir / "config.json")
-    if not isinstance(raw_config, dict):
-        raise ConfigError(f"{model_dir / 'config.json'}: expected a JSON object, got {type(raw_config).__name__}")
-    from engines.ref.eagle3_mla import is_mla_config, parse_mla_config  # builds on this module
-
-    try:
-        if is_mla_config(raw_config):  # architectures names Eagle3DeepseekV2ForCausalLM (the Kimi-K2.5 family)
-            cfg = parse_mla_config(raw_config, model_dir / "config.json")
-        else:
-            cfg = parse_config(raw_config, model_dir / "config.json")
-    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # e.g. hidden_size: "big"
-        raise ConfigError(f"{model_dir / 'config.json'}: malformed draft config ({first_line(e)})") from None
-    raw = {_canonical_key(k): v for k, v in load_state_dict(model_dir).items()}
-    notes: list[str] = []
-    shared: list[str] = []
-    fc_w = raw.get("fc.weight")
-    if fc_w is None:
-        raise ConfigError(f"{model_dir}: tensor fc.weight missing")
-    expected = cfg.num_aux * cfg.target_hidden_size
-    if fc_w.shape[1] != expected:
-        raise ConfigError(
-            f"{model_dir}: fc.weight has in_features {fc_w.shape[1]}, expected num_aux({cfg.num_aux}) x "
-            f"target_hidden_size({cfg.target_hidden_size}) = {expected}"
-        )
-    model = build_draft(cfg)
-    if "embed_tokens.weight" not in raw:
-        if target_embed is None:
-            raise ConfigError(f"{model_dir}: no embed_tokens.weight and no target embedding to share")
-        raw["embed_tokens.weight"] = target_embed
-        shared.append("embed_tokens")
-    if "lm_head.weight" not in raw:
-        if target_lm_head is None or cfg.draft_vocab_size != cfg.vocab_size:
-            raise ConfigError(f"{model_dir}: no lm_head.weight (and draft vocab != target vocab, so it cannot be shared)")
-        raw["lm_head.weight"] = target_lm_head
-        shared.append("lm_head")
-    if "d2t" not in raw:
-        if cfg.draft_vocab_size != cfg.vocab_size:
-            notes.append("d2t missing while draft vocab < target vocab: draft ids map to the first target ids")
-        raw["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    t2d = raw.pop("t2d", None)
-    _check_d2t(model_dir, raw["d2t"].long(), t2d, cfg.vocab_size)
-    state = model.state_dict()
-    missing = sorted(set(state) - set(raw))
-    if missing:
-        raise ConfigError(f"{model_dir}: tensors missing from the checkpoint: {', '.join(missing)}")
-    unexpected = sorted(set(raw) - set(state))
-    if unexpected:
-        notes.append(f"ignored checkpoint tensors: {', '.join(unexpected)}")
-    for k, v in state.items():
-        if tuple(raw[k].shape) != tuple(v.shape):
-            raise ConfigError(f"{model_dir}: tensor {k} has shape {tuple(raw[k].shape)}, expected {tuple(v.shape)}")
-    model.load_state_dict({k: raw[k] for k in state})
-    model = model.to(dtype)
-    model.d2t = model.d2t.long()
-    model.eval()
-    return LoadedDraft(model, cfg, shared, notes)

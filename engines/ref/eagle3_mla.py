@@ -236,21 +236,8 @@ class Eagle3MLADraft(Eagle3Draft):
     (x, positions, cache, mask) interface, so the chain, tree and TTT training code run it unchanged."""
 
     def __init__(self, cfg: Eagle3MLAConfig):
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        fc_in = cfg.num_aux * cfg.target_hidden_size
+        super().__init__(cfg, layer_class=MLADecoderLayer)
         self.input_norm = None  # norm_before_fc: neither engine's MLA draft has it (parse refuses it)
-        self.fc_norm = (
-            nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
-            if cfg.fc_norm
-            else None
-        )
-        self.fc = nn.Linear(fc_in, cfg.hidden_size, bias=False)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layer = MLADecoderLayer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
 
 
 # ---------------------------------------------------------------------------------------
@@ -331,7 +318,7 @@ def parse_mla_config(raw: dict, path: Path) -> Eagle3MLAConfig:
 
 
 # ---------------------------------------------------------------------------------------
-# Saving (the fixture builder's writer); loading is eagle3.load_draft, which dispatches here
+# Saving (the fixture builder's writer); loading is draft_loading.load_draft, which dispatches here
 # ---------------------------------------------------------------------------------------
 
 ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rope_interleave", "max_position_embeddings")

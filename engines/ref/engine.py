@@ -24,7 +24,7 @@ from difftest.case import Case
 from difftest.engine import Engine, EngineInfo
 from difftest.errors import ConfigError
 from difftest.wiring import Wiring, resolve
-from engines.ref.eagle3 import LoadedDraft, load_draft
+from engines.ref.draft_loading import LoadedDraft, load_draft
 from engines.ref.settings import SCHEMA
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import load_target, num_layers, run_target

@@ -24,7 +24,7 @@ def _target_tensor(target: Path, suffix: str) -> torch.Tensor | None:
 
 def load_inference_draft(draft: str | Path, target: str | Path):
     """The draft in float32 (engines.ref.eagle3), with the target's embedding / lm_head where it shares them."""
-    from engines.ref.eagle3 import load_draft
+    from engines.ref.draft_loading import load_draft
 
     try:
         return load_draft(draft)

@@ -37,7 +37,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from engines.ref.eagle3 import Eagle3Config, Eagle3Draft, KVCache, build_draft
+from engines.ref.eagle3 import Eagle3Config, Eagle3Draft, KVCache
+from engines.ref.draft_loading import build_draft
 from engines.ref.speculate import gather_fc_in
 from engines.ref.target import run_target
 

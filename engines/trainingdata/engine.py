@@ -55,7 +55,7 @@ from engines.trainingdata.train_accuracy import (
     sample_accuracy,
 )
 from difftest.wiring import resolve, short_name
-from engines.ref.eagle3 import LoadedDraft, load_draft
+from engines.ref.draft_loading import LoadedDraft, load_draft
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import final_norm_module, load_target, num_layers, run_target
 from engines.trainingdata.formats import Dump, Sample, read_dump
