@@ -1,0 +1,255 @@
+"""SpecForge's own writer, end to end: training data written by SpecForge 0.2.0's
+scripts/prepare_hidden_states.py (its SGLang 0.5.14 capture, on CPU) from fixture:tiny-llama-chat on a
+small conversation file, then `difftest train-acc` on those files.
+
+What runs, all of it the upstream code except the CPU stand-ins the runner applies at run time
+(tests/trainer_oracle/specforge_prepare_hs.py; nothing installed and nothing in the script edited):
+* the data: conversations of the target's vocabulary words in SpecForge's jsonl layout
+  ({"id", "conversations": [{"role", "content"}]}); the chat template is the fixture tokenizer's, and
+  the matching SpecForge ChatTemplate is registered through its TEMPLATE_REGISTRY, as its docs tell
+  users of a custom template to;
+* the writer: the script with its own flags, no capture ids: SpecForge resolves its default for an
+  8-layer target, [1, 3, 4] ("output of layer k", i.e. h2, h4, h5), and writes rows_0-2000/data_i.ckpt
+  with input_ids, loss_mask, aux_hidden_state [1, L, 3H] and hidden_state [1, L, H] (after the final
+  norm), plus vocab_mapping/vocab_mapping.pt;
+* the check: `train-acc` identifies the tensors SGLang actually wrote against the target (not the
+  ids), scores fixture:tiny-llama-eagle3 (trained on fc = [h2, h4, h5]) under the trainer's wiring,
+  and shows what serving engines do with the ids a SpecForge draft config records ([1, 3, 4]):
+  vLLM reads them as [h1, h3, h4] and the draft collapses; SGLang 0.5.23 adds 1 when the first id
+  is 1 and feeds what the trainer fed.
+
+Environment: `scripts/setup-engine specforge-writer` (SpecForge 0.2.0 + SGLang 0.5.14 on CPU torch; not
+built by CI: about 2 min of installs, 4.5 GB). The script is not in SpecForge's wheel: point
+DIFFTEST_SPECFORGE_SCRIPT at a SpecForge checkout's scripts/prepare_hidden_states.py (the 2026-08
+tree the 0.2.0 wheel was cut from). Without either the tests skip naming what to do, also under
+DIFFTEST_REQUIRE_ENGINES=1, since CI provides neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftest import cli
+from test_trainers_oracle import HERE, _cache, trainer_python
+
+TARGET, DRAFT = "fixture:tiny-llama-chat", "fixture:tiny-llama-eagle3"
+SCRIPT_VAR = "DIFFTEST_SPECFORGE_SCRIPT"
+N_CONVERSATIONS, SEED = 24, 5
+DEFAULT_IDS = [1, 3, 4]  # SpecForge's default capture ids for 8 layers: [1, L//2 - 1, L - 4]
+STEPS, MAX_LEN = 7, 2048  # SpecForge's defaults: ttt_length, max_length
+
+
+def _writer() -> tuple[str, str]:
+    """The writer environment's interpreter and SpecForge's script, or skip naming what is missing."""
+    python = _cache() / "envs" / "specforge-writer" / "bin" / "python"
+    if not python.exists():
+        why = f"SpecForge's writer environment is not set up ({python})"
+        pytest.skip(f"{why}; run: scripts/setup-engine specforge-writer")
+    script = os.environ.get(SCRIPT_VAR, "")
+    if not script or not Path(script).is_file():
+        pytest.skip(f"{SCRIPT_VAR} does not name SpecForge's scripts/prepare_hidden_states.py (not in its wheel): "
+                    "set it to a SpecForge checkout's copy")  # fmt: skip
+    return str(python), script
+
+
+def _resolve(ref: str) -> Path:
+    from difftest.session import resolve_fixture
+
+    return Path(resolve_fixture(ref))
+
+
+def write_conversations(target: Path, path: Path) -> list[dict]:
+    """User and assistant turns of random vocabulary words (no template marker among them)."""
+    from engines.trainingdata.fixtures_chat import MARKERS
+
+    vocab = json.loads((target / "tokenizer.json").read_text())["model"]["vocab"]
+    words = sorted(w for w in vocab if not w.startswith("<") and w not in MARKERS.values())
+    r = random.Random(SEED)
+    rows = []
+    for i in range(N_CONVERSATIONS):
+        turns = [{"role": "user", "content": " ".join(r.choices(words, k=r.randint(6, 12)))},
+                 {"role": "assistant", "content": " ".join(r.choices(words, k=r.randint(16, 28)))}]  # fmt: skip
+        rows.append({"id": str(i), "conversations": turns})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return rows
+
+
+def specforge_template() -> dict:
+    """fixtures_chat.TEMPLATE's turns in SpecForge's ChatTemplate fields (turn = START ROLE text END)."""
+    from engines.trainingdata.fixtures_chat import MARKERS
+
+    m = MARKERS
+    return {"tiny-chat": {"user_header": f"{m['start']} {m['user']} ", "assistant_header": f"{m['start']} {m['assistant']} ",
+                          "end_of_turn_token": f"{m['end']} "}}  # fmt: skip
+
+
+def draft_config(draft: Path, path: Path) -> None:
+    """The draft's config without capture ids, as SpecForge's --draft-model-config (draft_vocab_size):
+    SpecForge then resolves its own default ids for the target."""
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg.pop("eagle_aux_hidden_state_layer_ids", None)
+    cfg.pop("eagle_config", None)
+    path.write_text(json.dumps(cfg, indent=1))
+
+
+def served_target(target: Path, view: Path) -> Path:
+    """The target as SpecForge's pipeline is given one: in bfloat16, as targets are served (the writer
+    runs SGLang in the config's dtype, and the trainer's frozen TargetHead is bf16, so float32 files
+    would not even reach its lm_head), with a *.index.json, the only layout TargetHead.load_weights
+    reads (modeling/target/target_head.py). The weight files are linked, not copied."""
+    from safetensors import safe_open
+
+    view.mkdir(parents=True, exist_ok=True)
+    for f in target.iterdir():
+        if f.name != "config.json":
+            (view / f.name).symlink_to(f)
+    config = json.loads((target / "config.json").read_text())
+    (view / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}, indent=1))
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        weight_map = {k: "model.safetensors" for k in f.keys()}
+    (view / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return view
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> dict:
+    python, script = _writer()
+    target, draft = _resolve(TARGET), _resolve(DRAFT)
+    root = tmp_path_factory.mktemp("specforge-writer")
+    rows = write_conversations(target, root / "conversations.jsonl")
+    served = served_target(target, root / "target")
+    (root / "templates.json").write_text(json.dumps(specforge_template()))
+    draft_config(draft, root / "draft.json")
+    out = root / "hidden_states"
+    cmd = [python, HERE / "specforge_prepare_hs.py", script, root / "run", root / "templates.json", "--",
+           "--target-model-path", served, "--draft-model-config", root / "draft.json",
+           "--data-path", root / "conversations.jsonl", "--chat-template", "tiny-chat", "--max-length", "256",
+           "--batch-size", "8", "--output-path", out, "--cache-dir", root / "run" / "cache",
+           "--build-dataset-num-proc", "1", "--num-workers", "0", "--num-io-threads", "1",
+           "--sglang-attention-backend", "torch_native", "--sglang-mem-fraction-static", "0.05"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", HF_HOME=str(root / "hf"), TOKENIZERS_PARALLELISM="false")
+    t0 = time.monotonic()
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=600)
+    log = proc.stdout + proc.stderr
+    (root / "prepare.log").write_text(log)
+    assert proc.returncode == 0, f"prepare_hidden_states failed (log {root / 'prepare.log'}):\n{log[-4000:]}"
+    print(f"SpecForge prepare_hidden_states (SGLang 0.5.14, CPU): {time.monotonic() - t0:.1f}s")
+    return {"target": target, "served": served, "draft": draft, "out": out, "rows": rows, "log": log}
+
+
+def train_acc(*args: str, json_out: Path) -> tuple[list[dict], str]:
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rc = cli.main(["train-acc", *args, "--json", str(json_out)])
+    assert rc == 0, text.getvalue()
+    return json.loads(json_out.read_text())["rows"], text.getvalue()
+
+
+@pytest.fixture(scope="module")
+def scored(written, tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("scored")
+    ids = ",".join(map(str, DEFAULT_IDS))
+    rows, text = train_acc("--data", str(written["out"]), "--target", TARGET, "--draft", DRAFT, "--format", "specforge",
+                           "--layer-ids", ids, "--wiring", "vllm", "--wiring", "sglang", json_out=d / "rows.json")  # fmt: skip
+    # in bfloat16, as SpecForge's trainer runs its draft (model.torch_dtype) on these bf16 files
+    bf16, bf16_text = train_acc("--data", str(written["out"]), "--target", TARGET, "--draft", DRAFT,
+                                "--format", "specforge", "--dtype", "bfloat16", json_out=d / "bf16.json")  # fmt: skip
+    print(text)
+    return {"rows": rows, "text": text, "bf16": bf16[0], "bf16_text": bf16_text}
+
+
+@pytest.fixture(scope="module")
+def specforge_forward(written, tmp_path_factory) -> dict:
+    """SpecForge's own training forward on the writer's files (tests/trainer_oracle/specforge_forward.py)."""
+    python = trainer_python("specforge")
+    out = tmp_path_factory.mktemp("specforge-forward") / "counts.json"
+    env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1")
+    cmd = [python, HERE / "specforge_forward.py", written["draft"], written["served"], written["out"], out, STEPS, MAX_LEN,
+           "bfloat16"]  # fmt: skip
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+# -- the writer -------------------------------------------------------------------------------------
+
+
+def test_prepare_hidden_states_wrote_one_feature_file_per_conversation_in_its_layout(written):
+    files = sorted((written["out"] / "rows_0-2000").glob("data_*.ckpt"))
+    assert len(files) == N_CONVERSATIONS, sorted(p.name for p in written["out"].rglob("*"))
+    assert (written["out"] / "vocab_mapping" / "vocab_mapping.pt").is_file()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(written["target"]), local_files_only=True)
+    rendered = {tuple(tok.apply_chat_template(r["conversations"], tokenize=True, return_dict=False)): r
+                for r in written["rows"]}  # fmt: skip
+    seen = set()
+    for path in files:
+        rec = torch.load(path, weights_only=True)
+        n = rec["input_ids"].shape[-1]
+        assert set(rec) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}, set(rec)
+        assert tuple(rec["aux_hidden_state"].shape) == (1, n, 3 * 128), rec["aux_hidden_state"].shape
+        assert tuple(rec["hidden_state"].shape) == (1, n, 128), rec["hidden_state"].shape
+        assert rec["aux_hidden_state"].dtype == rec["hidden_state"].dtype == torch.bfloat16  # the served dtype
+        # a conversation's chat-template rendering, then the batch's padding (pad id 0, no loss)
+        ids, mask = rec["input_ids"].flatten().tolist(), rec["loss_mask"].flatten().tolist()
+        real = len(ids) - next(i for i, t in enumerate(reversed(ids)) if t != tok.pad_token_id)
+        row = rendered.get(tuple(ids[:real]))
+        assert row is not None, (path.name, tok.convert_ids_to_tokens(ids[:real]))
+        assert set(ids[real:]) <= {tok.pad_token_id} and not any(mask[real:]), path.name
+        seen.add(row["id"])
+        # loss on the assistant turn: its words and the end-of-turn marker
+        assert sum(mask) == len(row["conversations"][1]["content"].split()) + 1, (path.name, mask)
+    assert len(seen) == N_CONVERSATIONS
+
+
+# -- the end-to-end check on that data ----------------------------------------------------------
+
+
+def test_train_acc_identifies_the_layers_sglang_captured_for_specforge(scored):
+    text = scored["text"]
+    # by a target run, not by the ids: SpecForge's [1, 3, 4] are "output of layer k" = h2, h4, h5
+    assert ("dumped tensors = [h2, h4, h5, final_norm]; trainer fed fc [h2, h4, h5]; "
+            "verifier = final_norm (the final layer, after the norm)") in text, text  # fmt: skip
+    assert scored["rows"][0]["fc"] == ["h2", "h4", "h5"], scored["rows"][0]
+    assert f"(specforge, {N_CONVERSATIONS} samples, 0 skipped)" in text, text
+
+
+def test_train_acc_reproduces_specforges_own_training_forward_on_the_writers_files(scored, specforge_forward):
+    """Same positions counted at every step; the correct counts differ by no more than the bf16 near
+    ties train-acc reports (the trainer's draft and lm_head run in bf16, so its argmax flips there)."""
+    ours, theirs = scored["bf16"], specforge_forward
+    print(f"SpecForge forward correct {theirs['correct']} of {theirs['denom']}; train-acc {ours['correct']} of "
+          f"{ours['counted']}, near ties {ours['near_ties']}")  # fmt: skip
+    assert theirs["files"] == N_CONVERSATIONS
+    assert ours["counted"] == theirs["denom"]
+    for k in range(STEPS):
+        assert abs(ours["correct"][k] - theirs["correct"][k]) <= ours["near_ties"][k], k
+    assert theirs["correct"][0] / theirs["denom"][0] > 0.5  # the draft scores, so the comparison can fail
+
+
+def test_the_draft_trained_on_that_wiring_scores_under_the_trainers_wiring(scored):
+    trainer = scored["rows"][0]
+    assert trainer["counted"][0] > 0 and trainer["full_acc"][0] > 0.5, trainer
+
+
+def test_vllm_reads_a_specforge_draft_configs_ids_one_layer_early_and_the_draft_collapses(scored):
+    rows = {tuple(r["fc"]): r for r in scored["rows"]}
+    assert ("h1", "h3", "h4") in rows, [r["fc"] for r in scored["rows"]]  # vLLM: k = id
+    trainer, vllm = scored["rows"][0], rows[("h1", "h3", "h4")]
+    assert vllm["full_acc"][0] < trainer["full_acc"][0] / 2, (trainer["full_acc"], vllm["full_acc"])
+
+
+def test_sglang_feeds_a_specforge_draft_what_the_trainer_fed(scored):
+    fcs = [r["fc"] for r in scored["rows"]]
+    assert fcs.count(["h2", "h4", "h5"]) == 2, fcs  # the trainer's row and SGLang's (+1 when the first id is 1)
