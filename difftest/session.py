@@ -311,7 +311,7 @@ class Session:
         draft, each run as trained on the reference)."""
         section, params = dict(case.engines.get(spec.name) or {}), dict(spec.params)
         # a stored baseline names no adapter: its stored results carry their own key
-        schema, replaced = (None if spec.id in self._stored else engine_schema(spec.name)), {}
+        schema, replaced = (None if spec.id in self._stored else engine_schema(spec.name)), dict[str, Any]()
         for layer in (section, params):  # the spec's parameters win over the case's section
             for key in list(layer):
                 field_name = schema.replacing(key) if schema is not None else None
