@@ -650,8 +650,8 @@ def _pattern(fed: list[int], trained: list[int]) -> str:
     return "different layers"
 
 
-def expectation(m: ExportMiswire, spec: TargetSpec, engine: str, export: Path, target: Path) -> Expect:
-    """What the rule data says `engine` does with this export."""
+def expectation(m: ExportMiswire, spec: TargetSpec, engine: str, export: Path, target: Path, as_trained: Path) -> Expect:
+    """What the rule data says `engine` does with this export (`as_trained`: the draft it was exported from)."""
     if m.kind == "ids":
         rule, trained = _rule(engine, spec), training_wiring(m, spec)
         reading = rule.predict_ids(served_ids(m, spec, engine), spec.num_layers, fc_chunks=len(trained))
@@ -663,7 +663,7 @@ def expectation(m: ExportMiswire, spec: TargetSpec, engine: str, export: Path, t
     if m.kind == "flag":
         from difftest.draft_rules import ENGINES, FLAG_TENSORS, engine_reading, flag_locations
 
-        trained_cfg = json.loads((export.parent / "draft-as-trained" / "config.json").read_text())
+        trained_cfg = json.loads((as_trained / "config.json").read_text())
         cfg = json.loads((export / "config.json").read_text())
         value, where = engine_reading(ENGINES[engine], m.flag, flag_locations(cfg).get(m.flag, {}))
         # a flag the engine never reads is off in it (both engines' drafts default every flag to false)
@@ -744,7 +744,7 @@ def write_export_miswired_cases(cases_dir: str | Path, exports_dir: str | Path, 
         spec = model.spec
         for m in EXPORT_MISWIRES:
             served, as_trained = _write_export(m, model, exports_dir / tname / m.name)
-            expect = {e: expectation(m, spec, e, served, model.target) for e in SERVING_ENGINES}
+            expect = {e: expectation(m, spec, e, served, model.target, as_trained or model.draft) for e in SERVING_ENGINES}
             wiring = training_wiring(m, spec)
             for dtype in dtypes:
                 name = case_name(spec, dtype, f"_x_{m.name}")
