@@ -43,6 +43,8 @@ def add_parser(sub) -> None:
                    help="as for `difftest run`: the engine's interpreter")  # fmt: skip
     p.add_argument("--no-verify", action="store_true", help="write the edit without running the engine")
     p.add_argument("--engine-timeout", type=int, default=900, help="seconds for the verifying run's engine requests")
+    p.add_argument("--no-capture-cache", action="store_true",
+                   help="as for `difftest run`: the verifying run recaptures instead of reusing a cached capture")  # fmt: skip
     p.set_defaults(handler=run)
 
 
@@ -201,7 +203,8 @@ def verify(result: FixResult, case_file: Path, args: argparse.Namespace, out_dir
     cmd = [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs",
            "--rootdir", str(case_file.parent), "-c", "/dev/null", str(case_file),
            f"--engines={reference},{result.engine}", "--require-engines", f"--report-dir={report_dir}",
-           f"--engine-timeout={args.engine_timeout}", *(f"--engine-python={e}" for e in args.engine_python)]  # fmt: skip
+           f"--engine-timeout={args.engine_timeout}", *(f"--engine-python={e}" for e in args.engine_python),
+           *(["--no-capture-cache"] if args.no_capture_cache else [])]  # fmt: skip
     print(f"[difftest fix] verifying on the real engine: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     import yaml

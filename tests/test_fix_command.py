@@ -7,6 +7,7 @@ no ids at all (the default-layer fallback), and the seed's shape on a DeepSeek-V
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,29 @@ def test_sglang_sort_and_shift_is_fixed_by_reordering_fc_and_verified(tmp_path, 
     assert r["fc_order"] == [1, 2, 0] and r["patch"] == {"eagle_config": {KEY: [1, 3, 4]}}
     assert "checkpoint edit: fc.weight's input blocks reordered into layer order" in run.stdout
     assert r["verified"] is True, r["verification"]
+
+
+def test_sglang_off_by_one_is_fixed_and_verified_when_the_case_runs_sglang_at_tp2(tmp_path, sglang_python):  # noqa: F811
+    """The case's `engines.sglang.tp_size: 2` travels into the patched case: the verifying run starts
+    SGLang with two ranks (two scheduler processes over gloo) and every check passes there. One
+    more SGLang start at TP = 2 (2-4 min on two cores): DIFFTEST_FULL_MATRIX=1. vLLM's fix at TP = 2:
+    tests/test_engine_vllm_tp.py::test_difftest_fix_for_the_seed_case_is_verified_on_vllm_at_tp2."""
+    if os.environ.get("DIFFTEST_FULL_MATRIX") != "1":
+        pytest.skip("`difftest fix` verified on SGLang at TP = 2 (one more TP = 2 start): DIFFTEST_FULL_MATRIX=1")
+    case = yaml.safe_load((ROOT / "cases" / "tiny_llama_sglang_default_ids.yaml").read_text())
+    case["engines"] = {"sglang": {"tp_size": 2}}
+    (tmp_path / "tp2_default_ids.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
+    run = fix(tmp_path / "tp2_default_ids.yaml", "sglang", tmp_path, f"--engine-python=sglang={sglang_python}",
+              "--no-capture-cache")  # SGLang itself runs: a capture cached by an earlier run would be reused
+    assert run.returncode == 0, run.stdout + run.stderr
+    r = result(tmp_path, "tp2_default_ids", "sglang")
+    assert r["patch"] == {"eagle_config": {KEY: [1, 3, 4]}}
+    patched = yaml.safe_load((tmp_path / "fix" / "tp2_default_ids.sglang.yaml").read_text())
+    assert patched["engines"]["sglang"]["tp_size"] == 2
+    assert r["verified"] is True, r["verification"]
+    assert {c["check"] for c in r["verification"]} >= {"fc_inputs", "draft_logits", "top1_agreement", "accept_length"}
+    log = (Path(r["verification_report"]).parent / "logs" / "sglang.log").read_text()
+    assert "[sglang adapter] tp_size 2: " in log, "the verifying run did not join two ranks' records"
 
 
 def test_missing_ids_fallback_is_fixed_on_vllm_and_verified(tmp_path):

