@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench_compare import _shape, best_of, machine_line, memory_limits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = 'ref,ref[wiring=vllm]'
+ENGINES = "ref,ref[wiring=vllm]"
 ROUNDS = int(os.environ.get("DIFFTEST_BENCH_ROUNDS", "2"))
 REAL_CACHE = Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
 
@@ -271,8 +271,10 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
         if part == "calibration":
             floor = state["floor"]
             if floor is None:
-                pytest.fail(f"{prepared_name(case)}: the reference cannot capture in float64 (the floor would be "
-                            f"unmeasured): {state['error']}")
+                pytest.fail(
+                    f"{prepared_name(case)}: the reference cannot capture in float64 (the floor would be "
+                    f"unmeasured): {state['error']}"
+                )
             assert floor.measured and floor.tensors, floor.source
             assert all(tf.rows > 0 and tf.floor >= 0 for tf in floor.tensors.values())
             s, spec = state["session"], state["spec"]
@@ -338,7 +340,9 @@ def test_rel_err(benchmark, dtype):
     x, ref = _rel_err_pair(getattr(torch, dtype))
     noise.row_rel_err(x[:64], ref[:64])  # the kernel build, if any: not timed
     cols = x.shape[-1]
-    native = rowstats.NATIVE_MIN <= x.numel() and rowkernel.supports(x.reshape(-1, cols), ref.reshape(-1, cols), mixed=True)
+    native = rowstats.NATIVE_MIN <= x.numel() and rowkernel.supports(
+        x.reshape(-1, cols), ref.reshape(-1, cols), mixed=True
+    )
     path = "native" if native and rowstats.native_kernel() is not None else "eager"
     # the tensors bound as defaults: they are deleted below, before the memory is measured
     errs = benchmark.pedantic(lambda x=x, ref=ref: noise.row_rel_err(x, ref, path=path), rounds=3, iterations=1,

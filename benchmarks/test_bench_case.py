@@ -137,7 +137,11 @@ def test_case(benchmark, engines, cache, tmp_path):
         report_dir = tmp_path / f"reports-{len(runs)}"
         cmd = [sys.executable, "-m", "difftest.cli", "run", CASE, f"--engines={engines}", "--no-capture-cache",
                f"--report-dir={report_dir}", *(f"--engine-python={e}={env_python(e)}" for e in real)]  # fmt: skip
-        env = dict(os.environ, DIFFTEST_CACHE=str(cache), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            DIFFTEST_CACHE=str(cache),
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        )
         before = load()
         t = time.perf_counter()
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
@@ -153,7 +157,9 @@ def test_case(benchmark, engines, cache, tmp_path):
     LINES.extend(breakdown(report, wall))
     LINES.append(f"    of what no phase covers: an interpreter importing torch and the plugin {start_cost():.2f} s; "
                  f"the report's writing (JSON, Markdown, HTML) {write_cost(report, tmp_path):.2f} s")  # fmt: skip
-    benchmark.extra_info.update(wall=wall, harness=report.timings.harness_seconds, engines=report.timings.engine_seconds)
+    benchmark.extra_info.update(
+        wall=wall, harness=report.timings.harness_seconds, engines=report.timings.engine_seconds
+    )
 
 
 # -- the transfer of a large capture -----------------------------------------------------
@@ -198,7 +204,9 @@ def _through_worker(directory: Path) -> dict:
     spec = EngineSpec("synthetic")
     session = Session(Options(engines=[spec], reference=spec, log_dir=directory / "logs"))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))}
-    client = WorkerClient(spec, "synthetic_engine:SyntheticEngine", sys.executable, directory / "worker.log", 600, env=env)
+    client = WorkerClient(
+        spec, "synthetic_engine:SyntheticEngine", sys.executable, directory / "worker.log", 600, env=env
+    )
     case = Case(name="x", path="x.yaml", target="t", draft="d")
     rounds = []
     try:
@@ -207,7 +215,9 @@ def _through_worker(directory: Path) -> dict:
             out = directory / "cache" / f"k{i}"
             s = time.perf_counter()
             with session.clock.phase("session", f"x{i}.yaml", "synthetic", "bfloat16"):
-                session._request(client, {"op": "capture", "case": case.to_dict(), "prompt_ids": [1, 2], "out": str(out)}, out)
+                session._request(
+                    client, {"op": "capture", "case": case.to_dict(), "prompt_ids": [1, 2], "out": str(out)}, out
+                )
                 capture = session._load(out)
             total = time.perf_counter() - s
             first = _first_pass(capture.tensors["target.logits"])

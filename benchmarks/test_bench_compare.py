@@ -129,7 +129,9 @@ def _dtypes(var: str, default: str) -> list[torch.dtype]:
     out = []
     for name in os.environ.get(var, default).split(","):
         if name not in BENCH_DTYPES:
-            pytest.exit(f"{var}: {name!r} is not one of {', '.join(BENCH_DTYPES)}{suggest(name, BENCH_DTYPES)}", returncode=4)
+            pytest.exit(
+                f"{var}: {name!r} is not one of {', '.join(BENCH_DTYPES)}{suggest(name, BENCH_DTYPES)}", returncode=4
+            )
         out.append(BENCH_DTYPES[name])
     return out
 
@@ -202,7 +204,11 @@ def test_compare_large(benchmark, pair, impl):
     fn = (lambda: compare_tensor(name, a, b, tol)) if impl == "difftest" else (lambda: assert_close(a, b))
     benchmark.pedantic(fn, rounds=3, iterations=1, warmup_rounds=0)
     mem = measure_memory(kind, a.dtype, impl)
-    RESULTS[(kind, dname, impl)] = {"seconds": benchmark.stats.stats.min, "peak_extra_bytes": mem, "shape": list(a.shape)}
+    RESULTS[(kind, dname, impl)] = {
+        "seconds": benchmark.stats.stats.min,
+        "peak_extra_bytes": mem,
+        "shape": list(a.shape),
+    }
     benchmark.extra_info.update(RESULTS[(kind, dname, impl)])
     if impl != "difftest":
         return

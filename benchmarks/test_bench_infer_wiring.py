@@ -90,11 +90,16 @@ def test_forwards_61(benchmark):
     counts = benchmark.pedantic(run_all, rounds=1, iterations=1)
     grid = len(candidates) ** 3
     assert max(counts) < grid / 100
-    benchmark.extra_info.update(forwards_min=min(counts), forwards_mean=sum(counts) / len(counts), forwards_max=max(counts), grid=grid)
+    benchmark.extra_info.update(
+        forwards_min=min(counts), forwards_mean=sum(counts) / len(counts), forwards_max=max(counts), grid=grid
+    )
     RESULTS["61 layers (synthetic scorer)"] = {"forwards min": min(counts), "mean": sum(counts) / len(counts),
                                                "max": max(counts), "grid": grid}  # fmt: skip
 
 
 def teardown_module(module):
     for name, r in RESULTS.items():
-        print(f"[infer-wiring bench] {name}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+        print(
+            f"[infer-wiring bench] {name}: "
+            + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
+        )

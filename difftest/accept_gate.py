@@ -116,7 +116,11 @@ def judge(ref: AcceptStats, eng: AcceptStats, numerical: tuple[AcceptStats, Acce
     """`numerical`: the reference's own run in the case's dtype and in float64, or None (not measured).
     `tolerance`: the case's declared {atol, rtol} on the accept length, or None."""
     # a side without per-position counts (an engine that reports only totals) gets no per-position gate
-    k = max(len(ref.accepted_per_pos), len(eng.accepted_per_pos)) if ref.accepted_per_pos and eng.accepted_per_pos else 0
+    k = (
+        max(len(ref.accepted_per_pos), len(eng.accepted_per_pos))
+        if ref.accepted_per_pos and eng.accepted_per_pos
+        else 0
+    )
     zl = z_limit(k)
     p_ref, p_eng = _rates(ref, k), _rates(eng, k)
     if numerical is not None:
@@ -128,7 +132,9 @@ def judge(ref: AcceptStats, eng: AcceptStats, numerical: tuple[AcceptStats, Acce
         moved, moved_accept = [0.0] * k, None
         noise = noise or "numerical move not measured (sampling spread only)"
     if not k:
-        noise += "; per-position counts not reported by " + ("the reference" if not ref.accepted_per_pos else "the engine")
+        noise += "; per-position counts not reported by " + (
+            "the reference" if not ref.accepted_per_pos else "the engine"
+        )
     positions = []
     for j in range(k):
         n_a, n_b = ref.num_verify, eng.num_verify

@@ -29,7 +29,9 @@ class AcceptStats:
     # the engine's own figures these counts were read from (names in difftest.definitions), so a report
     # can say what the engine itself calls them and how they were converted
     native: list[str] = field(default_factory=list)
-    outputs: list[list[int]] = field(default_factory=list)  # generated token ids per prompt, where the engine returns them
+    outputs: list[list[int]] = field(
+        default_factory=list
+    )  # generated token ids per prompt, where the engine returns them
     # per request, where a live server reports them (engines/server/client.py: RequestAcceptance.to_dict)
     per_request: list[dict] = field(default_factory=list)
 

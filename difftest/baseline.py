@@ -96,7 +96,13 @@ def _scatter_columns(src, full):
     """The columns `full` ([n, V], -inf elsewhere) holds `src` ([n, v]) in, when that rebuilds it exactly."""
     import torch
 
-    if full.dim() != 2 or src.dim() != 2 or full.shape[0] != src.shape[0] or full.dtype != src.dtype or not full.numel():
+    if (
+        full.dim() != 2
+        or src.dim() != 2
+        or full.shape[0] != src.shape[0]
+        or full.dtype != src.dtype
+        or not full.numel()
+    ):
         return None
     cols = torch.isfinite(full[0]).nonzero().flatten()
     if cols.numel() != src.shape[1]:
@@ -194,7 +200,9 @@ class BaselineWriter:
             "dtype": captures[0].meta.dtype or prepared.dtype,
             "file": str(rel),
             "bytes": out.stat().st_size,
-            "captures": [{"tensors": list(c.tensors), "derived": d, "meta": c.meta.to_dict()} for c, d in zip(captures, derived)],
+            "captures": [
+                {"tensors": list(c.tensors), "derived": d, "meta": c.meta.to_dict()} for c, d in zip(captures, derived)
+            ],
             "accept": stats.to_dict(),
         }
         case_entry = self.entries.setdefault(case.name, {
@@ -288,7 +296,11 @@ class BaselineSource:
         self.name, self.engine = name, engine
         self.path = Path(root) / name
         if not self.path.is_dir():
-            have = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(".")) if Path(root).is_dir() else []
+            have = (
+                sorted(p.name for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
+                if Path(root).is_dir()
+                else []
+            )
             raise ConfigError(f"--baseline: no baseline {name!r} in {root} (found: {', '.join(have) or 'none'})")
         manifest_path = self.path / "manifest.json"
         manifest = read_json(manifest_path, "baseline manifest")
@@ -303,7 +315,9 @@ class BaselineSource:
 
     @property
     def info(self) -> dict:
-        engines = {eid: e["info"].get("version") for c in self.manifest["cases"].values() for eid, e in c["engines"].items()}
+        engines = {
+            eid: e["info"].get("version") for c in self.manifest["cases"].values() for eid, e in c["engines"].items()
+        }
         return {"name": self.spec.name, "version": f"{self.spec.name}@{self.manifest['created']}", "versions": self.manifest["harness"],
                 "kernels": "stored", "baseline": {"path": str(self.path), "created": self.manifest["created"],
                                                   "git_sha": self.manifest["git_sha"], "engines": engines}}  # fmt: skip
@@ -313,7 +327,9 @@ class BaselineSource:
         where = self.path / "manifest.json"
         c = self.manifest["cases"].get(case.name)
         if c is None:
-            raise ConfigError(f"{where}: no entry for case {case.name!r} (saved: {', '.join(sorted(self.manifest['cases'])) or 'none'})")
+            raise ConfigError(
+                f"{where}: no entry for case {case.name!r} (saved: {', '.join(sorted(self.manifest['cases'])) or 'none'})"
+            )
         if case.path not in self._fingerprints:
             self._fingerprints[case.path] = case_fingerprint(case)
         fp = self._fingerprints[case.path]
@@ -323,12 +339,16 @@ class BaselineSource:
         engines = c["engines"]
         if self.engine is not None:
             if self.engine not in engines:
-                raise ConfigError(f"{where}: case {case.name!r} has no entry for engine {self.engine!r} (saved: {', '.join(engines)})")
+                raise ConfigError(
+                    f"{where}: case {case.name!r} has no entry for engine {self.engine!r} (saved: {', '.join(engines)})"
+                )
             eid = self.engine
         elif len(engines) == 1:
             (eid,) = engines
         else:
-            raise ConfigError(f"{where}: case {case.name!r} holds {', '.join(engines)}; choose one with --baseline {self.name}:ENGINE")
+            raise ConfigError(
+                f"{where}: case {case.name!r} holds {', '.join(engines)}; choose one with --baseline {self.name}:ENGINE"
+            )
         return eid, engines[eid], c
 
     def capture(self, case: Case, index: int) -> Capture:
@@ -336,7 +356,9 @@ class BaselineSource:
 
         eid, e, c = self.entry(case)
         if index >= len(e["captures"]):
-            raise ConfigError(f"{self.path}: {case.name} {eid}: prompt {index} not stored ({len(e['captures'])} prompts)")
+            raise ConfigError(
+                f"{self.path}: {case.name} {eid}: prompt {index} not stored ({len(e['captures'])} prompts)"
+            )
         key = f"{case.name}/{eid}"
         if key not in self._tensors:
             file = self.path / e["file"]
@@ -358,7 +380,9 @@ class BaselineSource:
             else:
                 tensors[n] = flat[f"p{index}/{n}"]
         where = str(self.path / "manifest.json")
-        meta = CaptureMeta.from_dict(stored.get("meta", {}), where, f"cases.{case.name}.engines.{eid}.captures[{index}].meta")
+        meta = CaptureMeta.from_dict(
+            stored.get("meta", {}), where, f"cases.{case.name}.engines.{eid}.captures[{index}].meta"
+        )
         return Capture(tensors, meta.replace(baseline=self.name, baseline_engine=eid))
 
     def speculate(self, case: Case) -> AcceptStats:

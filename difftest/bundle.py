@@ -20,7 +20,9 @@ def load(path: str | Path) -> Report:
 
 def rerender(args) -> int:
     path = Path(args.json)
-    out_dir = check_output_dir(args.out_dir or path.parent, "--out-dir" if args.out_dir else "--out-dir (default: beside the JSON)")
+    out_dir = check_output_dir(
+        args.out_dir or path.parent, "--out-dir" if args.out_dir else "--out-dir (default: beside the JSON)"
+    )
     data = load(path)
     md, html = report_files.render(data, out_dir)
     print(md)

@@ -86,7 +86,11 @@ class Capture:
                 "schema": SCHEMA,
                 "meta": self.meta.to_dict(),
                 "tensors": [
-                    {"name": n, "shape": list(self.tensors[n].shape), "dtype": str(self.tensors[n].dtype).removeprefix("torch.")}
+                    {
+                        "name": n,
+                        "shape": list(self.tensors[n].shape),
+                        "dtype": str(self.tensors[n].dtype).removeprefix("torch."),
+                    }
                     for n in ordered
                 ],
             }

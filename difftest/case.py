@@ -223,7 +223,13 @@ def _tensor_pattern(pattern: str, path: Path, where: str, num_steps: int) -> str
     if pattern_could_match(pattern, num_steps):
         return pattern
     if pattern_could_match(pattern):
-        later = "" if num_steps == 1 else ", draft.step1.*" if num_steps == 2 else f", draft.step1.* .. draft.step{num_steps - 1}.*"
+        later = (
+            ""
+            if num_steps == 1
+            else ", draft.step1.*"
+            if num_steps == 2
+            else f", draft.step1.* .. draft.step{num_steps - 1}.*"
+        )
         raise _err(path, where, f"pattern {pattern!r} matches no tensor of this case: with speculative.num_steps "
                                 f"{num_steps} it captures target.*, draft.*{later}")  # fmt: skip
     close = difflib.get_close_matches(pattern, example_names(num_steps), n=3, cutoff=0.6)
@@ -241,7 +247,9 @@ def _expect(raw: object, path: Path) -> dict:
     if "top1_agreement" in raw:
         x = _tolerance(raw["top1_agreement"], path, "expect.top1_agreement")
         if x > 1:
-            raise _err(path, "expect.top1_agreement", f"expected a fraction in [0, 1], got {_shown(raw['top1_agreement'])}")
+            raise _err(
+                path, "expect.top1_agreement", f"expected a fraction in [0, 1], got {_shown(raw['top1_agreement'])}"
+            )
         out["top1_agreement"] = x
     if "accept_length" in raw:
         out["accept_length"] = _tolerance_pair(raw["accept_length"], path, "expect.accept_length", required=False)
@@ -378,7 +386,9 @@ def load_case(path: str | Path) -> Case:
     tolerances = raw.get("tolerances")
     tolerances = {} if tolerances is None else tolerances
     if not isinstance(tolerances, dict):
-        raise _err(path, "tolerances", f"expected a mapping of tensor pattern -> {{atol, rtol}}, got {_shown(tolerances)}")
+        raise _err(
+            path, "tolerances", f"expected a mapping of tensor pattern -> {{atol, rtol}}, got {_shown(tolerances)}"
+        )
     tolerances = {str(p): _tolerance_pair(t, path, f"tolerances.{p}", required=True) for p, t in tolerances.items()}
     num_steps = spec.get("num_steps", 4)
     for p in tolerances:

@@ -22,14 +22,20 @@ class Rendering:
     ids: list[int] = field(default_factory=list)
 
 
-def render(tokenizer, messages: list[dict], kwargs: dict | None = None, add_generation_prompt: bool = True) -> list[int]:
+def render(
+    tokenizer, messages: list[dict], kwargs: dict | None = None, add_generation_prompt: bool = True
+) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the target's tokenizer has no chat_template (tokenizer_config.json): give the prompt as text or ids")
+        raise ValueError(
+            "the target's tokenizer has no chat_template (tokenizer_config.json): give the prompt as text or ids"
+        )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **(kwargs or {}))  # fmt: skip
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def describe(kwargs: dict | None, add_generation_prompt: bool = True) -> str:
-    parts = [f"add_generation_prompt={add_generation_prompt}"] + [f"{k}={v!r}" for k, v in sorted((kwargs or {}).items())]
+    parts = [f"add_generation_prompt={add_generation_prompt}"] + [
+        f"{k}={v!r}" for k, v in sorted((kwargs or {}).items())
+    ]
     return "the target's chat template with " + ", ".join(parts)

@@ -77,7 +77,9 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         try:
             shape, dtype, (_, stop) = tuple(int(d) for d in entry["shape"]), str(entry["dtype"]), entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
-            raise ConfigError(f"{path}: not a safetensors file (tensor {name!r} has no shape, dtype and offsets)") from None
+            raise ConfigError(
+                f"{path}: not a safetensors file (tensor {name!r} has no shape, dtype and offsets)"
+            ) from None
         out[name] = StoredTensor(path, name, shape, dtype)
         end = max(end, int(stop))
     if 8 + n + end > size:
@@ -146,8 +148,11 @@ def target_findings(target_dir: Path) -> list[Finding]:
     if not tensors:
         return out  # no safetensors: a .bin checkpoint, read by its loader alone
     # a multimodal wrapper stores the language model under a prefix (model.language_model.*)
-    prefix = next((p for p in ("model.language_model.", "language_model.model.") if any(k.startswith(p) for k in tensors)), "model.")
-    names = {("model." + k[len(prefix):] if k.startswith(prefix) else k): t for k, t in tensors.items()}
+    prefix = next(
+        (p for p in ("model.language_model.", "language_model.model.") if any(k.startswith(p) for k in tensors)),
+        "model.",
+    )
+    names = {("model." + k[len(prefix) :] if k.startswith(prefix) else k): t for k, t in tensors.items()}
     L, V, H = (text.get(k) for k in ("num_hidden_layers", "vocab_size", "hidden_size"))
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     expected = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
@@ -196,7 +201,9 @@ def target_findings(target_dir: Path) -> list[Finding]:
             f"{got.file}: {name} has shape {list(got.shape)}, but {where.name} says {says}: fix the config "
             "field that disagrees with the weights"))  # fmt: skip
     declared = _CONFIG_DTYPES.get(str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or ""))
-    floats = sorted({t.dtype for t in names.values() if t.dtype.startswith(("F", "BF")) and not t.dtype.startswith("F8")})
+    floats = sorted(
+        {t.dtype for t in names.values() if t.dtype.startswith(("F", "BF")) and not t.dtype.startswith("F8")}
+    )
     if declared and floats and floats != [declared]:
         out.append(Finding("checkpoint-dtype", "warning",
             f"{target_dir}: weights stored as {', '.join(floats)}, config says {declared.lower()}: engines cast to "

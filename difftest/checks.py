@@ -34,7 +34,15 @@ from difftest.golden import golden_rerun
 from difftest.scopes import in_draft_scope as _in_draft_scope
 from difftest.scopes import in_fc_scope as _in_fc_scope
 from difftest.errors import ConfigError, DifftestError, NotAvailable
-from difftest.records.check_data import AcceptLengthData, CaptureData, ComparisonData, FixData, GoldenData, LintData, Top1Data
+from difftest.records.check_data import (
+    AcceptLengthData,
+    CaptureData,
+    ComparisonData,
+    FixData,
+    GoldenData,
+    LintData,
+    Top1Data,
+)
 from difftest.records.meta import FcWiring
 from difftest.session import Session
 from difftest.verdict import Verdict
@@ -46,7 +54,9 @@ DEFAULT_TOP1 = 0.98
 def _comparison_data(verdict: Verdict) -> ComparisonData:
     """The comparison record every divergence verdict carries (see _divergence_report)."""
     if not isinstance(verdict.data, ComparisonData):
-        raise TypeError(f"a divergence verdict carries {type(verdict.data).__name__}, not ComparisonData")  # a harness bug
+        raise TypeError(
+            f"a divergence verdict carries {type(verdict.data).__name__}, not ComparisonData"
+        )  # a harness bug
     return verdict.data
 
 
@@ -130,7 +140,9 @@ def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
         old_cfg = _draft_config(session, case, reference) if reference.name == engine else view.draft_config
         diff = engine_releases.layer_difference(engine, view.rule.family, a, b, old_cfg or {}, view.L, view.fc_chunks,
                                                 view.draft_config)  # fmt: skip
-        return ([diff.line()] if diff is not None else []) + engine_releases.flag_differences(engine, a, b, view.draft_config)
+        return ([diff.line()] if diff is not None else []) + engine_releases.flag_differences(
+            engine, a, b, view.draft_config
+        )
     except (ConfigError, KeyError, ValueError, OSError):  # a diagnosis never fails on it
         return []
 
@@ -303,7 +315,10 @@ def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdic
             supported = session.capture_golden(case, spec, 0) is not None
             lines, golden = golden_rerun(session, case, spec, 0, diffs[0], own_passed=True) if supported else ([], None)
         except DifftestError as e:
-            lines, golden = [f"golden inputs (prompt 0): could not be run: {str(e).splitlines()[0]}"], GoldenData("error")
+            lines, golden = (
+                [f"golden inputs (prompt 0): could not be run: {str(e).splitlines()[0]}"],
+                GoldenData("error"),
+            )
         verdict.message += "".join("\n" + ln for ln in lines)
         if golden is not None:
             data.golden = golden

@@ -1,18 +1,18 @@
 """`difftest` command line.
 
-    difftest fixtures [NAME ...] [--force] [--jobs N]   build the built-in tiny models (cached; all, or those named)
-    difftest run [CASES...] --engines=ref,...    run cases through the pytest plugin, write reports
-                 [--save-baseline NAME [--force] | --baseline NAME]   golden baselines (difftest.baseline)
-    difftest env create ENGINE[==VERSION] [--label L]   an engine environment for --engines=ENGINE@L
-    difftest train-acc --data DIR --draft D --target T [--wiring vllm ...]   training accuracy, wirings side by side
-    difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
-                 (these two come from the training-data engine, through the `difftest.commands`
-                 entry points: difftest.extensions)
-    difftest infer-wiring --target T --draft D [--prompts ...] [--json]   what the draft was trained on
-    difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
-    difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
-    difftest probe --server URL --case CASE [--kind sglang|vllm]   a running server's acceptance vs the reference
-    difftest versions REPORT_DIR...              EAGLE-3 behaviour by engine release, from runs over several releases
+difftest fixtures [NAME ...] [--force] [--jobs N]   build the built-in tiny models (cached; all, or those named)
+difftest run [CASES...] --engines=ref,...    run cases through the pytest plugin, write reports
+             [--save-baseline NAME [--force] | --baseline NAME]   golden baselines (difftest.baseline)
+difftest env create ENGINE[==VERSION] [--label L]   an engine environment for --engines=ENGINE@L
+difftest train-acc --data DIR --draft D --target T [--wiring vllm ...]   training accuracy, wirings side by side
+difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
+             (these two come from the training-data engine, through the `difftest.commands`
+             entry points: difftest.extensions)
+difftest infer-wiring --target T --draft D [--prompts ...] [--json]   what the draft was trained on
+difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
+difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
+difftest probe --server URL --case CASE [--kind sglang|vllm]   a running server's acceptance vs the reference
+difftest versions REPORT_DIR...              EAGLE-3 behaviour by engine release, from runs over several releases
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ from difftest.session import FIXTURE_GROUP
 def _fixtures(args: argparse.Namespace) -> int:
     providers = list(metadata.entry_points(group=FIXTURE_GROUP))
     if not providers:
-        print("difftest: no fixture provider installed (is the project installed with `pip install -e .`?)", file=sys.stderr)
+        print(
+            "difftest: no fixture provider installed (is the project installed with `pip install -e .`?)",
+            file=sys.stderr,
+        )
         return 2
     if not args.names:
         lanes = _lanes(providers)
@@ -196,13 +199,20 @@ def _report_parsers(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="difftest", description="Differential testing of EAGLE-3 draft wiring across engines")
+    ap = argparse.ArgumentParser(
+        prog="difftest", description="Differential testing of EAGLE-3 draft wiring across engines"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fixtures", help="build the built-in tiny target and drafts into the cache")
     f.add_argument("names", nargs="*", metavar="NAME", help="only these fixtures (default: every provider's)")
     f.add_argument("--force", action="store_true", help="rebuild even if cached")
-    f.add_argument("--jobs", type=_positive_int, default=max(1, min(2, os.cpu_count() or 1)), metavar="N",
-                   help="lanes of fixtures built side by side, one process and one thread each (default: up to 2 cores)")
+    f.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=max(1, min(2, os.cpu_count() or 1)),
+        metavar="N",
+        help="lanes of fixtures built side by side, one process and one thread each (default: up to 2 cores)",
+    )
     r = sub.add_parser("run", help="run cases (extra arguments go to pytest)")
     r.add_argument("cases", nargs="*", default=["cases/"])
     r.add_argument("--engines", default=None, help="engines to compare (default: the engine that calibrates, ref)")

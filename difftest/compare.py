@@ -24,7 +24,16 @@ import torch
 
 from difftest import noise
 from difftest.capture import Capture
-from difftest.names import FC_CHUNK_PREFIX, FC_IN, TARGET_LOGITS, draft_name, fc_chunk_index, hidden_name, inputs_of, split_draft
+from difftest.names import (
+    FC_CHUNK_PREFIX,
+    FC_IN,
+    TARGET_LOGITS,
+    draft_name,
+    fc_chunk_index,
+    hidden_name,
+    inputs_of,
+    split_draft,
+)
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.rowstats import row_stats
 from difftest.tolerances import Tolerance, tolerance_for
@@ -201,7 +210,9 @@ class CaptureDiff:
 
     def first_differs(self) -> TensorDiff | None:
         """The first tensor whose values differ at all (not bit-identical), noise included."""
-        return self._first(lambda d: d.differs or d.status in (TensorStatus.MISSING, TensorStatus.SHAPE), chunk_hit=lambda c: c.differs)
+        return self._first(
+            lambda d: d.differs or d.status in (TensorStatus.MISSING, TensorStatus.SHAPE), chunk_hit=lambda c: c.differs
+        )
 
 
 def _thresholds(name: str, dtype: str, tolerances: dict, floor: noise.NoiseFloor) -> tuple[Tolerance, float | None]:

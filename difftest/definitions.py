@@ -42,45 +42,89 @@ EXCESS = "difftest.excess"
 
 DEFINITIONS: tuple[Definition, ...] = (
     # the harness's own figures
-    Definition(ACCEPT_LENGTH, "accepted draft tokens + 1 per verify step, averaged over the verify steps of every "
-               "prompt (the +1 is the token the target itself contributes at each verify)", "as is"),
-    Definition(PER_POSITION, "for draft position j (0-based), the fraction of verify steps in which the first j+1 "
-               "draft tokens were all accepted: P(K > j) for K accepted tokens per verify (a chain)",
-               "as is; accept_length = 1 + the sum over positions"),
-    Definition(TOP1, "positions where the draft's step-0 top-1 token equals the reference draft's, over positions "
-               "where the reference has a clear choice (its top-1 margin above noise)", "as is (no accept length)"),
-    Definition(ROW_ERROR, "per token row: ||engine - reference||_2 / ||reference||_2 over finite entries",
-               "as is"),
-    Definition(EXCESS, "a tensor's largest row error divided by its noise threshold (10 x the reference's own "
-               "float64-measured rounding error); above 1 is outside noise", "as is"),
+    Definition(
+        ACCEPT_LENGTH,
+        "accepted draft tokens + 1 per verify step, averaged over the verify steps of every "
+        "prompt (the +1 is the token the target itself contributes at each verify)",
+        "as is",
+    ),
+    Definition(
+        PER_POSITION,
+        "for draft position j (0-based), the fraction of verify steps in which the first j+1 "
+        "draft tokens were all accepted: P(K > j) for K accepted tokens per verify (a chain)",
+        "as is; accept_length = 1 + the sum over positions",
+    ),
+    Definition(
+        TOP1,
+        "positions where the draft's step-0 top-1 token equals the reference draft's, over positions "
+        "where the reference has a clear choice (its top-1 margin above noise)",
+        "as is (no accept length)",
+    ),
+    Definition(ROW_ERROR, "per token row: ||engine - reference||_2 / ||reference||_2 over finite entries", "as is"),
+    Definition(
+        EXCESS,
+        "a tensor's largest row error divided by its noise threshold (10 x the reference's own "
+        "float64-measured rounding error); above 1 is outside noise",
+        "as is",
+    ),
     # engines' own figures
-    Definition("vllm.mean_acceptance_length", "1 + accepted draft tokens / drafts (the bonus or correction token "
-               "included), from the spec_decode counters", "as is"),
+    Definition(
+        "vllm.mean_acceptance_length",
+        "1 + accepted draft tokens / drafts (the bonus or correction token included), from the spec_decode counters",
+        "as is",
+    ),
     Definition("vllm.num_accepted_tokens_per_draft", "accepted draft tokens / drafts (no bonus token)", "+ 1"),
-    Definition("vllm.num_accepted_tokens_per_pos", "per position j: drafts in which position j was accepted "
-               "(vllm:spec_decode_num_accepted_tokens_per_pos{position=j})",
-               "/ vllm:spec_decode_num_drafts = acceptance_rate_per_pos[j]"),
-    Definition("sglang.spec_accept_length", "completion_tokens / spec_verify_ct: the prefill's first token counts "
-               "as an accepted token", "(completion_tokens - requests) / spec_verify_ct"),
-    Definition("sglang.spec_num_correct_drafts", "accepted draft tokens summed over verify steps (meta_info, per "
-               "request)", "/ spec_verify_ct + 1"),
-    Definition("sglang.spec_correct_drafts_histogram", "hist[j]: verify steps that accepted exactly j drafts",
-               "acceptance_rate_per_pos[j] = sum(hist[j+1:]) / spec_verify_ct"),
-    Definition("sglang.avg_spec_accept_length", "server-wide average of spec_accept_length since start (every "
-               "request, other clients' too)", "not convertible per request: informational only"),
-    Definition("acceptance_rate", "accepted / proposed draft tokens (a chain proposes num_draft_tokens - 1 per "
-               "verify)", "rate * (num_draft_tokens - 1) + 1, chains only"),
+    Definition(
+        "vllm.num_accepted_tokens_per_pos",
+        "per position j: drafts in which position j was accepted "
+        "(vllm:spec_decode_num_accepted_tokens_per_pos{position=j})",
+        "/ vllm:spec_decode_num_drafts = acceptance_rate_per_pos[j]",
+    ),
+    Definition(
+        "sglang.spec_accept_length",
+        "completion_tokens / spec_verify_ct: the prefill's first token counts as an accepted token",
+        "(completion_tokens - requests) / spec_verify_ct",
+    ),
+    Definition(
+        "sglang.spec_num_correct_drafts",
+        "accepted draft tokens summed over verify steps (meta_info, per request)",
+        "/ spec_verify_ct + 1",
+    ),
+    Definition(
+        "sglang.spec_correct_drafts_histogram",
+        "hist[j]: verify steps that accepted exactly j drafts",
+        "acceptance_rate_per_pos[j] = sum(hist[j+1:]) / spec_verify_ct",
+    ),
+    Definition(
+        "sglang.avg_spec_accept_length",
+        "server-wide average of spec_accept_length since start (every request, other clients' too)",
+        "not convertible per request: informational only",
+    ),
+    Definition(
+        "acceptance_rate",
+        "accepted / proposed draft tokens (a chain proposes num_draft_tokens - 1 per verify)",
+        "rate * (num_draft_tokens - 1) + 1, chains only",
+    ),
     # trainers' own figures (engines/trainingdata/train_accuracy.py recomputes them with each trainer's rules)
-    Definition("speculators.full_acc", "full_acc_k: origins where draft steps 0..k were all right (teacher-forced "
-               "tokens since v0.7; prev_correct ANDed) / origins counted at step k",
-               "a prediction: acceptance_rate_per_pos[k] ~ full_acc_k, accept_length ~ 1 + sum_k full_acc_k over "
-               "the engine's num_steps (<= ttt_steps); training counts every origin, verify steps only those where "
-               "the previous verify stopped"),
-    Definition("speculators.cond_acc", "cond_acc_k: origins right at step k / origins right at steps 0..k-1",
-               "a prediction: acceptance_rate_per_pos[k] ~ product of cond_acc_0..k"),
-    Definition("specforge.acc", "acc_k: positions where step k's prediction equals the target's full-vocab argmax / "
-               "loss_mask.sum(); teacher-forced, NOT conditioned on the earlier steps (out-of-vocab targets are misses)",
-               "an estimate only: acceptance_rate_per_pos[k] ~ product of acc_0..k (treats the steps as independent)"),
+    Definition(
+        "speculators.full_acc",
+        "full_acc_k: origins where draft steps 0..k were all right (teacher-forced "
+        "tokens since v0.7; prev_correct ANDed) / origins counted at step k",
+        "a prediction: acceptance_rate_per_pos[k] ~ full_acc_k, accept_length ~ 1 + sum_k full_acc_k over "
+        "the engine's num_steps (<= ttt_steps); training counts every origin, verify steps only those where "
+        "the previous verify stopped",
+    ),
+    Definition(
+        "speculators.cond_acc",
+        "cond_acc_k: origins right at step k / origins right at steps 0..k-1",
+        "a prediction: acceptance_rate_per_pos[k] ~ product of cond_acc_0..k",
+    ),
+    Definition(
+        "specforge.acc",
+        "acc_k: positions where step k's prediction equals the target's full-vocab argmax / "
+        "loss_mask.sum(); teacher-forced, NOT conditioned on the earlier steps (out-of-vocab targets are misses)",
+        "an estimate only: acceptance_rate_per_pos[k] ~ product of acc_0..k (treats the steps as independent)",
+    ),
 )
 
 BY_NAME: dict[str, Definition] = {d.name: d for d in DEFINITIONS}

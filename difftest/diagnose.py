@@ -94,7 +94,7 @@ def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], Simila
     fc = other.tensors[FC_IN]
     if fc.shape[-1] % size:
         return [], None
-    expected = (ref.meta.wiring.inputs if ref.meta.wiring else [])
+    expected = ref.meta.wiring.inputs if ref.meta.wiring else []
     names = _candidates(ref)
     out, matrix = [], []
     for j in range(fc.shape[-1] // size):
@@ -131,7 +131,11 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, dra
     if got == want:
         return ""
     notes = []
-    normed = [j for j, (g, w) in enumerate(zip(got, want)) if g and g.startswith(NORM_PREFIX) and g[len(NORM_PREFIX) : -1] == w]
+    normed = [
+        j
+        for j, (g, w) in enumerate(zip(got, want))
+        if g and g.startswith(NORM_PREFIX) and g[len(NORM_PREFIX) : -1] == w
+    ]
     if normed:
         notes.append("norm applied before fc (engine's chunk = rmsnorm(reference tensor))")
         got = [w if j in normed else g for j, (g, w) in enumerate(zip(got, want))]
@@ -202,8 +206,10 @@ def diagnose_fc(ref: Capture, other: Capture, draft_config: dict | None = None) 
         if other_fc.shape[-1] % s == 0:
             fake = Capture(other.tensors, other.meta.replace(target_hidden_size=s))
             got = [(m.best if m.matched else None) for m in match_chunks(ref, fake)[0]]
-            want = (ref.meta.wiring.inputs if ref.meta.wiring else [])
-            lines.append(f"engine fed fc [{', '.join(map(_short, got))}]; reference fed [{', '.join(map(_short, want))}]")
+            want = ref.meta.wiring.inputs if ref.meta.wiring else []
+            lines.append(
+                f"engine fed fc [{', '.join(map(_short, got))}]; reference fed [{', '.join(map(_short, want))}]"
+            )
         lines.append(
             f"chunk count mismatch: engine fc_in has {other_fc.shape[-1] / s:g} chunks of {s}, reference {ref_fc.shape[-1] // s}"
         )

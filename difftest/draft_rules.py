@@ -113,8 +113,9 @@ VLLM = EngineDraftRules(
     d2t="offsets: target id = draft id + d2t[draft id] (LlamaForCausalLMEagle3.compute_logits)",
     # 0.32.0: AutoWeightsLoader raises "There is no module or parameter named ..."; 0.22.0 - 0.24.0:
     # LlamaModel.load_weights indexes params_dict[name] (KeyError), read in both wheels.
-    unexpected_weights=LoadRule("refused at load: its weight loader has no parameter for them", True,
-                                f"{_VLLM_DRAFT}::LlamaModel.load_weights"),
+    unexpected_weights=LoadRule(
+        "refused at load: its weight loader has no parameter for them", True, f"{_VLLM_DRAFT}::LlamaModel.load_weights"
+    ),
 )
 
 SGLANG = EngineDraftRules(

@@ -86,7 +86,7 @@ def parse_spec(text: str) -> EngineSpec:
     raw = m.group("params")
     if raw is not None and not raw.strip():
         raise ConfigError(f"--engines {text}: empty parameter list []")
-    for item in (raw.split(",") if raw else []):
+    for item in raw.split(",") if raw else []:
         if "=" not in item:
             raise ConfigError(f"--engines {text}: parameter {item.strip()!r} is not key=value")
         k, v = (x.strip() for x in item.split("=", 1))

@@ -72,7 +72,9 @@ def parse_engine_requirement(text: str) -> tuple[str, str | None]:
     """'sglang==0.5.22' -> ('sglang', '0.5.22'); 'sglang' -> ('sglang', None): the pinned version."""
     m = _ENGINE_REQ.fullmatch(text.strip())
     if not m:
-        raise ConfigError(f"difftest env create: cannot parse {text!r}; expected ENGINE or ENGINE==VERSION, e.g. sglang==0.5.23")
+        raise ConfigError(
+            f"difftest env create: cannot parse {text!r}; expected ENGINE or ENGINE==VERSION, e.g. sglang==0.5.23"
+        )
     return m.group("name"), m.group("version")
 
 
@@ -134,7 +136,9 @@ def plan(requirement: str, label: str | None = None, cache: Path | None = None, 
     reqs, setup = spec / "requirements-cpu.txt", spec / "setup-env.sh"
     if name not in ENGINE_DISTRIBUTIONS or not reqs.is_file() or not setup.is_file():
         known = sorted(n for n in ENGINE_DISTRIBUTIONS if (spec_dir(n, root) / "requirements-cpu.txt").is_file())
-        raise ConfigError(f"difftest env create: unknown engine {name!r} (environments can be built for: {', '.join(known)})")
+        raise ConfigError(
+            f"difftest env create: unknown engine {name!r} (environments can be built for: {', '.join(known)})"
+        )
     with open(reqs, newline="") as f:  # byte-exact, as setup-engine hashes it
         original = f.read()
     text, pinned = rewrite_requirements(original, ENGINE_DISTRIBUTIONS[name], version or "0", str(reqs))
@@ -158,7 +162,9 @@ def plan(requirement: str, label: str | None = None, cache: Path | None = None, 
     label = label or version
     parse_spec(f"{name}@{label}")  # the label must be usable in --engines
     envs = (cache or cache_root()) / "envs"
-    return EnvPlan(name, version, pinned, label, text, setup, envs / f"{name}-{env_hash(text, setup)}", envs / f"{name}@{label}")
+    return EnvPlan(
+        name, version, pinned, label, text, setup, envs / f"{name}-{env_hash(text, setup)}", envs / f"{name}@{label}"
+    )
 
 
 def create(p: EnvPlan, log=print) -> Path:
@@ -173,7 +179,9 @@ def create(p: EnvPlan, log=print) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not p.built:
             partial = p.directory.with_name(p.directory.name + ".partial")
-            log(f"difftest env: building {p.directory} ({p.engine} {p.version}; minutes and GBs, once per requirements)")
+            log(
+                f"difftest env: building {p.directory} ({p.engine} {p.version}; minutes and GBs, once per requirements)"
+            )
             shutil.rmtree(partial, ignore_errors=True)
             try:
                 subprocess.run([os.environ.get("PYTHON", "python3"), "-m", "venv", str(partial)], check=True)
@@ -183,7 +191,9 @@ def create(p: EnvPlan, log=print) -> Path:
                                env=dict(os.environ, DIFFTEST_ENV_DIR=str(partial)))  # fmt: skip
             except (subprocess.CalledProcessError, OSError) as e:
                 shutil.rmtree(partial, ignore_errors=True)
-                raise ConfigError(f"difftest env create: building {p.engine}=={p.version} failed ({e}); nothing was kept") from None
+                raise ConfigError(
+                    f"difftest env create: building {p.engine}=={p.version} failed ({e}); nothing was kept"
+                ) from None
             (partial / ".complete").touch()
             os.rename(partial, p.directory)
         tmp = p.link.with_name(p.link.name + ".tmp")
@@ -210,7 +220,7 @@ def project_pythons(root: Path) -> dict[str, str]:
         raise ConfigError(f"{path}: unknown table or key {unknown[0]!r} (known: engines)")
     table = data.get("engines", {})
     if not isinstance(table, dict):
-        raise ConfigError(f"{path}: engines: expected a table of \"NAME@LABEL\" = \"path\"")
+        raise ConfigError(f'{path}: engines: expected a table of "NAME@LABEL" = "path"')
     out = {}
     for key, value in table.items():
         spec = parse_spec(key)

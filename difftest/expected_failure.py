@@ -46,7 +46,9 @@ class Outcome:
     message: str
 
 
-def parse(value: object, path: Path, checks: tuple[str, ...], engines: Collection[str] | None = None) -> list[ExpectedFailure]:
+def parse(
+    value: object, path: Path, checks: tuple[str, ...], engines: Collection[str] | None = None
+) -> list[ExpectedFailure]:
     """`expect_failure:` as a mapping or a list of mappings {engine, check, cause[, reference]}.
 
     `engine` and `reference` are checked against the engines installed here (`engines`, default:

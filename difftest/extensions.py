@@ -103,7 +103,9 @@ def _load(group: str, kind: type) -> dict:
         try:
             obj = getattr(importlib.import_module(module), attr)
         except Exception as e:  # a broken plugin must not take the harness down with a traceback
-            raise ConfigError(f"entry point {group}:{name} = {value} cannot be loaded ({type(e).__name__}: {e})") from None
+            raise ConfigError(
+                f"entry point {group}:{name} = {value} cannot be loaded ({type(e).__name__}: {e})"
+            ) from None
         if not isinstance(obj, kind) or getattr(obj, "name", None) != name:
             raise ConfigError(f"entry point {group}:{name} = {value} is not a {kind.__name__} named {name!r}")
         found[name] = obj
@@ -140,5 +142,7 @@ def draft_loader() -> DraftLoader:
     """The registered draft model (`difftest.drafts` entry points: the reference's EAGLE-3 draft)."""
     loaders = _load(DRAFT_GROUP, DraftLoader)
     if not loaders:
-        raise ConfigError("no draft model is registered (difftest.drafts entry points): reinstall difftest (bash scripts/setup)")
+        raise ConfigError(
+            "no draft model is registered (difftest.drafts entry points): reinstall difftest (bash scripts/setup)"
+        )
     return loaders.get("eagle3") or next(iter(loaders.values()))

@@ -35,10 +35,15 @@ HELP = "compute, write and verify the draft-config edit that makes ENGINE feed w
 def add_parser(sub) -> None:
     p = sub.add_parser("fix", help=HELP)
     p.add_argument("case", help="a case YAML file")
-    p.add_argument("--engine", required=True, help="the engine to fix for: vllm or sglang (a labelled spec NAME@LABEL works)")
+    p.add_argument(
+        "--engine", required=True, help="the engine to fix for: vllm or sglang (a labelled spec NAME@LABEL works)"
+    )
     p.add_argument("--report-dir", default="reports", help="where fix/ is written (default: reports)")
-    p.add_argument("--reference", default=None,
-                   help="the reference engine of the verifying run (default: the engine that calibrates, ref)")
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="the reference engine of the verifying run (default: the engine that calibrates, ref)",
+    )
     p.add_argument("--engine-python", action="append", default=[], metavar="NAME=PATH",
                    help="as for `difftest run`: the engine's interpreter")  # fmt: skip
     p.add_argument("--no-verify", action="store_true", help="write the edit without running the engine")
@@ -85,7 +90,9 @@ class FixResult:
             out.append("not verified (--no-verify)")
         else:
             word = "VERIFIED" if self.verified else "NOT VERIFIED"
-            out.append(f"{word} on the real engine: " + ", ".join(f"{c['check']} {c['outcome']}" for c in self.verification))
+            out.append(
+                f"{word} on the real engine: " + ", ".join(f"{c['check']} {c['outcome']}" for c in self.verification)
+            )
             if self.verification_report:
                 out.append(f"verified run: {self.verification_report}")
         return out
@@ -147,7 +154,9 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
         if isinstance(value, str) and not value.startswith("fixture:") and not Path(value).is_absolute():
             raw[field] = str((Path(case_path).parent / value).resolve())
     case_file = out_dir / f"{stem}.yaml"
-    atomic_write(case_file, f"# written by `difftest fix {case_path} --engine {engine}`\n" + yaml.safe_dump(raw, sort_keys=False))
+    atomic_write(
+        case_file, f"# written by `difftest fix {case_path} --engine {engine}`\n" + yaml.safe_dump(raw, sort_keys=False)
+    )
     result.files = [str(patch_file), str(case_file), *result.files]
     return result, case_file
 

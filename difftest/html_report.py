@@ -26,8 +26,13 @@ from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.report import (INTERRUPTED, above_noise, fix_lines, fixes, focus, interesting, noise_cells, noise_floor_line, num,
                              ties_lines, verdict_word)  # fmt: skip
 
-OUTCOME_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#9a6700", "skipped": "#6e7781",
-                   "xfailed": "#8250df"}  # xfailed: a declared expected failure, caught with its cause
+OUTCOME_COLOURS = {
+    "passed": "#1a7f37",
+    "failed": "#cf222e",
+    "error": "#9a6700",
+    "skipped": "#6e7781",
+    "xfailed": "#8250df",
+}  # xfailed: a declared expected failure, caught with its cause
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1100px;color:#1f2328;line-height:1.4}
@@ -99,7 +104,9 @@ def _tip(t: TensorDiff) -> str:
     parts = [t.name, verdict_word(t)]
     if t.status.compared:
         err, floor, threshold, excess = noise_cells(t)
-        parts.append(f"err {err} (rows above {t.rows_above}/{t.rows}), floor {floor}, threshold {threshold}, excess {excess}x")
+        parts.append(
+            f"err {err} (rows above {t.rows_above}/{t.rows}), floor {floor}, threshold {threshold}, excess {excess}x"
+        )
     elif t.detail:
         parts.append(t.detail)
     if t.introduced:
@@ -153,7 +160,9 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
         y = Y(10.0**d)
         s.append(f'<line x1="{left}" x2="{width - right:.0f}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d0d7de" stroke-width="0.6"/>'
                  f'<text x="{left - 4}" y="{y + 3:.1f}" font-size="9" text-anchor="end" fill="#57606a">1e{d}</text>')  # fmt: skip
-    s.append(f'<rect x="{left}" y="{top}" width="{width - left - right:.0f}" height="{height}" fill="none" stroke="#8c959f"/>')
+    s.append(
+        f'<rect x="{left}" y="{top}" width="{width - left - right:.0f}" height="{height}" fill="none" stroke="#8c959f"/>'
+    )
     s.append(f'<text x="12" y="{top + height / 2:.0f}" font-size="10" fill="#57606a" transform="rotate(-90 12 {top + height / 2:.0f})" '
              'text-anchor="middle">row error ||engine - ref|| / ||ref||</text>')  # fmt: skip
 
@@ -182,8 +191,12 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
         y = Y(err)
         colour, cls, r = (C_ABOVE, "err above", 4.5) if above_noise(t) else (C_ERR, "err within", 3.5)
         if t.introduced:
-            s.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="9" fill="none" stroke="{C_ABOVE}" stroke-width="2" class="introduced"/>')
-        s.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{colour}" class="{cls}"><title>{tip}</title></circle>')
+            s.append(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="9" fill="none" stroke="{C_ABOVE}" stroke-width="2" class="introduced"/>'
+            )
+        s.append(
+            f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{colour}" class="{cls}"><title>{tip}</title></circle>'
+        )
     first = entry.first_divergence
     if first and any(t.name == first for t in tensors):
         i = next(i for i, t in enumerate(tensors) if t.name == first)
@@ -207,7 +220,9 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
              (f'<rect x="0" y="-9" width="14" height="12" fill="{C_TIE}"/>', "tie: not compared")]  # fmt: skip
     x = left
     for mark, label in items:
-        s.append(f'<g transform="translate({x},16)">{mark}<text x="18" y="0" font-size="10" fill="#1f2328">{label}</text></g>')
+        s.append(
+            f'<g transform="translate({x},16)">{mark}<text x="18" y="0" font-size="10" fill="#1f2328">{label}</text></g>'
+        )
         x += 30 + 5.6 * len(label)
     s.append("</svg>")
     return "".join(s)
@@ -234,7 +249,8 @@ def noise_section(report: Report) -> list[str]:
             continue
         first = entry.first_divergence
         head = f"{escape(engine)} · prompt {escape(str(entry.prompt))} · " + (
-            f"error introduced at <code>{escape(first)}</code>" if first else "every tensor within noise")
+            f"error introduced at <code>{escape(first)}</code>" if first else "every tensor within noise"
+        )
         h.append(f"<h3 class='noise-engine'>{head}</h3>")
         if first:
             h.append(f"<p>first above noise <code>{escape(str(entry.first_above_noise))}</code> · first that differs "
@@ -283,13 +299,21 @@ def plot_dataflow(report: Report) -> str | None:
         ax1.plot(xs, [_finite(t.max_abs) or 1e-12 for t in tensors], marker="o", label=e)
         ax2.plot(xs, [_finite(1 - t.cosine) or 1e-12 for t in tensors], marker="o", label=e)
         bad = [t for t in tensors if t.status == TensorStatus.MISMATCH]
-        ax1.scatter([x[t.name] for t in bad], [_finite(t.max_abs) or 1e-12 for t in bad], s=90, facecolors="none", edgecolors="red")
+        ax1.scatter(
+            [x[t.name] for t in bad],
+            [_finite(t.max_abs) or 1e-12 for t in bad],
+            s=90,
+            facecolors="none",
+            edgecolors="red",
+        )
     ax1.set_yscale("log"), ax2.set_yscale("log")
     ax1.set_ylabel("max |diff|"), ax2.set_ylabel("1 - cos")
     ax2.set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=7)
     ax1.legend(fontsize=8), ax1.grid(alpha=0.3), ax2.grid(alpha=0.3)
-    ax1.set_title("elementwise statistics along the data flow, information only "
-                  "(red ring: above noise; exact matches drawn at 1e-12)")
+    ax1.set_title(
+        "elementwise statistics along the data flow, information only "
+        "(red ring: above noise; exact matches drawn at 1e-12)"
+    )
     return _png(fig)
 
 
@@ -319,7 +343,11 @@ def plot_tokens(report: Report) -> str | None:
     else:
         ax.set_ylabel("max |diff| in row")
     ax.set_yscale("log"), ax.set_xlabel("token position (row)")
-    ax.legend(fontsize=8), ax.grid(alpha=0.3), ax.set_title("per-token error of the tensor where the error is introduced")
+    (
+        ax.legend(fontsize=8),
+        ax.grid(alpha=0.3),
+        ax.set_title("per-token error of the tensor where the error is introduced"),
+    )
     return _png(fig)
 
 
@@ -335,7 +363,9 @@ def plot_similarity(check: CheckResult) -> str | None:
     m = np.array([[np.nan if v is None else v for v in r] for r in rows], dtype=float)
     fig, ax = plt.subplots(figsize=(min(11, 2 + 0.45 * m.shape[1]), 1.2 + 0.5 * m.shape[0]))
     im = ax.imshow(m, cmap="viridis", vmin=min(0.0, float(np.nanmin(m))) if m.size else 0, vmax=1, aspect="auto")
-    ax.set_xticks(range(m.shape[1]), [c.removeprefix("target.") for c in sim.candidates], rotation=60, ha="right", fontsize=8)
+    ax.set_xticks(
+        range(m.shape[1]), [c.removeprefix("target.") for c in sim.candidates], rotation=60, ha="right", fontsize=8
+    )
     ax.set_yticks(range(m.shape[0]), sim.chunks, fontsize=8)
     for j, fc in enumerate(data.fc_chunks or []):
         if fc.expected is not None and fc.expected in sim.candidates:
@@ -376,7 +406,9 @@ def render(report: Report) -> str:
         if failed
         else f"all {len(checks)} checks passed"
     )
-    h = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{escape(title)}</title><style>{CSS}</style></head><body>"]
+    h = [
+        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{escape(title)}</title><style>{CSS}</style></head><body>"
+    ]
     h.append(f"<h1>{escape(title)}</h1>")
     h.append(f"<p>reference <code>{escape(report.reference)}</code> · case file <code>{escape(report.case_file)}</code>"
              f" · {escape(report.created)} · schema {SCHEMA} version {SCHEMA_VERSION}</p>")  # fmt: skip
@@ -394,7 +426,11 @@ def render(report: Report) -> str:
         fd = data.introduced or data.first_divergence
         where = f" · error introduced at <code>{escape(fd)}</code>" if fd else ""
         h.append(f"<h3>{escape(c.engine)} · {escape(c.check)}{where}</h3>")
-        marks = [(k, v) for k, v in (("first above noise", data.first_above_noise), ("first differs", data.first_differs)) if v]
+        marks = [
+            (k, v)
+            for k, v in (("first above noise", data.first_above_noise), ("first differs", data.first_differs))
+            if v
+        ]
         if marks:
             h.append("<p>" + " · ".join(f"{k} <code>{escape(str(v))}</code>" for k, v in marks) + "</p>")
         h.append(f"<pre class='msg'>{escape(c.message)}</pre>")
@@ -435,7 +471,9 @@ def render(report: Report) -> str:
     h.append(f"<h2 id='case'>Case</h2><pre>{escape(report.case_yaml)}</pre>")
     h.append(f"<p>Accept length: {escape(report.accept_length_definition)}.</p>")
     if report.definitions:  # what each figure above counts, and how engines' own figures became it
-        h.append("<h2 id='definitions'>Definitions</h2><table><tr><th>figure</th><th>counts</th><th>to the harness's definition</th></tr>")
+        h.append(
+            "<h2 id='definitions'>Definitions</h2><table><tr><th>figure</th><th>counts</th><th>to the harness's definition</th></tr>"
+        )
         h += [f"<tr><td><code>{escape(d.name)}</code></td><td>{escape(d.counts)}</td><td>{escape(d.converts)}</td></tr>"
               for d in report.definitions]  # fmt: skip
         h.append("</table>")

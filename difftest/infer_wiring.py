@@ -85,7 +85,7 @@ def paired_z(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def paired_t(a: torch.Tensor, b: torch.Tensor) -> float:
     """Paired z of mean(a - b) (per-position log-probabilities of the same tokens); 0 when identical."""
-    d = (a.double() - b.double())
+    d = a.double() - b.double()
     if d.numel() < 2:
         return 0.0
     sd = float(d.std())
@@ -170,7 +170,7 @@ class Search:
     def run(self, starts: Sequence[WiringKey]) -> WiringKey:
         starts = list(dict.fromkeys(s for s in starts if len(s) == self.num_slots and set(s) <= set(self.candidates)))
         if not starts:
-            starts = [tuple(self.candidates[: 1] * self.num_slots)]
+            starts = [tuple(self.candidates[:1] * self.num_slots)]
         ranked = sorted(starts, key=self.count, reverse=True)
         top = self.score(ranked[0])
         climb = [s for s in ranked if paired_z(top, self.score(s)) < Z_WIDEN][:MAX_CLIMBS]
@@ -226,7 +226,9 @@ def evidence_from_captures(captures: Sequence, source: str) -> Evidence:
             raise ConfigError(f"infer wiring: {source} capture of prompt {i} holds no target.h.* or no prompt ids")
         bad = [n for n, v in t.items() if v.dim() != 2 or v.shape[0] != len(ids)]
         if bad:
-            raise ConfigError(f"infer wiring: {source} prompt {i}: {bad[0]} has shape {list(t[bad[0]].shape)}, expected [{len(ids)}, H]")
+            raise ConfigError(
+                f"infer wiring: {source} prompt {i}: {bad[0]} has shape {list(t[bad[0]].shape)}, expected [{len(ids)}, H]"
+            )
         if TARGET_LOGITS in cap.tensors:
             lab = cap.tensors[TARGET_LOGITS].float().argmax(-1)
         else:
@@ -308,7 +310,10 @@ class DraftScorer:
 # Starts and the config's readings
 # ---------------------------------------------------------------------------------------
 
-def config_readings(ids: list[int] | None, num_layers: int, num_slots: int, family: str = "llama") -> dict[str, WiringKey | None]:
+
+def config_readings(
+    ids: list[int] | None, num_layers: int, num_slots: int, family: str = "llama"
+) -> dict[str, WiringKey | None]:
     """engine -> the wiring that engine feeds for these config ids (None: it cannot serve them)."""
     engines = READING_PRESETS.get(family, READING_PRESETS["llama"])  # difftest.wiring: rule data
     out: dict[str, WiringKey | None] = {}
@@ -409,7 +414,9 @@ def infer(
     )
 
 
-def infer_from_evidence(draft, draft_ids: list[int] | None, evidence: Evidence, family: str = "llama") -> WiringInference:
+def infer_from_evidence(
+    draft, draft_ids: list[int] | None, evidence: Evidence, family: str = "llama"
+) -> WiringInference:
     """Infer the wiring of a loaded draft (engines.ref.eagle3) from the target tensors in `evidence`."""
     num_slots = int(draft.cfg.num_aux)
     candidates = evidence.candidates
@@ -421,4 +428,6 @@ def infer_from_evidence(draft, draft_ids: list[int] | None, evidence: Evidence, 
     L = evidence.num_layers
     readings = config_readings(draft_ids, L, num_slots, family)
     starts = starts_for(draft_ids, L, num_slots, family)
-    return infer(scorer, candidates, num_slots, starts, readings, scorer.shuffled, evidence.source, evidence.label_source)
+    return infer(
+        scorer, candidates, num_slots, starts, readings, scorer.shuffled, evidence.source, evidence.label_source
+    )

@@ -54,7 +54,9 @@ def draft_config_seen(case: Case, engine: str) -> dict | None:
     return deep_merge(draft, overrides) if isinstance(overrides, dict) else draft
 
 
-def engine_view(case: Case, engine: str, trained_wiring: list[str] | None, version: str | None = None) -> EngineView | None:
+def engine_view(
+    case: Case, engine: str, trained_wiring: list[str] | None, version: str | None = None
+) -> EngineView | None:
     """`case` prepared (fixtures resolved) and already merged for a labelled spec
     (Session.engine_case); `version` the engine's release (None: the pinned one, whose rules
     difftest.layer_rules states). None when no rule models this engine on this target."""

@@ -65,7 +65,9 @@ class Shift:
         if self.by == 0:
             return "k -> h[k]"
         rule = f"k -> h[k{self.by:+d}]"
-        return rule if self.when_first_is is None else f"{rule} when the first id is {self.when_first_is}, else k -> h[k]"
+        return (
+            rule if self.when_first_is is None else f"{rule} when the first id is {self.when_first_is}, else k -> h[k]"
+        )
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,9 @@ class LayerIdRule:
         ids, place = self.read_ids(draft_config)
         return self.predict_ids(ids, L, fc_chunks, place)
 
-    def predict_ids(self, ids: Sequence[int] | None, L: int, fc_chunks: int | None = None, place: str | None = None) -> "Reading":
+    def predict_ids(
+        self, ids: Sequence[int] | None, L: int, fc_chunks: int | None = None, place: str | None = None
+    ) -> "Reading":
         """What the engine feeds for these ids (None: no ids found, the defaults apply)."""
         place = place or (self.ids_from[0] if ids else "defaults")
         if ids:
@@ -264,8 +268,11 @@ VLLM_LLAMA = LayerIdRule(
     sources=(_VLLM_IDS, _VLLM_DEFAULTS, "vllm/model_executor/models/interfaces.py::_maybe_add_hidden_state",
              "vllm/model_executor/models/llama.py::LlamaModel.forward"),
 )  # fmt: skip
-VLLM_QWEN3 = replace(VLLM_LLAMA, family=QWEN3,
-                     sources=VLLM_LLAMA.sources[:3] + ("vllm/model_executor/models/qwen2.py::Qwen2Model.forward",))
+VLLM_QWEN3 = replace(
+    VLLM_LLAMA,
+    family=QWEN3,
+    sources=VLLM_LLAMA.sources[:3] + ("vllm/model_executor/models/qwen2.py::Qwen2Model.forward",),
+)
 VLLM_DEEPSEEK = LayerIdRule(
     engine="vllm", label="vLLM 0.32.0", family=DEEPSEEK, ids_from=(TOP, EAGLE_CONFIG), shift=Shift(0),
     defaults="2, L//2, L-3", defaults_shifted=False,
@@ -287,9 +294,15 @@ SGLANG_LLAMA = LayerIdRule(
     notes=("id -1 asks for h0 (the embedding): layers_to_capture = [0, ...]",),
     skips_fc_at_draft_width=True,
 )  # fmt: skip
-SGLANG_QWEN3 = replace(SGLANG_LLAMA, family=QWEN3,
-                       sources=(_SGL_IDS, "sglang/srt/models/qwen3.py::Qwen3ForCausalLM.set_eagle3_layers_to_capture",
-                                "sglang/srt/models/qwen3.py::Qwen3Model.forward"))
+SGLANG_QWEN3 = replace(
+    SGLANG_LLAMA,
+    family=QWEN3,
+    sources=(
+        _SGL_IDS,
+        "sglang/srt/models/qwen3.py::Qwen3ForCausalLM.set_eagle3_layers_to_capture",
+        "sglang/srt/models/qwen3.py::Qwen3Model.forward",
+    ),
+)
 SGLANG_DEEPSEEK = LayerIdRule(
     engine="sglang", label="SGLang 0.5.23", family=DEEPSEEK, ids_from=(EAGLE_CONFIG,), shift=Shift(+1, when_first_is=1),
     defaults="2, L//2, L-3", defaults_shifted=False, capturable=("0", "L-1"), beyond="dropped",

@@ -204,7 +204,9 @@ def fc_chunks(draft_dir: Path, H: int) -> int | None:
     return meta["fc.weight"][2][1] // H
 
 
-def _readings(ids: list[int], L: int, trained_on: list[str], tcfg: dict, raw: dict, chunks: int | None) -> list[Finding]:
+def _readings(
+    ids: list[int], L: int, trained_on: list[str], tcfg: dict, raw: dict, chunks: int | None
+) -> list[Finding]:
     """How each serving engine's layer-id rule (difftest.layer_rules) reads the config, against the
     training wiring, with the edit that makes it feed what training fed; plus the trainers' reading."""
     from difftest.layer_rules import SPECFORGE, config_edit, target_family
@@ -269,9 +271,21 @@ def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
         bad = int(((targets < 0) | (targets >= V)).sum())
         out.append(Finding("vocab-map", "error", f"arange + d2t leaves the target vocab [0, {V}) for {bad} draft ids"))
     elif targets.unique().numel() != targets.numel():
-        out.append(Finding("vocab-map", "error", f"arange + d2t maps {targets.numel() - targets.unique().numel()} draft ids onto taken target ids"))
+        out.append(
+            Finding(
+                "vocab-map",
+                "error",
+                f"arange + d2t maps {targets.numel() - targets.unique().numel()} draft ids onto taken target ids",
+            )
+        )
     elif t2d.numel() == V and not bool(t2d[targets].all()):
-        out.append(Finding("vocab-map", "error", "t2d is not True at arange + d2t: the two maps disagree (SGLang hot_token_id != arange + d2t)"))
+        out.append(
+            Finding(
+                "vocab-map",
+                "error",
+                "t2d is not True at arange + d2t: the two maps disagree (SGLang hot_token_id != arange + d2t)",
+            )
+        )
     return out
 
 
@@ -294,8 +308,10 @@ def trained_wiring(case: Case) -> list[str] | None:
 
     raw = read_json_object(Path(case.draft) / "config.json")
     tcfg = read_json_object(Path(case.target) / "config.json", "target config")
-    ids = case.layer_ids or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or raw.get(
-        "eagle_aux_hidden_state_layer_ids"
+    ids = (
+        case.layer_ids
+        or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        or raw.get("eagle_aux_hidden_state_layer_ids")
     )
     try:
         where = Path(case.target) / "config.json"

@@ -59,7 +59,9 @@ def flag_findings(raw: dict, engines: Iterable[EngineDraftRules] | None = None) 
     speculators = raw.get("speculators_model_type") is not None
     for flag, places in located.items():
         # The trainer's meaning: the reference reads every place a trainer may write (eagle_config first).
-        meant = next(iter(places.values())) if len(places) == 1 else places.get("eagle_config", next(iter(places.values())))
+        meant = (
+            next(iter(places.values())) if len(places) == 1 else places.get("eagle_config", next(iter(places.values())))
+        )
         for rules in ENGINES.values() if engines is None else engines:
             if speculators and not rules.reads_speculators_format:
                 continue  # format_findings says the engine cannot read the config at all
@@ -78,7 +80,9 @@ def flag_findings(raw: dict, engines: Iterable[EngineDraftRules] | None = None) 
                 what = (f"it builds the draft without {flag}, and the checkpoint's {' / '.join(w + '*' for w in weights)} "
                         f"weights are {load.unexpected} ({load.source})")  # fmt: skip
             else:
-                what = f"it runs the draft with {flag}={bool(got)}; the first tensor that differs is {FLAG_TENSORS[flag]}"
+                what = (
+                    f"it runs the draft with {flag}={bool(got)}; the first tensor that differs is {FLAG_TENSORS[flag]}"
+                )
             if speculators and rule is not None and TOP in rule.read_from and SPECULATORS not in rule.read_from:
                 fix = (f"convert the draft to the HF EAGLE-3 layout (the flag at the top level), or serve it with a "
                        f"{rules.engine} release that reads speculators configs")  # fmt: skip
@@ -124,7 +128,9 @@ def weight_findings(meta: dict, raw: dict, layer: dict, draft_vocab: int, V: int
     missing = sorted(expected - names - {"d2t"})  # a missing d2t is the vocab-map rule's
     if "lm_head.weight" in missing:
         missing.remove("lm_head.weight")
-        readings = "; ".join(f"{r.label} {r.version}: {r.lm_head.missing} ({r.lm_head.source})" for r in ENGINES.values())
+        readings = "; ".join(
+            f"{r.label} {r.version}: {r.lm_head.missing} ({r.lm_head.source})" for r in ENGINES.values()
+        )
         out.append(Finding("lm-head-missing", "error",
             f"no lm_head.weight in the draft checkpoint (draft vocab {draft_vocab}, tie_word_embeddings false): "
             f"{readings}. The draft's logits are not the ones it trained: save the draft's head",
@@ -207,7 +213,12 @@ def rope_findings(layer: dict, tcfg: dict, speculators: bool) -> list[Finding]:
     where = "transformer_layer_config" if speculators else "config"
     params = layer.get("rope_parameters")
     top = layer.get("rope_theta")
-    if isinstance(params, dict) and params.get("rope_theta") is not None and top is not None and float(top) != float(params["rope_theta"]):
+    if (
+        isinstance(params, dict)
+        and params.get("rope_theta") is not None
+        and top is not None
+        and float(top) != float(params["rope_theta"])
+    ):
         out.append(Finding("rope-conflict", "error",
             f"draft {where}: rope_theta {top} but rope_parameters.rope_theta {params['rope_theta']}: transformers 5 "
             f"({', '.join(f'{r.label} {r.version}' for r in ENGINES.values())}) use rope_parameters, older readers "
@@ -222,7 +233,9 @@ def rope_findings(layer: dict, tcfg: dict, speculators: bool) -> list[Finding]:
                 f"target uses theta {t_theta} scaling {t_scaling}, and trainers build the draft's rope from the target's "
                 "config: a converter dropped it? The draft's attention differs (draft.layer0.attn_out)",
                 engines=SERVING, tensor="draft.layer0.attn_out"))  # fmt: skip
-    elif (theta is not None and t_theta is not None and float(theta) != float(t_theta)) or (scaling or None) != (t_scaling or None):
+    elif (theta is not None and t_theta is not None and float(theta) != float(t_theta)) or (scaling or None) != (
+        t_scaling or None
+    ):
         out.append(Finding("rope-differs", "warning",
             f"draft rope theta {theta} scaling {scaling}; target theta {t_theta} scaling {t_scaling}: engines give the "
             "draft its own rope, trainers usually the target's; an engine that shares the target's cos/sin cache "

@@ -166,7 +166,9 @@ def inputs_of(name: str, wiring: list[str] | None = None, num_layers: int | None
         # attention reads this position and the KV cache of every earlier one
         return [draft_name(step, "layer0.attn_in")] + [draft_name(s, "layer0.attn_in") for s in range(step)]
     if part in ("layer0.mlp_out", "hidden_prenorm"):
-        return [draft_name(step, p) for p in _DRAFT_INPUTS[part] if p != "fc_out"] + [draft_name(prev, "hidden_prenorm")]
+        return [draft_name(step, p) for p in _DRAFT_INPUTS[part] if p != "fc_out"] + [
+            draft_name(prev, "hidden_prenorm")
+        ]
     return [draft_name(step, p) for p in _DRAFT_INPUTS.get(part, [])]
 
 

@@ -48,14 +48,26 @@ class CheckFailed(Exception):
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("difftest", "EAGLE-3 differential testing")
-    g.addoption("--engines", default=None, help='engines to compare, e.g. ref,"ref[wiring=sglang]",vllm (default: the '
-                'engine that calibrates, ref)')
+    g.addoption(
+        "--engines",
+        default=None,
+        help='engines to compare, e.g. ref,"ref[wiring=sglang]",vllm (default: the engine that calibrates, ref)',
+    )
     g.addoption("--reference", default=None, help="the engine others are compared to (default: the first of --engines)")
     g.addoption("--engine-python", action="append", default=[], metavar="NAME=PATH",
                 help="interpreter for an engine's worker (NAME is name or name@label); repeatable")  # fmt: skip
-    g.addoption("--report-dir", default=None, help="where per-case JSON/Markdown reports go (default: <rootdir>/reports)")
-    g.addoption("--engine-timeout", type=float, default=900.0, help="seconds one engine request may take (default 900; starting an engine at least 120)")
-    g.addoption("--require-engines", action="store_true", help="fail instead of skip when an engine is not installed (CI)")
+    g.addoption(
+        "--report-dir", default=None, help="where per-case JSON/Markdown reports go (default: <rootdir>/reports)"
+    )
+    g.addoption(
+        "--engine-timeout",
+        type=float,
+        default=900.0,
+        help="seconds one engine request may take (default 900; starting an engine at least 120)",
+    )
+    g.addoption(
+        "--require-engines", action="store_true", help="fail instead of skip when an engine is not installed (CI)"
+    )
     g.addoption("--no-capture-cache", action="store_true", help="recapture instead of reusing cached captures")
     g.addoption("--save-baseline", default=None, metavar="NAME",
                 help="store every engine's captures and accept-length stats as baseline NAME (immutable)")  # fmt: skip
@@ -93,12 +105,16 @@ def pytest_configure(config: pytest.Config) -> None:
         if config.getoption("baseline"):
             if config.getoption("reference"):
                 raise ConfigError("--baseline: the baseline is the reference; drop --reference")
-            stored = baseline_mod.BaselineSource(baseline_dir, *baseline_mod.parse_reference(config.getoption("baseline")))
+            stored = baseline_mod.BaselineSource(
+                baseline_dir, *baseline_mod.parse_reference(config.getoption("baseline"))
+            )
             reference = stored.spec
             engines.insert(0, reference)
         writer = None
         if config.getoption("save_baseline"):
-            writer = baseline_mod.BaselineWriter(baseline_dir, config.getoption("save_baseline"), config.getoption("force_baseline"))
+            writer = baseline_mod.BaselineWriter(
+                baseline_dir, config.getoption("save_baseline"), config.getoption("force_baseline")
+            )
     except ConfigError as e:
         raise pytest.UsageError(str(e)) from None
     options = Options(
@@ -218,7 +234,6 @@ class CaseFile(pytest.File):
                 yield CheckItem.from_parent(self, name=f"{spec.id}::{check}", case=case, spec=spec, check=check)
             if self.config.stash[WRITER] is not None and not spec.name.startswith(baseline_mod.PREFIX):
                 yield SaveBaselineItem.from_parent(self, name=f"{spec.id}::save_baseline", case=case, spec=spec)
-
 
     def _check(self, case: Case, session: Session) -> str | None:
         """What makes this case unusable with these engines, as one line (None: nothing)."""
@@ -421,7 +436,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
             terminalreporter.write_line(f"{p} (kept: the run was interrupted before this case finished)")
     rows = getattr(config, "_difftest_summary", [])
     if rows:
-        terminalreporter.write_sep("-", "difftest summary (accept length AL: accepted draft tokens + 1 per verify step)")
+        terminalreporter.write_sep(
+            "-", "difftest summary (accept length AL: accepted draft tokens + 1 per verify step)"
+        )
         for line in upgrade_mod.render(rows):
             terminalreporter.write_line(line)
     baseline = getattr(config, "_difftest_baseline", None)

@@ -30,6 +30,7 @@ from difftest.records.report import FigureDefinition
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.records.wiring_inference import WiringInference
 from difftest.names import short_name
+
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
 
@@ -49,7 +50,9 @@ def _build(case, session, results: list[CheckResult]) -> Report:
         info, err = session.engine_info(spec), session.start_error(spec)
         engines[spec.id] = EngineEntry(info=info) if info else EngineEntry(error=err or "not started")
     computed = session.computed_comparisons(case)
-    comparisons = {engine_id: [prompt_entry(i, cd) for i, cd in enumerate(diffs)] for engine_id, diffs in computed.items()}
+    comparisons = {
+        engine_id: [prompt_entry(i, cd) for i, cd in enumerate(diffs)] for engine_id, diffs in computed.items()
+    }
     return Report(
         case=case.name,
         case_file=case.path,
@@ -84,7 +87,10 @@ def definitions_used(results: list[CheckResult], compared: bool) -> list[FigureD
         elif (check := own_items().get(r.check)) is not None and check.figures is not None and data is not None:
             names += check.figures(data)  # a contributed check names its own figures (difftest.extensions)
     known = {**definitions.BY_NAME, **contributed_definitions()}
-    return [FigureDefinition(n, d.counts, d.converts) for n, d in ((n, known[n]) for n in dict.fromkeys(names) if n in known)]
+    return [
+        FigureDefinition(n, d.counts, d.converts)
+        for n, d in ((n, known[n]) for n in dict.fromkeys(names) if n in known)
+    ]
 
 
 def markdown_definitions(report: Report) -> list[str]:
@@ -248,7 +254,7 @@ def interesting(entry: PromptComparison, top: int = TOP_MOVERS, cap: int = MAX_R
     above = [t for t in tensors if above_noise(t)]
     if above:
         ranked = sorted(above, key=lambda t: (not t.introduced, -t.excess))
-        keep = {id(t) for t in ranked[:max(cap, sum(1 for t in above if t.introduced))]}
+        keep = {id(t) for t in ranked[: max(cap, sum(1 for t in above if t.introduced))]}
         return [t for t in tensors if id(t) in keep], len(above) - len(keep)
     movers = sorted((t for t in tensors if t.status == TensorStatus.OK and t.excess > 0), key=lambda t: -t.excess)[:top]
     keep = {id(t) for t in movers}
@@ -310,7 +316,10 @@ def markdown_noise(report: Report) -> list[str]:
             lines += [head + ("every tensor within noise" if differs else "every compared tensor bit-identical"), ""]
         rows, left = interesting(entry)
         if rows:
-            lines += ["| tensor | err | floor | threshold | excess | verdict | introduced |", "|---|---|---|---|---|---|---|"]
+            lines += [
+                "| tensor | err | floor | threshold | excess | verdict | introduced |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for t in rows:
                 mark = "**<- introduced**" if t.introduced else ""
                 err, floor, threshold, excess = noise_cells(t)
@@ -336,7 +345,11 @@ def markdown_inference(inf: WiringInference) -> list[str]:
     if inf.runner_up:
         lines.append(f"runner-up {w(inf.runner_up)} ({inf.runner_up_agreement:.3f}): margin {inf.margin:.3f} "
                      f"(z {inf.margin_z:.1f})")  # fmt: skip
-    lines += ["", "| slot | inferred | best alternative | agreement drop | z (agreement) | z (log-prob) |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| slot | inferred | best alternative | agreement drop | z (agreement) | z (log-prob) |",
+        "|---|---|---|---|---|---|",
+    ]
     for s in inf.slots:
         lines.append(f"| {s.slot} | {short_name(s.chosen)} | {short_name(s.alternative)} | {s.drop:.3f} | "
                      f"{s.z:.1f} | {s.z_logp:.1f} |")  # fmt: skip
@@ -430,5 +443,3 @@ def is_complete(path: Path) -> bool:
         return not Report.load(path).interrupted
     except DifftestError:
         return False
-
-

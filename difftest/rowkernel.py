@@ -162,6 +162,19 @@ def load(variant: str | None = None) -> Kernel:
     lib.difftest_row_stats.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float,
                                        ctypes.c_int, ctypes.c_int, ptr, ptr]  # fmt: skip
     lib.difftest_row_stats.restype = ctypes.c_int
-    lib.difftest_rel_err.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    lib.difftest_rel_err.argtypes = [
+        ptr,
+        ctypes.c_int,
+        ptr,
+        ctypes.c_int,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_int,
+        ptr,
+        ptr,
+        ptr,
+    ]
     lib.difftest_rel_err.restype = ctypes.c_int
     return Kernel(variant, path, lib)

@@ -166,7 +166,9 @@ def native_kernel() -> rowkernel.Kernel | None:
             _NATIVE.kernel = rowkernel.load()
         except Exception as e:  # noqa: BLE001 - any build/load failure falls back to the same numbers, eagerly
             _NATIVE.error = _reason(e)
-            warnings.warn(f"difftest: native comparison kernel unavailable ({_NATIVE.error}); using the eager path", stacklevel=2)
+            warnings.warn(
+                f"difftest: native comparison kernel unavailable ({_NATIVE.error}); using the eager path", stacklevel=2
+            )
     return _NATIVE.kernel
 
 
@@ -211,7 +213,9 @@ def row_stats(a2: torch.Tensor, b2: torch.Tensor, atol: float, rtol: float, logi
             return _row_stats_compiled(a2, b2, atol, rtol, logits)
         except Exception as e:  # noqa: BLE001 - any compile failure falls back to the same numbers, eagerly
             _COMPILED.error = _reason(e)
-            warnings.warn(f"difftest: compiled comparison unavailable ({_COMPILED.error}); using the eager path", stacklevel=2)
+            warnings.warn(
+                f"difftest: compiled comparison unavailable ({_COMPILED.error}); using the eager path", stacklevel=2
+            )
     return _row_stats_eager(a2, b2, atol, rtol, logits, chunk or CHUNK)
 
 

@@ -263,7 +263,9 @@ class Session:
                 try:
                     tokenizer = AutoTokenizer.from_pretrained(case.target, local_files_only=True)
                 except (OSError, ValueError) as e:
-                    raise ConfigError(f"{case.path}: prompts: cannot load the target's tokenizer from {case.target} ({e})") from None
+                    raise ConfigError(
+                        f"{case.path}: prompts: cannot load the target's tokenizer from {case.target} ({e})"
+                    ) from None
             out = []
             field_name = "speculative.prompts" if speculative and case.spec_prompts else "prompts"
             vocab, max_pos = _target_limits(case.target)
@@ -282,7 +284,9 @@ class Session:
                 if len(ids) < 2:
                     raise ConfigError(f"{where}: needs at least 2 tokens, got {len(ids)}")
                 if vocab is not None and max(ids) >= vocab:
-                    raise ConfigError(f"{where}: token id {max(ids)} is outside the target's vocabulary (vocab_size {vocab})")
+                    raise ConfigError(
+                        f"{where}: token id {max(ids)} is outside the target's vocabulary (vocab_size {vocab})"
+                    )
                 if max_pos is not None and len(ids) + extra > max_pos:
                     raise ConfigError(
                         f"{where}: {len(ids)} tokens + {extra} generated exceed the target's max_position_embeddings "
@@ -345,7 +349,9 @@ class Session:
 
     def _capture_key(self, case: Case, spec: EngineSpec, ids: list[int]) -> str:
         """The cache key of `spec`'s capture of prompt `ids` of `case` (prepared; started or stored)."""
-        return cache_key("capture", spec.id, self._version(spec), self.inputs_key(self.engine_case(case, spec), spec), ids)
+        return cache_key(
+            "capture", spec.id, self._version(spec), self.inputs_key(self.engine_case(case, spec), spec), ids
+        )
 
     def _cached(self, key: str) -> Capture | None:
         if not self.options.use_cache:
@@ -506,7 +512,10 @@ class Session:
         try:
             pair = (self.speculate(case, spec), self.speculate(exact, spec))
         except DifftestError as e:
-            return None, f"numerical move not measured: {spec.id} cannot speculate this case in float64 ({str(e).splitlines()[0]})"
+            return (
+                None,
+                f"numerical move not measured: {spec.id} cannot speculate this case in float64 ({str(e).splitlines()[0]})",
+            )
         return pair, f"numerical move measured: {spec.id} in {case.dtype} vs float64"
 
     def comparisons(self, case: Case, spec: EngineSpec) -> list[CaptureDiff]:

@@ -143,7 +143,11 @@ def _convert(s: Setting, value: object, from_spec: bool) -> object:
             if not parts or not all(p.isdigit() for p in parts):
                 raise ValueError("layer ids like 2+4+5")
             return [int(p) for p in parts]
-        if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+        ):
             return list(value)
         raise ValueError("a non-empty list of non-negative integers")
     if t == "wiring":
@@ -168,8 +172,14 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def validate(schema: Schema, section: object, params: tuple[tuple[str, str], ...] = (), *,
-             section_where: str = "", spec_where: str = "") -> dict:
+def validate(
+    schema: Schema,
+    section: object,
+    params: tuple[tuple[str, str], ...] = (),
+    *,
+    section_where: str = "",
+    spec_where: str = "",
+) -> dict:
     """Merge a case's engines section (`section`, found at `section_where`, e.g. 'cases/x.yaml:
     engines.ref') with the spec parameters (`params`, from `spec_where`, e.g. "--engines
     ref[wiring=sglang]") into {setting name: value}; settings given nowhere hold their default.

@@ -20,22 +20,31 @@ from difftest.records.timings import PhaseTime, Timings, WorkerPhase
 # name -> (owner, what it counts): declared once, read by the report and docs/benchmarks.md
 PHASES: dict[str, tuple[str, str]] = {
     "collect": ("harness", "a case file collected: read, checked against the engines' settings"),
-    "engine.start": ("engine", "a worker's interpreter start, its imports and the adapter's set-up (the hello request)"),
+    "engine.start": (
+        "engine",
+        "a worker's interpreter start, its imports and the adapter's set-up (the hello request)",
+    ),
     "engine.capture": ("engine", "the adapter's capture in the worker: models loaded on first use, forward passes"),
     "engine.speculate": ("engine", "the adapter's speculative decoding in the worker"),
     "engine.replay": ("engine", "the adapter's replay of another engine's tokens in the worker"),
-    "transfer.write": ("harness", "a capture's tensors written to their file (by the worker; the golden fc_in "
-                                  "by the harness)"),  # fmt: skip
+    "transfer.write": (
+        "harness",
+        "a capture's tensors written to their file (by the worker; the golden fc_in by the harness)",
+    ),  # fmt: skip
     "transfer.read": ("harness", "a capture file mapped into the reading process, its manifest read"),
     "request": ("harness", "a worker request less the worker's own phases: JSON over the pipes, waiting"),
-    "session": ("harness", "the session's own steps around requests: fixtures, prompts, cache keys (checkpoint "
-                           "digests), cache look-ups"),  # fmt: skip
+    "session": (
+        "harness",
+        "the session's own steps around requests: fixtures, prompts, cache keys (checkpoint digests), cache look-ups",
+    ),  # fmt: skip
     "compare": ("harness", "a capture compared with the reference's"),
     "noise_floor": ("harness", "the noise floor computed from the reference's captures and their float64 twins"),
     "check": ("harness", "a check's own logic, outside the phases above"),
     "report": ("harness", "the case's report built (its writing is not in it)"),
 }
-SCOPE = "the phases the harness timed for this case; not in them: the report's writing, pytest's own work, workers' exits"
+SCOPE = (
+    "the phases the harness timed for this case; not in them: the report's writing, pytest's own work, workers' exits"
+)
 
 
 def owner(phase: str) -> str:

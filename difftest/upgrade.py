@@ -20,7 +20,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from difftest.records import AcceptLengthData, CheckResult, PromptComparison, Report, ServerAcceptData, TensorDiff, TensorStatus
+from difftest.records import (
+    AcceptLengthData,
+    CheckResult,
+    PromptComparison,
+    Report,
+    ServerAcceptData,
+    TensorDiff,
+    TensorStatus,
+)
 
 SAME, DRIFTED, REGRESSED, ERROR, SKIPPED = "same", "drifted", "regressed", "error", "skipped"
 PASSED = "passed"

@@ -120,8 +120,12 @@ def markdown(all_cells: list[Cell]) -> list[str]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("versions", help="EAGLE-3 behaviour by engine release, from the reports of a run over several releases")
-    p.add_argument("reports", nargs="+", help="report directories of runs with several releases (scripts/version-matrix)")
+    p = sub.add_parser(
+        "versions", help="EAGLE-3 behaviour by engine release, from the reports of a run over several releases"
+    )
+    p.add_argument(
+        "reports", nargs="+", help="report directories of runs with several releases (scripts/version-matrix)"
+    )
     p.set_defaults(handler=run)
 
 

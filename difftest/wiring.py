@@ -156,9 +156,13 @@ def resolve(
         tokens = re.split(r"[+\s,]+", spec.strip("[] ")) if isinstance(spec, str) else list(spec)
         tokens = [t for t in tokens if str(t).strip()]
         if not tokens:
-            raise ConfigError(f"{where}: empty wiring; expected a preset ({', '.join(PRESETS)}) or a list like [h0, h3, h31]")
+            raise ConfigError(
+                f"{where}: empty wiring; expected a preset ({', '.join(PRESETS)}) or a list like [h0, h3, h31]"
+            )
         if isinstance(spec, str) and len(tokens) == 1 and not re.search(r"\d|final_norm", tokens[0]):
-            raise ConfigError(f"{where}: unknown wiring preset {spec!r}; expected one of {', '.join(PRESETS)} or a list like [h0, h3, h31]")
+            raise ConfigError(
+                f"{where}: unknown wiring preset {spec!r}; expected one of {', '.join(PRESETS)} or a list like [h0, h3, h31]"
+            )
         wiring = Wiring(tuple(_canonical_input(str(t), where) for t in tokens), "explicit")
     for name in wiring.inputs + ((wiring.verifier,) if wiring.verifier else ()):
         k = hidden_index(name)

@@ -88,8 +88,17 @@ class WorkerClient:
             self._log_start = log.tell()  # this worker's own lines begin here (an earlier one's come before)
             try:
                 self.proc = subprocess.Popen(
-                    [self.python, "-m", "difftest.worker", "--in-fd", str(req_r), "--out-fd", str(rep_w),
-                     "--parent-pid", str(os.getpid())],
+                    [
+                        self.python,
+                        "-m",
+                        "difftest.worker",
+                        "--in-fd",
+                        str(req_r),
+                        "--out-fd",
+                        str(rep_w),
+                        "--parent-pid",
+                        str(os.getpid()),
+                    ],
                     pass_fds=(req_r, rep_w),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -100,7 +109,9 @@ class WorkerClient:
             except OSError as e:
                 for fd in (req_r, req_w, rep_r, rep_w):
                     os.close(fd)
-                raise EngineUnavailable(f"{self.spec.id}: cannot start interpreter {self.python}: {e.strerror}") from None
+                raise EngineUnavailable(
+                    f"{self.spec.id}: cannot start interpreter {self.python}: {e.strerror}"
+                ) from None
         os.close(req_r)
         os.close(rep_w)
         self._w = os.fdopen(req_w, "w")
@@ -162,7 +173,9 @@ class WorkerClient:
         ready, _, _ = select.select([self._r], [], [], timeout)
         if not ready:
             self.kill()
-            raise EngineError(f"{self.spec.id}: no answer to {msg['op']!r} within {timeout:.0f}s; worker killed; log: {self.log_path}")
+            raise EngineError(
+                f"{self.spec.id}: no answer to {msg['op']!r} within {timeout:.0f}s; worker killed; log: {self.log_path}"
+            )
         line = self._r.readline()
         self.busy = False
         if not line:
@@ -251,7 +264,10 @@ def _handle(engine, msg: dict) -> dict:
     if op == "speculate":
         stats = _timed(phases, "engine.speculate", engine.speculate, Case.from_dict(msg["case"]), msg["prompts"],
                        msg["num_steps"], msg["max_new_tokens"])  # fmt: skip
-        return {"stats": _returned(engine, "speculate", stats, AcceptStats).to_dict(), "timings": [asdict(p) for p in phases]}
+        return {
+            "stats": _returned(engine, "speculate", stats, AcceptStats).to_dict(),
+            "timings": [asdict(p) for p in phases],
+        }
     if op == "capture_draft_from":
         from difftest import tensorfile
 

@@ -137,7 +137,7 @@ def _report_rows(reports: Path) -> dict[tuple[str, str], dict[str, dict]]:
 def _accept(result: dict | None) -> str:
     data = (result or {}).get("data") or {}
     eng, ref = data.get("engine"), data.get("reference")
-    pick = (lambda d: d.get("accept_length") if isinstance(d, dict) else d)  # noqa: E731
+    pick = lambda d: d.get("accept_length") if isinstance(d, dict) else d  # noqa: E731
     e, r = pick(eng), pick(ref)
     return f"{e:.3f}/{r:.3f}" if isinstance(e, (int, float)) and isinstance(r, (int, float)) else "-"
 
@@ -153,11 +153,15 @@ def print_matrix(root: Path) -> int:
         if engine in ("ref", "train") or "[" in engine:
             continue
         cells = " ".join(f"{c[:5]}={LETTER.get(checks[c]['outcome'], '?')}" for c in compared if c in checks)
-        first = next((checks[c] for c in ("fc_inputs", "draft_logits") if checks.get(c, {}).get("outcome") == "failed"), None)
+        first = next(
+            (checks[c] for c in ("fc_inputs", "draft_logits") if checks.get(c, {}).get("outcome") == "failed"), None
+        )
         introduced = ((first or {}).get("data") or {}).get("introduced") or "-"
         exp = expectations.get(case, {}).get("expect", {}).get(engine)
         if exp is None:
-            verdict = "correct: " + ("ok" if all(checks.get(c, {}).get("outcome") == "passed" for c in compared) else "FAILED")
+            verdict = "correct: " + (
+                "ok" if all(checks.get(c, {}).get("outcome") == "passed" for c in compared) else "FAILED"
+            )
         elif not exp["fails"]:
             ok = all(checks.get(c, {}).get("outcome") == "passed" for c in compared)
             verdict = f"immune ({exp['because']}): " + ("ok" if ok else "FAILED")
@@ -166,7 +170,9 @@ def print_matrix(root: Path) -> int:
             ok = first is not None and im.introduced_in(introduced, exp["where"]) and exp["why"] in msg
             verdict = f"fails at {exp['where']} '{exp['why']}': " + ("ok" if ok else "MISMATCH")
         bad += verdict.endswith(("FAILED", "MISMATCH"))
-        print(f"{case:<44} {engine:<7} {cells:<34} {introduced:<22} {_accept(checks.get('accept_length')):<12} {verdict}")
+        print(
+            f"{case:<44} {engine:<7} {cells:<34} {introduced:<22} {_accept(checks.get('accept_length')):<12} {verdict}"
+        )
     return 1 if bad else 0
 
 
@@ -178,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path, help="work directory: cases go to DIR/cases, reports to DIR/reports")
     ap.add_argument("--exports", action="store_true", help="also the miswired exports, served by the engines")
-    ap.add_argument("--one-session", action="store_true", help="--run: one session on every engine, reports in "
-                    "DIR/reports, then the --table matrix")
+    ap.add_argument(
+        "--one-session",
+        action="store_true",
+        help="--run: one session on every engine, reports in DIR/reports, then the --table matrix",
+    )
     ap.add_argument("--targets", default=",".join(im.TARGETS), help="comma list (default: all)")
     ap.add_argument("--dtypes", default=",".join(im.DTYPES), help="comma list (default: float32,bfloat16)")
     ap.add_argument("--run", action="store_true", help="run the correct-wiring cases")
@@ -200,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         exported = im.write_export_miswired_cases(workdir / "cases", workdir / "exports", targets, dtypes)
         im.write_expectations(workdir / "expectations.json", exported)
         print(f"wrote {len(exported)} miswired-export cases to {workdir / 'cases'}")
-    print(f"wrote {len(correct)} cases to {workdir / 'cases'} and {len(extra_cases)} to {workdir / 'miswired' / 'cases'}")
+    print(
+        f"wrote {len(correct)} cases to {workdir / 'cases'} and {len(extra_cases)} to {workdir / 'miswired' / 'cases'}"
+    )
     if not (a.run or a.miswired):
         return 0
     extra = ["--require-engines", f"--engine-timeout={a.engine_timeout}", *a.pytest_args]

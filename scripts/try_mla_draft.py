@@ -96,10 +96,14 @@ def markdown(results: list[dict]) -> str:
         for c in r["checks"]:
             out.append(f"- {c['engine']}::{c['check']}: **{c['outcome']}**: {c['message']}")
         if "accept_length" in r:
-            out.append(f"- accept length: reference {r['accept_length']['reference']:.3f}, engine {r['accept_length']['engine']:.3f}")
+            out.append(
+                f"- accept length: reference {r['accept_length']['reference']:.3f}, engine {r['accept_length']['engine']:.3f}"
+            )
         if r["draft_max_abs"]:
             worst = max(r["draft_max_abs"].items(), key=lambda kv: kv[1])
-            out.append(f"- largest draft-tensor difference: {worst[0]} max|d| {worst[1]:.2e} ({len(r['draft_max_abs'])} tensors)")
+            out.append(
+                f"- largest draft-tensor difference: {worst[0]} max|d| {worst[1]:.2e} ({len(r['draft_max_abs'])} tensors)"
+            )
         if r.get("engine_error"):
             out.append(f"- engine error: `{r['engine_error']}` (log: {r['log']})")
         if r.get("error"):

@@ -88,7 +88,9 @@ def make_deepseek_pair(directory: Path, layer_ids: list[int], degenerate: str | 
     from engines.ref.train import init_draft, save_eagle_format
 
     directory.mkdir(parents=True, exist_ok=True)
-    target = build_random_deepseek_target(directory / "target", seed, zero_final_norm=degenerate is not None, plain=plain)
+    target = build_random_deepseek_target(
+        directory / "target", seed, zero_final_norm=degenerate is not None, plain=plain
+    )
     dcfg = Eagle3Config(hidden_size=HIDDEN, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=32, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=HIDDEN,
                         num_aux=len(layer_ids))  # fmt: skip

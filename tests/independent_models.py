@@ -650,7 +650,9 @@ def _pattern(fed: list[int], trained: list[int]) -> str:
     return "different layers"
 
 
-def expectation(m: ExportMiswire, spec: TargetSpec, engine: str, export: Path, target: Path, as_trained: Path) -> Expect:
+def expectation(
+    m: ExportMiswire, spec: TargetSpec, engine: str, export: Path, target: Path, as_trained: Path
+) -> Expect:
     """What the rule data says `engine` does with this export (`as_trained`: the draft it was exported from)."""
     if m.kind == "ids":
         rule, trained = _rule(engine, spec), training_wiring(m, spec)
@@ -744,12 +746,16 @@ def write_export_miswired_cases(cases_dir: str | Path, exports_dir: str | Path, 
         spec = model.spec
         for m in EXPORT_MISWIRES:
             served, as_trained = _write_export(m, model, exports_dir / tname / m.name)
-            expect = {e: expectation(m, spec, e, served, model.target, as_trained or model.draft) for e in SERVING_ENGINES}
+            expect = {
+                e: expectation(m, spec, e, served, model.target, as_trained or model.draft) for e in SERVING_ENGINES
+            }
             wiring = training_wiring(m, spec)
             for dtype in dtypes:
                 name = case_name(spec, dtype, f"_x_{m.name}")
-                desc = (f"Miswired export {m.name} of {tname}: {m.description}. The draft was trained on "
-                        f"{_short(wiring)}; the engines serve the export, the reference the draft as trained.")
+                desc = (
+                    f"Miswired export {m.name} of {tname}: {m.description}. The draft was trained on "
+                    f"{_short(wiring)}; the engines serve the export, the reference the draft as trained."
+                )
                 text = _case_yaml(model, dtype, wiring, name, desc, sglang=False)
                 text = text.replace(f"draft: {model.draft}\n", f"draft: {served}\n")
                 engines = []
@@ -757,8 +763,14 @@ def write_export_miswired_cases(cases_dir: str | Path, exports_dir: str | Path, 
                     engines += ["  ref:", f"    draft: {as_trained}"]
                 for e in SERVING_ENGINES:
                     ids = served_ids(m, spec, e)
-                    if m.kind == "ids" and ids != json.loads((served / "config.json").read_text())[
-                            "eagle_config"]["eagle_aux_hidden_state_layer_ids"] or (m.kind != "ids" and ids != list(spec.trained)):
+                    if (
+                        m.kind == "ids"
+                        and ids
+                        != json.loads((served / "config.json").read_text())["eagle_config"][
+                            "eagle_aux_hidden_state_layer_ids"
+                        ]
+                        or (m.kind != "ids" and ids != list(spec.trained))
+                    ):
                         engines += [f"  {e}:", *_ids_override(ids)]
                 if engines:
                     text += "engines:\n" + "\n".join(engines) + "\n"

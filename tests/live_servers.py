@@ -114,7 +114,9 @@ def start(kind: str, args: list[str], log: Path, env: dict | None = None) -> Liv
         if proc.poll() is not None:
             server.stop()
             tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-            pytest.fail(f"{kind} server exited with {proc.returncode} before it was healthy; log {log}: " + " | ".join(tail))
+            pytest.fail(
+                f"{kind} server exited with {proc.returncode} before it was healthy; log {log}: " + " | ".join(tail)
+            )
         try:
             with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
                 if r.status == 200:

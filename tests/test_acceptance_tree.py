@@ -28,7 +28,11 @@ def test_a_topk_1_tree_is_the_chain(models):
     chain, chain_out = simulate_greedy(target, draft, INPUTS, PROMPTS, 3, 10)
     tree, tree_out = simulate_tree(target, draft, INPUTS, PROMPTS, 3, 10, topk=1, num_draft_tokens=4)
     assert tree_out == chain_out
-    assert (tree.num_verify, tree.num_accepted, tree.accepted_per_pos) == (chain.num_verify, chain.num_accepted, chain.accepted_per_pos)
+    assert (tree.num_verify, tree.num_accepted, tree.accepted_per_pos) == (
+        chain.num_verify,
+        chain.num_accepted,
+        chain.accepted_per_pos,
+    )
 
 
 @pytest.mark.parametrize("topk, budget", [(2, 4), (3, 10)], ids=["topk2-budget4", "topk3-budget10"])

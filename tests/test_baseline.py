@@ -78,7 +78,11 @@ def test_saved_baseline_stores_every_prompt_capture_and_the_accept_stats(saved):
 
 def test_saved_baseline_stores_each_captures_typed_meta_with_its_schema_version(saved):
     for stored in manifest(saved.root)["cases"]["tiny"]["engines"]["ref"]["captures"]:
-        assert (stored["meta"]["schema_version"], stored["meta"]["engine"], stored["meta"]["dtype"]) == (2, "ref", "float32")
+        assert (stored["meta"]["schema_version"], stored["meta"]["engine"], stored["meta"]["dtype"]) == (
+            2,
+            "ref",
+            "float32",
+        )
 
 
 def test_baseline_saved_before_typed_records_still_compares(saved, models, cache, tmp_path):
@@ -97,7 +101,10 @@ def test_baseline_saved_before_typed_records_still_compares(saved, models, cache
 
 def test_saved_baseline_reports_its_size(saved):
     size = sum(f.stat().st_size for f in (saved.root / "baselines" / "v1").rglob("*") if f.is_file())
-    assert f"baseline 'v1' written: {saved.root / 'baselines' / 'v1'} (1 case x engine entries, {size / 1024:.0f} KiB)" in saved.output
+    assert (
+        f"baseline 'v1' written: {saved.root / 'baselines' / 'v1'} (1 case x engine entries, {size / 1024:.0f} KiB)"
+        in saved.output
+    )
 
 
 def test_saving_leaves_no_staging_directory(saved):
@@ -128,7 +135,9 @@ def test_baseline_is_not_written_when_an_engine_cannot_be_stored(models, cache, 
     root = project(tmp_path, models)
     result = run(root, cache, "--engines=ref,fake[mode=unavailable]", "--save-baseline", "v2")
     assert result.returncode == 1
-    assert "baseline 'v2' NOT written: tiny fake[mode=unavailable]: fake: not installed" in result.output, result.output[-3000:]
+    assert "baseline 'v2' NOT written: tiny fake[mode=unavailable]: fake: not installed" in result.output, (
+        result.output[-3000:]
+    )
     assert list((root / "baselines").iterdir()) == []
 
 
@@ -139,7 +148,9 @@ def test_baseline_is_the_reference_in_item_ids_and_reports(saved, cache):
     assert "cases/tiny.yaml::ref::fc_inputs PASSED" in result.output
     report = result.report("tiny")
     assert report["reference"] == "baseline:v1"
-    assert report["engines"]["baseline:v1"]["info"]["baseline"]["engines"] == {"ref": manifest(saved.root)["cases"]["tiny"]["engines"]["ref"]["info"]["version"]}
+    assert report["engines"]["baseline:v1"]["info"]["baseline"]["engines"] == {
+        "ref": manifest(saved.root)["cases"]["tiny"]["engines"]["ref"]["info"]["version"]
+    }
 
 
 def test_unchanged_engine_against_its_baseline_is_same(saved, cache):
@@ -157,7 +168,9 @@ def test_miswired_engine_against_the_baseline_regresses_at_fc_chunk_0(saved, cac
     assert "draft.fc_in.0 (prompt 0)  regressed" in line
 
 
-def test_a_failure_declared_against_the_engine_a_baseline_was_saved_from_holds_against_the_baseline(saved, models, cache, tmp_path):
+def test_a_failure_declared_against_the_engine_a_baseline_was_saved_from_holds_against_the_baseline(
+    saved, models, cache, tmp_path
+):
     """An upgrade check declares its expected verdicts against the old release (`reference:
     sglang@0.5.16`): they hold whether it runs in the session or was stored, and declaring them after
     the baseline was saved leaves it valid (expectations are judged, not captured)."""
@@ -181,7 +194,9 @@ def test_changed_case_is_refused_against_the_baseline(saved, models, cache, tmp_
     shutil.copytree(saved.root / "baselines", root / "baselines")
     result = run(root, cache, "--engines=ref", "--baseline", "v1")
     message = result.outcome("tiny", "baseline:v1", "capture")["message"]
-    assert message.startswith(f"{root / 'baselines' / 'v1' / 'manifest.json'}: case 'tiny' changed since the baseline was saved")
+    assert message.startswith(
+        f"{root / 'baselines' / 'v1' / 'manifest.json'}: case 'tiny' changed since the baseline was saved"
+    )
     assert message.endswith("case settings or checkpoint contents); save a new baseline") and "\n" not in message
 
 
@@ -228,5 +243,7 @@ def test_writer_refuses_a_name_that_is_not_a_directory_name(tmp_path):
 def test_baseline_with_another_schema_is_refused(tmp_path):
     (tmp_path / "v1").mkdir()
     (tmp_path / "v1" / "manifest.json").write_text('{"schema": "difftest.capture/1"}')
-    with pytest.raises(ConfigError, match=r"manifest.json: schema 'difftest.capture/1', expected 'difftest.baseline/1'$"):
+    with pytest.raises(
+        ConfigError, match=r"manifest.json: schema 'difftest.capture/1', expected 'difftest.baseline/1'$"
+    ):
         BaselineSource(tmp_path, "v1")

@@ -38,7 +38,12 @@ DATAFLOW = [
     "draft.step2.logits",
     "zz.unknown",
 ]
-DTYPE_OF = {"target.h.2": torch.bfloat16, "target.h.10": torch.float16, "draft.logits": torch.float16, "zz.unknown": torch.int64}
+DTYPE_OF = {
+    "target.h.2": torch.bfloat16,
+    "target.h.10": torch.float16,
+    "draft.logits": torch.float16,
+    "zz.unknown": torch.int64,
+}
 META = {
     "engine": "ref",
     "dtype": "float32",
@@ -79,7 +84,11 @@ def test_round_trip_stores_names_in_dataflow_order(tmp_path):
     manifest = json.loads((tmp_path / "cap" / "manifest.json").read_text())
     assert manifest["schema"] == SCHEMA
     assert [t["name"] for t in manifest["tensors"]] == DATAFLOW
-    assert manifest["tensors"][DATAFLOW.index("target.h.2")] == {"name": "target.h.2", "shape": [3, 4], "dtype": "bfloat16"}
+    assert manifest["tensors"][DATAFLOW.index("target.h.2")] == {
+        "name": "target.h.2",
+        "shape": [3, 4],
+        "dtype": "bfloat16",
+    }
 
 
 def test_save_leaves_only_the_capture_directory(tmp_path):
@@ -277,11 +286,27 @@ BAD_CASES = [
         VALID.replace("{atol: 1e-3, rtol: 1e-3}", "{rtol: 1e-3}"),
         ["tolerances.draft.*: rtol given without atol; set both"],
     ),
-    ("missing-target-path", VALID.replace("./target", "./nope"), ["target: checkpoint ", "nope not found (no config.json)"]),
-    ("non-numeric-atol", VALID.replace("atol: 1e-3", "atol: loose"), ["tolerances.draft.*.atol: expected a number, got 'loose'"]),
+    (
+        "missing-target-path",
+        VALID.replace("./target", "./nope"),
+        ["target: checkpoint ", "nope not found (no config.json)"],
+    ),
+    (
+        "non-numeric-atol",
+        VALID.replace("atol: 1e-3", "atol: loose"),
+        ["tolerances.draft.*.atol: expected a number, got 'loose'"],
+    ),
     ("bad-layer_ids", VALID + "layer_ids: [2, x]\n", ["layer_ids: expected a non-empty list of non-negative integers"]),
-    ("bad-num_steps", VALID + "speculative: {num_steps: 0}\n", ["speculative.num_steps: expected a positive integer, got 0"]),
-    ("bad-prompt-ids", VALID.replace("[1, 2, 3]", "[1, -2]"), ["prompts[1].ids: expected a non-empty list of non-negative integers"]),
+    (
+        "bad-num_steps",
+        VALID + "speculative: {num_steps: 0}\n",
+        ["speculative.num_steps: expected a positive integer, got 0"],
+    ),
+    (
+        "bad-prompt-ids",
+        VALID.replace("[1, 2, 3]", "[1, -2]"),
+        ["prompts[1].ids: expected a non-empty list of non-negative integers"],
+    ),
 ]
 
 

@@ -56,7 +56,10 @@ def test_seed_case_names_fc_chunk_0_as_the_first_divergence(vllm_wired):
     result = vllm_wired.outcome("seed_miswired_training", "ref[wiring=vllm]", "fc_inputs")
     assert result["outcome"] == "failed"
     assert result["data"]["tensor"] == "draft.fc_in.0"
-    assert "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.0 (the embedding)" in result["message"]
+    assert (
+        "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.0 (the embedding)"
+        in result["message"]
+    )
     assert "engine fed fc [h2, h4, h7]; reference fed [h0, h2, h4]; pattern: embedding dropped" in result["message"]
 
 
@@ -75,7 +78,9 @@ def test_seed_case_shows_the_accept_length_collapse(vllm_wired):
 def test_passing_accept_length_needs_no_float64_run(vllm_wired):
     result = vllm_wired.outcome("tiny_llama", "ref[wiring=vllm]", "accept_length")
     assert result["outcome"] == "passed"
-    assert "every position within noise" in result["message"] and "within the sampling spread alone" in result["message"]
+    assert (
+        "every position within noise" in result["message"] and "within the sampling spread alone" in result["message"]
+    )
     assert result["data"]["gate"]["numerical_accept"] is None
 
 
@@ -101,13 +106,18 @@ def test_reports_are_written_per_case(vllm_wired):
 
 @pytest.fixture(scope="module")
 def training_data_run(tmp_path_factory):
-    return run_pytest(project(tmp_path_factory), "cases/seed_training_data.yaml", "--engines=ref,train,ref[wiring=vllm]")
+    return run_pytest(
+        project(tmp_path_factory), "cases/seed_training_data.yaml", "--engines=ref,train,ref[wiring=vllm]"
+    )
 
 
 def test_seed_training_data_accuracy_is_high_under_the_trainers_wiring(training_data_run):
     result = training_data_run.outcome("seed_training_data", "train", "train_accuracy")
     assert result["outcome"] == "passed"
-    assert "dumped tensors = [h0, h2, h4, h8]; trainer fed fc [h0, h2, h4]; verifier = h8 (the final layer)" in result["message"]
+    assert (
+        "dumped tensors = [h0, h2, h4, h8]; trainer fed fc [h0, h2, h4]; verifier = h8 (the final layer)"
+        in result["message"]
+    )
 
 
 def test_seed_training_data_accuracy_collapses_under_the_engines_wiring(training_data_run):
@@ -156,8 +166,9 @@ def test_catalogue_case_lint_names_its_fault_as_declared(vllm_wired, case):
     assert CATALOGUE_LINT[case] in lint["message"]
 
 
-@pytest.mark.parametrize("case", ["catalogue_lm_head_missing", "catalogue_d2t_absolute", "catalogue_d2t_missing",
-                                  "catalogue_rope_conflict"])
+@pytest.mark.parametrize(
+    "case", ["catalogue_lm_head_missing", "catalogue_d2t_absolute", "catalogue_d2t_missing", "catalogue_rope_conflict"]
+)
 def test_catalogue_reference_runs_the_draft_as_trained_not_the_broken_export(vllm_wired, case):
     """The export is the engines' to serve (tests/test_shipped_cases.py); the reference runs
     engines.ref.draft, the checkpoint as trained, and never refuses on the row's behalf."""
@@ -180,7 +191,10 @@ def test_catalogue_cases_leave_the_run_green_where_only_declared_failures_occur(
 def test_catalogue_unsorted_ids_are_named_as_layer_order_on_vllms_reading(vllm_wired):
     fc = vllm_wired.outcome("catalogue_ids_unsorted", "ref[wiring=vllm]", "fc_inputs")
     assert fc["outcome"] == "xfailed"
-    assert "engine fed fc [h2, h4, h5]; reference fed [h5, h2, h4]; pattern: permuted order (engine sorted the ids)" in fc["message"]
+    assert (
+        "engine fed fc [h2, h4, h5]; reference fed [h5, h2, h4]; pattern: permuted order (engine sorted the ids)"
+        in fc["message"]
+    )
     # the draft config's own ids [5, 2, 4] lead to [h2, h4, h5]: the engine followed them, it did not fall back
     assert "default-layer fallback" not in fc["message"]
 
@@ -195,7 +209,10 @@ def nbfc_ignored(tmp_path_factory):
 
 
 def test_ignoring_norm_before_fc_on_the_reference_moves_the_draft_at_fc_out(nbfc_ignored):
-    assert nbfc_ignored.outcome("release_sglang_norm_before_fc", "ref[norm_before_fc=false]", "fc_inputs")["outcome"] == "passed"
+    assert (
+        nbfc_ignored.outcome("release_sglang_norm_before_fc", "ref[norm_before_fc=false]", "fc_inputs")["outcome"]
+        == "passed"
+    )
     logits = nbfc_ignored.outcome("release_sglang_norm_before_fc", "ref[norm_before_fc=false]", "draft_logits")
     assert logits["outcome"] == "failed"
     assert "error introduced at draft.fc_out" in logits["message"], logits["message"]
@@ -203,7 +220,9 @@ def test_ignoring_norm_before_fc_on_the_reference_moves_the_draft_at_fc_out(nbfc
 
 
 def test_a_flag_the_draft_has_no_weights_for_cannot_be_turned_on(tmp_path_factory):
-    run = run_pytest(project(tmp_path_factory), "cases/tiny_llama.yaml", "--engines=ref,ref[fc_norm=true]", "-k", "fc_inputs")
+    run = run_pytest(
+        project(tmp_path_factory), "cases/tiny_llama.yaml", "--engines=ref,ref[fc_norm=true]", "-k", "fc_inputs"
+    )
     result = run.outcome("tiny_llama", "ref[fc_norm=true]", "fc_inputs")
     assert result["outcome"] == "error"
     assert "fc_norm=true, but" in result["message"] and "has no fc_norm weights" in result["message"]

@@ -52,8 +52,14 @@ def test_first_id_1_vllm_feeds_h1_h3_h4_named_off_by_one_and_sglang_deepseek_fee
 def test_id0_sglang_deepseek_feeds_the_embedding_named_and_vllm_refuses_it(presets, refusals):
     result = presets.outcome("tiny_deepseek_v3_id0", "ref[wiring=sglang-deepseek]", "fc_inputs")
     assert result["outcome"] == "failed"
-    assert "engine's fc chunk 0 matches reference target.h.0 (the embedding) (cos 1.0000); expected target.h.2" in result["message"]
-    assert "engine fed fc [h0, h2, h4]; reference fed [h2, h4, h5]; pattern: embedding fed but not trained on" in result["message"]
+    assert (
+        "engine's fc chunk 0 matches reference target.h.0 (the embedding) (cos 1.0000); expected target.h.2"
+        in result["message"]
+    )
+    assert (
+        "engine fed fc [h0, h2, h4]; reference fed [h2, h4, h5]; pattern: embedding fed but not trained on"
+        in result["message"]
+    )
     vllm = refusals.outcome("tiny_deepseek_v3_id0", "vllm", "fc_inputs")
     assert vllm["outcome"] == "xfailed"  # the refusal the case declares
     assert "vllm 0.32.0 cannot feed aux layer id 0 of " in vllm["message"]

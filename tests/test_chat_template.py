@@ -50,7 +50,16 @@ CONTINUATION = [WORDS.index("w9"), WORDS.index("w8")]
 
 def test_serving_renders_a_chat_prompt_with_the_generation_prompt_and_the_requests_flags():
     t = tokenizer(DEEPSEEK_LIKE)
-    assert t.convert_ids_to_tokens(chat.render(t, USER, {"thinking": True})) == ["BOS", "U", "w1", "w2", "w3", "w4", "A", "THINK"]
+    assert t.convert_ids_to_tokens(chat.render(t, USER, {"thinking": True})) == [
+        "BOS",
+        "U",
+        "w1",
+        "w2",
+        "w3",
+        "w4",
+        "A",
+        "THINK",
+    ]
     assert t.convert_ids_to_tokens(chat.render(t, USER)) == ["BOS", "U", "w1", "w2", "w3", "w4", "A", "ENDTHINK"]
 
 
@@ -83,7 +92,9 @@ def test_a_dump_of_other_conversations_says_it_holds_none_of_this_one():
     t = tokenizer(DEEPSEEK_LIKE)
     other = [Sample(chat.render(t, [{"role": "user", "content": "w20 w21"}]) + CONTINUATION)]
     drift = find_drift(t, Prompt(messages=USER, chat_template_kwargs={}), 0, other)
-    assert drift.sample is None and "no sample of the dump holds this conversation's last user message" in drift.message()
+    assert (
+        drift.sample is None and "no sample of the dump holds this conversation's last user message" in drift.message()
+    )
 
 
 def test_a_drift_the_harness_cannot_reproduce_is_said_plainly():
@@ -95,7 +106,9 @@ def test_a_drift_the_harness_cannot_reproduce_is_said_plainly():
 
 def _case(tmp_path: Path, prompt: object) -> Path:
     path = tmp_path / "c.yaml"
-    path.write_text(json.dumps({"target": "fixture:tiny-llama", "draft": "fixture:tiny-llama-eagle3", "prompts": [prompt]}))
+    path.write_text(
+        json.dumps({"target": "fixture:tiny-llama", "draft": "fixture:tiny-llama-eagle3", "prompts": [prompt]})
+    )
     return path
 
 
@@ -105,10 +118,18 @@ def _case(tmp_path: Path, prompt: object) -> Path:
         ({"messages": [{"role": "usr", "content": "x"}]}, "prompts[0].messages[0].role: expected one of system, user"),
         ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, "prompts[0].messages[0].name"),
         ({"messages": []}, "prompts[0].messages: expected a non-empty list"),
-        ({"messages": [{"role": "user", "content": ""}]}, "prompts[0].messages[0].content: expected a non-empty string"),
-        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": [1]}},
-         "prompts[0].chat_template_kwargs.enable_thinking: expected a scalar"),
-        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwarg": {}}, "did you mean 'chat_template_kwargs'"),
+        (
+            {"messages": [{"role": "user", "content": ""}]},
+            "prompts[0].messages[0].content: expected a non-empty string",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": [1]}},
+            "prompts[0].chat_template_kwargs.enable_thinking: expected a scalar",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwarg": {}},
+            "did you mean 'chat_template_kwargs'",
+        ),
     ],
     ids=["role", "message-key", "empty", "content", "kwarg-type", "typo"],
 )
@@ -146,7 +167,9 @@ def test_shipped_drift_case_fails_every_capture_with_the_same_cause(drift_run):
 
 def test_serving_with_the_training_settings_passes_the_chat_template_check(tmp_path):
     (tmp_path / "cases").mkdir()
-    text = CASE.read_text().replace("chat_template_kwargs: {enable_thinking: false}", "chat_template_kwargs: {enable_thinking: true}")
+    text = CASE.read_text().replace(
+        "chat_template_kwargs: {enable_thinking: false}", "chat_template_kwargs: {enable_thinking: true}"
+    )
     text = text[: text.index("expect_failure:")]
     (tmp_path / "cases" / "thinking_on.yaml").write_text(text)
     run = run_pytest(tmp_path, "cases/", "--engines=ref,train", "-k", "chat_template")

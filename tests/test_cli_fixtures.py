@@ -29,7 +29,10 @@ def test_providers_that_build_on_each_other_share_a_lane():
     from difftest.session import FIXTURE_GROUP
 
     lanes = cli._lanes(list(metadata.entry_points(group=FIXTURE_GROUP)))
-    assert sorted(sorted(lane) for lane in lanes) == [["builtin", "catalogue", "chat", "train-data"], ["deepseek", "mla"]]
+    assert sorted(sorted(lane) for lane in lanes) == [
+        ["builtin", "catalogue", "chat", "train-data"],
+        ["deepseek", "mla"],
+    ]
 
 
 def test_a_lane_builds_its_providers_in_installed_order():
@@ -42,7 +45,9 @@ def test_a_lane_builds_its_providers_in_installed_order():
         assert lane == sorted(lane, key=names.index)
 
 
-@pytest.mark.parametrize("jobs, why", [("0", "expected 1 or more, got 0"), ("two", "expected a whole number, got 'two'")])
+@pytest.mark.parametrize(
+    "jobs, why", [("0", "expected 1 or more, got 0"), ("two", "expected a whole number, got 'two'")]
+)
 def test_a_bad_jobs_count_is_refused_in_one_line(capsys, jobs, why):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["fixtures", "--jobs", jobs])

@@ -3,7 +3,7 @@
 * import-linter: the architecture (the core never imports an engine, no circles in the core, the
   serving adapters independent of each other, records at the bottom, entry points on top, the
   fixtures imported by no engine, no circles in the reference engine or the fixtures);
-* ruff: pyflakes, syntax and statement errors, bugbear's likely bugs;
+* ruff: pyflakes, syntax and statement errors, bugbear's likely bugs; and its formatter's layout;
 * mypy: the core's types, its typed records included.
 
 Each runs as the user would run it, from the project root, in the project's environment."""
@@ -18,6 +18,7 @@ import pytest
 from helpers import ROOT
 
 BIN = Path(sys.executable).parent
+PATHS = ("difftest", "engines", "fixtures", "tests", "benchmarks", "scripts")
 
 
 def run_tool(*argv: str) -> subprocess.CompletedProcess:
@@ -34,7 +35,12 @@ def test_the_architecture_contracts_hold():
 
 
 def test_ruff_finds_nothing():
-    out = run_tool("ruff", "check", "--no-cache", "difftest", "engines", "fixtures", "tests", "benchmarks", "scripts")
+    out = run_tool("ruff", "check", "--no-cache", *PATHS)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_ruff_format_leaves_every_file_as_it_is():
+    out = run_tool("ruff", "format", "--check", "--no-cache", *PATHS)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 

@@ -130,7 +130,16 @@ def test_chunked_comparison_gives_the_same_numbers(dtype, nonfinite, monkeypatch
     whole = compare_tensor("draft.logits_target", a, b, tol(dtype))
     monkeypatch.setattr(compare_mod, "CHUNK_ELEMENTS", 7)  # 300 elements: 43 chunks, the last partial
     chunked = compare_tensor("draft.logits_target", a, b, tol(dtype))
-    for k in ("status", "mismatched", "nonfinite_mismatch", "max_abs", "max_abs_index", "ref_value", "other_value", "max_rel"):
+    for k in (
+        "status",
+        "mismatched",
+        "nonfinite_mismatch",
+        "max_abs",
+        "max_abs_index",
+        "ref_value",
+        "other_value",
+        "max_rel",
+    ):
         assert _same_number(getattr(chunked, k), getattr(whole, k)), k
     for k in ("mean_abs", "cosine", "rel_diff"):
         assert getattr(chunked, k) == pytest.approx(getattr(whole, k), rel=1e-5, abs=1e-9)
@@ -181,7 +190,11 @@ def test_tolerance_case_pattern_overrides_the_default():
 
 
 def test_tolerance_last_matching_pattern_wins():
-    overrides = {"draft.*": {"atol": 1e-3, "rtol": 1e-3}, "draft.logits": {"atol": 2e-2, "rtol": 3e-2}, "target.*": {"atol": 1.0, "rtol": 1.0}}
+    overrides = {
+        "draft.*": {"atol": 1e-3, "rtol": 1e-3},
+        "draft.logits": {"atol": 2e-2, "rtol": 3e-2},
+        "target.*": {"atol": 1.0, "rtol": 1.0},
+    }
     assert tolerance_for("draft.logits", "bfloat16", overrides) == Tolerance(2e-2, 3e-2, "case: draft.logits")
     assert tolerance_for("draft.fc_out", "bfloat16", overrides) == Tolerance(1e-3, 1e-3, "case: draft.*")
 
@@ -235,17 +248,37 @@ def test_first_divergence_is_none_when_everything_matches(target_states):
 DIAGNOSES = [
     # reference wiring, what the engine fed, the diagnosis's last line
     ([2, 4, 5], [3, 5, 6], "engine fed fc [h3, h5, h6]; reference fed [h2, h4, h5]; pattern: off-by-one +1"),
-    ([3, 5, 6], [2, 4, 5], "engine fed fc [h2, h4, h5]; reference fed [h3, h5, h6]; pattern: off-by-one -1 or default-layer "
-     "fallback (engine fed h[2], h[L//2], h[L-3] of L=8: it did not use the config's layer ids)"),
+    (
+        [3, 5, 6],
+        [2, 4, 5],
+        "engine fed fc [h2, h4, h5]; reference fed [h3, h5, h6]; pattern: off-by-one -1 or default-layer "
+        "fallback (engine fed h[2], h[L//2], h[L-3] of L=8: it did not use the config's layer ids)",
+    ),
     ([3, 5, 7], [2, 4, 6], "engine fed fc [h2, h4, h6]; reference fed [h3, h5, h7]; pattern: off-by-one -1"),
-    ([0, 3, 7], [3, 7, 8], "engine fed fc [h3, h7, h8]; reference fed [h0, h3, h7]; pattern: embedding dropped and slots "
-     "shifted by one (engine's chunk j = reference's chunk j+1)"),
+    (
+        [0, 3, 7],
+        [3, 7, 8],
+        "engine fed fc [h3, h7, h8]; reference fed [h0, h3, h7]; pattern: embedding dropped and slots "
+        "shifted by one (engine's chunk j = reference's chunk j+1)",
+    ),
     ([2, 4, 5], [5, 2, 4], "engine fed fc [h5, h2, h4]; reference fed [h2, h4, h5]; pattern: permuted order"),
-    ([2, 4, 5], [0, 4, 5], "engine fed fc [h0, h4, h5]; reference fed [h2, h4, h5]; pattern: embedding fed but not trained on"),
+    (
+        [2, 4, 5],
+        [0, 4, 5],
+        "engine fed fc [h0, h4, h5]; reference fed [h2, h4, h5]; pattern: embedding fed but not trained on",
+    ),
     ([1, 4, 6], [6, 1, 4], "engine fed fc [h6, h1, h4]; reference fed [h1, h4, h6]; pattern: permuted order"),
-    ([4, 1, 6], [1, 4, 6], "engine fed fc [h1, h4, h6]; reference fed [h4, h1, h6]; pattern: permuted order (engine sorted the ids)"),
-    ([1, 3, 6], [2, 4, 5], "engine fed fc [h2, h4, h5]; reference fed [h1, h3, h6]; pattern: default-layer fallback (engine fed "
-     "h[2], h[L//2], h[L-3] of L=8: it did not use the config's layer ids)"),
+    (
+        [4, 1, 6],
+        [1, 4, 6],
+        "engine fed fc [h1, h4, h6]; reference fed [h4, h1, h6]; pattern: permuted order (engine sorted the ids)",
+    ),
+    (
+        [1, 3, 6],
+        [2, 4, 5],
+        "engine fed fc [h2, h4, h5]; reference fed [h1, h3, h6]; pattern: default-layer fallback (engine fed "
+        "h[2], h[L//2], h[L-3] of L=8: it did not use the config's layer ids)",
+    ),
     ([2, 4, 5], [2, 4], "chunk count mismatch: engine fc_in has 2 chunks of 16, reference 3"),
     ([0, 2, 4], [0, 2, 4, 7], "chunk count mismatch: engine fc_in has 4 chunks of 16, reference 3"),
 ]
@@ -254,8 +287,19 @@ DIAGNOSES = [
 @pytest.mark.parametrize(
     "expected, fed, last_line",
     DIAGNOSES,
-    ids=["off-by-one-plus", "off-by-one-minus-onto-defaults", "off-by-one-minus", "embedding-dropped", "permuted", "embedding-extra",
-         "permuted-2", "sorted", "default-fallback", "fewer-chunks", "more-chunks"],
+    ids=[
+        "off-by-one-plus",
+        "off-by-one-minus-onto-defaults",
+        "off-by-one-minus",
+        "embedding-dropped",
+        "permuted",
+        "embedding-extra",
+        "permuted-2",
+        "sorted",
+        "default-fallback",
+        "fewer-chunks",
+        "more-chunks",
+    ],
 )
 def test_diagnose_fc_names_the_miswiring(target_states, expected, fed, last_line):
     ref = capture(target_states, expected, expected)
@@ -294,18 +338,29 @@ def test_diagnose_fc_is_silent_when_the_wiring_matches(target_states):
 def test_a_config_whose_own_ids_name_the_default_layers_is_not_called_a_fallback(target_states):
     # trained on [h5, h2, h4] with ids [5, 2, 4]; the engine feeds them in layer order = the defaults [h2, h4, h5]
     config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [5, 2, 4]}}
-    lines = diagnose_fc(capture(target_states, [5, 2, 4], [5, 2, 4]), capture(target_states, [2, 4, 5], [2, 4, 5]), config)
-    assert lines[-1] == "engine fed fc [h2, h4, h5]; reference fed [h5, h2, h4]; pattern: permuted order (engine sorted the ids)"
+    lines = diagnose_fc(
+        capture(target_states, [5, 2, 4], [5, 2, 4]), capture(target_states, [2, 4, 5], [2, 4, 5]), config
+    )
+    assert (
+        lines[-1]
+        == "engine fed fc [h2, h4, h5]; reference fed [h5, h2, h4]; pattern: permuted order (engine sorted the ids)"
+    )
 
 
 def test_a_config_without_ids_is_named_as_the_reason_for_the_fallback(target_states):
     lines = diagnose_fc(capture(target_states, [1, 3, 6], [1, 3, 6]), capture(target_states, [2, 4, 5], [2, 4, 5]), {})
-    assert lines[-1] == ("engine fed fc [h2, h4, h5]; reference fed [h1, h3, h6]; pattern: default-layer fallback "
-                         "(engine fed h[2], h[L//2], h[L-3] of L=8: the draft config names no layer ids)")
+    assert lines[-1] == (
+        "engine fed fc [h2, h4, h5]; reference fed [h1, h3, h6]; pattern: default-layer fallback "
+        "(engine fed h[2], h[L//2], h[L-3] of L=8: the draft config names no layer ids)"
+    )
 
 
 def test_a_config_whose_ids_were_ignored_keeps_the_fallback_reading(target_states):
     config = {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}
-    lines = diagnose_fc(capture(target_states, [1, 3, 6], [1, 3, 6]), capture(target_states, [2, 4, 5], [2, 4, 5]), config)
-    assert lines[-1].endswith("pattern: default-layer fallback (engine fed h[2], h[L//2], h[L-3] of L=8: it did not use the "
-                              "config's layer ids)")
+    lines = diagnose_fc(
+        capture(target_states, [1, 3, 6], [1, 3, 6]), capture(target_states, [2, 4, 5], [2, 4, 5]), config
+    )
+    assert lines[-1].endswith(
+        "pattern: default-layer fallback (engine fed h[2], h[L//2], h[L-3] of L=8: it did not use the "
+        "config's layer ids)"
+    )

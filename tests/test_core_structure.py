@@ -17,7 +17,6 @@ import pytest
 from helpers import ROOT, TINY_CASE, make_tiny_pair, run_pytest
 
 
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
     return make_tiny_pair(tmp_path_factory.mktemp("models"))

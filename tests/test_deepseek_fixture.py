@@ -56,7 +56,12 @@ def test_target_config_has_the_mla_head_size_vllm_cpu_supports(paths):
 def test_target_config_has_kimi_style_moe_routing_and_moe_layer_freq(paths):
     c = raw_config(paths, ds.TARGET)
     assert c["moe_layer_freq"] == 1
-    assert (c["n_routed_experts"], c["num_experts_per_tok"], c["n_shared_experts"], c["first_k_dense_replace"]) == (8, 2, 1, 1)
+    assert (c["n_routed_experts"], c["num_experts_per_tok"], c["n_shared_experts"], c["first_k_dense_replace"]) == (
+        8,
+        2,
+        1,
+        1,
+    )
     assert (c["topk_method"], c["scoring_func"], c["n_group"], c["topk_group"]) == ("noaux_tc", "sigmoid", 2, 1)
     assert c["routed_scaling_factor"] == 2.5
     assert c["num_nextn_predict_layers"] == 0
@@ -116,10 +121,19 @@ def hf(target):
     the last layer's output."""
     inputs: dict[int, torch.Tensor] = {}
     handles = [
-        layer.register_forward_pre_hook(lambda _m, args, kwargs, k=k: inputs.__setitem__(k, (kwargs.get("hidden_states", args[0] if args else None))), with_kwargs=True)
+        layer.register_forward_pre_hook(
+            lambda _m, args, kwargs, k=k: inputs.__setitem__(
+                k, (kwargs.get("hidden_states", args[0] if args else None))
+            ),
+            with_kwargs=True,
+        )
         for k, layer in enumerate(target.model.layers)
     ]
-    handles.append(target.model.layers[-1].register_forward_hook(lambda _m, _a, out: inputs.__setitem__(L, out[0] if isinstance(out, tuple) else out)))
+    handles.append(
+        target.model.layers[-1].register_forward_hook(
+            lambda _m, _a, out: inputs.__setitem__(L, out[0] if isinstance(out, tuple) else out)
+        )
+    )
     try:
         with torch.no_grad():
             out = target(input_ids=torch.tensor([PROMPT]), output_hidden_states=True, use_cache=False)
@@ -274,7 +288,9 @@ def sglang_deepseek_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sglang_llama_run(tmp_path_factory):
     # SGLang's Llama rule and what it would feed if h6 were reachable, in one run.
-    return run_pytest(project(tmp_path_factory), f"cases/{CASE}.yaml", "--engines=ref,ref[wiring=sglang],ref[wiring=h3+h5+h6]")
+    return run_pytest(
+        project(tmp_path_factory), f"cases/{CASE}.yaml", "--engines=ref,ref[wiring=sglang],ref[wiring=h3+h5+h6]"
+    )
 
 
 def test_case_passes_every_check_with_vllm_wiring(vllm_run):

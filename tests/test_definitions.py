@@ -43,21 +43,38 @@ def _accept_result(native: list[str]) -> CheckResult:
 
 def test_report_defines_the_accept_length_the_per_position_rates_and_the_engines_own_figures():
     used = [d.name for d in report.definitions_used([_accept_result(["sglang.spec_num_correct_drafts"])], True)]
-    assert used == ["difftest.row_error", "difftest.excess", "difftest.accept_length",
-                    "difftest.acceptance_rate_per_pos", "sglang.spec_num_correct_drafts"]
+    assert used == [
+        "difftest.row_error",
+        "difftest.excess",
+        "difftest.accept_length",
+        "difftest.acceptance_rate_per_pos",
+        "sglang.spec_num_correct_drafts",
+    ]
 
 
 def test_report_defines_the_trainers_figures_under_its_rules():
-    data = TrainAccuracyData(trainer={"rules": "specforge@0.2"}, engine={}, engine_wiring=[], identification={}, skipped=0)
+    data = TrainAccuracyData(
+        trainer={"rules": "specforge@0.2"}, engine={}, engine_wiring=[], identification={}, skipped=0
+    )
     used = [d.name for d in report.definitions_used([CheckResult("ref", "train_accuracy", "passed", "", data)], False)]
     assert used == ["difftest.train_accuracy", "specforge.acc"]
 
 
 def test_markdown_report_has_a_definitions_table_row_per_figure():
-    rep = Report("c", "c.yaml", "", "ref", "", {}, [],
-                 definitions=report.definitions_used([_accept_result(["vllm.mean_acceptance_length"])], False))
+    rep = Report(
+        "c",
+        "c.yaml",
+        "",
+        "ref",
+        "",
+        {},
+        [],
+        definitions=report.definitions_used([_accept_result(["vllm.mean_acceptance_length"])], False),
+    )
     lines = report.markdown_definitions(rep)
     assert Report.from_dict(rep.to_dict(), "r.json").definitions == rep.definitions  # round trip
     assert lines[0] == "## Definitions"
-    assert any(line.startswith("| `vllm.mean_acceptance_length` | 1 + accepted draft tokens / drafts") for line in lines)
+    assert any(
+        line.startswith("| `vllm.mean_acceptance_length` | 1 + accepted draft tokens / drafts") for line in lines
+    )
     assert len([line for line in lines if line.startswith("| `")]) == 3

@@ -157,8 +157,13 @@ def test_golden_input_rerun_reproduces_the_reference_draft(models, workdir):
     golden = RefEngine(parse_spec("ref[wiring=sglang]")).capture_draft_from(case, IDS, ref.tensors["draft.fc_in"])
     diff = compare_captures(ref, golden, "float32", allow_missing=["target.*"])
     assert diff.ok, diff.first_divergence().summary()
-    flipped = RefEngine(parse_spec("ref[norm_before_residual=true]")).capture_draft_from(case, IDS, ref.tensors["draft.fc_in"])
-    assert compare_captures(ref, flipped, "float32", allow_missing=["target.*"]).first_divergence().name == "draft.layer0.mlp_out"
+    flipped = RefEngine(parse_spec("ref[norm_before_residual=true]")).capture_draft_from(
+        case, IDS, ref.tensors["draft.fc_in"]
+    )
+    assert (
+        compare_captures(ref, flipped, "float32", allow_missing=["target.*"]).first_divergence().name
+        == "draft.layer0.mlp_out"
+    )
 
 
 # --- synthetic captures: what the reference engine cannot produce -------------------------
@@ -186,7 +191,9 @@ def test_norm_applied_before_fc_is_named(states, dtype):
     normed = (h2 * torch.rsqrt(h2.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     other = _synthetic([states["target.h.1"], normed, states["target.h.3"]], states, inputs)
     lines = diagnose_fc(ref, other)
-    assert lines[0].startswith("engine's fc chunk 1 matches reference rmsnorm of target.h.2 (cos 1.0000); expected target.h.2")
+    assert lines[0].startswith(
+        "engine's fc chunk 1 matches reference rmsnorm of target.h.2 (cos 1.0000); expected target.h.2"
+    )
     assert lines[-1] == ("engine fed fc [h1, rmsnorm(h2), h3]; reference fed [h1, h2, h3]; pattern: norm applied before fc "
                          "(engine's chunk = rmsnorm(reference tensor))")  # fmt: skip
 
@@ -212,7 +219,9 @@ def test_a_diverging_target_state_names_the_layer_shift(states):
 def test_similarity_matrix_covers_every_chunk_and_candidate(states):
     inputs = ["target.h.1", "target.h.2", "target.h.3"]
     ref = _synthetic([states[n] for n in inputs], states, inputs)
-    matches, sim = match_chunks(ref, _synthetic([states[n] for n in ["target.h.2", "target.h.3", "target.h.4"]], states, inputs))
+    matches, sim = match_chunks(
+        ref, _synthetic([states[n] for n in ["target.h.2", "target.h.3", "target.h.4"]], states, inputs)
+    )
     assert sim.chunks == ["chunk 0", "chunk 1", "chunk 2"]
     assert sim.candidates == [f"target.h.{k}" for k in range(5)]
     assert sim.cosine[0][2] == pytest.approx(1.0, abs=1e-6)

@@ -126,8 +126,18 @@ def speculators_copy(speculators_ckpt, tmp_path) -> Path:
 FLAG_SETS = {
     "all-off": dict.fromkeys(FLAGS, False),
     "all-on": dict.fromkeys(FLAGS, True),
-    "fc_norm+norm_output": {"norm_before_fc": False, "fc_norm": True, "norm_before_residual": False, "norm_output": True},
-    "norm_before_fc+norm_before_residual": {"norm_before_fc": True, "fc_norm": False, "norm_before_residual": True, "norm_output": False},
+    "fc_norm+norm_output": {
+        "norm_before_fc": False,
+        "fc_norm": True,
+        "norm_before_residual": False,
+        "norm_output": True,
+    },
+    "norm_before_fc+norm_before_residual": {
+        "norm_before_fc": True,
+        "fc_norm": False,
+        "norm_before_residual": True,
+        "norm_output": False,
+    },
 }
 
 
@@ -149,7 +159,11 @@ def test_same_weights_in_both_formats_load_to_identical_logits(flags, tmp_path):
 def test_speculators_format_reads_layer_keys_and_transformer_layer_config(speculators_ckpt):
     loaded = load_draft(speculators_ckpt)
     assert loaded.config.format == "speculators"
-    assert (loaded.config.hidden_size, loaded.config.target_hidden_size, loaded.config.num_aux) == (H, TARGET_H, NUM_AUX)
+    assert (loaded.config.hidden_size, loaded.config.target_hidden_size, loaded.config.num_aux) == (
+        H,
+        TARGET_H,
+        NUM_AUX,
+    )
     assert loaded.config.layer_ids == LAYER_IDS
 
 
@@ -229,7 +243,9 @@ def test_without_norm_output_the_next_step_gets_the_prenorm_hidden(eagle_ckpt):
 
 def test_tensors_of_a_disabled_flag_are_ignored_with_a_note(eagle_ckpt):
     notes = load_draft(eagle_ckpt).notes
-    assert notes == ["ignored checkpoint tensors: fc_norm.0.weight, fc_norm.1.weight, fc_norm.2.weight, input_norm.weight"]
+    assert notes == [
+        "ignored checkpoint tensors: fc_norm.0.weight, fc_norm.1.weight, fc_norm.2.weight, input_norm.weight"
+    ]
 
 
 # ---------------------------------------------------------------------------------------
@@ -241,9 +257,17 @@ def test_tensors_of_a_disabled_flag_are_ignored_with_a_note(eagle_ckpt):
     "raw, top, in_eagle_config, effective, num_aux",
     [
         (eagle_dict(eagle_aux_hidden_state_layer_ids=[1, 3, 5]), [1, 3, 5], None, [1, 3, 5], 3),
-        (eagle_dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 4, 6]}), None, [0, 2, 4, 6], [0, 2, 4, 6], 4),
         (
-            eagle_dict(eagle_aux_hidden_state_layer_ids=[1, 3, 5], eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}),
+            eagle_dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 4, 6]}),
+            None,
+            [0, 2, 4, 6],
+            [0, 2, 4, 6],
+            4,
+        ),
+        (
+            eagle_dict(
+                eagle_aux_hidden_state_layer_ids=[1, 3, 5], eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}
+            ),
             [1, 3, 5],
             [2, 4, 6],
             [2, 4, 6],
@@ -425,7 +449,11 @@ BAD_CHECKPOINTS = [
     ("missing-config", _missing_config, ["config.json", "file not found"]),
     ("invalid-json", _invalid_json, ["config.json", "invalid JSON", "line 2"]),
     ("missing-hidden_size", _no_hidden_size, ["config.json", "hidden_size missing"]),
-    ("fc-in-features", _wrong_target_hidden_size, ["fc.weight", "in_features 96", "num_aux(3)", "target_hidden_size(48)", "= 144"]),
+    (
+        "fc-in-features",
+        _wrong_target_hidden_size,
+        ["fc.weight", "in_features 96", "num_aux(3)", "target_hidden_size(48)", "= 144"],
+    ),
     ("wrong-shape", _wrong_lm_head_shape, ["tensor lm_head.weight", "shape (200, 64)", "expected (256, 64)"]),
     ("missing-tensors", _missing_tensors, ["tensors missing", "self_attn.q_proj.weight", "norm.weight"]),
     ("missing-fc", _missing_fc, ["fc.weight missing"]),

@@ -176,7 +176,9 @@ def test_draft_forward_matches_transformers_modules_in_engine_order(norm_output)
     with torch.no_grad():
         chunks = fc_in.chunk(NUM_AUX, dim=-1)
         g = draft.fc(torch.cat([norm(m)(c) for m, c in zip(draft.fc_norm, chunks)], dim=-1))
-        x = torch.cat([norm(draft.layer.input_layernorm)(draft.embed_tokens(ids)), norm(draft.layer.hidden_norm)(g)], -1)
+        x = torch.cat(
+            [norm(draft.layer.input_layernorm)(draft.embed_tokens(ids)), norm(draft.layer.hidden_norm)(g)], -1
+        )
         a, _ = attn(x, rotary(x, positions), causal_mask(n))
         r = a + g  # the residual is the un-normed hidden (norm_before_residual false)
         p = mlp(norm(draft.layer.post_attention_layernorm)(r)) + r
@@ -269,7 +271,10 @@ def test_missing_mla_config_field_is_a_one_line_error(tmp_path, field):
     _edit_config(model_dir, drop=(field,))
     with pytest.raises(ConfigError) as err:
         load_draft(model_dir)
-    assert str(err.value) == f"{model_dir / 'config.json'}: field {field} missing (an Eagle3DeepseekV2ForCausalLM draft needs it)"
+    assert (
+        str(err.value)
+        == f"{model_dir / 'config.json'}: field {field} missing (an Eagle3DeepseekV2ForCausalLM draft needs it)"
+    )
 
 
 def test_missing_mla_tensor_is_a_one_line_error(tmp_path):
@@ -328,7 +333,11 @@ def test_fixture_is_the_mla_class_with_the_targets_shapes_and_ids(mla_fixture):
     for key in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_parameters"):
         assert config[key] == target[key], key
     assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576  # vLLM's CPU MLA backend takes only this
-    assert config["eagle_aux_hidden_state_layer_ids"] == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert (
+        config["eagle_aux_hidden_state_layer_ids"]
+        == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        == [2, 4, 5]
+    )
 
 
 def test_fixture_draft_predicts_the_target_under_its_training_wiring_only(mla_fixture):

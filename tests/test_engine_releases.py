@@ -34,8 +34,10 @@ def test_sglang_llama_rule_is_the_same_in_every_supported_release():
 
 def test_an_upgrade_names_the_change_that_moved_the_feed_and_cites_it():
     diff = er.layer_difference("sglang", lr.DEEPSEEK, "0.5.12", "0.5.23", SGLANG_IDS, 7, 3)
-    assert diff.line() == ("upgrade: SGLang 0.5.12 feeds [h3, h5, h6]; SGLang 0.5.23 feeds [h2, h4, h5]: the +1 on DeepSeek "
-                           "aux layer ids now applies only when the first id is 1 (sgl-project/sglang#25454, first in sglang 0.5.13)")
+    assert diff.line() == (
+        "upgrade: SGLang 0.5.12 feeds [h3, h5, h6]; SGLang 0.5.23 feeds [h2, h4, h5]: the +1 on DeepSeek "
+        "aux layer ids now applies only when the first id is 1 (sgl-project/sglang#25454, first in sglang 0.5.13)"
+    )
 
 
 def test_a_change_that_does_not_touch_this_config_is_not_cited():
@@ -97,7 +99,9 @@ def test_a_release_whose_rules_are_known_but_that_cannot_run_here_says_why():
         er.check_runs_here("sglang", "0.5.12")
     assert "the releases that run on a CPU are 0.5.16 - 0.5.23" in str(e.value)
     assert er.check_runs_here("vllm", "0.27.0") == "0.27.0"
-    assert er.check_runs_here("vllm", "0.24.0") == "0.24.0"  # on PyPI's CUDA torch 2.11.0 (engines/vllm/releases/0.24.0.txt)
+    assert (
+        er.check_runs_here("vllm", "0.24.0") == "0.24.0"
+    )  # on PyPI's CUDA torch 2.11.0 (engines/vllm/releases/0.24.0.txt)
     with pytest.raises(ConfigError, match="the releases that run on a CPU are 0.24.0 - 0.32.0"):
         er.check_runs_here("vllm", "0.23.0")
 

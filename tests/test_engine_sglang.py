@@ -22,7 +22,9 @@ from shipped_run import shipped_or_skip
 TIMEOUT = HANG_GUARD_S  # per pytest run; a hung engine is killed by --engine-timeout well before
 
 
-def _run(tmp: Path, case: str, sglang_python: str, marker: str | None = None, timeout_s: int = 600, case_dir: Path = ROOT):
+def _run(
+    tmp: Path, case: str, sglang_python: str, marker: str | None = None, timeout_s: int = 600, case_dir: Path = ROOT
+):
     env = {"DIFFTEST_TEST_MARKER": marker} if marker else {}
     run = run_pytest(case_dir, case, "--engines=ref,sglang", "--require-engines", "--no-capture-cache",
                      f"--engine-python=sglang={sglang_python}",
@@ -48,7 +50,10 @@ def test_tiny_case_passes_every_check():
     # golden inputs on the real engine: its draft re-run on the reference's draft.fc_in (hooks.golden_hook)
     logits = out[("sglang", "draft_logits")]
     assert logits["data"]["golden"]["outcome"] == "matches", logits["message"]
-    assert "golden inputs (prompt 0): on the reference's draft.fc_in, sglang's draft matches ref on every draft tensor" in logits["message"]
+    assert (
+        "golden inputs (prompt 0): on the reference's draft.fc_in, sglang's draft matches ref on every draft tensor"
+        in logits["message"]
+    )
     stats = out[("sglang", "accept_length")]["data"]["engine"]
     assert stats["accept_length"] > 1.5, stats  # a trained draft: SGLang accepts drafts
     assert "sglang meta_info" in stats["source"]

@@ -20,7 +20,9 @@ from helpers import COUNTERS_CASE, run_pytest
 K = 3
 PROMPTS = [[1, 5, 9, 33, 77, 101, 7], [4, 8, 15, 16, 23, 42]]
 MAX_NEW = 24
-TOPLEVEL_ONLY = "engines:\n  sglang:\n    draft_config_overrides:\n      eagle_config: {eagle_aux_hidden_state_layer_ids: null}\n"
+TOPLEVEL_ONLY = (
+    "engines:\n  sglang:\n    draft_config_overrides:\n      eagle_config: {eagle_aux_hidden_state_layer_ids: null}\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +99,9 @@ def test_deepseek_ids_only_at_top_level_are_refused_naming_the_default_layer_fal
     assert result["outcome"] == "error"
     message = result["message"]
     assert "SGLang would feed layers_to_capture [2, 3, 3] (default-layer fallback)" in message
-    assert "finds no ids (eagle_config)" in message and "top-level eagle_aux_hidden_state_layer_ids [2, 4, 5] ignored" in message
+    assert (
+        "finds no ids (eagle_config)" in message
+        and "top-level eagle_aux_hidden_state_layer_ids [2, 4, 5] ignored" in message
+    )
     assert "captures only 2 of 3 aux hidden states (a repeated layer is captured once)" in message
     assert "\n" not in message

@@ -146,7 +146,9 @@ def test_a_rank_killed_mid_run_fails_only_sglang_with_that_ranks_error_and_leave
     os.kill(victim, signal.SIGKILL)
     proc.communicate(timeout=HANG_GUARD_S)
     tp2 = _checks(json.loads((tmp_path / "tiny_llama.json").read_text()), TP2)
-    ref = {c["check"]: c for c in json.loads((tmp_path / "tiny_llama.json").read_text())["checks"] if c["engine"] == "ref"}
+    ref = {
+        c["check"]: c for c in json.loads((tmp_path / "tiny_llama.json").read_text())["checks"] if c["engine"] == "ref"
+    }
     assert ref and all(c["outcome"] == "passed" for c in ref.values())
     first = next(c for c in CHECKS if tp2[c]["outcome"] in ("failed", "error"))
     assert f"SGLang's tensor-parallel rank 1 (scheduler pid {victim}) died: killed by SIGKILL" in tp2[first]["message"]

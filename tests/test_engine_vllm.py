@@ -79,7 +79,10 @@ def test_seed_case_is_caught_on_vllm(shipped_run):
     assert accept["outcome"] == "xfailed"
     assert "accept length collapsed" in accept["message"]
     # the rule and its fix (difftest.layer_rules): vLLM reads the top-level ids as h[k]
-    assert "rule: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer order, k -> h[k]) turns [2, 4, 7]" in fc["message"]
+    assert (
+        "rule: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer order, k -> h[k]) turns [2, 4, 7]"
+        in fc["message"]
+    )
     assert "fix: set eagle_aux_hidden_state_layer_ids = [0, 2, 4]" in fc["message"]
 
 
@@ -89,7 +92,10 @@ def test_golden_inputs_on_vllm_blame_the_captured_hidden_states_not_the_draft(sh
     hidden states vLLM captured, not its draft computation."""
     logits = shipped_run.outcome("seed_miswired_training", "vllm", "draft_logits")
     assert logits["outcome"] == "xfailed" and logits["data"]["golden"]["outcome"] == "matches", logits["message"]
-    assert "vllm's draft matches ref on every draft tensor: the engine captured the wrong hidden states" in logits["message"]
+    assert (
+        "vllm's draft matches ref on every draft tensor: the engine captured the wrong hidden states"
+        in logits["message"]
+    )
 
 
 def test_golden_inputs_on_vllm_are_in_the_tiny_cases_report(shipped_run):

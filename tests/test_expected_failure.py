@@ -16,7 +16,11 @@ CASE = Path("cases/x.yaml")
 
 def test_a_single_mapping_and_a_list_both_parse():
     one = {"engine": "sglang", "check": "fc_inputs", "cause": "off-by-one"}
-    assert parse(one, CASE, ALL_CHECKS) == parse([one], CASE, ALL_CHECKS) == [ExpectedFailure("sglang", "fc_inputs", "off-by-one")]
+    assert (
+        parse(one, CASE, ALL_CHECKS)
+        == parse([one], CASE, ALL_CHECKS)
+        == [ExpectedFailure("sglang", "fc_inputs", "off-by-one")]
+    )
 
 
 @pytest.mark.parametrize("value, fragment", [
@@ -67,12 +71,22 @@ def test_wildcards_match_every_engine_and_check():
 
 
 def test_a_misspelt_reference_key_is_refused_naming_the_closest():
-    with pytest.raises(ConfigError, match=r"expect_failure\[0\]: unknown key 'referance' \(did you mean 'reference'\?\)$"):
-        parse({"engine": "sglang", "check": "fc_inputs", "cause": "x", "referance": "sglang@0.5.16"}, Path("c.yaml"), ALL_CHECKS)
+    with pytest.raises(
+        ConfigError, match=r"expect_failure\[0\]: unknown key 'referance' \(did you mean 'reference'\?\)$"
+    ):
+        parse(
+            {"engine": "sglang", "check": "fc_inputs", "cause": "x", "referance": "sglang@0.5.16"},
+            Path("c.yaml"),
+            ALL_CHECKS,
+        )
 
 
 def test_an_entry_with_a_reference_applies_only_to_runs_against_that_reference():
-    (e,) = parse({"engine": "sglang", "check": "fc_inputs", "cause": "x", "reference": "sglang@0.5.16"}, Path("c.yaml"), ALL_CHECKS)
+    (e,) = parse(
+        {"engine": "sglang", "check": "fc_inputs", "cause": "x", "reference": "sglang@0.5.16"},
+        Path("c.yaml"),
+        ALL_CHECKS,
+    )
     assert e.matches("sglang", "sglang", "fc_inputs", ("sglang", "sglang@0.5.16"))
     assert not e.matches("sglang", "sglang", "fc_inputs", ("ref", "ref"))
     with pytest.raises(ConfigError, match=r"expect_failure\[0\]\.reference: expected a non-empty string"):
@@ -94,7 +108,9 @@ def test_an_entry_for_an_engine_that_is_not_registered_is_refused(key, value, fr
 
 @pytest.mark.parametrize("engine", ["vllm", "vllm@0.24.0", "sglang@old", "ref[wiring=vllm]", "*", "baseline:main"])
 def test_an_entry_for_a_registered_engine_parses_whether_or_not_this_run_has_it(engine):
-    (e,) = parse({"engine": engine, "check": "fc_inputs", "cause": "x"}, CASE, ALL_CHECKS, engines={"ref", "sglang", "vllm"})
+    (e,) = parse(
+        {"engine": engine, "check": "fc_inputs", "cause": "x"}, CASE, ALL_CHECKS, engines={"ref", "sglang", "vllm"}
+    )
     assert e.engine == engine
 
 

@@ -31,7 +31,12 @@ def result(out: Path, case: str, engine: str) -> dict:
 
 
 def test_sglang_off_by_one_is_fixed_and_verified(tmp_path, sglang_python):  # noqa: F811
-    run = fix(ROOT / "cases" / "tiny_llama_sglang_default_ids.yaml", "sglang", tmp_path, f"--engine-python=sglang={sglang_python}")
+    run = fix(
+        ROOT / "cases" / "tiny_llama_sglang_default_ids.yaml",
+        "sglang",
+        tmp_path,
+        f"--engine-python=sglang={sglang_python}",
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     r = result(tmp_path, "tiny_llama_sglang_default_ids", "sglang")
     assert r["patch"] == {"eagle_config": {KEY: [1, 3, 4]}}
@@ -44,7 +49,9 @@ def test_sglang_off_by_one_is_fixed_and_verified(tmp_path, sglang_python):  # no
 def test_sglang_sort_and_shift_is_fixed_by_reordering_fc_and_verified(tmp_path, sglang_python):  # noqa: F811
     """Trained on [h5, h2, h4]: SGLang sorts and adds 1 ([h3, h5, h6]); no ids alone can feed the
     listed order, but fc.weight's input blocks moved into layer order can, with ids [1, 3, 4]."""
-    run = fix(ROOT / "cases" / "catalogue_ids_unsorted.yaml", "sglang", tmp_path, f"--engine-python=sglang={sglang_python}")
+    run = fix(
+        ROOT / "cases" / "catalogue_ids_unsorted.yaml", "sglang", tmp_path, f"--engine-python=sglang={sglang_python}"
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     r = result(tmp_path, "catalogue_ids_unsorted", "sglang")
     assert r["fc_order"] == [1, 2, 0] and r["patch"] == {"eagle_config": {KEY: [1, 3, 4]}}
@@ -62,8 +69,13 @@ def test_sglang_off_by_one_is_fixed_and_verified_when_the_case_runs_sglang_at_tp
     case = yaml.safe_load((ROOT / "cases" / "tiny_llama_sglang_default_ids.yaml").read_text())
     case["engines"] = {"sglang": {"tp_size": 2}}
     (tmp_path / "tp2_default_ids.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
-    run = fix(tmp_path / "tp2_default_ids.yaml", "sglang", tmp_path, f"--engine-python=sglang={sglang_python}",
-              "--no-capture-cache")  # SGLang itself runs: a capture cached by an earlier run would be reused
+    run = fix(
+        tmp_path / "tp2_default_ids.yaml",
+        "sglang",
+        tmp_path,
+        f"--engine-python=sglang={sglang_python}",
+        "--no-capture-cache",
+    )  # SGLang itself runs: a capture cached by an earlier run would be reused
     assert run.returncode == 0, run.stdout + run.stderr
     r = result(tmp_path, "tp2_default_ids", "sglang")
     assert r["patch"] == {"eagle_config": {KEY: [1, 3, 4]}}
@@ -83,7 +95,9 @@ def test_missing_ids_fallback_is_fixed_on_vllm_and_verified(tmp_path):
         cfg.pop(KEY, None)
         cfg.get("eagle_config", {}).pop(KEY, None)
 
-    draft = edited_copy(Path(resolve_fixture("fixture:tiny-llama-eagle3-miswired")), tmp_path / "draft", config=drop_ids)
+    draft = edited_copy(
+        Path(resolve_fixture("fixture:tiny-llama-eagle3-miswired")), tmp_path / "draft", config=drop_ids
+    )
     case = yaml.safe_load((ROOT / "cases" / "seed_miswired_training.yaml").read_text())
     case.update(name="seed_no_ids", draft=str(draft), target=resolve_fixture("fixture:tiny-llama"))
     case.pop("engines", None)

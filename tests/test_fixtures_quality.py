@@ -112,7 +112,9 @@ def test_good_draft_config_ids_read_by_vllm_give_its_training_wiring(paths):
 
 def test_good_draft_collapses_under_sglangs_off_by_one(paths):
     served = quality(paths, "tiny-llama-eagle3")["served_off_by_one"]
-    assert served["wiring"] == list(resolve("sglang", 8, fx.GOOD_IDS).inputs) == ["target.h.3", "target.h.5", "target.h.6"]
+    assert (
+        served["wiring"] == list(resolve("sglang", 8, fx.GOOD_IDS).inputs) == ["target.h.3", "target.h.5", "target.h.6"]
+    )
     assert served["accept_length"] < 1.3
 
 
@@ -142,7 +144,10 @@ def test_speculators_config_states_every_norm_flag_and_the_verifier(paths):
         ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"), False
     )
     assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert raw["speculators_config"]["verifier"] == {"name_or_path": "tiny-llama", "architectures": ["LlamaForCausalLM"]}
+    assert raw["speculators_config"]["verifier"] == {
+        "name_or_path": "tiny-llama",
+        "architectures": ["LlamaForCausalLM"],
+    }
     assert raw["speculators_config"]["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 4}]
 
 
@@ -218,7 +223,9 @@ def test_concurrent_builds_build_once_and_leave_no_temporary_directories(tmp_pat
     code = "from fixtures.tiny_llama import ensure_fixtures; print(ensure_fixtures(['tiny-qwen3'])['tiny-qwen3'])"
     env = {**os.environ, "DIFFTEST_CACHE": str(tmp_path)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=120)[0] for p in procs]

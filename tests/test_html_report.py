@@ -39,7 +39,12 @@ def check(engine: str, name: str, outcome: str, message: str, data: dict | None 
 
 
 def stats(verify: int, accepted: int, per_pos: list[int]) -> dict:
-    return {"num_verify": verify, "num_accepted": accepted, "num_draft_steps": len(per_pos), "accepted_per_pos": per_pos}
+    return {
+        "num_verify": verify,
+        "num_accepted": accepted,
+        "num_draft_steps": len(per_pos),
+        "accepted_per_pos": per_pos,
+    }
 
 
 def sample_report() -> dict:
@@ -58,23 +63,85 @@ def sample_report() -> dict:
         "engines": {"ref": {"info": {"version": "1"}}, f"evil[{EVIL}]": {"error": EVIL}},
         "checks": [
             check("ref", "capture", "passed", "ok", {"kind": "capture"}),
-            check(f"evil[{EVIL}]", "fc_inputs", "failed", f"chunk 0 {EVIL}",
-                  {"kind": "comparison", "first_divergence": "draft.fc_in.0",
-                   "similarity": {"chunks": ["chunk 0"], "candidates": ["target.h.0", "target.h.1"], "cosine": [[0.2, 1.0]]},
-                   "fc_chunks": [{"chunk": 0, "expected": "target.h.0", "best": "target.h.1", "cosine": 1.0, "min_cosine": 1.0,
-                                  "rel_diff": 0.0, "max_abs": 0.0, "norm": 1.0, "norm_spread": 0.0}]}),
-            check(f"evil[{EVIL}]", "top1_agreement", "passed", "ok",
-                  {"kind": "top1_agreement", "agree": 9, "total": 9, "rate": 1.0, "ties": 2, "ties_agree": 1, "noise": "measured"}),
-            check(f"evil[{EVIL}]", "accept_length", "failed", "collapsed",
-                  {"kind": "accept_length", "reference": stats(10, 14, [9, 5]), "engine": stats(10, 1, [1, 0]),
-                   "allowed": 0.3, "spread": 0.1}),
+            check(
+                f"evil[{EVIL}]",
+                "fc_inputs",
+                "failed",
+                f"chunk 0 {EVIL}",
+                {
+                    "kind": "comparison",
+                    "first_divergence": "draft.fc_in.0",
+                    "similarity": {
+                        "chunks": ["chunk 0"],
+                        "candidates": ["target.h.0", "target.h.1"],
+                        "cosine": [[0.2, 1.0]],
+                    },
+                    "fc_chunks": [
+                        {
+                            "chunk": 0,
+                            "expected": "target.h.0",
+                            "best": "target.h.1",
+                            "cosine": 1.0,
+                            "min_cosine": 1.0,
+                            "rel_diff": 0.0,
+                            "max_abs": 0.0,
+                            "norm": 1.0,
+                            "norm_spread": 0.0,
+                        }
+                    ],
+                },
+            ),
+            check(
+                f"evil[{EVIL}]",
+                "top1_agreement",
+                "passed",
+                "ok",
+                {
+                    "kind": "top1_agreement",
+                    "agree": 9,
+                    "total": 9,
+                    "rate": 1.0,
+                    "ties": 2,
+                    "ties_agree": 1,
+                    "noise": "measured",
+                },
+            ),
+            check(
+                f"evil[{EVIL}]",
+                "accept_length",
+                "failed",
+                "collapsed",
+                {
+                    "kind": "accept_length",
+                    "reference": stats(10, 14, [9, 5]),
+                    "engine": stats(10, 1, [1, 0]),
+                    "allowed": 0.3,
+                    "spread": 0.1,
+                },
+            ),
         ],  # fmt: skip
-        "noise_floor": {"dtype": "float32", "measured": True, "source": "measured: ref in float32 vs float64 over 1 prompts",
-                        "excluded": [], "tensors": {"draft.fc_in.0": {"name": "draft.fc_in.0", "floor": 1e-6, "max": 2e-6,
-                                                                      "rows": 3, "threshold": 1e-5}}},
-        "comparisons": {f"evil[{EVIL}]": [{"prompt": 0, "first_divergence": "draft.fc_in.0", "first_introduced": "draft.fc_in.0",
-                                           "first_above_noise": "draft.fc_in.0", "first_differs": "draft.embeds",
-                                           "tie": f"the engine drafted token 5 {EVIL}", "tensors": bad}]},
+        "noise_floor": {
+            "dtype": "float32",
+            "measured": True,
+            "source": "measured: ref in float32 vs float64 over 1 prompts",
+            "excluded": [],
+            "tensors": {
+                "draft.fc_in.0": {"name": "draft.fc_in.0", "floor": 1e-6, "max": 2e-6, "rows": 3, "threshold": 1e-5}
+            },
+        },
+        "comparisons": {
+            f"evil[{EVIL}]": [
+                {
+                    "prompt": 0,
+                    "first_divergence": "draft.fc_in.0",
+                    "first_introduced": "draft.fc_in.0",
+                    "first_above_noise": "draft.fc_in.0",
+                    "first_differs": "draft.embeds",
+                    "tie": f"the engine drafted token 5 {EVIL}",
+                    "tensors": bad,
+                }
+            ]
+        },
         "environment": {"torch": "2.x", "git_sha": EVIL},
         "reproduce": "difftest run cases/tiny.yaml '--engines=ref,ref[wiring=sglang]'",
         "case_yaml": f"description: {EVIL}\n",
@@ -113,7 +180,17 @@ def parsed() -> Parsed:
 
 
 def test_html_has_every_section(parsed):
-    assert {"verdict", "first-divergence", "noise", "noise-source", "checks", "plots", "environment", "reproduce", "case"} <= parsed.ids
+    assert {
+        "verdict",
+        "first-divergence",
+        "noise",
+        "noise-source",
+        "checks",
+        "plots",
+        "environment",
+        "reproduce",
+        "case",
+    } <= parsed.ids
     assert parsed.tags[0] == "html" and "table" in parsed.tags
 
 
@@ -184,7 +261,9 @@ def test_html_plots_each_engines_error_against_noise_floor_and_threshold_as_inli
     (svg,) = parsed.with_class("svg", "noise")  # one engine compared
     assert svg["xmlns"] == "http://www.w3.org/2000/svg"
     lines = [a for t, a in parsed.elements if t == "polyline"]
-    assert any(a.get("stroke-dasharray") for a in lines) and any(not a.get("stroke-dasharray") for a in lines)  # floor, threshold
+    assert any(a.get("stroke-dasharray") for a in lines) and any(
+        not a.get("stroke-dasharray") for a in lines
+    )  # floor, threshold
     assert len(parsed.with_class("circle", "within")) == 1  # draft.embeds moved within noise
     assert len(parsed.with_class("circle", "identical")) == 1  # target.h.1, drawn on the axis
 
@@ -194,7 +273,9 @@ def test_html_noise_plot_highlights_tensors_above_noise(parsed):
 
 
 def test_html_noise_plot_marks_the_introduced_tensor(parsed):
-    assert len(parsed.with_class("circle", "introduced")) == 1 and len(parsed.with_class("line", "introduced-marker")) == 1
+    assert (
+        len(parsed.with_class("circle", "introduced")) == 1 and len(parsed.with_class("line", "introduced-marker")) == 1
+    )
     assert "error introduced: draft.fc_in.0" in "".join(parsed.text)
 
 
@@ -224,7 +305,9 @@ def test_html_noise_table_marks_introduced_and_highlights_above_noise(parsed):
 
 def test_html_diagnosis_names_introduced_first_above_noise_and_first_differs():
     r = sample_report()
-    r["checks"][1]["data"].update({"introduced": "draft.fc_in.0", "first_above_noise": "draft.fc_in.0", "first_differs": "draft.embeds"})
+    r["checks"][1]["data"].update(
+        {"introduced": "draft.fc_in.0", "first_above_noise": "draft.fc_in.0", "first_differs": "draft.embeds"}
+    )
     p = Parsed()
     p.feed(render(r))
     text = "".join(p.text)
@@ -256,9 +339,13 @@ def test_markdown_table_is_limited_to_the_interesting_rows():
 
     r = sample_report()
     entry = r["comparisons"][f"evil[{EVIL}]"][0]
-    entry["tensors"] = [tensor(f"draft.t{i}", "mismatch", err=0.1 * (i + 1), introduced=i == 0) for i in range(MAX_ROWS + 5)]
+    entry["tensors"] = [
+        tensor(f"draft.t{i}", "mismatch", err=0.1 * (i + 1), introduced=i == 0) for i in range(MAX_ROWS + 5)
+    ]
     md = markdown(r)
-    assert "`draft.t0` | 0.1 |" in md and "**<- introduced**" in md  # the introduced tensor stays, though it moved least
+    assert (
+        "`draft.t0` | 0.1 |" in md and "**<- introduced**" in md
+    )  # the introduced tensor stays, though it moved least
     assert md.count("| above noise |") == MAX_ROWS
     assert "5 more tensors above noise not shown" in md
     # nothing above noise: the top movers by excess

@@ -26,7 +26,9 @@ def one_thread():
 def test_trained_wiring_is_inferred_exactly(name):
     recipe = wd.RECIPES[name]
     loaded = load_draft(wd.ensure_draft(name))
-    result = infer_from_evidence(loaded.model, loaded.config.layer_ids, wd.evidence(recipe.target), wd.family(recipe.target))
+    result = infer_from_evidence(
+        loaded.model, loaded.config.layer_ids, wd.evidence(recipe.target), wd.family(recipe.target)
+    )
     assert result.decided, "\n".join(result.lines())
     assert result.wiring == recipe.inputs
     assert all(s.decided_by for s in result.slots)
@@ -119,7 +121,17 @@ def test_cli_names_the_seed_drafts_training_wiring(capsys):
 def test_cli_refuses_bad_prompt_ids_in_one_line(capsys):
     from difftest.cli import main
 
-    code = main(["infer-wiring", "--target", "fixture:tiny-llama", "--draft", "fixture:tiny-llama-eagle3", "--prompts", "ids:1,x"])
+    code = main(
+        [
+            "infer-wiring",
+            "--target",
+            "fixture:tiny-llama",
+            "--draft",
+            "fixture:tiny-llama-eagle3",
+            "--prompts",
+            "ids:1,x",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "ids:1,2,3" in err
@@ -152,7 +164,9 @@ def test_a_case_with_wiring_infer_on_an_untrained_draft_stops_saying_it_cannot_t
     draft = init_draft(wd._target("tiny-llama"), draft_config(), torch.zeros(512, dtype=torch.long), seed=5)
     save_eagle_format(draft, tmp_path / "draft", [2, 4, 5])
     prompts = "\n".join(f"  - ids: {ids}" for ids in wd.evidence("tiny-llama").tokens[:8])
-    (tmp_path / "case.yaml").write_text(f"target: fixture:tiny-llama\ndraft: draft\nwiring: infer\nprompts:\n{prompts}\n")
+    (tmp_path / "case.yaml").write_text(
+        f"target: fixture:tiny-llama\ndraft: draft\nwiring: infer\nprompts:\n{prompts}\n"
+    )
     case = load_case(tmp_path / "case.yaml")
     session = Session(Options(engines=[EngineSpec("ref")], reference=EngineSpec("ref"), log_dir=tmp_path / "logs"))
     try:

@@ -54,6 +54,7 @@ def test_missing_layer_ids_mean_a_silent_fallback(models, tmp_path):
 def test_missing_layer_ids_on_a_shallow_target_name_the_fallback_narrower_than_fc_in_each_engine(models, tmp_path):
     """L = 4: [2, L//2, L-3] = [2, 2, 1] reaches fc as two layers in both engines (layer order, each
     once), not the three chunks fc expects: each engine's reading says so (difftest.layer_rules)."""
+
     def first_four_layers(t):  # the target cut to 4 layers, config and weights alike
         for k in [k for k in t if k.startswith(tuple(f"model.layers.{i}." for i in range(4, 8)))]:
             t.pop(k)
@@ -71,7 +72,9 @@ def test_missing_layer_ids_on_a_shallow_target_name_the_fallback_narrower_than_f
 
 def test_missing_layer_ids_are_only_a_warning_when_training_used_the_defaults(models, tmp_path):
     draft = variant(models, tmp_path, config=drop_ids)
-    assert codes(lint_draft(draft, models[0], ["target.h.2", "target.h.4", "target.h.5"])) == [("layer-ids-missing", "warning")]
+    assert codes(lint_draft(draft, models[0], ["target.h.2", "target.h.4", "target.h.5"])) == [
+        ("layer-ids-missing", "warning")
+    ]
 
 
 def test_unsorted_ids_are_flagged(models, tmp_path):
@@ -80,20 +83,27 @@ def test_unsorted_ids_are_flagged(models, tmp_path):
 
     [f] = lint_draft(variant(models, tmp_path, config=unsorted), models[0], TRAINED)
     assert (f.code, f.severity) == ("layer-ids-order", "error")
-    assert "vLLM and SGLang both capture while walking the layers and feed fc in layer order, each layer once ([1, 2, 3]" in f.message
+    assert (
+        "vLLM and SGLang both capture while walking the layers and feed fc in layer order, each layer once ([1, 2, 3]"
+        in f.message
+    )
 
 
 def test_conflicting_id_locations_are_flagged(models, tmp_path):
     def conflict(cfg):
         cfg["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
 
-    assert codes(lint_draft(variant(models, tmp_path, config=conflict), models[0], TRAINED)) == [("layer-ids-conflict", "error")]
+    assert codes(lint_draft(variant(models, tmp_path, config=conflict), models[0], TRAINED)) == [
+        ("layer-ids-conflict", "error")
+    ]
 
 
 def test_absent_norm_flag_warns_about_the_format_default(models, tmp_path):
     [f] = lint_draft(variant(models, tmp_path, config=lambda c: c.pop("norm_before_residual")), models[0], TRAINED)
     assert (f.code, f.severity) == ("norm-flag-default", "warning")
-    assert f.message.startswith("norm_before_residual absent: HF/EAGLE format defaults it to False, the other format to True")
+    assert f.message.startswith(
+        "norm_before_residual absent: HF/EAGLE format defaults it to False, the other format to True"
+    )
 
 
 def test_fc_width_must_match_the_number_of_ids(models, tmp_path):
@@ -101,13 +111,19 @@ def test_fc_width_must_match_the_number_of_ids(models, tmp_path):
         cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3, 4]
 
     [f] = lint_draft(variant(models, tmp_path, config=four_ids), models[0], TRAINED)
-    assert (f.code, str(f)) == ("fc-width", "error [fc-width]: fc in_features 192 != 4 ids x target hidden size 64 = 256")
+    assert (f.code, str(f)) == (
+        "fc-width",
+        "error [fc-width]: fc in_features 192 != 4 ids x target hidden size 64 = 256",
+    )
 
 
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda t: t.pop("d2t"), "d2t absent while draft vocab 256 < target vocab 512: draft ids map to the first target ids (vLLM and SGLang read draft id i as target id i)"),
+        (
+            lambda t: t.pop("d2t"),
+            "d2t absent while draft vocab 256 < target vocab 512: draft ids map to the first target ids (vLLM and SGLang read draft id i as target id i)",
+        ),
         (lambda t: t.__setitem__("t2d", torch.zeros(512, dtype=torch.bool)), "t2d.sum() = 0 != draft vocab 256"),
         (lambda t: t["d2t"].__setitem__(255, 400), "arange + d2t leaves the target vocab [0, 512) for 1 draft ids"),
         (lambda t: t["d2t"].__setitem__(1, -1), "arange + d2t maps 1 draft ids onto taken target ids"),
@@ -148,15 +164,22 @@ def deepseek_target(models, tmp_path: Path) -> Path:
 
 def test_sglang_reading_follows_the_deepseek_rule_for_a_deepseek_target(models, tmp_path):
     """SGLang's DeepSeek model adds 1 only when the first id is 1: ids [2, 3, 4] are read as is."""
+
     def ids_2_3_4(cfg):
         cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 4]
 
     draft = variant(models, tmp_path, config=ids_2_3_4)
     trained = ["target.h.2", "target.h.3", "target.h.4"]
     [f] = _lint_draft(draft, deepseek_target(models, tmp_path), trained)
-    assert f.message == "trained on [h2, h3, h4]; other engines read ids [2, 3, 4] differently: SpecForge's data generation reads them as [h3, h4, h5]"
+    assert (
+        f.message
+        == "trained on [h2, h3, h4]; other engines read ids [2, 3, 4] differently: SpecForge's data generation reads them as [h3, h4, h5]"
+    )
     [llama] = _lint_draft(draft, models[0], trained)
-    assert "(Llama rule: ids from eagle_config, layer order, k -> h[k+1]) turns [2, 3, 4] (eagle_config) into [h3, h4, h5]" in llama.message
+    assert (
+        "(Llama rule: ids from eagle_config, layer order, k -> h[k+1]) turns [2, 3, 4] (eagle_config) into [h3, h4, h5]"
+        in llama.message
+    )
 
 
 def test_ids_only_at_the_top_level_warn_that_sglang_falls_back(models, tmp_path):

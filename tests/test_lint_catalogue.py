@@ -87,7 +87,11 @@ def test_renamed_weights_are_missing_and_unexpected(models, tmp_path):
 
 
 def test_a_retrained_embedding_is_named_as_replaced_by_sglang(models, tmp_path):
-    draft = variant(models, tmp_path, tensors=lambda t: t.update({"embed_tokens.weight": torch.randn_like(t["embed_tokens.weight"])}))
+    draft = variant(
+        models,
+        tmp_path,
+        tensors=lambda t: t.update({"embed_tokens.weight": torch.randn_like(t["embed_tokens.weight"])}),
+    )
     [f] = findings(models, draft, "embedding-substituted")
     assert f.engines == ("sglang",) and f.tensor == "draft.embeds" and "set_embed" in f.message
 
@@ -98,7 +102,11 @@ def test_an_embedding_equal_to_the_targets_raises_nothing(models, tmp_path):
 
 def test_the_targets_embedding_saved_in_bfloat16_raises_nothing(models, tmp_path):
     # speculators saves its checkpoints in bf16: a float32 target's frozen embedding comes back rounded
-    draft = variant(models, tmp_path, tensors=lambda t: t.update({"embed_tokens.weight": t["embed_tokens.weight"].to(torch.bfloat16)}))
+    draft = variant(
+        models,
+        tmp_path,
+        tensors=lambda t: t.update({"embed_tokens.weight": t["embed_tokens.weight"].to(torch.bfloat16)}),
+    )
     assert findings(models, draft, "embedding-substituted") == []
 
 

@@ -13,7 +13,9 @@ import difftest.compare as compare_mod
 from difftest.compare import compare_tensor, is_logits
 from difftest.tolerances import DEFAULTS
 
-dtypes = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
+dtypes = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"]
+)
 
 
 def tol(dtype):

@@ -137,7 +137,9 @@ def test_a_target_pickle_holding_code_is_refused_naming_the_file_and_never_run(m
     target.mkdir()
     shutil.copy(models[0] / "config.json", target / "config.json")
     ran = tmp_path / "the-pickle-ran"
-    torch.save({**load_file(str(models[0] / "model.safetensors")), "extra": _RunsCode(ran)}, target / "pytorch_model.bin")
+    torch.save(
+        {**load_file(str(models[0] / "model.safetensors")), "extra": _RunsCode(ran)}, target / "pytorch_model.bin"
+    )
     with pytest.raises(ConfigError) as e:
         load_target(target)
     message = one_line(e)
@@ -167,7 +169,10 @@ def test_report_out_dir_onto_an_existing_file_is_refused_in_one_line(report_json
 def test_bundle_onto_an_existing_directory_is_refused_and_leaves_nothing_behind(report_json, tmp_path, capsys):
     (tmp_path / "out").mkdir()
     assert main(["bundle", str(report_json), "-o", str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == f"difftest bundle: -o/--output: {tmp_path / 'out'} is a directory; give a file path\n"
+    assert (
+        capsys.readouterr().err
+        == f"difftest bundle: -o/--output: {tmp_path / 'out'} is a directory; give a file path\n"
+    )
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["c.json", "out", "reports"]
 
 
@@ -175,7 +180,10 @@ def test_bundle_to_a_path_under_a_file_is_refused_in_one_line(report_json, tmp_p
     (tmp_path / "afile").write_text("")
     out = tmp_path / "afile" / "c.tar.gz"
     assert main(["bundle", str(report_json), "-o", str(out)]) == 2
-    assert capsys.readouterr().err == f"difftest bundle: -o/--output: {tmp_path / 'afile'} is not a directory (needed for {out})\n"
+    assert (
+        capsys.readouterr().err
+        == f"difftest bundle: -o/--output: {tmp_path / 'afile'} is not a directory (needed for {out})\n"
+    )
 
 
 def test_a_bundle_write_that_fails_midway_leaves_no_temporary_archive(report_json, tmp_path, capsys, monkeypatch):
@@ -196,8 +204,14 @@ def test_train_acc_json_under_a_file_is_refused_before_anything_is_computed(tmp_
     (tmp_path / "afile").write_text("")
     out = tmp_path / "afile" / "acc.json"
     # --data does not exist: a check after the computation would fail on that instead
-    assert main(["train-acc", "--data", str(tmp_path / "nodata"), "--draft", "d", "--target", "t", "--json", str(out)]) == 2
-    assert capsys.readouterr().err == f"difftest train-acc: --json: {tmp_path / 'afile'} is not a directory (needed for {out})\n"
+    assert (
+        main(["train-acc", "--data", str(tmp_path / "nodata"), "--draft", "d", "--target", "t", "--json", str(out)])
+        == 2
+    )
+    assert (
+        capsys.readouterr().err
+        == f"difftest train-acc: --json: {tmp_path / 'afile'} is not a directory (needed for {out})\n"
+    )
 
 
 def test_dump_out_onto_a_file_is_refused_before_the_target_runs(tmp_path, capsys):
@@ -212,7 +226,10 @@ def test_probe_report_dir_onto_a_file_is_refused_before_the_server_is_asked(tmp_
     # neither the case nor the server exists: the report directory is checked first
     assert main(["probe", "--server", "http://127.0.0.1:1", "--case", str(tmp_path / "none.yaml"),
                  "--report-dir", str(tmp_path / "afile")]) == 2  # fmt: skip
-    assert capsys.readouterr().err.splitlines()[-1] == f"difftest probe: --report-dir: {tmp_path / 'afile'} is not a directory"
+    assert (
+        capsys.readouterr().err.splitlines()[-1]
+        == f"difftest probe: --report-dir: {tmp_path / 'afile'} is not a directory"
+    )
 
 
 def test_an_output_file_check_creates_nothing(tmp_path):
@@ -279,7 +296,10 @@ def test_a_host_name_that_does_not_resolve_says_so(monkeypatch):
     monkeypatch.delenv("http_proxy", raising=False)
     with pytest.raises(ServerError) as e:  # .invalid never resolves (RFC 6761)
         ServerClient("http://no-such-host.invalid:30000", timeout=10)
-    assert one_line(e) == "http://no-such-host.invalid:30000: cannot reach the server (host name 'no-such-host.invalid' not resolved)"
+    assert (
+        one_line(e)
+        == "http://no-such-host.invalid:30000: cannot reach the server (host name 'no-such-host.invalid' not resolved)"
+    )
 
 
 def test_a_gateway_error_for_the_host_says_it_cannot_be_reached(monkeypatch):
@@ -317,7 +337,9 @@ def test_infer_wiring_prompts_naming_a_missing_file_is_refused_naming_it(models,
     monkeypatch.chdir(tmp_path)
     target, draft = models
     assert main(["infer-wiring", "--target", str(target), "--draft", str(draft), "--prompts", value]) == 2
-    assert capsys.readouterr().err.startswith(f"difftest infer-wiring: --prompts: {value}: no such file (a path, not prompt text")
+    assert capsys.readouterr().err.startswith(
+        f"difftest infer-wiring: --prompts: {value}: no such file (a path, not prompt text"
+    )
 
 
 def test_infer_wiring_prompts_naming_a_file_that_is_not_a_case_is_refused(models, tmp_path, monkeypatch, capsys):

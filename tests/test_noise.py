@@ -22,7 +22,13 @@ def _capture(seed: int = 0, draft_tokens=(3, 4)) -> Capture:
     t["target.final_norm"] = torch.randn(N, H, generator=g)
     t["target.logits"] = torch.randn(N, V, generator=g)
     t["draft.fc_in"] = torch.cat([t["target.h.1"], t["target.h.2"]], -1)
-    for name in ("draft.embeds", "draft.fc_out", "draft.layer0.attn_out", "draft.layer0.mlp_out", "draft.hidden_prenorm"):
+    for name in (
+        "draft.embeds",
+        "draft.fc_out",
+        "draft.layer0.attn_out",
+        "draft.layer0.mlp_out",
+        "draft.hidden_prenorm",
+    ):
         t[name] = torch.randn(N, H, generator=g)
     t["draft.layer0.attn_in"] = torch.randn(N, 2 * H, generator=g)
     t["draft.logits"] = torch.randn(N, V, generator=g) * 4
@@ -38,7 +44,9 @@ def _capture(seed: int = 0, draft_tokens=(3, 4)) -> Capture:
 
 def _floor(threshold: float = 1e-5) -> NoiseFloor:
     names = _capture().names()
-    return NoiseFloor("float32", True, "test", {n: TensorFloor(n, threshold / 10, threshold / 5, N, threshold) for n in names})
+    return NoiseFloor(
+        "float32", True, "test", {n: TensorFloor(n, threshold / 10, threshold / 5, N, threshold) for n in names}
+    )
 
 
 def _perturbed(cap: Capture, rel: float, names, rows=None, seed: int = 1) -> Capture:
@@ -47,7 +55,9 @@ def _perturbed(cap: Capture, rel: float, names, rows=None, seed: int = 1) -> Cap
     for n in names:
         x = t[n].clone()
         sel = slice(None) if rows is None else rows
-        x[sel] = x[sel] + rel * x[sel].norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1]) * torch.randn(x[sel].shape, generator=g)
+        x[sel] = x[sel] + rel * x[sel].norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1]) * torch.randn(
+            x[sel].shape, generator=g
+        )
         t[n] = x
     return Capture(t, cap.meta.replace())
 
@@ -111,7 +121,9 @@ def test_error_is_introduced_where_it_jumps_not_where_it_propagates():
     ref = _capture()
     # noise everywhere, then a real fault in the MLP output that propagates downstream
     other = _perturbed(ref, 1e-7, ["draft.fc_out", "draft.layer0.attn_out"])
-    other = _perturbed(other, 0.5, ["draft.layer0.mlp_out", "draft.hidden_prenorm", "draft.logits", "draft.logits_target"])
+    other = _perturbed(
+        other, 0.5, ["draft.layer0.mlp_out", "draft.hidden_prenorm", "draft.logits", "draft.logits_target"]
+    )
     cd = compare_captures(ref, other, "float32", floor=_floor(1e-5))
     assert cd.first_introduced().name == "draft.layer0.mlp_out"
     assert not cd.get("draft.hidden_prenorm").introduced and not cd.get("draft.hidden_prenorm").ok

@@ -31,7 +31,10 @@ from test_engine_vllm import vllm_python
 ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 FULL = os.environ.get("DIFFTEST_FULL_MATRIX") == "1"
 CELLS = [(t, d) for t in im.TARGETS for d in im.DTYPES]
-CI_CELLS = {("indep-qwen3", "float32"), ("indep-llama", "bfloat16")}  # DeepSeek-V3 bf16: DIFFTEST_FULL_MATRIX=1 (CI time)
+CI_CELLS = {
+    ("indep-qwen3", "float32"),
+    ("indep-llama", "bfloat16"),
+}  # DeepSeek-V3 bf16: DIFFTEST_FULL_MATRIX=1 (CI time)
 # Qwen3 float32: its drafts accept 3.84 of 4, so an accept-length collapse is measurable. On Llama
 # bfloat16 (DIFFTEST_FULL_MATRIX=1) they accept 1.96 and the gate cannot see a fall to 1.2 over 6
 # prompts, and vLLM's norm_output flip stays under the bf16 noise floor (docs/verdict.md).
@@ -153,7 +156,9 @@ def _miswired(tmp_path_factory, target: str) -> dict:
     return {m.name: (h0_run if m.case_suffix else run, m) for m in im.MISWIRES}
 
 
-@pytest.mark.skipif(not FULL, reason="CI runs the miswirings as exports on the engines; as ref specs: DIFFTEST_FULL_MATRIX=1")
+@pytest.mark.skipif(
+    not FULL, reason="CI runs the miswirings as exports on the engines; as ref specs: DIFFTEST_FULL_MATRIX=1"
+)
 @pytest.mark.parametrize("miswire", sorted(EXPECTED))
 @pytest.mark.parametrize("target,dtype", CORRECT)
 def test_each_miswiring_as_a_reference_spec_fails_naming_where_and_why(miswired_runs, target, dtype, miswire):

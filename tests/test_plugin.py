@@ -25,7 +25,9 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 def project(tmp_path: Path, models, name: str = "tiny", body: str | None = None) -> Path:
     (tmp_path / "cases").mkdir(exist_ok=True)
     target, draft = models
-    (tmp_path / "cases" / f"{name}.yaml").write_text(body if body is not None else CASE.format(target=target, draft=draft))
+    (tmp_path / "cases" / f"{name}.yaml").write_text(
+        body if body is not None else CASE.format(target=target, draft=draft)
+    )
     return tmp_path
 
 
@@ -153,7 +155,9 @@ def test_report_json_lists_every_check_and_engine(mixed_run):
     assert (report["schema"], report["schema_version"]) == ("difftest.report", 2)
     assert report["reference"] == "ref"
     assert len(report["checks"]) == 2 + 7 * 4  # reference: capture, lint
-    assert report["engines"]["fake[mode=unavailable]"] == {"error": "fake: not installed; set it up with: scripts/setup-engine fake"}
+    assert report["engines"]["fake[mode=unavailable]"] == {
+        "error": "fake: not installed; set it up with: scripts/setup-engine fake"
+    }
     assert report["comparisons"]["ref[wiring=sglang]"][0]["first_divergence"] == "draft.fc_in.0"
     assert (mixed_run.root / "reports" / "tiny.md").exists()
     assert (mixed_run.root / "reports" / "tiny.html").exists()
@@ -259,7 +263,10 @@ def test_bad_engine_list_is_a_one_line_usage_error(models, pytester, engines, bo
     "body, expected",
     [
         ("target: [unclosed\n", "tiny.yaml: malformed YAML at line"),
-        ("target: /nonexistent/t\ndraft: /nonexistent/d\nprompts: [a b]\n", "tiny.yaml: target: checkpoint /nonexistent/t not found"),
+        (
+            "target: /nonexistent/t\ndraft: /nonexistent/d\nprompts: [a b]\n",
+            "tiny.yaml: target: checkpoint /nonexistent/t not found",
+        ),
         ("target: x\ndraft: y\nprompt: [a]\n", "tiny.yaml: prompt: unknown field"),
     ],
     ids=["malformed-yaml", "missing-checkpoint", "unknown-field"],
@@ -290,7 +297,9 @@ def test_a_broken_check_registration_fails_the_load_item_in_one_line(models, tmp
     ids=["layer-out-of-range", "fc-width-mismatch", "unknown-preset"],
 )
 def test_bad_wiring_fails_the_engine_items_with_one_line(models, tmp_path, engine, expected):
-    run = run_pytest(project(tmp_path, models), "cases/", f"--engines=ref,{engine}", env={"DIFFTEST_CACHE": str(tmp_path / "c")})
+    run = run_pytest(
+        project(tmp_path, models), "cases/", f"--engines=ref,{engine}", env={"DIFFTEST_CACHE": str(tmp_path / "c")}
+    )
     result = run.outcome("tiny", engine, "fc_inputs")
     assert result["outcome"] == "error"
     assert expected in result["message"]

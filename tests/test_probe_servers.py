@@ -34,11 +34,32 @@ from tests import live_servers
 from tests.helpers import run_pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SGLANG_IDS = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}, "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
-CPU_SGLANG = ["--device", "cpu", "--attention-backend", "intel_amx", "--disable-cuda-graph", "--skip-tokenizer-init",
-              "--mem-fraction-static", "0.3", "--max-total-tokens", "4096", "--dtype", "float32", "--random-seed", "0",
-              "--disable-overlap-schedule", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "4",
-              "--sleep-on-idle"]  # fmt: skip  (the scheduler busy-polls between requests otherwise: engines/sglang/engine.py)
+SGLANG_IDS = {
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]},
+    "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+}
+CPU_SGLANG = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "intel_amx",
+    "--disable-cuda-graph",
+    "--skip-tokenizer-init",
+    "--mem-fraction-static",
+    "0.3",
+    "--max-total-tokens",
+    "4096",
+    "--dtype",
+    "float32",
+    "--random-seed",
+    "0",
+    "--disable-overlap-schedule",
+    "--speculative-algorithm",
+    "EAGLE3",
+    "--speculative-num-steps",
+    "4",
+    "--sleep-on-idle",
+]  # fmt: skip  (the scheduler busy-polls between requests otherwise: engines/sglang/engine.py)
 
 
 def _probe(*args: str, timeout: float = 900):
@@ -117,7 +138,10 @@ def vllm_server(request):
 
 
 def _report(report_dir: Path) -> dict:
-    return {(c["engine"].split("[")[0], c["check"]): c for c in json.loads((report_dir / "tiny_llama_probe.json").read_text())["checks"]}
+    return {
+        (c["engine"].split("[")[0], c["check"]): c
+        for c in json.loads((report_dir / "tiny_llama_probe.json").read_text())["checks"]
+    }
 
 
 # -- real servers ---------------------------------------------------------------------------
@@ -153,7 +177,9 @@ def test_sglang_miswired_draft_collapse_is_detected_from_outside(sglang_miswired
 
 
 def test_vllm_probe_meets_the_prediction_from_metrics_deltas(vllm_server, probe_case, tmp_path):
-    run = _probe("--server", vllm_server.url, "--case", str(probe_case), "--kind", "vllm", "--report-dir", str(tmp_path))
+    run = _probe(
+        "--server", vllm_server.url, "--case", str(probe_case), "--kind", "vllm", "--report-dir", str(tmp_path)
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "numbers: deltas: vLLM /metrics counters" in run.stdout
     al = _report(tmp_path)[("server", "accept_length")]
@@ -273,7 +299,9 @@ def test_prometheus_counters_are_summed_over_engines_per_position():
 
 
 def test_launch_command_gives_what_was_asked_for():
-    asked = parse_launch_command("python -m sglang.launch_server --speculative-num-draft-tokens 16 --disable-cuda-graph --tp=8")
+    asked = parse_launch_command(
+        "python -m sglang.launch_server --speculative-num-draft-tokens 16 --disable-cuda-graph --tp=8"
+    )
     assert asked == {"speculative_num_draft_tokens": "16", "disable_cuda_graph": "true", "tp": "8"}
 
 

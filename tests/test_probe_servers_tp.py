@@ -22,7 +22,9 @@ from tests import live_servers
 from tests.test_probe_servers import CPU_SGLANG, _case, _checkpoints, _probe
 
 FULL = os.environ.get("DIFFTEST_FULL_MATRIX") == "1"
-pytestmark = pytest.mark.skipif(not FULL, reason="four live-server starts at TP = 1 and 2 (minutes): DIFFTEST_FULL_MATRIX=1")
+pytestmark = pytest.mark.skipif(
+    not FULL, reason="four live-server starts at TP = 1 and 2 (minutes): DIFFTEST_FULL_MATRIX=1"
+)
 
 
 @dataclass
@@ -60,7 +62,15 @@ def probe_case(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sglang_tp(request, tmp_path_factory, probe_case) -> dict[int, Probed]:
     target, draft = _checkpoints(sglang_ids=True)
-    args = ["--model-path", target, "--speculative-draft-model-path", draft, *CPU_SGLANG, "--speculative-eagle-topk", "1"]
+    args = [
+        "--model-path",
+        target,
+        "--speculative-draft-model-path",
+        draft,
+        *CPU_SGLANG,
+        "--speculative-eagle-topk",
+        "1",
+    ]
     return {tp: _serve_and_probe(request, tmp_path_factory.mktemp(f"sglang-tp{tp}"), "sglang", tp,
                                  [*args, "--tp-size", str(tp)], probe_case) for tp in (1, 2)}  # fmt: skip
 

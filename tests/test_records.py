@@ -57,26 +57,64 @@ def meta() -> CaptureMeta:
 
 
 DATA = [
-    CaptureData(wiring_inference=WiringInference(
-        decided=True, wiring=["target.h.0"], agreement=0.9, runner_up=None, runner_up_agreement=None, margin=0.5,
-        margin_z=None, readings=[Reading("vllm", ["target.h.0"], 0.9), Reading("sglang", None, None)],
-        slots=[SlotContrast(0, "target.h.0", "target.h.1", 0.4, 0.5, 4.0, 3.5)], shuffled_agreement=0.1,
-        shuffled_z=5.0, positions=10, forwards=3, grid_size=9, source="s", label_source="l")),
+    CaptureData(
+        wiring_inference=WiringInference(
+            decided=True,
+            wiring=["target.h.0"],
+            agreement=0.9,
+            runner_up=None,
+            runner_up_agreement=None,
+            margin=0.5,
+            margin_z=None,
+            readings=[Reading("vllm", ["target.h.0"], 0.9), Reading("sglang", None, None)],
+            slots=[SlotContrast(0, "target.h.0", "target.h.1", 0.4, 0.5, 4.0, 3.5)],
+            shuffled_agreement=0.1,
+            shuffled_z=5.0,
+            positions=10,
+            forwards=3,
+            grid_size=9,
+            source="s",
+            label_source="l",
+        )
+    ),
     LintData([Finding("layer-ids", "error", "ids differ", ("vllm", "sglang"), "draft.fc_in")]),
     ComparisonData(noise="measured", ties=["prompt 1: a tie"]),
-    ComparisonData(noise="measured", prompt=0, tensor="draft.fc_in.0", first_divergence="draft.fc_in.0",
-                   introduced="draft.fc_in.0", first_above_noise="draft.fc_in.0", first_differs="draft.embeds",
-                   fc_chunks=[ChunkMatch(0, "target.h.1", "target.h.2", 1.0, 0.99, 0.0, 0.0, 1.0, 0.1, 1.2)],
-                   similarity=Similarity(["chunk 0"], ["target.h.1", "target.h.2"], [[0.3, None]]), rule="vLLM: h[k]",
-                   rule_predicted=["target.h.2"], fix=FixData({"eagle_config": {}}, [1, 2], None, [1, 0], ["x"], ["y"]),
-                   known_causes=["layer-ids"], golden=GoldenData("matches", None, []))  # fmt: skip
-    ,
+    ComparisonData(
+        noise="measured",
+        prompt=0,
+        tensor="draft.fc_in.0",
+        first_divergence="draft.fc_in.0",
+        introduced="draft.fc_in.0",
+        first_above_noise="draft.fc_in.0",
+        first_differs="draft.embeds",
+        fc_chunks=[ChunkMatch(0, "target.h.1", "target.h.2", 1.0, 0.99, 0.0, 0.0, 1.0, 0.1, 1.2)],
+        similarity=Similarity(["chunk 0"], ["target.h.1", "target.h.2"], [[0.3, None]]),
+        rule="vLLM: h[k]",
+        rule_predicted=["target.h.2"],
+        fix=FixData({"eagle_config": {}}, [1, 2], None, [1, 0], ["x"], ["y"]),
+        known_causes=["layer-ids"],
+        golden=GoldenData("matches", None, []),
+    ),  # fmt: skip
     Top1Data(agree=9, total=10, rate=0.9, ties=2, ties_agree=1, noise="measured"),
     AcceptLengthData(reference=STATS, engine=STATS, allowed=0.3, spread=0.1),
-    ServerAcceptData(reference=STATS, engine=STATS, allowed=0.3, spread=0.1, server_settings={"topk": 1}, flags=["f"],
-                     per_request=[{"judged": True}], numbers="exact", verdict="PASS"),  # fmt: skip
-    TrainAccuracyData(trainer={"full_acc": [0.7]}, engine={"full_acc": [0.3]}, engine_wiring=["target.h.2"],
-                      identification={"summary": "s"}, skipped=1),  # fmt: skip
+    ServerAcceptData(
+        reference=STATS,
+        engine=STATS,
+        allowed=0.3,
+        spread=0.1,
+        server_settings={"topk": 1},
+        flags=["f"],
+        per_request=[{"judged": True}],
+        numbers="exact",
+        verdict="PASS",
+    ),  # fmt: skip
+    TrainAccuracyData(
+        trainer={"full_acc": [0.7]},
+        engine={"full_acc": [0.3]},
+        engine_wiring=["target.h.2"],
+        identification={"summary": "s"},
+        skipped=1,
+    ),  # fmt: skip
 ]
 
 
@@ -135,7 +173,11 @@ def test_each_check_data_kind_round_trips_inside_a_check_result(data):
 
 def test_accept_stats_in_check_data_keep_their_derived_numbers_in_the_json():
     d = AcceptLengthData(STATS, STATS, 0.3, 0.1).to_dict()
-    assert d["engine"]["accept_length"] == STATS.accept_length and d["engine"]["acceptance_rate_per_pos"] == [0.75, 0.5, 0.25]
+    assert d["engine"]["accept_length"] == STATS.accept_length and d["engine"]["acceptance_rate_per_pos"] == [
+        0.75,
+        0.5,
+        0.25,
+    ]
 
 
 def test_report_round_trips_through_json_with_schema_and_version():
@@ -156,16 +198,28 @@ def test_a_reports_timings_round_trip_as_a_typed_record():
 def test_a_phase_owned_by_neither_harness_nor_engine_is_refused_naming_the_field():
     from difftest.records.timings import PhaseTime, Timings
 
-    d = through_json(dataclasses.replace(sample_report(), timings=Timings([PhaseTime("compare", "harness", 1.0, 1)], 1.0, 0.0)).to_dict())
+    d = through_json(
+        dataclasses.replace(
+            sample_report(), timings=Timings([PhaseTime("compare", "harness", 1.0, 1)], 1.0, 0.0)
+        ).to_dict()
+    )
     d["timings"]["phases"][0]["owner"] = "user"
-    assert refusal(lambda: Report.from_dict(d, "r.json")) == "r.json: timings.phases[0].owner: 'user' is not one of 'harness', 'engine'"
+    assert (
+        refusal(lambda: Report.from_dict(d, "r.json"))
+        == "r.json: timings.phases[0].owner: 'user' is not one of 'harness', 'engine'"
+    )
 
 
 def test_report_json_keeps_the_keys_readers_of_reports_use():
     d = through_json(sample_report().to_dict())
     assert d["engines"]["eng"] == {"error": "not started"}  # no "info": null beside the error
     failed = d["checks"][1]
-    assert (failed["engine"], failed["check"], failed["outcome"], failed["data"]["tensor"]) == ("eng", "fc_inputs", "failed", "draft.fc_in.0")
+    assert (failed["engine"], failed["check"], failed["outcome"], failed["data"]["tensor"]) == (
+        "eng",
+        "fc_inputs",
+        "failed",
+        "draft.fc_in.0",
+    )
     assert d["checks"][2]["data"]["engine"]["accept_length"] == STATS.accept_length
     assert "data" not in d["checks"][3]  # an error has no data
 
@@ -173,7 +227,11 @@ def test_report_json_keeps_the_keys_readers_of_reports_use():
 # -- older versions ----------------------------------------------------------------------------------------
 def test_report_of_schema_version_1_is_refused_naming_the_version_and_the_rerun(tmp_path):
     path = tmp_path / "tiny.json"
-    path.write_text(json.dumps({"schema": "difftest.report/1", "case": "tiny", "reproduce": "difftest run cases/tiny.yaml --engines=ref"}))
+    path.write_text(
+        json.dumps(
+            {"schema": "difftest.report/1", "case": "tiny", "reproduce": "difftest run cases/tiny.yaml --engines=ref"}
+        )
+    )
     message = refusal(lambda: Report.load(path))
     assert message.startswith(f"{path}: schema_version: report schema version 1 (difftest.report/1")
     assert "this difftest reads version 2" in message and "`difftest run cases/tiny.yaml --engines=ref`" in message
@@ -181,7 +239,10 @@ def test_report_of_schema_version_1_is_refused_naming_the_version_and_the_rerun(
 
 def test_report_of_a_newer_schema_version_is_refused_naming_it():
     d = {**sample_report().to_dict(), "schema_version": 3}
-    assert refusal(lambda: Report.from_dict(d, "r.json")) == "r.json: schema_version: report schema version 3; this difftest reads 2"
+    assert (
+        refusal(lambda: Report.from_dict(d, "r.json"))
+        == "r.json: schema_version: report schema version 3; this difftest reads 2"
+    )
 
 
 def test_capture_meta_without_schema_version_is_read_as_version_1_its_own_keys_in_extra():
@@ -199,7 +260,9 @@ def test_capture_meta_version_1_core_keys_are_still_checked():
 
 def test_capture_meta_of_an_unknown_version_is_refused_naming_it():
     message = refusal(lambda: CaptureMeta.from_dict({"schema_version": 9}, "manifest.json"))
-    assert message.startswith("manifest.json: meta.schema_version: capture meta schema version 9; this difftest reads 2")
+    assert message.startswith(
+        "manifest.json: meta.schema_version: capture meta schema version 9; this difftest reads 2"
+    )
 
 
 # -- validation: one line naming file and field ------------------------------------------------------------
@@ -260,7 +323,9 @@ def test_adapter_meta_with_an_unknown_key_is_refused_naming_the_engine():
 # -- the readers read records ---------------------------------------------------------------------------
 def test_summary_reads_accept_lengths_and_verdict_from_the_records():
     report = sample_report()
-    report.checks = [CheckResult("eng", "accept_length", "passed", "ok", AcceptLengthData(STATS, AcceptStats(4, 2, 3), 0.3, 0.1))]
+    report.checks = [
+        CheckResult("eng", "accept_length", "passed", "ok", AcceptLengthData(STATS, AcceptStats(4, 2, 3), 0.3, 0.1))
+    ]
     (row,) = upgrade.summarise(report, Path("reports"))
     assert (row.reference_accept, row.engine_accept) == (STATS.accept_length, 1.5)
     assert row.first_divergence == "draft.fc_in.0 (prompt 0)"
@@ -277,7 +342,9 @@ def test_markdown_and_html_render_from_a_report_record():
     from difftest.html_report import render
 
     report = sample_report()
-    report.checks.append(CheckResult("eng", "fc_inputs", "failed", "m", ComparisonData(rule="SGLang rule", fix=FixData({"a": 1}))))
+    report.checks.append(
+        CheckResult("eng", "fc_inputs", "failed", "m", ComparisonData(rule="SGLang rule", fix=FixData({"a": 1})))
+    )
     md = report_mod.markdown(report)
     assert "| `eng` | fc_inputs | failed | diverges |" in md and "## Fix" in md and "SGLang rule" in md
     html = render(report)
@@ -312,7 +379,6 @@ def test_report_command_refuses_a_version_1_report_in_one_line(tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert err == f"difftest report: {path}: schema_version: report schema version 1 (difftest.report/1, before typed " \
                   "records); this difftest reads version 2"  # fmt: skip
-
 
 
 # -- tensor rows: a typed record, the JSON reports were written with -----------------------------------
@@ -354,13 +420,15 @@ def test_a_tensor_row_with_an_unknown_status_is_refused_naming_the_closest():
     d = _report_with_rows([{**ROW_MISMATCH, "status": "mismatched"}])
     assert refusal(lambda: Report.from_dict(d, "r.json")) == (
         "r.json: comparisons.eng[0].tensors[0].status: 'mismatched' is not one of 'ok', 'mismatch', 'missing', "
-        "'allowed-missing', 'shape', 'tie' (did you mean 'mismatch'?)")
+        "'allowed-missing', 'shape', 'tie' (did you mean 'mismatch'?)"
+    )
 
 
 def test_a_tensor_row_with_an_unknown_field_is_refused_naming_the_closest():
     d = _report_with_rows([{**ROW_MISMATCH, "exess": 1.0}])
     assert refusal(lambda: Report.from_dict(d, "r.json")).startswith(
-        "r.json: comparisons.eng[0].tensors[0].exess: unknown field (did you mean 'excess'?)")
+        "r.json: comparisons.eng[0].tensors[0].exess: unknown field (did you mean 'excess'?)"
+    )
 
 
 def test_a_row_without_noise_numbers_reads_as_not_judged_by_noise_and_differs_by_its_diff():
@@ -383,7 +451,9 @@ def test_an_accept_gate_is_kept_as_a_record_with_each_positions_z_in_the_json():
     data = AcceptLengthData(ref, eng, 0.3, 0.1, gate=judge(ref, eng, noise="not measured"))
     written = through_json(data.to_dict())
     assert [p["z"] for p in written["gate"]["positions"]] == [p.z for p in data.gate.positions]
-    back = CheckResult.from_json(through_json(CheckResult("e", "accept_length", "failed", "m", data).to_dict()), "r.json", "c")
+    back = CheckResult.from_json(
+        through_json(CheckResult("e", "accept_length", "failed", "m", data).to_dict()), "r.json", "c"
+    )
     assert isinstance(back.data.gate, AcceptGate) and back.data.gate == data.gate and not back.data.gate.ok
 
 
@@ -395,4 +465,5 @@ def test_a_replay_row_crosses_the_worker_as_json_and_comes_back_a_record():
     assert back == row and back.stats.accept_length == row.stats.accept_length
     bad = {**through_json(row.to_dict()), "first_mismatch": "5"}
     assert refusal(lambda: ReplayRow.from_json(bad, "ref's replay", "replays[0]")) == (
-        "ref's replay: replays[0].first_mismatch: expected an integer or null, got a string")
+        "ref's replay: replays[0].first_mismatch: expected an integer or null, got a string"
+    )

@@ -10,7 +10,9 @@ import pytest
 from helpers import TINY_CASE, make_tiny_pair, run_pytest
 
 CASE = TINY_CASE
-ENGINES = "ref,ref[wiring=sglang],ref[norm_before_residual=true],fake[mode=diverge,golden=no],ref[topk=2,num_draft_tokens=5]"
+ENGINES = (
+    "ref,ref[wiring=sglang],ref[norm_before_residual=true],fake[mode=diverge,golden=no],ref[topk=2,num_draft_tokens=5]"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +34,17 @@ def test_golden_inputs_blame_the_captured_hidden_states(run):
 def test_golden_inputs_blame_the_draft_computation(run):
     r = run.outcome("tiny", "ref[norm_before_residual=true]", "draft_logits")
     golden = r["data"]["golden"]
-    assert {k: golden[k] for k in ("outcome", "first_divergence")} == {"outcome": "diverges", "first_divergence": "draft.layer0.mlp_out"}
+    assert {k: golden[k] for k in ("outcome", "first_divergence")} == {
+        "outcome": "diverges",
+        "first_divergence": "draft.layer0.mlp_out",
+    }
     # the tensors that differ on golden inputs: the introduced one and what it feeds, never the fed-in fc_in
     assert "draft.layer0.mlp_out" in golden["tensors"] and "draft.logits" in golden["tensors"]
     assert not [t for t in golden["tensors"] if t.startswith("draft.fc_in") or not t.startswith("draft.")]
-    assert "suspect: the residual or MLP differs after matching attention: norm_before_residual handled differently?" in r["message"]
+    assert (
+        "suspect: the residual or MLP differs after matching attention: norm_before_residual handled differently?"
+        in r["message"]
+    )
     assert ("golden inputs: on the reference's draft.fc_in, ref[norm_before_residual=true]'s draft still diverges, error "
             "introduced at draft.layer0.mlp_out") in r["message"]  # fmt: skip
     assert "the engine's draft computes differently" in r["message"]
@@ -105,7 +113,9 @@ def test_markdown_report_tabulates_error_against_noise(run):
 
 
 def test_summary_shows_the_introduced_tensor_and_the_verdict(run):
-    rows = {ln.split()[1]: ln.split() for ln in run.output.splitlines() if ln.startswith("tiny ") and len(ln.split()) > 6}
+    rows = {
+        ln.split()[1]: ln.split() for ln in run.output.splitlines() if ln.startswith("tiny ") and len(ln.split()) > 6
+    }
     assert rows["ref[norm_before_residual=true]"][5:9] == ["draft.layer0.mlp_out", "(prompt", "0)", "regressed"]
     assert rows["ref[wiring=sglang]"][5:9] == ["draft.fc_in.0", "(prompt", "0)", "regressed"]
 

@@ -111,13 +111,22 @@ def test_report_prompt_names_introduced_first_above_noise_first_differs_and_tie(
 def test_report_first_divergence_falls_back_to_the_first_above_noise_when_none_is_marked_introduced(case):
     cd = CaptureDiff([diff("draft.fc_out", "mismatch", err=0.5), diff("draft.logits", "mismatch", err=0.6)])
     (p,) = build(case, StubSession({"eng": [cd]}))["comparisons"]["eng"]
-    assert (p["first_divergence"], p["first_introduced"], p["first_above_noise"]) == ("draft.fc_out", None, "draft.fc_out")
+    assert (p["first_divergence"], p["first_introduced"], p["first_above_noise"]) == (
+        "draft.fc_out",
+        None,
+        "draft.fc_out",
+    )
 
 
 def test_report_prompt_within_noise_has_no_divergence_but_names_the_first_that_differs(case):
     cd = CaptureDiff([diff("target.h.1"), diff("draft.fc_out", err=3e-6)])
     (p,) = build(case, StubSession({"eng": [cd]}))["comparisons"]["eng"]
-    assert (p["first_divergence"], p["first_above_noise"], p["first_differs"], p["tie"]) == (None, None, "draft.fc_out", "")
+    assert (p["first_divergence"], p["first_above_noise"], p["first_differs"], p["tie"]) == (
+        None,
+        None,
+        "draft.fc_out",
+        "",
+    )
 
 
 def test_markdown_and_html_render_the_report_built_from_a_session(case):
@@ -126,7 +135,9 @@ def test_markdown_and_html_render_the_report_built_from_a_session(case):
     r = read(build(case, StubSession({"eng": [faulty()]})))
     md = report.markdown(r)
     assert "### `eng`, prompt 0: error introduced at `draft.fc_out`" in md
-    assert "noise floor (measured, float32): measured: ref in float32 vs float64 over 1 prompts; excluded: prompt 0" in md
+    assert (
+        "noise floor (measured, float32): measured: ref in float32 vs float64 over 1 prompts; excluded: prompt 0" in md
+    )
     assert "- prompt 0: 1 step tensors not compared: the engine drafted token 5" in md
     assert 'class="noise"' in render(r)
 
@@ -150,7 +161,9 @@ def test_summary_bit_identical_is_same(case):
 
 
 def test_summary_tie_skipped_steps_do_not_make_it_drift(case):
-    cd = CaptureDiff([diff("draft.fc_out"), TensorDiff("draft.step1.logits", "tie", detail="not compared")], tie="a tie")
+    cd = CaptureDiff(
+        [diff("draft.fc_out"), TensorDiff("draft.step1.logits", "tie", detail="not compared")], tie="a tie"
+    )
     assert summary(case, cd).verdict == "same"
 
 

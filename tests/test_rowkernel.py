@@ -186,7 +186,9 @@ def test_the_build_is_cached_by_source_compiler_and_flags(native, monkeypatch, t
     assert rowkernel.build(kernel.variant) == kernel.path
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"]
+)
 def test_the_tolerance_boundary_is_rounded_as_torch_does(native, dtype):
     """Differences at atol + rtol * |ref| and one ulp either side: mul and add rounded separately
     (an FMA would round once and move elements across the boundary)."""
@@ -194,7 +196,9 @@ def test_the_tolerance_boundary_is_rounded_as_torch_does(native, dtype):
     a = (torch.randn(4, 4096, generator=torch.Generator().manual_seed(11)) * 4).to(dtype).float()
     bound = torch.tensor(tol.atol, dtype=torch.float32) + torch.tensor(tol.rtol, dtype=torch.float32) * a.abs()
     step = torch.tensor([-1, 0, 1, 0]).repeat(1024)[None, :]  # below, at, above the bound
-    d = torch.where(step < 0, bound.nextafter(torch.zeros(())), torch.where(step > 0, bound.nextafter(bound * 2), bound))
+    d = torch.where(
+        step < 0, bound.nextafter(torch.zeros(())), torch.where(step > 0, bound.nextafter(bound * 2), bound)
+    )
     b = a + d
     keep = (b - a).abs() == d  # pairs whose float32 difference is the intended one
     b = torch.where(keep, b, a)
@@ -217,7 +221,9 @@ def test_native_rel_err_gives_the_eager_numbers(kernel, shape):
             x, ref = x.to(dx), ref.to(dr)
             s = kernel.rel_err_sums(x, ref)
             native = noise._rel_err(s["num"], s["den"], s["bad"] > 0)
-            torch.testing.assert_close(native, noise.row_rel_err(x, ref, path="eager"), rtol=1e-12, atol=0, equal_nan=True)
+            torch.testing.assert_close(
+                native, noise.row_rel_err(x, ref, path="eager"), rtol=1e-12, atol=0, equal_nan=True
+            )
 
 
 def test_row_rel_err_takes_the_native_path_for_large_cpu_pairs(native, monkeypatch):

@@ -20,7 +20,9 @@ from engines.sglang import process_start
 def test_sglangs_request_for_spawn_becomes_forkserver_while_an_engine_starts(monkeypatch):
     asked = []
     monkeypatch.setattr(multiprocessing, "set_start_method", lambda name, force=False: asked.append((name, force)))
-    monkeypatch.setattr(multiprocessing, "set_forkserver_preload", lambda modules: asked.append(("preload", tuple(modules))))
+    monkeypatch.setattr(
+        multiprocessing, "set_forkserver_preload", lambda modules: asked.append(("preload", tuple(modules)))
+    )
     with process_start.engine_start():
         multiprocessing.set_start_method("spawn", force=True)
     assert asked == [("preload", tuple(process_start.PRELOAD)), ("forkserver", True)]

@@ -103,7 +103,11 @@ def test_decode_attention_matches_sdpa_and_stores_kv():
     r2t = torch.randperm(60, generator=g)[:40].view(2, 20).to(torch.int32)
     rpi, seq_lens = torch.tensor([1, 0]), torch.tensor([7, 12])
     loc = torch.stack([r2t[1, 6], r2t[0, 11]]).long()  # the new token's slot: the last one
-    q, key, value = torch.randn(2, H, D, generator=g), torch.randn(2, Hkv, D, generator=g), torch.randn(2, Hkv, D, generator=g)
+    q, key, value = (
+        torch.randn(2, H, D, generator=g),
+        torch.randn(2, Hkv, D, generator=g),
+        torch.randn(2, Hkv, D, generator=g),
+    )
     o = torch.zeros(2, H, D)
     scaling = 1 / math.sqrt(D)
     ops.decode_attention_cpu(q, kbuf, vbuf, 1.0, 1.0, o, key, value, loc, torch.empty(0), r2t, rpi, seq_lens,
@@ -152,7 +156,11 @@ def test_extend_attention_mla_prefill_reads_new_tokens_from_kv_args_not_the_late
     H, E = 4, 5
     kbuf, vbuf = torch.randn(16, 1, 576, generator=g), torch.randn(16, 1, 512, generator=g)
     r2t = torch.arange(16, dtype=torch.int32).view(1, 16)
-    q, k, v = torch.randn(E, H, 96, generator=g), torch.randn(E, H, 96, generator=g), torch.randn(E, H * 32, generator=g)
+    q, k, v = (
+        torch.randn(E, H, 96, generator=g),
+        torch.randn(E, H, 96, generator=g),
+        torch.randn(E, H * 32, generator=g),
+    )
     o = torch.zeros(E, H, 32)
     ops.extend_attention_cpu(q, k, v, o, kbuf, vbuf, 1.0, 1.0, r2t, torch.tensor([0]), torch.tensor([E]),
                              torch.tensor([E]), torch.tensor([0]), E, 0.2, 0.0, False, -1, None, None, None, True)  # fmt: skip

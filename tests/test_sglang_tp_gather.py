@@ -28,7 +28,7 @@ def test_vocab_sharded_logits_are_joined_in_rank_order_and_cut_to_the_vocabulary
         _write(tmp_path, r, 0, "logits", {"mode": "EXTEND", "hidden": hidden, "vocab_size": 1000,
                                           "all_logits": hidden @ shard.T, "next_token_logits": None})  # fmt: skip
     got = tensor_parallel.gather(str(tmp_path))
-    (kind, rec), = got.records
+    ((kind, rec),) = got.records
     assert got.tp_size == 2 and kind == "logits"
     torch.testing.assert_close(rec["all_logits"], (hidden @ weight.T)[:, :1000])
 
@@ -45,7 +45,7 @@ def test_partial_sums_of_an_unreduced_row_parallel_output_are_added(tmp_path):
     a, b = torch.randn(4, 8), torch.randn(4, 8)
     _write(tmp_path, 0, 0, "attn_out", {"t": a, "reduced": False})
     _write(tmp_path, 1, 0, "attn_out", {"t": b, "reduced": False})
-    (_, rec), = tensor_parallel.gather(str(tmp_path)).records
+    ((_, rec),) = tensor_parallel.gather(str(tmp_path)).records
     torch.testing.assert_close(rec["t"], a + b)
 
 
@@ -92,9 +92,11 @@ def test_every_rule_cites_sglang_code_and_names_a_known_sharding():
 
 
 # what SGLang 0.5.23 logged when rank 1's scheduler was SIGKILLed mid-request at tp_size 2
-_ECHO_LOG = ("[2026-12-02 08:08:37 TP0] Scheduler hit an exception: Traceback (most recent call last):\n"
-             "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:10154: Connection reset by peer.\n"
-             "[2026-12-02 08:08:38] Subprocess scheduler_0 (pid=21170) crashed with exit code 255. Triggering SIGQUIT\n")
+_ECHO_LOG = (
+    "[2026-12-02 08:08:37 TP0] Scheduler hit an exception: Traceback (most recent call last):\n"
+    "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:10154: Connection reset by peer.\n"
+    "[2026-12-02 08:08:38] Subprocess scheduler_0 (pid=21170) crashed with exit code 255. Triggering SIGQUIT\n"
+)
 
 
 def test_a_rank_killed_outright_is_named_with_its_signal_not_the_survivors_echo():

@@ -36,7 +36,9 @@ def test_the_users_command_is_green_on_the_real_engines(run):
     assert run.returncode == 0, run.output[-4000:]
     for path in filter(_runnable, CASES):
         for r in run.report(path.stem)["checks"]:
-            assert r["outcome"] in ("passed", "xfailed", "skipped"), f"{path.name} {r['engine']} {r['check']}: {r['message']}"
+            assert r["outcome"] in ("passed", "xfailed", "skipped"), (
+                f"{path.name} {r['engine']} {r['check']}: {r['message']}"
+            )
 
 
 @pytest.mark.parametrize("engine", REAL)
@@ -47,7 +49,8 @@ def test_every_runnable_shipped_case_is_judged_by_each_real_engine(run, engine):
         for check in CHECKS:
             assert check in results, f"{path.name}: no {check} result for {engine}"
             assert results[check]["outcome"] in ("passed", "xfailed"), (
-                f"{path.name} {engine} {check}: {results[check]['outcome']}: {results[check]['message']}")
+                f"{path.name} {engine} {check}: {results[check]['outcome']}: {results[check]['message']}"
+            )
 
 
 def test_every_declared_expectation_is_exercised(run):
@@ -64,7 +67,9 @@ def test_every_declared_expectation_is_exercised(run):
                     and (r.get("expected_failure") or {}).get("engine") == expected.engine]  # fmt: skip
             assert hits, f"{path.name}: expect_failure {expected} was never exercised"
             for r in hits:
-                assert r["outcome"] == "xfailed", f"{path.name} {r['engine']} {r['check']}: {r['outcome']}: {r['message']}"
+                assert r["outcome"] == "xfailed", (
+                    f"{path.name} {r['engine']} {r['check']}: {r['outcome']}: {r['message']}"
+                )
 
 
 # -- catalogue rows the engines run on the broken export itself (the reference: the draft as trained)

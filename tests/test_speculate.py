@@ -15,7 +15,16 @@ from engines.ref.speculate import gather_fc_in, greedy_decode, run_draft_chain, 
 from engines.ref.target import TargetOutput
 
 H, N_AUX, VOCAB, DRAFT_VOCAB = 32, 3, 50, 20
-STEP0_NAMES = {"fc_out", "embeds", "layer0.attn_in", "layer0.attn_out", "layer0.mlp_out", "hidden_prenorm", "logits", "logits_target"}
+STEP0_NAMES = {
+    "fc_out",
+    "embeds",
+    "layer0.attn_in",
+    "layer0.attn_out",
+    "layer0.mlp_out",
+    "hidden_prenorm",
+    "logits",
+    "logits_target",
+}
 
 
 @pytest.fixture(scope="module")

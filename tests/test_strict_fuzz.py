@@ -33,7 +33,9 @@ scalars = st.one_of(
 values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(["atol", "rtol", "ids", "wiring", "x"]), inner, max_size=3)
 ), max_leaves=8)  # fmt: skip
-floats = st.one_of(st.floats(0, 1), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["1e-3", "x", True]))
+floats = st.one_of(
+    st.floats(0, 1), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["1e-3", "x", True])
+)
 tolerance_pairs = st.dictionaries(st.sampled_from(["atol", "rtol", "atl"]), floats, max_size=2)
 prompt_lists = st.lists(st.one_of(st.just("hello there"), st.just(""), st.just({"ids": [1, 2, 3]}),
                                   st.just({"ids": [1, True]}), st.just({"ids": [1], "text": "x"}), st.integers(),
@@ -41,36 +43,81 @@ prompt_lists = st.lists(st.one_of(st.just("hello there"), st.just(""), st.just({
                         max_size=3)  # fmt: skip
 # per field, values that are right and values that are nearly right (the mistakes people make)
 field_values = {
-    "name": st.one_of(st.sampled_from(["tiny", "a.b-c_1", "x" * 300, "../up", "has space", "", "${NOPE:-ok}"]), st.integers()),
+    "name": st.one_of(
+        st.sampled_from(["tiny", "a.b-c_1", "x" * 300, "../up", "has space", "", "${NOPE:-ok}"]), st.integers()
+    ),
     "description": st.one_of(st.text(max_size=5), st.integers(), st.lists(st.text(max_size=2), max_size=2)),
     "dtype": st.sampled_from(["float32", "bfloat16", "float16", "float64", "fp32", ""]),
-    "wiring": st.one_of(st.sampled_from(["vllm", "sglang", "h0+h2+h4", ""]), st.lists(st.sampled_from(["h0", "h2", ""]), max_size=3),
-                        st.integers()),
-    "layer_ids": st.one_of(st.none(), st.lists(st.one_of(st.integers(-1, 8), st.booleans()), max_size=3), st.just("2+4")),
+    "wiring": st.one_of(
+        st.sampled_from(["vllm", "sglang", "h0+h2+h4", ""]),
+        st.lists(st.sampled_from(["h0", "h2", ""]), max_size=3),
+        st.integers(),
+    ),
+    "layer_ids": st.one_of(
+        st.none(), st.lists(st.one_of(st.integers(-1, 8), st.booleans()), max_size=3), st.just("2+4")
+    ),
     "prompts": prompt_lists,
-    "speculative": st.one_of(st.fixed_dictionaries({}, optional={
-        "num_steps": st.one_of(st.integers(-1, 6), st.booleans(), st.just("3")),
-        "max_new_tokens": st.one_of(st.integers(0, 40), st.floats(1, 4)),
-        "prompts": st.one_of(prompt_lists, st.just("p")),
-        "num_step": st.just(3),
-    }), st.just([1])),
-    "engines": st.one_of(st.fixed_dictionaries({}, optional={
-        "ref": st.one_of(st.fixed_dictionaries({}, optional={"wiring": st.sampled_from(["sglang", "h0+h2+h4"]),
-                                                              "topk": st.one_of(st.integers(0, 3), st.booleans()),
-                                                              "wirng": st.just("x")}), st.just("sglang"), st.none()),
-        "train": st.fixed_dictionaries({}, optional={"format": st.sampled_from(["auto", "specforg"]),
-                                                     "ttt_steps": st.integers(0, 3)}),
-        "reff": st.just({}),
-    }), st.just("ref")),
-    "tolerances": st.one_of(st.dictionaries(st.sampled_from(["draft.*", "target.h.*", "draft.logitz", "draft.step9.*", ""]),
-                                            st.one_of(tolerance_pairs, floats),
-                                            max_size=2), st.just([1])),
-    "expect": st.one_of(st.fixed_dictionaries({}, optional={
-        "top1_agreement": floats, "accept_length": tolerance_pairs, "train_accuracy": tolerance_pairs,
-        "top1_agrement": st.just(0.5),
-    }), st.just(0.9)),
-    "allow_missing": st.one_of(st.lists(st.sampled_from(["draft.layer0.*", "target.h.*", "", 3, "draft.layr0.*"]), max_size=2),
-                               st.just("draft.layer0.*"), st.none()),
+    "speculative": st.one_of(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "num_steps": st.one_of(st.integers(-1, 6), st.booleans(), st.just("3")),
+                "max_new_tokens": st.one_of(st.integers(0, 40), st.floats(1, 4)),
+                "prompts": st.one_of(prompt_lists, st.just("p")),
+                "num_step": st.just(3),
+            },
+        ),
+        st.just([1]),
+    ),
+    "engines": st.one_of(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "ref": st.one_of(
+                    st.fixed_dictionaries(
+                        {},
+                        optional={
+                            "wiring": st.sampled_from(["sglang", "h0+h2+h4"]),
+                            "topk": st.one_of(st.integers(0, 3), st.booleans()),
+                            "wirng": st.just("x"),
+                        },
+                    ),
+                    st.just("sglang"),
+                    st.none(),
+                ),
+                "train": st.fixed_dictionaries(
+                    {}, optional={"format": st.sampled_from(["auto", "specforg"]), "ttt_steps": st.integers(0, 3)}
+                ),
+                "reff": st.just({}),
+            },
+        ),
+        st.just("ref"),
+    ),
+    "tolerances": st.one_of(
+        st.dictionaries(
+            st.sampled_from(["draft.*", "target.h.*", "draft.logitz", "draft.step9.*", ""]),
+            st.one_of(tolerance_pairs, floats),
+            max_size=2,
+        ),
+        st.just([1]),
+    ),
+    "expect": st.one_of(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "top1_agreement": floats,
+                "accept_length": tolerance_pairs,
+                "train_accuracy": tolerance_pairs,
+                "top1_agrement": st.just(0.5),
+            },
+        ),
+        st.just(0.9),
+    ),
+    "allow_missing": st.one_of(
+        st.lists(st.sampled_from(["draft.layer0.*", "target.h.*", "", 3, "draft.layr0.*"]), max_size=2),
+        st.just("draft.layer0.*"),
+        st.none(),
+    ),
 }
 mutations_st = st.one_of(
     st.fixed_dictionaries({}, optional=field_values),
@@ -93,7 +140,9 @@ def check_case_invariants(case: Case) -> None:
     assert isinstance(case.allow_missing, list) and all(isinstance(p, str) and p for p in case.allow_missing)
     # every pattern names some tensor the case's captures can hold (a typo is never ignored)
     assert all(pattern_could_match(p, case.num_steps) for p in [*case.allow_missing, *case.tolerances])
-    for tol in list(case.tolerances.values()) + ([case.expect["accept_length"]] if "accept_length" in case.expect else []):
+    for tol in list(case.tolerances.values()) + (
+        [case.expect["accept_length"]] if "accept_length" in case.expect else []
+    ):
         assert set(tol) <= {"atol", "rtol"}
         assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in tol.values())
     assert set(case.expect) <= set(expect_keys())
@@ -194,7 +243,9 @@ def legacy_rows(draw) -> dict:
     row = dict(good)
     which = draw(st.sampled_from(["input_ids", "loss_mask", "hidden_states", "drop", "width"]))
     if which == "input_ids":
-        row["input_ids"] = draw(st.sampled_from([torch.rand(seq), "ids", torch.arange(seq * 2).reshape(2, seq), [1, 2]]))
+        row["input_ids"] = draw(
+            st.sampled_from([torch.rand(seq), "ids", torch.arange(seq * 2).reshape(2, seq), [1, 2]])
+        )
     elif which == "loss_mask":
         row["loss_mask"] = draw(st.sampled_from([torch.ones(seq + 1), {"a": 1}, "mask"]))
     elif which == "hidden_states":
@@ -202,7 +253,9 @@ def legacy_rows(draw) -> dict:
     elif which == "drop":
         row.pop(draw(st.sampled_from(sorted(row))))
     else:  # another hidden size, or another layer count, than the other rows
-        row["hidden_states"] = draw(st.sampled_from([[torch.randn(seq, 16) for _ in range(3)], [torch.randn(seq, 8)] * 4]))
+        row["hidden_states"] = draw(
+            st.sampled_from([[torch.randn(seq, 16) for _ in range(3)], [torch.randn(seq, 8)] * 4])
+        )
     return row
 
 

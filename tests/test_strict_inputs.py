@@ -192,7 +192,9 @@ def test_recursive_yaml_alias_is_refused(tmp_path):
     ('allow_missing: [""]\n', "allow_missing[0]: empty pattern"),
     ('allow_missing: ["draft.step1.fc_out"]\n', "pattern 'draft.step1.fc_out' matches no canonical tensor name"),
 ])  # fmt: skip
-def test_tensor_pattern_that_matches_no_canonical_name_is_refused_naming_the_closest(tmp_path, checkpoints, extra, fragment):
+def test_tensor_pattern_that_matches_no_canonical_name_is_refused_naming_the_closest(
+    tmp_path, checkpoints, extra, fragment
+):
     path = write_case(tmp_path, checkpoints, extra)
     with pytest.raises(ConfigError) as e:
         load_case(path)
@@ -201,7 +203,9 @@ def test_tensor_pattern_that_matches_no_canonical_name_is_refused_naming_the_clo
 
 
 def test_pattern_for_a_draft_step_the_case_does_not_take_is_refused_naming_num_steps(tmp_path, checkpoints):
-    path = write_case(tmp_path, checkpoints, 'speculative: {num_steps: 3}\ntolerances: {"draft.step3.*": {atol: 1e-3}}\n')
+    path = write_case(
+        tmp_path, checkpoints, 'speculative: {num_steps: 3}\ntolerances: {"draft.step3.*": {atol: 1e-3}}\n'
+    )
     with pytest.raises(ConfigError) as e:
         load_case(path)
     assert one_line(e) == (f"{path}: tolerances: pattern 'draft.step3.*' matches no tensor of this case: with "
@@ -215,7 +219,11 @@ def test_pattern_for_a_draft_step_the_case_does_not_take_is_refused_naming_num_s
     "draft.step3.*", "draft.step*.logits", "draft.step[1-3].layer0.attn_out", "draft.hidden_prenorm",
 ])  # fmt: skip
 def test_pattern_that_matches_a_name_the_case_can_capture_loads(tmp_path, checkpoints, pattern):
-    case = load_case(write_case(tmp_path, checkpoints, f'tolerances: {{"{pattern}": {{atol: 1e-3}}}}\nallow_missing: ["{pattern}"]\n'))
+    case = load_case(
+        write_case(
+            tmp_path, checkpoints, f'tolerances: {{"{pattern}": {{atol: 1e-3}}}}\nallow_missing: ["{pattern}"]\n'
+        )
+    )
     assert list(case.tolerances) == [pattern] and case.allow_missing == [pattern]
 
 
@@ -249,7 +257,9 @@ def test_prompt_with_both_ids_and_messages_is_refused_naming_the_prompt(tmp_path
 
 def test_prompt_with_both_ids_and_messages_in_prompts_is_refused(tmp_path, checkpoints):
     path = write_case(tmp_path, checkpoints)
-    path.write_text(path.read_text().replace("- ids: [1, 2, 3]", "- {ids: [1, 2, 3], messages: [{role: user, content: hi}]}"))
+    path.write_text(
+        path.read_text().replace("- ids: [1, 2, 3]", "- {ids: [1, 2, 3], messages: [{role: user, content: hi}]}")
+    )
     with pytest.raises(ConfigError) as e:
         load_case(path)
     assert one_line(e).startswith(f"{path}: prompts[0]: both ids and messages given")
@@ -266,7 +276,9 @@ def test_expect_failure_for_an_unknown_engine_is_refused_naming_the_closest(tmp_
 
 def test_expect_failure_for_a_registered_engine_outside_the_run_loads(tmp_path, checkpoints):
     # `vllm@0.24.0` applies to `--engines=ref,vllm@0.24.0`, not to a run of ref alone: still declared
-    path = write_case(tmp_path, checkpoints, "expect_failure: [{engine: vllm@0.24.0, reference: ref, check: fc_inputs, cause: x}]\n")
+    path = write_case(
+        tmp_path, checkpoints, "expect_failure: [{engine: vllm@0.24.0, reference: ref, check: fc_inputs, cause: x}]\n"
+    )
     (e,) = load_case(path).expect_failure
     assert (e.engine, e.reference) == ("vllm@0.24.0", "ref")
 
@@ -387,7 +399,10 @@ def test_bad_cases_fail_their_own_load_item_and_the_others_still_collect(tmp_pat
     assert run.returncode == 1, run.output
     assert "Traceback" not in run.output
     assert "3 failed" in run.output and "deselected" in run.output  # the good case's items were collected
-    assert f"{root / 'other/cases/twin.yaml'}: name: 'shared' is already the name of {root / 'cases/good.yaml'}" in run.output
+    assert (
+        f"{root / 'other/cases/twin.yaml'}: name: 'shared' is already the name of {root / 'cases/good.yaml'}"
+        in run.output
+    )
     assert "engines.ref.wirng: unknown setting; did you mean 'wiring'?" in run.output
     assert "allow_missing: expected a list of tensor name patterns" in run.output
 
@@ -443,7 +458,10 @@ def test_report_dir_under_a_file_is_refused_at_start_up(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ConfigError) as e:
         _check_writable_dir(tmp_path / "afile" / "sub", "--report-dir")
-    assert one_line(e) == f"--report-dir: {tmp_path / 'afile'} is not a directory (needed for {tmp_path / 'afile' / 'sub'})"
+    assert (
+        one_line(e)
+        == f"--report-dir: {tmp_path / 'afile'} is not a directory (needed for {tmp_path / 'afile' / 'sub'})"
+    )
     _check_writable_dir(tmp_path / "new" / "dir", "--report-dir")  # creatable: fine, and nothing is created yet
     assert not (tmp_path / "new").exists()
 
@@ -489,7 +507,6 @@ def test_dollar_signs_in_plot_labels_stay_text():
     assert html_report._png(fig)  # mathtext would raise ValueError at savefig
 
 
-
 @pytest.mark.parametrize("mutate, fragment", [
     (lambda m: m.pop("cases"), "cases: field missing"),
     (lambda m: m["cases"]["c"].pop("fingerprint"), "cases.c.fingerprint: field missing"),
@@ -501,8 +518,18 @@ def test_dollar_signs_in_plot_labels_stay_text():
 def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mutate, fragment):
     from difftest.baseline import SCHEMA, BaselineSource
 
-    manifest = {"schema": SCHEMA, "created": "now", "git_sha": None, "harness": {}, "cases": {"c": {
-        "fingerprint": "f", "engines": {"ref": {"info": {}, "file": "c.safetensors", "accept": {}, "captures": []}}}}}
+    manifest = {
+        "schema": SCHEMA,
+        "created": "now",
+        "git_sha": None,
+        "harness": {},
+        "cases": {
+            "c": {
+                "fingerprint": "f",
+                "engines": {"ref": {"info": {}, "file": "c.safetensors", "accept": {}, "captures": []}},
+            }
+        },
+    }
     mutate(manifest)
     (tmp_path / "v1").mkdir()
     (tmp_path / "v1" / "manifest.json").write_text(json.dumps(manifest))
@@ -512,7 +539,9 @@ def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mut
 
 
 def test_duplicate_case_name_keeps_save_baseline_from_writing(tmp_path, checkpoints):
-    root = _project(tmp_path, checkpoints, {"cases/good.yaml": "name: shared\n", "more/cases/twin.yaml": "name: shared\n"})
+    root = _project(
+        tmp_path, checkpoints, {"cases/good.yaml": "name: shared\n", "more/cases/twin.yaml": "name: shared\n"}
+    )
     run = run_pytest(root, "cases/", "more/cases/", "--engines=ref", "--save-baseline=v1", "-k", "load")
     assert run.returncode == 1
     assert (f"baseline 'v1' NOT written: {root / 'more/cases/twin.yaml'}: name: 'shared' is already the name of "

@@ -107,7 +107,10 @@ def test_draft_config_speculators_version_outside_the_ranges_is_refused_naming_t
         engine.rules(case, {}, SimpleNamespace(format="speculators"))
     assert str(e.value).startswith(f"{tmp_path / 'config.json'}: speculators_version: speculators@0.12.0 is outside")
     assert str(e.value).endswith("or choose the rules with train[trainer=...] (train-acc: --trainer)")
-    assert engine.rules(case, {"trainer": "speculators@0.9"}, SimpleNamespace(format="speculators"))[0].name == "speculators>=0.7"
+    assert (
+        engine.rules(case, {"trainer": "speculators@0.9"}, SimpleNamespace(format="speculators"))[0].name
+        == "speculators>=0.7"
+    )
 
 
 def test_counts_add_over_samples_micro_average():
@@ -157,13 +160,17 @@ class _Captures:
 
 
 def _case(expect: dict | None = None) -> Case:
-    return Case(name="c", path="/cases/c.yaml", target="t", draft="d", expect={"train_accuracy": expect} if expect else {})
+    return Case(
+        name="c", path="/cases/c.yaml", target="t", draft="d", expect={"train_accuracy": expect} if expect else {}
+    )
 
 
 def test_train_accuracy_check_fails_naming_the_data_when_the_trainer_wiring_scores_near_zero():
     v = check_train_accuracy(_Captures([0.0, 0.0, 0.0], [0.0, 0.0, 0.0]), _case(), EngineSpec("vllm"))
     assert not v.passed  # 0 vs 0 is no evidence that the engine feeds the draft right
-    assert v.message.startswith("training accuracy under the trainer's own wiring is 0.000 (below expect.train_accuracy.min 0.05)")
+    assert v.message.startswith(
+        "training accuracy under the trainer's own wiring is 0.000 (below expect.train_accuracy.min 0.05)"
+    )
     assert "verifier tensor" in v.message and "train[trainer=...]" in v.message
 
 
@@ -192,7 +199,9 @@ def test_a_case_file_key_the_train_accuracy_check_does_not_declare_is_refused_na
     from difftest.case import load_case
 
     path = _yaml_case(tmp_path, "{train_accuracy: {minimum: 0.2}}")
-    with pytest.raises(ConfigError, match=re.escape(f"{path}: expect.train_accuracy.minimum: unknown field; did you mean 'min'?")):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{path}: expect.train_accuracy.minimum: unknown field; did you mean 'min'?")
+    ):
         load_case(path)
 
 
@@ -268,11 +277,15 @@ def test_the_window_is_applied_only_under_rules_whose_trainer_applies_it(tmp_pat
     from engines.trainingdata.train_accuracy import describe_attention, scoring_window
 
     cfg = parse_config(_layer_config(sliding_window=8, layer_types=["sliding_attention"]), tmp_path / "config.json")
-    assert scoring_window(cfg, rules_for("speculators@0.9")) == 8 and scoring_window(cfg, rules_for("speculators@0.7.0")) == 8
+    assert (
+        scoring_window(cfg, rules_for("speculators@0.9")) == 8
+        and scoring_window(cfg, rules_for("speculators@0.7.0")) == 8
+    )
     assert scoring_window(cfg, rules_for("speculators@0.6")) is None  # 0.6.0's EAGLE-3 draft has no window
     assert scoring_window(cfg, rules_for("specforge@0.2")) is None  # SpecForge 0.2.0's draft never reads one
     assert describe_attention(cfg, rules_for("specforge")) == (
-        "full causal (the draft config records a sliding window of 8, which specforge@0.2 does not apply)")
+        "full causal (the draft config records a sliding window of 8, which specforge@0.2 does not apply)"
+    )
 
 
 def _random_draft(window: int | None):

@@ -60,19 +60,26 @@ def _draft(tmp_path, dtype, run_yaml=None):
     d = tmp_path / "ckpt" / "0"
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({}))
-    save_file({"fc.weight": torch.zeros(2, 2, dtype=dtype), "d2t": torch.zeros(2, dtype=torch.long)}, str(d / "model.safetensors"))
+    save_file(
+        {"fc.weight": torch.zeros(2, 2, dtype=dtype), "d2t": torch.zeros(2, dtype=torch.long)},
+        str(d / "model.safetensors"),
+    )
     if run_yaml is not None:
         (tmp_path / "ckpt" / "run.yaml").write_text(run_yaml)
     return d
 
 
 def test_a_float32_draft_scored_in_float32_has_no_precision_gap(tmp_path):
-    p = draft_precision(_draft(tmp_path, torch.float32, "train:\n  data:\n    hidden_states_dtype: float32\n"), "float32")
+    p = draft_precision(
+        _draft(tmp_path, torch.float32, "train:\n  data:\n    hidden_states_dtype: float32\n"), "float32"
+    )
     assert p.resolution is None and "no rounding between these counts" in p.line([])
 
 
 def test_a_bf16_draft_reports_its_near_ties_and_the_trainers_bf16_autocast(tmp_path):
-    p = draft_precision(_draft(tmp_path, torch.bfloat16, "train:\n  seed: 0\n"), "float32")  # run.yaml omits the bf16 default
+    p = draft_precision(
+        _draft(tmp_path, torch.bfloat16, "train:\n  seed: 0\n"), "float32"
+    )  # run.yaml omits the bf16 default
     assert p.resolution == TIE_UNITS * 2.0**-8 and p.trainer_compute == "bfloat16"
     line = p.line([3, 5, 8])
     assert line.startswith("precision: weights stored in bfloat16 (speculators saves bf16 checkpoints")

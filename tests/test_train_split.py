@@ -51,12 +51,16 @@ def test_a_run_yaml_without_the_ratio_means_speculators_default(tmp_path):
     dump = read_dump(_dump(tmp_path))
     draft = _draft(tmp_path, "train:\n  seed: 0\n")  # run.yaml omits defaults
     split = choose_split(dump, "val", None, draft)
-    assert split.ratio == SPECULATORS_DEFAULT_RATIO and split.start == 9 and "speculators' default" in split.ratio_source
+    assert (
+        split.ratio == SPECULATORS_DEFAULT_RATIO and split.start == 9 and "speculators' default" in split.ratio_source
+    )
 
 
 def test_no_recorded_ratio_is_refused_naming_the_option_and_the_default(tmp_path):
     dump = read_dump(_dump(tmp_path))
-    with pytest.raises(ConfigError, match=r"split=val: the training run's train_data_ratio is not recorded .*--train-data-ratio .*0\.9"):
+    with pytest.raises(
+        ConfigError, match=r"split=val: the training run's train_data_ratio is not recorded .*--train-data-ratio .*0\.9"
+    ):
         choose_split(dump, "val", None, _draft(tmp_path, None))
 
 
@@ -100,4 +104,6 @@ def test_train_acc_refuses_an_unreproducible_split_in_one_line_before_loading_mo
                    "--split", "val"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
-    assert err[0].startswith("difftest train-acc: train: split=val: the training run's train_data_ratio is not recorded")
+    assert err[0].startswith(
+        "difftest train-acc: train: split=val: the training run's train_data_ratio is not recorded"
+    )

@@ -72,7 +72,9 @@ def write_greedy_data(target_dir: Path, out: Path) -> Path:
 
     target = load_target(target_dir)
     names = parse_layers(RECIPE["layers"], num_layers(target))
-    ids = torch.tensor(random_prompts(target.config.vocab_size, RECIPE["prompts"], RECIPE["prompt_len"], RECIPE["seed"]))
+    ids = torch.tensor(
+        random_prompts(target.config.vocab_size, RECIPE["prompts"], RECIPE["prompt_len"], RECIPE["seed"])
+    )
     for _ in range(RECIPE["continue"]):
         ids = torch.cat([ids, run_target(target, ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     res = run_target(target, ids)
@@ -109,7 +111,13 @@ def trained() -> dict:
             write_greedy_data(target, tmp / "data")
             # COLUMNS: the trainer logs through rich, which wraps at the terminal width (80 without one)
             # OMP_NUM_THREADS: on 2 shared cores a second spinning torch thread costs more than it gives a model this small
-            env = dict(os.environ, PYTHONPATH="", COLUMNS="400", OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"))
+            env = dict(
+                os.environ,
+                PYTHONPATH="",
+                COLUMNS="400",
+                OMP_NUM_THREADS="1",
+                TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
+            )
             proc = subprocess.run(
                 [python, str(HERE / "speculators_train.py"), str(target), str(tmp / "data"), str(tmp / "out"),
                  str(RECIPE["epochs"]), str(RECIPE["total_seq_len"]), str(RECIPE["train_ratio"])],
@@ -176,13 +184,20 @@ def test_train_acc_reproduces_the_trainers_last_logged_validation_accuracy_withi
     assert "scored with speculators@0.9.0 (the draft config's speculators_version)'s rules" in scored["text"]
     row = scored["rows"][0]
     ours, theirs = row["full_acc"], logged_val_accuracy(trained)
-    print(f"trainer's logged val full_acc {['%.4f' % a for a in theirs]}; difftest train-acc {['%.4f' % a for a in ours]} "
-          f"(correct {row['correct']} of {row['counted']}; near ties {row['near_ties']})")
+    print(
+        f"trainer's logged val full_acc {['%.4f' % a for a in theirs]}; difftest train-acc {['%.4f' % a for a in ours]} "
+        f"(correct {row['correct']} of {row['counted']}; near ties {row['near_ties']})"
+    )
     assert row["fc"] == ["h0", "h2", "h4"]  # identified against the target: the data's fc tensors
     assert len(ours) == STEPS
     assert "precision: weights stored in bfloat16" in scored["text"]
     for k in range(STEPS):
-        assert abs(ours[k] - theirs[k]) * row["counted"][k] <= row["near_ties"][k] + 1e-6, (k, ours, theirs, row["near_ties"])
+        assert abs(ours[k] - theirs[k]) * row["counted"][k] <= row["near_ties"][k] + 1e-6, (
+            k,
+            ours,
+            theirs,
+            row["near_ties"],
+        )
     assert theirs[0] > 0.4  # the draft learned something, so the comparison can fail
 
 
@@ -207,8 +222,10 @@ def exact(trained, tmp_path_factory) -> dict:
     """speculators' counts on the bf16 checkpoint and on the float32 master weights, and train-acc's on the same
     data folder the trainer read (its arrow dataset, hidden states apart), all rows and --split val."""
     root = tmp_path_factory.mktemp("exact")
-    out = {"theirs": _oracle(trained, trained["draft"], root / "theirs.json"),
-           "theirs_master": _oracle(trained, trained["master"], root / "theirs_master.json")}
+    out = {
+        "theirs": _oracle(trained, trained["draft"], root / "theirs.json"),
+        "theirs_master": _oracle(trained, trained["master"], root / "theirs_master.json"),
+    }
 
     def ours(name: str, draft: Path, *extra: str) -> None:
         text = io.StringIO()
@@ -238,7 +255,10 @@ def test_train_acc_counts_equal_speculators_metrics_on_the_trainers_bf16_checkpo
 
 def test_train_acc_split_val_scores_the_trainers_validation_split_as_speculators_does(exact, trained):
     assert exact["theirs"]["val_rows"] == [96, 120]  # ArrowDataset(split="val", train_ratio=0.8) on 120 rows
-    assert f"validation split: rows 96..119 of 120 (train_data_ratio 0.8 from {trained['draft'].parent / 'run.yaml'}" in exact["val"]["text"]
+    assert (
+        f"validation split: rows 96..119 of 120 (train_data_ratio 0.8 from {trained['draft'].parent / 'run.yaml'}"
+        in exact["val"]["text"]
+    )
     print(f"val: difftest {_counts(exact['val'])}; speculators {exact['theirs']['val']}")
     assert _counts(exact["val"]) == exact["theirs"]["val"]
     assert exact["val"]["counted"][0] == 24 * RECIPE["continue"]  # 24 samples, 16 loss positions each
@@ -256,7 +276,9 @@ def test_on_the_float32_master_weights_train_acc_gives_the_trainers_logged_valid
     assert f"cond counted {packed['cond_acc_total']} packed" in line, (line, packed)
     for k in range(STEPS):  # and those are the numbers the trainer logged
         assert logged[f"full_acc_{k}_epoch"] == pytest.approx(master["correct"][k] / master["counted"][k], abs=1e-12)
-        assert logged[f"cond_acc_{k}_epoch"] == pytest.approx(master["cond_correct"][k] / packed["cond_acc_total"][k], abs=1e-12)
+        assert logged[f"cond_acc_{k}_epoch"] == pytest.approx(
+            master["cond_correct"][k] / packed["cond_acc_total"][k], abs=1e-12
+        )
     assert master["cond_counted"] != packed["cond_acc_total"]  # packing shows in cond: the line is needed
 
 
@@ -264,7 +286,9 @@ def test_the_bf16_checkpoints_counts_differ_from_the_master_weights_by_no_more_t
     for split in ("all", "val"):
         bf16, master = exact[split], exact[f"{split}_master"]
         diff = [abs(a - b) for a, b in zip(bf16["correct"], master["correct"])]
-        print(f"{split}: bf16 correct {bf16['correct']}, master {master['correct']}, |diff| {diff}, bound {bf16['near_ties']}")
+        print(
+            f"{split}: bf16 correct {bf16['correct']}, master {master['correct']}, |diff| {diff}, bound {bf16['near_ties']}"
+        )
         assert all(d <= n for d, n in zip(diff, bf16["near_ties"])), (diff, bf16["near_ties"])
     assert exact["all"]["correct"] != exact["all_master"]["correct"]  # rounding to bf16 does move counts here
     assert "precision: weights stored in bfloat16" in exact["val"]["text"]
@@ -276,7 +300,9 @@ def test_the_bf16_checkpoints_counts_differ_from_the_master_weights_by_no_more_t
 def test_the_draft_config_records_the_trainers_default_ids_not_the_datas(trained):
     cfg = json.loads((trained["draft"] / "config.json").read_text())
     assert cfg["speculators_version"] == "0.9.0" and cfg["speculators_model_type"] == "eagle3"
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5], cfg  # [2, L//2, L-3] for L = 8; the data held h0, h2, h4
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5], (
+        cfg
+    )  # [2, L//2, L-3] for L = 8; the data held h0, h2, h4
 
 
 def test_train_acc_collapses_under_vllms_reading_of_the_draft_config(scored):
@@ -304,14 +330,25 @@ def test_serving_wiring_is_diagnosed_end_to_end_naming_tensor_cause_and_fix(trai
     fc = run.outcome("speculators_trained", "ref[wiring=vllm]", "fc_inputs")
     assert fc["outcome"] == "failed", run.output[-3000:]
     assert "error introduced at draft.fc_in.0" in fc["message"]  # the tensor
-    assert "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.0 (the embedding)" in fc["message"]
+    assert (
+        "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.0 (the embedding)"
+        in fc["message"]
+    )
     assert "engine fed fc [h2, h4, h5]; reference fed [h0, h2, h4]" in fc["message"]  # the cause
     assert "embedding dropped and slots shifted by one" in fc["message"], fc["message"]
     # the fix: the lint names the config edit that makes vLLM feed what the draft was trained on
-    lint = {f["code"]: f for f in run.outcome("speculators_trained", "ref", "lint")["data"]["findings"] if f["severity"] == "error"}
+    lint = {
+        f["code"]: f
+        for f in run.outcome("speculators_trained", "ref", "lint")["data"]["findings"]
+        if f["severity"] == "error"
+    }
     assert list(lint) == ["layer-ids-training"], lint  # and nothing else: the bf16 embedding copy is the target's
-    assert "turns [2, 4, 5] (top level) into [h2, h4, h5]; the draft was trained on [h0, h2, h4]; " \
-           "fix: {'eagle_aux_hidden_state_layer_ids': [0, 2, 4]}" in lint["layer-ids-training"]["message"]
+    assert (
+        "turns [2, 4, 5] (top level) into [h2, h4, h5]; the draft was trained on [h0, h2, h4]; "
+        "fix: {'eagle_aux_hidden_state_layer_ids': [0, 2, 4]}" in lint["layer-ids-training"]["message"]
+    )
     acc = run.outcome("speculators_trained", "ref[wiring=vllm]", "train_accuracy")
-    assert acc["outcome"] == "failed" and acc["message"].startswith("training accuracy collapses under this engine's wiring")
+    assert acc["outcome"] == "failed" and acc["message"].startswith(
+        "training accuracy collapses under this engine's wiring"
+    )
     assert run.returncode == 1

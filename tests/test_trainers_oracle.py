@@ -62,7 +62,9 @@ def run_oracle(name: str, script: str, *args: str) -> None:
     # SpecForge's metric functions are torch.compile'd; their eager code is the same function and
     # skips minutes of CPU compilation
     env = dict(os.environ, PYTHONPATH="", TORCH_COMPILE_DISABLE="1")
-    proc = subprocess.run([trainer_python(name), str(HERE / script), *args], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [trainer_python(name), str(HERE / script), *args], capture_output=True, text=True, env=env, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -92,7 +94,15 @@ def make_cases(seed: int = 0, n_cases: int = 6) -> tuple[dict, list[dict]]:
             j = (torch.arange(N - 1) + k + 1).clamp(max=N - 1)
             logits[k, torch.arange(N - 1), T[j]] += 4.0 - 0.5 * k
         cases.append({"input_ids": input_ids, "loss_mask": loss_mask, "verifier": verifier, "logits": logits})
-    shared = {"lm_head": lm_head, "norm_weight": norm_weight, "eps": 1e-6, "d2t": d2t, "t2d": t2d, "draft_cols": draft_cols, "head": head}
+    shared = {
+        "lm_head": lm_head,
+        "norm_weight": norm_weight,
+        "eps": 1e-6,
+        "d2t": d2t,
+        "t2d": t2d,
+        "draft_cols": draft_cols,
+        "head": head,
+    }
     return shared, cases
 
 
@@ -126,7 +136,9 @@ def test_speculators_metrics_equal_difftest_full_and_cond_accuracy(tmp_path):
 
 def test_specforge_metric_counts_equal_difftest_accuracy(tmp_path):
     shared, cases = make_cases(seed=2)
-    payload = [{**c, "lm_head": shared["lm_head"], "d2t": shared["d2t"], "t2d": shared["t2d"], "max_len": 2048} for c in cases]
+    payload = [
+        {**c, "lm_head": shared["lm_head"], "d2t": shared["d2t"], "t2d": shared["t2d"], "max_len": 2048} for c in cases
+    ]
     torch.save(payload, tmp_path / "in.pt")
     run_oracle("specforge", "specforge_metrics.py", str(tmp_path / "in.pt"), str(tmp_path / "out.json"))
     theirs = json.loads((tmp_path / "out.json").read_text())
@@ -160,7 +172,9 @@ def test_speculators_folder_with_separate_hidden_states_reads_as_their_trainer_r
     samples = _hidden_samples(3)
     torch.save(samples, tmp_path / "in.pt")
     data, hs = tmp_path / "data", tmp_path / "elsewhere" / "hs"
-    run_oracle("speculators", "speculators_reader.py", str(tmp_path / "in.pt"), str(data), str(hs), str(tmp_path / "out.pt"))
+    run_oracle(
+        "speculators", "speculators_reader.py", str(tmp_path / "in.pt"), str(data), str(hs), str(tmp_path / "out.pt")
+    )
     theirs = torch.load(tmp_path / "out.pt", weights_only=True)
     monkeypatch.setitem(sys.modules, "datasets", None)  # the default install has no `datasets`: importing it fails
     dump = read_dump(data, hidden_states=hs)  # auto: hidden_states given means speculators
@@ -182,12 +196,17 @@ def test_specforge_rows_folder_reads_as_their_offline_reader_reads_it(tmp_path, 
     out = write_dump(tmp_path / "sf", "specforge", samples, fc_count=3, compress=compress)
     (out / "difftest_dump.json").unlink()
     (out / "vocab_mapping").mkdir()
-    torch.save({"d2t": torch.zeros(4, dtype=torch.long), "t2d": torch.ones(4, dtype=torch.bool)}, out / "vocab_mapping" / "vocab_mapping.pt")
+    torch.save(
+        {"d2t": torch.zeros(4, dtype=torch.long), "t2d": torch.ones(4, dtype=torch.bool)},
+        out / "vocab_mapping" / "vocab_mapping.pt",
+    )
     run_oracle("specforge", "specforge_reader.py", str(out), str(tmp_path / "out.pt"), "2048")
     theirs = torch.load(tmp_path / "out.pt", weights_only=True)
     dump = read_dump(out)
     assert dump.format == "specforge" and not dump.skipped
-    assert [s.source for s in dump.samples] == [t["path"] for t in theirs]  # same files, same order (data_10 before data_2)
+    assert [s.source for s in dump.samples] == [
+        t["path"] for t in theirs
+    ]  # same files, same order (data_10 before data_2)
     assert all(t["path"].endswith(".ckpt.gz" if compress else ".ckpt") and "/rows_0-2000/" in t["path"] for t in theirs)
     for s, t in zip(dump.samples, theirs):
         assert torch.equal(s.input_ids, t["input_ids"])
@@ -209,7 +228,9 @@ def speculators_draft_run(tmp_path_factory):
     python = trainer_python("speculators")
     root = tmp_path_factory.mktemp("spec_forward")
     target, _ = make_tiny_pair(root, num_layers=6)
-    data = dump_from_target(target, root / "data", "speculators", "h1+h3+h4+h6", random_prompts(512, 8, 14, seed=5), continue_tokens=6)
+    data = dump_from_target(
+        target, root / "data", "speculators", "h1+h3+h4+h6", random_prompts(512, 8, 14, seed=5), continue_tokens=6
+    )
     rows = [json.loads(x) for x in (data / "samples.jsonl").read_text().splitlines()]
     for r in rows:  # every position counts: the random prompt tokens are nobody's prediction
         r["loss_mask"] = [1] * len(r["loss_mask"])
@@ -219,7 +240,13 @@ def speculators_draft_run(tmp_path_factory):
     proc = subprocess.run([python, str(HERE / "speculators_forward.py"), str(target), str(data), str(draft), str(root / "theirs.json"),
                            "3", "16", "1,3,4", "12"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"target": target, "data": data, "draft": draft, "theirs": json.loads((root / "theirs.json").read_text()), "root": root}
+    return {
+        "target": target,
+        "data": data,
+        "draft": draft,
+        "theirs": json.loads((root / "theirs.json").read_text()),
+        "root": root,
+    }
 
 
 def _train_acc(run: dict, *extra: str) -> dict:
@@ -237,7 +264,10 @@ def test_train_acc_equals_speculators_training_forward_on_its_own_draft(speculat
     ours = _train_acc(speculators_draft_run)  # rules from the draft config's speculators_version (0.9.0)
     assert "scored with speculators@0.9.0 (the draft config's speculators_version)'s rules" in capsys.readouterr().out
     assert ours["correct"] == theirs["full_acc_sum"] and ours["counted"] == theirs["full_acc_total"], (ours, theirs)
-    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (
+        ours,
+        theirs,
+    )
     assert ours["correct"][0] > 0 and ours["correct"][1] > 0  # enough right predictions that the rules matter
 
 
@@ -271,19 +301,33 @@ def speculators_windowed_run(speculators_draft_run):
     return {**run, "draft": root / "draft_w", "theirs": json.loads((root / "theirs_w.json").read_text())}
 
 
-def test_train_acc_applies_the_drafts_sliding_window_as_speculators_training_forward_does(speculators_windowed_run, capsys):
+def test_train_acc_applies_the_drafts_sliding_window_as_speculators_training_forward_does(
+    speculators_windowed_run, capsys
+):
     from safetensors.torch import load_file
 
     run = speculators_windowed_run
     layer = json.loads((run["draft"] / "config.json").read_text())["transformer_layer_config"]
-    assert (layer["sliding_window"], layer["layer_types"]) == (WINDOW, ["sliding_attention"])  # as speculators records it
+    assert (layer["sliding_window"], layer["layer_types"]) == (
+        WINDOW,
+        ["sliding_attention"],
+    )  # as speculators records it
     theirs, theirs_2048 = run["theirs"]["full"], json.loads((run["root"] / "theirs.json").read_text())["full"]
     ours = _train_acc(run)
-    assert f"attention: sliding window {WINDOW} (the draft config's layer_types[0] = sliding_attention" in capsys.readouterr().out
+    assert (
+        f"attention: sliding window {WINDOW} (the draft config's layer_types[0] = sliding_attention"
+        in capsys.readouterr().out
+    )
     assert ours["correct"] == theirs["full_acc_sum"] and ours["counted"] == theirs["full_acc_total"], (ours, theirs)
-    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (
+        ours,
+        theirs,
+    )
     # the window alone makes the difference: same weights as the 2048-window draft, different counts
-    w, w2048 = load_file(str(run["draft"] / "model.safetensors")), load_file(str(run["root"] / "draft" / "model.safetensors"))
+    w, w2048 = (
+        load_file(str(run["draft"] / "model.safetensors")),
+        load_file(str(run["root"] / "draft" / "model.safetensors")),
+    )
     assert w.keys() == w2048.keys() and all(torch.equal(w[k], w2048[k]) for k in w)
     assert theirs["full_acc_sum"] != theirs_2048["full_acc_sum"], (theirs, theirs_2048)
 
@@ -307,20 +351,30 @@ def speculators06_draft_run(speculators_draft_run):
     return {**run, "draft": root / "draft06", "theirs": json.loads((root / "theirs06.json").read_text())}
 
 
-def test_train_acc_equals_speculators_0_6_training_forward_feeding_the_drafts_own_argmax(speculators06_draft_run, capsys):
+def test_train_acc_equals_speculators_0_6_training_forward_feeding_the_drafts_own_argmax(
+    speculators06_draft_run, capsys
+):
     theirs = speculators06_draft_run["theirs"]
     ours = _train_acc(speculators06_draft_run)  # rules from the draft config's speculators_version (0.6.0)
     assert "scored with speculators@0.6.0 (the draft config's speculators_version)'s rules" in capsys.readouterr().out
     assert ours["correct"] == theirs["full_acc_sum"] and ours["counted"] == theirs["full_acc_total"], (ours, theirs)
-    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (ours, theirs)
+    assert ours["cond_correct"] == theirs["cond_acc_sum"] and ours["cond_counted"] == theirs["cond_acc_total"], (
+        ours,
+        theirs,
+    )
     teacher_forced = _train_acc(speculators06_draft_run, "--trainer", "speculators@0.9")
-    assert teacher_forced["correct"][1:] != theirs["full_acc_sum"][1:], (teacher_forced, theirs)  # the rule shows on this draft
+    assert teacher_forced["correct"][1:] != theirs["full_acc_sum"][1:], (
+        teacher_forced,
+        theirs,
+    )  # the rule shows on this draft
 
 
 # -- precision: the same draft rounded to bf16, as speculators' checkpointer saves it ----------------------------
 
 
-def test_rounding_a_speculators_draft_to_bf16_moves_its_counts_by_no_more_than_the_near_ties_reported(speculators_draft_run, capsys):
+def test_rounding_a_speculators_draft_to_bf16_moves_its_counts_by_no_more_than_the_near_ties_reported(
+    speculators_draft_run, capsys
+):
     """An independent draft (speculators-built, random weights x8, float32 as saved) and its bf16 rounding, the
     checkpointer's float_dtype: the fp32 draft's counts are what a trainer holding those master weights counts
     (test_train_acc_equals_speculators_training_forward_on_its_own_draft), and the bf16 copy's differ from them by
@@ -332,12 +386,17 @@ def test_rounding_a_speculators_draft_to_bf16_moves_its_counts_by_no_more_than_t
     bf16.mkdir(exist_ok=True)
     (bf16 / "config.json").write_text((run["draft"] / "config.json").read_text())
     weights = load_file(str(run["draft"] / "model.safetensors"))
-    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}, str(bf16 / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
+        str(bf16 / "model.safetensors"),
+    )
     master = _train_acc(run)
     assert "no rounding between these counts and float32 master weights" in capsys.readouterr().out
     rounded = _train_acc({**run, "draft": bf16})
     assert "precision: weights stored in bfloat16" in capsys.readouterr().out
     diff = [abs(a - b) for a, b in zip(master["correct"], rounded["correct"])]
-    print(f"fp32 correct {master['correct']}, bf16 {rounded['correct']}, |diff| {diff}, near ties {rounded['near_ties']}")
+    print(
+        f"fp32 correct {master['correct']}, bf16 {rounded['correct']}, |diff| {diff}, near ties {rounded['near_ties']}"
+    )
     assert all(d <= n for d, n in zip(diff, rounded["near_ties"])), (diff, rounded["near_ties"])
     assert sum(rounded["near_ties"]) < sum(rounded["counted"])  # the bound says something

@@ -75,9 +75,18 @@ def test_dump_round_trips_in_every_format(pair, target, tmp_path, fmt, layers):
 @pytest.mark.parametrize(
     "layers, expected",
     [
-        ("h0+h2+h4+h5", "dumped tensors = [h0, h2, h4, h5]; trainer fed fc [h0, h2, h4]; verifier = h5 (not the final layer; the target has 6 layers)"),
-        ("h4+h0+h2+h6", "dumped tensors = [h4, h0, h2, h6]; trainer fed fc [h4, h0, h2]; verifier = h6 (the final layer)"),
-        ("h3+h5+h6+final_norm", "dumped tensors = [h3, h5, h6, final_norm]; trainer fed fc [h3, h5, h6]; verifier = final_norm (the final layer, after the norm)"),
+        (
+            "h0+h2+h4+h5",
+            "dumped tensors = [h0, h2, h4, h5]; trainer fed fc [h0, h2, h4]; verifier = h5 (not the final layer; the target has 6 layers)",
+        ),
+        (
+            "h4+h0+h2+h6",
+            "dumped tensors = [h4, h0, h2, h6]; trainer fed fc [h4, h0, h2]; verifier = h6 (the final layer)",
+        ),
+        (
+            "h3+h5+h6+final_norm",
+            "dumped tensors = [h3, h5, h6, final_norm]; trainer fed fc [h3, h5, h6]; verifier = final_norm (the final layer, after the norm)",
+        ),
     ],
     ids=["embedding-included", "permuted", "off-by-one"],
 )
@@ -105,7 +114,9 @@ def test_statistics_find_the_embedding_and_a_verifier_that_is_not_final(pair, ta
     assert ident.tensors[0].name == "target.h.0"
     assert [t.name for t in ident.tensors[1:]] == [None, None, None]
     assert ident.verifier_is_final() is False
-    assert ident.summary().startswith("dumped tensors = [h0, ?, ?, ?]; trainer fed fc [h0, ?, ?]; verifier = ? (not the final layer)")
+    assert ident.summary().startswith(
+        "dumped tensors = [h0, ?, ?, ?]; trainer fed fc [h0, ?, ?]; verifier = ? (not the final layer)"
+    )
     assert any("not the final layer" in n for n in ident.notes)
 
 
@@ -151,7 +162,10 @@ def test_bad_samples_are_skipped_with_one_line_each(pair, tmp_path):
     d["hidden_states"][3, 1, 5] = float("nan")
     save_file(d, str(hs / "hs_2.safetensors"))
     d = load_file(str(hs / "hs_3.safetensors"))
-    save_file({"hidden_states": d["hidden_states"][:, :3].contiguous(), "token_ids": d["token_ids"]}, str(hs / "hs_3.safetensors"))
+    save_file(
+        {"hidden_states": d["hidden_states"][:, :3].contiguous(), "token_ids": d["token_ids"]},
+        str(hs / "hs_3.safetensors"),
+    )
     rows = [json.loads(x) for x in (path / "samples.jsonl").read_text().splitlines()]
     rows[4]["input_ids"][2] += 1  # token ids != input ids
     rows[5]["loss_mask"] = rows[5]["loss_mask"][:-1]  # lengths differ
@@ -163,7 +177,9 @@ def test_bad_samples_are_skipped_with_one_line_each(pair, tmp_path):
     assert lines[0].startswith(f"{hs / 'hs_0.safetensors'}: cannot be read")
     assert lines[1].startswith(f"{hs / 'hs_2.safetensors'}: hidden_states: 1 NaN/Inf values")
     assert lines[2].startswith(f"{hs / 'hs_3.safetensors'}: hidden_states: 3 layers (2 for fc), but ")
-    assert lines[3].startswith(f"{hs / 'hs_4.safetensors'}: token_ids: 16 tokens do not equal the dataset's input_ids (16 tokens); first difference at position 2")
+    assert lines[3].startswith(
+        f"{hs / 'hs_4.safetensors'}: token_ids: 16 tokens do not equal the dataset's input_ids (16 tokens); first difference at position 2"
+    )
     assert lines[4].startswith(f"{hs / 'hs_5.safetensors'}: loss_mask: shape [15], expected [16]")
 
 
@@ -174,12 +190,16 @@ def test_legacy_and_specforge_bad_fields_are_named(pair, tmp_path):
     torch.save(data, legacy / "data_1.pt")
     dump = read_dump(legacy)
     assert len(dump.samples) == 1
-    assert dump.skipped == [f"{legacy / 'data_1.pt'}: hidden_states[2]: 13 positions, but input_ids has 16 (truncated or mismatched dump) (sample skipped)"]
+    assert dump.skipped == [
+        f"{legacy / 'data_1.pt'}: hidden_states[2]: 13 positions, but input_ids has 16 (truncated or mismatched dump) (sample skipped)"
+    ]
     sf = _dump(pair, tmp_path, "specforge", "h2+h4+h5+final_norm", PROMPTS[:2], "sf")
     data = torch.load(sf / "rows_0-2000" / "data_0.ckpt", weights_only=True)
     data["aux_hidden_state"] = data["aux_hidden_state"].long()
     torch.save(data, sf / "rows_0-2000" / "data_0.ckpt")
-    assert read_dump(sf).skipped == [f"{sf / 'rows_0-2000' / 'data_0.ckpt'}: aux_hidden_state: dtype torch.int64, expected a floating-point hidden state (sample skipped)"]
+    assert read_dump(sf).skipped == [
+        f"{sf / 'rows_0-2000' / 'data_0.ckpt'}: aux_hidden_state: dtype torch.int64, expected a floating-point hidden state (sample skipped)"
+    ]
 
 
 # -- the seed, end to end ---------------------------------------------------------------------
@@ -203,7 +223,16 @@ def seed(pair, target, tmp_path_factory):
     )  # fmt: skip
     torch.manual_seed(0)
     cfg = load_draft(pair[1]).config
-    draft = train_draft(target, cfg, ["target.h.0", "target.h.2", "target.h.4"], data, steps=150, seed=0, batch_size=16, temperature=None)
+    draft = train_draft(
+        target,
+        cfg,
+        ["target.h.0", "target.h.2", "target.h.4"],
+        data,
+        steps=150,
+        seed=0,
+        batch_size=16,
+        temperature=None,
+    )
     save_eagle_format(draft, root / "draft", [2, 4, 5])
     return root
 
@@ -274,10 +303,14 @@ def test_specforge_compressed_rows_are_read_and_a_damaged_one_is_skipped_naming_
     bad = out / "rows_0-2000" / "data_1.ckpt.gz"
     bad.write_bytes(bad.read_bytes()[:40])  # truncated gzip stream
     (out / "vocab_mapping").mkdir()
-    torch.save({"d2t": torch.zeros(2)}, out / "vocab_mapping" / "vocab_mapping.pt")  # SpecForge writes it beside the rows
+    torch.save(
+        {"d2t": torch.zeros(2)}, out / "vocab_mapping" / "vocab_mapping.pt"
+    )  # SpecForge writes it beside the rows
     dump = read_dump(out)
     assert dump.format == "specforge" and [s.source for s in dump.samples] == [
-        str(out / "rows_0-2000" / "data_0.ckpt.gz"), str(out / "rows_0-2000" / "data_2.ckpt.gz")]
+        str(out / "rows_0-2000" / "data_0.ckpt.gz"),
+        str(out / "rows_0-2000" / "data_2.ckpt.gz"),
+    ]
     assert len(dump.skipped) == 1 and dump.skipped[0].startswith(f"{bad}: cannot be read (")
 
 
@@ -309,7 +342,9 @@ def _save_to_disk_layout(path, rows: list[dict], shards: int = 1) -> None:
                           "seq_len": pa.array([len(r["input_ids"]) for r in part], pa.int64())})  # fmt: skip
         with pa.OSFile(str(path / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=2)  # several record batches per shard
-    (path / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names], "_format_type": "torch"}))
+    (path / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": n} for n in names], "_format_type": "torch"})
+    )
     (path / "dataset_info.json").write_text("{}")
 
 
@@ -354,7 +389,10 @@ def test_prepare_data_folder_without_hidden_states_says_where_they_are_expected(
         read_dump(tmp_path / "prepared")
     msg = str(e.value)
     assert "\n" not in msg and "no training data found" not in msg
-    assert f"holds a speculators arrow dataset ({len(PROMPTS)} samples in data-00000-of-00002.arrow .. data-00001-of-00002.arrow)" in msg
+    assert (
+        f"holds a speculators arrow dataset ({len(PROMPTS)} samples in data-00000-of-00002.arrow .. data-00001-of-00002.arrow)"
+        in msg
+    )
     assert f"expected {tmp_path / 'prepared' / 'hidden_states'}/hs_*.safetensors" in msg
     assert "hidden_states=DIR (train-acc: --hidden-states DIR)" in msg
 
@@ -364,7 +402,9 @@ def test_a_dataset_dictionary_folder_is_refused_naming_the_split_to_give(tmp_pat
 
     _save_to_disk_layout(tmp_path / "dd" / "train", [{"input_ids": [1, 2], "loss_mask": [1, 1]}])
     (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
-    with pytest.raises(ConfigError, match=r"is a dataset dictionary \(splits: train\); give one split's folder, e.g. .*/dd/train$"):
+    with pytest.raises(
+        ConfigError, match=r"is a dataset dictionary \(splits: train\); give one split's folder, e.g. .*/dd/train$"
+    ):
         read_dump(tmp_path / "dd", hidden_states=tmp_path)
 
 
@@ -400,5 +440,8 @@ def test_an_empty_hidden_states_folder_names_the_option_to_give_another(pair, tm
 
     data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match=r"empty: no hs_\*.safetensors files .*check the folder given as hidden_states=DIR \(train-acc: --hidden-states DIR\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"empty: no hs_\*.safetensors files .*check the folder given as hidden_states=DIR \(train-acc: --hidden-states DIR\)$",
+    ):
         read_dump(data, hidden_states=tmp_path / "empty")

@@ -165,6 +165,9 @@ def test_phases_nest_each_counting_only_its_own_time():
     t = clock.timings("c.yaml")
     by = {p.phase: p for p in t.phases}
     assert by["request"].seconds == 0.0  # the worker's 6 s are not the request's own
-    assert (by["engine.capture"].seconds, by["transfer.write"].bytes, by["engine.capture"].dtype) == (5.0, 100, "float64")
+    assert (by["engine.capture"].seconds, by["transfer.write"].bytes, by["engine.capture"].dtype) == (
+        5.0,
+        100,
+        "float64",
+    )
     assert (t.engine_seconds, round(t.harness_seconds)) == (5.0, 1)
-

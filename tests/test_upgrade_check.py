@@ -83,7 +83,10 @@ def test_each_label_gets_its_own_worker_and_log(side_by_side):
 def test_project_file_chooses_the_labels_interpreter(side_by_side):
     log = (side_by_side.root / "reports" / "logs" / "ref@old.log").read_text()
     assert f"start ref@old with {side_by_side.root / 'old-env' / 'bin' / 'python'}" in log
-    assert f"start ref@patch with {sys.executable}" in (side_by_side.root / "reports" / "logs" / "ref@patch.log").read_text()
+    assert (
+        f"start ref@patch with {sys.executable}"
+        in (side_by_side.root / "reports" / "logs" / "ref@patch.log").read_text()
+    )
 
 
 def test_each_label_has_its_own_cached_captures(side_by_side):
@@ -102,7 +105,9 @@ def test_difftest_run_prints_the_same_summary(side_by_side):
                           cwd=side_by_side.root, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:]
     lines = proc.stdout.splitlines()
-    assert any(ln.split()[:2] == ["tiny", "ref@patch"] and ln.split()[6] == "same" for ln in lines if ln.startswith("tiny "))
+    assert any(
+        ln.split()[:2] == ["tiny", "ref@patch"] and ln.split()[6] == "same" for ln in lines if ln.startswith("tiny ")
+    )
 
 
 # -- verdicts, from reports alone -------------------------------------------------------------------
@@ -138,7 +143,9 @@ def test_accept_length_moved_within_tolerance_is_drifted():
 
 
 def test_failed_check_is_regressed_naming_the_first_divergence():
-    (r,) = upgrade.summarise(_report({**PASSED, "fc_inputs": "failed"}, max_abs=1.0, status="mismatch"), Path("reports"))
+    (r,) = upgrade.summarise(
+        _report({**PASSED, "fc_inputs": "failed"}, max_abs=1.0, status="mismatch"), Path("reports")
+    )
     assert (r.verdict, r.first_divergence) == ("regressed", "draft.fc_in (prompt 0)")
 
 
@@ -155,8 +162,33 @@ def test_engine_skipped_everywhere_is_skipped():
 def test_rendered_summary_is_one_header_and_one_line_per_row():
     rows = upgrade.summarise(_report(PASSED, max_abs=3e-7), Path("reports"))
     lines = upgrade.render(rows)
-    assert lines[0].split() == ["case", "engine", "reference", "ref", "AL", "engine", "AL", "first", "divergent", "tensor", "verdict", "report"]
-    assert lines[1].split() == ["c", "e@new", "e@old", "2.500", "2.500", "-", "drifted", "(draft.fc_in", "max|d|", "3.00e-07)", "reports/c.html"]
+    assert lines[0].split() == [
+        "case",
+        "engine",
+        "reference",
+        "ref",
+        "AL",
+        "engine",
+        "AL",
+        "first",
+        "divergent",
+        "tensor",
+        "verdict",
+        "report",
+    ]
+    assert lines[1].split() == [
+        "c",
+        "e@new",
+        "e@old",
+        "2.500",
+        "2.500",
+        "-",
+        "drifted",
+        "(draft.fc_in",
+        "max|d|",
+        "3.00e-07)",
+        "reports/c.html",
+    ]
 
 
 # -- the real engine under two labels -----------------------------------------------------------------

@@ -127,7 +127,10 @@ def _manifest(baselines: Path, name: str) -> dict:
 
 
 def test_the_old_sglang_release_is_saved_as_a_baseline_naming_its_release(sglang_old, baselines):
-    assert f"baseline '{SGLANG_BASELINE}' written: {baselines / SGLANG_BASELINE} (2 case x engine entries" in sglang_old.output
+    assert (
+        f"baseline '{SGLANG_BASELINE}' written: {baselines / SGLANG_BASELINE} (2 case x engine entries"
+        in sglang_old.output
+    )
     engines = _manifest(baselines, SGLANG_BASELINE)["cases"][CASE]["engines"]
     assert sorted(engines) == ["ref", f"sglang@{OLD_SGLANG}"]
     info = engines[f"sglang@{OLD_SGLANG}"]["info"]
@@ -188,7 +191,10 @@ def test_the_old_release_against_the_reference_names_the_flag_it_never_reads(sgl
     assert sglang_old.returncode == 0, sglang_old.output[-4000:]
     logits = sglang_old.outcome(CASE, f"sglang@{OLD_SGLANG}", "draft_logits")
     assert logits["outcome"] == "xfailed" and logits["data"]["introduced"] == "draft.fc_out", logits["message"]
-    assert "never reads it (sglang/srt/models/llama_eagle3.py::LlamaModel.__init__ (before sgl-project/sglang#32334))" in logits["message"]
+    assert (
+        "never reads it (sglang/srt/models/llama_eagle3.py::LlamaModel.__init__ (before sgl-project/sglang#32334))"
+        in logits["message"]
+    )
     accept = sglang_old.outcome(CASE, f"sglang@{OLD_SGLANG}", "accept_length")
     assert accept["data"]["engine"]["accept_length"] < accept["data"]["reference"]["accept_length"] - 1.0
 

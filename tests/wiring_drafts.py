@@ -116,13 +116,17 @@ def build_qwen3_circuit():
         hooks = []
         d = c.head_dim
         for i, layer in enumerate(llama.model.layers):
+
             def q_hook(_m, _a, o, i=i):  # heads 0 and 2 are the circuit's positional heads
                 rms[("q", i)] = o.view(*o.shape[:-1], -1, d)[..., [0, 2], :].pow(2).mean(-1).sqrt().flatten()
 
             def k_hook(_m, _a, o, i=i):
                 rms[("k", i)] = o.view(*o.shape[:-1], -1, d).pow(2).mean(-1).sqrt().flatten()
 
-            hooks += [layer.self_attn.q_proj.register_forward_hook(q_hook), layer.self_attn.k_proj.register_forward_hook(k_hook)]
+            hooks += [
+                layer.self_attn.q_proj.register_forward_hook(q_hook),
+                layer.self_attn.k_proj.register_forward_hook(k_hook),
+            ]
         llama(input_ids=seqs)
         for h in hooks:
             h.remove()
@@ -196,14 +200,18 @@ def _build(recipe: Recipe, out: Path) -> None:
     torch.set_num_threads(1)  # reproducible and fastest for tiny ops on a shared machine
     try:
         tokens, run = _training_run(recipe.target)
-        data = TrainData(tokens, gather_fc_in(run, recipe.inputs).float(), run.logits.argmax(-1), run.final_norm.float())
+        data = TrainData(
+            tokens, gather_fc_in(run, recipe.inputs).float(), run.logits.argmax(-1), run.final_norm.float()
+        )
         with torch.enable_grad():
             draft = train_draft(target, _draft_config(target), recipe.inputs, data, seed=recipe.seed,
                                 **{**TRAIN, "steps": recipe.steps})  # fmt: skip
     finally:
         torch.set_num_threads(before)
     save_eagle_format(draft, out, list(recipe.ids))
-    (out / "recipe.json").write_text(json.dumps({**asdict(recipe), "key": recipe.key(), "train": TRAIN}, indent=1) + "\n")
+    (out / "recipe.json").write_text(
+        json.dumps({**asdict(recipe), "key": recipe.key(), "train": TRAIN}, indent=1) + "\n"
+    )
 
 
 def ensure_draft(name: str, log=print) -> Path:
@@ -253,7 +261,9 @@ def evidence(target_name: str):
     hidden, L = t["hidden"], t["hidden"].shape[0] - 1
     tensors = [{**{f"target.h.{k}": hidden[k, b] for k in range(L + 1)}, "target.final_norm": t["final_norm"][b]}
                for b in range(t["tokens"].shape[0])]  # fmt: skip
-    return Evidence([s.tolist() for s in t["tokens"]], list(t["labels"]), tensors, L, f"{target_name} held-out sequences")
+    return Evidence(
+        [s.tolist() for s in t["tokens"]], list(t["labels"]), tensors, L, f"{target_name} held-out sequences"
+    )
 
 
 def evidence_head(target_name: str, n: int):

@@ -46,5 +46,9 @@ class CheckResult:
             got = data.get("schema_version")
             if got is None:
                 raise fail(where, join(at, "schema_version"), "field missing")
-            raise fail(where, join(at, "schema_version"), f"check result schema version {got!r}; this difftest reads {SCHEMA_VERSION}")
+            raise fail(
+                where,
+                join(at, "schema_version"),
+                f"check result schema version {got!r}; this difftest reads {SCHEMA_VERSION}",
+            )
         return decode(cls, data, where, at, skip=("schema_version",))

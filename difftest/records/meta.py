@@ -46,9 +46,13 @@ class CaptureMeta:
     num_layers: int | None = None  # target layers L (target.h.0 .. target.h.L)
     target_hidden_size: int | None = None  # the width of one fc_in chunk
     wiring: FcWiring | None = None
-    partial: list[str] = field(default_factory=list)  # name patterns this engine cannot capture (not missing by mistake)
+    partial: list[str] = field(
+        default_factory=list
+    )  # name patterns this engine cannot capture (not missing by mistake)
     golden_fc_in: bool = False  # a draft re-run on another capture's draft.fc_in (golden inputs)
-    compat: list[str] = field(default_factory=list)  # measures that patched the engine to run here (engines/*/compat.py)
+    compat: list[str] = field(
+        default_factory=list
+    )  # measures that patched the engine to run here (engines/*/compat.py)
     checkpoints: dict[str, str] = field(default_factory=dict)  # target / draft paths the engine loaded
     settings: dict[str, object] = field(default_factory=dict)  # the engine's effective settings
     draft_config: dict[str, object] = field(default_factory=dict)  # the draft config as the engine read it

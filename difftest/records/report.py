@@ -75,7 +75,9 @@ class Report:
     reproduce: str = ""
     case_yaml: str = ""
     interrupted: bool = False
-    definitions: list[FigureDefinition] = field(default_factory=list)  # every figure the report shows  # the run stopped before every check of the case ran
+    definitions: list[FigureDefinition] = field(
+        default_factory=list
+    )  # every figure the report shows  # the run stopped before every check of the case ran
     timings: Timings | None = None  # where the case's time went, by phase (difftest.timings)
 
     def results(self, engine: str, check: str | None = None) -> list[CheckResult]:
@@ -99,7 +101,11 @@ class Report:
         if schema != SCHEMA:
             raise fail(where, "schema", f"{schema!r}, expected {SCHEMA!r}")
         if version != SCHEMA_VERSION:
-            problem = "field missing" if version is None else f"report schema version {version!r}; this difftest reads {SCHEMA_VERSION}"
+            problem = (
+                "field missing"
+                if version is None
+                else f"report schema version {version!r}; this difftest reads {SCHEMA_VERSION}"
+            )
             raise fail(where, "schema_version", problem)
         return decode(cls, data, where, skip=("schema", "schema_version"))
 

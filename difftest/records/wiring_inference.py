@@ -90,7 +90,9 @@ class WiringInference:
             out.append(f"slot {s.slot}: {short_name(s.chosen)}; moved alone to {short_name(s.alternative)} agreement "
                        f"drops {s.drop:+.3f} to {s.alternative_agreement:.3f} (z {s.z:.1f}; log-probability z "
                        f"{s.z_logp:.1f}){how}")  # fmt: skip
-        out.append(f"features from unrelated positions: agreement {self.shuffled_agreement:.3f} (z {self.shuffled_z:.1f})")
+        out.append(
+            f"features from unrelated positions: agreement {self.shuffled_agreement:.3f} (z {self.shuffled_z:.1f})"
+        )
         out += [f"cannot tell: {r}" for r in self.reasons[1:]]
         out.append(f"evidence: {self.source}; labels: {self.label_source}; {self.positions} positions; "
                    f"{self.forwards} draft forwards (full grid: {self.grid_size}); decided at z >= {Z_DECIDE:g}")  # fmt: skip

@@ -81,7 +81,9 @@ def load_draft(
         shared.append("embed_tokens")
     if "lm_head.weight" not in raw:
         if target_lm_head is None or cfg.draft_vocab_size != cfg.vocab_size:
-            raise ConfigError(f"{model_dir}: no lm_head.weight (and draft vocab != target vocab, so it cannot be shared)")
+            raise ConfigError(
+                f"{model_dir}: no lm_head.weight (and draft vocab != target vocab, so it cannot be shared)"
+            )
         raw["lm_head.weight"] = target_lm_head
         shared.append("lm_head")
     if "d2t" not in raw:

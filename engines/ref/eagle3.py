@@ -330,7 +330,9 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def _torch_load(f: Path) -> dict[str, torch.Tensor]:
     """A torch pickle holding a flat state dict, loaded with weights_only=True (nothing else runs)."""
     data = torch_load_tensors(f)  # a refused or damaged pickle is one line naming f (difftest.weight_files)
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()):
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
+    ):
         raise ConfigError(f"{f}: expected a state dict (tensor name -> tensor), got {type(data).__name__}")
     return data
 
@@ -375,7 +377,9 @@ def parse_config(raw: dict, path: Path) -> Eagle3Config:
     where = str(path)
     if raw.get("speculators_model_type") is not None:
         if raw["speculators_model_type"] != "eagle3":
-            raise ConfigError(f"{where}: speculators_model_type is {raw['speculators_model_type']!r}, expected 'eagle3'")
+            raise ConfigError(
+                f"{where}: speculators_model_type is {raw['speculators_model_type']!r}, expected 'eagle3'"
+            )
         fmt = "speculators"
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
@@ -400,7 +404,11 @@ def parse_config(raw: dict, path: Path) -> Eagle3Config:
     head_dim = int(layer.get("head_dim") or H // nh)
     rope_params = layer.get("rope_parameters") or {}
     rope_scaling = layer.get("rope_scaling")
-    rope_type = (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type") or rope_params.get("rope_type", "default")
+    rope_type = (
+        (rope_scaling or {}).get("rope_type")
+        or (rope_scaling or {}).get("type")
+        or rope_params.get("rope_type", "default")
+    )
     if rope_type != "default":
         raise ConfigError(f"{where}: rope type {rope_type!r} is not supported by the reference draft (only 'default')")
     theta = float(layer.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)

@@ -125,7 +125,9 @@ def rope_frequencies(rope: dict, dim: int) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (high frequencies kept), 0: interpolate (divided by factor)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
-    magnitude = yarn_mscale(factor, float(rope.get("mscale", 1))) / yarn_mscale(factor, float(rope.get("mscale_all_dim", 0)))
+    magnitude = yarn_mscale(factor, float(rope.get("mscale", 1))) / yarn_mscale(
+        factor, float(rope.get("mscale_all_dim", 0))
+    )
     return inv_freq, magnitude
 
 
@@ -138,7 +140,9 @@ def softmax_scale(cfg: Eagle3MLAConfig) -> float:
     return s
 
 
-def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, magnitude: float) -> torch.Tensor:
+def rope_interleaved(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, magnitude: float
+) -> torch.Tensor:
     """x: [B, n, heads, d] with pairs (x[2j], x[2j+1]) rotated by angle position * inv_freq[j]."""
     wide = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 in the noise-floor run
     angles = positions.to(wide)[..., None] * inv_freq.to(wide)  # [B, n, d/2]
@@ -205,7 +209,9 @@ class MLAttention(nn.Module):
         n_kv = cache.c.shape[1]
         # Keys and values are re-expanded from the cached latents (the "naive" MLA form; the
         # engines absorb kv_b into q and the output instead, which is the same product).
-        k_nope, v = self.kv_b_proj(cache.c).view(B, n_kv, nh, nope + cfg.v_head_dim).split([nope, cfg.v_head_dim], dim=-1)
+        k_nope, v = (
+            self.kv_b_proj(cache.c).view(B, n_kv, nh, nope + cfg.v_head_dim).split([nope, cfg.v_head_dim], dim=-1)
+        )
         k = torch.cat([k_nope, cache.k_pe.expand(B, n_kv, nh, rope_d)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         if mask is None:  # new queries sit after the cached positions
@@ -256,14 +262,18 @@ def _rope_parameters(raw: dict, where: str) -> dict:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     rope["rope_type"] = "yarn" if kind in ("yarn", "deepseek_yarn") else kind
     if rope["rope_type"] not in ("default", "yarn"):
-        raise ConfigError(f"{where}: rope_parameters.rope_type {kind!r} is not supported (expected 'default' or 'yarn')")
+        raise ConfigError(
+            f"{where}: rope_parameters.rope_type {kind!r} is not supported (expected 'default' or 'yarn')"
+        )
     if rope["rope_type"] == "yarn":
         for key in ("factor", "original_max_position_embeddings"):
             if rope.get(key) is None:
                 raise ConfigError(f"{where}: rope_parameters.{key} missing (required for yarn rope)")
         if rope.get("attention_factor") is not None:
             # vLLM turns yarn with attention_factor 1.0 into llama-style scaling and otherwise ignores it
-            raise ConfigError(f"{where}: rope_parameters.attention_factor is set; the engines disagree on it, so the reference refuses it")
+            raise ConfigError(
+                f"{where}: rope_parameters.attention_factor is set; the engines disagree on it, so the reference refuses it"
+            )
     return rope
 
 
@@ -277,9 +287,13 @@ def parse_mla_config(raw: dict, path: Path) -> Eagle3MLAConfig:
 
     H, nh = int(need("hidden_size")), int(need("num_attention_heads"))
     if int(raw.get("num_hidden_layers", 1)) != 1:
-        raise ConfigError(f"{where}: num_hidden_layers={raw['num_hidden_layers']}; both engines' MLA drafts have one layer")
+        raise ConfigError(
+            f"{where}: num_hidden_layers={raw['num_hidden_layers']}; both engines' MLA drafts have one layer"
+        )
     if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{where}: hidden_act {raw['hidden_act']!r}; the MLA draft's MLP is silu-gated (vLLM DeepseekV2MLP refuses others)")
+        raise ConfigError(
+            f"{where}: hidden_act {raw['hidden_act']!r}; the MLA draft's MLP is silu-gated (vLLM DeepseekV2MLP refuses others)"
+        )
     if raw.get("norm_before_fc"):
         raise ConfigError(f"{where}: norm_before_fc is true, but neither engine's MLA draft applies it")
     if raw.get("attention_bias"):

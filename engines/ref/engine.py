@@ -102,7 +102,10 @@ class RefEngine(Engine):
         draft is shared by the cases of one worker; the flags are read at run time by Eagle3Draft)."""
         s = self.settings_for(case)
         # EAGLE-3.1's fc norms carry weights: an engine can ignore them (false), not invent them (true)
-        weights = {"norm_before_fc": getattr(loaded.model, "input_norm", None), "fc_norm": getattr(loaded.model, "fc_norm", None)}
+        weights = {
+            "norm_before_fc": getattr(loaded.model, "input_norm", None),
+            "fc_norm": getattr(loaded.model, "fc_norm", None),
+        }
         for flag in OVERRIDABLE_FLAGS:
             if s[flag] and flag in weights and weights[flag] is None:
                 raise ConfigError(f"{self.spec.id}: {flag}=true, but {self.draft_path(case)} has no {flag} weights "
@@ -116,7 +119,9 @@ class RefEngine(Engine):
         if s["wiring"] is not None:
             choice = s["wiring"]
             spec_given = any(k == "wiring" for k, _ in self.spec.params)
-            where = f"--engines {self.spec.id}: wiring" if spec_given else f"{case.path}: engines.{self.spec.name}.wiring"
+            where = (
+                f"--engines {self.spec.id}: wiring" if spec_given else f"{case.path}: engines.{self.spec.name}.wiring"
+            )
         else:
             choice, where = case.wiring, f"{case.path}: wiring"
         if s["layer_ids"] is not None:
@@ -207,7 +212,9 @@ class RefEngine(Engine):
         if topk > 1 or budget != num_steps + 1:
             from engines.ref.tree import simulate_tree
 
-            stats, _ = simulate_tree(target, loaded.model, wiring.inputs, prompts, num_steps, max_new_tokens, topk, budget)
+            stats, _ = simulate_tree(
+                target, loaded.model, wiring.inputs, prompts, num_steps, max_new_tokens, topk, budget
+            )
             stats.source = f"ref tree simulation (topk {topk}, num_draft_tokens {budget}), wiring {wiring.short()}"
             return stats
         stats, _ = simulate_greedy(target, loaded.model, wiring.inputs, prompts, num_steps, max_new_tokens)
@@ -242,4 +249,3 @@ class RefEngine(Engine):
     def close(self) -> None:
         self._targets.clear()
         self._drafts.clear()
-

@@ -34,7 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random", type=int, default=16, help="random prompts when --prompts is not given (default 16)")
     p.add_argument("--length", type=int, default=48, help="length of the random prompts (default 48)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layer-ids", default=None, help="config ids to read as each engine would (default: the draft config's), e.g. 2,4,7")
+    p.add_argument(
+        "--layer-ids",
+        default=None,
+        help="config ids to read as each engine would (default: the draft config's), e.g. 2,4,7",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

@@ -40,7 +40,9 @@ class Replay:
 
 
 def _slice(out: TargetOutput, n: int) -> TargetOutput:
-    return TargetOutput(hidden=[h[:, :n] for h in out.hidden], final_norm=out.final_norm[:, :n], logits=out.logits[:, :n])
+    return TargetOutput(
+        hidden=[h[:, :n] for h in out.hidden], final_norm=out.final_norm[:, :n], logits=out.logits[:, :n]
+    )
 
 
 @torch.no_grad()

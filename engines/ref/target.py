@@ -161,7 +161,9 @@ def final_norm_module(model) -> torch.nn.Module:
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     norm = getattr(base, "norm", None)
     if norm is None:
-        raise ConfigError(f"{type(model).__name__}: no final norm at model.norm; cannot capture the pre-norm last layer")
+        raise ConfigError(
+            f"{type(model).__name__}: no final norm at model.norm; cannot capture the pre-norm last layer"
+        )
     return norm
 
 

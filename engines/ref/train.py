@@ -215,7 +215,11 @@ def train_draft(
         opt.step()
         sched.step()
         if log and (step % log_every == 0 or step == steps - 1):
-            log(f"  step {step:5d} loss {loss.item():.3f} acc/ttt-step " + " ".join(f"{a:.2f}" for a in accs) + f"  {time.time() - t0:.0f}s")
+            log(
+                f"  step {step:5d} loss {loss.item():.3f} acc/ttt-step "
+                + " ".join(f"{a:.2f}" for a in accs)
+                + f"  {time.time() - t0:.0f}s"
+            )
     draft.eval()
     return draft
 

@@ -41,7 +41,11 @@ from dataclasses import asdict, dataclass, field
 KINDS = ("sglang", "vllm")
 DEFAULT_TIMEOUT = 120.0  # seconds per HTTP request: a greedy request of a case's length, on a loaded CPU
 
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # counters that must move by exactly one request's worth when nobody else is using the server
 TRAFFIC = ("vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens")
@@ -223,7 +227,9 @@ class ServerClient:
             raise ServerError(f"{self.url}/v1/models: the server lists no model")
         m = models[0]
         metrics = parse_prometheus(self._text("/metrics"))
-        positions = sorted({int(lab["position"]) for name, lab, _ in metrics if name == PER_POS + "_total" and "position" in lab})
+        positions = sorted(
+            {int(lab["position"]) for name, lab, _ in metrics if name == PER_POS + "_total" and "position" in lab}
+        )
         has_spec = any(name.startswith("vllm:spec_decode_num_drafts") for name, _, _ in metrics)
         sources = ["GET /v1/models (served model and root)",
                    "GET /metrics (v1/spec_decode/metrics.py::SpecDecodingProm: one per-position counter per "
@@ -234,7 +240,7 @@ class ServerClient:
         spec = None
         status, raw = self._request("/server_info?config_format=json")
         if status == 200:
-            cfg = (json.loads(raw).get("vllm_config") or {})
+            cfg = json.loads(raw).get("vllm_config") or {}
             spec = cfg.get("speculative_config") if isinstance(cfg, dict) else None
             sources.append("GET /server_info (VLLM_SERVER_DEV_MODE=1: entrypoints/serve/dev/server_info/api_router.py"
                            "::show_server_info, the resolved VllmConfig)")  # fmt: skip
@@ -281,9 +287,11 @@ class ServerClient:
         out = out[0] if isinstance(out, list) else out
         meta = out.get("meta_info") or {}
         if "spec_verify_ct" not in meta:
-            raise ServerError(f"{self.url}/generate: meta_info has no spec_verify_ct: the server runs no speculative decoding")
+            raise ServerError(
+                f"{self.url}/generate: meta_info has no spec_verify_ct: the server runs no speculative decoding"
+            )
         hist = meta.get("spec_correct_drafts_histogram") or []  # hist[j]: verifies that accepted exactly j drafts
-        per_pos = [sum(int(c) for c in hist[j + 1:]) for j in range(num_steps)]
+        per_pos = [sum(int(c) for c in hist[j + 1 :]) for j in range(num_steps)]
         return RequestAcceptance(list(prompt), [int(t) for t in out.get("output_ids") or []], int(meta["spec_verify_ct"]),
                                  int(meta.get("spec_num_correct_drafts") or 0), per_pos, exact=True)  # fmt: skip
 
@@ -299,9 +307,13 @@ class ServerClient:
         choice = (out.get("choices") or [{}])[0]
         tokens = choice.get("token_ids")
         if tokens is None:
-            raise ServerError(f"{self.url}/v1/completions: no token_ids in the answer (vLLM < 0.10 lacks return_token_ids)")
+            raise ServerError(
+                f"{self.url}/v1/completions: no token_ids in the answer (vLLM < 0.10 lacks return_token_ids)"
+            )
         if SPEC_COUNTERS[0] not in after:
-            raise ServerError(f"{self.url}/metrics: no {SPEC_COUNTERS[0]} counter: the server runs no speculative decoding")
+            raise ServerError(
+                f"{self.url}/metrics: no {SPEC_COUNTERS[0]} counter: the server runs no speculative decoding"
+            )
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS + TRAFFIC}
         per_pos = [after.get(f"{PER_POS}[{j}]", 0.0) - before.get(f"{PER_POS}[{j}]", 0.0) for j in range(num_steps)]
         why = []

@@ -45,7 +45,12 @@ def ensure_server_engine() -> None:
 
 
 def server_spec_text(url: str, kind: str | None, timeout: float, model: str | None) -> str:
-    params = [f"url={url}"] + ([f"kind={kind}"] if kind else []) + [f"timeout={timeout:g}"] + ([f"model={model}"] if model else [])
+    params = (
+        [f"url={url}"]
+        + ([f"kind={kind}"] if kind else [])
+        + [f"timeout={timeout:g}"]
+        + ([f"model={model}"] if model else [])
+    )
     return f"server[{','.join(params)}]"
 
 
@@ -53,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, metavar="URL", help="http://HOST:PORT of the running server")
     p.add_argument("--case", required=True, help="the case whose target and draft the server runs (cases/NAME.yaml)")
     p.add_argument("--kind", choices=["sglang", "vllm"], default=None, help="server kind (default: detected)")
-    p.add_argument("--reference", default="ref", help="the engine that predicts (default: ref, the case's trained wiring)")
+    p.add_argument(
+        "--reference", default="ref", help="the engine that predicts (default: ref, the case's trained wiring)"
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request to the server (default 120)")
     p.add_argument("--model", default=None, help="the served model's name when it is not the case's target path")
     p.add_argument("--report-dir", default="reports")

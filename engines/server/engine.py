@@ -32,7 +32,6 @@ from engines.server.client import ServerClient, ServerError
 from engines.server.settings import SCHEMA
 
 
-
 class ServerEngine(Engine):
     SETTINGS = SCHEMA  # engines/server/settings.py: unknown or ill-typed parameters are refused by the core
 
@@ -43,7 +42,9 @@ class ServerEngine(Engine):
         try:
             self.timeout = float(spec.param("timeout", str(server_client.DEFAULT_TIMEOUT)))
         except ValueError:
-            raise ConfigError(f"--engines {spec.id}: timeout must be a number of seconds, got {spec.param('timeout')!r}") from None
+            raise ConfigError(
+                f"--engines {spec.id}: timeout must be a number of seconds, got {spec.param('timeout')!r}"
+            ) from None
         if self.timeout <= 0:
             raise ConfigError(f"--engines {spec.id}: timeout must be > 0 seconds")
         self._client: ServerClient | None = None
@@ -69,7 +70,9 @@ class ServerEngine(Engine):
                           live=True, settings=s.to_dict())  # fmt: skip
 
     def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
-        raise NotImplementedError(f"{self.spec.id}: a running server exposes no tensors (nothing is captured inside it)")
+        raise NotImplementedError(
+            f"{self.spec.id}: a running server exposes no tensors (nothing is captured inside it)"
+        )
 
     def _check_model(self, case: Case) -> None:
         """The server must serve the case's target: same path, same directory, or the same last path component."""

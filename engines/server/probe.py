@@ -50,7 +50,9 @@ def flags(settings: dict, case: Case) -> list[str]:
                 out.append(f"SGLang resolved {key} = {settings[ours]}; {launch[key]} was asked for")
     case_steps = wanted.get("speculative_num_steps") or wanted.get("num_speculative_tokens") or case.num_steps
     if steps is not None and int(case_steps) != int(steps):
-        out.append(f"the server drafts {steps} tokens per step; the case says {case_steps}: the prediction uses the server's {steps}")
+        out.append(
+            f"the server drafts {steps} tokens per step; the case says {case_steps}: the prediction uses the server's {steps}"
+        )
     tp_key = "tp_size" if kind == "sglang" else "tensor_parallel_size"  # the case's name for it (engines/*/settings.py)
     if wanted.get(tp_key) is not None and settings.get("tp") is not None and int(wanted[tp_key]) != int(settings["tp"]):
         out.append(f"the server runs tensor parallelism {settings['tp']}; the case's engines.{kind}.{tp_key} says "
@@ -116,8 +118,10 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
     numbers = ("exact: SGLang's per-request meta_info counters" if exact else
                "deltas: vLLM /metrics counters around each request (sent one at a time); a concurrent request "
                "on the server would be in them and is flagged")  # fmt: skip
-    shown = {k: settings.get(k) for k in ("kind", "url", "model", "draft_model", "algorithm", "num_steps", "topk", "num_draft_tokens",
-                                           "tp")}
+    shown = {
+        k: settings.get(k)
+        for k in ("kind", "url", "model", "draft_model", "algorithm", "num_steps", "topk", "num_draft_tokens", "tp")
+    }
     flag_lines = flags(settings, case)
     mismatched = sum(r.target_mismatches for r in replays)
     msg = [head, verdict,

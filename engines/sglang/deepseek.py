@@ -107,7 +107,9 @@ def cpu_target_overrides(target_cfg: dict) -> tuple[dict, list[str]]:
     kind = rope_type(target_cfg)
     if kind not in ("yarn", "deepseek_yarn"):
         if kind != "default":
-            raise ValueError(f"rope_type {kind!r}: SGLang's CPU path supports only (deepseek_)yarn rope for DeepSeek targets")
+            raise ValueError(
+                f"rope_type {kind!r}: SGLang's CPU path supports only (deepseek_)yarn rope for DeepSeek targets"
+            )
         rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
         theta = rope.get("rope_theta", t.get("rope_theta", 10000.0))
         max_pos = int(t.get("max_position_embeddings", 4096))

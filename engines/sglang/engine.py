@@ -172,7 +172,9 @@ class SglangEngine(Engine):
             "speculative_num_draft_tokens": s["speculative_num_draft_tokens"] or steps + 1,
             "dtype": case.dtype,
             "tp_size": s["tp_size"],
-            "mem_fraction_static": (0.3 if on_cpu else 0.5) if s["mem_fraction_static"] is None else s["mem_fraction_static"],
+            "mem_fraction_static": (0.3 if on_cpu else 0.5)
+            if s["mem_fraction_static"] is None
+            else s["mem_fraction_static"],
             "max_total_tokens": s["max_total_tokens"],
         }
         if on_cpu:
@@ -227,7 +229,9 @@ class SglangEngine(Engine):
             why = versions.unsupported_on_cpu(sglang.__version__)
             if why:
                 raise EngineUnavailable(why)
-        why = deepseek.unrunnable(_config(target, "target config"), _config(draft, "draft config"), draft, sglang.__version__)
+        why = deepseek.unrunnable(
+            _config(target, "target config"), _config(draft, "draft config"), draft, sglang.__version__
+        )
         if why:  # refused before start: SGLang's own message would not say which layers or why
             raise EngineError(why)
         self._shutdown()
@@ -316,7 +320,9 @@ class SglangEngine(Engine):
         hot, hot_source = self._hot_token_id(draft, draft_cfg)
         ex = extract(load_forwards(gathered.records), list(prompt_ids), steps, topk, hot, target_cfg["vocab_size"])
         if out["output_ids"] and out["output_ids"][0] != ex.next_token:
-            raise EngineError(f"SGLang's first output token {out['output_ids'][0]} is not the recorded prefill's argmax {ex.next_token}")
+            raise EngineError(
+                f"SGLang's first output token {out['output_ids'][0]} is not the recorded prefill's argmax {ex.next_token}"
+            )
         L = target_cfg["num_hidden_layers"]
         h = target_cfg["hidden_size"]
         planned, rule = deepseek.layers_to_capture(target_cfg, draft_cfg, self.info().versions["sglang"])
@@ -343,11 +349,16 @@ class SglangEngine(Engine):
             checkpoints={"target": target, "draft": draft},
             partial=PARTIAL + ([] if topk == 1 else ["draft.step*"]),
             # SGLang's own: which layers its hook recorded, where hot_token_id came from, its self-checks
-            extra={"captured_target_layers": ex.captured_layers, "hot_token_id_source": hot_source,
-                   "consistency": ex.checks,
-                   "tensor_parallel": {"tp_size": gathered.tp_size, "rule_verified_on": tensor_parallel.VERIFIED,
-                                       "tensors": tensor_parallel.describe(gathered.how, gathered.tp_size,
-                                                                           list(ex.tensors))}},
+            extra={
+                "captured_target_layers": ex.captured_layers,
+                "hot_token_id_source": hot_source,
+                "consistency": ex.checks,
+                "tensor_parallel": {
+                    "tp_size": gathered.tp_size,
+                    "rule_verified_on": tensor_parallel.VERIFIED,
+                    "tensors": tensor_parallel.describe(gathered.how, gathered.tp_size, list(ex.tensors)),
+                },
+            },
         )
         if gathered.tp_size > 1 and not self._tp_logged:  # once per engine: what the joins were, in the log
             self._tp_logged = True
@@ -364,7 +375,9 @@ class SglangEngine(Engine):
             with safe_open(str(f), "pt") as st:
                 if "d2t" in st.keys():
                     d2t = st.get_tensor("d2t")
-                    return d2t.long() + torch.arange(d2t.shape[0]), "draft checkpoint d2t + arange (as SGLang's load_weights)"
+                    return d2t.long() + torch.arange(
+                        d2t.shape[0]
+                    ), "draft checkpoint d2t + arange (as SGLang's load_weights)"
         n = draft_cfg.get("draft_vocab_size") or draft_cfg["vocab_size"]
         return torch.arange(n), "identity (no d2t in the draft checkpoint)"
 
@@ -374,7 +387,9 @@ class SglangEngine(Engine):
         from engines.sglang.hooks import golden_path
 
         if fc_in.dim() != 2 or fc_in.shape[0] != len(prompt_ids):
-            raise EngineError(f"sglang: golden fc_in of shape {tuple(fc_in.shape)} for a prompt of {len(prompt_ids)} tokens")
+            raise EngineError(
+                f"sglang: golden fc_in of shape {tuple(fc_in.shape)} for a prompt of {len(prompt_ids)} tokens"
+            )
         engine, settings, _, _ = self._engine_for(case)  # the engine and its hooks directory exist first
         # the same prompt was captured before: without a flush the radix cache serves its prefix and
         # the prefill runs over the last token only, so the draft would never see the golden rows
@@ -391,8 +406,10 @@ class SglangEngine(Engine):
             for golden in goldens:
                 golden.unlink(missing_ok=True)
         if unused:
-            raise EngineError(f"sglang: the golden fc input was never consumed on rank(s) {unused} "
-                              "(no target forward reached the hook)")
+            raise EngineError(
+                f"sglang: the golden fc input was never consumed on rank(s) {unused} "
+                "(no target forward reached the hook)"
+            )
         return capture
 
     def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:

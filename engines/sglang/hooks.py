@@ -203,14 +203,18 @@ def golden_hook(config: dict):
         os.remove(path)
         if isinstance(aux, torch.Tensor):  # packed [tokens, K * H]
             if aux.shape[0] < n or aux.shape[-1] != width:
-                raise RuntimeError(f"difftest golden input {tuple(golden.shape)} does not fit the aux states {tuple(aux.shape)}")
+                raise RuntimeError(
+                    f"difftest golden input {tuple(golden.shape)} does not fit the aux states {tuple(aux.shape)}"
+                )
             aux = aux.clone()
             aux[:n] = golden.to(aux.device, aux.dtype)
         else:
             chunks = golden.split(normed.shape[-1], dim=-1)
             if len(chunks) != len(aux) or any(a.shape[0] < n for a in aux):
-                raise RuntimeError(f"difftest golden input {tuple(golden.shape)} does not fit {len(aux)} aux states "
-                                   f"{[tuple(a.shape) for a in aux]} ({type(aux).__name__}), normed {tuple(normed.shape)}")
+                raise RuntimeError(
+                    f"difftest golden input {tuple(golden.shape)} does not fit {len(aux)} aux states "
+                    f"{[tuple(a.shape) for a in aux]} ({type(aux).__name__}), normed {tuple(normed.shape)}"
+                )
             new = []
             for a, c in zip(aux, chunks):
                 a = a.clone()
@@ -231,7 +235,11 @@ def hook_specs(out_dir: str) -> list[dict]:
     return [
         spec("embed", ["model.embed_tokens"], "embed_hook"),
         spec("fc", ["model.fc"], "fc_hook"),
-        spec("layer0", ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn", "model.layers.0.mlp"], "layer0_hook"),
+        spec(
+            "layer0",
+            ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn", "model.layers.0.mlp"],
+            "layer0_hook",
+        ),
         # the MLA draft (kimi_k25_eagle3.py: Eagle3MLAModel.midlayer, DeepseekV2AttentionMLA, DeepseekV2MLP)
         spec("layer0-mla", ["model.midlayer.self_attn", "model.midlayer.mlp"], "layer0_hook"),
         spec("attn-in-mla", ["model.midlayer.self_attn.fused_qkv_a_proj_with_mqa"], "attn_in_hook"),

@@ -63,7 +63,8 @@ def scatter_to_target(logits: torch.Tensor, hot_token_id: torch.Tensor, vocab_si
         # (vocab_parallel_embedding: "index out of range"): say why before it does
         raise EngineError(
             f"the draft's d2t maps draft id {bad} to target id {int(ids[bad])} (hot_token_id = d2t + arange), past "
-            f"the target vocabulary of {vocab_size}: d2t holds absolute ids where SGLang adds offsets")
+            f"the target vocabulary of {vocab_size}: d2t holds absolute ids where SGLang adds offsets"
+        )
     full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
     full[..., ids] = logits
     return full
@@ -107,16 +108,21 @@ def extract(forwards: list[Forward], prompt_ids: list[int], num_steps: int, topk
 
     # -- draft step 0: fc over every prompt position (draft-extend after the prefill) ---
     later = forwards[i_t + 1 :]
-    i_d = next((i for i, f in enumerate(later) if f.role == "draft" and f.model.get("fc_applied") and f.rows == n), None)
+    i_d = next(
+        (i for i, f in enumerate(later) if f.role == "draft" and f.model.get("fc_applied") and f.rows == n), None
+    )
     if i_d is None:
-        unfused = next((f for f in later if f.role == "draft" and f.rows == n and f.model.get("fc_applied") is False), None)
+        unfused = next(
+            (f for f in later if f.role == "draft" and f.rows == n and f.model.get("fc_applied") is False), None
+        )
         if unfused is not None and aux:
             # sglang/srt/models/llama_eagle3.py::LlamaModel.forward applies fc only when the hidden states are
             # not already the draft's width: one captured layer is, so the draft runs on it without fc
             raise EngineError(
                 f"SGLang ran its draft without fc: it captured {len(aux)} layer(s) ({', '.join(f'h{k}' for k in captured)}), "
                 f"{len(aux) * aux[0].shape[-1]} wide, the draft's hidden size, so LlamaModel.forward skipped fc and "
-                "fed that hidden state to the draft as is (fc never ran), with no error")
+                "fed that hidden state to the draft as is (fc never ran), with no error"
+            )
         raise EngineError("no draft forward over the prompt positions after the target prefill (fc never ran)")
     drf = later[i_d]
     want_ids = torch.tensor(prompt_ids[1:] + [next_token])

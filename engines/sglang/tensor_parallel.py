@@ -141,7 +141,9 @@ def gather(out_dir: str) -> Gathered:
                               f"({_kinds(recs)}), rank 0 {len(per_rank[0])} ({_kinds(per_rank[0])}): "
                               "the ranks did not run the same forwards")  # fmt: skip
     how: dict = {}
-    merged = [(kind, _merge(i, kind, [recs[i][1] for recs in per_rank], how)) for i, (kind, _) in enumerate(per_rank[0])]
+    merged = [
+        (kind, _merge(i, kind, [recs[i][1] for recs in per_rank], how)) for i, (kind, _) in enumerate(per_rank[0])
+    ]
     return Gathered(merged, n, how)
 
 
@@ -156,7 +158,9 @@ def _merge(i: int, kind: str, recs: list[dict], how: dict) -> dict:
         if field in PER_RANK:
             continue
         values = [rec.get(field) for rec in recs]
-        tensors = isinstance(value, torch.Tensor) or (isinstance(value, list) and value and isinstance(value[0], torch.Tensor))
+        tensors = isinstance(value, torch.Tensor) or (
+            isinstance(value, list) and value and isinstance(value[0], torch.Tensor)
+        )
         if not tensors:
             for r, v in enumerate(values[1:], 1):
                 if v != value:
@@ -171,7 +175,9 @@ def _merge(i: int, kind: str, recs: list[dict], how: dict) -> dict:
                               "engines/sglang/tensor_parallel.py RULES")  # fmt: skip
         how[(kind, field, rule.when)] = rule
         if isinstance(value, list):
-            out[field] = [_join(rule, i, f"{kind}.{field}[{j}]", [v[j] for v in values], None) for j in range(len(value))]
+            out[field] = [
+                _join(rule, i, f"{kind}.{field}[{j}]", [v[j] for v in values], None) for j in range(len(value))
+            ]
         else:
             out[field] = _join(rule, i, f"{kind}.{field}", values, recs[0].get("vocab_size"))
     return out

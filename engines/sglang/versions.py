@@ -15,7 +15,11 @@ import re
 
 # What the adapter itself must know per release (the rules engines apply to a draft, which
 # layers reach fc and which flags are read, are difftest.engine_releases: one copy, cited there).
-CPU_DRAFT_DECODE_SEQ_LENS_FIXED = (0, 5, 19)  # layers/attention/intel_amx_backend.py::IntelAMXAttnBackend.forward_decode:
+CPU_DRAFT_DECODE_SEQ_LENS_FIXED = (
+    0,
+    5,
+    19,
+)  # layers/attention/intel_amx_backend.py::IntelAMXAttnBackend.forward_decode:
 #   0.5.16-0.5.18 overwrite the draft-decode seq_lens (IntelAMXMultiStepDraftBackend's expanded lengths,
 #   prefix + step + 1) with forward_batch.seq_lens right after choosing them, so every draft-decode step
 #   attends over the committed prefix only (its own and earlier draft tokens' k/v unseen)

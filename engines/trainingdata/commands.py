@@ -35,7 +35,6 @@ def _model(ref: str) -> str:
     return str(Path(ref).resolve())
 
 
-
 def _layer_ids(text: str | None) -> list[int] | None:
     """--layer-ids 2,4,7 (or 2+4+7): whole numbers, refused in one line otherwise."""
     if not text:
@@ -43,7 +42,9 @@ def _layer_ids(text: str | None) -> list[int] | None:
     try:
         return [int(x) for x in text.replace("+", ",").split(",")]
     except ValueError:
-        raise ConfigError(f"--layer-ids: expected whole numbers separated by commas (e.g. 2,4,7), got {text!r}") from None
+        raise ConfigError(
+            f"--layer-ids: expected whole numbers separated by commas (e.g. 2,4,7), got {text!r}"
+        ) from None
 
 
 def train_acc(args) -> int:
@@ -85,7 +86,9 @@ def train_acc(args) -> int:
             ident = engine.identification(case, s, dump, w)
             if wiring is None:
                 hs = f"; hidden states from {hidden_states}" if hidden_states else ""
-                print(f"training data: {data} ({dump.format}, {len(dump.samples)} samples, {len(dump.skipped)} skipped{hs})")
+                print(
+                    f"training data: {data} ({dump.format}, {len(dump.samples)} samples, {len(dump.skipped)} skipped{hs})"
+                )
                 for line in dump.skipped:
                     print(f"  skipped: {line}")
                 print(ident.summary())
@@ -110,15 +113,23 @@ def train_acc(args) -> int:
     # the trainer's own figure for full_acc (speculators full_acc_k, SpecForge acc_k) and the accept
     # length it predicts, converted by its definition (difftest.definitions)
     figure = (definitions.trainer_figures(rules_name) or ("speculators.full_acc",))[0]
-    print(f"{'wiring'.ljust(width)}  {'fc'.ljust(18)}  full_acc (ttt 0..{len(rows[0]['counted']) - 1})   cond_acc   predicted AL")
+    print(
+        f"{'wiring'.ljust(width)}  {'fc'.ljust(18)}  full_acc (ttt 0..{len(rows[0]['counted']) - 1})   cond_acc   predicted AL"
+    )
     for r in rows:
         fc = "[" + ", ".join(r["fc"]) + "]"
         full = " ".join(f"{a:.3f}" for a in r["full_acc"])
         cond = " ".join(f"{a:.3f}" for a in r["cond_acc"])
-        r["predicted_accept_length"] = predicted = normalise(figure, steps=[0.0 if a != a else a for a in r["full_acc"]])
+        r["predicted_accept_length"] = predicted = normalise(
+            figure, steps=[0.0 if a != a else a for a in r["full_acc"]]
+        )
         print(f"{r['wiring'].ljust(width)}  {fc.ljust(18)}  {full}   {cond}   {predicted:.2f}")
-    print(f"({rows[0]['counted'][0]} loss-masked positions at step 0; targets = argmax of the dumped verifier's logits)")
-    print(f"correct {rows[0]['correct']} of {rows[0]['counted']}; cond {rows[0]['cond_correct']} of {rows[0]['cond_counted']}")
+    print(
+        f"({rows[0]['counted'][0]} loss-masked positions at step 0; targets = argmax of the dumped verifier's logits)"
+    )
+    print(
+        f"correct {rows[0]['correct']} of {rows[0]['counted']}; cond {rows[0]['cond_correct']} of {rows[0]['cond_counted']}"
+    )
     print(precision.line(rows[0]["near_ties"]))
     packed = packing_line(StepCounts.from_dict(rows[0]))
     if packed:
@@ -167,24 +178,57 @@ def dump(args) -> int:
 def train_acc_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--data", required=True, help="training data directory (speculators, legacy .pt or SpecForge .ckpt)")
     t.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
-    t.add_argument("--target", required=True, help="target checkpoint or fixture:NAME (its lm_head/norm make the targets)")
-    t.add_argument("--hidden-states", default=None, metavar="DIR",
-                   help="the speculators hs_*.safetensors folder when it is not DATA/hidden_states "
-                   "(generate-offline-data --output, the trainer's --hidden-states-path)")
+    t.add_argument(
+        "--target", required=True, help="target checkpoint or fixture:NAME (its lm_head/norm make the targets)"
+    )
+    t.add_argument(
+        "--hidden-states",
+        default=None,
+        metavar="DIR",
+        help="the speculators hs_*.safetensors folder when it is not DATA/hidden_states "
+        "(generate-offline-data --output, the trainer's --hidden-states-path)",
+    )
     t.add_argument("--format", default="auto", help="speculators | speculators-legacy | specforge | auto")
-    t.add_argument("--identify", default="target", choices=["target", "stats"], help="identify dumped layers by a target run or by statistics")
-    t.add_argument("--wiring", action="append", default=[], help="an engine wiring to compare (preset or h2+h4+h7); repeatable")
+    t.add_argument(
+        "--identify",
+        default="target",
+        choices=["target", "stats"],
+        help="identify dumped layers by a target run or by statistics",
+    )
+    t.add_argument(
+        "--wiring", action="append", default=[], help="an engine wiring to compare (preset or h2+h4+h7); repeatable"
+    )
     t.add_argument("--layer-ids", default=None, help="ids the presets read (default: the draft config's), e.g. 2,4,7")
-    t.add_argument("--ttt-steps", type=int, default=None, help="TTT unroll depth (default: the trainer's, 3 speculators / 7 SpecForge)")
-    t.add_argument("--max-len", type=int, default=None, help="truncate samples as the trainer does (default: the trainer's)")
-    t.add_argument("--trainer", default=None, help="rules to score with: speculators@VERSION | specforge@VERSION "
-                   "(default: the draft config's speculators_version, else by data format)")
-    t.add_argument("--split", default="all", choices=["all", "train", "val"],
-                   help="score all samples, or the trainer's training / validation split (speculators: rows "
-                   "[int(N*ratio), N) are validation); refused when the data cannot reproduce it")
-    t.add_argument("--train-data-ratio", type=float, default=None, metavar="R",
-                   help="the trainer's --train-data-ratio for --split (default: the run.yaml `speculators train` saved "
-                   "beside the draft; speculators' own default is 0.9)")
+    t.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=None,
+        help="TTT unroll depth (default: the trainer's, 3 speculators / 7 SpecForge)",
+    )
+    t.add_argument(
+        "--max-len", type=int, default=None, help="truncate samples as the trainer does (default: the trainer's)"
+    )
+    t.add_argument(
+        "--trainer",
+        default=None,
+        help="rules to score with: speculators@VERSION | specforge@VERSION "
+        "(default: the draft config's speculators_version, else by data format)",
+    )
+    t.add_argument(
+        "--split",
+        default="all",
+        choices=["all", "train", "val"],
+        help="score all samples, or the trainer's training / validation split (speculators: rows "
+        "[int(N*ratio), N) are validation); refused when the data cannot reproduce it",
+    )
+    t.add_argument(
+        "--train-data-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="the trainer's --train-data-ratio for --split (default: the run.yaml `speculators train` saved "
+        "beside the draft; speculators' own default is 0.9)",
+    )
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--json", default=None, help="also write the table as JSON here")
 
@@ -198,7 +242,9 @@ def dump_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--random", type=int, default=0, help="also dump N random prompts")
     d.add_argument("--length", type=int, default=12, help="length of the random prompts")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--continue", dest="continue_tokens", type=int, default=8, help="greedy continuation tokens (loss-masked)")
+    d.add_argument(
+        "--continue", dest="continue_tokens", type=int, default=8, help="greedy continuation tokens (loss-masked)"
+    )
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 

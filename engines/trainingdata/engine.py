@@ -150,7 +150,9 @@ class TrainingDataEngine(Engine):
             for line in d.skipped:
                 print(f"train data: {line}", file=sys.stderr)
             if not d.samples:
-                raise ConfigError(f"{s['data']}: no usable sample ({len(d.skipped)} skipped); first: {d.skipped[0] if d.skipped else '-'}")
+                raise ConfigError(
+                    f"{s['data']}: no usable sample ({len(d.skipped)} skipped); first: {d.skipped[0] if d.skipped else '-'}"
+                )
             self._dumps[key] = d
         return self._dumps[key]
 
@@ -173,7 +175,9 @@ class TrainingDataEngine(Engine):
     def draft(self, case: Case, w: dict) -> LoadedDraft:
         key = (case.draft, case.target, case.dtype)
         if key not in self._drafts:
-            self._drafts[key] = load_draft(case.draft, target_embed=w["embed"], target_lm_head=w["lm_head"], dtype=DTYPES[case.dtype])
+            self._drafts[key] = load_draft(
+                case.draft, target_embed=w["embed"], target_lm_head=w["lm_head"], dtype=DTYPES[case.dtype]
+            )
         return self._drafts[key]
 
     def identification(self, case: Case, s: dict, dump: Dump, w: dict) -> Identification:
@@ -199,11 +203,17 @@ class TrainingDataEngine(Engine):
         ids = case.layer_ids if case.layer_ids is not None else loaded.config.layer_ids
         return list(resolve(s["wiring"], L, ids, where=f"{self.spec.id}: wiring").inputs)
 
-    def fc_for(self, case: Case, s: dict, sample: Sample, ident: Identification, loaded: LoadedDraft) -> tuple[torch.Tensor, list[str], str]:
+    def fc_for(
+        self, case: Case, s: dict, sample: Sample, ident: Identification, loaded: LoadedDraft
+    ) -> tuple[torch.Tensor, list[str], str]:
         """(fc_in [seq, A*H], input names, source): the trainer's, or the `wiring` setting composed from the dump."""
         if not s.get("wiring"):
             names = [n or f"dump[{j}]" for j, n in enumerate(ident.fc_names)]
-            return sample.fc_in, names, f"training data ({s['format']}): the trainer's fc, tensors 0..{sample.fc_count - 1}"
+            return (
+                sample.fc_in,
+                names,
+                f"training data ({s['format']}): the trainer's fc, tensors 0..{sample.fc_count - 1}",
+            )
         inputs = self.engine_wiring(case, s, ident, loaded)
         by_name = {t.name: sample.tensors[t.position] for t in ident.tensors if t.name}
         parts, from_target = [], []
@@ -213,7 +223,9 @@ class TrainingDataEngine(Engine):
                 parts.append(by_name[name])
                 continue
             if s["identify"] != "target":
-                raise ConfigError(f"{self.spec.id}: wiring needs {short_name(name)}, which the dump does not hold (dumped: {ident.summary()})")
+                raise ConfigError(
+                    f"{self.spec.id}: wiring needs {short_name(name)}, which the dump does not hold (dumped: {ident.summary()})"
+                )
             res = res or run_target(self.target(case), sample.input_ids[None])
             parts.append(gather_fc_in(res, [name])[0])
             from_target.append(short_name(name))
@@ -224,13 +236,17 @@ class TrainingDataEngine(Engine):
 
     def split(self, case: Case, s: dict, dump: Dump) -> Split:
         """The samples scored: all, or the trainer's train / validation split (engines.trainingdata.split)."""
-        return choose_split(dump, s.get("split") or "all", s.get("train_data_ratio"), case.draft, where=f"{self.spec.id}: split")
+        return choose_split(
+            dump, s.get("split") or "all", s.get("train_data_ratio"), case.draft, where=f"{self.spec.id}: split"
+        )
 
     def precision(self, case: Case) -> Precision:
         """The draft's stored precision against the scoring dtype (engines.trainingdata.precision)."""
         return draft_precision(case.draft, case.dtype)
 
-    def accuracy(self, case: Case, s: dict, dump: Dump, ident: Identification, loaded: LoadedDraft, head: VerifierHead) -> StepCounts:
+    def accuracy(
+        self, case: Case, s: dict, dump: Dump, ident: Identification, loaded: LoadedDraft, head: VerifierHead
+    ) -> StepCounts:
         rules, _ = self.rules(case, s, dump)
         steps = s.get("ttt_steps") or rules.default_ttt_steps
         max_len = s.get("max_len") or rules.default_max_len
@@ -276,7 +292,10 @@ class TrainingDataEngine(Engine):
         if len(sample) > n:
             next_token, next_src = int(sample.input_ids[n]), "the data's next token"
         elif s["identify"] == "target":
-            next_token, next_src = int(run_target(self.target(case), sample.input_ids[None]).logits[0, -1].argmax()), "target greedy"
+            next_token, next_src = (
+                int(run_target(self.target(case), sample.input_ids[None]).logits[0, -1].argmax()),
+                "target greedy",
+            )
         else:
             next_token = int(head.logits(sample.verifier[-1:], self.rules(case, s, dump)[0])[0].argmax())
             next_src = "the verifier tensor's lm_head top-1"
@@ -301,21 +320,30 @@ class TrainingDataEngine(Engine):
             wiring=FcWiring(list(inputs), source, ident.verifier.name),
             # only the dumped tensors exist here; the reference's other target tensors are not missing by mistake
             partial=[TARGET_PREFIX + "*"],
-            extra={"next_token_source": next_src, "train_data": {
-                "path": s["data"],
-                "format": dump.format,
-                "sample": sample.source,
-                "samples": len(dump.samples),
-                "skipped": len(dump.skipped),
-                "skipped_lines": dump.skipped[:20],
-                "notes": dump.notes,
-                "identification": ident.to_dict(),
+            extra={
+                "next_token_source": next_src,
+                "train_data": {
+                    "path": s["data"],
+                    "format": dump.format,
+                    "sample": sample.source,
+                    "samples": len(dump.samples),
+                    "skipped": len(dump.skipped),
+                    "skipped_lines": dump.skipped[:20],
+                    "notes": dump.notes,
+                    "identification": ident.to_dict(),
+                },
+                "train_accuracy": {
+                    "rules": rules.name,
+                    "trainer": trainer_how,
+                    "ttt_steps": len(acc.counted),
+                    "attention": describe_attention(cfg, rules),
+                    "split": self.split(case, s, dump).describe(),
+                    "precision": self.precision(case).line(acc.near_ties),
+                    "max_len": s.get("max_len") or rules.default_max_len,
+                    "wiring": inputs,
+                    **acc.to_dict(),
+                },
             },
-            "train_accuracy": {"rules": rules.name, "trainer": trainer_how, "ttt_steps": len(acc.counted),
-                               "attention": describe_attention(cfg, rules),
-                               "split": self.split(case, s, dump).describe(),
-                               "precision": self.precision(case).line(acc.near_ties),
-                               "max_len": s.get("max_len") or rules.default_max_len, "wiring": inputs, **acc.to_dict()}},
         )
         return Capture(tensors, meta)
 

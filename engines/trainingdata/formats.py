@@ -165,8 +165,10 @@ def _torch_load(path: Path) -> dict:
         else:
             data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # torch's text advises weights_only=False, which would run the pickle
-        raise SampleError(f"{path}: refused: not a plain-tensor file (it holds objects other than tensors, "
-                          "which difftest never unpickles)") from None
+        raise SampleError(
+            f"{path}: refused: not a plain-tensor file (it holds objects other than tensors, "
+            "which difftest never unpickles)"
+        ) from None
     except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError, gzip BadGzipFile/EOFError
         raise SampleError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
     if not isinstance(data, dict):
@@ -206,7 +208,9 @@ def _hidden(t, name: str, seq: int, path: Path) -> torch.Tensor:
     if t.dtype not in FLOAT_DTYPES:
         raise SampleError(f"{path}: {name}: dtype {t.dtype}, expected a floating-point hidden state")
     if t.shape[0] != seq:
-        raise SampleError(f"{path}: {name}: {t.shape[0]} positions, but input_ids has {seq} (truncated or mismatched dump)")
+        raise SampleError(
+            f"{path}: {name}: {t.shape[0]} positions, but input_ids has {seq} (truncated or mismatched dump)"
+        )
     bad = int((~torch.isfinite(t)).sum())
     if bad:
         raise SampleError(f"{path}: {name}: {bad} NaN/Inf values")
@@ -301,7 +305,10 @@ def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str], int | None]:
 
 def is_arrow_dataset(path: Path) -> bool:
     """A save_to_disk folder (or a DatasetDict's, which _arrow_files refuses naming its splits)."""
-    return any((path / n).is_file() for n in ("state.json", "dataset_dict.json")) or next(path.glob("*.arrow"), None) is not None
+    return (
+        any((path / n).is_file() for n in ("state.json", "dataset_dict.json"))
+        or next(path.glob("*.arrow"), None) is not None
+    )
 
 
 def _arrow_files(path: Path) -> list[Path]:
@@ -311,7 +318,9 @@ def _arrow_files(path: Path) -> list[Path]:
             splits = ", ".join(str(x) for x in json.loads(dict_file.read_text()).get("splits", []))
         except (ValueError, AttributeError):
             splits = "?"
-        raise ConfigError(f"{path}: is a dataset dictionary (splits: {splits}); give one split's folder, e.g. {path}/train")
+        raise ConfigError(
+            f"{path}: is a dataset dictionary (splits: {splits}); give one split's folder, e.g. {path}/train"
+        )
     state_file = path / "state.json"
     if not state_file.is_file():  # no state.json: the shards by name (zero-padded, so name order is shard order)
         return sorted(path.glob("*.arrow"))
@@ -417,7 +426,9 @@ def describe_dataset_part(path: Path) -> str | None:
         return "a speculators arrow dataset (state.json / *.arrow)"
 
 
-def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hidden_states: str | Path | None = None) -> Dump:
+def read_dump(
+    path: str | Path, fmt: str = "auto", limit: int | None = None, hidden_states: str | Path | None = None
+) -> Dump:
     """hidden_states: the speculators hs_*.safetensors folder when it is not PATH/hidden_states."""
     path = Path(path)
     if not path.is_dir():
@@ -427,7 +438,9 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hid
         raise ConfigError(f"hidden_states={hs_dir}: directory not found")
     fmt = detect_format(path, hs_dir) if fmt in ("auto", None, "") else fmt
     if hs_dir is not None and fmt != "speculators":
-        raise ConfigError(f"hidden_states={hs_dir}: only the speculators format keeps hidden states apart from the dataset (format {fmt})")
+        raise ConfigError(
+            f"hidden_states={hs_dir}: only the speculators format keeps hidden states apart from the dataset (format {fmt})"
+        )
     if fmt not in FORMATS:
         raise ConfigError(f"training data format {fmt!r}: expected one of {', '.join(FORMATS)} or auto")
     samples: list[Sample] = []
@@ -452,7 +465,9 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hid
             hs = _field(data, "hidden_states", p)
             if not isinstance(hs, (list, tuple)) or len(hs) < 2:
                 raise SampleError(f"{p}: hidden_states: expected a list of at least 2 [seq, H] tensors")
-            tensors = [_hidden(t[0] if t.dim() == 3 else t, f"hidden_states[{j}]", len(ids), p) for j, t in enumerate(hs)]
+            tensors = [
+                _hidden(t[0] if t.dim() == 3 else t, f"hidden_states[{j}]", len(ids), p) for j, t in enumerate(hs)
+            ]
             mask = _mask(_field(data, "loss_mask", p), len(ids), p)
             return Sample(n, str(p), ids, mask, tensors, len(tensors) - 1)
     else:
@@ -469,7 +484,9 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hid
             last = _hidden(last, "hidden_state", len(ids), p)
             H = last.shape[-1]
             if aux.shape[-1] % H:
-                raise SampleError(f"{p}: aux_hidden_state: width {aux.shape[-1]} is not a multiple of hidden_state's {H}")
+                raise SampleError(
+                    f"{p}: aux_hidden_state: width {aux.shape[-1]} is not a multiple of hidden_state's {H}"
+                )
             chunks = list(aux.split(H, dim=-1))
             mask = _mask(_field(data, "loss_mask", p), len(ids), p)
             return Sample(n, str(p), ids, mask, chunks + [last], len(chunks))
@@ -477,8 +494,14 @@ def read_dump(path: str | Path, fmt: str = "auto", limit: int | None = None, hid
     if not files and fmt == "speculators":
         where = hs_dir or path / "hidden_states"
         given = "hidden_states=DIR (train-acc: --hidden-states DIR)"
-        raise ConfigError(f"{where}: no hs_*.safetensors files (the speculators hidden states); "
-                          + (f"check the folder given as {given}" if hs_dir else f"if they are elsewhere, give their folder with {given}"))
+        raise ConfigError(
+            f"{where}: no hs_*.safetensors files (the speculators hidden states); "
+            + (
+                f"check the folder given as {given}"
+                if hs_dir
+                else f"if they are elsewhere, give their folder with {given}"
+            )
+        )
     if not files:
         raise ConfigError(f"{path}: no {fmt} sample files found")
     read_ok: list[tuple[int, Path, Sample]] = []

@@ -77,7 +77,11 @@ class Identification:
         elif final is True:
             tag = " (the final layer)"
         elif final is False:
-            tag = " (not the final layer" + (f"; the target has {self.num_layers} layers" if self.num_layers else "") + ")"
+            tag = (
+                " (not the final layer"
+                + (f"; the target has {self.num_layers} layers" if self.num_layers else "")
+                + ")"
+            )
         else:
             tag = ""
         text = (
@@ -126,9 +130,7 @@ def identify_against_target(
 ) -> Identification:
     out = []
     for j, t in enumerate(dumped):
-        scored = sorted(
-            (_rel_err(t, r), name) for name, r in reference.items() if tuple(r.shape) == tuple(t.shape)
-        )
+        scored = sorted((_rel_err(t, r), name) for name, r in reference.items() if tuple(r.shape) == tuple(t.shape))
         if not scored:
             out.append(TensorIdentity(j, None, note=f"no reference tensor of shape {list(t.shape)}", norm=_row_norm(t)))
             continue
@@ -196,7 +198,9 @@ def identify_by_statistics(
         notes.append(f"norms do not grow along the list ({shown}): the tensors are not in depth order")
     smallest = order[0]
     if embed is None and smallest < fc_count:
-        notes.append(f"tensor {smallest} has the smallest norm ({norms[smallest]:.3g}): the embedding, if any, is there")
+        notes.append(
+            f"tensor {smallest} has the smallest norm ({norms[smallest]:.3g}): the embedding, if any, is there"
+        )
     ident = Identification(out, fc_count, "statistics", None, notes)
     v = ident.verifier
     if v.top1_next is not None:
@@ -205,6 +209,7 @@ def identify_by_statistics(
             notes.append(
                 f"verifier (tensor {fc_count}) lm_head(norm(x)) top-1 agrees with the data's next tokens on "
                 f"{v.top1_next:.2f} of loss-masked positions; the final layer agrees on ~1.0 of model-generated text: "
-                "not the final layer" + (f" (best: tensor {best}, {out[best].top1_next:.2f})" if best != fc_count else "")
+                "not the final layer"
+                + (f" (best: tensor {best}, {out[best].top1_next:.2f})" if best != fc_count else "")
             )
     return ident

@@ -57,8 +57,10 @@ class Precision:
             compute = (f"; the trainer validated under {self.trainer_compute} autocast (run.yaml hidden_states_dtype), "
                        "a difference this bound does not cover")  # fmt: skip
         if self.resolution is None:
-            return f"precision: weights stored in {NAMES[self.stored]}, scored in {self.scored}: no rounding between these counts " \
-                   f"and float32 master weights{compute}"
+            return (
+                f"precision: weights stored in {NAMES[self.stored]}, scored in {self.scored}: no rounding between these counts "
+                f"and float32 master weights{compute}"
+            )
         why = f"weights stored in {NAMES[self.stored]}"
         if self.stored == "BF16":
             why += " (speculators saves bf16 checkpoints; its logged validation used the float32 master weights)"

@@ -84,7 +84,9 @@ def choose_split(dump: Dump, split: str, ratio: float | None, draft: str | Path,
     if split not in SPLITS:
         raise ConfigError(f"{where}: {split!r}: expected one of {', '.join(SPLITS)}")
     if split == "all":
-        return Split("all", 0, dump.dataset_rows or len(dump.samples), dump.dataset_rows or len(dump.samples), ratio, "")
+        return Split(
+            "all", 0, dump.dataset_rows or len(dump.samples), dump.dataset_rows or len(dump.samples), ratio, ""
+        )
     if dump.format != "speculators":
         raise ConfigError(f"{where}={split}: only speculators data has a trainer split to reproduce (this data is {dump.format}; "
                           "SpecForge evaluates on its own folder, data.eval_hidden_states_path); score that folder whole (split=all)")  # fmt: skip
@@ -102,7 +104,9 @@ def choose_split(dump: Dump, split: str, ratio: float | None, draft: str | Path,
                               f"(train_data_ratio=...; speculators' default {SPECULATORS_DEFAULT_RATIO})")  # fmt: skip
         ratio, source = found
     if not 0.0 < ratio < 1.0:  # train/dataloader.py::create_train_val_loaders refuses the same
-        raise ConfigError(f"{where}={split}: train_data_ratio {ratio:g} (from {source}): speculators needs 0 < ratio < 1")
+        raise ConfigError(
+            f"{where}={split}: train_data_ratio {ratio:g} (from {source}): speculators needs 0 < ratio < 1"
+        )
     n = dump.dataset_rows
     split_idx = int(n * ratio)  # train/data.py::ArrowDataset, the one expression both splits use
     start, stop = (0, split_idx) if split == "train" else (split_idx, n)

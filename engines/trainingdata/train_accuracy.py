@@ -86,7 +86,11 @@ RULES = {
     "speculators-legacy": SPECULATORS_BEFORE_0_7,
     "specforge": SPECFORGE,
 }
-DEFAULT_TRAINER = {"speculators": "speculators@0.9", "speculators-legacy": "speculators@0.6", "specforge": "specforge@0.2"}
+DEFAULT_TRAINER = {
+    "speculators": "speculators@0.9",
+    "speculators-legacy": "speculators@0.6",
+    "specforge": "specforge@0.2",
+}
 
 
 # The releases these rules were read from (the module docstring): speculators v0.3.x to 0.9.0 (the
@@ -99,8 +103,13 @@ _VERSION = re.compile(r"v?(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.-]?(?:a|b|rc|post|de
 
 def covered_ranges() -> str:
     """'speculators 0.3 to 0.9.x, specforge 0.2.x': what a refusal names."""
+
     def one(name: str, first: tuple[int, int], last: tuple[int, int]) -> str:
-        return f"{name} {first[0]}.{first[1]}.x" if first == last else f"{name} {first[0]}.{first[1]} to {last[0]}.{last[1]}.x"
+        return (
+            f"{name} {first[0]}.{first[1]}.x"
+            if first == last
+            else f"{name} {first[0]}.{first[1]} to {last[0]}.{last[1]}.x"
+        )
 
     return ", ".join(one(name, *span) for name, span in COVERED.items())
 
@@ -126,7 +135,9 @@ def rules_for(trainer: str, where: str = "trainer") -> TrainerRules:
     A version outside COVERED is refused, naming the covered ranges."""
     name, at, version = trainer.strip().partition("@")
     if at and not version.strip():
-        raise ConfigError(f"{where}: {trainer!r} has an empty version; expected e.g. {name}@0.9, or {name} alone for its latest covered")
+        raise ConfigError(
+            f"{where}: {trainer!r} has an empty version; expected e.g. {name}@0.9, or {name} alone for its latest covered"
+        )
     if name == "speculators":
         v = _covered(name, version or "0.9", where)
         if v >= (0, 7):
@@ -189,8 +200,17 @@ class StepCounts:
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepCounts":
-        return cls(d["correct"], d["counted"], d["cond_correct"], d["cond_counted"], d.get("samples", 0), d.get("near_ties", []),
-                   d.get("packed_cond_extra", []), d.get("packed_cond_extra_max", []), d.get("lead_masked", []))
+        return cls(
+            d["correct"],
+            d["counted"],
+            d["cond_correct"],
+            d["cond_counted"],
+            d.get("samples", 0),
+            d.get("near_ties", []),
+            d.get("packed_cond_extra", []),
+            d.get("packed_cond_extra_max", []),
+            d.get("lead_masked", []),
+        )
 
     def short(self) -> str:
         f = " ".join(f"{a:.3f}" for a in self.full_acc)
@@ -218,7 +238,9 @@ class VerifierHead:
         return x.float() @ self.lm_head.float().T
 
     @torch.no_grad()
-    def targets(self, verifier: torch.Tensor, d2t: torch.Tensor, rules: TrainerRules) -> tuple[torch.Tensor, torch.Tensor]:
+    def targets(
+        self, verifier: torch.Tensor, d2t: torch.Tensor, rules: TrainerRules
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """verifier [N, H] -> (T [N] draft ids: argmax over the draft vocab's rows, in_vocab [N] bool)."""
         logits = self.logits(verifier, rules)  # [N, V]
         cols = torch.arange(d2t.shape[0]) + d2t.cpu()  # draft id d -> target id d + d2t[d]
@@ -319,7 +341,9 @@ def describe_attention(cfg, rules: TrainerRules) -> str:
     if window is not None:
         return f"sliding window {window} (the draft config's layer_types[0] = sliding_attention, as {rules.name} applies it)"
     if recorded is not None:
-        return f"full causal (the draft config records a sliding window of {recorded}, which {rules.name} does not apply)"
+        return (
+            f"full causal (the draft config records a sliding window of {recorded}, which {rules.name} does not apply)"
+        )
     return "full causal (the draft config records no sliding window)"
 
 
@@ -361,7 +385,9 @@ def sample_accuracy(
     largest |logit| (StepCounts.near_ties; engines.trainingdata.precision)."""
     if input_ids.shape[0] < 2:
         zeros = [0] * ttt_steps
-        return StepCounts(zeros, list(zeros), list(zeros), list(zeros), 1, list(zeros) if tie_resolution is not None else [])
+        return StepCounts(
+            zeros, list(zeros), list(zeros), list(zeros), 1, list(zeros) if tie_resolution is not None else []
+        )
     targets, in_vocab = head.targets(verifier, draft.d2t, rules)
     margins: list | None = [] if tie_resolution is not None else None
     preds = unroll(draft, fc_in, input_ids, ttt_steps, rules, margins)
@@ -380,7 +406,9 @@ def packing_line(c: StepCounts) -> str | None:
             f"{len(c.counted) - 1} targets)" if not any(c.lead_masked) else
             f"packed, full_acc counts can gain up to {c.lead_masked} positions (loss positions among a sample's "
             "first targets, reached from the sample before it)")  # fmt: skip
-    return (f"packing: the trainer scores samples packed into --total-seq-len rows: {full}; its cond_acc denominators "
-            f"also count origins whose target lies past their sample's end: cond counted {low} packed"
-            + ("" if low == high else f", up to {high} if predictions hit the next packed sample's tokens")
-            + " (less for a sample that ends its row)")
+    return (
+        f"packing: the trainer scores samples packed into --total-seq-len rows: {full}; its cond_acc denominators "
+        f"also count origins whose target lies past their sample's end: cond counted {low} packed"
+        + ("" if low == high else f", up to {high} if predictions hit the next packed sample's tokens")
+        + " (less for a sample that ends its row)"
+    )

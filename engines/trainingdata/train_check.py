@@ -72,7 +72,9 @@ def engine_wiring(session: Session, case: Case, spec: EngineSpec) -> tuple[list[
     ref = session.capture(case, session.options.reference, 0)
     matches = match_fc_chunks(ref, cap)
     if not matches or any(m.cosine < 0.9999 for m in matches):
-        raise ConfigError(f"{spec.id}: cannot tell which target tensors its fc chunks are (no exact match in the reference capture)")
+        raise ConfigError(
+            f"{spec.id}: cannot tell which target tensors its fc chunks are (no exact match in the reference capture)"
+        )
     return [m.best for m in matches], "its fc chunks matched to the reference target"
 
 
@@ -80,7 +82,9 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
     expect = case.expect.get("train_accuracy") or {}
     unknown = sorted(set(expect) - set(EXPECT_KEYS))
     if unknown:
-        raise ConfigError(f"{case.path}: expect.train_accuracy.{unknown[0]}: unknown key (known: {', '.join(EXPECT_KEYS)})")
+        raise ConfigError(
+            f"{case.path}: expect.train_accuracy.{unknown[0]}: unknown key (known: {', '.join(EXPECT_KEYS)})"
+        )
     atol = float(expect.get("atol", DEFAULT_ATOL))
     floor = float(expect.get("min", DEFAULT_MIN))
     base = _trainer_spec(session)
@@ -88,7 +92,9 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
     acc_t = trained["train_accuracy"]
     names, how = engine_wiring(session, case, spec)
     short = [short_name(n) for n in names]
-    rewired = EngineSpec(base.name, base.label, tuple(p for p in base.params if p[0] != "wiring") + (("wiring", "+".join(short)),))
+    rewired = EngineSpec(
+        base.name, base.label, tuple(p for p in base.params if p[0] != "wiring") + (("wiring", "+".join(short)),)
+    )
     acc_e = session.capture(case, rewired, 0).meta.extra["train_accuracy"]
     a, b = acc_t["full_acc"][0], acc_e["full_acc"][0]
     fmt = lambda xs: "[" + " ".join(f"{x:.3f}" for x in xs) + "]"  # noqa: E731

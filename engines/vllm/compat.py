@@ -166,7 +166,9 @@ def _apply_from_env() -> None:
     names = [n for n in os.environ.get(ENV, "").split(",") if n]
     unknown = [n for n in names if n not in DESCRIPTIONS]
     if unknown:
-        raise RuntimeError(f"{ENV}={os.environ[ENV]!r}: unknown measure {unknown[0]!r} (known: {', '.join(DESCRIPTIONS)})")
+        raise RuntimeError(
+            f"{ENV}={os.environ[ENV]!r}: unknown measure {unknown[0]!r} (known: {', '.join(DESCRIPTIONS)})"
+        )
     apply(names)
 
 

@@ -121,7 +121,9 @@ def _import_vllm():
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] == "vllm":
             raise EngineUnavailable(f"vllm is not installed in {sys.executable}; set it up with: {SETUP}") from None
-        raise EngineUnavailable(f"vllm cannot be imported in {sys.executable} ({e}); rebuild it with: {SETUP}") from None
+        raise EngineUnavailable(
+            f"vllm cannot be imported in {sys.executable} ({e}); rebuild it with: {SETUP}"
+        ) from None
     except Exception as e:  # e.g. CUDA-built torchvision left in a CPU environment
         first = (str(e).strip().splitlines() or [""])[0]
         raise EngineUnavailable(
@@ -148,8 +150,10 @@ def _accept_fp64_gumbel() -> str:
 
         accept._difftest_fp64_gumbel = True
         cpu_tl.sample_recovered_tokens_kernel = cpu_tl._FuncWrapper(accept)
-    return ("cpu-recovered-fp64-gumbel: utils/cpu_triton_utils.py::_sample_recovered_tokens_kernel_impl "
-            "takes USE_FP64_GUMBEL and reads inv_q as float32, as from vllm 0.25.0")
+    return (
+        "cpu-recovered-fp64-gumbel: utils/cpu_triton_utils.py::_sample_recovered_tokens_kernel_impl "
+        "takes USE_FP64_GUMBEL and reads inv_q as float32, as from vllm 0.25.0"
+    )
 
 
 def _first_line(e: BaseException) -> str:
@@ -229,7 +233,9 @@ class VllmEngine(Engine):
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
-        has_amx = on_cpu and current_platform.get_cpu_architecture().name == "X86" and torch.cpu._is_amx_tile_supported()
+        has_amx = (
+            on_cpu and current_platform.get_cpu_architecture().name == "X86" and torch.cpu._is_amx_tile_supported()
+        )
         measures = compat.needed(target_cfg, on_cpu, has_amx, s["dtype"], s["llm_args"])
         compat.apply(measures)
         self._compat = [compat.DESCRIPTIONS[m] for m in measures]
@@ -297,7 +303,9 @@ class VllmEngine(Engine):
         for rank, other in enumerate(wirings[1:], 1):
             if other != wirings[0]:
                 self._shutdown()
-                raise EngineError(f"vllm: tensor-parallel rank {rank} sees another model than rank 0: {other} vs {wirings[0]}")
+                raise EngineError(
+                    f"vllm: tensor-parallel rank {rank} sees another model than rank 0: {other} vs {wirings[0]}"
+                )
         self._wiring = wirings[0]
         print(f"[difftest.vllm] hooks installed on {len(wirings)} rank(s) {self._ranks}: {self._wiring}",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -370,7 +378,9 @@ class VllmEngine(Engine):
         """Layerwise golden inputs: the same prefill and draft chain, with the reference's draft.fc_in
         fed to vLLM's own combine_hidden_states (engines/vllm/hooks.py::Recorder.wrap_combine)."""
         if fc_in.dim() != 2 or fc_in.shape[0] != len(prompt_ids):
-            raise EngineError(f"vllm: golden fc_in of shape {tuple(fc_in.shape)} for a prompt of {len(prompt_ids)} tokens")
+            raise EngineError(
+                f"vllm: golden fc_in of shape {tuple(fc_in.shape)} for a prompt of {len(prompt_ids)} tokens"
+            )
         return self._capture(case, prompt_ids, fc_in)
 
     def _capture(self, case: Case, prompt_ids: list[int], golden: torch.Tensor | None) -> Capture:
@@ -398,14 +408,18 @@ class VllmEngine(Engine):
             if rec.get("errors"):
                 raise EngineError(f"vllm{where}: {'; '.join(rec['errors'])}")
             if rec["phase"] != "done":
-                raise EngineError(f"vllm{where}: the draft did not run after the prefill (recorder stopped at {rec['phase']!r})")
+                raise EngineError(
+                    f"vllm{where}: the draft did not run after the prefill (recorder stopped at {rec['phase']!r})"
+                )
         tokens = list(res[0].outputs[0].token_ids)
         return self._build_capture(case, s, list(prompt_ids), recs, tokens)
 
     def _build_capture(self, case: Case, s: dict, prompt: list[int], recs: list[dict], tokens: list[int]) -> Capture:
         """One capture from every rank's record: at TP = 1 the one record's tensors; under tensor
         parallelism one whole tensor per name, gathered by vLLM's sharding rule (engines/vllm/tp.py)."""
-        per_rank = [self._rank_tensors(s, prompt, rec, tokens, r if len(recs) > 1 else None) for r, rec in enumerate(recs)]
+        per_rank = [
+            self._rank_tensors(s, prompt, rec, tokens, r if len(recs) > 1 else None) for r, rec in enumerate(recs)
+        ]
         rec = recs[0]
         if len(recs) == 1:
             tensors, aux_consistency = per_rank[0]
@@ -480,12 +494,16 @@ class VllmEngine(Engine):
         if len(steps) != k_steps:
             raise EngineError(f"vllm: recorded {len(steps)} draft forwards, expected num_speculative_tokens={k_steps}")
         if "fc_in" not in rec:
-            raise EngineError("vllm: combine_hidden_states was not called (is the draft an EAGLE-3 draft with aux hidden states?)")
+            raise EngineError(
+                "vllm: combine_hidden_states was not called (is the draft an EAGLE-3 draft with aux hidden states?)"
+            )
         tensors["draft.fc_in"] = rec["fc_in"]
         tensors["draft.fc_out"] = rec["fc_out"]
         next_token = int(steps[0]["input_ids"][-1])
         expect_ids = prompt[1:] + [next_token]
-        if steps[0]["input_ids"].tolist() != expect_ids or not torch.equal(steps[0]["positions"].long(), torch.arange(n)):
+        if steps[0]["input_ids"].tolist() != expect_ids or not torch.equal(
+            steps[0]["positions"].long(), torch.arange(n)
+        ):
             raise EngineError(
                 f"vllm: draft step 0 got ids {steps[0]['input_ids'].tolist()} at positions "
                 f"{steps[0]['positions'].tolist()}; expected the prompt shifted by one plus the sampled token {expect_ids}"
@@ -495,7 +513,11 @@ class VllmEngine(Engine):
         for step, st in enumerate(steps):
             put = lambda name, v, step=step: tensors.__setitem__(draft_name(step, name), v)  # noqa: E731
             put("embeds", st["embeds"])
-            for ours, canon in (("attn_in", "layer0.attn_in"), ("attn_out", "layer0.attn_out"), ("mlp_out", "layer0.mlp_out")):
+            for ours, canon in (
+                ("attn_in", "layer0.attn_in"),
+                ("attn_out", "layer0.attn_out"),
+                ("mlp_out", "layer0.mlp_out"),
+            ):
                 if ours in st:
                     put(canon, st[ours])
             if not w["norm_output"]:
@@ -553,7 +575,9 @@ class VllmEngine(Engine):
         after = _spec_counters(llm)
         delta = {k: after[k] - before[k] for k in SPEC_METRICS[:3]}
         per_pos_before = before[SPEC_METRICS[3]]
-        per_pos = [a - (per_pos_before[i] if i < len(per_pos_before) else 0) for i, a in enumerate(after[SPEC_METRICS[3]])]
+        per_pos = [
+            a - (per_pos_before[i] if i < len(per_pos_before) else 0) for i, a in enumerate(after[SPEC_METRICS[3]])
+        ]
         per_pos = (per_pos + [0] * num_steps)[:num_steps]
         # per request (vLLM's RequestSpecDecodeMetrics): the same totals, summed
         req_verify = req_accepted = 0

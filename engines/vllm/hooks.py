@@ -125,7 +125,11 @@ class Recorder:
         def combine(hidden_states):
             if self.drafting() and not self.combine and self.golden is not None:
                 g = self.golden
-                if hidden_states.dim() != 2 or hidden_states.shape[0] < g.shape[0] or hidden_states.shape[1] != g.shape[1]:
+                if (
+                    hidden_states.dim() != 2
+                    or hidden_states.shape[0] < g.shape[0]
+                    or hidden_states.shape[1] != g.shape[1]
+                ):
                     self.errors.append(f"golden fc_in {tuple(g.shape)} does not fit the draft's fc input "
                                        f"{tuple(hidden_states.shape)}")  # fmt: skip
                 else:
@@ -272,7 +276,14 @@ def fetch(worker, n: int) -> dict:
     rec: Recorder = getattr(worker, _ATTR)
     rec.armed = False
     cpu = lambda t: t.detach().to("cpu")  # noqa: E731
-    out: dict = {"phase": rec.phase, "steps": [], "target": {}, "draft_tokens": None, "checks": {}, "errors": list(rec.errors)}
+    out: dict = {
+        "phase": rec.phase,
+        "steps": [],
+        "target": {},
+        "draft_tokens": None,
+        "checks": {},
+        "errors": list(rec.errors),
+    }
     if rec.phase != "done":
         return out
     t = rec.t

@@ -41,7 +41,11 @@ def main(argv: list[str]) -> None:
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     bound = bind_ranks(argv)
     binding = f"{BIND_ENV}={bound}; " if bound else ""
-    print(f"[difftest vllm serve] {binding}vllm.entrypoints.openai.api_server {' '.join(argv)}", file=sys.stderr, flush=True)
+    print(
+        f"[difftest vllm serve] {binding}vllm.entrypoints.openai.api_server {' '.join(argv)}",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 

@@ -23,8 +23,12 @@ cases = torch.load(sys.argv[1], weights_only=True)
 out = []
 for c in cases:
     N = c["input_ids"].shape[0]
-    raw = {"input_ids": c["input_ids"], "loss_mask": c["loss_mask"], "hidden_state": c["verifier"][None],
-           "aux_hidden_state": torch.zeros(1, N, 1)}
+    raw = {
+        "input_ids": c["input_ids"],
+        "loss_mask": c["loss_mask"],
+        "hidden_state": c["verifier"][None],
+        "aux_hidden_state": torch.zeros(1, N, 1),
+    }
     d = normalize_offline_sample(raw, max_len=int(c["max_len"]))
     with torch.no_grad():
         target = torch.nn.functional.linear(d["target"].float(), c["lm_head"].float())  # TargetHead.forward: its fc

@@ -18,6 +18,13 @@ got = []
 for path in list_feature_files(sys.argv[1]):
     raw = load_feature_file(path)
     d = normalize_offline_sample(raw, max_len=int(sys.argv[3]))
-    got.append({"path": path, "input_ids": d["input_ids"][0].clone(), "loss_mask": d["loss_mask"][0].clone(),
-                "aux_hidden_state": d["hidden_state"][0].clone(), "hidden_state": d["target"][0].clone()})
+    got.append(
+        {
+            "path": path,
+            "input_ids": d["input_ids"][0].clone(),
+            "loss_mask": d["loss_mask"][0].clone(),
+            "aux_hidden_state": d["hidden_state"][0].clone(),
+            "hidden_state": d["target"][0].clone(),
+        }
+    )
 torch.save(got, sys.argv[2])

@@ -38,8 +38,15 @@ t2d[:vd] = True
 d2t = torch.zeros(vd, dtype=torch.long)
 torch.manual_seed(0)
 model = Eagle3DraftModel.from_training_args(
-    layer_cfg, t2d=t2d, d2t=d2t, num_layers=1, norm_before_residual=False, draft_vocab_size=vd, ttt_steps=steps,
-    verifier_name_or_path=target, target_layer_ids=ids,
+    layer_cfg,
+    t2d=t2d,
+    d2t=d2t,
+    num_layers=1,
+    norm_before_residual=False,
+    draft_vocab_size=vd,
+    ttt_steps=steps,
+    verifier_name_or_path=target,
+    target_layer_ids=ids,
 )
 with torch.no_grad():  # livelier than the init's small weights, so predictions spread over the draft vocab
     for _name, p in model.named_parameters():
@@ -50,18 +57,30 @@ model.save_pretrained(draft_out)
 
 rows = [json.loads(x) for x in (Path(data) / "samples.jsonl").read_text().splitlines() if x.strip()]
 tmp = Path(tempfile.mkdtemp())
-ds = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
-                        "seq_len": [len(r["input_ids"]) for r in rows]})
+ds = Dataset.from_dict(
+    {
+        "input_ids": [r["input_ids"] for r in rows],
+        "loss_mask": [r["loss_mask"] for r in rows],
+        "seq_len": [len(r["input_ids"]) for r in rows],
+    }
+)
 ds.set_format(type="torch")
 ds.save_to_disk(str(tmp / "ds"))
-reader = ArrowDataset(max_len=4096, datapath=str(tmp / "ds"), hidden_states_path=str(Path(data) / "hidden_states"),
-                      on_missing="raise", hidden_states_dtype=torch.float32)
+reader = ArrowDataset(
+    max_len=4096,
+    datapath=str(tmp / "ds"),
+    hidden_states_path=str(Path(data) / "hidden_states"),
+    on_missing="raise",
+    hidden_states_dtype=torch.float32,
+)
 totals: dict = {}
 for i in range(len(reader)):
     item = reader[i]
     # one sample per batch, padded to flex attention's block size: torch 2.13's flex_attention refuses a block
     # mask made for a rounded-up length (0.6.0 was built for torch <= 2.12). Padding has loss mask 0.
-    batch = create_collate_fn(128, vcfg.hidden_size, num_target_layers=len(ids), dtype=torch.float32, preprocess=shift_batch)([item])
+    batch = create_collate_fn(
+        128, vcfg.hidden_size, num_target_layers=len(ids), dtype=torch.float32, preprocess=shift_batch
+    )([item])
     keys = ("hidden_states", "input_ids", "lengths", "loss_mask", "position_ids", "verifier_last_hidden_states")
     with torch.no_grad():
         _, _, metrics = model(**{k: batch[k] for k in keys}, ttt_steps=steps)

@@ -33,15 +33,30 @@ window = int(sys.argv[9]) if len(sys.argv) > 9 else 2048
 vcfg = AutoConfig.from_pretrained(target)
 # `speculators train` defaults for eagle3 (train/config/schema.py): one llama layer, silu, sliding
 # window 2048 on every layer (here WINDOW), norm_output on
-layer_cfg = create_transformer_layer_config(verifier_name_or_path=target, num_layers=1, draft_arch="llama", hidden_act="silu",
-                                            sliding_window=window, full_attention_indices=[])
+layer_cfg = create_transformer_layer_config(
+    verifier_name_or_path=target,
+    num_layers=1,
+    draft_arch="llama",
+    hidden_act="silu",
+    sliding_window=window,
+    full_attention_indices=[],
+)
 t2d = torch.zeros(vcfg.vocab_size, dtype=torch.bool)
 t2d[:vd] = True
 d2t = torch.zeros(vd, dtype=torch.long)
 torch.manual_seed(0)
 model = Eagle3DraftModel.from_training_args(
-    layer_cfg, t2d=t2d, d2t=d2t, num_layers=1, norm_before_residual=False, norm_output=True, draft_vocab_size=vd,
-    ttt_steps=steps, verifier_name_or_path=target, target_layer_ids=ids, draft_attn_impl="sdpa",
+    layer_cfg,
+    t2d=t2d,
+    d2t=d2t,
+    num_layers=1,
+    norm_before_residual=False,
+    norm_output=True,
+    draft_vocab_size=vd,
+    ttt_steps=steps,
+    verifier_name_or_path=target,
+    target_layer_ids=ids,
+    draft_attn_impl="sdpa",
 )
 with torch.no_grad():  # livelier than the init's small weights, so predictions spread over the draft vocab
     for _name, p in model.named_parameters():
@@ -52,12 +67,22 @@ model.save_pretrained(draft_out)
 
 rows = [json.loads(x) for x in (Path(data) / "samples.jsonl").read_text().splitlines() if x.strip()]
 tmp = Path(tempfile.mkdtemp())
-ds = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
-                        "seq_len": [len(r["input_ids"]) for r in rows]})
+ds = Dataset.from_dict(
+    {
+        "input_ids": [r["input_ids"] for r in rows],
+        "loss_mask": [r["loss_mask"] for r in rows],
+        "seq_len": [len(r["input_ids"]) for r in rows],
+    }
+)
 ds.set_format(type="torch")
 ds.save_to_disk(str(tmp / "ds"))
-reader = ArrowDataset(max_len=4096, datapath=str(tmp / "ds"), transfer=FileTransfer(Path(data) / "hidden_states"),
-                      on_missing="raise", hidden_states_dtype=torch.float32)
+reader = ArrowDataset(
+    max_len=4096,
+    datapath=str(tmp / "ds"),
+    transfer=FileTransfer(Path(data) / "hidden_states"),
+    on_missing="raise",
+    hidden_states_dtype=torch.float32,
+)
 H = vcfg.hidden_size
 
 
@@ -67,12 +92,26 @@ def score(max_len):
     for i in range(len(reader)):
         item = reader[i]
         n = int(item["input_ids"].shape[0]) - 1
-        collate = CollateFn(max_len=min(n, max_len or n), hidden_size=H, num_target_layers=len(ids), dtype=torch.float32,
-                            preprocess=shift_batch)
+        collate = CollateFn(
+            max_len=min(n, max_len or n),
+            hidden_size=H,
+            num_target_layers=len(ids),
+            dtype=torch.float32,
+            preprocess=shift_batch,
+        )
         batch = collate([item])
-        keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
+        keys = (
+            "hidden_states",
+            "input_ids",
+            "document_ids",
+            "loss_mask",
+            "position_ids",
+            "verifier_last_hidden_states",
+        )
         with torch.no_grad():
-            _, _, metrics = model(**{k: batch[k] for k in keys}, ttt_steps=steps, loss_config={"kl_div": (kl_div_loss, 1.0)})
+            _, _, metrics = model(
+                **{k: batch[k] for k in keys}, ttt_steps=steps, loss_config={"kl_div": (kl_div_loss, 1.0)}
+            )
         for k in range(steps):
             for name in ("full_acc", "cond_acc"):
                 for part in ("sum", "total"):

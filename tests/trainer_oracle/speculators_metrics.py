@@ -26,17 +26,25 @@ for c in cases:
     norm = LlamaRMSNorm(H, eps=float(c["eps"]))
     norm.weight.data.copy_(c["norm_weight"])
     batch = {
-        "input_ids": c["input_ids"], "hidden_states": torch.zeros(N, 1), "verifier_last_hidden_states": c["verifier"],
-        "loss_mask": c["loss_mask"], "lengths": torch.tensor([N]), "position_ids": torch.arange(N),
+        "input_ids": c["input_ids"],
+        "hidden_states": torch.zeros(N, 1),
+        "verifier_last_hidden_states": c["verifier"],
+        "loss_mask": c["loss_mask"],
+        "lengths": torch.tensor([N]),
+        "position_ids": torch.arange(N),
     }
     b = shift_batch(batch)
     with torch.no_grad():
-        targets = torch.nn.functional.linear(norm(b["verifier_last_hidden_states"].float()), c["lm_head_draft_rows"].float())[None]
+        targets = torch.nn.functional.linear(
+            norm(b["verifier_last_hidden_states"].float()), c["lm_head_draft_rows"].float()
+        )[None]
     loss_mask = b["loss_mask"][None].bool()
     prev_correct = loss_mask.clone()  # Eagle3DraftModel.forward: prev_correct = loss_mask.clone()
     counts = {}
     for k in range(c["logits"].shape[0]):
-        _, m = compute_metrics(c["logits"][k][None].float(), targets, loss_mask, prev_correct, k, 1.0, {"kl_div": (kl_div_loss, 1.0)})
+        _, m = compute_metrics(
+            c["logits"][k][None].float(), targets, loss_mask, prev_correct, k, 1.0, {"kl_div": (kl_div_loss, 1.0)}
+        )
         for name in ("full_acc", "cond_acc"):
             for part in ("sum", "total"):
                 counts.setdefault(f"{name}_{part}", []).append(float(m[f"{name}_{k}_{part}"]))

@@ -21,17 +21,21 @@ from speculators.train.data import ArrowDataset
 
 samples = torch.load(sys.argv[1], weights_only=True)
 data, hs, out = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
-ds = Dataset.from_dict({
-    "input_ids": [s["input_ids"].tolist() for s in samples],
-    "loss_mask": [s["loss_mask"].tolist() for s in samples],
-    "seq_len": [len(s["input_ids"]) for s in samples],
-})
+ds = Dataset.from_dict(
+    {
+        "input_ids": [s["input_ids"].tolist() for s in samples],
+        "loss_mask": [s["loss_mask"].tolist() for s in samples],
+        "seq_len": [len(s["input_ids"]) for s in samples],
+    }
+)
 ds.set_format(type="torch")
 ds.save_to_disk(str(data))
 torch.save({"counts": torch.ones(4)}, data / "token_freq.pt")  # train/cli.py writes it next to the dataset
 hs.mkdir(parents=True, exist_ok=True)
 for i, s in enumerate(samples):
-    save_file({"hidden_states": s["hidden_states"].contiguous(), "token_ids": s["input_ids"]}, str(hs / f"hs_{i}.safetensors"))
+    save_file(
+        {"hidden_states": s["hidden_states"].contiguous(), "token_ids": s["input_ids"]}, str(hs / f"hs_{i}.safetensors")
+    )
 
 reader = ArrowDataset(max_len=4096, datapath=str(data), transfer=FileTransfer(hs), on_missing="raise")
 got = []

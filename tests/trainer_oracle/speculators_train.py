@@ -49,8 +49,13 @@ assert [r["index"] for r in rows] == list(range(len(rows))), "samples.jsonl indi
 hs_dir = dump / "hidden_states"
 for r in rows:
     check_hidden_states(load_file(str(hs_dir / f"hs_{r['index']}.safetensors")), r["input_ids"])
-ds = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
-                        "seq_len": [len(r["input_ids"]) for r in rows]})
+ds = Dataset.from_dict(
+    {
+        "input_ids": [r["input_ids"] for r in rows],
+        "loss_mask": [r["loss_mask"] for r in rows],
+        "seq_len": [len(r["input_ids"]) for r in rows],
+    }
+)
 ds.set_format(type="torch")
 if (out / "dataset").exists():
     shutil.rmtree(out / "dataset")
@@ -153,8 +158,12 @@ for i in range(len(val)):
 vals = [r for r in records if "val" in r]
 trains = [r for r in records if "train" in r]
 result = {
-    "checkpoint": str(ckpt / str(epochs - 1)), "epochs": epochs, "train_steps": len(trains),
-    "train_samples": int(len(rows) * train_ratio), "val_samples": len(val), "val": vals[-1]["val"] if vals else None,
+    "checkpoint": str(ckpt / str(epochs - 1)),
+    "epochs": epochs,
+    "train_steps": len(trains),
+    "train_samples": int(len(rows) * train_ratio),
+    "val_samples": len(val),
+    "val": vals[-1]["val"] if vals else None,
     "train_wall_s": round(wall, 1),
 }
 (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -30,7 +30,9 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc) -> None:
             ctypes.memmove(base + t * stride, row, stride)
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+) -> None:
     """req_to_token[req b, start_b:end_b] = the next (end_b - start_b) entries of out_cache_loc."""
     o = 0
     for b in range(req_pool_indices.shape[0]):
@@ -39,7 +41,9 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
         o += e - s
 
 
-def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len) -> None:
+def assign_extend_cache_locs_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+) -> None:
     """The inverse gather: out_cache_loc <- req_to_token[req b, start_b:end_b], requests concatenated."""
     o = 0
     for b in range(req_pool_indices.shape[0]):
@@ -48,7 +52,9 @@ def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, e
         o += e - s
 
 
-def assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_cols) -> None:
+def assign_draft_cache_locs_contiguous_cpu(
+    req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_cols
+) -> None:
     """out_cache_loc[b*n:(b+1)*n] = req_to_token[req b, seq_len_b : seq_len_b + n], n = topk * num_cols."""
     n = topk * num_cols
     for b in range(seq_lens.shape[0]):
@@ -56,7 +62,9 @@ def assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_l
         out_cache_loc[b * n : (b + 1) * n] = req_to_token[int(req_pool_indices[b]), s : s + n]
 
 
-def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, topk, num_steps, pool_len) -> torch.Tensor:
+def build_draft_decode_metadata_cpu(
+    req_to_token, req_pool_indices, seq_lens, topk, num_steps, pool_len
+) -> torch.Tensor:
     """Per (request, branch) row of the draft-decode page table: the committed prefix, then
     that branch's num_steps draft slots (laid out branch-major after the prefix)."""
     bs = seq_lens.shape[0]
@@ -122,7 +130,9 @@ def verify_tree_greedy_cpu(**kw) -> None:
 # -- attention (the intel_amx backend's two ops) ----------------------------------------
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Softmax attention in float32. q [n, H, D], k/v [m, Hkv, D] (GQA: H % Hkv == 0),
     mask [n, m] bool (True = may attend) -> [n, H, D]."""
     rep = q.shape[1] // k.shape[1]
