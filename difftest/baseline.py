@@ -34,6 +34,7 @@ from difftest.acceptance import AcceptStats
 from difftest.capture import Capture
 from difftest.case import Case
 from difftest.engine import EngineSpec
+from difftest.records.engine_info import EngineInfo, StoredBaseline
 from difftest.errors import ConfigError
 from difftest.jsonfile import read_json
 from difftest.records.meta import CaptureMeta
@@ -192,10 +193,10 @@ class BaselineWriter:
             flat.update({f"p{i}/{n}": t for n, t in kept.items()})
             derived.append(how)
         save_file(flat, str(out))
-        info = session.engine_info(spec) or {}
+        info = session.engine_info(spec)
         entry = {
             "engine": spec.to_dict(),
-            "info": info,
+            "info": info.to_dict() if info is not None else {},
             "device": captures[0].meta.device or "unknown",
             "dtype": captures[0].meta.dtype or prepared.dtype,
             "file": str(rel),
@@ -314,13 +315,16 @@ class BaselineSource:
         self._fingerprints: dict[str, str] = {}  # case path -> fingerprint: hashing checkpoints once per run
 
     @property
-    def info(self) -> dict:
+    def info(self) -> EngineInfo:
         engines = {
             eid: e["info"].get("version") for c in self.manifest["cases"].values() for eid, e in c["engines"].items()
         }
-        return {"name": self.spec.name, "version": f"{self.spec.name}@{self.manifest['created']}", "versions": self.manifest["harness"],
-                "kernels": "stored", "baseline": {"path": str(self.path), "created": self.manifest["created"],
-                                                  "git_sha": self.manifest["git_sha"], "engines": engines}}  # fmt: skip
+        created = str(self.manifest["created"])
+        stored = StoredBaseline(
+            path=str(self.path), created=created, git_sha=str(self.manifest["git_sha"]), engines=engines
+        )
+        return EngineInfo(name=self.spec.name, version=f"{self.spec.name}@{created}", versions=dict(self.manifest["harness"]),
+                          kernels="stored", baseline=stored)  # fmt: skip
 
     def entry(self, case: Case) -> tuple[str, dict, dict]:
         """(engine id, engine entry, case entry) for a prepared case; refuses a case that changed."""

@@ -126,11 +126,13 @@ def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
     from difftest import engine_releases
 
     reference = session.options.reference
-    old, new = session.case_engine_info(case, reference) or {}, session.engine_info(spec) or {}
-    engine = new.get("name")
-    if engine not in engine_releases.SUPPORTED or old.get("name") != engine:
+    old, new = session.case_engine_info(case, reference), session.engine_info(spec)
+    if old is None or new is None:
         return []
-    a, b = engine_releases.release(str(old.get("version"))), engine_releases.release(str(new.get("version")))
+    engine = new.name
+    if engine not in engine_releases.SUPPORTED or old.name != engine:
+        return []
+    a, b = engine_releases.release(old.version), engine_releases.release(new.version)
     if a == b:
         return []
     try:
@@ -161,8 +163,8 @@ def _view(session: Session, case: Case, spec: EngineSpec):
 
 def _release(session: Session, spec: EngineSpec) -> str | None:
     """The engine release a spec ran (its worker's own report), for the rules of that release."""
-    info = session.engine_info(spec) or {}
-    return info.get("version") if info.get("name") == spec.name else None
+    info = session.engine_info(spec)
+    return info.version if info is not None and info.name == spec.name else None
 
 
 def _draft_config(session: Session, case: Case, spec: EngineSpec) -> dict | None:

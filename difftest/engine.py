@@ -17,7 +17,7 @@ import functools
 import os
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Sequence
 
@@ -26,6 +26,7 @@ from difftest.capture import Capture
 from difftest.errors import ConfigError
 from difftest.settings import Schema, suggest, unknown_key, validate
 from difftest.records.check_data import ReplayRow
+from difftest.records.engine_info import EngineInfo
 
 if TYPE_CHECKING:  # annotations only: difftest.case reads the engine registry (one direction)
     from difftest.case import Case
@@ -179,18 +180,6 @@ def check_settings(schema: Schema, spec: "EngineSpec", case: Case | None = None)
     section = case.engines.get(spec.name) if case is not None else None
     return validate(schema, section, spec.params, section_where=f"{case.path if case else '?'}: engines.{spec.name}",
                     spec_where=f"--engines {spec.id}")  # fmt: skip
-
-
-@dataclass
-class EngineInfo:
-    name: str
-    version: str
-    versions: dict = field(default_factory=dict)  # torch, transformers, ... in the engine's environment
-    kernels: str = ""
-    # A live system outside the harness (a running server): nothing is captured inside it, and its
-    # results are never cached (each run asks it again).
-    live: bool = False
-    settings: dict = field(default_factory=dict)  # a live server's effective settings (engines/server/client.py)
 
 
 def check_case_settings(case: Case, specs: Sequence[EngineSpec] = (), merged=None) -> None:

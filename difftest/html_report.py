@@ -464,7 +464,7 @@ def render(report: Report) -> str:
     for k, v in report.environment.items():
         h.append(f"<tr><td>{escape(str(k))}</td><td><code>{escape(str(v))}</code></td></tr>")
     for e, entry in report.engines.items():
-        value = entry.info or {"error": entry.error}
+        value = entry.info.to_dict() if entry.info is not None else {"error": entry.error}
         h.append(f"<tr><td>engine <code>{escape(e)}</code></td><td><code>{escape(str(value))}</code></td></tr>")
     h.append("</table>")
     h.append(f"<h2 id='reproduce'>Reproduce</h2><pre>{escape(report.reproduce)}</pre>")

@@ -37,6 +37,7 @@ from difftest.timings import PhaseClock, case_of
 from difftest.worker import WorkerClient
 from difftest.names import FC_IN
 from difftest.records.check_data import ReplayRow
+from difftest.records.engine_info import EngineInfo
 
 if TYPE_CHECKING:  # annotations only: difftest.baseline builds on the session
     from difftest.baseline import BaselineSource
@@ -166,14 +167,13 @@ class Session:
             self._clients[spec.id] = client
         return self._clients[spec.id]
 
-    def _check_release(self, spec: EngineSpec, info: dict) -> None:
+    def _check_release(self, spec: EngineSpec, info: EngineInfo) -> None:
         """An engine with release rules (difftest.engine_releases) running a release outside them is
         refused in one line naming the supported range: every reading of its draft would be a guess."""
-        name = info.get("name")
-        if name not in engine_releases.SUPPORTED:
+        if info.name not in engine_releases.SUPPORTED:
             return
         try:
-            engine_releases.check_supported(name, str(info.get("version")))
+            engine_releases.check_supported(info.name, info.version)
         except ConfigError as e:
             raise ConfigError(f"{spec.id} ({self.python_for(spec)}): {e}") from None
 
@@ -410,7 +410,7 @@ class Session:
         ids = self.prompt_ids(case)[index]
         ref_key = self._capture_key(source_case, source, ids)
         case = self.engine_case(case, spec)
-        key = cache_key("golden", spec.id, client.started_info["version"], self.inputs_key(case, spec), ref_key)
+        key = cache_key("golden", spec.id, client.started_info.version, self.inputs_key(case, spec), ref_key)
         cached = self._cached(key)
         if cached is None:
             out = self.cache.path(key)
@@ -442,9 +442,9 @@ class Session:
     def _speculate(self, case: Case, spec: EngineSpec) -> AcceptStats:
         client = self.client(spec)
         prompts = self.prompt_ids(case, speculative=True)
-        key = cache_key("speculate", spec.id, client.started_info["version"], self.inputs_key(case, spec), prompts)
+        key = cache_key("speculate", spec.id, client.started_info.version, self.inputs_key(case, spec), prompts)
         path = self.cache.path(key).with_suffix(".json")
-        live = bool(client.started_info.get("live"))  # a running server: ask it again every run, never cache
+        live = client.started_info.live  # a running server: ask it again every run, never cache
         if self.options.use_cache and not live and path.exists():
             return AcceptStats.from_dict(json.loads(path.read_text()))
         self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
@@ -457,7 +457,7 @@ class Session:
 
     def is_live(self, spec: EngineSpec) -> bool:
         """A running server (EngineInfo.live): no tensors to compare, acceptance only."""
-        return spec.id not in self._stored and bool(self.client(spec).started_info.get("live"))
+        return spec.id not in self._stored and self.client(spec).started_info.live
 
     def replay(self, case: Case, spec: EngineSpec, requests: list[tuple[list[int], list[int]]], num_steps: int,
                topk: int, num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
@@ -545,15 +545,15 @@ class Session:
         info = self.engine_info(spec)
         if info is None:
             raise EngineUnavailable(f"{spec.id}: not started, so its version is unknown")
-        return str(info["version"])
+        return info.version
 
-    def engine_info(self, spec: EngineSpec) -> dict | None:
+    def engine_info(self, spec: EngineSpec) -> EngineInfo | None:
         if spec.id in self._stored:
             return self._stored[spec.id].info
         c = self._clients.get(spec.id)
         return c.info if c else None
 
-    def case_engine_info(self, case: Case, spec: EngineSpec) -> dict | None:
+    def case_engine_info(self, case: Case, spec: EngineSpec) -> EngineInfo | None:
         """The engine that produced `spec`'s results for this case: a stored baseline answers with the
         info of the engine it was saved from (its name and release), a running engine with its own."""
         stored = self._stored.get(spec.id)
@@ -563,7 +563,7 @@ class Session:
             except ConfigError:
                 return None
             info = entry.get("info")
-            return info if isinstance(info, dict) else None
+            return EngineInfo.from_json(info, str(stored.path / "manifest.json"), f"{case.name}.info") if info else None
         return self.engine_info(spec)
 
     def _stored_engine(self, case: Case, spec: EngineSpec) -> EngineSpec | None:

@@ -65,11 +65,10 @@ def _first_line(text: str) -> str:
 def cells(report: Report) -> list[Cell]:
     out = []
     for spec, entry in report.engines.items():
-        info = entry.info or {}
-        engine = info.get("name")
-        if spec == report.reference or engine not in engine_releases.SUPPORTED:
+        engine = entry.info.name if entry.info is not None else None
+        if spec == report.reference or entry.info is None or engine not in engine_releases.SUPPORTED:
             continue
-        release = engine_releases.release(str(info.get("version", "?")))
+        release = engine_releases.release(entry.info.version)
         fc, logits, accept = (report.result(spec, c) for c in ("fc_inputs", "draft_logits", "accept_length"))
         refused = None
         if entry.error:

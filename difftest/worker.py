@@ -40,6 +40,7 @@ from pathlib import Path
 
 from difftest.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable, Unsupported
 from difftest.names import FC_IN
+from difftest.records.engine_info import EngineInfo
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Starting a worker (a fresh interpreter importing torch and the engine) takes tens of seconds on
@@ -69,13 +70,13 @@ class WorkerClient:
         self.spec, self.target, self.python, self.log_path, self.timeout = spec, target, python, Path(log_path), timeout
         self.extra_env = env or {}
         self.proc: subprocess.Popen | None = None
-        self.info: dict | None = None
+        self.info: EngineInfo | None = None
         self.busy = False  # a request is in flight (an interrupted wait leaves it so)
         self.ended_with: str | None = None  # the error after which the worker ended itself (EngineSpent)
         self._log_start = 0
 
     # -- lifecycle -------------------------------------------------------------------
-    def start(self) -> dict:
+    def start(self) -> EngineInfo:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
@@ -118,12 +119,12 @@ class WorkerClient:
         self._r = os.fdopen(rep_r, "r")
         reply = self.request({"op": "hello", "spec": self.spec.to_dict(), "target": self.target},
                              timeout=max(self.timeout, MIN_START_TIMEOUT_S))  # fmt: skip
-        self.info = reply["info"]
+        self.info = EngineInfo.from_json(reply.get("info"), f"{self.spec.id}'s worker", "info")
         return self.info
 
     @property
-    def started_info(self) -> dict:
-        """The engine's info (EngineInfo as a dict) once the worker has said hello."""
+    def started_info(self) -> EngineInfo:
+        """The engine's info once the worker has said hello."""
         if self.info is None:
             raise EngineError(f"{self.spec.id}: the engine worker has not started (log: {self.log_path})")
         return self.info
@@ -300,10 +301,8 @@ def serve(in_fd: int, out_fd: int) -> int:
         print(f"[difftest.worker] {time.strftime('%H:%M:%S')} request {msg['op']}", file=sys.stderr, flush=True)
         try:
             if msg["op"] == "hello":
-                from difftest.engine import EngineInfo
-
                 engine = _load_engine(msg["target"], msg["spec"])
-                reply({"ok": True, "info": asdict(_returned(engine, "info", engine.info(), EngineInfo))})
+                reply({"ok": True, "info": _returned(engine, "info", engine.info(), EngineInfo).to_dict()})
             elif msg["op"] == "close":
                 if engine is not None:
                     engine.close()

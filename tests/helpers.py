@@ -181,3 +181,17 @@ def edited_copy(src: Path, out: Path, config=None, tensors=None) -> Path:
         tensors(t)
         save_file(t, str(f))
     return out
+
+
+def train_acc(*args: str, json_out: Path) -> tuple[list[dict], str]:
+    """`difftest train-acc ARGS --json OUT` in-process: (its JSON rows, what it printed); asserts exit 0."""
+    import contextlib
+    import io
+
+    from difftest import cli
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rc = cli.main(["train-acc", *args, "--json", str(json_out)])
+    assert rc == 0, text.getvalue()
+    return json.loads(json_out.read_text())["rows"], text.getvalue()

@@ -60,7 +60,7 @@ def sample_report() -> dict:
         "created": "2026-01-01T00:00:00",
         "reference": "ref",
         "accept_length_definition": "accepted draft tokens + 1 per verify step",
-        "engines": {"ref": {"info": {"version": "1"}}, f"evil[{EVIL}]": {"error": EVIL}},
+        "engines": {"ref": {"info": {"name": "ref", "version": "1"}}, f"evil[{EVIL}]": {"error": EVIL}},
         "checks": [
             check("ref", "capture", "passed", "ok", {"kind": "capture"}),
             check(

@@ -28,6 +28,7 @@ from difftest.records import (
     CheckResult,
     ComparisonData,
     EngineEntry,
+    EngineInfo,
     ExpectedFailureRecord,
     FcWiring,
     FixData,
@@ -127,7 +128,7 @@ def sample_report() -> Report:
                           excess=4e4, introduced=True)]  # fmt: skip
     return Report(case="tiny", case_file="cases/tiny.yaml", created="2026-01-01T00:00:00", reference="ref",
                   accept_length_definition="accepted draft tokens + 1 per verify step",
-                  engines={"ref": EngineEntry(info={"version": "1"}), "eng": EngineEntry(error="not started")},
+                  engines={"ref": EngineEntry(info=EngineInfo(name="ref", version="1")), "eng": EngineEntry(error="not started")},
                   checks=results, noise_floor=NoiseFloorRecord("float32", True, "measured"),
                   comparisons={"eng": [PromptComparison(0, "draft.fc_in.0", "draft.fc_in.0", "draft.fc_in.0", None, "", tensors)]},
                   environment={"torch": "2.13.0"}, reproduce="difftest run cases/tiny.yaml --engines=ref,eng",

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from difftest.records import EngineInfo
 from difftest import noise, report, upgrade
 from difftest.acceptance import AcceptStats
 from difftest.compare import CaptureDiff, TensorDiff
@@ -45,7 +46,7 @@ class StubSession:
         self._comparisons, self._floor, self.floor_calls = comparisons, floor, 0
 
     def engine_info(self, spec):
-        return {"name": spec.id, "version": "0"}
+        return EngineInfo(name=spec.id, version="0")
 
     def start_error(self, spec):
         return None

@@ -27,8 +27,6 @@ DIFFTEST_REQUIRE_ENGINES=1, since CI provides neither.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
@@ -39,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest import cli
+from helpers import train_acc
 from test_trainers_oracle import HERE, _cache, trainer_python
 
 TARGET, DRAFT = "fixture:tiny-llama-chat", "fixture:tiny-llama-eagle3"
@@ -145,14 +143,6 @@ def written(tmp_path_factory) -> dict:
     assert proc.returncode == 0, f"prepare_hidden_states failed (log {root / 'prepare.log'}):\n{log[-4000:]}"
     print(f"SpecForge prepare_hidden_states (SGLang 0.5.14, CPU): {time.monotonic() - t0:.1f}s")
     return {"target": target, "served": served, "draft": draft, "out": out, "rows": rows, "log": log}
-
-
-def train_acc(*args: str, json_out: Path) -> tuple[list[dict], str]:
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        rc = cli.main(["train-acc", *args, "--json", str(json_out)])
-    assert rc == 0, text.getvalue()
-    return json.loads(json_out.read_text())["rows"], text.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,6 @@ DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail. Nothing is cached: the point is to ru
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -40,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest import cli
+from helpers import train_acc
 from test_trainers_oracle import HERE, trainer_python
 from tests import live_servers
 
@@ -146,14 +144,6 @@ def trained(generated) -> dict:
     result = json.loads((out / "result.json").read_text())
     return {**generated, "out": out, "draft": out / "ckpt" / str(RECIPE["epochs"] - 1), "master": out / "master",
             "train_dataset": out / "dataset", "result": result}  # fmt: skip
-
-
-def train_acc(*args: str, json_out: Path) -> tuple[list[dict], str]:
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        rc = cli.main(["train-acc", *args, "--json", str(json_out)])
-    assert rc == 0, text.getvalue()
-    return json.loads(json_out.read_text())["rows"], text.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from difftest.records.check_data import (
     Top1Data,
 )
 from difftest.records.check_result import CheckResult, ExpectedFailureRecord
+from difftest.records.engine_info import EngineInfo, StoredBaseline
 from difftest.records.meta import CaptureMeta, FcWiring
 from difftest.records.noise_floor import NoiseFloorRecord, TensorFloor
 from difftest.records.report import EngineEntry, PromptComparison, Report
@@ -24,6 +25,6 @@ from difftest.records.tensor_diff import TensorDiff, TensorStatus
 
 __all__ = [
     "AcceptLengthData", "CaptureData", "CaptureMeta", "CheckData", "CheckResult", "ComparisonData", "EngineEntry",
-    "ExpectedFailureRecord", "FcWiring", "FixData", "GoldenData", "LintData", "NoiseFloorRecord", "PromptComparison", "ReplayRow", "Report",
-    "ServerAcceptData", "TensorDiff", "TensorFloor", "TensorStatus", "Top1Data",
+    "EngineInfo", "ExpectedFailureRecord", "FcWiring", "FixData", "GoldenData", "LintData", "NoiseFloorRecord", "PromptComparison", "ReplayRow", "Report",
+    "ServerAcceptData", "StoredBaseline", "TensorDiff", "TensorFloor", "TensorStatus", "Top1Data",
 ]  # fmt: skip

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from difftest.jsonfile import read_json
 from difftest.records.check_result import CheckResult
+from difftest.records.engine_info import EngineInfo
 from difftest.records.fields import decode, encode_fields, fail
 from difftest.records.noise_floor import NoiseFloorRecord
 from difftest.records.tensor_diff import TensorDiff
@@ -29,7 +30,7 @@ LEGACY_SCHEMA = "difftest.report/1"  # version 1 named its version in `schema` a
 class EngineEntry:
     """An engine of the run: what it reported about itself, or why it did not start."""
 
-    info: dict[str, object] | None = None  # difftest.engine.EngineInfo as a dict (name, version, versions, ...)
+    info: EngineInfo | None = None
     error: str | None = None
 
     def to_dict(self) -> dict:

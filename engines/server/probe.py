@@ -70,7 +70,7 @@ def _fmt(xs: list[float]) -> str:
 def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool, str, ServerAcceptData]:
     """(passed, message, data) of a server's accept length against the reference's replay."""
     reference = session.options.reference
-    settings = session.client(spec).info["settings"]
+    settings = session.client(spec).started_info.settings
     stats = session.speculate(case, spec)
     steps = settings.get("num_steps") or case.num_steps
     topk = settings.get("topk") or 1

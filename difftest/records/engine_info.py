@@ -1,0 +1,38 @@
+"""What an engine says about itself when its worker starts (Engine.info), as the session keeps it,
+cache keys and release checks read it, baselines store it and reports carry it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from difftest.records.fields import decode, encode_fields
+
+
+@dataclass
+class StoredBaseline:
+    """Where a stored golden baseline's results came from (difftest.baseline)."""
+
+    path: str
+    created: str
+    git_sha: str
+    engines: dict[str, object] = field(default_factory=dict)  # engine id -> the version it was saved from
+
+
+@dataclass
+class EngineInfo:
+    name: str
+    version: str
+    versions: dict[str, object] = field(default_factory=dict)  # torch, transformers, ... in its environment
+    kernels: str = ""
+    # A live system outside the harness (a running server): nothing is captured inside it, and its
+    # results are never cached (each run asks it again).
+    live: bool = False
+    settings: dict[str, object] = field(default_factory=dict)  # a live server's effective settings
+    baseline: StoredBaseline | None = None  # a stored baseline standing in for the engine
+
+    def to_dict(self) -> dict:
+        return encode_fields(self, omit_none=("baseline",))
+
+    @classmethod
+    def from_json(cls, data: object, where: str, at: str = "") -> "EngineInfo":
+        return decode(cls, data, where, at)
