@@ -68,7 +68,7 @@ def _resolve(ref: str) -> Path:
 
 def write_conversations(target: Path, path: Path) -> list[dict]:
     """User and assistant turns of random vocabulary words (no template marker among them)."""
-    from engines.trainingdata.fixtures_chat import MARKERS
+    from fixtures.chat import MARKERS
 
     vocab = json.loads((target / "tokenizer.json").read_text())["model"]["vocab"]
     words = sorted(w for w in vocab if not w.startswith("<") and w not in MARKERS.values())
@@ -84,7 +84,7 @@ def write_conversations(target: Path, path: Path) -> list[dict]:
 
 def specforge_template() -> dict:
     """fixtures_chat.TEMPLATE's turns in SpecForge's ChatTemplate fields (turn = START ROLE text END)."""
-    from engines.trainingdata.fixtures_chat import MARKERS
+    from fixtures.chat import MARKERS
 
     m = MARKERS
     return {"tiny-chat": {"user_header": f"{m['start']} {m['user']} ", "assistant_header": f"{m['start']} {m['assistant']} ",
