@@ -112,13 +112,20 @@ def parse_engine_list(text: str) -> list[EngineSpec]:
     return specs
 
 
+@functools.lru_cache(maxsize=1)
+def _installed_engines() -> tuple[tuple[str, str], ...]:
+    """The adapters' entry points, read once per process: scanning every installed distribution's
+    metadata takes milliseconds, and the session looks an engine up for every cache key it builds."""
+    return tuple((ep.name, ep.value) for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
 def registered_engines() -> dict[str, str]:
     """name -> 'module:attr' for every installed adapter.
 
     Besides entry points, DIFFTEST_ENGINES="name=module:attr;..." registers adapters
     without packaging them (the harness's own tests use it for a fake engine).
     """
-    found = {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    found = dict(_installed_engines())
     for item in filter(None, os.environ.get("DIFFTEST_ENGINES", "").split(";")):
         name, sep, target = item.partition("=")
         if not sep or ":" not in target:
