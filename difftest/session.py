@@ -319,7 +319,8 @@ class Session:
         for layer in (section, params):  # the spec's parameters win over the case's section
             for key in list(layer):
                 field_name = schema.replacing(key) if schema is not None else None
-                if field_name is not None:
+                # an empty value is "not given" (settings: `draft: ${VAR:-}`): the case's field stands
+                if field_name is not None and layer[key] not in (None, ""):
                     replaced[field_name] = layer.pop(key)
         # An adapter reads its own section only (difftest.engine.check_settings); the other engines'
         # sections and the fields its settings replace never reach it.

@@ -98,3 +98,12 @@ def test_a_spec_parameter_naming_the_draft_replaces_the_cases_too(models, sessio
     assert key(session, exported, EngineSpec("ref", params=(("draft", str(draft)),))) != key(session, exported, REF)
     assert key(session, exported, EngineSpec("ref", params=(("draft", str(draft)),))) == \
         key(session, plain, EngineSpec("ref", params=(("draft", str(draft)),)))  # fmt: skip
+
+
+def test_an_empty_replacing_setting_keeps_the_cases_draft_in_the_key(models, session, tmp_path):
+    target, draft = models
+    served = export_of(draft, tmp_path / "export")
+    empty = 'engines:\n  ref: {draft: ""}\n'  # `draft: ${VAR:-}` with VAR unset: not given
+    a = case_file(tmp_path / "a.yaml", target, draft, empty)
+    b = case_file(tmp_path / "b.yaml", target, served, empty)
+    assert key(session, a, REF) != key(session, b, REF)
