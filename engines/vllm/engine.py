@@ -82,6 +82,21 @@ def engine_dir() -> Path:
     return cache_root() / "vllm"
 
 
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def bind_cpu_ranks(tp_size: int) -> str | None:
+    """For tp_size > 1 ranks on CPU, "nobind" unless the user set a binding; returns the one in force.
+    vLLM binds rank r's OpenMP threads to NUMA node r by default ("auto":
+    utils/ompmultiprocessing.py::OMPProcessManager._get_autobind_cpu_ids asserts one allowed NUMA
+    node per rank) and refuses TP = 2 on a one-node machine; "nobind" leaves the threads where
+    OMP_NUM_THREADS and the scheduler put them. The adapter's engine and its server (serve.py) both
+    call this; a GPU run does not read it."""
+    if tp_size > 1:
+        os.environ.setdefault(CPU_BIND_ENV, "nobind")
+    return os.environ.get(CPU_BIND_ENV)
+
+
 def prepare_environment() -> Path:
     """Keep vLLM's caches, sockets and temp files in the difftest cache; never call a hub.
 
@@ -270,11 +285,7 @@ class VllmEngine(Engine):
             # engine core stays in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so collective_rpc
             # reaches every rank and the executor's processes are children of this worker
             kwargs.setdefault("distributed_executor_backend", "mp")
-            # vLLM binds rank r's OpenMP threads to NUMA node r by default ("auto":
-            # utils/ompmultiprocessing.py::OMPProcessManager._get_autobind_cpu_ids asserts one allowed
-            # NUMA node per rank) and refuses TP = 2 on a one-node machine; "nobind" leaves the
-            # threads where OMP_NUM_THREADS and the scheduler put them. A user's own binding wins.
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            bind_cpu_ranks(s["tensor_parallel_size"])
             if measures:  # the rank processes are spawned: they apply the measures on import (compat.py)
                 kwargs.setdefault("worker_extension_cls", compat.RANK_EXTENSION)
         if compat.CPU_MLA in measures:

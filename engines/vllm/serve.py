@@ -18,20 +18,17 @@ import runpy
 import sys
 
 from engines.launch_args import int_option
-from engines.vllm.engine import prepare_environment
+from engines.vllm.engine import CPU_BIND_ENV, bind_cpu_ranks, prepare_environment
 
 # engine/arg_utils.py::EngineArgs.add_cli_args, parallel group (0.32.0)
 TP_OPTIONS = ("--tensor-parallel-size", "-tp")
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+BIND_ENV = CPU_BIND_ENV
 
 
 def bind_ranks(argv: list[str]) -> str | None:
-    """With `--tensor-parallel-size` > 1, "nobind" unless the user set a binding: vLLM's CPU default
-    (utils/ompmultiprocessing.py::OMPProcessManager._get_autobind_cpu_ids) asserts one NUMA node per
-    rank. Returns the binding in force, if any."""
-    if int_option(argv, TP_OPTIONS, 1) > 1:
-        os.environ.setdefault(BIND_ENV, "nobind")
-    return os.environ.get(BIND_ENV)
+    """The server's ranks bound as the adapter's engine binds them (engine.bind_cpu_ranks), for the
+    `--tensor-parallel-size` its command line asks for. Returns the binding in force, if any."""
+    return bind_cpu_ranks(int_option(argv, TP_OPTIONS, 1))
 
 
 def main(argv: list[str]) -> None:
