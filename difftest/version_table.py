@@ -65,10 +65,10 @@ def _first_line(text: str) -> str:
 def cells(report: Report) -> list[Cell]:
     out = []
     for spec, entry in report.engines.items():
-        engine = entry.info.name if entry.info is not None else None
-        if spec == report.reference or entry.info is None or engine not in engine_releases.SUPPORTED:
+        info = entry.info
+        if spec == report.reference or info is None or info.name not in engine_releases.SUPPORTED:
             continue
-        release = engine_releases.release(entry.info.version)
+        engine, release = info.name, engine_releases.release(info.version)
         fc, logits, accept = (report.result(spec, c) for c in ("fc_inputs", "draft_logits", "accept_length"))
         refused = None
         if entry.error:
