@@ -1,28 +1,33 @@
-"""SpecForge's own writer, end to end: training data written by SpecForge 0.2.0's
-scripts/prepare_hidden_states.py (its SGLang 0.5.14 capture, on CPU) from fixture:tiny-llama-chat on a
-small conversation file, then `difftest train-acc` on those files.
+"""SpecForge's own writer, end to end: training data written by SpecForge 0.2.0's hidden-state
+preparation (its SGLang 0.5.14 capture, on CPU) from fixture:tiny-llama-chat on a small conversation
+file, then `difftest train-acc` on those files.
 
-What runs, all of it the upstream code except the CPU stand-ins the runner applies at run time
-(tests/trainer_oracle/specforge_prepare_hs.py; nothing installed and nothing in the script edited):
+What runs, all of it the upstream code except the CPU stand-ins applied at run time
+(tests/trainer_oracle/specforge_cpu.py; nothing installed and nothing upstream edited):
 * the data: conversations of the target's vocabulary words in SpecForge's jsonl layout
   ({"id", "conversations": [{"role", "content"}]}); the chat template is the fixture tokenizer's, and
   the matching SpecForge ChatTemplate is registered through its TEMPLATE_REGISTRY, as its docs tell
   users of a custom template to;
-* the writer: the script with its own flags, no capture ids: SpecForge resolves its default for an
-  8-layer target, [1, 3, 4] ("output of layer k", i.e. h2, h4, h5), and writes rows_0-2000/data_i.ckpt
-  with input_ids, loss_mask, aux_hidden_state [1, L, 3H] and hidden_state [1, L, H] (after the final
-  norm), plus vocab_mapping/vocab_mapping.pt;
+* the writer: SpecForge's installed package (tests/trainer_oracle/specforge_capture.py composes what
+  its scripts/prepare_hidden_states.py does from the classes the package ships: the capture plan,
+  OfflineSGLangCapture, build_eagle3_dataset, generate_vocab_mapping_file,
+  OfflineCaptureLayout.materialize), with no capture ids: SpecForge resolves its default for an
+  8-layer target, [1, 3, 4] ("output of layer k", i.e. h2, h4, h5), and the files are
+  rows_0-2000/data_i.ckpt with input_ids, loss_mask, aux_hidden_state [1, L, 3H] and hidden_state
+  [1, L, H] (after the final norm), plus vocab_mapping/vocab_mapping.pt;
+* the script itself: with DIFFTEST_SPECFORGE_SCRIPT naming a SpecForge checkout's
+  scripts/prepare_hidden_states.py (it is in neither the wheel nor the sdist), one more test runs it
+  unmodified on the same inputs (tests/trainer_oracle/specforge_prepare_hs.py) and requires the
+  same files: the feature files byte for byte, the mapping tensor for tensor; it skips otherwise;
 * the check: `train-acc` identifies the tensors SGLang actually wrote against the target (not the
   ids), scores fixture:tiny-llama-eagle3 (trained on fc = [h2, h4, h5]) under the trainer's wiring,
-  and shows what serving engines do with the ids a SpecForge draft config records ([1, 3, 4]):
-  vLLM reads them as [h1, h3, h4] and the draft collapses; SGLang 0.5.23 adds 1 when the first id
-  is 1 and feeds what the trainer fed.
+  reproduces SpecForge's own training forward on the files, and shows what serving engines do with
+  the ids a SpecForge draft config records ([1, 3, 4]): vLLM reads them as [h1, h3, h4] and the draft
+  collapses; SGLang 0.5.23 adds 1 when the first id is 1 and feeds what the trainer fed.
 
-Environment: `scripts/setup-engine specforge-writer` (SpecForge 0.2.0 + SGLang 0.5.14 on CPU torch; not
-built by CI: about 2 min of installs, 4.5 GB). The script is not in SpecForge's wheel: point
-DIFFTEST_SPECFORGE_SCRIPT at a SpecForge checkout's scripts/prepare_hidden_states.py (the 2026-08
-tree the 0.2.0 wheel was cut from). Without either the tests skip naming what to do, also under
-DIFFTEST_REQUIRE_ENGINES=1, since CI provides neither.
+Environment: `scripts/setup-engine specforge-writer` (SpecForge 0.2.0 + SGLang 0.5.14 on CPU torch,
+4.5 GB; .ci/run builds it beside the other environments, 176 s of installs measured here from an empty pip cache). Without it the
+tests skip naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import pytest
 import torch
 
 from helpers import train_acc
-from test_trainers_oracle import HERE, _cache, trainer_python
+from test_trainers_oracle import HERE, trainer_python
 
 TARGET, DRAFT = "fixture:tiny-llama-chat", "fixture:tiny-llama-eagle3"
 SCRIPT_VAR = "DIFFTEST_SPECFORGE_SCRIPT"
@@ -47,17 +52,30 @@ DEFAULT_IDS = [1, 3, 4]  # SpecForge's default capture ids for 8 layers: [1, L//
 STEPS, MAX_LEN = 7, 2048  # SpecForge's defaults: ttt_length, max_length
 
 
-def _writer() -> tuple[str, str]:
-    """The writer environment's interpreter and SpecForge's script, or skip naming what is missing."""
-    python = _cache() / "envs" / "specforge-writer" / "bin" / "python"
-    if not python.exists():
-        why = f"SpecForge's writer environment is not set up ({python})"
-        pytest.skip(f"{why}; run: scripts/setup-engine specforge-writer")
+def _writer() -> str:
+    """The writer environment's interpreter; skips naming its setup command (fails under
+    DIFFTEST_REQUIRE_ENGINES=1, CI, which builds it: .ci/run)."""
+    return trainer_python("specforge-writer")
+
+
+def _script() -> str:
+    """SpecForge's scripts/prepare_hidden_states.py from a checkout (not in its wheel or sdist), or skip."""
     script = os.environ.get(SCRIPT_VAR, "")
     if not script or not Path(script).is_file():
-        pytest.skip(f"{SCRIPT_VAR} does not name SpecForge's scripts/prepare_hidden_states.py (not in its wheel): "
-                    "set it to a SpecForge checkout's copy")  # fmt: skip
-    return str(python), script
+        pytest.skip(f"{SCRIPT_VAR} does not name SpecForge's scripts/prepare_hidden_states.py (not in its wheel "
+                    "or sdist): set it to a SpecForge checkout's copy to compare the script's files")  # fmt: skip
+    return script
+
+
+def _run(cmd: list, log: Path) -> None:
+    env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", HF_HOME=str(log.parent / "hf"),
+               TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=600)
+    out = proc.stdout + proc.stderr
+    log.write_text(out)
+    assert proc.returncode == 0, f"{Path(cmd[1]).name} failed (log {log}):\n{out[-4000:]}"
+    print(f"{Path(cmd[1]).name} (SpecForge 0.2.0, SGLang 0.5.14, CPU): {time.monotonic() - t0:.1f}s")
 
 
 def _resolve(ref: str) -> Path:
@@ -120,29 +138,48 @@ def served_target(target: Path, view: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory) -> dict:
-    python, script = _writer()
+def inputs(tmp_path_factory) -> dict:
+    """What both writers are given: the conversations, the served target, the template, the draft config."""
     target, draft = _resolve(TARGET), _resolve(DRAFT)
     root = tmp_path_factory.mktemp("specforge-writer")
     rows = write_conversations(target, root / "conversations.jsonl")
     served = served_target(target, root / "target")
     (root / "templates.json").write_text(json.dumps(specforge_template()))
     draft_config(draft, root / "draft.json")
+    return {"root": root, "target": target, "served": served, "draft": draft, "rows": rows}
+
+
+@pytest.fixture(scope="module")
+def writer_python() -> str:
+    return _writer()
+
+
+@pytest.fixture(scope="module")
+def written(writer_python, inputs) -> dict:
+    """SpecForge's installed package writes the files (tests/trainer_oracle/specforge_capture.py)."""
+    root, out = inputs["root"], inputs["root"] / "hidden_states"
+    cmd = [writer_python, HERE / "specforge_capture.py", "--target", inputs["served"], "--draft-config", root / "draft.json",
+           "--data", root / "conversations.jsonl", "--chat-template", "tiny-chat", "--templates",
+           root / "templates.json", "--output", out, "--cache-dir", root / "cache", "--max-length", "256",
+           "--batch-size", "8", "--mem-fraction-static", "0.05"]  # fmt: skip
+    _run(cmd, root / "capture.log")
+    return {**inputs, "out": out}
+
+
+@pytest.fixture(scope="module")
+def script_written(writer_python, inputs) -> Path:
+    """SpecForge's scripts/prepare_hidden_states.py writes the same data (tests/trainer_oracle/specforge_prepare_hs.py)."""
+    script, root = _script(), inputs["root"] / "script"
     out = root / "hidden_states"
-    cmd = [python, HERE / "specforge_prepare_hs.py", script, root / "run", root / "templates.json", "--",
-           "--target-model-path", served, "--draft-model-config", root / "draft.json",
-           "--data-path", root / "conversations.jsonl", "--chat-template", "tiny-chat", "--max-length", "256",
-           "--batch-size", "8", "--output-path", out, "--cache-dir", root / "run" / "cache",
+    cmd = [writer_python, HERE / "specforge_prepare_hs.py", script, root / "run", inputs["root"] / "templates.json", "--",
+           "--target-model-path", inputs["served"], "--draft-model-config", inputs["root"] / "draft.json",
+           "--data-path", inputs["root"] / "conversations.jsonl", "--chat-template", "tiny-chat", "--max-length",
+           "256", "--batch-size", "8", "--output-path", out, "--cache-dir", root / "run" / "cache",
            "--build-dataset-num-proc", "1", "--num-workers", "0", "--num-io-threads", "1",
            "--sglang-attention-backend", "torch_native", "--sglang-mem-fraction-static", "0.05"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", HF_HOME=str(root / "hf"), TOKENIZERS_PARALLELISM="false")
-    t0 = time.monotonic()
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=600)
-    log = proc.stdout + proc.stderr
-    (root / "prepare.log").write_text(log)
-    assert proc.returncode == 0, f"prepare_hidden_states failed (log {root / 'prepare.log'}):\n{log[-4000:]}"
-    print(f"SpecForge prepare_hidden_states (SGLang 0.5.14, CPU): {time.monotonic() - t0:.1f}s")
-    return {"target": target, "served": served, "draft": draft, "out": out, "rows": rows, "log": log}
+    root.mkdir()
+    _run(cmd, root / "prepare.log")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +211,7 @@ def specforge_forward(written, tmp_path_factory) -> dict:
 # -- the writer -------------------------------------------------------------------------------------
 
 
-def test_prepare_hidden_states_wrote_one_feature_file_per_conversation_in_its_layout(written):
+def test_specforge_wrote_one_feature_file_per_conversation_in_its_layout(written):
     files = sorted((written["out"] / "rows_0-2000").glob("data_*.ckpt"))
     assert len(files) == N_CONVERSATIONS, sorted(p.name for p in written["out"].rglob("*"))
     assert (written["out"] / "vocab_mapping" / "vocab_mapping.pt").is_file()
@@ -201,6 +238,26 @@ def test_prepare_hidden_states_wrote_one_feature_file_per_conversation_in_its_la
         # loss on the assistant turn: its words and the end-of-turn marker
         assert sum(mask) == len(row["conversations"][1]["content"].split()) + 1, (path.name, mask)
     assert len(seen) == N_CONVERSATIONS
+
+
+def _files(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+
+
+def test_the_installed_packages_files_are_the_scripts_files_tensor_for_tensor(written, script_written):
+    """Only with DIFFTEST_SPECFORGE_SCRIPT: the script, run on the same inputs, writes the same files,
+    the same tensors (values, dtypes, shapes) in each, and the same vocabulary mapping; the feature
+    files are the same bytes (the mapping's archive names the script's temporary file, so only its
+    tensors are compared)."""
+    ours, theirs = written["out"], script_written
+    assert _files(ours) == _files(theirs), (_files(ours), _files(theirs))
+    for name in _files(ours):
+        a, b = torch.load(ours / name, weights_only=True), torch.load(theirs / name, weights_only=True)
+        assert list(a) == list(b), (name, list(a), list(b))  # the same keys, in the layout's order
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (name, key)
+        if name.startswith("rows_"):
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
 
 
 # -- the end-to-end check on that data ----------------------------------------------------------
