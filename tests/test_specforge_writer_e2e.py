@@ -26,7 +26,7 @@ What runs, all of it the upstream code except the CPU stand-ins applied at run t
   collapses; SGLang 0.5.23 adds 1 when the first id is 1 and feeds what the trainer fed.
 
 Environment: `scripts/setup-engine specforge-writer` (SpecForge 0.2.0 + SGLang 0.5.14 on CPU torch,
-4.5 GB; .ci/run builds it beside the other environments, 176 s of installs measured here from an empty pip cache). Without it the
+2.7 GB; .ci/run builds it beside the other environments, 176 s of installs measured here from an empty pip cache). Without it the
 tests skip naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail.
 """
 
