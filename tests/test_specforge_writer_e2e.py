@@ -371,3 +371,15 @@ def test_vllm_reads_a_specforge_draft_configs_ids_one_layer_early_and_the_draft_
 def test_sglang_feeds_a_specforge_draft_what_the_trainer_fed(scored):
     fcs = [r["fc"] for r in scored["rows"]]
     assert fcs.count(["h2", "h4", "h5"]) == 2, fcs  # the trainer's row and SGLang's (+1 when the first id is 1)
+
+
+def test_the_package_writer_refuses_an_existing_output_folder_in_one_line(writer_python, tmp_path):
+    """Nothing is written over an earlier run's files (the script would skip existing files silently)."""
+    out = tmp_path / "hidden_states"
+    (out / "rows_0-2000").mkdir(parents=True)
+    cmd = [writer_python, HERE / "specforge_capture.py", "--target", "T", "--draft-config", "D", "--data", "J",
+           "--chat-template", "tiny-chat", "--output", out, "--cache-dir", tmp_path / "cache"]  # fmt: skip
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout)
+    assert proc.stderr == f"specforge_capture: --output {out} exists; give a new directory\n", proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["rows_0-2000"] and not (tmp_path / "cache").exists()
