@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-MATCH_REL_DIFF = 1e-3  # a chunk "is" a reference tensor below this mean per-token rel_diff (bf16 noise ~1e-5)
+MATCH_REL_DIFF = 1e-3  # a chunk "is" a reference tensor below this median per-token rel_diff (bf16 noise ~1e-5)
 
 
 @dataclass
@@ -17,7 +17,7 @@ class ChunkMatch:
     best: str  # reference tensor the engine's chunk matches best (maybe "rmsnorm(target.h.k)")
     cosine: float  # mean per-token cosine against `best`
     min_cosine: float  # worst token
-    rel_diff: float  # mean per-token rel_diff against `best`
+    rel_diff: float  # median per-token rel_diff against `best` (difftest.diagnose._score: why not the mean)
     max_abs: float
     norm: float  # mean per-token RMS of the engine's chunk
     norm_spread: float  # its standard deviation over tokens

@@ -4,7 +4,7 @@ fc inputs: each H-wide chunk of the engine's `draft.fc_in` is matched against ev
 reference `target.h.{k}` and `target.final_norm` (and, when nothing matches, against
 rmsnorm of each: a norm applied before fc). Per candidate we compute the per-token
 (per-row) cosine and SGLang rel_diff (1 - 2 sum(xy) / sum(x^2 + y^2)); the best match is
-the lowest mean rel_diff (cosine alone is blind to per-token scaling, i.e. to a norm).
+the lowest median rel_diff (cosine alone is blind to per-token scaling, i.e. to a norm).
 The matches are compared with the reference wiring and the pattern is named:
 off-by-one, permutation, embedding dropped/extra, pre/post final norm, default-layer
 fallback, slots shifted, norm applied before fc, chunk count mismatch.
@@ -75,14 +75,19 @@ def _tensor(ref: Capture, name: str) -> torch.Tensor:
 
 
 def _score(chunk: torch.Tensor, ref: Capture, names: list[str]) -> dict[str, tuple[float, float, float]]:
-    """name -> (mean per-token rel_diff, mean cos, min cos), for candidates of the chunk's shape."""
+    """name -> (median per-token rel_diff, mean cos, min cos), for candidates of the chunk's shape.
+
+    The median, not the mean: a token an MoE router sent to other experts at a near-tie (a bf16
+    DeepSeek-V3 target) moves a whole hidden row by up to 50%, and one or two such rows in a prompt
+    lifted the mean above MATCH_REL_DIFF, so a chunk fed the right layer matched none ("different
+    layers"). A chunk fed another layer differs on every token, so its median does too."""
     out = {}
     for name in names:
         cand = _tensor(ref, name)
         if cand.shape != chunk.shape:
             continue
         cos, rel = token_similarity(chunk, cand.to(chunk.device))
-        out[name] = (float(rel.mean()), float(cos.mean()), float(cos.min()))
+        out[name] = (float(rel.median()), float(cos.mean()), float(cos.min()))
     return out
 
 

@@ -226,3 +226,29 @@ def test_similarity_matrix_covers_every_chunk_and_candidate(states):
     assert sim.candidates == [f"target.h.{k}" for k in range(5)]
     assert sim.cosine[0][2] == pytest.approx(1.0, abs=1e-6)
     assert [m.best for m in matches] == ["target.h.2", "target.h.3", "target.h.4"]
+
+
+def _rerouted(x: torch.Tensor, row: int) -> torch.Tensor:
+    """`x` with one token's row moved by half its norm: an MoE router sent that token elsewhere."""
+    x = x.clone()
+    x[row] = x[row] + 0.5 * x[row].norm() / TH**0.5 * torch.ones(TH)
+    return x
+
+
+def test_a_chunk_with_one_rerouted_token_still_names_the_layer_fed(states):
+    # one token of six moved: its mean rel_diff over the prompt is far above MATCH_REL_DIFF
+    inputs = ["target.h.1", "target.h.2", "target.h.3"]
+    ref = _synthetic([states[n] for n in inputs], states, inputs)
+    fed = ["target.h.2", "target.h.3", "target.h.4"]
+    other = _synthetic([_rerouted(states[n], row=4) for n in fed], states, inputs)
+    assert (
+        diagnose_fc(ref, other)[-1] == "engine fed fc [h2, h3, h4]; reference fed [h1, h2, h3]; pattern: off-by-one +1"
+    )
+
+
+def test_a_chunk_fed_another_tensor_on_every_token_matches_no_layer(states):
+    inputs = ["target.h.1", "target.h.2", "target.h.3"]
+    ref = _synthetic([states[n] for n in inputs], states, inputs)
+    every = states["target.h.2"] + 0.5 * states["target.h.2"].norm(dim=-1, keepdim=True) / TH**0.5
+    matches, _ = match_chunks(ref, _synthetic([states["target.h.1"], every, states["target.h.3"]], states, inputs))
+    assert not matches[1].matched and matches[0].correct and matches[2].correct
