@@ -73,6 +73,10 @@ class Case:
     allow_missing: list[str] = field(default_factory=list)
     description: str = ""
     expect_failure: list[ExpectedFailure] = field(default_factory=list)
+    # Not a YAML field: set on the float64 calibration run of a half-precision case
+    # (difftest.session.calibration_case). The engines load the checkpoint in the case's dtype, so
+    # they all compute with its weights rounded to it; the exact run computes that same model.
+    weights_dtype: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +97,8 @@ class Case:
         parts = self.to_dict()
         for judged_only in ("name", "path", "description", "tolerances", "expect", "allow_missing", "expect_failure"):
             parts.pop(judged_only)
+        if parts["weights_dtype"] is None:  # the weights as stored: keys as before the field existed
+            parts.pop("weights_dtype")
         parts["files"] = {role: _files_signature(p) for role, p in (("target", self.target), ("draft", self.draft))}
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -92,6 +92,7 @@ TIE_FACTOR = 2.0
 ROUTER_TIE_FACTOR = 4.0
 MIN_FLOOR_ROWS = 4  # fewer untouched rows than this: the floor takes every row (tie rows included)
 CALIBRATION_DTYPE = "float64"
+HALF_DTYPES = ("bfloat16", "float16")  # their calibration run rounds the weights first (session.calibration_case)
 AUX_PREFIX = "aux."  # reference-side facts stored in a capture, never compared (difftest.names)
 ROUTER_PREFIX = "aux.router."
 

@@ -42,6 +42,17 @@ OVERRIDABLE_FLAGS = ("norm_before_residual", "norm_output", "norm_before_fc", "f
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+def rounded_through(model: torch.nn.Module, weights_dtype: str | None) -> torch.nn.Module:
+    """`model`'s floating-point weights as `weights_dtype` rounds them, kept in the model's own dtype
+    (Case.weights_dtype: the float64 calibration run computes the model the engines load)."""
+    if weights_dtype is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.copy_(p.to(DTYPES[weights_dtype]).to(p.dtype))
+    return model
+
+
 class RefEngine(Engine):
     SETTINGS = SCHEMA
     CALIBRATES = True  # the noise floor, the default engine and reference (difftest.engine.calibration_engine)
@@ -65,12 +76,12 @@ class RefEngine(Engine):
     # -- models ----------------------------------------------------------------------
     def _models(self, case: Case):
         dtype = DTYPES[case.dtype]
-        tkey = (case.target, case.dtype)
+        tkey = (case.target, case.dtype, case.weights_dtype)
         if tkey not in self._targets:
-            self._targets[tkey] = load_target(case.target, dtype)
+            self._targets[tkey] = rounded_through(load_target(case.target, dtype), case.weights_dtype)
         target = self._targets[tkey]
         draft = self.draft_path(case)
-        dkey = (draft, case.target, case.dtype)
+        dkey = (draft, case.target, case.dtype, case.weights_dtype)
         if dkey not in self._drafts:
             self._drafts[dkey] = load_draft(
                 draft,
@@ -78,6 +89,7 @@ class RefEngine(Engine):
                 target_lm_head=target.get_output_embeddings().weight.detach(),
                 dtype=dtype,
             )
+            rounded_through(self._drafts[dkey].model, case.weights_dtype)
             self._trained_flags[dkey] = {f: getattr(self._drafts[dkey].config, f) for f in OVERRIDABLE_FLAGS}
         loaded = self._drafts[dkey]
         self._apply_overrides(loaded, case, self._trained_flags[dkey])
