@@ -61,7 +61,7 @@ def _writer() -> tuple[str, str]:
 
 
 def _resolve(ref: str) -> Path:
-    from difftest.session import resolve_fixture
+    from difftest.run.session import resolve_fixture
 
     return Path(resolve_fixture(ref))
 

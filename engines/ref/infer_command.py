@@ -1,7 +1,7 @@
 """`difftest infer-wiring --target T --draft D [--prompts ...] [--json]`: what was this draft trained on?
 
 Runs the target once over the prompts in this process (engines.ref.target: every `target.h.{k}`,
-the final norm and the logits), then difftest.infer_wiring searches the draft's wiring. Prompts:
+the final norm and the logits), then difftest.rules.infer_wiring searches the draft's wiring. Prompts:
 case files (their prompts and speculative prompts), `ids:1,2,3`, or text (the target's
 tokenizer); default: --random N prompts of --length uniformly random token ids.
 Exit status: 0 decided, 1 cannot tell, 2 bad input.
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from difftest.errors import DifftestError
-from difftest.extensions import Command
-from difftest.names import FINAL_NORM, TARGET_LOGITS, hidden_name
+from difftest.base.errors import DifftestError
+from difftest.base.extensions import Command
+from difftest.base.names import FINAL_NORM, TARGET_LOGITS, hidden_name
 from difftest.records import CaptureMeta
 
 
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(ref: str) -> str:
-    from difftest.session import resolve_fixture
+    from difftest.run.session import resolve_fixture
 
     if ref.startswith("fixture:"):
         return resolve_fixture(ref)
@@ -53,8 +53,8 @@ def _resolve(ref: str) -> str:
 
 
 def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[int]]:
-    from difftest.case import load_case
-    from difftest.errors import ConfigError
+    from difftest.case.case import load_case
+    from difftest.base.errors import ConfigError
 
     if not args.prompts:
         if args.random < 1 or args.length < 2:
@@ -102,7 +102,7 @@ def _refuse_path_that_is_not_a_case(p: str) -> None:
     """--prompts takes case YAML files, ids:1,2,3, or text: one word that looks like a path (a file
     suffix, a path separator) is a path, so a missing one is refused naming it rather than
     tokenized as a prompt. Text with spaces stays text ("what is 1/2?")."""
-    from difftest.errors import ConfigError
+    from difftest.base.errors import ConfigError
 
     if p.startswith("ids:") or any(c.isspace() for c in p):
         return
@@ -120,10 +120,10 @@ def _refuse_path_that_is_not_a_case(p: str) -> None:
 
 @torch.no_grad()
 def infer(target_ref: str, draft_ref: str, prompts: list[list[int]], layer_ids: list[int] | None = None):
-    from difftest.capture import Capture
-    from difftest.infer_case import target_family
+    from difftest.records.capture import Capture
+    from difftest.run.infer_case import target_family
     from engines.ref.infer_draft import load_inference_draft
-    from difftest.infer_wiring import evidence_from_captures, infer_from_evidence
+    from difftest.rules.infer_wiring import evidence_from_captures, infer_from_evidence
     from engines.ref.target import load_target, run_target
 
     target_dir, draft_dir = _resolve(target_ref), _resolve(draft_ref)
@@ -141,7 +141,7 @@ def infer(target_ref: str, draft_ref: str, prompts: list[list[int]], layer_ids: 
 
 
 def main(args: argparse.Namespace) -> int:
-    from difftest.jsonfile import read_json
+    from difftest.base.jsonfile import read_json
 
     try:
         target = _resolve(args.target)

@@ -17,17 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from difftest.case import Case
-from difftest.definitions import Definition, trainer_figures
-from difftest.diagnose import match_fc_chunks
-from difftest.engine import EngineSpec
-from difftest.errors import ConfigError
-from difftest.extensions import ExtraCheck
+from difftest.case.case import Case
+from difftest.base.definitions import Definition, trainer_figures
+from difftest.compare.diagnose import match_fc_chunks
+from difftest.run.engine import EngineSpec
+from difftest.base.errors import ConfigError
+from difftest.base.extensions import ExtraCheck
 from difftest.records.check_data import CheckData
-from difftest.session import Session
-from difftest.verdict import Verdict
-from difftest.names import FINAL_NORM, hidden_index
-from difftest.wiring import short_name
+from difftest.run.session import Session
+from difftest.checks.verdict import Verdict
+from difftest.base.names import FINAL_NORM, hidden_index
+from difftest.rules.wiring import short_name
 
 TRAIN = "train"
 DEFAULT_ATOL = 0.05
