@@ -1,10 +1,11 @@
-// Native row kernel of difftest.rowstats: every per-row statistic of a (reference, engine) pair
-// of [R, C] row-major tensors from one read of each tensor from memory; and, at the end of this
-// file, the float64 sums of difftest.noise.row_rel_err (the calibration's comparison).
+// Native row kernel of difftest.compare.rowstats: every per-row statistic of a (reference, engine)
+// pair of [R, C] row-major tensors from one read of each tensor from memory; and, at the end of
+// this file, the float64 sums of difftest.compare.noise.row_rel_err (the calibration's comparison).
 //
-// The definition is difftest/rowstats.py's eager path (_elementwise, _sums, _rank_tv); this file
-// computes the same numbers. Counts, maxima, max_col and rank are exact; sums are float32 within
-// a block of BLOCK columns and float64 across blocks (closer to exact than the eager float32 sums).
+// The definition is difftest/compare/rowstats.py's eager path (_elementwise, _sums, _rank_tv); this
+// file computes the same numbers. Counts, maxima, max_col and rank are exact; sums are float32
+// within a block of BLOCK columns and float64 across blocks (closer to exact than the eager float32
+// sums).
 //
 // Why it is fast:
 //  * rows are spread over threads, and a row is swept up to three times, but only the first sweep

@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from difftest.rules.checkpoint_integrity import refuse_on_errors, stored_tensors
-from difftest.base.errors import ConfigError
-from difftest.rules.weight_files import load_safetensors, torch_load_tensors
+from difftest.api import refuse_on_errors, stored_tensors
+from difftest.api import ConfigError
+from difftest.api import load_safetensors, torch_load_tensors
 
 Recorder = Callable[[str, torch.Tensor], None]
 

@@ -18,18 +18,18 @@ from __future__ import annotations
 import torch
 
 import difftest
-from difftest.records.acceptance import AcceptStats
-from difftest.records.capture import Capture
-from difftest.case.case import Case
-from difftest.run.engine import Engine, EngineInfo
-from difftest.base.errors import ConfigError
-from difftest.rules.wiring import Wiring, resolve
+from difftest.api import AcceptStats
+from difftest.api import Capture
+from difftest.api import Case
+from difftest.api import Engine, EngineInfo
+from difftest.api import ConfigError
+from difftest.api import Wiring, resolve
 from engines.ref.draft_loading import LoadedDraft, load_draft
 from engines.ref.settings import SCHEMA
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import load_target, num_layers, run_target
-from difftest.base.names import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
-from difftest.records import CaptureMeta, FcWiring, ReplayRow
+from difftest.api import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
+from difftest.api import CaptureMeta, FcWiring, ReplayRow
 
 # float64 is not a case dtype: the harness asks for it to measure the noise floor (difftest.compare.noise)
 # Part of the engine version (so of every capture-cache key): bumped when what a ref capture holds

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from difftest.base.errors import ConfigError
-from difftest.base.extensions import DraftLoader
+from difftest.api import ConfigError
+from difftest.api import DraftLoader
 
 
 def _target_tensor(target: Path, suffix: str) -> torch.Tensor | None:

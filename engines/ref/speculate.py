@@ -22,10 +22,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from difftest.records.acceptance import AcceptStats
-from difftest.base.names import FC_IN, draft_name
-from difftest.base.errors import ConfigError
-from difftest.base.names import FINAL_NORM, hidden_index
+from difftest.api import AcceptStats
+from difftest.api import FC_IN, draft_name
+from difftest.api import ConfigError
+from difftest.api import FINAL_NORM, hidden_index
 from engines.ref.eagle3 import Eagle3Draft, KVCache
 from engines.ref.target import TargetOutput, run_target
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from difftest.rules.checkpoint_integrity import refuse_on_errors, target_findings
-from difftest.base.errors import ConfigError, EngineUnavailable
-from difftest.rules.weight_files import LOAD_ERRORS, explain_load_failure
+from difftest.api import refuse_on_errors, target_findings
+from difftest.api import ConfigError, EngineUnavailable
+from difftest.api import LOAD_ERRORS, explain_load_failure
 
 
 @dataclass
@@ -107,7 +107,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
 
 def target_config(path: Path) -> dict:
     """config.json of a target checkpoint: a JSON object, not a draft's, with numeric sizes."""
-    from difftest.base.jsonfile import read_json
+    from difftest.api import read_json
 
     where = path / "config.json"
     config = read_json(where, "target config")

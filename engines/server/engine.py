@@ -23,11 +23,11 @@ import os
 from pathlib import Path
 
 from engines.server import client as server_client
-from difftest.records.acceptance import AcceptStats
-from difftest.records.capture import Capture
-from difftest.case.case import Case
-from difftest.run.engine import Engine, EngineInfo
-from difftest.base.errors import ConfigError, EngineError
+from difftest.api import AcceptStats
+from difftest.api import Capture
+from difftest.api import Case
+from difftest.api import Engine, EngineInfo
+from difftest.api import ConfigError, EngineError
 from engines.server.client import ServerClient, ServerError
 from engines.server.settings import SCHEMA
 

@@ -17,15 +17,15 @@ request is marked (engines.server.client) and left out of the verdict when clean
 
 from __future__ import annotations
 
-from difftest.compare import accept_gate
-from difftest.compare.accept_gate import ACCEPT_SIGMAS
-from difftest.records.acceptance import AcceptStats, accept_length_spread
-from difftest.case.case import Case
-from difftest.run.engine import EngineSpec
-from difftest.base.errors import ConfigError
-from difftest.base.extensions import ExtraCheck
-from difftest.records.check_data import ServerAcceptData
-from difftest.checks.verdict import Verdict
+from difftest.api import accept_gate
+from difftest.api import ACCEPT_SIGMAS
+from difftest.api import AcceptStats, accept_length_spread
+from difftest.api import Case
+from difftest.api import EngineSpec
+from difftest.api import ConfigError
+from difftest.api import ExtraCheck
+from difftest.api import ServerAcceptData
+from difftest.api import Verdict
 
 
 def flags(settings: dict, case: Case) -> list[str]:

@@ -46,7 +46,7 @@ def is_mla(target_cfg: dict) -> bool:
 def _reading(target_cfg: dict, draft_cfg: dict, version: str | None = None):
     """SGLang's reading of the draft's layer ids (difftest.rules.layer_rules: the one copy of the rule; an
     older release's differences from it: engines/sglang/versions.py)."""
-    from difftest.rules.layer_rules import target_family
+    from difftest.api import target_family
     from engines.sglang.versions import layer_rule
 
     rule = layer_rule(target_family(target_cfg), version)

@@ -37,14 +37,14 @@ from pathlib import Path
 
 import torch
 
-from difftest.records.acceptance import AcceptStats
-from difftest.records.capture import Capture, cache_key
-from difftest.case.case import Case
-from difftest.run.engine import Engine, EngineInfo
-from difftest.base.errors import EngineError, EngineSpent, EngineUnavailable
-from difftest.rules.overlay import overlay_checkpoint
-from difftest.base.paths import cache_root
-from difftest.records import CaptureMeta, FcWiring
+from difftest.api import AcceptStats
+from difftest.api import Capture, cache_key
+from difftest.api import Case
+from difftest.api import Engine, EngineInfo
+from difftest.api import EngineError, EngineSpent, EngineUnavailable
+from difftest.api import overlay_checkpoint
+from difftest.api import cache_root
+from difftest.api import CaptureMeta, FcWiring
 from engines.sglang import cpu_ranks, cpu_shim, deepseek, process_start, rank_crash, tensor_parallel, versions
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
@@ -58,7 +58,7 @@ PARTIAL = ["target.h.*"]
 
 
 def _config(checkpoint: str, what: str) -> dict:
-    from difftest.base.jsonfile import read_json
+    from difftest.api import read_json
 
     return read_json(Path(checkpoint) / "config.json", what)
 

@@ -42,7 +42,7 @@ def at_least(version: str | None, first: tuple[int, ...]) -> bool:
 def layer_rule(family: str, version: str | None = None):
     """SGLang's layer-id rule for a target family in this release (None: the pinned release's rule):
     difftest.rules.engine_releases derives it from the pinned rule and the changes read in the wheels."""
-    from difftest.rules.engine_releases import layer_rule as release_rule
+    from difftest.api import layer_rule as release_rule
 
     return release_rule("sglang", family, version)
 

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from difftest.case import chat
-from difftest.case.case import Prompt
+from difftest.api import chat
+from difftest.api import Prompt
 
 CAUSE = "chat-template drift"
 # boolean flags chat templates read (Qwen3 `enable_thinking`, DeepSeek-V3.1 `thinking`, ...): found in

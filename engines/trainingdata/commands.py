@@ -17,19 +17,19 @@ import json
 import sys
 from pathlib import Path
 
-from difftest.base import definitions
-from difftest.records.acceptance import normalise
-from difftest.case.case import Case, Prompt, load_case
-from difftest.run.engine import EngineSpec
-from difftest.base.errors import ConfigError, DifftestError
-from difftest.base.extensions import Command
-from difftest.base.outputs import atomic_write, check_output_dir, check_output_file
-from difftest.rules.wiring import short_name
+from difftest.api import definitions
+from difftest.api import normalise
+from difftest.api import Case, Prompt, load_case
+from difftest.api import EngineSpec
+from difftest.api import ConfigError, DifftestError
+from difftest.api import Command
+from difftest.api import atomic_write, check_output_dir, check_output_file
+from difftest.api import short_name
 
 
 def _model(ref: str) -> str:
     if ref.startswith("fixture:"):
-        from difftest.run.session import resolve_fixture
+        from difftest.api import resolve_fixture
 
         return resolve_fixture(ref)
     return str(Path(ref).resolve())

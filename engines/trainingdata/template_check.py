@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from difftest.case import chat
-from difftest.case.case import Case
-from difftest.run.engine import EngineSpec
-from difftest.base.errors import ConfigError
-from difftest.base.extensions import ExtraCheck
-from difftest.records.check_data import CheckData
-from difftest.run.session import Session
-from difftest.checks.verdict import Verdict
+from difftest.api import chat
+from difftest.api import Case
+from difftest.api import EngineSpec
+from difftest.api import ConfigError
+from difftest.api import ExtraCheck
+from difftest.api import CheckData
+from difftest.api import Session
+from difftest.api import Verdict
 from engines.trainingdata.chat_template import CAUSE, chat_prompts
 from engines.trainingdata.train_check import TRAIN
 from engines.trainingdata.train_check import applies as names_training_data

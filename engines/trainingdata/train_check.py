@@ -17,17 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from difftest.case.case import Case
-from difftest.base.definitions import Definition, trainer_figures
-from difftest.compare.diagnose import match_fc_chunks
-from difftest.run.engine import EngineSpec
-from difftest.base.errors import ConfigError
-from difftest.base.extensions import ExtraCheck
-from difftest.records.check_data import CheckData
-from difftest.run.session import Session
-from difftest.checks.verdict import Verdict
-from difftest.base.names import FINAL_NORM, hidden_index
-from difftest.rules.wiring import short_name
+from difftest.api import Case
+from difftest.api import Definition, trainer_figures
+from difftest.api import match_fc_chunks
+from difftest.api import EngineSpec
+from difftest.api import ConfigError
+from difftest.api import ExtraCheck
+from difftest.api import CheckData
+from difftest.api import Session
+from difftest.api import Verdict
+from difftest.api import FINAL_NORM, hidden_index
+from difftest.api import short_name
 
 TRAIN = "train"
 DEFAULT_ATOL = 0.05

@@ -57,14 +57,14 @@ from pathlib import Path
 
 import torch
 
-from difftest.records.acceptance import AcceptStats
-from difftest.records.capture import Capture
-from difftest.case.case import Case
-from difftest.run.engine import Engine, EngineInfo
-from difftest.base.errors import ConfigError, EngineError, EngineSpent, EngineUnavailable
-from difftest.base.names import draft_name
-from difftest.base.paths import cache_root
-from difftest.records import CaptureMeta, FcWiring
+from difftest.api import AcceptStats
+from difftest.api import Capture
+from difftest.api import Case
+from difftest.api import Engine, EngineInfo
+from difftest.api import ConfigError, EngineError, EngineSpent, EngineUnavailable
+from difftest.api import draft_name
+from difftest.api import cache_root
+from difftest.api import CaptureMeta, FcWiring
 from engines.vllm import compat, releases, tp
 from engines.vllm.settings import SCHEMA
 
@@ -360,7 +360,7 @@ class VllmEngine(Engine):
         return out
 
     def _overlay(self, draft: str, overrides: dict) -> Path:
-        from difftest.rules.overlay import overlay_checkpoint
+        from difftest.api import overlay_checkpoint
 
         return overlay_checkpoint(draft, overrides, engine_dir())
 
@@ -638,7 +638,7 @@ def _read_config(checkpoint: str) -> dict:
     path = Path(checkpoint) / "config.json"
     if not path.is_file():
         return {}  # not a local checkpoint: vLLM reports what it cannot load
-    from difftest.base.jsonfile import read_json
+    from difftest.api import read_json
 
     return read_json(path, "target config")
 
@@ -647,8 +647,8 @@ def _refuse_unreachable_ids(target_cfg: dict, target: str, draft: str) -> None:
     """Refuse before starting what vLLM would crash on deep in the engine, as its layer-id rule
     model predicts (difftest.rules.layer_rules.VLLM_DEEPSEEK: id 0 on a DeepSeek target, where
     DeepseekV2Model.forward computes `hidden_states + residual` before layer 0, with no residual yet)."""
-    from difftest.base.jsonfile import read_json
-    from difftest.rules.layer_rules import rule_for, target_family
+    from difftest.api import read_json
+    from difftest.api import rule_for, target_family
 
     path = Path(draft) / "config.json"
     rule = rule_for("vllm", target_family(target_cfg))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from difftest.base.errors import EngineError
+from difftest.api import EngineError
 
 VERIFIED = "0.32.0"
 REPLICATED = "replicated"
