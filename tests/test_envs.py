@@ -23,7 +23,7 @@ def _setup_engine_hash(name: str) -> str:
     return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=True).stdout.strip()
 
 
-@pytest.mark.parametrize("engine", ["sglang", "vllm", "speculators", "specforge"])
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "speculators", "specforge", "specforge-writer"])
 def test_pinned_version_plans_the_environment_setup_engine_builds(engine, tmp_path):
     p = envs.plan(engine, cache=tmp_path)
     assert p.directory == tmp_path / "envs" / f"{engine}-{_setup_engine_hash(engine)}"
@@ -71,7 +71,7 @@ def test_label_names_the_link_engines_find(tmp_path):
 def test_unknown_engine_is_refused_naming_the_buildable_ones(tmp_path):
     with pytest.raises(
         ConfigError,
-        match=r"^difftest env create: unknown engine 'tensorrt' \(environments can be built for: sglang, specforge, speculators, vllm\)$",
+        match=r"^difftest env create: unknown engine 'tensorrt' \(environments can be built for: sglang, specforge, specforge-writer, speculators, vllm\)$",
     ):
         envs.plan("tensorrt==1.0", cache=tmp_path)
 

@@ -81,9 +81,16 @@ def test_a_bf16_draft_reports_its_near_ties_and_the_trainers_bf16_autocast(tmp_p
         _draft(tmp_path, torch.bfloat16, "train:\n  seed: 0\n"), "float32"
     )  # run.yaml omits the bf16 default
     assert p.resolution == TIE_UNITS * 2.0**-8 and p.trainer_compute == "bfloat16"
-    line = p.line([3, 5, 8])
+    line = p.line([3, 5, 8], "speculators>=0.7")
     assert line.startswith("precision: weights stored in bfloat16 (speculators saves bf16 checkpoints")
     assert "3 5 8 counted positions per step" in line and "bfloat16 autocast (run.yaml hidden_states_dtype)" in line
+
+
+def test_a_bf16_draft_of_another_trainer_is_not_said_to_be_speculators(tmp_path):
+    p = draft_precision(_draft(tmp_path, torch.bfloat16), "float32")
+    line = p.line([3], "specforge")
+    assert line.startswith("precision: weights stored in bfloat16 (rounded from the weights the trainer validated")
+    assert "speculators" not in line
 
 
 def test_a_float32_draft_scored_in_bf16_counts_near_ties_at_bf16_resolution(tmp_path):

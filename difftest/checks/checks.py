@@ -27,7 +27,7 @@ from difftest.compare import accept_gate
 from difftest.compare import noise
 from difftest.case.case import Case
 from difftest.case.check_names import ENGINE_CHECKS, REFERENCE_CHECKS
-from difftest.compare.compare import CaptureDiff, TensorDiff, noise_summary
+from difftest.compare.compare import CaptureDiff, TensorDiff, aligned_rows, noise_summary
 from difftest.records.tensor_diff import TensorStatus
 from difftest.compare.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.run.engine import EngineSpec
@@ -341,19 +341,41 @@ def check_lint(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     return Verdict(not errors, head + "\n" + "\n".join(map(str, findings)), data)
 
 
+def _inputs_moved_by_events(cd: CaptureDiff) -> torch.Tensor | None:
+    """Rows of draft.fc_in (whole or any chunk) above noise by an excused numerical event, when the
+    fc inputs are within noise as a whole (None otherwise: a diverging input is the wiring's)."""
+    fc = [d for d in cd.diffs if in_fc_in(d.name)]
+    if not fc or not all(d.ok for d in fc):
+        return None
+    moved = [rows for name, rows in cd.excused_rows.items() if in_fc_in(name)]
+    if not moved:
+        return None
+    n = max(rows.numel() for rows in moved)
+    out = torch.zeros(n, dtype=torch.bool)
+    for rows in moved:
+        out |= aligned_rows(rows, n)
+    return out
+
+
 def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     """Agreement of the draft's greedy choices, over positions where the reference's choice is clear.
 
     A position whose reference top-1 margin is within what the measured noise can move
     (difftest.compare.noise.tie_rows) is a tie: either choice is correct, so it is counted apart and
     reported, not judged. Draft steps after a tie that the engine resolved the other way compute
-    on another token and are left out (difftest.compare.compare)."""
+    on another token and are left out (difftest.compare.compare). So is a position whose draft input
+    (draft.fc_in, within noise as a whole) is above noise at that row because of a numerical event
+    upstream that the comparison excused (an MoE router near-tie sending the token to other
+    experts, or target rows the target's own verdict took as noise: CaptureDiff.excused_rows):
+    the draft computed there, correctly, on another input. Only the token's own row is left out,
+    and none when draft.fc_in diverges: then every disagreement is the wiring's."""
     _needs_tensors(session, spec, "top1_agreement")
     threshold = float(case.expect.get("top1_agreement", DEFAULT_TOP1))
     floor = session.noise_floor(case)
-    agree = total = ties = tie_agree = skipped = 0
+    agree = total = ties = tie_agree = skipped = excused = 0
     for i, cd in enumerate(session.comparisons(case, spec)):
         ref, other = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
+        inputs_moved = _inputs_moved_by_events(cd)
         for name in (n for n in ref.names() if n.endswith("logits_target")):
             d = cd.get(name)
             if name not in other or (d is not None and d.status == TensorStatus.TIE):
@@ -365,16 +387,25 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
             a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]).to(a.device)
             same = a2.argmax(-1) == b2.argmax(-1)
             tie = noise.tie_rows(a2, floor.threshold(name)).to(same.device)
-            agree += int((same & ~tie).sum())
-            total += int((~tie).sum())
+            event = torch.zeros_like(same)
+            if inputs_moved is not None:
+                event = aligned_rows(inputs_moved, same.numel()).to(same.device) & ~tie
+            judged = ~tie & ~event
+            agree += int((same & judged).sum())
+            total += int(judged.sum())
             ties += int(tie.sum())
             tie_agree += int((same & tie).sum())
+            excused += int(event.sum())
     rate = agree / total if total else 0.0
     msg = (f"draft top-1 agreement with {session.reference_label(case)}: {agree}/{total} = {rate:.3f} over positions with a "
            f"clear reference choice (threshold {threshold}); ties within noise: {ties} ({tie_agree} agree)")  # fmt: skip
+    if excused:
+        msg += (f"; {excused} positions left out: their {FC_IN} row is above noise by a numerical event the "
+                "comparison excused (an MoE router near-tie upstream, or target rows within its noise)")  # fmt: skip
     if skipped:
         msg += f"; {skipped} step tensors not compared (after a tie the engine resolved the other way)"
-    data = Top1Data(agree=agree, total=total, rate=rate, ties=ties, ties_agree=tie_agree, noise=floor.source)
+    data = Top1Data(agree=agree, total=total, rate=rate, ties=ties, ties_agree=tie_agree, noise=floor.source,
+                    excused=excused)  # fmt: skip
     if total == 0:
         return Verdict(ties > 0, msg + ("; every position is a tie: agreement cannot be judged here" if ties else
                                         "; nothing to compare"), data)  # fmt: skip

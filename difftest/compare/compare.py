@@ -181,6 +181,9 @@ class CaptureDiff:
     noise_source: str = ""  # how the noise floor was obtained (difftest.compare.noise.NoiseFloor.source)
     tie: str = ""  # draft steps left out: the engine drafted another token where the reference's was a tie
     router_ties: dict = field(default_factory=dict)  # MoE layer k -> rows whose routing margin is within noise
+    # per judged tensor: rows above its threshold because of a numerical event upstream (an MoE router near-tie, or input rows the input's own verdict took as noise);
+    # judge_along_flow sets it, the top-1 agreement leaves those positions out
+    excused_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -261,7 +264,7 @@ def compare_captures(
     return cd
 
 
-def _aligned(rows: torch.Tensor, n: int) -> torch.Tensor:
+def aligned_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
     """An input's per-row flags seen from a tensor of n rows: positions align at the end (a later
     draft step's one row is the last prompt position of the step before)."""
     if rows.numel() == n:
@@ -308,12 +311,12 @@ def judge_along_flow(cd: CaptureDiff, row_errors: dict[str, torch.Tensor], wirin
             continue
         excused = torch.zeros(errs.numel(), dtype=torch.bool)
         if d.name in seeds:  # tokens an MoE router sent at a near-tie
-            excused |= _aligned(seeds[d.name], errs.numel())
+            excused |= aligned_rows(seeds[d.name], errs.numel())
         mixing = _attends(d.name)
         for rows in upstream(d.name, {d.name}):
             if mixing:  # attention reads every earlier position: an event at row j reaches rows >= j
                 rows = torch.cummax(rows.to(torch.int8), 0).values.bool() if rows.numel() else rows
-            excused |= _aligned(rows, errs.numel())
+            excused |= aligned_rows(rows, errs.numel())
         above = errs > d.threshold if d.by_noise else torch.zeros_like(excused)
         if not d.by_noise:
             events[d.name] = excused & above
@@ -325,8 +328,10 @@ def judge_along_flow(cd: CaptureDiff, row_errors: dict[str, torch.Tensor], wirin
         # dtype's rounding (SAFETY x unit roundoff) where the threshold took events into its floor.
         moved = errs > min(d.threshold, noise.SAFETY * noise.unit_roundoff(dtype))
         events[d.name] = (excused & moved) | (above if not j.diverges else torch.zeros_like(above))
+        if bool((excused & above).any()):
+            cd.excused_rows[d.name] = excused & above
         if fc_chunk_index(d.name) is not None and FC_IN in events:  # fc reads the chunks together
-            events[FC_IN] = events[FC_IN] | _aligned(events[d.name], events[FC_IN].numel())
+            events[FC_IN] = events[FC_IN] | aligned_rows(events[d.name], events[FC_IN].numel())
 
 
 def _tie_step(ref: Capture, other: Capture, floor: noise.NoiseFloor) -> tuple[int | None, str]:

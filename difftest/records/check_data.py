@@ -157,6 +157,7 @@ class Top1Data(CheckData):
     ties: int  # positions whose reference top-1 is a tie within noise (not judged)
     ties_agree: int
     noise: str
+    excused: int = 0  # positions after a numerical event the comparison excused (not judged)
 
 
 @dataclass

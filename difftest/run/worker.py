@@ -76,13 +76,18 @@ class WorkerClient:
         self._log_start = 0
 
     # -- lifecycle -------------------------------------------------------------------
+    def environment(self) -> dict[str, str]:
+        """The worker process's environment: ours, its extra variables, the project importable."""
+        env = dict(os.environ, **self.extra_env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
     def start(self) -> EngineInfo:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        env = dict(os.environ, **self.extra_env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
-        env["PYTHONUNBUFFERED"] = "1"
+        env = self.environment()
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%H:%M:%S')} start {self.spec.id} with {self.python}\n".encode())
             log.flush()

@@ -130,7 +130,7 @@ def train_acc(args) -> int:
     print(
         f"correct {rows[0]['correct']} of {rows[0]['counted']}; cond {rows[0]['cond_correct']} of {rows[0]['cond_counted']}"
     )
-    print(precision.line(rows[0]["near_ties"]))
+    print(precision.line(rows[0]["near_ties"], rules_name))
     packed = packing_line(StepCounts.from_dict(rows[0]))
     if packed:
         print(packed)

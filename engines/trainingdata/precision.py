@@ -50,8 +50,9 @@ class Precision:
         u = UNIT_ROUNDOFF[self.coarsest]
         return TIE_UNITS * u if u > UNIT_ROUNDOFF["F32"] else None
 
-    def line(self, near_ties: list[int]) -> str:
-        """One line for train-acc: the exact case, or why and by how much the trainer's counts can differ."""
+    def line(self, near_ties: list[int], trainer: str = "") -> str:
+        """One line for train-acc: the exact case, or why and by how much the trainer's counts can differ
+        (`trainer`: the rules' name, e.g. "speculators>=0.7", for what that trainer is known to save)."""
         compute = ""
         if self.trainer_compute and self.trainer_compute != "float32":
             compute = (f"; the trainer validated under {self.trainer_compute} autocast (run.yaml hidden_states_dtype), "
@@ -62,8 +63,10 @@ class Precision:
                 f"and float32 master weights{compute}"
             )
         why = f"weights stored in {NAMES[self.stored]}"
-        if self.stored == "BF16":
+        if self.stored == "BF16" and trainer.startswith("speculators"):
             why += " (speculators saves bf16 checkpoints; its logged validation used the float32 master weights)"
+        elif self.stored == "BF16":
+            why += " (rounded from the weights the trainer validated with, when it trained in float32)"
         return (f"precision: {why}, scored in {self.scored}: {' '.join(map(str, near_ties))} counted positions per step "
                 f"have a prediction whose top-2 logits are within {self.resolution:.2g} of the row's largest |logit| "
                 f"({TIE_UNITS} {NAMES[self.coarsest]} units of roundoff): the trainer's correct counts can differ from "
