@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from difftest.capture import Capture
-from difftest.engine import Engine, EngineInfo
+from difftest.records.capture import Capture
+from difftest.run.engine import Engine, EngineInfo
 
 
 def parse_shape(text: str) -> tuple[int, int] | None:

@@ -1,4 +1,4 @@
-"""Benchmark (pytest-benchmark): the cost of the noise-floor calibration (difftest.noise) per case.
+"""Benchmark (pytest-benchmark): the cost of the noise-floor calibration (difftest.compare.noise) per case.
 
 Not part of the test suite (pyproject's testpaths is tests/). Run:
 
@@ -50,14 +50,16 @@ import pytest
 import torch
 import yaml
 
-from difftest import checks as checks_mod
-from difftest import noise, rowkernel, rowstats
-from difftest import report as report_mod
-from difftest import report_files
-from difftest.case import load_case
-from difftest.engine import parse_engine_list
-from difftest.errors import DifftestError
-from difftest.session import Options, Session
+from difftest.checks import checks as checks_mod
+from difftest.compare import noise
+from difftest.compare import rowkernel
+from difftest.compare import rowstats
+from difftest.report import report as report_mod
+from difftest.report import report_files
+from difftest.case.case import load_case
+from difftest.run.engine import parse_engine_list
+from difftest.base.errors import DifftestError
+from difftest.run.session import Options, Session
 from engines.ref.draft_loading import load_draft
 from engines.ref.engine import DTYPES as REF_DTYPES
 from engines.ref.target import load_target
@@ -324,7 +326,7 @@ def _rel_err_memory(dtype: torch.dtype, path: str) -> int:
 import sys; sys.path[:0] = {[str(Path(__file__).parent), str(ROOT)]!r}
 import torch
 from test_bench_calibration import _rel_err_pair, peak_extra
-from difftest import noise
+from difftest.compare import noise
 x, ref = _rel_err_pair(getattr(torch, {str(dtype).removeprefix("torch.")!r}))
 noise.row_rel_err(x[:64], ref[:64], path={path!r})  # one-off set-up (and a kernel build): not counted
 print(peak_extra(lambda: noise.row_rel_err(x, ref, path={path!r})))

@@ -11,7 +11,7 @@ case[ENGINES]: `difftest run cases/tiny_llama.yaml --engines=ENGINES --no-captur
     and written), for ENGINES `ref`, and `ref,vllm` / `ref,sglang` where those environments exist
     (~/.cache/difftest/envs; skipped otherwise). A private DIFFTEST_CACHE (no earlier captures)
     links the real one's fixtures, environments and built kernels. Its wall time is split by the
-    phases the run's report records (difftest.timings: the `timings` of reports/<case>.json), the
+    phases the run's report records (difftest.run.timings: the `timings` of reports/<case>.json), the
     rest being what no phase covers (interpreter and pytest start, collection, the report's
     writing, the workers' exit). Printed: per phase and engine the seconds, and the harness's
     own share. One round per engine list (DIFFTEST_BENCH_ROUNDS for more); the machine's load
@@ -24,7 +24,7 @@ transfer[MEDIUM]: a Kimi-width logits capture (DIFFTEST_BENCH_LOGITS, default [1
         answers a capture request (Session._request: the worker writes the capture directory)
         and the harness loads it (Session._load), min of 3 rounds, by phase;
       - in one process, the file write and read alone: before (safetensors' save_file and
-        load_file, the previous path) and after (difftest.tensorfile), each with the anonymous
+        load_file, the previous path) and after (difftest.base.tensorfile), each with the anonymous
         memory the read adds (a copy) and a first pass over the loaded tensor.
 """
 
@@ -40,14 +40,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest import tensorfile
-from difftest.capture import Capture
-from difftest.case import Case
-from difftest.engine import EngineSpec
+from difftest.base import tensorfile
+from difftest.records.capture import Capture
+from difftest.case.case import Case
+from difftest.run.engine import EngineSpec
 from difftest.records.report import Report
-from difftest.session import Options, Session
-from difftest.timings import PHASES
-from difftest.worker import WorkerClient
+from difftest.run.session import Options, Session
+from difftest.run.timings import PHASES
+from difftest.run.worker import WorkerClient
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -116,7 +116,7 @@ def start_cost() -> float:
 
 
 def write_cost(report: Report, tmp_path: Path) -> float:
-    from difftest import report_files
+    from difftest.report import report_files
 
     t = time.perf_counter()
     report_files.write(report, tmp_path / "rewritten")
@@ -264,7 +264,7 @@ def test_transfer(benchmark, medium, cache, tmp_path):
                  f"transfer.write {worker['transfer.write']:.3f} + request {worker['request']:.3f} + transfer.read "
                  f"{worker['transfer.read']:.4f}; {worker['bytes'] / 2**20:.0f} MiB moved; first pass over the loaded "
                  f"tensor {worker['first_pass']:.3f} s")  # fmt: skip
-    for name, r in (("before (safetensors save_file/load_file)", old), ("after (difftest.tensorfile)", new)):
+    for name, r in (("before (safetensors save_file/load_file)", old), ("after (difftest.base.tensorfile)", new)):
         LINES.append(f"    {name}: write {r['write']:.3f} s, read {r['read']:.4f} s (+{r['anon_mib']:.0f} MiB anonymous "
                      f"memory), first pass {r['first_pass']:.3f} s")  # fmt: skip
     benchmark.extra_info.update({f"worker_{k}": v for k, v in worker.items() if isinstance(v, float)})

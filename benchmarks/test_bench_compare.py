@@ -35,10 +35,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest import rowstats
-from difftest.compare import compare_tensor
-from difftest.settings import suggest
-from difftest.tolerances import DEFAULTS
+from difftest.compare import rowstats
+from difftest.compare.compare import compare_tensor
+from difftest.base.settings import suggest
+from difftest.compare.tolerances import DEFAULTS
 
 RESULTS: dict[tuple[str, str, str], dict] = {}
 COPY_ROUNDS = 5
@@ -180,8 +180,8 @@ def measure_memory(kind: str, dtype: torch.dtype, impl: str) -> int:
 import sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parent.parent)]!r}
 import torch
 from test_bench_compare import CASES, _pair, assert_close, peak_extra
-from difftest.compare import compare_tensor
-from difftest.tolerances import DEFAULTS
+from difftest.compare.compare import compare_tensor
+from difftest.compare.tolerances import DEFAULTS
 name, shape = CASES[{kind!r}]
 dtype = getattr(torch, {str(dtype).removeprefix("torch.")!r})
 a, b = _pair(*shape(), dtype)

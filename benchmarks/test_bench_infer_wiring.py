@@ -1,4 +1,4 @@
-"""Benchmark (pytest-benchmark): the cost of `wiring: infer` (difftest.infer_wiring).
+"""Benchmark (pytest-benchmark): the cost of `wiring: infer` (difftest.rules.infer_wiring).
 
 Not part of the test suite (pyproject's testpaths is tests/). Run:
 
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import wiring_drafts as wd  # noqa: E402
-from difftest.infer_wiring import Scores, Search, infer_from_evidence, starts_for  # noqa: E402
+from difftest.rules.infer_wiring import Scores, Search, infer_from_evidence, starts_for  # noqa: E402
 from engines.ref.draft_loading import load_draft  # noqa: E402
 
 TINY = ["llama-embed", "qwen3-unsorted-postnorm", "deepseek-unsorted-prenorm"]

@@ -2,12 +2,12 @@
 
 difftest fixtures [NAME ...] [--force] [--jobs N]   build the built-in tiny models (cached; all, or those named)
 difftest run [CASES...] --engines=ref,...    run cases through the pytest plugin, write reports
-             [--save-baseline NAME [--force] | --baseline NAME]   golden baselines (difftest.baseline)
+             [--save-baseline NAME [--force] | --baseline NAME]   golden baselines (difftest.run.baseline)
 difftest env create ENGINE[==VERSION] [--label L]   an engine environment for --engines=ENGINE@L
 difftest train-acc --data DIR --draft D --target T [--wiring vllm ...]   training accuracy, wirings side by side
 difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
              (these two come from the training-data engine, through the `difftest.commands`
-             entry points: difftest.extensions)
+             entry points: difftest.base.extensions)
 difftest infer-wiring --target T --draft D [--prompts ...] [--json]   what the draft was trained on
 difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
 difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
@@ -22,8 +22,8 @@ import os
 import sys
 from importlib import metadata
 
-from difftest.errors import DifftestError
-from difftest.session import FIXTURE_GROUP
+from difftest.base.errors import DifftestError
+from difftest.run.session import FIXTURE_GROUP
 
 
 def _fixtures(args: argparse.Namespace) -> int:
@@ -118,7 +118,9 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     import pytest
 
     argv = ["-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs", *args.cases]
-    if args.engines:  # else the plugin's default: the engine that calibrates (difftest.engine.calibration_engine)
+    if (
+        args.engines
+    ):  # else the plugin's default: the engine that calibrates (difftest.base.registry.calibration_engine)
         argv.append(f"--engines={args.engines}")
     if args.reference:
         argv.append(f"--reference={args.reference}")
@@ -135,10 +137,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _env_parsers(sub) -> None:
-    """`env create`: build an engine environment at a chosen version (difftest.envs)."""
+    """`env create`: build an engine environment at a chosen version (difftest.run.envs)."""
 
     def handler(args: argparse.Namespace) -> int:
-        from difftest import envs
+        from difftest.run import envs
 
         return envs.main(args)
 
@@ -152,9 +154,9 @@ def _env_parsers(sub) -> None:
 
 
 def _extension_parsers(sub) -> list[str]:
-    """Commands engine packages contribute (difftest.extensions: the `difftest.commands` entry
+    """Commands engine packages contribute (difftest.base.extensions: the `difftest.commands` entry
     points), e.g. the training-data engine's `train-acc` and `dump`; their names."""
-    from difftest.extensions import commands
+    from difftest.base.extensions import commands
 
     for name, command in commands().items():
         p = sub.add_parser(name, help=command.help)
@@ -168,8 +170,8 @@ def _report_parsers(sub) -> None:
 
     def handler(name: str):
         def run(args: argparse.Namespace) -> int:
-            from difftest import bundle
-            from difftest.errors import DifftestError
+            from difftest.report import bundle
+            from difftest.base.errors import DifftestError
 
             try:
                 return getattr(bundle, name)(args)
@@ -225,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
     _env_parsers(sub)
     _report_parsers(sub)
-    from difftest import fix_command, version_table
+    from difftest import fix_command
+    from difftest.report import version_table
 
     fix_command.add_parser(sub)
     version_table.add_parser(sub)

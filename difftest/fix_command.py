@@ -2,7 +2,7 @@
 engine version feed the draft what training fed, written as a file the user applies, then
 verified on the real engine.
 
-1. The engine's layer-id rule (difftest.layer_rules) is solved backwards for the case's training
+1. The engine's layer-id rule (difftest.rules.layer_rules) is solved backwards for the case's training
    wiring: which ids, written where, make that engine feed it.
 2. Written to REPORT_DIR/fix/: CASE.NAME.patch.json (a JSON merge patch for the draft's
    config.json) and CASE.NAME.yaml (the case with the patch as that engine's
@@ -26,8 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from difftest.errors import ConfigError, DifftestError
-from difftest.outputs import atomic_write
+from difftest.base.errors import ConfigError, DifftestError
+from difftest.base.outputs import atomic_write
 
 HELP = "compute, write and verify the draft-config edit that makes ENGINE feed what training fed"
 
@@ -102,12 +102,13 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     """The edit and its files (no engine run). Returns the result and the patched case's path."""
     import yaml
 
-    from difftest.case import load_case
-    from difftest.engine import EngineSpec, calibration_engine, parse_spec
-    from difftest.layer_reading import engine_view
-    from difftest.lint import trained_wiring
-    from difftest.overlay import deep_merge
-    from difftest.session import Options, Session
+    from difftest.case.case import load_case
+    from difftest.base.registry import calibration_engine
+    from difftest.run.engine import EngineSpec, parse_spec
+    from difftest.checks.layer_reading import engine_view
+    from difftest.checks.lint import trained_wiring
+    from difftest.rules.overlay import deep_merge
+    from difftest.run.session import Options, Session
 
     spec = parse_spec(engine)
     case = load_case(case_path)
@@ -117,7 +118,7 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     view = engine_view(prepared, spec.name, trained)
     if view is None:
         raise ConfigError(f"--engine {engine}: no layer-id rule models {spec.name} on this target "
-                          "(difftest.layer_rules knows vllm and sglang on Llama, Qwen3 and DeepSeek-V3 targets)")  # fmt: skip
+                          "(difftest.rules.layer_rules knows vllm and sglang on Llama, Qwen3 and DeepSeek-V3 targets)")  # fmt: skip
     edit = view.edit()
     if view.trained is None or edit is None:
         raise ConfigError(f"{case_path}: the training wiring {trained} is not a list of target hidden states; "
@@ -205,7 +206,7 @@ def write_reordered_draft(draft: Path, order: list[int], out: Path) -> Path:
 
 def verify(result: FixResult, case_file: Path, args: argparse.Namespace, out_dir: Path) -> None:
     """The patched case on the real engine: every check of that engine must pass."""
-    from difftest.engine import calibration_engine
+    from difftest.base.registry import calibration_engine
 
     reference = args.reference or calibration_engine()
     report_dir = out_dir / "verified"

@@ -7,8 +7,8 @@ verdict, not a traceback; an engine that is not installed skips with the reason 
 its setup command (or fails, with --require-engines, as CI runs it).
 
 Upgrade checks: `--save-baseline NAME` adds a `save_baseline` item per case x engine and writes
-baselines/NAME at session end (difftest.baseline); `--baseline NAME` makes that stored run the
-reference (`baseline:NAME`). Every session ends with the per-case verdict table (difftest.upgrade).
+baselines/NAME at session end (difftest.run.baseline); `--baseline NAME` makes that stored run the
+reference (`baseline:NAME`). Every session ends with the per-case verdict table (difftest.report.upgrade).
 """
 
 from __future__ import annotations
@@ -18,22 +18,30 @@ from pathlib import Path
 
 import pytest
 
-from difftest import baseline as baseline_mod
-from difftest import checks as checks_mod
-from difftest import upgrade as upgrade_mod
-from difftest import report as report_mod
-from difftest import report_files
-from difftest.case import Case, load_case
-from difftest.engine import EngineSpec, check_case_settings, check_settings, engine_schema, engine_target
-from difftest.engine import parse_engine_list, parse_spec
-from difftest.engine import calibration_engine, registered_engines
-from difftest.envs import interpreter, project_pythons
-from difftest.outputs import check_output_dir
-from difftest.errors import CaseNotConfigured, ConfigError, DifftestError, EngineError, EngineUnavailable, NotAvailable
-from difftest.settings import unknown_key
-from difftest.expected_failure import judge as judge_expected
+from difftest.run import baseline as baseline_mod
+from difftest.checks import checks as checks_mod
+from difftest.report import upgrade as upgrade_mod
+from difftest.report import report as report_mod
+from difftest.report import report_files
+from difftest.case.case import Case, load_case
+from difftest.base.registry import engine_schema, engine_target
+from difftest.run.engine import EngineSpec, check_case_settings, check_settings
+from difftest.run.engine import parse_engine_list, parse_spec
+from difftest.base.registry import calibration_engine, registered_engines
+from difftest.run.envs import interpreter, project_pythons
+from difftest.base.outputs import check_output_dir
+from difftest.base.errors import (
+    CaseNotConfigured,
+    ConfigError,
+    DifftestError,
+    EngineError,
+    EngineUnavailable,
+    NotAvailable,
+)
+from difftest.base.settings import unknown_key
+from difftest.case.expected_failure import judge as judge_expected
 from difftest.records import CheckData, CheckResult, ExpectedFailureRecord
-from difftest.session import Options, Session
+from difftest.run.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
 RESULTS = pytest.StashKey[dict]()
@@ -311,7 +319,7 @@ class CheckItem(pytest.Item):
         self._expected_or_raise(results, "passed" if verdict.passed else "failed", verdict.message, verdict.data)
 
     def _expected_or_raise(self, results: list, outcome: str, message: str, data: CheckData | None) -> None:
-        """Record the outcome; a declared expected failure (difftest.expected_failure) is judged strictly."""
+        """Record the outcome; a declared expected failure (difftest.case.expected_failure) is judged strictly."""
         reference = self.config.stash[SESSION].reference_names(self.case)
         expected = next((e for e in self.case.expect_failure
                          if e.matches(self.spec.name, self.spec.id, self.check, reference)), None)  # fmt: skip

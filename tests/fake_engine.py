@@ -27,11 +27,11 @@ import time
 
 import torch
 
-from difftest import tensorfile
-from difftest.capture import Capture
-from difftest.engine import Engine, EngineInfo
-from difftest.errors import EngineSpent, EngineUnavailable
-from difftest.settings import Schema, Setting
+from difftest.base import tensorfile
+from difftest.records.capture import Capture
+from difftest.run.engine import Engine, EngineInfo
+from difftest.base.errors import EngineSpent, EngineUnavailable
+from difftest.base.settings import Schema, Setting
 from engines.ref.engine import RefEngine
 from engines.ref.settings import SCHEMA as REF_SETTINGS
 

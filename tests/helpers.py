@@ -47,7 +47,7 @@ def sglang_python_or_skip() -> str:
     when its environment is not built."""
     import pytest
 
-    from difftest.paths import cache_root
+    from difftest.base.paths import cache_root
 
     python = cache_root() / "envs" / "sglang" / "bin" / "python"
     if not python.exists():
@@ -151,7 +151,7 @@ def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float =
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()  # its engine workers exit with it (difftest.worker: die_with_parent)
+        proc.kill()  # its engine workers exit with it (difftest.run.worker: die_with_parent)
         output, _ = proc.communicate()
         raise AssertionError(hang_report(args, timeout, output)) from None
     return Run(proc.returncode, output, root)

@@ -60,7 +60,7 @@ correct wiring accepts and a miswiring's accept length collapses.
 
 Miswired exports (`EXPORT_MISWIRES`, issue 24): the same faults as checkpoints the real engines load
 (`write_export_miswired_cases`), the reference running the draft as trained; `expectation()` reads
-what each engine must show from difftest.layer_rules, difftest.draft_rules and the lint.
+what each engine must show from difftest.rules.layer_rules, difftest.rules.draft_rules and the lint.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ class TargetSpec:
         return self.name.replace("-", "_")
 
     def sglang_ids(self) -> list[int] | None:
-        """eagle_config ids SGLang 0.5.23 needs to feed `trained` (its rule model, difftest.layer_rules);
+        """eagle_config ids SGLang 0.5.23 needs to feed `trained` (its rule model, difftest.rules.layer_rules);
         None = the config's ids already do."""
-        from difftest import layer_rules
+        from difftest.rules import layer_rules
 
         family = {"deepseek": layer_rules.DEEPSEEK, "qwen3": layer_rules.QWEN3}.get(self.family, layer_rules.LLAMA)
         rule = layer_rules.rule_for("sglang", family)
@@ -197,7 +197,7 @@ class BuiltModel:
 
 
 def cache_root() -> Path:
-    from difftest.paths import cache_root as user_cache
+    from difftest.base.paths import cache_root as user_cache
 
     return user_cache() / "independent"
 
@@ -569,8 +569,8 @@ def write_miswired_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=p
 # trained in another fc order, a flipped flag, a checkpoint without d2t. The reference runs the
 # draft as trained (`engines.ref.draft` where the case's draft is the export), so what is compared
 # is each engine's own behaviour on the export. Whether an engine is hurt by an export, and where
-# and why the error must be introduced, comes from the rule data (difftest.layer_rules for ids,
-# difftest.draft_rules for flags, the lint's findings for weights), never from a table here.
+# and why the error must be introduced, comes from the rule data (difftest.rules.layer_rules for ids,
+# difftest.rules.draft_rules for flags, the lint's findings for weights), never from a table here.
 
 
 @dataclass(frozen=True)
@@ -607,7 +607,7 @@ _FAMILY = {"llama": "llama", "qwen3": "qwen3", "deepseek": "deepseek-v3"}
 
 
 def _rule(engine: str, spec: TargetSpec):
-    from difftest import layer_rules
+    from difftest.rules import layer_rules
 
     return layer_rules.rule_for(engine, _FAMILY[spec.family])
 
@@ -663,7 +663,7 @@ def expectation(
             return Expect(False, because=reading.explain())
         return Expect(True, "draft.fc_in.", _pattern(reading.fed, trained), reading.explain())
     if m.kind == "flag":
-        from difftest.draft_rules import ENGINES, FLAG_TENSORS, engine_reading, flag_locations
+        from difftest.rules.draft_rules import ENGINES, FLAG_TENSORS, engine_reading, flag_locations
 
         trained_cfg = json.loads((as_trained / "config.json").read_text())
         cfg = json.loads((export / "config.json").read_text())
@@ -674,7 +674,7 @@ def expectation(
         if served == bool(trained_cfg[m.flag]):
             return Expect(False, because=because)
         return Expect(True, FLAG_TENSORS[m.flag], m.flag, because)
-    from difftest.lint import lint_draft
+    from difftest.checks.lint import lint_draft
 
     found = [f for f in lint_draft(export, target) if f.tensor and engine in (f.engines or ())]
     if not found:
@@ -795,7 +795,7 @@ def introduced_in(introduced: str, where: str) -> bool:
     step = where.split(".", 2)[1] if where.startswith("draft.step") else None
     if step is None:
         return introduced.startswith(where)
-    # ... or in the state the previous step carries into it (difftest.names.inputs_of), where an engine
+    # ... or in the state the previous step carries into it (difftest.base.names.inputs_of), where an engine
     # that applies the flag records its normed state and no pre-norm one
     s = int(step.removeprefix("step"))
     carried = "draft.hidden_prenorm" if s == 1 else f"draft.step{s - 1}.hidden_prenorm"

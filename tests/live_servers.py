@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from difftest.session import cache_root
-from difftest.worker import set_parent_death_signal
+from difftest.run.session import cache_root
+from difftest.run.worker import set_parent_death_signal
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTH_TIMEOUT = 600.0  # seconds: a server start on a loaded 2-core machine takes 60-90 s, more under load

@@ -34,8 +34,8 @@ if str(TESTS.parent) not in sys.path:
 
 from helpers import ROOT, Run, run_pytest  # noqa: E402
 
-from difftest.content_digest import signature  # noqa: E402
-from difftest.paths import cache_root  # noqa: E402
+from difftest.base.content_digest import signature  # noqa: E402
+from difftest.base.paths import cache_root  # noqa: E402
 
 # The user's command. The expectations the shipped cases declare for other engines are exercised
 # elsewhere: the reference presets (`ref[wiring=vllm]`, ...) and the training-data engine by

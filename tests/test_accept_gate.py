@@ -1,4 +1,4 @@
-"""The accept-length gate (difftest.accept_gate): per position, against the measurement's noise.
+"""The accept-length gate (difftest.compare.accept_gate): per position, against the measurement's noise.
 
 Judged on simulated speculative runs: chains whose position j is accepted with a known conditional
 probability, sampled with seeded generators, so the gate's false-alarm rate and its power are
@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from difftest import accept_gate
-from difftest.acceptance import AcceptStats
+from difftest.compare import accept_gate
+from difftest.records.acceptance import AcceptStats
 
 
 def chains(cond: list[float], verifies: int, seed: int) -> AcceptStats:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from difftest.acceptance import NORMALISATION, normalise
+from difftest.records.acceptance import NORMALISATION, normalise
 from engines.ref.draft_loading import load_draft
 from engines.ref.speculate import greedy_decode, simulate_greedy
 from engines.ref.target import load_target

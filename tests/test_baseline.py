@@ -1,4 +1,4 @@
-"""Golden baselines (difftest.baseline): `--save-baseline NAME` writes one, immutable and atomic;
+"""Golden baselines (difftest.run.baseline): `--save-baseline NAME` writes one, immutable and atomic;
 `--baseline NAME` makes it the reference. Black-box through `pytest cases/` with the ref engine."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from difftest.baseline import SCHEMA, BaselineSource, BaselineWriter
-from difftest.errors import ConfigError
+from difftest.run.baseline import SCHEMA, BaselineSource, BaselineWriter
+from difftest.base.errors import ConfigError
 from helpers import TINY_CASE, make_tiny_pair, run_pytest
 
 
@@ -208,7 +208,7 @@ def test_missing_baseline_is_a_usage_error_listing_the_saved_ones(saved, cache):
 
 # -- units ---------------------------------------------------------------------------------------
 def test_scattered_logits_target_is_stored_as_its_columns_and_rebuilt_exactly():
-    from difftest.baseline import _pack, _scatter
+    from difftest.run.baseline import _pack, _scatter
 
     logits = torch.randn(3, 4)
     cols = torch.tensor([0, 2, 5, 7])
@@ -220,7 +220,7 @@ def test_scattered_logits_target_is_stored_as_its_columns_and_rebuilt_exactly():
 
 
 def test_logits_target_that_is_not_an_exact_scatter_is_stored_as_is():
-    from difftest.baseline import _pack, _scatter
+    from difftest.run.baseline import _pack, _scatter
 
     logits = torch.randn(3, 4)
     full = _scatter(logits, torch.tensor([0, 2, 5, 7]), 9)

@@ -16,9 +16,9 @@ import torch
 from helpers import TINY_CASE, make_tiny_pair
 from safetensors.torch import load_file, save_file
 
-from difftest.case import load_case
-from difftest.engine import parse_spec
-from difftest.session import calibration_case
+from difftest.case.case import load_case
+from difftest.run.engine import parse_spec
+from difftest.run.session import calibration_case
 from engines.ref.engine import RefEngine
 
 IDS = [1, 5, 9, 33, 77, 101, 7]

@@ -1,5 +1,5 @@
 """The capture cache follows the checkpoints' contents: a checkpoint rewritten with other weights
-but the same size and mtime is captured afresh, never served from the cache (difftest.content_digest)."""
+but the same size and mtime is captured afresh, never served from the cache (difftest.base.content_digest)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from difftest.case import load_case
-from difftest.content_digest import paths_signature, signature
+from difftest.case.case import load_case
+from difftest.base.content_digest import paths_signature, signature
 from helpers import TINY_CASE, make_tiny_pair, run_pytest
 
 

@@ -8,10 +8,12 @@ import random
 import pytest
 import torch
 
-from difftest import names, tensorfile
-from difftest.capture import SCHEMA, Capture
-from difftest.case import load_case
-from difftest.errors import ConfigError
+from difftest.base import names
+
+from difftest.base import tensorfile
+from difftest.records.capture import SCHEMA, Capture
+from difftest.case.case import load_case
+from difftest.base.errors import ConfigError
 from difftest.records import CaptureMeta
 
 # ---------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from helpers import TINY_CASE, make_tiny_pair
 
-from difftest.case import load_case
-from difftest.engine import EngineSpec
-from difftest.session import Options, Session
+from difftest.case.case import load_case
+from difftest.run.engine import EngineSpec
+from difftest.run.session import Options, Session
 
 REF, VLLM = EngineSpec("ref"), EngineSpec("vllm")
 

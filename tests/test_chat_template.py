@@ -15,9 +15,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from difftest import chat
-from difftest.case import Prompt, load_case
-from difftest.errors import ConfigError
+from difftest.case import chat
+from difftest.case.case import Prompt, load_case
+from difftest.base.errors import ConfigError
 from engines.trainingdata.chat_template import CAUSE, find_drift
 from helpers import ROOT, run_pytest
 

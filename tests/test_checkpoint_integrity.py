@@ -1,6 +1,6 @@
 """Checkpoint integrity: a checkpoint that does not hold what its config describes is an error
 naming the file, the tensor and the config field, in lint and before the reference loads it; the
-reference never runs a randomly initialised tensor (difftest.checkpoint_integrity)."""
+reference never runs a randomly initialised tensor (difftest.rules.checkpoint_integrity)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from difftest.checkpoint_integrity import read_header, stored_tensors, target_findings
-from difftest.errors import ConfigError
-from difftest.lint import lint_draft
+from difftest.rules.checkpoint_integrity import read_header, stored_tensors, target_findings
+from difftest.base.errors import ConfigError
+from difftest.checks.lint import lint_draft
 from helpers import edited_copy, make_tiny_pair
 
 

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-import difftest.compare as compare_mod
-from difftest.capture import Capture
-from difftest.compare import compare_captures, compare_tensor
-from difftest.diagnose import diagnose_fc
-from difftest.tolerances import DEFAULTS, Tolerance, tolerance_for
+import difftest.compare.compare as compare_mod
+from difftest.records.capture import Capture
+from difftest.compare.compare import compare_captures, compare_tensor
+from difftest.compare.diagnose import diagnose_fc
+from difftest.compare.tolerances import DEFAULTS, Tolerance, tolerance_for
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["float32", "bfloat16", "float16"]

@@ -1,5 +1,5 @@
 """The core knows no engine: engines reach the core only through entry points (adapters, fixtures,
-checks, CLI commands: difftest.extensions). That nothing under difftest/ imports the `engines`
+checks, CLI commands: difftest.base.extensions). That nothing under difftest/ imports the `engines`
 package is an import-linter contract (pyproject.toml; tests/test_code_standards.py); that no core
 logic names an engine in a string is checked here, since import-linter sees imports only."""
 
@@ -23,7 +23,7 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_one_cache_root_expands_the_user_directory(monkeypatch):
-    from difftest.paths import cache_root
+    from difftest.base.paths import cache_root
 
     monkeypatch.setenv("DIFFTEST_CACHE", "~/somewhere")
     assert cache_root() == Path.home() / "somewhere"
@@ -32,7 +32,12 @@ def test_one_cache_root_expands_the_user_directory(monkeypatch):
 
 
 # the engines' rules as data, keyed by engine and release (pyproject.toml's "Rule data is data" contract)
-RULE_DATA = {"difftest/draft_rules.py", "difftest/layer_rules.py", "difftest/engine_releases.py", "difftest/wiring.py"}
+RULE_DATA = {
+    "difftest/rules/draft_rules.py",
+    "difftest/rules/layer_rules.py",
+    "difftest/rules/engine_releases.py",
+    "difftest/rules/wiring.py",
+}
 
 
 def registered_engine_names() -> set[str]:
@@ -69,7 +74,7 @@ def test_core_logic_names_no_engine_outside_the_rule_data():
 
 
 def test_the_calibration_engine_is_the_one_whose_adapter_says_so():
-    from difftest.engine import calibration_engine, registered_engines
+    from difftest.base.registry import calibration_engine, registered_engines
     from engines.ref.engine import RefEngine
 
     assert registered_engines()[calibration_engine()] == f"{RefEngine.__module__}:{RefEngine.__name__}"
@@ -77,7 +82,7 @@ def test_the_calibration_engine_is_the_one_whose_adapter_says_so():
 
 
 def test_the_server_engine_brings_its_probe_command_and_its_accept_length():
-    from difftest.extensions import commands, replacement
+    from difftest.base.extensions import commands, replacement
 
     assert commands()["probe"].run.__module__ == "engines.server.command"
     assert replacement("accept_length", "server").run.__module__ == "engines.server.probe"
@@ -85,7 +90,7 @@ def test_the_server_engine_brings_its_probe_command_and_its_accept_length():
 
 
 def test_engines_contribute_checks_and_commands_through_entry_points():
-    from difftest.extensions import commands, extra_checks
+    from difftest.base.extensions import commands, extra_checks
 
     assert "train_accuracy" in extra_checks()
     assert {"train-acc", "dump"} <= set(commands())

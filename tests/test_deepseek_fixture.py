@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from difftest.case import load_case
-from difftest.engine import parse_spec
+from difftest.case.case import load_case
+from difftest.run.engine import parse_spec
 from fixtures import drafts, targets
 from fixtures import deepseek as ds
 from engines.ref.engine import RefEngine

@@ -1,12 +1,14 @@
-"""Every figure a report shows states its definition (difftest.definitions), and the engines' and
+"""Every figure a report shows states its definition (difftest.base.definitions), and the engines' and
 trainers' own figures convert to the harness's through one table."""
 
 from __future__ import annotations
 
 import pytest
 
-from difftest import definitions, report
-from difftest.acceptance import NORMALISATION, AcceptStats
+from difftest.base import definitions
+
+from difftest.report import report
+from difftest.records.acceptance import NORMALISATION, AcceptStats
 from difftest.records import CheckResult
 from difftest.records.check_data import AcceptLengthData
 from difftest.records.report import Report

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.capture import Capture
-from difftest.case import load_case
-from difftest.compare import compare_captures
-from difftest.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
-from difftest.engine import parse_spec
+from difftest.records.capture import Capture
+from difftest.case.case import load_case
+from difftest.compare.compare import compare_captures
+from difftest.compare.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
+from difftest.run.engine import parse_spec
 from engines.ref.engine import RefEngine
 from helpers import make_tiny_pair
 

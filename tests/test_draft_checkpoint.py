@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from difftest.errors import ConfigError
+from difftest.base.errors import ConfigError
 from engines.ref.eagle3 import Eagle3Config, Eagle3Draft, parse_config
 from engines.ref.draft_loading import load_draft
 from engines.ref.train import save_eagle_format, save_speculators_format

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from difftest.errors import ConfigError
+from difftest.base.errors import ConfigError
 from engines.ref.draft_loading import load_draft
 from fixtures.deepseek import ROPE_PARAMETERS
 from engines.ref.eagle3_mla import (

@@ -1,5 +1,5 @@
 """A run whose every result is cached starts no engine: the version its cache keys name is what the
-engine's worker said when it last started in the same environment (difftest.engine_identity), and
+engine's worker said when it last started in the same environment (difftest.run.engine_identity), and
 anything the worker's answer follows from (what is installed, the harness's code, the engines'
 environment variables) names another environment."""
 
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from helpers import TINY_CASE, make_tiny_pair
 
-from difftest import engine_identity
-from difftest.capture import Capture
-from difftest.case import load_case
-from difftest.engine import EngineSpec
-from difftest.errors import EngineError
+from difftest.run import engine_identity
+from difftest.records.capture import Capture
+from difftest.case.case import load_case
+from difftest.run.engine import EngineSpec
+from difftest.base.errors import EngineError
 from difftest.records.engine_info import EngineInfo
-from difftest.session import Options, Session
-from difftest.worker import PROJECT_ROOT
+from difftest.run.session import Options, Session
+from difftest.run.worker import PROJECT_ROOT
 
 REF = EngineSpec("ref")
 

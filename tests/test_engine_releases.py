@@ -1,4 +1,4 @@
-"""Rules keyed by engine release (difftest.engine_releases): an older release's rules are the pinned
+"""Rules keyed by engine release (difftest.rules.engine_releases): an older release's rules are the pinned
 ones with each change it predates undone, every difference is cited, and a release outside the
 supported range is refused in one line naming the range."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from difftest import draft_rules
-from difftest import engine_releases as er
-from difftest import layer_rules as lr
-from difftest.errors import ConfigError
+from difftest.rules import draft_rules
+from difftest.rules import engine_releases as er
+from difftest.rules import layer_rules as lr
+from difftest.base.errors import ConfigError
 
 SGLANG_IDS = {"eagle_config": {lr.KEY: [2, 4, 5]}}
 
@@ -133,7 +133,7 @@ SPEC_FC_NORM = {"speculators_model_type": "eagle3", "fc_norm": True}
 
 
 def test_a_weighted_flag_an_old_vllm_does_not_build_is_predicted_as_a_load_refusal_naming_its_weights():
-    from difftest.lint_checkpoint import flag_findings
+    from difftest.rules.lint_checkpoint import flag_findings
 
     [f] = flag_findings(SPEC_FC_NORM, [er.engine_draft_rules("vllm", "0.24.0")])
     assert f.code == "flag-ignored" and f.engines == ("vllm",) and f.weights == ("fc_norm.",)
@@ -145,7 +145,7 @@ def test_a_weighted_flag_an_old_vllm_does_not_build_is_predicted_as_a_load_refus
 
 
 def test_a_weighted_flag_an_engine_drops_silently_is_predicted_as_a_divergence():
-    from difftest.lint_checkpoint import flag_findings
+    from difftest.rules.lint_checkpoint import flag_findings
 
     [f] = flag_findings({"norm_before_fc": True}, [er.engine_draft_rules("sglang", "0.5.16")])
     assert "it runs the draft with norm_before_fc=False; the first tensor that differs is draft.fc_out" in f.message

@@ -112,7 +112,7 @@ def test_scheduler_crash_fails_only_sglang_with_its_error_and_leaves_no_processe
     fc = out[("sglang", "fc_inputs")]
     assert fc["outcome"] in ("failed", "error")
     assert "log:" in fc["message"] and "sglang.log" in fc["message"], fc["message"]
-    # the cause the layer-id rule predicts first (difftest.layer_rules), SGLang's own error beneath
+    # the cause the layer-id rule predicts first (difftest.rules.layer_rules), SGLang's own error beneath
     cause, *raw = fc["message"].splitlines()
     assert cause.startswith("predicted by the layer-id rule: SGLang 0.5.23 (Llama rule: ids from eagle_config, "
                             "layer order, k -> h[k+1]) turns [2, 4, 7] (eagle_config) into [h3, h5]"), cause  # fmt: skip

@@ -20,7 +20,7 @@ REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
 
 
 def _cache() -> Path:
-    from difftest.paths import cache_root
+    from difftest.base.paths import cache_root
 
     return cache_root()
 
@@ -78,7 +78,7 @@ def test_seed_case_is_caught_on_vllm(shipped_run):
     accept = shipped_run.outcome("seed_miswired_training", "vllm", "accept_length")
     assert accept["outcome"] == "xfailed"
     assert "accept length collapsed" in accept["message"]
-    # the rule and its fix (difftest.layer_rules): vLLM reads the top-level ids as h[k]
+    # the rule and its fix (difftest.rules.layer_rules): vLLM reads the top-level ids as h[k]
     assert (
         "rule: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer order, k -> h[k]) turns [2, 4, 7]"
         in fc["message"]

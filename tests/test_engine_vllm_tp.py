@@ -27,7 +27,7 @@ import torch
 from helpers import ROOT, run_pytest, start_pytest
 from test_engine_vllm import vllm_python
 
-from difftest.errors import EngineError
+from difftest.base.errors import EngineError
 
 TP2 = "vllm[tensor_parallel_size=2]"
 FULL = os.environ.get("DIFFTEST_FULL_MATRIX") == "1"
@@ -112,7 +112,7 @@ def test_every_tensor_the_adapter_records_has_a_layout_in_the_rule():
 def _cache_with_fixtures(tmp: Path) -> Path:
     """A capture cache of the test's own (its manifests are read back) sharing the built fixtures
     and compiled kernels with the user's cache, so nothing is rebuilt."""
-    from difftest.paths import cache_root
+    from difftest.base.paths import cache_root
 
     cache = tmp / "cache"
     cache.mkdir()
@@ -146,7 +146,7 @@ def _captures(cache: Path, engine: str, case: str) -> dict[tuple, object]:
     """The session's captures of `engine` on `case` by (prompt ids, golden or not, wiring source).
     The shipped cases share prompts and drafts: a capture's case is told by the draft it ran and
     the aux layers vLLM read (both in meta.wiring.source, the same string at TP = 1 and 2)."""
-    from difftest.capture import Capture
+    from difftest.records.capture import Capture
 
     draft = _yaml_field(case, "draft").removeprefix("fixture:")
     out = {}
@@ -186,8 +186,8 @@ def test_tp2_fails_the_miswired_case_with_the_tp1_cause(llama):
 def test_tp2_captures_are_within_the_measured_noise_of_tp1(llama):
     """TP = 2 against TP = 1 of the same engine, tensor by tensor, judged by the noise floor the
     session measured (ref in float32 vs float64): every tensor of every prompt within it."""
-    from difftest.compare import compare_captures
-    from difftest.noise import NoiseFloor
+    from difftest.compare.compare import compare_captures
+    from difftest.compare.noise import NoiseFloor
 
     figures = []
     for case in LLAMA:

@@ -1,4 +1,4 @@
-"""Engine environments for versioned specs (difftest.envs): planning, keying, re-pinning, the
+"""Engine environments for versioned specs (difftest.run.envs): planning, keying, re-pinning, the
 project file. No engine environment is built here (minutes and GBs each): the build itself is
 exercised on a stub engine directory whose setup script only records what it was given."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from difftest import envs
-from difftest.errors import ConfigError
+from difftest.run import envs
+from difftest.base.errors import ConfigError
 from helpers import ROOT
 
 

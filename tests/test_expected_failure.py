@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from difftest.check_names import ALL_CHECKS
-from difftest.errors import ConfigError
-from difftest.expected_failure import ExpectedFailure, judge, parse
+from difftest.case.check_names import ALL_CHECKS
+from difftest.base.errors import ConfigError
+from difftest.case.expected_failure import ExpectedFailure, judge, parse
 
 CASE = Path("cases/x.yaml")
 
@@ -115,7 +115,7 @@ def test_an_entry_for_a_registered_engine_parses_whether_or_not_this_run_has_it(
 
 
 def test_engines_default_to_the_registered_adapters():
-    from difftest.engine import registered_engines
+    from difftest.base.registry import registered_engines
 
     assert "ref" in registered_engines()
     with pytest.raises(ConfigError, match="unknown engine 'reff'"):

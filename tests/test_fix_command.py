@@ -17,8 +17,8 @@ import yaml
 from helpers import ROOT, edited_copy
 from test_engine_vllm import vllm_python
 
-from difftest.layer_rules import KEY
-from difftest.session import resolve_fixture
+from difftest.rules.layer_rules import KEY
+from difftest.run.session import resolve_fixture
 
 
 def fix(case: Path, engine: str, out: Path, *extra: str) -> subprocess.CompletedProcess:

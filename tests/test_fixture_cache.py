@@ -16,7 +16,7 @@ def empty_cache(tmp_path, monkeypatch):
 
 
 def test_a_fixture_derived_from_a_source_rewritten_with_the_same_size_and_mtime_is_built_afresh(empty_cache, tmp_path):
-    from difftest.content_digest import signature
+    from difftest.base.content_digest import signature
 
     source = tmp_path / "target"
     source.mkdir()

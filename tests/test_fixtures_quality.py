@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.wiring import resolve
+from difftest.rules.wiring import resolve
 from fixtures import cache, drafts, targets
 from fixtures import tiny_llama as fx
-from difftest.jsonfile import read_json
+from difftest.base.jsonfile import read_json
 from engines.ref.draft_loading import load_draft
 from engines.ref.target import load_target, run_target
 

@@ -1,4 +1,4 @@
-"""`wiring: infer` (difftest.infer_wiring): drafts really trained on known wirings are named exactly;
+"""`wiring: infer` (difftest.rules.infer_wiring): drafts really trained on known wirings are named exactly;
 drafts that learned nothing are not named at all."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import wiring_drafts as wd
-from difftest.infer_wiring import Scores, Search, infer, infer_from_evidence, paired_z, starts_for
+from difftest.rules.infer_wiring import Scores, Search, infer, infer_from_evidence, paired_z, starts_for
 from engines.ref.draft_loading import load_draft
 
 
@@ -139,8 +139,8 @@ def test_cli_refuses_bad_prompt_ids_in_one_line(capsys):
 
 def test_a_capture_with_some_layers_and_no_logits_is_searched_over_what_it_holds():
     # a training dump read by `train`: the dumped layers (identified by content), the data's next tokens as labels
-    from difftest.capture import Capture
-    from difftest.infer_wiring import evidence_from_captures
+    from difftest.records.capture import Capture
+    from difftest.rules.infer_wiring import evidence_from_captures
 
     full = wd.evidence("tiny-llama")
     kept = ["target.h.0", "target.h.3", "target.h.6", "target.h.8"]
@@ -154,10 +154,10 @@ def test_a_capture_with_some_layers_and_no_logits_is_searched_over_what_it_holds
 
 
 def test_a_case_with_wiring_infer_on_an_untrained_draft_stops_saying_it_cannot_tell(tmp_path):
-    from difftest.case import load_case
-    from difftest.engine import EngineSpec
-    from difftest.errors import ConfigError
-    from difftest.session import Options, Session
+    from difftest.case.case import load_case
+    from difftest.run.engine import EngineSpec
+    from difftest.base.errors import ConfigError
+    from difftest.run.session import Options, Session
     from fixtures.drafts import draft_config
     from engines.ref.train import init_draft, save_eagle_format
 

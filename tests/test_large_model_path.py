@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from difftest.case import load_case
-from difftest.errors import CaseNotConfigured, EngineUnavailable
+from difftest.case.case import load_case
+from difftest.base.errors import CaseNotConfigured, EngineUnavailable
 from engines.ref import target as target_mod
 from helpers import ROOT, make_tiny_pair, run_pytest
 

@@ -1,4 +1,4 @@
-"""The layer-id rule models (difftest.layer_rules) as specifications: what each engine version feeds
+"""The layer-id rule models (difftest.rules.layer_rules) as specifications: what each engine version feeds
 for a config, why, and the edit that fixes it. Their agreement with the real engines is
 tests/test_layer_rules_engines.py; these tests pin the semantics and the inverse."""
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from difftest import layer_rules as lr
-from difftest.layer_rules import KEY
+from difftest.rules import layer_rules as lr
+from difftest.rules.layer_rules import KEY
 
 L = 8
 
@@ -133,8 +133,8 @@ def test_sglang_deepseek_feeds_h1_only_when_the_1_is_not_listed_first():
 
 
 def test_the_report_has_a_fix_section_for_a_failing_fc_inputs_item():
-    from difftest.html_report import render
-    from difftest.report import markdown
+    from difftest.report.html_report import render
+    from difftest.report.report import markdown
 
     from difftest.records import CheckResult, ComparisonData, FixData, Report
 

@@ -1,4 +1,4 @@
-"""The layer-id rule models (difftest.layer_rules) against the REAL engines: hypothesis draws draft
+"""The layer-id rule models (difftest.rules.layer_rules) against the REAL engines: hypothesis draws draft
 configs (ids sorted or not, repeated, -1..L, at the top level, in eagle_config, both, or none) and
 each is run on vLLM 0.32.0 and SGLang 0.5.23 over the independent Llama, Qwen3 and DeepSeek-V3
 targets (tests/independent_models.py). For each (engine, config) the model's prediction must be what
@@ -46,10 +46,10 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from test_engine_vllm import vllm_python
 
-from difftest import layer_rules as lr
-from difftest.engine_releases import layer_rule
-from difftest.layer_rules import KEY
-from difftest.overlay import deep_merge
+from difftest.rules import layer_rules as lr
+from difftest.rules.engine_releases import layer_rule
+from difftest.rules.layer_rules import KEY
+from difftest.rules.overlay import deep_merge
 
 FAMILIES = {lr.LLAMA: "indep-llama", lr.QWEN3: "indep-qwen3", lr.DEEPSEEK: "indep-deepseek-v3"}
 EXAMPLES = int(os.environ.get("DIFFTEST_PROPERTY_EXAMPLES", "1"))
@@ -263,7 +263,7 @@ RELEASES = [r for r in os.environ.get("DIFFTEST_PROPERTY_RELEASES", "").split(",
 @pytest.mark.skipif(not RELEASES, reason="DIFFTEST_PROPERTY_RELEASES not set (older releases run outside CI)")
 @pytest.mark.parametrize("release", RELEASES or ["none"])
 def test_an_older_release_feeds_what_its_rule_model_predicts(tmp_path_factory, release):
-    from difftest.engine_releases import check_supported
+    from difftest.rules.engine_releases import check_supported
 
     name, _, version = release.partition("@")
     check_supported(name, version)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.lint import lint_draft as _lint_draft
+from difftest.checks.lint import lint_draft as _lint_draft
 from helpers import edited_copy, make_tiny_pair
 
 TRAINED = ["target.h.1", "target.h.2", "target.h.3"]  # the tiny draft's config ids [1, 2, 3], read as vLLM does
@@ -53,7 +53,7 @@ def test_missing_layer_ids_mean_a_silent_fallback(models, tmp_path):
 
 def test_missing_layer_ids_on_a_shallow_target_name_the_fallback_narrower_than_fc_in_each_engine(models, tmp_path):
     """L = 4: [2, L//2, L-3] = [2, 2, 1] reaches fc as two layers in both engines (layer order, each
-    once), not the three chunks fc expects: each engine's reading says so (difftest.layer_rules)."""
+    once), not the three chunks fc expects: each engine's reading says so (difftest.rules.layer_rules)."""
 
     def first_four_layers(t):  # the target cut to 4 layers, config and weights alike
         for k in [k for k in t if k.startswith(tuple(f"model.layers.{i}." for i in range(4, 8)))]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.draft_rules import ENGINES, engine_reading, flag_locations
-from difftest.lint import lint_draft
+from difftest.rules.draft_rules import ENGINES, engine_reading, flag_locations
+from difftest.checks.lint import lint_draft
 from helpers import edited_copy, make_tiny_pair
 
 TRAINED = ["target.h.1", "target.h.2", "target.h.3"]

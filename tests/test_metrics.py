@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-import difftest.compare as compare_mod
-from difftest.compare import compare_tensor, is_logits
-from difftest.tolerances import DEFAULTS
+import difftest.compare.compare as compare_mod
+from difftest.compare.compare import compare_tensor, is_logits
+from difftest.compare.tolerances import DEFAULTS
 
 dtypes = pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"]
@@ -99,7 +99,7 @@ def test_compiled_kernel_gives_the_eager_numbers(dtype):
         fused = compare_tensor("draft.logits_target", a, b, tol(dtype))
     finally:
         compare_mod.row_stats.__globals__["COMPILE_MIN"] = old
-    from difftest.rowstats import compile_status
+    from difftest.compare.rowstats import compile_status
 
     assert "compiled" in compile_status()
     for k in ("status", "mismatched", "nonfinite_mismatch", "max_abs", "max_abs_index", "rows_mismatched", "worst_row",

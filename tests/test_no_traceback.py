@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from difftest.cli import main
-from difftest.errors import ConfigError
+from difftest.base.errors import ConfigError
 from helpers import TINY_CASE, make_tiny_pair, run_pytest
 
 
@@ -53,7 +53,7 @@ def write_project(root: Path, target: Path, draft: Path) -> Path:
 # -- 1. an unreadable checkpoint: the lint item fails as the capture item does --------------------
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
 def test_an_unreadable_draft_safetensors_gives_the_lint_the_loaders_one_line(models, tmp_path, damage):
-    from difftest.lint import lint_draft
+    from difftest.checks.lint import lint_draft
     from engines.ref.eagle3 import load_state_dict
 
     target, draft = models
@@ -68,7 +68,7 @@ def test_an_unreadable_draft_safetensors_gives_the_lint_the_loaders_one_line(mod
 
 @pytest.mark.parametrize("which", ["draft", "target"])
 def test_a_config_json_that_is_not_an_object_gives_the_lint_the_loaders_one_line(models, tmp_path, which):
-    from difftest.lint import lint_draft
+    from difftest.checks.lint import lint_draft
     from engines.ref.draft_loading import load_draft
     from engines.ref.target import target_config
 
@@ -106,8 +106,8 @@ def test_a_truncated_target_safetensors_is_one_line_naming_the_file(models, tmp_
 def test_a_loader_failure_on_an_unreadable_file_is_translated_to_the_lints_line_for_that_file(models, tmp_path):
     from safetensors.torch import load_file
 
-    from difftest.lint import tensor_meta
-    from difftest.weight_files import explain_load_failure
+    from difftest.checks.lint import tensor_meta
+    from difftest.rules.weight_files import explain_load_failure
 
     bad = damaged_copy(models[0], tmp_path / "target", "truncated")
     with pytest.raises(Exception) as raw:  # what transformers lets through: safetensors' own words, no path
@@ -233,7 +233,7 @@ def test_probe_report_dir_onto_a_file_is_refused_before_the_server_is_asked(tmp_
 
 
 def test_an_output_file_check_creates_nothing(tmp_path):
-    from difftest.outputs import check_output_file
+    from difftest.base.outputs import check_output_file
 
     assert check_output_file(tmp_path / "new" / "deeper" / "x.json", "--json") == tmp_path / "new" / "deeper" / "x.json"
     assert list(tmp_path.iterdir()) == []

@@ -1,4 +1,4 @@
-"""The noise criterion (difftest.noise) as a specification: rows, floors, quorum, localisation, ties."""
+"""The noise criterion (difftest.compare.noise) as a specification: rows, floors, quorum, localisation, ties."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from difftest import noise
-from difftest.acceptance import AcceptStats, accept_length_spread
-from difftest.capture import Capture
-from difftest.compare import compare_captures
-from difftest.noise import NoiseFloor, TensorFloor
+from difftest.compare import noise
+from difftest.records.acceptance import AcceptStats, accept_length_spread
+from difftest.records.capture import Capture
+from difftest.compare.compare import compare_captures
+from difftest.compare.noise import NoiseFloor, TensorFloor
 
 H, N, V = 8, 6, 32
 

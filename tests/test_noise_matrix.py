@@ -8,7 +8,7 @@ EAGLE-3 drafts fitted to the targets' continuations of the cases' prompts, at de
 * each miswired export (`independent_models.EXPORT_MISWIRES`: ids off by one, a draft trained in
   another fc order, a draft trained on the embedding, a flipped `norm_before_residual` or
   `norm_output`, no `d2t`) served by the engines while the reference runs the draft as trained:
-  an engine fails where and why its rule data (difftest.layer_rules, difftest.draft_rules, the
+  an engine fails where and why its rule data (difftest.rules.layer_rules, difftest.rules.draft_rules, the
   lint) says, and an engine the rules say is immune passes every check.
 
 Every case runs in ONE pytest session (`--engines=ref,vllm,sglang`), so each engine starts once per

@@ -173,7 +173,7 @@ def test_no_worker_outlives_the_session(mixed_run):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if "difftest.worker" in cmd and marker in environ:
+        if "difftest.run.worker" in cmd and marker in environ:
             alive.append(cmd)
     assert alive == []
 

@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from difftest.overlay import overlay_checkpoint
+from difftest.rules.overlay import overlay_checkpoint
 from engines.server.command import PROBE_CHECK, SERVER_ENGINE, ensure_server_engine
 from engines.server.client import counters, parse_launch_command, parse_prometheus
-from difftest.session import cache_root, resolve_fixture
+from difftest.run.session import cache_root, resolve_fixture
 from tests import live_servers
 from tests.helpers import run_pytest
 
@@ -367,7 +367,7 @@ def test_a_vllm_server_at_tp2_leaves_its_ranks_unbound_unless_the_user_binds_the
 
 
 def test_a_server_at_another_tp_than_the_case_declares_is_flagged(small_case):
-    from difftest.case import load_case
+    from difftest.case.case import load_case
     from engines.server.probe import flags
 
     case = load_case(small_case)

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest import report as report_mod
-from difftest import report_files
-from difftest import upgrade
-from difftest.acceptance import AcceptStats
-from difftest.capture import Capture
-from difftest.chunk_match import ChunkMatch, Similarity
-from difftest.compare import TensorDiff
-from difftest.errors import ConfigError
-from difftest.finding import Finding
+from difftest.report import report as report_mod
+from difftest.report import report_files
+from difftest.report import upgrade
+from difftest.records.acceptance import AcceptStats
+from difftest.records.capture import Capture
+from difftest.records.chunk_match import ChunkMatch, Similarity
+from difftest.compare.compare import TensorDiff
+from difftest.base.errors import ConfigError
+from difftest.records.finding import Finding
 from difftest.records import (
     AcceptLengthData,
     CaptureData,
@@ -340,7 +340,7 @@ def test_summary_calls_a_failed_expected_failure_a_changed_expectation():
 
 
 def test_markdown_and_html_render_from_a_report_record():
-    from difftest.html_report import render
+    from difftest.report.html_report import render
 
     report = sample_report()
     report.checks.append(
@@ -365,7 +365,7 @@ def test_an_unreadable_previous_report_is_not_complete(tmp_path):
 
 
 def test_bundle_loads_a_report_record(tmp_path):
-    from difftest import bundle
+    from difftest.report import bundle
 
     path = report_files.write(sample_report(), tmp_path)
     assert bundle.load(path) == sample_report()
@@ -445,7 +445,7 @@ def test_the_status_vocabulary_says_which_verdicts_pass_and_which_are_above_nois
 
 
 def test_an_accept_gate_is_kept_as_a_record_with_each_positions_z_in_the_json():
-    from difftest.accept_gate import AcceptGate, judge
+    from difftest.compare.accept_gate import AcceptGate, judge
 
     ref = AcceptStats(num_verify=10, num_accepted=15, num_draft_steps=3, accepted_per_pos=[9, 5, 1])
     eng = AcceptStats(num_verify=10, num_accepted=2, num_draft_steps=3, accepted_per_pos=[2, 0, 0])

@@ -12,9 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from difftest.records import EngineInfo
-from difftest import noise, report, upgrade
-from difftest.acceptance import AcceptStats
-from difftest.compare import CaptureDiff, TensorDiff
+from difftest.compare import noise
+from difftest.report import report
+from difftest.report import upgrade
+from difftest.records.acceptance import AcceptStats
+from difftest.compare.compare import CaptureDiff, TensorDiff
 from difftest.records import AcceptLengthData, CheckResult, Report
 
 
@@ -131,7 +133,7 @@ def test_report_prompt_within_noise_has_no_divergence_but_names_the_first_that_d
 
 
 def test_markdown_and_html_render_the_report_built_from_a_session(case):
-    from difftest.html_report import render
+    from difftest.report.html_report import render
 
     r = read(build(case, StubSession({"eng": [faulty()]})))
     md = report.markdown(r)

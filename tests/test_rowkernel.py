@@ -1,5 +1,5 @@
-"""The native row kernel (difftest/rowkernel.cpp) gives the eager path's numbers (the definition,
-difftest.rowstats): counts, maxima, max_col and rank equal; sums, KL and TV to float32 rounding.
+"""The native row kernel (difftest/compare/rowkernel.cpp) gives the eager path's numbers (the definition,
+difftest.compare.rowstats): counts, maxima, max_col and rank equal; sums, KL and TV to float32 rounding.
 
 Both builds where they differ (x86-64-v3 on a CPU with AVX2, and generic), every dtype it takes,
 on pairs with NaN, +-inf, -inf vocabulary masks, tied differences and tied reference maxima, zero,
@@ -13,9 +13,13 @@ import math
 import pytest
 import torch
 
-from difftest import noise, rowkernel, rowstats
-from difftest.compare import compare_tensor
-from difftest.tolerances import DEFAULTS
+from difftest.compare import noise
+
+from difftest.compare import rowkernel
+
+from difftest.compare import rowstats
+from difftest.compare.compare import compare_tensor
+from difftest.compare.tolerances import DEFAULTS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 SHAPES = [(1, 1), (3, 5), (7, 8), (6, 17), (8, 2048), (7, 2049), (6, 4100), (64, 1000), (2, 300_000)]

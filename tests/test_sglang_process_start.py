@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from difftest.errors import EngineUnavailable
+from difftest.base.errors import EngineUnavailable
 from engines.sglang import process_start
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.errors import EngineError
+from difftest.base.errors import EngineError
 from engines.sglang import tensor_parallel
 from engines.sglang.rank_crash import crash_cause
 

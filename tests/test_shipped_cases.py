@@ -10,7 +10,7 @@ import pytest
 from helpers import ROOT
 from shipped_run import ENGINES, REAL, shipped_or_skip
 
-from difftest.case import load_case
+from difftest.case.case import load_case
 
 CASES = sorted((ROOT / "cases").glob("*.yaml"))
 CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
@@ -23,7 +23,7 @@ def run():
 
 def _runnable(path: Path) -> bool:
     """A case this machine can run: one for a model it does not have (an unset ${VAR}) skips by design."""
-    from difftest.errors import CaseNotConfigured
+    from difftest.base.errors import CaseNotConfigured
 
     try:
         load_case(path)

@@ -82,7 +82,7 @@ def _run(cmd: list, log: Path) -> None:
 
 
 def _resolve(ref: str) -> Path:
-    from difftest.session import resolve_fixture
+    from difftest.run.session import resolve_fixture
 
     return Path(resolve_fixture(ref))
 

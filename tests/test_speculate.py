@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from difftest.errors import ConfigError
+from difftest.base.errors import ConfigError
 from engines.ref.eagle3 import Eagle3Config, Eagle3Draft
 from engines.ref.speculate import gather_fc_in, greedy_decode, run_draft_chain, simulate_greedy
 from engines.ref.target import TargetOutput

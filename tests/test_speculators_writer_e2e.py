@@ -53,7 +53,7 @@ STEPS = 3  # speculators' default --ttt-steps
 
 
 def _target() -> Path:
-    from difftest.session import resolve_fixture
+    from difftest.run.session import resolve_fixture
 
     return Path(resolve_fixture(TARGET))
 

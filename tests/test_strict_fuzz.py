@@ -17,10 +17,11 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from difftest.case import DTYPES, KNOWN_KEYS, Case, expect_keys, load_case
-from difftest.engine import check_case_settings, check_settings, engine_schema, parse_engine_list
-from difftest.errors import CaseNotConfigured, ConfigError
-from difftest.names import pattern_could_match
+from difftest.case.case import DTYPES, KNOWN_KEYS, Case, expect_keys, load_case
+from difftest.base.registry import engine_schema
+from difftest.run.engine import check_case_settings, check_settings, parse_engine_list
+from difftest.base.errors import CaseNotConfigured, ConfigError
+from difftest.base.names import pattern_could_match
 from engines.trainingdata.formats import read_dump
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

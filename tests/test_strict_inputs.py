@@ -15,12 +15,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from difftest.case import load_case
-from difftest.engine import check_case_settings, check_settings, engine_schema, parse_engine_list, parse_spec
-from difftest.errors import ConfigError
-from difftest.session import Options, Session
-from difftest.settings import Schema, Setting, validate
-from difftest.yamlfile import MAX_NODES
+from difftest.case.case import load_case
+from difftest.base.registry import engine_schema
+from difftest.run.engine import check_case_settings, check_settings, parse_engine_list, parse_spec
+from difftest.base.errors import ConfigError
+from difftest.run.session import Options, Session
+from difftest.base.settings import Schema, Setting, validate
+from difftest.base.yamlfile import MAX_NODES
 from helpers import run_pytest
 
 
@@ -238,7 +239,7 @@ def test_pattern_that_matches_a_name_the_case_can_capture_loads(tmp_path, checkp
     ("draft.fc_in.1?", True),
 ])  # fmt: skip
 def test_pattern_validity_is_decided_against_the_name_grammar_not_a_list(pattern, matches):
-    from difftest.names import pattern_could_match
+    from difftest.base.names import pattern_could_match
 
     assert pattern_could_match(pattern, num_steps=4) is matches
 
@@ -335,7 +336,7 @@ def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(ConfigError) as e:
         load_state_dict(tmp_path)
-    # the header read tells how much is missing (difftest.checkpoint_integrity, through difftest.weight_files)
+    # the header read tells how much is missing (difftest.rules.checkpoint_integrity, through difftest.rules.weight_files)
     assert one_line(e).startswith(f"{tmp_path / 'model.safetensors'}: truncated: its header describes ")
 
 
@@ -497,7 +498,7 @@ def test_report_json_with_fields_missing_is_one_line(tmp_path, capsys, command, 
 
 
 def test_dollar_signs_in_plot_labels_stay_text():
-    from difftest import html_report
+    from difftest.report import html_report
 
     plt = html_report._plt()
     fig, ax = plt.subplots()
@@ -516,7 +517,7 @@ def test_dollar_signs_in_plot_labels_stay_text():
      "cases.c.engines.ref.captures[0].meta.num_layers: expected an integer or null, got a string"),
 ])  # fmt: skip
 def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mutate, fragment):
-    from difftest.baseline import SCHEMA, BaselineSource
+    from difftest.run.baseline import SCHEMA, BaselineSource
 
     manifest = {
         "schema": SCHEMA,
@@ -550,7 +551,7 @@ def test_duplicate_case_name_keeps_save_baseline_from_writing(tmp_path, checkpoi
 
 
 def test_engine_log_file_name_is_safe_for_any_spec():
-    from difftest.session import log_file_name
+    from difftest.base.paths import log_file_name
 
     assert log_file_name("ref[wiring=vllm]") == "ref[wiring=vllm].log"
     long = log_file_name("ref[wiring=" + "h0+" * 150 + "h1,x=$a/b$]")

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 from test_noise import _capture, _floor, _jump_row
 
-from difftest.case import Case
-from difftest.checks import check_top1
-from difftest.compare import compare_captures
-from difftest.engine import EngineSpec
+from difftest.case.case import Case
+from difftest.checks.checks import check_top1
+from difftest.compare.compare import compare_captures
+from difftest.run.engine import EngineSpec
 
 REF, ENG = EngineSpec("ref"), EngineSpec("vllm")
 EVENT_ROW = 4  # target.h rows N-1 .. : _capture has N rows

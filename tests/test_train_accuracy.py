@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from difftest.case import Case
-from difftest.engine import EngineSpec
-from difftest.errors import ConfigError
+from difftest.case.case import Case
+from difftest.run.engine import EngineSpec
+from difftest.base.errors import ConfigError
 from engines.trainingdata.train_accuracy import RULES, StepCounts, VerifierHead, rules_for, score_steps
 from engines.trainingdata.train_check import check_train_accuracy
 
@@ -189,14 +189,14 @@ def _yaml_case(tmp_path, expect: str):
 
 
 def test_a_case_file_sets_the_keys_the_train_accuracy_check_declares(tmp_path):
-    from difftest.case import load_case
+    from difftest.case.case import load_case
 
     case = load_case(_yaml_case(tmp_path, "{train_accuracy: {atol: 0.1, min: 0.2}}"))
     assert case.expect["train_accuracy"] == {"atol": 0.1, "min": 0.2}
 
 
 def test_a_case_file_key_the_train_accuracy_check_does_not_declare_is_refused_naming_the_file(tmp_path):
-    from difftest.case import load_case
+    from difftest.case.case import load_case
 
     path = _yaml_case(tmp_path, "{train_accuracy: {minimum: 0.2}}")
     with pytest.raises(

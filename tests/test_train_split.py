@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.errors import ConfigError
+from difftest.base.errors import ConfigError
 from engines.trainingdata.formats import read_dump, write_dump
 from engines.trainingdata.split import SPECULATORS_DEFAULT_RATIO, choose_split, samples_in
 

@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from difftest import cli
-from difftest.paths import cache_root
+from difftest.base.paths import cache_root
 from helpers import run_pytest
 from test_trainers_oracle import HERE, trainer_python
 
@@ -55,7 +55,7 @@ STEPS = 3  # speculators' default --ttt-steps
 
 
 def _target() -> Path:
-    from difftest.session import resolve_fixture
+    from difftest.run.session import resolve_fixture
 
     return Path(resolve_fixture(TARGET))
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.errors import ConfigError
+from difftest.base.errors import ConfigError
 from engines.trainingdata.train_accuracy import RULES, VerifierHead, score_steps
 from engines.trainingdata.formats import read_dump, write_dump
 
@@ -339,7 +339,7 @@ def test_train_acc_applies_the_drafts_sliding_window_as_speculators_training_for
 def speculators06_draft_run(speculators_draft_run):
     """The same target and data, a draft built and scored by speculators 0.6.0's own training forward, whose
     TTT steps after the first feed the draft's own argmax through d2t (its default, use_off_policy_tokens=False)."""
-    # speculators' recipe with speculators repinned to 0.6.0, installed --no-deps (difftest/envs.py)
+    # speculators' recipe with speculators repinned to 0.6.0, installed --no-deps (difftest/run/envs.py)
     python = trainer_python("speculators@0.6.0", setup=".venv/bin/difftest env create speculators==0.6.0")
     run = speculators_draft_run
     root = run["root"]

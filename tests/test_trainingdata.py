@@ -315,7 +315,7 @@ def test_specforge_compressed_rows_are_read_and_a_damaged_one_is_skipped_naming_
 
 
 def test_auxiliary_files_alone_are_no_training_data(tmp_path):
-    from difftest.errors import ConfigError
+    from difftest.base.errors import ConfigError
 
     (tmp_path / "vocab_mapping").mkdir()
     torch.save({"d2t": torch.zeros(2)}, tmp_path / "vocab_mapping" / "vocab_mapping.pt")
@@ -381,7 +381,7 @@ def test_a_dataset_row_whose_tokens_differ_from_its_hidden_states_skips_that_sam
 
 
 def test_prepare_data_folder_without_hidden_states_says_where_they_are_expected(pair, tmp_path):
-    from difftest.errors import ConfigError
+    from difftest.base.errors import ConfigError
 
     data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
     _as_prepare_data(data, tmp_path / "prepared", shards=2)
@@ -398,7 +398,7 @@ def test_prepare_data_folder_without_hidden_states_says_where_they_are_expected(
 
 
 def test_a_dataset_dictionary_folder_is_refused_naming_the_split_to_give(tmp_path):
-    from difftest.errors import ConfigError
+    from difftest.base.errors import ConfigError
 
     _save_to_disk_layout(tmp_path / "dd" / "train", [{"input_ids": [1, 2], "loss_mask": [1, 1]}])
     (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
@@ -436,7 +436,7 @@ def test_train_acc_refuses_a_missing_hidden_states_folder_in_one_line(pair, tmp_
 
 
 def test_an_empty_hidden_states_folder_names_the_option_to_give_another(pair, tmp_path):
-    from difftest.errors import ConfigError
+    from difftest.base.errors import ConfigError
 
     data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
     (tmp_path / "empty").mkdir()

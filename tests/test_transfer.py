@@ -1,7 +1,7 @@
-"""Captures travel from an engine's worker to the harness without copies (difftest.tensorfile):
+"""Captures travel from an engine's worker to the harness without copies (difftest.base.tensorfile):
 the worker writes the tensors from their memory, the harness maps the file. Content, dtypes and
 shapes arrive unchanged; nothing half-written stays behind when a worker dies writing; each phase
-of the transfer is timed (difftest.timings)."""
+of the transfer is timed (difftest.run.timings)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import pytest
 import safetensors.torch
 import torch
 
-from difftest import tensorfile
-from difftest.capture import Capture, partial_prefix, remove_partial
-from difftest.case import Case
-from difftest.engine import EngineSpec
-from difftest.errors import ConfigError, EngineError
-from difftest.session import Options, Session
-from difftest.worker import WorkerClient
+from difftest.base import tensorfile
+from difftest.records.capture import Capture, partial_prefix, remove_partial
+from difftest.case.case import Case
+from difftest.run.engine import EngineSpec
+from difftest.base.errors import ConfigError, EngineError
+from difftest.run.session import Options, Session
+from difftest.run.worker import WorkerClient
 from fake_engine import synthetic_tensors
 from helpers import TESTS
 
@@ -156,7 +156,7 @@ def test_a_worker_killed_while_writing_a_capture_leaves_nothing_half_written(tmp
 
 def test_phases_nest_each_counting_only_its_own_time():
     from difftest.records.timings import WorkerPhase
-    from difftest.timings import PhaseClock
+    from difftest.run.timings import PhaseClock
 
     clock = PhaseClock()
     with clock.phase("session", "c.yaml#float64", "ref", "float64"):

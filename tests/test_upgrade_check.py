@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from difftest import upgrade
-from difftest.acceptance import AcceptStats
+from difftest.report import upgrade
+from difftest.records.acceptance import AcceptStats
 from difftest.records import AcceptLengthData, CheckResult, EngineEntry, PromptComparison, Report, TensorDiff
 from helpers import HANG_GUARD_S, ROOT, TINY_CASE, make_tiny_pair, run_pytest
 
@@ -95,7 +95,7 @@ def test_each_label_has_its_own_cached_captures(side_by_side):
         meta = json.loads(manifest.read_text())["meta"]
         if not meta.get("golden_fc_in"):
             engines.append(meta["engine"] + ("+float64" if meta["dtype"] == "float64" else ""))
-    # the reference label also captures each prompt in float64: the noise floor (difftest.noise)
+    # the reference label also captures each prompt in float64: the noise floor (difftest.compare.noise)
     assert sorted(engines) == ["ref@new"] * 2 + ["ref@old"] * 2 + ["ref@old+float64"] * 2 + ["ref@patch"] * 2
 
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, Run, run_pytest
 
-from difftest.case import load_case
-from difftest.engine_releases import release
-from difftest.paths import cache_root
+from difftest.case.case import load_case
+from difftest.rules.engine_releases import release
+from difftest.base.paths import cache_root
 
 OLD_SGLANG, OLD_VLLM = "0.5.16", "0.24.0"
 CASE = "release_sglang_norm_before_fc"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from difftest.errors import ConfigError
-from difftest.wiring import FINAL_NORM, PRESETS, resolve
+from difftest.base.errors import ConfigError
+from difftest.rules.wiring import FINAL_NORM, PRESETS, resolve
 
 L = 8
 

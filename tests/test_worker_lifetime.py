@@ -1,5 +1,5 @@
 """Engine workers die with the harness: a harness killed mid-capture (SIGKILL or SIGTERM) leaves
-no worker, and no process the engine started, running on (difftest.worker: die_with_parent)."""
+no worker, and no process the engine started, running on (difftest.run.worker: die_with_parent)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from helpers import ROOT, TESTS
 HARNESS = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from difftest.case import Case
-    from difftest.engine import EngineSpec
-    from difftest.worker import WorkerClient
+    from difftest.case.case import Case
+    from difftest.run.engine import EngineSpec
+    from difftest.run.worker import WorkerClient
 
     client = WorkerClient(EngineSpec("fake", params=(("mode", "spawn_hang"),)), "fake_engine:FakeEngine",
                           sys.argv[3], Path(sys.argv[1]), timeout=3600)
@@ -94,7 +94,7 @@ def test_worker_and_its_children_exit_when_the_harness_is_killed_mid_capture(tmp
 
 
 def test_the_reply_pipe_tells_the_worker_once_its_reader_is_gone():
-    from difftest.worker import harness_gone
+    from difftest.run.worker import harness_gone
 
     r, w = os.pipe()
     try:
@@ -106,7 +106,7 @@ def test_the_reply_pipe_tells_the_worker_once_its_reader_is_gone():
 
 
 def test_a_changed_parent_pid_tells_the_worker_the_harness_is_gone():
-    from difftest.worker import harness_gone
+    from difftest.run.worker import harness_gone
 
     r, w = os.pipe()
     try:

@@ -1,4 +1,4 @@
-"""Tiny EAGLE-3 drafts really trained on known wirings, for judging `wiring: infer` (difftest.infer_wiring).
+"""Tiny EAGLE-3 drafts really trained on known wirings, for judging `wiring: infer` (difftest.rules.infer_wiring).
 
 Each recipe trains a draft (engines/ref/train.py, step 0 only: inference scores step 0) on one
 wiring of one target and saves it with config ids that an engine reads as something else, so
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from difftest.session import cache_root
+from difftest.run.session import cache_root
 
 BUILDER_VERSION = 3
 TRAIN_SEQS, PROMPT_LEN, NEW_TOKENS, DATA_SEED, EPS = 256, 8, 24, 321, 0.25
@@ -82,7 +82,7 @@ def target_path(name: str) -> Path:
         from independent_models import ensure_model
 
         return ensure_model(name).target
-    from difftest.session import resolve_fixture
+    from difftest.run.session import resolve_fixture
 
     return Path(resolve_fixture(f"fixture:{name}"))
 
@@ -229,11 +229,11 @@ def ensure_draft(name: str, log=print) -> Path:
 
 @lru_cache(maxsize=None)
 def evidence(target_name: str):
-    """difftest.infer_wiring.Evidence: every target tensor on held-out sequences, as a reference capture
+    """difftest.rules.infer_wiring.Evidence: every target tensor on held-out sequences, as a reference capture
     holds them; cached on disk beside the drafts (keyed by the target's directory and the sequence recipe)."""
     from safetensors.torch import load_file, save_file
 
-    from difftest.infer_wiring import Evidence
+    from difftest.rules.infer_wiring import Evidence
 
     where = target_path(target_name)
     key = hashlib.sha256(json.dumps([BUILDER_VERSION, str(where), EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED,
@@ -268,7 +268,7 @@ def evidence(target_name: str):
 
 def evidence_head(target_name: str, n: int):
     """The first n sequences of evidence(target_name): enough to see that an untrained draft tells nothing."""
-    from difftest.infer_wiring import Evidence
+    from difftest.rules.infer_wiring import Evidence
 
     e = evidence(target_name)
     return Evidence(e.tokens[:n], e.labels[:n], e.tensors[:n], e.num_layers, f"{e.source} (first {n})")

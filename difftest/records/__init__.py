@@ -1,4 +1,4 @@
-"""Typed records for what difftest writes and reads back: capture meta, check results with their
+"""Floor 2, typed records for what difftest writes and reads back: capture meta, check results with their
 per-check data, and the case report. Each is a plain dataclass with a JSON round trip
 (`to_dict` / `from_dict`), a `schema_version` in its JSON, and validation on load that refuses an
 unknown, missing or wrong-typed field in one line naming the file and the field

@@ -2,7 +2,7 @@
 
 A check returns one of these in its Verdict; the report stores it as `checks[i].data` with
 `"kind": KIND` first, and reading a report picks the class by that tag (an unknown kind is
-refused, naming the closest). Checks engines contribute (difftest.extensions.ExtraCheck) declare
+refused, naming the closest). Checks engines contribute (difftest.base.extensions.ExtraCheck) declare
 their own record there as `data`, e.g. the training-data engine's `train_accuracy`.
 
 Nested records other modules define (AcceptStats, lint Findings, fc ChunkMatches) are read back as
@@ -16,10 +16,10 @@ import difflib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from difftest.accept_gate import AcceptGate, PositionJudgement
-from difftest.acceptance import AcceptStats
-from difftest.chunk_match import ChunkMatch, Similarity
-from difftest.finding import Finding
+from difftest.records.accept_gate import AcceptGate, PositionJudgement
+from difftest.records.acceptance import AcceptStats
+from difftest.records.chunk_match import ChunkMatch, Similarity
+from difftest.records.finding import Finding
 from difftest.records.wiring_inference import WiringInference
 from difftest.records.fields import READER, decode, encode_fields, fail, join, kind_of
 
@@ -84,7 +84,7 @@ class CaptureData(CheckData):
     """`capture`: the reference captured every prompt; how a `wiring: infer` case's wiring was found."""
 
     KIND: ClassVar[str] = "capture"
-    wiring_inference: WiringInference | None = None  # difftest.infer_case's inference
+    wiring_inference: WiringInference | None = None  # difftest.run.infer_case's inference
 
 
 @dataclass
@@ -95,7 +95,7 @@ class LintData(CheckData):
 
 @dataclass
 class FixData:
-    """The draft-config edit the layer-id rule computed (difftest.layer_reading), or why none exists."""
+    """The draft-config edit the layer-id rule computed (difftest.checks.layer_reading), or why none exists."""
 
     patch: dict[str, object] | None = None
     ids: list[int] | None = None
@@ -107,7 +107,7 @@ class FixData:
 
 @dataclass
 class GoldenData:
-    """The engine's draft re-run on the reference's draft.fc_in (difftest.golden)."""
+    """The engine's draft re-run on the reference's draft.fc_in (difftest.checks.golden)."""
 
     outcome: str  # diverges | matches | unsupported | error
     first_divergence: str | None = None
@@ -134,7 +134,7 @@ class ComparisonData(CheckData):
     first_above_noise: str | None = None
     first_differs: str | None = None
     fc_chunks: list[ChunkMatch] | None = field(default=None, metadata={READER: _chunk_matches})  # per chunk
-    similarity: Similarity | None = None  # chunk-vs-candidate cosines (difftest.diagnose.match_chunks)
+    similarity: Similarity | None = None  # chunk-vs-candidate cosines (difftest.compare.diagnose.match_chunks)
     fed: list[str | None] | None = None  # fc_inputs: the reference tensors the engine's fc chunks are, by value
     rule: str | None = None  # the engine's layer-id rule, explained
     rule_predicted: list[str] | None = None
@@ -192,7 +192,7 @@ class ServerAcceptData(CheckData):
 
 @dataclass
 class ReplayRow:
-    """One server request replayed through the reference's draft (difftest.engine.Engine.replay): the
+    """One server request replayed through the reference's draft (difftest.run.engine.Engine.replay): the
     acceptance it predicts on the server's very tokens, and where its target would have chosen another."""
 
     stats: AcceptStats = field(metadata={READER: _accept_stats})
@@ -214,7 +214,7 @@ CORE_KINDS: dict[str, type[CheckData]] = {
 
 def data_kinds() -> dict[str, type[CheckData]]:
     """The core's kinds and those engine packages contribute with their checks."""
-    from difftest.extensions import extra_checks
+    from difftest.base.extensions import extra_checks
 
     contributed = {c.data.KIND: c.data for c in extra_checks().values() if c.data is not None}
     return {**CORE_KINDS, **contributed}

@@ -9,7 +9,7 @@ from difftest.records.fields import CHOICES, READER, decode, encode_fields, fail
 
 SCHEMA_VERSION = 2
 # not available: a check that cannot apply to the engine (a running server has no tensors);
-# xfailed: a declared expected failure, caught with its cause (difftest.expected_failure)
+# xfailed: a declared expected failure, caught with its cause (difftest.case.expected_failure)
 OUTCOMES = ("passed", "failed", "error", "skipped", "not available", "xfailed")
 
 

@@ -10,7 +10,7 @@ from difftest.records.fields import decode, encode_fields
 
 @dataclass
 class StoredBaseline:
-    """Where a stored golden baseline's results came from (difftest.baseline)."""
+    """Where a stored golden baseline's results came from (difftest.run.baseline)."""
 
     path: str
     created: str

@@ -18,7 +18,7 @@ import types
 import typing
 from typing import Any, get_args, get_origin
 
-from difftest.errors import ConfigError
+from difftest.base.errors import ConfigError
 
 # A field may restrict a str to a set of values: field(metadata={CHOICES: (...)}), or bring its own
 # reader for a type defined elsewhere: field(metadata={READER: fn(value, where, at)})

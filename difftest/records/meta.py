@@ -2,7 +2,7 @@
 
 Every adapter (engines/*) writes the core's keys as fields; what one adapter alone records for its
 own use or for a human (SGLang's consistency checks, the training data's identification, ...) goes
-in `extra`, a mapping the core never reads. Stored in the capture manifest's `meta` (difftest.capture)
+in `extra`, a mapping the core never reads. Stored in the capture manifest's `meta` (difftest.records.capture)
 and in a baseline manifest, with `schema_version`.
 
 Schema versions: 2 is this record. A meta without `schema_version` is version 1, the untyped dict
@@ -57,7 +57,7 @@ class CaptureMeta:
     settings: dict[str, object] = field(default_factory=dict)  # the engine's effective settings
     draft_config: dict[str, object] = field(default_factory=dict)  # the draft config as the engine read it
     notes: list[str] = field(default_factory=list)
-    baseline: str | None = None  # read back from a stored baseline (difftest.baseline): its name
+    baseline: str | None = None  # read back from a stored baseline (difftest.run.baseline): its name
     baseline_engine: str | None = None  # ... and the engine entry it came from
     extra: dict[str, object] = field(default_factory=dict)  # adapter-specific keys, never read by the core
 

@@ -1,7 +1,7 @@
 """NoiseFloorRecord: a case's noise floor as its report keeps it (`noise_floor` of the report JSON),
 and TensorFloor, one tensor's measured floor.
 
-difftest.noise measures the floor (NoiseFloor, which judges with it) and writes it as this record;
+difftest.compare.noise measures the floor (NoiseFloor, which judges with it) and writes it as this record;
 the report, the HTML and `difftest report` read it back by field. Its JSON is the one
 NoiseFloor.to_dict wrote before the record existed: a floor that could not be computed has no
 `router_noise` and no `constants`, and an `error`; a computed one has no `error`.
@@ -31,7 +31,7 @@ class NoiseFloorRecord:
     excluded: list[str] = field(default_factory=list)  # "prompt 2: steps >= 2 (float64 drafted another token)"
     router_noise: dict[str, float] | None = None  # MoE layer k -> score noise; None: not computed
     tensors: dict[str, TensorFloor] = field(default_factory=dict)
-    constants: dict[str, float] | None = None  # difftest.noise's settings the floor was judged with
+    constants: dict[str, float] | None = None  # difftest.compare.noise's settings the floor was judged with
     error: str | None = None  # why it could not be computed (the exception, every line)
 
     def to_dict(self) -> dict:

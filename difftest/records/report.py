@@ -1,5 +1,5 @@
 """Report: one case's run, the JSON in reports/ that the Markdown, the HTML, the session summary,
-`difftest report` and `difftest bundle` are rendered from (difftest.report writes it).
+`difftest report` and `difftest bundle` are rendered from (difftest.report.report writes it).
 
 Schema versions: `schema` names the kind of file ("difftest.report"), `schema_version` its layout.
 2 is this record (typed check data with a `kind`). A report without `schema_version` is version 1,
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from difftest.jsonfile import read_json
+from difftest.base.jsonfile import read_json
 from difftest.records.check_result import CheckResult
 from difftest.records.engine_info import EngineInfo
 from difftest.records.fields import decode, encode_fields, fail
@@ -39,7 +39,7 @@ class EngineEntry:
 
 @dataclass
 class PromptComparison:
-    """One prompt's tensor comparison against the reference (difftest.compare.CaptureDiff)."""
+    """One prompt's tensor comparison against the reference (difftest.compare.compare.CaptureDiff)."""
 
     prompt: int
     first_divergence: str | None  # where the error is introduced, else the first tensor above noise
@@ -53,7 +53,7 @@ class PromptComparison:
 @dataclass
 class FigureDefinition:
     """What one figure of the report counts and how the engines' own figures convert to it
-    (difftest.definitions)."""
+    (difftest.base.definitions)."""
 
     name: str
     counts: str
@@ -70,16 +70,18 @@ class Report:
     engines: dict[str, EngineEntry]  # by spec id, the reference included
     checks: list[CheckResult]
     noise_floor: NoiseFloorRecord | None = None  # None: nothing compared
-    wiring_inference: WiringInference | None = None  # `wiring: infer` cases (difftest.infer_case)
+    wiring_inference: WiringInference | None = None  # `wiring: infer` cases (difftest.run.infer_case)
     comparisons: dict[str, list[PromptComparison]] = field(default_factory=dict)  # by engine spec id
-    environment: dict[str, object] = field(default_factory=dict)  # the harness side (difftest.report.environment)
+    environment: dict[str, object] = field(
+        default_factory=dict
+    )  # the harness side (difftest.report.report.environment)
     reproduce: str = ""
     case_yaml: str = ""
     interrupted: bool = False
     definitions: list[FigureDefinition] = field(
         default_factory=list
     )  # every figure the report shows  # the run stopped before every check of the case ran
-    timings: Timings | None = None  # where the case's time went, by phase (difftest.timings)
+    timings: Timings | None = None  # where the case's time went, by phase (difftest.run.timings)
 
     def results(self, engine: str, check: str | None = None) -> list[CheckResult]:
         return [c for c in self.checks if c.engine == engine and (check is None or c.check == check)]

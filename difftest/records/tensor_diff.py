@@ -1,7 +1,7 @@
 """TensorDiff: one tensor's comparison with the reference, a row of a report's comparisons
 (`comparisons[engine][prompt].tensors`), and TensorStatus, the one vocabulary of its verdicts.
 
-difftest.compare computes it; the report, the HTML, the session summary and the upgrade check read
+difftest.compare.compare computes it; the report, the HTML, the session summary and the upgrade check read
 it back as this record. Its JSON is the dataclass's fields, unchanged since report schema version 2;
 a row that lacks the noise numbers (one written before the noise criterion, or a hand-made one) is
 read with the defaults, `criterion` "" (not recorded) and `differs` derived from its |diff|.
@@ -76,7 +76,7 @@ class TensorDiff:
     row_max_abs: list[float] = field(default_factory=list)
     row_mismatched: list[int] = field(default_factory=list)
     row_cosine: list[float] = field(default_factory=list)
-    # logits tensors only (difftest.compare.is_logits): distribution metrics over rows, softmax over the last dim
+    # logits tensors only (difftest.compare.compare.is_logits): distribution metrics over rows, softmax over the last dim
     topk: int = 0  # 0: not computed
     top1_agree: int = 0  # rows where the reference's top-1 is also the engine's (no engine logit above it)
     topk_member: int = 0  # rows whose reference top-1 is within the engine's top-k
@@ -84,7 +84,7 @@ class TensorDiff:
     kl_max: float = 0.0
     tv_mean: float = 0.0  # total variation distance, mean over rows
     tv_max: float = 0.0
-    # the verdict (difftest.noise): per-row relative error ||engine - ref|| / ||ref|| against the
+    # the verdict (difftest.compare.noise): per-row relative error ||engine - ref|| / ||ref|| against the
     # threshold derived from the measured noise floor
     criterion: str = NOISE  # NOISE | "elementwise (case tolerance PATTERN)" | NOT_RECORDED
     err: float = 0.0  # largest per-row relative error
@@ -93,7 +93,7 @@ class TensorDiff:
     threshold: float = 0.0
     rows_above: int = 0  # rows whose error exceeds the threshold
     excess: float = 0.0  # err / threshold (noise units; > 1: above noise)
-    introduced: bool = False  # above noise and not explained by its inputs (difftest.noise)
+    introduced: bool = False  # above noise and not explained by its inputs (difftest.compare.noise)
     row_err: list[float] = field(default_factory=list)  # per-row relative error profile
     differs: bool = False  # any element not bit-identical
 

@@ -1,5 +1,5 @@
-"""WiringInference: what `wiring: infer` concluded from the draft's own behaviour (difftest.infer_wiring
-searches; difftest.infer_case runs it for a case), kept in the report (`wiring_inference`) and in the
+"""WiringInference: what `wiring: infer` concluded from the draft's own behaviour (difftest.rules.infer_wiring
+searches; difftest.run.infer_case runs it for a case), kept in the report (`wiring_inference`) and in the
 capture item's data. Its JSON is the dataclasses' fields, as dataclasses.asdict wrote them before.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from difftest.names import short_name
+from difftest.base.names import short_name
 
-Z_DECIDE = 3.0  # standard errors a contrast must reach to count (difftest.infer_wiring's docstring)
+Z_DECIDE = 3.0  # standard errors a contrast must reach to count (difftest.rules.infer_wiring's docstring)
 
 
 def _num(x: float | None) -> str:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from difftest.errors import ConfigError
-from difftest.jsonfile import read_json
-from difftest.weight_files import first_line
+from difftest.api import ConfigError
+from difftest.api import read_json
+from difftest.api import first_line
 from engines.ref.eagle3 import Eagle3Config, Eagle3Draft, _canonical_key, load_state_dict, parse_config
 from engines.ref.eagle3_mla import Eagle3MLAConfig, Eagle3MLADraft, is_mla_config, parse_mla_config
 
@@ -33,7 +33,7 @@ class LoadedDraft:
 
 def _check_d2t(model_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor | None, vocab: int) -> None:
     """Refuse a vocab map that sends draft ids outside the target vocabulary (or two onto one)."""
-    from difftest.lint_checkpoint import d2t_convention_findings
+    from difftest.api import d2t_convention_findings
 
     targets = torch.arange(d2t.numel()) + d2t
     if bool(((targets >= 0) & (targets < vocab)).all()) and targets.unique().numel() == targets.numel():

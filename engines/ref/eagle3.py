@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from difftest.checkpoint_integrity import refuse_on_errors, stored_tensors
-from difftest.errors import ConfigError
-from difftest.weight_files import load_safetensors, torch_load_tensors
+from difftest.api import refuse_on_errors, stored_tensors
+from difftest.api import ConfigError
+from difftest.api import load_safetensors, torch_load_tensors
 
 Recorder = Callable[[str, torch.Tensor], None]
 
@@ -329,7 +329,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def _torch_load(f: Path) -> dict[str, torch.Tensor]:
     """A torch pickle holding a flat state dict, loaded with weights_only=True (nothing else runs)."""
-    data = torch_load_tensors(f)  # a refused or damaged pickle is one line naming f (difftest.weight_files)
+    data = torch_load_tensors(f)  # a refused or damaged pickle is one line naming f (difftest.rules.weight_files)
     if not isinstance(data, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
     ):

@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from difftest.errors import ConfigError
+from difftest.api import ConfigError
 from engines.ref.eagle3 import MLP, Eagle3Config, Eagle3Draft, RMSNorm, _ids
 
 ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")

@@ -18,20 +18,20 @@ from __future__ import annotations
 import torch
 
 import difftest
-from difftest.acceptance import AcceptStats
-from difftest.capture import Capture
-from difftest.case import Case
-from difftest.engine import Engine, EngineInfo
-from difftest.errors import ConfigError
-from difftest.wiring import Wiring, resolve
+from difftest.api import AcceptStats
+from difftest.api import Capture
+from difftest.api import Case
+from difftest.api import Engine, EngineInfo
+from difftest.api import ConfigError
+from difftest.api import Wiring, resolve
 from engines.ref.draft_loading import LoadedDraft, load_draft
 from engines.ref.settings import SCHEMA
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import load_target, num_layers, run_target
-from difftest.names import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
-from difftest.records import CaptureMeta, FcWiring, ReplayRow
+from difftest.api import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
+from difftest.api import CaptureMeta, FcWiring, ReplayRow
 
-# float64 is not a case dtype: the harness asks for it to measure the noise floor (difftest.noise)
+# float64 is not a case dtype: the harness asks for it to measure the noise floor (difftest.compare.noise)
 # Part of the engine version (so of every capture-cache key): bumped when what a ref capture holds
 # changes. 2: norms and rope keep float64 in the noise-floor run; MoE routers recorded (aux.router.*).
 CAPTURE_REVISION = 2
@@ -55,7 +55,7 @@ def rounded_through(model: torch.nn.Module, weights_dtype: str | None) -> torch.
 
 class RefEngine(Engine):
     SETTINGS = SCHEMA
-    CALIBRATES = True  # the noise floor, the default engine and reference (difftest.engine.calibration_engine)
+    CALIBRATES = True  # the noise floor, the default engine and reference (difftest.base.registry.calibration_engine)
 
     def __init__(self, spec):
         super().__init__(spec)
@@ -164,7 +164,7 @@ class RefEngine(Engine):
         tensors: dict[str, torch.Tensor] = {hidden_name(k): h[0] for k, h in enumerate(out.hidden)}
         tensors[FINAL_NORM] = out.final_norm[0]
         tensors[TARGET_LOGITS] = out.logits[0]
-        for k, (scores, margin) in (out.routers or {}).items():  # MoE routing, for router ties (difftest.noise)
+        for k, (scores, margin) in (out.routers or {}).items():  # MoE routing, for router ties (difftest.compare.noise)
             tensors[f"aux.router.{k}.scores"], tensors[f"aux.router.{k}.margin"] = scores, margin
         fc_in = gather_fc_in(out, wiring.inputs)
         draft_tensors, drafted = capture_draft_chain(loaded.model, fc_in, prompt_ids, next_token, case.num_steps)

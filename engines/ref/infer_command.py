@@ -1,7 +1,7 @@
 """`difftest infer-wiring --target T --draft D [--prompts ...] [--json]`: what was this draft trained on?
 
 Runs the target once over the prompts in this process (engines.ref.target: every `target.h.{k}`,
-the final norm and the logits), then difftest.infer_wiring searches the draft's wiring. Prompts:
+the final norm and the logits), then difftest.rules.infer_wiring searches the draft's wiring. Prompts:
 case files (their prompts and speculative prompts), `ids:1,2,3`, or text (the target's
 tokenizer); default: --random N prompts of --length uniformly random token ids.
 Exit status: 0 decided, 1 cannot tell, 2 bad input.
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from difftest.errors import DifftestError
-from difftest.extensions import Command
-from difftest.names import FINAL_NORM, TARGET_LOGITS, hidden_name
-from difftest.records import CaptureMeta
+from difftest.api import DifftestError
+from difftest.api import Command
+from difftest.api import FINAL_NORM, TARGET_LOGITS, hidden_name
+from difftest.api import CaptureMeta
 
 
 HELP = "infer which target hidden states a draft was trained on, from its behaviour"
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(ref: str) -> str:
-    from difftest.session import resolve_fixture
+    from difftest.api import resolve_fixture
 
     if ref.startswith("fixture:"):
         return resolve_fixture(ref)
@@ -53,8 +53,8 @@ def _resolve(ref: str) -> str:
 
 
 def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[int]]:
-    from difftest.case import load_case
-    from difftest.errors import ConfigError
+    from difftest.api import load_case
+    from difftest.api import ConfigError
 
     if not args.prompts:
         if args.random < 1 or args.length < 2:
@@ -102,7 +102,7 @@ def _refuse_path_that_is_not_a_case(p: str) -> None:
     """--prompts takes case YAML files, ids:1,2,3, or text: one word that looks like a path (a file
     suffix, a path separator) is a path, so a missing one is refused naming it rather than
     tokenized as a prompt. Text with spaces stays text ("what is 1/2?")."""
-    from difftest.errors import ConfigError
+    from difftest.api import ConfigError
 
     if p.startswith("ids:") or any(c.isspace() for c in p):
         return
@@ -120,10 +120,10 @@ def _refuse_path_that_is_not_a_case(p: str) -> None:
 
 @torch.no_grad()
 def infer(target_ref: str, draft_ref: str, prompts: list[list[int]], layer_ids: list[int] | None = None):
-    from difftest.capture import Capture
-    from difftest.infer_case import target_family
+    from difftest.api import Capture
+    from difftest.api import infer_case
     from engines.ref.infer_draft import load_inference_draft
-    from difftest.infer_wiring import evidence_from_captures, infer_from_evidence
+    from difftest.api import evidence_from_captures, infer_from_evidence
     from engines.ref.target import load_target, run_target
 
     target_dir, draft_dir = _resolve(target_ref), _resolve(draft_ref)
@@ -137,11 +137,11 @@ def infer(target_ref: str, draft_ref: str, prompts: list[list[int]], layer_ids: 
     loaded = load_inference_draft(draft_dir, target_dir)
     evidence = evidence_from_captures(caps, f"reference target run over {len(prompts)} prompts")
     ids = layer_ids if layer_ids is not None else loaded.config.layer_ids
-    return infer_from_evidence(loaded.model, ids, evidence, target_family(target_dir))
+    return infer_from_evidence(loaded.model, ids, evidence, infer_case.target_family(target_dir))
 
 
 def main(args: argparse.Namespace) -> int:
-    from difftest.jsonfile import read_json
+    from difftest.api import read_json
 
     try:
         target = _resolve(args.target)

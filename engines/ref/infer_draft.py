@@ -1,4 +1,4 @@
-"""The reference draft as `wiring: infer` scores it (difftest.infer_case): a `difftest.drafts` entry point."""
+"""The reference draft as `wiring: infer` scores it (difftest.run.infer_case): a `difftest.drafts` entry point."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from difftest.errors import ConfigError
-from difftest.extensions import DraftLoader
+from difftest.api import ConfigError
+from difftest.api import DraftLoader
 
 
 def _target_tensor(target: Path, suffix: str) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from difftest.acceptance import AcceptStats
+from difftest.api import AcceptStats
 from engines.ref.eagle3 import Eagle3Draft
 from engines.ref.speculate import gather_fc_in, run_draft_chain
 from engines.ref.target import TargetOutput, run_target

@@ -1,6 +1,6 @@
-"""The reference engine's settings (difftest.settings): the case's `engines.ref` merged with `ref[...]`."""
+"""The reference engine's settings (difftest.base.settings): the case's `engines.ref` merged with `ref[...]`."""
 
-from difftest.settings import Schema, Setting
+from difftest.api import Schema, Setting
 
 SCHEMA = Schema("ref", (
     Setting("wiring", "wiring", "fc inputs: a preset (vllm, sglang, speculators, ...), h0+h3+h31, or [h0, h3, h31]; "

@@ -9,7 +9,7 @@ Two pieces:
   * `simulate_greedy`: the whole decode loop: prefill, draft, verify, accept the longest
     matching prefix plus the target's own token, repeat. Its output is exactly the
     target's greedy decode (speculation is lossless); its AcceptStats use the harness's
-    definition (difftest.acceptance).
+    definition (difftest.records.acceptance).
 
 Indexing. With committed tokens t_0..t_{n-1} and the target's greedy next token t_n,
 draft position j (0 <= j < n) sees the target features at j and the embedding of t_{j+1},
@@ -22,10 +22,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from difftest.acceptance import AcceptStats
-from difftest.names import FC_IN, draft_name
-from difftest.errors import ConfigError
-from difftest.names import FINAL_NORM, hidden_index
+from difftest.api import AcceptStats
+from difftest.api import FC_IN, draft_name
+from difftest.api import ConfigError
+from difftest.api import FINAL_NORM, hidden_index
 from engines.ref.eagle3 import Eagle3Draft, KVCache
 from engines.ref.target import TargetOutput, run_target
 

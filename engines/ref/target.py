@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from difftest.checkpoint_integrity import refuse_on_errors, target_findings
-from difftest.errors import ConfigError, EngineUnavailable
-from difftest.weight_files import LOAD_ERRORS, explain_load_failure
+from difftest.api import refuse_on_errors, target_findings
+from difftest.api import ConfigError, EngineUnavailable
+from difftest.api import LOAD_ERRORS, explain_load_failure
 
 
 @dataclass
@@ -34,7 +34,7 @@ def router_margin(scores: torch.Tensor, chosen: torch.Tensor, num_group: int = 1
     routing (DeepSeek-V3 noaux_tc: groups ranked by the sum of their two best scores), between
     a selected and an unselected group's score. A gap within numerical noise means another
     engine may route this token to other experts: a discrete event, not a wiring fault
-    (difftest.noise: router ties)."""
+    (difftest.compare.noise: router ties)."""
     E = scores.shape[-1]
     is_chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
     gaps = (scores[:, :, None] - scores[:, None, :]).abs()  # [n, E, E]
@@ -107,7 +107,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
 
 def target_config(path: Path) -> dict:
     """config.json of a target checkpoint: a JSON object, not a draft's, with numeric sizes."""
-    from difftest.jsonfile import read_json
+    from difftest.api import read_json
 
     where = path / "config.json"
     config = read_json(where, "target config")

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from difftest.acceptance import AcceptStats
+from difftest.api import AcceptStats
 from engines.ref.eagle3 import Eagle3Draft, KVCache
 from engines.ref.speculate import gather_fc_in
 from engines.ref.target import run_target

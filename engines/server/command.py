@@ -1,6 +1,6 @@
 """`difftest probe --server URL --case CASE [--kind sglang|vllm]`: one live-server check, one report.
 Contributed to the CLI by the `server` engine through the `difftest.commands` entry point `probe`
-(difftest.extensions), as any engine contributes a command.
+(difftest.base.extensions), as any engine contributes a command.
 
 The same check as `--engines=ref,server[url=...]` in a pytest run (engines.server.probe), without
 pytest: the reference replays the server's tokens, the verdict and the report (JSON, Markdown,
@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from difftest.extensions import Command
+from difftest.api import Command
 from engines.server.engine import ServerEngine
 
 NAME = "server"  # the name this package registers its engine under (pyproject.toml, difftest.engines)
@@ -36,8 +36,8 @@ def ensure_server_engine() -> None:
     metadata predates them (an old editable install: `pip install -e .` refreshes it), through the
     variables the registries read besides entry points (DIFFTEST_ENGINES, DIFFTEST_CHECKS,
     DIFFTEST_COMMANDS); a process started after this call inherits them."""
-    from difftest.engine import registered_engines
-    from difftest.extensions import CHECK_GROUP, COMMAND_GROUP, registered
+    from difftest.api import registered_engines
+    from difftest.api import CHECK_GROUP, COMMAND_GROUP, registered
 
     _register("DIFFTEST_ENGINES", NAME, SERVER_ENGINE, registered_engines())
     _register("DIFFTEST_CHECKS", "server_accept_length", PROBE_CHECK, registered(CHECK_GROUP))
@@ -68,15 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from difftest import checks
-    from difftest import report as report_mod
-    from difftest import report_files
-    from difftest.case import load_case
-    from difftest.records import CheckResult
-    from difftest.engine import parse_spec
-    from difftest.errors import DifftestError
-    from difftest.outputs import check_output_dir
-    from difftest.session import Options, Session
+    from difftest.api import checks
+    from difftest.api import report as report_mod
+    from difftest.api import report_files
+    from difftest.api import load_case
+    from difftest.api import CheckResult
+    from difftest.api import parse_spec
+    from difftest.api import DifftestError
+    from difftest.api import check_output_dir
+    from difftest.api import Options, Session
 
     ensure_server_engine()
     report_dir = Path(args.report_dir)

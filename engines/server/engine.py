@@ -23,11 +23,11 @@ import os
 from pathlib import Path
 
 from engines.server import client as server_client
-from difftest.acceptance import AcceptStats
-from difftest.capture import Capture
-from difftest.case import Case
-from difftest.engine import Engine, EngineInfo
-from difftest.errors import ConfigError, EngineError
+from difftest.api import AcceptStats
+from difftest.api import Capture
+from difftest.api import Case
+from difftest.api import Engine, EngineInfo
+from difftest.api import ConfigError, EngineError
 from engines.server.client import ServerClient, ServerError
 from engines.server.settings import SCHEMA
 

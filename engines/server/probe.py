@@ -1,6 +1,6 @@
 """The live-server check: a running server's acceptance against the reference's prediction on the
 server's own tokens. The `server` engine contributes it (the `difftest.checks` entry point
-`server_accept_length`, difftest.extensions) as the `accept_length` item of its engines.
+`server_accept_length`, difftest.base.extensions) as the `accept_length` item of its engines.
 
   1. the server's effective settings (`server` engine info, engines.server.client), with flags
      where they differ from what was asked for or what the case describes;
@@ -8,7 +8,7 @@ server's own tokens. The `server` engine contributes it (the `difftest.checks` e
   3. the reference replays each request's prompt + output through its draft with the server's
      effective num_steps / topk / num_draft_tokens (Engine.replay, engines/ref/replay.py);
   4. accept length and per-position acceptance against that prediction, with the expected spread
-     (difftest.acceptance.accept_length_spread), per request and over all of them: a verdict.
+     (difftest.records.acceptance.accept_length_spread), per request and over all of them: a verdict.
 
 Which numbers are exact: SGLang's are the server's own per-request counters. vLLM's are /metrics
 deltas around each request: a request another client ran at the same time is in them too; such a
@@ -17,15 +17,15 @@ request is marked (engines.server.client) and left out of the verdict when clean
 
 from __future__ import annotations
 
-from difftest import accept_gate
-from difftest.accept_gate import ACCEPT_SIGMAS
-from difftest.acceptance import AcceptStats, accept_length_spread
-from difftest.case import Case
-from difftest.engine import EngineSpec
-from difftest.errors import ConfigError
-from difftest.extensions import ExtraCheck
-from difftest.records.check_data import ServerAcceptData
-from difftest.verdict import Verdict
+from difftest.api import accept_gate
+from difftest.api import ACCEPT_SIGMAS
+from difftest.api import AcceptStats, accept_length_spread
+from difftest.api import Case
+from difftest.api import EngineSpec
+from difftest.api import ConfigError
+from difftest.api import ExtraCheck
+from difftest.api import ServerAcceptData
+from difftest.api import Verdict
 
 
 def flags(settings: dict, case: Case) -> list[str]:

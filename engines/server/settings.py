@@ -1,7 +1,7 @@
-"""The server engine's settings (difftest.settings): `server[url=...,kind=...,timeout=...,model=...]`."""
+"""The server engine's settings (difftest.base.settings): `server[url=...,kind=...,timeout=...,model=...]`."""
 
 from engines.server import client as server_client
-from difftest.settings import Schema, Setting
+from difftest.api import Schema, Setting
 
 SCHEMA = Schema("server", (
     Setting("url", "str", "the running server, http://HOST:PORT (required)"),

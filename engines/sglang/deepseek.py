@@ -1,7 +1,7 @@
 """SGLang 0.5.23 and DeepSeek-V2/V3 / Kimi-K2 targets (MLA + MoE): which layers it feeds the
 draft, and what its CPU path needs. Plain Python over config dicts; no SGLang import.
 
-Layer ids (the rule itself lives in difftest.layer_rules.SGLANG_DEEPSEEK / SGLANG_LLAMA; verified
+Layer ids (the rule itself lives in difftest.rules.layer_rules.SGLANG_DEEPSEEK / SGLANG_LLAMA; verified
 against sglang 0.5.23, paths under sglang/srt/):
   * SGLang reads the draft's ids only from `eagle_config.eagle_aux_hidden_state_layer_ids`
     (model_executor/model_runner_components/spec_aux_hidden_state.py); the top-level key that
@@ -44,9 +44,9 @@ def is_mla(target_cfg: dict) -> bool:
 
 
 def _reading(target_cfg: dict, draft_cfg: dict, version: str | None = None):
-    """SGLang's reading of the draft's layer ids (difftest.layer_rules: the one copy of the rule; an
+    """SGLang's reading of the draft's layer ids (difftest.rules.layer_rules: the one copy of the rule; an
     older release's differences from it: engines/sglang/versions.py)."""
-    from difftest.layer_rules import target_family
+    from difftest.api import target_family
     from engines.sglang.versions import layer_rule
 
     rule = layer_rule(target_family(target_cfg), version)

@@ -37,14 +37,14 @@ from pathlib import Path
 
 import torch
 
-from difftest.acceptance import AcceptStats
-from difftest.capture import Capture, cache_key
-from difftest.case import Case
-from difftest.engine import Engine, EngineInfo
-from difftest.errors import EngineError, EngineSpent, EngineUnavailable
-from difftest.overlay import overlay_checkpoint
-from difftest.paths import cache_root
-from difftest.records import CaptureMeta, FcWiring
+from difftest.api import AcceptStats
+from difftest.api import Capture, cache_key
+from difftest.api import Case
+from difftest.api import Engine, EngineInfo
+from difftest.api import EngineError, EngineSpent, EngineUnavailable
+from difftest.api import overlay_checkpoint
+from difftest.api import cache_root
+from difftest.api import CaptureMeta, FcWiring
 from engines.sglang import cpu_ranks, cpu_shim, deepseek, process_start, rank_crash, tensor_parallel, versions
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
@@ -58,7 +58,7 @@ PARTIAL = ["target.h.*"]
 
 
 def _config(checkpoint: str, what: str) -> dict:
-    from difftest.jsonfile import read_json
+    from difftest.api import read_json
 
     return read_json(Path(checkpoint) / "config.json", what)
 
@@ -71,7 +71,7 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def _log_size() -> int:
-    """The worker's stderr is its log file (difftest.worker); where it ends now."""
+    """The worker's stderr is its log file (difftest.run.worker); where it ends now."""
     try:
         return os.fstat(2).st_size
     except OSError:

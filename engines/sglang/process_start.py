@@ -33,7 +33,7 @@ import multiprocessing.forkserver
 import os
 from collections.abc import Iterator
 
-from difftest.errors import EngineUnavailable
+from difftest.api import EngineUnavailable
 
 ENV = "DIFFTEST_SGLANG_START"
 METHODS = ("forkserver", "spawn")

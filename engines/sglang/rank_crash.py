@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 import signal
 
-from difftest.errors import EngineSpent
+from difftest.api import EngineSpent
 
 _EXCEPTION = re.compile(r"TP(\d+)\] Scheduler hit an exception")
 _WATCHDOG = re.compile(r"Subprocess scheduler_(\d+) \(pid=(\d+)\) crashed with exit code (-?\d+)")

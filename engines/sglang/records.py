@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from difftest.errors import EngineError
-from difftest.names import draft_name
+from difftest.api import EngineError
+from difftest.api import draft_name
 
 SUBMODULE_KINDS = ("embed", "fc", "attn_in", "attn_out", "mlp_out")
 

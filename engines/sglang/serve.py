@@ -18,7 +18,7 @@ import runpy
 import sys
 import tempfile
 
-from difftest.session import cache_root
+from difftest.api import cache_root
 from engines.launch_args import int_option, option
 from engines.sglang import cpu_ranks, cpu_shim
 

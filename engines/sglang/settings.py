@@ -1,6 +1,6 @@
-"""The SGLang adapter's settings (difftest.settings): the case's `engines.sglang` merged with `sglang[...]`."""
+"""The SGLang adapter's settings (difftest.base.settings): the case's `engines.sglang` merged with `sglang[...]`."""
 
-from difftest.settings import Schema, Setting
+from difftest.api import Schema, Setting
 
 SCHEMA = Schema("sglang", (
     Setting("speculative_num_steps", "int", "draft steps (default: the case's speculative.num_steps)", min=1,

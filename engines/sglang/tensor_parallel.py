@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from difftest.errors import EngineError
+from difftest.api import EngineError
 
 VERIFIED = "0.5.23"
 REPLICATED, CONCAT, SUM = "replicated", "concat", "sum"

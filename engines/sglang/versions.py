@@ -4,8 +4,8 @@ Every entry was read in the released wheels' own code (`pip download --no-deps s
 not inferred from dates; docs/sglang-releases.md has the per-release table and the evidence.
 Plain Python, no SGLang import: `version` is the installed SGLang's `__version__`.
 
-The layer-id and flag rules of each release are difftest.engine_releases (the pinned ones,
-difftest.layer_rules and difftest.draft_rules, with the changes read in the wheels undone); this
+The layer-id and flag rules of each release are difftest.rules.engine_releases (the pinned ones,
+difftest.rules.layer_rules and difftest.rules.draft_rules, with the changes read in the wheels undone); this
 module holds what only the adapter needs: which releases run here, and their CPU path's defects.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 # What the adapter itself must know per release (the rules engines apply to a draft, which
-# layers reach fc and which flags are read, are difftest.engine_releases: one copy, cited there).
+# layers reach fc and which flags are read, are difftest.rules.engine_releases: one copy, cited there).
 CPU_DRAFT_DECODE_SEQ_LENS_FIXED = (
     0,
     5,
@@ -41,8 +41,8 @@ def at_least(version: str | None, first: tuple[int, ...]) -> bool:
 
 def layer_rule(family: str, version: str | None = None):
     """SGLang's layer-id rule for a target family in this release (None: the pinned release's rule):
-    difftest.engine_releases derives it from the pinned rule and the changes read in the wheels."""
-    from difftest.engine_releases import layer_rule as release_rule
+    difftest.rules.engine_releases derives it from the pinned rule and the changes read in the wheels."""
+    from difftest.api import layer_rule as release_rule
 
     return release_rule("sglang", family, version)
 

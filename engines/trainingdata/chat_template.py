@@ -7,7 +7,7 @@ continue contexts it never saw, and acceptance drops with every engine wired cor
 (sgl-project/SpecForge issue 296). Nothing errors: the ids are all in the vocabulary.
 
 For a case prompt given as chat `messages`, the serving ids are what SGLang and vLLM render
-(difftest.chat: the target's chat template, add_generation_prompt=True, the prompt's
+(difftest.case.chat: the target's chat template, add_generation_prompt=True, the prompt's
 chat_template_kwargs). The dump's sample of that conversation is the one that holds the last
 user message's content tokens. Rendered alike, the sample starts with the serving ids; otherwise
 the first differing token is named, and the renderings the harness can make (each boolean
@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from difftest import chat
-from difftest.case import Prompt
+from difftest.api import chat
+from difftest.api import Prompt
 
 CAUSE = "chat-template drift"
 # boolean flags chat templates read (Qwen3 `enable_thinking`, DeepSeek-V3.1 `thinking`, ...): found in

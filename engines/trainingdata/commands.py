@@ -1,5 +1,5 @@
 """The `difftest train-acc` and `difftest dump` commands, contributed to the CLI through the
-`difftest.commands` entry points (difftest.extensions): their arguments and what they run.
+`difftest.commands` entry points (difftest.base.extensions): their arguments and what they run.
 
     difftest train-acc --data DIR --draft CKPT --target CKPT [--hidden-states DIR] [--split val] [--wiring vllm ...]
         the trainer's accuracy of a draft on a dump under the training wiring, and under each
@@ -17,19 +17,19 @@ import json
 import sys
 from pathlib import Path
 
-from difftest import definitions
-from difftest.acceptance import normalise
-from difftest.case import Case, Prompt, load_case
-from difftest.engine import EngineSpec
-from difftest.errors import ConfigError, DifftestError
-from difftest.extensions import Command
-from difftest.outputs import atomic_write, check_output_dir, check_output_file
-from difftest.wiring import short_name
+from difftest.api import definitions
+from difftest.api import normalise
+from difftest.api import Case, Prompt, load_case
+from difftest.api import EngineSpec
+from difftest.api import ConfigError, DifftestError
+from difftest.api import Command
+from difftest.api import atomic_write, check_output_dir, check_output_file
+from difftest.api import short_name
 
 
 def _model(ref: str) -> str:
     if ref.startswith("fixture:"):
-        from difftest.session import resolve_fixture
+        from difftest.api import resolve_fixture
 
         return resolve_fixture(ref)
     return str(Path(ref).resolve())
@@ -111,7 +111,7 @@ def train_acc(args) -> int:
         return 2
     width = max(len(r["wiring"]) for r in rows)
     # the trainer's own figure for full_acc (speculators full_acc_k, SpecForge acc_k) and the accept
-    # length it predicts, converted by its definition (difftest.definitions)
+    # length it predicts, converted by its definition (difftest.base.definitions)
     figure = (definitions.trainer_figures(rules_name) or ("speculators.full_acc",))[0]
     print(
         f"{'wiring'.ljust(width)}  {'fc'.ljust(18)}  full_acc (ttt 0..{len(rows[0]['counted']) - 1})   cond_acc   predicted AL"

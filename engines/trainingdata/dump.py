@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from difftest.errors import ConfigError
-from difftest.wiring import resolve, short_name
+from difftest.api import ConfigError
+from difftest.api import resolve, short_name
 from engines.ref.speculate import gather_fc_in
 from engines.ref.target import load_target, num_layers, run_target
 from engines.trainingdata.formats import write_dump

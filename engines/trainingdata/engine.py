@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 import difftest
-from difftest.acceptance import AcceptStats
-from difftest.capture import Capture
-from difftest.case import Case
-from difftest.engine import Engine, EngineInfo
-from difftest.errors import ConfigError, EngineError
+from difftest.api import AcceptStats
+from difftest.api import Capture
+from difftest.api import Case
+from difftest.api import Engine, EngineInfo
+from difftest.api import ConfigError, EngineError
 from engines.trainingdata.layer_identity import Identification, identify_against_target, identify_by_statistics
 from engines.trainingdata.train_accuracy import (
     DEFAULT_TRAINER,
@@ -54,7 +54,7 @@ from engines.trainingdata.train_accuracy import (
     rules_for,
     sample_accuracy,
 )
-from difftest.wiring import resolve, short_name
+from difftest.api import resolve, short_name
 from engines.ref.draft_loading import LoadedDraft, load_draft
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import final_norm_module, load_target, num_layers, run_target
@@ -62,8 +62,8 @@ from engines.trainingdata.formats import Dump, Sample, read_dump
 from engines.trainingdata.settings import SCHEMA
 from engines.trainingdata.precision import Precision, draft_precision
 from engines.trainingdata.split import Split, choose_split, samples_in
-from difftest.names import FINAL_NORM, TARGET_PREFIX, hidden_name
-from difftest.records import CaptureMeta, FcWiring
+from difftest.api import FINAL_NORM, TARGET_PREFIX, hidden_name
+from difftest.api import CaptureMeta, FcWiring
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -352,7 +352,7 @@ class TrainingDataEngine(Engine):
         None for a prompt not given as chat messages."""
         from transformers import AutoTokenizer
 
-        from difftest import chat
+        from difftest.api import chat
         from engines.trainingdata.chat_template import chat_prompts, find_drift
 
         prompts = chat_prompts(case.prompts + case.spec_prompts)

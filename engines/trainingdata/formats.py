@@ -49,8 +49,8 @@ from pathlib import Path
 
 import torch
 
-from difftest.errors import ConfigError
-from difftest.weight_files import first_line
+from difftest.api import ConfigError
+from difftest.api import first_line
 
 FORMATS = ("speculators", "speculators-legacy", "specforge")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.trainingdata.train_accuracy import rms_norm
-from difftest.names import FINAL_NORM, hidden_index
-from difftest.wiring import short_name
+from difftest.api import FINAL_NORM, hidden_index
+from difftest.api import short_name
 
 MATCH_REL_ERR = 0.05  # a dumped tensor "is" a reference tensor when their relative error is below this
 FINAL_TOP1 = 0.9  # top-1 agreement with the data's next tokens expected of the final layer on model-generated text

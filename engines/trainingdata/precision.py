@@ -23,8 +23,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from difftest.checkpoint_integrity import stored_tensors
-from difftest.errors import ConfigError
+from difftest.api import stored_tensors
+from difftest.api import ConfigError
 from engines.trainingdata.split import run_data_settings
 
 UNIT_ROUNDOFF = {"F64": 2.0**-53, "F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}

@@ -1,6 +1,6 @@
-"""The train engine's settings (difftest.settings): the case's `engines.train` merged with `train[...]`."""
+"""The train engine's settings (difftest.base.settings): the case's `engines.train` merged with `train[...]`."""
 
-from difftest.settings import Schema, Setting
+from difftest.api import Schema, Setting
 
 SCHEMA = Schema("train", (
     Setting("data", "path", "the dump directory (relative to the case file; fixture:NAME for built-in dumps)"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from difftest.errors import ConfigError
+from difftest.api import ConfigError
 from engines.trainingdata.formats import Dump, Sample
 
 SPLITS = ("all", "train", "val")

@@ -1,7 +1,7 @@
 """The `chat_template` check: the training dump holds each chat prompt as serving renders it.
 
 On the `train` engine of a case that names training data and gives prompts as chat `messages`.
-Each such prompt is rendered as SGLang and vLLM render a chat request (difftest.chat) and the
+Each such prompt is rendered as SGLang and vLLM render a chat request (difftest.case.chat) and the
 train engine is asked for its capture: it finds the dump's sample that starts with those ids,
 or explains why none does (engines/trainingdata/chat_template.py: the first differing token and
 the rendering the dump matches). Only capture requests travel to the engine.
@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from difftest import chat
-from difftest.case import Case
-from difftest.engine import EngineSpec
-from difftest.errors import ConfigError
-from difftest.extensions import ExtraCheck
-from difftest.records.check_data import CheckData
-from difftest.session import Session
-from difftest.verdict import Verdict
+from difftest.api import chat
+from difftest.api import Case
+from difftest.api import EngineSpec
+from difftest.api import ConfigError
+from difftest.api import ExtraCheck
+from difftest.api import CheckData
+from difftest.api import Session
+from difftest.api import Verdict
 from engines.trainingdata.chat_template import CAUSE, chat_prompts
 from engines.trainingdata.train_check import TRAIN
 from engines.trainingdata.train_check import applies as names_training_data

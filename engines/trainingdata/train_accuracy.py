@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from difftest.errors import ConfigError
+from difftest.api import ConfigError
 
 
 @dataclass(frozen=True)

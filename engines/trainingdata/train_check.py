@@ -17,17 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from difftest.case import Case
-from difftest.definitions import Definition, trainer_figures
-from difftest.diagnose import match_fc_chunks
-from difftest.engine import EngineSpec
-from difftest.errors import ConfigError
-from difftest.extensions import ExtraCheck
-from difftest.records.check_data import CheckData
-from difftest.session import Session
-from difftest.verdict import Verdict
-from difftest.names import FINAL_NORM, hidden_index
-from difftest.wiring import short_name
+from difftest.api import Case
+from difftest.api import Definition, trainer_figures
+from difftest.api import match_fc_chunks
+from difftest.api import EngineSpec
+from difftest.api import ConfigError
+from difftest.api import ExtraCheck
+from difftest.api import CheckData
+from difftest.api import Session
+from difftest.api import Verdict
+from difftest.api import FINAL_NORM, hidden_index
+from difftest.api import short_name
 
 TRAIN = "train"
 DEFAULT_ATOL = 0.05

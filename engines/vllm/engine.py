@@ -11,7 +11,7 @@ with the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the 
 hooks (engines/vllm/hooks.py, installed with `LLM.collective_rpc`) see the model objects.
 
 capture(): one greedy request per prompt; the prompt's prefill and the draft chain right
-after it are recorded and returned in the canonical names (difftest.names):
+after it are recorded and returned in the canonical names (difftest.base.names):
   target.h.{k}        the aux hidden states vLLM computed for its captured layer ids (always),
                       plus every other layer's residual stream when enforce_eager is on
   target.final_norm, target.logits   (logits computed with vLLM's own compute_logits on every row)
@@ -39,7 +39,7 @@ Settings (case `engines: {vllm: {...}}`, overridden by the engine spec `vllm[key
   enforce_eager (default true), max_model_len (512), tensor_parallel_size (1), seed (0),
   dtype (default: the case's), num_speculative_tokens (default: the case's num_steps),
   kv_cache_space_gib (CPU KV cache, default 1), draft_config_overrides (a mapping deep-merged
-  into the draft's config.json through difftest.overlay), target / draft (other checkpoints),
+  into the draft's config.json through difftest.rules.overlay), target / draft (other checkpoints),
   llm_args (extra keyword arguments for vllm.LLM), speculative_config (extra keys for it).
 """
 
@@ -57,14 +57,14 @@ from pathlib import Path
 
 import torch
 
-from difftest.acceptance import AcceptStats
-from difftest.capture import Capture
-from difftest.case import Case
-from difftest.engine import Engine, EngineInfo
-from difftest.errors import ConfigError, EngineError, EngineSpent, EngineUnavailable
-from difftest.names import draft_name
-from difftest.paths import cache_root
-from difftest.records import CaptureMeta, FcWiring
+from difftest.api import AcceptStats
+from difftest.api import Capture
+from difftest.api import Case
+from difftest.api import Engine, EngineInfo
+from difftest.api import ConfigError, EngineError, EngineSpent, EngineUnavailable
+from difftest.api import draft_name
+from difftest.api import cache_root
+from difftest.api import CaptureMeta, FcWiring
 from engines.vllm import compat, releases, tp
 from engines.vllm.settings import SCHEMA
 
@@ -360,7 +360,7 @@ class VllmEngine(Engine):
         return out
 
     def _overlay(self, draft: str, overrides: dict) -> Path:
-        from difftest.overlay import overlay_checkpoint
+        from difftest.api import overlay_checkpoint
 
         return overlay_checkpoint(draft, overrides, engine_dir())
 
@@ -638,17 +638,17 @@ def _read_config(checkpoint: str) -> dict:
     path = Path(checkpoint) / "config.json"
     if not path.is_file():
         return {}  # not a local checkpoint: vLLM reports what it cannot load
-    from difftest.jsonfile import read_json
+    from difftest.api import read_json
 
     return read_json(path, "target config")
 
 
 def _refuse_unreachable_ids(target_cfg: dict, target: str, draft: str) -> None:
     """Refuse before starting what vLLM would crash on deep in the engine, as its layer-id rule
-    model predicts (difftest.layer_rules.VLLM_DEEPSEEK: id 0 on a DeepSeek target, where
+    model predicts (difftest.rules.layer_rules.VLLM_DEEPSEEK: id 0 on a DeepSeek target, where
     DeepseekV2Model.forward computes `hidden_states + residual` before layer 0, with no residual yet)."""
-    from difftest.jsonfile import read_json
-    from difftest.layer_rules import rule_for, target_family
+    from difftest.api import read_json
+    from difftest.api import rule_for, target_family
 
     path = Path(draft) / "config.json"
     rule = rule_for("vllm", target_family(target_cfg))

@@ -1,6 +1,6 @@
-"""The vLLM adapter's settings (difftest.settings): the case's `engines.vllm` merged with `vllm[...]`."""
+"""The vLLM adapter's settings (difftest.base.settings): the case's `engines.vllm` merged with `vllm[...]`."""
 
-from difftest.settings import Schema, Setting
+from difftest.api import Schema, Setting
 
 SCHEMA = Schema("vllm", (
     Setting("enforce_eager", "bool", "no CUDA graphs / torch.compile", default=True),

@@ -1,7 +1,7 @@
 """Tensor-parallel captures made whole: vLLM 0.32.0's sharding rule, as data, and the gather.
 
 With tensor_parallel_size = N every rank's worker runs the capture hooks (engines/vllm/hooks.py)
-and `LLM.collective_rpc` returns N records. Each canonical tensor (difftest.names) is one of:
+and `LLM.collective_rpc` returns N records. Each canonical tensor (difftest.base.names) is one of:
 
   replicated     every rank holds the whole tensor, because vLLM reduces it before we read it;
                  the ranks must agree (a disagreement is an EngineError naming rank and tensor),
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from difftest.errors import EngineError
+from difftest.api import EngineError
 
 VERIFIED = "0.32.0"
 REPLICATED = "replicated"

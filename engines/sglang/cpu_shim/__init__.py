@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from difftest.errors import EngineUnavailable
+from difftest.api import EngineUnavailable
 
 SITE = Path(__file__).resolve().parent / "site"
 CPU_SHIM, REAL = "cpu-shim", "sgl-kernel"

@@ -1,0 +1,78 @@
+"""The core's public surface for engine packages (`engines/`, or any package that registers an
+adapter, a check or a command through difftest's entry points): everything an engine may use of
+the core, from one module. An engine imports `difftest.api`, never a floor of the core directly
+(import-linter holds `engines` to it), so the floors below can move without touching an engine.
+
+Grouped by what an engine does with it: the adapter (engine interface, settings, errors), what it
+returns (captures, canonical names, accept statistics), what it reads (the case, wiring, the rule
+data, checkpoint files), and what an engine's checks and commands build on (the session, verdicts,
+reports). Above the floors, beside the CLI and the plugin: it may name any of them."""
+
+from difftest.base import definitions
+from difftest.base.definitions import Definition, trainer_figures
+from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
+from difftest.base.extensions import CHECK_GROUP, COMMAND_GROUP, Command, DraftLoader, ExtraCheck, registered
+from difftest.base.jsonfile import read_json
+from difftest.base.names import (
+    FC_IN,
+    FINAL_NORM,
+    TARGET_LOGITS,
+    TARGET_PREFIX,
+    draft_name,
+    hidden_index,
+    hidden_name,
+)
+from difftest.base.outputs import atomic_write, check_output_dir, check_output_file
+from difftest.base.paths import cache_root
+from difftest.base.registry import registered_engines
+from difftest.base.settings import Schema, Setting
+from difftest.case import chat
+from difftest.case.case import Case, Prompt, load_case
+from difftest.checks import checks
+from difftest.checks.verdict import Verdict
+from difftest.compare import accept_gate
+from difftest.compare.accept_gate import ACCEPT_SIGMAS
+from difftest.compare.diagnose import match_fc_chunks
+from difftest.records import CaptureMeta, CheckResult, FcWiring, ReplayRow
+from difftest.records.acceptance import AcceptStats, accept_length_spread, normalise
+from difftest.records.capture import Capture, cache_key
+from difftest.records.check_data import CheckData, ServerAcceptData
+from difftest.records.engine_info import EngineInfo
+from difftest.report import report, report_files
+from difftest.rules.checkpoint_integrity import refuse_on_errors, stored_tensors, target_findings
+from difftest.rules.engine_releases import layer_rule
+from difftest.rules.infer_wiring import evidence_from_captures, infer_from_evidence
+from difftest.rules.layer_rules import rule_for, target_family
+from difftest.rules.lint_checkpoint import d2t_convention_findings
+from difftest.rules.overlay import overlay_checkpoint
+from difftest.rules.weight_files import (
+    LOAD_ERRORS,
+    explain_load_failure,
+    first_line,
+    load_safetensors,
+    torch_load_tensors,
+)
+from difftest.rules.wiring import Wiring, resolve, short_name
+from difftest.run import infer_case
+from difftest.run.engine import Engine, EngineSpec, parse_spec
+from difftest.run.session import Options, Session, resolve_fixture
+
+__all__ = [
+    # the adapter: interface, specs, settings, errors, the registry
+    "Engine", "EngineInfo", "EngineSpec", "parse_spec", "Schema", "Setting", "registered_engines",
+    "ConfigError", "DifftestError", "EngineError", "EngineSpent", "EngineUnavailable",
+    # what an adapter returns: captures under canonical names, accept-length statistics
+    "Capture", "CaptureMeta", "FcWiring", "ReplayRow", "cache_key", "FC_IN", "FINAL_NORM", "TARGET_LOGITS",
+    "TARGET_PREFIX", "draft_name", "hidden_index", "hidden_name", "AcceptStats", "accept_length_spread",
+    "normalise",
+    # what it reads: the case, its chat prompts, the wiring and the engines' rules as data, files
+    "Case", "Prompt", "load_case", "chat", "Wiring", "resolve", "short_name", "layer_rule", "rule_for",
+    "target_family", "infer_case", "evidence_from_captures", "infer_from_evidence", "overlay_checkpoint", "refuse_on_errors",
+    "stored_tensors", "target_findings", "d2t_convention_findings", "LOAD_ERRORS", "explain_load_failure",
+    "first_line", "load_safetensors", "torch_load_tensors", "read_json", "cache_root", "resolve_fixture",
+    "atomic_write", "check_output_dir", "check_output_file",
+    # what an engine's checks and commands build on: contributions, the session, verdicts, reports
+    "CHECK_GROUP", "COMMAND_GROUP", "Command", "DraftLoader", "ExtraCheck", "registered", "Options", "Session",
+    "Verdict", "CheckData", "CheckResult", "ServerAcceptData", "checks", "accept_gate", "ACCEPT_SIGMAS",
+    "match_fc_chunks", "report", "report_files", "definitions", "Definition", "trainer_figures",
+]  # fmt: skip

@@ -1,0 +1,460 @@
+"""The checks a case runs per engine; each returns a verdict and the message a user reads.
+
+  capture         (reference only) every prompt captures, no NaN/Inf upstream of logits
+  lint            (reference only) the draft checkpoint's config: what engines would
+                  silently do differently (difftest.checks.lint)
+  fc_inputs       target hidden states and draft.fc_in (per chunk) match the reference
+  draft_logits    everything the draft computes after fc matches, every draft step
+  top1_agreement  the draft's greedy choices agree with the reference's
+  accept_length   accept length and per-position acceptance within the measured noise of the reference's
+                  (difftest.compare.accept_gate; a tolerance the case declares only widens it)
+
+Engines contribute further checks through the `difftest.checks` entry points
+(difftest.base.extensions), e.g. the training-data engine's `train_accuracy`.
+
+A failing message names the first tensor in data-flow order that diverges, by how much,
+and (for fc inputs) which reference tensor the engine actually fed. A failing
+draft_logits re-runs the engine's draft on the reference's draft.fc_in (layerwise golden
+inputs) to tell "captured the wrong hidden states" from "the draft computes differently".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difftest.compare import accept_gate
+
+from difftest.compare import noise
+from difftest.case.case import Case
+from difftest.case.check_names import ENGINE_CHECKS, REFERENCE_CHECKS
+from difftest.compare.compare import CaptureDiff, TensorDiff, aligned_rows, noise_summary
+from difftest.records.tensor_diff import TensorStatus
+from difftest.compare.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
+from difftest.run.engine import EngineSpec
+from difftest.base.extensions import own_items, replacement
+from difftest.checks.golden import golden_rerun
+from difftest.checks.scopes import in_draft_scope as _in_draft_scope
+from difftest.checks.scopes import in_fc_scope as _in_fc_scope
+from difftest.base.errors import ConfigError, DifftestError, NotAvailable
+from difftest.records.check_data import (
+    AcceptLengthData,
+    CaptureData,
+    ComparisonData,
+    FixData,
+    GoldenData,
+    LintData,
+    Top1Data,
+)
+from difftest.records.meta import FcWiring
+from difftest.run.session import Session
+from difftest.checks.verdict import Verdict
+from difftest.base.names import DRAFT_LOGITS, FC_IN, in_fc_in
+
+DEFAULT_TOP1 = 0.98
+
+
+def _comparison_data(verdict: Verdict) -> ComparisonData:
+    """The comparison record every divergence verdict carries (see _divergence_report)."""
+    if not isinstance(verdict.data, ComparisonData):
+        raise TypeError(
+            f"a divergence verdict carries {type(verdict.data).__name__}, not ComparisonData"
+        )  # a harness bug
+    return verdict.data
+
+
+def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: list[CaptureDiff], scope) -> Verdict:
+    """Judged against the measured noise (difftest.compare.noise): a check fails when a tensor in its scope
+    is above noise; the message leads with the tensor where the error is *introduced*, beside the
+    first tensor above noise and the first that differs at all."""
+    failing: list[tuple[int, TensorDiff]] = []
+    for i, cd in enumerate(diffs):
+        d = cd.first_divergence([x.name for x in cd.diffs if scope(x.name)])
+        if d is not None:
+            failing.append((i, d))
+    ref = session.options.reference.id
+    floor = session.noise_floor(case)
+    ties = [f"prompt {i}: {cd.tie}" for i, cd in enumerate(diffs) if cd.tie]
+    if not failing:
+        n = sum(1 for cd in diffs for d in cd.diffs if scope(d.name) and d.status != TensorStatus.TIE)
+        moved = [d for cd in diffs for d in cd.diffs if scope(d.name) and d.by_noise and d.threshold > 0]
+        worst = max(moved, key=lambda d: d.excess, default=None)
+        msg = f"{n} tensor comparisons over {len(diffs)} prompts within noise of {ref} (noise floor {floor.source})"
+        if worst is not None and worst.differs:
+            msg += f"; largest: {worst.name} row error {worst.err:.3g} = {worst.excess:.2g}x its threshold {worst.threshold:.3g}"
+        if ties:
+            msg += "; " + "; ".join(ties)
+        return Verdict(True, msg, ComparisonData(noise=floor.source, ties=ties))
+    i, d = failing[0]
+    cd = diffs[i]
+    introduced = cd.first_introduced() or cd.first_divergence() or d
+    first_above = cd.first_divergence()
+    differs = cd.first_differs()
+    lines = [f"{spec.id} diverges from {ref} on {len(failing)}/{len(diffs)} prompts; prompt {i}: error introduced at "
+             f"{noise_summary(introduced)}"]  # fmt: skip
+    if d.name != introduced.name:
+        lines.append(f"in this check's scope first at {noise_summary(d)}")
+    if first_above is not None and first_above.name not in (introduced.name, d.name):
+        lines.append(f"first tensor above noise: {first_above.name} (excess {first_above.excess:.3g}x, propagated "
+                     f"into {introduced.name}'s inputs below the jump of {noise.JUMP:g}x)")  # fmt: skip
+    if differs is not None:
+        lines.append(f"first tensor that differs at all: {differs.summary()}")
+    lines.append(f"noise floor: {floor.source}")
+    data = ComparisonData(noise=floor.source, ties=ties, prompt=i, tensor=d.name, first_divergence=introduced.name,
+                          introduced=introduced.name, first_above_noise=first_above.name if first_above else None,
+                          first_differs=differs.name if differs else None)  # fmt: skip
+    ref_cap, cap = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
+    if in_fc_in(introduced.name):
+        lines += diagnose_fc(ref_cap, cap, _draft_config(session, case, spec))
+        matches, similarity = match_chunks(ref_cap, cap)
+        data.fc_chunks, data.similarity = matches, similarity
+        rule_lines, data.rule, data.rule_predicted, data.fix = _rule_lines(session, case, spec,
+                                                                           [m.best if m.matched else None for m in matches])  # fmt: skip
+        lines += rule_lines
+    elif introduced.name.startswith("target."):
+        lines += diagnose_hidden(ref_cap, cap, introduced.name)
+    else:
+        lines += diagnose_draft(introduced.name)
+    causes = _known_causes(session, case, spec, introduced.name)
+    lines += [f"known cause (lint [{f.code}]): {f.message}" for f in causes]
+    data.known_causes = [f.code for f in causes]
+    lines += _upgrade_lines(session, case, spec)
+    return Verdict(False, "\n".join(lines), data)
+
+
+def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
+    """When the reference is another release of the same engine (`--engines=sglang@OLD,sglang`, or a
+    baseline saved on it): each recorded behaviour change between the two releases that this draft
+    meets (difftest.rules.engine_releases), with both releases' readings and the change cited."""
+    from difftest.rules import engine_releases
+
+    reference = session.options.reference
+    old, new = session.case_engine_info(case, reference), session.engine_info(spec)
+    if old is None or new is None:
+        return []
+    engine = new.name
+    if engine not in engine_releases.SUPPORTED or old.name != engine:
+        return []
+    a, b = engine_releases.release(old.version), engine_releases.release(new.version)
+    if a == b:
+        return []
+    try:
+        view = _view(session, case, spec)  # the target's family, L, fc width and the config the new release is given
+        if view is None:
+            return []
+        old_cfg = _draft_config(session, case, reference) if reference.name == engine else view.draft_config
+        diff = engine_releases.layer_difference(engine, view.rule.family, a, b, old_cfg or {}, view.L, view.fc_chunks,
+                                                view.draft_config)  # fmt: skip
+        return ([diff.line()] if diff is not None else []) + engine_releases.flag_differences(
+            engine, a, b, view.draft_config
+        )
+    except (ConfigError, KeyError, ValueError, OSError):  # a diagnosis never fails on it
+        return []
+
+
+def _view(session: Session, case: Case, spec: EngineSpec):
+    from difftest.checks.layer_reading import engine_view
+    from difftest.checks.lint import trained_wiring
+
+    prepared = session.engine_case(session.prepare(case), spec)
+    try:
+        trained = trained_wiring(prepared)
+    except ConfigError:
+        trained = None
+    return engine_view(prepared, spec.name, trained, _release(session, spec))
+
+
+def _release(session: Session, spec: EngineSpec) -> str | None:
+    """The engine release a spec ran (its worker's own report), for the rules of that release."""
+    info = session.engine_info(spec)
+    return info.version if info is not None and info.name == spec.name else None
+
+
+def _draft_config(session: Session, case: Case, spec: EngineSpec) -> dict | None:
+    """The draft config as this engine was given it (fixtures resolved, its overrides merged); None
+    when it cannot be read (a diagnosis never fails on it)."""
+    from difftest.checks.layer_reading import draft_config_seen
+
+    return draft_config_seen(session.engine_case(session.prepare(case), spec), spec.name)
+
+
+def _rule_lines(session: Session, case: Case, spec: EngineSpec,
+                fed: list[str | None]) -> tuple[list[str], str | None, list[str] | None, FixData | None]:  # fmt: skip
+    """Why the engine fed what it fed (its layer-id rule, difftest.rules.layer_rules) and the config edit
+    that makes it feed what training fed; says so when the rule model did not predict the feed.
+    (lines, the rule explained, the feed it predicts, the edit)"""
+    from difftest.checks.layer_reading import fix_lines
+
+    view = _view(session, case, spec)
+    if view is None:
+        return [], None, None, None
+    lines = [view.rule_line()]
+    predicted = view.reading.fed_names()
+    if None not in fed and list(fed) != predicted:
+        lines.append(f"the rule model predicted {predicted} but the engine fed {fed}: {view.rule.label}'s rule differs "
+                     "from difftest.rules.layer_rules (another version?); the fix below may not hold")  # fmt: skip
+    edit = view.edit()
+    lines += fix_lines(view, edit)
+    fix = None
+    if edit is not None:
+        fix = FixData(patch=edit.patch, ids=edit.ids, impossible=edit.impossible, fc_order=edit.fc_order,
+                      alternatives=list(edit.alternatives), side_effects=list(edit.side_effects))  # fmt: skip
+    return lines, view.reading.explain(), predicted, fix
+
+
+def explain_engine_error(session: Session, case: Case, spec: EngineSpec, error: str) -> str:
+    """An engine error whose cause the layer-id rule predicts (the default fallback making fc
+    narrower than its weight, an id the model cannot capture): the cause first, the raw error beneath."""
+    try:
+        view = _view(session, case, spec)
+    except Exception:  # explaining must never hide the error itself
+        return error
+    if view is not None and view.reading.refusal is not None and view.rule.words() not in error:
+        return f"predicted by the layer-id rule: {view.reading.explain()}\n{error}"
+    try:
+        causes = [f for f in _engine_findings(session, case, spec) if _explains(f, error)]
+    except Exception:  # explaining must never hide the error itself
+        return error
+    return "\n".join([f"known cause (lint [{f.code}]): {f.message}" for f in causes] + [error])
+
+
+def _explains(finding, error: str) -> bool:
+    """A lint finding that accounts for an engine's error: it names a checkpoint tensor the error names
+    (a loader refusing a weight), or the engine cannot read the checkpoint's format at all."""
+    return any(w in error for w in finding.weights) or finding.code == "checkpoint-format"
+
+
+def _known_causes(session: Session, case: Case, spec: EngineSpec, introduced: str) -> list:
+    """The lint's errors that name this engine (difftest.rules.draft_rules), the one whose first changed
+    tensor is where the error was introduced first: the static reason for a divergence just seen."""
+    hits = [f for f in _engine_findings(session, case, spec) if f.severity == "error"]
+    return sorted(hits, key=lambda f: f.tensor != introduced)
+
+
+def _engine_findings(session: Session, case: Case, spec: EngineSpec) -> list:
+    """The lint's findings that name this engine, under the rules of the release it runs."""
+    from difftest.rules.draft_rules import ENGINES
+    from difftest.checks.lint import lint_case
+
+    if spec.name not in ENGINES:
+        return []
+    try:
+        findings = lint_case(session.prepare(case))
+    except ConfigError:
+        return []  # the lint item reports it
+    from difftest.rules.engine_releases import engine_draft_rules, release as release_of
+
+    release = _release(session, spec)
+    if release and release_of(release) != ENGINES[spec.name].version:
+        # the lint speaks for the pinned release; this engine runs another: its own flag rules
+        from difftest.rules.lint_checkpoint import flag_findings
+
+        raw = _draft_config(session, case, spec) or {}
+        try:
+            own = flag_findings(raw, [engine_draft_rules(spec.name, release)])
+        except ConfigError:
+            own = []
+        findings = [f for f in findings if f.code != "flag-ignored"] + own
+    return [f for f in findings if spec.name in f.engines]
+
+
+def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    problems, n = [], 0
+    for i in range(len(session.prompt_ids(session.prepare(case)))):
+        cap = session.capture(case, spec, i)
+        for name in cap.names():
+            t = cap.get(name)
+            n += 1
+            if not name.endswith("logits_target") and not bool(torch.isfinite(t).all()):
+                problems.append(f"prompt {i}: {name} has {int((~torch.isfinite(t)).sum())} NaN/Inf values")
+        if FC_IN not in cap.tensors or DRAFT_LOGITS not in cap.tensors:
+            problems.append(f"prompt {i}: capture lacks {FC_IN} or {DRAFT_LOGITS}")
+    if problems:
+        return Verdict(False, "; ".join(problems[:5]), CaptureData())
+    wiring = session.capture(case, spec, 0).meta.wiring or FcWiring(source="not recorded")
+    inferred = session.inference(case)
+    if inferred is not None:  # `wiring: infer`: say so, with the margin, wherever the wiring is shown
+        margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""
+        message = (f"{n} tensors captured; fc wiring {wiring.inputs} (inferred by `wiring: infer`{margin})\n"
+                   + "wiring inferred: " + "\n".join(inferred.lines()))  # fmt: skip
+        return Verdict(True, message, CaptureData(wiring_inference=inferred))
+    return Verdict(True, f"{n} tensors captured; fc wiring {wiring.inputs} ({wiring.source})", CaptureData())
+
+
+def _needs_tensors(session: Session, spec: EngineSpec, check: str) -> None:
+    if session.is_live(spec):
+        raise NotAvailable(f"{check}: not available for {spec.id}: a running server exposes no tensors "
+                           "(only its acceptance is checked)")  # fmt: skip
+
+
+def check_fc_inputs(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    _needs_tensors(session, spec, "fc_inputs")
+    verdict = _divergence_report(session, case, spec, session.comparisons(case, spec), _in_fc_scope)
+    data = _comparison_data(verdict)
+    # what the engine fed fc, by value: the reference's feed when every chunk matched it, else each
+    # chunk's best match (None: no reference tensor matches it); the version table reads it
+    if data.fc_chunks:
+        data.fed = [m.best if m.matched else None for m in data.fc_chunks]
+    elif verdict.passed:
+        wiring = session.capture(case, session.options.reference, 0).meta.wiring
+        data.fed = list(wiring.inputs) if wiring and wiring.inputs else None
+    return verdict
+
+
+def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    _needs_tensors(session, spec, "draft_logits")
+    diffs = session.comparisons(case, spec)
+    verdict = _divergence_report(session, case, spec, diffs, _in_draft_scope)
+    data = _comparison_data(verdict)
+    golden: GoldenData | None
+    if not verdict.passed:
+        first = data.prompt or 0  # a failing verdict names the first prompt that diverges
+        lines, golden = golden_rerun(session, case, spec, first, diffs[first])
+        verdict.message += "".join("\n" + ln for ln in lines)
+        data.golden = golden
+    elif spec.name != session.options.reference.name:
+        # a real engine that can take golden inputs: prompt 0 re-run on the reference's draft.fc_in,
+        # so the report shows the engine's draft computing the reference's function on the same input;
+        # a confirmation only: a re-run that cannot be made is said, and the passing verdict stands
+        try:
+            supported = session.capture_golden(case, spec, 0) is not None
+            lines, golden = golden_rerun(session, case, spec, 0, diffs[0], own_passed=True) if supported else ([], None)
+        except DifftestError as e:
+            lines, golden = (
+                [f"golden inputs (prompt 0): could not be run: {str(e).splitlines()[0]}"],
+                GoldenData("error"),
+            )
+        verdict.message += "".join("\n" + ln for ln in lines)
+        if golden is not None:
+            data.golden = golden
+    return verdict
+
+
+def check_lint(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    from difftest.checks.lint import lint_case
+
+    findings = lint_case(session.prepare(case))
+    errors = [f for f in findings if f.severity == "error"]
+    data = LintData(findings=list(findings))
+    if not findings:
+        return Verdict(True, "draft config: layer ids, norm flags, vocab map and fc width are unambiguous", data)
+    head = f"{len(errors)} error(s), {len(findings) - len(errors)} warning(s) in the draft config"
+    return Verdict(not errors, head + "\n" + "\n".join(map(str, findings)), data)
+
+
+def _inputs_moved_by_events(cd: CaptureDiff) -> torch.Tensor | None:
+    """Rows of draft.fc_in (whole or any chunk) above noise by an excused numerical event, when the
+    fc inputs are within noise as a whole (None otherwise: a diverging input is the wiring's)."""
+    fc = [d for d in cd.diffs if in_fc_in(d.name)]
+    if not fc or not all(d.ok for d in fc):
+        return None
+    moved = [rows for name, rows in cd.excused_rows.items() if in_fc_in(name)]
+    if not moved:
+        return None
+    n = max(rows.numel() for rows in moved)
+    out = torch.zeros(n, dtype=torch.bool)
+    for rows in moved:
+        out |= aligned_rows(rows, n)
+    return out
+
+
+def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    """Agreement of the draft's greedy choices, over positions where the reference's choice is clear.
+
+    A position whose reference top-1 margin is within what the measured noise can move
+    (difftest.compare.noise.tie_rows) is a tie: either choice is correct, so it is counted apart and
+    reported, not judged. Draft steps after a tie that the engine resolved the other way compute
+    on another token and are left out (difftest.compare.compare). So is a position whose draft input
+    (draft.fc_in, within noise as a whole) is above noise at that row because of a numerical event
+    upstream that the comparison excused (an MoE router near-tie sending the token to other
+    experts, or target rows the target's own verdict took as noise: CaptureDiff.excused_rows):
+    the draft computed there, correctly, on another input. Only the token's own row is left out,
+    and none when draft.fc_in diverges: then every disagreement is the wiring's."""
+    _needs_tensors(session, spec, "top1_agreement")
+    threshold = float(case.expect.get("top1_agreement", DEFAULT_TOP1))
+    floor = session.noise_floor(case)
+    agree = total = ties = tie_agree = skipped = excused = 0
+    for i, cd in enumerate(session.comparisons(case, spec)):
+        ref, other = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
+        inputs_moved = _inputs_moved_by_events(cd)
+        for name in (n for n in ref.names() if n.endswith("logits_target")):
+            d = cd.get(name)
+            if name not in other or (d is not None and d.status == TensorStatus.TIE):
+                skipped += 1
+                continue
+            a, b = ref.get(name), other.get(name)
+            if a.shape != b.shape:
+                continue
+            a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]).to(a.device)
+            same = a2.argmax(-1) == b2.argmax(-1)
+            tie = noise.tie_rows(a2, floor.threshold(name)).to(same.device)
+            event = torch.zeros_like(same)
+            if inputs_moved is not None:
+                event = aligned_rows(inputs_moved, same.numel()).to(same.device) & ~tie
+            judged = ~tie & ~event
+            agree += int((same & judged).sum())
+            total += int(judged.sum())
+            ties += int(tie.sum())
+            tie_agree += int((same & tie).sum())
+            excused += int(event.sum())
+    rate = agree / total if total else 0.0
+    msg = (f"draft top-1 agreement with {session.reference_label(case)}: {agree}/{total} = {rate:.3f} over positions with a "
+           f"clear reference choice (threshold {threshold}); ties within noise: {ties} ({tie_agree} agree)")  # fmt: skip
+    if excused:
+        msg += (f"; {excused} positions left out: their {FC_IN} row is above noise by a numerical event the "
+                "comparison excused (an MoE router near-tie upstream, or target rows within its noise)")  # fmt: skip
+    if skipped:
+        msg += f"; {skipped} step tensors not compared (after a tie the engine resolved the other way)"
+    data = Top1Data(agree=agree, total=total, rate=rate, ties=ties, ties_agree=tie_agree, noise=floor.source,
+                    excused=excused)  # fmt: skip
+    if total == 0:
+        return Verdict(ties > 0, msg + ("; every position is a tie: agreement cannot be judged here" if ties else
+                                        "; nothing to compare"), data)  # fmt: skip
+    return Verdict(rate >= threshold, msg, data)
+
+
+def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    """Accept length and per-position acceptance against the reference's, within the noise of the
+    measurement (difftest.compare.accept_gate: sampling spread over the verify steps plus the reference's
+    measured float64 move), widened only by a tolerance the case declares."""
+    tol = case.expect.get("accept_length") or None
+    if session.is_live(spec):  # a running server is judged by the check its engine contributes (run_check)
+        raise NotAvailable(f"accept_length: no check for {spec.id}, a running server, is registered "
+                           "(reinstall difftest: pip install -e .)")  # fmt: skip
+    ref_stats = session.speculate(case, session.options.reference)
+    stats = session.speculate(case, spec)
+    # the measured numerical move only widens what is allowed, so it is measured (a float64 speculative
+    # run of the reference: minutes on a deep target) only when the sampling spread alone fails
+    gate = accept_gate.judge(ref_stats, stats, None, tol, "within the sampling spread alone (the numerical move, "
+                             "which only widens it, not needed)")  # fmt: skip
+    if not gate.ok:
+        numerical, noise_source = session.accept_noise(case)
+        gate = accept_gate.judge(ref_stats, stats, numerical, tol, noise_source)
+    return Verdict(gate.ok, accept_gate.message(gate, ref_stats, stats),
+                   AcceptLengthData(reference=ref_stats, engine=stats, allowed=gate.allowed_accept, spread=gate.spread,
+                                    gate=gate))  # fmt: skip
+
+
+CHECKS = {
+    "capture": check_capture,
+    "lint": check_lint,
+    "fc_inputs": check_fc_inputs,
+    "draft_logits": check_draft_logits,
+    "top1_agreement": check_top1,
+    "accept_length": check_accept_length,
+}
+
+
+def checks_for(case: Case, is_reference: bool, engine: str | None = None) -> tuple[str, ...]:
+    """The items a case gets per engine: the core's, then those engines contribute that apply to it
+    (e.g. train_accuracy, when the case names training data; chat_template only on `train`)."""
+    own = REFERENCE_CHECKS if is_reference else ENGINE_CHECKS
+    return own + tuple(name for name, c in own_items().items() if name not in CHECKS and c.applies(case, is_reference)
+                       and (not c.engines or engine is None or engine in c.engines))  # fmt: skip
+
+
+def run_check(name: str, session: Session, case: Case, spec: EngineSpec) -> Verdict:
+    """The core's item, or the one an engine contributes; an engine's replacement of a core item
+    (e.g. a running server's accept_length) where it registered one."""
+    replaced = replacement(name, spec.name) if name in CHECKS else None
+    check = replaced.run if replaced is not None else CHECKS.get(name) or own_items()[name].run
+    return check(session, case, spec)

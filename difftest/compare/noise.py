@@ -1,0 +1,379 @@
+"""Numerical noise vs real divergence: a noise floor the harness measures, judged per row.
+
+Two correct engines never compute bit-identical tensors: kernels sum in other orders, fuse
+adds into norms, keep residuals in other widths. Elementwise `allclose` with a fixed
+atol/rtol then fails single elements of correct engines (a 1e-4 atol on values ~20 is 5e-6
+relative) while a 61-layer bf16 target fails almost every tensor. So the verdict is not
+elementwise. Per tensor and per row (= token position):
+
+    err_i = ||engine_i - ref_i||_2 / ||ref_i||_2            (finite entries; equal infinities
+                                                             such as -inf outside the draft
+                                                             vocab are equal; NaN or an
+                                                             unmatched infinity: err_i = inf)
+
+is compared with what the *reference itself* moves when it computes the same thing in
+another precision. The reference runs every prompt twice: in the case's dtype and in
+float64 (`measure_floor`). For each canonical tensor
+
+    floor(t)     = FLOOR_QUANTILE quantile over all rows of all prompts of
+                   ||ref_dtype_i - ref_float64_i|| / ||ref_float64_i||
+    threshold(t) = SAFETY * max(floor(t), UNIT_ROUNDOFF[dtype])
+
+The floor is measured along the data flow, so it already holds the noise each tensor
+inherits from its inputs (a deep target layer has a higher floor than the embedding).
+
+Why SAFETY = 10: the float64 run is the exact answer to within 1e-16, so floor(t) is the
+reference's own rounding error. A correct engine in the same dtype errs by about as much
+again; the two errors add to at most 2x floor (triangle inequality), typically sqrt(2)x
+for independent roundings. The rest of the factor covers kernels that round at other
+places (tiled GEMMs, fused add+RMSNorm, online softmax, fp32 vs bf16 residuals) and the
+spread of per-row errors above the quantile. The divergences this harness exists for
+(another layer fed to fc, a norm flag flipped, a vocab map dropped) move rows by 1e-2..1
+relative: 1e2..1e6 x the floor. torch.testing reasons the same way: its float32 default
+rtol 1.3e-6 is ~10x the unit roundoff 6e-8, its bfloat16 1.6e-2 ~4x 3.9e-3.
+
+Why a row quorum: a tensor diverges when more than ROW_QUORUM of its rows (and at least
+QUORUM_MIN_ROWS, or its only row) exceed the threshold, or when one draft row exceeds it
+ISOLATED_FACTOR times over. Rows whose error comes from a row an upstream tensor had above
+threshold but was judged within noise for are not counted again (compare.judge_along_flow). Discrete
+numerical events flip single rows of correct engines far above the rounding floor: an MoE
+router choosing another expert at a near-tie (seen: a bf16 DeepSeek-V3 target in SGLang, one
+row of 13 at 0.5 relative in the final norm), an argmax near a tie. The faults this harness
+exists for move every row. So in the target only the quorum counts; in the draft a single
+row counts when it starts there (draft ties are handled apart: compare.tie_step).
+
+Where error is introduced (Polygraphy's layerwise localisation, judged against noise):
+excess(t) = max_i err_i / threshold(t). A diverging tensor *introduced* the error when
+no input of it (difftest.base.names.inputs_of) diverges, or its excess exceeds JUMP times the
+largest excess among its diverging inputs. Propagated error keeps (or loses) its size in
+noise units because the floor grows along the same data flow.
+
+Router ties (MoE targets): a token whose reference routing margin (the gap between a chosen
+and an unchosen expert's selection score, or a selected and an unselected group's; recorded
+by the reference as `aux.router.{k}.margin`) lies within ROUTER_TIE_FACTOR x the router's
+measured score noise (the same float64 comparison, on `aux.router.{k}.scores`) may go to other
+experts in another engine. Its rows from target.h.{k+1} on are tolerated the way an
+upstream discrete event is (compare.judge_along_flow), and reported as router ties.
+
+When the reference cannot run twice (a training dump or a stored baseline as reference,
+or a target too large for the CPU reference), the floor is not measured and the threshold
+falls back to UNMEASURED_REL[dtype]; every verdict then says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from difftest.compare import rowstats
+from difftest.records.noise_floor import NoiseFloorRecord, TensorFloor
+from difftest.base.names import in_fc_in
+
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+SAFETY = 10.0
+FLOOR_QUANTILE = 0.9
+ROW_QUORUM = 0.1
+QUORUM_MIN_ROWS = 2  # a quorum is never one row of several (that is the isolated-row rule's business)
+ISOLATED_FACTOR = 10.0
+JUMP = 10.0
+# Guessed, not measured: relative row error of a correct engine at the end of a deep target in
+# this dtype (about 1000 and 10 unit roundoffs). Used only when no floor can be measured.
+UNMEASURED_REL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+# A draft position is a tie when the reference's top-1 margin is within what noise can move two
+# logits: each moves by at most ~threshold x the row's RMS (the row's error norm spread over it),
+# and the difference of two such moves by up to twice that.
+TIE_FACTOR = 2.0
+# A routing decision is a near-tie when its margin is within what two engines' score noise can
+# bridge: each score moves by about the measured router noise (90th percentile), a pair's gap by up
+# to twice that; 2x more covers the noise's spread. Tighter than the logits' tie rule on purpose: a
+# router tie takes the row out of the verdict, a top-1 tie only out of the agreement count.
+ROUTER_TIE_FACTOR = 4.0
+MIN_FLOOR_ROWS = 4  # fewer untouched rows than this: the floor takes every row (tie rows included)
+CALIBRATION_DTYPE = "float64"
+HALF_DTYPES = ("bfloat16", "float16")  # their calibration run rounds the weights first (run.session.calibration_case)
+AUX_PREFIX = "aux."  # reference-side facts stored in a capture, never compared (difftest.base.names)
+ROUTER_PREFIX = "aux.router."
+
+BLOCK_ELEMENTS = 1 << 22
+
+
+def row_rel_err(x: torch.Tensor, ref: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """Per-row ||x - ref|| / ||ref|| in float64 over the last dim ([R] on CPU).
+
+    path: None takes the native kernel (difftest.compare.rowkernel: one read of each tensor, no float64
+    copies) for CPU pairs of rowstats.NATIVE_MIN elements or more, else "eager" (the definition)."""
+    cols = ref.shape[-1] if ref.dim() else 1
+    x2, r2 = x.reshape(-1, cols), ref.reshape(-1, cols)
+    if path is None:
+        path = "native" if rowstats.takes_native(x2, r2, mixed=True) else "eager"
+    if path == "native":
+        s = rowstats.require_native(x2, r2, mixed=True).rel_err_sums(x2, r2)
+        return _rel_err(s["num"], s["den"], s["bad"] > 0)
+    rows = max(1, BLOCK_ELEMENTS // max(cols, 1))
+    out = []
+    for r in range(0, r2.shape[0], rows):
+        a, b = x2[r : r + rows].double(), r2[r : r + rows].to(x2.device).double()
+        same = a == b
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        d = torch.where(same | ~finite, 0.0, a - b)
+        num = (d * d).sum(-1)
+        den = torch.where(finite, b * b, 0.0).sum(-1)
+        bad = (~same & ~finite).any(-1)
+        out.append(_rel_err(num, den, bad).cpu())
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def _rel_err(num: torch.Tensor, den: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    err = torch.where(den > 0, (num / den.clamp_min(1e-300)).sqrt(), torch.where(num > 0, torch.inf, 0.0))
+    return torch.where(bad, torch.inf, err)
+
+
+@dataclass
+class NoiseFloor:
+    dtype: str
+    measured: bool
+    source: str  # one line: how the floor was obtained, or why it was not
+    tensors: dict[str, TensorFloor] = field(default_factory=dict)
+    excluded: list[str] = field(default_factory=list)  # "prompt 2: steps >= 2 (float64 drafted another token)"
+    router_noise: dict[str, float] = field(default_factory=dict)  # MoE layer k -> score noise (quantile over rows)
+
+    def router_tie_threshold(self, layer: int) -> float | None:
+        noise_k = self.router_noise.get(str(layer))
+        if noise_k is None:
+            return None
+        return ROUTER_TIE_FACTOR * max(noise_k, UNIT_ROUNDOFF["float32"])
+
+    def threshold(self, name: str) -> float:
+        """The tensor's threshold; names the calibration did not see take the largest threshold of
+        the same draft part at another step, else the unmeasured default."""
+        if name in self.tensors:
+            return self.tensors[name].threshold
+        from difftest.base.names import split_draft
+
+        d = split_draft(name)
+        if d is not None:
+            same_part = [f.threshold for n, f in self.tensors.items() if (split_draft(n) or (None, None))[1] == d[1]]
+            if same_part:
+                return max(same_part)
+        return unmeasured_threshold(self.dtype)
+
+    def floor(self, name: str) -> float:
+        f = self.tensors.get(name)
+        return f.floor if f else self.threshold(name) / SAFETY
+
+    def record(self) -> NoiseFloorRecord:
+        """The floor as the report keeps it, with the settings it was judged with."""
+        return NoiseFloorRecord(self.dtype, self.measured, self.source, list(self.excluded), dict(self.router_noise),
+                                dict(self.tensors), {"safety": SAFETY, "floor_quantile": FLOOR_QUANTILE, "row_quorum": ROW_QUORUM,
+                                                     "isolated_factor": ISOLATED_FACTOR, "jump": JUMP, "tie_factor": TIE_FACTOR})  # fmt: skip
+
+    def to_dict(self) -> dict:
+        return self.record().to_dict()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NoiseFloor":
+        return cls(d["dtype"], bool(d["measured"]), d["source"],
+                   {n: TensorFloor(**f) for n, f in (d.get("tensors") or {}).items()}, list(d.get("excluded") or []),
+                   {str(k): float(v) for k, v in (d.get("router_noise") or {}).items()})  # fmt: skip
+
+
+def unit_roundoff(dtype: str) -> float:
+    return UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"])
+
+
+def unmeasured_threshold(dtype: str) -> float:
+    return UNMEASURED_REL.get(dtype, UNMEASURED_REL["float32"])
+
+
+def unmeasured(dtype: str, why: str) -> NoiseFloor:
+    return NoiseFloor(dtype, False, f"not measured ({why}); threshold {unmeasured_threshold(dtype):g} relative per row "
+                                    f"for every tensor, a guess for {dtype}")  # fmt: skip
+
+
+def _quantile(x: torch.Tensor, q: float) -> float:
+    x = x[torch.isfinite(x)]
+    return float(torch.quantile(x, q)) if x.numel() else 0.0
+
+
+def _diverged_step(a: list | None, b: list | None) -> int | None:
+    """The first draft step whose drafted token differs between two runs (None: all equal or unknown)."""
+    if not a or not b:
+        return None
+    return next((s for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def _router_layers(cap) -> list[int]:
+    return sorted(int(n[len(ROUTER_PREFIX) : -len(".margin")]) for n in cap.tensors
+                  if n.startswith(ROUTER_PREFIX) and n.endswith(".margin"))  # fmt: skip
+
+
+def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Router score noise per MoE layer, and per prompt the first layer at which each row's routing is a
+    near-tie (inf: never). Layer by layer: a row tied at layer k routes differently from there on in
+    one of the two runs, so its scores at later layers are not rounding noise and are left out."""
+    noise_by_layer: dict[str, float] = {}
+    tie_from = [torch.full((cap.tensors["target.h.0"].reshape(-1, cap.tensors["target.h.0"].shape[-1]).shape[0],),
+                           math.inf, dtype=torch.float64) if "target.h.0" in cap.tensors else None
+                for cap, _ in pairs]  # fmt: skip
+    layers = sorted({k for cap, _ in pairs for k in _router_layers(cap)})
+    for k in layers:
+        name = f"{ROUTER_PREFIX}{k}"
+        deltas = []
+        for (cap, exact), ties in zip(pairs, tie_from):
+            if f"{name}.scores" not in cap.tensors or f"{name}.scores" not in exact.tensors:
+                continue
+            delta = (cap.tensors[f"{name}.scores"].double() - exact.tensors[f"{name}.scores"].double()).abs().amax(-1)
+            deltas.append(delta if ties is None else delta[~(ties < k)])
+        if not deltas:
+            continue
+        noise_by_layer[str(k)] = _quantile(torch.cat(deltas), FLOOR_QUANTILE)
+        threshold = ROUTER_TIE_FACTOR * max(noise_by_layer[str(k)], UNIT_ROUNDOFF["float32"])
+        for (cap, _), ties in zip(pairs, tie_from):
+            margin = cap.tensors.get(f"{name}.margin")
+            if ties is not None and margin is not None and margin.numel() == ties.numel():
+                ties[(margin.reshape(-1).double().cpu() <= threshold) & torch.isinf(ties)] = k
+    return noise_by_layer, tie_from
+
+
+def _floor_rows(name: str, ties: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Rows of `name` that a router near-tie upstream has not touched (None: all of them)."""
+    if ties is None or not bool(torch.isfinite(ties).any()):
+        return None
+    if name.startswith("target.h."):
+        return ~(ties < int(name.rsplit(".", 1)[1]))
+    touched = torch.isfinite(ties)
+    if n == touched.numel():
+        return ~touched
+    return ~touched[-n:] if n < touched.numel() else None
+
+
+def _draft_own_floor(own: list[tuple]) -> dict[str, torch.Tensor]:
+    """Per draft tensor, the row errors of the draft alone: the draft in the case's dtype fed the
+    float64 run's fc_in, against the float64 draft (no target noise, no router events)."""
+    from difftest.base.names import split_draft
+
+    out: dict[str, list[torch.Tensor]] = {}
+    for cap, exact in own:
+        flip = _diverged_step(cap.meta.draft_tokens, exact.meta.draft_tokens)
+        for name in cap.tensors:
+            d = split_draft(name)
+            if d is None or name not in exact.tensors or (flip is not None and d[0] > flip):
+                continue
+            if cap.tensors[name].shape == exact.tensors[name].shape:
+                out.setdefault(name, []).append(row_rel_err(cap.tensors[name], exact.tensors[name]))
+    return {n: torch.cat(v) for n, v in out.items()}
+
+
+def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] | None = None) -> NoiseFloor:
+    """pairs: per prompt (capture in the case's dtype, the same capture in float64).
+
+    Discrete events are not rounding noise and stay out of the floor: draft steps after the two
+    runs drafted different tokens, and rows after an MoE router near-tie (_measure_routers)."""
+    from difftest.base.names import split_draft
+
+    router_noise, tie_from = _measure_routers(pairs)
+    rows: dict[str, list[torch.Tensor]] = {}
+    every: dict[str, list[torch.Tensor]] = {}
+    excluded = []
+    for i, (cap, exact) in enumerate(pairs):
+        # A draft step after the two runs drafted different tokens computes on another token: it says
+        # nothing about rounding, so it is left out (its threshold comes from the other prompts).
+        flip = _diverged_step(cap.meta.draft_tokens, exact.meta.draft_tokens)
+        if flip is not None:
+            excluded.append(f"prompt {i}: draft steps > {flip} (float64 drafted another token at step {flip})")
+        ties = tie_from[i]
+        if ties is not None and bool(torch.isfinite(ties).any()):
+            excluded.append(f"prompt {i}: {int(torch.isfinite(ties).sum())} rows after an MoE router near-tie")
+        for name in cap.names():
+            if name not in exact or name.startswith(AUX_PREFIX):
+                continue
+            d = split_draft(name)
+            if flip is not None and d is not None and d[0] > flip:
+                continue
+            a, b = cap.get(name), exact.get(name)
+            if a.shape != b.shape:
+                continue
+            errs = row_rel_err(a, b)
+            every.setdefault(name, []).append(errs)
+            keep = _floor_rows(name, ties, errs.numel())
+            rows.setdefault(name, []).append(errs if keep is None else errs[keep])
+    u = unit_roundoff(dtype)
+    tensors = {}
+    own_rows = _draft_own_floor(own or [])
+    for name, parts in rows.items():
+        errs, all_errs = torch.cat(parts), torch.cat(every[name])
+        if errs.numel() < min(MIN_FLOOR_ROWS, all_errs.numel()):  # (nearly) every row after a router tie
+            # the draft's own rounding where it was measured, else every row (events included)
+            errs = own_rows.get(name, all_errs) if not in_fc_in(name) else all_errs
+        elif name in own_rows:  # at least the draft's own rounding
+            errs = torch.cat([errs, own_rows[name]])
+        floor = _quantile(errs, FLOOR_QUANTILE)
+        finite = all_errs[torch.isfinite(all_errs)]
+        tensors[name] = TensorFloor(name, floor, float(finite.max()) if finite.numel() else 0.0, int(errs.numel()),
+                                    SAFETY * max(floor, u))  # fmt: skip
+    return NoiseFloor(dtype, True, source, tensors, excluded, router_noise)
+
+
+def router_tie_rows(cap, floor: NoiseFloor) -> dict[int, torch.Tensor]:
+    """MoE layer k -> bool per row: the reference's routing margin is within the router's noise."""
+    out = {}
+    for name in cap.tensors:
+        if name.startswith(ROUTER_PREFIX) and name.endswith(".margin"):
+            k = int(name[len(ROUTER_PREFIX) : -len(".margin")])
+            threshold = floor.router_tie_threshold(k)
+            if threshold is not None:
+                out[k] = cap.tensors[name].reshape(-1).double().cpu() <= threshold
+    return out
+
+
+@dataclass
+class RowJudgement:
+    """One tensor of one prompt judged against its threshold."""
+
+    threshold: float
+    err: float  # largest row error
+    err_q: float  # FLOOR_QUANTILE quantile of the row errors (comparable with the floor)
+    rows_above: int
+    diverges: bool
+    excess: float  # err / threshold: noise units, for localisation
+
+    @property
+    def isolated(self) -> bool:
+        return self.err > ISOLATED_FACTOR * self.threshold
+
+
+def judge_rows(errs: torch.Tensor, threshold: float, tolerated: torch.Tensor | None = None,
+               isolated_rule: bool = True) -> RowJudgement:  # fmt: skip
+    """tolerated: bool per row, True where the row's error comes from a row an upstream tensor already
+    had above its threshold *and was judged within noise for* (a discrete event upstream): such rows
+    are not counted again. isolated_rule False: the quorum alone decides (target tensors)."""
+    if errs.numel() == 0:
+        return RowJudgement(threshold, 0.0, 0.0, 0, False, 0.0)
+    counted = errs if tolerated is None else torch.where(tolerated, 0.0, errs)
+    above = int((counted > threshold).sum())
+    quorum = above >= min(QUORUM_MIN_ROWS, errs.numel()) and above > ROW_QUORUM * errs.numel()
+    isolated = isolated_rule and float(counted.max()) > ISOLATED_FACTOR * threshold
+    worst = float(errs.max())
+    q = _quantile(errs, FLOOR_QUANTILE) if bool(torch.isfinite(errs).any()) else math.inf
+    return RowJudgement(threshold, worst, q, int((errs > threshold).sum()), above > 0 and (quorum or isolated),
+                        worst / threshold if threshold > 0 else math.inf)  # fmt: skip
+
+
+def top1_margins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of [R, V] logits: (top-1 minus top-2 over finite entries, RMS of the finite entries)."""
+    x = logits.reshape(-1, logits.shape[-1]).double()
+    finite = torch.isfinite(x)
+    masked = torch.where(finite, x, -torch.inf)
+    top = masked.topk(min(2, x.shape[-1]), dim=-1).values
+    margin = top[:, 0] - top[:, 1] if top.shape[-1] > 1 else torch.full_like(top[:, 0], torch.inf)
+    n = finite.sum(-1).clamp_min(1)
+    rms = (torch.where(finite, x * x, 0.0).sum(-1) / n).sqrt()
+    return margin, rms
+
+
+def tie_rows(ref_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Bool per row: the reference's top-1 margin is within what noise can move (TIE_FACTOR x threshold x RMS)."""
+    margin, rms = top1_margins(ref_logits)
+    return margin <= TIE_FACTOR * threshold * rms

