@@ -35,9 +35,11 @@ CI_CELLS = {
     ("indep-qwen3", "float32"),
     ("indep-llama", "bfloat16"),
 }  # DeepSeek-V3 bf16: DIFFTEST_FULL_MATRIX=1 (CI time)
-# Qwen3 float32: its drafts accept 3.84 of 4, so an accept-length collapse is measurable. On Llama
-# bfloat16 (DIFFTEST_FULL_MATRIX=1) they accept 1.96 and the gate cannot see a fall to 1.2 over 6
-# prompts, and vLLM's norm_output flip stays under the bf16 noise floor (docs/verdict.md).
+# Qwen3 float32: its drafts accept 3.84 of 4, so an accept-length collapse is measurable. The bf16
+# exports (DIFFTEST_FULL_MATRIX=1): every ids and vocab collapse fails the accept gate since the
+# calibration rounds the weights (stop 34), but vLLM's norm_output flip on Llama stays under the
+# bf16 noise floor and its norm_before_residual flip on Qwen3 / DeepSeek-V3 first shows at step 1
+# (docs/verdict.md), so those cells are not in CI.
 CI_MISWIRED_CELLS = {("indep-qwen3", "float32")}
 CORRECT = [c for c in CELLS if FULL or c in CI_CELLS]
 MISWIRED = [c for c in CELLS if FULL or c in CI_MISWIRED_CELLS]
