@@ -344,10 +344,18 @@ def test_sglang_cpu_ranks_get_their_own_cores_where_there_are_enough(monkeypatch
     assert cpu_ranks.core_groups(2) == "0|0"  # one core: shared
 
 
+def _unset_for_this_test(monkeypatch, name: str) -> None:
+    """Unset `name` and restore its value afterwards, including the value set by the code under test:
+    monkeypatch.delenv on an absent variable records nothing, so a binding the code sets would
+    outlive the test and reach every later engine in the worker (a TP-1 SGLang then refuses it)."""
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+
+
 def test_an_sglang_server_at_tp2_on_cpu_binds_its_ranks_and_keeps_a_users_binding(monkeypatch):
     from engines.sglang import cpu_ranks, cpu_shim, serve
 
-    monkeypatch.delenv(cpu_ranks.BIND_ENV, raising=False)
+    _unset_for_this_test(monkeypatch, cpu_ranks.BIND_ENV)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert serve.bind_ranks(["--device", "cpu", "--tp-size", "1"], cpu_shim.CPU_SHIM) is None
     assert serve.bind_ranks(["--device", "cuda", "--tp-size", "2"], "sgl_kernel") is None  # a GPU server: untouched
@@ -359,7 +367,7 @@ def test_an_sglang_server_at_tp2_on_cpu_binds_its_ranks_and_keeps_a_users_bindin
 def test_a_vllm_server_at_tp2_leaves_its_ranks_unbound_unless_the_user_binds_them(monkeypatch):
     from engines.vllm import serve
 
-    monkeypatch.delenv(serve.BIND_ENV, raising=False)
+    _unset_for_this_test(monkeypatch, serve.BIND_ENV)
     assert serve.bind_ranks(["--model", "m"]) is None
     assert serve.bind_ranks(["--model", "m", "--tensor-parallel-size", "2"]) == "nobind"
     monkeypatch.setenv(serve.BIND_ENV, "0|1")

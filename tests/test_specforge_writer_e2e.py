@@ -73,6 +73,9 @@ def _script() -> str:
 def _run(cmd: list, log: Path) -> None:
     env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", HF_HOME=str(log.parent / "hf"),
                TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    # The writer's SGLang runs one rank: a per-rank core binding from the caller's environment (a
+    # tensor-parallel run's) fails its model runner's assertion that the binding lists tp_size groups.
+    env.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
     t0 = time.monotonic()
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout + proc.stderr
