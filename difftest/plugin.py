@@ -395,7 +395,7 @@ def _finish_baseline(session: pytest.Session, writer: baseline_mod.BaselineWrite
         writer.discard()
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         return f"baseline {writer.name!r} NOT written: {e}"
-    n = sum(len(c["engines"]) for c in writer.entries.values())
+    n = sum(len(c.engines) for c in writer.entries.values())
     return f"baseline {writer.name!r} written: {path} ({n} case x engine entries, {writer.size() / 1024:.0f} KiB)"
 
 

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+from difftest.records.check_result import CheckResult
+from difftest.records.report import Report
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
@@ -109,14 +112,23 @@ class Run:
     root: Path
     cache: Path | None = None  # the DIFFTEST_CACHE the run used, when a test set one
 
-    def report(self, case: str) -> dict:
-        return json.loads((self.root / "reports" / f"{case}.json").read_text())
+    def report(self, case: str) -> Report:
+        """The case's report as every reader reads it (Report.load: validated, typed), read once
+        per version of the file."""
+        path = self.root / "reports" / f"{case}.json"
+        key = (str(path), path.stat().st_mtime_ns)
+        if key not in _REPORTS:
+            _REPORTS[key] = Report.load(path)
+        return _REPORTS[key]
 
-    def outcome(self, case: str, engine: str, check: str) -> dict:
-        for r in self.report(case)["checks"]:
-            if r["engine"] == engine and r["check"] == check:
-                return r
-        raise KeyError(f"no result for {engine} {check}")
+    def outcome(self, case: str, engine: str, check: str) -> CheckResult:
+        result = self.report(case).result(engine, check)
+        if result is None:
+            raise KeyError(f"{case}: no result for {engine} {check}")
+        return result
+
+
+_REPORTS: dict[tuple[str, int], Report] = {}
 
 
 def _pytest_command(root: Path, args: tuple[str, ...], env: dict | None) -> tuple[list[str], dict]:

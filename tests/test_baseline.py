@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from difftest.records.baseline_manifest import BaselineManifest, ScatteredLogits, StoredSpec
 from difftest.run.baseline import SCHEMA, BaselineSource, BaselineWriter
 from difftest.base.errors import ConfigError
 from helpers import TINY_CASE, make_tiny_pair, run_pytest
@@ -45,39 +46,48 @@ def saved(models, cache, tmp_path_factory):
     return result
 
 
-def manifest(root: Path, name: str = "v1") -> dict:
+def manifest(root: Path, name: str = "v1") -> BaselineManifest:
+    return BaselineManifest.load(root / "baselines" / name / "manifest.json")
+
+
+def manifest_json(root: Path, name: str = "v1") -> dict:
+    """The file as written, for what a record's reading would recompute or drop."""
     return json.loads((root / "baselines" / name / "manifest.json").read_text())
 
 
 def test_saved_baseline_manifest_records_versions_device_dtype_and_git_sha(saved):
+    assert manifest_json(saved.root)["schema"] == SCHEMA
     m = manifest(saved.root)
-    assert m["schema"] == SCHEMA and m["name"] == "v1"
-    assert set(m["harness"]) == {"difftest", "python", "platform", "torch", "transformers"}
-    assert m["git_sha"] and not m["git_sha"].startswith("unknown")
-    entry = m["cases"]["tiny"]
-    assert len(entry["fingerprint"]) == 16
-    assert entry["prompts"] == [[1, 5, 9, 33, 77, 101, 7], [4, 8, 15, 16, 23, 42]]
-    ref = entry["engines"]["ref"]
-    assert (ref["device"], ref["dtype"], ref["info"]["name"]) == ("cpu", "float32", "ref")
-    assert ref["info"]["version"].startswith("difftest-")
+    assert m.name == "v1"
+    assert set(m.harness) == {"difftest", "python", "platform", "torch", "transformers"}
+    assert m.git_sha and not m.git_sha.startswith("unknown")
+    entry = m.cases["tiny"]
+    assert len(entry.fingerprint) == 16
+    assert entry.prompts == [[1, 5, 9, 33, 77, 101, 7], [4, 8, 15, 16, 23, 42]]
+    ref = entry.engines["ref"]
+    assert ref.info is not None
+    assert (ref.device, ref.dtype, ref.info.name) == ("cpu", "float32", "ref")
+    assert ref.info.version.startswith("difftest-")
+    assert ref.engine == StoredSpec("ref")
 
 
 def test_saved_baseline_stores_every_prompt_capture_and_the_accept_stats(saved):
-    ref = manifest(saved.root)["cases"]["tiny"]["engines"]["ref"]
-    tensors = load_file(str(saved.root / "baselines" / "v1" / ref["file"]))
-    assert len(ref["captures"]) == 2
-    for i, stored in enumerate(ref["captures"]):
-        expected = [f"p{i}/{n}" + ("#columns" if n in stored["derived"] else "") for n in stored["tensors"]]
+    ref = manifest(saved.root).cases["tiny"].engines["ref"]
+    tensors = load_file(str(saved.root / "baselines" / "v1" / ref.file))
+    assert len(ref.captures) == 2
+    for i, stored in enumerate(ref.captures):
+        expected = [f"p{i}/{n}" + ("#columns" if n in stored.derived else "") for n in stored.tensors]
         assert sorted(k for k in tensors if k.startswith(f"p{i}/")) == sorted(expected)
-        assert "draft.fc_in" in stored["tensors"] and "target.h.0" in stored["tensors"]
-        assert stored["derived"]["draft.logits_target"] == {"scatter": "draft.logits", "vocab": 512}
-    assert ref["accept"]["num_verify"] > 0
-    assert ref["accept"]["accept_length"] == ref["accept"]["num_accepted"] / ref["accept"]["num_verify"] + 1
-    assert ref["bytes"] == (saved.root / "baselines" / "v1" / ref["file"]).stat().st_size
+        assert "draft.fc_in" in stored.tensors and "target.h.0" in stored.tensors
+        assert stored.derived["draft.logits_target"] == ScatteredLogits(scatter="draft.logits", vocab=512)
+    assert ref.accept.num_verify > 0
+    written = manifest_json(saved.root)["cases"]["tiny"]["engines"]["ref"]["accept"]
+    assert written["accept_length"] == ref.accept.num_accepted / ref.accept.num_verify + 1  # for readers of the file
+    assert ref.bytes == (saved.root / "baselines" / "v1" / ref.file).stat().st_size
 
 
 def test_saved_baseline_stores_each_captures_typed_meta_with_its_schema_version(saved):
-    for stored in manifest(saved.root)["cases"]["tiny"]["engines"]["ref"]["captures"]:
+    for stored in manifest_json(saved.root)["cases"]["tiny"]["engines"]["ref"]["captures"]:
         assert (stored["meta"]["schema_version"], stored["meta"]["engine"], stored["meta"]["dtype"]) == (
             2,
             "ref",
@@ -126,7 +136,7 @@ def test_force_replaces_an_existing_baseline(models, cache, tmp_path):
     (root / "baselines" / "v1" / "marker").write_text("from the first baseline")
     result = run(root, cache, "--engines=ref,ref@two", "--save-baseline", "v1", "--force")
     assert result.returncode == 0, result.output
-    assert sorted(manifest(root)["cases"]["tiny"]["engines"]) == ["ref", "ref@two"]
+    assert sorted(manifest(root).cases["tiny"].engines) == ["ref", "ref@two"]
     assert not (root / "baselines" / "v1" / "marker").exists()
     assert [p.name for p in (root / "baselines").iterdir()] == ["v1"]
 
@@ -149,7 +159,7 @@ def test_baseline_is_the_reference_in_item_ids_and_reports(saved, cache):
     report = result.report("tiny")
     assert report["reference"] == "baseline:v1"
     assert report["engines"]["baseline:v1"]["info"]["baseline"]["engines"] == {
-        "ref": manifest(saved.root)["cases"]["tiny"]["engines"]["ref"]["info"]["version"]
+        "ref": manifest(saved.root).cases["tiny"].engines["ref"].info.version
     }
 
 
@@ -215,7 +225,7 @@ def test_scattered_logits_target_is_stored_as_its_columns_and_rebuilt_exactly():
     full = _scatter(logits, cols, 9)
     stored, derived = _pack({"draft.logits": logits, "draft.logits_target": full})
     assert sorted(stored) == ["draft.logits", "draft.logits_target#columns"]
-    assert derived == {"draft.logits_target": {"scatter": "draft.logits", "vocab": 9}}
+    assert derived == {"draft.logits_target": ScatteredLogits(scatter="draft.logits", vocab=9)}
     assert torch.equal(_scatter(logits, stored["draft.logits_target#columns"].long(), 9), full)
 
 

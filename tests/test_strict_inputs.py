@@ -512,13 +512,20 @@ def test_dollar_signs_in_plot_labels_stay_text():
     (lambda m: m.pop("cases"), "cases: field missing"),
     (lambda m: m["cases"]["c"].pop("fingerprint"), "cases.c.fingerprint: field missing"),
     (lambda m: m["cases"]["c"]["engines"]["ref"].pop("captures"), "cases.c.engines.ref.captures: field missing"),
-    (lambda m: m["cases"]["c"]["engines"].update(ref=[]), "cases.c.engines.ref: expected an object"),
+    (lambda m: m["cases"]["c"]["engines"].update(ref=[]), "cases.c.engines.ref: expected an object, got a list"),
+    (lambda m: m["cases"]["c"]["engines"]["ref"]["accept"].pop("num_verify"),
+     "cases.c.engines.ref.accept.num_verify: field missing"),
+    (lambda m: m["cases"]["c"]["engines"]["ref"].update(fiel="c.safetensors"),
+     "cases.c.engines.ref.fiel: unknown field (did you mean 'file'?)"),
     (lambda m: m["cases"]["c"]["engines"]["ref"]["captures"].append({"tensors": [], "meta": {"num_layers": "6"}}),
      "cases.c.engines.ref.captures[0].meta.num_layers: expected an integer or null, got a string"),
 ])  # fmt: skip
 def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mutate, fragment):
+    from difftest.records.baseline_manifest import BaselineManifest
+
     from difftest.run.baseline import SCHEMA, BaselineSource
 
+    accept = {"num_verify": 1, "num_accepted": 0, "num_draft_steps": 3, "accept_length": 1.0}
     manifest = {
         "schema": SCHEMA,
         "created": "now",
@@ -527,10 +534,11 @@ def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mut
         "cases": {
             "c": {
                 "fingerprint": "f",
-                "engines": {"ref": {"info": {}, "file": "c.safetensors", "accept": {}, "captures": []}},
+                "engines": {"ref": {"info": {}, "file": "c.safetensors", "accept": accept, "captures": []}},
             }
         },
     }
+    BaselineManifest.from_dict(json.loads(json.dumps(manifest)), "manifest.json")  # unmutated, it reads
     mutate(manifest)
     (tmp_path / "v1").mkdir()
     (tmp_path / "v1" / "manifest.json").write_text(json.dumps(manifest))

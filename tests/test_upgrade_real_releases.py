@@ -25,7 +25,6 @@ fail under DIFFTEST_REQUIRE_ENGINES=1 (CI)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import pytest
 from helpers import ROOT, Run, run_pytest
 
 from difftest.case.case import load_case
+from difftest.records.baseline_manifest import BaselineManifest
 from difftest.rules.engine_releases import release
 from difftest.base.paths import cache_root
 
@@ -122,8 +122,8 @@ def vllm_bump(tmp_path_factory, baselines, vllm_old):
                     f"{VLLM_BASELINE}:vllm@{OLD_VLLM}")  # fmt: skip
 
 
-def _manifest(baselines: Path, name: str) -> dict:
-    return json.loads((baselines / name / "manifest.json").read_text())
+def _manifest(baselines: Path, name: str) -> BaselineManifest:
+    return BaselineManifest.load(baselines / name / "manifest.json")
 
 
 def test_the_old_sglang_release_is_saved_as_a_baseline_naming_its_release(sglang_old, baselines):
@@ -131,19 +131,19 @@ def test_the_old_sglang_release_is_saved_as_a_baseline_naming_its_release(sglang
         f"baseline '{SGLANG_BASELINE}' written: {baselines / SGLANG_BASELINE} (2 case x engine entries"
         in sglang_old.output
     )
-    engines = _manifest(baselines, SGLANG_BASELINE)["cases"][CASE]["engines"]
+    engines = _manifest(baselines, SGLANG_BASELINE).cases[CASE].engines
     assert sorted(engines) == ["ref", f"sglang@{OLD_SGLANG}"]
-    info = engines[f"sglang@{OLD_SGLANG}"]["info"]
-    assert (info["name"], release(info["version"])) == ("sglang", OLD_SGLANG), info
+    info = engines[f"sglang@{OLD_SGLANG}"].info
+    assert info is not None and (info.name, release(info.version)) == ("sglang", OLD_SGLANG), info
 
 
 def test_the_old_vllm_release_is_saved_as_a_baseline_naming_its_release(vllm_old, baselines):
-    m = _manifest(baselines, VLLM_BASELINE)["cases"]
+    m = _manifest(baselines, VLLM_BASELINE).cases
     assert sorted(m) == [VLLM_CASE, "tiny_llama"]
     for case in m.values():
-        assert sorted(case["engines"]) == ["ref", f"vllm@{OLD_VLLM}"]
-        info = case["engines"][f"vllm@{OLD_VLLM}"]["info"]
-        assert (info["name"], release(info["version"])) == ("vllm", OLD_VLLM), info
+        assert sorted(case.engines) == ["ref", f"vllm@{OLD_VLLM}"]
+        info = case.engines[f"vllm@{OLD_VLLM}"].info
+        assert info is not None and (info.name, release(info.version)) == ("vllm", OLD_VLLM), info
 
 
 def test_the_sglang_bump_is_green_with_every_change_declared(sglang_bump):

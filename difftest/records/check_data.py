@@ -21,7 +21,7 @@ from difftest.records.acceptance import AcceptStats
 from difftest.records.chunk_match import ChunkMatch, Similarity
 from difftest.records.finding import Finding
 from difftest.records.wiring_inference import WiringInference
-from difftest.records.fields import READER, decode, encode_fields, fail, join, kind_of
+from difftest.records.fields import READER, decode, encode_fields, fail, join, kind_of, reader_without_properties
 
 
 @dataclass
@@ -42,21 +42,8 @@ class CheckData:
         return decode(cls, data, where, at, skip=("kind",))
 
 
-def _without_derived(cls: type):
-    """A reader for a record whose to_dict adds its properties (AcceptStats' accept_length, ...):
-    those keys are dropped and recomputed; every other key must be a field."""
-    derived = {n for n, v in vars(cls).items() if isinstance(v, property)}
-
-    def read(data: object, where: str, at: str):
-        if isinstance(data, dict):
-            data = {k: v for k, v in data.items() if k not in derived}
-        return decode(cls, data, where, at)
-
-    return read
-
-
-_accept_stats = _without_derived(AcceptStats)
-_chunk_match = _without_derived(ChunkMatch)
+_accept_stats = reader_without_properties(AcceptStats)
+_chunk_match = reader_without_properties(ChunkMatch)
 _POSITION_DERIVED = {n for n, v in vars(PositionJudgement).items() if isinstance(v, property)}
 
 

@@ -16,7 +16,7 @@ import enum
 import functools
 import types
 import typing
-from typing import Any, get_args, get_origin
+from typing import Any, Callable, get_args, get_origin
 
 from difftest.base.errors import ConfigError
 
@@ -187,6 +187,19 @@ def decode(cls: type, data: object, where: str, at: str = "", skip: tuple[str, .
             raise fail(where, join(at, name), f"{value!r} is not one of {', '.join(map(repr, choices))}")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def reader_without_properties(cls: type) -> Callable[[object, str, str], Any]:
+    """A READER for a record whose to_dict adds its properties (AcceptStats' accept_length, ...):
+    those keys are dropped and recomputed; every other key must be a field."""
+    derived = {n for n, v in vars(cls).items() if isinstance(v, property)}
+
+    def read(data: object, where: str, at: str) -> Any:
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in derived}
+        return decode(cls, data, where, at)
+
+    return read
 
 
 def encode(value: object) -> object:

@@ -21,6 +21,7 @@ so a baseline stays valid across clones and fixture rebuilds, and a changed case
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,10 +37,16 @@ from difftest.case.case import Case
 from difftest.run.engine import EngineSpec
 from difftest.records.engine_info import EngineInfo, StoredBaseline
 from difftest.base.errors import ConfigError
-from difftest.base.jsonfile import read_json
-from difftest.records.meta import CaptureMeta
+from difftest.records.baseline_manifest import (
+    SCHEMA as SCHEMA,  # the manifest's schema, named where baselines are
+    BaselineManifest,
+    ScatteredLogits,
+    StoredCase,
+    StoredEngineRun,
+    StoredPrompt,
+    StoredSpec,
+)
 
-SCHEMA = "difftest.baseline/1"
 DEFAULT_DIR = "baselines"
 PREFIX = "baseline:"  # reference specs standing for a stored run: baseline:NAME or baseline:NAME:ENGINE
 _NAME = re.compile(r"[A-Za-z0-9][\w.-]*")
@@ -119,7 +126,7 @@ def _scatter(src, cols, vocab: int):
     return out
 
 
-def _pack(tensors: dict) -> tuple[dict, dict]:
+def _pack(tensors: dict) -> tuple[dict, dict[str, ScatteredLogits]]:
     """(tensors to store, derived name -> how to rebuild it): only exact rebuilds are derived."""
     import torch
 
@@ -131,7 +138,7 @@ def _pack(tensors: dict) -> tuple[dict, dict]:
             stored[name] = t
         else:
             stored[name + "#columns"] = cols.to(torch.int32)
-            derived[name] = {"scatter": src, "vocab": t.shape[1]}
+            derived[name] = ScatteredLogits(scatter=src, vocab=t.shape[1])
     return stored, derived
 
 
@@ -151,7 +158,7 @@ class BaselineWriter:
     root: Path  # the baselines directory
     name: str
     force: bool = False
-    entries: dict = field(default_factory=dict)  # case -> engine id -> entry
+    entries: dict[str, StoredCase] = field(default_factory=dict)  # by case name
     problems: list[str] = field(default_factory=list)
     _tmp: Path | None = None
 
@@ -176,7 +183,7 @@ class BaselineWriter:
             self._tmp.mkdir()
         return self._tmp
 
-    def add(self, session, case: Case, spec: EngineSpec) -> dict:
+    def add(self, session, case: Case, spec: EngineSpec) -> StoredEngineRun:
         """Capture every prompt and run speculative decoding for (case, engine); stage the result."""
         from safetensors.torch import save_file
 
@@ -193,29 +200,26 @@ class BaselineWriter:
             flat.update({f"p{i}/{n}": t for n, t in kept.items()})
             derived.append(how)
         save_file(flat, str(out))
-        info = session.engine_info(spec)
-        entry = {
-            "engine": spec.to_dict(),
-            "info": info.to_dict() if info is not None else {},
-            "device": captures[0].meta.device or "unknown",
-            "dtype": captures[0].meta.dtype or prepared.dtype,
-            "file": str(rel),
-            "bytes": out.stat().st_size,
-            "captures": [
-                {"tensors": list(c.tensors), "derived": d, "meta": c.meta.to_dict()} for c, d in zip(captures, derived)
-            ],
-            "accept": stats.to_dict(),
-        }
-        case_entry = self.entries.setdefault(case.name, {
-            "case_file": case.path,
-            "fingerprint": case_fingerprint(prepared),
-            "dtype": prepared.dtype,
-            "prompts": prompts,
-            "spec_prompts": session.prompt_ids(prepared, speculative=True),
-            "engines": {},
-        })  # fmt: skip
-        case_entry["engines"][spec.id] = entry
-        return entry
+        run = StoredEngineRun(
+            file=str(rel),
+            captures=[StoredPrompt(list(c.tensors), d, c.meta) for c, d in zip(captures, derived)],
+            accept=stats,
+            info=session.engine_info(spec),
+            engine=StoredSpec(spec.name, spec.label, [list(p) for p in spec.params]),
+            device=captures[0].meta.device or "unknown",
+            dtype=captures[0].meta.dtype or prepared.dtype,
+            bytes=out.stat().st_size,
+        )
+        stored = self.entries.setdefault(case.name, StoredCase(
+            fingerprint=case_fingerprint(prepared),
+            engines={},
+            case_file=case.path,
+            dtype=prepared.dtype,
+            prompts=prompts,
+            spec_prompts=session.prompt_ids(prepared, speculative=True),
+        ))  # fmt: skip
+        stored.engines[spec.id] = run
+        return run
 
     def commit(self) -> Path:
         """Manifest last, then one rename: the baseline appears complete or not at all."""
@@ -225,15 +229,14 @@ class BaselineWriter:
         self.refuse_existing()  # another run may have written it meanwhile
         tmp = self._staging()
         env = environment()
-        manifest = {
-            "schema": SCHEMA,
-            "name": self.name,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "git_sha": env["git_sha"],
-            "harness": {k: env[k] for k in ("difftest", "python", "platform", "torch", "transformers")},
-            "cases": self.entries,
-        }
-        atomic_write(tmp / "manifest.json", json.dumps(manifest, indent=1, default=str))
+        manifest = BaselineManifest(
+            created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            harness={k: env[k] for k in ("difftest", "python", "platform", "torch", "transformers")},
+            git_sha=env["git_sha"],
+            cases=self.entries,
+            name=self.name,
+        )
+        atomic_write(tmp / "manifest.json", json.dumps(manifest.to_dict(), indent=1, default=str))
         old = None
         if self.path.exists():  # --force: swap, then drop the old one
             old = self.root / f".{self.name}.old-{os.getpid()}"
@@ -260,36 +263,6 @@ def parse_reference(text: str) -> tuple[str, str | None]:
     return check_name(name, "--baseline"), engine or None
 
 
-def _check_manifest(m: dict, where: Path) -> None:
-    """The fields a stored run is read through, each of its kind: a damaged or hand-edited manifest
-    is one line naming the field at start-up, not a KeyError at session end."""
-
-    def need(d: dict, key: str, kind, at: str):
-        if key not in d:
-            raise ConfigError(f"{where}: {at}{key}: field missing")
-        if not isinstance(d[key], kind):
-            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-            raise ConfigError(f"{where}: {at}{key}: expected a {names}, got {type(d[key]).__name__}")
-        return d[key]
-
-    need(m, "created", str, "")
-    need(m, "harness", dict, "")
-    need(m, "git_sha", (str, type(None)), "")
-    for name, case in need(m, "cases", dict, "").items():
-        if not isinstance(case, dict):
-            raise ConfigError(f"{where}: cases.{name}: expected an object")
-        need(case, "fingerprint", str, f"cases.{name}.")
-        for eid, e in need(case, "engines", dict, f"cases.{name}.").items():
-            at = f"cases.{name}.engines.{eid}."
-            if not isinstance(e, dict):
-                raise ConfigError(f"{where}: {at[:-1]}: expected an object")
-            need(e, "info", dict, at), need(e, "file", str, at), need(e, "accept", dict, at)
-            for i, c in enumerate(need(e, "captures", list, at)):
-                if not isinstance(c, dict) or not isinstance(c.get("tensors"), list):
-                    raise ConfigError(f"{where}: {at}captures[{i}]: expected an object with a tensors list")
-                CaptureMeta.from_dict(c.get("meta", {}), str(where), f"{at}captures[{i}].meta")
-
-
 class BaselineSource:
     """A stored run standing in for an engine: the reference of `--baseline NAME`."""
 
@@ -303,44 +276,34 @@ class BaselineSource:
                 else []
             )
             raise ConfigError(f"--baseline: no baseline {name!r} in {root} (found: {', '.join(have) or 'none'})")
-        manifest_path = self.path / "manifest.json"
-        manifest = read_json(manifest_path, "baseline manifest")
-        if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
-            got = manifest.get("schema") if isinstance(manifest, dict) else None
-            raise ConfigError(f"{manifest_path}: schema {got!r}, expected {SCHEMA!r}")
-        self.manifest: dict = manifest
-        _check_manifest(self.manifest, manifest_path)
+        self.manifest = BaselineManifest.load(self.path / "manifest.json")
         self.spec = EngineSpec(PREFIX + name + (f":{engine}" if engine else ""))
         self._tensors: dict[str, dict] = {}
         self._fingerprints: dict[str, str] = {}  # case path -> fingerprint: hashing checkpoints once per run
 
     @property
     def info(self) -> EngineInfo:
-        engines = {
-            eid: e["info"].get("version") for c in self.manifest["cases"].values() for eid, e in c["engines"].items()
-        }
-        created = str(self.manifest["created"])
-        stored = StoredBaseline(
-            path=str(self.path), created=created, git_sha=str(self.manifest["git_sha"]), engines=engines
-        )
-        return EngineInfo(name=self.spec.name, version=f"{self.spec.name}@{created}", versions=dict(self.manifest["harness"]),
+        created = self.manifest.created
+        stored = StoredBaseline(path=str(self.path), created=created, git_sha=str(self.manifest.git_sha),
+                                engines=self.manifest.engine_versions())  # fmt: skip
+        return EngineInfo(name=self.spec.name, version=f"{self.spec.name}@{created}", versions=dict(self.manifest.harness),
                           kernels="stored", baseline=stored)  # fmt: skip
 
-    def entry(self, case: Case) -> tuple[str, dict, dict]:
+    def entry(self, case: Case) -> tuple[str, StoredEngineRun, StoredCase]:
         """(engine id, engine entry, case entry) for a prepared case; refuses a case that changed."""
         where = self.path / "manifest.json"
-        c = self.manifest["cases"].get(case.name)
+        c = self.manifest.cases.get(case.name)
         if c is None:
             raise ConfigError(
-                f"{where}: no entry for case {case.name!r} (saved: {', '.join(sorted(self.manifest['cases'])) or 'none'})"
+                f"{where}: no entry for case {case.name!r} (saved: {', '.join(sorted(self.manifest.cases)) or 'none'})"
             )
         if case.path not in self._fingerprints:
             self._fingerprints[case.path] = case_fingerprint(case)
         fp = self._fingerprints[case.path]
-        if c["fingerprint"] != fp:
+        if c.fingerprint != fp:
             raise ConfigError(f"{where}: case {case.name!r} changed since the baseline was saved (fingerprint "
-                              f"{c['fingerprint']} != {fp}: case settings or checkpoint contents); save a new baseline")  # fmt: skip
-        engines = c["engines"]
+                              f"{c.fingerprint} != {fp}: case settings or checkpoint contents); save a new baseline")  # fmt: skip
+        engines = c.engines
         if self.engine is not None:
             if self.engine not in engines:
                 raise ConfigError(
@@ -359,38 +322,33 @@ class BaselineSource:
         from safetensors.torch import load_file
 
         eid, e, c = self.entry(case)
-        if index >= len(e["captures"]):
-            raise ConfigError(
-                f"{self.path}: {case.name} {eid}: prompt {index} not stored ({len(e['captures'])} prompts)"
-            )
+        if index >= len(e.captures):
+            raise ConfigError(f"{self.path}: {case.name} {eid}: prompt {index} not stored ({len(e.captures)} prompts)")
         key = f"{case.name}/{eid}"
         if key not in self._tensors:
-            file = self.path / e["file"]
+            file = self.path / e.file
             try:
                 self._tensors[key] = load_file(str(file))
             except Exception as err:  # noqa: BLE001 -- safetensors raises its own (Rust-side) error types
                 raise ConfigError(f"{file}: unreadable baseline tensors ({err})") from None
-        flat, stored = self._tensors[key], e["captures"][index]
-        derived = stored.get("derived") or {}
-        need = [f"p{index}/{n}" + ("#columns" if n in derived else "") for n in stored["tensors"]]
+        flat, stored = self._tensors[key], e.captures[index]
+        derived = stored.derived
+        need = [f"p{index}/{n}" + ("#columns" if n in derived else "") for n in stored.tensors]
         missing = [n for n in need if n not in flat]
         if missing:
-            raise ConfigError(f"{self.path / e['file']}: tensor {missing[0]} listed in the manifest but absent")
+            raise ConfigError(f"{self.path / e.file}: tensor {missing[0]} listed in the manifest but absent")
         tensors = {}
-        for n in stored["tensors"]:
+        for n in stored.tensors:
             if n in derived:
-                src = flat[f"p{index}/{derived[n]['scatter']}"]
-                tensors[n] = _scatter(src, flat[f"p{index}/{n}#columns"].long(), int(derived[n]["vocab"]))
+                src = flat[f"p{index}/{derived[n].scatter}"]
+                tensors[n] = _scatter(src, flat[f"p{index}/{n}#columns"].long(), derived[n].vocab)
             else:
                 tensors[n] = flat[f"p{index}/{n}"]
-        where = str(self.path / "manifest.json")
-        meta = CaptureMeta.from_dict(
-            stored.get("meta", {}), where, f"cases.{case.name}.engines.{eid}.captures[{index}].meta"
-        )
+        meta = stored.meta
         return Capture(tensors, meta.replace(baseline=self.name, baseline_engine=eid))
 
     def speculate(self, case: Case) -> AcceptStats:
         eid, e, c = self.entry(case)
-        stats = AcceptStats.from_dict(e["accept"])
+        stats = dataclasses.replace(e.accept)
         stats.source = f"baseline {self.name} ({eid}: {stats.source})"
         return stats

@@ -623,8 +623,7 @@ class Session:
                 _, entry, _ = stored.entry(self.prepare(case))
             except ConfigError:
                 return None
-            info = entry.get("info")
-            return EngineInfo.from_json(info, str(stored.path / "manifest.json"), f"{case.name}.info") if info else None
+            return entry.info
         return self.engine_info(spec)
 
     def _stored_engine(self, case: Case, spec: EngineSpec) -> EngineSpec | None:
