@@ -106,7 +106,7 @@ def test_baseline_saved_before_typed_records_still_compares(saved, models, cache
     path.write_text(json.dumps(m))
     result = run(root, cache, "--engines=ref", "--baseline", "v1")
     assert result.returncode == 0, result.output
-    assert result.outcome("tiny", "ref", "fc_inputs")["outcome"] == "passed"
+    assert result.outcome("tiny", "ref", "fc_inputs").outcome == "passed"
 
 
 def test_saved_baseline_reports_its_size(saved):
@@ -157,8 +157,8 @@ def test_baseline_is_the_reference_in_item_ids_and_reports(saved, cache):
     assert "cases/tiny.yaml::baseline:v1::capture PASSED" in result.output
     assert "cases/tiny.yaml::ref::fc_inputs PASSED" in result.output
     report = result.report("tiny")
-    assert report["reference"] == "baseline:v1"
-    assert report["engines"]["baseline:v1"]["info"]["baseline"]["engines"] == {
+    assert report.reference == "baseline:v1"
+    assert report.engines["baseline:v1"].info.baseline.engines == {
         "ref": manifest(saved.root).cases["tiny"].engines["ref"].info.version
     }
 
@@ -173,7 +173,7 @@ def test_unchanged_engine_against_its_baseline_is_same(saved, cache):
 
 def test_miswired_engine_against_the_baseline_regresses_at_fc_chunk_0(saved, cache):
     result = run(saved.root, cache, "--engines=ref[wiring=sglang]", "--baseline", "v1")
-    assert result.outcome("tiny", "ref[wiring=sglang]", "fc_inputs")["data"]["tensor"] == "draft.fc_in.0"
+    assert result.outcome("tiny", "ref[wiring=sglang]", "fc_inputs").data.tensor == "draft.fc_in.0"
     line = next(ln for ln in result.output.splitlines() if ln.startswith("tiny ") and "ref[wiring=sglang]" in ln)
     assert "draft.fc_in.0 (prompt 0)  regressed" in line
 
@@ -191,9 +191,9 @@ def test_a_failure_declared_against_the_engine_a_baseline_was_saved_from_holds_a
     shutil.copytree(saved.root / "baselines", root / "baselines")
     result = run(root, cache, "--engines=ref[wiring=sglang]", "--baseline", "v1")
     fc = result.outcome("tiny", "ref[wiring=sglang]", "fc_inputs")
-    assert fc["outcome"] == "xfailed", fc["message"]
-    assert fc["expected_failure"]["reference"] == "ref"
-    top1 = result.outcome("tiny", "ref[wiring=sglang]", "top1_agreement")["message"]
+    assert fc.outcome == "xfailed", fc.message
+    assert fc.expected_failure.reference == "ref"
+    top1 = result.outcome("tiny", "ref[wiring=sglang]", "top1_agreement").message
     assert top1.startswith("draft top-1 agreement with ref (baseline v1): "), top1
 
 
@@ -203,7 +203,7 @@ def test_changed_case_is_refused_against_the_baseline(saved, models, cache, tmp_
     case.write_text(case.read_text().replace("max_new_tokens: 8", "max_new_tokens: 9"))
     shutil.copytree(saved.root / "baselines", root / "baselines")
     result = run(root, cache, "--engines=ref", "--baseline", "v1")
-    message = result.outcome("tiny", "baseline:v1", "capture")["message"]
+    message = result.outcome("tiny", "baseline:v1", "capture").message
     assert message.startswith(
         f"{root / 'baselines' / 'v1' / 'manifest.json'}: case 'tiny' changed since the baseline was saved"
     )
@@ -221,10 +221,11 @@ def test_scattered_logits_target_is_stored_as_its_columns_and_rebuilt_exactly():
     from difftest.run.baseline import _pack, _scatter
 
     logits = torch.randn(3, 4)
-    cols = torch.tensor([0, 2, 5, 7])
-    full = _scatter(logits, cols, 9)
+    full = torch.full((3, 9), float("-inf"))  # draft ids 0..3 are target ids 0, 2, 5, 7
+    full[:, [0, 2, 5, 7]] = logits
     stored, derived = _pack({"draft.logits": logits, "draft.logits_target": full})
     assert sorted(stored) == ["draft.logits", "draft.logits_target#columns"]
+    assert stored["draft.logits_target#columns"].tolist() == [0, 2, 5, 7]
     assert derived == {"draft.logits_target": ScatteredLogits(scatter="draft.logits", vocab=9)}
     assert torch.equal(_scatter(logits, stored["draft.logits_target#columns"].long(), 9), full)
 

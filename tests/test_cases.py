@@ -48,60 +48,58 @@ def sglang_wired(tmp_path_factory):
 @pytest.mark.parametrize("case", ["tiny_llama", "tiny_llama_speculators"])
 def test_correctly_wired_tiny_case_passes_every_check(vllm_wired, case):
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
-        assert vllm_wired.outcome(case, "ref[wiring=vllm]", check)["outcome"] == "passed", (case, check)
-    assert vllm_wired.outcome(case, "ref", "capture")["outcome"] == "passed"
+        assert vllm_wired.outcome(case, "ref[wiring=vllm]", check).outcome == "passed", (case, check)
+    assert vllm_wired.outcome(case, "ref", "capture").outcome == "passed"
 
 
 def test_seed_case_names_fc_chunk_0_as_the_first_divergence(vllm_wired):
     result = vllm_wired.outcome("seed_miswired_training", "ref[wiring=vllm]", "fc_inputs")
-    assert result["outcome"] == "failed"
-    assert result["data"]["tensor"] == "draft.fc_in.0"
+    assert result.outcome == "failed"
+    assert result.data.tensor == "draft.fc_in.0"
     assert (
         "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.0 (the embedding)"
-        in result["message"]
+        in result.message
     )
-    assert "engine fed fc [h2, h4, h7]; reference fed [h0, h2, h4]; pattern: embedding dropped" in result["message"]
+    assert "engine fed fc [h2, h4, h7]; reference fed [h0, h2, h4]; pattern: embedding dropped" in result.message
 
 
 def test_seed_case_shows_the_accept_length_collapse(vllm_wired):
     result = vllm_wired.outcome("seed_miswired_training", "ref[wiring=vllm]", "accept_length")
-    assert result["outcome"] == "failed"
-    assert result["message"].startswith("accept length collapsed")
-    reference, engine = result["data"]["reference"]["accept_length"], result["data"]["engine"]["accept_length"]
+    assert result.outcome == "failed"
+    assert result.message.startswith("accept length collapsed")
+    reference, engine = result.data.reference.accept_length, result.data.engine.accept_length
     assert reference >= 2.0
     assert engine < 0.75 * reference
     # a failing gate is re-judged with the reference's float64 move measured, and says so
-    assert "numerical move measured: ref in float32 vs float64" in result["message"]
-    assert result["data"]["gate"]["numerical_accept"] is not None
+    assert "numerical move measured: ref in float32 vs float64" in result.message
+    assert result.data.gate.numerical_accept is not None
 
 
 def test_passing_accept_length_needs_no_float64_run(vllm_wired):
     result = vllm_wired.outcome("tiny_llama", "ref[wiring=vllm]", "accept_length")
-    assert result["outcome"] == "passed"
-    assert (
-        "every position within noise" in result["message"] and "within the sampling spread alone" in result["message"]
-    )
-    assert result["data"]["gate"]["numerical_accept"] is None
+    assert result.outcome == "passed"
+    assert "every position within noise" in result.message and "within the sampling spread alone" in result.message
+    assert result.data.gate.numerical_accept is None
 
 
 def test_seed_case_top1_agreement_fails(vllm_wired):
     result = vllm_wired.outcome("seed_miswired_training", "ref[wiring=vllm]", "top1_agreement")
-    assert result["outcome"] == "failed"
-    assert result["data"]["rate"] < 0.5
+    assert result.outcome == "failed"
+    assert result.data.rate < 0.5
 
 
 def test_sglang_style_wiring_of_the_tiny_draft_is_named_off_by_one(sglang_wired):
     result = sglang_wired.outcome("tiny_llama", "ref[wiring=sglang]", "fc_inputs")
-    assert result["outcome"] == "failed"
-    assert "engine fed fc [h3, h5, h6]; reference fed [h2, h4, h5]; pattern: off-by-one +1" in result["message"]
+    assert result.outcome == "failed"
+    assert "engine fed fc [h3, h5, h6]; reference fed [h2, h4, h5]; pattern: off-by-one +1" in result.message
     assert sglang_wired.returncode == 1
 
 
 def test_reports_are_written_per_case(vllm_wired):
     for case in ("tiny_llama", "tiny_llama_speculators", "seed_miswired_training"):
         report = vllm_wired.report(case)
-        assert report["case"] == case
-        assert {r["engine"] for r in report["checks"]} == {"ref", "ref[wiring=vllm]"}
+        assert report.case == case
+        assert {r.engine for r in report.checks} == {"ref", "ref[wiring=vllm]"}
 
 
 @pytest.fixture(scope="module")
@@ -113,36 +111,36 @@ def training_data_run(tmp_path_factory):
 
 def test_seed_training_data_accuracy_is_high_under_the_trainers_wiring(training_data_run):
     result = training_data_run.outcome("seed_training_data", "train", "train_accuracy")
-    assert result["outcome"] == "passed"
+    assert result.outcome == "passed"
     assert (
         "dumped tensors = [h0, h2, h4, h8]; trainer fed fc [h0, h2, h4]; verifier = h8 (the final layer)"
-        in result["message"]
+        in result.message
     )
 
 
 def test_seed_training_data_accuracy_collapses_under_the_engines_wiring(training_data_run):
     result = training_data_run.outcome("seed_training_data", "ref[wiring=vllm]", "train_accuracy")
-    assert result["outcome"] == "failed"
-    assert result["message"].startswith("training accuracy collapses under this engine's wiring")
+    assert result.outcome == "failed"
+    assert result.message.startswith("training accuracy collapses under this engine's wiring")
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
-        assert training_data_run.outcome("seed_training_data", "train", check)["outcome"] == "passed", check
+        assert training_data_run.outcome("seed_training_data", "train", check).outcome == "passed", check
 
 
 def test_inferred_wiring_case_says_what_was_inferred_and_with_what_margin(vllm_wired):
     result = vllm_wired.outcome("seed_infer_wiring", "ref", "capture")
-    assert result["outcome"] == "passed"
-    assert "wiring inferred: trained on [h0, h2, h4]" in result["message"]
-    assert "the config reads as [h2, h4, h7] in vllm" in result["message"]
-    inferred = vllm_wired.report("seed_infer_wiring")["wiring_inference"]
-    assert inferred["decided"] and inferred["wiring"] == ["target.h.0", "target.h.2", "target.h.4"]
-    assert inferred["margin"] > 0
+    assert result.outcome == "passed"
+    assert "wiring inferred: trained on [h0, h2, h4]" in result.message
+    assert "the config reads as [h2, h4, h7] in vllm" in result.message
+    inferred = vllm_wired.report("seed_infer_wiring").wiring_inference
+    assert inferred.decided and inferred.wiring == ["target.h.0", "target.h.2", "target.h.4"]
+    assert inferred.margin > 0
 
 
 def test_inferred_wiring_feeds_the_checks_of_a_serving_wired_engine(vllm_wired):
     fc = vllm_wired.outcome("seed_infer_wiring", "ref[wiring=vllm]", "fc_inputs")
-    assert fc["outcome"] == "failed"
-    assert "engine fed fc [h2, h4, h7]; reference fed [h0, h2, h4]; pattern: embedding dropped" in fc["message"]
-    assert vllm_wired.outcome("seed_infer_wiring", "ref[wiring=vllm]", "accept_length")["outcome"] == "failed"
+    assert fc.outcome == "failed"
+    assert "engine fed fc [h2, h4, h7]; reference fed [h0, h2, h4]; pattern: embedding dropped" in fc.message
+    assert vllm_wired.outcome("seed_infer_wiring", "ref[wiring=vllm]", "accept_length").outcome == "failed"
 
 
 # -- the failure catalogue (docs/failure-catalogue.md): each case's declared failure is caught
@@ -162,8 +160,8 @@ CATALOGUE_LINT = {
 @pytest.mark.parametrize("case", sorted(CATALOGUE_LINT))
 def test_catalogue_case_lint_names_its_fault_as_declared(vllm_wired, case):
     lint = vllm_wired.outcome(case, "ref", "lint")
-    assert lint["outcome"] == "xfailed", lint["message"]
-    assert CATALOGUE_LINT[case] in lint["message"]
+    assert lint.outcome == "xfailed", lint.message
+    assert CATALOGUE_LINT[case] in lint.message
 
 
 @pytest.mark.parametrize(
@@ -174,13 +172,13 @@ def test_catalogue_reference_runs_the_draft_as_trained_not_the_broken_export(vll
     engines.ref.draft, the checkpoint as trained, and never refuses on the row's behalf."""
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         r = vllm_wired.outcome(case, "ref[wiring=vllm]", check)
-        assert r["outcome"] == "passed", (check, r["message"])
+        assert r.outcome == "passed", (check, r.message)
 
 
 @pytest.mark.parametrize("case", ["catalogue_norm_flag_ignored", "catalogue_embedding_substituted"])
 def test_catalogue_fault_vllm_handles_passes_with_vllms_wiring(vllm_wired, case):
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
-        assert vllm_wired.outcome(case, "ref[wiring=vllm]", check)["outcome"] == "passed", check
+        assert vllm_wired.outcome(case, "ref[wiring=vllm]", check).outcome == "passed", check
 
 
 def test_catalogue_cases_leave_the_run_green_where_only_declared_failures_occur(vllm_wired):
@@ -190,13 +188,13 @@ def test_catalogue_cases_leave_the_run_green_where_only_declared_failures_occur(
 
 def test_catalogue_unsorted_ids_are_named_as_layer_order_on_vllms_reading(vllm_wired):
     fc = vllm_wired.outcome("catalogue_ids_unsorted", "ref[wiring=vllm]", "fc_inputs")
-    assert fc["outcome"] == "xfailed"
+    assert fc.outcome == "xfailed"
     assert (
         "engine fed fc [h2, h4, h5]; reference fed [h5, h2, h4]; pattern: permuted order (engine sorted the ids)"
-        in fc["message"]
+        in fc.message
     )
     # the draft config's own ids [5, 2, 4] lead to [h2, h4, h5]: the engine followed them, it did not fall back
-    assert "default-layer fallback" not in fc["message"]
+    assert "default-layer fallback" not in fc.message
 
 
 # -- EAGLE-3.1 flags on the reference: computing a draft as an engine that ignores them does
@@ -210,13 +208,13 @@ def nbfc_ignored(tmp_path_factory):
 
 def test_ignoring_norm_before_fc_on_the_reference_moves_the_draft_at_fc_out(nbfc_ignored):
     assert (
-        nbfc_ignored.outcome("release_sglang_norm_before_fc", "ref[norm_before_fc=false]", "fc_inputs")["outcome"]
+        nbfc_ignored.outcome("release_sglang_norm_before_fc", "ref[norm_before_fc=false]", "fc_inputs").outcome
         == "passed"
     )
     logits = nbfc_ignored.outcome("release_sglang_norm_before_fc", "ref[norm_before_fc=false]", "draft_logits")
-    assert logits["outcome"] == "failed"
-    assert "error introduced at draft.fc_out" in logits["message"], logits["message"]
-    assert "suspect: fc differs while its input matches: fc weights, norm_before_fc or fc_norm" in logits["message"]
+    assert logits.outcome == "failed"
+    assert "error introduced at draft.fc_out" in logits.message, logits.message
+    assert "suspect: fc differs while its input matches: fc weights, norm_before_fc or fc_norm" in logits.message
 
 
 def test_a_flag_the_draft_has_no_weights_for_cannot_be_turned_on(tmp_path_factory):
@@ -224,5 +222,5 @@ def test_a_flag_the_draft_has_no_weights_for_cannot_be_turned_on(tmp_path_factor
         project(tmp_path_factory), "cases/tiny_llama.yaml", "--engines=ref,ref[fc_norm=true]", "-k", "fc_inputs"
     )
     result = run.outcome("tiny_llama", "ref[fc_norm=true]", "fc_inputs")
-    assert result["outcome"] == "error"
-    assert "fc_norm=true, but" in result["message"] and "has no fc_norm weights" in result["message"]
+    assert result.outcome == "error"
+    assert "fc_norm=true, but" in result.message and "has no fc_norm weights" in result.message

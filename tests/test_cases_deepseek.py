@@ -42,36 +42,36 @@ def refusals():
 
 def test_first_id_1_vllm_feeds_h1_h3_h4_named_off_by_one_and_sglang_deepseek_feeds_training(presets):
     result = presets.outcome("tiny_deepseek_v3_first_id_1", "ref[wiring=vllm]", "fc_inputs")
-    assert result["outcome"] == "failed"
-    assert "engine's fc chunk 0 matches reference target.h.1 (cos 1.0000); expected target.h.2" in result["message"]
-    assert "engine fed fc [h1, h3, h4]; reference fed [h2, h4, h5]; pattern: off-by-one -1" in result["message"]
+    assert result.outcome == "failed"
+    assert "engine's fc chunk 0 matches reference target.h.1 (cos 1.0000); expected target.h.2" in result.message
+    assert "engine fed fc [h1, h3, h4]; reference fed [h2, h4, h5]; pattern: off-by-one -1" in result.message
     sglang = presets.outcome("tiny_deepseek_v3_first_id_1", "ref[wiring=sglang-deepseek]", "fc_inputs")
-    assert sglang["outcome"] == "passed", sglang["message"]
+    assert sglang.outcome == "passed", sglang.message
 
 
 def test_id0_sglang_deepseek_feeds_the_embedding_named_and_vllm_refuses_it(presets, refusals):
     result = presets.outcome("tiny_deepseek_v3_id0", "ref[wiring=sglang-deepseek]", "fc_inputs")
-    assert result["outcome"] == "failed"
+    assert result.outcome == "failed"
     assert (
         "engine's fc chunk 0 matches reference target.h.0 (the embedding) (cos 1.0000); expected target.h.2"
-        in result["message"]
+        in result.message
     )
     assert (
         "engine fed fc [h0, h2, h4]; reference fed [h2, h4, h5]; pattern: embedding fed but not trained on"
-        in result["message"]
+        in result.message
     )
     vllm = refusals.outcome("tiny_deepseek_v3_id0", "vllm", "fc_inputs")
-    assert vllm["outcome"] == "xfailed"  # the refusal the case declares
-    assert "vllm 0.32.0 cannot feed aux layer id 0 of " in vllm["message"]
+    assert vllm.outcome == "xfailed"  # the refusal the case declares
+    assert "vllm 0.32.0 cannot feed aux layer id 0 of " in vllm.message
     assert ("(eagle_aux_hidden_state_layer_ids [0, 2, 4]): vLLM reads id k as target.h.k, and id 0 is the embedding "
-            "(target.h.0), which its DeepseekV3ForCausalLM cannot capture") in vllm["message"]  # fmt: skip
-    assert "(hidden_states + residual with no residual yet: TypeError at the first forward)" in vllm["message"]
+            "(target.h.0), which its DeepseekV3ForCausalLM cannot capture") in vllm.message  # fmt: skip
+    assert "(hidden_states + residual with no residual yet: TypeError at the first forward)" in vllm.message
 
 
 def test_toplevel_ids_sglang_falls_back_to_default_layers_named(refusals):
     result = refusals.outcome("tiny_deepseek_v3_toplevel_ids", "sglang", "fc_inputs")
-    assert result["outcome"] == "xfailed"  # the refusal the case declares
-    assert "SGLang would feed layers_to_capture [2, 3, 3] (default-layer fallback) for " in result["message"]
+    assert result.outcome == "xfailed"  # the refusal the case declares
+    assert "SGLang would feed layers_to_capture [2, 3, 3] (default-layer fallback) for " in result.message
     assert ("finds no ids (eagle_config) and falls back to [2, L//2, L-3] = [2, 3, 3], feeding [h2, h3]; top-level "
             "eagle_aux_hidden_state_layer_ids [2, 4, 5] ignored), captures only 2 of 3 aux hidden states (a repeated "
-            "layer is captured once) and its scheduler dies") in result["message"]  # fmt: skip
+            "layer is captured once) and its scheduler dies") in result.message  # fmt: skip

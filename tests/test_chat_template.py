@@ -154,15 +154,15 @@ def drift_run(tmp_path_factory):
 
 def test_shipped_drift_case_names_the_first_differing_token_on_the_train_engine(drift_run):
     result = drift_run.outcome("catalogue_chat_template_drift", "train", "chat_template")
-    assert result["outcome"] == "xfailed", drift_run.output[-3000:]
+    assert result.outcome == "xfailed", drift_run.output[-3000:]
     assert ("first difference at token 12: the dump has 'zemedi' (id 213), serving renders 'gafis' (id 9) (the target's "
-            "chat template with add_generation_prompt=True, enable_thinking=False)") in result["message"]  # fmt: skip
-    assert result["message"].count(f"{CAUSE}:") == 4  # each of the case's four conversations
+            "chat template with add_generation_prompt=True, enable_thinking=False)") in result.message  # fmt: skip
+    assert result.message.count(f"{CAUSE}:") == 4  # each of the case's four conversations
 
 
 def test_shipped_drift_case_fails_every_capture_with_the_same_cause(drift_run):
     result = drift_run.outcome("catalogue_chat_template_drift", "train", "fc_inputs")
-    assert result["outcome"] == "xfailed" and CAUSE in result["message"]
+    assert result.outcome == "xfailed" and CAUSE in result.message
 
 
 def test_serving_with_the_training_settings_passes_the_chat_template_check(tmp_path):
@@ -174,5 +174,5 @@ def test_serving_with_the_training_settings_passes_the_chat_template_check(tmp_p
     (tmp_path / "cases" / "thinking_on.yaml").write_text(text)
     run = run_pytest(tmp_path, "cases/", "--engines=ref,train", "-k", "chat_template")
     result = run.outcome("thinking_on", "train", "chat_template")
-    assert result["outcome"] == "passed", run.output[-3000:]
-    assert result["message"].count("starts with the ids serving renders") == 4
+    assert result.outcome == "passed", run.output[-3000:]
+    assert result.message.count("starts with the ids serving renders") == 4

@@ -68,7 +68,10 @@ def test_target_config_has_kimi_style_moe_routing_and_moe_layer_freq(paths):
 
 
 def test_target_config_has_yarn_rope(paths):
-    assert raw_config(paths, ds.TARGET)["rope_parameters"] == ds.ROPE_PARAMETERS
+    assert raw_config(paths, ds.TARGET)["rope_parameters"] == {  # DeepSeek-V3's YaRN, scaled down
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+    }  # fmt: skip
 
 
 def test_target_checkpoint_has_per_expert_weights_and_the_correction_bias(paths):
@@ -296,30 +299,30 @@ def sglang_llama_run(tmp_path_factory):
 def test_case_passes_every_check_with_vllm_wiring(vllm_run):
     assert vllm_run.returncode == 0, vllm_run.output[-3000:]
     for check in CHECKS:
-        assert vllm_run.outcome(CASE, "ref[wiring=vllm]", check)["outcome"] == "passed", check
+        assert vllm_run.outcome(CASE, "ref[wiring=vllm]", check).outcome == "passed", check
 
 
 def test_case_passes_every_check_with_sglang_deepseek_wiring(sglang_deepseek_run):
     assert sglang_deepseek_run.returncode == 0, sglang_deepseek_run.output[-3000:]
     for check in CHECKS:
-        assert sglang_deepseek_run.outcome(CASE, "ref[wiring=sglang-deepseek]", check)["outcome"] == "passed", check
+        assert sglang_deepseek_run.outcome(CASE, "ref[wiring=sglang-deepseek]", check).outcome == "passed", check
 
 
 def test_case_with_sglang_llama_wiring_names_the_unreachable_last_layer(sglang_llama_run):
     assert sglang_llama_run.returncode == 1
     for check in CHECKS:
         result = sglang_llama_run.outcome(CASE, "ref[wiring=sglang]", check)
-        assert result["outcome"] == "error", check
-        assert result["message"] == ("sglang convention: SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, "
+        assert result.outcome == "error", check
+        assert result.message == ("sglang convention: SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, "
                                      "k -> h[k+1]) turns [2, 4, 5] (eagle_config) into [h3, h5]; [h6] cannot be captured "
                                      "and are dropped: fewer fc chunks than ids, a shape error in the engine")  # fmt: skip
 
 
 def test_case_with_shifted_wiring_names_off_by_one_and_the_collapse(sglang_llama_run):
     fc = sglang_llama_run.outcome(CASE, "ref[wiring=h3+h5+h6]", "fc_inputs")
-    assert fc["outcome"] == "failed"
-    assert "engine fed fc [h3, h5, h6]; reference fed [h2, h4, h5]; pattern: off-by-one +1" in fc["message"]
+    assert fc.outcome == "failed"
+    assert "engine fed fc [h3, h5, h6]; reference fed [h2, h4, h5]; pattern: off-by-one +1" in fc.message
     accept = sglang_llama_run.outcome(CASE, "ref[wiring=h3+h5+h6]", "accept_length")
-    assert accept["outcome"] == "failed"
-    assert accept["message"].startswith("accept length collapsed")
-    assert accept["data"]["engine"]["accept_length"] < 1.5
+    assert accept.outcome == "failed"
+    assert accept.message.startswith("accept length collapsed")
+    assert accept.data.engine.accept_length < 1.5

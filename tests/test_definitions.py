@@ -8,17 +8,34 @@ import pytest
 from difftest.base import definitions
 
 from difftest.report import report
-from difftest.records.acceptance import NORMALISATION, AcceptStats
+from difftest.records.acceptance import NORMALISATION, AcceptStats, normalise
 from difftest.records import CheckResult
 from difftest.records.check_data import AcceptLengthData
 from difftest.records.report import Report
 from engines.trainingdata.train_check import TrainAccuracyData
 
 
-def test_every_normalisable_figure_has_a_definition():
-    for name, counts, converts in NORMALISATION:
+# one figure per normalisable definition, written out by hand: (name, what normalise is given, the
+# harness's accept length it must give: accepted draft tokens + 1 per verify step)
+HAND_CONVERTED = [
+    ("difftest", dict(value=2.5), 2.5),
+    ("vllm.mean_acceptance_length", dict(value=2.5), 2.5),
+    ("vllm.num_accepted_tokens_per_draft", dict(value=1.5), 2.5),
+    ("sglang.spec_accept_length", dict(completion_tokens=130, requests=10, verify_ct=40), 3.0),
+    ("sglang.spec_num_correct_drafts", dict(value=60, verify_ct=40), 2.5),
+    ("acceptance_rate", dict(value=0.5, num_draft_tokens=4), 2.5),
+    ("speculators.full_acc", dict(steps=[0.8, 0.6, 0.4]), 2.8),  # P(K > k) summed, + 1
+    ("speculators.cond_acc", dict(steps=[0.8, 0.75, 2 / 3]), 2.8),  # 0.8, 0.8*0.75, 0.8*0.75*2/3
+    ("specforge.acc", dict(steps=[0.8, 0.75, 2 / 3]), 2.8),
+]
+
+
+def test_every_normalisable_figure_is_defined_and_converts_as_worked_by_hand():
+    assert [name for name, _, _ in NORMALISATION] == [name for name, _, _ in HAND_CONVERTED]
+    for name, given, expected in HAND_CONVERTED:
         if name != "difftest":
-            assert definitions.definition(name).counts == counts and definitions.definition(name).converts == converts
+            assert definitions.definition(name).counts  # declared in difftest.base.definitions
+        assert normalise(name, **given) == pytest.approx(expected), name
 
 
 def test_an_unknown_figure_is_refused_naming_the_known_ones():

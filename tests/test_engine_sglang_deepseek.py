@@ -54,29 +54,29 @@ def _sglang_metas(cache: Path) -> dict[str, dict]:
 
 
 def test_deepseek_greedy_tokens_match_hf(run):
-    engine = run.outcome("random", "sglang", "accept_length")["data"]["engine"]
-    assert engine["outputs"] == hf_greedy(run.models["random"], PROMPTS, MAX_NEW), run.output[-3000:]
+    engine = run.outcome("random", "sglang", "accept_length").data.engine
+    assert engine.outputs == hf_greedy(run.models["random"], PROMPTS, MAX_NEW), run.output[-3000:]
 
 
 def test_deepseek_fed_layers_and_fc_in_match_the_reference_by_value(run):
     for check in ("fc_inputs", "draft_logits"):
         result = run.outcome("random", "sglang", check)
-        assert result["outcome"] == "passed", f"{check}: {result['message']}"
-    for prompt in run.report("random")["comparisons"]["sglang"]:
-        by_name = {t["name"]: t for t in prompt["tensors"]}
+        assert result.outcome == "passed", f"{check}: {result.message}"
+    for prompt in run.report("random").comparisons["sglang"]:
+        by_name = {t.name: t for t in prompt.tensors}
         # SGLang captures only what it feeds: ids [2, 4, 5] with first id != 1 -> h2, h4, h5 (no +1)
         for name in ["target.h.2", "target.h.4", "target.h.5", "draft.fc_in", "draft.fc_in.0", "draft.fc_in.2"]:
-            assert by_name[name]["status"] == "ok", by_name[name]
-            assert by_name[name]["max_abs"] < 1e-4, by_name[name]
+            assert by_name[name].status == "ok", by_name[name]
+            assert by_name[name].max_abs < 1e-4, by_name[name]
 
 
 def test_deepseek_always_right_draft_accepts_k_plus_1(run):
     result = run.outcome("always_right", "sglang", "accept_length")
-    engine = result["data"]["engine"]
-    assert engine["num_verify"] > 0
-    assert engine["accept_length"] == pytest.approx(K + 1), engine
-    assert engine["acceptance_rate_per_pos"] == [1.0] * K
-    assert result["outcome"] == "passed", result["message"]
+    engine = result.data.engine
+    assert engine.num_verify > 0
+    assert engine.accept_length == pytest.approx(K + 1), engine
+    assert engine.acceptance_rate_per_pos == [1.0] * K
+    assert result.outcome == "passed", result.message
 
 
 def test_deepseek_cpu_measures_are_recorded_in_capture_meta(run):
@@ -96,8 +96,8 @@ def test_deepseek_cpu_measures_are_recorded_in_capture_meta(run):
 
 def test_deepseek_ids_only_at_top_level_are_refused_naming_the_default_layer_fallback(run):
     result = run.outcome("toplevel_only", "sglang", "fc_inputs")
-    assert result["outcome"] == "error"
-    message = result["message"]
+    assert result.outcome == "error"
+    message = result.message
     assert "SGLang would feed layers_to_capture [2, 3, 3] (default-layer fallback)" in message
     assert (
         "finds no ids (eagle_config)" in message

@@ -10,7 +10,6 @@ about 2-4 minutes on two cores).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -20,6 +19,9 @@ from pathlib import Path
 import pytest
 from helpers import HANG_GUARD_S, ROOT, run_pytest, start_pytest
 from shipped_run import shipped_or_skip
+
+from difftest.records.check_result import CheckResult
+from difftest.records.report import Report
 
 
 TP2 = "sglang[tp_size=2]"
@@ -33,45 +35,45 @@ def _args(sglang_python: str, report_dir: Path, engines: str, *extra: str) -> tu
             "--engine-timeout=900", f"--report-dir={report_dir}", *extra)  # fmt: skip
 
 
-def _checks(report: dict, engine: str) -> dict:
-    return {c["check"]: c for c in report["checks"] if c["engine"] == engine}
+def _checks(report: Report, engine: str) -> dict[str, CheckResult]:
+    return {c.check: c for c in report.checks if c.engine == engine}
 
 
-def _tp1(case: str) -> dict:
+def _tp1(case: str) -> dict[str, CheckResult]:
     """The case's SGLang TP = 1 results: the shipped run's, or a given run's reports."""
     given = os.environ.get("DIFFTEST_SGLANG_TP1_REPORTS")
-    report = json.loads((Path(given) / f"{case}.json").read_text()) if given else shipped_or_skip().report(case)
+    report = Report.load(Path(given) / f"{case}.json") if given else shipped_or_skip().report(case)
     return _checks(report, "sglang")
 
 
 @pytest.fixture(scope="module")
-def llama_tp2(tmp_path_factory, sglang_python) -> tuple[dict, str]:
+def llama_tp2(tmp_path_factory, sglang_python) -> tuple[dict[str, CheckResult], str]:
     """The one default session: the shipped Llama case against the reference at TP = 2."""
     out = tmp_path_factory.mktemp("tp2")
     run = run_pytest(ROOT, "cases/tiny_llama.yaml", *_args(sglang_python, out, f"ref,{TP2}"), timeout=HANG_GUARD_S)
-    report = json.loads((out / "tiny_llama.json").read_text())
+    report = Report.load(out / "tiny_llama.json")
     return _checks(report, TP2), (out / "logs" / f"{TP2}.log").read_text() + run.output
 
 
 def test_llama_case_gives_the_same_verdicts_at_tp2_as_at_tp1(llama_tp2):
     tp2, _ = llama_tp2
     tp1 = _tp1("tiny_llama")
-    assert {c: tp2[c]["outcome"] for c in CHECKS} == {c: tp1[c]["outcome"] for c in CHECKS}
-    assert all(tp2[c]["outcome"] == "passed" for c in CHECKS), {c: tp2[c]["message"] for c in CHECKS}
+    assert {c: tp2[c].outcome for c in CHECKS} == {c: tp1[c].outcome for c in CHECKS}
+    assert all(tp2[c].outcome == "passed" for c in CHECKS), {c: tp2[c].message for c in CHECKS}
 
 
 def test_golden_inputs_work_at_tp2(llama_tp2):
     """Every rank's target takes the reference's draft.fc_in (one golden file per rank)."""
     logits = llama_tp2[0]["draft_logits"]
-    assert logits["data"]["golden"]["outcome"] == "matches", logits["message"]
+    assert logits.data.golden.outcome == "matches", logits.message
 
 
 def test_accept_length_at_tp2_is_tp1s_within_its_spread(llama_tp2):
-    tp2 = llama_tp2[0]["accept_length"]["data"]["engine"]
-    tp1 = _tp1("tiny_llama")["accept_length"]["data"]["engine"]
-    assert tp2["source"].startswith("sglang meta_info") and tp2["num_verify"] > 0
+    tp2 = llama_tp2[0]["accept_length"].data.engine
+    tp1 = _tp1("tiny_llama")["accept_length"].data.engine
+    assert tp2.source.startswith("sglang meta_info") and tp2.num_verify > 0
     # greedy decoding of the same weights: the ranks' joined logits pick the same tokens
-    assert abs(tp2["accept_length"] - tp1["accept_length"]) <= 0.05, (tp2, tp1)
+    assert abs(tp2.accept_length - tp1.accept_length) <= 0.05, (tp2, tp1)
 
 
 def test_tp2_log_says_per_tensor_what_was_gathered_and_what_checked_replicated(llama_tp2):
@@ -85,20 +87,20 @@ def test_tp2_log_says_per_tensor_what_was_gathered_and_what_checked_replicated(l
 @full_only
 def test_deepseek_mla_moe_case_gives_the_same_verdicts_at_tp2_as_at_tp1(tmp_path, sglang_python):
     run_pytest(ROOT, "cases/tiny_deepseek_v3.yaml", *_args(sglang_python, tmp_path, f"ref,{TP2}"), timeout=HANG_GUARD_S)
-    tp2 = _checks(json.loads((tmp_path / "tiny_deepseek_v3.json").read_text()), TP2)
+    tp2 = _checks(Report.load(tmp_path / "tiny_deepseek_v3.json"), TP2)
     tp1 = _tp1("tiny_deepseek_v3")
-    assert {c: tp2[c]["outcome"] for c in CHECKS} == {c: tp1[c]["outcome"] for c in CHECKS}
-    assert all(tp2[c]["outcome"] == "passed" for c in CHECKS), {c: tp2[c]["message"] for c in CHECKS}
+    assert {c: tp2[c].outcome for c in CHECKS} == {c: tp1[c].outcome for c in CHECKS}
+    assert all(tp2[c].outcome == "passed" for c in CHECKS), {c: tp2[c].message for c in CHECKS}
 
 
 @full_only
 def test_tp2_against_tp1_of_the_same_engine_is_within_noise(tmp_path, sglang_python):
     run_pytest(ROOT, "cases/tiny_llama.yaml", *_args(sglang_python, tmp_path, f"sglang,{TP2}", "--reference=sglang"),
                timeout=HANG_GUARD_S)  # fmt: skip
-    tp2 = _checks(json.loads((tmp_path / "tiny_llama.json").read_text()), TP2)
+    tp2 = _checks(Report.load(tmp_path / "tiny_llama.json"), TP2)
     for check in ("fc_inputs", "draft_logits", "top1_agreement"):
-        assert tp2[check]["outcome"] == "passed", tp2[check]["message"]
-        print(f"{check}: {tp2[check]['message'].splitlines()[0]}")  # the figures, for the docs
+        assert tp2[check].outcome == "passed", tp2[check].message
+        print(f"{check}: {tp2[check].message.splitlines()[0]}")  # the figures, for the docs
 
 
 def _engine_processes(marker: str) -> dict[str, int]:
@@ -145,14 +147,13 @@ def test_a_rank_killed_mid_run_fails_only_sglang_with_that_ranks_error_and_leave
     victim = engine["sglang::scheduler_TP1"]
     os.kill(victim, signal.SIGKILL)
     proc.communicate(timeout=HANG_GUARD_S)
-    tp2 = _checks(json.loads((tmp_path / "tiny_llama.json").read_text()), TP2)
-    ref = {
-        c["check"]: c for c in json.loads((tmp_path / "tiny_llama.json").read_text())["checks"] if c["engine"] == "ref"
-    }
-    assert ref and all(c["outcome"] == "passed" for c in ref.values())
-    first = next(c for c in CHECKS if tp2[c]["outcome"] in ("failed", "error"))
-    assert f"SGLang's tensor-parallel rank 1 (scheduler pid {victim}) died: killed by SIGKILL" in tp2[first]["message"]
-    assert all(tp2[c]["outcome"] in ("failed", "error") for c in CHECKS[CHECKS.index(first) :])
+    report = Report.load(tmp_path / "tiny_llama.json")
+    tp2 = _checks(report, TP2)
+    ref = _checks(report, "ref")
+    assert ref and all(c.outcome == "passed" for c in ref.values())
+    first = next(c for c in CHECKS if tp2[c].outcome in ("failed", "error"))
+    assert f"SGLang's tensor-parallel rank 1 (scheduler pid {victim}) died: killed by SIGKILL" in tp2[first].message
+    assert all(tp2[c].outcome in ("failed", "error") for c in CHECKS[CHECKS.index(first) :])
     assert _marked(marker) == [], "processes of the run left behind"
     alive = [name for name, pid in engine.items() if Path(f"/proc/{pid}").exists()]
     assert alive == [], f"SGLang processes of the run left behind: {alive}"

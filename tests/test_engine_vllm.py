@@ -55,35 +55,35 @@ def shipped_run():
 def test_tiny_case_passes_every_check_on_vllm(shipped_run):
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         result = shipped_run.outcome("tiny_llama", "vllm", check)
-        assert result["outcome"] == "passed", f"{check}: {result['message']}\n{shipped_run.output[-3000:]}"
+        assert result.outcome == "passed", f"{check}: {result.message}\n{shipped_run.output[-3000:]}"
 
 
 def test_tiny_case_capture_matches_hf_hidden_states_by_value(shipped_run):
     """Eager vLLM exposes every target layer: all of them are compared with the HF reference, none skipped."""
     report = shipped_run.report("tiny_llama")
-    for prompt in report["comparisons"]["vllm"]:
-        by_name = {t["name"]: t for t in prompt["tensors"]}
+    for prompt in report.comparisons["vllm"]:
+        by_name = {t.name: t for t in prompt.tensors}
         hidden = [n for n in by_name if n.startswith("target.h.")]
         assert len(hidden) >= 3
         for name in hidden + ["draft.fc_in", "draft.fc_out", "draft.logits", "draft.logits_target"]:
-            assert by_name[name]["status"] == "ok", by_name[name]
-            assert by_name[name]["max_abs"] < 1e-4, by_name[name]
+            assert by_name[name].status == "ok", by_name[name]
+            assert by_name[name].max_abs < 1e-4, by_name[name]
 
 
 def test_seed_case_is_caught_on_vllm(shipped_run):
     fc = shipped_run.outcome("seed_miswired_training", "vllm", "fc_inputs")
-    assert fc["outcome"] == "xfailed"  # caught as the case declares (expect_failure)
-    assert fc["data"]["tensor"] == "draft.fc_in.0"
-    assert "expected target.h.0 (the embedding)" in fc["message"]
+    assert fc.outcome == "xfailed"  # caught as the case declares (expect_failure)
+    assert fc.data.tensor == "draft.fc_in.0"
+    assert "expected target.h.0 (the embedding)" in fc.message
     accept = shipped_run.outcome("seed_miswired_training", "vllm", "accept_length")
-    assert accept["outcome"] == "xfailed"
-    assert "accept length collapsed" in accept["message"]
+    assert accept.outcome == "xfailed"
+    assert "accept length collapsed" in accept.message
     # the rule and its fix (difftest.rules.layer_rules): vLLM reads the top-level ids as h[k]
     assert (
         "rule: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer order, k -> h[k]) turns [2, 4, 7]"
-        in fc["message"]
+        in fc.message
     )
-    assert "fix: set eagle_aux_hidden_state_layer_ids = [0, 2, 4]" in fc["message"]
+    assert "fix: set eagle_aux_hidden_state_layer_ids = [0, 2, 4]" in fc.message
 
 
 def test_golden_inputs_on_vllm_blame_the_captured_hidden_states_not_the_draft(shipped_run):
@@ -91,18 +91,17 @@ def test_golden_inputs_on_vllm_blame_the_captured_hidden_states_not_the_draft(sh
     combine_hidden_states replaced): it then matches the reference, so the seed's divergence is the
     hidden states vLLM captured, not its draft computation."""
     logits = shipped_run.outcome("seed_miswired_training", "vllm", "draft_logits")
-    assert logits["outcome"] == "xfailed" and logits["data"]["golden"]["outcome"] == "matches", logits["message"]
+    assert logits.outcome == "xfailed" and logits.data.golden.outcome == "matches", logits.message
     assert (
-        "vllm's draft matches ref on every draft tensor: the engine captured the wrong hidden states"
-        in logits["message"]
+        "vllm's draft matches ref on every draft tensor: the engine captured the wrong hidden states" in logits.message
     )
 
 
 def test_golden_inputs_on_vllm_are_in_the_tiny_cases_report(shipped_run):
     logits = shipped_run.outcome("tiny_llama", "vllm", "draft_logits")
-    assert logits["data"]["golden"]["outcome"] == "matches"
+    assert logits.data.golden.outcome == "matches"
     assert ("golden inputs (prompt 0): on the reference's draft.fc_in, vllm's draft matches ref on every draft tensor, "
-            "as its own run does") in logits["message"]  # fmt: skip
+            "as its own run does") in logits.message  # fmt: skip
 
 
 # -- acceptance counters on drafts that are always right / always wrong ----------------------
@@ -132,27 +131,27 @@ def counters_run(tmp_path_factory):
 
 def test_always_right_draft_accepts_k_plus_1(counters_run):
     result = counters_run.outcome("always_right", "vllm", "accept_length")
-    engine = result["data"]["engine"]
-    assert engine["source"].startswith("vllm 0.32.0 counters")
-    assert engine["num_verify"] > 0
-    assert engine["accept_length"] == pytest.approx(K + 1), engine
-    assert engine["acceptance_rate_per_pos"] == [1.0] * K
-    assert result["outcome"] == "passed", result["message"]
+    engine = result.data.engine
+    assert engine.source.startswith("vllm 0.32.0 counters")
+    assert engine.num_verify > 0
+    assert engine.accept_length == pytest.approx(K + 1), engine
+    assert engine.acceptance_rate_per_pos == [1.0] * K
+    assert result.outcome == "passed", result.message
 
 
 def test_always_wrong_draft_accepts_1(counters_run):
     result = counters_run.outcome("always_wrong", "vllm", "accept_length")
-    engine = result["data"]["engine"]
-    assert engine["num_verify"] > 0 and engine["num_accepted"] == 0
-    assert engine["accept_length"] == pytest.approx(1.0)
-    assert result["outcome"] == "passed", result["message"]
+    engine = result.data.engine
+    assert engine.num_verify > 0 and engine.num_accepted == 0
+    assert engine.accept_length == pytest.approx(1.0)
+    assert result.outcome == "passed", result.message
 
 
 def test_fc_shape_mismatch_fails_items_with_one_line_and_log_path(counters_run):
     result = counters_run.outcome("bad_fc", "vllm", "fc_inputs")
-    assert result["outcome"] == "error"
-    message = result["message"]
+    assert result.outcome == "error"
+    message = result.message
     assert "vllm failed to start" in message and "log:" in message
     assert "\n" not in message
     # the other cases in the same session were not taken down
-    assert counters_run.outcome("always_right", "vllm", "fc_inputs")["outcome"] == "passed"
+    assert counters_run.outcome("always_right", "vllm", "fc_inputs").outcome == "passed"

@@ -48,30 +48,30 @@ def _vllm_metas(cache: Path) -> list[dict]:
 
 
 def test_deepseek_greedy_tokens_match_hf(run):
-    engine = run.outcome("random", "vllm", "accept_length")["data"]["engine"]
-    assert engine["outputs"] == hf_greedy(run.models["random"], PROMPTS, MAX_NEW), run.output[-3000:]
+    engine = run.outcome("random", "vllm", "accept_length").data.engine
+    assert engine.outputs == hf_greedy(run.models["random"], PROMPTS, MAX_NEW), run.output[-3000:]
 
 
 def test_deepseek_target_layers_and_fc_in_match_the_reference_by_value(run):
     for check in ("fc_inputs", "draft_logits"):
         result = run.outcome("random", "vllm", check)
-        assert result["outcome"] == "passed", f"{check}: {result['message']}"
-    for prompt in run.report("random")["comparisons"]["vllm"]:
-        by_name = {t["name"]: t for t in prompt["tensors"]}
+        assert result.outcome == "passed", f"{check}: {result.message}"
+    for prompt in run.report("random").comparisons["vllm"]:
+        by_name = {t.name: t for t in prompt.tensors}
         # eager vLLM records every layer's residual stream: h0 (embedding) .. h6 (pre-norm output)
         assert sorted(n for n in by_name if n.startswith("target.h.")) == [f"target.h.{k}" for k in range(7)]
         for name in [f"target.h.{k}" for k in range(7)] + ["draft.fc_in", "draft.fc_in.0", "draft.fc_in.2"]:
-            assert by_name[name]["status"] == "ok", by_name[name]
-            assert by_name[name]["max_abs"] < 1e-4, by_name[name]
+            assert by_name[name].status == "ok", by_name[name]
+            assert by_name[name].max_abs < 1e-4, by_name[name]
 
 
 def test_deepseek_always_right_draft_accepts_k_plus_1(run):
     result = run.outcome("always_right", "vllm", "accept_length")
-    engine = result["data"]["engine"]
-    assert engine["num_verify"] > 0
-    assert engine["accept_length"] == pytest.approx(K + 1), engine
-    assert engine["acceptance_rate_per_pos"] == [1.0] * K
-    assert result["outcome"] == "passed", result["message"]
+    engine = result.data.engine
+    assert engine.num_verify > 0
+    assert engine.accept_length == pytest.approx(K + 1), engine
+    assert engine.acceptance_rate_per_pos == [1.0] * K
+    assert result.outcome == "passed", result.message
 
 
 def test_deepseek_compat_measures_are_recorded_in_capture_meta(run):
@@ -88,8 +88,8 @@ def test_deepseek_compat_measures_are_recorded_in_capture_meta(run):
 
 def test_deepseek_aux_id_0_is_refused_naming_vllms_convention(run):
     result = run.outcome("id0", "vllm", "fc_inputs")
-    assert result["outcome"] == "error"
-    message = result["message"]
+    assert result.outcome == "error"
+    message = result.message
     assert "cannot feed aux layer id 0" in message and "eagle_aux_hidden_state_layer_ids [0, 2, 4]" in message
     assert "vLLM reads id k as target.h.k, and id 0 is the embedding (target.h.0)" in message
     assert "\n" not in message

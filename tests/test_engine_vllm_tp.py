@@ -170,17 +170,17 @@ def test_tp2_gives_the_tp1_verdicts_on_the_llama_cases(llama):
     for case in LLAMA:
         for check in CHECKS:
             one, two = llama.outcome(case, "vllm", check), llama.outcome(case, TP2, check)
-            assert two["outcome"] == one["outcome"], f"{case} {check}: TP=2 {two['message']}\nTP=1 {one['message']}"
+            assert two.outcome == one.outcome, f"{case} {check}: TP=2 {two.message}\nTP=1 {one.message}"
     if "tiny_llama" in LLAMA:
-        assert llama.outcome("tiny_llama", TP2, "fc_inputs")["outcome"] == "passed"
+        assert llama.outcome("tiny_llama", TP2, "fc_inputs").outcome == "passed"
 
 
 def test_tp2_fails_the_miswired_case_with_the_tp1_cause(llama):
     fc = llama.outcome("seed_miswired_training", TP2, "fc_inputs")
-    assert fc["outcome"] == "xfailed"
-    assert fc["data"]["tensor"] == llama.outcome("seed_miswired_training", "vllm", "fc_inputs")["data"]["tensor"]
-    assert "expected target.h.0 (the embedding)" in fc["message"]
-    assert "accept length collapsed" in llama.outcome("seed_miswired_training", TP2, "accept_length")["message"]
+    assert fc.outcome == "xfailed"
+    assert fc.data.tensor == llama.outcome("seed_miswired_training", "vllm", "fc_inputs").data.tensor
+    assert "expected target.h.0 (the embedding)" in fc.message
+    assert "accept length collapsed" in llama.outcome("seed_miswired_training", TP2, "accept_length").message
 
 
 def test_tp2_captures_are_within_the_measured_noise_of_tp1(llama):
@@ -191,7 +191,7 @@ def test_tp2_captures_are_within_the_measured_noise_of_tp1(llama):
 
     figures = []
     for case in LLAMA:
-        floor = NoiseFloor.from_dict(llama.report(case)["noise_floor"])
+        floor = NoiseFloor.from_dict(llama.report(case).noise_floor.to_dict())
         one, two = _captures(llama.cache, "vllm", case), _captures(llama.cache, TP2, case)
         prompts = [k for k in one if not k[1] and k in two]
         assert prompts, f"{case}: no TP=1 / TP=2 capture pairs in {llama.cache}"
@@ -222,20 +222,20 @@ def test_tp2_capture_is_one_whole_tensor_per_name_with_its_gather_in_meta(llama)
 
 def test_tp2_accept_length_and_greedy_outputs_equal_tp1(llama):
     for case in LLAMA:
-        one = llama.outcome(case, "vllm", "accept_length")["data"]["engine"]
-        two = llama.outcome(case, TP2, "accept_length")["data"]["engine"]
-        assert two["num_verify"] > 0
-        assert two["outputs"] == one["outputs"], case
-        assert two["accept_length"] == pytest.approx(one["accept_length"], abs=1e-9), case
-        print(f"{case}: accept length TP=1 {one['accept_length']:.3f}, TP=2 {two['accept_length']:.3f}")
+        one = llama.outcome(case, "vllm", "accept_length").data.engine
+        two = llama.outcome(case, TP2, "accept_length").data.engine
+        assert two.num_verify > 0
+        assert two.outputs == one.outputs, case
+        assert two.accept_length == pytest.approx(one.accept_length, abs=1e-9), case
+        print(f"{case}: accept length TP=1 {one.accept_length:.3f}, TP=2 {two.accept_length:.3f}")
 
 
 def test_tp2_golden_inputs_rerun_the_draft_on_the_reference_fc_in(llama):
     """capture_draft_from at TP = 2: the reference's draft.fc_in fed to vLLM's combine_hidden_states
     on every rank; the draft then matches the reference, on the correct and on the miswired case."""
     for case in LLAMA:
-        golden = llama.outcome(case, TP2, "draft_logits")["data"]["golden"]
-        assert golden["outcome"] == "matches", f"{case}: {golden}"
+        golden = llama.outcome(case, TP2, "draft_logits").data.golden
+        assert golden.outcome == "matches", f"{case}: {golden}"
     assert any(k[1] for k in _captures(llama.cache, TP2, LLAMA[0])), "no golden-input capture was made at TP=2"
 
 
@@ -303,11 +303,11 @@ def test_a_killed_rank_fails_only_vllms_items_with_that_ranks_own_exit(killed):
     assert killed.victim is not None, killed.output[-3000:]
     for check in CHECKS:
         result = killed.outcome("tiny_llama", TP2, check)
-        assert result["outcome"] == "error", f"{check}: {result['message']}"
-        assert f"rank 1 (pid {killed.victim}) killed by SIGKILL" in result["message"], result["message"]
-        assert "\n" not in result["message"]
-    ref = [r for r in killed.report("tiny_llama")["checks"] if r["engine"] == "ref"]
-    assert ref and all(r["outcome"] == "passed" for r in ref), ref
+        assert result.outcome == "error", f"{check}: {result.message}"
+        assert f"rank 1 (pid {killed.victim}) killed by SIGKILL" in result.message, result.message
+        assert "\n" not in result.message
+    ref = [r for r in killed.report("tiny_llama").checks if r.engine == "ref"]
+    assert ref and all(r.outcome == "passed" for r in ref), ref
 
 
 def test_a_killed_rank_leaves_no_process_of_any_rank_behind(killed):
@@ -331,9 +331,9 @@ def test_deepseek_mla_moe_cases_give_the_tp1_verdicts_at_tp2(deepseek):
     for case in DEEPSEEK:
         for check in CHECKS:
             one, two = deepseek.outcome(case, "vllm", check), deepseek.outcome(case, TP2, check)
-            assert two["outcome"] == one["outcome"], f"{case} {check}: TP=2 {two['message']}\nTP=1 {one['message']}"
-    assert deepseek.outcome("tiny_deepseek_v3", TP2, "fc_inputs")["outcome"] == "passed"
-    assert deepseek.outcome("tiny_deepseek_v3_first_id_1", TP2, "fc_inputs")["outcome"] == "xfailed"
+            assert two.outcome == one.outcome, f"{case} {check}: TP=2 {two.message}\nTP=1 {one.message}"
+    assert deepseek.outcome("tiny_deepseek_v3", TP2, "fc_inputs").outcome == "passed"
+    assert deepseek.outcome("tiny_deepseek_v3_first_id_1", TP2, "fc_inputs").outcome == "xfailed"
 
 
 # -- `difftest fix` verified at TP = 2: DIFFTEST_FULL_MATRIX=1 ------------------------------------

@@ -71,10 +71,16 @@ def test_step0_agreement_recomputed_on_heldout_matches_quality_json(paths, targe
     assert agreement == pytest.approx(q["step0_agreement"], abs=0.01)
 
 
-def test_speculators_copy_reports_the_eagle_drafts_figures(paths):
+def test_speculators_copy_reports_the_eagle_drafts_figures_and_scores_them(paths, target, heldout):
+    from engines.ref.train import prepare_data, step0_agreement
+
     eagle, spec = quality(paths, "tiny-llama-eagle3"), quality(paths, "tiny-llama-eagle3-speculators")
     assert (spec["format"], spec["same_weights_as"]) == ("speculators", "tiny-llama-eagle3")
     assert (spec["step0_agreement"], spec["accept_length"]) == (eagle["step0_agreement"], eagle["accept_length"])
+    # the figures are the copy's own: the speculators checkpoint, loaded as that format, scores them
+    draft = load_draft(paths["tiny-llama-eagle3-speculators"]).model
+    agreement = step0_agreement(draft, prepare_data(target, eagle["train_wiring"], heldout))
+    assert agreement == pytest.approx(spec["step0_agreement"], abs=0.01)
 
 
 # -- the miswired draft: the seed's bug ---------------------------------------------------------
@@ -201,9 +207,16 @@ def test_target_tokenizer_loads_offline_with_autotokenizer(paths):
 def test_qwen3_fixture_exposes_every_residual_stream_with_the_last_before_the_norm(paths):
     model = load_target(paths["tiny-qwen3"])
     assert type(model).__name__ == "Qwen3ForCausalLM"
-    out = run_target(model, torch.tensor([[5, 9, 33, 100]]))
+    ids = torch.tensor([[5, 9, 33, 100]])
+    out = run_target(model, ids)
     assert len(out.hidden) == targets.QWEN3_LAYERS + 1
-    torch.testing.assert_close(model.model.norm(out.hidden[-1]), out.final_norm, rtol=0, atol=0)
+    with torch.no_grad():  # HF's own reading: its last hidden state is after the final norm
+        hf = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    assert len(hf) == targets.QWEN3_LAYERS + 1
+    torch.testing.assert_close(out.final_norm, hf[-1], rtol=0, atol=0)
+    for k in range(targets.QWEN3_LAYERS):  # h.k enters layer k, as HF's hidden_states[k]
+        torch.testing.assert_close(out.hidden[k], hf[k], rtol=0, atol=0)
+    assert not torch.allclose(out.hidden[-1], hf[-1])  # h.L is the last layer's output before the norm
 
 
 # -- cache mechanics ----------------------------------------------------------------------------------

@@ -110,20 +110,20 @@ def _judge(run, engine: str, expected: dict[str, dict]) -> list[str]:
     for name, want in expected.items():
         r = run.outcome(name, engine, "fc_inputs")
         if want["unfused"]:
-            if r["outcome"] != "error" or "SGLang ran its draft without fc" not in _engine_lines(r["message"], engine):
+            if r.outcome != "error" or "SGLang ran its draft without fc" not in _engine_lines(r.message, engine):
                 wrong.append(f"{name} {want['config']}: predicted fc skipped ({want['reading']}), engine "
-                             f"{r['outcome']}: {r['message'].splitlines()[-1][:300]}")  # fmt: skip
+                             f"{r.outcome}: {r.message.splitlines()[-1][:300]}")  # fmt: skip
         elif want["fails"]:
-            if r["outcome"] != "error":
-                wrong.append(f"{name} {want['config']}: predicted a failure ({want['reading']}), engine {r['outcome']}")
-            elif not re.search(want["says"], _engine_lines(r["message"], engine), re.IGNORECASE):
+            if r.outcome != "error":
+                wrong.append(f"{name} {want['config']}: predicted a failure ({want['reading']}), engine {r.outcome}")
+            elif not re.search(want["says"], _engine_lines(r.message, engine), re.IGNORECASE):
                 # any error is not a confirmation: the engine's own must say what the model predicted
                 wrong.append(f"{name} {want['config']}: predicted {want['reading']}; the engine failed otherwise: "
-                             f"{r['message'].splitlines()[0][:300]}")  # fmt: skip
-        elif r["outcome"] != "passed":
-            chunks = [c.get("best") for c in (r.get("data") or {}).get("fc_chunks", [])]
+                             f"{r.message.splitlines()[0][:300]}")  # fmt: skip
+        elif r.outcome != "passed":
+            chunks = [c.best for c in r.data.fc_chunks or []] if r.data else []
             wrong.append(f"{name} {want['config']}: predicted {want['fed']} ({want['reading']}), engine "
-                         f"{r['outcome']}: fed {chunks or '?'}: {r['message'].splitlines()[0]}")  # fmt: skip
+                         f"{r.outcome}: fed {chunks or '?'}: {r.message.splitlines()[0]}")  # fmt: skip
     return wrong
 
 
@@ -236,9 +236,9 @@ def _check(engine: str, python_option: str, tmp_path_factory) -> None:
                      "--no-capture-cache", "--engine-timeout=600", "-k", "fc_inputs", timeout=2400)  # fmt: skip
     for name, want in expected.items():  # the record of what was tried (pytest -s shows it)
         got = run.outcome(name, engine, "fc_inputs")
-        print(f"{name} [{want['class']}]: {want['config']} -> {'failure' if want['fails'] else want['fed']}; engine: {got['outcome']}"
-              + (f" ({got['message'].splitlines()[-1][:160]})" if got["outcome"] == "error" else "")
-              + (" [not a verification: the worker was down]" if "after an earlier failure" in got["message"] else ""))  # fmt: skip
+        print(f"{name} [{want['class']}]: {want['config']} -> {'failure' if want['fails'] else want['fed']}; engine: {got.outcome}"
+              + (f" ({got.message.splitlines()[-1][:160]})" if got.outcome == "error" else "")
+              + (" [not a verification: the worker was down]" if "after an earlier failure" in got.message else ""))  # fmt: skip
     wrong = _judge(run, engine, expected)
     assert not wrong, f"DIFFTEST_PROPERTY_SEED={SEED}\n" + "\n".join(wrong) + "\n" + run.output[-2000:]
 

@@ -89,7 +89,7 @@ def test_the_lint_and_capture_items_fail_an_unreadable_draft_with_the_same_line(
     run = run_pytest(write_project(tmp_path / "p", target, bad), "cases/", "--engines=ref")
     assert run.returncode == 1, run.output
     assert "Traceback" not in run.output and "internal error" not in run.output, run.output
-    capture, lint = (run.outcome("c", "ref", check)["message"] for check in ("capture", "lint"))
+    capture, lint = (run.outcome("c", "ref", check).message for check in ("capture", "lint"))
     assert capture == lint and lint.startswith(f"{bad / 'model.safetensors'}: ")
 
 
@@ -243,7 +243,7 @@ def test_an_output_file_check_creates_nothing(tmp_path):
 def test_an_engine_interpreter_that_exits_at_once_is_named_with_its_exit_code(models, tmp_path):
     root = write_project(tmp_path, *models)
     run = run_pytest(root, "cases/", "--engines=ref", "--engine-python=ref=/bin/false", "-k", "capture")
-    message = run.outcome("c", "ref", "capture")["message"]
+    message = run.outcome("c", "ref", "capture").message
     assert message.startswith("ref: the engine interpreter /bin/false exited (code 1) before answering; log: "), message
     assert "earlier failure" not in message and "Traceback" not in run.output
 
@@ -251,7 +251,7 @@ def test_an_engine_interpreter_that_exits_at_once_is_named_with_its_exit_code(mo
 def test_an_adapter_whose_capture_returns_the_wrong_type_is_one_line_naming_it(models, tmp_path):
     root = write_project(tmp_path, *models)
     run = run_pytest(root, "cases/", "--engines=ref,fake[mode=wrong_type]", "-k", "wrong_type and fc_inputs")
-    message = run.outcome("c", "fake[mode=wrong_type]", "fc_inputs")["message"]
+    message = run.outcome("c", "fake[mode=wrong_type]", "fc_inputs").message
     assert "adapter fake_engine.FakeEngine.capture() returned dict instead of a Capture" in message, message
     assert "\n" not in message and "AttributeError" not in run.output
 

@@ -91,16 +91,16 @@ def correct_run(engines_run):
 @pytest.mark.parametrize("target,dtype", CORRECT)
 def test_correct_wiring_passes_every_check_at_default_tolerances(correct_run, target, dtype, engine):
     case = _tag(target, dtype)
-    failed = [f"{check}: {r['message']}" for check in ENGINE_CHECKS
-              if (r := correct_run.outcome(case, engine, check))["outcome"] != "passed"]  # fmt: skip
+    failed = [f"{check}: {r.message}" for check in ENGINE_CHECKS
+              if (r := correct_run.outcome(case, engine, check)).outcome != "passed"]  # fmt: skip
     assert not failed, "\n".join(failed) + "\n" + correct_run.output[-2000:]
 
 
 @pytest.mark.parametrize("target,dtype", CORRECT)
 def test_noise_floor_is_measured_for_every_correct_case(correct_run, target, dtype):
-    floor = correct_run.report(_tag(target, dtype))["noise_floor"]
-    assert floor["measured"], floor["source"]
-    assert floor["tensors"]["draft.logits"]["rows"] > 0
+    floor = correct_run.report(_tag(target, dtype)).noise_floor
+    assert floor.measured, floor.source
+    assert floor.tensors["draft.logits"].rows > 0
 
 
 @pytest.mark.parametrize("engine", im.SERVING_ENGINES)
@@ -112,18 +112,18 @@ def test_each_miswired_export_fails_on_the_engines_where_their_rules_say(engines
     case = cases[im.case_name(im.TARGETS[target], dtype, f"_x_{miswire}")]
     expect = case.expect[engine]
     results = {c: run.outcome(case.name, engine, c) for c in ENGINE_CHECKS}
-    told = "\n".join(f"{c}: {r['outcome']}: {r['message']}" for c, r in results.items())
+    told = "\n".join(f"{c}: {r.outcome}: {r.message}" for c, r in results.items())
     if not expect.fails:  # the engine's rules say it serves the export as trained
-        failed = [c for c, r in results.items() if r["outcome"] != "passed"]
+        failed = [c for c, r in results.items() if r.outcome != "passed"]
         assert not failed, f"{case.name} on {engine}: the rules say immune ({expect.because}), yet:\n{told}"
         return
     compared = [results["fc_inputs"], results["draft_logits"]]
-    first = next((r for r in compared if r["outcome"] == "failed"), None)
+    first = next((r for r in compared if r.outcome == "failed"), None)
     assert first is not None, f"{case.name} on {engine} ({expect.because}) passed fc_inputs and draft_logits:\n{told}"
-    assert im.introduced_in(first["data"]["introduced"], expect.where), f"{expect.because}\n{first['message']}"
-    assert expect.why in first["message"], f"{expect.because}\n{first['message']}"
+    assert im.introduced_in(first.data.introduced, expect.where), f"{expect.because}\n{first.message}"
+    assert expect.why in first.message, f"{expect.because}\n{first.message}"
     collapse = results["accept_length"]
-    assert collapse["outcome"] == "failed" and "accept length collapsed" in collapse["message"], told
+    assert collapse.outcome == "failed" and "accept length collapsed" in collapse.message, told
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +169,8 @@ def test_each_miswiring_as_a_reference_spec_fails_naming_where_and_why(miswired_
     case, engine = m.case_name(spec, dtype), m.engine_spec(spec)
     where, why = EXPECTED[miswire]
     results = {c: run.outcome(case, engine, c) for c in ("fc_inputs", "draft_logits", "top1_agreement")}
-    failing = [r for r in results.values() if r["outcome"] == "failed"]
-    assert failing, f"{miswire} on {case} passed every check:\n" + "\n".join(r["message"] for r in results.values())
-    first = next(r for r in (results["fc_inputs"], results["draft_logits"]) if r["outcome"] == "failed")
-    assert first["data"]["introduced"].startswith(where), first["message"]
-    assert why in first["message"], first["message"]
+    failing = [r for r in results.values() if r.outcome == "failed"]
+    assert failing, f"{miswire} on {case} passed every check:\n" + "\n".join(r.message for r in results.values())
+    first = next(r for r in (results["fc_inputs"], results["draft_logits"]) if r.outcome == "failed")
+    assert first.data.introduced.startswith(where), first.message
+    assert why in first.message, first.message

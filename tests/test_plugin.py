@@ -53,7 +53,7 @@ def mixed_run(models, tmp_path_factory):
 
 def test_correctly_wired_engine_passes_every_check(mixed_run):
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
-        assert mixed_run.outcome("tiny", "ref[wiring=vllm]", check)["outcome"] == "passed", check
+        assert mixed_run.outcome("tiny", "ref[wiring=vllm]", check).outcome == "passed", check
 
 
 def test_written_report_reads_back_as_a_record_with_each_checks_typed_data(mixed_run):
@@ -82,7 +82,7 @@ def test_report_records_where_the_cases_time_went_by_phase_and_owner(mixed_run):
 
 
 def test_reference_gets_a_capture_item(mixed_run):
-    assert mixed_run.outcome("tiny", "ref", "capture")["outcome"] == "passed"
+    assert mixed_run.outcome("tiny", "ref", "capture").outcome == "passed"
     listed = run_pytest(mixed_run.root, "cases/", "--engines=ref,ref[wiring=vllm]", "--collect-only", "-q")
     assert "cases/tiny.yaml::ref::capture" in listed.output.splitlines()
     assert "cases/tiny.yaml::ref[wiring=vllm]::capture" not in listed.output  # only the reference gets one
@@ -90,58 +90,58 @@ def test_reference_gets_a_capture_item(mixed_run):
 
 def test_off_by_one_wiring_fails_fc_inputs_naming_chunk_0_and_the_pattern(mixed_run):
     result = mixed_run.outcome("tiny", "ref[wiring=sglang]", "fc_inputs")
-    assert result["outcome"] == "failed"
-    assert result["data"]["tensor"] == "draft.fc_in.0"
-    assert "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.1" in result["message"]
-    assert "engine fed fc [h2, h3, h4]; reference fed [h1, h2, h3]; pattern: off-by-one +1" in result["message"]
+    assert result.outcome == "failed"
+    assert result.data.tensor == "draft.fc_in.0"
+    assert "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.1" in result.message
+    assert "engine fed fc [h2, h3, h4]; reference fed [h1, h2, h3]; pattern: off-by-one +1" in result.message
 
 
 def test_downstream_check_names_the_upstream_first_divergence(mixed_run):
     result = mixed_run.outcome("tiny", "ref[wiring=sglang]", "draft_logits")
-    assert result["outcome"] == "failed"
-    assert result["data"]["first_divergence"] == "draft.fc_in.0"
-    assert "error introduced at draft.fc_in.0: " in result["message"]
-    assert "in this check's scope first at draft.fc_out" in result["message"]
+    assert result.outcome == "failed"
+    assert result.data.first_divergence == "draft.fc_in.0"
+    assert "error introduced at draft.fc_in.0: " in result.message
+    assert "in this check's scope first at draft.fc_out" in result.message
 
 
 def test_injected_logit_divergence_is_counted_and_located(mixed_run):
-    assert mixed_run.outcome("tiny", "fake[mode=diverge]", "fc_inputs")["outcome"] == "passed"
+    assert mixed_run.outcome("tiny", "fake[mode=diverge]", "fc_inputs").outcome == "passed"
     result = mixed_run.outcome("tiny", "fake[mode=diverge]", "draft_logits")
-    assert result["outcome"] == "failed"
-    assert "draft.logits: 1/" in result["message"]
-    assert "at [1, 7]" in result["message"]
+    assert result.outcome == "failed"
+    assert "draft.logits: 1/" in result.message
+    assert "at [1, 7]" in result.message
 
 
 def test_engine_exception_fails_items_with_one_line_and_log_path(mixed_run):
     result = mixed_run.outcome("tiny", "fake[mode=error]", "fc_inputs")
-    assert result["outcome"] == "error"
-    assert "RuntimeError: fake engine exploded" in result["message"]
-    assert "second line" not in result["message"]
-    assert "log:" in result["message"]
+    assert result.outcome == "error"
+    assert "RuntimeError: fake engine exploded" in result.message
+    assert "second line" not in result.message
+    assert "log:" in result.message
 
 
 def test_engine_crash_fails_items_without_taking_the_session_down(mixed_run):
     result = mixed_run.outcome("tiny", "fake[mode=crash]", "fc_inputs")
-    assert result["outcome"] == "error"
-    assert "worker died (exit -9): fatal: simulated scheduler crash" in result["message"]
+    assert result.outcome == "error"
+    assert "worker died (exit -9): fatal: simulated scheduler crash" in result.message
     # the session went on: engines after the crashed one still ran
-    assert mixed_run.outcome("tiny", "fake[mode=unavailable]", "fc_inputs")["outcome"] == "skipped"
+    assert mixed_run.outcome("tiny", "fake[mode=unavailable]", "fc_inputs").outcome == "skipped"
 
 
 def test_unavailable_engine_skips_with_its_setup_command(mixed_run):
     result = mixed_run.outcome("tiny", "fake[mode=unavailable]", "accept_length")
-    assert result["outcome"] == "skipped"
-    assert "set it up with: scripts/setup-engine fake" in result["message"]
+    assert result.outcome == "skipped"
+    assert "set it up with: scripts/setup-engine fake" in result.message
     assert "SKIPPED" in mixed_run.output and "set it up with" in mixed_run.output
 
 
 def test_an_engine_release_outside_the_supported_range_is_refused_in_one_line_naming_the_range(mixed_run):
     result = mixed_run.outcome("tiny", "fake[release=sglang==0.5.24]", "fc_inputs")
-    assert result["outcome"] == "error"
-    assert result["message"].startswith("fake[release=sglang==0.5.24] ("), result["message"]
-    assert result["message"].endswith("): sglang 0.5.24 is outside the supported releases sglang 0.5.5 - 0.5.23: "
-                                      "its EAGLE-3 rules were not read in its wheel"), result["message"]  # fmt: skip
-    assert "\n" not in result["message"]
+    assert result.outcome == "error"
+    assert result.message.startswith("fake[release=sglang==0.5.24] ("), result.message
+    assert result.message.endswith("): sglang 0.5.24 is outside the supported releases sglang 0.5.5 - 0.5.23: "
+                                      "its EAGLE-3 rules were not read in its wheel"), result.message  # fmt: skip
+    assert "\n" not in result.message
 
 
 def test_failures_print_verdicts_not_tracebacks(mixed_run):
@@ -151,14 +151,18 @@ def test_failures_print_verdicts_not_tracebacks(mixed_run):
 
 
 def test_report_json_lists_every_check_and_engine(mixed_run):
+    from difftest.records import EngineEntry
+
+    # the file names its own kind and layout (what any reader of the JSON keys on)
+    written = json.loads((mixed_run.root / "reports" / "tiny.json").read_text())
+    assert (written["schema"], written["schema_version"]) == ("difftest.report", 2)
     report = mixed_run.report("tiny")
-    assert (report["schema"], report["schema_version"]) == ("difftest.report", 2)
-    assert report["reference"] == "ref"
-    assert len(report["checks"]) == 2 + 7 * 4  # reference: capture, lint
-    assert report["engines"]["fake[mode=unavailable]"] == {
-        "error": "fake: not installed; set it up with: scripts/setup-engine fake"
-    }
-    assert report["comparisons"]["ref[wiring=sglang]"][0]["first_divergence"] == "draft.fc_in.0"
+    assert report.reference == "ref"
+    assert len(report.checks) == 2 + 7 * 4  # reference: capture, lint
+    assert report.engines["fake[mode=unavailable]"] == EngineEntry(
+        error="fake: not installed; set it up with: scripts/setup-engine fake"
+    )
+    assert report.comparisons["ref[wiring=sglang]"][0].first_divergence == "draft.fc_in.0"
     assert (mixed_run.root / "reports" / "tiny.md").exists()
     assert (mixed_run.root / "reports" / "tiny.html").exists()
 
@@ -183,10 +187,10 @@ def test_hanging_engine_is_killed_after_the_timeout(models, tmp_path):
     run = run_pytest(project(tmp_path, models), "cases/", "--engines=ref,fake[mode=hang]", "--engine-timeout=30",
                      env={"DIFFTEST_CACHE": str(tmp_path / "cache")})  # fmt: skip
     result = run.outcome("tiny", "fake[mode=hang]", "fc_inputs")
-    assert result["outcome"] == "error"
-    assert "no answer to 'capture' within 30s; worker killed" in result["message"]
+    assert result.outcome == "error"
+    assert "no answer to 'capture' within 30s; worker killed" in result.message
     later = run.outcome("tiny", "fake[mode=hang]", "draft_logits")  # the killed worker is not asked again
-    assert later["outcome"] == "error" and "worker is no longer running" in later["message"], later
+    assert later.outcome == "error" and "worker is no longer running" in later.message, later
     assert "internal error" not in run.output
 
 
@@ -211,9 +215,11 @@ def interrupt_mid_capture(root: Path, *args: str, env: dict) -> str:
 def test_ctrl_c_without_a_previous_report_writes_one_marked_interrupted(models, tmp_path):
     root = project(tmp_path, models)
     output = interrupt_mid_capture(root, env={"DIFFTEST_CACHE": str(tmp_path / "cache")})
-    report = json.loads((root / "reports" / "tiny.json").read_text())
-    assert report["interrupted"] is True, output
-    assert [r["outcome"] for r in report["checks"] if r["engine"] == "ref" and r["check"] == "capture"] == ["passed"]
+    from difftest.records import Report
+
+    report = Report.load(root / "reports" / "tiny.json")
+    assert report.interrupted is True, output
+    assert [r.outcome for r in report.checks if r.engine == "ref" and r.check == "capture"] == ["passed"]
     assert "**Interrupted**" in (root / "reports" / "tiny.md").read_text()
     assert not [p.name for p in (root / "reports").iterdir() if p.name.endswith(".tmp")]
 
@@ -301,8 +307,8 @@ def test_bad_wiring_fails_the_engine_items_with_one_line(models, tmp_path, engin
         project(tmp_path, models), "cases/", f"--engines=ref,{engine}", env={"DIFFTEST_CACHE": str(tmp_path / "c")}
     )
     result = run.outcome("tiny", engine, "fc_inputs")
-    assert result["outcome"] == "error"
-    assert expected in result["message"]
+    assert result.outcome == "error"
+    assert expected in result.message
     assert "Traceback" not in run.output
 
 
@@ -314,8 +320,8 @@ def test_a_worker_killed_by_one_case_is_replaced_for_the_next_case(models, tmp_p
     root = project(tmp_path, models, name="a_crashes", body=tiny + "engines:\n  fake: {mode: crash}\n")
     project(root, models, name="b_runs", body=tiny)
     run = run_pytest(root, "cases/", "--engines=ref,fake", "-k", "fc_inputs or capture")
-    assert "worker died (exit -9)" in run.outcome("a_crashes", "fake", "fc_inputs")["message"]
-    assert run.outcome("b_runs", "fake", "fc_inputs")["outcome"] == "passed", run.output[-3000:]
+    assert "worker died (exit -9)" in run.outcome("a_crashes", "fake", "fc_inputs").message
+    assert run.outcome("b_runs", "fake", "fc_inputs").outcome == "passed", run.output[-3000:]
 
 
 def test_an_engine_that_cannot_restart_fails_its_case_with_the_cause_and_the_next_case_runs(models, tmp_path):
@@ -329,11 +335,11 @@ def test_an_engine_that_cannot_restart_fails_its_case_with_the_cause_and_the_nex
     run = run_pytest(root, "cases/", "--engines=ref,fake", "-k", "fc_inputs or draft_logits or capture")
     for check in ("fc_inputs", "draft_logits"):
         result = run.outcome("a_spent", "fake", check)
-        assert result["outcome"] == "error"  # an engine that failed, not a verdict on its wiring
-        assert "no model_type in config.json" in result["message"], result["message"]
-        assert "worker died" not in result["message"]
-    assert run.outcome("b_runs", "fake", "fc_inputs")["outcome"] == "passed", run.output[-3000:]
-    assert run.outcome("b_runs", "fake", "draft_logits")["outcome"] == "passed", run.output[-3000:]
+        assert result.outcome == "error"  # an engine that failed, not a verdict on its wiring
+        assert "no model_type in config.json" in result.message, result.message
+        assert "worker died" not in result.message
+    assert run.outcome("b_runs", "fake", "fc_inputs").outcome == "passed", run.output[-3000:]
+    assert run.outcome("b_runs", "fake", "draft_logits").outcome == "passed", run.output[-3000:]
     assert "Traceback" not in run.output
 
 
@@ -345,5 +351,5 @@ def test_a_worker_killed_for_a_hang_is_replaced_for_the_next_case(models, tmp_pa
     project(root, models, name="b_runs", body=tiny)
     run = run_pytest(root, "cases/", "--engines=ref,fake", "--engine-timeout=30", "-k", "fc_inputs or capture",
                      env={"DIFFTEST_CACHE": str(tmp_path / "cache")})  # fmt: skip
-    assert "worker killed" in run.outcome("a_hangs", "fake", "fc_inputs")["message"]
-    assert run.outcome("b_runs", "fake", "fc_inputs")["outcome"] == "passed", run.output[-3000:]
+    assert "worker killed" in run.outcome("a_hangs", "fake", "fc_inputs").message
+    assert run.outcome("b_runs", "fake", "fc_inputs").outcome == "passed", run.output[-3000:]

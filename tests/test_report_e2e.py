@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from difftest.records import GoldenData
+
 from helpers import TINY_CASE, make_tiny_pair, run_pytest
 
 CASE = TINY_CASE
@@ -26,50 +28,47 @@ def run(tmp_path_factory):
 
 def test_golden_inputs_blame_the_captured_hidden_states(run):
     r = run.outcome("tiny", "ref[wiring=sglang]", "draft_logits")
-    assert r["outcome"] == "failed" and r["data"]["golden"]["outcome"] == "matches"
+    assert r.outcome == "failed" and r.data.golden.outcome == "matches"
     assert ("golden inputs: on the reference's draft.fc_in, ref[wiring=sglang]'s draft matches ref on every draft tensor: "
-            "the engine captured the wrong hidden states; its draft computes correctly") in r["message"]  # fmt: skip
+            "the engine captured the wrong hidden states; its draft computes correctly") in r.message  # fmt: skip
 
 
 def test_golden_inputs_blame_the_draft_computation(run):
     r = run.outcome("tiny", "ref[norm_before_residual=true]", "draft_logits")
-    golden = r["data"]["golden"]
-    assert {k: golden[k] for k in ("outcome", "first_divergence")} == {
-        "outcome": "diverges",
-        "first_divergence": "draft.layer0.mlp_out",
-    }
+    golden = r.data.golden
+    assert (golden.outcome, golden.first_divergence) == ("diverges", "draft.layer0.mlp_out")
     # the tensors that differ on golden inputs: the introduced one and what it feeds, never the fed-in fc_in
-    assert "draft.layer0.mlp_out" in golden["tensors"] and "draft.logits" in golden["tensors"]
-    assert not [t for t in golden["tensors"] if t.startswith("draft.fc_in") or not t.startswith("draft.")]
+    assert "draft.layer0.mlp_out" in golden.tensors and "draft.logits" in golden.tensors
+    assert not [t for t in golden.tensors if t.startswith("draft.fc_in") or not t.startswith("draft.")]
     assert (
         "suspect: the residual or MLP differs after matching attention: norm_before_residual handled differently?"
-        in r["message"]
+        in r.message
     )
     assert ("golden inputs: on the reference's draft.fc_in, ref[norm_before_residual=true]'s draft still diverges, error "
-            "introduced at draft.layer0.mlp_out") in r["message"]  # fmt: skip
-    assert "the engine's draft computes differently" in r["message"]
-    assert run.outcome("tiny", "ref[norm_before_residual=true]", "fc_inputs")["outcome"] == "passed"
+            "introduced at draft.layer0.mlp_out") in r.message  # fmt: skip
+    assert "the engine's draft computes differently" in r.message
+    assert run.outcome("tiny", "ref[norm_before_residual=true]", "fc_inputs").outcome == "passed"
 
 
 def test_engine_without_golden_support_says_so(run):
     r = run.outcome("tiny", "fake[mode=diverge,golden=no]", "draft_logits")
-    assert r["data"]["golden"] == {"outcome": "unsupported"}
-    assert "golden-input re-run: not supported by fake[mode=diverge,golden=no]" in r["message"]
+    assert r.data.golden == GoldenData(outcome="unsupported")  # nothing else recorded
+    assert "golden-input re-run: not supported by fake[mode=diverge,golden=no]" in r.message
 
 
 def test_lint_is_a_reference_item(run):
     r = run.outcome("tiny", "ref", "lint")
-    assert r["outcome"] == "passed"
-    assert [f["code"] for f in r["data"]["findings"]] == ["layer-ids-training"]  # SGLang & co. read [1, 2, 3] as h2..h4
-    assert "0 error(s), 1 warning(s) in the draft config" in r["message"]
+    assert r.outcome == "passed"
+    assert [f.code for f in r.data.findings] == ["layer-ids-training"]  # SGLang & co. read [1, 2, 3] as h2..h4
+    assert "0 error(s), 1 warning(s) in the draft config" in r.message
 
 
 def test_tree_drafting_reports_per_position_acceptance(run):
     r = run.outcome("tiny", "ref[topk=2,num_draft_tokens=5]", "accept_length")
-    engine = r["data"]["engine"]
-    assert engine["source"].startswith("ref tree simulation (topk 2, num_draft_tokens 5)")
-    assert len(engine["acceptance_rate_per_pos"]) == 3
-    assert r["data"]["reference"]["source"].startswith("ref simulation")
+    engine = r.data.engine
+    assert engine.source.startswith("ref tree simulation (topk 2, num_draft_tokens 5)")
+    assert len(engine.acceptance_rate_per_pos) == 3
+    assert r.data.reference.source.startswith("ref simulation")
 
 
 def test_html_report_is_written_with_plots_and_reproduce_command(run):
@@ -77,29 +76,29 @@ def test_html_report_is_written_with_plots_and_reproduce_command(run):
     assert len(re.findall(r'src="data:image/png;base64,', html)) >= 4
     assert "difftest run" in html and "--engines=ref,ref[wiring=sglang]" in html
     report = run.report("tiny")
-    assert report["environment"]["torch"] and report["case_yaml"].startswith("target:")
-    assert report["reproduce"].startswith("difftest run ")
+    assert report.environment["torch"] and report.case_yaml.startswith("target:")
+    assert report.reproduce.startswith("difftest run ")
 
 
 def test_report_records_the_measured_noise_floor(run):
-    nf = run.report("tiny")["noise_floor"]
-    assert nf["measured"] is True and nf["dtype"] == "float32"
-    assert nf["source"] == "measured: ref in float32 vs float64 over 2 prompts"
-    assert nf["tensors"]["draft.layer0.mlp_out"]["threshold"] > 0
+    nf = run.report("tiny").noise_floor
+    assert nf.measured is True and nf.dtype == "float32"
+    assert nf.source == "measured: ref in float32 vs float64 over 2 prompts"
+    assert nf.tensors["draft.layer0.mlp_out"].threshold > 0
 
 
 def test_report_names_where_the_error_is_introduced_per_prompt(run):
-    comparisons = run.report("tiny")["comparisons"]
+    comparisons = run.report("tiny").comparisons
     for p in comparisons["ref[norm_before_residual=true]"]:
-        assert p["first_divergence"] == p["first_introduced"] == p["first_above_noise"] == "draft.layer0.mlp_out"
-        assert p["first_differs"] == "draft.layer0.mlp_out" and "tie" in p
+        assert p.first_divergence == p.first_introduced == p.first_above_noise == "draft.layer0.mlp_out"
+        assert p.first_differs == "draft.layer0.mlp_out"  # (`tie` is a required field: Report.load checked it)
     for p in comparisons["ref[wiring=sglang]"]:
-        assert p["first_divergence"] == p["first_introduced"] == "draft.fc_in.0"
+        assert p.first_divergence == p.first_introduced == "draft.fc_in.0"
 
 
 def test_html_report_plots_error_against_noise_per_engine(run):
     html = (run.root / "reports" / "tiny.html").read_text()
-    compared = run.report("tiny")["comparisons"]
+    compared = run.report("tiny").comparisons
     assert len(compared) == 4 and html.count('<svg class="noise"') == len(compared)
     assert "noise floor (measured, float32): measured: ref in float32 vs float64 over 2 prompts" in html
     assert "error introduced: draft.layer0.mlp_out" in html and "top-1 ties within noise:" in html

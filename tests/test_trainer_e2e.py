@@ -326,29 +326,23 @@ def test_serving_wiring_is_diagnosed_end_to_end_naming_tensor_cause_and_fix(trai
     (tmp_path / "cases" / "speculators_trained.yaml").write_text(json.dumps(case))
     run = run_pytest(tmp_path, "cases/", "--engines=ref,train,ref[wiring=vllm]")
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length", "train_accuracy"):
-        assert run.outcome("speculators_trained", "train", check)["outcome"] == "passed", (check, run.output[-3000:])
+        assert run.outcome("speculators_trained", "train", check).outcome == "passed", (check, run.output[-3000:])
     fc = run.outcome("speculators_trained", "ref[wiring=vllm]", "fc_inputs")
-    assert fc["outcome"] == "failed", run.output[-3000:]
-    assert "error introduced at draft.fc_in.0" in fc["message"]  # the tensor
+    assert fc.outcome == "failed", run.output[-3000:]
+    assert "error introduced at draft.fc_in.0" in fc.message  # the tensor
     assert (
         "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.0 (the embedding)"
-        in fc["message"]
+        in fc.message
     )
-    assert "engine fed fc [h2, h4, h5]; reference fed [h0, h2, h4]" in fc["message"]  # the cause
-    assert "embedding dropped and slots shifted by one" in fc["message"], fc["message"]
+    assert "engine fed fc [h2, h4, h5]; reference fed [h0, h2, h4]" in fc.message  # the cause
+    assert "embedding dropped and slots shifted by one" in fc.message, fc.message
     # the fix: the lint names the config edit that makes vLLM feed what the draft was trained on
-    lint = {
-        f["code"]: f
-        for f in run.outcome("speculators_trained", "ref", "lint")["data"]["findings"]
-        if f["severity"] == "error"
-    }
+    lint = {f.code: f for f in run.outcome("speculators_trained", "ref", "lint").data.findings if f.severity == "error"}
     assert list(lint) == ["layer-ids-training"], lint  # and nothing else: the bf16 embedding copy is the target's
     assert (
         "turns [2, 4, 5] (top level) into [h2, h4, h5]; the draft was trained on [h0, h2, h4]; "
-        "fix: {'eagle_aux_hidden_state_layer_ids': [0, 2, 4]}" in lint["layer-ids-training"]["message"]
+        "fix: {'eagle_aux_hidden_state_layer_ids': [0, 2, 4]}" in lint["layer-ids-training"].message
     )
     acc = run.outcome("speculators_trained", "ref[wiring=vllm]", "train_accuracy")
-    assert acc["outcome"] == "failed" and acc["message"].startswith(
-        "training accuracy collapses under this engine's wiring"
-    )
+    assert acc.outcome == "failed" and acc.message.startswith("training accuracy collapses under this engine's wiring")
     assert run.returncode == 1

@@ -276,14 +276,14 @@ def test_seed_case_train_engine_passes_and_the_serving_wiring_fails(pair, seed, 
     (tmp_path / "cases" / "seed_train.yaml").write_text(json.dumps(case))
     run = run_pytest(tmp_path, "cases/", "--engines=ref,train,ref[wiring=vllm]")
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length", "train_accuracy"):
-        assert run.outcome("seed_train", "train", check)["outcome"] == "passed", (check, run.output[-3000:])
+        assert run.outcome("seed_train", "train", check).outcome == "passed", (check, run.output[-3000:])
     fc = run.outcome("seed_train", "ref[wiring=vllm]", "fc_inputs")
-    assert fc["outcome"] == "failed" and "pattern: embedding dropped" in fc["message"]
+    assert fc.outcome == "failed" and "pattern: embedding dropped" in fc.message
     acc = run.outcome("seed_train", "ref[wiring=vllm]", "train_accuracy")
-    assert acc["outcome"] == "failed"
-    assert acc["message"].startswith("training accuracy collapses under this engine's wiring")
-    assert "with ref[wiring=vllm]'s fc [h2, h4, h5] (the engine's capture)" in acc["message"]
-    assert "verifier = h5 (not the final layer" in acc["message"]
+    assert acc.outcome == "failed"
+    assert acc.message.startswith("training accuracy collapses under this engine's wiring")
+    assert "with ref[wiring=vllm]'s fc [h2, h4, h5] (the engine's capture)" in acc.message
+    assert "verifier = h5 (not the final layer" in acc.message
     assert run.returncode == 1
     shutil.rmtree(tmp_path / "cases")
 

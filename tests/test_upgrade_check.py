@@ -53,9 +53,9 @@ def row(run, engine: str, case: str = "tiny") -> list[str]:
 
 def test_changed_label_regresses_at_the_first_fc_chunk(side_by_side):
     result = side_by_side.outcome("tiny", "ref@new", "fc_inputs")
-    assert result["outcome"] == "failed"
-    assert result["data"]["tensor"] == "draft.fc_in.0"
-    assert "pattern: off-by-one +1" in result["message"]
+    assert result.outcome == "failed"
+    assert result.data.tensor == "draft.fc_in.0"
+    assert "pattern: off-by-one +1" in result.message
 
 
 def test_summary_row_of_the_changed_label_says_regressed(side_by_side):
@@ -207,13 +207,13 @@ def test_sglang_under_two_labels_catches_a_changed_layer_id_rule(sglang_python, 
     run = run_pytest(tmp_path, "cases/", "--engines=sglang@old,sglang@new", "--require-engines",
                      f"--engine-python=sglang={sglang_python}")  # fmt: skip
     fc = run.outcome("tiny_llama", "sglang@new", "fc_inputs")
-    assert fc["outcome"] == "failed", fc["message"]
-    assert fc["data"]["tensor"] == "draft.fc_in.0"
-    chunk1 = fc["data"]["fc_chunks"][1]
-    assert (chunk1["expected"], chunk1["best"], chunk1["cosine"]) == ("target.h.4", "target.h.5", 1.0)
-    assert "reference fed [h2, h4, h5]" in fc["message"]
+    assert fc.outcome == "failed", fc.message
+    assert fc.data.tensor == "draft.fc_in.0"
+    chunk1 = fc.data.fc_chunks[1]
+    assert (chunk1.expected, chunk1.best, chunk1.cosine) == ("target.h.4", "target.h.5", 1.0)
+    assert "reference fed [h2, h4, h5]" in fc.message
     accept = run.outcome("tiny_llama", "sglang@new", "accept_length")
-    assert accept["outcome"] == "failed" and accept["message"].startswith("accept length collapsed: ")
+    assert accept.outcome == "failed" and accept.message.startswith("accept length collapsed: ")
     r = row(run, "sglang@new", case="tiny_llama")
     assert r[:3] == ["tiny_llama", "sglang@new", "sglang@old"]
     assert r[5:9] == ["draft.fc_in.0", "(prompt", "0)", "regressed"]

@@ -148,74 +148,74 @@ def test_the_old_vllm_release_is_saved_as_a_baseline_naming_its_release(vllm_old
 
 def test_the_sglang_bump_is_green_with_every_change_declared(sglang_bump):
     assert sglang_bump.returncode == 0, sglang_bump.output[-4000:]
-    assert sglang_bump.report(CASE)["reference"] == f"baseline:{SGLANG_BASELINE}:sglang@{OLD_SGLANG}"
+    assert sglang_bump.report(CASE).reference == f"baseline:{SGLANG_BASELINE}:sglang@{OLD_SGLANG}"
 
 
 def test_the_sglang_bump_reports_the_norm_change_at_draft_fc_out_citing_the_pull_request(sglang_bump):
     logits = sglang_bump.outcome(CASE, "sglang", "draft_logits")
-    assert logits["outcome"] == "xfailed", logits["message"]
-    assert logits["data"]["introduced"] == "draft.fc_out", logits["message"]
+    assert logits.outcome == "xfailed", logits.message
+    assert logits.data.introduced == "draft.fc_out", logits.message
     assert ("upgrade: norm_before_fc: SGLang 0.5.16 ignores it (never read); SGLang 0.5.23 takes True (top level); "
-            "first moved tensor draft.fc_out") in logits["message"]  # fmt: skip
-    assert "(sgl-project/sglang#32334, first in sglang 0.5.17)" in logits["message"]
+            "first moved tensor draft.fc_out") in logits.message  # fmt: skip
+    assert "(sgl-project/sglang#32334, first in sglang 0.5.17)" in logits.message
 
 
 def test_the_sglang_bump_feeds_the_same_layers(sglang_bump):
     fc = sglang_bump.outcome(CASE, "sglang", "fc_inputs")
-    assert fc["outcome"] == "passed", fc["message"]
-    assert fc["data"]["fed"] == ["target.h.2", "target.h.4", "target.h.5"]
+    assert fc.outcome == "passed", fc.message
+    assert fc.data.fed == ["target.h.2", "target.h.4", "target.h.5"]
 
 
 def test_the_vllm_bump_is_green_with_every_change_declared(vllm_bump):
     assert vllm_bump.returncode == 0, vllm_bump.output[-4000:]
-    assert vllm_bump.report(VLLM_CASE)["reference"] == f"baseline:{VLLM_BASELINE}:vllm@{OLD_VLLM}"
+    assert vllm_bump.report(VLLM_CASE).reference == f"baseline:{VLLM_BASELINE}:vllm@{OLD_VLLM}"
 
 
 def test_the_vllm_bump_reports_norm_output_where_it_enters_citing_the_pull_request(vllm_bump):
     logits = vllm_bump.outcome(VLLM_CASE, "vllm", "draft_logits")
-    assert logits["outcome"] == "xfailed", logits["message"]
-    assert logits["data"]["introduced"].startswith("draft.step1."), logits["message"]
+    assert logits.outcome == "xfailed", logits.message
+    assert logits.data.introduced.startswith("draft.step1."), logits.message
     assert ("upgrade: norm_output: vLLM 0.24.0 ignores it (not set where it reads); vLLM 0.32.0 takes True "
-            "(speculators config)") in logits["message"]  # fmt: skip
-    assert "(vllm-project/vllm#46488, first in vllm 0.25.0)" in logits["message"]
-    assert vllm_bump.outcome(VLLM_CASE, "vllm", "fc_inputs")["outcome"] == "passed"
+            "(speculators config)") in logits.message  # fmt: skip
+    assert "(vllm-project/vllm#46488, first in vllm 0.25.0)" in logits.message
+    assert vllm_bump.outcome(VLLM_CASE, "vllm", "fc_inputs").outcome == "passed"
 
 
 def test_the_vllm_bump_changes_nothing_a_draft_without_those_flags_meets(vllm_bump):
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         r = vllm_bump.outcome("tiny_llama", "vllm", check)
-        assert r["outcome"] == "passed", f"tiny_llama {check}: {r['message']}"
+        assert r.outcome == "passed", f"tiny_llama {check}: {r.message}"
 
 
 def test_the_old_release_against_the_reference_names_the_flag_it_never_reads(sglang_old):
     assert sglang_old.returncode == 0, sglang_old.output[-4000:]
     logits = sglang_old.outcome(CASE, f"sglang@{OLD_SGLANG}", "draft_logits")
-    assert logits["outcome"] == "xfailed" and logits["data"]["introduced"] == "draft.fc_out", logits["message"]
+    assert logits.outcome == "xfailed" and logits.data.introduced == "draft.fc_out", logits.message
     assert (
         "never reads it (sglang/srt/models/llama_eagle3.py::LlamaModel.__init__ (before sgl-project/sglang#32334))"
-        in logits["message"]
+        in logits.message
     )
     accept = sglang_old.outcome(CASE, f"sglang@{OLD_SGLANG}", "accept_length")
-    assert accept["data"]["engine"]["accept_length"] < accept["data"]["reference"]["accept_length"] - 1.0
+    assert accept.data.engine.accept_length < accept.data.reference.accept_length - 1.0
 
 
 def test_the_old_vllm_release_against_the_reference_runs_the_draft_without_norm_output(vllm_old):
     assert vllm_old.returncode == 0, vllm_old.output[-4000:]
     logits = vllm_old.outcome(VLLM_CASE, f"vllm@{OLD_VLLM}", "draft_logits")
-    assert logits["outcome"] == "xfailed" and logits["data"]["introduced"].startswith("draft.step1."), logits["message"]
+    assert logits.outcome == "xfailed" and logits.data.introduced.startswith("draft.step1."), logits.message
     accept = vllm_old.outcome(VLLM_CASE, f"vllm@{OLD_VLLM}", "accept_length")
-    assert accept["data"]["engine"]["accept_length"] < accept["data"]["reference"]["accept_length"] - 0.5
+    assert accept.data.engine.accept_length < accept.data.reference.accept_length - 0.5
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         r = vllm_old.outcome("tiny_llama", f"vllm@{OLD_VLLM}", check)
-        assert r["outcome"] == "passed", f"tiny_llama {check}: {r['message']}"
+        assert r.outcome == "passed", f"tiny_llama {check}: {r.message}"
 
 
 def test_the_old_vllm_release_refuses_an_fc_norm_draft_naming_the_flag_its_weights_and_the_fix(vllm_old_fc_norm):
     assert vllm_old_fc_norm.returncode == 0, vllm_old_fc_norm.output[-4000:]
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         r = vllm_old_fc_norm.outcome(FC_NORM_CASE, f"vllm@{OLD_VLLM}", check)
-        assert r["outcome"] == "xfailed", r["message"]
-    message = vllm_old_fc_norm.outcome(FC_NORM_CASE, f"vllm@{OLD_VLLM}", "fc_inputs")["message"]
+        assert r.outcome == "xfailed", r.message
+    message = vllm_old_fc_norm.outcome(FC_NORM_CASE, f"vllm@{OLD_VLLM}", "fc_inputs").message
     assert ("known cause (lint [flag-ignored]): fc_norm: True in the draft config (speculators config), but vllm 0.24.0 "
             "reads it only from top level") in message  # fmt: skip
     assert "the checkpoint's fc_norm.* weights are refused at load" in message
@@ -235,7 +235,7 @@ def test_every_expectation_a_case_declares_for_the_old_release_is_exercised(run_
     declared = [e for e in load_case(ROOT / "cases" / f"{case}.yaml").expect_failure
                 if e.reference == reference and e.engine == engine]  # fmt: skip
     assert declared, "the case declares what the old release does"
-    checks = run.report(case)["checks"]
+    checks = run.report(case).checks
     for e in declared:
-        hits = [r for r in checks if (r.get("expected_failure") or {}).get("cause") == e.cause]
-        assert hits and all(r["outcome"] == "xfailed" for r in hits), (e, [r["outcome"] for r in hits])
+        hits = [r for r in checks if (r.expected_failure.cause if r.expected_failure else None) == e.cause]
+        assert hits and all(r.outcome == "xfailed" for r in hits), (e, [r.outcome for r in hits])
