@@ -49,6 +49,19 @@ def test_sglang_cannot_capture_the_last_layer_output():
     assert reading.fed == [3, 5] and reading.dropped == [8] and reading.refusal
 
 
+def test_sglang_capturing_no_layer_fails_in_the_targets_forward_not_at_fc():
+    """Measured on SGLang 0.5.23 (tests/test_layer_rules_engines.py, seed 148252363): ids [4, 5, 5]
+    on a 5-layer Llama ask for h5, h6, beyond h0..h4; the worker died with "ValueError: too many
+    values to unpack (expected 2)" in LlamaForCausalLM.forward, before the draft ran."""
+    for rule in (lr.SGLANG_LLAMA, lr.SGLANG_QWEN3):
+        reading = rule.predict(ec([4, 5, 5]), 5, 3)
+        assert (reading.fed, reading.dropped, reading.outcome) == ([], [5, 6], "refused")
+        assert "captures no layer: the target's forward unpacks (hidden, aux)" in reading.refusal
+        assert reading.says == "too many values to unpack"
+    # two layers for three chunks stays fc's shape error
+    assert lr.SGLANG_LLAMA.predict(ec([0, 2, 5]), 5, 3).says == lr.SGLANG_LLAMA.shape_error
+
+
 def test_vllm_deepseek_refuses_id_0_and_sglang_deepseek_shifts_only_when_the_first_id_is_1():
     assert "id 0" in lr.VLLM_DEEPSEEK.predict({KEY: [0, 2, 4]}, 6, 3).refusal
     assert lr.SGLANG_DEEPSEEK.predict(ec([1, 3, 4]), 6, 3).fed == [2, 4, 5]

@@ -18,7 +18,8 @@ costs engine starts; a failure lists every config that disagreed.
 
 A predicted refusal is confirmed only by the engine's own words (the lines of the item's message that
 start with the engine's name; the harness's own prefix restates the prediction and never counts): a
-shape error (LayerIdRule.shape_error). Refusals are drawn on Llama and Qwen3 only: on DeepSeek targets
+shape error (LayerIdRule.shape_error), or where the engine captures no layer at all, that error
+(LayerIdRule.no_capture_error: SGLang's target forward fails to unpack). Refusals are drawn on Llama and Qwen3 only: on DeepSeek targets
 the adapters refuse before starting what the model predicts would crash (vLLM's id 0, SGLang's packer
 count), where no engine error could confirm anything. A crashed SGLang scheduler takes its worker down;
 the next case (each config is its own) gets a fresh one.
@@ -100,7 +101,7 @@ def _write_cases(root: Path, engine: str, batch: list[tuple[str, int, str, list[
         (root / "cases" / f"{name}.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
         expected[name] = {"config": {"where": where, "ids": ids}, "reading": reading.explain(),
                           "fails": reading.refusal is not None, "fed": reading.fed_names(),
-                          "class": reading.outcome, "says": reading.rule.shape_error,
+                          "class": reading.outcome, "says": reading.says,
                           "unfused": reading.unfused is not None}  # fmt: skip
     return expected
 

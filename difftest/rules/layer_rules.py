@@ -91,6 +91,10 @@ class LayerIdRule:
     # what the engine's own error says when fc gets fewer chunks than it expects (a regular expression):
     # a predicted refusal is confirmed only by this, never by any error at all
     shape_error: str = r"shape|size|cannot be multiplied|mat1 and mat2"
+    # when the engine captures no layer at all: what happens, and what its own error says (a regular
+    # expression); None: fc's shape error, as for any other wrong count
+    no_capture: str | None = None
+    no_capture_error: str | None = None
     # SGLang's draft applies fc only when the hidden states are not already its own width
     # (llama_eagle3.py::LlamaModel.forward): one captured layer of the target's width skips fc silently
     skips_fc_at_draft_width: bool = False
@@ -144,8 +148,11 @@ class LayerIdRule:
                 unfused = (f"fc expects {fc_chunks} chunks but the engine captures 1 ({_hs(fed)}), as wide as the "
                            "draft's hidden state: it skips fc and runs the draft on that layer as is, with no error")  # fmt: skip
                 return Reading(self, list(ids) if ids else None, place, asked, fed, dropped, None, L, unfused)
-            refusal = (f"fc expects {fc_chunks} chunks but the engine captures {len(fed)} "
-                       f"({_hs(fed)}): a shape error at the first draft forward")  # fmt: skip
+            if not fed and self.no_capture:
+                refusal = f"fc expects {fc_chunks} chunks but the engine captures no layer: {self.no_capture}"
+            else:
+                refusal = (f"fc expects {fc_chunks} chunks but the engine captures {len(fed)} "
+                           f"({_hs(fed)}): a shape error at the first draft forward")  # fmt: skip
         return Reading(self, list(ids) if ids else None, place, asked, fed, dropped, refusal, L)
 
     def words(self) -> str:
@@ -224,6 +231,13 @@ class Reading:
     def fed_names(self) -> list[str]:
         return [hidden_name(k) for k in self.fed]
 
+    @property
+    def says(self) -> str:
+        """What the engine's own error says when it fails as predicted (a regular expression)."""
+        if not self.fed and self.rule.no_capture_error:
+            return self.rule.no_capture_error
+        return self.rule.shape_error
+
     def explain(self) -> str:
         """E.g. "SGLang 0.5.23 (Llama rule: ...) turns [4, 2, 0] into [h1, h3, h5]"."""
         head = f"{self.rule.label} ({self.rule.words()})"
@@ -293,6 +307,12 @@ SGLANG_LLAMA = LayerIdRule(
              "sglang/srt/models/llama.py::LlamaModel.forward"),
     notes=("id -1 asks for h0 (the embedding): layers_to_capture = [0, ...]",),
     skips_fc_at_draft_width=True,
+    # LlamaModel.forward returns the hidden states alone when it captured nothing, and
+    # LlamaForCausalLM.forward unpacks (hidden, aux) from them (found by the rule property test,
+    # seed 148252363: ids [4, 5, 5] on a 5-layer Llama)
+    no_capture=("the target's forward unpacks (hidden, aux) from hidden states returned alone: "
+                "ValueError at the first target forward, before the draft runs"),
+    no_capture_error=r"too many values to unpack",
 )  # fmt: skip
 SGLANG_QWEN3 = replace(
     SGLANG_LLAMA,
@@ -300,7 +320,7 @@ SGLANG_QWEN3 = replace(
     sources=(
         _SGL_IDS,
         "sglang/srt/models/qwen3.py::Qwen3ForCausalLM.set_eagle3_layers_to_capture",
-        "sglang/srt/models/qwen3.py::Qwen3Model.forward",
+        "sglang/srt/models/qwen3.py::Qwen3Model.forward",  # the same unpacking with nothing captured
     ),
 )
 SGLANG_DEEPSEEK = LayerIdRule(

@@ -45,6 +45,7 @@ from difftest.api import EngineError, EngineSpent, EngineUnavailable
 from difftest.api import overlay_checkpoint
 from difftest.api import cache_root
 from difftest.api import CaptureMeta, FcWiring
+from difftest.api import FC_IN
 from engines.sglang import cpu_ranks, cpu_shim, deepseek, process_start, rank_crash, tensor_parallel, versions
 from engines.sglang.hooks import hook_specs
 from engines.sglang.records import extract, load_forwards
@@ -326,7 +327,7 @@ class SglangEngine(Engine):
         L = target_cfg["num_hidden_layers"]
         h = target_cfg["hidden_size"]
         planned, rule = deepseek.layers_to_capture(target_cfg, draft_cfg, self.info().versions["sglang"])
-        chunks = ex.tensors["draft.fc_in"].shape[-1] // h
+        chunks = ex.tensors[FC_IN].shape[-1] // h
         meta = CaptureMeta(
             engine=self.spec.id,
             engine_version=self.info().version,

@@ -60,6 +60,7 @@ import torch
 from difftest.api import AcceptStats
 from difftest.api import Capture
 from difftest.api import Case
+from difftest.api import FC_IN
 from difftest.api import Engine, EngineInfo
 from difftest.api import ConfigError, EngineError, EngineSpent, EngineUnavailable
 from difftest.api import draft_name
@@ -508,7 +509,7 @@ class VllmEngine(Engine):
             raise EngineError(
                 "vllm: combine_hidden_states was not called (is the draft an EAGLE-3 draft with aux hidden states?)"
             )
-        tensors["draft.fc_in"] = rec["fc_in"]
+        tensors[FC_IN] = rec["fc_in"]
         tensors["draft.fc_out"] = rec["fc_out"]
         next_token = int(steps[0]["input_ids"][-1])
         expect_ids = prompt[1:] + [next_token]
