@@ -8,8 +8,8 @@ reports (`SHIPPED.report(case)`, `SHIPPED.outcome(case, engine, check)`).
 
 The run is stored under `${DIFFTEST_CACHE}/shipped-runs/<key>/` where the key covers everything
 its verdicts depend on: every file under `cases/`, `difftest/`, `engines/` and `fixtures/` (so
-the fixtures' builders and the adapters too), the engine list and each engine environment's resolved directory
-(whose name hashes its pins). A test stream that needs it while another builds it waits on a file
+the fixtures' builders and the adapters too), the engine list and each engine environment's
+resolved directory (whose name hashes its pins). A test stream that needs it while another builds it waits on a file
 lock; a second test run on the same tree reads it. The run itself captures with
 `--no-capture-cache`: its verdicts are those of the engines now, not of an older capture.
 
