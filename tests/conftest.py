@@ -19,17 +19,21 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 
-# Seconds on one stream in the last fresh-clone CI measure (stop 25: module setup plus its slowest
-# items), longest first. An estimate only orders the queue; a wrong one costs balance, not results.
+# Seconds on one stream in the last fresh-clone CI measure (stop 36: module setup, calls and
+# teardowns summed from --durations=0), longest first. An estimate only orders the queue; a wrong one
+# costs balance, not results.
 LONG_MODULES = (
-    "test_noise_matrix.py",  # 457: the independent models' session on ref, vLLM and SGLang
-    "test_upgrade_real_releases.py",  # 292: four sessions on the old and pinned releases
-    "test_fix_command.py",  # 284: `difftest fix` verified on SGLang three times
-    "test_speculators_writer_e2e.py",  # ~200: vLLM server, speculators' writer and trainer
-    "test_trainer_e2e.py",  # ~170: a trainer run, serving e2e and the metric oracle
-    "test_layer_rules_engines.py",  # 126 and more: the rule property test on SGLang and vLLM
-    "test_upgrade_check.py",  # 125: the simulated two-label SGLang upgrade
-    "test_cases.py",  # the reference presets over every shipped case, after the shipped run
+    "test_upgrade_real_releases.py",  # 611: four sessions on the old and pinned releases
+    "test_fix_command.py",  # 448: `difftest fix` verified on SGLang three times, on vLLM once
+    "test_noise_matrix.py",  # 400: the independent models' session on ref, vLLM and SGLang
+    "test_speculators_writer_e2e.py",  # 252: vLLM server, speculators' writer and trainer
+    "test_probe_servers.py",  # 244: live vLLM and SGLang servers probed from outside
+    "test_trainer_e2e.py",  # 196: a trainer run, serving e2e and the metric oracle
+    "test_engine_vllm_tp.py",  # 176: vLLM at TP = 2
+    "test_layer_rules_engines.py",  # 176: the rule property test on SGLang and vLLM
+    "test_infer_wiring.py",  # 166: wirings inferred from independent drafts
+    "test_upgrade_check.py",  # 142: the simulated two-label SGLang upgrade
+    "test_cases.py",  # 146: the reference presets over every shipped case, after the shipped run
 )
 
 
