@@ -104,12 +104,15 @@ def shipped() -> Run:
 
 
 def reference_captures() -> None:
-    """Before a test runs shipped cases on `ref` beside another engine (`ref[wiring=vllm]`, `train`):
-    while the shipped run is being made (scripts/test starts it before the suite), wait for it. It
-    writes the reference's captures and speculative runs of every shipped case into the capture
-    cache (`--no-capture-cache` only stops it reading the cache), so the test's own run reads them
-    by content key instead of computing the reference again. Nothing is started here: without a
-    run under way (no engines, or a test run alone) the test computes the reference itself."""
+    """Before a test runs shipped cases on `ref` beside another engine (`ref[wiring=vllm]`, `train`),
+    or on a pinned engine the run has (the upgrade check's bump sessions): while the shipped run is
+    being made (scripts/test starts it before the suite), wait for it. It writes every engine's
+    captures and speculative runs of every shipped case into the capture cache
+    (`--no-capture-cache` only stops it reading the cache), and remembers each engine's identity
+    (difftest/run/engine_identity.py), so the test's own run reads them by content key instead of
+    computing them again, without starting an engine whose every result is cached. Nothing is
+    started here: without a run under way (no engines, or a test run alone) the test computes its
+    captures itself."""
     if missing_engines():
         return
     directory, lock_path = _places()

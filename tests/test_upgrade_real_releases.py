@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, Run, run_pytest
+from shipped_run import reference_captures
 
 from difftest.case.case import load_case
 from difftest.records.baseline_manifest import BaselineManifest
@@ -88,8 +89,11 @@ def sglang_old(tmp_path_factory, baselines):
 
 @pytest.fixture(scope="module")
 def sglang_bump(tmp_path_factory, baselines, sglang_old):
-    """The pinned release against the stored old one (the baseline holds ref and 0.5.16: pick one)."""
+    """The pinned release against the stored old one (the baseline holds ref and 0.5.16: pick one).
+    Its captures are the shipped run's (the same case on the same release): waiting for that run
+    spares an SGLang start and the captures (69 s of a stream, measured stop 36)."""
     assert sglang_old.returncode == 0, sglang_old.output[-4000:]
+    reference_captures()
     return _session(tmp_path_factory.mktemp("sglang-bump"), baselines, "sglang", {"sglang": _pinned("sglang")},
                     f"cases/{CASE}.yaml", "--baseline", f"{SGLANG_BASELINE}:sglang@{OLD_SGLANG}")  # fmt: skip
 
@@ -115,8 +119,10 @@ def vllm_old_fc_norm(tmp_path_factory, baselines):
 @pytest.fixture(scope="module")
 def vllm_bump(tmp_path_factory, baselines, vllm_old):
     """The pinned release against the stored old one (the baseline holds ref and 0.24.0: pick one):
-    `--engines=vllm --baseline vllm-0.24.0:vllm@0.24.0`."""
+    `--engines=vllm --baseline vllm-0.24.0:vllm@0.24.0`. Its captures are the shipped run's, as for
+    SGLang's bump (89 s of a stream when it computed them, measured stop 36)."""
     assert vllm_old.returncode == 0, vllm_old.output[-4000:]
+    reference_captures()
     return _session(tmp_path_factory.mktemp("vllm-bump"), baselines, "vllm", {"vllm": _pinned("vllm")},
                     f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml", "--baseline",
                     f"{VLLM_BASELINE}:vllm@{OLD_VLLM}")  # fmt: skip
@@ -144,47 +150,6 @@ def test_the_old_vllm_release_is_saved_as_a_baseline_naming_its_release(vllm_old
         assert sorted(case.engines) == ["ref", f"vllm@{OLD_VLLM}"]
         info = case.engines[f"vllm@{OLD_VLLM}"].info
         assert info is not None and (info.name, release(info.version)) == ("vllm", OLD_VLLM), info
-
-
-def test_the_sglang_bump_is_green_with_every_change_declared(sglang_bump):
-    assert sglang_bump.returncode == 0, sglang_bump.output[-4000:]
-    assert sglang_bump.report(CASE).reference == f"baseline:{SGLANG_BASELINE}:sglang@{OLD_SGLANG}"
-
-
-def test_the_sglang_bump_reports_the_norm_change_at_draft_fc_out_citing_the_pull_request(sglang_bump):
-    logits = sglang_bump.outcome(CASE, "sglang", "draft_logits")
-    assert logits.outcome == "xfailed", logits.message
-    assert logits.data.introduced == "draft.fc_out", logits.message
-    assert ("upgrade: norm_before_fc: SGLang 0.5.16 ignores it (never read); SGLang 0.5.23 takes True (top level); "
-            "first moved tensor draft.fc_out") in logits.message  # fmt: skip
-    assert "(sgl-project/sglang#32334, first in sglang 0.5.17)" in logits.message
-
-
-def test_the_sglang_bump_feeds_the_same_layers(sglang_bump):
-    fc = sglang_bump.outcome(CASE, "sglang", "fc_inputs")
-    assert fc.outcome == "passed", fc.message
-    assert fc.data.fed == ["target.h.2", "target.h.4", "target.h.5"]
-
-
-def test_the_vllm_bump_is_green_with_every_change_declared(vllm_bump):
-    assert vllm_bump.returncode == 0, vllm_bump.output[-4000:]
-    assert vllm_bump.report(VLLM_CASE).reference == f"baseline:{VLLM_BASELINE}:vllm@{OLD_VLLM}"
-
-
-def test_the_vllm_bump_reports_norm_output_where_it_enters_citing_the_pull_request(vllm_bump):
-    logits = vllm_bump.outcome(VLLM_CASE, "vllm", "draft_logits")
-    assert logits.outcome == "xfailed", logits.message
-    assert logits.data.introduced.startswith("draft.step1."), logits.message
-    assert ("upgrade: norm_output: vLLM 0.24.0 ignores it (not set where it reads); vLLM 0.32.0 takes True "
-            "(speculators config)") in logits.message  # fmt: skip
-    assert "(vllm-project/vllm#46488, first in vllm 0.25.0)" in logits.message
-    assert vllm_bump.outcome(VLLM_CASE, "vllm", "fc_inputs").outcome == "passed"
-
-
-def test_the_vllm_bump_changes_nothing_a_draft_without_those_flags_meets(vllm_bump):
-    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
-        r = vllm_bump.outcome("tiny_llama", "vllm", check)
-        assert r.outcome == "passed", f"tiny_llama {check}: {r.message}"
 
 
 def test_the_old_release_against_the_reference_names_the_flag_it_never_reads(sglang_old):
@@ -239,3 +204,46 @@ def test_every_expectation_a_case_declares_for_the_old_release_is_exercised(run_
     for e in declared:
         hits = [r for r in checks if (r.expected_failure.cause if r.expected_failure else None) == e.cause]
         assert hits and all(r.outcome == "xfailed" for r in hits), (e, [r.outcome for r in hits])
+
+
+# The bumps last: they wait for the shipped run (reference_captures), so the old releases' sessions
+# run first, while it is still being made.
+def test_the_sglang_bump_is_green_with_every_change_declared(sglang_bump):
+    assert sglang_bump.returncode == 0, sglang_bump.output[-4000:]
+    assert sglang_bump.report(CASE).reference == f"baseline:{SGLANG_BASELINE}:sglang@{OLD_SGLANG}"
+
+
+def test_the_sglang_bump_reports_the_norm_change_at_draft_fc_out_citing_the_pull_request(sglang_bump):
+    logits = sglang_bump.outcome(CASE, "sglang", "draft_logits")
+    assert logits.outcome == "xfailed", logits.message
+    assert logits.data.introduced == "draft.fc_out", logits.message
+    assert ("upgrade: norm_before_fc: SGLang 0.5.16 ignores it (never read); SGLang 0.5.23 takes True (top level); "
+            "first moved tensor draft.fc_out") in logits.message  # fmt: skip
+    assert "(sgl-project/sglang#32334, first in sglang 0.5.17)" in logits.message
+
+
+def test_the_sglang_bump_feeds_the_same_layers(sglang_bump):
+    fc = sglang_bump.outcome(CASE, "sglang", "fc_inputs")
+    assert fc.outcome == "passed", fc.message
+    assert fc.data.fed == ["target.h.2", "target.h.4", "target.h.5"]
+
+
+def test_the_vllm_bump_is_green_with_every_change_declared(vllm_bump):
+    assert vllm_bump.returncode == 0, vllm_bump.output[-4000:]
+    assert vllm_bump.report(VLLM_CASE).reference == f"baseline:{VLLM_BASELINE}:vllm@{OLD_VLLM}"
+
+
+def test_the_vllm_bump_reports_norm_output_where_it_enters_citing_the_pull_request(vllm_bump):
+    logits = vllm_bump.outcome(VLLM_CASE, "vllm", "draft_logits")
+    assert logits.outcome == "xfailed", logits.message
+    assert logits.data.introduced.startswith("draft.step1."), logits.message
+    assert ("upgrade: norm_output: vLLM 0.24.0 ignores it (not set where it reads); vLLM 0.32.0 takes True "
+            "(speculators config)") in logits.message  # fmt: skip
+    assert "(vllm-project/vllm#46488, first in vllm 0.25.0)" in logits.message
+    assert vllm_bump.outcome(VLLM_CASE, "vllm", "fc_inputs").outcome == "passed"
+
+
+def test_the_vllm_bump_changes_nothing_a_draft_without_those_flags_meets(vllm_bump):
+    for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
+        r = vllm_bump.outcome("tiny_llama", "vllm", check)
+        assert r.outcome == "passed", f"tiny_llama {check}: {r.message}"
