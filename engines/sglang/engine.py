@@ -308,18 +308,25 @@ class SglangEngine(Engine):
         req = settings["requested"]
         steps = int(self._effective.get("speculative_num_steps") or req["speculative_num_steps"])
         topk = int(self._effective.get("speculative_eagle_topk") or req["speculative_eagle_topk"])
-        shutil.rmtree(self._hooks_dir, ignore_errors=True)
-        self._hooks_dir.mkdir(parents=True)
-        # a prompt SGLang has served before (a case whose speculative prompts are its capture prompts,
-        # or the same prompt captured for another check) is in the radix cache: the prefill would run
-        # over the uncached suffix only and no forward would hold the whole prompt
-        self._guarded(engine.flush_cache)
-        out = self._generate(engine, [list(prompt_ids)], 2)[0]  # the prefill and one drafting round
-        gathered = tensor_parallel.gather(str(self._hooks_dir))  # every rank's records, joined
         draft_cfg = json.loads((Path(draft) / "config.json").read_text())
         target_cfg = json.loads((Path(target) / "config.json").read_text())
         hot, hot_source = self._hot_token_id(draft, draft_cfg)
-        ex = extract(load_forwards(gathered.records), list(prompt_ids), steps, topk, hot, target_cfg["vocab_size"])
+        # The hooks record while their directory exists (engines/sglang/hooks.py::recording): this
+        # generation only. A speculative run's forwards, recorded, took most of its time (each saved
+        # every module's tensors and a full logits product).
+        shutil.rmtree(self._hooks_dir, ignore_errors=True)
+        self._hooks_dir.mkdir(parents=True)
+        try:
+            # a prompt SGLang has served before (a case whose speculative prompts are its capture
+            # prompts, or the same prompt captured for another check) is in the radix cache: the
+            # prefill would run over the uncached suffix only and no forward would hold the whole prompt
+            self._guarded(engine.flush_cache)
+            out = self._generate(engine, [list(prompt_ids)], 2)[0]  # the prefill and one drafting round
+            gathered = tensor_parallel.gather(str(self._hooks_dir))  # every rank's records, joined
+            forwards = load_forwards(gathered.records)
+        finally:
+            shutil.rmtree(self._hooks_dir, ignore_errors=True)
+        ex = extract(forwards, list(prompt_ids), steps, topk, hot, target_cfg["vocab_size"])
         if out["output_ids"] and out["output_ids"][0] != ex.next_token:
             raise EngineError(
                 f"SGLang's first output token {out['output_ids'][0]} is not the recorded prefill's argmax {ex.next_token}"

@@ -57,6 +57,13 @@ def tp_rank() -> tuple[int, int]:
     return int(group.rank_in_group), int(group.world_size)
 
 
+def recording(config: dict) -> bool:
+    """Whether the adapter is capturing: it makes config["out_dir"] for a capture's generation and
+    removes it after. Every other forward (the speculative runs: hundreds of them) records nothing,
+    not even the logits product, and changes nothing: the hooks only observe."""
+    return os.path.isdir(config["out_dir"])
+
+
 def _save(config: dict, kind: str, record: dict) -> None:
     # one folder per rank: every rank's hooks fire, and engines/sglang/tensor_parallel.py joins them
     rank, size = tp_rank()
@@ -75,6 +82,8 @@ def _mode(forward_batch) -> str:
 
 def model_hook(config: dict):
     def hook(module, inputs, output):
+        if not recording(config):
+            return
         input_ids, positions, forward_batch = inputs[0], inputs[1], inputs[2]
         rec = {"mode": _mode(forward_batch), "input_ids": input_ids, "positions": positions}
         if hasattr(module, "fc"):  # the EAGLE-3 draft's decoder stack
@@ -107,6 +116,8 @@ def model_hook(config: dict):
 
 def fc_hook(config: dict):
     def hook(module, inputs, output):
+        if not recording(config):
+            return
         out = output[0] if isinstance(output, tuple) else output  # SGLang's parallel linears return (out, bias)
         # the module's class decides fc_out's sharding (engines/sglang/tensor_parallel.py RULES)
         _save(config, "fc", {"fc_in_normed": inputs[0], "fc_out": out, "module": type(module).__name__})
@@ -116,6 +127,8 @@ def fc_hook(config: dict):
 
 def embed_hook(config: dict):
     def hook(module, inputs, output):
+        if not recording(config):
+            return
         _save(config, "embed", {"embeds": output})
 
     return hook
@@ -125,6 +138,8 @@ def layer0_hook(config: dict):
     """On qkv_proj (its input is attn_in), self_attn and mlp; tells them apart by output shape."""
 
     def hook(module, inputs, output):
+        if not recording(config):
+            return
         name = type(module).__name__
         if "QKV" in name:
             _save(config, "attn_in", {"t": inputs[0]})
@@ -151,6 +166,8 @@ def attn_in_hook(config: dict):
     called with keyword arguments only, which forward hooks do not see)."""
 
     def hook(module, inputs, output):
+        if not recording(config):
+            return
         _save(config, "attn_in", {"t": inputs[0]})
 
     return hook
@@ -158,6 +175,8 @@ def attn_in_hook(config: dict):
 
 def logits_hook(config: dict):
     def hook(module, inputs, output):
+        if not recording(config):
+            return
         hidden, lm_head = inputs[1], inputs[2]
         rec = {"mode": _mode(inputs[3]), "hidden": hidden, "vocab_size": int(module.config.vocab_size)}
         weight = getattr(lm_head, "weight", None)
@@ -177,6 +196,8 @@ def logits_hook(config: dict):
 
 def root_hook(config: dict):
     def hook(module, inputs, output):
+        if not recording(config):
+            return
         hot = getattr(module, "hot_token_id", None)
         _save(config, "root", {"cls": type(module).__name__, "hot_token_id": hot})
 
