@@ -90,8 +90,10 @@ def sglang_old(tmp_path_factory, baselines):
 @pytest.fixture(scope="module")
 def sglang_bump(tmp_path_factory, baselines, sglang_old):
     """The pinned release against the stored old one (the baseline holds ref and 0.5.16: pick one).
-    Its captures are the shipped run's (the same case on the same release): waiting for that run
-    spares an SGLang start and the captures (69 s of a stream, measured stop 36)."""
+    Its captures and speculative runs are the shipped run's (the same case on the same release):
+    waiting for that run spares computing them again. SGLang still starts for the layerwise
+    golden-input captures, whose input is the old release's (measured stop 37: both bumps 232 s of
+    a stream before, about 100 s after)."""
     assert sglang_old.returncode == 0, sglang_old.output[-4000:]
     reference_captures()
     return _session(tmp_path_factory.mktemp("sglang-bump"), baselines, "sglang", {"sglang": _pinned("sglang")},
@@ -119,8 +121,8 @@ def vllm_old_fc_norm(tmp_path_factory, baselines):
 @pytest.fixture(scope="module")
 def vllm_bump(tmp_path_factory, baselines, vllm_old):
     """The pinned release against the stored old one (the baseline holds ref and 0.24.0: pick one):
-    `--engines=vllm --baseline vllm-0.24.0:vllm@0.24.0`. Its captures are the shipped run's, as for
-    SGLang's bump (89 s of a stream when it computed them, measured stop 36)."""
+    `--engines=vllm --baseline vllm-0.24.0:vllm@0.24.0`. Its captures and speculative runs are the
+    shipped run's, as for SGLang's bump."""
     assert vllm_old.returncode == 0, vllm_old.output[-4000:]
     reference_captures()
     return _session(tmp_path_factory.mktemp("vllm-bump"), baselines, "vllm", {"vllm": _pinned("vllm")},
