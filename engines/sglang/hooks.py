@@ -30,6 +30,7 @@ Hook specs (see `hook_specs`):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -64,6 +65,21 @@ def recording(config: dict) -> bool:
     return os.path.isdir(config["out_dir"])
 
 
+def _while_recording(factory):
+    """A recording hook's factory whose hook does nothing, reads nothing, outside a capture."""
+
+    @functools.wraps(factory)
+    def make(config: dict):
+        hook = factory(config)
+
+        def gated(module, inputs, output):
+            return hook(module, inputs, output) if recording(config) else None
+
+        return gated
+
+    return make
+
+
 def _save(config: dict, kind: str, record: dict) -> None:
     # one folder per rank: every rank's hooks fire, and engines/sglang/tensor_parallel.py joins them
     rank, size = tp_rank()
@@ -80,10 +96,9 @@ def _mode(forward_batch) -> str:
     return getattr(mode, "name", str(mode))
 
 
+@_while_recording
 def model_hook(config: dict):
     def hook(module, inputs, output):
-        if not recording(config):
-            return
         input_ids, positions, forward_batch = inputs[0], inputs[1], inputs[2]
         rec = {"mode": _mode(forward_batch), "input_ids": input_ids, "positions": positions}
         if hasattr(module, "fc"):  # the EAGLE-3 draft's decoder stack
@@ -114,10 +129,9 @@ def model_hook(config: dict):
     return hook
 
 
+@_while_recording
 def fc_hook(config: dict):
     def hook(module, inputs, output):
-        if not recording(config):
-            return
         out = output[0] if isinstance(output, tuple) else output  # SGLang's parallel linears return (out, bias)
         # the module's class decides fc_out's sharding (engines/sglang/tensor_parallel.py RULES)
         _save(config, "fc", {"fc_in_normed": inputs[0], "fc_out": out, "module": type(module).__name__})
@@ -125,21 +139,19 @@ def fc_hook(config: dict):
     return hook
 
 
+@_while_recording
 def embed_hook(config: dict):
     def hook(module, inputs, output):
-        if not recording(config):
-            return
         _save(config, "embed", {"embeds": output})
 
     return hook
 
 
+@_while_recording
 def layer0_hook(config: dict):
     """On qkv_proj (its input is attn_in), self_attn and mlp; tells them apart by output shape."""
 
     def hook(module, inputs, output):
-        if not recording(config):
-            return
         name = type(module).__name__
         if "QKV" in name:
             _save(config, "attn_in", {"t": inputs[0]})
@@ -161,22 +173,20 @@ def _reduced(module, proj: str) -> bool | None:
     return None if value is None else bool(value)
 
 
+@_while_recording
 def attn_in_hook(config: dict):
     """On the MLA draft's fused q/kv down-projection: its input is attn_in (the attention itself is
     called with keyword arguments only, which forward hooks do not see)."""
 
     def hook(module, inputs, output):
-        if not recording(config):
-            return
         _save(config, "attn_in", {"t": inputs[0]})
 
     return hook
 
 
+@_while_recording
 def logits_hook(config: dict):
     def hook(module, inputs, output):
-        if not recording(config):
-            return
         hidden, lm_head = inputs[1], inputs[2]
         rec = {"mode": _mode(inputs[3]), "hidden": hidden, "vocab_size": int(module.config.vocab_size)}
         weight = getattr(lm_head, "weight", None)
@@ -194,10 +204,9 @@ def logits_hook(config: dict):
     return hook
 
 
+@_while_recording
 def root_hook(config: dict):
     def hook(module, inputs, output):
-        if not recording(config):
-            return
         hot = getattr(module, "hot_token_id", None)
         _save(config, "root", {"cls": type(module).__name__, "hot_token_id": hot})
 
