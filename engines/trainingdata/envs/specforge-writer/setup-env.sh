@@ -5,8 +5,8 @@
 set -euo pipefail
 py=${1:?usage: setup-env.sh PYTHON REQUIREMENTS_FILE}
 reqs=${2:?usage: setup-env.sh PYTHON REQUIREMENTS_FILE}
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$py" -m pip install -q --no-deps -r "$reqs" 2> >(grep -v "^WARNING: Location" >&2)
+root=$(cd "$(dirname "$0")/../../../.." && pwd)
+bash "$root/scripts/uv-pip" "$py" install -q --no-deps -r "$reqs"
 # Smoke test: what the writer imports (scripts/prepare_hidden_states.py of SpecForge 0.2.0), on the CPU.
 # PyPI's torchvision is a CUDA build; the two operator schemas its meta registrations name are
 # defined first, as the writer's runner (tests/trainer_oracle/specforge_prepare_hs.py) does.

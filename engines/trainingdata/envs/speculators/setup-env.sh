@@ -4,10 +4,9 @@
 set -euo pipefail
 py=${1:?usage: setup-env.sh PYTHON REQUIREMENTS_FILE}
 reqs=${2:?usage: setup-env.sh PYTHON REQUIREMENTS_FILE}
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
-quiet "$py" -m pip install -q -r <(grep -v -- '# no-deps' "$reqs")
-quiet "$py" -m pip install -q --no-deps -r <(grep -- '# no-deps' "$reqs" | sed 's/ *#.*//')
+root=$(cd "$(dirname "$0")/../../../.." && pwd)
+bash "$root/scripts/uv-pip" "$py" install -q -r <(grep -v -- '# no-deps' "$reqs")
+bash "$root/scripts/uv-pip" "$py" install -q --no-deps -r <(grep -- '# no-deps' "$reqs" | sed 's/ *#.*//')
 # Smoke test: what the oracle tests import.
 "$py" -W ignore -c '
 import speculators, hs_connectors.transfer
