@@ -1,5 +1,5 @@
-"""`difftest fix CASE --engine NAME [--no-verify]`: the smallest draft-config edit that makes one
-engine version feed the draft what training fed, written as a file the user applies, then
+"""`difftest fix CASE [CASE ...] --engine NAME [--no-verify]`: the smallest draft-config edit that
+makes one engine version feed the draft what training fed, written as a file the user applies, then
 verified on the real engine.
 
 1. The engine's layer-id rule (difftest.rules.layer_rules) is solved backwards for the case's training
@@ -7,14 +7,16 @@ verified on the real engine.
 2. Written to REPORT_DIR/fix/: CASE.NAME.patch.json (a JSON merge patch for the draft's
    config.json) and CASE.NAME.yaml (the case with the patch as that engine's
    `draft_config_overrides`, runnable as is).
-3. Verified: `pytest CASE.NAME.yaml --engines=REFERENCE,NAME` in a subprocess, the real engine
-   under the patch; every check of that engine must pass. The verified run's report is
-   REPORT_DIR/fix/CASE.NAME.json.
+3. Verified: `pytest CASE.NAME.yaml [...] --engines=REFERENCE,NAME` in a subprocess, the real engine
+   under the patch; every check of that engine must pass. Several cases are verified in that one
+   run: one engine session serves them all (an engine start is most of a verification on CPU).
+   The verified run's report is REPORT_DIR/fix/verified/CASE_fix_NAME.json.
 
 Where no config can do it (an engine that cannot capture a layer training used, or ids not in
 layer order), it says so, names the engines or versions that can serve the draft as trained,
-and the wiring to retrain on for this one. Exit status: 0 fixed and verified (or, with
---no-verify, computed), 1 no config fix or the verification failed, 2 bad input.
+and the wiring to retrain on for this one. A case that is bad input is named in one line and the
+others still run. Exit status: 0 every case fixed and verified (or, with --no-verify, computed),
+1 a case has no config fix or failed its verification, 2 a case was bad input.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ HELP = "compute, write and verify the draft-config edit that makes ENGINE feed w
 
 def add_parser(sub) -> None:
     p = sub.add_parser("fix", help=HELP)
-    p.add_argument("case", help="a case YAML file")
+    p.add_argument("cases", nargs="+", metavar="case",
+                   help="a case YAML file; several are fixed in turn and verified in one run of the engine")  # fmt: skip
     p.add_argument(
         "--engine", required=True, help="the engine to fix for: vllm or sglang (a labelled spec NAME@LABEL works)"
     )
@@ -204,52 +207,95 @@ def write_reordered_draft(draft: Path, order: list[int], out: Path) -> Path:
     return out
 
 
-def verify(result: FixResult, case_file: Path, args: argparse.Namespace, out_dir: Path) -> None:
-    """The patched case on the real engine: every check of that engine must pass."""
+def verify(fixed: list[tuple[FixResult, Path]], args: argparse.Namespace, out_dir: Path) -> None:
+    """The patched cases on the real engine, in one run: every check of that engine must pass."""
+    import yaml
+
     from difftest.base.registry import calibration_engine
+    from difftest.records import Report
 
     reference = args.reference or calibration_engine()
     report_dir = out_dir / "verified"
+    engine = fixed[0][0].engine
     cmd = [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs",
-           "--rootdir", str(case_file.parent), "-c", "/dev/null", str(case_file),
-           f"--engines={reference},{result.engine}", "--require-engines", f"--report-dir={report_dir}",
+           "--rootdir", str(out_dir), "-c", "/dev/null", *(str(case_file) for _, case_file in fixed),
+           f"--engines={reference},{engine}", "--require-engines", f"--report-dir={report_dir}",
            f"--engine-timeout={args.engine_timeout}", *(f"--engine-python={e}" for e in args.engine_python),
            *(["--no-capture-cache"] if args.no_capture_cache else [])]  # fmt: skip
     print(f"[difftest fix] verifying on the real engine: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for result, case_file in fixed:
+        report = report_dir / f"{yaml.safe_load(case_file.read_text())['name']}.json"
+        if not report.exists():
+            result.verified = False
+            result.verification = [
+                {"check": "run", "outcome": f"no report (exit {proc.returncode}): {proc.stdout[-300:]}"}
+            ]
+            continue
+        checks = Report.load(report).results(result.engine)
+        result.verification = [{"check": c.check, "outcome": c.outcome, "message": c.message.splitlines()[0] if c.message else ""}
+                               for c in checks]  # fmt: skip
+        result.verified = bool(checks) and all(c.outcome == "passed" for c in checks)
+        result.verification_report = str(report)
+
+
+def _case_name(path: Path) -> str | None:
+    """The case's name, read ahead of its fix; None where the file cannot say (compute names why)."""
     import yaml
 
-    report = report_dir / f"{yaml.safe_load(case_file.read_text())['name']}.json"
-    if not report.exists():
-        result.verified = False
-        result.verification = [{"check": "run", "outcome": f"no report (exit {proc.returncode}): {proc.stdout[-300:]}"}]
-        return
-    from difftest.records import Report
-
-    checks = Report.load(report).results(result.engine)
-    result.verification = [{"check": c.check, "outcome": c.outcome, "message": c.message.splitlines()[0] if c.message else ""}
-                           for c in checks]  # fmt: skip
-    result.verified = bool(checks) and all(c.outcome == "passed" for c in checks)
-    result.verification_report = str(report)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    name = raw.get("name") or path.stem  # the case's own default (difftest.case.case)
+    return name if isinstance(name, str) else None
 
 
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.report_dir) / "fix"
-    try:
-        result, case_file = compute(Path(args.case), args.engine, out_dir)
-        if case_file is not None and not args.no_verify:
-            verify(result, case_file, args, out_dir)
-    except DifftestError as e:
-        print(f"difftest fix: {e}", file=sys.stderr)
+    results: list[FixResult] = []
+    fixed: list[tuple[FixResult, Path]] = []  # the patched cases the engine verifies
+    bad_input = False
+    first_with_name: dict[str, str] = {}
+    for case in args.cases:
+        name = _case_name(Path(case))
+        if name is not None and name in first_with_name:
+            # its files are named after the case: the second would overwrite the first's
+            print(f"difftest fix: {case}: a case named {name!r} is already being fixed ({first_with_name[name]}); "
+                  "one case of a name per run", file=sys.stderr)  # fmt: skip
+            bad_input = True
+            continue
+        if name is not None:
+            first_with_name[name] = case
+        try:
+            result, case_file = compute(Path(case), args.engine, out_dir)
+        except DifftestError as e:
+            print(f"difftest fix: {e}", file=sys.stderr)
+            bad_input = True
+            continue
+        except (OSError, ValueError, KeyError) as e:  # unreadable files, bad YAML: one line, no traceback
+            print(f"difftest fix: {case}: {type(e).__name__}: {e}", file=sys.stderr)
+            bad_input = True
+            continue
+        results.append(result)
+        if case_file is not None:
+            fixed.append((result, case_file))
+    if fixed and not args.no_verify:
+        try:
+            verify(fixed, args, out_dir)
+        except (DifftestError, OSError, ValueError, KeyError) as e:  # a patched case or report unreadable
+            print(f"difftest fix: verifying: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+    for i, result in enumerate(results):
+        if i:
+            print()
+        for line in result.lines():
+            print(line)
+        if result.files:
+            atomic_write(out_dir / f"{Path(result.files[0]).name.removesuffix('.patch.json')}.fix.json",
+                         json.dumps(dataclasses.asdict(result), indent=1) + "\n")  # fmt: skip
+    if bad_input:
         return 2
-    except (OSError, ValueError, KeyError) as e:  # unreadable files, bad YAML: one line, no traceback
-        print(f"difftest fix: {args.case}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    for line in result.lines():
-        print(line)
-    if result.files:
-        atomic_write(out_dir / f"{Path(result.files[0]).name.removesuffix('.patch.json')}.fix.json",
-               json.dumps(dataclasses.asdict(result), indent=1) + "\n")  # fmt: skip
-    if result.impossible or result.verified is False:
-        return 1
-    return 0
+    return 1 if any(r.impossible or r.verified is False for r in results) else 0

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 # costs balance, not results.
 LONG_MODULES = (
     "test_upgrade_real_releases.py",  # 611: four sessions on the old and pinned releases
-    "test_fix_command.py",  # 448: `difftest fix` verified on SGLang three times, on vLLM once
+    "test_fix_command.py",  # 448: `difftest fix` on SGLang (three cases, one run; 448 was three runs) and vLLM
     "test_noise_matrix.py",  # 400: the independent models' session on ref, vLLM and SGLang
     "test_speculators_writer_e2e.py",  # 252: vLLM server, speculators' writer and trainer
     "test_probe_servers.py",  # 244: live vLLM and SGLang servers probed from outside
