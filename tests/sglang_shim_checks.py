@@ -34,6 +34,86 @@ def verify_tree_greedy_chain_accepts_the_matching_prefix() -> None:
     assert accept_index[0, :3].tolist() == [0, 1, 2], accept_index
 
 
+def _random_tree_inputs(g, bs: int, topk: int, depth: int, n: int, mode: int):
+    """Inputs as SGLang's draft stage hands them to the tree build: each step's topk candidates per
+    parent, the n - 1 best of all steps' tokens (selected_index, sorted), and each step's parents."""
+    import torch
+
+    # parent_list row: 0 (the root), then the topk chosen tokens of each step but the last, as flat ids
+    # into the step-by-step candidate list (step s's children of node j: topk + (s-1)*topk*topk + j*topk ...)
+    width = topk + (depth - 1) * topk * topk  # every candidate the steps produced
+    parent_list = torch.zeros(bs, topk * (depth - 1) + 1, dtype=torch.int64)
+    for b in range(bs):
+        parent_list[b, 1:] = torch.randperm(width, generator=g)[: topk * (depth - 1)].sort().values
+    selected_index = torch.stack([torch.randperm(width, generator=g)[: n - 1].sort().values for _ in range(bs)])
+    # some selected tokens are parents of others: make a few parent_list entries name selected ones
+    for b in range(bs):
+        k = int(torch.randint(0, topk * (depth - 1) + 1, (1,), generator=g))
+        picks = torch.randperm(n - 1, generator=g)[:k]
+        for j, pick in enumerate(picks.tolist()):
+            if 1 + j < parent_list.shape[1]:
+                parent_list[b, 1 + j] = selected_index[b, pick]
+    seq_lens = torch.randint(1, 9, (bs,), generator=g, dtype=torch.int64)
+    size = int(((seq_lens + n) * n).sum()) if mode == 0 else bs * n * n
+    outs = dict(
+        tree_mask=torch.ones(size, dtype=torch.bool),
+        positions=torch.zeros(bs * n, dtype=torch.int64),
+        retrieve_index=torch.full((bs, n), -1, dtype=torch.int64),
+        retrieve_next_token=torch.full((bs, n), -1, dtype=torch.int64),
+        retrieve_next_sibling=torch.full((bs, n), -1, dtype=torch.int64),
+    )
+    return parent_list, selected_index, seq_lens, outs
+
+
+def tree_kernels_match_sglangs_triton_kernels() -> None:
+    """The shim's tree build and greedy verify against SGLang's own Triton kernels (run by Triton's
+    interpreter), output for output, on random trees: batch sizes, topk, depth, draft tokens, both
+    mask modes."""
+    import torch
+
+    from engines.sglang import cpu_shim
+    from engines.sglang.cpu_shim import ops
+
+    if cpu_shim.choose_kernels() == cpu_shim.CPU_SHIM:
+        cpu_shim.activate()
+    triton = ops._spec_tree()
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 1, 4, 5, 0), (3, 1, 3, 4, 0), (2, 2, 3, 6, 0), (4, 3, 4, 8, 1), (2, 4, 2, 7, 0), (5, 2, 5, 9, 1)]
+    checked = 0
+    for bs, topk, depth, n, mode in shapes:
+        for _ in range(4):
+            parent_list, selected, seq_lens, outs = _random_tree_inputs(g, bs, topk, depth, n, mode)
+            ours = {k: v.clone() for k, v in outs.items()}
+            theirs = {k: v.clone() for k, v in outs.items()}
+            ops.build_tree_kernel_efficient_cpu(parent_list, selected, seq_lens, ours["tree_mask"], ours["positions"],
+                                                ours["retrieve_index"], ours["retrieve_next_token"],
+                                                ours["retrieve_next_sibling"], topk, depth, n, mode)  # fmt: skip
+            triton.sgl_build_tree_kernel_triton(parent_list, selected, seq_lens, theirs["tree_mask"], theirs["positions"],
+                                                theirs["retrieve_index"], theirs["retrieve_next_token"],
+                                                theirs["retrieve_next_sibling"], topk, depth, n, mode)  # fmt: skip
+            for k in outs:
+                assert torch.equal(ours[k], theirs[k]), (bs, topk, depth, n, mode, k, ours[k], theirs[k])
+            # greedy verify over that tree: candidates and target predictions from a 3-token vocabulary,
+            # so that some branches agree and some do not
+            for steps in (2, depth + 1):
+                candidates = torch.randint(0, 3, (bs, n), generator=g)
+                target_predict = torch.randint(0, 3, (bs * n,), generator=g)
+                res = [dict(predicts=torch.full((bs * n,), -1, dtype=torch.int32),
+                            accept_index=torch.full((bs, steps), -1, dtype=torch.int32),
+                            accept_token_num=torch.zeros(bs, dtype=torch.int32)) for _ in range(2)]  # fmt: skip
+                tree = dict(candidates=candidates, target_predict=target_predict)
+                ops.verify_tree_greedy_cpu(**res[0], **tree, retrive_index=ours["retrieve_index"],
+                                           retrive_next_token=ours["retrieve_next_token"],
+                                           retrive_next_sibling=ours["retrieve_next_sibling"])  # fmt: skip
+                triton.verify_tree_greedy_triton(**res[1], **tree, retrieve_index=ours["retrieve_index"],
+                                                 retrieve_next_token=ours["retrieve_next_token"],
+                                                 retrieve_next_sibling=ours["retrieve_next_sibling"])  # fmt: skip
+                for k in res[0]:
+                    assert torch.equal(res[0][k], res[1][k]), (bs, topk, depth, n, steps, k, res[0][k], res[1][k])
+                checked += 1
+    assert checked == len(shapes) * 4 * 2
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
     print("ok", sys.argv[1])

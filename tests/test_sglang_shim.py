@@ -190,17 +190,27 @@ def test_torchvision_nms_schema_is_defined_once():
     assert _nms_schema_defined()
 
 
-def test_verify_tree_greedy_chain_accepts_the_matching_prefix():
-    """Tree verify delegates to SGLang's Triton kernel: run where SGLang is, i.e. in-process when the
-    core environment has it, else under the SGLang environment's interpreter."""
+def _run_sglang_check(name: str) -> None:
+    """A check of tests/sglang_shim_checks.py where SGLang is: in-process when the core environment has
+    it, else under the SGLang environment's interpreter."""
     import sglang_shim_checks
 
     if importlib.util.find_spec("sglang") is not None:
-        sglang_shim_checks.verify_tree_greedy_chain_accepts_the_matching_prefix()
+        getattr(sglang_shim_checks, name)()
         return
     python = sglang_python_or_skip()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
-    proc = subprocess.run([python, sglang_shim_checks.__file__, "verify_tree_greedy_chain_accepts_the_matching_prefix"],
-                          env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)  # fmt: skip
+    proc = subprocess.run([python, sglang_shim_checks.__file__, name], env=env, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "ok verify_tree_greedy_chain_accepts_the_matching_prefix" in proc.stdout
+    assert f"ok {name}" in proc.stdout
+
+
+def test_verify_tree_greedy_chain_accepts_the_matching_prefix():
+    _run_sglang_check("verify_tree_greedy_chain_accepts_the_matching_prefix")
+
+
+def test_tree_build_and_greedy_verify_match_sglangs_triton_kernels_on_random_trees():
+    """Both tree ops are ours (SGLang's Triton versions run only under Triton's interpreter on CPU,
+    most of a speculative round's time); SGLang's kernels are the oracle, output for output."""
+    _run_sglang_check("tree_kernels_match_sglangs_triton_kernels")

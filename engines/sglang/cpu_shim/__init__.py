@@ -6,8 +6,9 @@ backend wants an AMX Xeon and a source build. `activate()` makes SGLang usable a
 
   * puts `site/` (a package named `sgl_kernel` backed by `ops.py`) first on `sys.path` and
     on PYTHONPATH, so the scheduler processes SGLang spawns import it too;
-  * SGLANG_USE_CPU_ENGINE=1 (SGLang's CPU platform) and TRITON_INTERPRET=1 (the tree
-    build/verify ops reuse SGLang's own Triton kernels, interpreted);
+  * SGLANG_USE_CPU_ENGINE=1 (SGLang's CPU platform) and TRITON_INTERPRET=1 (a Triton kernel
+    of SGLang's on the CPU path runs interpreted; the tree build/verify ops are the shim's own,
+    held to SGLang's Triton kernels by tests/sglang_shim_checks.py);
   * after `import sglang`, `install_platform_override()` reports AMX so that server-arg
     resolution keeps the `intel_amx` attention backend (whose two ops the shim provides)
     instead of `torch_native`, which has no EAGLE support.

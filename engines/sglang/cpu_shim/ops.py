@@ -7,8 +7,9 @@ Only the kernels are replaced; everything the harness checks is SGLang's own cod
 
 Signatures follow SGLang's call sites (argument names as SGLang spells them). Every op
 here has a unit test against a direct torch computation (tests/test_sglang_shim.py).
-The two tree ops delegate to SGLang's own Triton kernels, run by Triton's interpreter
-(TRITON_INTERPRET=1, set by `engines.sglang.cpu_shim.activate`).
+The two tree ops are held to SGLang's own Triton kernels instead (tests/sglang_shim_checks.py runs
+both on random trees; the Triton ones run under Triton's interpreter, TRITON_INTERPRET=1, set by
+`engines.sglang.cpu_shim.activate`).
 """
 
 from __future__ import annotations
@@ -110,21 +111,148 @@ def _spec_tree():
     return eagle_utils
 
 
-def build_tree_kernel_efficient_cpu(*args) -> None:
-    _spec_tree().sgl_build_tree_kernel_triton(*args)
+# The two tree ops run once per speculative round. SGLang's Triton versions (_spec_tree) run on CPU
+# only under Triton's interpreter, which emulates every scalar load and store in numpy: measured, half
+# of the scheduler's time in a speculative run of the tiny Llama case. These are the same walks over
+# the same flat buffers in plain Python on lists (the trees have a few tokens per request);
+# tests/sglang_shim_checks.py holds them to SGLang's Triton kernels, output for output, on random trees.
 
 
-def verify_tree_greedy_cpu(**kw) -> None:
-    _spec_tree().verify_tree_greedy_triton(
-        predicts=kw["predicts"],
-        accept_index=kw["accept_index"],
-        accept_token_num=kw["accept_token_num"],
-        candidates=kw["candidates"],
-        retrieve_index=kw["retrive_index"],  # (sic: SGLang's kernel spells it retrive)
-        retrieve_next_token=kw["retrive_next_token"],
-        retrieve_next_sibling=kw["retrive_next_sibling"],
-        target_predict=kw["target_predict"],
-    )
+def build_tree_kernel_efficient_cpu(
+    parent_list: torch.Tensor,
+    selected_index: torch.Tensor,
+    verified_seq_len: torch.Tensor,
+    tree_mask: torch.Tensor,
+    positions: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    topk: int,
+    depth: int,
+    draft_token_num: int,
+    tree_mask_mode: int = 0,
+) -> None:
+    """For each request: each draft token's parent (selected_index // topk names a row of parent_list,
+    whose token is found again in selected_index), linked as first child (next_token) and siblings
+    (next_sibling, the newest child first); its position (the root's seq_len plus its depth); and its
+    row of the tree mask (itself and its ancestors). Mode 0 writes the mask rows after each request's
+    prefix columns (FULL_MASK), mode 1 a draft_token_num square per request (QLEN_ONLY)."""
+    mode = int(tree_mask_mode)
+    if mode not in (0, 1):
+        raise NotImplementedError(f"tree mask mode {mode} (bit-packed) is not supported on CPU")
+    n = draft_token_num
+    seq_lens = verified_seq_len.tolist()
+    pl_stride = parent_list.shape[-1]
+    parents = parent_list.contiguous().view(-1).tolist()
+    sel_stride = selected_index.shape[-1]
+    selected = selected_index.contiguous().view(-1).tolist()
+    pos = positions.view(-1).tolist()
+    index = retrive_index.view(-1).tolist()
+    next_token = retrive_next_token.view(-1).tolist()
+    next_sibling = retrive_next_sibling.view(-1).tolist()
+    mask_writes: dict[int, int] = {}
+    prefix = 0
+    for b, seq_len in enumerate(seq_lens):
+        sel = selected[b * sel_stride : b * sel_stride + n - 1]
+        row_of = {}  # a token's first row in selected_index (the kernels search in order)
+        for pp in range(n - 2, -1, -1):
+            row_of[sel[pp]] = pp
+        # each draft row's parent row: -1 the root, None where its parent token is not among the selected
+        parent_of = [
+            -1 if sel[r] // topk == 0 else row_of.get(parents[b * pl_stride + sel[r] // topk]) for r in range(n - 1)
+        ]
+        base = b * n
+        pos[base] = seq_len
+        for i in range(n - 1, 0, -1):
+            index[base + i] = base + i
+            p = parent_of[i - 1]
+            if p is None:
+                continue
+            slot = base + p + 1
+            if next_token[slot] != -1:
+                next_sibling[base + i] = next_token[slot]
+            next_token[slot] = i
+        index[base] = base
+        for x in range(n):
+            if mode == 0:
+                row = n * n * b + prefix * n + (seq_len + n) * x + seq_len + 1
+            else:
+                row = n * n * b + n * x + 1
+            mask_writes[row - 1] = 1
+            for i in range(n - 1):
+                mask_writes[row + i] = 0
+            if x == 0:
+                continue
+            cur, d = x - 1, 0
+            for _ in range(depth):
+                d += 1
+                mask_writes[row + cur] = 1
+                p = parent_of[cur]
+                if p is None or p == -1:
+                    break
+                cur = p
+            pos[base + x] = d + seq_len
+        prefix += seq_len
+    positions.view(-1).copy_(torch.tensor(pos, dtype=positions.dtype))
+    retrive_index.view(-1).copy_(torch.tensor(index, dtype=retrive_index.dtype))
+    retrive_next_token.view(-1).copy_(torch.tensor(next_token, dtype=retrive_next_token.dtype))
+    retrive_next_sibling.view(-1).copy_(torch.tensor(next_sibling, dtype=retrive_next_sibling.dtype))
+    if mask_writes:
+        flat = tree_mask.view(-1)
+        flat[torch.tensor(list(mask_writes))] = torch.tensor(list(mask_writes.values())).to(flat.dtype)
+
+
+def verify_tree_greedy_cpu(
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    target_predict: torch.Tensor,
+) -> None:
+    """Greedy verification: from the root, follow the child whose draft token equals the target's
+    prediction at the last accepted node (siblings in list order), as deep as they agree. Writes the
+    accepted nodes' flat indices (accept_index), their count, and the target's token at each accepted
+    node and at the last one (predicts: the bonus token)."""
+    bs, n = candidates.shape
+    steps = accept_index.shape[1]
+    index = retrive_index.reshape(-1).tolist()
+    next_token = retrive_next_token.reshape(-1).tolist()
+    next_sibling = retrive_next_sibling.reshape(-1).tolist()
+    cand = candidates.reshape(-1).tolist()
+    target = target_predict.reshape(-1).tolist()
+    writes: dict[int, int] = {}
+    accepted = accept_index.view(-1).tolist()
+    counts = accept_token_num.tolist()
+    for b in range(bs):
+        last = index[b * n]
+        accepted[b * steps] = last
+        count, cur = 0, 0
+        for _ in range(1, steps):
+            cur = next_token[b * n + cur]
+            want = target[last]
+            found = False
+            for _ in range(n):  # the kernel's bound on a sibling list
+                if cur == -1:
+                    break
+                if cand[b * n + cur] == want:
+                    found = True
+                    break
+                cur = next_sibling[b * n + cur]
+            if not found:
+                break
+            writes[last] = want
+            count += 1
+            last = index[b * n + cur]
+            accepted[b * steps + count] = last
+        counts[b] = count
+        writes[last] = target[last]
+    accept_index.view(-1).copy_(torch.tensor(accepted, dtype=accept_index.dtype))
+    accept_token_num.copy_(torch.tensor(counts, dtype=accept_token_num.dtype))
+    flat = predicts.view(-1)
+    flat[torch.tensor(list(writes))] = torch.tensor(list(writes.values())).to(flat.dtype)
 
 
 # -- attention (the intel_amx backend's two ops) ----------------------------------------
