@@ -169,9 +169,18 @@ def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float =
     return Run(proc.returncode, output, root)
 
 
+# Ctrl-C reaches the run as it does from a terminal even where this suite runs with SIGINT ignored (a
+# background job of a shell without job control, nohup): an ignored signal stays ignored across exec,
+# and Python then installs no KeyboardInterrupt handler.
+_SIGINT_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 def start_pytest(root: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    """As run_pytest, but returns the running process (to interrupt it)."""
+    """As run_pytest, but returns the running process (to interrupt it with SIGINT, as Ctrl-C does)."""
     command, environ = _pytest_command(root, args, env)
+    command = [sys.executable, "-c", _SIGINT_DEFAULT, *command]
     return subprocess.Popen(command, cwd=root, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -308,10 +308,21 @@ def test_launch_command_gives_what_was_asked_for():
 def test_vllm_deltas_touched_by_a_concurrent_request_are_flagged(vllm_server):
     from engines.server.client import ServerClient
 
+    import urllib.request
+
+    def running() -> float:
+        with urllib.request.urlopen(f"{vllm_server.url}/metrics", timeout=30) as r:
+            return counters(parse_prometheus(r.read().decode())).get("vllm:num_requests_running", 0.0)
+
     prompt = [574, 554, 303, 298, 472, 148, 901, 664]
-    other = threading.Thread(target=lambda: ServerClient(vllm_server.url, "vllm").generate(prompt, 300, 4))
+    other = threading.Thread(target=lambda: ServerClient(vllm_server.url, "vllm").generate(prompt, 500, 4))
     other.start()
-    time.sleep(1.0)  # the other client's request is running
+    # mine starts while the other client's request runs: seen running by the server, not slept for (a
+    # fixed wait let it finish first on a quiet machine, or not yet start on a loaded one)
+    deadline = time.monotonic() + 120
+    while not running():
+        assert other.is_alive() and time.monotonic() < deadline, "the other request never ran"
+        time.sleep(0.02)
     mine = ServerClient(vllm_server.url, "vllm").generate(prompt, 8, 4)
     other.join()
     assert not mine.exact
