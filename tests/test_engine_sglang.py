@@ -146,7 +146,8 @@ def counters(tmp_path_factory, sglang_python):
         (root / "cases" / f"{name}.yaml").write_text(COUNTERS_CASE.format(target=t, draft=d, k=K, extra=SGLANG_IDS))
     run = run_pytest(root, "cases/", "--engines=ref,sglang", "--require-engines", "--no-capture-cache",
                      f"--engine-python=sglang={sglang_python}", "--engine-timeout=600", timeout=TIMEOUT)  # fmt: skip
-    return {name: run.outcome(name, "sglang", "accept_length") for name in ("always_right", "always_wrong")}
+    outcomes = {name: run.outcome(name, "sglang", "accept_length") for name in ("always_right", "always_wrong")}
+    return {**outcomes, "log": (root / "reports" / "logs" / "sglang.log").read_text(errors="replace")}
 
 
 def test_sglang_always_right_draft_accepts_k_plus_1(counters):
@@ -162,6 +163,14 @@ def test_sglang_always_wrong_draft_accepts_1(counters):
     assert engine.num_verify > 0 and engine.num_accepted == 0
     assert engine.accept_length == pytest.approx(1.0)
     assert counters["always_wrong"].outcome == "passed", counters["always_wrong"].message
+
+
+def test_a_session_that_ends_cleanly_leaves_no_traceback_in_the_engine_log(counters):
+    """The log is what a user reads when something fails: the worker removed its temp dir before
+    multiprocessing's exit finalizer removed its own dir inside it, which printed a FileNotFoundError
+    traceback at the end of every session."""
+    assert "request close" in counters["log"]
+    assert "Traceback" not in counters["log"], counters["log"][-3000:]
 
 
 def test_catalogue_norm_flag_sglang_ignores_is_caught_with_its_cause():

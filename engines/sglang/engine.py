@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing.util
 import os
 import re
 import shutil
@@ -457,4 +458,11 @@ class SglangEngine(Engine):
             self._shutdown()
         finally:
             if self._workdir is not None:
-                shutil.rmtree(self._workdir, ignore_errors=True)
+                # multiprocessing keeps its own temp dir (pymp-*, the forkserver's socket) in TMPDIR,
+                # our workdir, and removes it in an exit finalizer (multiprocessing/util.py::
+                # get_temp_dir, exitpriority -100): removing the workdir here first made that
+                # finalizer print a FileNotFoundError traceback into the engine log at every
+                # session's end. Finalizers of lower priority run later, so ours goes after it.
+                multiprocessing.util.Finalize(
+                    None, shutil.rmtree, args=(str(self._workdir),), kwargs={"ignore_errors": True}, exitpriority=-200
+                )
