@@ -308,11 +308,8 @@ def test_launch_command_gives_what_was_asked_for():
 def test_vllm_deltas_touched_by_a_concurrent_request_are_flagged(vllm_server):
     from engines.server.client import ServerClient
 
-    import urllib.request
-
     def running() -> float:
-        with urllib.request.urlopen(f"{vllm_server.url}/metrics", timeout=30) as r:
-            return counters(parse_prometheus(r.read().decode())).get("vllm:num_requests_running", 0.0)
+        return ServerClient(vllm_server.url, "vllm")._vllm_snapshot().get("vllm:num_requests_running", 0.0)
 
     prompt = [574, 554, 303, 298, 472, 148, 901, 664]
     other = threading.Thread(target=lambda: ServerClient(vllm_server.url, "vllm").generate(prompt, 500, 4))

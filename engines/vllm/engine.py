@@ -46,7 +46,6 @@ Settings (case `engines: {vllm: {...}}`, overridden by the engine spec `vllm[key
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import os
 import signal
@@ -65,7 +64,7 @@ from difftest.api import FC_IN
 from difftest.api import Engine, EngineInfo
 from difftest.api import ConfigError, EngineError, EngineSpent, EngineUnavailable
 from difftest.api import draft_name
-from difftest.api import cache_root
+from difftest.api import cache_key, cache_root
 from difftest.api import CaptureMeta, FcWiring
 from engines.vllm import compat, releases, tp
 from engines.vllm.settings import SCHEMA
@@ -112,8 +111,7 @@ def install_cache_dir() -> Path:
     tiny_llama, idle 2-core machine) 12.9 s -> 33.7 s for the case. The key is the resolved
     environment path: a rebuilt environment (new pins) gets a fresh directory too."""
     env = Path(sys.prefix).resolve()
-    key = hashlib.sha256(str(env).encode()).hexdigest()[:12]
-    return engine_dir() / "installs" / f"{env.name}-{key}"
+    return engine_dir() / "installs" / f"{env.name}-{cache_key(str(env))[:12]}"
 
 
 def prepare_environment() -> Path:
