@@ -114,6 +114,48 @@ def tree_kernels_match_sglangs_triton_kernels() -> None:
     assert checked == len(shapes) * 4 * 2
 
 
+def eager_functions_match_sglangs_compiled_ones() -> None:
+    """Each SGLang function the shim runs eagerly (engines/sglang/cpu_shim/eager.py) against SGLang's
+    own torch.compile'd one, output for output: batch sizes, topk 1 (torch.max) and more
+    (torch.topk), later drafting steps, hidden states present, empty or absent, and scores with
+    ties (a few distinct values), where a changed order would pick other indices."""
+    import importlib
+
+    import torch
+
+    from engines.sglang import cpu_shim
+    from engines.sglang.cpu_shim import eager
+
+    if cpu_shim.choose_kernels() == cpu_shim.CPU_SHIM:
+        cpu_shim.activate()
+    eager.install()
+    spec_utils = importlib.import_module("sglang.srt.speculative.spec_utils")
+    name = "_select_top_k_tokens_later"
+    ours = getattr(spec_utils, name)
+    theirs = eager.COMPILED[(spec_utils.__name__, name)]
+    assert eager.uncompiled(ours) is ours and eager.uncompiled(theirs) is not theirs, (ours, theirs)
+    g = torch.Generator().manual_seed(0)
+    levels = torch.tensor([0.05, 0.1, 0.2, 0.25, 0.4])  # few values: ties in the products
+    checked = 0
+    for bs, topk, i, hidden in [(1, 1, 1, 8), (3, 1, 2, 8), (1, 2, 1, 8), (2, 2, 3, 0), (3, 4, 2, 16), (2, 3, 1, None)]:
+        for _ in range(3):
+            topk_p = levels[torch.randint(0, len(levels), (bs * topk, topk), generator=g)]
+            topk_index = torch.randint(0, 1000, (bs * topk, topk), generator=g)
+            scores = levels[torch.randint(0, len(levels), (bs, topk), generator=g)]
+            states = None if hidden is None else torch.randn(bs * topk if hidden else 0, hidden or 8, generator=g)
+            args = (i, topk_p, topk_index, states, scores, topk)
+            a, b = ours(*args), theirs(*args)
+            flat_a = [a[0], a[1], a[2], *a[3]]
+            flat_b = [b[0], b[1], b[2], *b[3]]
+            for k, (x, y) in enumerate(zip(flat_a, flat_b)):
+                if x is None or y is None:
+                    assert x is None and y is None, (bs, topk, i, k)
+                else:
+                    assert x.dtype == y.dtype and torch.equal(x, y), (bs, topk, i, hidden, k, x, y)
+            checked += 1
+    assert checked == 18
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
     print("ok", sys.argv[1])

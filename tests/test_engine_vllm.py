@@ -158,12 +158,8 @@ def test_fc_shape_mismatch_fails_items_with_one_line_and_log_path(counters_run):
     assert counters_run.outcome("always_right", "vllm", "fc_inputs").outcome == "passed"
 
 
-def test_each_vllm_environment_keeps_its_own_vllm_caches(monkeypatch, tmp_path):
-    """vLLM's model-info cache holds one file per architecture for one release: two releases in one
-    directory overwrote each other's files and every start re-inspected its model classes."""
+def _clean_vllm_environment(monkeypatch) -> None:
     import tempfile
-
-    from engines.vllm import engine
 
     for var in ("TMPDIR", "VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "TORCHINDUCTOR_CACHE_DIR",
                 "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
@@ -171,20 +167,50 @@ def test_each_vllm_environment_keeps_its_own_vllm_caches(monkeypatch, tmp_path):
                 "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CPU_KVCACHE_SPACE"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
+
+
+def _vllm_caches(monkeypatch, prefix: Path) -> dict[str, str]:
+    from engines.vllm import engine
+
+    monkeypatch.setattr(sys, "prefix", str(prefix))
+    engine.prepare_environment()
+    return {v: os.environ[v] for v in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR")}
+
+
+def test_each_vllm_environment_keeps_its_own_vllm_caches(monkeypatch, tmp_path):
+    """vLLM's model-info cache holds one file per architecture for one release: two releases in one
+    directory overwrote each other's files and every start re-inspected its model classes."""
+    _clean_vllm_environment(monkeypatch)
     monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
     old, new = tmp_path / "envs" / "vllm-0.24.0", tmp_path / "envs" / "vllm-0.32.0"
     old.mkdir(parents=True), new.mkdir()
     (tmp_path / "envs" / "vllm").symlink_to(new)
 
-    def caches(prefix):
-        monkeypatch.setattr(sys, "prefix", str(prefix))
-        engine.prepare_environment()
-        return {v: os.environ[v] for v in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR")}
-
-    at_old, at_new, through_link = caches(old), caches(new), caches(tmp_path / "envs" / "vllm")
+    at_old, at_new = _vllm_caches(monkeypatch, old), _vllm_caches(monkeypatch, new)
+    through_link = _vllm_caches(monkeypatch, tmp_path / "envs" / "vllm")
     assert at_old["VLLM_CACHE_ROOT"] != at_new["VLLM_CACHE_ROOT"]
     assert at_old["TORCHINDUCTOR_CACHE_DIR"] != at_new["TORCHINDUCTOR_CACHE_DIR"]
     assert through_link == at_new  # the environment, not the name it was reached by
     assert at_old["TMPDIR"] == at_new["TMPDIR"]  # sockets and temp files stay in one place
+    # a user's own environment (no difftest build mark) is not written into: the caches are ours
     assert Path(at_new["VLLM_CACHE_ROOT"]).is_relative_to(tmp_path / "cache" / "vllm")
     assert Path(at_new["VLLM_CACHE_ROOT"]).is_dir()
+
+
+def test_an_environment_difftest_built_keeps_its_vllm_caches_for_every_difftest_cache(monkeypatch, tmp_path):
+    """The harness's tests run sessions with their own DIFFTEST_CACHE; the caches of an install
+    difftest built live in that install, so no such session inspects vLLM's model classes again."""
+    from engines.vllm import engine
+
+    _clean_vllm_environment(monkeypatch)
+    built = tmp_path / "envs" / "vllm-0.32.0"
+    built.mkdir(parents=True)
+    (built / engine.BUILT_MARK).touch()
+    seen = []
+    for cache in ("one", "two"):
+        monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / cache))
+        seen.append(_vllm_caches(monkeypatch, built))
+    assert seen[0]["VLLM_CACHE_ROOT"] == seen[1]["VLLM_CACHE_ROOT"]
+    assert seen[0]["TORCHINDUCTOR_CACHE_DIR"] == seen[1]["TORCHINDUCTOR_CACHE_DIR"]
+    assert Path(seen[0]["VLLM_CACHE_ROOT"]).is_relative_to(built) and Path(seen[0]["VLLM_CACHE_ROOT"]).is_dir()
+    assert seen[0]["TMPDIR"] != seen[1]["TMPDIR"]  # sockets and temp files stay each cache's own

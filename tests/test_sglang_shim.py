@@ -214,3 +214,9 @@ def test_tree_build_and_greedy_verify_match_sglangs_triton_kernels_on_random_tre
     """Both tree ops are ours (SGLang's Triton versions run only under Triton's interpreter on CPU,
     most of a speculative round's time); SGLang's kernels are the oracle, output for output."""
     _run_sglang_check("tree_kernels_match_sglangs_triton_kernels")
+
+
+def test_the_functions_run_eagerly_match_sglangs_compiled_ones():
+    """SGLang's torch.compile'd drafting helper runs as written under the shim (a compile in every
+    scheduler otherwise); SGLang's compiled function is the oracle, output for output, ties included."""
+    _run_sglang_check("eager_functions_match_sglangs_compiled_ones")

@@ -6,6 +6,7 @@ any other name resolves to a function that raises when *called*, so SGLang's imp
 GPU-only symbols succeed and the CPU code paths that never call them run.
 """
 
+from engines.sglang.cpu_shim import eager as _eager
 from engines.sglang.cpu_shim import ops as _ops
 
 __version__ = "0.0.0+difftest.cpu-shim"
@@ -14,6 +15,8 @@ DIFFTEST_CPU_SHIM = True
 globals().update({name: getattr(_ops, name) for name in _ops.PYTHON_OPS})
 _ops.register_torch_ops()
 _ops.register_torchvision_nms_schema()
+# SGLang's torch.compile'd drafting helpers run as written: no compile in every scheduler (eager.py)
+_eager.install()
 
 import torch as _torch  # noqa: E402
 
