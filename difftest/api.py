@@ -23,7 +23,7 @@ from difftest.base.names import (
     hidden_name,
 )
 from difftest.base.outputs import atomic_write, check_output_dir, check_output_file
-from difftest.base.paths import cache_root
+from difftest.base.paths import ENV_BUILT_MARK, cache_root
 from difftest.base.registry import registered_engines
 from difftest.base.settings import Schema, Setting
 from difftest.case import chat
@@ -70,7 +70,7 @@ __all__ = [
     "target_family", "infer_case", "evidence_from_captures", "infer_from_evidence", "overlay_checkpoint", "refuse_on_errors",
     "stored_tensors", "target_findings", "d2t_convention_findings", "LOAD_ERRORS", "explain_load_failure",
     "first_line", "load_safetensors", "torch_load_tensors", "read_json", "cache_root", "resolve_fixture",
-    "atomic_write", "check_output_dir", "check_output_file",
+    "ENV_BUILT_MARK", "atomic_write", "check_output_dir", "check_output_file",
     # what an engine's checks and commands build on: contributions, the session, verdicts, reports
     "CHECK_GROUP", "COMMAND_GROUP", "Command", "DraftLoader", "ExtraCheck", "registered", "Options", "Session",
     "Verdict", "CheckData", "CheckResult", "ServerAcceptData", "checks", "accept_gate", "ACCEPT_SIGMAS",

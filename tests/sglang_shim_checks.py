@@ -137,7 +137,8 @@ def eager_functions_match_sglangs_compiled_ones() -> None:
     g = torch.Generator().manual_seed(0)
     levels = torch.tensor([0.05, 0.1, 0.2, 0.25, 0.4])  # few values: ties in the products
     checked = 0
-    for bs, topk, i, hidden in [(1, 1, 1, 8), (3, 1, 2, 8), (1, 2, 1, 8), (2, 2, 3, 0), (3, 4, 2, 16), (2, 3, 1, None)]:
+    shapes = [(1, 1, 1, 8), (3, 1, 2, 8), (1, 2, 1, 8), (2, 2, 3, 0), (3, 4, 2, 16), (2, 3, 1, None)]
+    for bs, topk, i, hidden in shapes:
         for _ in range(3):
             topk_p = levels[torch.randint(0, len(levels), (bs * topk, topk), generator=g)]
             topk_index = torch.randint(0, 1000, (bs * topk, topk), generator=g)
@@ -153,7 +154,7 @@ def eager_functions_match_sglangs_compiled_ones() -> None:
                 else:
                     assert x.dtype == y.dtype and torch.equal(x, y), (bs, topk, i, hidden, k, x, y)
             checked += 1
-    assert checked == 18
+    assert checked == len(shapes) * 3
 
 
 if __name__ == "__main__":

@@ -200,12 +200,12 @@ def test_each_vllm_environment_keeps_its_own_vllm_caches(monkeypatch, tmp_path):
 def test_an_environment_difftest_built_keeps_its_vllm_caches_for_every_difftest_cache(monkeypatch, tmp_path):
     """The harness's tests run sessions with their own DIFFTEST_CACHE; the caches of an install
     difftest built live in that install, so no such session inspects vLLM's model classes again."""
-    from engines.vllm import engine
+    from difftest.api import ENV_BUILT_MARK
 
     _clean_vllm_environment(monkeypatch)
     built = tmp_path / "envs" / "vllm-0.32.0"
     built.mkdir(parents=True)
-    (built / engine.BUILT_MARK).touch()
+    (built / ENV_BUILT_MARK).touch()
     seen = []
     for cache in ("one", "two"):
         monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / cache))

@@ -15,6 +15,11 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "difftest"
 
 
+# The file written last into an engine environment difftest built (scripts/setup-engine, `difftest env
+# create`): an environment without it is unfinished, or not ours.
+ENV_BUILT_MARK = ".complete"
+
+
 def log_file_name(spec_id: str) -> str:
     """A file name for an engine's log: the spec id, made safe (no '/', at most ~120 bytes: a long
     spec parameter must not make the log, and so the engine, impossible to start)."""

@@ -34,6 +34,7 @@ from pathlib import Path
 from difftest.rules import engine_releases
 from difftest.run.engine import parse_spec
 from difftest.base.errors import ConfigError
+from difftest.base.paths import ENV_BUILT_MARK
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROJECT_FILE = "difftest.toml"
@@ -65,7 +66,7 @@ class EnvPlan:
 
     @property
     def built(self) -> bool:
-        return (self.directory / ".complete").exists()
+        return (self.directory / ENV_BUILT_MARK).exists()
 
 
 def parse_engine_requirement(text: str) -> tuple[str, str | None]:
@@ -194,7 +195,7 @@ def create(p: EnvPlan, log=print) -> Path:
                 raise ConfigError(
                     f"difftest env create: building {p.engine}=={p.version} failed ({e}); nothing was kept"
                 ) from None
-            (partial / ".complete").touch()
+            (partial / ENV_BUILT_MARK).touch()
             os.rename(partial, p.directory)
         tmp = p.link.with_name(p.link.name + ".tmp")
         tmp.unlink(missing_ok=True)

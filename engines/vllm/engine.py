@@ -64,7 +64,7 @@ from difftest.api import FC_IN
 from difftest.api import Engine, EngineInfo
 from difftest.api import ConfigError, EngineError, EngineSpent, EngineUnavailable
 from difftest.api import draft_name
-from difftest.api import cache_key, cache_root
+from difftest.api import ENV_BUILT_MARK, cache_key, cache_root
 from difftest.api import CaptureMeta, FcWiring
 from engines.vllm import compat, releases, tp
 from engines.vllm.settings import SCHEMA
@@ -98,10 +98,6 @@ def bind_cpu_ranks(tp_size: int) -> str | None:
     return os.environ.get(CPU_BIND_ENV)
 
 
-# The file scripts/setup-engine and difftest/run/envs.py write last into an environment they built.
-BUILT_MARK = ".complete"
-
-
 def install_cache_dir() -> Path:
     """The caches of the vLLM install this interpreter runs: one directory per environment.
 
@@ -121,7 +117,7 @@ def install_cache_dir() -> Path:
     measured stop 39). Any other environment (a user's own) is left untouched: its caches are
     under the difftest cache, keyed by the resolved environment path."""
     env = Path(sys.prefix).resolve()
-    if (env / BUILT_MARK).is_file():
+    if (env / ENV_BUILT_MARK).is_file():
         return env / ".difftest-caches" / "vllm"
     return engine_dir() / "installs" / f"{env.name}-{cache_key(str(env))[:12]}"
 

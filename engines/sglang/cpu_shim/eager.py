@@ -35,17 +35,14 @@ def uncompiled(fn):
     return getattr(fn, "_torchdynamo_orig_callable", fn)
 
 
-def patch(module: ModuleType) -> list[str]:
-    """Rebind the module's listed functions to their uncompiled forms; returns the names rebound.
-    Callers look them up in the module's globals at each call, so every caller sees the change."""
-    done = []
+def patch(module: ModuleType) -> None:
+    """Rebind the module's listed functions to their uncompiled forms. Callers look them up in the
+    module's globals at each call, so every caller sees the change."""
     for name in EAGER.get(module.__name__, ()):
         fn = getattr(module, name, None)
         if fn is not None and uncompiled(fn) is not fn:
             COMPILED[(module.__name__, name)] = fn
             setattr(module, name, uncompiled(fn))
-            done.append(name)
-    return done
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
@@ -81,7 +78,7 @@ def install() -> None:
     """In this process and the processes forked from it: the listed functions run eagerly, whether
     their modules are imported already or later."""
     for name in EAGER:
-        if name in sys.modules and getattr(sys.modules[name], "__spec__", None) is not None:
+        if name in sys.modules:
             patch(sys.modules[name])
     if not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchAfterImport())
