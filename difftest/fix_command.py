@@ -118,7 +118,9 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     session = Session(Options(engines=[spec], reference=EngineSpec(calibration_engine())))
     prepared = session.engine_case(session.prepare(case), spec)
     trained = trained_wiring(prepared)
-    view = engine_view(prepared, spec.name, trained)
+    from difftest.rules.layer_rules import spec_variant
+
+    view = engine_view(prepared, spec.name, trained, variant=spec_variant(spec.name, dict(spec.params)))
     if view is None:
         raise ConfigError(f"--engine {engine}: no layer-id rule models {spec.name} on this target "
                           "(difftest.rules.layer_rules knows vllm and sglang on Llama, Qwen3 and DeepSeek-V3 targets)")  # fmt: skip

@@ -320,9 +320,12 @@ class CheckItem(pytest.Item):
 
     def _expected_or_raise(self, results: list, outcome: str, message: str, data: CheckData | None) -> None:
         """Record the outcome; a declared expected failure (difftest.case.expected_failure) is judged strictly."""
-        reference = self.config.stash[SESSION].reference_names(self.case)
+        session = self.config.stash[SESSION]
+        reference = session.reference_names(self.case)
+        info = session.engine_info(self.spec)
+        variant = info.variant if info is not None else ""
         expected = next((e for e in self.case.expect_failure
-                         if e.matches(self.spec.name, self.spec.id, self.check, reference)), None)  # fmt: skip
+                         if e.matches(self.spec.name, self.spec.id, self.check, reference, variant)), None)  # fmt: skip
         if expected is None:
             results.append(CheckResult(self.spec.id, self.check, outcome, message, data))
             if outcome != "passed":

@@ -17,7 +17,7 @@ from pathlib import Path
 from difftest.base.errors import ConfigError
 from difftest.base.registry import SPEC, registered_engines
 
-FIELDS = ("engine", "check", "cause", "reference")
+FIELDS = ("engine", "check", "cause", "reference", "variant")
 REQUIRED = ("engine", "check", "cause")
 ANY = "*"
 
@@ -30,15 +30,21 @@ class ExpectedFailure:
     # the run's reference this failure is declared against (a spec id such as sglang@0.5.16, or a
     # name); "*": any. An upgrade check (`--engines=sglang@OLD,sglang`) declares its own entries.
     reference: str = ANY
+    # the code path the engine's worker reports it ran (EngineInfo.variant, e.g. "runner v2"); "*": any.
+    # A failure that belongs to one of an engine release's code paths (vLLM's Model Runner V2) is
+    # declared for it, so the other path passing is not a changed expectation.
+    variant: str = ANY
 
-    def matches(self, spec_name: str, spec_id: str, check: str, reference: tuple[str, ...] = (ANY, ANY)) -> bool:
+    def matches(self, spec_name: str, spec_id: str, check: str, reference: tuple[str, ...] = (ANY, ANY),
+                variant: str = "") -> bool:  # fmt: skip
         """`reference`: what the run's reference answers to: its name and spec id, and for a stored
-        baseline those of the engine it was saved from (Session.reference_names)."""
+        baseline those of the engine it was saved from (Session.reference_names); `variant`: the code
+        path the engine reported."""
         return (self.check in (check, ANY) and self.engine in (spec_name, spec_id, ANY)
-                and self.reference in (*reference, ANY))  # fmt: skip
+                and self.reference in (*reference, ANY) and self.variant in (variant, ANY))  # fmt: skip
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "reference" or v != ANY}
+        return {k: v for k, v in asdict(self).items() if k not in ("reference", "variant") or v != ANY}
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ class Outcome:
 def parse(
     value: object, path: Path, checks: tuple[str, ...], engines: Collection[str] | None = None
 ) -> list[ExpectedFailure]:
-    """`expect_failure:` as a mapping or a list of mappings {engine, check, cause[, reference]}.
+    """`expect_failure:` as a mapping or a list of mappings {engine, check, cause[, reference][, variant]}.
 
     `engine` and `reference` are checked against the engines installed here (`engines`, default:
     difftest.base.registry.registered_engines()), not against the run's --engines: a case declares
@@ -84,7 +90,8 @@ def parse(
         for key in ("engine", "reference"):
             if key in entry:
                 _check_engine(entry[key], f"{where}.{key}", engines)
-        out.append(ExpectedFailure(entry["engine"], entry["check"], entry["cause"], entry.get("reference", ANY)))
+        out.append(ExpectedFailure(entry["engine"], entry["check"], entry["cause"], entry.get("reference", ANY),
+                                   entry.get("variant", ANY)))  # fmt: skip
     return out
 
 

@@ -160,13 +160,19 @@ def _view(session: Session, case: Case, spec: EngineSpec):
         trained = trained_wiring(prepared)
     except ConfigError:
         trained = None
-    return engine_view(prepared, spec.name, trained, _release(session, spec))
+    return engine_view(prepared, spec.name, trained, _release(session, spec), _variant(session, spec))
 
 
 def _release(session: Session, spec: EngineSpec) -> str | None:
     """The engine release a spec ran (its worker's own report), for the rules of that release."""
     info = session.engine_info(spec)
     return info.version if info is not None and info.name == spec.name else None
+
+
+def _variant(session: Session, spec: EngineSpec) -> str:
+    """The code path a spec's worker ran (EngineInfo.variant, e.g. "runner v2"), for its own rules."""
+    info = session.engine_info(spec)
+    return info.variant if info is not None and info.name == spec.name else ""
 
 
 def _draft_config(session: Session, case: Case, spec: EngineSpec) -> dict | None:

@@ -55,17 +55,18 @@ def draft_config_seen(case: Case, engine: str) -> dict | None:
 
 
 def engine_view(
-    case: Case, engine: str, trained_wiring: list[str] | None, version: str | None = None
+    case: Case, engine: str, trained_wiring: list[str] | None, version: str | None = None, variant: str = ""
 ) -> EngineView | None:
     """`case` prepared (fixtures resolved) and already merged for a labelled spec
     (Session.engine_case); `version` the engine's release (None: the pinned one, whose rules
-    difftest.rules.layer_rules states). None when no rule models this engine on this target."""
+    difftest.rules.layer_rules states), `variant` the code path it ran (EngineInfo.variant). None when
+    no rule models this engine on this target."""
     try:
         tcfg = read_json_object(Path(case.target) / "config.json", "target config")
     except ConfigError:
         return None
     seen = draft_config_seen(case, engine)
-    rule = layer_rule(engine, target_family(tcfg), version)
+    rule = layer_rule(engine, target_family(tcfg), version, variant)
     if rule is None or seen is None:
         return None
     text = tcfg.get("text_config", tcfg)

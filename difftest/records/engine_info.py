@@ -24,11 +24,18 @@ class EngineInfo:
     version: str
     versions: dict[str, object] = field(default_factory=dict)  # torch, transformers, ... in its environment
     kernels: str = ""
+    # which of an engine release's code paths ran, where a release has several (vLLM's "runner v2"):
+    # named beside the version in every report, and part of the key of that engine's rules
+    variant: str = ""
     # A live system outside the harness (a running server): nothing is captured inside it, and its
     # results are never cached (each run asks it again).
     live: bool = False
     settings: dict[str, object] = field(default_factory=dict)  # a live server's effective settings
     baseline: StoredBaseline | None = None  # a stored baseline standing in for the engine
+
+    def label(self) -> str:
+        """The release as a report names it, with the code path that ran: "vllm 0.32.0 (runner v2)"."""
+        return f"{self.name} {self.version}" + (f" ({self.variant})" if self.variant else "")
 
     def to_dict(self) -> dict:
         return encode_fields(self, omit_none=("baseline",))

@@ -465,7 +465,8 @@ def render(report: Report) -> str:
         h.append(f"<tr><td>{escape(str(k))}</td><td><code>{escape(str(v))}</code></td></tr>")
     for e, entry in report.engines.items():
         value = entry.info.to_dict() if entry.info is not None else {"error": entry.error}
-        h.append(f"<tr><td>engine <code>{escape(e)}</code></td><td><code>{escape(str(value))}</code></td></tr>")
+        name = f"{escape(e)}</code> ({escape(entry.info.label())})" if entry.info is not None else f"{escape(e)}</code>"
+        h.append(f"<tr><td>engine <code>{name}</td><td><code>{escape(str(value))}</code></td></tr>")
     h.append("</table>")
     h.append(f"<h2 id='reproduce'>Reproduce</h2><pre>{escape(report.reproduce)}</pre>")
     h.append(f"<h2 id='case'>Case</h2><pre>{escape(report.case_yaml)}</pre>")

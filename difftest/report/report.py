@@ -399,6 +399,10 @@ def markdown_fixes(report: Report) -> list[str]:
 
 def markdown(report: Report) -> str:
     lines = [f"# difftest: {report.case}", "", f"reference: `{report.reference}`; case file `{report.case_file}`", ""]
+    ran = [f"`{e}` {entry.info.label()}" + (f", {entry.info.kernels}" if entry.info.kernels else "")
+           for e, entry in report.engines.items() if entry.info is not None]  # fmt: skip
+    if ran:
+        lines += ["engines: " + "; ".join(ran), ""]
     if report.interrupted:
         lines += [f"**Interrupted**: {INTERRUPTED}.", ""]
     lines += ["| engine | check | outcome | message |", "|---|---|---|---|"]

@@ -48,6 +48,7 @@ class SummaryRow:
     largest_drift: str  # the tensor with the largest excess among those within noise, or "-"
     verdict: str
     html: str
+    release: str = "-"  # the engine's release and code path ("0.32.0 runner v2"), "-" when unknown
 
 
 def _accept(results: list[CheckResult]) -> tuple[float | None, float | None]:
@@ -124,8 +125,11 @@ def summarise(report: Report, report_dir: Path) -> list[SummaryRow]:
             verdict = SAME
         else:
             verdict = DRIFTED
+        entry = report.engines.get(engine)
+        info = entry.info if entry is not None else None
+        release = "-" if info is None else f"{info.version}" + (f" {info.variant}" if info.variant else "")
         rows.append(SummaryRow(report.case, engine, report.reference, ref_al, eng_al,
-                               _first_divergence(prompts), drift, verdict, html))  # fmt: skip
+                               _first_divergence(prompts), drift, verdict, html, release))  # fmt: skip
     return rows
 
 
@@ -135,9 +139,10 @@ def _fmt(x: float | None) -> str:
 
 def render(rows: list[SummaryRow]) -> list[str]:
     """Plain-text table lines (terminal and `difftest run`)."""
-    header = ("case", "engine", "reference", "ref AL", "engine AL", "first divergent tensor", "verdict", "report")
+    header = ("case", "engine", "release", "reference", "ref AL", "engine AL", "first divergent tensor", "verdict",
+              "report")  # fmt: skip
     table = [header] + [
-        (r.case, r.engine, r.reference, _fmt(r.reference_accept), _fmt(r.engine_accept), r.first_divergence,
+        (r.case, r.engine, r.release, r.reference, _fmt(r.reference_accept), _fmt(r.engine_accept), r.first_divergence,
          r.verdict + (f" ({r.largest_drift})" if r.verdict == DRIFTED and r.largest_drift != "-" else ""), r.html)
         for r in rows
     ]  # fmt: skip

@@ -195,15 +195,17 @@ def _label(engine: str, version: str) -> str:
     return f"{ENGINE_LABELS.get(engine, engine)} {release(version)}"
 
 
-def layer_rule(engine: str, family: str, version: str | None = None) -> layer_rules.LayerIdRule | None:
-    """`engine`'s layer-id rule for `family` at `version` (None: the pinned release)."""
+def layer_rule(engine: str, family: str, version: str | None = None, variant: str = "") -> layer_rules.LayerIdRule | None:
+    """`engine`'s layer-id rule for `family` at `version` (None: the pinned release), on the code path
+    `variant` (EngineInfo.variant, e.g. "runner v2"; layer_rules.VARIANT_RULES)."""
     base = engine.split("[")[0].split("@")[0]
-    rule = layer_rules.rule_for(base, family)
-    if rule is None or version is None or release(version) == SUPPORTED[base].pinned:
+    rule = layer_rules.rule_for(base, family, variant)
+    if rule is None or version is None or base not in SUPPORTED or release(version) == SUPPORTED[base].pinned:
         return rule
+    suffix = rule.label.removeprefix(layer_rules.rule_for(base, family).label)  # " Model Runner V2"
     for change in _predates(base, version):
         rule = change.undo_layer(rule, family)
-    return replace(rule, label=_label(base, version))
+    return replace(rule, label=_label(base, version) + suffix)
 
 
 def engine_draft_rules(engine: str, version: str | None = None) -> draft_rules.EngineDraftRules:

