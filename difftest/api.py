@@ -42,7 +42,7 @@ from difftest.report import report, report_files
 from difftest.rules.checkpoint_integrity import refuse_on_errors, stored_tensors, target_findings
 from difftest.rules.engine_releases import layer_rule
 from difftest.rules.infer_wiring import evidence_from_captures, infer_from_evidence
-from difftest.rules.layer_rules import rule_for, target_family
+from difftest.rules.layer_rules import declared_ids, rule_for, target_family
 from difftest.rules.lint_checkpoint import d2t_convention_findings
 from difftest.rules.overlay import overlay_checkpoint
 from difftest.rules.weight_files import (
@@ -66,7 +66,7 @@ __all__ = [
     "TARGET_PREFIX", "draft_name", "hidden_index", "hidden_name", "AcceptStats", "accept_length_spread",
     "normalise",
     # what it reads: the case, its chat prompts, the wiring and the engines' rules as data, files
-    "Case", "Prompt", "load_case", "chat", "Wiring", "resolve", "short_name", "layer_rule", "rule_for",
+    "Case", "Prompt", "load_case", "chat", "Wiring", "resolve", "short_name", "layer_rule", "rule_for", "declared_ids",
     "target_family", "infer_case", "evidence_from_captures", "infer_from_evidence", "overlay_checkpoint", "refuse_on_errors",
     "stored_tensors", "target_findings", "d2t_convention_findings", "LOAD_ERRORS", "explain_load_failure",
     "first_line", "load_safetensors", "torch_load_tensors", "read_json", "cache_root", "resolve_fixture",

@@ -63,7 +63,8 @@ def configs(L: int):
     layer = st.integers(min_value=-1, max_value=L)
     ids = st.one_of(st.lists(layer, min_size=3, max_size=3, unique=True),  # distinct: a full feed is possible
                     st.lists(layer, min_size=3, max_size=3))  # repeats too  # fmt: skip
-    placed = st.tuples(st.sampled_from(["top", "eagle_config", "both"]), ids)
+    # "layer_ids": eagle_config["layer_ids"], which only vLLM's Model Runner V2 reads
+    placed = st.tuples(st.sampled_from(["top", "eagle_config", "both", "layer_ids"]), ids)
     return st.one_of(st.just(("none", None)), placed, placed.map(lambda p: (p[0], sorted(p[1]))))
 
 
@@ -72,7 +73,7 @@ def _draft_config(model: im.BuiltModel, where: str, ids) -> dict:
     base = json.loads((model.draft / "config.json").read_text())
     base.pop(KEY, None)
     if isinstance(base.get("eagle_config"), dict):
-        base["eagle_config"] = {k: v for k, v in base["eagle_config"].items() if k != KEY}
+        base["eagle_config"] = {k: v for k, v in base["eagle_config"].items() if k not in (KEY, "layer_ids")}
     return deep_merge(base, _draft_config_dict(where, ids))
 
 
@@ -93,7 +94,7 @@ def _write_cases(root: Path, engine: str, batch: list[tuple[str, int, str, list[
         reading = _rule(engine, family).predict(seen, L, chunks)
         wiring = reading.fed if reading.refusal is None and reading.unfused is None else list(model.spec.trained)
         # predicted failures last: a crashed SGLang scheduler may take its worker down with it
-        tag = engine.replace("@", "_").replace(".", "_")
+        tag = re.sub(r"\W", "_", engine)
         name = f"{'z' if reading.refusal or reading.unfused else 'a'}_{tag}_{family.replace('-', '_')}_{i}"
         cap, _ = im.prompts(model.spec)
         case = {"name": name, "target": str(model.target), "draft": str(draft), "dtype": "float32",
@@ -147,7 +148,8 @@ def _classes(engine: str) -> set[str]:
 def _engine_lines(message: str, engine: str) -> str:
     """The engine's own words in an item's message: the harness prefixes the rule model's prediction,
     which must never count as its own confirmation."""
-    own = re.compile(rf"^{re.escape(engine.partition('@')[0])}(@\S+)?:")
+    name = re.escape(re.split(r"[@\[]", engine)[0])
+    own = re.compile(rf"^{name}(@[^\s\[]+)?(\[[^\]]*\])?:")
     return "\n".join(line for line in message.splitlines() if own.match(line))
 
 
@@ -169,16 +171,20 @@ def _draws(family: str, salt: int) -> list[tuple[str, list[int] | None]]:
 
 
 def _rule(engine: str, family: str) -> lr.LayerIdRule:
-    """The rule model of `engine` ("sglang", or a release "sglang@0.5.16": engine_releases' rule for it)."""
-    name, _, version = engine.partition("@")
-    return layer_rule(name, family, version or None)
+    """The rule model of `engine` ("sglang", a release "sglang@0.5.16": engine_releases' rule for it, or a
+    spec with parameters "vllm[runner=v1]": the rule of the code path it runs)."""
+    from difftest.run.engine import parse_spec
+
+    spec = parse_spec(engine)
+    variant = lr.spec_variant(spec.name, dict(spec.params))
+    return layer_rule(spec.name, family, spec.label or None, variant)
 
 
 def _runs(engine: str, family: str) -> bool:
     """Whether the release runs this family's target on CPU at all (vLLM before 0.32: no MLA)."""
     from engines.vllm.releases import runs_mla_on_cpu
 
-    name, _, version = engine.partition("@")
+    name, _, version = engine.split("[")[0].partition("@")
     return not (name == "vllm" and version and family == lr.DEEPSEEK and not runs_mla_on_cpu(version))
 
 
@@ -207,8 +213,11 @@ def draw_configs(engine: str) -> list[tuple[str, int, str, list[int] | None]]:
                         and not (family == lr.DEEPSEEK and (_reading(engine, family, c).refusal
                                                              or _reading(engine, family, c).unfused))
                         and (family, c) not in [(b[0], (b[2], b[3])) for b in batch]]  # fmt: skip
-                if cls == "default" and any(c[0] == "top" for c in fits):
-                    fits = [c for c in fits if c[0] == "top"]
+                # the default class where the engine's readings part: SGLang never reads the top level,
+                # vLLM's V2 never reads eagle_config's own key
+                unread = "eagle_config" if "eagle_config" not in _rule(engine, family).ids_from else "top"
+                if cls == "default" and any(c[0] == unread for c in fits):
+                    fits = [c for c in fits if c[0] == unread]
                 if fits:
                     where, ids = rng.choice(fits)
                     batch.append((family, i, where, ids))
@@ -224,6 +233,8 @@ def _draft_config_dict(where: str, ids) -> dict:
         cfg[KEY] = ids
     if where in ("eagle_config", "both"):
         cfg["eagle_config"] = {KEY: ids}
+    if where == "layer_ids":
+        cfg["eagle_config"] = {"layer_ids": ids}
     return cfg
 
 
@@ -231,7 +242,8 @@ def _check(engine: str, python_option: str, tmp_path_factory) -> None:
     batch = draw_configs(engine)
     drawn = {_reading(engine, family, (where, ids)).outcome for family, _, where, ids in batch}
     assert drawn == _classes(engine), f"DIFFTEST_PROPERTY_SEED={SEED}: no draw of {_classes(engine) - drawn}"
-    root = tmp_path_factory.mktemp(f"rules-{engine}")
+    # no brackets in paths: vLLM globs a checkpoint directory for its weights ("[runner=v1]" is a class)
+    root = tmp_path_factory.mktemp("rules-" + re.sub(r"\W", "_", engine))
     expected = _write_cases(root, engine, batch)
     run = run_pytest(root, "cases/", f"--engines=ref,{engine}", *filter(None, [python_option]), "--require-engines",
                      "--no-capture-cache", "--engine-timeout=600", "-k", "fc_inputs", timeout=2400)  # fmt: skip
@@ -245,9 +257,16 @@ def _check(engine: str, python_option: str, tmp_path_factory) -> None:
 
 
 def test_vllm_feeds_what_its_rule_model_predicts(tmp_path_factory):
+    """vLLM 0.32.0 on its default runner, Model Runner V2 (what a GPU deployment runs)."""
     python = vllm_python()
     _record_seed("vllm")
     _check("vllm", f"--engine-python=vllm={python}", tmp_path_factory)
+
+
+def test_vllm_model_runner_v1_feeds_what_its_rule_model_predicts(tmp_path_factory):
+    python = vllm_python()
+    _record_seed("vllm[runner=v1]")
+    _check("vllm[runner=v1]", f"--engine-python=vllm={python}", tmp_path_factory)
 
 
 def test_sglang_feeds_what_its_rule_model_predicts(tmp_path_factory, sglang_python):  # noqa: F811

@@ -192,6 +192,11 @@ def _rule_lines(session: Session, case: Case, spec: EngineSpec,
 
     view = _view(session, case, spec)
     if view is None:
+        from difftest.rules import engine_releases
+
+        release = _release(session, spec)
+        if release and spec.name in engine_releases.SUPPORTED and not engine_releases.on_record(spec.name, release):
+            return [engine_releases.unrecorded(spec.name, release)], None, None, None
         return [], None, None, None
     lines = [view.rule_line()]
     predicted = view.reading.fed_names()
@@ -255,8 +260,9 @@ def _engine_findings(session: Session, case: Case, spec: EngineSpec) -> list:
         from difftest.rules.lint_checkpoint import flag_findings
 
         raw = _draft_config(session, case, spec) or {}
+        rules = engine_draft_rules(spec.name, release)
         try:
-            own = flag_findings(raw, [engine_draft_rules(spec.name, release)])
+            own = flag_findings(raw, [rules]) if rules is not None else []
         except ConfigError:
             own = []
         findings = [f for f in findings if f.code != "flag-ignored"] + own

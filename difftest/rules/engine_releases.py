@@ -163,8 +163,35 @@ def check_supported(engine: str, version: str) -> str:
     return v
 
 
+def on_record(engine: str, version: str) -> bool:
+    """Whether `version` is within the releases whose rules were read (False for one nobody has studied
+    yet, e.g. a release newer than the pinned one: its readings are measured, not predicted)."""
+    base = engine.split("[")[0].split("@")[0]
+    if base not in SUPPORTED:
+        return False
+    try:
+        return SUPPORTED[base].contains(release(version))
+    except InvalidVersion:
+        return False
+
+
+def unrecorded(engine: str, version: str) -> str:
+    """The line a report carries for a release without rules on record."""
+    return (f"no rule on record for {engine} {release(version)} (rules were read for {SUPPORTED[engine].words()}): "
+            "the reading was measured (the engine's fc chunks matched against the reference's layers, golden inputs, "
+            "accept length), not predicted")  # fmt: skip
+
+
+def newer_than_pinned(engine: str, version: str) -> bool:
+    return engine in SUPPORTED and _version(engine, version) > Version(SUPPORTED[engine].pinned)
+
+
 def check_runs_here(engine: str, version: str) -> str:
-    """`check_supported`, and a release this machine can build and run (ConfigError in one line otherwise)."""
+    """A release this machine can build and run (ConfigError in one line otherwise): one whose rules were
+    read and that runs on a CPU, or one newer than the pinned release (never studied: built with the
+    pinned release's recipe and measured, which is what a pre-upgrade check is for)."""
+    if newer_than_pinned(engine, version):
+        return release(version)
     v = check_supported(engine, version)
     r = SUPPORTED[engine]
     if not r.runs(v):
@@ -195,25 +222,33 @@ def _label(engine: str, version: str) -> str:
     return f"{ENGINE_LABELS.get(engine, engine)} {release(version)}"
 
 
-def layer_rule(engine: str, family: str, version: str | None = None, variant: str = "") -> layer_rules.LayerIdRule | None:
+def layer_rule(
+    engine: str, family: str, version: str | None = None, variant: str = ""
+) -> layer_rules.LayerIdRule | None:
     """`engine`'s layer-id rule for `family` at `version` (None: the pinned release), on the code path
     `variant` (EngineInfo.variant, e.g. "runner v2"; layer_rules.VARIANT_RULES)."""
     base = engine.split("[")[0].split("@")[0]
     rule = layer_rules.rule_for(base, family, variant)
     if rule is None or version is None or base not in SUPPORTED or release(version) == SUPPORTED[base].pinned:
         return rule
-    suffix = rule.label.removeprefix(layer_rules.rule_for(base, family).label)  # " Model Runner V2"
+    if not on_record(base, version):
+        return None  # never studied: no reading is predicted (unrecorded() says so)
+    plain = layer_rules.rule_for(base, family)
+    suffix = rule.label.removeprefix(plain.label) if plain is not None else ""  # " Model Runner V2"
     for change in _predates(base, version):
         rule = change.undo_layer(rule, family)
     return replace(rule, label=_label(base, version) + suffix)
 
 
-def engine_draft_rules(engine: str, version: str | None = None) -> draft_rules.EngineDraftRules:
-    """`engine`'s draft-checkpoint rules at `version` (None: the pinned release)."""
+def engine_draft_rules(engine: str, version: str | None = None) -> draft_rules.EngineDraftRules | None:
+    """`engine`'s draft-checkpoint rules at `version` (None: the pinned release; a release without rules
+    on record: None)."""
     base = engine.split("[")[0].split("@")[0]
     rules = draft_rules.ENGINES[base]
     if version is None or release(version) == rules.version:
         return rules
+    if not on_record(base, version):
+        return None
     flags = {r.flag: r for r in rules.flags}
     for change in _predates(base, version):
         for flag, read_from in change.flags_before:
@@ -269,6 +304,8 @@ def flag_differences(engine: str, old: str, new: str, draft_config: dict) -> lis
     """One line per draft flag the config sets that the two releases read differently."""
     base = engine.split("[")[0].split("@")[0]
     a, b = engine_draft_rules(base, old), engine_draft_rules(base, new)
+    if a is None or b is None:
+        return []  # a release without rules on record: its flags are measured, not predicted
     located = draft_rules.flag_locations(draft_config)
     lines = []
     for flag, places in located.items():
@@ -296,6 +333,8 @@ def table(engine: str, versions: Sequence[str], families: Sequence[str] = layer_
     rows = []
     for v in versions:
         rules = engine_draft_rules(engine, v)
+        if rules is None:
+            continue
         flags = {r.flag: ("never read" if not r.read_from else " / ".join(r.read_from)) for r in rules.flags}
         for fam in families:
             rule = layer_rule(engine, fam, v)

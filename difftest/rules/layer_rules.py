@@ -42,6 +42,7 @@ ID_PLACES = (TOP, EAGLE_CONFIG, EAGLE_CONFIG_LAYER_IDS)
 def ids_at(draft_config: dict, place: str) -> list[int] | None:
     """The non-empty id list at `place` of a draft config (TOP, a section holding KEY, or
     "<section>.<key>"), else None."""
+    holder: object
     if place == TOP:
         holder, key = draft_config, KEY
     elif "." in place:
@@ -58,6 +59,7 @@ def place_words(place: str) -> str:
     if place == TOP:
         return KEY
     return place if "." in place else f"{place}.{KEY}"
+
 
 LLAMA, QWEN3, DEEPSEEK = "llama", "qwen3", "deepseek-v3"
 FAMILIES = (LLAMA, QWEN3, DEEPSEEK)
@@ -390,14 +392,14 @@ SPECFORGE = LayerIdRule(
 # the same function). A draft with its ids only there (SpecForge's published DeepSeek-V3 and Kimi-K2.5
 # configs) gets the defaults, logged at INFO, while its fc still takes 3 chunks.
 _VLLM_V2_IDS = "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py::get_eagle3_aux_layers_from_config"
-V2_READS = dict(ids_from=(TOP, EAGLE_CONFIG_LAYER_IDS),
-                notes=("dflash_config.target_layer_ids, dspark_target_layer_ids and target_layer_ids (+1 each) are "
-                       "read before eagle_config.layer_ids: DFlash/DSpark keys, absent from EAGLE-3 drafts",))  # fmt: skip
+V2_IDS_FROM = (TOP, EAGLE_CONFIG_LAYER_IDS)
+V2_NOTES = ("dflash_config.target_layer_ids, dspark_target_layer_ids and target_layer_ids (+1 each) are read "
+            "before eagle_config.layer_ids: DFlash/DSpark keys, absent from EAGLE-3 drafts",)  # fmt: skip
 VARIANT_RULES: dict[tuple[str, str, str], LayerIdRule] = {
     **{("vllm", r.family, "runner v1"): replace(r, label=f"{r.label} Model Runner V1")
        for r in (VLLM_LLAMA, VLLM_QWEN3, VLLM_DEEPSEEK)},
     **{("vllm", r.family, "runner v2"): replace(r, label=f"{r.label} Model Runner V2", sources=(_VLLM_V2_IDS,) + r.sources[1:],
-                                                **V2_READS)
+                                                ids_from=V2_IDS_FROM, notes=V2_NOTES)
        for r in (VLLM_LLAMA, VLLM_QWEN3, VLLM_DEEPSEEK)},
 }  # fmt: skip
 

@@ -292,8 +292,9 @@ class VllmEngine(Engine):
             versions["warning"] = (f"hooks are written against vllm {PINNED}; release differences they account for: "
                                    "engines/vllm/releases.py")  # fmt: skip
         kernels = f"vllm-{device}" + (f"+{self._kernels}" if self._kernels != "vllm" else "")
-        return EngineInfo(name="vllm", version=vllm.__version__, versions=versions, kernels=kernels,
-                          variant=f"runner {self.runner()}")
+        return EngineInfo(
+            name="vllm", version=vllm.__version__, versions=versions, kernels=kernels, variant=f"runner {self.runner()}"
+        )
 
     # -- settings --------------------------------------------------------------------
     def settings(self, case: Case, num_steps: int | None = None) -> dict:

@@ -46,7 +46,7 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
 
 
 def runner_of(model_runner) -> str:
-    """"v2" for Model Runner V2 (vllm/v1/worker/gpu/model_runner.py::GPUModelRunner and its CPU subclass
+    """ "v2" for Model Runner V2 (vllm/v1/worker/gpu/model_runner.py::GPUModelRunner and its CPU subclass
     v1/worker/cpu/model_runner.py::CPUModelRunner), "v1" for V1 (v1/worker/gpu_model_runner.py)."""
     return "v2" if type(model_runner).__module__.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")) else "v1"
 

