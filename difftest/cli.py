@@ -230,15 +230,18 @@ def main(argv: list[str] | None = None) -> int:
     from difftest import fix_command
     from difftest.report import version_table
 
+    from difftest import rules_command
+
     fix_command.add_parser(sub)
     version_table.add_parser(sub)
+    rules_command.add_parser(sub)
     try:
         contributed = _extension_parsers(sub)
     except DifftestError as e:
         print(f"difftest: {e}", file=sys.stderr)
         return 2
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("report", "bundle", "env", "fix", "versions", *contributed):
+    if args.command in ("report", "bundle", "env", "fix", "versions", "rules", *contributed):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

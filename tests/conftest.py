@@ -29,8 +29,11 @@ LONG_MODULES = (
     "test_speculators_writer_e2e.py",  # 252: vLLM server, speculators' writer and trainer
     "test_probe_servers.py",  # 244: live vLLM and SGLang servers probed from outside
     "test_trainer_e2e.py",  # 196: a trainer run, serving e2e and the metric oracle
+    "test_engine_vllm_v2.py",  # ~420 (estimated): V1 on four cases, the fix on both runners, compiled vs eager
+    "test_rules_discover.py",  # ~330 (estimated): three releases' rules measured, one engine start per probe
+    "test_layer_rules_engines.py",  # ~300: the rule property test on SGLang and both vLLM runners
     "test_engine_vllm_tp.py",  # 176: vLLM at TP = 2
-    "test_layer_rules_engines.py",  # 176: the rule property test on SGLang and vLLM
+    "test_vllm_release_preview.py",  # ~90: two wheels downloaded and their config code run
     "test_infer_wiring.py",  # 166: wirings inferred from independent drafts
     "test_upgrade_check.py",  # 142: the simulated two-label SGLang upgrade
     "test_cases.py",  # 146: the reference presets over every shipped case, after the shipped run
