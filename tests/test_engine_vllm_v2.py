@@ -60,6 +60,11 @@ def test_model_runner_v2_is_caught_feeding_its_defaults_to_a_draft_with_nested_i
     )
     assert "engine fed fc [h2, h4, h5]; reference fed [h0, h2, h4]" in r.message
     assert "fix: set eagle_aux_hidden_state_layer_ids = [0, 2, 4]" in r.message
+    # which runner feeds what, and which reading matches the trainer's
+    assert (
+        "the same release's other path: vLLM 0.32.0 Model Runner V1 reads [0, 2, 4] (eagle_config) and feeds "
+        "[h0, h2, h4] (as trained)"
+    ) in r.message
 
 
 @pytest.fixture(scope="module")

@@ -129,3 +129,10 @@ def test_a_newer_release_can_be_built_for_a_pre_upgrade_check():
     assert er.check_runs_here("vllm", "0.33.0") == "0.33.0"
     with pytest.raises(ConfigError, match="is not a release version"):
         er.check_runs_here("vllm", "latest")
+
+
+def test_the_other_runner_of_the_pinned_release_is_its_sibling():
+    assert [r.label for r in lr.variant_siblings(_rule("runner v2"))] == ["vLLM 0.32.0 Model Runner V1"]
+    assert [r.label for r in lr.variant_siblings(_rule("runner v1"))] == ["vLLM 0.32.0 Model Runner V2"]
+    assert lr.variant_siblings(_rule("runner v1", "0.27.0")) == []
+    assert lr.variant_siblings(er.layer_rule("sglang", lr.LLAMA)) == []

@@ -198,7 +198,7 @@ def _rule_lines(session: Session, case: Case, spec: EngineSpec,
         if release and spec.name in engine_releases.SUPPORTED and not engine_releases.on_record(spec.name, release):
             return [engine_releases.unrecorded(spec.name, release)], None, None, None
         return [], None, None, None
-    lines = [view.rule_line()]
+    lines = [view.rule_line()] + _sibling_lines(view)
     predicted = view.reading.fed_names()
     if None not in fed and list(fed) != predicted:
         lines.append(f"the rule model predicted {predicted} but the engine fed {fed}: {view.rule.label}'s rule differs "
@@ -210,6 +210,24 @@ def _rule_lines(session: Session, case: Case, spec: EngineSpec,
         fix = FixData(patch=edit.patch, ids=edit.ids, impossible=edit.impossible, fc_order=edit.fc_order,
                       alternatives=list(edit.alternatives), side_effects=list(edit.side_effects))  # fmt: skip
     return lines, view.reading.explain(), predicted, fix
+
+
+def _sibling_lines(view) -> list[str]:
+    """The same release's other code paths (difftest.rules.layer_rules.VARIANT_RULES: vLLM's other runner)
+    reading the same config: which of them feeds what, and which matches training."""
+    from difftest.rules.layer_rules import variant_siblings
+
+    out = []
+    for other in variant_siblings(view.rule):
+        r = other.predict(view.draft_config, view.L, view.fc_chunks)
+        if (r.fed, r.refusal) == (view.reading.fed, view.reading.refusal):
+            continue
+        fed = "[" + ", ".join(f"h{k}" for k in r.fed) + "]"
+        verdict = ("as trained" if view.trained is not None and r.fed == view.trained and r.refusal is None
+                   else "not as trained" if view.trained is not None else "")  # fmt: skip
+        out.append(f"the same release's other path: {other.label} reads {r.ids} ({r.place}) and feeds {fed}"
+                   + (f" ({verdict})" if verdict else "") + (f"; fails: {r.refusal}" if r.refusal else ""))  # fmt: skip
+    return out
 
 
 def explain_engine_error(session: Session, case: Case, spec: EngineSpec, error: str) -> str:

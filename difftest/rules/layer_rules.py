@@ -448,6 +448,16 @@ def rule_for(engine: str, family: str, variant: str = "") -> LayerIdRule | None:
     return VARIANT_RULES.get((base, family, variant)) or ENGINE_RULES.get((base, family))
 
 
+def variant_siblings(rule: LayerIdRule) -> list[LayerIdRule]:
+    """The other code paths of `rule`'s engine (VARIANT_RULES) for its family, at the pinned release (for
+    another release, none: their readings are on record for the pinned one only)."""
+    base = rule_for(rule.engine, rule.family)
+    if base is None or not rule.label.startswith(base.label):
+        return []  # another release: its other paths' readings are not on record
+    own = [r for (e, f, _), r in VARIANT_RULES.items() if (e, f) == (rule.engine, rule.family)]
+    return [r for r in own if (r.ids_from, r.shift) != (rule.ids_from, rule.shift)]
+
+
 def serving_rules(family: str) -> list[LayerIdRule]:
     """Every serving reading of a family's drafts: each engine's base rule and its variants' own."""
     out = []
