@@ -151,7 +151,10 @@ def test_missing_ids_fallback_is_fixed_on_vllm_and_verified(tmp_path):
     (tmp_path / "seed_no_ids.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
     run = fix(tmp_path / "seed_no_ids.yaml", "vllm", tmp_path, f"--engine-python=vllm={vllm_python()}")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "finds no ids (top level / eagle_config) and falls back to [2, L//2, L-3] = [2, 4, 5]" in run.stdout
+    # vLLM's default runner, Model Runner V2, reads the top level, then eagle_config.layer_ids
+    assert (
+        "finds no ids (top level / eagle_config.layer_ids) and falls back to [2, L//2, L-3] = [2, 4, 5]" in run.stdout
+    )
     r = result(tmp_path, "seed_no_ids", "vllm")
     assert r["patch"] == {KEY: [0, 2, 4]} and r["verified"] is True, r["verification"]
 

@@ -109,10 +109,13 @@ def test_a_layer_the_engine_cannot_capture_has_no_fix_and_names_who_can():
 
 
 def test_a_fix_that_changes_another_engines_reading_says_so():
-    """vLLM reads eagle_config when the top level has none: writing SGLang's ids there moves vLLM too."""
+    """vLLM (Model Runner V1) reads eagle_config when the top level has none: writing SGLang's ids there moves it too;
+    V2 never reads that key, so its reading stays."""
     edit = lr.config_edit(ec([2, 4, 5]), lr.LLAMA, "sglang", [2, 4, 5], L)
     assert edit.patch == ec([1, 3, 4])
-    assert edit.side_effects and edit.side_effects[0].startswith("vLLM 0.32.0 now reads [1, 3, 4] (eagle_config)")
+    assert edit.side_effects and edit.side_effects[0].startswith(
+        "vLLM 0.32.0 Model Runner V1 now reads [1, 3, 4] (eagle_config)"
+    )
 
 
 IDS = st.lists(st.integers(min_value=-1, max_value=L), min_size=1, max_size=4)

@@ -33,7 +33,7 @@ def test_model_runner_v2_ignores_nested_ids_and_feeds_its_defaults():
     words = reading.explain()
     assert "Model Runner V2" in words
     assert "ignores eagle_config.eagle_aux_hidden_state_layer_ids [0, 2, 4]" in words
-    assert "falls back to its defaults (2, L//2, L-3)" in words
+    assert "finds no ids (top level / eagle_config.layer_ids) and falls back to [2, L//2, L-3] = [2, 4, 5]" in words
 
 
 def test_model_runner_v1_reads_the_nested_ids():

@@ -175,6 +175,7 @@ def test_rendered_summary_is_one_header_and_one_line_per_row():
         "tensor",
         "verdict",
         "report",
+        "release",
     ]
     assert lines[1].split() == [
         "c",
@@ -188,6 +189,7 @@ def test_rendered_summary_is_one_header_and_one_line_per_row():
         "max|d|",
         "3.00e-07)",
         "reports/c.html",
+        "-",  # the release of an engine that reported none
     ]
 
 

@@ -400,6 +400,7 @@ def markdown_fixes(report: Report) -> list[str]:
 def markdown(report: Report) -> str:
     lines = [f"# difftest: {report.case}", "", f"reference: `{report.reference}`; case file `{report.case_file}`", ""]
     ran = [f"`{e}` {entry.info.label()}" + (f", {entry.info.kernels}" if entry.info.kernels else "")
+           + (f", {entry.info.versions['execution']}" if entry.info.versions.get("execution") else "")
            for e, entry in report.engines.items() if entry.info is not None]  # fmt: skip
     if ran:
         lines += ["engines: " + "; ".join(ran), ""]

@@ -139,11 +139,13 @@ def _fmt(x: float | None) -> str:
 
 def render(rows: list[SummaryRow]) -> list[str]:
     """Plain-text table lines (terminal and `difftest run`)."""
-    header = ("case", "engine", "release", "reference", "ref AL", "engine AL", "first divergent tensor", "verdict",
-              "report")  # fmt: skip
+    # the release last: it may hold spaces ("0.32.0 runner v2"), and the columns before it are read by position
+    header = ("case", "engine", "reference", "ref AL", "engine AL", "first divergent tensor", "verdict", "report",
+              "release")  # fmt: skip
     table = [header] + [
-        (r.case, r.engine, r.release, r.reference, _fmt(r.reference_accept), _fmt(r.engine_accept), r.first_divergence,
-         r.verdict + (f" ({r.largest_drift})" if r.verdict == DRIFTED and r.largest_drift != "-" else ""), r.html)
+        (r.case, r.engine, r.reference, _fmt(r.reference_accept), _fmt(r.engine_accept), r.first_divergence,
+         r.verdict + (f" ({r.largest_drift})" if r.verdict == DRIFTED and r.largest_drift != "-" else ""), r.html,
+         r.release)
         for r in rows
     ]  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]

@@ -278,8 +278,8 @@ class Reading:
         head = f"{self.rule.label} ({self.rule.words()})"
         if self.ids is None:
             ignored = "".join(f"ignores {place_words(p)} {ids} (never read there), " for p, ids in self.unread)
-            src = (f"{ignored}finds no ids ({' / '.join(place_words(p) for p in self.rule.ids_from)}) and falls back "
-                   f"to its defaults ({self.rule.defaults}) = {self.rule.default_ids(self.L)}")  # fmt: skip
+            src = (f"{ignored}finds no ids ({' / '.join(self.rule.ids_from)}) and falls back to [{self.rule.defaults}] "
+                   f"= {self.rule.default_ids(self.L)}")  # fmt: skip
             text = f"{head} {src}, feeding {_hs(self.fed)}"
         else:
             text = f"{head} turns {self.ids} ({self.place}) into {_hs(self.fed)}"

@@ -288,6 +288,8 @@ class VllmEngine(Engine):
                     "python": sys.version.split()[0]}  # fmt: skip
         if self._kernels != "vllm":
             versions["triton"] = f"{_dist_version(metadata, 'triton')} ({self._kernels})"
+        # the spec's execution mode (a case's own engines.vllm.enforce_eager is in each capture's meta.settings)
+        versions["execution"] = "eager" if self.settings_for(None)["enforce_eager"] else "compiled (torch.compile)"
         if vllm.__version__ != PINNED:
             versions["warning"] = (f"hooks are written against vllm {PINNED}; release differences they account for: "
                                    "engines/vllm/releases.py")  # fmt: skip
