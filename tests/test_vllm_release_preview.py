@@ -86,3 +86,11 @@ def test_the_unpacked_release_is_reused(preview, tmp_path: Path):
 
     version, _ = preview
     assert (cache_root() / "releases" / f"vllm-{version}" / ".complete").is_file()
+
+
+def test_the_preview_shows_the_draft_flags_as_the_releases_config_loading_leaves_them(preview):
+    """A speculators-format draft's flags reach the model through the release's config conversion
+    (configs/speculators/algos.py::update_eagle3): the preview runs it."""
+    _, done = preview
+    block = "\n".join(_block(done.stdout, "release_vllm_speculators_norm_output"))
+    assert "draft flags after its config loading: " in block and "norm_output: top level True" in block, block

@@ -62,6 +62,7 @@ class CasePreview:
     readings: list[RunnerReading] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     error: str | None = None
+    flags: dict[str, str] = field(default_factory=dict)  # release -> its flags line
 
 
 def release_root(version: str, python: str, log=print) -> Path:
@@ -175,6 +176,13 @@ def preview_cases(version: str, cases: list[Path], python: str, log=print) -> tu
                 p.lines.append(f"vllm {label}: its config code failed on this case: {raw['error']}")
                 continue
             p.readings += _readings(raw, label, fam)
+            flags = raw.get("flags", {}).get("value") or {}
+            if flags:
+                shown = "; ".join(f"{k}: " + ", ".join(f"{w} {v}" for w, v in where.items() if v is not None)
+                                  for k, where in flags.items())  # fmt: skip
+                p.flags[label] = (
+                    f"vllm {label}: draft flags after its config loading: {shown} ({raw['flags']['source']})"
+                )
             length = raw.get("draft_length", {}).get("value")
             if length and length.get("draft") != length.get("after"):
                 p.lines.append(f"vllm {label}: the draft's max_position_embeddings {length['draft']} -> {length['after']} "
@@ -204,6 +212,11 @@ def render(previews: list[CasePreview], version: str) -> tuple[list[str], bool]:
             if r.release == version and r.runner == "v2" and mark.strip().startswith("DIFFERS"):
                 fine = False
         lines += [f"  {line}" for line in p.lines]
+        values = list(p.flags.values())
+        if values and len({v.split(": ", 1)[1] for v in values}) > 1:  # the releases load the flags differently
+            lines += [f"  {v}" for v in values]
+        elif values:
+            lines.append(f"  {values[-1].replace(f'vllm {version}:', 'both releases:', 1)}")
     return lines, fine
 
 

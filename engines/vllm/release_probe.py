@@ -20,8 +20,9 @@ Per (target, draft) pair, what the release itself computes, each with the functi
     Eagle3SpeculatorConfig.uses_aux_hidden_states`, 0.34; V1 `v1/spec_decode/llm_base_proposer.py`);
   * the draft's max_position_embeddings after `config/speculative.py::SpeculativeConfig.
     _maybe_override_draft_max_position_embeddings` against the target's length.
-The draft's norm flags and d2t are read by its model class at construction, which needs a whole engine
-config: not run here (said in each reading as `not_run`).
+  * the draft's flags as that loading leaves them (top level and eagle_config).
+Which of those flags the draft's model class then reads, and d2t, are decided at its construction, which
+needs a whole engine config: not run here (said in each reading as `not_run`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import sys
 import traceback
 import types
 
-NOT_RUN = ("draft norm flags (model_executor/models/llama_eagle3.py::LlamaModel.__init__) and d2t loading "
-           "(Eagle3LlamaForCausalLM.load_weights) need the model built with a whole engine config")  # fmt: skip
+FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual", "use_aux_hidden_state")
+NOT_RUN = ("which flags the draft model reads (model_executor/models/llama_eagle3.py::LlamaModel.__init__) and d2t "
+           "loading (Eagle3LlamaForCausalLM.load_weights) need the model built with a whole engine config")  # fmt: skip
 
 
 def _stub(hf_config):
@@ -96,6 +98,15 @@ def probe(target: str, draft: str) -> dict:
             "value": True,
             "source": "v1/worker/gpu/model_runner.py (method eagle3: aux hidden states always)",
         }
+    # the draft's flags as the release's own config loading leaves them (a speculators-format config is
+    # converted there: transformers_utils/configs/speculators/algos.py::update_eagle3, which is where
+    # vllm#38111 and vllm#46488 changed what reaches the model)
+    eagle_cfg = getattr(draft_hf, "eagle_config", None) or {}
+    out["flags"] = {
+        "value": {flag: {"top level": getattr(draft_hf, flag, None), "eagle_config": eagle_cfg.get(flag)}
+                  for flag in FLAGS if getattr(draft_hf, flag, None) is not None or flag in eagle_cfg},
+        "source": "transformers_utils/config.py::get_config (speculators configs: configs/speculators/algos.py::update_eagle3)",
+    }  # fmt: skip
     target_len = int(getattr(text, "max_position_embeddings", 0) or 0)
     before = getattr(wrapped, "max_position_embeddings", None)
 
