@@ -91,31 +91,32 @@ def _strip_ids(cfg: dict) -> dict:
     return out
 
 
-def _write_probe_cases(root: Path, target: str, draft: str, L: int) -> list[Probe]:
-    """One draft directory (the draft's files, its config with the probe's ids) and one case per probe."""
+def _write_probe(root: Path, i: int, target: str, draft: str, probe: Probe) -> Path:
+    """The probe's draft (the draft's files linked, its config without ids plus the probe's) and its case."""
     from difftest.rules.overlay import deep_merge
 
+    d = root / "drafts" / f"probe{i}"
+    d.mkdir(parents=True, exist_ok=True)
+    for f in Path(draft).iterdir():
+        if f.name != "config.json" and not (d / f.name).exists():
+            (d / f.name).symlink_to(f.resolve())
     base = _strip_ids(json.loads((Path(draft) / "config.json").read_text()))
+    (d / "config.json").write_text(json.dumps(deep_merge(base, probe.config), indent=1))
+    case = root / "cases" / f"probe{i}.yaml"
+    case.parent.mkdir(parents=True, exist_ok=True)
+    # the reference runs some wiring: only its target hidden states are matched against
+    case.write_text(f"name: probe{i}\ntarget: {target}\ndraft: {d}\ndtype: float32\nwiring: [h0, h1, h2]\n"
+                    "prompts:\n  - ids: [5, 9, 13, 17, 21, 25, 29, 33]\n")  # fmt: skip
+    return case
+
+
+def _probes(L: int) -> list[Probe]:
+    from difftest.rules.overlay import deep_merge
+
     ids = probe_ids(L)
     probes = [Probe("none", {})] + [Probe(f"only {place_words(p)}", _placed(p, ids[p])) for p in PLACES]
-    probes.append(
-        Probe(
-            "top level and eagle_config", deep_merge(_placed(TOP, ids[TOP]), _placed(EAGLE_CONFIG, ids[EAGLE_CONFIG]))
-        )
-    )
-    (root / "cases").mkdir(parents=True, exist_ok=True)
-    for i, probe in enumerate(probes):
-        d = root / "drafts" / f"probe{i}"
-        d.mkdir(parents=True, exist_ok=True)
-        for f in Path(draft).iterdir():
-            if f.name != "config.json" and not (d / f.name).exists():
-                (d / f.name).symlink_to(f.resolve())
-        (d / "config.json").write_text(json.dumps(deep_merge(base, probe.config), indent=1))
-        (root / "cases" / f"probe{i}.yaml").write_text(
-            f"name: probe{i}\ntarget: {target}\ndraft: {d}\ndtype: float32\nwiring: [h0, h1, h2]\n"
-            "prompts:\n  - ids: [5, 9, 13, 17, 21, 25, 29, 33]\n"
-        )
-    return probes
+    both = deep_merge(_placed(TOP, ids[TOP]), _placed(EAGLE_CONFIG, ids[EAGLE_CONFIG]))
+    return probes + [Probe("top level and eagle_config", both)]
 
 
 def _measure(
@@ -157,29 +158,20 @@ def discover(spec: EngineSpec, target: str, draft: str, work: Path, engine_pytho
     ref = EngineSpec(calibration_engine())
     session = Session(Options(engines=[spec], reference=ref, engine_python=engine_python or {}, timeout=timeout,
                               log_dir=work / "logs", progress=progress))  # fmt: skip
+
+    def run(i: int, probe: Probe) -> None:
+        probe.fed, probe.error = _measure(session, ref, spec, _write_probe(work, i, target, draft, probe))
+        progress(f"[rules discover] {spec.id}: {probe.name}: {probe.fed if probe.error is None else probe.error}")
+
     try:
-        probes = _write_probe_cases(work, target, draft, L)
+        probes = _probes(L)
         for i, probe in enumerate(probes):
-            probe.fed, probe.error = _measure(session, ref, spec, work / "cases" / f"probe{i}.yaml")
-            progress(f"[rules discover] {spec.id}: {probe.name}: {probe.fed if probe.error is None else probe.error}")
+            run(i, probe)
         info: EngineInfo | None = session.engine_info(spec)
         rule = _infer(spec, info, L, probes)
         extra = _unsorted_probe(rule.ids_from, L)
         if extra is not None:
-            i = len(probes)
-            from difftest.rules.overlay import deep_merge
-
-            d = work / "drafts" / f"probe{i}"
-            d.mkdir(parents=True, exist_ok=True)
-            for f in Path(draft).iterdir():
-                if f.name != "config.json" and not (d / f.name).exists():
-                    (d / f.name).symlink_to(f.resolve())
-            base = _strip_ids(json.loads((Path(draft) / "config.json").read_text()))
-            (d / "config.json").write_text(json.dumps(deep_merge(base, extra.config), indent=1))
-            (work / "cases" / f"probe{i}.yaml").write_text((work / "cases" / "probe0.yaml").read_text()
-                                                          .replace("probe0", f"probe{i}"))  # fmt: skip
-            extra.fed, extra.error = _measure(session, ref, spec, work / "cases" / f"probe{i}.yaml")
-            progress(f"[rules discover] {spec.id}: {extra.name}: {extra.fed if extra.error is None else extra.error}")
+            run(len(probes), extra)
             rule.probes.append(extra)
             ids = sorted(probe_ids(L)[rule.ids_from[0]])
             if extra.fed is not None and rule.shift is not None:
