@@ -81,7 +81,7 @@ def test_seed_case_is_caught_on_vllm(shipped_run):
     assert "accept length collapsed" in accept.message
     # the rule and its fix (difftest.rules.layer_rules): vLLM reads the top-level ids as h[k]
     assert (
-        "rule: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer order, k -> h[k]) turns [2, 4, 7]"
+        "rule: vLLM 0.32.0 Model Runner V2 (Llama rule: ids from top level then eagle_config.layer_ids, layer order, k -> h[k]) turns [2, 4, 7]"
         in fc.message
     )
     assert "fix: set eagle_aux_hidden_state_layer_ids = [0, 2, 4]" in fc.message

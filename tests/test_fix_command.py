@@ -162,9 +162,12 @@ def test_missing_ids_fallback_is_fixed_on_vllm_and_verified(tmp_path):
 def test_seed_shape_on_deepseek_is_refused_for_vllm_naming_who_can_serve_it(deepseek_seed_case, tmp_path):
     run = fix(deepseek_seed_case, "vllm", tmp_path, "--no-verify")
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "no config fix: vLLM 0.32.0 (DeepSeek-V3 rule" in run.stdout and "cannot feed [h0]" in run.stdout
+    assert (
+        "no config fix: vLLM 0.32.0 Model Runner V2 (DeepSeek-V3 rule" in run.stdout
+        and "cannot feed [h0]" in run.stdout
+    )
     assert "SGLang 0.5.23 can serve it (ids [0, 2, 4] at eagle_config)" in run.stdout
-    assert "to run on vLLM 0.32.0, retrain the draft on a wiring it can feed" in run.stdout
+    assert "to run on vLLM 0.32.0 Model Runner V2, retrain the draft on a wiring it can feed" in run.stdout
 
 
 def test_an_engine_without_a_rule_model_is_one_line(tmp_path):

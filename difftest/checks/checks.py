@@ -169,6 +169,16 @@ def _release(session: Session, spec: EngineSpec) -> str | None:
     return info.version if info is not None and info.name == spec.name else None
 
 
+def _unrecorded(session: Session, spec: EngineSpec) -> str | None:
+    """The line for an engine release with no rules on record (its reading measured, not predicted)."""
+    from difftest.rules import engine_releases
+
+    info = session.engine_info(spec)
+    if info is None or info.name not in engine_releases.SUPPORTED or engine_releases.on_record(info.name, info.version):
+        return None
+    return engine_releases.unrecorded(info.name, info.version)
+
+
 def _variant(session: Session, spec: EngineSpec) -> str:
     """The code path a spec's worker ran (EngineInfo.variant, e.g. "runner v2"), for its own rules."""
     info = session.engine_info(spec)
@@ -192,12 +202,8 @@ def _rule_lines(session: Session, case: Case, spec: EngineSpec,
 
     view = _view(session, case, spec)
     if view is None:
-        from difftest.rules import engine_releases
-
-        release = _release(session, spec)
-        if release and spec.name in engine_releases.SUPPORTED and not engine_releases.on_record(spec.name, release):
-            return [engine_releases.unrecorded(spec.name, release)], None, None, None
-        return [], None, None, None
+        unrecorded = _unrecorded(session, spec)
+        return ([unrecorded] if unrecorded else []), None, None, None
     lines = [view.rule_line()] + _sibling_lines(view)
     predicted = view.reading.fed_names()
     if None not in fed and list(fed) != predicted:
@@ -327,6 +333,9 @@ def check_fc_inputs(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     elif verdict.passed:
         wiring = session.capture(case, session.options.reference, 0).meta.wiring
         data.fed = list(wiring.inputs) if wiring and wiring.inputs else None
+    unrecorded = _unrecorded(session, spec) if verdict.passed else None  # a failure's diagnosis says it already
+    if unrecorded:
+        verdict.message += "\n" + unrecorded
     return verdict
 
 

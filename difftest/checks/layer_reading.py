@@ -93,7 +93,7 @@ def fix_lines(view: EngineView, edit: ConfigEdit | None) -> list[str]:
                if edit.fc_order else "")  # fmt: skip
     lines = [f"fix: {reorder}set {where} = {edit.ids} (then {view.rule.label} feeds [{feeds}]); "
              f"`difftest fix CASE --engine {view.engine}` writes and verifies it"]  # fmt: skip
-    lines += [f"note: the edit also changes another engine: {s}" for s in edit.side_effects]
+    lines += [f"note: the edit also changes another reading: {s}" for s in edit.side_effects]
     return lines
 
 

@@ -334,7 +334,7 @@ class VllmEngine(Engine):
         if s["draft_config_overrides"]:
             draft = str(self._overlay(draft, s["draft_config_overrides"]))
         target_cfg = _read_config(s["target"])
-        _refuse_unreachable_ids(target_cfg, s["target"], draft)
+        _refuse_unreachable_ids(target_cfg, s["target"], draft, f"runner {s['runner']}")
         # vllm.envs reads VLLM_CPU_KVCACHE_SPACE when the engine sizes its cache
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s["kv_cache_space_gib"])
         # config/vllm.py::VllmConfig.use_v2_model_runner reads it first: the runner is ours, never vLLM's guess
@@ -742,7 +742,7 @@ def _read_config(checkpoint: str) -> dict:
     return read_json(path, "target config")
 
 
-def _refuse_unreachable_ids(target_cfg: dict, target: str, draft: str) -> None:
+def _refuse_unreachable_ids(target_cfg: dict, target: str, draft: str, variant: str) -> None:
     """Refuse before starting what vLLM would crash on deep in the engine, as its layer-id rule
     model predicts (difftest.rules.layer_rules.VLLM_DEEPSEEK: id 0 on a DeepSeek target, where
     DeepseekV2Model.forward computes `hidden_states + residual` before layer 0, with no residual yet)."""
@@ -750,7 +750,7 @@ def _refuse_unreachable_ids(target_cfg: dict, target: str, draft: str) -> None:
     from difftest.api import rule_for, target_family
 
     path = Path(draft) / "config.json"
-    rule = rule_for("vllm", target_family(target_cfg))
+    rule = rule_for("vllm", target_family(target_cfg), variant)
     if rule is None or rule.low_crash is None or not path.is_file() or not target_cfg:
         return
     L = int(compat.text_config(target_cfg)["num_hidden_layers"])

@@ -38,6 +38,19 @@ _lock = threading.Lock()
 _installed = False
 
 
+# Spawned processes (vLLM's tensor-parallel ranks) install it at start-up too: rank_startup/sitecustomize.py
+CHILD_VARIABLE = "DIFFTEST_VLLM_TRITON_INTERPRETER"
+RANK_STARTUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_startup")
+
+
+def for_child_processes() -> None:
+    """Make every process this one starts install the backend before it imports vllm."""
+    os.environ[CHILD_VARIABLE] = "1"
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if RANK_STARTUP not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([RANK_STARTUP, *filter(None, paths)])
+
+
 def needed() -> bool:
     """True when Triton has no `cpu` backend of its own (a real triton-cpu install is used as it is).
     Read from Triton's backend entry points (triton/backends/__init__.py::_discover_backends reads the
@@ -94,6 +107,7 @@ def install() -> str:
     backends["cpu"] = Backend(compiler=InterpreterCompiler, driver=InterpreterDriver)
     _count_launches()
     _installed = True
+    for_child_processes()
     return MODE
 
 
