@@ -523,7 +523,7 @@ def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[
         retrain = f"to run on {rule.label}, retrain the draft on a wiring it can feed, e.g. {_hs(_retrain_target(rule, trained, L))}"
         return ConfigEdit(engine, rule, list(trained), impossible=sol.impossible,
                           alternatives=others + [retrain] + ([f"(its nearest reading: {_hs(feedable.fed)})"] if feedable.fed else []))  # fmt: skip
-    patch = _patch_for(rule, draft_config, sol.ids)
+    patch = placed(rule.ids_from[0], sol.ids)
     edited = _merge(draft_config, patch)
     feeds = [trained[j] for j in order] if order else list(trained)
     side = []
@@ -543,8 +543,9 @@ def _retrain_target(rule: LayerIdRule, trained: Sequence[int], L: int) -> list[i
     return sorted({min(max(k, lo), hi) for k in trained})
 
 
-def _patch_for(rule: LayerIdRule, cfg: dict, ids: list[int]) -> dict:
-    place = rule.ids_from[0]
+def placed(place: str, ids: list[int]) -> dict:
+    """A config fragment holding `ids` at `place` (TOP, a section holding KEY, or "<section>.<key>"):
+    the inverse of ids_at."""
     if place == TOP:
         return {KEY: ids}
     section, _, key = place.partition(".")

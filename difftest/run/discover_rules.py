@@ -34,6 +34,7 @@ from difftest.rules.layer_rules import (
     TOP,
     LayerIdRule,
     place_words,
+    placed,
 )
 from difftest.base.names import hidden_index
 from difftest.base.registry import calibration_engine
@@ -49,13 +50,6 @@ def probe_ids(L: int) -> dict[str, list[int]]:
     """Ids per place, chosen so that every place, shifted by -1, 0 or +1, names other layers than the
     defaults and than each other, and stays capturable."""
     return {TOP: [1, 3, L - 2], EAGLE_CONFIG: [0, 2, L - 4], EAGLE_CONFIG_LAYER_IDS: [1, 2, L - 5]}
-
-
-def _placed(place: str, ids: list[int]) -> dict:
-    if place == TOP:
-        return {KEY: ids}
-    section, _, key = place.partition(".")
-    return {section: {key or KEY: ids}}
 
 
 @dataclass
@@ -114,8 +108,8 @@ def _probes(L: int) -> list[Probe]:
     from difftest.rules.overlay import deep_merge
 
     ids = probe_ids(L)
-    probes = [Probe("none", {})] + [Probe(f"only {place_words(p)}", _placed(p, ids[p])) for p in PLACES]
-    both = deep_merge(_placed(TOP, ids[TOP]), _placed(EAGLE_CONFIG, ids[EAGLE_CONFIG]))
+    probes = [Probe("none", {})] + [Probe(f"only {place_words(p)}", placed(p, ids[p])) for p in PLACES]
+    both = deep_merge(placed(TOP, ids[TOP]), placed(EAGLE_CONFIG, ids[EAGLE_CONFIG]))
     return probes + [Probe("top level and eagle_config", both)]
 
 
@@ -142,7 +136,7 @@ def _unsorted_probe(rule_places: list[str], L: int) -> Probe | None:
     if not rule_places:
         return None
     first = rule_places[0]
-    return Probe(f"out of layer order at {place_words(first)}", _placed(first, probe_ids(L)[first][::-1]))
+    return Probe(f"out of layer order at {place_words(first)}", placed(first, probe_ids(L)[first][::-1]))
 
 
 def discover(spec: EngineSpec, target: str, draft: str, work: Path, engine_python: dict[str, str] | None = None,

