@@ -54,7 +54,7 @@ from difftest.checks import checks as checks_mod
 from difftest.compare import noise
 from difftest.compare import rowkernel
 from difftest.compare import rowstats
-from difftest.report import report as report_mod
+from difftest.report import writer as report_mod
 from difftest.report import report_files
 from difftest.case.case import load_case
 from difftest.run.engine import parse_engine_list

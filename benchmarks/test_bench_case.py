@@ -11,7 +11,7 @@ case[ENGINES]: `difftest run cases/tiny_llama.yaml --engines=ENGINES --no-captur
     and written), for ENGINES `ref`, and `ref,vllm` / `ref,sglang` where those environments exist
     (~/.cache/difftest/envs; skipped otherwise). A private DIFFTEST_CACHE (no earlier captures)
     links the real one's fixtures, environments and built kernels. Its wall time is split by the
-    phases the run's report records (difftest.run.timings: the `timings` of reports/<case>.json), the
+    phases the run's report records (difftest.run.phase_clock: the `timings` of reports/<case>.json), the
     rest being what no phase covers (interpreter and pytest start, collection, the report's
     writing, the workers' exit). Printed: per phase and engine the seconds, and the harness's
     own share. One round per engine list (DIFFTEST_BENCH_ROUNDS for more); the machine's load
@@ -46,7 +46,7 @@ from difftest.case.case import Case
 from difftest.run.engine import EngineSpec
 from difftest.records.report import Report
 from difftest.run.session import Options, Session
-from difftest.run.timings import PHASES
+from difftest.run.phase_clock import PHASES
 from difftest.run.worker import WorkerClient
 
 BENCH = Path(__file__).resolve().parent

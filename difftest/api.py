@@ -30,15 +30,15 @@ from difftest.case import chat
 from difftest.case.case import Case, Prompt, load_case
 from difftest.checks import checks
 from difftest.checks.verdict import Verdict
-from difftest.compare import accept_gate
-from difftest.compare.accept_gate import ACCEPT_SIGMAS
+from difftest.compare import accept_judge
+from difftest.compare.accept_judge import ACCEPT_SIGMAS
 from difftest.compare.diagnose import match_fc_chunks
 from difftest.records import CaptureMeta, CheckResult, FcWiring, ReplayRow
 from difftest.records.acceptance import AcceptStats, accept_length_spread, normalise
 from difftest.records.capture import Capture, cache_key
 from difftest.records.check_data import CheckData, ServerAcceptData
 from difftest.records.engine_info import EngineInfo
-from difftest.report import report, report_files
+from difftest.report import report_files, writer as report
 from difftest.rules.checkpoint_integrity import refuse_on_errors, stored_tensors, target_findings
 from difftest.rules.engine_releases import layer_rule
 from difftest.rules.infer_wiring import evidence_from_captures, infer_from_evidence
@@ -73,6 +73,6 @@ __all__ = [
     "ENV_BUILT_MARK", "atomic_write", "check_output_dir", "check_output_file",
     # what an engine's checks and commands build on: contributions, the session, verdicts, reports
     "CHECK_GROUP", "COMMAND_GROUP", "Command", "DraftLoader", "ExtraCheck", "registered", "Options", "Session",
-    "Verdict", "CheckData", "CheckResult", "ServerAcceptData", "checks", "accept_gate", "ACCEPT_SIGMAS",
+    "Verdict", "CheckData", "CheckResult", "ServerAcceptData", "checks", "accept_judge", "ACCEPT_SIGMAS",
     "match_fc_chunks", "report", "report_files", "definitions", "Definition", "trainer_figures",
 ]  # fmt: skip

@@ -21,7 +21,7 @@ import pytest
 from difftest.run import baseline as baseline_mod
 from difftest.checks import checks as checks_mod
 from difftest.report import upgrade as upgrade_mod
-from difftest.report import report as report_mod
+from difftest.report import writer as report_mod
 from difftest.report import report_files
 from difftest.case.case import Case, load_case
 from difftest.base.registry import engine_schema, engine_target

@@ -7,7 +7,7 @@ import pytest
 
 from difftest.base import definitions
 
-from difftest.report import report
+from difftest.report import writer as report
 from difftest.records.acceptance import NORMALISATION, AcceptStats, normalise
 from difftest.records import CheckResult
 from difftest.records.check_data import AcceptLengthData

@@ -12,7 +12,7 @@ import pytest
 
 from difftest import cli
 from difftest.report import html_report
-from difftest.report import report
+from difftest.report import writer as report
 from difftest.records import Report
 from difftest.records.report import SCHEMA, SCHEMA_VERSION
 
@@ -336,7 +336,7 @@ def test_markdown_tabulates_error_floor_threshold_excess_verdict_and_introduced(
 
 
 def test_markdown_table_is_limited_to_the_interesting_rows():
-    from difftest.report.report import MAX_ROWS, TOP_MOVERS
+    from difftest.report.writer import MAX_ROWS, TOP_MOVERS
 
     r = sample_report()
     entry = r["comparisons"][f"evil[{EVIL}]"][0]

@@ -150,7 +150,7 @@ def test_sglang_deepseek_feeds_h1_only_when_the_1_is_not_listed_first():
 
 def test_the_report_has_a_fix_section_for_a_failing_fc_inputs_item():
     from difftest.report.html_report import render
-    from difftest.report.report import markdown
+    from difftest.report.writer import markdown
 
     from difftest.records import CheckResult, ComparisonData, FixData, Report
 

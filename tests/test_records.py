@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.report import report as report_mod
+from difftest.report import writer as report_mod
 from difftest.report import report_files
 from difftest.report import upgrade
 from difftest.records.acceptance import AcceptStats
@@ -445,7 +445,7 @@ def test_the_status_vocabulary_says_which_verdicts_pass_and_which_are_above_nois
 
 
 def test_an_accept_gate_is_kept_as_a_record_with_each_positions_z_in_the_json():
-    from difftest.compare.accept_gate import AcceptGate, judge
+    from difftest.compare.accept_judge import AcceptGate, judge
 
     ref = AcceptStats(num_verify=10, num_accepted=15, num_draft_steps=3, accepted_per_pos=[9, 5, 1])
     eng = AcceptStats(num_verify=10, num_accepted=2, num_draft_steps=3, accepted_per_pos=[2, 0, 0])

@@ -133,14 +133,14 @@ def test_progress_is_quiet_under_q(run):
 
 
 def test_reproduce_command_names_the_engines_and_a_non_first_reference():
-    from difftest.report.report import reproduce_command
+    from difftest.report.writer import reproduce_command
 
     cmd = reproduce_command("cases/t.yaml", ["vllm", "ref"], "ref")
     assert cmd == "difftest run cases/t.yaml --engines=vllm,ref --reference=ref"
 
 
 def test_reproduce_command_turns_a_baseline_reference_back_into_the_baseline_option():
-    from difftest.report.report import reproduce_command
+    from difftest.report.writer import reproduce_command
 
     cmd = reproduce_command("cases/t.yaml", ["baseline:v1:sglang", "sglang@new"], "baseline:v1:sglang")
     assert cmd == "difftest run cases/t.yaml --engines=sglang@new --baseline=v1:sglang"

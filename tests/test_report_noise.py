@@ -13,7 +13,7 @@ import pytest
 
 from difftest.records import EngineInfo
 from difftest.compare import noise
-from difftest.report import report
+from difftest.report import writer as report
 from difftest.report import upgrade
 from difftest.records.acceptance import AcceptStats
 from difftest.compare.compare import CaptureDiff, TensorDiff

@@ -1,7 +1,7 @@
 """Captures travel from an engine's worker to the harness without copies (difftest.base.tensorfile):
 the worker writes the tensors from their memory, the harness maps the file. Content, dtypes and
 shapes arrive unchanged; nothing half-written stays behind when a worker dies writing; each phase
-of the transfer is timed (difftest.run.timings)."""
+of the transfer is timed (difftest.run.phase_clock)."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_a_worker_killed_while_writing_a_capture_leaves_nothing_half_written(tmp
 
 def test_phases_nest_each_counting_only_its_own_time():
     from difftest.records.timings import WorkerPhase
-    from difftest.run.timings import PhaseClock
+    from difftest.run.phase_clock import PhaseClock
 
     clock = PhaseClock()
     with clock.phase("session", "c.yaml#float64", "ref", "float64"):

@@ -7,7 +7,7 @@
   draft_logits    everything the draft computes after fc matches, every draft step
   top1_agreement  the draft's greedy choices agree with the reference's
   accept_length   accept length and per-position acceptance within the measured noise of the reference's
-                  (difftest.compare.accept_gate; a tolerance the case declares only widens it)
+                  (difftest.compare.accept_judge; a tolerance the case declares only widens it)
 
 Engines contribute further checks through the `difftest.checks` entry points
 (difftest.base.extensions), e.g. the training-data engine's `train_accuracy`.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from difftest.compare import accept_gate
+from difftest.compare import accept_judge
 
 from difftest.compare import noise
 from difftest.case.case import Case
@@ -453,7 +453,7 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
 
 def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     """Accept length and per-position acceptance against the reference's, within the noise of the
-    measurement (difftest.compare.accept_gate: sampling spread over the verify steps plus the reference's
+    measurement (difftest.compare.accept_judge: sampling spread over the verify steps plus the reference's
     measured float64 move), widened only by a tolerance the case declares."""
     tol = case.expect.get("accept_length") or None
     if session.is_live(spec):  # a running server is judged by the check its engine contributes (run_check)
@@ -463,12 +463,12 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
     stats = session.speculate(case, spec)
     # the measured numerical move only widens what is allowed, so it is measured (a float64 speculative
     # run of the reference: minutes on a deep target) only when the sampling spread alone fails
-    gate = accept_gate.judge(ref_stats, stats, None, tol, "within the sampling spread alone (the numerical move, "
+    gate = accept_judge.judge(ref_stats, stats, None, tol, "within the sampling spread alone (the numerical move, "
                              "which only widens it, not needed)")  # fmt: skip
     if not gate.ok:
         numerical, noise_source = session.accept_noise(case)
-        gate = accept_gate.judge(ref_stats, stats, numerical, tol, noise_source)
-    return Verdict(gate.ok, accept_gate.message(gate, ref_stats, stats),
+        gate = accept_judge.judge(ref_stats, stats, numerical, tol, noise_source)
+    return Verdict(gate.ok, accept_judge.message(gate, ref_stats, stats),
                    AcceptLengthData(reference=ref_stats, engine=stats, allowed=gate.allowed_accept, spread=gate.spread,
                                     gate=gate))  # fmt: skip
 

@@ -1,5 +1,5 @@
 """The accept-length gate's record: per draft position, the reference's and the engine's rates
-against the allowed difference, and the accept length itself. difftest.compare.accept_gate judges
+against the allowed difference, and the accept length itself. difftest.compare.accept_judge judges
 (and explains the statistics); this is what a check's data and the report store."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Report: one case's run, the JSON in reports/ that the Markdown, the HTML, the session summary,
-`difftest report` and `difftest bundle` are rendered from (difftest.report.report writes it).
+`difftest report` and `difftest bundle` are rendered from (difftest.report.writer writes it).
 
 Schema versions: `schema` names the kind of file ("difftest.report"), `schema_version` its layout.
 2 is this record (typed check data with a `kind`). A report without `schema_version` is version 1,
@@ -74,14 +74,14 @@ class Report:
     comparisons: dict[str, list[PromptComparison]] = field(default_factory=dict)  # by engine spec id
     environment: dict[str, object] = field(
         default_factory=dict
-    )  # the harness side (difftest.report.report.environment)
+    )  # the harness side (difftest.report.writer.environment)
     reproduce: str = ""
     case_yaml: str = ""
     interrupted: bool = False
     definitions: list[FigureDefinition] = field(
         default_factory=list
     )  # every figure the report shows  # the run stopped before every check of the case ran
-    timings: Timings | None = None  # where the case's time went, by phase (difftest.run.timings)
+    timings: Timings | None = None  # where the case's time went, by phase (difftest.run.phase_clock)
 
     def results(self, engine: str, check: str | None = None) -> list[CheckResult]:
         return [c for c in self.checks if c.engine == engine and (check is None or c.check == check)]

@@ -1,4 +1,4 @@
-"""Timings: where a case's time went, by phase (difftest.run.timings measures them), in its report.
+"""Timings: where a case's time went, by phase (difftest.run.phase_clock measures them), in its report.
 
 Each phase's time is its own: a phase that contains others (a capture request contains the
 worker's capture and the write of its file) counts only what the contained ones do not, so the
@@ -28,7 +28,7 @@ class WorkerPhase:
 class PhaseTime:
     """One phase of a case on one engine in one dtype, summed over its occurrences."""
 
-    phase: str  # a name of difftest.run.timings.PHASES
+    phase: str  # a name of difftest.run.phase_clock.PHASES
     owner: str = field(metadata={CHOICES: OWNERS})  # whose work it is: the harness's or the engine's
     seconds: float  # its own time (the phases inside it excluded)
     count: int  # how many times it ran

@@ -6,7 +6,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from difftest.report import report as report_mod
+from difftest.report import writer as report_mod
 from difftest.report import report_files
 from difftest.base.outputs import atomic_path, check_output_dir, check_output_file
 from difftest.records import Report

@@ -23,7 +23,7 @@ from html import escape
 from difftest.records import AcceptLengthData, CheckResult, ComparisonData, PromptComparison, Report, ServerAcceptData
 from difftest.records.report import SCHEMA, SCHEMA_VERSION
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
-from difftest.report.report import (INTERRUPTED, above_noise, fix_lines, fixes, focus, interesting, noise_cells, noise_floor_line, num,
+from difftest.report.writer import (INTERRUPTED, above_noise, fix_lines, fixes, focus, interesting, noise_cells, noise_floor_line, num,
                              ties_lines, verdict_word)  # fmt: skip
 
 OUTCOME_COLOURS = {

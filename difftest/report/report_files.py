@@ -1,5 +1,5 @@
 """A report's files: the JSON record, and the Markdown and HTML rendered beside it from the record
-alone. Above both renderers (difftest.report.report's Markdown, difftest.report.html_report), which read the
+alone. Above both renderers (difftest.report.writer's Markdown, difftest.report.html_report), which read the
 record and never write."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from difftest.report import html_report
 from difftest.base.outputs import atomic_write
 from difftest.records import Report
-from difftest.report.report import json_path, markdown
+from difftest.report.writer import json_path, markdown
 
 
 def write(report: Report, directory: Path) -> Path:

@@ -224,7 +224,7 @@ class BaselineWriter:
     def commit(self) -> Path:
         """Manifest last, then one rename: the baseline appears complete or not at all."""
         from difftest.base.outputs import atomic_write
-        from difftest.report.report import environment
+        from difftest.report.writer import environment
 
         self.refuse_existing()  # another run may have written it meanwhile
         tmp = self._staging()

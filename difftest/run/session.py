@@ -33,7 +33,7 @@ from difftest.base.paths import cache_root, log_file_name
 from difftest.base.outputs import atomic_write
 from difftest.records.fields import decode_value
 from difftest.records.timings import Timings, WorkerPhase
-from difftest.run.timings import PhaseClock, case_of
+from difftest.run.phase_clock import PhaseClock, case_of
 from difftest.run.worker import PROJECT_ROOT, WorkerClient
 from difftest.base.names import FC_IN
 from difftest.records.check_data import ReplayRow
@@ -125,7 +125,7 @@ class Session:
         self._stored: dict[str, BaselineSource] = {}
         # case path -> `wiring: infer` result ((case, difftest.rules.infer_wiring.WiringInference)) or the error it raised
         self._inferences: dict[str, tuple[Case, Any] | DifftestError] = {}
-        self.clock = PhaseClock()  # where each case's time goes (difftest.run.timings; in its report)
+        self.clock = PhaseClock()  # where each case's time goes (difftest.run.phase_clock; in its report)
 
     def add_stored(self, source: BaselineSource) -> None:
         """Serve `source.spec` from disk (captures, accept stats, info) instead of a worker."""
@@ -452,7 +452,7 @@ class Session:
         return reply
 
     def timings(self, case: Case) -> Timings:
-        """Where the case's time went so far (difftest.run.timings)."""
+        """Where the case's time went so far (difftest.run.phase_clock)."""
         return self.clock.timings(case.path)
 
     def capture_golden(self, case: Case, spec: EngineSpec, index: int, source: EngineSpec | None = None,
@@ -570,7 +570,7 @@ class Session:
                                                       f"prompts", [p for p in own if p[0] is not None])  # fmt: skip
 
     def accept_noise(self, case: Case) -> tuple[tuple[AcceptStats, AcceptStats] | None, str]:
-        """The reference's speculative run in the case's dtype and in float64 (difftest.compare.accept_gate:
+        """The reference's speculative run in the case's dtype and in float64 (difftest.compare.accept_judge:
         the numerical part of the accept-length noise), or None with the reason it cannot run."""
         case = self.prepare(case)
         if case.dtype == noise.CALIBRATION_DTYPE:

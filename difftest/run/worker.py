@@ -241,7 +241,7 @@ def _returned(engine, method: str, value, expected: type):
 
 
 def _timed(phases: list, name: str, fn, *args):
-    """fn(*args), its time appended to `phases` (sent back in the reply: difftest.run.timings)."""
+    """fn(*args), its time appended to `phases` (sent back in the reply: difftest.run.phase_clock)."""
     from difftest.records.timings import WorkerPhase
 
     t = time.perf_counter()

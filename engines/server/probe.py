@@ -17,7 +17,7 @@ request is marked (engines.server.client) and left out of the verdict when clean
 
 from __future__ import annotations
 
-from difftest.api import accept_gate
+from difftest.api import accept_judge
 from difftest.api import ACCEPT_SIGMAS
 from difftest.api import AcceptStats, accept_length_spread
 from difftest.api import Case
@@ -103,7 +103,7 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
                             "first_mismatch": rep.first_mismatch, "judged": i in judged, "numbers": kind})  # fmt: skip
     a, b = ref_total.accept_length, server_total.accept_length
     # the same tokens on both sides: no numerical move to add; sampling spread over the verifies only
-    gate = accept_gate.judge(ref_total, server_total, None, tol, "on the server's own tokens")
+    gate = accept_judge.judge(ref_total, server_total, None, tol, "on the server's own tokens")
     passed, allowed, spread = gate.ok, gate.allowed_accept, gate.spread
     exact = all(r["exact"] for r in requests)
     declared = "" if gate.tolerance is None else f", declared tolerance {gate.tolerance:.3f}"

@@ -424,7 +424,7 @@ def markdown(report: Report) -> str:
 
 
 def markdown_timings(report: Report) -> list[str]:
-    """Where the case's time went: the harness's share, then each phase (difftest.run.timings)."""
+    """Where the case's time went: the harness's share, then each phase (difftest.run.phase_clock)."""
     t = report.timings
     if t is None or not t.phases:
         return []

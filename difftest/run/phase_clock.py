@@ -81,7 +81,7 @@ class PhaseClock:
         """Time a phase; the case, engine and dtype default to the enclosing phase's. The frame it
         yields takes the bytes the phase moved (`frame.bytes = n`)."""
         if name not in PHASES:
-            raise KeyError(f"difftest.run.timings: unknown phase {name!r}")  # a harness bug
+            raise KeyError(f"difftest.run.phase_clock: unknown phase {name!r}")  # a harness bug
         outer = self._open[-1] if self._open else None
         frame = _Frame(
             name,
