@@ -65,7 +65,7 @@ from engines.ref.engine import DTYPES as REF_DTYPES
 from engines.ref.target import load_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_bench_compare import _shape, best_of, machine_line, memory_limits  # noqa: E402
+from test_bench_compare import _shape, best_of, machine_line, memory_limits
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = "ref,ref[wiring=vllm]"
@@ -234,8 +234,15 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
                     for check in checks_mod.checks_for(case, is_ref):
                         v = checks_mod.run_check(check, s, case, spec)
                         outcomes[f"{spec.id}::{check}"] = v.passed
-                        results.append({"engine": spec.id, "check": check, "outcome": "passed" if v.passed else "failed",
-                                        "message": v.message, "data": v.data})  # fmt: skip
+                        results.append(
+                            {
+                                "engine": spec.id,
+                                "check": check,
+                                "outcome": "passed" if v.passed else "failed",
+                                "message": v.message,
+                                "data": v.data,
+                            }
+                        )
                 report_files.write(report_mod.build(case, s, results), tmp_path / "reports")
                 state["outcomes"] = outcomes
 
@@ -245,8 +252,14 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
                 return (), {}
 
             def target():
-                cmd = [str(Path(sys.executable).with_name("difftest")), "run", path, f"--engines={ENGINES}",
-                       "--no-capture-cache", f"--report-dir={tmp_path / 'cli-reports'}"]  # fmt: skip
+                cmd = [
+                    str(Path(sys.executable).with_name("difftest")),
+                    "run",
+                    path,
+                    f"--engines={ENGINES}",
+                    "--no-capture-cache",
+                    f"--report-dir={tmp_path / 'cli-reports'}",
+                ]
                 out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
                 state["cli"] = (out.returncode, out.stdout[-3000:] + out.stderr[-2000:])
 
@@ -294,8 +307,12 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
             for dt, key in ((prepared.dtype, "dtype_load"), (noise.CALIBRATION_DTYPE, "float64_load")):
                 t = time.perf_counter()
                 target_model = load_target(prepared.target, REF_DTYPES[dt])
-                load_draft(prepared.draft, target_embed=target_model.get_input_embeddings().weight.detach(),
-                           target_lm_head=target_model.get_output_embeddings().weight.detach(), dtype=REF_DTYPES[dt])  # fmt: skip
+                load_draft(
+                    prepared.draft,
+                    target_embed=target_model.get_input_embeddings().weight.detach(),
+                    target_lm_head=target_model.get_output_embeddings().weight.detach(),
+                    dtype=REF_DTYPES[dt],
+                )
                 _record(case, key, time.perf_counter() - t)
                 del target_model
         if part == "run":
@@ -347,16 +364,19 @@ def test_rel_err(benchmark, dtype):
     )
     path = "native" if native and rowstats.native_kernel() is not None else "eager"
     # the tensors bound as defaults: they are deleted below, before the memory is measured
-    errs = benchmark.pedantic(lambda x=x, ref=ref: noise.row_rel_err(x, ref, path=path), rounds=3, iterations=1,
-                              warmup_rounds=0)  # fmt: skip
+    errs = benchmark.pedantic(
+        lambda x=x, ref=ref: noise.row_rel_err(x, ref, path=path), rounds=3, iterations=1, warmup_rounds=0
+    )
     eager_errs = noise.row_rel_err(x, ref, path="eager")
     torch.testing.assert_close(errs, eager_errs, rtol=1e-9, atol=0)
     r = REL_ERR[dtype] = {
-        "path": path, "shape": list(x.shape), "seconds": benchmark.stats.stats.min,
+        "path": path,
+        "shape": list(x.shape),
+        "seconds": benchmark.stats.stats.min,
         "eager_seconds": best_of(lambda x=x, ref=ref: noise.row_rel_err(x, ref, path="eager"), 3),
         "mib": (x.numel() * x.element_size() / 2**20, ref.numel() * ref.element_size() / 2**20),
         **memory_limits(x, ref),
-    }  # fmt: skip
+    }
     del x, ref, errs, eager_errs
     r["memory"] = _rel_err_memory(getattr(torch, dtype), path), _rel_err_memory(getattr(torch, dtype), "eager")
     benchmark.extra_info.update({k: v for k, v in r.items() if k != "mib"})

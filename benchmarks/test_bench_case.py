@@ -95,15 +95,20 @@ def breakdown(report: Report, wall: float) -> list[str]:
     t = report.timings
     assert t is not None and t.phases, "the report records no timings"
     covered = t.harness_seconds + t.engine_seconds
-    lines = [f"    wall {wall:.2f} s = engines {t.engine_seconds:.2f} + harness {t.harness_seconds:.2f} "
-             f"({100 * t.harness_seconds / wall:.1f}% of the wall) + outside any phase {wall - covered:.2f} "
-             f"(interpreter and pytest start, collection, report writing, workers' exit)"]  # fmt: skip
+    lines = [
+        f"    wall {wall:.2f} s = engines {t.engine_seconds:.2f} + harness {t.harness_seconds:.2f} "
+        f"({100 * t.harness_seconds / wall:.1f}% of the wall) + outside any phase {wall - covered:.2f} "
+        f"(interpreter and pytest start, collection, report writing, workers' exit)"
+    ]
     by_phase: dict[str, list] = {}
     for p in t.phases:
         by_phase.setdefault(p.phase, []).append(p)
     for name, rows in by_phase.items():
-        parts = ", ".join(f"{p.engine or '-'}/{p.dtype or '-'} {p.seconds:.3f} s x{p.count}"
-                          + (f" {p.bytes / 2**20:.1f} MiB" if p.bytes else "") for p in rows)  # fmt: skip
+        parts = ", ".join(
+            f"{p.engine or '-'}/{p.dtype or '-'} {p.seconds:.3f} s x{p.count}"
+            + (f" {p.bytes / 2**20:.1f} MiB" if p.bytes else "")
+            for p in rows
+        )
         lines.append(f"    {name:<17} {PHASES[name][0]:<7} {sum(p.seconds for p in rows):8.3f} s  ({parts})")
     return lines
 
@@ -135,8 +140,17 @@ def test_case(benchmark, engines, cache, tmp_path):
 
     def run():
         report_dir = tmp_path / f"reports-{len(runs)}"
-        cmd = [sys.executable, "-m", "difftest.cli", "run", CASE, f"--engines={engines}", "--no-capture-cache",
-               f"--report-dir={report_dir}", *(f"--engine-python={e}={env_python(e)}" for e in real)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "difftest.cli",
+            "run",
+            CASE,
+            f"--engines={engines}",
+            "--no-capture-cache",
+            f"--report-dir={report_dir}",
+            *(f"--engine-python={e}={env_python(e)}" for e in real),
+        ]
         env = dict(
             os.environ,
             DIFFTEST_CACHE=str(cache),
@@ -155,8 +169,10 @@ def test_case(benchmark, engines, cache, tmp_path):
     outcomes = sorted({c.outcome for c in report.checks})
     LINES.append(f"case {CASE} --engines={engines} (min of {len(runs)}; {loads}; outcomes {', '.join(outcomes)}):")
     LINES.extend(breakdown(report, wall))
-    LINES.append(f"    of what no phase covers: an interpreter importing torch and the plugin {start_cost():.2f} s; "
-                 f"the report's writing (JSON, Markdown, HTML) {write_cost(report, tmp_path):.2f} s")  # fmt: skip
+    LINES.append(
+        f"    of what no phase covers: an interpreter importing torch and the plugin {start_cost():.2f} s; "
+        f"the report's writing (JSON, Markdown, HTML) {write_cost(report, tmp_path):.2f} s"
+    )
     benchmark.extra_info.update(
         wall=wall, harness=report.timings.harness_seconds, engines=report.timings.engine_seconds
     )
@@ -222,14 +238,23 @@ def _through_worker(directory: Path) -> dict:
             total = time.perf_counter() - s
             first = _first_pass(capture.tensors["target.logits"])
             phases = {p.phase: p for p in session.clock.timings(f"x{i}.yaml").phases}
-            rounds.append({"total": total, "first_pass": first, "bytes": phases["transfer.read"].bytes,
-                           **{k: phases[k].seconds for k in ("engine.capture", "transfer.write", "request", "transfer.read")}})  # fmt: skip
+            rounds.append(
+                {
+                    "total": total,
+                    "first_pass": first,
+                    "bytes": phases["transfer.read"].bytes,
+                    **{k: phases[k].seconds for k in ("engine.capture", "transfer.write", "request", "transfer.read")},
+                }
+            )
             del capture
     finally:
         client.close()
     best = min(rounds, key=lambda r: r["total"])
-    best["check"] = "content checked" if torch.equal(Capture.load(directory / "cache" / "k0").tensors["target.logits"],
-                                                      synthetic_logits()) else "CONTENT DIFFERS"  # fmt: skip
+    best["check"] = (
+        "content checked"
+        if torch.equal(Capture.load(directory / "cache" / "k0").tensors["target.logits"], synthetic_logits())
+        else "CONTENT DIFFERS"
+    )
     return best
 
 
@@ -258,13 +283,19 @@ def test_transfer(benchmark, medium, cache, tmp_path):
     mib = x.numel() * x.element_size() / 2**20
     assert worker["check"] == "content checked"
     rows, cols = logits_shape()
-    LINES.append(f"transfer of logits [{rows}x{cols}] bf16 ({mib:.0f} MiB) on {medium} ({directory.parent}; "
-                 f"{' -> '.join(loads)}), min of 3:")  # fmt: skip
-    LINES.append(f"    worker -> harness: request {worker['total']:.3f} s = engine.capture {worker['engine.capture']:.3f} + "
-                 f"transfer.write {worker['transfer.write']:.3f} + request {worker['request']:.3f} + transfer.read "
-                 f"{worker['transfer.read']:.4f}; {worker['bytes'] / 2**20:.0f} MiB moved; first pass over the loaded "
-                 f"tensor {worker['first_pass']:.3f} s")  # fmt: skip
+    LINES.append(
+        f"transfer of logits [{rows}x{cols}] bf16 ({mib:.0f} MiB) on {medium} ({directory.parent}; "
+        f"{' -> '.join(loads)}), min of 3:"
+    )
+    LINES.append(
+        f"    worker -> harness: request {worker['total']:.3f} s = engine.capture {worker['engine.capture']:.3f} + "
+        f"transfer.write {worker['transfer.write']:.3f} + request {worker['request']:.3f} + transfer.read "
+        f"{worker['transfer.read']:.4f}; {worker['bytes'] / 2**20:.0f} MiB moved; first pass over the loaded "
+        f"tensor {worker['first_pass']:.3f} s"
+    )
     for name, r in (("before (safetensors save_file/load_file)", old), ("after (difftest.base.tensorfile)", new)):
-        LINES.append(f"    {name}: write {r['write']:.3f} s, read {r['read']:.4f} s (+{r['anon_mib']:.0f} MiB anonymous "
-                     f"memory), first pass {r['first_pass']:.3f} s")  # fmt: skip
+        LINES.append(
+            f"    {name}: write {r['write']:.3f} s, read {r['read']:.4f} s (+{r['anon_mib']:.0f} MiB anonymous "
+            f"memory), first pass {r['first_pass']:.3f} s"
+        )
     benchmark.extra_info.update({f"worker_{k}": v for k, v in worker.items() if isinstance(v, float)})

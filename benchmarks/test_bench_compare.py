@@ -148,9 +148,11 @@ def machine_line() -> str:
     except OSError:
         pass
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"machine: {model}; {available} CPUs available of {os.cpu_count()}; torch {torch.__version__} "
-            f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads; "
-            f"comparison kernel: {rowstats.compile_status()}")  # fmt: skip
+    return (
+        f"machine: {model}; {available} CPUs available of {os.cpu_count()}; torch {torch.__version__} "
+        f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads; "
+        f"comparison kernel: {rowstats.compile_status()}"
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -160,8 +162,11 @@ def ratios():
     print("\n" + "\n".join(ratio_lines()))
 
 
-@pytest.fixture(scope="module", params=[(k, d) for k in CASES for d in DTYPES],
-                ids=lambda p: f"{p[0]}-{str(p[1]).removeprefix('torch.')}")  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[(k, d) for k in CASES for d in DTYPES],
+    ids=lambda p: f"{p[0]}-{str(p[1]).removeprefix('torch.')}",
+)
 def pair(request):
     kind, dtype = request.param
     name, shape = CASES[kind]

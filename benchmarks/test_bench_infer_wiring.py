@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import wiring_drafts as wd  # noqa: E402
-from difftest.rules.infer_wiring import Scores, Search, infer_from_evidence, starts_for  # noqa: E402
-from engines.ref.draft_loading import load_draft  # noqa: E402
+import wiring_drafts as wd
+from difftest.rules.infer_wiring import Scores, Search, infer_from_evidence, starts_for
+from engines.ref.draft_loading import load_draft
 
 TINY = ["llama-embed", "qwen3-unsorted-postnorm", "deepseek-unsorted-prenorm"]
 LAYERS = 61
@@ -43,13 +43,19 @@ def test_tiny(benchmark, name):
     loaded = load_draft(wd.ensure_draft(name))
     evidence = wd.evidence(recipe.target)
     result = benchmark.pedantic(
-        infer_from_evidence, args=(loaded.model, loaded.config.layer_ids, evidence, wd.family(recipe.target)),
-        rounds=3, iterations=1,
-    )  # fmt: skip
+        infer_from_evidence,
+        args=(loaded.model, loaded.config.layer_ids, evidence, wd.family(recipe.target)),
+        rounds=3,
+        iterations=1,
+    )
     assert result.wiring == recipe.inputs
     benchmark.extra_info.update(forwards=result.forwards, grid=result.grid_size, positions=result.positions)
-    RESULTS[name] = {"seconds": benchmark.stats.stats.min, "forwards": result.forwards, "grid": result.grid_size,
-                     "positions": result.positions}  # fmt: skip
+    RESULTS[name] = {
+        "seconds": benchmark.stats.stats.min,
+        "forwards": result.forwards,
+        "grid": result.grid_size,
+        "positions": result.positions,
+    }
 
 
 def _synthetic(truth: tuple[str, ...], n: int = 2000, seed: int = 0):
@@ -93,8 +99,12 @@ def test_forwards_61(benchmark):
     benchmark.extra_info.update(
         forwards_min=min(counts), forwards_mean=sum(counts) / len(counts), forwards_max=max(counts), grid=grid
     )
-    RESULTS["61 layers (synthetic scorer)"] = {"forwards min": min(counts), "mean": sum(counts) / len(counts),
-                                               "max": max(counts), "grid": grid}  # fmt: skip
+    RESULTS["61 layers (synthetic scorer)"] = {
+        "forwards min": min(counts),
+        "mean": sum(counts) / len(counts),
+        "max": max(counts),
+        "grid": grid,
+    }
 
 
 def teardown_module(module):

@@ -36,8 +36,12 @@ HELP = "compute, write and verify the draft-config edit that makes ENGINE feed w
 
 def add_parser(sub) -> None:
     p = sub.add_parser("fix", help=HELP)
-    p.add_argument("cases", nargs="+", metavar="case",
-                   help="a case YAML file; several are fixed in turn and verified in one run of the engine")  # fmt: skip
+    p.add_argument(
+        "cases",
+        nargs="+",
+        metavar="case",
+        help="a case YAML file; several are fixed in turn and verified in one run of the engine",
+    )
     p.add_argument(
         "--engine", required=True, help="the engine to fix for: vllm or sglang (a labelled spec NAME@LABEL works)"
     )
@@ -47,12 +51,20 @@ def add_parser(sub) -> None:
         default=None,
         help="the reference engine of the verifying run (default: the engine that calibrates, ref)",
     )
-    p.add_argument("--engine-python", action="append", default=[], metavar="NAME=PATH",
-                   help="as for `difftest run`: the engine's interpreter")  # fmt: skip
+    p.add_argument(
+        "--engine-python",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="as for `difftest run`: the engine's interpreter",
+    )
     p.add_argument("--no-verify", action="store_true", help="write the edit without running the engine")
     p.add_argument("--engine-timeout", type=int, default=900, help="seconds for the verifying run's engine requests")
-    p.add_argument("--no-capture-cache", action="store_true",
-                   help="as for `difftest run`: the verifying run recaptures instead of reusing a cached capture")  # fmt: skip
+    p.add_argument(
+        "--no-capture-cache",
+        action="store_true",
+        help="as for `difftest run`: the verifying run recaptures instead of reusing a cached capture",
+    )
     p.set_defaults(handler=run)
 
 
@@ -84,8 +96,10 @@ class FixResult:
             out.append("nothing to fix: the engine already feeds what training fed")
         else:
             if self.fc_order:
-                out.append(f"checkpoint edit: fc.weight's input blocks reordered into layer order (new block j = "
-                           f"trained block {self.fc_order}[j]): the same function, fed in the order the engine feeds")  # fmt: skip
+                out.append(
+                    f"checkpoint edit: fc.weight's input blocks reordered into layer order (new block j = "
+                    f"trained block {self.fc_order}[j]): the same function, fed in the order the engine feeds"
+                )
             out.append(f"edit: {json.dumps(self.patch)} (merge into the draft's config.json)")
         out += [f"note: {s}" for s in self.side_effects]
         out += [f"wrote {f}" for f in self.files]
@@ -122,15 +136,31 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
 
     view = engine_view(prepared, spec.name, trained, variant=spec_variant(spec.name, dict(spec.params)))
     if view is None:
-        raise ConfigError(f"--engine {engine}: no layer-id rule models {spec.name} on this target "
-                          "(difftest.rules.layer_rules knows vllm and sglang on Llama, Qwen3 and DeepSeek-V3 targets)")  # fmt: skip
+        raise ConfigError(
+            f"--engine {engine}: no layer-id rule models {spec.name} on this target "
+            "(difftest.rules.layer_rules knows vllm and sglang on Llama, Qwen3 and DeepSeek-V3 targets)"
+        )
     edit = view.edit()
     if view.trained is None or edit is None:
-        raise ConfigError(f"{case_path}: the training wiring {trained} is not a list of target hidden states; "
-                          "a layer-id edit cannot express it")  # fmt: skip
+        raise ConfigError(
+            f"{case_path}: the training wiring {trained} is not a list of target hidden states; "
+            "a layer-id edit cannot express it"
+        )
     before = view.reading.explain() + f"; training fed [{', '.join(f'h{k}' for k in view.trained)}]"
-    result = FixResult(case.name, spec.id, view.rule.words(), view.trained, before, edit.patch if edit.possible else None,
-                       edit.ids, edit.impossible, edit.alternatives, edit.side_effects, [], edit.fc_order)  # fmt: skip
+    result = FixResult(
+        case.name,
+        spec.id,
+        view.rule.words(),
+        view.trained,
+        before,
+        edit.patch if edit.possible else None,
+        edit.ids,
+        edit.impossible,
+        edit.alternatives,
+        edit.side_effects,
+        [],
+        edit.fc_order,
+    )
     if not edit.possible:
         return result, None
     # already fed as trained: nothing to set
@@ -219,11 +249,28 @@ def verify(fixed: list[tuple[FixResult, Path]], args: argparse.Namespace, out_di
     reference = args.reference or calibration_engine()
     report_dir = out_dir / "verified"
     engine = fixed[0][0].engine
-    cmd = [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs",
-           "--rootdir", str(out_dir), "-c", "/dev/null", *(str(case_file) for _, case_file in fixed),
-           f"--engines={reference},{engine}", "--require-engines", f"--report-dir={report_dir}",
-           f"--engine-timeout={args.engine_timeout}", *(f"--engine-python={e}" for e in args.engine_python),
-           *(["--no-capture-cache"] if args.no_capture_cache else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "difftest.plugin",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rfEs",
+        "--rootdir",
+        str(out_dir),
+        "-c",
+        "/dev/null",
+        *(str(case_file) for _, case_file in fixed),
+        f"--engines={reference},{engine}",
+        "--require-engines",
+        f"--report-dir={report_dir}",
+        f"--engine-timeout={args.engine_timeout}",
+        *(f"--engine-python={e}" for e in args.engine_python),
+        *(["--no-capture-cache"] if args.no_capture_cache else []),
+    ]
     print(f"[difftest fix] verifying on the real engine: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for result, case_file in fixed:
@@ -235,8 +282,10 @@ def verify(fixed: list[tuple[FixResult, Path]], args: argparse.Namespace, out_di
             ]
             continue
         checks = Report.load(report).results(result.engine)
-        result.verification = [{"check": c.check, "outcome": c.outcome, "message": c.message.splitlines()[0] if c.message else ""}
-                               for c in checks]  # fmt: skip
+        result.verification = [
+            {"check": c.check, "outcome": c.outcome, "message": c.message.splitlines()[0] if c.message else ""}
+            for c in checks
+        ]
         result.verified = bool(checks) and all(c.outcome == "passed" for c in checks)
         result.verification_report = str(report)
 
@@ -265,8 +314,11 @@ def run(args: argparse.Namespace) -> int:
         name = _case_name(Path(case))
         if name is not None and name in first_with_name:
             # its files are named after the case: the second would overwrite the first's
-            print(f"difftest fix: {case}: a case named {name!r} is already being fixed ({first_with_name[name]}); "
-                  "one case of a name per run", file=sys.stderr)  # fmt: skip
+            print(
+                f"difftest fix: {case}: a case named {name!r} is already being fixed ({first_with_name[name]}); "
+                "one case of a name per run",
+                file=sys.stderr,
+            )
             bad_input = True
             continue
         if name is not None:
@@ -296,8 +348,10 @@ def run(args: argparse.Namespace) -> int:
         for line in result.lines():
             print(line)
         if result.files:
-            atomic_write(out_dir / f"{Path(result.files[0]).name.removesuffix('.patch.json')}.fix.json",
-                         json.dumps(dataclasses.asdict(result), indent=1) + "\n")  # fmt: skip
+            atomic_write(
+                out_dir / f"{Path(result.files[0]).name.removesuffix('.patch.json')}.fix.json",
+                json.dumps(dataclasses.asdict(result), indent=1) + "\n",
+            )
     if bad_input:
         return 2
     return 1 if any(r.impossible or r.verified is False for r in results) else 0

@@ -62,8 +62,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help='engines to compare, e.g. ref,"ref[wiring=sglang]",vllm (default: the engine that calibrates, ref)',
     )
     g.addoption("--reference", default=None, help="the engine others are compared to (default: the first of --engines)")
-    g.addoption("--engine-python", action="append", default=[], metavar="NAME=PATH",
-                help="interpreter for an engine's worker (NAME is name or name@label); repeatable")  # fmt: skip
+    g.addoption(
+        "--engine-python",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="interpreter for an engine's worker (NAME is name or name@label); repeatable",
+    )
     g.addoption(
         "--report-dir", default=None, help="where per-case JSON/Markdown reports go (default: <rootdir>/reports)"
     )
@@ -77,13 +82,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--require-engines", action="store_true", help="fail instead of skip when an engine is not installed (CI)"
     )
     g.addoption("--no-capture-cache", action="store_true", help="recapture instead of reusing cached captures")
-    g.addoption("--save-baseline", default=None, metavar="NAME",
-                help="store every engine's captures and accept-length stats as baseline NAME (immutable)")  # fmt: skip
-    g.addoption("--baseline", default=None, metavar="NAME[:ENGINE]",
-                help="compare the engines against stored baseline NAME (it becomes the reference, baseline:NAME)")  # fmt: skip
+    g.addoption(
+        "--save-baseline",
+        default=None,
+        metavar="NAME",
+        help="store every engine's captures and accept-length stats as baseline NAME (immutable)",
+    )
+    g.addoption(
+        "--baseline",
+        default=None,
+        metavar="NAME[:ENGINE]",
+        help="compare the engines against stored baseline NAME (it becomes the reference, baseline:NAME)",
+    )
     g.addoption("--baseline-dir", default=None, help="where baselines live (default: <rootdir>/baselines)")
-    g.addoption("--force-baseline", "--force", dest="force_baseline", action="store_true",
-                help="let --save-baseline replace an existing baseline")  # fmt: skip
+    g.addoption(
+        "--force-baseline",
+        "--force",
+        dest="force_baseline",
+        action="store_true",
+        help="let --save-baseline replace an existing baseline",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -231,8 +249,10 @@ class CaseFile(pytest.File):
             yield ErrorItem.from_parent(self, name="load", error=problem)
             return
         try:  # the checks engines contribute are loaded here first: a broken registration is one line
-            checks = {spec.id: checks_mod.checks_for(case, spec.id == session.options.reference.id, spec.name)
-                      for spec in session.options.engines}  # fmt: skip
+            checks = {
+                spec.id: checks_mod.checks_for(case, spec.id == session.options.reference.id, spec.name)
+                for spec in session.options.engines
+            }
         except ConfigError as e:
             yield ErrorItem.from_parent(self, name="load", error=str(e))
             return
@@ -248,8 +268,10 @@ class CaseFile(pytest.File):
         names = self.config.stash[NAMES]
         other = names.setdefault(case.name, case.path)
         if other != case.path:
-            return (f"{case.path}: name: {case.name!r} is already the name of {other}; case names key report files "
-                    f"and baseline entries, so each must be unique")  # fmt: skip
+            return (
+                f"{case.path}: name: {case.name!r} is already the name of {other}; case names key report files "
+                f"and baseline entries, so each must be unique"
+            )
         try:
             check_case_settings(case, session.options.engines, session.engine_case)
         except ConfigError as e:
@@ -324,17 +346,35 @@ class CheckItem(pytest.Item):
         reference = session.reference_names(self.case)
         info = session.engine_info(self.spec)
         variant = info.variant if info is not None else ""
-        expected = next((e for e in self.case.expect_failure
-                         if e.matches(self.spec.name, self.spec.id, self.check, reference, variant)), None)  # fmt: skip
+        expected = next(
+            (
+                e
+                for e in self.case.expect_failure
+                if e.matches(self.spec.name, self.spec.id, self.check, reference, variant)
+            ),
+            None,
+        )
         if expected is None:
             results.append(CheckResult(self.spec.id, self.check, outcome, message, data))
             if outcome != "passed":
                 raise CheckFailed(message)
             return
         judged = judge_expected(expected, outcome == "passed", message)
-        results.append(CheckResult(self.spec.id, self.check, "xfailed" if judged.expected else "failed", judged.message, data,
-                                   ExpectedFailureRecord(expected.engine, expected.check, expected.cause,
-                                                         None if expected.reference == "*" else expected.reference)))  # fmt: skip
+        results.append(
+            CheckResult(
+                self.spec.id,
+                self.check,
+                "xfailed" if judged.expected else "failed",
+                judged.message,
+                data,
+                ExpectedFailureRecord(
+                    expected.engine,
+                    expected.check,
+                    expected.cause,
+                    None if expected.reference == "*" else expected.reference,
+                ),
+            )
+        )
         if not judged.expected:
             raise CheckFailed(judged.message)
         pytest.xfail(f"expected failure: {expected.cause}")

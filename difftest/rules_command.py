@@ -62,8 +62,15 @@ def main(args: argparse.Namespace) -> int:
         target = resolve_fixture(args.target) if args.target.startswith("fixture:") else args.target
         draft = resolve_fixture(args.draft) if args.draft.startswith("fixture:") else args.draft
         with tempfile.TemporaryDirectory(prefix="difftest-rules-") as work:
-            found = discover(spec, target, draft, Path(work), pythons, args.engine_timeout,
-                             progress=lambda s: print(s, file=sys.stderr, flush=True))  # fmt: skip
+            found = discover(
+                spec,
+                target,
+                draft,
+                Path(work),
+                pythons,
+                args.engine_timeout,
+                progress=lambda s: print(s, file=sys.stderr, flush=True),
+            )
         family = target_family(json.loads((Path(target) / "config.json").read_text()))
         version = args.against or (found.release if engine_releases.on_record(spec.name, found.release) else None)
         known = engine_releases.layer_rule(
@@ -76,9 +83,12 @@ def main(args: argparse.Namespace) -> int:
     diff = difference(found, known) if known is not None else None
     record = {**found.to_dict(), "compared_with": known.label if known else None, "differences": diff}
     atomic_write(out, json.dumps(record, indent=1))
-    print(f"{spec.id} ({found.release}{', ' + found.variant if found.variant else ''}): ids from "
-          f"{' then '.join(found.ids_from) or 'nowhere'}, id k -> h[k{found.shift:+d}]" if found.shift is not None
-          else f"{spec.id}: the shift could not be measured")  # fmt: skip
+    print(
+        f"{spec.id} ({found.release}{', ' + found.variant if found.variant else ''}): ids from "
+        f"{' then '.join(found.ids_from) or 'nowhere'}, id k -> h[k{found.shift:+d}]"
+        if found.shift is not None
+        else f"{spec.id}: the shift could not be measured"
+    )
     print(
         f"  fed in layer order: {found.sorted_by_layer}; no ids: {found.defaults} ({found.defaults_formula or 'no known formula'})"
     )

@@ -43,14 +43,32 @@ CHECK_ORDER = ("capture", "lint", "fc_inputs", "draft_logits", "top1_agreement",
 LETTER = {"passed": "P", "failed": "F", "error": "E", "skipped": "S"}
 
 
-def run_session(workdir: Path, cases: list[str], engines: list[str], report_dir: Path, extra: list[str],
-                timeout: float) -> tuple[int, float, str]:  # fmt: skip
+def run_session(
+    workdir: Path, cases: list[str], engines: list[str], report_dir: Path, extra: list[str], timeout: float
+) -> tuple[int, float, str]:
     """`pytest <cases> --engines=...` in workdir (the plugin collects YAML under a folder named cases)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs",
-           "--rootdir", str(workdir), "-c", os.devnull, *cases, f"--engines={','.join(engines)}",
-           f"--report-dir={report_dir}", f"--junitxml={report_dir / 'junit.xml'}", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "difftest.plugin",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rfEs",
+        "--rootdir",
+        str(workdir),
+        "-c",
+        os.devnull,
+        *cases,
+        f"--engines={','.join(engines)}",
+        f"--report-dir={report_dir}",
+        f"--junitxml={report_dir / 'junit.xml'}",
+        *extra,
+    ]
     print("$ (cd " + str(workdir) + " && " + " ".join(_quote(c) for c in cmd) + ")", flush=True)
     t0 = time.time()
     try:

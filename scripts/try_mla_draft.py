@@ -66,16 +66,29 @@ def run(engine: str, overrides: dict[str, str], timeout: int) -> dict:
     cmd = [sys.executable, "-m", "pytest", str(case), f"--engines=ref,{engine}", f"--report-dir={report_dir}", "-q"]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    result: dict = {"engine": engine, "variant": overrides, "command": " ".join(cmd), "rc": proc.returncode,
-                    "seconds": round(time.time() - t0, 1), "checks": [], "draft_max_abs": {}}  # fmt: skip
+    result: dict = {
+        "engine": engine,
+        "variant": overrides,
+        "command": " ".join(cmd),
+        "rc": proc.returncode,
+        "seconds": round(time.time() - t0, 1),
+        "checks": [],
+        "draft_max_abs": {},
+    }
     report = report_dir / f"{case.stem}.json"
     if not report.exists():
         result["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
         return result
     data = json.loads(report.read_text())
     for check in data["checks"]:
-        result["checks"].append({"engine": check["engine"], "check": check["check"], "outcome": check["outcome"],
-                                 "message": check["message"].splitlines()[0][:400]})  # fmt: skip
+        result["checks"].append(
+            {
+                "engine": check["engine"],
+                "check": check["check"],
+                "outcome": check["outcome"],
+                "message": check["message"].splitlines()[0][:400],
+            }
+        )
         if check["check"] == "accept_length" and check.get("data"):
             result["accept_length"] = {side: check["data"][side]["accept_length"] for side in ("reference", "engine")}
     for prompt in data.get("comparisons", {}).get(engine, []):
@@ -115,8 +128,13 @@ def markdown(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="vllm,sglang", help="comma-separated (default: vllm,sglang)")
-    parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
-                        help="draft config overrides to try as well (repeatable); the shipped config always runs")  # fmt: skip
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="draft config overrides to try as well (repeatable); the shipped config always runs",
+    )
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per engine run")
     args = parser.parse_args(argv)
     variants: list[dict[str, str]] = [{}]

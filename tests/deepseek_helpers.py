@@ -22,8 +22,16 @@ VOCAB = 512
 DRAFT_VOCAB = 256
 
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
-        "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 def deepseek_v3_config(yarn: bool = True):
@@ -31,15 +39,39 @@ def deepseek_v3_config(yarn: bool = True):
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=4, num_nextn_predict_layers=0,
-        q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-        routed_scaling_factor=2.5, topk_method="noaux_tc", n_group=2, topk_group=1, norm_topk_prob=True,
-        scoring_func="sigmoid", max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_act="silu", attention_bias=False,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_nextn_predict_layers=0,
+        q_lora_rank=64,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        topk_method="noaux_tc",
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        scoring_func="sigmoid",
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        hidden_act="silu",
+        attention_bias=False,
         rope_parameters=dict(YARN) if yarn else {"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
+    )
     cfg.moe_layer_freq = 1
     return cfg
 
@@ -74,8 +106,9 @@ def build_random_deepseek_target(directory: Path, seed: int = 0, zero_final_norm
     return model
 
 
-def make_deepseek_pair(directory: Path, layer_ids: list[int], degenerate: str | None = None,
-                       seed: int = 0, plain: bool = False) -> tuple[Path, Path]:  # fmt: skip
+def make_deepseek_pair(
+    directory: Path, layer_ids: list[int], degenerate: str | None = None, seed: int = 0, plain: bool = False
+) -> tuple[Path, Path]:
     """A tiny random DeepSeek-V3 target and an untrained EAGLE-3 draft (ids at top level and in eagle_config).
 
     degenerate=None: random weights (greedy tokens and hidden states are non-trivial).
@@ -91,9 +124,17 @@ def make_deepseek_pair(directory: Path, layer_ids: list[int], degenerate: str | 
     target = build_random_deepseek_target(
         directory / "target", seed, zero_final_norm=degenerate is not None, plain=plain
     )
-    dcfg = Eagle3Config(hidden_size=HIDDEN, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=32, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=HIDDEN,
-                        num_aux=len(layer_ids))  # fmt: skip
+    dcfg = Eagle3Config(
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        target_hidden_size=HIDDEN,
+        num_aux=len(layer_ids),
+    )
     d2t = torch.arange(DRAFT_VOCAB) + (1 if degenerate == "wrong" else 0)
     draft = init_draft(target, dcfg, d2t, seed=seed + 1)
     if degenerate is not None:

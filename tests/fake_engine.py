@@ -59,13 +59,33 @@ def _write_half_then_die(path, tensors):
 
 
 class FakeEngine(RefEngine):
-    SETTINGS = Schema("fake", REF_SETTINGS.settings + (
-        Setting("mode", "choice", "injected behaviour", default="same",
-                choices=("same", "diverge", "unavailable", "error", "crash", "spent", "hang", "spawn_hang", "wrong_type",
-                         "synthetic", "crash_writing")),
-        Setting("golden", "choice", "no: no golden-input re-run", choices=("no",)),
-        Setting("release", "str", "NAME==VERSION: answer as that engine release (one outside the supported range)"),
-    ))  # fmt: skip
+    SETTINGS = Schema(
+        "fake",
+        REF_SETTINGS.settings
+        + (
+            Setting(
+                "mode",
+                "choice",
+                "injected behaviour",
+                default="same",
+                choices=(
+                    "same",
+                    "diverge",
+                    "unavailable",
+                    "error",
+                    "crash",
+                    "spent",
+                    "hang",
+                    "spawn_hang",
+                    "wrong_type",
+                    "synthetic",
+                    "crash_writing",
+                ),
+            ),
+            Setting("golden", "choice", "no: no golden-input re-run", choices=("no",)),
+            Setting("release", "str", "NAME==VERSION: answer as that engine release (one outside the supported range)"),
+        ),
+    )
 
     def info(self) -> EngineInfo:
         if self.spec.param("mode") == "unavailable":

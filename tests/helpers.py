@@ -69,12 +69,29 @@ def make_tiny_pair(directory: Path, num_layers: int = 6, seed: int = 0) -> tuple
     from engines.ref.train import init_draft, save_eagle_format
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     target = LlamaForCausalLM(cfg)
     target.save_pretrained(directory / "target")
-    dcfg = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, vocab_size=512, draft_vocab_size=256, target_hidden_size=64, num_aux=3)  # fmt: skip
+    dcfg = Eagle3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        draft_vocab_size=256,
+        target_hidden_size=64,
+        num_aux=3,
+    )
     draft = init_draft(target, dcfg, torch.arange(256), seed=seed + 1)
     save_eagle_format(draft, directory / "draft", [1, 2, 3])
     return directory / "target", directory / "draft"
@@ -89,14 +106,31 @@ def make_degenerate_pair(directory: Path, right: bool) -> tuple[Path, Path]:
     from engines.ref.train import init_draft, save_eagle_format
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    )
     target = LlamaForCausalLM(cfg)
     with torch.no_grad():
         target.model.norm.weight.zero_()
     target.save_pretrained(directory / "target")
-    dcfg = Eagle3Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=32, vocab_size=512, draft_vocab_size=256, target_hidden_size=128, num_aux=3)  # fmt: skip
+    dcfg = Eagle3Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        draft_vocab_size=256,
+        target_hidden_size=128,
+        num_aux=3,
+    )
     d2t = torch.arange(256) + (0 if right else 1)  # draft id d -> target id 2d (right) or 2d + 1 (wrong)
     draft = init_draft(target, dcfg, d2t, seed=1)
     with torch.no_grad():
@@ -137,8 +171,21 @@ def _pytest_command(root: Path, args: tuple[str, ...], env: dict | None) -> tupl
     environ["DIFFTEST_ENGINES"] = "fake=fake_engine:FakeEngine"
     environ["PYTHONUNBUFFERED"] = "1"  # progress lines reach the pipe as they happen (hang_report)
     environ.update(env or {})
-    command = [sys.executable, "-m", "pytest", "-p", "difftest.plugin", "-p", "no:cacheprovider", "-rfEs",
-               "--rootdir", str(root), "-c", os.devnull, *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "difftest.plugin",
+        "-p",
+        "no:cacheprovider",
+        "-rfEs",
+        "--rootdir",
+        str(root),
+        "-c",
+        os.devnull,
+        *args,
+    ]
     return command, environ
 
 
@@ -151,8 +198,10 @@ def hang_report(args: tuple[str, ...], timeout: float, output: str) -> str:
     """Which step a run was on when it was stopped: its last `[difftest]` progress lines."""
     steps = [ln for ln in output.splitlines() if ln.startswith("[difftest]")]
     last = "\n  ".join(steps[-3:]) or "(no difftest step started: collection or a fixture build)"
-    return (f"pytest {' '.join(args)} still running after {timeout:.0f}s (a hang); its last steps:\n  {last}\n"
-            f"output tail:\n{output[-3000:]}")  # fmt: skip
+    return (
+        f"pytest {' '.join(args)} still running after {timeout:.0f}s (a hang); its last steps:\n  {last}\n"
+        f"output tail:\n{output[-3000:]}"
+    )
 
 
 def run_pytest(root: Path, *args: str, env: dict | None = None, timeout: float = HANG_GUARD_S) -> Run:

@@ -127,8 +127,9 @@ class TargetSpec:
     def key(self) -> str:
         import transformers
 
-        blob = json.dumps({"v": BUILDER_VERSION, "spec": asdict(self), "transformers": transformers.__version__},
-                          sort_keys=True)  # fmt: skip
+        blob = json.dumps(
+            {"v": BUILDER_VERSION, "spec": asdict(self), "transformers": transformers.__version__}, sort_keys=True
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -136,33 +137,85 @@ TARGETS: dict[str, TargetSpec] = {
     t.name: t
     for t in (
         TargetSpec(
-            name="indep-llama", family="llama", seed=11, num_layers=5, hidden=96, vocab=700, draft_vocab=320,
+            name="indep-llama",
+            family="llama",
+            seed=11,
+            num_layers=5,
+            hidden=96,
+            vocab=700,
+            draft_vocab=320,
             trained=(1, 2, 4),
-            arch=dict(num_attention_heads=3, num_key_value_heads=1, head_dim=32, intermediate_size=224,
-                      rope_theta=50000.0, rms_norm_eps=1e-5, max_position_embeddings=1024),
+            arch=dict(
+                num_attention_heads=3,
+                num_key_value_heads=1,
+                head_dim=32,
+                intermediate_size=224,
+                rope_theta=50000.0,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=1024,
+            ),
             draft=DraftSpec(heads=3, kv_heads=1, head_dim=32, intermediate=192, seed=12),
         ),
         TargetSpec(
-            name="indep-qwen3", family="qwen3", seed=23, num_layers=4, hidden=160, vocab=832, draft_vocab=384,
+            name="indep-qwen3",
+            family="qwen3",
+            seed=23,
+            num_layers=4,
+            hidden=160,
+            vocab=832,
+            draft_vocab=384,
             trained=(1, 2, 3),
-            arch=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=320,
-                      rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
+            arch=dict(
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                intermediate_size=320,
+                rope_theta=1000000.0,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=2048,
+            ),
             draft=DraftSpec(heads=5, kv_heads=1, head_dim=32, intermediate=320, seed=24),
         ),
         TargetSpec(
-            name="indep-deepseek-v3", family="deepseek", seed=37, num_layers=5, hidden=96, vocab=600, draft_vocab=256,
+            name="indep-deepseek-v3",
+            family="deepseek",
+            seed=37,
+            num_layers=5,
+            hidden=96,
+            vocab=600,
+            draft_vocab=256,
             trained=(2, 3, 4),
-            arch=dict(num_attention_heads=3, q_lora_rank=48, kv_lora_rank=512, qk_rope_head_dim=64,
-                      qk_nope_head_dim=32, v_head_dim=64, intermediate_size=192, moe_intermediate_size=48,
-                      n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
-                      routed_scaling_factor=1.8, max_position_embeddings=1024,
-                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                       "original_max_position_embeddings": 256, "beta_fast": 32.0,
-                                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+            arch=dict(
+                num_attention_heads=3,
+                q_lora_rank=48,
+                kv_lora_rank=512,
+                qk_rope_head_dim=64,
+                qk_nope_head_dim=32,
+                v_head_dim=64,
+                intermediate_size=192,
+                moe_intermediate_size=48,
+                n_routed_experts=6,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                n_group=2,
+                topk_group=1,
+                routed_scaling_factor=1.8,
+                max_position_embeddings=1024,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                },
+            ),
             draft=DraftSpec(heads=3, kv_heads=1, head_dim=32, intermediate=192, seed=38),
         ),
     )
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -203,8 +256,15 @@ def cache_root() -> Path:
 
 
 def _hf_config(spec: TargetSpec):
-    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
-                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    common = dict(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.num_layers,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     a = dict(spec.arch)
     if spec.family == "llama":
         from transformers import LlamaConfig
@@ -219,9 +279,19 @@ def _hf_config(spec: TargetSpec):
     if spec.family == "deepseek":
         from transformers import DeepseekV3Config
 
-        cfg = DeepseekV3Config(**common, **a, num_key_value_heads=a["num_attention_heads"], num_nextn_predict_layers=0,
-                               first_k_dense_replace=1, topk_method="noaux_tc", norm_topk_prob=True,
-                               scoring_func="sigmoid", rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu")  # fmt: skip
+        cfg = DeepseekV3Config(
+            **common,
+            **a,
+            num_key_value_heads=a["num_attention_heads"],
+            num_nextn_predict_layers=0,
+            first_k_dense_replace=1,
+            topk_method="noaux_tc",
+            norm_topk_prob=True,
+            scoring_func="sigmoid",
+            rms_norm_eps=1e-6,
+            attention_bias=False,
+            hidden_act="silu",
+        )
         cfg.moe_layer_freq = 1  # SGLang's deepseek_v2.py reads it (see engines/sglang/deepseek.py)
         return cfg
     raise ValueError(f"unknown family {spec.family!r}")
@@ -230,8 +300,11 @@ def _hf_config(spec: TargetSpec):
 def _model_class(family: str):
     import transformers
 
-    return {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-            "deepseek": transformers.DeepseekV3ForCausalLM}[family]  # fmt: skip
+    return {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "deepseek": transformers.DeepseekV3ForCausalLM,
+    }[family]
 
 
 @torch.no_grad()
@@ -273,9 +346,17 @@ def build_draft(spec: TargetSpec, target):
     from engines.ref.train import init_draft
 
     d = spec.draft
-    cfg = Eagle3Config(hidden_size=spec.hidden, intermediate_size=d.intermediate, num_attention_heads=d.heads,
-                       num_key_value_heads=d.kv_heads, head_dim=d.head_dim, vocab_size=spec.vocab,
-                       draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.hidden, num_aux=3)  # fmt: skip
+    cfg = Eagle3Config(
+        hidden_size=spec.hidden,
+        intermediate_size=d.intermediate,
+        num_attention_heads=d.heads,
+        num_key_value_heads=d.kv_heads,
+        head_dim=d.head_dim,
+        vocab_size=spec.vocab,
+        draft_vocab_size=spec.draft_vocab,
+        target_hidden_size=spec.hidden,
+        num_aux=3,
+    )
     with torch.random.fork_rng(devices=[]):
         draft = init_draft(target, cfg, _d2t(spec), seed=d.seed)
     gen = torch.Generator().manual_seed(d.seed)
@@ -299,8 +380,16 @@ def _continuations(spec: TargetSpec, target) -> torch.Tensor:
     out = []
     for p in seqs:
         ids = torch.tensor([p])
-        out.append(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=T - len(p),
-                                   min_new_tokens=T - len(p), do_sample=False, pad_token_id=0)[0])  # fmt: skip
+        out.append(
+            target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=T - len(p),
+                min_new_tokens=T - len(p),
+                do_sample=False,
+                pad_token_id=0,
+            )[0]
+        )
     return torch.stack(out)
 
 
@@ -315,12 +404,21 @@ def fit_draft(spec: TargetSpec, target, wiring: list[int], data: torch.Tensor):
     from engines.ref.train import train_draft
 
     d = spec.draft
-    cfg = Eagle3Config(hidden_size=spec.hidden, intermediate_size=d.intermediate, num_attention_heads=d.heads,
-                       num_key_value_heads=d.kv_heads, head_dim=d.head_dim, vocab_size=spec.vocab,
-                       draft_vocab_size=spec.draft_vocab, target_hidden_size=spec.hidden, num_aux=len(wiring))  # fmt: skip
+    cfg = Eagle3Config(
+        hidden_size=spec.hidden,
+        intermediate_size=d.intermediate,
+        num_attention_heads=d.heads,
+        num_key_value_heads=d.kv_heads,
+        head_dim=d.head_dim,
+        vocab_size=spec.vocab,
+        draft_vocab_size=spec.draft_vocab,
+        target_hidden_size=spec.hidden,
+        num_aux=len(wiring),
+    )
     with torch.random.fork_rng(devices=[]):
-        return train_draft(target, cfg, [f"target.h.{k}" for k in wiring], data, steps=FIT_STEPS, seed=d.seed,
-                           batch_size=data.shape[0])  # fmt: skip
+        return train_draft(
+            target, cfg, [f"target.h.{k}" for k in wiring], data, steps=FIT_STEPS, seed=d.seed, batch_size=data.shape[0]
+        )
 
 
 def _build(spec: TargetSpec, out: Path) -> None:
@@ -357,8 +455,14 @@ def _build(spec: TargetSpec, out: Path) -> None:
     shutil.copy(out / "draft" / "config.json", out / "draft-no-d2t" / "config.json")
     w = {k: v for k, v in load_file(str(out / "draft" / "model.safetensors")).items() if k not in ("d2t", "t2d")}
     save_file(w, str(out / "draft-no-d2t" / "model.safetensors"), metadata={"format": "pt"})
-    meta = {"spec": asdict(spec), "key": spec.key(), "builder_version": BUILDER_VERSION,
-            "trained": [f"target.h.{k}" for k in ids], "vllm_ids": ids, "sglang_ids": spec.sglang_ids()}  # fmt: skip
+    meta = {
+        "spec": asdict(spec),
+        "key": spec.key(),
+        "builder_version": BUILDER_VERSION,
+        "trained": [f"target.h.{k}" for k in ids],
+        "vllm_ids": ids,
+        "sglang_ids": spec.sglang_ids(),
+    }
     (out / "model.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -410,8 +514,9 @@ def _flow(ids: list[int]) -> str:
     return "{ids: [" + ", ".join(map(str, ids)) + "]}"
 
 
-def _case_yaml(model: BuiltModel, dtype: str, wiring: list[int], name: str, description: str,
-               sglang: bool = True) -> str:  # fmt: skip
+def _case_yaml(
+    model: BuiltModel, dtype: str, wiring: list[int], name: str, description: str, sglang: bool = True
+) -> str:
     spec = model.spec
     cap, spec_prompts = prompts(spec)
     lines = [
@@ -463,11 +568,16 @@ def write_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=print) -> 
         for dtype in dtypes:
             name = case_name(spec, dtype)
             sg = spec.sglang_ids()
-            how = (f"SGLang is given eagle_config ids {sg} (its +1 rule)" if sg is not None
-                   else "SGLang's DeepSeek rule (first id != 1) reads them as is")  # fmt: skip
-            desc = (f"Independent random-weight {tname} ({spec.family}, {spec.num_layers} layers, hidden {spec.hidden}, "
-                    f"seed {spec.seed}) with an EAGLE-3 draft fitted on {_short(spec.trained)}: "
-                    f"config ids {list(spec.trained)} (vLLM id k -> h[k]); {how}. {dtype}, default tolerances.")  # fmt: skip
+            how = (
+                f"SGLang is given eagle_config ids {sg} (its +1 rule)"
+                if sg is not None
+                else "SGLang's DeepSeek rule (first id != 1) reads them as is"
+            )
+            desc = (
+                f"Independent random-weight {tname} ({spec.family}, {spec.num_layers} layers, hidden {spec.hidden}, "
+                f"seed {spec.seed}) with an EAGLE-3 draft fitted on {_short(spec.trained)}: "
+                f"config ids {list(spec.trained)} (vLLM id k -> h[k]); {how}. {dtype}, default tolerances."
+            )
             path = cases_dir / f"{name}.yaml"
             path.write_text(_case_yaml(model, dtype, list(spec.trained), name, desc))
             out.append(CaseFile(path, name, tname, dtype, "correct"))
@@ -516,28 +626,52 @@ class Miswire:
 
 
 MISWIRES: list[Miswire] = [
-    Miswire("off_by_one", "fc fed [h(a+1), h(b+1), h(c+1)] (SGLang's Llama +1 on ids meant for vLLM)",
-            "ref[wiring={off}]", expect=("off-by-one",)),
-    Miswire("permutation", "fc fed the trained layers in reverse order", "ref[wiring={rev}]",
-            expect=("permuted",)),
-    Miswire("embedding_dropped", "trained on [h0, a, b] (speculators-launch ids), served [a, b, c]",
-            "ref[wiring={trained}]", case_suffix="_trained_h0", expect=("embedding dropped", "shifted")),
-    Miswire("norm_before_residual", "draft run with norm_before_residual flipped (trained false)",
-            "ref[norm_before_residual=true]", expect=("norm_before_residual", "residual")),
-    Miswire("norm_output", "draft run with norm_output flipped (trained false): later steps differ",
-            "ref[norm_output=true]", expect=("norm_output",)),
+    Miswire(
+        "off_by_one",
+        "fc fed [h(a+1), h(b+1), h(c+1)] (SGLang's Llama +1 on ids meant for vLLM)",
+        "ref[wiring={off}]",
+        expect=("off-by-one",),
+    ),
+    Miswire("permutation", "fc fed the trained layers in reverse order", "ref[wiring={rev}]", expect=("permuted",)),
+    Miswire(
+        "embedding_dropped",
+        "trained on [h0, a, b] (speculators-launch ids), served [a, b, c]",
+        "ref[wiring={trained}]",
+        case_suffix="_trained_h0",
+        expect=("embedding dropped", "shifted"),
+    ),
+    Miswire(
+        "norm_before_residual",
+        "draft run with norm_before_residual flipped (trained false)",
+        "ref[norm_before_residual=true]",
+        expect=("norm_before_residual", "residual"),
+    ),
+    Miswire(
+        "norm_output",
+        "draft run with norm_output flipped (trained false): later steps differ",
+        "ref[norm_output=true]",
+        expect=("norm_output",),
+    ),
     Miswire("d2t_identity", "the draft's d2t vocab map dropped", "ref[d2t=identity]", expect=("d2t",)),
-]  # fmt: skip
+]
 
 
 # The same two draft faults seen from a real engine (vLLM only: its `draft` setting swaps the checkpoint;
 # SGLang has no such setting). The reference `ref` runs the correct draft; vLLM loads the variant.
 ENGINE_MISWIRES: list[Miswire] = [
-    Miswire("vllm_config_norm_before_residual", "vLLM given the draft whose config says norm_before_residual true",
-            "vllm[draft={draft_nbr_flipped}]", expect=("norm_before_residual", "residual")),
-    Miswire("vllm_no_d2t", "vLLM given the draft saved without d2t/t2d (draft id d -> target id d)",
-            "vllm[draft={draft_no_d2t}]", expect=("d2t",)),
-]  # fmt: skip
+    Miswire(
+        "vllm_config_norm_before_residual",
+        "vLLM given the draft whose config says norm_before_residual true",
+        "vllm[draft={draft_nbr_flipped}]",
+        expect=("norm_before_residual", "residual"),
+    ),
+    Miswire(
+        "vllm_no_d2t",
+        "vLLM given the draft saved without d2t/t2d (draft id d -> target id d)",
+        "vllm[draft={draft_no_d2t}]",
+        expect=("d2t",),
+    ),
+]
 
 
 def write_miswired_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=print) -> list[CaseFile]:
@@ -552,8 +686,10 @@ def write_miswired_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=p
             for suffix, m in suffixes.items():
                 name = case_name(model.spec, dtype, suffix)
                 wiring = m.case_wiring(model.spec)
-                desc = (f"Miswired variant {m.name} of {tname}: the draft was trained on "
-                        f"{_short(wiring)}; `--engines={','.join(m.engines(model.spec))}` must fail.")  # fmt: skip
+                desc = (
+                    f"Miswired variant {m.name} of {tname}: the draft was trained on "
+                    f"{_short(wiring)}; `--engines={','.join(m.engines(model.spec))}` must fail."
+                )
                 path = cases_dir / f"{name}.yaml"
                 text = _case_yaml(model, dtype, wiring, name, desc, sglang=False)
                 path.write_text(text.replace(f"draft: {model.draft}\n", f"draft: {model.draft_h0}\n"))
@@ -596,12 +732,17 @@ EXPORT_MISWIRES: list[ExportMiswire] = [
     ExportMiswire("off_by_one", "the export's ids feed every trained layer shifted by one", "ids"),
     ExportMiswire("permutation", "a draft trained with fc fed [hc, hb, ha], its ids listed in that order", "ids"),
     ExportMiswire("embedding_dropped", "a draft trained on [h0, ha, hb] whose export names [ha, hb, hc]", "ids"),
-    ExportMiswire("norm_before_residual", "the export's config says norm_before_residual true (trained false)",
-                  "flag", flag="norm_before_residual"),
-    ExportMiswire("norm_output", "the export's config says norm_output true (trained false)", "flag",
-                  flag="norm_output"),
+    ExportMiswire(
+        "norm_before_residual",
+        "the export's config says norm_before_residual true (trained false)",
+        "flag",
+        flag="norm_before_residual",
+    ),
+    ExportMiswire(
+        "norm_output", "the export's config says norm_output true (trained false)", "flag", flag="norm_output"
+    ),
     ExportMiswire("d2t_missing", "the export lost d2t / t2d (draft vocab < target vocab)", "weights"),
-]  # fmt: skip
+]
 SERVING_ENGINES = ("vllm", "sglang")
 _FAMILY = {"llama": "llama", "qwen3": "qwen3", "deepseek": "deepseek-v3"}
 
@@ -721,8 +862,11 @@ def _write_export(m: ExportMiswire, model: BuiltModel, out: Path) -> tuple[Path,
 
 def _ids_override(ids: list[int]) -> list[str]:
     flow = "[" + ", ".join(map(str, ids)) + "]"
-    return ["    draft_config_overrides:", f"      eagle_config: {{eagle_aux_hidden_state_layer_ids: {flow}}}",
-            f"      eagle_aux_hidden_state_layer_ids: {flow}"]  # fmt: skip
+    return [
+        "    draft_config_overrides:",
+        f"      eagle_config: {{eagle_aux_hidden_state_layer_ids: {flow}}}",
+        f"      eagle_aux_hidden_state_layer_ids: {flow}",
+    ]
 
 
 @dataclass
@@ -735,8 +879,9 @@ class MiswiredCase:
     expect: dict[str, Expect]  # engine -> what its rules predict
 
 
-def write_export_miswired_cases(cases_dir: str | Path, exports_dir: str | Path, names=None, dtypes=DTYPES,
-                                log=print) -> list[MiswiredCase]:  # fmt: skip
+def write_export_miswired_cases(
+    cases_dir: str | Path, exports_dir: str | Path, names=None, dtypes=DTYPES, log=print
+) -> list[MiswiredCase]:
     """One case per target x dtype x EXPORT_MISWIRES: the engines serve the export (each engine the ids
     it reads as the miswiring), the reference runs the draft as trained."""
     cases_dir, exports_dir = Path(cases_dir), Path(exports_dir)
@@ -783,8 +928,15 @@ def write_export_miswired_cases(cases_dir: str | Path, exports_dir: str | Path, 
 def write_expectations(path: str | Path, cases: list[MiswiredCase]) -> None:
     """The rule data's predictions per miswired case and engine, for the matrix table
     (scripts/independent_matrix.py --table)."""
-    out = {c.name: {"target": c.target, "dtype": c.dtype, "miswire": c.miswire.name,
-                    "expect": {e: asdict(x) for e, x in c.expect.items()}} for c in cases}  # fmt: skip
+    out = {
+        c.name: {
+            "target": c.target,
+            "dtype": c.dtype,
+            "miswire": c.miswire.name,
+            "expect": {e: asdict(x) for e, x in c.expect.items()},
+        }
+        for c in cases
+    }
     Path(path).write_text(json.dumps(out, indent=2) + "\n")
 
 

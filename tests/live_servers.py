@@ -105,9 +105,16 @@ def start(kind: str, args: list[str], log: Path, env: dict | None = None) -> Liv
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
     t0 = time.monotonic()
     with open(log, "ab") as f:
-        proc = subprocess.Popen([python, "-m", f"engines.{kind}.serve", *args, "--host", "127.0.0.1", "--port", str(port)],
-                                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True, preexec_fn=_die_with_the_tests)  # fmt: skip
+        proc = subprocess.Popen(
+            [python, "-m", f"engines.{kind}.serve", *args, "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            preexec_fn=_die_with_the_tests,
+        )
     server = LiveServer(kind, f"http://127.0.0.1:{port}", proc, log, 0.0)
     deadline = t0 + HEALTH_TIMEOUT
     while time.monotonic() < deadline:

@@ -27,9 +27,16 @@ def verify_tree_greedy_chain_accepts_the_matching_prefix() -> None:
     predicts = torch.full((4,), -1)
     accept_index = torch.full((1, 4), -1)
     accept_num = torch.zeros(1, dtype=torch.int32)
-    ops.verify_tree_greedy_cpu(predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
-                               candidates=candidates, retrive_index=retrive_index, retrive_next_token=nxt,
-                               retrive_next_sibling=sib, target_predict=target_predict)  # fmt: skip
+    ops.verify_tree_greedy_cpu(
+        predicts=predicts,
+        accept_index=accept_index,
+        accept_token_num=accept_num,
+        candidates=candidates,
+        retrive_index=retrive_index,
+        retrive_next_token=nxt,
+        retrive_next_sibling=sib,
+        target_predict=target_predict,
+    )
     assert int(accept_num[0]) == 2, accept_num
     assert accept_index[0, :3].tolist() == [0, 1, 2], accept_index
 
@@ -85,12 +92,34 @@ def tree_kernels_match_sglangs_triton_kernels() -> None:
             parent_list, selected, seq_lens, outs = _random_tree_inputs(g, bs, topk, depth, n, mode)
             ours = {k: v.clone() for k, v in outs.items()}
             theirs = {k: v.clone() for k, v in outs.items()}
-            ops.build_tree_kernel_efficient_cpu(parent_list, selected, seq_lens, ours["tree_mask"], ours["positions"],
-                                                ours["retrieve_index"], ours["retrieve_next_token"],
-                                                ours["retrieve_next_sibling"], topk, depth, n, mode)  # fmt: skip
-            triton.sgl_build_tree_kernel_triton(parent_list, selected, seq_lens, theirs["tree_mask"], theirs["positions"],
-                                                theirs["retrieve_index"], theirs["retrieve_next_token"],
-                                                theirs["retrieve_next_sibling"], topk, depth, n, mode)  # fmt: skip
+            ops.build_tree_kernel_efficient_cpu(
+                parent_list,
+                selected,
+                seq_lens,
+                ours["tree_mask"],
+                ours["positions"],
+                ours["retrieve_index"],
+                ours["retrieve_next_token"],
+                ours["retrieve_next_sibling"],
+                topk,
+                depth,
+                n,
+                mode,
+            )
+            triton.sgl_build_tree_kernel_triton(
+                parent_list,
+                selected,
+                seq_lens,
+                theirs["tree_mask"],
+                theirs["positions"],
+                theirs["retrieve_index"],
+                theirs["retrieve_next_token"],
+                theirs["retrieve_next_sibling"],
+                topk,
+                depth,
+                n,
+                mode,
+            )
             for k in outs:
                 assert torch.equal(ours[k], theirs[k]), (bs, topk, depth, n, mode, k, ours[k], theirs[k])
             # greedy verify over that tree: candidates and target predictions from a 3-token vocabulary,
@@ -98,16 +127,29 @@ def tree_kernels_match_sglangs_triton_kernels() -> None:
             for steps in (2, depth + 1):
                 candidates = torch.randint(0, 3, (bs, n), generator=g)
                 target_predict = torch.randint(0, 3, (bs * n,), generator=g)
-                res = [dict(predicts=torch.full((bs * n,), -1, dtype=torch.int32),
-                            accept_index=torch.full((bs, steps), -1, dtype=torch.int32),
-                            accept_token_num=torch.zeros(bs, dtype=torch.int32)) for _ in range(2)]  # fmt: skip
+                res = [
+                    dict(
+                        predicts=torch.full((bs * n,), -1, dtype=torch.int32),
+                        accept_index=torch.full((bs, steps), -1, dtype=torch.int32),
+                        accept_token_num=torch.zeros(bs, dtype=torch.int32),
+                    )
+                    for _ in range(2)
+                ]
                 tree = dict(candidates=candidates, target_predict=target_predict)
-                ops.verify_tree_greedy_cpu(**res[0], **tree, retrive_index=ours["retrieve_index"],
-                                           retrive_next_token=ours["retrieve_next_token"],
-                                           retrive_next_sibling=ours["retrieve_next_sibling"])  # fmt: skip
-                triton.verify_tree_greedy_triton(**res[1], **tree, retrieve_index=ours["retrieve_index"],
-                                                 retrieve_next_token=ours["retrieve_next_token"],
-                                                 retrieve_next_sibling=ours["retrieve_next_sibling"])  # fmt: skip
+                ops.verify_tree_greedy_cpu(
+                    **res[0],
+                    **tree,
+                    retrive_index=ours["retrieve_index"],
+                    retrive_next_token=ours["retrieve_next_token"],
+                    retrive_next_sibling=ours["retrieve_next_sibling"],
+                )
+                triton.verify_tree_greedy_triton(
+                    **res[1],
+                    **tree,
+                    retrieve_index=ours["retrieve_index"],
+                    retrieve_next_token=ours["retrieve_next_token"],
+                    retrieve_next_sibling=ours["retrieve_next_sibling"],
+                )
                 for k in res[0]:
                     assert torch.equal(res[0][k], res[1][k]), (bs, topk, depth, n, steps, k, res[0][k], res[1][k])
                 checked += 1

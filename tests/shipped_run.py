@@ -93,9 +93,18 @@ def shipped() -> Run:
             shutil.rmtree(directory, ignore_errors=True)
             directory.mkdir()
             pythons = [f"--engine-python={n}={engine_python(n)}" for n in REAL]
-            run = run_pytest(ROOT, "cases/", f"--engines={','.join(ENGINES)}", *pythons, "--require-engines",
-                             "--no-capture-cache", "--engine-timeout=600", f"--report-dir={directory / 'reports'}",
-                             "--durations=15", timeout=TIMEOUT_S)  # fmt: skip
+            run = run_pytest(
+                ROOT,
+                "cases/",
+                f"--engines={','.join(ENGINES)}",
+                *pythons,
+                "--require-engines",
+                "--no-capture-cache",
+                "--engine-timeout=600",
+                f"--report-dir={directory / 'reports'}",
+                "--durations=15",
+                timeout=TIMEOUT_S,
+            )
             (directory / "output.txt").write_text(run.output)
             marker = directory / "run.json.tmp"
             marker.write_text(json.dumps({"returncode": run.returncode, "engines": ENGINES}))

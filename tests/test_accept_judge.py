@@ -75,8 +75,10 @@ def test_two_samples_of_one_draft_raise_false_alarms_at_the_design_rate():
 
 def test_a_real_ten_point_drop_at_position_zero_is_caught_on_a_long_run():
     # 1600 verify steps: the drop is ~6.5 standard errors, so the 3.3-sigma gate catches nearly all
-    caught = sum(not accept_judge.judge(chains([0.8, 0.6, 0.5], 1600, 2 * i),
-                                       chains([0.7, 0.6, 0.5], 1600, 2 * i + 1)).ok for i in range(50))  # fmt: skip
+    caught = sum(
+        not accept_judge.judge(chains([0.8, 0.6, 0.5], 1600, 2 * i), chains([0.7, 0.6, 0.5], 1600, 2 * i + 1)).ok
+        for i in range(50)
+    )
     assert caught >= 48, caught
 
 

@@ -125,8 +125,10 @@ def test_existing_baseline_is_refused_without_force(saved, cache):
     before = (saved.root / "baselines" / "v1" / "manifest.json").read_bytes()
     result = run(saved.root, cache, "--engines=ref", "--save-baseline", "v1")
     assert result.returncode == 4  # pytest's usage error: nothing ran
-    assert (f"ERROR: {saved.root / 'baselines' / 'v1'}: baseline 'v1' already exists and baselines are immutable; "
-            "choose another name or pass --force to replace it") in result.output  # fmt: skip
+    assert (
+        f"ERROR: {saved.root / 'baselines' / 'v1'}: baseline 'v1' already exists and baselines are immutable; "
+        "choose another name or pass --force to replace it"
+    ) in result.output
     assert (saved.root / "baselines" / "v1" / "manifest.json").read_bytes() == before
 
 
@@ -186,8 +188,10 @@ def test_a_failure_declared_against_the_engine_a_baseline_was_saved_from_holds_a
     the baseline was saved leaves it valid (expectations are judged, not captured)."""
     root = project(tmp_path, models)
     case = root / "cases" / "tiny.yaml"
-    case.write_text(case.read_text() + "expect_failure:\n"
-                    '  - {engine: "ref[wiring=sglang]", reference: ref, check: fc_inputs, cause: "draft.fc_in.0"}\n')  # fmt: skip
+    case.write_text(
+        case.read_text() + "expect_failure:\n"
+        '  - {engine: "ref[wiring=sglang]", reference: ref, check: fc_inputs, cause: "draft.fc_in.0"}\n'
+    )
     shutil.copytree(saved.root / "baselines", root / "baselines")
     result = run(root, cache, "--engines=ref[wiring=sglang]", "--baseline", "v1")
     fc = result.outcome("tiny", "ref[wiring=sglang]", "fc_inputs")

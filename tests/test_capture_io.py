@@ -133,11 +133,13 @@ def test_failed_save_keeps_the_previous_capture(tmp_path, monkeypatch):
     [
         (lambda d: (d / "manifest.json").unlink(), "capture manifest not found"),
         (lambda d: (d / "manifest.json").write_text("{"), "invalid JSON"),
-        (lambda d: (d / "manifest.json").write_text(json.dumps({"schema": "other/9", "tensors": [], "meta": {}})),
-         "schema 'other/9', expected 'difftest.capture/1'"),
+        (
+            lambda d: (d / "manifest.json").write_text(json.dumps({"schema": "other/9", "tensors": [], "meta": {}})),
+            "schema 'other/9', expected 'difftest.capture/1'",
+        ),
     ],
     ids=["no-manifest", "invalid-manifest", "wrong-schema"],
-)  # fmt: skip
+)
 def test_load_of_a_damaged_capture_is_a_config_error(tmp_path, damage, message):
     make_capture().save(tmp_path / "cap")
     damage(tmp_path / "cap")

@@ -59,8 +59,12 @@ def test_a_reference_running_the_draft_as_trained_shares_the_plain_cases_key(mod
 def test_another_engines_section_does_not_change_the_references_key(models, session, tmp_path):
     target, draft = models
     plain = case_file(tmp_path / "plain.yaml", target, draft)
-    overridden = case_file(tmp_path / "sglang.yaml", target, draft,
-                           "engines:\n  sglang: {draft_config_overrides: {eagle_aux_hidden_state_layer_ids: [1, 2, 3]}}\n")  # fmt: skip
+    overridden = case_file(
+        tmp_path / "sglang.yaml",
+        target,
+        draft,
+        "engines:\n  sglang: {draft_config_overrides: {eagle_aux_hidden_state_layer_ids: [1, 2, 3]}}\n",
+    )
     assert key(session, overridden, REF) == key(session, plain, REF)
 
 
@@ -96,8 +100,9 @@ def test_a_spec_parameter_naming_the_draft_replaces_the_cases_too(models, sessio
     plain = case_file(tmp_path / "plain.yaml", target, draft)
     exported = case_file(tmp_path / "exported.yaml", target, served)
     assert key(session, exported, EngineSpec("ref", params=(("draft", str(draft)),))) != key(session, exported, REF)
-    assert key(session, exported, EngineSpec("ref", params=(("draft", str(draft)),))) == \
-        key(session, plain, EngineSpec("ref", params=(("draft", str(draft)),)))  # fmt: skip
+    assert key(session, exported, EngineSpec("ref", params=(("draft", str(draft)),))) == key(
+        session, plain, EngineSpec("ref", params=(("draft", str(draft)),))
+    )
 
 
 def test_an_empty_replacing_setting_keeps_the_cases_draft_in_the_key(models, session, tmp_path):

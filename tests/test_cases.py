@@ -154,7 +154,7 @@ CATALOGUE_LINT = {
     "catalogue_d2t_missing": "[vocab-map]",
     "catalogue_rope_conflict": "[rope-conflict]: draft config: rope_theta 500000.0 but rope_parameters.rope_theta 10000.0",
     "catalogue_ids_unsorted": "[layer-ids-order]: layer ids [5, 2, 4] are not sorted and unique",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(CATALOGUE_LINT))
@@ -202,8 +202,13 @@ def test_catalogue_unsorted_ids_are_named_as_layer_order_on_vllms_reading(vllm_w
 
 @pytest.fixture(scope="module")
 def nbfc_ignored(tmp_path_factory):
-    return run_pytest(project(tmp_path_factory), "cases/release_sglang_norm_before_fc.yaml",
-                      "--engines=ref,ref[norm_before_fc=false]", "-k", "fc_inputs or draft_logits")  # fmt: skip
+    return run_pytest(
+        project(tmp_path_factory),
+        "cases/release_sglang_norm_before_fc.yaml",
+        "--engines=ref,ref[norm_before_fc=false]",
+        "-k",
+        "fc_inputs or draft_logits",
+    )
 
 
 def test_ignoring_norm_before_fc_on_the_reference_moves_the_draft_at_fc_out(nbfc_ignored):

@@ -30,7 +30,7 @@ def _project(tmp_path_factory, names):
 @pytest.fixture(scope="module")
 def presets(tmp_path_factory):
     root = _project(tmp_path_factory, CASES[:2])
-    return run_pytest(root, "cases/", "--engines=ref,ref[wiring=vllm],ref[wiring=sglang-deepseek]", "-k", "fc_inputs")  # fmt: skip
+    return run_pytest(root, "cases/", "--engines=ref,ref[wiring=vllm],ref[wiring=sglang-deepseek]", "-k", "fc_inputs")
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,10 @@ def test_id0_sglang_deepseek_feeds_the_embedding_named_and_vllm_refuses_it(prese
     vllm = refusals.outcome("tiny_deepseek_v3_id0", "vllm", "fc_inputs")
     assert vllm.outcome == "xfailed"  # the refusal the case declares
     assert "vllm 0.32.0 cannot feed aux layer id 0 of " in vllm.message
-    assert ("(eagle_aux_hidden_state_layer_ids [0, 2, 4]): vLLM reads id k as target.h.k, and id 0 is the embedding "
-            "(target.h.0), which its DeepseekV3ForCausalLM cannot capture") in vllm.message  # fmt: skip
+    assert (
+        "(eagle_aux_hidden_state_layer_ids [0, 2, 4]): vLLM reads id k as target.h.k, and id 0 is the embedding "
+        "(target.h.0), which its DeepseekV3ForCausalLM cannot capture"
+    ) in vllm.message
     assert "(hidden_states + residual with no residual yet: TypeError at the first forward)" in vllm.message
 
 
@@ -72,6 +74,8 @@ def test_toplevel_ids_sglang_falls_back_to_default_layers_named(refusals):
     result = refusals.outcome("tiny_deepseek_v3_toplevel_ids", "sglang", "fc_inputs")
     assert result.outcome == "xfailed"  # the refusal the case declares
     assert "SGLang would feed layers_to_capture [2, 3, 3] (default-layer fallback) for " in result.message
-    assert ("finds no ids (eagle_config) and falls back to [2, L//2, L-3] = [2, 3, 3], feeding [h2, h3]; top-level "
-            "eagle_aux_hidden_state_layer_ids [2, 4, 5] ignored), captures only 2 of 3 aux hidden states (a repeated "
-            "layer is captured once) and its scheduler dies") in result.message  # fmt: skip
+    assert (
+        "finds no ids (eagle_config) and falls back to [2, L//2, L-3] = [2, 3, 3], feeding [h2, h3]; top-level "
+        "eagle_aux_hidden_state_layer_ids [2, 4, 5] ignored), captures only 2 of 3 aux hidden states (a repeated "
+        "layer is captured once) and its scheduler dies"
+    ) in result.message

@@ -23,9 +23,11 @@ from helpers import ROOT, run_pytest
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "BOS", "U", "A", "THINK", "ENDTHINK", "EOT"] + [f"w{i}" for i in range(40)]
 # a DeepSeek-V3.1-like template: `thinking=true` opens a think block in the generation prompt
-DEEPSEEK_LIKE = ("BOS {% for m in messages %}{% if m['role'] == 'user' %}U {{ m['content'] }} {% else %}A {{ m['content'] }} EOT "
-                 "{% endif %}{% endfor %}{% if add_generation_prompt %}A{% if thinking is defined and thinking %} THINK"
-                 "{% else %} ENDTHINK{% endif %}{% endif %}")  # fmt: skip
+DEEPSEEK_LIKE = (
+    "BOS {% for m in messages %}{% if m['role'] == 'user' %}U {{ m['content'] }} {% else %}A {{ m['content'] }} EOT "
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}A{% if thinking is defined and thinking %} THINK"
+    "{% else %} ENDTHINK{% endif %}{% endif %}"
+)
 
 
 def tokenizer(template: str) -> PreTrainedTokenizerFast:
@@ -155,8 +157,10 @@ def drift_run(tmp_path_factory):
 def test_shipped_drift_case_names_the_first_differing_token_on_the_train_engine(drift_run):
     result = drift_run.outcome("catalogue_chat_template_drift", "train", "chat_template")
     assert result.outcome == "xfailed", drift_run.output[-3000:]
-    assert ("first difference at token 12: the dump has 'zemedi' (id 213), serving renders 'gafis' (id 9) (the target's "
-            "chat template with add_generation_prompt=True, enable_thinking=False)") in result.message  # fmt: skip
+    assert (
+        "first difference at token 12: the dump has 'zemedi' (id 213), serving renders 'gafis' (id 9) (the target's "
+        "chat template with add_generation_prompt=True, enable_thinking=False)"
+    ) in result.message
     assert result.message.count(f"{CAUSE}:") == 4  # each of the case's four conversations
 
 

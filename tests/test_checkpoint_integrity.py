@@ -57,8 +57,12 @@ def test_a_target_without_its_untied_head_is_refused_naming_the_tensor_and_the_t
 
 def test_a_tied_target_without_a_head_is_intact(pair, tmp_path):
     target, _ = pair
-    tied = edited_copy(target, tmp_path / "t", config=lambda c: c.update(tie_word_embeddings=True),
-                       tensors=lambda t: t.pop("lm_head.weight"))  # fmt: skip
+    tied = edited_copy(
+        target,
+        tmp_path / "t",
+        config=lambda c: c.update(tie_word_embeddings=True),
+        tensors=lambda t: t.pop("lm_head.weight"),
+    )
     assert errors(target_findings(tied), "target-weights") == []
 
 
@@ -115,8 +119,10 @@ def split_into_shards(src: Path, out: Path) -> Path:
     state = load_file(str(f))
     f.unlink()
     names = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}  # fmt: skip
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for shard, keys in shards.items():
         save_file({k: state[k] for k in keys}, str(out / shard))
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}

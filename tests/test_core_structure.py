@@ -50,25 +50,39 @@ def engine_literals(source: str, names: set[str]) -> list[tuple[int, str]]:
     """(line, text) of every string constant that is an engine name or spec (`vllm`, `ref[...]`,
     `sglang@old`) outside docstrings."""
     tree = ast.parse(source)
-    docs = {id(node.body[0].value) for node in ast.walk(tree)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
-            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}  # fmt: skip
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     spec = re.compile(rf"({'|'.join(map(re.escape, sorted(names)))})([\[@].*)?", re.S)
-    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and id(n) not in docs and spec.fullmatch(n.value)]  # fmt: skip
+    return [
+        (n.lineno, n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs and spec.fullmatch(n.value)
+    ]
 
 
 def test_the_literal_scan_finds_engine_names_and_specs_but_not_prose():
-    found = engine_literals('"""About vllm."""\nA = "vllm"\nB = f"{x} sglang"\nC = "ref[wiring=h0]"\nD = "vllm-cpu"\n',
-                            {"vllm", "sglang", "ref"})  # fmt: skip
+    found = engine_literals(
+        '"""About vllm."""\nA = "vllm"\nB = f"{x} sglang"\nC = "ref[wiring=h0]"\nD = "vllm-cpu"\n',
+        {"vllm", "sglang", "ref"},
+    )
     assert found == [(2, "vllm"), (4, "ref[wiring=h0]")]
 
 
 def test_core_logic_names_no_engine_outside_the_rule_data():
     names = registered_engine_names()
     assert {"ref", "vllm", "sglang", "train", "server"} <= names
-    found = {f"{p.relative_to(ROOT)}:{line}: {text!r}" for p in sorted((ROOT / "difftest").rglob("*.py"))
-             if str(p.relative_to(ROOT)) not in RULE_DATA for line, text in engine_literals(p.read_text(), names)}  # fmt: skip
+    found = {
+        f"{p.relative_to(ROOT)}:{line}: {text!r}"
+        for p in sorted((ROOT / "difftest").rglob("*.py"))
+        if str(p.relative_to(ROOT)) not in RULE_DATA
+        for line, text in engine_literals(p.read_text(), names)
+    }
     assert not found, "engine names in core logic (move them to rule data or the engine):\n" + "\n".join(sorted(found))
     assert all(engine_literals((ROOT / p).read_text(), names) for p in RULE_DATA)  # the list holds no stale entry
 
@@ -94,8 +108,13 @@ def test_engines_contribute_checks_and_commands_through_entry_points():
 
     assert "train_accuracy" in extra_checks()
     assert {"train-acc", "dump"} <= set(commands())
-    out = subprocess.run([sys.executable, "-m", "difftest.cli", "train-acc", "--help"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "difftest.cli", "train-acc", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert out.returncode == 0 and "--data" in out.stdout, out.stderr
 
 
@@ -115,7 +134,25 @@ def test_the_installed_plugin_runs_cases_without_naming_it(tmp_path, models):
     target, draft = models
     (tmp_path / "repo" / "cases").mkdir(parents=True)
     (tmp_path / "repo" / "cases" / "mine.yaml").write_text(TINY_CASE.format(target=target, draft=draft))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path / "repo"),
-                          "-c", "/dev/null", "cases/", "--engines=ref,ref[wiring=vllm]", "--collect-only", "-q"],
-                         cwd=tmp_path / "repo", capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path / "repo"),
+            "-c",
+            "/dev/null",
+            "cases/",
+            "--engines=ref,ref[wiring=vllm]",
+            "--collect-only",
+            "-q",
+        ],
+        cwd=tmp_path / "repo",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "cases/mine.yaml::ref[wiring=vllm]::accept_length" in out.stdout.splitlines(), out.stdout + out.stderr

@@ -69,9 +69,15 @@ def test_target_config_has_kimi_style_moe_routing_and_moe_layer_freq(paths):
 
 def test_target_config_has_yarn_rope(paths):
     assert raw_config(paths, ds.TARGET)["rope_parameters"] == {  # DeepSeek-V3's YaRN, scaled down
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
-        "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-    }  # fmt: skip
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
 
 
 def test_target_checkpoint_has_per_expert_weights_and_the_correction_bias(paths):
@@ -313,9 +319,11 @@ def test_case_with_sglang_llama_wiring_names_the_unreachable_last_layer(sglang_l
     for check in CHECKS:
         result = sglang_llama_run.outcome(CASE, "ref[wiring=sglang]", check)
         assert result.outcome == "error", check
-        assert result.message == ("sglang convention: SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, "
-                                     "k -> h[k+1]) turns [2, 4, 5] (eagle_config) into [h3, h5]; [h6] cannot be captured "
-                                     "and are dropped: fewer fc chunks than ids, a shape error in the engine")  # fmt: skip
+        assert result.message == (
+            "sglang convention: SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, "
+            "k -> h[k+1]) turns [2, 4, 5] (eagle_config) into [h3, h5]; [h6] cannot be captured "
+            "and are dropped: fewer fc chunks than ids, a shape error in the engine"
+        )
 
 
 def test_case_with_shifted_wiring_names_off_by_one_and_the_collapse(sglang_llama_run):

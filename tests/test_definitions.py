@@ -55,8 +55,12 @@ def test_conditional_accuracies_multiply_into_per_position_acceptance():
 
 
 def _accept_result(native: list[str]) -> CheckResult:
-    data = AcceptLengthData(reference=AcceptStats(10, 12, 3, [6, 4, 2], 1),
-                            engine=AcceptStats(10, 12, 3, [6, 4, 2], 1, native=native), allowed=0.5, spread=0.1)  # fmt: skip
+    data = AcceptLengthData(
+        reference=AcceptStats(10, 12, 3, [6, 4, 2], 1),
+        engine=AcceptStats(10, 12, 3, [6, 4, 2], 1, native=native),
+        allowed=0.5,
+        spread=0.1,
+    )
     return CheckResult("sglang", "accept_length", "passed", "", data)
 
 

@@ -42,8 +42,10 @@ def _case(models, tmp: Path, dtype: str, wiring: str = "vllm"):
     target, draft = models
     (tmp / "cases").mkdir(exist_ok=True)
     path = tmp / "cases" / f"diag_{dtype}_{abs(hash(wiring))}.yaml"
-    path.write_text(f"target: {target}\ndraft: {draft}\ndtype: {dtype}\nwiring: {wiring}\nprompts: [{{ids: {IDS}}}]\n"
-                    "speculative: {num_steps: 3, max_new_tokens: 8}\n")  # fmt: skip
+    path.write_text(
+        f"target: {target}\ndraft: {draft}\ndtype: {dtype}\nwiring: {wiring}\nprompts: [{{ids: {IDS}}}]\n"
+        "speculative: {num_steps: 3, max_new_tokens: 8}\n"
+    )
     return load_case(path)
 
 
@@ -65,25 +67,62 @@ dtypes = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 
 FC_CLASSES = [
     # (failure class, what training used, engine spec, the diagnosis's last line)
-    ("1-off-by-one+1", "vllm", "ref[wiring=sglang]",
-     "engine fed fc [h2, h3, h4]; reference fed [h1, h2, h3]; pattern: off-by-one +1"),
-    ("1-off-by-one-1", "[h2, h3, h6]", "ref[wiring=h1+h2+h5]",
-     "engine fed fc [h1, h2, h5]; reference fed [h2, h3, h6]; pattern: off-by-one -1"),
-    ("2-embedding-dropped", "[h0, h2, h4]", "ref[wiring=h2+h4+h8]",
-     "engine fed fc [h2, h4, h8]; reference fed [h0, h2, h4]; pattern: embedding dropped and slots shifted by one "
-     "(engine's chunk j = reference's chunk j+1)"),
-    ("2-embedding-extra", "vllm", "ref[wiring=h0+h2+h3]",
-     "engine fed fc [h0, h2, h3]; reference fed [h1, h2, h3]; pattern: embedding fed but not trained on"),
-    ("3-permuted", "vllm", "ref[wiring=h3+h1+h2]",
-     "engine fed fc [h3, h1, h2]; reference fed [h1, h2, h3]; pattern: permuted order"),
-    ("5-sorted-ids", "[h3, h1, h2]", "ref[wiring=vllm,layer_ids=3+1+2]",
-     "engine fed fc [h1, h2, h3]; reference fed [h3, h1, h2]; pattern: permuted order (engine sorted the ids)"),
-    ("4-post-norm", "[h1, h2, h8]", "ref[wiring=h1+h2+final_norm]",
-     "engine fed fc [h1, h2, final_norm]; reference fed [h1, h2, h8]; pattern: final layer taken post-norm"),
-    ("4-pre-norm", "[h1, h2, final_norm]", "ref[wiring=h1+h2+h8]",
-     "engine fed fc [h1, h2, h8]; reference fed [h1, h2, final_norm]; pattern: final layer taken pre-norm"),
-    ("5-default-fallback", "vllm", "ref[wiring=eagle]", f"engine fed fc [h2, h4, h5]; reference fed [h1, h2, h3]; pattern: {FALLBACK}"),
-]  # fmt: skip
+    (
+        "1-off-by-one+1",
+        "vllm",
+        "ref[wiring=sglang]",
+        "engine fed fc [h2, h3, h4]; reference fed [h1, h2, h3]; pattern: off-by-one +1",
+    ),
+    (
+        "1-off-by-one-1",
+        "[h2, h3, h6]",
+        "ref[wiring=h1+h2+h5]",
+        "engine fed fc [h1, h2, h5]; reference fed [h2, h3, h6]; pattern: off-by-one -1",
+    ),
+    (
+        "2-embedding-dropped",
+        "[h0, h2, h4]",
+        "ref[wiring=h2+h4+h8]",
+        "engine fed fc [h2, h4, h8]; reference fed [h0, h2, h4]; pattern: embedding dropped and slots shifted by one "
+        "(engine's chunk j = reference's chunk j+1)",
+    ),
+    (
+        "2-embedding-extra",
+        "vllm",
+        "ref[wiring=h0+h2+h3]",
+        "engine fed fc [h0, h2, h3]; reference fed [h1, h2, h3]; pattern: embedding fed but not trained on",
+    ),
+    (
+        "3-permuted",
+        "vllm",
+        "ref[wiring=h3+h1+h2]",
+        "engine fed fc [h3, h1, h2]; reference fed [h1, h2, h3]; pattern: permuted order",
+    ),
+    (
+        "5-sorted-ids",
+        "[h3, h1, h2]",
+        "ref[wiring=vllm,layer_ids=3+1+2]",
+        "engine fed fc [h1, h2, h3]; reference fed [h3, h1, h2]; pattern: permuted order (engine sorted the ids)",
+    ),
+    (
+        "4-post-norm",
+        "[h1, h2, h8]",
+        "ref[wiring=h1+h2+final_norm]",
+        "engine fed fc [h1, h2, final_norm]; reference fed [h1, h2, h8]; pattern: final layer taken post-norm",
+    ),
+    (
+        "4-pre-norm",
+        "[h1, h2, final_norm]",
+        "ref[wiring=h1+h2+h8]",
+        "engine fed fc [h1, h2, h8]; reference fed [h1, h2, final_norm]; pattern: final layer taken pre-norm",
+    ),
+    (
+        "5-default-fallback",
+        "vllm",
+        "ref[wiring=eagle]",
+        f"engine fed fc [h2, h4, h5]; reference fed [h1, h2, h3]; pattern: {FALLBACK}",
+    ),
+]
 
 
 @dtypes
@@ -107,8 +146,10 @@ def test_off_by_one_names_each_chunk(models, workdir, dtype):
 def test_post_norm_chunk_names_the_norm_gap(models, workdir, dtype):
     ref, cap = _captures(models, workdir, dtype, "ref[wiring=h1+h2+final_norm]", "[h1, h2, h8]")
     line = diagnose_fc(ref, cap)[0]
-    assert line.startswith("engine's fc chunk 2 matches reference target.final_norm (last layer, post-norm) (cos 1.0000); "
-                           "expected target.h.8 (last layer, pre-norm); per-token RMS ")  # fmt: skip
+    assert line.startswith(
+        "engine's fc chunk 2 matches reference target.final_norm (last layer, post-norm) (cos 1.0000); "
+        "expected target.h.8 (last layer, pre-norm); per-token RMS "
+    )
 
 
 @dtypes
@@ -122,14 +163,26 @@ def test_correct_wiring_raises_no_alarm(models, workdir, dtype, engine):
 
 
 DRAFT_CLASSES = [
-    ("7-norm-before-residual", "ref[norm_before_residual=true]", "draft.layer0.mlp_out",
-     "suspect: the residual or MLP differs after matching attention: norm_before_residual handled differently?"),
-    ("7-norm-output", "ref[norm_output=true]", "draft.step1.layer0.mlp_out",
-     "draft step 0 matches but step 1 diverges (draft.step1.layer0.mlp_out): what feeds the next step differs "
-     "(norm_output, the drafted token, or the draft KV cache / positions)"),
-    ("8-d2t-missing", "ref[d2t=identity]", "draft.logits_target",
-     "suspect: draft.logits match but the target-vocab logits do not: the draft-to-target vocab map (d2t) differs"),
-]  # fmt: skip
+    (
+        "7-norm-before-residual",
+        "ref[norm_before_residual=true]",
+        "draft.layer0.mlp_out",
+        "suspect: the residual or MLP differs after matching attention: norm_before_residual handled differently?",
+    ),
+    (
+        "7-norm-output",
+        "ref[norm_output=true]",
+        "draft.step1.layer0.mlp_out",
+        "draft step 0 matches but step 1 diverges (draft.step1.layer0.mlp_out): what feeds the next step differs "
+        "(norm_output, the drafted token, or the draft KV cache / positions)",
+    ),
+    (
+        "8-d2t-missing",
+        "ref[d2t=identity]",
+        "draft.logits_target",
+        "suspect: draft.logits match but the target-vocab logits do not: the draft-to-target vocab map (d2t) differs",
+    ),
+]
 
 
 @dtypes
@@ -194,8 +247,10 @@ def test_norm_applied_before_fc_is_named(states, dtype):
     assert lines[0].startswith(
         "engine's fc chunk 1 matches reference rmsnorm of target.h.2 (cos 1.0000); expected target.h.2"
     )
-    assert lines[-1] == ("engine fed fc [h1, rmsnorm(h2), h3]; reference fed [h1, h2, h3]; pattern: norm applied before fc "
-                         "(engine's chunk = rmsnorm(reference tensor))")  # fmt: skip
+    assert lines[-1] == (
+        "engine fed fc [h1, rmsnorm(h2), h3]; reference fed [h1, h2, h3]; pattern: norm applied before fc "
+        "(engine's chunk = rmsnorm(reference tensor))"
+    )
 
 
 def test_chunk_count_mismatch_still_says_what_was_fed(states):

@@ -202,13 +202,26 @@ def test_checkpoint_names_the_mla_class_and_deepseek_config_keys(tmp_path):
     assert config["rope_parameters"] == YARN
     keys = set(load_file(str(tmp_path / "model.safetensors")))
     assert {
-        "fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d",
-        "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight", "layers.0.post_attention_layernorm.weight",
-        "layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.q_a_layernorm.weight", "layers.0.self_attn.q_b_proj.weight",
-        "layers.0.self_attn.kv_a_proj_with_mqa.weight", "layers.0.self_attn.kv_a_layernorm.weight",
-        "layers.0.self_attn.kv_b_proj.weight", "layers.0.self_attn.o_proj.weight",
-        "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
-    } == keys  # fmt: skip
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "embed_tokens.weight",
+        "d2t",
+        "t2d",
+        "layers.0.input_layernorm.weight",
+        "layers.0.hidden_norm.weight",
+        "layers.0.post_attention_layernorm.weight",
+        "layers.0.self_attn.q_a_proj.weight",
+        "layers.0.self_attn.q_a_layernorm.weight",
+        "layers.0.self_attn.q_b_proj.weight",
+        "layers.0.self_attn.kv_a_proj_with_mqa.weight",
+        "layers.0.self_attn.kv_a_layernorm.weight",
+        "layers.0.self_attn.kv_b_proj.weight",
+        "layers.0.self_attn.o_proj.weight",
+        "layers.0.mlp.gate_proj.weight",
+        "layers.0.mlp.up_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+    } == keys
 
 
 def test_config_parses_as_transformers_deepseek_v2_with_the_fields_engines_read(tmp_path):
@@ -219,12 +232,18 @@ def test_config_parses_as_transformers_deepseek_v2_with_the_fields_engines_read(
     assert type(cfg).__name__ == "DeepseekV2Config"
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (H, 1, HEADS)
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
-        Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD
-    )  # fmt: skip
+        Q_LORA,
+        KV_LORA,
+        NOPE,
+        ROPE,
+        V_HEAD,
+    )
     assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 4.0
     assert (cfg.draft_vocab_size, cfg.target_hidden_size, cfg.eagle_config["eagle_aux_hidden_state_layer_ids"]) == (
-        DRAFT_VOCAB, H, LAYER_IDS
-    )  # fmt: skip
+        DRAFT_VOCAB,
+        H,
+        LAYER_IDS,
+    )
 
 
 @pytest.mark.parametrize("prefix", ["layers.0.", "midlayer.", "model.layers.0."])

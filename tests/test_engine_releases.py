@@ -53,9 +53,11 @@ def test_releases_that_read_a_config_alike_show_no_difference():
 
 def test_sglang_before_32334_ignores_norm_before_fc():
     lines = er.flag_differences("sglang", "0.5.16", "0.5.23", {"norm_before_fc": True})
-    assert lines == ["upgrade: norm_before_fc: SGLang 0.5.16 ignores it (never read); SGLang 0.5.23 takes True (top level); "
-                     "first moved tensor draft.fc_out: norm_before_fc is honoured (eagle_config, then the top level); "
-                     "before, it was ignored (sgl-project/sglang#32334, first in sglang 0.5.17)"]  # fmt: skip
+    assert lines == [
+        "upgrade: norm_before_fc: SGLang 0.5.16 ignores it (never read); SGLang 0.5.23 takes True (top level); "
+        "first moved tensor draft.fc_out: norm_before_fc is honoured (eagle_config, then the top level); "
+        "before, it was ignored (sgl-project/sglang#32334, first in sglang 0.5.17)"
+    ]
     assert er.flag_differences("sglang", "0.5.17", "0.5.23", {"norm_before_fc": True}) == []
 
 
@@ -82,12 +84,15 @@ def test_a_downgrade_lists_the_same_changes_newest_first():
     assert [c.first for c in up] == ["0.22.0", "0.22.0", "0.25.0"]
 
 
-@pytest.mark.parametrize("engine,version,words", [
-    ("sglang", "0.4.9", "outside the supported releases sglang 0.5.5 - 0.5.23"),
-    ("sglang", "0.5.24", "outside the supported releases sglang 0.5.5 - 0.5.23"),
-    ("vllm", "0.11.0", "outside the supported releases vllm 0.18.0 - 0.32.0"),
-    ("vllm", "latest", "is not a release version"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "engine,version,words",
+    [
+        ("sglang", "0.4.9", "outside the supported releases sglang 0.5.5 - 0.5.23"),
+        ("sglang", "0.5.24", "outside the supported releases sglang 0.5.5 - 0.5.23"),
+        ("vllm", "0.11.0", "outside the supported releases vllm 0.18.0 - 0.32.0"),
+        ("vllm", "latest", "is not a release version"),
+    ],
+)
 def test_a_release_outside_the_range_is_refused_naming_it(engine, version, words):
     with pytest.raises(ConfigError) as e:
         er.check_supported(engine, version)
@@ -137,8 +142,9 @@ def test_a_weighted_flag_an_old_vllm_does_not_build_is_predicted_as_a_load_refus
 
     [f] = flag_findings(SPEC_FC_NORM, [er.engine_draft_rules("vllm", "0.24.0")])
     assert f.code == "flag-ignored" and f.engines == ("vllm",) and f.weights == ("fc_norm.",)
-    assert f.message.startswith("fc_norm: True in the draft config (speculators config), but vllm 0.24.0 reads it only "
-                                "from top level")  # fmt: skip
+    assert f.message.startswith(
+        "fc_norm: True in the draft config (speculators config), but vllm 0.24.0 reads it only from top level"
+    )
     assert "the checkpoint's fc_norm.* weights are refused at load" in f.message
     assert "Fix: convert the draft to the HF EAGLE-3 layout" in f.message
     assert flag_findings(SPEC_FC_NORM, [er.engine_draft_rules("vllm", "0.25.0")]) == []

@@ -28,9 +28,18 @@ def _run(
     tmp: Path, case: str, sglang_python: str, marker: str | None = None, timeout_s: int = 600, case_dir: Path = ROOT
 ):
     env = {"DIFFTEST_TEST_MARKER": marker} if marker else {}
-    run = run_pytest(case_dir, case, "--engines=ref,sglang", "--require-engines", "--no-capture-cache",
-                     f"--engine-python=sglang={sglang_python}",
-                     f"--engine-timeout={timeout_s}", f"--report-dir={tmp}", env=env, timeout=TIMEOUT)  # fmt: skip
+    run = run_pytest(
+        case_dir,
+        case,
+        "--engines=ref,sglang",
+        "--require-engines",
+        "--no-capture-cache",
+        f"--engine-python=sglang={sglang_python}",
+        f"--engine-timeout={timeout_s}",
+        f"--report-dir={tmp}",
+        env=env,
+        timeout=TIMEOUT,
+    )
     name = Path(case).stem
     report = Report.load(tmp / f"{name}.json")
     outcomes = {(c.engine, c.check): c for c in report.checks}
@@ -91,8 +100,9 @@ def test_every_engine_start_in_one_worker_forks_from_the_same_server():
     """engines/sglang/process_start.py on the real engine: in the shipped run, each worker's SGLang
     starts (one per case) all fork from the one forkserver that has SGLang imported."""
     log = (shipped_or_skip().root / "reports" / "logs" / "sglang.log").read_text()
-    starts_per_worker = [re.findall(r"engine processes started by forkserver pid (\d+)", part)
-                         for part in log.split("\n=== ")[1:]]  # fmt: skip
+    starts_per_worker = [
+        re.findall(r"engine processes started by forkserver pid (\d+)", part) for part in log.split("\n=== ")[1:]
+    ]
     reused = [pids for pids in starts_per_worker if len(pids) >= 2]
     assert reused, f"no worker started SGLang twice: {starts_per_worker}"
     for pids in starts_per_worker:
@@ -116,8 +126,10 @@ def test_scheduler_crash_fails_only_sglang_with_its_error_and_leaves_no_processe
     assert "log:" in fc.message and "sglang.log" in fc.message, fc.message
     # the cause the layer-id rule predicts first (difftest.rules.layer_rules), SGLang's own error beneath
     cause, *raw = fc.message.splitlines()
-    assert cause.startswith("predicted by the layer-id rule: SGLang 0.5.23 (Llama rule: ids from eagle_config, "
-                            "layer order, k -> h[k+1]) turns [2, 4, 7] (eagle_config) into [h3, h5]"), cause  # fmt: skip
+    assert cause.startswith(
+        "predicted by the layer-id rule: SGLang 0.5.23 (Llama rule: ids from eagle_config, "
+        "layer order, k -> h[k+1]) turns [2, 4, 7] (eagle_config) into [h3, h5]"
+    ), cause
     assert "fc expects 3 chunks but the engine captures 2" in cause
     assert 1 <= len(raw) <= 2, fc.message
     assert _marked_processes(marker) == [], "orphan processes after the run"
@@ -144,8 +156,16 @@ def counters(tmp_path_factory, sglang_python):
     for name, right in (("always_right", True), ("always_wrong", False)):
         t, d = make_degenerate_pair(root / name, right)
         (root / "cases" / f"{name}.yaml").write_text(COUNTERS_CASE.format(target=t, draft=d, k=K, extra=SGLANG_IDS))
-    run = run_pytest(root, "cases/", "--engines=ref,sglang", "--require-engines", "--no-capture-cache",
-                     f"--engine-python=sglang={sglang_python}", "--engine-timeout=600", timeout=TIMEOUT)  # fmt: skip
+    run = run_pytest(
+        root,
+        "cases/",
+        "--engines=ref,sglang",
+        "--require-engines",
+        "--no-capture-cache",
+        f"--engine-python=sglang={sglang_python}",
+        "--engine-timeout=600",
+        timeout=TIMEOUT,
+    )
     outcomes = {name: run.outcome(name, "sglang", "accept_length") for name in ("always_right", "always_wrong")}
     return {**outcomes, "log": (root / "reports" / "logs" / "sglang.log").read_text(errors="replace")}
 

@@ -31,12 +31,22 @@ def run(tmp_path_factory, sglang_python):
     (root / "cases").mkdir()
     rand_t, rand_d = make_deepseek_pair(root / "models" / "random", [2, 4, 5], plain=True)
     right_t, right_d = make_deepseek_pair(root / "models" / "always_right", [2, 4, 5], degenerate="right")
-    for name, (t, d, extra) in {"random": (rand_t, rand_d, ""), "always_right": (right_t, right_d, ""),
-                                "toplevel_only": (rand_t, rand_d, TOPLEVEL_ONLY)}.items():  # fmt: skip
+    for name, (t, d, extra) in {
+        "random": (rand_t, rand_d, ""),
+        "always_right": (right_t, right_d, ""),
+        "toplevel_only": (rand_t, rand_d, TOPLEVEL_ONLY),
+    }.items():
         (root / "cases" / f"{name}.yaml").write_text(COUNTERS_CASE.format(target=t, draft=d, k=K, extra=extra))
     cache = tmp_path_factory.mktemp("cache")  # captures (with their meta) land here
-    result = run_pytest(root, "cases/", f"--engine-python=sglang={sglang_python}", "--engines=ref,sglang",
-                        "--no-capture-cache", "--engine-timeout=600", env={"DIFFTEST_CACHE": str(cache)})  # fmt: skip
+    result = run_pytest(
+        root,
+        "cases/",
+        f"--engine-python=sglang={sglang_python}",
+        "--engines=ref,sglang",
+        "--no-capture-cache",
+        "--engine-timeout=600",
+        env={"DIFFTEST_CACHE": str(cache)},
+    )
     result.cache = cache
     result.models = {"random": rand_t, "always_right": right_t}
     return result

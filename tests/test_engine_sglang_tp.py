@@ -31,8 +31,15 @@ CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 
 
 def _args(sglang_python: str, report_dir: Path, engines: str, *extra: str) -> tuple[str, ...]:
-    return (f"--engines={engines}", "--require-engines", "--no-capture-cache", f"--engine-python=sglang={sglang_python}",
-            "--engine-timeout=900", f"--report-dir={report_dir}", *extra)  # fmt: skip
+    return (
+        f"--engines={engines}",
+        "--require-engines",
+        "--no-capture-cache",
+        f"--engine-python=sglang={sglang_python}",
+        "--engine-timeout=900",
+        f"--report-dir={report_dir}",
+        *extra,
+    )
 
 
 def _checks(report: Report, engine: str) -> dict[str, CheckResult]:
@@ -95,8 +102,12 @@ def test_deepseek_mla_moe_case_gives_the_same_verdicts_at_tp2_as_at_tp1(tmp_path
 
 @full_only
 def test_tp2_against_tp1_of_the_same_engine_is_within_noise(tmp_path, sglang_python):
-    run_pytest(ROOT, "cases/tiny_llama.yaml", *_args(sglang_python, tmp_path, f"sglang,{TP2}", "--reference=sglang"),
-               timeout=HANG_GUARD_S)  # fmt: skip
+    run_pytest(
+        ROOT,
+        "cases/tiny_llama.yaml",
+        *_args(sglang_python, tmp_path, f"sglang,{TP2}", "--reference=sglang"),
+        timeout=HANG_GUARD_S,
+    )
     tp2 = _checks(Report.load(tmp_path / "tiny_llama.json"), TP2)
     for check in ("fc_inputs", "draft_logits", "top1_agreement"):
         assert tp2[check].outcome == "passed", tp2[check].message
@@ -133,8 +144,12 @@ def _marked(marker: str) -> list[int]:
 @full_only
 def test_a_rank_killed_mid_run_fails_only_sglang_with_that_ranks_error_and_leaves_no_process(tmp_path, sglang_python):
     marker = uuid.uuid4().hex
-    proc = start_pytest(ROOT, "cases/tiny_llama.yaml", *_args(sglang_python, tmp_path, f"ref,{TP2}"),
-                        env={"DIFFTEST_TEST_MARKER": marker})  # fmt: skip
+    proc = start_pytest(
+        ROOT,
+        "cases/tiny_llama.yaml",
+        *_args(sglang_python, tmp_path, f"ref,{TP2}"),
+        env={"DIFFTEST_TEST_MARKER": marker},
+    )
     log = tmp_path / "logs" / f"{TP2}.log"
     engine: dict[str, int] = {}
     deadline = time.monotonic() + 900

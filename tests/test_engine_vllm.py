@@ -39,8 +39,9 @@ def vllm_python() -> str:
 
 def run_vllm(root: Path, *args: str):
     """`pytest cases/ ...` with vLLM's interpreter named explicitly (tests may move DIFFTEST_CACHE)."""
-    return run_pytest(root, "cases/", f"--engine-python=vllm={vllm_python()}", "--require-engines",
-                      "--engine-timeout=300", *args)  # fmt: skip
+    return run_pytest(
+        root, "cases/", f"--engine-python=vllm={vllm_python()}", "--require-engines", "--engine-timeout=300", *args
+    )
 
 
 # -- the shipped cases ---------------------------------------------------------------------
@@ -101,8 +102,10 @@ def test_golden_inputs_on_vllm_blame_the_captured_hidden_states_not_the_draft(sh
 def test_golden_inputs_on_vllm_are_in_the_tiny_cases_report(shipped_run):
     logits = shipped_run.outcome("tiny_llama", "vllm", "draft_logits")
     assert logits.data.golden.outcome == "matches"
-    assert ("golden inputs (prompt 0): on the reference's draft.fc_in, vllm's draft matches ref on every draft tensor, "
-            "as its own run does") in logits.message  # fmt: skip
+    assert (
+        "golden inputs (prompt 0): on the reference's draft.fc_in, vllm's draft matches ref on every draft tensor, "
+        "as its own run does"
+    ) in logits.message
 
 
 # -- acceptance counters on drafts that are always right / always wrong ----------------------
@@ -126,8 +129,9 @@ def counters_run(tmp_path_factory):
     bad = "engines:\n  vllm:\n    draft_config_overrides:\n      eagle_config: {eagle_aux_hidden_state_layer_ids: [1, 2]}\n"
     (root / "cases" / "bad_fc.yaml").write_text(CASE.format(target=t, draft=d, k=K, extra=bad))
     env = {"DIFFTEST_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    return run_pytest(root, "cases/", f"--engine-python=vllm={vllm_python()}", "--engines=ref,vllm",
-                      "--engine-timeout=300", env=env)  # fmt: skip
+    return run_pytest(
+        root, "cases/", f"--engine-python=vllm={vllm_python()}", "--engines=ref,vllm", "--engine-timeout=300", env=env
+    )
 
 
 def test_always_right_draft_accepts_k_plus_1(counters_run):
@@ -161,10 +165,23 @@ def test_fc_shape_mismatch_fails_items_with_one_line_and_log_path(counters_run):
 def _clean_vllm_environment(monkeypatch) -> None:
     import tempfile
 
-    for var in ("TMPDIR", "VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "TORCHINDUCTOR_CACHE_DIR",
-                "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_ENABLE_V1_MULTIPROCESSING",
-                "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CPU_KVCACHE_SPACE"):  # fmt: skip
+    for var in (
+        "TMPDIR",
+        "VLLM_RPC_BASE_PATH",
+        "VLLM_CACHE_ROOT",
+        "VLLM_CONFIG_ROOT",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+        "XDG_CACHE_HOME",
+        "HF_HOME",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "VLLM_NO_USAGE_STATS",
+        "DO_NOT_TRACK",
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION",
+        "VLLM_CPU_KVCACHE_SPACE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
 

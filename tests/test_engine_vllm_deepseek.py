@@ -31,12 +31,23 @@ def run(tmp_path_factory):
     (root / "cases").mkdir()
     rand_t, rand_d = make_deepseek_pair(root / "models" / "random", [2, 4, 5])
     right_t, right_d = make_deepseek_pair(root / "models" / "right", [2, 4, 5], degenerate="right")
-    for name, (t, d, extra) in {"random": (rand_t, rand_d, ""), "always_right": (right_t, right_d, ""),
-                                "id0": (rand_t, rand_d, ID0)}.items():  # fmt: skip
+    for name, (t, d, extra) in {
+        "random": (rand_t, rand_d, ""),
+        "always_right": (right_t, right_d, ""),
+        "id0": (rand_t, rand_d, ID0),
+    }.items():
         (root / "cases" / f"{name}.yaml").write_text(COUNTERS_CASE.format(target=t, draft=d, k=K, extra=extra))
     cache = tmp_path_factory.mktemp("cache")  # captures (with their meta) land here
-    result = run_pytest(root, "cases/", f"--engine-python=vllm={python}", "--engines=ref,vllm", "--no-capture-cache",
-                        "--engine-timeout=300", env={"DIFFTEST_CACHE": str(cache)}, timeout=900)  # fmt: skip
+    result = run_pytest(
+        root,
+        "cases/",
+        f"--engine-python=vllm={python}",
+        "--engines=ref,vllm",
+        "--no-capture-cache",
+        "--engine-timeout=300",
+        env={"DIFFTEST_CACHE": str(cache)},
+        timeout=900,
+    )
     result.cache = cache
     result.models = {"random": rand_t}
     return result

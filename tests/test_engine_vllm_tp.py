@@ -51,8 +51,10 @@ def _vocab_shards(whole: torch.Tensor, ranks: int):
     from engines.vllm import tp
 
     width = whole.shape[-1] // ranks
-    return [tp.Shard(whole[..., r * width : (r + 1) * width], r * width, (r + 1) * width, whole.shape[-1])
-            for r in range(ranks)]  # fmt: skip
+    return [
+        tp.Shard(whole[..., r * width : (r + 1) * width], r * width, (r + 1) * width, whole.shape[-1])
+        for r in range(ranks)
+    ]
 
 
 def test_replicated_tensors_that_disagree_across_ranks_name_the_rank_and_the_tensor():
@@ -74,8 +76,11 @@ def test_vocab_slices_are_joined_into_the_whole_logits_and_checked_against_vllms
         r.shards["target.logits"] = shard
     whole, done = tp.gather(ranks)
     assert torch.equal(whole["target.logits"], logits)
-    assert done["target.logits"] == {"layout": "vocab-sharded", "joined_rows": [[0, 6], [6, 12]],
-                                     "equals_vllm_gather_on_ranks": [0, 1]}  # fmt: skip
+    assert done["target.logits"] == {
+        "layout": "vocab-sharded",
+        "joined_rows": [[0, 6], [6, 12]],
+        "equals_vllm_gather_on_ranks": [0, 1],
+    }
     ranks[1].tensors["target.logits"] = logits + 1.0  # vLLM's own gather on rank 1 says otherwise
     with pytest.raises(EngineError, match=r"target\.logits joined .* differs from vLLM's own gather on rank 1"):
         tp.gather(ranks)
@@ -95,13 +100,29 @@ def test_vocab_slices_that_leave_a_gap_are_refused():
 def test_every_tensor_the_adapter_records_has_a_layout_in_the_rule():
     from engines.vllm import tp
 
-    names = ["target.h.0", "target.h.61", "target.final_norm", "target.logits", "draft.fc_in", "draft.fc_out",
-             "draft.embeds", "draft.layer0.attn_in", "draft.layer0.attn_out", "draft.layer0.mlp_out",
-             "draft.hidden_prenorm", "draft.logits", "draft.logits_target", "draft.step3.logits",
-             "draft.step1.layer0.mlp_out"]  # fmt: skip
+    names = [
+        "target.h.0",
+        "target.h.61",
+        "target.final_norm",
+        "target.logits",
+        "draft.fc_in",
+        "draft.fc_out",
+        "draft.embeds",
+        "draft.layer0.attn_in",
+        "draft.layer0.attn_out",
+        "draft.layer0.mlp_out",
+        "draft.hidden_prenorm",
+        "draft.logits",
+        "draft.logits_target",
+        "draft.step3.logits",
+        "draft.step1.layer0.mlp_out",
+    ]
     kinds = {n: tp.layout_of(n).kind for n in names}
-    assert {n for n, k in kinds.items() if k == tp.VOCAB_SHARDED} == {"target.logits", "draft.logits",
-                                                                       "draft.step3.logits"}  # fmt: skip
+    assert {n for n, k in kinds.items() if k == tp.VOCAB_SHARDED} == {
+        "target.logits",
+        "draft.logits",
+        "draft.step3.logits",
+    }
     with pytest.raises(EngineError, match="no tensor-parallel layout for target.something"):
         tp.layout_of("target.something")
 
@@ -130,8 +151,16 @@ def _session(tmp: Path, cases: tuple[str, ...], engines: str, timeout: float = 1
         (root / "cases" / f"{case}.yaml").write_text((ROOT / "cases" / f"{case}.yaml").read_text())
     cache = _cache_with_fixtures(tmp)
     started = time.perf_counter()
-    result = run_pytest(root, "cases/", f"--engine-python=vllm={python}", f"--engines={engines}", "--no-capture-cache",
-                        "--engine-timeout=600", env={"DIFFTEST_CACHE": str(cache)}, timeout=timeout)  # fmt: skip
+    result = run_pytest(
+        root,
+        "cases/",
+        f"--engine-python=vllm={python}",
+        f"--engines={engines}",
+        "--no-capture-cache",
+        "--engine-timeout=600",
+        env={"DIFFTEST_CACHE": str(cache)},
+        timeout=timeout,
+    )
     result.cache = cache
     result.wall_s = time.perf_counter() - started
     return result
@@ -278,8 +307,15 @@ def killed(tmp_path_factory):
     (root / "cases").mkdir(parents=True)
     (root / "cases" / "tiny_llama.yaml").write_text((ROOT / "cases" / "tiny_llama.yaml").read_text())
     cache = _cache_with_fixtures(tmp)
-    proc = start_pytest(root, "cases/", f"--engine-python=vllm={python}", f"--engines=ref,{TP2}", "--no-capture-cache",
-                        "--engine-timeout=600", env={"DIFFTEST_CACHE": str(cache)})  # fmt: skip
+    proc = start_pytest(
+        root,
+        "cases/",
+        f"--engine-python=vllm={python}",
+        f"--engines=ref,{TP2}",
+        "--no-capture-cache",
+        "--engine-timeout=600",
+        env={"DIFFTEST_CACHE": str(cache)},
+    )
     log = root / "reports" / "logs" / f"{TP2}.log"
     victim, seen = None, set()
     deadline = time.time() + 1200
@@ -347,9 +383,24 @@ def test_difftest_fix_for_the_seed_case_is_verified_on_vllm_at_tp2(tmp_path):
 
     if not FULL:
         pytest.skip("`difftest fix` verified at TP=2 (one more TP=2 engine start): set DIFFTEST_FULL_MATRIX=1")
-    run = subprocess.run([sys.executable, "-m", "difftest.cli", "fix", str(ROOT / "cases" / "seed_miswired_training.yaml"),
-                          "--engine", TP2, "--report-dir", str(tmp_path), f"--engine-python=vllm={vllm_python()}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=1800)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "difftest.cli",
+            "fix",
+            str(ROOT / "cases" / "seed_miswired_training.yaml"),
+            "--engine",
+            TP2,
+            "--report-dir",
+            str(tmp_path),
+            f"--engine-python=vllm={vllm_python()}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads((tmp_path / "fix" / "seed_miswired_training.vllm.fix.json").read_text())
     assert result["patch"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}

@@ -89,9 +89,24 @@ def test_model_runner_v1_feeds_the_nested_ids_as_trained(v1_run):
 
 def test_the_fix_for_v2_is_verified_on_both_runners(tmp_path):
     _copy_cases(tmp_path, [NESTED])
-    out = subprocess.run([sys.executable, "-m", "difftest.cli", "fix", f"cases/{NESTED}.yaml", "--engine", "vllm",
-                          "--report-dir", "fixed", f"--engine-python=vllm={vllm_python()}"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=1800)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "difftest.cli",
+            "fix",
+            f"cases/{NESTED}.yaml",
+            "--engine",
+            "vllm",
+            "--report-dir",
+            "fixed",
+            f"--engine-python=vllm={vllm_python()}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert '"eagle_aux_hidden_state_layer_ids": [0, 2, 4]' in out.stdout
     assert "VERIFIED on the real engine" in out.stdout

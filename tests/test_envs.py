@@ -204,8 +204,13 @@ def test_project_file_unknown_table_is_refused(tmp_path):
 
 def test_cli_dry_run_prints_the_plan_and_builds_nothing(tmp_path):
     env = dict(os.environ, DIFFTEST_CACHE=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "difftest.cli", "env", "create", "sglang==0.5.22", "--label", "old", "--dry-run"],
-                          capture_output=True, text=True, env=env, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "difftest.cli", "env", "create", "sglang==0.5.22", "--label", "old", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("sglang==0.5.22 (pinned: 0.5.23) -> " + str(tmp_path / "envs" / "sglang-"))
     assert proc.stdout.rstrip().endswith(f"link {tmp_path / 'envs' / 'sglang@old'}")

@@ -23,14 +23,23 @@ def test_a_single_mapping_and_a_list_both_parse():
     )
 
 
-@pytest.mark.parametrize("value, fragment", [
-    ({"engine": "sglang", "chek": "fc_inputs", "cause": "x"}, "unknown key 'chek' (did you mean 'check'?)"),
-    ({"engine": "sglang", "check": "fc_input", "cause": "x"}, "unknown check 'fc_input' (did you mean 'fc_inputs'?)"),
-    ({"engine": "sglang", "check": "fc_inputs"}, "expect_failure[0].cause: expected a non-empty string"),
-    ({"engine": "sglang", "check": "fc_inputs", "cause": 3}, "expect_failure[0].cause: expected a non-empty string"),
-    ("sglang fails", "expected a mapping"),
-    ([], "expected a mapping"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ({"engine": "sglang", "chek": "fc_inputs", "cause": "x"}, "unknown key 'chek' (did you mean 'check'?)"),
+        (
+            {"engine": "sglang", "check": "fc_input", "cause": "x"},
+            "unknown check 'fc_input' (did you mean 'fc_inputs'?)",
+        ),
+        ({"engine": "sglang", "check": "fc_inputs"}, "expect_failure[0].cause: expected a non-empty string"),
+        (
+            {"engine": "sglang", "check": "fc_inputs", "cause": 3},
+            "expect_failure[0].cause: expected a non-empty string",
+        ),
+        ("sglang fails", "expected a mapping"),
+        ([], "expected a mapping"),
+    ],
+)
 def test_malformed_declarations_are_refused_naming_the_field(value, fragment):
     with pytest.raises(ConfigError) as e:
         parse(value, CASE, ALL_CHECKS)
@@ -51,12 +60,15 @@ def test_a_changed_cause_fails():
     assert not out.expected and "cause changed" in out.message
 
 
-@pytest.mark.parametrize("name, spec_id, check, hit", [
-    ("sglang", "sglang", "fc_inputs", True),
-    ("sglang", "sglang[topk=4]", "fc_inputs", True),
-    ("vllm", "vllm", "fc_inputs", False),
-    ("sglang", "sglang", "draft_logits", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, spec_id, check, hit",
+    [
+        ("sglang", "sglang", "fc_inputs", True),
+        ("sglang", "sglang[topk=4]", "fc_inputs", True),
+        ("vllm", "vllm", "fc_inputs", False),
+        ("sglang", "sglang", "draft_logits", False),
+    ],
+)
 def test_an_engine_name_matches_each_of_its_specs(name, spec_id, check, hit):
     assert ExpectedFailure("sglang", "fc_inputs", "x").matches(name, spec_id, check) is hit
 
@@ -93,12 +105,15 @@ def test_an_entry_with_a_reference_applies_only_to_runs_against_that_reference()
         parse({"engine": "sglang", "check": "fc_inputs", "cause": "x", "reference": ""}, Path("c.yaml"), ALL_CHECKS)
 
 
-@pytest.mark.parametrize("key, value, fragment", [
-    ("engine", "reff", "expect_failure[0].engine: unknown engine 'reff' (did you mean 'ref'?); registered: "),
-    ("engine", "vlm@0.24.0", "expect_failure[0].engine: unknown engine 'vlm' (did you mean 'vllm'?)"),
-    ("reference", "sglan@0.5.16", "expect_failure[0].reference: unknown engine 'sglan' (did you mean 'sglang'?)"),
-    ("engine", "vllm 0.24", "expect_failure[0].engine: cannot read engine 'vllm 0.24'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, value, fragment",
+    [
+        ("engine", "reff", "expect_failure[0].engine: unknown engine 'reff' (did you mean 'ref'?); registered: "),
+        ("engine", "vlm@0.24.0", "expect_failure[0].engine: unknown engine 'vlm' (did you mean 'vllm'?)"),
+        ("reference", "sglan@0.5.16", "expect_failure[0].reference: unknown engine 'sglan' (did you mean 'sglang'?)"),
+        ("engine", "vllm 0.24", "expect_failure[0].engine: cannot read engine 'vllm 0.24'"),
+    ],
+)
 def test_an_entry_for_an_engine_that_is_not_registered_is_refused(key, value, fragment):
     entry = {"engine": "sglang", "check": "fc_inputs", "cause": "x", key: value}
     with pytest.raises(ConfigError) as e:

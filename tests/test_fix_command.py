@@ -23,8 +23,24 @@ from difftest.run.session import resolve_fixture
 
 
 def fix_all(cases: list[Path], engine: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "difftest.cli", "fix", *map(str, cases), "--engine", engine,
-                           "--report-dir", str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=1800)  # fmt: skip
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "difftest.cli",
+            "fix",
+            *map(str, cases),
+            "--engine",
+            engine,
+            "--report-dir",
+            str(out),
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
 
 
 def fix(case: Path, engine: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -42,8 +58,12 @@ def deepseek_seed_case(tmp_path_factory) -> Path:
     the engine's draft computes what the reference's does on it, not the acceptance of a good draft."""
     root = tmp_path_factory.mktemp("deepseek-seed")
     case = yaml.safe_load((ROOT / "cases" / "tiny_deepseek_v3.yaml").read_text())
-    case.update(name="deepseek_seed", wiring=["h0", "h2", "h4"], target=resolve_fixture("fixture:tiny-deepseek-v3"),
-                draft=resolve_fixture("fixture:tiny-deepseek-v3-eagle3"))  # fmt: skip
+    case.update(
+        name="deepseek_seed",
+        wiring=["h0", "h2", "h4"],
+        target=resolve_fixture("fixture:tiny-deepseek-v3"),
+        draft=resolve_fixture("fixture:tiny-deepseek-v3-eagle3"),
+    )
     case.pop("engines", None)
     case.pop("expect", None)
     (root / "deepseek_seed.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
@@ -51,12 +71,15 @@ def deepseek_seed_case(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sglang_fixes(tmp_path_factory, deepseek_seed_case, sglang_python) -> tuple[subprocess.CompletedProcess, Path]:  # noqa: F811
+def sglang_fixes(tmp_path_factory, deepseek_seed_case, sglang_python) -> tuple[subprocess.CompletedProcess, Path]:
     """One `difftest fix` over SGLang's three shapes: each case's edit is computed, and all three are
     verified in one run of the engine (one SGLang session serves them, as it would a user's repo)."""
     out = tmp_path_factory.mktemp("sglang-fixes")
-    cases = [ROOT / "cases" / "tiny_llama_sglang_default_ids.yaml", ROOT / "cases" / "catalogue_ids_unsorted.yaml",
-             deepseek_seed_case]  # fmt: skip
+    cases = [
+        ROOT / "cases" / "tiny_llama_sglang_default_ids.yaml",
+        ROOT / "cases" / "catalogue_ids_unsorted.yaml",
+        deepseek_seed_case,
+    ]
     return fix_all(cases, "sglang", out, f"--engine-python=sglang={sglang_python}"), out
 
 
@@ -106,7 +129,7 @@ def test_seed_shape_on_deepseek_names_sglangs_ids_and_is_verified(sglang_fixes):
     assert fc["outcome"] == "passed"
 
 
-def test_sglang_off_by_one_is_fixed_and_verified_when_the_case_runs_sglang_at_tp2(tmp_path, sglang_python):  # noqa: F811
+def test_sglang_off_by_one_is_fixed_and_verified_when_the_case_runs_sglang_at_tp2(tmp_path, sglang_python):
     """The case's `engines.sglang.tp_size: 2` travels into the patched case: the verifying run starts
     SGLang with two ranks (two scheduler processes over gloo) and every check passes there. One
     more SGLang start at TP = 2 (2-4 min on two cores): DIFFTEST_FULL_MATRIX=1. vLLM's fix at TP = 2:
@@ -205,6 +228,8 @@ def test_two_cases_of_one_name_are_refused_before_either_overwrites_the_others_f
     copy.write_text(case.read_text())
     run = fix_all([case, copy], "sglang", tmp_path, "--no-verify")
     assert run.returncode == 2, run.stdout + run.stderr
-    assert run.stderr.strip() == (f"difftest fix: {copy}: a case named 'tiny_llama_sglang_default_ids' "
-                                  f"is already being fixed ({case}); one case of a name per run")  # fmt: skip
+    assert run.stderr.strip() == (
+        f"difftest fix: {copy}: a case named 'tiny_llama_sglang_default_ids' "
+        f"is already being fixed ({case}); one case of a name per run"
+    )
     assert run.stdout.count("wrote ") == 2  # the first case's patch and patched case, once

@@ -20,10 +20,24 @@ EVIL = "<script>alert('x')</script>&"
 
 
 def tensor(name, status="ok", max_abs=0.0, cosine=1.0, rows=None, err=0.0, threshold=1e-5, introduced=False):
-    return {"name": name, "status": status, "numel": 12, "max_abs": max_abs, "cosine": cosine,
-            "row_max_abs": rows or [0.0, 0.0, 0.0], "criterion": "noise", "err": err, "noise_floor": threshold / 10,
-            "threshold": threshold, "excess": err / threshold, "rows": 3, "rows_above": 3 if status == "mismatch" else 0,
-            "introduced": introduced, "differs": err > 0, "row_err": [err, err / 2, err / 4]}  # fmt: skip
+    return {
+        "name": name,
+        "status": status,
+        "numel": 12,
+        "max_abs": max_abs,
+        "cosine": cosine,
+        "row_max_abs": rows or [0.0, 0.0, 0.0],
+        "criterion": "noise",
+        "err": err,
+        "noise_floor": threshold / 10,
+        "threshold": threshold,
+        "excess": err / threshold,
+        "rows": 3,
+        "rows_above": 3 if status == "mismatch" else 0,
+        "introduced": introduced,
+        "differs": err > 0,
+        "row_err": [err, err / 2, err / 4],
+    }
 
 
 def render(data: dict) -> str:
@@ -35,8 +49,14 @@ def markdown(data: dict) -> str:
 
 
 def check(engine: str, name: str, outcome: str, message: str, data: dict | None = None) -> dict:
-    return {"schema_version": 2, "engine": engine, "check": name, "outcome": outcome, "message": message,
-            **({"data": data} if data is not None else {})}  # fmt: skip
+    return {
+        "schema_version": 2,
+        "engine": engine,
+        "check": name,
+        "outcome": outcome,
+        "message": message,
+        **({"data": data} if data is not None else {}),
+    }
 
 
 def stats(verify: int, accepted: int, per_pos: list[int]) -> dict:
@@ -49,10 +69,13 @@ def stats(verify: int, accepted: int, per_pos: list[int]) -> dict:
 
 
 def sample_report() -> dict:
-    bad = [tensor("target.h.1"), tensor("draft.embeds", err=3e-6),
-           tensor("draft.fc_in.0", "mismatch", 0.5, 0.7, [0.5, 0.1, 0.2], err=0.4, introduced=True),
-           tensor("draft.logits", "mismatch", 2.0, 0.3, err=0.9),
-           {"name": "draft.step1.logits", "status": "tie", "detail": "not compared: a tie"}]  # fmt: skip
+    bad = [
+        tensor("target.h.1"),
+        tensor("draft.embeds", err=3e-6),
+        tensor("draft.fc_in.0", "mismatch", 0.5, 0.7, [0.5, 0.1, 0.2], err=0.4, introduced=True),
+        tensor("draft.logits", "mismatch", 2.0, 0.3, err=0.9),
+        {"name": "draft.step1.logits", "status": "tie", "detail": "not compared: a tie"},
+    ]
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -120,7 +143,7 @@ def sample_report() -> dict:
                     "spread": 0.1,
                 },
             ),
-        ],  # fmt: skip
+        ],
         "noise_floor": {
             "dtype": "float32",
             "measured": True,
@@ -252,8 +275,10 @@ def old_report() -> dict:
     r = sample_report()
     r["noise_floor"] = None
     for p in r["comparisons"][f"evil[{EVIL}]"]:
-        p["tensors"] = [{k: v for k, v in t.items() if k in ("name", "status", "numel", "max_abs", "cosine", "row_max_abs")}
-                        for t in p["tensors"]]  # fmt: skip
+        p["tensors"] = [
+            {k: v for k, v in t.items() if k in ("name", "status", "numel", "max_abs", "cosine", "row_max_abs")}
+            for t in p["tensors"]
+        ]
         p.update(first_introduced=None, first_above_noise=None, first_differs=None, tie="")
     return r
 

@@ -110,8 +110,20 @@ def test_weak_evidence_cannot_tell():
 def test_cli_names_the_seed_drafts_training_wiring(capsys):
     from difftest.cli import main
 
-    code = main(["infer-wiring", "--target", "fixture:tiny-llama", "--draft", "fixture:tiny-llama-eagle3",
-                 "--random", "24", "--length", "40", "--json"])  # fmt: skip
+    code = main(
+        [
+            "infer-wiring",
+            "--target",
+            "fixture:tiny-llama",
+            "--draft",
+            "fixture:tiny-llama-eagle3",
+            "--random",
+            "24",
+            "--length",
+            "40",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     assert out["wiring"] == ["target.h.2", "target.h.4", "target.h.5"]

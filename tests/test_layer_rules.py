@@ -21,8 +21,10 @@ def ec(ids):
 def test_sglang_llama_sorts_then_shifts_the_issue_example():
     reading = lr.SGLANG_LLAMA.predict(ec([4, 2, 0]), L, 3)
     assert reading.fed == [1, 3, 5]
-    assert reading.explain() == ("SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, k -> h[k+1]) "
-                                 "turns [4, 2, 0] (eagle_config) into [h1, h3, h5]")  # fmt: skip
+    assert reading.explain() == (
+        "SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, k -> h[k+1]) "
+        "turns [4, 2, 0] (eagle_config) into [h1, h3, h5]"
+    )
 
 
 def test_vllm_reads_the_top_level_before_eagle_config():
@@ -156,8 +158,15 @@ def test_the_report_has_a_fix_section_for_a_failing_fc_inputs_item():
 
     fix = FixData(patch=ec([1, 3, 4]), ids=[1, 3, 4])
     data = ComparisonData(rule="SGLang 0.5.23 (Llama rule: ...)", fix=fix)
-    report = Report(case="c", case_file="cases/c.yaml", created="now", reference="ref", accept_length_definition="d",
-                    engines={}, checks=[CheckResult("sglang", "fc_inputs", "failed", "m", data)])  # fmt: skip
+    report = Report(
+        case="c",
+        case_file="cases/c.yaml",
+        created="now",
+        reference="ref",
+        accept_length_definition="d",
+        engines={},
+        checks=[CheckResult("sglang", "fc_inputs", "failed", "m", data)],
+    )
     md = markdown(report)
     assert "## Fix" in md and "difftest fix cases/c.yaml --engine sglang" in md
     assert '{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}' in md

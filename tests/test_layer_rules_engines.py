@@ -61,8 +61,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def configs(L: int):
     """A draft-config fragment: where the ids sit and what they are."""
     layer = st.integers(min_value=-1, max_value=L)
-    ids = st.one_of(st.lists(layer, min_size=3, max_size=3, unique=True),  # distinct: a full feed is possible
-                    st.lists(layer, min_size=3, max_size=3))  # repeats too  # fmt: skip
+    ids = st.one_of(
+        st.lists(layer, min_size=3, max_size=3, unique=True),  # distinct: a full feed is possible
+        st.lists(layer, min_size=3, max_size=3),
+    )  # repeats too
     # "layer_ids": eagle_config["layer_ids"], which only vLLM's Model Runner V2 reads
     placed = st.tuples(st.sampled_from(["top", "eagle_config", "both", "layer_ids"]), ids)
     return st.one_of(st.just(("none", None)), placed, placed.map(lambda p: (p[0], sorted(p[1]))))
@@ -97,13 +99,24 @@ def _write_cases(root: Path, engine: str, batch: list[tuple[str, int, str, list[
         tag = re.sub(r"\W", "_", engine)
         name = f"{'z' if reading.refusal or reading.unfused else 'a'}_{tag}_{family.replace('-', '_')}_{i}"
         cap, _ = im.prompts(model.spec)
-        case = {"name": name, "target": str(model.target), "draft": str(draft), "dtype": "float32",
-                "wiring": [f"h{k}" for k in wiring], "prompts": [{"ids": cap[0]}]}  # fmt: skip
+        case = {
+            "name": name,
+            "target": str(model.target),
+            "draft": str(draft),
+            "dtype": "float32",
+            "wiring": [f"h{k}" for k in wiring],
+            "prompts": [{"ids": cap[0]}],
+        }
         (root / "cases" / f"{name}.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
-        expected[name] = {"config": {"where": where, "ids": ids}, "reading": reading.explain(),
-                          "fails": reading.refusal is not None, "fed": reading.fed_names(),
-                          "class": reading.outcome, "says": reading.says,
-                          "unfused": reading.unfused is not None}  # fmt: skip
+        expected[name] = {
+            "config": {"where": where, "ids": ids},
+            "reading": reading.explain(),
+            "fails": reading.refusal is not None,
+            "fed": reading.fed_names(),
+            "class": reading.outcome,
+            "says": reading.says,
+            "unfused": reading.unfused is not None,
+        }
     return expected
 
 
@@ -113,19 +126,25 @@ def _judge(run, engine: str, expected: dict[str, dict]) -> list[str]:
         r = run.outcome(name, engine, "fc_inputs")
         if want["unfused"]:
             if r.outcome != "error" or "SGLang ran its draft without fc" not in _engine_lines(r.message, engine):
-                wrong.append(f"{name} {want['config']}: predicted fc skipped ({want['reading']}), engine "
-                             f"{r.outcome}: {r.message.splitlines()[-1][:300]}")  # fmt: skip
+                wrong.append(
+                    f"{name} {want['config']}: predicted fc skipped ({want['reading']}), engine "
+                    f"{r.outcome}: {r.message.splitlines()[-1][:300]}"
+                )
         elif want["fails"]:
             if r.outcome != "error":
                 wrong.append(f"{name} {want['config']}: predicted a failure ({want['reading']}), engine {r.outcome}")
             elif not re.search(want["says"], _engine_lines(r.message, engine), re.IGNORECASE):
                 # any error is not a confirmation: the engine's own must say what the model predicted
-                wrong.append(f"{name} {want['config']}: predicted {want['reading']}; the engine failed otherwise: "
-                             f"{r.message.splitlines()[0][:300]}")  # fmt: skip
+                wrong.append(
+                    f"{name} {want['config']}: predicted {want['reading']}; the engine failed otherwise: "
+                    f"{r.message.splitlines()[0][:300]}"
+                )
         elif r.outcome != "passed":
             chunks = [c.best for c in r.data.fc_chunks or []] if r.data else []
-            wrong.append(f"{name} {want['config']}: predicted {want['fed']} ({want['reading']}), engine "
-                         f"{r.outcome}: fed {chunks or '?'}: {r.message.splitlines()[0]}")  # fmt: skip
+            wrong.append(
+                f"{name} {want['config']}: predicted {want['fed']} ({want['reading']}), engine "
+                f"{r.outcome}: fed {chunks or '?'}: {r.message.splitlines()[0]}"
+            )
     return wrong
 
 
@@ -158,8 +177,9 @@ def _draws(family: str, salt: int) -> list[tuple[str, list[int] | None]]:
     edges: -1, 0, L, repeats) under the recorded seed."""
     seen: list = []
 
-    @settings(max_examples=200, deadline=None, phases=[Phase.generate], database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=200, deadline=None, phases=[Phase.generate], database=None, suppress_health_check=list(HealthCheck)
+    )
     @seed(SEED + salt)
     @given(cfg=configs(im.TARGETS[FAMILIES[family]].num_layers))
     def collect(cfg):
@@ -209,10 +229,16 @@ def draw_configs(engine: str) -> list[tuple[str, int, str, list[int] | None]]:
         rng.shuffle(families)
         for _ in range(EXAMPLES):
             for family in families:  # the first family (in the seed's order) that has this class
-                fits = [c for c in pools[family] if _reading(engine, family, c).outcome == cls
-                        and not (family == lr.DEEPSEEK and (_reading(engine, family, c).refusal
-                                                             or _reading(engine, family, c).unfused))
-                        and (family, c) not in [(b[0], (b[2], b[3])) for b in batch]]  # fmt: skip
+                fits = [
+                    c
+                    for c in pools[family]
+                    if _reading(engine, family, c).outcome == cls
+                    and not (
+                        family == lr.DEEPSEEK
+                        and (_reading(engine, family, c).refusal or _reading(engine, family, c).unfused)
+                    )
+                    and (family, c) not in [(b[0], (b[2], b[3])) for b in batch]
+                ]
                 # the default class where the engine's readings part: SGLang never reads the top level,
                 # vLLM's V2 never reads eagle_config's own key
                 unread = "eagle_config" if "eagle_config" not in _rule(engine, family).ids_from else "top"
@@ -245,13 +271,25 @@ def _check(engine: str, python_option: str, tmp_path_factory) -> None:
     # no brackets in paths: vLLM globs a checkpoint directory for its weights ("[runner=v1]" is a class)
     root = tmp_path_factory.mktemp("rules-" + re.sub(r"\W", "_", engine))
     expected = _write_cases(root, engine, batch)
-    run = run_pytest(root, "cases/", f"--engines=ref,{engine}", *filter(None, [python_option]), "--require-engines",
-                     "--no-capture-cache", "--engine-timeout=600", "-k", "fc_inputs", timeout=2400)  # fmt: skip
+    run = run_pytest(
+        root,
+        "cases/",
+        f"--engines=ref,{engine}",
+        *filter(None, [python_option]),
+        "--require-engines",
+        "--no-capture-cache",
+        "--engine-timeout=600",
+        "-k",
+        "fc_inputs",
+        timeout=2400,
+    )
     for name, want in expected.items():  # the record of what was tried (pytest -s shows it)
         got = run.outcome(name, engine, "fc_inputs")
-        print(f"{name} [{want['class']}]: {want['config']} -> {'failure' if want['fails'] else want['fed']}; engine: {got.outcome}"
-              + (f" ({got.message.splitlines()[-1][:160]})" if got.outcome == "error" else "")
-              + (" [not a verification: the worker was down]" if "after an earlier failure" in got.message else ""))  # fmt: skip
+        print(
+            f"{name} [{want['class']}]: {want['config']} -> {'failure' if want['fails'] else want['fed']}; engine: {got.outcome}"
+            + (f" ({got.message.splitlines()[-1][:160]})" if got.outcome == "error" else "")
+            + (" [not a verification: the worker was down]" if "after an earlier failure" in got.message else "")
+        )
     wrong = _judge(run, engine, expected)
     assert not wrong, f"DIFFTEST_PROPERTY_SEED={SEED}\n" + "\n".join(wrong) + "\n" + run.output[-2000:]
 
@@ -269,7 +307,7 @@ def test_vllm_model_runner_v1_feeds_what_its_rule_model_predicts(tmp_path_factor
     _check("vllm[runner=v1]", f"--engine-python=vllm={python}", tmp_path_factory)
 
 
-def test_sglang_feeds_what_its_rule_model_predicts(tmp_path_factory, sglang_python):  # noqa: F811
+def test_sglang_feeds_what_its_rule_model_predicts(tmp_path_factory, sglang_python):
     _record_seed("sglang")
     _check("sglang", f"--engine-python=sglang={sglang_python}", tmp_path_factory)
 

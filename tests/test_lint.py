@@ -47,8 +47,10 @@ def test_missing_layer_ids_mean_a_silent_fallback(models, tmp_path):
     draft = variant(models, tmp_path, config=drop_ids)
     [f] = lint_draft(draft, models[0], TRAINED)
     assert (f.code, f.severity) == ("layer-ids-missing", "error")
-    assert f.message == ("no eagle_aux_hidden_state_layer_ids: engines fall back to h[2], h[L//2], h[L-3] = [h2, h4, h5] "
-                         "(L=8), not what the draft was trained on (h.1, h.2, h.3)")  # fmt: skip
+    assert f.message == (
+        "no eagle_aux_hidden_state_layer_ids: engines fall back to h[2], h[L//2], h[L-3] = [h2, h4, h5] "
+        "(L=8), not what the draft was trained on (h.1, h.2, h.3)"
+    )
 
 
 def test_missing_layer_ids_on_a_shallow_target_name_the_fallback_narrower_than_fc_in_each_engine(models, tmp_path):
@@ -59,15 +61,21 @@ def test_missing_layer_ids_on_a_shallow_target_name_the_fallback_narrower_than_f
         for k in [k for k in t if k.startswith(tuple(f"model.layers.{i}." for i in range(4, 8)))]:
             t.pop(k)
 
-    shallow = edited_copy(models[0], tmp_path / "target", config=lambda cfg: cfg.update(num_hidden_layers=4),
-                          tensors=first_four_layers)  # fmt: skip
+    shallow = edited_copy(
+        models[0], tmp_path / "target", config=lambda cfg: cfg.update(num_hidden_layers=4), tensors=first_four_layers
+    )
     draft = variant(models, tmp_path, config=drop_ids)
     [f] = lint_draft(draft, shallow, TRAINED)
     assert f.code == "layer-ids-missing"
     for engine in ("vLLM 0.32.0", "SGLang 0.5.23"):
         assert (f"{engine} (Llama rule: ids from") in f.message
-    assert f.message.count("falls back to [2, L//2, L-3] = [2, 2, 1], feeding [h1, h2]; then fails: fc expects 3 "
-                           "chunks but the engine captures 2") == 2  # fmt: skip
+    assert (
+        f.message.count(
+            "falls back to [2, L//2, L-3] = [2, 2, 1], feeding [h1, h2]; then fails: fc expects 3 "
+            "chunks but the engine captures 2"
+        )
+        == 2
+    )
 
 
 def test_missing_layer_ids_are_only_a_warning_when_training_used_the_defaults(models, tmp_path):
@@ -138,18 +146,22 @@ def test_vocab_map_problems(models, tmp_path, edit, message):
 def test_sglang_topk_1_forces_the_draft_token_budget(models):
     engines = {"sglang": {"speculative_eagle_topk": 1, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}}
     [f] = lint_draft(models[1], models[0], TRAINED, engines)
-    assert str(f) == ("warning [sglang-topk]: engines.sglang: speculative_eagle_topk == 1 forces num_draft_tokens = "
-                      "num_steps + 1 = 4; the configured 8 is silently ignored")  # fmt: skip
+    assert str(f) == (
+        "warning [sglang-topk]: engines.sglang: speculative_eagle_topk == 1 forces num_draft_tokens = "
+        "num_steps + 1 = 4; the configured 8 is silently ignored"
+    )
 
 
 def test_engine_readings_of_the_ids_are_checked_against_training(models):
     [f] = _lint_draft(models[1], models[0], TRAINED)
     assert (f.code, f.severity) == ("layer-ids-training", "warning")
-    assert f.message == ("trained on [h1, h2, h3]; other engines read ids [1, 2, 3] differently: SGLang 0.5.23 (Llama "
-                         "rule: ids from eagle_config, layer order, k -> h[k+1]) turns [1, 2, 3] (eagle_config) into "
-                         "[h2, h3, h4]; the draft was trained on [h1, h2, h3]; fix: {'eagle_config': "
-                         "{'eagle_aux_hidden_state_layer_ids': [0, 1, 2]}} (`difftest fix CASE --engine sglang` writes "
-                         "and verifies it); SpecForge's data generation reads them as [h2, h3, h4]")  # fmt: skip
+    assert f.message == (
+        "trained on [h1, h2, h3]; other engines read ids [1, 2, 3] differently: SGLang 0.5.23 (Llama "
+        "rule: ids from eagle_config, layer order, k -> h[k+1]) turns [1, 2, 3] (eagle_config) into "
+        "[h2, h3, h4]; the draft was trained on [h1, h2, h3]; fix: {'eagle_config': "
+        "{'eagle_aux_hidden_state_layer_ids': [0, 1, 2]}} (`difftest fix CASE --engine sglang` writes "
+        "and verifies it); SpecForge's data generation reads them as [h2, h3, h4]"
+    )
 
 
 def deepseek_target(models, tmp_path: Path) -> Path:
@@ -185,9 +197,11 @@ def test_sglang_reading_follows_the_deepseek_rule_for_a_deepseek_target(models, 
 def test_ids_only_at_the_top_level_warn_that_sglang_falls_back(models, tmp_path):
     draft = variant(models, tmp_path, config=lambda cfg: cfg.pop("eagle_config"))
     [f] = lint_draft(draft, models[0], TRAINED)
-    assert str(f) == ("warning [layer-ids-sglang-location]: eagle_aux_hidden_state_layer_ids [1, 2, 3] only at the top "
-                      "level: SGLang 0.5.23 reads only eagle_config.eagle_aux_hidden_state_layer_ids and silently falls "
-                      "back to its default layers; write the ids in both places")  # fmt: skip
+    assert str(f) == (
+        "warning [layer-ids-sglang-location]: eagle_aux_hidden_state_layer_ids [1, 2, 3] only at the top "
+        "level: SGLang 0.5.23 reads only eagle_config.eagle_aux_hidden_state_layer_ids and silently falls "
+        "back to its default layers; write the ids in both places"
+    )
 
 
 def test_norm_before_residual_in_an_mla_draft_warns_that_sglang_ignores_it(models, tmp_path):
@@ -202,7 +216,9 @@ def test_norm_before_residual_in_an_mla_draft_warns_that_sglang_ignores_it(model
 def test_ids_that_do_not_name_the_trained_layers_are_an_error(models):
     """The seed's bug: trained on [h0, h1, h2] (embedding first), the config says [1, 2, 3]."""
     f = _lint_draft(models[1], models[0], ["target.h.0", "target.h.1", "target.h.2"])[0]
-    assert str(f) == ("error [layer-ids-training]: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer "
-                      "order, k -> h[k]) turns [1, 2, 3] (top level) into [h1, h2, h3]; the draft was trained on "
-                      "[h0, h1, h2]; fix: {'eagle_aux_hidden_state_layer_ids': [0, 1, 2]} (`difftest fix CASE --engine "
-                      "vllm` writes and verifies it)")  # fmt: skip
+    assert str(f) == (
+        "error [layer-ids-training]: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer "
+        "order, k -> h[k]) turns [1, 2, 3] (top level) into [h1, h2, h3]; the draft was trained on "
+        "[h0, h1, h2]; fix: {'eagle_aux_hidden_state_layer_ids': [0, 1, 2]} (`difftest fix CASE --engine "
+        "vllm` writes and verifies it)"
+    )

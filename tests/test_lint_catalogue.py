@@ -32,8 +32,16 @@ def findings(models, draft, code: str):
 
 
 def test_the_untouched_draft_raises_no_catalogue_finding(models):
-    catalogue = {"flag-ignored", "lm-head-missing", "draft-weights", "embedding-substituted", "rope-conflict",
-                 "rope-dropped", "d2t-convention", "checkpoint-format"}  # fmt: skip
+    catalogue = {
+        "flag-ignored",
+        "lm-head-missing",
+        "draft-weights",
+        "embedding-substituted",
+        "rope-conflict",
+        "rope-dropped",
+        "d2t-convention",
+        "checkpoint-format",
+    }
     assert [f for f in lint_draft(models[1], models[0], TRAINED) if f.code in catalogue] == []
 
 
@@ -83,7 +91,9 @@ def test_renamed_weights_are_missing_and_unexpected(models, tmp_path):
     draft = variant(models, tmp_path, tensors=rename)
     found = findings(models, draft, "draft-weights")
     assert {(f.severity, "fc.weight" in f.message or "fc_proj" in f.message) for f in found} == {
-        ("error", True), ("warning", True)}  # fmt: skip
+        ("error", True),
+        ("warning", True),
+    }
 
 
 def test_a_retrained_embedding_is_named_as_replaced_by_sglang(models, tmp_path):

@@ -74,8 +74,11 @@ def test_logits_outside_the_draft_vocab_do_not_poison_kl():
 
 
 def test_only_logits_get_distribution_metrics():
-    assert [n for n in ["draft.logits", "draft.step2.logits_target", "target.logits", "draft.fc_out", "draft.layer0.attn_in"]
-            if is_logits(n)] == ["draft.logits", "draft.step2.logits_target", "target.logits"]  # fmt: skip
+    assert [
+        n
+        for n in ["draft.logits", "draft.step2.logits_target", "target.logits", "draft.fc_out", "draft.layer0.attn_in"]
+        if is_logits(n)
+    ] == ["draft.logits", "draft.step2.logits_target", "target.logits"]
     a = randn(3, 5, dtype=torch.float32)
     assert compare_tensor("draft.fc_out", a, a + 1, DEFAULTS["float32"]).topk == 0
 
@@ -102,8 +105,21 @@ def test_compiled_kernel_gives_the_eager_numbers(dtype):
     from difftest.compare.rowstats import compile_status
 
     assert "compiled" in compile_status()
-    for k in ("status", "mismatched", "nonfinite_mismatch", "max_abs", "max_abs_index", "rows_mismatched", "worst_row",
-              "row_mismatched", "top1_agree", "topk_member", "nan_other", "inf_ref", "inf_other"):  # fmt: skip
+    for k in (
+        "status",
+        "mismatched",
+        "nonfinite_mismatch",
+        "max_abs",
+        "max_abs_index",
+        "rows_mismatched",
+        "worst_row",
+        "row_mismatched",
+        "top1_agree",
+        "topk_member",
+        "nan_other",
+        "inf_ref",
+        "inf_other",
+    ):
         assert getattr(fused, k) == getattr(eager, k), k
     for k in ("mean_abs", "cosine", "rel_diff", "max_rel", "kl_mean", "tv_mean", "tv_max"):
         assert getattr(fused, k) == pytest.approx(getattr(eager, k), rel=1e-4, abs=1e-7), k

@@ -148,8 +148,17 @@ def test_a_target_pickle_holding_code_is_refused_naming_the_file_and_never_run(m
 
 
 # -- 3. output paths: checked before any work, written atomically ----------------------------------
-REPORT = {"schema": "difftest.report", "schema_version": 2, "case": "c", "case_file": "c.yaml", "created": "now",
-          "reference": "ref", "accept_length_definition": "d", "engines": {}, "checks": []}  # fmt: skip
+REPORT = {
+    "schema": "difftest.report",
+    "schema_version": 2,
+    "case": "c",
+    "case_file": "c.yaml",
+    "created": "now",
+    "reference": "ref",
+    "accept_length_definition": "d",
+    "engines": {},
+    "checks": [],
+}
 
 
 @pytest.fixture
@@ -216,16 +225,44 @@ def test_train_acc_json_under_a_file_is_refused_before_anything_is_computed(tmp_
 
 def test_dump_out_onto_a_file_is_refused_before_the_target_runs(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
-    assert main(["dump", "--target", str(tmp_path / "t"), "--out", str(tmp_path / "afile"), "--format", "speculators",
-                 "--layers", "h0+h2", "--random", "1"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "dump",
+                "--target",
+                str(tmp_path / "t"),
+                "--out",
+                str(tmp_path / "afile"),
+                "--format",
+                "speculators",
+                "--layers",
+                "h0+h2",
+                "--random",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err == f"difftest dump: --out: {tmp_path / 'afile'} is not a directory\n"
 
 
 def test_probe_report_dir_onto_a_file_is_refused_before_the_server_is_asked(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     # neither the case nor the server exists: the report directory is checked first
-    assert main(["probe", "--server", "http://127.0.0.1:1", "--case", str(tmp_path / "none.yaml"),
-                 "--report-dir", str(tmp_path / "afile")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "probe",
+                "--server",
+                "http://127.0.0.1:1",
+                "--case",
+                str(tmp_path / "none.yaml"),
+                "--report-dir",
+                str(tmp_path / "afile"),
+            ]
+        )
+        == 2
+    )
     assert (
         capsys.readouterr().err.splitlines()[-1]
         == f"difftest probe: --report-dir: {tmp_path / 'afile'} is not a directory"
@@ -267,7 +304,7 @@ def _answering(status: int):
     """An HTTP server on localhost answering every GET with `status` and an empty body."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(status)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -328,8 +365,9 @@ def test_an_http_answer_that_is_neither_kind_names_what_answered(monkeypatch):
     finally:
         server.shutdown()
     message = one_line(e)
-    assert message.startswith(f"{url}: no SGLang or vLLM server reachable there: /get_model_info answered HTTP 404, "
-                              "/metrics HTTP 404")  # fmt: skip
+    assert message.startswith(
+        f"{url}: no SGLang or vLLM server reachable there: /get_model_info answered HTTP 404, /metrics HTTP 404"
+    )
 
 
 @pytest.mark.parametrize("value", ["prompts.txt", "data/prompts.jsonl", "cases/missing.yaml", "prompts.json"])

@@ -37,8 +37,12 @@ def _capture(seed: int = 0, draft_tokens=(3, 4)) -> Capture:
         t[f"draft.step1.{name}"] = t[f"draft.{name}"][-1:].clone()
     t["draft.step1.logits"] = t["draft.logits"][-1:].clone()
     t["draft.step1.logits_target"] = t["draft.logits"][-1:].clone()
-    meta = {"wiring": {"inputs": ["target.h.1", "target.h.2"]}, "num_layers": 3, "target_hidden_size": H,
-            "draft_tokens": list(draft_tokens)}  # fmt: skip
+    meta = {
+        "wiring": {"inputs": ["target.h.1", "target.h.2"]},
+        "num_layers": 3,
+        "target_hidden_size": H,
+        "draft_tokens": list(draft_tokens),
+    }
     return Capture(t, meta)
 
 

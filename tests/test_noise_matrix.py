@@ -60,7 +60,7 @@ def _tag(target: str, dtype: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def engines_run(tmp_path_factory, sglang_python):  # noqa: F811
+def engines_run(tmp_path_factory, sglang_python):
     """One session on ref, vLLM and SGLang over every case this module judges on the engines: the
     correct cells and the miswired exports. Returns (run, miswired case name -> MiswiredCase)."""
     root = tmp_path_factory.mktemp("indep")
@@ -72,13 +72,21 @@ def engines_run(tmp_path_factory, sglang_python):  # noqa: F811
             shutil.copy(case.path, root / "cases" / case.path.name)
     miswired = {}
     for target, dtype in MISWIRED:
-        for c in im.write_export_miswired_cases(root / "cases", root / "exports", names=[target], dtypes=[dtype],
-                                                log=lambda _: None):  # fmt: skip
+        for c in im.write_export_miswired_cases(
+            root / "cases", root / "exports", names=[target], dtypes=[dtype], log=lambda _: None
+        ):
             miswired[c.name] = c
     im.write_expectations(root / "expectations.json", list(miswired.values()))
-    run = run_pytest(root, "cases/", "--engines=ref,vllm,sglang", f"--engine-python=vllm={vllm_python()}",
-                     f"--engine-python=sglang={sglang_python}", "--require-engines", "--engine-timeout=900",
-                     timeout=3600 * (4 if FULL else 1))  # fmt: skip
+    run = run_pytest(
+        root,
+        "cases/",
+        "--engines=ref,vllm,sglang",
+        f"--engine-python=vllm={vllm_python()}",
+        f"--engine-python=sglang={sglang_python}",
+        "--require-engines",
+        "--engine-timeout=900",
+        timeout=3600 * (4 if FULL else 1),
+    )
     return run, miswired
 
 
@@ -91,8 +99,11 @@ def correct_run(engines_run):
 @pytest.mark.parametrize("target,dtype", CORRECT)
 def test_correct_wiring_passes_every_check_at_default_tolerances(correct_run, target, dtype, engine):
     case = _tag(target, dtype)
-    failed = [f"{check}: {r.message}" for check in ENGINE_CHECKS
-              if (r := correct_run.outcome(case, engine, check)).outcome != "passed"]  # fmt: skip
+    failed = [
+        f"{check}: {r.message}"
+        for check in ENGINE_CHECKS
+        if (r := correct_run.outcome(case, engine, check)).outcome != "passed"
+    ]
     assert not failed, "\n".join(failed) + "\n" + correct_run.output[-2000:]
 
 
@@ -106,8 +117,7 @@ def test_noise_floor_is_measured_for_every_correct_case(correct_run, target, dty
 @pytest.mark.parametrize("engine", im.SERVING_ENGINES)
 @pytest.mark.parametrize("miswire", [m.name for m in im.EXPORT_MISWIRES])
 @pytest.mark.parametrize("target,dtype", MISWIRED)
-def test_each_miswired_export_fails_on_the_engines_where_their_rules_say(engines_run, target, dtype, miswire,
-                                                                         engine):  # fmt: skip
+def test_each_miswired_export_fails_on_the_engines_where_their_rules_say(engines_run, target, dtype, miswire, engine):
     run, cases = engines_run
     case = cases[im.case_name(im.TARGETS[target], dtype, f"_x_{miswire}")]
     expect = case.expect[engine]
@@ -153,8 +163,9 @@ def _miswired(tmp_path_factory, target: str) -> dict:
     h0 = root / "h0"
     im.write_miswired_cases(h0 / "cases", names=[target], dtypes=dtypes, log=lambda _: None)
     dropped = next(m for m in im.MISWIRES if m.case_suffix)
-    h0_run = run_pytest(h0, "cases/", f"--engines=ref,{dropped.engine_spec(spec)}", "-k", "not accept_length",
-                        timeout=3600)  # fmt: skip
+    h0_run = run_pytest(
+        h0, "cases/", f"--engines=ref,{dropped.engine_spec(spec)}", "-k", "not accept_length", timeout=3600
+    )
     return {m.name: (h0_run if m.case_suffix else run, m) for m in im.MISWIRES}
 
 

@@ -73,8 +73,16 @@ def test_report_records_where_the_cases_time_went_by_phase_and_owner(mixed_run):
 
     t = Report.load(mixed_run.root / "reports" / "tiny.json").timings
     seen = {(p.phase, p.engine) for p in t.phases}
-    for phase in [("engine.start", "ref"), ("engine.capture", "ref"), ("transfer.write", "ref"), ("transfer.read", "ref"),
-                  ("compare", "ref[wiring=vllm]"), ("noise_floor", "ref"), ("check", "ref"), ("report", None)]:  # fmt: skip
+    for phase in [
+        ("engine.start", "ref"),
+        ("engine.capture", "ref"),
+        ("transfer.write", "ref"),
+        ("transfer.read", "ref"),
+        ("compare", "ref[wiring=vllm]"),
+        ("noise_floor", "ref"),
+        ("check", "ref"),
+        ("report", None),
+    ]:
         assert phase in seen, phase
     assert any(p.phase == "engine.capture" and p.dtype == "float64" for p in t.phases)  # the noise floor's calibration
     assert t.harness_seconds == round(sum(p.seconds for p in t.phases if p.owner == "harness"), 6) > 0
@@ -139,8 +147,9 @@ def test_an_engine_release_nobody_has_read_is_run_and_says_its_reading_was_measu
     """The release a pre-upgrade check is for: run, verdicts measured, no reading predicted."""
     result = mixed_run.outcome("tiny", "fake[release=sglang==0.5.24]", "fc_inputs")
     assert result.outcome == "passed", result.message
-    assert ("no rule on record for sglang 0.5.24 (rules were read for sglang 0.5.5 - 0.5.23): the reading was "
-            "measured") in result.message  # fmt: skip
+    assert (
+        "no rule on record for sglang 0.5.24 (rules were read for sglang 0.5.5 - 0.5.23): the reading was measured"
+    ) in result.message
 
 
 def test_failures_print_verdicts_not_tracebacks(mixed_run):
@@ -183,8 +192,13 @@ def test_no_worker_outlives_the_session(mixed_run):
 
 def test_hanging_engine_is_killed_after_the_timeout(models, tmp_path):
     # 30 s: long enough for the reference's real captures on a loaded machine, short for a hang
-    run = run_pytest(project(tmp_path, models), "cases/", "--engines=ref,fake[mode=hang]", "--engine-timeout=30",
-                     env={"DIFFTEST_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    run = run_pytest(
+        project(tmp_path, models),
+        "cases/",
+        "--engines=ref,fake[mode=hang]",
+        "--engine-timeout=30",
+        env={"DIFFTEST_CACHE": str(tmp_path / "cache")},
+    )
     result = run.outcome("tiny", "fake[mode=hang]", "fc_inputs")
     assert result.outcome == "error"
     assert "no answer to 'capture' within 30s; worker killed" in result.message
@@ -233,8 +247,13 @@ def test_ctrl_c_keeps_the_previous_report(models, tmp_path):
 
 
 def test_required_engine_that_is_unavailable_fails(models, tmp_path):
-    run = run_pytest(project(tmp_path, models), "cases/", "--engines=ref,fake[mode=unavailable]", "--require-engines",
-                     env={"DIFFTEST_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    run = run_pytest(
+        project(tmp_path, models),
+        "cases/",
+        "--engines=ref,fake[mode=unavailable]",
+        "--require-engines",
+        env={"DIFFTEST_CACHE": str(tmp_path / "cache")},
+    )
     assert run.returncode == 1
     assert "engine required but unavailable: fake: not installed" in run.output
 
@@ -348,7 +367,14 @@ def test_a_worker_killed_for_a_hang_is_replaced_for_the_next_case(models, tmp_pa
     tiny = CASE.format(target=target, draft=draft)
     root = project(tmp_path, models, name="a_hangs", body=tiny + "engines:\n  fake: {mode: hang}\n")
     project(root, models, name="b_runs", body=tiny)
-    run = run_pytest(root, "cases/", "--engines=ref,fake", "--engine-timeout=30", "-k", "fc_inputs or capture",
-                     env={"DIFFTEST_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    run = run_pytest(
+        root,
+        "cases/",
+        "--engines=ref,fake",
+        "--engine-timeout=30",
+        "-k",
+        "fc_inputs or capture",
+        env={"DIFFTEST_CACHE": str(tmp_path / "cache")},
+    )
     assert "worker killed" in run.outcome("a_hangs", "fake", "fc_inputs").message
     assert run.outcome("b_runs", "fake", "fc_inputs").outcome == "passed", run.output[-3000:]

@@ -59,7 +59,7 @@ CPU_SGLANG = [
     "--speculative-num-steps",
     "4",
     "--sleep-on-idle",
-]  # fmt: skip  (the scheduler busy-polls between requests otherwise: engines/sglang/engine.py)
+]  # (the scheduler busy-polls between requests otherwise: engines/sglang/engine.py)
 
 
 def _probe(*args: str, timeout: float = 900):
@@ -67,8 +67,14 @@ def _probe(*args: str, timeout: float = 900):
     ensure_server_engine()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     t = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "difftest.cli", "probe", *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=timeout)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "difftest.cli", "probe", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     run.seconds = time.monotonic() - t
     return run
 
@@ -115,26 +121,60 @@ def _serve(request, name: str, kind: str, args: list[str], env: dict | None = No
 @pytest.fixture(scope="module")  # stopped after this module: never alive beside later tests
 def sglang_server(request):
     target, draft = _checkpoints(sglang_ids=True)
-    yield from _serve(request, "sglang", "sglang", ["--model-path", target, "--speculative-draft-model-path", draft,
-                                                    *CPU_SGLANG, "--speculative-eagle-topk", "1",
-                                                    "--speculative-num-draft-tokens", "16"])  # fmt: skip
+    yield from _serve(
+        request,
+        "sglang",
+        "sglang",
+        [
+            "--model-path",
+            target,
+            "--speculative-draft-model-path",
+            draft,
+            *CPU_SGLANG,
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "16",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")  # stopped after this module: never alive beside later tests
 def sglang_miswired(request):
     target, draft = _checkpoints(sglang_ids=False)
-    yield from _serve(request, "sglang-miswired", "sglang", ["--model-path", target, "--speculative-draft-model-path",
-                                                             draft, *CPU_SGLANG, "--speculative-eagle-topk", "1"])  # fmt: skip
+    yield from _serve(
+        request,
+        "sglang-miswired",
+        "sglang",
+        ["--model-path", target, "--speculative-draft-model-path", draft, *CPU_SGLANG, "--speculative-eagle-topk", "1"],
+    )
 
 
 @pytest.fixture(scope="module")  # stopped after this module: never alive beside later tests
 def vllm_server(request):
     target, draft = _checkpoints(sglang_ids=False)
     spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": 4})
-    yield from _serve(request, "vllm", "vllm", ["--model", target, "--speculative-config", spec, "--dtype", "float32",
-                                                "--enforce-eager", "--max-model-len", "512", "--skip-tokenizer-init",
-                                                "--seed", "0", "--no-enable-prefix-caching"],
-                      env={"VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
+    yield from _serve(
+        request,
+        "vllm",
+        "vllm",
+        [
+            "--model",
+            target,
+            "--speculative-config",
+            spec,
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--skip-tokenizer-init",
+            "--seed",
+            "0",
+            "--no-enable-prefix-caching",
+        ],
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
 
 
 def _report(report_dir: Path) -> dict:
@@ -192,10 +232,16 @@ def test_vllm_probe_meets_the_prediction_from_metrics_deltas(vllm_server, probe_
 
 def test_server_spec_stands_beside_other_engines_in_a_pytest_run(sglang_server, small_case, tmp_path):
     engines = f"fake=fake_engine:FakeEngine;server={SERVER_ENGINE}"  # registered whatever the installed metadata says
-    run = run_pytest(small_case.parent.parent, f"cases/{small_case.name}",
-                     f"--engines=ref,server[url={sglang_server.url},kind=sglang]", f"--report-dir={tmp_path}",
-                     "-k", "accept_length or fc_inputs", env={"DIFFTEST_ENGINES": engines,
-                     "DIFFTEST_CHECKS": f"server_accept_length={PROBE_CHECK}"}, timeout=900)  # fmt: skip
+    run = run_pytest(
+        small_case.parent.parent,
+        f"cases/{small_case.name}",
+        f"--engines=ref,server[url={sglang_server.url},kind=sglang]",
+        f"--report-dir={tmp_path}",
+        "-k",
+        "accept_length or fc_inputs",
+        env={"DIFFTEST_ENGINES": engines, "DIFFTEST_CHECKS": f"server_accept_length={PROBE_CHECK}"},
+        timeout=900,
+    )
     checks = _report(tmp_path)
     assert checks[("server", "accept_length")]["outcome"] == "passed", run.output[-3000:]
     assert checks[("server", "fc_inputs")]["outcome"] == "not available"
@@ -203,8 +249,16 @@ def test_server_spec_stands_beside_other_engines_in_a_pytest_run(sglang_server, 
 
 
 def test_a_server_serving_another_model_is_refused_in_one_line(sglang_server, small_case, tmp_path):
-    run = _probe("--server", sglang_server.url, "--case", str(small_case), "--model", "/models/other-model",
-                 "--report-dir", str(tmp_path))  # fmt: skip
+    run = _probe(
+        "--server",
+        sglang_server.url,
+        "--case",
+        str(small_case),
+        "--model",
+        "/models/other-model",
+        "--report-dir",
+        str(tmp_path),
+    )
     assert run.returncode == 2
     err = run.stderr.strip().splitlines()[-1]
     assert err.startswith("difftest probe: ") and "serves model" in err and "other-model" in err
@@ -229,7 +283,7 @@ class _Stub(http.server.BaseHTTPRequestHandler):
 
     delay = 0.0
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         time.sleep(self.delay)
         if self.path in ("/get_model_info", "/server_info"):
             body = json.dumps({"model_path": "x", "speculative_algorithm": None}).encode()
@@ -258,8 +312,15 @@ def _stub(delay: float):
 def test_a_server_without_speculative_decoding_is_named_in_one_line(probe_case, tmp_path):
     stub = _stub(0.0)
     try:
-        run = _probe("--server", f"http://127.0.0.1:{stub.server_address[1]}", "--case", str(probe_case),
-                     "--report-dir", str(tmp_path), timeout=120)  # fmt: skip
+        run = _probe(
+            "--server",
+            f"http://127.0.0.1:{stub.server_address[1]}",
+            "--case",
+            str(probe_case),
+            "--report-dir",
+            str(tmp_path),
+            timeout=120,
+        )
     finally:
         stub.shutdown()
     assert run.returncode == 2
@@ -269,8 +330,19 @@ def test_a_server_without_speculative_decoding_is_named_in_one_line(probe_case, 
 def test_a_server_that_does_not_answer_in_time_is_a_timeout_not_a_hang(probe_case, tmp_path):
     stub = _stub(5.0)
     try:
-        run = _probe("--server", f"http://127.0.0.1:{stub.server_address[1]}", "--case", str(probe_case), "--kind",
-                     "sglang", "--timeout", "1", "--report-dir", str(tmp_path), timeout=120)  # fmt: skip
+        run = _probe(
+            "--server",
+            f"http://127.0.0.1:{stub.server_address[1]}",
+            "--case",
+            str(probe_case),
+            "--kind",
+            "sglang",
+            "--timeout",
+            "1",
+            "--report-dir",
+            str(tmp_path),
+            timeout=120,
+        )
     finally:
         stub.shutdown()
     assert run.returncode == 2
@@ -389,7 +461,9 @@ def test_a_server_at_another_tp_than_the_case_declares_is_flagged(small_case):
     case = load_case(small_case)
     case.engines["sglang"]["tp_size"] = 8
     settings = {"kind": "sglang", "num_steps": 4, "topk": 1, "num_draft_tokens": 5, "tp": 2, "algorithm": "EAGLE3"}
-    assert ("the server runs tensor parallelism 2; the case's engines.sglang.tp_size says 8 (the prediction replays "
-            "the server's tokens: it does not depend on it)") in flags(settings, case)  # fmt: skip
+    assert (
+        "the server runs tensor parallelism 2; the case's engines.sglang.tp_size says 8 (the prediction replays "
+        "the server's tokens: it does not depend on it)"
+    ) in flags(settings, case)
     case.engines["sglang"]["tp_size"] = 2
     assert not any("tensor parallelism" in f for f in flags(settings, case))

@@ -37,8 +37,16 @@ class Probed:
     accept: dict  # the report's accept_length item
 
 
-def _serve_and_probe(request, out: Path, kind: str, tp: int, args: list[str], case: Path, env: dict | None = None,
-                     probe_args: tuple[str, ...] = ()) -> Probed:  # fmt: skip
+def _serve_and_probe(
+    request,
+    out: Path,
+    kind: str,
+    tp: int,
+    args: list[str],
+    case: Path,
+    env: dict | None = None,
+    probe_args: tuple[str, ...] = (),
+) -> Probed:
     log = Path(request.config.rootpath) / "reports" / "logs" / f"live-{kind}-tp{tp}.log"
     server = live_servers.start(kind, args, log, env)
     try:
@@ -48,9 +56,11 @@ def _serve_and_probe(request, out: Path, kind: str, tp: int, args: list[str], ca
     assert not left, f"{kind} TP = {tp}: processes left after stopping the server's process group: {left}"
     report = json.loads((out / "tiny_llama_probe.json").read_text())
     accept = next(c for c in report["checks"] if c["engine"].startswith("server") and c["check"] == "accept_length")
-    print(f"[probe tp] {kind} TP = {tp}: healthy after {server.started_s:.1f}s, probe {run.seconds:.1f}s, "
-          f"server AL {accept['data']['engine']['accept_length']:.3f}, predicted "
-          f"{accept['data']['reference']['accept_length']:.3f}, outcome {accept['outcome']}")  # fmt: skip
+    print(
+        f"[probe tp] {kind} TP = {tp}: healthy after {server.started_s:.1f}s, probe {run.seconds:.1f}s, "
+        f"server AL {accept['data']['engine']['accept_length']:.3f}, predicted "
+        f"{accept['data']['reference']['accept_length']:.3f}, outcome {accept['outcome']}"
+    )
     return Probed(tp, run.returncode, run.stdout + run.stderr, server.started_s, run.seconds, accept)
 
 
@@ -71,19 +81,46 @@ def sglang_tp(request, tmp_path_factory, probe_case) -> dict[int, Probed]:
         "--speculative-eagle-topk",
         "1",
     ]
-    return {tp: _serve_and_probe(request, tmp_path_factory.mktemp(f"sglang-tp{tp}"), "sglang", tp,
-                                 [*args, "--tp-size", str(tp)], probe_case) for tp in (1, 2)}  # fmt: skip
+    return {
+        tp: _serve_and_probe(
+            request, tmp_path_factory.mktemp(f"sglang-tp{tp}"), "sglang", tp, [*args, "--tp-size", str(tp)], probe_case
+        )
+        for tp in (1, 2)
+    }
 
 
 @pytest.fixture(scope="module")
 def vllm_tp(request, tmp_path_factory, probe_case) -> dict[int, Probed]:
     target, draft = _checkpoints(sglang_ids=False)
     spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": 4})
-    args = ["--model", target, "--speculative-config", spec, "--dtype", "float32", "--enforce-eager", "--max-model-len",
-            "512", "--skip-tokenizer-init", "--seed", "0", "--no-enable-prefix-caching"]  # fmt: skip
-    return {tp: _serve_and_probe(request, tmp_path_factory.mktemp(f"vllm-tp{tp}"), "vllm", tp,
-                                 [*args, "--tensor-parallel-size", str(tp)], probe_case, {"VLLM_SERVER_DEV_MODE": "1"},
-                                 ("--kind", "vllm")) for tp in (1, 2)}  # fmt: skip
+    args = [
+        "--model",
+        target,
+        "--speculative-config",
+        spec,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--skip-tokenizer-init",
+        "--seed",
+        "0",
+        "--no-enable-prefix-caching",
+    ]
+    return {
+        tp: _serve_and_probe(
+            request,
+            tmp_path_factory.mktemp(f"vllm-tp{tp}"),
+            "vllm",
+            tp,
+            [*args, "--tensor-parallel-size", str(tp)],
+            probe_case,
+            {"VLLM_SERVER_DEV_MODE": "1"},
+            ("--kind", "vllm"),
+        )
+        for tp in (1, 2)
+    }
 
 
 def _same_at_tp2(runs: dict[int, Probed]) -> None:

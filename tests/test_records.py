@@ -45,16 +45,37 @@ from difftest.records import meta as meta_mod
 from difftest.records.wiring_inference import Reading, SlotContrast, WiringInference
 from engines.trainingdata.train_check import TrainAccuracyData
 
-STATS = AcceptStats(num_verify=4, num_accepted=6, num_draft_steps=3, accepted_per_pos=[3, 2, 1], num_prompts=2,
-                    source="ref simulation", outputs=[[1, 2], [3]])  # fmt: skip
+STATS = AcceptStats(
+    num_verify=4,
+    num_accepted=6,
+    num_draft_steps=3,
+    accepted_per_pos=[3, 2, 1],
+    num_prompts=2,
+    source="ref simulation",
+    outputs=[[1, 2], [3]],
+)
 
 
 def meta() -> CaptureMeta:
-    return CaptureMeta(engine="ref[wiring=vllm]", engine_version="ref-1", versions={"torch": "2.13.0"}, kernels="torch",
-                       device="cpu", dtype="float32", prompt_ids=[1, 5, 9], target_next_token=7, draft_tokens=[3, 4],
-                       num_layers=6, target_hidden_size=64, wiring=FcWiring(["target.h.2", "target.h.3"], "vllm preset"),
-                       partial=["target.*"], compat=["patched"], checkpoints={"draft": "/d"}, notes=["n"],
-                       extra={"consistency": {"ok": True}})  # fmt: skip
+    return CaptureMeta(
+        engine="ref[wiring=vllm]",
+        engine_version="ref-1",
+        versions={"torch": "2.13.0"},
+        kernels="torch",
+        device="cpu",
+        dtype="float32",
+        prompt_ids=[1, 5, 9],
+        target_next_token=7,
+        draft_tokens=[3, 4],
+        num_layers=6,
+        target_hidden_size=64,
+        wiring=FcWiring(["target.h.2", "target.h.3"], "vllm preset"),
+        partial=["target.*"],
+        compat=["patched"],
+        checkpoints={"draft": "/d"},
+        notes=["n"],
+        extra={"consistency": {"ok": True}},
+    )
 
 
 DATA = [
@@ -95,7 +116,7 @@ DATA = [
         fix=FixData({"eagle_config": {}}, [1, 2], None, [1, 0], ["x"], ["y"]),
         known_causes=["layer-ids"],
         golden=GoldenData("matches", None, []),
-    ),  # fmt: skip
+    ),
     Top1Data(agree=9, total=10, rate=0.9, ties=2, ties_agree=1, noise="measured"),
     AcceptLengthData(reference=STATS, engine=STATS, allowed=0.3, spread=0.1),
     ServerAcceptData(
@@ -108,31 +129,61 @@ DATA = [
         per_request=[{"judged": True}],
         numbers="exact",
         verdict="PASS",
-    ),  # fmt: skip
+    ),
     TrainAccuracyData(
         trainer={"full_acc": [0.7]},
         engine={"full_acc": [0.3]},
         engine_wiring=["target.h.2"],
         identification={"summary": "s"},
         skipped=1,
-    ),  # fmt: skip
+    ),
 ]
 
 
 def sample_report() -> Report:
-    results = [CheckResult("ref", "capture", "passed", "ok", DATA[0]),
-               CheckResult("eng", "fc_inputs", "failed", "diverges", DATA[3]),
-               CheckResult("eng", "accept_length", "xfailed", "collapsed", DATA[5], ExpectedFailureRecord("eng", "accept_length", "collapsed")),
-               CheckResult("eng", "draft_logits", "error", "engine crashed")]  # fmt: skip
-    tensors = [TensorDiff("draft.fc_in.0", "mismatch", [3, 4], 12, max_abs=0.5, cosine=0.7, err=0.4, threshold=1e-5,
-                          excess=4e4, introduced=True)]  # fmt: skip
-    return Report(case="tiny", case_file="cases/tiny.yaml", created="2026-01-01T00:00:00", reference="ref",
-                  accept_length_definition="accepted draft tokens + 1 per verify step",
-                  engines={"ref": EngineEntry(info=EngineInfo(name="ref", version="1")), "eng": EngineEntry(error="not started")},
-                  checks=results, noise_floor=NoiseFloorRecord("float32", True, "measured"),
-                  comparisons={"eng": [PromptComparison(0, "draft.fc_in.0", "draft.fc_in.0", "draft.fc_in.0", None, "", tensors)]},
-                  environment={"torch": "2.13.0"}, reproduce="difftest run cases/tiny.yaml --engines=ref,eng",
-                  case_yaml="target: t\n")  # fmt: skip
+    results = [
+        CheckResult("ref", "capture", "passed", "ok", DATA[0]),
+        CheckResult("eng", "fc_inputs", "failed", "diverges", DATA[3]),
+        CheckResult(
+            "eng",
+            "accept_length",
+            "xfailed",
+            "collapsed",
+            DATA[5],
+            ExpectedFailureRecord("eng", "accept_length", "collapsed"),
+        ),
+        CheckResult("eng", "draft_logits", "error", "engine crashed"),
+    ]
+    tensors = [
+        TensorDiff(
+            "draft.fc_in.0",
+            "mismatch",
+            [3, 4],
+            12,
+            max_abs=0.5,
+            cosine=0.7,
+            err=0.4,
+            threshold=1e-5,
+            excess=4e4,
+            introduced=True,
+        )
+    ]
+    return Report(
+        case="tiny",
+        case_file="cases/tiny.yaml",
+        created="2026-01-01T00:00:00",
+        reference="ref",
+        accept_length_definition="accepted draft tokens + 1 per verify step",
+        engines={"ref": EngineEntry(info=EngineInfo(name="ref", version="1")), "eng": EngineEntry(error="not started")},
+        checks=results,
+        noise_floor=NoiseFloorRecord("float32", True, "measured"),
+        comparisons={
+            "eng": [PromptComparison(0, "draft.fc_in.0", "draft.fc_in.0", "draft.fc_in.0", None, "", tensors)]
+        },
+        environment={"torch": "2.13.0"},
+        reproduce="difftest run cases/tiny.yaml --engines=ref,eng",
+        case_yaml="target: t\n",
+    )
 
 
 def through_json(d: dict) -> dict:
@@ -190,8 +241,15 @@ def test_report_round_trips_through_json_with_schema_and_version():
 def test_a_reports_timings_round_trip_as_a_typed_record():
     from difftest.records.timings import PhaseTime, Timings
 
-    timings = Timings([PhaseTime("engine.capture", "engine", 2.5, 4, "ref", "float64"),
-                       PhaseTime("transfer.read", "harness", 0.01, 4, "ref", "float32", 1 << 20)], 0.01, 2.5, "scope")  # fmt: skip
+    timings = Timings(
+        [
+            PhaseTime("engine.capture", "engine", 2.5, 4, "ref", "float64"),
+            PhaseTime("transfer.read", "harness", 0.01, 4, "ref", "float32", 1 << 20),
+        ],
+        0.01,
+        2.5,
+        "scope",
+    )
     report = dataclasses.replace(sample_report(), timings=timings)
     assert Report.from_dict(through_json(report.to_dict()), "r.json").timings == timings
 
@@ -247,16 +305,23 @@ def test_report_of_a_newer_schema_version_is_refused_naming_it():
 
 
 def test_capture_meta_without_schema_version_is_read_as_version_1_its_own_keys_in_extra():
-    legacy = {"engine": "sglang", "num_layers": 6, "wiring": {"inputs": ["target.h.1"], "source": "s", "verifier": None},
-              "hot_token_id_source": "d2t", "consistency": {"ok": True}}  # fmt: skip
+    legacy = {
+        "engine": "sglang",
+        "num_layers": 6,
+        "wiring": {"inputs": ["target.h.1"], "source": "s", "verifier": None},
+        "hot_token_id_source": "d2t",
+        "consistency": {"ok": True},
+    }
     m = CaptureMeta.from_dict(legacy, "manifest.json")
     assert (m.engine, m.num_layers, m.wiring.inputs) == ("sglang", 6, ["target.h.1"])
     assert m.extra == {"hot_token_id_source": "d2t", "consistency": {"ok": True}}
 
 
 def test_capture_meta_version_1_core_keys_are_still_checked():
-    assert refusal(lambda: CaptureMeta.from_dict({"num_layers": "6"}, "manifest.json")) == \
-        "manifest.json: meta.num_layers: expected an integer or null, got a string"  # fmt: skip
+    assert (
+        refusal(lambda: CaptureMeta.from_dict({"num_layers": "6"}, "manifest.json"))
+        == "manifest.json: meta.num_layers: expected an integer or null, got a string"
+    )
 
 
 def test_capture_meta_of_an_unknown_version_is_refused_naming_it():
@@ -273,42 +338,107 @@ def _mutated(edit) -> dict:
     return d
 
 
-@pytest.mark.parametrize("edit, expected", [
-    (lambda d: d.pop("case"), "r.json: case: field missing"),
-    (lambda d: d.update(casee="x"), "r.json: casee: unknown field (did you mean 'case'?)"),
-    (lambda d: d.update(checks={}), "r.json: checks: expected a list, got an object"),
-    (lambda d: d["checks"][1].pop("outcome"), "r.json: checks[1].outcome: field missing"),
-    (lambda d: d["checks"][1].update(outcome="fine"), "r.json: checks[1].outcome: 'fine' is not one of 'passed', "),
-    (lambda d: d["checks"][1].pop("schema_version"), "r.json: checks[1].schema_version: field missing"),
-    (lambda d: d["checks"][1]["data"].pop("kind"), "r.json: checks[1].data.kind: field missing"),
-    (lambda d: d["checks"][1]["data"].update(kind="comparision"), "r.json: checks[1].data.kind: unknown kind 'comparision' (did you mean 'comparison'?)"),
-    (lambda d: d["checks"][1]["data"].update(prompt="0"), "r.json: checks[1].data.prompt: expected an integer or null, got a string"),
-    (lambda d: d["checks"][1]["data"]["fix"].update(ids=[1, "2"]), "r.json: checks[1].data.fix.ids[1]: expected an integer, got a string"),
-    (lambda d: d["checks"][2]["data"].update(allowed=True), "r.json: checks[2].data.allowed: expected a number, got a boolean"),
-    (lambda d: d["checks"][2]["data"]["engine"].pop("num_verify"), "r.json: checks[2].data.engine.num_verify: field missing"),
-    (lambda d: d["checks"][2]["data"]["engine"].update(num_verfy=1), "r.json: checks[2].data.engine.num_verfy: unknown field (did you mean 'num_verify'?)"),
-    (lambda d: d["checks"][2]["expected_failure"].pop("cause"), "r.json: checks[2].expected_failure.cause: field missing"),
-    (lambda d: d["engines"]["ref"].update(info=[]), "r.json: engines.ref.info: expected an object or null, got a list"),
-    (lambda d: d["comparisons"]["eng"][0].update(prompt=None), "r.json: comparisons.eng[0].prompt: expected an integer, got null"),
-    (lambda d: d["comparisons"]["eng"][0].update(tensorz=[]), "r.json: comparisons.eng[0].tensorz: unknown field (did you mean 'tensors'?)"),
-    (lambda d: d["checks"][1]["data"]["fc_chunks"][0].pop("best"), "r.json: checks[1].data.fc_chunks[0].best: field missing"),
-    (lambda d: d["checks"][1]["data"]["similarity"].update(cosine=[["x"]]), "r.json: checks[1].data.similarity.cosine[0][0]: expected a number or null, got a string"),
-    (lambda d: d.update(interrupted="yes"), "r.json: interrupted: expected a boolean, got a string"),
-], ids=["missing", "unknown", "wrong-type", "result-missing", "outcome-choice", "result-version", "kind-missing",
-        "kind-unknown", "data-type", "nested-list-item", "bool-as-number", "stats-missing", "stats-unknown",
-        "expected-failure", "engine-info", "comparison-null", "comparison-unknown", "chunk-missing", "similarity-item",
-        "interrupted"])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda d: d.pop("case"), "r.json: case: field missing"),
+        (lambda d: d.update(casee="x"), "r.json: casee: unknown field (did you mean 'case'?)"),
+        (lambda d: d.update(checks={}), "r.json: checks: expected a list, got an object"),
+        (lambda d: d["checks"][1].pop("outcome"), "r.json: checks[1].outcome: field missing"),
+        (lambda d: d["checks"][1].update(outcome="fine"), "r.json: checks[1].outcome: 'fine' is not one of 'passed', "),
+        (lambda d: d["checks"][1].pop("schema_version"), "r.json: checks[1].schema_version: field missing"),
+        (lambda d: d["checks"][1]["data"].pop("kind"), "r.json: checks[1].data.kind: field missing"),
+        (
+            lambda d: d["checks"][1]["data"].update(kind="comparision"),
+            "r.json: checks[1].data.kind: unknown kind 'comparision' (did you mean 'comparison'?)",
+        ),
+        (
+            lambda d: d["checks"][1]["data"].update(prompt="0"),
+            "r.json: checks[1].data.prompt: expected an integer or null, got a string",
+        ),
+        (
+            lambda d: d["checks"][1]["data"]["fix"].update(ids=[1, "2"]),
+            "r.json: checks[1].data.fix.ids[1]: expected an integer, got a string",
+        ),
+        (
+            lambda d: d["checks"][2]["data"].update(allowed=True),
+            "r.json: checks[2].data.allowed: expected a number, got a boolean",
+        ),
+        (
+            lambda d: d["checks"][2]["data"]["engine"].pop("num_verify"),
+            "r.json: checks[2].data.engine.num_verify: field missing",
+        ),
+        (
+            lambda d: d["checks"][2]["data"]["engine"].update(num_verfy=1),
+            "r.json: checks[2].data.engine.num_verfy: unknown field (did you mean 'num_verify'?)",
+        ),
+        (
+            lambda d: d["checks"][2]["expected_failure"].pop("cause"),
+            "r.json: checks[2].expected_failure.cause: field missing",
+        ),
+        (
+            lambda d: d["engines"]["ref"].update(info=[]),
+            "r.json: engines.ref.info: expected an object or null, got a list",
+        ),
+        (
+            lambda d: d["comparisons"]["eng"][0].update(prompt=None),
+            "r.json: comparisons.eng[0].prompt: expected an integer, got null",
+        ),
+        (
+            lambda d: d["comparisons"]["eng"][0].update(tensorz=[]),
+            "r.json: comparisons.eng[0].tensorz: unknown field (did you mean 'tensors'?)",
+        ),
+        (
+            lambda d: d["checks"][1]["data"]["fc_chunks"][0].pop("best"),
+            "r.json: checks[1].data.fc_chunks[0].best: field missing",
+        ),
+        (
+            lambda d: d["checks"][1]["data"]["similarity"].update(cosine=[["x"]]),
+            "r.json: checks[1].data.similarity.cosine[0][0]: expected a number or null, got a string",
+        ),
+        (lambda d: d.update(interrupted="yes"), "r.json: interrupted: expected a boolean, got a string"),
+    ],
+    ids=[
+        "missing",
+        "unknown",
+        "wrong-type",
+        "result-missing",
+        "outcome-choice",
+        "result-version",
+        "kind-missing",
+        "kind-unknown",
+        "data-type",
+        "nested-list-item",
+        "bool-as-number",
+        "stats-missing",
+        "stats-unknown",
+        "expected-failure",
+        "engine-info",
+        "comparison-null",
+        "comparison-unknown",
+        "chunk-missing",
+        "similarity-item",
+        "interrupted",
+    ],
+)
 def test_bad_report_field_is_refused_in_one_line_naming_file_and_field(edit, expected):
     assert refusal(lambda: Report.from_dict(_mutated(edit), "r.json")).startswith(expected)
 
 
-@pytest.mark.parametrize("meta_json, expected", [
-    ({"schema_version": 2, "engnie": "ref"}, "meta.engnie: unknown field (did you mean 'engine'?)"),
-    ({"schema_version": 2, "wiring": {"inputs": "target.h.1"}}, "meta.wiring.inputs: expected a list, got a string"),
-    ({"schema_version": 2, "prompt_ids": [1, True]}, "meta.prompt_ids[1]: expected an integer, got a boolean"),
-    ({"schema_version": 2, "golden_fc_in": 1}, "meta.golden_fc_in: expected a boolean, got an integer"),
-    ([], "meta: expected an object, got a list"),
-], ids=["unknown", "nested", "list-item", "bool", "not-an-object"])  # fmt: skip
+@pytest.mark.parametrize(
+    "meta_json, expected",
+    [
+        ({"schema_version": 2, "engnie": "ref"}, "meta.engnie: unknown field (did you mean 'engine'?)"),
+        (
+            {"schema_version": 2, "wiring": {"inputs": "target.h.1"}},
+            "meta.wiring.inputs: expected a list, got a string",
+        ),
+        ({"schema_version": 2, "prompt_ids": [1, True]}, "meta.prompt_ids[1]: expected an integer, got a boolean"),
+        ({"schema_version": 2, "golden_fc_in": 1}, "meta.golden_fc_in: expected a boolean, got an integer"),
+        ([], "meta: expected an object, got a list"),
+    ],
+    ids=["unknown", "nested", "list-item", "bool", "not-an-object"],
+)
 def test_bad_capture_meta_in_a_manifest_is_refused_naming_the_manifest_and_field(tmp_path, meta_json, expected):
     directory = Capture({"draft.logits": torch.zeros(2, 3)}).save(tmp_path / "cap")
     manifest = json.loads((directory / "manifest.json").read_text())
@@ -378,16 +508,62 @@ def test_report_command_refuses_a_version_1_report_in_one_line(tmp_path, capsys)
     path.write_text(json.dumps({"schema": "difftest.report/1", "case": "tiny"}))
     assert main(["report", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"difftest report: {path}: schema_version: report schema version 1 (difftest.report/1, before typed " \
-                  "records); this difftest reads version 2"  # fmt: skip
+    assert (
+        err == f"difftest report: {path}: schema_version: report schema version 1 (difftest.report/1, before typed "
+        "records); this difftest reads version 2"
+    )
 
 
 # -- tensor rows: a typed record, the JSON reports were written with -----------------------------------
 # Rows exactly as difftest wrote them before the rows were typed (dataclasses.asdict of the
 # comparison; the first from a shipped run's catalogue_d2t_missing report), inside a report of the
 # same schema version.
-ROW_MISMATCH = {"name": "draft.step1.logits", "status": "mismatch", "shape": [1, 512], "numel": 512, "mismatched": 512, "max_abs": 8.413053512573242, "max_abs_index": [0, 487], "ref_value": -1.4122788906097412, "other_value": 7.00077486038208, "max_rel": 280.7458801269531, "mean_abs": 1.9521583318710327, "cosine": 0.4890461075705989, "rel_diff": 0.5109547634571722, "nonfinite_mismatch": 0, "tolerance": "atol=0.0001, rtol=0.0001 (float32 default)", "detail": "", "nan_ref": 0, "nan_other": 0, "inf_ref": 0, "inf_other": 0, "rows": 1, "rows_mismatched": 1, "worst_row": 0, "row_max_abs": [8.413053512573242], "row_mismatched": [512], "row_cosine": [0.4890461075705989], "topk": 5, "top1_agree": 0, "topk_member": 1, "kl_mean": 2.7873947769252614, "kl_max": 2.7873947769252614, "tv_mean": 0.8165450692176819, "tv_max": 0.8165450692176819, "criterion": "noise", "err": 1.0118506885830794, "err_q": 1.0118506885830794, "noise_floor": 4.1149027214431495e-07, "threshold": 4.114902721443149e-06, "rows_above": 1, "excess": 245899.0545050383, "introduced": False, "row_err": [1.0118506885830794], "differs": True}  # fmt: skip
-ROW_MISSING = '{"name": "draft.fc_out", "status": "missing", "shape": [], "numel": 0, "mismatched": 0, "max_abs": 0.0, "max_abs_index": [], "ref_value": 0.0, "other_value": 0.0, "max_rel": 0.0, "mean_abs": 0.0, "cosine": 1.0, "rel_diff": 0.0, "nonfinite_mismatch": 0, "tolerance": "", "detail": "not captured by the engine", "nan_ref": 0, "nan_other": 0, "inf_ref": 0, "inf_other": 0, "rows": 0, "rows_mismatched": 0, "worst_row": -1, "row_max_abs": [], "row_mismatched": [], "row_cosine": [], "topk": 0, "top1_agree": 0, "topk_member": 0, "kl_mean": 0.0, "kl_max": 0.0, "tv_mean": 0.0, "tv_max": 0.0, "criterion": "noise", "err": Infinity, "err_q": 0.0, "noise_floor": 0.0, "threshold": 0.0, "rows_above": 0, "excess": Infinity, "introduced": false, "row_err": [], "differs": false}'  # fmt: skip
+ROW_MISMATCH = {
+    "name": "draft.step1.logits",
+    "status": "mismatch",
+    "shape": [1, 512],
+    "numel": 512,
+    "mismatched": 512,
+    "max_abs": 8.413053512573242,
+    "max_abs_index": [0, 487],
+    "ref_value": -1.4122788906097412,
+    "other_value": 7.00077486038208,
+    "max_rel": 280.7458801269531,
+    "mean_abs": 1.9521583318710327,
+    "cosine": 0.4890461075705989,
+    "rel_diff": 0.5109547634571722,
+    "nonfinite_mismatch": 0,
+    "tolerance": "atol=0.0001, rtol=0.0001 (float32 default)",
+    "detail": "",
+    "nan_ref": 0,
+    "nan_other": 0,
+    "inf_ref": 0,
+    "inf_other": 0,
+    "rows": 1,
+    "rows_mismatched": 1,
+    "worst_row": 0,
+    "row_max_abs": [8.413053512573242],
+    "row_mismatched": [512],
+    "row_cosine": [0.4890461075705989],
+    "topk": 5,
+    "top1_agree": 0,
+    "topk_member": 1,
+    "kl_mean": 2.7873947769252614,
+    "kl_max": 2.7873947769252614,
+    "tv_mean": 0.8165450692176819,
+    "tv_max": 0.8165450692176819,
+    "criterion": "noise",
+    "err": 1.0118506885830794,
+    "err_q": 1.0118506885830794,
+    "noise_floor": 4.1149027214431495e-07,
+    "threshold": 4.114902721443149e-06,
+    "rows_above": 1,
+    "excess": 245899.0545050383,
+    "introduced": False,
+    "row_err": [1.0118506885830794],
+    "differs": True,
+}
+ROW_MISSING = '{"name": "draft.fc_out", "status": "missing", "shape": [], "numel": 0, "mismatched": 0, "max_abs": 0.0, "max_abs_index": [], "ref_value": 0.0, "other_value": 0.0, "max_rel": 0.0, "mean_abs": 0.0, "cosine": 1.0, "rel_diff": 0.0, "nonfinite_mismatch": 0, "tolerance": "", "detail": "not captured by the engine", "nan_ref": 0, "nan_other": 0, "inf_ref": 0, "inf_other": 0, "rows": 0, "rows_mismatched": 0, "worst_row": -1, "row_max_abs": [], "row_mismatched": [], "row_cosine": [], "topk": 0, "top1_agree": 0, "topk_member": 0, "kl_mean": 0.0, "kl_max": 0.0, "tv_mean": 0.0, "tv_max": 0.0, "criterion": "noise", "err": Infinity, "err_q": 0.0, "noise_floor": 0.0, "threshold": 0.0, "rows_above": 0, "excess": Infinity, "introduced": false, "row_err": [], "differs": false}'
 
 
 def _report_with_rows(rows: list) -> dict:
@@ -403,16 +579,25 @@ def test_a_report_written_before_typed_rows_loads_them_as_records_and_writes_the
     loaded = Report.load(path)
     mismatch, missing = loaded.comparisons["eng"][0].tensors
     assert isinstance(mismatch, TensorDiff) and mismatch.status is TensorStatus.MISMATCH
-    assert (mismatch.name, mismatch.excess, mismatch.row_err, mismatch.differs) == ("draft.step1.logits", 245899.0545050383,
-                                                                                    [1.0118506885830794], True)  # fmt: skip
+    assert (mismatch.name, mismatch.excess, mismatch.row_err, mismatch.differs) == (
+        "draft.step1.logits",
+        245899.0545050383,
+        [1.0118506885830794],
+        True,
+    )
     assert missing.status is TensorStatus.MISSING and missing.err == float("inf") and not missing.ok
     assert json.loads(json.dumps(loaded.to_dict())) == json.loads(path.read_text())
 
 
 def test_a_computed_row_is_written_as_the_fields_with_the_status_as_its_value():
     row = TensorDiff("draft.fc_out", TensorStatus.TIE, detail="not compared: a tie")
-    d = json.loads(json.dumps(dataclasses.replace(sample_report(), comparisons={
-        "eng": [PromptComparison(0, None, None, None, None, "a tie", [row])]}).to_dict()))  # fmt: skip
+    d = json.loads(
+        json.dumps(
+            dataclasses.replace(
+                sample_report(), comparisons={"eng": [PromptComparison(0, None, None, None, None, "a tie", [row])]}
+            ).to_dict()
+        )
+    )
     written = d["comparisons"]["eng"][0]["tensors"][0]
     assert written["status"] == "tie" and list(written) == [f.name for f in dataclasses.fields(TensorDiff)]
 

@@ -29,8 +29,10 @@ def run(tmp_path_factory):
 def test_golden_inputs_blame_the_captured_hidden_states(run):
     r = run.outcome("tiny", "ref[wiring=sglang]", "draft_logits")
     assert r.outcome == "failed" and r.data.golden.outcome == "matches"
-    assert ("golden inputs: on the reference's draft.fc_in, ref[wiring=sglang]'s draft matches ref on every draft tensor: "
-            "the engine captured the wrong hidden states; its draft computes correctly") in r.message  # fmt: skip
+    assert (
+        "golden inputs: on the reference's draft.fc_in, ref[wiring=sglang]'s draft matches ref on every draft tensor: "
+        "the engine captured the wrong hidden states; its draft computes correctly"
+    ) in r.message
 
 
 def test_golden_inputs_blame_the_draft_computation(run):
@@ -44,8 +46,10 @@ def test_golden_inputs_blame_the_draft_computation(run):
         "suspect: the residual or MLP differs after matching attention: norm_before_residual handled differently?"
         in r.message
     )
-    assert ("golden inputs: on the reference's draft.fc_in, ref[norm_before_residual=true]'s draft still diverges, error "
-            "introduced at draft.layer0.mlp_out") in r.message  # fmt: skip
+    assert (
+        "golden inputs: on the reference's draft.fc_in, ref[norm_before_residual=true]'s draft still diverges, error "
+        "introduced at draft.layer0.mlp_out"
+    ) in r.message
     assert "the engine's draft computes differently" in r.message
     assert run.outcome("tiny", "ref[norm_before_residual=true]", "fc_inputs").outcome == "passed"
 
@@ -126,8 +130,14 @@ def test_progress_lines_while_engines_load_and_run(run):
 
 
 def test_progress_is_quiet_under_q(run):
-    quiet = run_pytest(run.root, "-q", "cases/", "--engines=ref,ref[wiring=sglang]", "--report-dir=reports-q",
-                       env={"DIFFTEST_CACHE": str(run.root / "cache")})  # fmt: skip
+    quiet = run_pytest(
+        run.root,
+        "-q",
+        "cases/",
+        "--engines=ref,ref[wiring=sglang]",
+        "--report-dir=reports-q",
+        env={"DIFFTEST_CACHE": str(run.root / "cache")},
+    )
     assert quiet.returncode == 1
     assert "[difftest]" not in quiet.output
 

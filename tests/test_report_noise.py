@@ -22,23 +22,45 @@ from difftest.records import AcceptLengthData, CheckResult, Report
 
 def diff(name, status="ok", err=0.0, threshold=1e-5, introduced=False, differs=None, max_abs=None) -> TensorDiff:
     differs = err > 0 if differs is None else differs
-    return TensorDiff(name, status, [3, 4], 12, max_abs=err if max_abs is None else max_abs, err=err, threshold=threshold,
-                      noise_floor=threshold / noise.SAFETY, excess=err / threshold, introduced=introduced, differs=differs,
-                      rows=3, rows_above=3 if status == "mismatch" else 0)  # fmt: skip
+    return TensorDiff(
+        name,
+        status,
+        [3, 4],
+        12,
+        max_abs=err if max_abs is None else max_abs,
+        err=err,
+        threshold=threshold,
+        noise_floor=threshold / noise.SAFETY,
+        excess=err / threshold,
+        introduced=introduced,
+        differs=differs,
+        rows=3,
+        rows_above=3 if status == "mismatch" else 0,
+    )
 
 
 def faulty() -> CaptureDiff:
     """target.h.1 moved within noise; draft.fc_in.0 is above noise but explained by nothing it is
     marked for; the error is marked introduced at draft.fc_out; the later steps are a tie."""
-    return CaptureDiff([diff("target.h.1", err=2e-6), diff("draft.fc_in.0", "mismatch", err=3e-5),
-                        diff("draft.fc_out", "mismatch", err=0.5, introduced=True),
-                        TensorDiff("draft.step1.logits", "tie", detail="not compared: a tie")],
-                       noise_source="measured: test", tie="the engine drafted token 5 and the reference 7 at step 0")  # fmt: skip
+    return CaptureDiff(
+        [
+            diff("target.h.1", err=2e-6),
+            diff("draft.fc_in.0", "mismatch", err=3e-5),
+            diff("draft.fc_out", "mismatch", err=0.5, introduced=True),
+            TensorDiff("draft.step1.logits", "tie", detail="not compared: a tie"),
+        ],
+        noise_source="measured: test",
+        tie="the engine drafted token 5 and the reference 7 at step 0",
+    )
 
 
-FLOOR = noise.NoiseFloor("float32", True, "measured: ref in float32 vs float64 over 1 prompts",
-                         {"draft.fc_out": noise.TensorFloor("draft.fc_out", 1e-6, 2e-6, 3, 1e-5)},
-                         ["prompt 0: draft steps > 0 (float64 drafted another token at step 0)"])  # fmt: skip
+FLOOR = noise.NoiseFloor(
+    "float32",
+    True,
+    "measured: ref in float32 vs float64 over 1 prompts",
+    {"draft.fc_out": noise.TensorFloor("draft.fc_out", 1e-6, 2e-6, 3, 1e-5)},
+    ["prompt 0: draft steps > 0 (float64 drafted another token at step 0)"],
+)
 
 
 class StubSession:
@@ -90,9 +112,15 @@ def test_report_records_the_cases_noise_floor(case):
         "router_noise": {},
         "tensors": {"draft.fc_out": {"name": "draft.fc_out", "floor": 1e-6, "max": 2e-6, "rows": 3, "threshold": 1e-5}},
         # the criterion's constants (difftest.compare.noise), so a report says what it was judged by
-        "constants": {"safety": 10.0, "floor_quantile": 0.9, "row_quorum": 0.1, "isolated_factor": 10.0,
-                      "jump": 10.0, "tie_factor": 2.0},
-    }  # fmt: skip
+        "constants": {
+            "safety": 10.0,
+            "floor_quantile": 0.9,
+            "row_quorum": 0.1,
+            "isolated_factor": 10.0,
+            "jump": 10.0,
+            "tie_factor": 2.0,
+        },
+    }
     assert r["noise_floor"]["tensors"]["draft.fc_out"]["threshold"] == 1e-5
     assert (r["schema"], r["schema_version"]) == ("difftest.report", 2)
 
@@ -162,8 +190,16 @@ PASSED = {"fc_inputs": "passed", "draft_logits": "passed", "top1_agreement": "pa
 def summary(case, cd: CaptureDiff, outcomes=PASSED, accept=(2.5, 2.5)) -> upgrade.SummaryRow:
     r = read(build(case, StubSession({"eng": [cd]})))
     stats = lambda al: AcceptStats(num_verify=2, num_accepted=round((al - 1) * 2), num_draft_steps=3)  # noqa: E731
-    r.checks = [CheckResult("eng", c, o, "", AcceptLengthData(stats(accept[0]), stats(accept[1]), 0.2, 0.0)
-                            if c == "accept_length" else None) for c, o in outcomes.items()]  # fmt: skip
+    r.checks = [
+        CheckResult(
+            "eng",
+            c,
+            o,
+            "",
+            AcceptLengthData(stats(accept[0]), stats(accept[1]), 0.2, 0.0) if c == "accept_length" else None,
+        )
+        for c, o in outcomes.items()
+    ]
     (row,) = upgrade.summarise(r, Path("reports"))
     return row
 
@@ -181,8 +217,12 @@ def test_summary_tie_skipped_steps_do_not_make_it_drift(case):
 
 
 def test_summary_drifted_names_the_largest_mover_by_excess_not_by_abs_diff(case):
-    cd = CaptureDiff([diff("target.h.1", err=1e-6, max_abs=0.5),  # large |diff|, 0.1x its threshold
-                      diff("draft.fc_out", err=5e-6, max_abs=1e-7)])  # small |diff|, 0.5x its threshold  # fmt: skip
+    cd = CaptureDiff(
+        [
+            diff("target.h.1", err=1e-6, max_abs=0.5),  # large |diff|, 0.1x its threshold
+            diff("draft.fc_out", err=5e-6, max_abs=1e-7),
+        ]
+    )  # small |diff|, 0.5x its threshold
     row = summary(case, cd)
     assert (row.verdict, row.first_divergence) == ("drifted", "-")
     assert row.largest_drift == "draft.fc_out 0.5x noise threshold, err 5.00e-06"

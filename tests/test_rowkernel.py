@@ -127,8 +127,10 @@ def test_row_strides_and_threads(kernel):
     for threads in (1, 3, 16):
         assert_same(kernel.row_stats(a[:, :2500], b[:, :2500], 0.016, 0.016, True, threads=threads), eager)
     row_a, row_b = a[7:8].expand(5, -1), b[7:8].expand(5, -1)
-    assert_same(kernel.row_stats(row_a, row_b, 0.016, 0.016, True),
-                rowstats._row_stats_eager(row_a, row_b, 0.016, 0.016, True, rowstats.CHUNK))  # fmt: skip
+    assert_same(
+        kernel.row_stats(row_a, row_b, 0.016, 0.016, True),
+        rowstats._row_stats_eager(row_a, row_b, 0.016, 0.016, True, rowstats.CHUNK),
+    )
 
 
 def test_row_stats_takes_the_native_path_for_large_cpu_pairs(native):
@@ -147,9 +149,27 @@ def test_compare_tensor_is_the_same_on_both_paths(native, monkeypatch):
     fast = compare_tensor("draft.logits_target", a, b, tol)
     monkeypatch.setattr(rowstats, "NATIVE_MIN", 1 << 62)
     eager = compare_tensor("draft.logits_target", a, b, tol)
-    for k in ("status", "mismatched", "nonfinite_mismatch", "max_abs", "max_abs_index", "ref_value", "other_value",
-              "rows_mismatched", "worst_row", "row_mismatched", "top1_agree", "topk_member", "nan_ref", "nan_other",
-              "inf_ref", "inf_other", "max_rel", "differs", "rows_above"):  # fmt: skip
+    for k in (
+        "status",
+        "mismatched",
+        "nonfinite_mismatch",
+        "max_abs",
+        "max_abs_index",
+        "ref_value",
+        "other_value",
+        "rows_mismatched",
+        "worst_row",
+        "row_mismatched",
+        "top1_agree",
+        "topk_member",
+        "nan_ref",
+        "nan_other",
+        "inf_ref",
+        "inf_other",
+        "max_rel",
+        "differs",
+        "rows_above",
+    ):
         assert getattr(fast, k) == getattr(eager, k), k
     for k in ("mean_abs", "cosine", "rel_diff", "kl_mean", "kl_max", "tv_mean", "tv_max", "err"):
         assert getattr(fast, k) == pytest.approx(getattr(eager, k), rel=1e-4, abs=1e-7, nan_ok=True), k

@@ -21,9 +21,24 @@ from helpers import ROOT
 def _discover(tmp_path: Path, engine: str, python: str) -> tuple[subprocess.CompletedProcess, dict]:
     name = engine.split("[")[0].split("@")[0]
     key = engine.split("[")[0]
-    done = subprocess.run([sys.executable, "-m", "difftest.cli", "rules", "discover", engine, "--out", str(tmp_path),
-                           "--engine-python", f"{key}={python}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=2400)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "difftest.cli",
+            "rules",
+            "discover",
+            engine,
+            "--out",
+            str(tmp_path),
+            "--engine-python",
+            f"{key}={python}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert name
     return done, json.loads((tmp_path / f"{engine}.json").read_text())
@@ -53,15 +68,41 @@ def test_a_target_too_shallow_to_probe_is_one_line(tmp_path):
     from difftest.run.session import resolve_fixture
 
     shallow = resolve_fixture("fixture:tiny-qwen3")  # 4 layers
-    done = subprocess.run([sys.executable, "-m", "difftest.cli", "rules", "discover", "vllm", "--target", shallow,
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "difftest.cli",
+            "rules",
+            "discover",
+            "vllm",
+            "--target",
+            shallow,
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 2
     assert "discovery needs a target of at least 6 layers" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("argv,words", [(["rules", "discover", "vllm", "--engine-python", "vllm"], "is not NAME=PATH"),
-                                        (["rules", "discover", "vlm"], "unknown engine")])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["rules", "discover", "vllm", "--engine-python", "vllm"], "is not NAME=PATH"),
+        (["rules", "discover", "vlm"], "unknown engine"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, argv, words):
-    done = subprocess.run([sys.executable, "-m", "difftest.cli", *argv, "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "difftest.cli", *argv, "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr

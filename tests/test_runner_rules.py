@@ -88,10 +88,16 @@ def test_a_runner_a_release_does_not_have_is_named_in_one_line():
     assert releases.runner_problem("0.33.0", "v1") is None  # read in the 0.33.0 wheel: V1 is still there
 
 
-@pytest.mark.parametrize("engine,params,variant", [
-    ("vllm", {}, "runner v2"), ("vllm", {"runner": "v1"}, "runner v1"), ("vllm@0.24.0", {"runner": "v1"}, "runner v1"),
-    ("sglang", {}, ""), ("ref", {"wiring": "vllm"}, ""),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "engine,params,variant",
+    [
+        ("vllm", {}, "runner v2"),
+        ("vllm", {"runner": "v1"}, "runner v1"),
+        ("vllm@0.24.0", {"runner": "v1"}, "runner v1"),
+        ("sglang", {}, ""),
+        ("ref", {"wiring": "vllm"}, ""),
+    ],
+)
 def test_a_spec_names_the_variant_it_runs(engine, params, variant):
     assert lr.spec_variant(engine, params) == variant
 
@@ -107,8 +113,12 @@ def test_an_expected_failure_for_one_runner_does_not_apply_to_the_other(tmp_path
 
 def test_a_misspelt_expected_failure_key_names_variant(tmp_path: Path):
     with pytest.raises(ConfigError, match="did you mean 'variant'"):
-        parse([{"engine": "vllm", "varient": "runner v2", "check": "fc_inputs", "cause": "x"}], tmp_path / "c.yaml",
-              ("fc_inputs",), engines={"vllm"})  # fmt: skip
+        parse(
+            [{"engine": "vllm", "varient": "runner v2", "check": "fc_inputs", "cause": "x"}],
+            tmp_path / "c.yaml",
+            ("fc_inputs",),
+            engines={"vllm"},
+        )
 
 
 def test_the_engine_label_names_the_runner_beside_the_release():

@@ -110,8 +110,27 @@ def test_decode_attention_matches_sdpa_and_stores_kv():
     )
     o = torch.zeros(2, H, D)
     scaling = 1 / math.sqrt(D)
-    ops.decode_attention_cpu(q, kbuf, vbuf, 1.0, 1.0, o, key, value, loc, torch.empty(0), r2t, rpi, seq_lens,
-                             scaling, 0.0, False, -1, None, None)  # fmt: skip
+    ops.decode_attention_cpu(
+        q,
+        kbuf,
+        vbuf,
+        1.0,
+        1.0,
+        o,
+        key,
+        value,
+        loc,
+        torch.empty(0),
+        r2t,
+        rpi,
+        seq_lens,
+        scaling,
+        0.0,
+        False,
+        -1,
+        None,
+        None,
+    )
     assert torch.equal(kbuf[loc], key) and torch.equal(vbuf[loc], value)
     for b, (req, s) in enumerate([(1, 7), (0, 12)]):
         slots = r2t[req, :s].long()
@@ -135,9 +154,30 @@ def test_extend_attention_matches_sdpa(mode):
     custom = torch.cat([m.reshape(-1) for m in masks]) if mode == "tree_mask" else None
     o = torch.zeros(7, H, D)
     scaling = 0.3
-    ops.extend_attention_cpu(q, k_new if mode == "kv_args" else None, v_new if mode == "kv_args" else None, o,
-                             kbuf, vbuf, 1.0, 1.0, r2t, rpi, seq_lens, ext, starts, 4, scaling, 0.0, False, -1,
-                             None, None, custom, mode != "tree_mask")  # fmt: skip
+    ops.extend_attention_cpu(
+        q,
+        k_new if mode == "kv_args" else None,
+        v_new if mode == "kv_args" else None,
+        o,
+        kbuf,
+        vbuf,
+        1.0,
+        1.0,
+        r2t,
+        rpi,
+        seq_lens,
+        ext,
+        starts,
+        4,
+        scaling,
+        0.0,
+        False,
+        -1,
+        None,
+        None,
+        custom,
+        mode != "tree_mask",
+    )
     for b in range(2):
         S, E, st = int(seq_lens[b]), int(ext[b]), int(starts[b])
         slots = r2t[int(rpi[b]), :S].long()
@@ -162,8 +202,30 @@ def test_extend_attention_mla_prefill_reads_new_tokens_from_kv_args_not_the_late
         torch.randn(E, H * 32, generator=g),
     )
     o = torch.zeros(E, H, 32)
-    ops.extend_attention_cpu(q, k, v, o, kbuf, vbuf, 1.0, 1.0, r2t, torch.tensor([0]), torch.tensor([E]),
-                             torch.tensor([E]), torch.tensor([0]), E, 0.2, 0.0, False, -1, None, None, None, True)  # fmt: skip
+    ops.extend_attention_cpu(
+        q,
+        k,
+        v,
+        o,
+        kbuf,
+        vbuf,
+        1.0,
+        1.0,
+        r2t,
+        torch.tensor([0]),
+        torch.tensor([E]),
+        torch.tensor([E]),
+        torch.tensor([0]),
+        E,
+        0.2,
+        0.0,
+        False,
+        -1,
+        None,
+        None,
+        None,
+        True,
+    )
     want = _sdpa(q, k, v.view(E, H, 32), 0.2, torch.ones(E, E).tril().bool())
     torch.testing.assert_close(o, want, atol=1e-5, rtol=1e-5)
 
@@ -200,8 +262,9 @@ def _run_sglang_check(name: str) -> None:
         return
     python = sglang_python_or_skip()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
-    proc = subprocess.run([python, sglang_shim_checks.__file__, name], env=env, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S)  # fmt: skip
+    proc = subprocess.run(
+        [python, sglang_shim_checks.__file__, name], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert f"ok {name}" in proc.stdout
 

@@ -25,8 +25,19 @@ def test_vocab_sharded_logits_are_joined_in_rank_order_and_cut_to_the_vocabulary
     weight = torch.randn(1024, 8)  # the padded vocabulary: 1000 real rows, 24 padding
     for r in (0, 1):
         shard = weight[r * 512 : (r + 1) * 512]
-        _write(tmp_path, r, 0, "logits", {"mode": "EXTEND", "hidden": hidden, "vocab_size": 1000,
-                                          "all_logits": hidden @ shard.T, "next_token_logits": None})  # fmt: skip
+        _write(
+            tmp_path,
+            r,
+            0,
+            "logits",
+            {
+                "mode": "EXTEND",
+                "hidden": hidden,
+                "vocab_size": 1000,
+                "all_logits": hidden @ shard.T,
+                "next_token_logits": None,
+            },
+        )
     got = tensor_parallel.gather(str(tmp_path))
     ((kind, rec),) = got.records
     assert got.tp_size == 2 and kind == "logits"
@@ -52,8 +63,13 @@ def test_partial_sums_of_an_unreduced_row_parallel_output_are_added(tmp_path):
 def test_a_column_parallel_fc_output_is_joined_and_a_plain_linear_one_is_checked_equal(tmp_path):
     x = torch.randn(4, 6)
     for r in (0, 1):
-        _write(tmp_path, r, 0, "fc", {"fc_in_normed": x, "fc_out": x[:, r * 3 : (r + 1) * 3],
-                                      "module": "ColumnParallelLinear"})  # fmt: skip
+        _write(
+            tmp_path,
+            r,
+            0,
+            "fc",
+            {"fc_in_normed": x, "fc_out": x[:, r * 3 : (r + 1) * 3], "module": "ColumnParallelLinear"},
+        )
         _write(tmp_path, r, 1, "fc", {"fc_in_normed": x, "fc_out": x, "module": "Linear"})
     (_, col), (_, whole) = tensor_parallel.gather(str(tmp_path)).records
     assert torch.equal(col["fc_out"], x) and torch.equal(whole["fc_out"], x)
@@ -74,8 +90,10 @@ def test_ranks_that_recorded_different_forwards_are_refused(tmp_path):
 
 
 def test_capture_meta_says_per_canonical_tensor_what_was_gathered_or_checked():
-    how = {("logits", "all_logits", None): tensor_parallel.rule_for("logits", "all_logits", {}),
-           ("model", "aux", None): tensor_parallel.rule_for("model", "aux", {})}  # fmt: skip
+    how = {
+        ("logits", "all_logits", None): tensor_parallel.rule_for("logits", "all_logits", {}),
+        ("model", "aux", None): tensor_parallel.rule_for("model", "aux", {}),
+    }
     names = ["target.logits", "target.h.3", "draft.logits", "draft.step1.logits_target", "x"]
     said = tensor_parallel.describe(how, 2, names)
     assert said["draft.logits"].startswith("gathered: 2 shards")
@@ -110,10 +128,12 @@ def test_without_exit_codes_the_watchdogs_rank_is_named():
 
 
 def test_a_rank_that_raised_is_named_with_its_own_error():
-    log = ("[2026-12-02 08:00:01 TP1] Scheduler hit an exception: Traceback (most recent call last):\n"
-           '  File "x.py", line 1, in f\n'
-           "ValueError: rank one's own failure\n"
-           "[2026-12-02 08:00:01 TP0] Scheduler hit an exception: Traceback (most recent call last):\n"
-           "RuntimeError: Connection closed by peer\n")  # fmt: skip
+    log = (
+        "[2026-12-02 08:00:01 TP1] Scheduler hit an exception: Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\n'
+        "ValueError: rank one's own failure\n"
+        "[2026-12-02 08:00:01 TP0] Scheduler hit an exception: Traceback (most recent call last):\n"
+        "RuntimeError: Connection closed by peer\n"
+    )
     cause = crash_cause(log, {0: (10, 255), 1: (11, 1)})
     assert cause == "SGLang's tensor-parallel rank 1 (its scheduler) failed: ValueError: rank one's own failure"

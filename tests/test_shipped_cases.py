@@ -61,8 +61,13 @@ def test_every_declared_expectation_is_exercised(run):
                 # another release or one as the reference (tests/test_upgrade_real_releases.py), a reference
                 # preset such as ref[wiring=vllm] or the train engine (tests/test_cases.py, test_chat_template.py)
                 continue
-            hits = [r for r in checks if r.expected_failure is not None and r.expected_failure.cause == expected.cause
-                    and r.expected_failure.engine == expected.engine]  # fmt: skip
+            hits = [
+                r
+                for r in checks
+                if r.expected_failure is not None
+                and r.expected_failure.cause == expected.cause
+                and r.expected_failure.engine == expected.engine
+            ]
             assert hits, f"{path.name}: expect_failure {expected} was never exercised"
             for r in hits:
                 assert r.outcome == "xfailed", f"{path.name} {r.engine} {r.check}: {r.outcome}: {r.message}"

@@ -65,14 +65,17 @@ def _script() -> str:
     """SpecForge's scripts/prepare_hidden_states.py from a checkout (not in its wheel or sdist), or skip."""
     script = os.environ.get(SCRIPT_VAR, "")
     if not script or not Path(script).is_file():
-        pytest.skip(f"{SCRIPT_VAR} does not name SpecForge's scripts/prepare_hidden_states.py (not in its wheel "
-                    "or sdist): set it to a SpecForge checkout's copy to compare the script's files")  # fmt: skip
+        pytest.skip(
+            f"{SCRIPT_VAR} does not name SpecForge's scripts/prepare_hidden_states.py (not in its wheel "
+            "or sdist): set it to a SpecForge checkout's copy to compare the script's files"
+        )
     return script
 
 
 def _run(cmd: list, log: Path) -> None:
-    env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", HF_HOME=str(log.parent / "hf"),
-               TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    env = dict(
+        os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", HF_HOME=str(log.parent / "hf"), TOKENIZERS_PARALLELISM="false"
+    )
     # The writer's SGLang runs one rank: a per-rank core binding from the caller's environment (a
     # tensor-parallel run's) fails its model runner's assertion that the binding lists tp_size groups.
     env.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
@@ -99,8 +102,10 @@ def write_conversations(target: Path, path: Path) -> list[dict]:
     r = random.Random(SEED)
     rows = []
     for i in range(N_CONVERSATIONS):
-        turns = [{"role": "user", "content": " ".join(r.choices(words, k=r.randint(6, 12)))},
-                 {"role": "assistant", "content": " ".join(r.choices(words, k=r.randint(16, 28)))}]  # fmt: skip
+        turns = [
+            {"role": "user", "content": " ".join(r.choices(words, k=r.randint(6, 12)))},
+            {"role": "assistant", "content": " ".join(r.choices(words, k=r.randint(16, 28)))},
+        ]
         rows.append({"id": str(i), "conversations": turns})
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return rows
@@ -111,8 +116,13 @@ def specforge_template() -> dict:
     from fixtures.chat import MARKERS
 
     m = MARKERS
-    return {"tiny-chat": {"user_header": f"{m['start']} {m['user']} ", "assistant_header": f"{m['start']} {m['assistant']} ",
-                          "end_of_turn_token": f"{m['end']} "}}  # fmt: skip
+    return {
+        "tiny-chat": {
+            "user_header": f"{m['start']} {m['user']} ",
+            "assistant_header": f"{m['start']} {m['assistant']} ",
+            "end_of_turn_token": f"{m['end']} ",
+        }
+    }
 
 
 def draft_config(draft: Path, path: Path) -> None:
@@ -164,10 +174,30 @@ def writer_python() -> str:
 def written(writer_python, inputs) -> dict:
     """SpecForge's installed package writes the files (tests/trainer_oracle/specforge_capture.py)."""
     root, out = inputs["root"], inputs["root"] / "hidden_states"
-    cmd = [writer_python, HERE / "specforge_capture.py", "--target", inputs["served"], "--draft-config", root / "draft.json",
-           "--data", root / "conversations.jsonl", "--chat-template", "tiny-chat", "--templates",
-           root / "templates.json", "--output", out, "--cache-dir", root / "cache", "--max-length", "256",
-           "--batch-size", "8", "--mem-fraction-static", "0.05"]  # fmt: skip
+    cmd = [
+        writer_python,
+        HERE / "specforge_capture.py",
+        "--target",
+        inputs["served"],
+        "--draft-config",
+        root / "draft.json",
+        "--data",
+        root / "conversations.jsonl",
+        "--chat-template",
+        "tiny-chat",
+        "--templates",
+        root / "templates.json",
+        "--output",
+        out,
+        "--cache-dir",
+        root / "cache",
+        "--max-length",
+        "256",
+        "--batch-size",
+        "8",
+        "--mem-fraction-static",
+        "0.05",
+    ]
     _run(cmd, root / "capture.log")
     return {**inputs, "out": out}
 
@@ -177,12 +207,40 @@ def script_written(writer_python, inputs) -> Path:
     """SpecForge's scripts/prepare_hidden_states.py writes the same data (tests/trainer_oracle/specforge_prepare_hs.py)."""
     script, root = _script(), inputs["root"] / "script"
     out = root / "hidden_states"
-    cmd = [writer_python, HERE / "specforge_prepare_hs.py", script, root / "run", inputs["root"] / "templates.json", "--",
-           "--target-model-path", inputs["served"], "--draft-model-config", inputs["root"] / "draft.json",
-           "--data-path", inputs["root"] / "conversations.jsonl", "--chat-template", "tiny-chat", "--max-length",
-           "256", "--batch-size", "8", "--output-path", out, "--cache-dir", root / "run" / "cache",
-           "--build-dataset-num-proc", "1", "--num-workers", "0", "--num-io-threads", "1",
-           "--sglang-attention-backend", "torch_native", "--sglang-mem-fraction-static", "0.05"]  # fmt: skip
+    cmd = [
+        writer_python,
+        HERE / "specforge_prepare_hs.py",
+        script,
+        root / "run",
+        inputs["root"] / "templates.json",
+        "--",
+        "--target-model-path",
+        inputs["served"],
+        "--draft-model-config",
+        inputs["root"] / "draft.json",
+        "--data-path",
+        inputs["root"] / "conversations.jsonl",
+        "--chat-template",
+        "tiny-chat",
+        "--max-length",
+        "256",
+        "--batch-size",
+        "8",
+        "--output-path",
+        out,
+        "--cache-dir",
+        root / "run" / "cache",
+        "--build-dataset-num-proc",
+        "1",
+        "--num-workers",
+        "0",
+        "--num-io-threads",
+        "1",
+        "--sglang-attention-backend",
+        "torch_native",
+        "--sglang-mem-fraction-static",
+        "0.05",
+    ]
     root.mkdir()
     _run(cmd, root / "prepare.log")
     return out
@@ -197,15 +255,31 @@ def train_config(written: dict, root: Path) -> Path:
     cfg = json.loads((root.parent / "draft.json").read_text())
     cfg.pop("norm_output", None)
     (root / "draft.json").write_text(json.dumps(cfg, indent=1))
-    run = {"model": {"target_model_path": str(written["served"]), "draft_model_config": str(root / "draft.json"),
-                     "embedding_key": "model.embed_tokens.weight", "torch_dtype": "bfloat16",
-                     "vocab_mapping_path": str(written["out"] / "vocab_mapping" / "vocab_mapping.pt")},
-           "data": {"hidden_states_path": str(written["out"]), "max_length": 256, "cache_dir": str(root / "cache")},
-           "training": {"strategy": "eagle3", "fsdp_sharding": "NO_SHARD", "num_epochs": TRAIN_EPOCHS, "batch_size": 1,
-                        "learning_rate": 0.003, "ttt_length": STEPS, "attention_backend": "sdpa",
-                        "save_interval": 100000, "log_interval": 120, "seed": 0},
-           "run_id": "tiny-chat", "output_dir": str(root / "run"),
-           "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}}}  # fmt: skip
+    run = {
+        "model": {
+            "target_model_path": str(written["served"]),
+            "draft_model_config": str(root / "draft.json"),
+            "embedding_key": "model.embed_tokens.weight",
+            "torch_dtype": "bfloat16",
+            "vocab_mapping_path": str(written["out"] / "vocab_mapping" / "vocab_mapping.pt"),
+        },
+        "data": {"hidden_states_path": str(written["out"]), "max_length": 256, "cache_dir": str(root / "cache")},
+        "training": {
+            "strategy": "eagle3",
+            "fsdp_sharding": "NO_SHARD",
+            "num_epochs": TRAIN_EPOCHS,
+            "batch_size": 1,
+            "learning_rate": 0.003,
+            "ttt_length": STEPS,
+            "attention_backend": "sdpa",
+            "save_interval": 100000,
+            "log_interval": 120,
+            "seed": 0,
+        },
+        "run_id": "tiny-chat",
+        "output_dir": str(root / "run"),
+        "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
+    }
     (root / "run.json").write_text(json.dumps(run, indent=1))
     return root / "run.json"
 
@@ -235,12 +309,37 @@ def draft(request, written) -> Path:
 def scored(written, draft, tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("scored")
     ids = ",".join(map(str, DEFAULT_IDS))
-    rows, text = train_acc("--data", str(written["out"]), "--target", TARGET, "--draft", str(draft), "--format",
-                           "specforge", "--layer-ids", ids, "--wiring", "vllm", "--wiring", "sglang",
-                           json_out=d / "rows.json")  # fmt: skip
+    rows, text = train_acc(
+        "--data",
+        str(written["out"]),
+        "--target",
+        TARGET,
+        "--draft",
+        str(draft),
+        "--format",
+        "specforge",
+        "--layer-ids",
+        ids,
+        "--wiring",
+        "vllm",
+        "--wiring",
+        "sglang",
+        json_out=d / "rows.json",
+    )
     # in bfloat16, as SpecForge's trainer runs its draft (model.torch_dtype) on these bf16 files
-    bf16, bf16_text = train_acc("--data", str(written["out"]), "--target", TARGET, "--draft", str(draft),
-                                "--format", "specforge", "--dtype", "bfloat16", json_out=d / "bf16.json")  # fmt: skip
+    bf16, bf16_text = train_acc(
+        "--data",
+        str(written["out"]),
+        "--target",
+        TARGET,
+        "--draft",
+        str(draft),
+        "--format",
+        "specforge",
+        "--dtype",
+        "bfloat16",
+        json_out=d / "bf16.json",
+    )
     print(text)
     return {"rows": rows, "text": text, "bf16": bf16[0], "bf16_text": bf16_text}
 
@@ -270,8 +369,17 @@ def specforge_forward(written, draft, tmp_path_factory) -> dict:
     python = trainer_python("specforge")
     out = tmp_path_factory.mktemp("specforge-forward") / "counts.json"
     env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1")
-    cmd = [python, HERE / "specforge_forward.py", draft, written["served"], written["out"], out, STEPS, MAX_LEN,
-           "bfloat16"]  # fmt: skip
+    cmd = [
+        python,
+        HERE / "specforge_forward.py",
+        draft,
+        written["served"],
+        written["out"],
+        out,
+        STEPS,
+        MAX_LEN,
+        "bfloat16",
+    ]
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(out.read_text())
@@ -287,8 +395,9 @@ def test_specforge_wrote_one_feature_file_per_conversation_in_its_layout(written
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(written["target"]), local_files_only=True)
-    rendered = {tuple(tok.apply_chat_template(r["conversations"], tokenize=True, return_dict=False)): r
-                for r in written["rows"]}  # fmt: skip
+    rendered = {
+        tuple(tok.apply_chat_template(r["conversations"], tokenize=True, return_dict=False)): r for r in written["rows"]
+    }
     seen = set()
     for path in files:
         rec = torch.load(path, weights_only=True)
@@ -335,8 +444,10 @@ def test_the_installed_packages_files_are_the_scripts_files_tensor_for_tensor(wr
 def test_train_acc_identifies_the_layers_sglang_captured_for_specforge(scored):
     text = scored["text"]
     # by a target run, not by the ids: SpecForge's [1, 3, 4] are "output of layer k" = h2, h4, h5
-    assert ("dumped tensors = [h2, h4, h5, final_norm]; trainer fed fc [h2, h4, h5]; "
-            "verifier = final_norm (the final layer, after the norm)") in text, text  # fmt: skip
+    assert (
+        "dumped tensors = [h2, h4, h5, final_norm]; trainer fed fc [h2, h4, h5]; "
+        "verifier = final_norm (the final layer, after the norm)"
+    ) in text, text
     assert scored["rows"][0]["fc"] == ["h2", "h4", "h5"], scored["rows"][0]
     assert f"(specforge, {N_CONVERSATIONS} samples, 0 skipped)" in text, text
 
@@ -347,8 +458,10 @@ def test_train_acc_reproduces_specforges_own_training_forward_on_the_writers_fil
     """Same positions counted at every step; the correct counts differ by no more than the bf16 near
     ties train-acc reports (the trainer's draft and lm_head run in bf16, so its argmax flips there)."""
     ours, theirs = scored["bf16"], specforge_forward
-    print(f"SpecForge forward correct {theirs['correct']} of {theirs['denom']}; train-acc {ours['correct']} of "
-          f"{ours['counted']}, near ties {ours['near_ties']}")  # fmt: skip
+    print(
+        f"SpecForge forward correct {theirs['correct']} of {theirs['denom']}; train-acc {ours['correct']} of "
+        f"{ours['counted']}, near ties {ours['near_ties']}"
+    )
     assert theirs["files"] == N_CONVERSATIONS
     assert ours["counted"] == theirs["denom"]
     for k in range(STEPS):
@@ -380,8 +493,22 @@ def test_the_package_writer_refuses_an_existing_output_folder_in_one_line(writer
     """Nothing is written over an earlier run's files (the script would skip existing files silently)."""
     out = tmp_path / "hidden_states"
     (out / "rows_0-2000").mkdir(parents=True)
-    cmd = [writer_python, HERE / "specforge_capture.py", "--target", "T", "--draft-config", "D", "--data", "J",
-           "--chat-template", "tiny-chat", "--output", out, "--cache-dir", tmp_path / "cache"]  # fmt: skip
+    cmd = [
+        writer_python,
+        HERE / "specforge_capture.py",
+        "--target",
+        "T",
+        "--draft-config",
+        "D",
+        "--data",
+        "J",
+        "--chat-template",
+        "tiny-chat",
+        "--output",
+        out,
+        "--cache-dir",
+        tmp_path / "cache",
+    ]
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout)
     assert proc.stderr == f"specforge_capture: --output {out} exists; give a new directory\n", proc.stderr

@@ -30,9 +30,16 @@ STEP0_NAMES = {
 @pytest.fixture(scope="module")
 def small_draft() -> Eagle3Draft:
     cfg = Eagle3Config(
-        hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H, num_aux=N_AUX,
-    )  # fmt: skip
+        hidden_size=H,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        target_hidden_size=H,
+        num_aux=N_AUX,
+    )
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     with torch.no_grad():

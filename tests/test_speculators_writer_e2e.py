@@ -45,10 +45,15 @@ from tests import live_servers
 TARGET = "fixture:tiny-llama"
 LAYER_IDS = [0, 2, 4, 8]  # vLLM's extract_hidden_states ids: the seed's launch ids [0, 2, 4] + the last layer
 RECIPE = {
-    "prompts": 48, "prompt_len": 12, "continue": 16, "seed": 11,
+    "prompts": 48,
+    "prompt_len": 12,
+    "continue": 16,
+    "seed": 11,
     # 36 training samples, two per packed batch of 64 tokens: 18 optimizer steps an epoch
-    "epochs": 8, "total_seq_len": 64, "train_ratio": 0.75,
-}  # fmt: skip
+    "epochs": 8,
+    "total_seq_len": 64,
+    "train_ratio": 0.75,
+}
 STEPS = 3  # speculators' default --ttt-steps
 
 
@@ -90,12 +95,34 @@ def server_args(target: Path, stage: Path) -> list[str]:
     """vLLM's flags for hidden-state extraction, as speculators' data-generation docs launch it, with
     the CPU stand-in connector. bfloat16, as targets are served for it: the files hold bf16 states of
     a bf16 forward, which train-acc identifies against the float32 target."""
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}}}  # fmt: skip
-    kv = {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": "engines.vllm.cpu_hidden_states",
-          "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(stage)}}  # fmt: skip
-    return ["--model", str(target), "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "8",
-            "--enforce-eager", "--seed", "0", "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}},
+    }
+    kv = {
+        "kv_connector": "CpuHiddenStatesConnector",
+        "kv_connector_module_path": "engines.vllm.cpu_hidden_states",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(stage)},
+    }
+    return [
+        "--model",
+        str(target),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--speculative-config",
+        json.dumps(spec),
+        "--kv-transfer-config",
+        json.dumps(kv),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -110,17 +137,42 @@ def generated(request, tmp_path_factory) -> dict:
     t0 = time.monotonic()
     write_prompts(target, root / "samples.jsonl")
     with ThreadPoolExecutor(1) as pool:  # the arrow dataset is saved while the server starts
-        prepared = pool.submit(_run, [python, HERE / "speculators_prepare.py", root / "samples.jsonl", root / "dataset"],
-                               root / "prepare.log", 300)  # fmt: skip
-        server = live_servers.start("vllm", server_args(target, root / "stage"), logs / "live-vllm-hidden-states.log",
-                                    env={"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # fmt: skip
+        prepared = pool.submit(
+            _run,
+            [python, HERE / "speculators_prepare.py", root / "samples.jsonl", root / "dataset"],
+            root / "prepare.log",
+            300,
+        )
+        server = live_servers.start(
+            "vllm",
+            server_args(target, root / "stage"),
+            logs / "live-vllm-hidden-states.log",
+            env={"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        )
         try:
             started = server.started_s
             prepared.result()
             t1 = time.monotonic()
-            proc = _run([python, "-m", "speculators", "generate-offline-data", "--preprocessed-data", root / "dataset",
-                         "--endpoint", f"{server.url}/v1", "--output", root / "hidden_states", "--concurrency", "8",
-                         "--validate-outputs", "--fail-on-error"], root / "generate.log", 600)  # fmt: skip
+            proc = _run(
+                [
+                    python,
+                    "-m",
+                    "speculators",
+                    "generate-offline-data",
+                    "--preprocessed-data",
+                    root / "dataset",
+                    "--endpoint",
+                    f"{server.url}/v1",
+                    "--output",
+                    root / "hidden_states",
+                    "--concurrency",
+                    "8",
+                    "--validate-outputs",
+                    "--fail-on-error",
+                ],
+                root / "generate.log",
+                600,
+            )
             wrote_s = time.monotonic() - t1
         finally:
             left = server.stop()
@@ -129,8 +181,14 @@ def generated(request, tmp_path_factory) -> dict:
         f"vLLM server healthy after {started:.0f}s; generate-offline-data {wrote_s:.1f}s; "
         f"whole writer fixture {time.monotonic() - t0:.0f}s"
     )
-    return {"target": target, "root": root, "dataset": root / "dataset", "hidden_states": root / "hidden_states",
-            "log": proc.stdout + proc.stderr, "server_log": server.log}  # fmt: skip
+    return {
+        "target": target,
+        "root": root,
+        "dataset": root / "dataset",
+        "hidden_states": root / "hidden_states",
+        "log": proc.stdout + proc.stderr,
+        "server_log": server.log,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -139,11 +197,30 @@ def trained(generated) -> dict:
     dataset, checks every file with generate-offline-data's own check, and keeps the master weights)."""
     python = trainer_python("speculators")
     root, out = generated["root"], generated["root"] / "train"
-    _run([python, HERE / "speculators_train.py", generated["target"], root, out, RECIPE["epochs"], RECIPE["total_seq_len"],
-          RECIPE["train_ratio"]], root / "train.log", 900, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"))  # fmt: skip
+    _run(
+        [
+            python,
+            HERE / "speculators_train.py",
+            generated["target"],
+            root,
+            out,
+            RECIPE["epochs"],
+            RECIPE["total_seq_len"],
+            RECIPE["train_ratio"],
+        ],
+        root / "train.log",
+        900,
+        TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"),
+    )
     result = json.loads((out / "result.json").read_text())
-    return {**generated, "out": out, "draft": out / "ckpt" / str(RECIPE["epochs"] - 1), "master": out / "master",
-            "train_dataset": out / "dataset", "result": result}  # fmt: skip
+    return {
+        **generated,
+        "out": out,
+        "draft": out / "ckpt" / str(RECIPE["epochs"] - 1),
+        "master": out / "master",
+        "train_dataset": out / "dataset",
+        "result": result,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -151,13 +228,27 @@ def scored(trained, tmp_path_factory) -> dict:
     """`train-acc` on the writer's folders as a user points it at them (the dataset, the hidden states
     apart), the trainer's validation split, the trainer's wiring and vLLM's reading of the draft."""
     d = tmp_path_factory.mktemp("scored")
-    common = ["--data", str(trained["dataset"]), "--hidden-states", str(trained["hidden_states"]),
-              "--target", str(trained["target"])]  # fmt: skip
+    common = [
+        "--data",
+        str(trained["dataset"]),
+        "--hidden-states",
+        str(trained["hidden_states"]),
+        "--target",
+        str(trained["target"]),
+    ]
     rows, text = train_acc(
         *common, "--draft", str(trained["draft"]), "--split", "val", "--wiring", "vllm", json_out=d / "val.json"
     )
-    master, master_text = train_acc(*common, "--draft", str(trained["master"]), "--split", "val", "--train-data-ratio",
-                                    str(RECIPE["train_ratio"]), json_out=d / "master.json")  # fmt: skip
+    master, master_text = train_acc(
+        *common,
+        "--draft",
+        str(trained["master"]),
+        "--split",
+        "val",
+        "--train-data-ratio",
+        str(RECIPE["train_ratio"]),
+        json_out=d / "master.json",
+    )
     print(text)
     return {"rows": rows, "text": text, "master": master[0], "master_text": master_text}
 
@@ -219,12 +310,29 @@ def test_train_acc_on_the_writers_data_reproduces_the_trainers_logged_validation
 def test_train_acc_counts_equal_speculators_own_metrics_on_the_trainers_checkpoint(trained, scored, tmp_path):
     python = trainer_python("speculators")
     out = tmp_path / "theirs.json"
-    _run([python, HERE / "speculators_checkpoint.py", trained["draft"], trained["train_dataset"], trained["hidden_states"], out,
-          RECIPE["train_ratio"], RECIPE["total_seq_len"], STEPS], tmp_path / "oracle.log", 600)  # fmt: skip
+    _run(
+        [
+            python,
+            HERE / "speculators_checkpoint.py",
+            trained["draft"],
+            trained["train_dataset"],
+            trained["hidden_states"],
+            out,
+            RECIPE["train_ratio"],
+            RECIPE["total_seq_len"],
+            STEPS,
+        ],
+        tmp_path / "oracle.log",
+        600,
+    )
     theirs = json.loads(out.read_text())["val"]
     row = scored["rows"][0]
-    ours = {"full_acc_sum": row["correct"], "full_acc_total": row["counted"],
-            "cond_acc_sum": row["cond_correct"], "cond_acc_total": row["cond_counted"]}  # fmt: skip
+    ours = {
+        "full_acc_sum": row["correct"],
+        "full_acc_total": row["counted"],
+        "cond_acc_sum": row["cond_correct"],
+        "cond_acc_total": row["cond_counted"],
+    }
     print(f"val: difftest {ours}; speculators {theirs}")
     assert ours == theirs
 

@@ -28,20 +28,36 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 # -- values a user might write anywhere ----------------------------------------------------------
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from(["", "x", "*", "draft.layer0.*", "vllm", "sglang", "h0+h2+h4", "1e-3", "${NOPE}", "true"]),
-)  # fmt: skip
-values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(["atol", "rtol", "ids", "wiring", "x"]), inner, max_size=3)
-), max_leaves=8)  # fmt: skip
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.sampled_from(["atol", "rtol", "ids", "wiring", "x"]), inner, max_size=3),
+    ),
+    max_leaves=8,
+)
 floats = st.one_of(
     st.floats(0, 1), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["1e-3", "x", True])
 )
 tolerance_pairs = st.dictionaries(st.sampled_from(["atol", "rtol", "atl"]), floats, max_size=2)
-prompt_lists = st.lists(st.one_of(st.just("hello there"), st.just(""), st.just({"ids": [1, 2, 3]}),
-                                  st.just({"ids": [1, True]}), st.just({"ids": [1], "text": "x"}), st.integers(),
-                                  st.just({"ids": [1], "messages": [{"role": "user", "content": "hi"}]})),
-                        max_size=3)  # fmt: skip
+prompt_lists = st.lists(
+    st.one_of(
+        st.just("hello there"),
+        st.just(""),
+        st.just({"ids": [1, 2, 3]}),
+        st.just({"ids": [1, True]}),
+        st.just({"ids": [1], "text": "x"}),
+        st.integers(),
+        st.just({"ids": [1], "messages": [{"role": "user", "content": "hi"}]}),
+    ),
+    max_size=3,
+)
 # per field, values that are right and values that are nearly right (the mistakes people make)
 field_values = {
     "name": st.one_of(
@@ -189,10 +205,45 @@ def test_fuzzed_case_yaml_is_a_valid_case_or_one_line_naming_the_file(workdir, m
 
 
 # -- engine specs ---------------------------------------------------------------------------------
-spec_keys = st.sampled_from(["wiring", "wirng", "topk", "num_draft_tokens", "layer_ids", "norm_output", "d2t",
-                             "data", "format", "identify", "ttt_steps", "", "foo", "num_steps", "tp_size"])  # fmt: skip
-spec_values = st.sampled_from(["vllm", "sglang", "h0+h2+h4", "2+4+5", "true", "0", "1", "3", "-1", "identity",
-                               "auto", "speculators", "target", "x", "$\\frac{$", "1.5"])  # fmt: skip
+spec_keys = st.sampled_from(
+    [
+        "wiring",
+        "wirng",
+        "topk",
+        "num_draft_tokens",
+        "layer_ids",
+        "norm_output",
+        "d2t",
+        "data",
+        "format",
+        "identify",
+        "ttt_steps",
+        "",
+        "foo",
+        "num_steps",
+        "tp_size",
+    ]
+)
+spec_values = st.sampled_from(
+    [
+        "vllm",
+        "sglang",
+        "h0+h2+h4",
+        "2+4+5",
+        "true",
+        "0",
+        "1",
+        "3",
+        "-1",
+        "identity",
+        "auto",
+        "speculators",
+        "target",
+        "x",
+        "$\\frac{$",
+        "1.5",
+    ]
+)
 engine_names = st.sampled_from(["ref", "train", "vllm", "sglang", "nope", "ref@old"])
 
 
@@ -237,8 +288,11 @@ def tensors(seq: int):
 def legacy_rows(draw) -> dict:
     seq = draw(st.sampled_from([4, 5]))
     row: dict = {}
-    good = {"input_ids": torch.arange(seq), "loss_mask": torch.ones(seq, dtype=torch.long),
-            "hidden_states": [torch.randn(seq, 8) for _ in range(3)]}  # fmt: skip
+    good = {
+        "input_ids": torch.arange(seq),
+        "loss_mask": torch.ones(seq, dtype=torch.long),
+        "hidden_states": [torch.randn(seq, 8) for _ in range(3)],
+    }
     if draw(st.integers(0, 2)) == 0:
         return good  # a third of the rows are right: the rest must not take them down
     row = dict(good)
@@ -283,26 +337,41 @@ def test_fuzzed_training_rows_load_or_are_skipped_with_one_line_each(workdir, ro
     for s in dump.samples:  # what the train engine relies on
         n = len(s.input_ids)
         assert s.input_ids.dtype == torch.long and s.loss_mask.shape == (n,)
-        assert all(t.shape == (n, s.tensors[0].shape[-1]) and t.is_floating_point() and torch.isfinite(t).all()
-                   for t in s.tensors)  # fmt: skip
+        assert all(
+            t.shape == (n, s.tensors[0].shape[-1]) and t.is_floating_point() and torch.isfinite(t).all()
+            for t in s.tensors
+        )
     widths = {(len(s.tensors), s.tensors[0].shape[-1]) for s in dump.samples}
     assert len(widths) <= 1  # one layout per dump
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lines=st.lists(st.one_of(
-    st.builds(lambda i: json.dumps({"index": i, "input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}), st.integers(0, 2)),
-    st.just('{"index": "0"}'), st.just("[1, 2]"), st.just("not json"), st.just('{"input_ids": [1]}'),
-    st.just('{"index": true, "input_ids": [1, 2, 3]}'),
-), min_size=1, max_size=4))  # fmt: skip
+@given(
+    lines=st.lists(
+        st.one_of(
+            st.builds(
+                lambda i: json.dumps({"index": i, "input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}), st.integers(0, 2)
+            ),
+            st.just('{"index": "0"}'),
+            st.just("[1, 2]"),
+            st.just("not json"),
+            st.just('{"input_ids": [1]}'),
+            st.just('{"index": true, "input_ids": [1, 2, 3]}'),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_fuzzed_dataset_rows_are_used_or_skipped_with_one_line(workdir, lines):
     from safetensors.torch import save_file
 
     data = workdir / "spec"
     (data / "hidden_states").mkdir(parents=True, exist_ok=True)
     for i in range(3):
-        save_file({"hidden_states": torch.randn(3, 3, 8), "token_ids": torch.tensor([1, 2, 3])},
-                  str(data / "hidden_states" / f"hs_{i}.safetensors"))  # fmt: skip
+        save_file(
+            {"hidden_states": torch.randn(3, 3, 8), "token_ids": torch.tensor([1, 2, 3])},
+            str(data / "hidden_states" / f"hs_{i}.safetensors"),
+        )
     (data / "samples.jsonl").write_text("\n".join(lines) + "\n")
     try:
         dump = read_dump(data, "speculators")

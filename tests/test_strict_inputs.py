@@ -49,16 +49,19 @@ def write_case(directory: Path, checkpoints, extra: str = "", name: str = "c") -
 
 
 # -- engine settings: one schema per engine, validated by the core ------------------------------
-@pytest.mark.parametrize("spec, fragment", [
-    ("ref[wirng=sglang]", "--engines ref[wirng=sglang]: wirng: unknown parameter; did you mean 'wiring'?"),
-    ("ref[foo=bar]", "--engines ref[foo=bar]: foo: unknown parameter"),
-    ("ref[topk=0]", "topk: expected a value >= 1, got '0'"),
-    ("ref[norm_output=maybe]", "norm_output: expected true or false"),
-    ("ref[d2t=nope]", "d2t: expected one of identity"),
-    ("train[format=specforg]", "did you mean 'specforge'?"),
-    ("vllm[llm_args=x]", "llm_args: expected a mapping; set it in the case file"),
-    ("sglang[mem_fraction_static=1.5]", "mem_fraction_static: expected a value <= 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("ref[wirng=sglang]", "--engines ref[wirng=sglang]: wirng: unknown parameter; did you mean 'wiring'?"),
+        ("ref[foo=bar]", "--engines ref[foo=bar]: foo: unknown parameter"),
+        ("ref[topk=0]", "topk: expected a value >= 1, got '0'"),
+        ("ref[norm_output=maybe]", "norm_output: expected true or false"),
+        ("ref[d2t=nope]", "d2t: expected one of identity"),
+        ("train[format=specforg]", "did you mean 'specforge'?"),
+        ("vllm[llm_args=x]", "llm_args: expected a mapping; set it in the case file"),
+        ("sglang[mem_fraction_static=1.5]", "mem_fraction_static: expected a value <= 1"),
+    ],
+)
 def test_bad_spec_parameter_is_refused_naming_the_spec(spec, fragment):
     parsed = parse_spec(spec)
     with pytest.raises(ConfigError) as e:
@@ -66,12 +69,15 @@ def test_bad_spec_parameter_is_refused_naming_the_spec(spec, fragment):
     assert fragment in one_line(e)
 
 
-@pytest.mark.parametrize("spec, fragment", [
-    ("ref[wiring=vllm,wiring=sglang]", "parameter wiring given twice"),
-    ("ref[=x]", "empty parameter name"),
-    ("ref[wiring=]", "parameter wiring has an empty value"),
-    ("ref[]", "empty parameter list"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("ref[wiring=vllm,wiring=sglang]", "parameter wiring given twice"),
+        ("ref[=x]", "empty parameter name"),
+        ("ref[wiring=]", "parameter wiring has an empty value"),
+        ("ref[]", "empty parameter list"),
+    ],
+)
 def test_malformed_spec_parameters_are_refused(spec, fragment):
     with pytest.raises(ConfigError) as e:
         parse_engine_list(spec)
@@ -90,15 +96,18 @@ def test_spec_parameters_override_the_case_section_and_aliases_resolve(tmp_path,
     assert (s["speculative_eagle_topk"], s["tp_size"], s["max_total_tokens"]) == (4, 2, 4096)
 
 
-@pytest.mark.parametrize("section, fragment", [
-    ("{ref: {wirng: sglang}}", "engines.ref.wirng: unknown setting; did you mean 'wiring'?"),
-    ("{ref: {topk: true}}", "engines.ref.topk: expected an integer, got True"),
-    ("{ref: {topk: '2'}}", "engines.ref.topk: expected an integer, got '2'"),
-    ("{vllm: {enforce_eager: 'yes'}}", "engines.vllm.enforce_eager: expected true or false"),
-    ("{ref: sglang}", "engines.ref: expected a mapping of settings, got 'sglang'"),
-    ("{ref: [wiring]}", "engines.ref: expected a mapping of settings"),
-    ("{reff: {}}", "engines.reff: unknown engine; did you mean 'ref'?"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "section, fragment",
+    [
+        ("{ref: {wirng: sglang}}", "engines.ref.wirng: unknown setting; did you mean 'wiring'?"),
+        ("{ref: {topk: true}}", "engines.ref.topk: expected an integer, got True"),
+        ("{ref: {topk: '2'}}", "engines.ref.topk: expected an integer, got '2'"),
+        ("{vllm: {enforce_eager: 'yes'}}", "engines.vllm.enforce_eager: expected true or false"),
+        ("{ref: sglang}", "engines.ref: expected a mapping of settings, got 'sglang'"),
+        ("{ref: [wiring]}", "engines.ref: expected a mapping of settings"),
+        ("{reff: {}}", "engines.reff: unknown engine; did you mean 'ref'?"),
+    ],
+)
 def test_bad_engines_section_is_refused_naming_file_and_field(tmp_path, checkpoints, section, fragment):
     path = write_case(tmp_path, checkpoints, f"engines: {section}\n")
     with pytest.raises(ConfigError) as e:
@@ -122,26 +131,29 @@ def test_every_adapter_declares_a_schema_and_no_default_accepts_unknown_keys():
 
 
 # -- case YAML ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("extra, fragment", [
-    ('allow_missing: "draft.layer0.*"\n', "allow_missing: expected a list of tensor name patterns"),
-    ("expect: {top1_agrement: 0.5}\n", "expect.top1_agrement: unknown field; did you mean 'top1_agreement'?"),
-    ("expect: {accept_length: {atl: 0.1}}\n", "expect.accept_length.atl: unknown field; did you mean 'atol'?"),
-    ("expect: {top1_agreement: 1.5}\n", "expect.top1_agreement: expected a fraction in [0, 1]"),
-    ('tolerances: {"draft.*": {atol: .nan}}\n', "tolerances.draft.*.atol: expected a finite number >= 0, got nan"),
-    ('tolerances: {"draft.*": {atol: -1e-3}}\n', "tolerances.draft.*.atol: expected a finite number >= 0"),
-    ('tolerances: {"draft.*": {atol: .inf}}\n', "tolerances.draft.*.atol: expected a finite number >= 0, got inf"),
-    ("expect: {accept_length: {atol: -0.1}}\n", "expect.accept_length.atol: expected a finite number >= 0"),
-    ('tolerances: {"draft.*": 1e-3}\n', "tolerances.draft.*: expected {atol: X, rtol: Y}"),
-    ("tolerances: [1]\n", "tolerances: expected a mapping"),
-    ("expect: 0.9\n", "expect: expected a mapping"),
-    ("speculative: {num_steps: true}\n", "speculative.num_steps: expected a positive integer, got True"),
-    ("speculative: {num_step: 3}\n", "speculative.num_step: unknown field; did you mean 'num_steps'?"),
-    ("promts: [x]\n", "promts: unknown field; did you mean 'prompts'?"),
-    (f"name: {'x' * 300}\n", "name: expected at most 100 letters"),
-    ("name: ../escape\n", "name: expected at most 100 letters"),
-    ("layer_ids: [1, true]\n", "layer_ids: expected a non-empty list of non-negative integers"),
-    ("description: [a]\n", "description: expected a string"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ('allow_missing: "draft.layer0.*"\n', "allow_missing: expected a list of tensor name patterns"),
+        ("expect: {top1_agrement: 0.5}\n", "expect.top1_agrement: unknown field; did you mean 'top1_agreement'?"),
+        ("expect: {accept_length: {atl: 0.1}}\n", "expect.accept_length.atl: unknown field; did you mean 'atol'?"),
+        ("expect: {top1_agreement: 1.5}\n", "expect.top1_agreement: expected a fraction in [0, 1]"),
+        ('tolerances: {"draft.*": {atol: .nan}}\n', "tolerances.draft.*.atol: expected a finite number >= 0, got nan"),
+        ('tolerances: {"draft.*": {atol: -1e-3}}\n', "tolerances.draft.*.atol: expected a finite number >= 0"),
+        ('tolerances: {"draft.*": {atol: .inf}}\n', "tolerances.draft.*.atol: expected a finite number >= 0, got inf"),
+        ("expect: {accept_length: {atol: -0.1}}\n", "expect.accept_length.atol: expected a finite number >= 0"),
+        ('tolerances: {"draft.*": 1e-3}\n', "tolerances.draft.*: expected {atol: X, rtol: Y}"),
+        ("tolerances: [1]\n", "tolerances: expected a mapping"),
+        ("expect: 0.9\n", "expect: expected a mapping"),
+        ("speculative: {num_steps: true}\n", "speculative.num_steps: expected a positive integer, got True"),
+        ("speculative: {num_step: 3}\n", "speculative.num_step: unknown field; did you mean 'num_steps'?"),
+        ("promts: [x]\n", "promts: unknown field; did you mean 'prompts'?"),
+        (f"name: {'x' * 300}\n", "name: expected at most 100 letters"),
+        ("name: ../escape\n", "name: expected at most 100 letters"),
+        ("layer_ids: [1, true]\n", "layer_ids: expected a non-empty list of non-negative integers"),
+        ("description: [a]\n", "description: expected a string"),
+    ],
+)
 def test_bad_case_field_is_refused_naming_file_and_field(tmp_path, checkpoints, extra, fragment):
     path = write_case(tmp_path, checkpoints, extra)
     with pytest.raises(ConfigError) as e:
@@ -183,16 +195,26 @@ def test_recursive_yaml_alias_is_refused(tmp_path):
 
 
 # -- tensor name patterns: a pattern that matches no tensor of the case would be ignored -----------------
-@pytest.mark.parametrize("extra, fragment", [
-    ('tolerances: {"draft.logitz": {atol: 1e-3, rtol: 1e-3}}\n',
-     "tolerances: pattern 'draft.logitz' matches no canonical tensor name; did you mean 'draft.logits'"),
-    ('allow_missing: ["draft.layr0.*"]\n',
-     "allow_missing[0]: pattern 'draft.layr0.*' matches no canonical tensor name; did you mean 'draft.layer0.*'"),
-    ('allow_missing: ["draft.layer0.*", "targt.h.*"]\n', "allow_missing[1]: pattern 'targt.h.*' matches no canonical"),
-    ('tolerances: {"": {atol: 1e-3}}\n', "tolerances: empty pattern"),
-    ('allow_missing: [""]\n', "allow_missing[0]: empty pattern"),
-    ('allow_missing: ["draft.step1.fc_out"]\n', "pattern 'draft.step1.fc_out' matches no canonical tensor name"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (
+            'tolerances: {"draft.logitz": {atol: 1e-3, rtol: 1e-3}}\n',
+            "tolerances: pattern 'draft.logitz' matches no canonical tensor name; did you mean 'draft.logits'",
+        ),
+        (
+            'allow_missing: ["draft.layr0.*"]\n',
+            "allow_missing[0]: pattern 'draft.layr0.*' matches no canonical tensor name; did you mean 'draft.layer0.*'",
+        ),
+        (
+            'allow_missing: ["draft.layer0.*", "targt.h.*"]\n',
+            "allow_missing[1]: pattern 'targt.h.*' matches no canonical",
+        ),
+        ('tolerances: {"": {atol: 1e-3}}\n', "tolerances: empty pattern"),
+        ('allow_missing: [""]\n', "allow_missing[0]: empty pattern"),
+        ('allow_missing: ["draft.step1.fc_out"]\n', "pattern 'draft.step1.fc_out' matches no canonical tensor name"),
+    ],
+)
 def test_tensor_pattern_that_matches_no_canonical_name_is_refused_naming_the_closest(
     tmp_path, checkpoints, extra, fragment
 ):
@@ -209,16 +231,30 @@ def test_pattern_for_a_draft_step_the_case_does_not_take_is_refused_naming_num_s
     )
     with pytest.raises(ConfigError) as e:
         load_case(path)
-    assert one_line(e) == (f"{path}: tolerances: pattern 'draft.step3.*' matches no tensor of this case: with "
-                           "speculative.num_steps 3 it captures target.*, draft.*, draft.step1.* .. draft.step2.*")  # fmt: skip
+    assert one_line(e) == (
+        f"{path}: tolerances: pattern 'draft.step3.*' matches no tensor of this case: with "
+        "speculative.num_steps 3 it captures target.*, draft.*, draft.step1.* .. draft.step2.*"
+    )
 
 
-@pytest.mark.parametrize("pattern", [
-    "target.h.61",           # any layer index: the target's depth is not read at load time
-    "target.h.?", "target.h.1*", "target.*", "*", "draft.*", "draft.layer0.*", "draft.logits*",
-    "draft.fc_in.[0-2]",     # the fc chunk views
-    "draft.step3.*", "draft.step*.logits", "draft.step[1-3].layer0.attn_out", "draft.hidden_prenorm",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "target.h.61",  # any layer index: the target's depth is not read at load time
+        "target.h.?",
+        "target.h.1*",
+        "target.*",
+        "*",
+        "draft.*",
+        "draft.layer0.*",
+        "draft.logits*",
+        "draft.fc_in.[0-2]",  # the fc chunk views
+        "draft.step3.*",
+        "draft.step*.logits",
+        "draft.step[1-3].layer0.attn_out",
+        "draft.hidden_prenorm",
+    ],
+)
 def test_pattern_that_matches_a_name_the_case_can_capture_loads(tmp_path, checkpoints, pattern):
     case = load_case(
         write_case(
@@ -228,16 +264,19 @@ def test_pattern_that_matches_a_name_the_case_can_capture_loads(tmp_path, checkp
     assert list(case.tolerances) == [pattern] and case.allow_missing == [pattern]
 
 
-@pytest.mark.parametrize("pattern, matches", [
-    ("target.h.01", False),                 # names carry str(k): no leading zero
-    ("draft.step0.logits", False),          # step 0 is draft.logits
-    ("draft.step1.fc_in", False),           # fc runs at step 0 only
-    ("aux.router.0.scores", False),         # reference-side facts, never compared
-    ("draft.step1[0-9].*", False),          # draft.step10.. with 4 steps
-    ("target.h.[!0-9]", False),
-    ("draft.step?.embeds", True),
-    ("draft.fc_in.1?", True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "pattern, matches",
+    [
+        ("target.h.01", False),  # names carry str(k): no leading zero
+        ("draft.step0.logits", False),  # step 0 is draft.logits
+        ("draft.step1.fc_in", False),  # fc runs at step 0 only
+        ("aux.router.0.scores", False),  # reference-side facts, never compared
+        ("draft.step1[0-9].*", False),  # draft.step10.. with 4 steps
+        ("target.h.[!0-9]", False),
+        ("draft.step?.embeds", True),
+        ("draft.fc_in.1?", True),
+    ],
+)
 def test_pattern_validity_is_decided_against_the_name_grammar_not_a_list(pattern, matches):
     from difftest.base.names import pattern_could_match
 
@@ -245,10 +284,13 @@ def test_pattern_validity_is_decided_against_the_name_grammar_not_a_list(pattern
 
 
 # -- prompts -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("prompt, given", [
-    ("{ids: [1, 2], messages: [{role: user, content: hi}]}", "messages"),
-    ("{ids: [1, 2], chat_template_kwargs: {enable_thinking: false}}", "chat_template_kwargs"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "prompt, given",
+    [
+        ("{ids: [1, 2], messages: [{role: user, content: hi}]}", "messages"),
+        ("{ids: [1, 2], chat_template_kwargs: {enable_thinking: false}}", "chat_template_kwargs"),
+    ],
+)
 def test_prompt_with_both_ids_and_messages_is_refused_naming_the_prompt(tmp_path, checkpoints, prompt, given):
     path = write_case(tmp_path, checkpoints, f"speculative:\n  prompts: [{{ids: [1]}}, {prompt}]\n")
     with pytest.raises(ConfigError) as e:
@@ -304,8 +346,9 @@ def test_prompt_longer_than_max_position_embeddings_is_refused(tmp_path, checkpo
     assert len(session.prompt_ids(case)[0]) == 60
     with pytest.raises(ConfigError) as e:
         session.prompt_ids(case, speculative=True)
-    assert one_line(e) == (f"{case.path}: prompts[0]: 60 tokens + 12 generated exceed the target's "
-                           "max_position_embeddings (64)")  # fmt: skip
+    assert one_line(e) == (
+        f"{case.path}: prompts[0]: 60 tokens + 12 generated exceed the target's max_position_embeddings (64)"
+    )
 
 
 def test_out_of_vocabulary_prompt_id_is_refused(tmp_path, checkpoints):
@@ -320,12 +363,15 @@ def test_out_of_vocabulary_prompt_id_is_refused(tmp_path, checkpoints):
 def test_integer_fc_weight_is_refused_naming_file_and_tensor(tmp_path):
     from engines.ref.eagle3 import load_state_dict
 
-    save_file({"fc.weight": torch.ones(4, 12, dtype=torch.int32), "d2t": torch.zeros(4, dtype=torch.long)},
-              str(tmp_path / "model.safetensors"))  # fmt: skip
+    save_file(
+        {"fc.weight": torch.ones(4, 12, dtype=torch.int32), "d2t": torch.zeros(4, dtype=torch.long)},
+        str(tmp_path / "model.safetensors"),
+    )
     with pytest.raises(ConfigError) as e:
         load_state_dict(tmp_path)
-    assert one_line(e) == (f"{tmp_path / 'model.safetensors'}: tensor fc.weight has dtype int32; "
-                           "draft weights must be floating point")  # fmt: skip
+    assert one_line(e) == (
+        f"{tmp_path / 'model.safetensors'}: tensor fc.weight has dtype int32; draft weights must be floating point"
+    )
 
 
 def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path):
@@ -350,12 +396,15 @@ def test_pickle_refusal_names_the_file_and_never_suggests_the_unsafe_load(tmp_pa
     assert message.startswith(f"{tmp_path / 'pytorch_model.bin'}: refused") and "weights_only=False" not in message
 
 
-@pytest.mark.parametrize("config, fragment", [
-    ([1, 2], "expected a JSON object, got list"),
-    ({"hidden_size": "big", "vocab_size": 8}, "hidden_size: expected a positive integer, got 'big'"),
-    ({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8}, "this is an EAGLE-3 draft's config"),
-    ({"speculators_model_type": "eagle3"}, "this is an EAGLE-3 draft's config"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ([1, 2], "expected a JSON object, got list"),
+        ({"hidden_size": "big", "vocab_size": 8}, "hidden_size: expected a positive integer, got 'big'"),
+        ({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8}, "this is an EAGLE-3 draft's config"),
+        ({"speculators_model_type": "eagle3"}, "this is an EAGLE-3 draft's config"),
+    ],
+)
 def test_bad_target_config_is_one_line_naming_the_file(tmp_path, config, fragment):
     from engines.ref.target import target_config
 
@@ -366,11 +415,16 @@ def test_bad_target_config_is_one_line_naming_the_file(tmp_path, config, fragmen
     assert message.startswith(f"{tmp_path / 'config.json'}: ") and fragment in message
 
 
-@pytest.mark.parametrize("config, fragment", [
-    ([1], "expected a JSON object, got list"),
-    ({"hidden_size": "big", "num_attention_heads": 4, "vocab_size": 8, "intermediate_size": 8},
-     "malformed draft config (ValueError"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ([1], "expected a JSON object, got list"),
+        (
+            {"hidden_size": "big", "num_attention_heads": 4, "vocab_size": 8, "intermediate_size": 8},
+            "malformed draft config (ValueError",
+        ),
+    ],
+)
 def test_bad_draft_config_is_one_line_naming_the_file(tmp_path, config, fragment):
     from engines.ref.draft_loading import load_draft
 
@@ -390,12 +444,16 @@ def _project(tmp_path: Path, checkpoints, cases: dict[str, str]) -> Path:
 
 
 def test_bad_cases_fail_their_own_load_item_and_the_others_still_collect(tmp_path, checkpoints):
-    root = _project(tmp_path, checkpoints, {
-        "cases/good.yaml": "name: shared\n",
-        "other/cases/twin.yaml": "name: shared\n",
-        "cases/typo.yaml": "engines: {ref: {wirng: sglang}}\n",
-        "cases/chars.yaml": 'allow_missing: "draft.layer0.*"\n',
-    })  # fmt: skip
+    root = _project(
+        tmp_path,
+        checkpoints,
+        {
+            "cases/good.yaml": "name: shared\n",
+            "other/cases/twin.yaml": "name: shared\n",
+            "cases/typo.yaml": "engines: {ref: {wirng: sglang}}\n",
+            "cases/chars.yaml": 'allow_missing: "draft.layer0.*"\n',
+        },
+    )
     run = run_pytest(root, "cases/", "other/cases/", "--engines=ref", "-k", "load")
     assert run.returncode == 1, run.output
     assert "Traceback" not in run.output
@@ -408,12 +466,18 @@ def test_bad_cases_fail_their_own_load_item_and_the_others_still_collect(tmp_pat
     assert "allow_missing: expected a list of tensor name patterns" in run.output
 
 
-@pytest.mark.parametrize("option, fragment", [
-    ("--engines=ref,ref[wirng=sglang]", "--engines ref[wirng=sglang]: wirng: unknown parameter; did you mean 'wiring'?"),
-    ("--engine-python=ref=/nonexistent", "--engine-python ref=/nonexistent: /nonexistent does not exist"),
-    ("--engine-timeout=-1", "--engine-timeout: expected a positive number of seconds, got -1"),
-    ("--report-dir={file}", "--report-dir: {file} is not a directory"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "option, fragment",
+    [
+        (
+            "--engines=ref,ref[wirng=sglang]",
+            "--engines ref[wirng=sglang]: wirng: unknown parameter; did you mean 'wiring'?",
+        ),
+        ("--engine-python=ref=/nonexistent", "--engine-python ref=/nonexistent: /nonexistent does not exist"),
+        ("--engine-timeout=-1", "--engine-timeout: expected a positive number of seconds, got -1"),
+        ("--report-dir={file}", "--report-dir: {file} is not a directory"),
+    ],
+)
 def test_bad_start_up_option_is_a_one_line_usage_error(tmp_path, checkpoints, option, fragment):
     root = _project(tmp_path, checkpoints, {"cases/c.yaml": ""})
     (tmp_path / "afile").write_text("")
@@ -424,15 +488,18 @@ def test_bad_start_up_option_is_a_one_line_usage_error(tmp_path, checkpoints, op
     assert "Traceback" not in run.output
 
 
-@pytest.mark.parametrize("item, fragment", [
-    ("ref=/nonexistent", "--engine-python ref=/nonexistent: /nonexistent does not exist"),
-    ("ref=/tmp", "--engine-python ref=/tmp: /tmp is a directory, not an interpreter"),
-    ("ref={noexec}", "--engine-python ref={noexec}: {noexec} is not an executable file"),
-    ("nope=/bin/false", "--engine-python nope=/bin/false: nope: unknown engine"),
-    ("reff=/bin/false", "reff: unknown engine; did you mean 'ref'?"),
-    ("ref[wiring=x]=/bin/false", "is not an engine name (NAME or NAME@LABEL)"),
-    ("ref", "--engine-python: 'ref' is not NAME=PATH"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "item, fragment",
+    [
+        ("ref=/nonexistent", "--engine-python ref=/nonexistent: /nonexistent does not exist"),
+        ("ref=/tmp", "--engine-python ref=/tmp: /tmp is a directory, not an interpreter"),
+        ("ref={noexec}", "--engine-python ref={noexec}: {noexec} is not an executable file"),
+        ("nope=/bin/false", "--engine-python nope=/bin/false: nope: unknown engine"),
+        ("reff=/bin/false", "reff: unknown engine; did you mean 'ref'?"),
+        ("ref[wiring=x]=/bin/false", "is not an engine name (NAME or NAME@LABEL)"),
+        ("ref", "--engine-python: 'ref' is not NAME=PATH"),
+    ],
+)
 def test_bad_engine_python_is_refused(tmp_path, item, fragment):
     from difftest.plugin import _engine_python
 
@@ -476,16 +543,28 @@ def test_non_utf8_project_file_is_a_one_line_usage_error(tmp_path, checkpoints):
 
 
 # -- reports --------------------------------------------------------------------------------------
-REPORT = {"schema": "difftest.report", "schema_version": 2, "case": "c", "case_file": "c.yaml", "created": "now",
-          "reference": "ref", "accept_length_definition": "d", "engines": {}, "checks": []}  # fmt: skip
+REPORT = {
+    "schema": "difftest.report",
+    "schema_version": 2,
+    "case": "c",
+    "case_file": "c.yaml",
+    "created": "now",
+    "reference": "ref",
+    "accept_length_definition": "d",
+    "engines": {},
+    "checks": [],
+}
 
 
-@pytest.mark.parametrize("data, fragment", [
-    ({"schema": "difftest.report", "schema_version": 2}, "case: field missing"),
-    ({**REPORT, "engines": []}, "engines: expected an object, got a list"),
-    ({**REPORT, "checks": [{"schema_version": 2, "x": 1}]}, "checks[0].x: unknown field"),
-    ({"schema": "difftest.report/1", "case": "c"}, "schema_version: report schema version 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        ({"schema": "difftest.report", "schema_version": 2}, "case: field missing"),
+        ({**REPORT, "engines": []}, "engines: expected an object, got a list"),
+        ({**REPORT, "checks": [{"schema_version": 2, "x": 1}]}, "checks[0].x: unknown field"),
+        ({"schema": "difftest.report/1", "case": "c"}, "schema_version: report schema version 1"),
+    ],
+)
 @pytest.mark.parametrize("command", ["report", "bundle"])
 def test_report_json_with_fields_missing_is_one_line(tmp_path, capsys, command, data, fragment):
     from difftest.cli import main
@@ -508,18 +587,29 @@ def test_dollar_signs_in_plot_labels_stay_text():
     assert html_report._png(fig)  # mathtext would raise ValueError at savefig
 
 
-@pytest.mark.parametrize("mutate, fragment", [
-    (lambda m: m.pop("cases"), "cases: field missing"),
-    (lambda m: m["cases"]["c"].pop("fingerprint"), "cases.c.fingerprint: field missing"),
-    (lambda m: m["cases"]["c"]["engines"]["ref"].pop("captures"), "cases.c.engines.ref.captures: field missing"),
-    (lambda m: m["cases"]["c"]["engines"].update(ref=[]), "cases.c.engines.ref: expected an object, got a list"),
-    (lambda m: m["cases"]["c"]["engines"]["ref"]["accept"].pop("num_verify"),
-     "cases.c.engines.ref.accept.num_verify: field missing"),
-    (lambda m: m["cases"]["c"]["engines"]["ref"].update(fiel="c.safetensors"),
-     "cases.c.engines.ref.fiel: unknown field (did you mean 'file'?)"),
-    (lambda m: m["cases"]["c"]["engines"]["ref"]["captures"].append({"tensors": [], "meta": {"num_layers": "6"}}),
-     "cases.c.engines.ref.captures[0].meta.num_layers: expected an integer or null, got a string"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda m: m.pop("cases"), "cases: field missing"),
+        (lambda m: m["cases"]["c"].pop("fingerprint"), "cases.c.fingerprint: field missing"),
+        (lambda m: m["cases"]["c"]["engines"]["ref"].pop("captures"), "cases.c.engines.ref.captures: field missing"),
+        (lambda m: m["cases"]["c"]["engines"].update(ref=[]), "cases.c.engines.ref: expected an object, got a list"),
+        (
+            lambda m: m["cases"]["c"]["engines"]["ref"]["accept"].pop("num_verify"),
+            "cases.c.engines.ref.accept.num_verify: field missing",
+        ),
+        (
+            lambda m: m["cases"]["c"]["engines"]["ref"].update(fiel="c.safetensors"),
+            "cases.c.engines.ref.fiel: unknown field (did you mean 'file'?)",
+        ),
+        (
+            lambda m: m["cases"]["c"]["engines"]["ref"]["captures"].append(
+                {"tensors": [], "meta": {"num_layers": "6"}}
+            ),
+            "cases.c.engines.ref.captures[0].meta.num_layers: expected an integer or null, got a string",
+        ),
+    ],
+)
 def test_baseline_manifest_missing_a_field_is_one_line_at_start_up(tmp_path, mutate, fragment):
     from difftest.records.baseline_manifest import BaselineManifest
 
@@ -553,8 +643,10 @@ def test_duplicate_case_name_keeps_save_baseline_from_writing(tmp_path, checkpoi
     )
     run = run_pytest(root, "cases/", "more/cases/", "--engines=ref", "--save-baseline=v1", "-k", "load")
     assert run.returncode == 1
-    assert (f"baseline 'v1' NOT written: {root / 'more/cases/twin.yaml'}: name: 'shared' is already the name of "
-            f"{root / 'cases/good.yaml'}") in run.output  # fmt: skip
+    assert (
+        f"baseline 'v1' NOT written: {root / 'more/cases/twin.yaml'}: name: 'shared' is already the name of "
+        f"{root / 'cases/good.yaml'}"
+    ) in run.output
     assert not (root / "baselines" / "v1").exists()
 
 

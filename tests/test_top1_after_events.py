@@ -34,8 +34,13 @@ def after_target_event(ref, row: int):
     other = _jump_row(ref, ["target.h.2", "target.h.3"], row=row)
     t = dict(other.tensors)
     t["draft.fc_in"] = torch.cat([other.tensors["target.h.1"], other.tensors["target.h.2"]], -1)
-    chain = ["draft.fc_out", "draft.layer0.attn_in", "draft.layer0.attn_out", "draft.layer0.mlp_out",
-             "draft.hidden_prenorm"]  # fmt: skip
+    chain = [
+        "draft.fc_out",
+        "draft.layer0.attn_in",
+        "draft.layer0.attn_out",
+        "draft.layer0.mlp_out",
+        "draft.hidden_prenorm",
+    ]
     other = _jump_row(type(ref)(t, ref.meta.replace()), chain, row=row)
     return flipped_logits(other, row)
 
@@ -49,7 +54,7 @@ class FakeSession:
     floor: object = field(default_factory=lambda: _floor(1e-5))
 
     @dataclass
-    class options:  # noqa: N801 - the session's attribute
+    class options:
         reference = REF
 
     def is_live(self, spec) -> bool:

@@ -65,21 +65,34 @@ def test_unknown_trainer_is_refused_with_the_closest_name():
 def test_trainer_version_outside_the_covered_ranges_is_refused_naming_them(trainer):
     with pytest.raises(ConfigError) as e:
         rules_for(trainer, where="--trainer")
-    assert str(e.value) == (f"--trainer: {trainer} is outside the trainer versions whose rules difftest has "
-                            f"(speculators 0.3 to 0.9.x, specforge 0.2.x); give a version in those ranges")  # fmt: skip
+    assert str(e.value) == (
+        f"--trainer: {trainer} is outside the trainer versions whose rules difftest has "
+        f"(speculators 0.3 to 0.9.x, specforge 0.2.x); give a version in those ranges"
+    )
 
 
-@pytest.mark.parametrize("trainer, fragment", [
-    ("speculators@0.9junk", "cannot read a version from '0.9junk'"),
-    ("speculators@", "'speculators@' has an empty version"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "trainer, fragment",
+    [
+        ("speculators@0.9junk", "cannot read a version from '0.9junk'"),
+        ("speculators@", "'speculators@' has an empty version"),
+    ],
+)
 def test_trainer_version_that_is_not_a_version_is_refused(trainer, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         rules_for(trainer)
 
 
-@pytest.mark.parametrize("trainer", ["speculators@0.3.0", "speculators@0.9.2", "speculators@v0.6.0rc1", "speculators@0.3.1.dev5+g12ab",
-                                     "specforge@0.2.1"])  # fmt: skip
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        "speculators@0.3.0",
+        "speculators@0.9.2",
+        "speculators@v0.6.0rc1",
+        "speculators@0.3.1.dev5+g12ab",
+        "specforge@0.2.1",
+    ],
+)
 def test_trainer_versions_inside_the_covered_ranges_are_scored(trainer):
     assert rules_for(trainer).name
 
@@ -87,12 +100,25 @@ def test_trainer_versions_inside_the_covered_ranges_are_scored(trainer):
 def test_train_acc_refuses_an_uncovered_trainer_before_reading_anything(tmp_path, capsys):
     from difftest import cli
 
-    code = cli.main(["train-acc", "--data", str(tmp_path / "nowhere"), "--draft", "fixture:x", "--target", "fixture:y",
-                     "--trainer", "speculators@99.0"])  # fmt: skip
+    code = cli.main(
+        [
+            "train-acc",
+            "--data",
+            str(tmp_path / "nowhere"),
+            "--draft",
+            "fixture:x",
+            "--target",
+            "fixture:y",
+            "--trainer",
+            "speculators@99.0",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert err.strip() == ("difftest train-acc: --trainer: speculators@99.0 is outside the trainer versions whose rules "
-                           "difftest has (speculators 0.3 to 0.9.x, specforge 0.2.x); give a version in those ranges")  # fmt: skip
+    assert err.strip() == (
+        "difftest train-acc: --trainer: speculators@99.0 is outside the trainer versions whose rules "
+        "difftest has (speculators 0.3 to 0.9.x, specforge 0.2.x); give a version in those ranges"
+    )
 
 
 def test_draft_config_speculators_version_outside_the_ranges_is_refused_naming_the_config(tmp_path):
@@ -142,13 +168,24 @@ class _Captures:
         from types import SimpleNamespace
 
         self.options = SimpleNamespace(engines=[EngineSpec("train")], reference=EngineSpec("ref"))
-        acc = lambda full: {"rules": "speculators>=0.7", "wiring": ["target.h.2", "target.h.4", "target.h.5"],  # noqa: E731
-                            "full_acc": full, "cond_acc": full}  # fmt: skip
-        td = {"identification": {"summary": "dumped tensors = [h2, h4, h5, h8]; verifier = h8"}, "path": "/data",
-              "format": "speculators", "samples": 4, "skipped": 0}  # fmt: skip
-        self._meta = {"trained": {"extra": {"train_accuracy": acc(trained), "train_data": td}},
-                      "rewired": {"extra": {"train_accuracy": acc(rewired)}},
-                      "engine": {"wiring": {"inputs": ["target.h.2", "target.h.4", "target.h.5"]}}}  # fmt: skip
+        acc = lambda full: {  # noqa: E731
+            "rules": "speculators>=0.7",
+            "wiring": ["target.h.2", "target.h.4", "target.h.5"],
+            "full_acc": full,
+            "cond_acc": full,
+        }
+        td = {
+            "identification": {"summary": "dumped tensors = [h2, h4, h5, h8]; verifier = h8"},
+            "path": "/data",
+            "format": "speculators",
+            "samples": 4,
+            "skipped": 0,
+        }
+        self._meta = {
+            "trained": {"extra": {"train_accuracy": acc(trained), "train_data": td}},
+            "rewired": {"extra": {"train_accuracy": acc(rewired)}},
+            "engine": {"wiring": {"inputs": ["target.h.2", "target.h.4", "target.h.5"]}},
+        }
 
     def capture(self, case, spec, index):
         from types import SimpleNamespace
@@ -213,8 +250,19 @@ def test_train_accuracy_check_refuses_an_unknown_expect_key():
 def test_train_acc_refuses_layer_ids_that_are_not_whole_numbers_in_one_line(tmp_path, capsys):
     from difftest import cli
 
-    code = cli.main(["train-acc", "--data", str(tmp_path), "--draft", str(tmp_path / "d"), "--target",
-                     str(tmp_path / "t"), "--layer-ids", "2,x,7"])  # fmt: skip
+    code = cli.main(
+        [
+            "train-acc",
+            "--data",
+            str(tmp_path),
+            "--draft",
+            str(tmp_path / "d"),
+            "--target",
+            str(tmp_path / "t"),
+            "--layer-ids",
+            "2,x,7",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "--layer-ids: expected whole numbers separated by commas (e.g. 2,4,7), got '2,x,7'" in err
@@ -225,9 +273,20 @@ def test_train_acc_refuses_layer_ids_that_are_not_whole_numbers_in_one_line(tmp_
 
 def _layer_config(**layer) -> dict:
     """A speculators-format draft config; `layer` adds to its transformer_layer_config."""
-    return {"speculators_model_type": "eagle3", "draft_vocab_size": 32, "norm_output": True,
-            "transformer_layer_config": {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
-                                         "vocab_size": 32, "intermediate_size": 32, "num_hidden_layers": 1, **layer}}  # fmt: skip
+    return {
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": 32,
+        "norm_output": True,
+        "transformer_layer_config": {
+            "hidden_size": 16,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "vocab_size": 32,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            **layer,
+        },
+    }
 
 
 def test_ttt_mask_with_a_window_keeps_the_last_w_step0_keys_and_every_steps_diagonal():
@@ -244,26 +303,52 @@ def test_ttt_mask_with_a_window_keeps_the_last_w_step0_keys_and_every_steps_diag
     assert torch.equal(ttt_mask(n, step, window=n), ttt_mask(n, step))  # a window as long as the sample is causal
 
 
-@pytest.mark.parametrize("layer, window", [
-    ({"sliding_window": 2048, "use_sliding_window": True, "layer_types": ["sliding_attention"]}, 2048),  # speculators train
-    ({"sliding_window": 2048, "use_sliding_window": True, "layer_types": ["full_attention"]}, None),  # --full-attention-indices 0
-    ({"sliding_window": None, "layer_types": ["sliding_attention"]}, None),  # speculators' mask_mod skips a None window
-    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 28}, None),  # no layer_types: not read
-], ids=["sliding", "full-layer", "no-window", "qwen2-fields-only"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layer, window",
+    [
+        (
+            {"sliding_window": 2048, "use_sliding_window": True, "layer_types": ["sliding_attention"]},
+            2048,
+        ),  # speculators train
+        (
+            {"sliding_window": 2048, "use_sliding_window": True, "layer_types": ["full_attention"]},
+            None,
+        ),  # --full-attention-indices 0
+        (
+            {"sliding_window": None, "layer_types": ["sliding_attention"]},
+            None,
+        ),  # speculators' mask_mod skips a None window
+        (
+            {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 28},
+            None,
+        ),  # no layer_types: not read
+    ],
+    ids=["sliding", "full-layer", "no-window", "qwen2-fields-only"],
+)
 def test_draft_config_window_is_read_from_layer_types_as_speculators_reads_it(layer, window, tmp_path):
     from engines.ref.eagle3 import parse_config
 
     assert parse_config(_layer_config(**layer), tmp_path / "config.json").sliding_window == window
 
 
-@pytest.mark.parametrize("layer, fragment", [
-    ({"layer_types": ["chunked_attention"], "sliding_window": 8},
-     "transformer_layer_config.layer_types[0] is 'chunked_attention'; the reference draft runs 'full_attention' or 'sliding_attention' only"),
-    ({"layer_types": ["sliding_attention"], "sliding_window": 0},
-     "transformer_layer_config.sliding_window is 0 for a sliding_attention layer; expected a whole number of tokens >= 1"),
-    ({"layer_types": "sliding_attention", "sliding_window": 8},
-     "transformer_layer_config.layer_types must be a list of strings, got 'sliding_attention'"),
-], ids=["unknown-type", "zero-window", "not-a-list"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layer, fragment",
+    [
+        (
+            {"layer_types": ["chunked_attention"], "sliding_window": 8},
+            "transformer_layer_config.layer_types[0] is 'chunked_attention'; the reference draft runs 'full_attention' or 'sliding_attention' only",
+        ),
+        (
+            {"layer_types": ["sliding_attention"], "sliding_window": 0},
+            "transformer_layer_config.sliding_window is 0 for a sliding_attention layer; expected a whole number of tokens >= 1",
+        ),
+        (
+            {"layer_types": "sliding_attention", "sliding_window": 8},
+            "transformer_layer_config.layer_types must be a list of strings, got 'sliding_attention'",
+        ),
+    ],
+    ids=["unknown-type", "zero-window", "not-a-list"],
+)
 def test_draft_config_attention_the_reference_cannot_run_is_refused_in_one_line(layer, fragment, tmp_path):
     from engines.ref.eagle3 import parse_config
 
@@ -292,9 +377,19 @@ def _random_draft(window: int | None):
     from engines.ref.eagle3 import Eagle3Config
     from engines.ref.draft_loading import build_draft
 
-    cfg = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
-                       vocab_size=32, draft_vocab_size=32, target_hidden_size=16, num_aux=3, norm_output=True,
-                       sliding_window=window)  # fmt: skip
+    cfg = Eagle3Config(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=32,
+        draft_vocab_size=32,
+        target_hidden_size=16,
+        num_aux=3,
+        norm_output=True,
+        sliding_window=window,
+    )
     torch.manual_seed(0)
     draft = build_draft(cfg)
     with torch.no_grad():  # sharper attention than the init's, so which keys are visible shows in the argmax

@@ -51,8 +51,12 @@ def test_full_counts_are_packing_free_when_each_sample_starts_with_prompt():
 
 
 def test_specforge_rules_have_no_packing_line():
-    c = score_steps([torch.zeros(5, dtype=torch.long)], torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.bool),
-                    RULES["specforge"])  # fmt: skip
+    c = score_steps(
+        [torch.zeros(5, dtype=torch.long)],
+        torch.zeros(6, dtype=torch.long),
+        torch.ones(6, dtype=torch.bool),
+        RULES["specforge"],
+    )
     assert packing_line(c) is None
 
 

@@ -100,8 +100,19 @@ def test_train_acc_refuses_an_unreproducible_split_in_one_line_before_loading_mo
     from difftest import cli
 
     data = _dump(tmp_path)
-    rc = cli.main(["train-acc", "--data", str(data), "--draft", "fixture:tiny-llama-eagle3", "--target", "fixture:tiny-llama",
-                   "--split", "val"])  # fmt: skip
+    rc = cli.main(
+        [
+            "train-acc",
+            "--data",
+            str(data),
+            "--draft",
+            "fixture:tiny-llama-eagle3",
+            "--target",
+            "fixture:tiny-llama",
+            "--split",
+            "val",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(

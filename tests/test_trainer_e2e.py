@@ -47,10 +47,16 @@ from test_trainers_oracle import HERE, trainer_python
 
 TARGET = "fixture:tiny-llama"
 RECIPE = {
-    "layers": "h0+h2+h4+h8", "prompts": 120, "prompt_len": 12, "continue": 16, "seed": 7,
+    "layers": "h0+h2+h4+h8",
+    "prompts": 120,
+    "prompt_len": 12,
+    "continue": 16,
+    "seed": 7,
     # 96 training samples, two per packed batch of 64 tokens: 48 optimizer steps an epoch, 288 in all
-    "epochs": 6, "total_seq_len": 64, "train_ratio": 0.8,
-}  # fmt: skip
+    "epochs": 6,
+    "total_seq_len": 64,
+    "train_ratio": 0.8,
+}
 STEPS = 3  # speculators' default --ttt-steps
 
 
@@ -119,10 +125,21 @@ def trained() -> dict:
                 TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
             )
             proc = subprocess.run(
-                [python, str(HERE / "speculators_train.py"), str(target), str(tmp / "data"), str(tmp / "out"),
-                 str(RECIPE["epochs"]), str(RECIPE["total_seq_len"]), str(RECIPE["train_ratio"])],
-                capture_output=True, text=True, env=env, timeout=900,
-            )  # fmt: skip
+                [
+                    python,
+                    str(HERE / "speculators_train.py"),
+                    str(target),
+                    str(tmp / "data"),
+                    str(tmp / "out"),
+                    str(RECIPE["epochs"]),
+                    str(RECIPE["total_seq_len"]),
+                    str(RECIPE["train_ratio"]),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=900,
+            )
             (tmp / "out").mkdir(exist_ok=True)
             (tmp / "out" / "train.log").write_text(proc.stdout + proc.stderr)
             assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -134,10 +151,18 @@ def trained() -> dict:
             raise
     # (result.json's checkpoint path is where the run was built, before the move into the cache)
     result = json.loads((root / "out" / "result.json").read_text())
-    return {"target": target, "root": root, "data": root / "data", "val": root / "out" / "val",
-            "draft": root / "out" / "ckpt" / str(RECIPE["epochs"] - 1), "result": result, "master": root / "out" / "master",
-            "dataset": root / "out" / "dataset", "hidden_states": root / "data" / "hidden_states",
-            "log": (root / "out" / "train.log").read_text()}  # fmt: skip
+    return {
+        "target": target,
+        "root": root,
+        "data": root / "data",
+        "val": root / "out" / "val",
+        "draft": root / "out" / "ckpt" / str(RECIPE["epochs"] - 1),
+        "result": result,
+        "master": root / "out" / "master",
+        "dataset": root / "out" / "dataset",
+        "hidden_states": root / "data" / "hidden_states",
+        "log": (root / "out" / "train.log").read_text(),
+    }
 
 
 def logged_val_accuracy(run: dict) -> list[float]:
@@ -154,8 +179,21 @@ def scored(trained, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("train_acc") / "train-acc.json"
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        rc = cli.main(["train-acc", "--data", str(trained["val"]), "--draft", str(trained["draft"]),
-                       "--target", str(trained["target"]), "--wiring", "vllm", "--json", str(out)])  # fmt: skip
+        rc = cli.main(
+            [
+                "train-acc",
+                "--data",
+                str(trained["val"]),
+                "--draft",
+                str(trained["draft"]),
+                "--target",
+                str(trained["target"]),
+                "--wiring",
+                "vllm",
+                "--json",
+                str(out),
+            ]
+        )
     assert rc == 0, text.getvalue()
     return {"rows": json.loads(out.read_text())["rows"], "text": text.getvalue()}
 
@@ -209,10 +247,23 @@ def _oracle(trained: dict, draft: Path, out: Path) -> dict:
     compute_metrics over all rows, the validation split one sample at a time, and the trainer's packed validation
     batches (its own dataloader)."""
     python = trainer_python("speculators")
-    proc = subprocess.run([python, str(HERE / "speculators_checkpoint.py"), str(draft), str(trained["dataset"]),
-                           str(trained["hidden_states"]), str(out), str(RECIPE["train_ratio"]), str(RECIPE["total_seq_len"]),
-                           str(STEPS)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1"),
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            python,
+            str(HERE / "speculators_checkpoint.py"),
+            str(draft),
+            str(trained["dataset"]),
+            str(trained["hidden_states"]),
+            str(out),
+            str(RECIPE["train_ratio"]),
+            str(RECIPE["total_seq_len"]),
+            str(STEPS),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1"),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -230,9 +281,22 @@ def exact(trained, tmp_path_factory) -> dict:
     def ours(name: str, draft: Path, *extra: str) -> None:
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
-            rc = cli.main(["train-acc", "--data", str(trained["dataset"]), "--hidden-states", str(trained["hidden_states"]),
-                           "--draft", str(draft), "--target", str(trained["target"]), "--json", str(root / f"{name}.json"),
-                           *extra])  # fmt: skip
+            rc = cli.main(
+                [
+                    "train-acc",
+                    "--data",
+                    str(trained["dataset"]),
+                    "--hidden-states",
+                    str(trained["hidden_states"]),
+                    "--draft",
+                    str(draft),
+                    "--target",
+                    str(trained["target"]),
+                    "--json",
+                    str(root / f"{name}.json"),
+                    *extra,
+                ]
+            )
         assert rc == 0, text.getvalue()
         out[name] = {**json.loads((root / f"{name}.json").read_text())["rows"][0], "text": text.getvalue()}
 
@@ -244,8 +308,12 @@ def exact(trained, tmp_path_factory) -> dict:
 
 
 def _counts(ours: dict) -> dict:
-    return {"full_acc_sum": ours["correct"], "full_acc_total": ours["counted"],
-            "cond_acc_sum": ours["cond_correct"], "cond_acc_total": ours["cond_counted"]}  # fmt: skip
+    return {
+        "full_acc_sum": ours["correct"],
+        "full_acc_total": ours["counted"],
+        "cond_acc_sum": ours["cond_correct"],
+        "cond_acc_total": ours["cond_counted"],
+    }
 
 
 def test_train_acc_counts_equal_speculators_metrics_on_the_trainers_bf16_checkpoint_over_all_rows(exact):
@@ -316,12 +384,14 @@ def test_train_acc_collapses_under_vllms_reading_of_the_draft_config(scored):
 def test_serving_wiring_is_diagnosed_end_to_end_naming_tensor_cause_and_fix(trained, tmp_path):
     samples = [json.loads(x) for x in (trained["val"] / "samples.jsonl").read_text().splitlines()]
     case = {
-        "target": str(trained["target"]), "draft": str(trained["draft"]), "dtype": "float32",
+        "target": str(trained["target"]),
+        "draft": str(trained["draft"]),
+        "dtype": "float32",
         "wiring": ["h0", "h2", "h4"],  # what the trainer fed fc (the train engine reads it from the data)
         "prompts": [{"ids": s["input_ids"][: RECIPE["prompt_len"]]} for s in samples[:2]],
         "speculative": {"num_steps": STEPS, "max_new_tokens": 8},
         "engines": {"train": {"data": str(trained["val"])}},
-    }  # fmt: skip
+    }
     (tmp_path / "cases").mkdir()
     (tmp_path / "cases" / "speculators_trained.yaml").write_text(json.dumps(case))
     run = run_pytest(tmp_path, "cases/", "--engines=ref,train,ref[wiring=vllm]")

@@ -117,8 +117,15 @@ def difftest_counts(shared: dict, case: dict, rules) -> dict:
 
 def test_speculators_metrics_equal_difftest_full_and_cond_accuracy(tmp_path):
     shared, cases = make_cases(seed=1)
-    payload = [{**c, "eps": shared["eps"], "norm_weight": shared["norm_weight"],
-                "lm_head_draft_rows": shared["lm_head"][shared["draft_cols"]]} for c in cases]  # fmt: skip
+    payload = [
+        {
+            **c,
+            "eps": shared["eps"],
+            "norm_weight": shared["norm_weight"],
+            "lm_head_draft_rows": shared["lm_head"][shared["draft_cols"]],
+        }
+        for c in cases
+    ]
     torch.save(payload, tmp_path / "in.pt")
     run_oracle("speculators", "speculators_metrics.py", str(tmp_path / "in.pt"), str(tmp_path / "out.json"))
     theirs = json.loads((tmp_path / "out.json").read_text())
@@ -163,8 +170,13 @@ def _hidden_samples(seed: int, n: int = 3, layers: int = 4) -> list[dict]:
     out = []
     for _ in range(n):
         N = int(torch.randint(6, 20, (1,), generator=g))
-        out.append({"input_ids": torch.randint(0, V, (N,), generator=g), "loss_mask": (torch.rand(N, generator=g) < 0.7).long(),
-                    "hidden_states": torch.randn(N, layers, H, generator=g).to(torch.bfloat16)})  # fmt: skip
+        out.append(
+            {
+                "input_ids": torch.randint(0, V, (N,), generator=g),
+                "loss_mask": (torch.rand(N, generator=g) < 0.7).long(),
+                "hidden_states": torch.randn(N, layers, H, generator=g).to(torch.bfloat16),
+            }
+        )
     return out
 
 
@@ -184,15 +196,20 @@ def test_speculators_folder_with_separate_hidden_states_reads_as_their_trainer_r
         assert torch.equal(s.loss_mask, t["loss_mask"].bool())
         assert torch.equal(s.fc_in, t["hidden_states"])  # [seq, 3H]: every layer but the last, flattened in order
         assert torch.equal(s.verifier, t["verifier_last_hidden_states"])
-    with pytest.raises(ConfigError, match=r"holds a speculators arrow dataset \(3 samples in data-00000-of-00001.arrow\) "
-                                          r"but no hidden states: .*--hidden-states DIR"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a speculators arrow dataset \(3 samples in data-00000-of-00001.arrow\) "
+        r"but no hidden states: .*--hidden-states DIR",
+    ):
         read_dump(data)  # the same folder without its hidden states: what was found and where they are expected
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["ckpt", "ckpt.gz"])
 def test_specforge_rows_folder_reads_as_their_offline_reader_reads_it(tmp_path, compress):
-    samples = [(s["input_ids"].tolist(), s["loss_mask"].tolist(), [s["hidden_states"][:, j].float() for j in range(4)])
-               for s in _hidden_samples(4, n=12)]  # fmt: skip
+    samples = [
+        (s["input_ids"].tolist(), s["loss_mask"].tolist(), [s["hidden_states"][:, j].float() for j in range(4)])
+        for s in _hidden_samples(4, n=12)
+    ]
     out = write_dump(tmp_path / "sf", "specforge", samples, fc_count=3, compress=compress)
     (out / "difftest_dump.json").unlink()
     (out / "vocab_mapping").mkdir()
@@ -237,8 +254,24 @@ def speculators_draft_run(tmp_path_factory):
     (data / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     draft = root / "draft"
     env = dict(os.environ, PYTHONPATH="")
-    proc = subprocess.run([python, str(HERE / "speculators_forward.py"), str(target), str(data), str(draft), str(root / "theirs.json"),
-                           "3", "16", "1,3,4", "12"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            python,
+            str(HERE / "speculators_forward.py"),
+            str(target),
+            str(data),
+            str(draft),
+            str(root / "theirs.json"),
+            "3",
+            "16",
+            "1,3,4",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {
         "target": target,
@@ -253,8 +286,22 @@ def _train_acc(run: dict, *extra: str) -> dict:
     from difftest import cli
 
     out = run["root"] / f"ours{'-'.join(extra)}.json"
-    rc = cli.main(["train-acc", "--data", str(run["data"]), "--draft", str(run["draft"]), "--target", str(run["target"]),
-                   "--ttt-steps", "3", "--json", str(out), *extra])  # fmt: skip
+    rc = cli.main(
+        [
+            "train-acc",
+            "--data",
+            str(run["data"]),
+            "--draft",
+            str(run["draft"]),
+            "--target",
+            str(run["target"]),
+            "--ttt-steps",
+            "3",
+            "--json",
+            str(out),
+            *extra,
+        ]
+    )
     assert rc == 0
     return json.loads(out.read_text())["rows"][0]
 
@@ -294,9 +341,25 @@ def speculators_windowed_run(speculators_draft_run):
     run = speculators_draft_run
     root = run["root"]
     env = dict(os.environ, PYTHONPATH="")
-    proc = subprocess.run([python, str(HERE / "speculators_forward.py"), str(run["target"]), str(run["data"]), str(root / "draft_w"),
-                           str(root / "theirs_w.json"), "3", "16", "1,3,4", "", str(WINDOW)],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            python,
+            str(HERE / "speculators_forward.py"),
+            str(run["target"]),
+            str(run["data"]),
+            str(root / "draft_w"),
+            str(root / "theirs_w.json"),
+            "3",
+            "16",
+            "1,3,4",
+            "",
+            str(WINDOW),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {**run, "draft": root / "draft_w", "theirs": json.loads((root / "theirs_w.json").read_text())}
 
@@ -345,8 +408,23 @@ def speculators06_draft_run(speculators_draft_run):
     root = run["root"]
     # 0.6.0's forward is torch.compile'd and its flex attention compiles on CPU: keep inductor's cache here
     env = dict(os.environ, PYTHONPATH="", TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"))
-    proc = subprocess.run([python, str(HERE / "speculators06_forward.py"), str(run["target"]), str(run["data"]), str(root / "draft06"),
-                           str(root / "theirs06.json"), "3", "16", "1,3,4"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            python,
+            str(HERE / "speculators06_forward.py"),
+            str(run["target"]),
+            str(run["data"]),
+            str(root / "draft06"),
+            str(root / "theirs06.json"),
+            "3",
+            "16",
+            "1,3,4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {**run, "draft": root / "draft06", "theirs": json.loads((root / "theirs06.json").read_text())}
 

@@ -103,10 +103,15 @@ def _stats(pair, target, tmp_path, layers):
     dump = read_dump(_dump(pair, tmp_path, "speculators", layers))
     samples = dump.samples
     return identify_by_statistics(
-        [s.tensors for s in samples], [s.input_ids for s in samples], [s.loss_mask for s in samples], samples[0].fc_count,
-        target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach(), target.model.norm.weight.detach(),
+        [s.tensors for s in samples],
+        [s.input_ids for s in samples],
+        [s.loss_mask for s in samples],
+        samples[0].fc_count,
+        target.get_input_embeddings().weight.detach(),
+        target.lm_head.weight.detach(),
+        target.model.norm.weight.detach(),
         target.config.rms_norm_eps,
-    )  # fmt: skip
+    )
 
 
 def test_statistics_find_the_embedding_and_a_verifier_that_is_not_final(pair, target, tmp_path):
@@ -218,9 +223,11 @@ def seed(pair, target, tmp_path_factory):
     head = VerifierHead(target.lm_head.weight.detach(), target.model.norm.weight.detach(), target.config.rms_norm_eps)
     normed = torch.stack([rms_norm(s.verifier, head.norm_weight, head.eps) for s in dump.samples])
     data = TrainData(
-        torch.stack([s.input_ids for s in dump.samples]), torch.stack([s.fc_in for s in dump.samples]),
-        torch.stack([head.logits(s.verifier, RULES["speculators"]).argmax(-1) for s in dump.samples]), normed,
-    )  # fmt: skip
+        torch.stack([s.input_ids for s in dump.samples]),
+        torch.stack([s.fc_in for s in dump.samples]),
+        torch.stack([head.logits(s.verifier, RULES["speculators"]).argmax(-1) for s in dump.samples]),
+        normed,
+    )
     torch.manual_seed(0)
     cfg = load_draft(pair[1]).config
     draft = train_draft(
@@ -239,8 +246,21 @@ def seed(pair, target, tmp_path_factory):
 
 def test_train_acc_is_high_under_the_training_wiring_and_low_under_the_engines(pair, seed, tmp_path, capsys):
     out_json = tmp_path / "acc.json"
-    rc = cli.main(["train-acc", "--data", str(seed / "data"), "--draft", str(seed / "draft"), "--target", str(pair[0]),
-                   "--wiring", "vllm", "--json", str(out_json)])  # fmt: skip
+    rc = cli.main(
+        [
+            "train-acc",
+            "--data",
+            str(seed / "data"),
+            "--draft",
+            str(seed / "draft"),
+            "--target",
+            str(pair[0]),
+            "--wiring",
+            "vllm",
+            "--json",
+            str(out_json),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "dumped tensors = [h0, h2, h4, h5]; trainer fed fc [h0, h2, h4]; verifier = h5 (not the final layer" in text
@@ -253,8 +273,19 @@ def test_train_acc_is_high_under_the_training_wiring_and_low_under_the_engines(p
 
 def test_train_acc_states_each_figures_definition_and_the_accept_length_it_predicts(pair, seed, tmp_path, capsys):
     out_json = tmp_path / "acc.json"
-    rc = cli.main(["train-acc", "--data", str(seed / "data"), "--draft", str(seed / "draft"), "--target", str(pair[0]),
-                   "--json", str(out_json)])  # fmt: skip
+    rc = cli.main(
+        [
+            "train-acc",
+            "--data",
+            str(seed / "data"),
+            "--draft",
+            str(seed / "draft"),
+            "--target",
+            str(pair[0]),
+            "--json",
+            str(out_json),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "speculators.full_acc: full_acc_k: origins where draft steps 0..k were all right" in text
@@ -268,11 +299,13 @@ def test_seed_case_train_engine_passes_and_the_serving_wiring_fails(pair, seed, 
     (tmp_path / "cases").mkdir()
     prompts = random_prompts(512, 48, 10, seed=3)[:3]
     case = {
-        "target": str(pair[0]), "draft": str(seed / "draft"), "wiring": ["h0", "h2", "h4"],
+        "target": str(pair[0]),
+        "draft": str(seed / "draft"),
+        "wiring": ["h0", "h2", "h4"],
         "prompts": [{"ids": p} for p in prompts],
         "speculative": {"num_steps": 3, "max_new_tokens": 12},
         "engines": {"train": {"data": str(seed / "data")}},
-    }  # fmt: skip
+    }
     (tmp_path / "cases" / "seed_train.yaml").write_text(json.dumps(case))
     run = run_pytest(tmp_path, "cases/", "--engines=ref,train,ref[wiring=vllm]")
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length", "train_accuracy"):
@@ -337,9 +370,13 @@ def _save_to_disk_layout(path, rows: list[dict], shards: int = 1) -> None:
     names = [f"data-{k:05d}-of-{shards:05d}.arrow" for k in range(shards)]
     for k, name in enumerate(names):
         part = rows[k * per : (k + 1) * per]
-        table = pa.table({"input_ids": pa.array([r["input_ids"] for r in part], pa.list_(pa.int64())),
-                          "loss_mask": pa.array([r["loss_mask"] for r in part], pa.list_(pa.int64())),
-                          "seq_len": pa.array([len(r["input_ids"]) for r in part], pa.int64())})  # fmt: skip
+        table = pa.table(
+            {
+                "input_ids": pa.array([r["input_ids"] for r in part], pa.list_(pa.int64())),
+                "loss_mask": pa.array([r["loss_mask"] for r in part], pa.list_(pa.int64())),
+                "seq_len": pa.array([len(r["input_ids"]) for r in part], pa.int64()),
+            }
+        )
         with pa.OSFile(str(path / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=2)  # several record batches per shard
     (path / "state.json").write_text(
@@ -415,8 +452,17 @@ def test_train_acc_reads_hidden_states_from_the_folder_given_as_hidden_states(pa
     rows = _as_prepare_data(data, tmp_path / "prepared")
     (data / "hidden_states").rename(tmp_path / "elsewhere")  # as generate-offline-data --output puts them
     capsys.readouterr()
-    rc = cli.main([*args, "--data", str(tmp_path / "prepared"), "--hidden-states", str(tmp_path / "elsewhere"),
-                   "--json", str(tmp_path / "apart.json")])  # fmt: skip
+    rc = cli.main(
+        [
+            *args,
+            "--data",
+            str(tmp_path / "prepared"),
+            "--hidden-states",
+            str(tmp_path / "elsewhere"),
+            "--json",
+            str(tmp_path / "apart.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"(speculators, {len(PROMPTS)} samples, 0 skipped; hidden states from {tmp_path / 'elsewhere'})" in out
@@ -428,8 +474,19 @@ def test_train_acc_reads_hidden_states_from_the_folder_given_as_hidden_states(pa
 def test_train_acc_refuses_a_missing_hidden_states_folder_in_one_line(pair, tmp_path, capsys):
     data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
     capsys.readouterr()  # the dump's own model loading
-    rc = cli.main(["train-acc", "--data", str(data), "--draft", str(pair[1]), "--target", str(pair[0]),
-                   "--hidden-states", str(tmp_path / "nope")])  # fmt: skip
+    rc = cli.main(
+        [
+            "train-acc",
+            "--data",
+            str(data),
+            "--draft",
+            str(pair[1]),
+            "--target",
+            str(pair[0]),
+            "--hidden-states",
+            str(tmp_path / "nope"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert err == f"difftest train-acc: --hidden-states: {tmp_path / 'nope'}: directory not found\n"

@@ -84,8 +84,11 @@ def test_where_the_file_cannot_be_mapped_it_is_read_into_memory(tmp_path, monkey
     same(tensors, tensorfile.read(tmp_path / "t.safetensors"))
 
 
-@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b[:5], lambda b: b"\xff" * 8 + b[8:]],
-                         ids=["truncated", "no header", "header length beyond the file"])  # fmt: skip
+@pytest.mark.parametrize(
+    "damage",
+    [lambda b: b[: len(b) // 2], lambda b: b[:5], lambda b: b"\xff" * 8 + b[8:]],
+    ids=["truncated", "no header", "header length beyond the file"],
+)
 def test_a_damaged_tensor_file_is_one_line_naming_it(tmp_path, damage):
     path = tmp_path / "t.safetensors"
     tensorfile.write(path, {"x": torch.randn(16, 16)})
@@ -110,8 +113,14 @@ def test_what_a_dead_writer_left_is_removed_and_what_a_running_one_writes_is_kep
 
 def _worker(tmp_path: Path, mode: str) -> WorkerClient:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    client = WorkerClient(EngineSpec("fake", params=(("mode", mode),)), "fake_engine:FakeEngine", sys.executable,
-                          tmp_path / "worker.log", timeout=300, env=env)  # fmt: skip
+    client = WorkerClient(
+        EngineSpec("fake", params=(("mode", mode),)),
+        "fake_engine:FakeEngine",
+        sys.executable,
+        tmp_path / "worker.log",
+        timeout=300,
+        env=env,
+    )
     client.start()
     return client
 

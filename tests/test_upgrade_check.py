@@ -101,8 +101,14 @@ def test_each_label_has_its_own_cached_captures(side_by_side):
 
 def test_difftest_run_prints_the_same_summary(side_by_side):
     env = dict(os.environ, DIFFTEST_CACHE=str(side_by_side.cache))
-    proc = subprocess.run([sys.executable, "-m", "difftest.cli", "run", "cases/", "--engines=ref@old,ref@patch"],
-                          cwd=side_by_side.root, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "difftest.cli", "run", "cases/", "--engines=ref@old,ref@patch"],
+        cwd=side_by_side.root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     lines = proc.stdout.splitlines()
     assert any(
@@ -113,15 +119,30 @@ def test_difftest_run_prints_the_same_summary(side_by_side):
 # -- verdicts, from reports alone -------------------------------------------------------------------
 def _report(outcomes: dict[str, str], max_abs: float = 0.0, accept=(2.5, 2.5), status: str = "ok") -> Report:
     stats = lambda al: AcceptStats(num_verify=10, num_accepted=round((al - 1) * 10), num_draft_steps=3)  # noqa: E731
-    checks = [CheckResult("e@new", c, o, "", AcceptLengthData(stats(accept[0]), stats(accept[1]), 0.2, 0.0)
-                          if c == "accept_length" else None) for c, o in outcomes.items()]  # fmt: skip
+    checks = [
+        CheckResult(
+            "e@new",
+            c,
+            o,
+            "",
+            AcceptLengthData(stats(accept[0]), stats(accept[1]), 0.2, 0.0) if c == "accept_length" else None,
+        )
+        for c, o in outcomes.items()
+    ]
     # a row as read from a report written before the noise criterion: no criterion, no `differs`
     row = {"name": "draft.fc_in", "status": status, "max_abs": max_abs, "nonfinite_mismatch": 0}
     tensors = [TensorDiff.from_json(row, "report.json", "tensors[0]")]
     first = None if status == "ok" else "draft.fc_in"
-    return Report(case="c", case_file="c.yaml", created="now", reference="e@old", accept_length_definition="d",
-                  engines={"e@old": EngineEntry(), "e@new": EngineEntry()}, checks=checks,
-                  comparisons={"e@new": [PromptComparison(0, first, None, first, None, "", tensors)]})  # fmt: skip
+    return Report(
+        case="c",
+        case_file="c.yaml",
+        created="now",
+        reference="e@old",
+        accept_length_definition="d",
+        engines={"e@old": EngineEntry(), "e@new": EngineEntry()},
+        checks=checks,
+        comparisons={"e@new": [PromptComparison(0, first, None, first, None, "", tensors)]},
+    )
 
 
 PASSED = {"fc_inputs": "passed", "draft_logits": "passed", "top1_agreement": "passed", "accept_length": "passed"}
@@ -194,7 +215,7 @@ def test_rendered_summary_is_one_header_and_one_line_per_row():
 
 
 # -- the real engine under two labels -----------------------------------------------------------------
-def test_sglang_under_two_labels_catches_a_changed_layer_id_rule(sglang_python, tmp_path):  # noqa: F811
+def test_sglang_under_two_labels_catches_a_changed_layer_id_rule(sglang_python, tmp_path):
     """One SGLang environment as sglang@old and sglang@new; "new" reads the draft's ids without the
     per-engine convention overlay ([2, 4, 5] under SGLang's +1: h3, h5, h6), as a release that
     changed its layer-id rule would. Both sides capture only their aux layers, so the diagnosis can
@@ -202,12 +223,21 @@ def test_sglang_under_two_labels_catches_a_changed_layer_id_rule(sglang_python, 
     measured: accept length 3.889 -> 1.132, about 10 minutes on 2 shared CPU cores."""
     case = yaml.safe_load((ROOT / "cases" / "tiny_llama.yaml").read_text())
     ids = [2, 4, 5]
-    case["engines"]["sglang@new"] = {"draft_config_overrides": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
-                                                               "eagle_aux_hidden_state_layer_ids": ids}}  # fmt: skip
+    case["engines"]["sglang@new"] = {
+        "draft_config_overrides": {
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+            "eagle_aux_hidden_state_layer_ids": ids,
+        }
+    }
     (tmp_path / "cases").mkdir()
     (tmp_path / "cases" / "tiny_llama.yaml").write_text(yaml.safe_dump(case, sort_keys=False))
-    run = run_pytest(tmp_path, "cases/", "--engines=sglang@old,sglang@new", "--require-engines",
-                     f"--engine-python=sglang={sglang_python}")  # fmt: skip
+    run = run_pytest(
+        tmp_path,
+        "cases/",
+        "--engines=sglang@old,sglang@new",
+        "--require-engines",
+        f"--engine-python=sglang={sglang_python}",
+    )
     fc = run.outcome("tiny_llama", "sglang@new", "fc_inputs")
     assert fc.outcome == "failed", fc.message
     assert fc.data.tensor == "draft.fc_in.0"

@@ -66,9 +66,17 @@ def _session(out: Path, baselines: Path, engines: str, python: dict[str, str], *
     The capture cache is shared: its keys name each engine's release (Session.inputs_key), so the old
     release's results are its own, and the pinned release and the reference reuse what the shipped
     run (tests/shipped_run.py) already captured of the same cases."""
-    run = run_pytest(ROOT, *args, f"--engines={engines}", *(f"--engine-python={k}={v}" for k, v in python.items()),
-                     "--require-engines", "--engine-timeout=900", f"--baseline-dir={baselines}",
-                     f"--report-dir={out / 'reports'}", timeout=3000)  # fmt: skip
+    run = run_pytest(
+        ROOT,
+        *args,
+        f"--engines={engines}",
+        *(f"--engine-python={k}={v}" for k, v in python.items()),
+        "--require-engines",
+        "--engine-timeout=900",
+        f"--baseline-dir={baselines}",
+        f"--report-dir={out / 'reports'}",
+        timeout=3000,
+    )
     run.root = out  # Run.report reads root/reports
     return run
 
@@ -83,8 +91,15 @@ def sglang_old(tmp_path_factory, baselines):
     """The old release against the reference (what a user of 0.5.16 gets today), saved as a golden
     baseline in the same session: the release starts once."""
     old = f"sglang@{OLD_SGLANG}"
-    return _session(tmp_path_factory.mktemp("sglang-old"), baselines, f"ref,{old}", {old: _python("sglang", OLD_SGLANG)},
-                    f"cases/{CASE}.yaml", "--save-baseline", SGLANG_BASELINE)  # fmt: skip
+    return _session(
+        tmp_path_factory.mktemp("sglang-old"),
+        baselines,
+        f"ref,{old}",
+        {old: _python("sglang", OLD_SGLANG)},
+        f"cases/{CASE}.yaml",
+        "--save-baseline",
+        SGLANG_BASELINE,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +111,15 @@ def sglang_bump(tmp_path_factory, baselines, sglang_old):
     a stream before, about 100 s after)."""
     assert sglang_old.returncode == 0, sglang_old.output[-4000:]
     reference_captures()
-    return _session(tmp_path_factory.mktemp("sglang-bump"), baselines, "sglang", {"sglang": _pinned("sglang")},
-                    f"cases/{CASE}.yaml", "--baseline", f"{SGLANG_BASELINE}:sglang@{OLD_SGLANG}")  # fmt: skip
+    return _session(
+        tmp_path_factory.mktemp("sglang-bump"),
+        baselines,
+        "sglang",
+        {"sglang": _pinned("sglang")},
+        f"cases/{CASE}.yaml",
+        "--baseline",
+        f"{SGLANG_BASELINE}:sglang@{OLD_SGLANG}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +127,16 @@ def vllm_old(tmp_path_factory, baselines):
     """The old release against the reference, saved as a golden baseline in the same session
     (`--engines=ref,vllm@0.24.0 --save-baseline`)."""
     old = f"vllm@{OLD_VLLM}"
-    return _session(tmp_path_factory.mktemp("vllm-old"), baselines, f"ref,{old}", {old: _python("vllm", OLD_VLLM)},
-                    f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml", "--save-baseline", VLLM_BASELINE)  # fmt: skip
+    return _session(
+        tmp_path_factory.mktemp("vllm-old"),
+        baselines,
+        f"ref,{old}",
+        {old: _python("vllm", OLD_VLLM)},
+        f"cases/{VLLM_CASE}.yaml",
+        "cases/tiny_llama.yaml",
+        "--save-baseline",
+        VLLM_BASELINE,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +144,13 @@ def vllm_old_fc_norm(tmp_path_factory, baselines):
     """The fc_norm draft on the old release (`--engines=ref,vllm@0.24.0`): refused at load. No baseline:
     a release that cannot load a draft has no run of it to store."""
     old = f"vllm@{OLD_VLLM}"
-    return _session(tmp_path_factory.mktemp("vllm-old-fcnorm"), baselines, f"ref,{old}", {old: _python("vllm", OLD_VLLM)},
-                    f"cases/{FC_NORM_CASE}.yaml")  # fmt: skip
+    return _session(
+        tmp_path_factory.mktemp("vllm-old-fcnorm"),
+        baselines,
+        f"ref,{old}",
+        {old: _python("vllm", OLD_VLLM)},
+        f"cases/{FC_NORM_CASE}.yaml",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +160,16 @@ def vllm_bump(tmp_path_factory, baselines, vllm_old):
     shipped run's, as for SGLang's bump."""
     assert vllm_old.returncode == 0, vllm_old.output[-4000:]
     reference_captures()
-    return _session(tmp_path_factory.mktemp("vllm-bump"), baselines, "vllm", {"vllm": _pinned("vllm")},
-                    f"cases/{VLLM_CASE}.yaml", "cases/tiny_llama.yaml", "--baseline",
-                    f"{VLLM_BASELINE}:vllm@{OLD_VLLM}")  # fmt: skip
+    return _session(
+        tmp_path_factory.mktemp("vllm-bump"),
+        baselines,
+        "vllm",
+        {"vllm": _pinned("vllm")},
+        f"cases/{VLLM_CASE}.yaml",
+        "cases/tiny_llama.yaml",
+        "--baseline",
+        f"{VLLM_BASELINE}:vllm@{OLD_VLLM}",
+    )
 
 
 def _manifest(baselines: Path, name: str) -> BaselineManifest:
@@ -183,24 +225,32 @@ def test_the_old_vllm_release_refuses_an_fc_norm_draft_naming_the_flag_its_weigh
         r = vllm_old_fc_norm.outcome(FC_NORM_CASE, f"vllm@{OLD_VLLM}", check)
         assert r.outcome == "xfailed", r.message
     message = vllm_old_fc_norm.outcome(FC_NORM_CASE, f"vllm@{OLD_VLLM}", "fc_inputs").message
-    assert ("known cause (lint [flag-ignored]): fc_norm: True in the draft config (speculators config), but vllm 0.24.0 "
-            "reads it only from top level") in message  # fmt: skip
+    assert (
+        "known cause (lint [flag-ignored]): fc_norm: True in the draft config (speculators config), but vllm 0.24.0 "
+        "reads it only from top level"
+    ) in message
     assert "the checkpoint's fc_norm.* weights are refused at load" in message
     assert "Fix: convert the draft to the HF EAGLE-3 layout" in message
     assert "KeyError: 'fc_norm.0.weight'" in message  # the engine's own error, beneath the cause
 
 
-@pytest.mark.parametrize("run_name,case,reference,engine", [
-    ("sglang_bump", CASE, f"sglang@{OLD_SGLANG}", "sglang"),
-    ("sglang_old", CASE, "ref", f"sglang@{OLD_SGLANG}"),
-    ("vllm_bump", VLLM_CASE, f"vllm@{OLD_VLLM}", "vllm"),
-    ("vllm_old", VLLM_CASE, "ref", f"vllm@{OLD_VLLM}"),
-    ("vllm_old_fc_norm", FC_NORM_CASE, "*", f"vllm@{OLD_VLLM}"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "run_name,case,reference,engine",
+    [
+        ("sglang_bump", CASE, f"sglang@{OLD_SGLANG}", "sglang"),
+        ("sglang_old", CASE, "ref", f"sglang@{OLD_SGLANG}"),
+        ("vllm_bump", VLLM_CASE, f"vllm@{OLD_VLLM}", "vllm"),
+        ("vllm_old", VLLM_CASE, "ref", f"vllm@{OLD_VLLM}"),
+        ("vllm_old_fc_norm", FC_NORM_CASE, "*", f"vllm@{OLD_VLLM}"),
+    ],
+)
 def test_every_expectation_a_case_declares_for_the_old_release_is_exercised(run_name, case, reference, engine, request):
     run = request.getfixturevalue(run_name)
-    declared = [e for e in load_case(ROOT / "cases" / f"{case}.yaml").expect_failure
-                if e.reference == reference and e.engine == engine]  # fmt: skip
+    declared = [
+        e
+        for e in load_case(ROOT / "cases" / f"{case}.yaml").expect_failure
+        if e.reference == reference and e.engine == engine
+    ]
     assert declared, "the case declares what the old release does"
     checks = run.report(case).checks
     for e in declared:
@@ -219,8 +269,10 @@ def test_the_sglang_bump_reports_the_norm_change_at_draft_fc_out_citing_the_pull
     logits = sglang_bump.outcome(CASE, "sglang", "draft_logits")
     assert logits.outcome == "xfailed", logits.message
     assert logits.data.introduced == "draft.fc_out", logits.message
-    assert ("upgrade: norm_before_fc: SGLang 0.5.16 ignores it (never read); SGLang 0.5.23 takes True (top level); "
-            "first moved tensor draft.fc_out") in logits.message  # fmt: skip
+    assert (
+        "upgrade: norm_before_fc: SGLang 0.5.16 ignores it (never read); SGLang 0.5.23 takes True (top level); "
+        "first moved tensor draft.fc_out"
+    ) in logits.message
     assert "(sgl-project/sglang#32334, first in sglang 0.5.17)" in logits.message
 
 
@@ -239,8 +291,10 @@ def test_the_vllm_bump_reports_norm_output_where_it_enters_citing_the_pull_reque
     logits = vllm_bump.outcome(VLLM_CASE, "vllm", "draft_logits")
     assert logits.outcome == "xfailed", logits.message
     assert logits.data.introduced.startswith("draft.step1."), logits.message
-    assert ("upgrade: norm_output: vLLM 0.24.0 ignores it (not set where it reads); vLLM 0.32.0 takes True "
-            "(speculators config)") in logits.message  # fmt: skip
+    assert (
+        "upgrade: norm_output: vLLM 0.24.0 ignores it (not set where it reads); vLLM 0.32.0 takes True "
+        "(speculators config)"
+    ) in logits.message
     assert "(vllm-project/vllm#46488, first in vllm 0.25.0)" in logits.message
     assert vllm_bump.outcome(VLLM_CASE, "vllm", "fc_inputs").outcome == "passed"
 

@@ -28,8 +28,13 @@ def empty_env(tmp_path_factory) -> str:
 
 
 def uv_pip(python: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(UV_PIP), python, *args], capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})  # fmt: skip
+    return subprocess.run(
+        ["bash", str(UV_PIP), python, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"},
+    )
 
 
 def pip_find_links() -> list[str]:

@@ -21,8 +21,13 @@ SHIPPED = sorted(p for p in (ROOT / "cases").glob("*.yaml"))
 
 
 def _preview(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "difftest.cli", "preview", *args, f"--engine-python={vllm_python()}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1800)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "difftest.cli", "preview", *args, f"--engine-python={vllm_python()}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
 
 
 @pytest.fixture(scope="module", params=["0.33.0", "0.34.0"])

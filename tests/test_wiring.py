@@ -104,9 +104,11 @@ def test_preset_wiring_says_where_it_came_from(ids, source):
 def test_sglang_id_L_minus_1_is_unreachable():
     with pytest.raises(ConfigError) as info:
         resolve("sglang", L, [2, 4, 7])
-    assert str(info.value) == ("sglang convention: SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, "
-                               "k -> h[k+1]) turns [2, 4, 7] (eagle_config) into [h3, h5]; [h8] cannot be captured and "
-                               "are dropped: fewer fc chunks than ids, a shape error in the engine")  # fmt: skip
+    assert str(info.value) == (
+        "sglang convention: SGLang 0.5.23 (Llama rule: ids from eagle_config, layer order, "
+        "k -> h[k+1]) turns [2, 4, 7] (eagle_config) into [h3, h5]; [h8] cannot be captured and "
+        "are dropped: fewer fc chunks than ids, a shape error in the engine"
+    )
 
 
 def test_speculators_launch_ids_need_an_fc_input_and_a_verifier():
@@ -146,21 +148,45 @@ def test_wiring_reports_layer_indices_and_short_form():
 @pytest.mark.parametrize(
     "spec, ids, message",
     [
-        ("vlm", None, "wiring: unknown wiring preset 'vlm'; expected one of vllm, speculators, sglang, sglang-deepseek, "
-                      "specforge, speculators-train, speculators-launch, speculators-legacy, eagle or a list like [h0, h3, h31]"),
+        (
+            "vlm",
+            None,
+            "wiring: unknown wiring preset 'vlm'; expected one of vllm, speculators, sglang, sglang-deepseek, "
+            "specforge, speculators-train, speculators-launch, speculators-legacy, eagle or a list like [h0, h3, h31]",
+        ),
         ("h0+h9", None, "wiring: h9 does not exist; the target has 8 layers (h0..h8)"),
         ("vllm", [2, 4, 9], "wiring: h9 does not exist; the target has 8 layers (h0..h8)"),
         ("specforge", [2, 4, 8], "wiring: h9 does not exist; the target has 8 layers (h0..h8)"),
         ("speculators-train", [2, 4, 5, 9], "wiring: h9 does not exist; the target has 8 layers (h0..h8)"),
-        ("", None, "wiring: empty wiring; expected a preset (vllm, speculators, sglang, sglang-deepseek, specforge, "
-                   "speculators-train, speculators-launch, speculators-legacy, eagle) or a list like [h0, h3, h31]"),
-        ([], None, "wiring: empty wiring; expected a preset (vllm, speculators, sglang, sglang-deepseek, specforge, "
-                   "speculators-train, speculators-launch, speculators-legacy, eagle) or a list like [h0, h3, h31]"),
-        (["h0", "layer3"], None, "wiring: wiring input 'layer3' is not a target tensor (expected hK, target.h.K or final_norm)"),
+        (
+            "",
+            None,
+            "wiring: empty wiring; expected a preset (vllm, speculators, sglang, sglang-deepseek, specforge, "
+            "speculators-train, speculators-launch, speculators-legacy, eagle) or a list like [h0, h3, h31]",
+        ),
+        (
+            [],
+            None,
+            "wiring: empty wiring; expected a preset (vllm, speculators, sglang, sglang-deepseek, specforge, "
+            "speculators-train, speculators-launch, speculators-legacy, eagle) or a list like [h0, h3, h31]",
+        ),
+        (
+            ["h0", "layer3"],
+            None,
+            "wiring: wiring input 'layer3' is not a target tensor (expected hK, target.h.K or final_norm)",
+        ),
     ],
-    ids=["unknown-preset", "explicit-h9", "vllm-id-9", "specforge-id-8", "speculators-train-verifier-h9", "empty-string",
-         "empty-list", "not-a-target-tensor"],
-)  # fmt: skip
+    ids=[
+        "unknown-preset",
+        "explicit-h9",
+        "vllm-id-9",
+        "specforge-id-8",
+        "speculators-train-verifier-h9",
+        "empty-string",
+        "empty-list",
+        "not-a-target-tensor",
+    ],
+)
 def test_bad_wiring_is_a_one_line_config_error(spec, ids, message):
     with pytest.raises(ConfigError) as info:
         resolve(spec, L, ids)

@@ -66,14 +66,21 @@ def forking_wrapper(directory: Path) -> Path:
     return wrapper
 
 
-@pytest.mark.parametrize("sig,wrapped", [(signal.SIGKILL, False), (signal.SIGTERM, False), (signal.SIGKILL, True)],
-                         ids=["SIGKILL", "SIGTERM", "SIGKILL-through-a-forking-wrapper"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sig,wrapped",
+    [(signal.SIGKILL, False), (signal.SIGTERM, False), (signal.SIGKILL, True)],
+    ids=["SIGKILL", "SIGTERM", "SIGKILL-through-a-forking-wrapper"],
+)
 def test_worker_and_its_children_exit_when_the_harness_is_killed_mid_capture(tmp_path, sig, wrapped):
     log = tmp_path / "worker.log"
     python = str(forking_wrapper(tmp_path)) if wrapped else sys.executable
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    harness = subprocess.Popen([sys.executable, "-c", HARNESS, str(log), str(tmp_path / "out"), python],
-                               env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    harness = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(log), str(tmp_path / "out"), python],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     worker = child = None
     try:
         worker = int(harness.stdout.readline())

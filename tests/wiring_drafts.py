@@ -48,8 +48,15 @@ class Recipe:
         return ["target.final_norm" if w == "final_norm" else f"target.h.{w[1:]}" for w in self.wiring]
 
     def key(self) -> str:
-        blob = json.dumps({"v": BUILDER_VERSION, "recipe": asdict(self), "train": TRAIN,
-                           "data": [TRAIN_SEQS, PROMPT_LEN, NEW_TOKENS, DATA_SEED, EPS]}, sort_keys=True)  # fmt: skip
+        blob = json.dumps(
+            {
+                "v": BUILDER_VERSION,
+                "recipe": asdict(self),
+                "train": TRAIN,
+                "data": [TRAIN_SEQS, PROMPT_LEN, NEW_TOKENS, DATA_SEED, EPS],
+            },
+            sort_keys=True,
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -68,7 +75,7 @@ RECIPES = {
         Recipe("deepseek-embed", "tiny-deepseek-v3", ("h0", "h2", "h5"), (2, 4, 5)),
         Recipe("deepseek-unsorted-prenorm", "tiny-deepseek-v3", ("h4", "h2", "h6"), (1, 3, 5)),
     )
-}  # fmt: skip
+}
 
 
 def root() -> Path:
@@ -102,11 +109,22 @@ def build_qwen3_circuit():
     with cache.pinned_threads(1):
         llama = targets.build_llama_target()
         c = targets.llama_config()
-        cfg = Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                          num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                          num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, max_position_embeddings=2048,
-                          rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-                          eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+        cfg = Qwen3Config(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            max_position_embeddings=2048,
+            rms_norm_eps=c.rms_norm_eps,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
         with torch.random.fork_rng(devices=[]):
             model = Qwen3ForCausalLM(cfg).eval()
         missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
@@ -186,9 +204,17 @@ def _draft_config(target):
     from engines.ref.eagle3 import Eagle3Config
 
     H = target.config.hidden_size
-    return Eagle3Config(hidden_size=H, intermediate_size=2 * H, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=32, vocab_size=target.config.vocab_size,
-                        draft_vocab_size=min(512, target.config.vocab_size // 2), target_hidden_size=H, num_aux=3)  # fmt: skip
+    return Eagle3Config(
+        hidden_size=H,
+        intermediate_size=2 * H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=target.config.vocab_size,
+        draft_vocab_size=min(512, target.config.vocab_size // 2),
+        target_hidden_size=H,
+        num_aux=3,
+    )
 
 
 def _build(recipe: Recipe, out: Path) -> None:
@@ -204,8 +230,9 @@ def _build(recipe: Recipe, out: Path) -> None:
             tokens, gather_fc_in(run, recipe.inputs).float(), run.logits.argmax(-1), run.final_norm.float()
         )
         with torch.enable_grad():
-            draft = train_draft(target, _draft_config(target), recipe.inputs, data, seed=recipe.seed,
-                                **{**TRAIN, "steps": recipe.steps})  # fmt: skip
+            draft = train_draft(
+                target, _draft_config(target), recipe.inputs, data, seed=recipe.seed, **{**TRAIN, "steps": recipe.steps}
+            )
     finally:
         torch.set_num_threads(before)
     save_eagle_format(draft, out, list(recipe.ids))
@@ -236,8 +263,9 @@ def evidence(target_name: str):
     from difftest.rules.infer_wiring import Evidence
 
     where = target_path(target_name)
-    key = hashlib.sha256(json.dumps([BUILDER_VERSION, str(where), EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED,
-                                     PROMPT_LEN]).encode()).hexdigest()[:12]  # fmt: skip
+    key = hashlib.sha256(
+        json.dumps([BUILDER_VERSION, str(where), EVIDENCE_SEQS, EVIDENCE_NEW, EVIDENCE_SEED, PROMPT_LEN]).encode()
+    ).hexdigest()[:12]
     path = root() / "evidence" / f"{target_name}-{key}.safetensors"
     if not path.exists():
         from engines.ref.target import run_target
@@ -253,14 +281,22 @@ def evidence(target_name: str):
             torch.set_num_threads(before)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-        save_file({"tokens": seqs.contiguous(), "labels": out.logits.argmax(-1).contiguous(),
-                   "hidden": torch.stack(out.hidden).float().contiguous(), "final_norm": out.final_norm.float().contiguous()},
-                  str(tmp))  # fmt: skip
+        save_file(
+            {
+                "tokens": seqs.contiguous(),
+                "labels": out.logits.argmax(-1).contiguous(),
+                "hidden": torch.stack(out.hidden).float().contiguous(),
+                "final_norm": out.final_norm.float().contiguous(),
+            },
+            str(tmp),
+        )
         os.replace(tmp, path)
     t = load_file(str(path))
     hidden, L = t["hidden"], t["hidden"].shape[0] - 1
-    tensors = [{**{f"target.h.{k}": hidden[k, b] for k in range(L + 1)}, "target.final_norm": t["final_norm"][b]}
-               for b in range(t["tokens"].shape[0])]  # fmt: skip
+    tensors = [
+        {**{f"target.h.{k}": hidden[k, b] for k in range(L + 1)}, "target.final_norm": t["final_norm"][b]}
+        for b in range(t["tokens"].shape[0])
+    ]
     return Evidence(
         [s.tolist() for s in t["tokens"]], list(t["labels"]), tensors, L, f"{target_name} held-out sequences"
     )

@@ -182,8 +182,10 @@ STEP_PARTS = [p for p in DRAFT_ORDER if p not in ("fc_in", "fc_out")]  # fc runs
 _NAT, _POS = "<k>", "<s>"  # template slots: an integer >= 0, and one >= 1 (a later draft step)
 _MAX_LISTED_STEPS = 64  # past this many draft steps the step slot stands for any step >= 1
 _DIGITS, _NONZERO = frozenset("0123456789"), frozenset("123456789")
-NAME_FORMS = ("target.h.<k>, target.final_norm, target.logits, draft.<name>, draft.fc_in.<k>, draft.step<s>.<name> "
-              "(<name>: " + ", ".join(DRAFT_ORDER) + ")")  # fmt: skip
+NAME_FORMS = (
+    "target.h.<k>, target.final_norm, target.logits, draft.<name>, draft.fc_in.<k>, draft.step<s>.<name> "
+    "(<name>: " + ", ".join(DRAFT_ORDER) + ")"
+)
 
 
 def name_templates(num_steps: int | None = None) -> list[str]:
@@ -207,8 +209,17 @@ def example_names(num_steps: int | None = None) -> list[str]:
     last = 3 if num_steps is None else min(num_steps - 1, 3)
     names = ["target.h.0", "target.final_norm", "target.logits", *(f"draft.{p}" for p in DRAFT_ORDER), "draft.fc_in.0"]
     names += [f"draft.step{s}.{p}" for s in range(1, last + 1) for p in STEP_PARTS]
-    groups = ["*", "target.*", "target.h.*", "draft.*", "draft.fc_in.*", "draft.layer0.*", "draft.logits*",
-              "draft.step*", *(f"draft.step{s}.*" for s in range(1, last + 1))]  # fmt: skip
+    groups = [
+        "*",
+        "target.*",
+        "target.h.*",
+        "draft.*",
+        "draft.fc_in.*",
+        "draft.layer0.*",
+        "draft.logits*",
+        "draft.step*",
+        *(f"draft.step{s}.*" for s in range(1, last + 1)),
+    ]
     return names + groups
 
 

@@ -56,7 +56,7 @@ def _engine_class(target: str) -> type | None:
         import importlib
 
         return getattr(importlib.import_module(module), attr)
-    except Exception:  # noqa: BLE001 - an adapter for another environment
+    except Exception:
         return None
 
 
@@ -81,6 +81,8 @@ def calibration_engine() -> str:
     `wiring: infer`. The core names no engine: the registry says which."""
     name = _calibration(tuple(registered_engines().items()))
     if name is None:
-        raise ConfigError("no registered engine calibrates (an adapter class with CALIBRATES = True, difftest.engines "
-                          "entry points): reinstall difftest (bash scripts/setup)")  # fmt: skip
+        raise ConfigError(
+            "no registered engine calibrates (an adapter class with CALIBRATES = True, difftest.engines "
+            "entry points): reinstall difftest (bash scripts/setup)"
+        )
     return name

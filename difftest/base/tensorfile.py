@@ -30,12 +30,24 @@ from difftest.base.errors import ConfigError
 
 # safetensors' dtype names (its format documentation)
 DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
-}  # fmt: skip
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"), ("uint32", "U32"),
-                     ("uint64", "U64")):  # fmt: skip
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
     if hasattr(torch, _name):  # newer torch releases only
         DTYPE_CODES[getattr(torch, _name)] = _code
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -107,8 +119,9 @@ def _header(f, path: Path) -> tuple[dict, int]:
         except (KeyError, TypeError, ValueError):
             raise ConfigError(f"{path}: damaged tensor file (entry {name!r} unreadable)") from None
         if not 0 <= begin <= end <= size - data_start or end - begin != numel * dtype.itemsize:
-            raise ConfigError(f"{path}: damaged tensor file (tensor {name!r}: bytes {begin}..{end} of "
-                              f"{size - data_start})")  # fmt: skip
+            raise ConfigError(
+                f"{path}: damaged tensor file (tensor {name!r}: bytes {begin}..{end} of {size - data_start})"
+            )
     return header, data_start
 
 

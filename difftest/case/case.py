@@ -41,9 +41,21 @@ from difftest.base.yamlfile import load_yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
 KNOWN_KEYS = {
-    "name", "description", "target", "draft", "dtype", "wiring", "layer_ids", "prompts",
-    "speculative", "engines", "tolerances", "expect", "allow_missing", "expect_failure",
-}  # fmt: skip
+    "name",
+    "description",
+    "target",
+    "draft",
+    "dtype",
+    "wiring",
+    "layer_ids",
+    "prompts",
+    "speculative",
+    "engines",
+    "tolerances",
+    "expect",
+    "allow_missing",
+    "expect_failure",
+}
 
 
 @dataclass
@@ -135,8 +147,12 @@ def _prompt(value: object, path: Path, where: str) -> Prompt:
         # both, one of them would be dropped without a word
         chat = next((k for k in ("messages", "chat_template_kwargs") if k in value), None)
         if chat is not None:
-            raise _err(path, where, f"both ids and {chat} given; a prompt is either {{ids: [...]}} (sent as they are) "
-                                    "or {messages: [...]} (rendered with the chat template)")  # fmt: skip
+            raise _err(
+                path,
+                where,
+                f"both ids and {chat} given; a prompt is either {{ids: [...]}} (sent as they are) "
+                "or {messages: [...]} (rendered with the chat template)",
+            )
     if isinstance(value, dict) and "ids" not in value and ("messages" in value or "chat_template_kwargs" in value):
         return _chat_prompt(value, path, where)
     if isinstance(value, dict):
@@ -237,8 +253,12 @@ def _tensor_pattern(pattern: str, path: Path, where: str, num_steps: int) -> str
             if num_steps == 2
             else f", draft.step1.* .. draft.step{num_steps - 1}.*"
         )
-        raise _err(path, where, f"pattern {pattern!r} matches no tensor of this case: with speculative.num_steps "
-                                f"{num_steps} it captures target.*, draft.*{later}")  # fmt: skip
+        raise _err(
+            path,
+            where,
+            f"pattern {pattern!r} matches no tensor of this case: with speculative.num_steps "
+            f"{num_steps} it captures target.*, draft.*{later}",
+        )
     close = difflib.get_close_matches(pattern, example_names(num_steps), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
     raise _err(path, where, f"pattern {pattern!r} matches no canonical tensor name{hint} (names: {NAME_FORMS})")
@@ -280,8 +300,11 @@ def _name(raw: dict, path: Path) -> str:
         raise _err(path, "name", f"expected a string, got {_shown(name)}")
     name = str(name)
     if len(name) > MAX_NAME or not _NAME.fullmatch(name):
-        raise _err(path, "name", f"expected at most {MAX_NAME} letters, digits, '.', '_' or '-' (it names report "
-                                 f"files), got {_shown(name)}")  # fmt: skip
+        raise _err(
+            path,
+            "name",
+            f"expected at most {MAX_NAME} letters, digits, '.', '_' or '-' (it names report files), got {_shown(name)}",
+        )
     return name
 
 
@@ -402,8 +425,11 @@ def load_case(path: str | Path) -> Case:
     allow_missing = [] if allow_missing is None else allow_missing
     if not isinstance(allow_missing, list) or not all(isinstance(p, str) for p in allow_missing):
         # a bare string would be read character by character, and "*" allows every tensor
-        raise _err(path, "allow_missing", f"expected a list of tensor name patterns like [draft.layer0.*], got "
-                                          f"{_shown(allow_missing)}")  # fmt: skip
+        raise _err(
+            path,
+            "allow_missing",
+            f"expected a list of tensor name patterns like [draft.layer0.*], got {_shown(allow_missing)}",
+        )
     for i, p in enumerate(allow_missing):
         _tensor_pattern(p, path, f"allow_missing[{i}]", num_steps)
     description = raw.get("description", "")

@@ -29,8 +29,9 @@ def render(
         raise ValueError(
             "the target's tokenizer has no chat_template (tokenizer_config.json): give the prompt as text or ids"
         )
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **(kwargs or {}))  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -35,13 +35,18 @@ class ExpectedFailure:
     # declared for it, so the other path passing is not a changed expectation.
     variant: str = ANY
 
-    def matches(self, spec_name: str, spec_id: str, check: str, reference: tuple[str, ...] = (ANY, ANY),
-                variant: str = "") -> bool:  # fmt: skip
+    def matches(
+        self, spec_name: str, spec_id: str, check: str, reference: tuple[str, ...] = (ANY, ANY), variant: str = ""
+    ) -> bool:
         """`reference`: what the run's reference answers to: its name and spec id, and for a stored
         baseline those of the engine it was saved from (Session.reference_names); `variant`: the code
         path the engine reported."""
-        return (self.check in (check, ANY) and self.engine in (spec_name, spec_id, ANY)
-                and self.reference in (*reference, ANY) and self.variant in (variant, ANY))  # fmt: skip
+        return (
+            self.check in (check, ANY)
+            and self.engine in (spec_name, spec_id, ANY)
+            and self.reference in (*reference, ANY)
+            and self.variant in (variant, ANY)
+        )
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("reference", "variant") or v != ANY}
@@ -85,13 +90,18 @@ def parse(
                 raise ConfigError(f"{where}.{key}: expected a non-empty string")
         if entry["check"] not in (*checks, ANY):
             close = difflib.get_close_matches(entry["check"], checks, n=1)
-            raise ConfigError(f"{where}.check: unknown check {entry['check']!r}"
-                              + (f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(checks)}"))  # fmt: skip
+            raise ConfigError(
+                f"{where}.check: unknown check {entry['check']!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(checks)}")
+            )
         for key in ("engine", "reference"):
             if key in entry:
                 _check_engine(entry[key], f"{where}.{key}", engines)
-        out.append(ExpectedFailure(entry["engine"], entry["check"], entry["cause"], entry.get("reference", ANY),
-                                   entry.get("variant", ANY)))  # fmt: skip
+        out.append(
+            ExpectedFailure(
+                entry["engine"], entry["check"], entry["cause"], entry.get("reference", ANY), entry.get("variant", ANY)
+            )
+        )
     return out
 
 
@@ -106,22 +116,32 @@ def _check_engine(text: str, where: str, engines: Collection[str]) -> None:
         return
     m = SPEC.fullmatch(text)  # --engines' grammar, as matches() compares it: unstripped
     if m is None:
-        raise ConfigError(f"{where}: cannot read engine {text!r}; expected NAME, NAME@LABEL (e.g. vllm@0.24.0), "
-                          "a spec id such as ref[wiring=vllm], or '*'")  # fmt: skip
+        raise ConfigError(
+            f"{where}: cannot read engine {text!r}; expected NAME, NAME@LABEL (e.g. vllm@0.24.0), "
+            "a spec id such as ref[wiring=vllm], or '*'"
+        )
     name = m.group("name")
     if name not in engines:
         known = sorted(engines)
         close = difflib.get_close_matches(name, known, n=1)
-        raise ConfigError(f"{where}: unknown engine {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                          + f"; registered: {', '.join(known) or 'none'}")  # fmt: skip
+        raise ConfigError(
+            f"{where}: unknown engine {name!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; registered: {', '.join(known) or 'none'}"
+        )
 
 
 def judge(expected: ExpectedFailure, passed: bool, message: str) -> Outcome:
     if passed:
-        return Outcome(False, f"expected failure did not occur: {expected.check} on {expected.engine} now passes "
-                              f"(it was declared to fail naming {expected.cause!r}); if an engine upgrade fixed the "
-                              "behaviour, remove the expect_failure entry")  # fmt: skip
+        return Outcome(
+            False,
+            f"expected failure did not occur: {expected.check} on {expected.engine} now passes "
+            f"(it was declared to fail naming {expected.cause!r}); if an engine upgrade fixed the "
+            "behaviour, remove the expect_failure entry",
+        )
     if expected.cause not in message:
-        return Outcome(False, f"failed as expected, but the cause changed: the message no longer names "
-                              f"{expected.cause!r}:\n{message}")  # fmt: skip
+        return Outcome(
+            False,
+            f"failed as expected, but the cause changed: the message no longer names {expected.cause!r}:\n{message}",
+        )
     return Outcome(True, f"expected failure, cause {expected.cause!r} named:\n{message}")

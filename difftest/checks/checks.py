@@ -89,26 +89,38 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
     introduced = cd.first_introduced() or cd.first_divergence() or d
     first_above = cd.first_divergence()
     differs = cd.first_differs()
-    lines = [f"{spec.id} diverges from {ref} on {len(failing)}/{len(diffs)} prompts; prompt {i}: error introduced at "
-             f"{noise_summary(introduced)}"]  # fmt: skip
+    lines = [
+        f"{spec.id} diverges from {ref} on {len(failing)}/{len(diffs)} prompts; prompt {i}: error introduced at "
+        f"{noise_summary(introduced)}"
+    ]
     if d.name != introduced.name:
         lines.append(f"in this check's scope first at {noise_summary(d)}")
     if first_above is not None and first_above.name not in (introduced.name, d.name):
-        lines.append(f"first tensor above noise: {first_above.name} (excess {first_above.excess:.3g}x, propagated "
-                     f"into {introduced.name}'s inputs below the jump of {noise.JUMP:g}x)")  # fmt: skip
+        lines.append(
+            f"first tensor above noise: {first_above.name} (excess {first_above.excess:.3g}x, propagated "
+            f"into {introduced.name}'s inputs below the jump of {noise.JUMP:g}x)"
+        )
     if differs is not None:
         lines.append(f"first tensor that differs at all: {differs.summary()}")
     lines.append(f"noise floor: {floor.source}")
-    data = ComparisonData(noise=floor.source, ties=ties, prompt=i, tensor=d.name, first_divergence=introduced.name,
-                          introduced=introduced.name, first_above_noise=first_above.name if first_above else None,
-                          first_differs=differs.name if differs else None)  # fmt: skip
+    data = ComparisonData(
+        noise=floor.source,
+        ties=ties,
+        prompt=i,
+        tensor=d.name,
+        first_divergence=introduced.name,
+        introduced=introduced.name,
+        first_above_noise=first_above.name if first_above else None,
+        first_differs=differs.name if differs else None,
+    )
     ref_cap, cap = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
     if in_fc_in(introduced.name):
         lines += diagnose_fc(ref_cap, cap, _draft_config(session, case, spec))
         matches, similarity = match_chunks(ref_cap, cap)
         data.fc_chunks, data.similarity = matches, similarity
-        rule_lines, data.rule, data.rule_predicted, data.fix = _rule_lines(session, case, spec,
-                                                                           [m.best if m.matched else None for m in matches])  # fmt: skip
+        rule_lines, data.rule, data.rule_predicted, data.fix = _rule_lines(
+            session, case, spec, [m.best if m.matched else None for m in matches]
+        )
         lines += rule_lines
     elif introduced.name.startswith("target."):
         lines += diagnose_hidden(ref_cap, cap, introduced.name)
@@ -142,8 +154,9 @@ def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
         if view is None:
             return []
         old_cfg = _draft_config(session, case, reference) if reference.name == engine else view.draft_config
-        diff = engine_releases.layer_difference(engine, view.rule.family, a, b, old_cfg or {}, view.L, view.fc_chunks,
-                                                view.draft_config)  # fmt: skip
+        diff = engine_releases.layer_difference(
+            engine, view.rule.family, a, b, old_cfg or {}, view.L, view.fc_chunks, view.draft_config
+        )
         return ([diff.line()] if diff is not None else []) + engine_releases.flag_differences(
             engine, a, b, view.draft_config
         )
@@ -193,8 +206,9 @@ def _draft_config(session: Session, case: Case, spec: EngineSpec) -> dict | None
     return draft_config_seen(session.engine_case(session.prepare(case), spec), spec.name)
 
 
-def _rule_lines(session: Session, case: Case, spec: EngineSpec,
-                fed: list[str | None]) -> tuple[list[str], str | None, list[str] | None, FixData | None]:  # fmt: skip
+def _rule_lines(
+    session: Session, case: Case, spec: EngineSpec, fed: list[str | None]
+) -> tuple[list[str], str | None, list[str] | None, FixData | None]:
     """Why the engine fed what it fed (its layer-id rule, difftest.rules.layer_rules) and the config edit
     that makes it feed what training fed; says so when the rule model did not predict the feed.
     (lines, the rule explained, the feed it predicts, the edit)"""
@@ -207,14 +221,22 @@ def _rule_lines(session: Session, case: Case, spec: EngineSpec,
     lines = [view.rule_line()] + _sibling_lines(view)
     predicted = view.reading.fed_names()
     if None not in fed and list(fed) != predicted:
-        lines.append(f"the rule model predicted {predicted} but the engine fed {fed}: {view.rule.label}'s rule differs "
-                     "from difftest.rules.layer_rules (another version?); the fix below may not hold")  # fmt: skip
+        lines.append(
+            f"the rule model predicted {predicted} but the engine fed {fed}: {view.rule.label}'s rule differs "
+            "from difftest.rules.layer_rules (another version?); the fix below may not hold"
+        )
     edit = view.edit()
     lines += fix_lines(view, edit)
     fix = None
     if edit is not None:
-        fix = FixData(patch=edit.patch, ids=edit.ids, impossible=edit.impossible, fc_order=edit.fc_order,
-                      alternatives=list(edit.alternatives), side_effects=list(edit.side_effects))  # fmt: skip
+        fix = FixData(
+            patch=edit.patch,
+            ids=edit.ids,
+            impossible=edit.impossible,
+            fc_order=edit.fc_order,
+            alternatives=list(edit.alternatives),
+            side_effects=list(edit.side_effects),
+        )
     return lines, view.reading.explain(), predicted, fix
 
 
@@ -229,10 +251,18 @@ def _sibling_lines(view) -> list[str]:
         if (r.fed, r.refusal) == (view.reading.fed, view.reading.refusal):
             continue
         fed = "[" + ", ".join(f"h{k}" for k in r.fed) + "]"
-        verdict = ("as trained" if view.trained is not None and r.fed == view.trained and r.refusal is None
-                   else "not as trained" if view.trained is not None else "")  # fmt: skip
-        out.append(f"the same release's other path: {other.label} reads {r.ids} ({r.place}) and feeds {fed}"
-                   + (f" ({verdict})" if verdict else "") + (f"; fails: {r.refusal}" if r.refusal else ""))  # fmt: skip
+        verdict = (
+            "as trained"
+            if view.trained is not None and r.fed == view.trained and r.refusal is None
+            else "not as trained"
+            if view.trained is not None
+            else ""
+        )
+        out.append(
+            f"the same release's other path: {other.label} reads {r.ids} ({r.place}) and feeds {fed}"
+            + (f" ({verdict})" if verdict else "")
+            + (f"; fails: {r.refusal}" if r.refusal else "")
+        )
     return out
 
 
@@ -310,16 +340,21 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     inferred = session.inference(case)
     if inferred is not None:  # `wiring: infer`: say so, with the margin, wherever the wiring is shown
         margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""
-        message = (f"{n} tensors captured; fc wiring {wiring.inputs} (inferred by `wiring: infer`{margin})\n"
-                   + "wiring inferred: " + "\n".join(inferred.lines()))  # fmt: skip
+        message = (
+            f"{n} tensors captured; fc wiring {wiring.inputs} (inferred by `wiring: infer`{margin})\n"
+            + "wiring inferred: "
+            + "\n".join(inferred.lines())
+        )
         return Verdict(True, message, CaptureData(wiring_inference=inferred))
     return Verdict(True, f"{n} tensors captured; fc wiring {wiring.inputs} ({wiring.source})", CaptureData())
 
 
 def _needs_tensors(session: Session, spec: EngineSpec, check: str) -> None:
     if session.is_live(spec):
-        raise NotAvailable(f"{check}: not available for {spec.id}: a running server exposes no tensors "
-                           "(only its acceptance is checked)")  # fmt: skip
+        raise NotAvailable(
+            f"{check}: not available for {spec.id}: a running server exposes no tensors "
+            "(only its acceptance is checked)"
+        )
 
 
 def check_fc_inputs(session: Session, case: Case, spec: EngineSpec) -> Verdict:
@@ -436,18 +471,26 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
             tie_agree += int((same & tie).sum())
             excused += int(event.sum())
     rate = agree / total if total else 0.0
-    msg = (f"draft top-1 agreement with {session.reference_label(case)}: {agree}/{total} = {rate:.3f} over positions with a "
-           f"clear reference choice (threshold {threshold}); ties within noise: {ties} ({tie_agree} agree)")  # fmt: skip
+    msg = (
+        f"draft top-1 agreement with {session.reference_label(case)}: {agree}/{total} = {rate:.3f} over positions with a "
+        f"clear reference choice (threshold {threshold}); ties within noise: {ties} ({tie_agree} agree)"
+    )
     if excused:
-        msg += (f"; {excused} positions left out: their {FC_IN} row is above noise by a numerical event the "
-                "comparison excused (an MoE router near-tie upstream, or target rows within its noise)")  # fmt: skip
+        msg += (
+            f"; {excused} positions left out: their {FC_IN} row is above noise by a numerical event the "
+            "comparison excused (an MoE router near-tie upstream, or target rows within its noise)"
+        )
     if skipped:
         msg += f"; {skipped} step tensors not compared (after a tie the engine resolved the other way)"
-    data = Top1Data(agree=agree, total=total, rate=rate, ties=ties, ties_agree=tie_agree, noise=floor.source,
-                    excused=excused)  # fmt: skip
+    data = Top1Data(
+        agree=agree, total=total, rate=rate, ties=ties, ties_agree=tie_agree, noise=floor.source, excused=excused
+    )
     if total == 0:
-        return Verdict(ties > 0, msg + ("; every position is a tie: agreement cannot be judged here" if ties else
-                                        "; nothing to compare"), data)  # fmt: skip
+        return Verdict(
+            ties > 0,
+            msg + ("; every position is a tie: agreement cannot be judged here" if ties else "; nothing to compare"),
+            data,
+        )
     return Verdict(rate >= threshold, msg, data)
 
 
@@ -457,20 +500,29 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
     measured float64 move), widened only by a tolerance the case declares."""
     tol = case.expect.get("accept_length") or None
     if session.is_live(spec):  # a running server is judged by the check its engine contributes (run_check)
-        raise NotAvailable(f"accept_length: no check for {spec.id}, a running server, is registered "
-                           "(reinstall difftest: pip install -e .)")  # fmt: skip
+        raise NotAvailable(
+            f"accept_length: no check for {spec.id}, a running server, is registered "
+            "(reinstall difftest: pip install -e .)"
+        )
     ref_stats = session.speculate(case, session.options.reference)
     stats = session.speculate(case, spec)
     # the measured numerical move only widens what is allowed, so it is measured (a float64 speculative
     # run of the reference: minutes on a deep target) only when the sampling spread alone fails
-    gate = accept_judge.judge(ref_stats, stats, None, tol, "within the sampling spread alone (the numerical move, "
-                             "which only widens it, not needed)")  # fmt: skip
+    gate = accept_judge.judge(
+        ref_stats,
+        stats,
+        None,
+        tol,
+        "within the sampling spread alone (the numerical move, which only widens it, not needed)",
+    )
     if not gate.ok:
         numerical, noise_source = session.accept_noise(case)
         gate = accept_judge.judge(ref_stats, stats, numerical, tol, noise_source)
-    return Verdict(gate.ok, accept_judge.message(gate, ref_stats, stats),
-                   AcceptLengthData(reference=ref_stats, engine=stats, allowed=gate.allowed_accept, spread=gate.spread,
-                                    gate=gate))  # fmt: skip
+    return Verdict(
+        gate.ok,
+        accept_judge.message(gate, ref_stats, stats),
+        AcceptLengthData(reference=ref_stats, engine=stats, allowed=gate.allowed_accept, spread=gate.spread, gate=gate),
+    )
 
 
 CHECKS = {
@@ -487,8 +539,13 @@ def checks_for(case: Case, is_reference: bool, engine: str | None = None) -> tup
     """The items a case gets per engine: the core's, then those engines contribute that apply to it
     (e.g. train_accuracy, when the case names training data; chat_template only on `train`)."""
     own = REFERENCE_CHECKS if is_reference else ENGINE_CHECKS
-    return own + tuple(name for name, c in own_items().items() if name not in CHECKS and c.applies(case, is_reference)
-                       and (not c.engines or engine is None or engine in c.engines))  # fmt: skip
+    return own + tuple(
+        name
+        for name, c in own_items().items()
+        if name not in CHECKS
+        and c.applies(case, is_reference)
+        and (not c.engines or engine is None or engine in c.engines)
+    )
 
 
 def run_check(name: str, session: Session, case: Case, spec: EngineSpec) -> Verdict:

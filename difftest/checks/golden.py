@@ -17,37 +17,54 @@ from difftest.checks.scopes import in_draft_scope, in_fc_scope
 from difftest.run.session import Session
 
 
-def golden_rerun(session: Session, case: Case, spec: EngineSpec, i: int, diff: CaptureDiff,
-                 own_passed: bool = False) -> tuple[list[str], GoldenData]:  # fmt: skip
+def golden_rerun(
+    session: Session, case: Case, spec: EngineSpec, i: int, diff: CaptureDiff, own_passed: bool = False
+) -> tuple[list[str], GoldenData]:
     """Re-run the engine's draft on the reference's draft.fc_in and say which side is at fault
     (`own_passed`: the engine's own run is within noise; the re-run is then a confirmation)."""
     ref_spec = session.options.reference
     golden = session.capture_golden(case, spec, i)
     if golden is None:
-        return [f"golden-input re-run: not supported by {spec.id}, so wrong hidden states and a draft that "
-                "computes differently cannot be told apart"], GoldenData("unsupported")  # fmt: skip
+        return [
+            f"golden-input re-run: not supported by {spec.id}, so wrong hidden states and a draft that "
+            "computes differently cannot be told apart"
+        ], GoldenData("unsupported")
     ref = session.capture(case, ref_spec, i)
     scope = [n for n in ref.names() if in_draft_scope(n)]
-    gdiff = compare_captures(ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing],
-                             floor=session.noise_floor(case))  # fmt: skip
+    gdiff = compare_captures(
+        ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing], floor=session.noise_floor(case)
+    )
     g_first = gdiff.first_introduced(scope) or gdiff.first_divergence(scope)
     fc_ok = all(d.ok for d in diff.diffs if in_fc_scope(d.name))
-    data = GoldenData("diverges" if g_first else "matches", g_first.name if g_first else None,
-                      [d.name for d in gdiff.diffs if d.name in scope and not d.ok])  # fmt: skip
+    data = GoldenData(
+        "diverges" if g_first else "matches",
+        g_first.name if g_first else None,
+        [d.name for d in gdiff.diffs if d.name in scope and not d.ok],
+    )
     if own_passed:
         if g_first is None:
-            return [f"golden inputs (prompt {i}): on the reference's draft.fc_in, {spec.id}'s draft matches "
-                    f"{ref_spec.id} on every draft tensor, as its own run does"], data  # fmt: skip
-        return [f"golden inputs (prompt {i}): on the reference's draft.fc_in, {spec.id}'s draft diverges at "
-                f"{noise_summary(g_first)} although its own run is within noise"], data  # fmt: skip
+            return [
+                f"golden inputs (prompt {i}): on the reference's draft.fc_in, {spec.id}'s draft matches "
+                f"{ref_spec.id} on every draft tensor, as its own run does"
+            ], data
+        return [
+            f"golden inputs (prompt {i}): on the reference's draft.fc_in, {spec.id}'s draft diverges at "
+            f"{noise_summary(g_first)} although its own run is within noise"
+        ], data
     if g_first is None and not fc_ok:
-        return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches {ref_spec.id} on every draft "
-                "tensor: the engine captured the wrong hidden states; its draft computes correctly"], data  # fmt: skip
+        return [
+            f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches {ref_spec.id} on every draft "
+            "tensor: the engine captured the wrong hidden states; its draft computes correctly"
+        ], data
     if g_first is None:
-        return [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches, yet its own run diverges with "
-                "matching fc inputs: nondeterminism, or a capture that is not what the draft consumed"], data  # fmt: skip
+        return [
+            f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches, yet its own run diverges with "
+            "matching fc inputs: nondeterminism, or a capture that is not what the draft consumed"
+        ], data
     where = f"error introduced at {noise_summary(g_first)}"
-    lines = [f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft still diverges, {where}: the engine's "
-             "draft computes differently"]  # fmt: skip
+    lines = [
+        f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft still diverges, {where}: the engine's "
+        "draft computes differently"
+    ]
     own = diff.first_introduced() or diff.first_divergence([d.name for d in diff.diffs if in_draft_scope(d.name)])
     return lines + ([] if own is not None and own.name == g_first.name else diagnose_draft(g_first.name)), data

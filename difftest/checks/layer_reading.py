@@ -89,10 +89,15 @@ def fix_lines(view: EngineView, edit: ConfigEdit | None) -> list[str]:
         return [f"no config fixes {view.rule.label}: {edit.impossible}"] + [f"instead: {a}" for a in edit.alternatives]
     where = " / ".join(_paths(edit.patch))
     feeds = ", ".join(f"h{k}" for k in edit.feeds)
-    reorder = (f"reorder fc.weight's input blocks into layer order (new block j = trained block {edit.fc_order}[j]) and "
-               if edit.fc_order else "")  # fmt: skip
-    lines = [f"fix: {reorder}set {where} = {edit.ids} (then {view.rule.label} feeds [{feeds}]); "
-             f"`difftest fix CASE --engine {view.engine}` writes and verifies it"]  # fmt: skip
+    reorder = (
+        f"reorder fc.weight's input blocks into layer order (new block j = trained block {edit.fc_order}[j]) and "
+        if edit.fc_order
+        else ""
+    )
+    lines = [
+        f"fix: {reorder}set {where} = {edit.ids} (then {view.rule.label} feeds [{feeds}]); "
+        f"`difftest fix CASE --engine {view.engine}` writes and verifies it"
+    ]
     lines += [f"note: the edit also changes another reading: {s}" for s in edit.side_effects]
     return lines
 

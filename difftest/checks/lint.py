@@ -82,8 +82,9 @@ def _load(meta: dict, name: str):
         return h.get_tensor(key)
 
 
-def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[str] | None = None,
-               engines: dict | None = None) -> list[Finding]:  # fmt: skip
+def lint_draft(
+    draft_dir: str | Path, target_dir: str | Path, trained_on: list[str] | None = None, engines: dict | None = None
+) -> list[Finding]:
     """Findings for one draft/target pair; `trained_on` = the case's resolved training wiring."""
     draft_dir, target_dir = Path(draft_dir), Path(target_dir)
     # read in the words the reference engine's loaders use, so the lint and capture items fail alike
@@ -101,39 +102,76 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
     if ids is None:
         same = trained_on is not None and list(trained_on) == defaults
         # the fallback can be narrower than fc (L//2 == L-3 on small targets: de-duplicated to two layers)
-        readings = [r.explain() for r in (rule.predict(raw, L, fc_chunks(draft_dir, H_t)) for rule in _serving_rules(tcfg))
-                    if r.refusal or r.unfused]  # fmt: skip
-        out.append(Finding("layer-ids-missing", "warning" if same else "error",
-            f"no eagle_aux_hidden_state_layer_ids: engines fall back to h[2], h[L//2], h[L-3] = "
-            f"[h2, h{L // 2}, h{L - 3}] (L={L})" + ("" if same else
-            f", not what the draft was trained on ({', '.join(n.removeprefix('target.') for n in trained_on or [])})")
-            + "".join(f"; {r}" for r in readings)))  # fmt: skip
+        readings = [
+            r.explain()
+            for r in (rule.predict(raw, L, fc_chunks(draft_dir, H_t)) for rule in _serving_rules(tcfg))
+            if r.refusal or r.unfused
+        ]
+        out.append(
+            Finding(
+                "layer-ids-missing",
+                "warning" if same else "error",
+                f"no eagle_aux_hidden_state_layer_ids: engines fall back to h[2], h[L//2], h[L-3] = "
+                f"[h2, h{L // 2}, h{L - 3}] (L={L})"
+                + (
+                    ""
+                    if same
+                    else f", not what the draft was trained on ({', '.join(n.removeprefix('target.') for n in trained_on or [])})"
+                )
+                + "".join(f"; {r}" for r in readings),
+            )
+        )
     if ids_top is not None and ids_ec is not None and list(ids_top) != list(ids_ec):
-        out.append(Finding("layer-ids-conflict", "error",
-            f"eagle_aux_hidden_state_layer_ids {ids_top} (top level) != {ids_ec} (eagle_config): "
-            "engines reading one place or the other feed different layers"))  # fmt: skip
+        out.append(
+            Finding(
+                "layer-ids-conflict",
+                "error",
+                f"eagle_aux_hidden_state_layer_ids {ids_top} (top level) != {ids_ec} (eagle_config): "
+                "engines reading one place or the other feed different layers",
+            )
+        )
     if ids is not None and list(ids) != sorted(set(ids)):
-        out.append(Finding("layer-ids-order", "error",
-            f"layer ids {ids} are not sorted and unique: vLLM and SGLang both capture while walking the layers "
-            f"and feed fc in layer order, each layer once ({sorted(set(ids))} before their index shift), so a "
-            "draft trained on the listed order gets its fc chunks permuted or fewer (difftest.rules.layer_rules)"))  # fmt: skip
+        out.append(
+            Finding(
+                "layer-ids-order",
+                "error",
+                f"layer ids {ids} are not sorted and unique: vLLM and SGLang both capture while walking the layers "
+                f"and feed fc in layer order, each layer once ({sorted(set(ids))} before their index shift), so a "
+                "draft trained on the listed order gets its fc chunks permuted or fewer (difftest.rules.layer_rules)",
+            )
+        )
     if ids_top is not None and ids_ec is None:
         for rule in _eagle_config_only_rules():
-            out.append(Finding(f"layer-ids-{rule.engine}-location", "warning",
-                f"eagle_aux_hidden_state_layer_ids {ids_top} only at the top level: {rule.label} reads only "
-                "eagle_config.eagle_aux_hidden_state_layer_ids and silently falls back to its default layers; "
-                "write the ids in both places"))  # fmt: skip
+            out.append(
+                Finding(
+                    f"layer-ids-{rule.engine}-location",
+                    "warning",
+                    f"eagle_aux_hidden_state_layer_ids {ids_top} only at the top level: {rule.label} reads only "
+                    "eagle_config.eagle_aux_hidden_state_layer_ids and silently falls back to its default layers; "
+                    "write the ids in both places",
+                )
+            )
     if ids is not None and trained_on:
         out += _readings(list(ids), L, list(trained_on), tcfg, raw, fc_chunks(draft_dir, H_t))
     if _is_mla_draft(raw) and (raw.get("norm_before_residual") or layer.get("norm_before_residual")):
-        out.append(Finding("norm-flag-ignored", "warning",
-            "norm_before_residual is true in an MLA draft: vLLM applies it, SGLang 0.5.23's kimi_k25_eagle3.py "
-            "ignores it (the residual is the unnormed hidden state there): the engines' drafts differ"))  # fmt: skip
+        out.append(
+            Finding(
+                "norm-flag-ignored",
+                "warning",
+                "norm_before_residual is true in an MLA draft: vLLM applies it, SGLang 0.5.23's kimi_k25_eagle3.py "
+                "ignores it (the residual is the unnormed hidden state there): the engines' drafts differ",
+            )
+        )
     if "norm_before_residual" not in raw and "norm_before_residual" not in layer:
         fmt = "speculators" if speculators else "HF/EAGLE"
-        out.append(Finding("norm-flag-default", "warning",
-            f"norm_before_residual absent: {fmt} format defaults it to {speculators}, the other format to "
-            f"{not speculators}; converting the checkpoint flips the draft's residual silently: write it explicitly"))  # fmt: skip
+        out.append(
+            Finding(
+                "norm-flag-default",
+                "warning",
+                f"norm_before_residual absent: {fmt} format defaults it to {speculators}, the other format to "
+                f"{not speculators}; converting the checkpoint flips the draft's residual silently: write it explicitly",
+            )
+        )
 
     meta = tensor_meta(draft_dir)
     draft_vocab = int(raw.get("draft_vocab_size") or layer.get("draft_vocab_size") or layer.get("vocab_size") or V)
@@ -142,9 +180,14 @@ def lint_draft(draft_dir: str | Path, target_dir: str | Path, trained_on: list[s
     if "fc.weight" in meta:
         in_features = meta["fc.weight"][2][1]
         if in_features != n_ids * H_t:
-            out.append(Finding("fc-width", "error",
-                f"fc in_features {in_features} != {n_ids} ids x target hidden size {H_t} = {n_ids * H_t}"
-                + (f" (draft config says target_hidden_size {target_hidden})" if target_hidden != H_t else "")))  # fmt: skip
+            out.append(
+                Finding(
+                    "fc-width",
+                    "error",
+                    f"fc in_features {in_features} != {n_ids} ids x target hidden size {H_t} = {n_ids * H_t}"
+                    + (f" (draft config says target_hidden_size {target_hidden})" if target_hidden != H_t else ""),
+                )
+            )
     out += _vocab_findings(meta, draft_vocab, V)
     if not _is_mla_draft(raw):
         out += flag_findings(raw)
@@ -169,8 +212,11 @@ def _text_config(config: dict, where: Path) -> dict:
 def _size(config: dict, key: str, where: Path) -> int:
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{where}: {key}: expected a positive integer, got {value!r}" if key in config
-                          else f"{where}: {key} missing")  # fmt: skip
+        raise ConfigError(
+            f"{where}: {key}: expected a positive integer, got {value!r}"
+            if key in config
+            else f"{where}: {key} missing"
+        )
     return value
 
 
@@ -224,8 +270,11 @@ def _readings(
         text = f"{reading.explain()}; the draft was trained on {short(trained_on)}"
         if layers is not None:
             edit = config_edit(raw, target_family(tcfg), rule.engine, layers, L)
-            text += (f"; fix: {edit.patch} (`difftest fix CASE --engine {rule.engine}` writes and verifies it)" if edit.possible
-                     else f"; no config fixes it: {edit.impossible}")  # fmt: skip
+            text += (
+                f"; fix: {edit.patch} (`difftest fix CASE --engine {rule.engine}` writes and verifies it)"
+                if edit.possible
+                else f"; no config fixes it: {edit.impossible}"
+            )
         if rule.misreading == "error":  # difftest.rules.layer_rules: vLLM reads the ids as written
             out.append(Finding("layer-ids-training", "error", text))
         else:
@@ -234,8 +283,13 @@ def _readings(
     if fed != list(trained_on):
         others.append(f"SpecForge's data generation reads them as {short(fed)}")
     if others:
-        out.append(Finding("layer-ids-training", "warning",
-            f"trained on {short(trained_on)}; other engines read ids {ids} differently: {'; '.join(others)}"))  # fmt: skip
+        out.append(
+            Finding(
+                "layer-ids-training",
+                "warning",
+                f"trained on {short(trained_on)}; other engines read ids {ids} differently: {'; '.join(others)}",
+            )
+        )
     return out
 
 
@@ -251,12 +305,20 @@ def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
             return convention
     if not has_d2t or not has_t2d:
         missing = " and ".join(n for n, has in (("d2t", has_d2t), ("t2d", has_t2d)) if not has)
-        return [Finding("vocab-map", "error" if not has_d2t else "warning",
-            f"{missing} absent while draft vocab {draft_vocab} < target vocab {V}"
-            + (": draft ids map to the first target ids (vLLM and SGLang read draft id i as target id i)"
-               if not has_d2t else ""),
-            engines=SERVING if not has_d2t else (),
-            tensor=DRAFT_LOGITS_TARGET if not has_d2t else None)]  # fmt: skip
+        return [
+            Finding(
+                "vocab-map",
+                "error" if not has_d2t else "warning",
+                f"{missing} absent while draft vocab {draft_vocab} < target vocab {V}"
+                + (
+                    ": draft ids map to the first target ids (vLLM and SGLang read draft id i as target id i)"
+                    if not has_d2t
+                    else ""
+                ),
+                engines=SERVING if not has_d2t else (),
+                tensor=DRAFT_LOGITS_TARGET if not has_d2t else None,
+            )
+        ]
     out = []
     d2t, t2d = _load(meta, "d2t").long(), _load(meta, "t2d").bool()
     convention = d2t_convention_findings(d2t, t2d, V)
@@ -296,9 +358,14 @@ def _chain_budget_findings(engines: dict) -> list[Finding]:
         s = engines.get(rule.engine) or {}
         topk, steps, tokens = s.get(rule.topk), s.get(rule.num_steps), s.get(rule.num_draft_tokens)
         if topk == 1 and steps is not None and tokens is not None and int(tokens) != int(steps) + 1:
-            out.append(Finding(f"{rule.engine}-topk", "warning",
-                f"engines.{rule.engine}: {rule.topk} == 1 forces num_draft_tokens = num_steps + 1 = {int(steps) + 1}; "
-                f"the configured {tokens} is silently ignored"))  # fmt: skip
+            out.append(
+                Finding(
+                    f"{rule.engine}-topk",
+                    "warning",
+                    f"engines.{rule.engine}: {rule.topk} == 1 forces num_draft_tokens = num_steps + 1 = {int(steps) + 1}; "
+                    f"the configured {tokens} is silently ignored",
+                )
+            )
     return out
 
 

@@ -51,8 +51,13 @@ def _rates(stats: AcceptStats, k: int) -> list[float]:
     return [r[j] if j < len(r) else 0.0 for j in range(k)]
 
 
-def judge(ref: AcceptStats, eng: AcceptStats, numerical: tuple[AcceptStats, AcceptStats] | None = None,
-          tolerance: dict | None = None, noise: str = "") -> AcceptGate:  # fmt: skip
+def judge(
+    ref: AcceptStats,
+    eng: AcceptStats,
+    numerical: tuple[AcceptStats, AcceptStats] | None = None,
+    tolerance: dict | None = None,
+    noise: str = "",
+) -> AcceptGate:
     """`numerical`: the reference's own run in the case's dtype and in float64, or None (not measured).
     `tolerance`: the case's declared {atol, rtol} on the accept length, or None."""
     # a side without per-position counts (an engine that reports only totals) gets no per-position gate
@@ -81,8 +86,9 @@ def judge(ref: AcceptStats, eng: AcceptStats, numerical: tuple[AcceptStats, Acce
         pooled = (p_ref[j] * n_a + p_eng[j] * n_b) / (n_a + n_b) if n_a + n_b else 0.0
         se = (pooled * (1 - pooled) * ((1 / n_a if n_a else 0.0) + (1 / n_b if n_b else 0.0))) ** 0.5
         allowed = zl * se + moved[j]
-        positions.append(PositionJudgement(j, p_ref[j], p_eng[j], se, moved[j], allowed,
-                                           abs(p_eng[j] - p_ref[j]) <= allowed + 1e-12))  # fmt: skip
+        positions.append(
+            PositionJudgement(j, p_ref[j], p_eng[j], se, moved[j], allowed, abs(p_eng[j] - p_ref[j]) <= allowed + 1e-12)
+        )
     a_ref, a_eng = ref.accept_length, eng.accept_length
     spread = (accept_length_spread(ref) ** 2 + accept_length_spread(eng) ** 2) ** 0.5
     allowed = ACCEPT_SIGMAS * spread + (moved_accept or 0.0)

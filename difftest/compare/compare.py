@@ -58,9 +58,11 @@ def noise_summary(d: TensorDiff) -> str:
         return d.summary()
     rows = f"{d.rows_above}/{d.rows} rows" if d.rows > 1 else "its row"
     verb = "above" if d.status == TensorStatus.MISMATCH else "within"
-    return (f"{d.name}: {rows} above the noise threshold; row error up to {d.err:.3g} "
-            f"({d.excess:.3g}x the threshold {d.threshold:.3g} = {noise.SAFETY:g} x measured floor "
-            f"{d.noise_floor:.3g}) -> {verb} noise; cos {d.cosine:.4f}")  # fmt: skip
+    return (
+        f"{d.name}: {rows} above the noise threshold; row error up to {d.err:.3g} "
+        f"({d.excess:.3g}x the threshold {d.threshold:.3g} = {noise.SAFETY:g} x measured floor "
+        f"{d.noise_floor:.3g}) -> {verb} noise; cos {d.cosine:.4f}"
+    )
 
 
 def _profile(values: torch.Tensor, kind=float) -> list:
@@ -96,15 +98,28 @@ def unravel(flat: int, shape: list[int]) -> list[int]:
     return index[::-1]
 
 
-def compare_tensor(name: str, ref: torch.Tensor, other: torch.Tensor, tol: Tolerance, topk: int = TOPK,
-                   threshold: float | None = None, noise_floor: float = 0.0,
-                   row_errors: dict[str, torch.Tensor] | None = None) -> TensorDiff:  # fmt: skip
+def compare_tensor(
+    name: str,
+    ref: torch.Tensor,
+    other: torch.Tensor,
+    tol: Tolerance,
+    topk: int = TOPK,
+    threshold: float | None = None,
+    noise_floor: float = 0.0,
+    row_errors: dict[str, torch.Tensor] | None = None,
+) -> TensorDiff:
     """threshold: the per-row relative error above which a row is off (difftest.compare.noise); None judges
     elementwise against `tol` (a case's explicit tolerance). `row_errors` collects the full per-row
     errors by tensor name, for the data-flow pass (judge_along_flow); the report keeps a profile only."""
     if tuple(ref.shape) != tuple(other.shape):
-        return TensorDiff(name, TensorStatus.SHAPE, list(ref.shape), detail=f"shape {list(other.shape)} vs reference {list(ref.shape)}",
-                          excess=math.inf, err=math.inf)  # fmt: skip
+        return TensorDiff(
+            name,
+            TensorStatus.SHAPE,
+            list(ref.shape),
+            detail=f"shape {list(other.shape)} vs reference {list(ref.shape)}",
+            excess=math.inf,
+            err=math.inf,
+        )
     other = other.to(ref.device)
     n = ref.numel()
     cols = ref.shape[-1] if ref.dim() else 1
@@ -247,14 +262,26 @@ def compare_captures(
         if name not in other_names:
             allowed = any(fnmatchcase(name, p) for p in allow_missing or [])
             diffs.append(
-                TensorDiff(name, TensorStatus.ALLOWED_MISSING if allowed else TensorStatus.MISSING,
-                           detail="not captured by the engine" + (" (allowed by the case)" if allowed else ""),
-                           excess=0.0 if allowed else math.inf)
-            )  # fmt: skip
+                TensorDiff(
+                    name,
+                    TensorStatus.ALLOWED_MISSING if allowed else TensorStatus.MISSING,
+                    detail="not captured by the engine" + (" (allowed by the case)" if allowed else ""),
+                    excess=0.0 if allowed else math.inf,
+                )
+            )
             continue
         tol, threshold = _thresholds(name, dtype, tolerances or {}, floor)
-        diffs.append(compare_tensor(name, ref.get(name), other.get(name), tol, threshold=threshold,
-                                    noise_floor=floor.floor(name), row_errors=row_errors))  # fmt: skip
+        diffs.append(
+            compare_tensor(
+                name,
+                ref.get(name),
+                other.get(name),
+                tol,
+                threshold=threshold,
+                noise_floor=floor.floor(name),
+                row_errors=row_errors,
+            )
+        )
     router_ties = noise.router_tie_rows(ref, floor)
     cd = CaptureDiff(diffs, floor.source, tie)
     cd.router_ties = {k: int(v.sum()) for k, v in router_ties.items() if bool(v.any())}
@@ -280,8 +307,14 @@ def _attends(name: str) -> bool:
     return (name.startswith("target.h.") and name != "target.h.0") or name.endswith("layer0.attn_out")
 
 
-def judge_along_flow(cd: CaptureDiff, row_errors: dict[str, torch.Tensor], wiring: list[str], num_layers: int | None,
-                     router_ties: dict[str, torch.Tensor] | None = None, dtype: str = "float32") -> None:  # fmt: skip
+def judge_along_flow(
+    cd: CaptureDiff,
+    row_errors: dict[str, torch.Tensor],
+    wiring: list[str],
+    num_layers: int | None,
+    router_ties: dict[str, torch.Tensor] | None = None,
+    dtype: str = "float32",
+) -> None:
     """Final noise verdicts in data-flow order (difftest.compare.noise): the quorum everywhere, the isolated-row
     rule in the draft only. A row is *excused* (not counted) where a discrete numerical event
     explains it: an MoE router near-tie feeding this tensor (router_ties: possible events), or an
@@ -349,9 +382,11 @@ def _tie_step(ref: Capture, other: Capture, floor: noise.NoiseFloor) -> tuple[in
     if not bool(noise.tie_rows(row, floor.threshold(name)).all()):
         return None, ""
     margin, rms = noise.top1_margins(row)
-    return s, (f"the engine drafted token {b[s]} and the reference {a[s]} at step {s}, where the reference's top-1 "
-               f"margin {float(margin[0]):.3g} is within noise ({noise.TIE_FACTOR:g} x threshold "
-               f"{floor.threshold(name):.3g} x row RMS {float(rms[0]):.3g}): a tie, so later steps compute on other tokens")  # fmt: skip
+    return s, (
+        f"the engine drafted token {b[s]} and the reference {a[s]} at step {s}, where the reference's top-1 "
+        f"margin {float(margin[0]):.3g} is within noise ({noise.TIE_FACTOR:g} x threshold "
+        f"{floor.threshold(name):.3g} x row RMS {float(rms[0]):.3g}): a tie, so later steps compute on other tokens"
+    )
 
 
 def localise(cd: CaptureDiff, wiring: list[str], num_layers: int | None) -> None:

@@ -119,8 +119,20 @@ def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], Simila
         want = expected[j] if j < len(expected) else None
         want_rms = float(_rows(ref.get(want)).pow(2).mean(-1).sqrt().mean()) if want and want in ref else None
         max_abs = float((chunk - _tensor(ref, best).to(chunk.device)).abs().max())
-        out.append(ChunkMatch(j, want, best, cos, min_cos, rel, max_abs, float(rms.mean()),
-                              float(rms.std()) if rms.numel() > 1 else 0.0, want_rms))  # fmt: skip
+        out.append(
+            ChunkMatch(
+                j,
+                want,
+                best,
+                cos,
+                min_cos,
+                rel,
+                max_abs,
+                float(rms.mean()),
+                float(rms.std()) if rms.numel() > 1 else 0.0,
+                want_rms,
+            )
+        )
     return out, Similarity([f"chunk {m.chunk}" for m in out], names, matrix)
 
 
@@ -157,11 +169,17 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, dra
             notes.append("permuted order (engine sorted the ids)" if gk == sorted(wk) else "permuted order")
         elif gk == sorted(gk) and len({g - w for g, w in zip(gk, sorted(wk))}) == 1:
             s = gk[0] - sorted(wk)[0]  # sorted, then every layer moved by the same amount (SGLang: sort and +1)
-            notes.append(f"permuted order (engine sorted the ids) and off-by-one {s:+d}" if abs(s) == 1
-                         else f"permuted order (engine sorted the ids) and every layer shifted by {s:+d}")  # fmt: skip
+            notes.append(
+                f"permuted order (engine sorted the ids) and off-by-one {s:+d}"
+                if abs(s) == 1
+                else f"permuted order (engine sorted the ids) and every layer shifted by {s:+d}"
+            )
     if defaults and gk == defaults and wk != defaults and not _config_names(draft_config, defaults):
-        why = ("the draft config names no layer ids" if draft_config is not None and declared_ids(draft_config) is None
-               else "it did not use the config's layer ids")  # fmt: skip
+        why = (
+            "the draft config names no layer ids"
+            if draft_config is not None and declared_ids(draft_config) is None
+            else "it did not use the config's layer ids"
+        )
         fallback = f"default-layer fallback (engine fed h[2], h[L//2], h[L-3] of L={L}: {why})"
         # the same three layers can also be a shift of the trained ones: say both, the shift first
         notes = [f"{notes[0]} or {fallback}"] + notes[1:] if notes else [fallback]

@@ -165,18 +165,36 @@ class NoiseFloor:
 
     def record(self) -> NoiseFloorRecord:
         """The floor as the report keeps it, with the settings it was judged with."""
-        return NoiseFloorRecord(self.dtype, self.measured, self.source, list(self.excluded), dict(self.router_noise),
-                                dict(self.tensors), {"safety": SAFETY, "floor_quantile": FLOOR_QUANTILE, "row_quorum": ROW_QUORUM,
-                                                     "isolated_factor": ISOLATED_FACTOR, "jump": JUMP, "tie_factor": TIE_FACTOR})  # fmt: skip
+        return NoiseFloorRecord(
+            self.dtype,
+            self.measured,
+            self.source,
+            list(self.excluded),
+            dict(self.router_noise),
+            dict(self.tensors),
+            {
+                "safety": SAFETY,
+                "floor_quantile": FLOOR_QUANTILE,
+                "row_quorum": ROW_QUORUM,
+                "isolated_factor": ISOLATED_FACTOR,
+                "jump": JUMP,
+                "tie_factor": TIE_FACTOR,
+            },
+        )
 
     def to_dict(self) -> dict:
         return self.record().to_dict()
 
     @classmethod
     def from_dict(cls, d: dict) -> "NoiseFloor":
-        return cls(d["dtype"], bool(d["measured"]), d["source"],
-                   {n: TensorFloor(**f) for n, f in (d.get("tensors") or {}).items()}, list(d.get("excluded") or []),
-                   {str(k): float(v) for k, v in (d.get("router_noise") or {}).items()})  # fmt: skip
+        return cls(
+            d["dtype"],
+            bool(d["measured"]),
+            d["source"],
+            {n: TensorFloor(**f) for n, f in (d.get("tensors") or {}).items()},
+            list(d.get("excluded") or []),
+            {str(k): float(v) for k, v in (d.get("router_noise") or {}).items()},
+        )
 
 
 def unit_roundoff(dtype: str) -> float:
@@ -188,8 +206,12 @@ def unmeasured_threshold(dtype: str) -> float:
 
 
 def unmeasured(dtype: str, why: str) -> NoiseFloor:
-    return NoiseFloor(dtype, False, f"not measured ({why}); threshold {unmeasured_threshold(dtype):g} relative per row "
-                                    f"for every tensor, a guess for {dtype}")  # fmt: skip
+    return NoiseFloor(
+        dtype,
+        False,
+        f"not measured ({why}); threshold {unmeasured_threshold(dtype):g} relative per row "
+        f"for every tensor, a guess for {dtype}",
+    )
 
 
 def _quantile(x: torch.Tensor, q: float) -> float:
@@ -205,8 +227,11 @@ def _diverged_step(a: list | None, b: list | None) -> int | None:
 
 
 def _router_layers(cap) -> list[int]:
-    return sorted(int(n[len(ROUTER_PREFIX) : -len(".margin")]) for n in cap.tensors
-                  if n.startswith(ROUTER_PREFIX) and n.endswith(".margin"))  # fmt: skip
+    return sorted(
+        int(n[len(ROUTER_PREFIX) : -len(".margin")])
+        for n in cap.tensors
+        if n.startswith(ROUTER_PREFIX) and n.endswith(".margin")
+    )
 
 
 def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], list[torch.Tensor]]:
@@ -214,9 +239,16 @@ def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], list[torch.T
     near-tie (inf: never). Layer by layer: a row tied at layer k routes differently from there on in
     one of the two runs, so its scores at later layers are not rounding noise and are left out."""
     noise_by_layer: dict[str, float] = {}
-    tie_from = [torch.full((cap.tensors["target.h.0"].reshape(-1, cap.tensors["target.h.0"].shape[-1]).shape[0],),
-                           math.inf, dtype=torch.float64) if "target.h.0" in cap.tensors else None
-                for cap, _ in pairs]  # fmt: skip
+    tie_from = [
+        torch.full(
+            (cap.tensors["target.h.0"].reshape(-1, cap.tensors["target.h.0"].shape[-1]).shape[0],),
+            math.inf,
+            dtype=torch.float64,
+        )
+        if "target.h.0" in cap.tensors
+        else None
+        for cap, _ in pairs
+    ]
     layers = sorted({k for cap, _ in pairs for k in _router_layers(cap)})
     for k in layers:
         name = f"{ROUTER_PREFIX}{k}"
@@ -311,8 +343,9 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] 
             errs = torch.cat([errs, own_rows[name]])
         floor = _quantile(errs, FLOOR_QUANTILE)
         finite = all_errs[torch.isfinite(all_errs)]
-        tensors[name] = TensorFloor(name, floor, float(finite.max()) if finite.numel() else 0.0, int(errs.numel()),
-                                    SAFETY * max(floor, u))  # fmt: skip
+        tensors[name] = TensorFloor(
+            name, floor, float(finite.max()) if finite.numel() else 0.0, int(errs.numel()), SAFETY * max(floor, u)
+        )
     return NoiseFloor(dtype, True, source, tensors, excluded, router_noise)
 
 
@@ -344,8 +377,9 @@ class RowJudgement:
         return self.err > ISOLATED_FACTOR * self.threshold
 
 
-def judge_rows(errs: torch.Tensor, threshold: float, tolerated: torch.Tensor | None = None,
-               isolated_rule: bool = True) -> RowJudgement:  # fmt: skip
+def judge_rows(
+    errs: torch.Tensor, threshold: float, tolerated: torch.Tensor | None = None, isolated_rule: bool = True
+) -> RowJudgement:
     """tolerated: bool per row, True where the row's error comes from a row an upstream tensor already
     had above its threshold *and was judged within noise for* (a discrete event upstream): such rows
     are not counted again. isolated_rule False: the quorum alone decides (target tensors)."""
@@ -357,8 +391,14 @@ def judge_rows(errs: torch.Tensor, threshold: float, tolerated: torch.Tensor | N
     isolated = isolated_rule and float(counted.max()) > ISOLATED_FACTOR * threshold
     worst = float(errs.max())
     q = _quantile(errs, FLOOR_QUANTILE) if bool(torch.isfinite(errs).any()) else math.inf
-    return RowJudgement(threshold, worst, q, int((errs > threshold).sum()), above > 0 and (quorum or isolated),
-                        worst / threshold if threshold > 0 else math.inf)  # fmt: skip
+    return RowJudgement(
+        threshold,
+        worst,
+        q,
+        int((errs > threshold).sum()),
+        above > 0 and (quorum or isolated),
+        worst / threshold if threshold > 0 else math.inf,
+    )
 
 
 def top1_margins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

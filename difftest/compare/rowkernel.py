@@ -98,18 +98,29 @@ class Kernel:
     path: Path
     lib: ctypes.CDLL
 
-    def row_stats(self, a2: torch.Tensor, b2: torch.Tensor, atol: float, rtol: float, logits: bool,
-                  threads: int | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    def row_stats(
+        self, a2: torch.Tensor, b2: torch.Tensor, atol: float, rtol: float, logits: bool, threads: int | None = None
+    ) -> dict[str, torch.Tensor]:
         """Per-row statistics of CPU [R, C] tensors of one dtype in DTYPES with unit column
         stride (the caller checks: `supports`); float64/int64 tensors of [R] as the eager path."""
         R, C = a2.shape
         fout = torch.empty(len(FLOAT_FIELDS), R, dtype=torch.float64)
         iout = torch.empty(len(INT_FIELDS), R, dtype=torch.int64)
         rc = self.lib.difftest_row_stats(
-            ctypes.c_void_p(a2.data_ptr()), ctypes.c_void_p(b2.data_ptr()), DTYPES[a2.dtype],
-            a2.stride(0), b2.stride(0), R, C, atol, rtol, int(logits),
-            threads or torch.get_num_threads(), ctypes.c_void_p(fout.data_ptr()), ctypes.c_void_p(iout.data_ptr()),
-        )  # fmt: skip
+            ctypes.c_void_p(a2.data_ptr()),
+            ctypes.c_void_p(b2.data_ptr()),
+            DTYPES[a2.dtype],
+            a2.stride(0),
+            b2.stride(0),
+            R,
+            C,
+            atol,
+            rtol,
+            int(logits),
+            threads or torch.get_num_threads(),
+            ctypes.c_void_p(fout.data_ptr()),
+            ctypes.c_void_p(iout.data_ptr()),
+        )
         if rc:
             raise RuntimeError(f"rowkernel: dtype {a2.dtype} not handled (code {rc})")
         out = {k: fout[i] for i, k in enumerate(FLOAT_FIELDS)} | {k: iout[i] for i, k in enumerate(INT_FIELDS)}
@@ -127,10 +138,19 @@ class Kernel:
         num, den = torch.empty(R, dtype=torch.float64), torch.empty(R, dtype=torch.float64)
         bad = torch.empty(R, dtype=torch.int64)
         rc = self.lib.difftest_rel_err(
-            ctypes.c_void_p(x2.data_ptr()), DTYPES[x2.dtype], ctypes.c_void_p(r2.data_ptr()), DTYPES[r2.dtype],
-            x2.stride(0), r2.stride(0), R, C, threads or torch.get_num_threads(),
-            ctypes.c_void_p(num.data_ptr()), ctypes.c_void_p(den.data_ptr()), ctypes.c_void_p(bad.data_ptr()),
-        )  # fmt: skip
+            ctypes.c_void_p(x2.data_ptr()),
+            DTYPES[x2.dtype],
+            ctypes.c_void_p(r2.data_ptr()),
+            DTYPES[r2.dtype],
+            x2.stride(0),
+            r2.stride(0),
+            R,
+            C,
+            threads or torch.get_num_threads(),
+            ctypes.c_void_p(num.data_ptr()),
+            ctypes.c_void_p(den.data_ptr()),
+            ctypes.c_void_p(bad.data_ptr()),
+        )
         if rc:
             raise RuntimeError(f"rowkernel: dtypes {x2.dtype}/{r2.dtype} not handled (code {rc})")
         return {"num": num, "den": den, "bad": bad}
@@ -140,11 +160,17 @@ def supports(a2: torch.Tensor, b2: torch.Tensor, mixed: bool = False) -> bool:
     """Whether the native kernel takes this pair as it is (no copy): CPU, handled dtypes (one
     dtype unless `mixed`: rel_err_sums takes any two), contiguous rows, column indices within int32."""
     return (
-        a2.device.type == "cpu" and b2.device.type == "cpu" and a2.dtype in DTYPES and b2.dtype in DTYPES
+        a2.device.type == "cpu"
+        and b2.device.type == "cpu"
+        and a2.dtype in DTYPES
+        and b2.dtype in DTYPES
         and (mixed or a2.dtype == b2.dtype)
-        and a2.dim() == 2 and a2.shape == b2.shape and 0 < a2.shape[1] <= MAX_COLS
-        and (a2.stride(1) == 1 or a2.shape[1] == 1) and (b2.stride(1) == 1 or b2.shape[1] == 1)
-    )  # fmt: skip
+        and a2.dim() == 2
+        and a2.shape == b2.shape
+        and 0 < a2.shape[1] <= MAX_COLS
+        and (a2.stride(1) == 1 or a2.shape[1] == 1)
+        and (b2.stride(1) == 1 or b2.shape[1] == 1)
+    )
 
 
 def load(variant: str | None = None) -> Kernel:
@@ -159,8 +185,21 @@ def load(variant: str | None = None) -> Kernel:
     if lib.difftest_rowkernel_abi() != ABI:
         raise RuntimeError(f"{path}: ABI {lib.difftest_rowkernel_abi()}, expected {ABI}")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.difftest_row_stats.argtypes = [ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float,
-                                       ctypes.c_int, ctypes.c_int, ptr, ptr]  # fmt: skip
+    lib.difftest_row_stats.argtypes = [
+        ptr,
+        ptr,
+        ctypes.c_int,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+        ptr,
+        ptr,
+    ]
     lib.difftest_row_stats.restype = ctypes.c_int
     lib.difftest_rel_err.argtypes = [
         ptr,

@@ -33,9 +33,21 @@ import torch
 from difftest.compare import rowkernel
 
 ROW_FIELDS = (
-    "max_abs", "max_col", "mismatched", "nonfinite", "sum_abs", "sum_sq", "sum_ab", "sum_aa", "sum_bb",
-    "max_rel", "nan_a", "nan_b", "inf_a", "inf_b",
-)  # fmt: skip
+    "max_abs",
+    "max_col",
+    "mismatched",
+    "nonfinite",
+    "sum_abs",
+    "sum_sq",
+    "sum_ab",
+    "sum_aa",
+    "sum_bb",
+    "max_rel",
+    "nan_a",
+    "nan_b",
+    "inf_a",
+    "inf_b",
+)
 SOFTMAX_FIELDS = ("rank", "kl", "tv")
 
 
@@ -164,7 +176,7 @@ def native_kernel() -> rowkernel.Kernel | None:
     if _NATIVE.kernel is None and _NATIVE.error is None:
         try:
             _NATIVE.kernel = rowkernel.load()
-        except Exception as e:  # noqa: BLE001 - any build/load failure falls back to the same numbers, eagerly
+        except Exception as e:
             _NATIVE.error = _reason(e)
             warnings.warn(
                 f"difftest: native comparison kernel unavailable ({_NATIVE.error}); using the eager path", stacklevel=2
@@ -197,8 +209,15 @@ def choose_path(a2: torch.Tensor, b2: torch.Tensor) -> str:
     return "eager"
 
 
-def row_stats(a2: torch.Tensor, b2: torch.Tensor, atol: float, rtol: float, logits: bool,
-              chunk: int | None = None, path: str | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def row_stats(
+    a2: torch.Tensor,
+    b2: torch.Tensor,
+    atol: float,
+    rtol: float,
+    logits: bool,
+    chunk: int | None = None,
+    path: str | None = None,
+) -> dict[str, torch.Tensor]:
     """Per-row statistics of [R, C] tensors on one device; returns float64/int64 tensors of [R] on CPU.
 
     path: None chooses (choose_path); "native" raises RuntimeError where the kernel is unavailable
@@ -211,7 +230,7 @@ def row_stats(a2: torch.Tensor, b2: torch.Tensor, atol: float, rtol: float, logi
     if path == "compiled" and _COMPILED.error is None:
         try:
             return _row_stats_compiled(a2, b2, atol, rtol, logits)
-        except Exception as e:  # noqa: BLE001 - any compile failure falls back to the same numbers, eagerly
+        except Exception as e:
             _COMPILED.error = _reason(e)
             warnings.warn(
                 f"difftest: compiled comparison unavailable ({_COMPILED.error}); using the eager path", stacklevel=2
@@ -266,8 +285,22 @@ def _row_stats_eager(a2, b2, atol, rtol, logits, chunk):
 
 def _merge_columns(x: dict, y: dict) -> dict:
     better = y["max_abs"] > x["max_abs"]  # strict: the first column block wins ties, as a flat scan would
-    out = {k: x[k] + y[k] for k in ("mismatched", "nonfinite", "sum_abs", "sum_sq", "sum_ab", "sum_aa", "sum_bb",
-                                     "nan_a", "nan_b", "inf_a", "inf_b")}  # fmt: skip
+    out = {
+        k: x[k] + y[k]
+        for k in (
+            "mismatched",
+            "nonfinite",
+            "sum_abs",
+            "sum_sq",
+            "sum_ab",
+            "sum_aa",
+            "sum_bb",
+            "nan_a",
+            "nan_b",
+            "inf_a",
+            "inf_b",
+        )
+    }
     out["max_abs"] = torch.where(better, y["max_abs"], x["max_abs"])
     out["max_col"] = torch.where(better, y["max_col"], x["max_col"])
     out["max_rel"] = torch.maximum(x["max_rel"], y["max_rel"])

@@ -24,7 +24,27 @@ from difftest.records.report import EngineEntry, PromptComparison, Report
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
 
 __all__ = [
-    "AcceptLengthData", "CaptureData", "CaptureMeta", "CheckData", "CheckResult", "ComparisonData", "EngineEntry",
-    "EngineInfo", "ExpectedFailureRecord", "FcWiring", "FixData", "GoldenData", "LintData", "NoiseFloorRecord", "PromptComparison", "ReplayRow", "Report",
-    "ServerAcceptData", "StoredBaseline", "TensorDiff", "TensorFloor", "TensorStatus", "Top1Data",
-]  # fmt: skip
+    "AcceptLengthData",
+    "CaptureData",
+    "CaptureMeta",
+    "CheckData",
+    "CheckResult",
+    "ComparisonData",
+    "EngineEntry",
+    "EngineInfo",
+    "ExpectedFailureRecord",
+    "FcWiring",
+    "FixData",
+    "GoldenData",
+    "LintData",
+    "NoiseFloorRecord",
+    "PromptComparison",
+    "ReplayRow",
+    "Report",
+    "ServerAcceptData",
+    "StoredBaseline",
+    "TensorDiff",
+    "TensorFloor",
+    "TensorStatus",
+    "Top1Data",
+]

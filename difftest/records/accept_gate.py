@@ -53,12 +53,13 @@ class AcceptGate:
     def summary(self) -> str:
         bad = self.first_failing_position()
         if bad is None:
-            return (f"every position within noise (|diff| <= {self.z:.2f} x se + measured numerical move; "
-                    f"{self.noise})")  # fmt: skip
+            return f"every position within noise (|diff| <= {self.z:.2f} x se + measured numerical move; {self.noise})"
         way = "fell" if bad.engine < bad.reference else "rose"
-        return (f"position {bad.position} acceptance {way} to {bad.engine:.3f} from {bad.reference:.3f} "
-                f"(|diff| {abs(bad.engine - bad.reference):.3f} > allowed {bad.allowed:.3f} = {self.z:.2f} x se "
-                f"{bad.se:.3f} + numerical {bad.numerical:.3f}; z {bad.z:.1f}; {self.noise})")  # fmt: skip
+        return (
+            f"position {bad.position} acceptance {way} to {bad.engine:.3f} from {bad.reference:.3f} "
+            f"(|diff| {abs(bad.engine - bad.reference):.3f} > allowed {bad.allowed:.3f} = {self.z:.2f} x se "
+            f"{bad.se:.3f} + numerical {bad.numerical:.3f}; z {bad.z:.1f}; {self.noise})"
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -92,9 +92,16 @@ def accept_length_spread(stats: AcceptStats) -> float:
 
 # (definition, what it counts, conversion to the harness's definition): the accept-length figures of
 # difftest.base.definitions, declared there once; "difftest" is the harness's own
-_CONVERTIBLE = ("vllm.mean_acceptance_length", "vllm.num_accepted_tokens_per_draft", "sglang.spec_accept_length",
-                "sglang.spec_num_correct_drafts", "acceptance_rate", "speculators.full_acc", "speculators.cond_acc",
-                "specforge.acc")  # fmt: skip
+_CONVERTIBLE = (
+    "vllm.mean_acceptance_length",
+    "vllm.num_accepted_tokens_per_draft",
+    "sglang.spec_accept_length",
+    "sglang.spec_num_correct_drafts",
+    "acceptance_rate",
+    "speculators.full_acc",
+    "speculators.cond_acc",
+    "specforge.acc",
+)
 NORMALISATION = [("difftest", DEFINITION, "as is")] + [
     (d.name, d.counts, d.converts) for d in (definitions.definition(n) for n in _CONVERTIBLE)
 ]

@@ -52,8 +52,10 @@ def _accept_gate(data: object, where: str, at: str) -> AcceptGate | None:
     if data is None:
         return None
     if isinstance(data, dict) and isinstance(data.get("positions"), list):
-        positions = [{k: v for k, v in p.items() if k not in _POSITION_DERIVED} if isinstance(p, dict) else p
-                     for p in data["positions"]]  # fmt: skip
+        positions = [
+            {k: v for k, v in p.items() if k not in _POSITION_DERIVED} if isinstance(p, dict) else p
+            for p in data["positions"]
+        ]
         data = {**data, "positions": positions}
     return decode(AcceptGate, data, where, at)
 
@@ -219,6 +221,10 @@ def decode_data(data: object, where: str, at: str) -> CheckData | None:
     kinds = CORE_KINDS if kind in CORE_KINDS else data_kinds()
     if kind not in kinds:
         close = difflib.get_close_matches(str(kind), sorted(kinds), n=1)
-        raise fail(where, join(at, "kind"), f"unknown kind {kind!r}"
-                   + (f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(kinds))})"))  # fmt: skip
+        raise fail(
+            where,
+            join(at, "kind"),
+            f"unknown kind {kind!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(kinds))})"),
+        )
     return kinds[kind].from_json(data, where, at)

@@ -37,8 +37,7 @@ class CheckResult:
         return self.outcome in ("failed", "error")
 
     def to_dict(self) -> dict:
-        return {"schema_version": SCHEMA_VERSION,
-                **encode_fields(self, omit_none=("data", "expected_failure"))}  # fmt: skip
+        return {"schema_version": SCHEMA_VERSION, **encode_fields(self, omit_none=("data", "expected_failure"))}
 
     @classmethod
     def from_json(cls, data: object, where: str, at: str) -> "CheckResult":

@@ -38,8 +38,15 @@ def join(at: str, key: str | int) -> str:
 
 
 def kind_of(value: object) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _describe(hint: Any) -> str:
@@ -180,8 +187,11 @@ def decode(cls: type, data: object, where: str, at: str = "", skip: tuple[str, .
                 raise fail(where, join(at, name), "field missing")
             continue
         reader = f.metadata.get(READER)
-        value = (reader(data[name], where, join(at, name)) if reader is not None
-                 else decode_value(types_[name], data[name], where, join(at, name)))  # fmt: skip
+        value = (
+            reader(data[name], where, join(at, name))
+            if reader is not None
+            else decode_value(types_[name], data[name], where, join(at, name))
+        )
         choices = f.metadata.get(CHOICES)
         if choices and value not in choices:
             raise fail(where, join(at, name), f"{value!r} is not one of {', '.join(map(repr, choices))}")

@@ -86,9 +86,12 @@ class CaptureMeta:
             if extra and isinstance(data.get("extra", {}), dict):  # otherwise decode names the bad `extra`
                 data = {k: v for k, v in data.items() if k in known} | {"extra": {**extra, **data.get("extra", {})}}
         elif version != SCHEMA_VERSION:
-            raise fail(where, f"{at}.schema_version" if at else "schema_version",
-                       f"capture meta schema version {version!r}; this difftest reads {SCHEMA_VERSION} "
-                       f"(and {LEGACY_VERSION}, without schema_version): capture it again")  # fmt: skip
+            raise fail(
+                where,
+                f"{at}.schema_version" if at else "schema_version",
+                f"capture meta schema version {version!r}; this difftest reads {SCHEMA_VERSION} "
+                f"(and {LEGACY_VERSION}, without schema_version): capture it again",
+            )
         return decode(cls, data, where, at, skip=("schema_version",))
 
     def replace(self, **changes: Any) -> "CaptureMeta":

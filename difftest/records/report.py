@@ -99,8 +99,12 @@ class Report:
         schema, version = data.get("schema"), data.get("schema_version")
         if schema == LEGACY_SCHEMA and version is None:
             again = f": write it again with `{data['reproduce']}`" if isinstance(data.get("reproduce"), str) else ""
-            raise fail(where, "schema_version", f"report schema version 1 ({LEGACY_SCHEMA}, before typed records); "
-                                                f"this difftest reads version {SCHEMA_VERSION}{again}")  # fmt: skip
+            raise fail(
+                where,
+                "schema_version",
+                f"report schema version 1 ({LEGACY_SCHEMA}, before typed records); "
+                f"this difftest reads version {SCHEMA_VERSION}{again}",
+            )
         if schema != SCHEMA:
             raise fail(where, "schema", f"{schema!r}, expected {SCHEMA!r}")
         if version != SCHEMA_VERSION:

@@ -70,10 +70,11 @@ class WiringInference:
 
     def headline(self) -> str:
         readings = "; ".join(
-            f"the config reads as {short(r.wiring)} in {r.engine} ({_num(r.agreement)})" if r.wiring
+            f"the config reads as {short(r.wiring)} in {r.engine} ({_num(r.agreement)})"
+            if r.wiring
             else f"{r.engine} cannot serve the config's ids"
             for r in self.readings
-        )  # fmt: skip
+        )
         if self.decided:
             head = f"trained on {self.short()} (agreement {self.agreement:.2f})"
             if self.runner_up is not None:
@@ -87,15 +88,19 @@ class WiringInference:
         out = [self.headline()]
         for s in self.slots:
             how = f"; pinned by {s.decided_by}" if s.decided_by else "; not pinned"
-            out.append(f"slot {s.slot}: {short_name(s.chosen)}; moved alone to {short_name(s.alternative)} agreement "
-                       f"drops {s.drop:+.3f} to {s.alternative_agreement:.3f} (z {s.z:.1f}; log-probability z "
-                       f"{s.z_logp:.1f}){how}")  # fmt: skip
+            out.append(
+                f"slot {s.slot}: {short_name(s.chosen)}; moved alone to {short_name(s.alternative)} agreement "
+                f"drops {s.drop:+.3f} to {s.alternative_agreement:.3f} (z {s.z:.1f}; log-probability z "
+                f"{s.z_logp:.1f}){how}"
+            )
         out.append(
             f"features from unrelated positions: agreement {self.shuffled_agreement:.3f} (z {self.shuffled_z:.1f})"
         )
         out += [f"cannot tell: {r}" for r in self.reasons[1:]]
-        out.append(f"evidence: {self.source}; labels: {self.label_source}; {self.positions} positions; "
-                   f"{self.forwards} draft forwards (full grid: {self.grid_size}); decided at z >= {Z_DECIDE:g}")  # fmt: skip
+        out.append(
+            f"evidence: {self.source}; labels: {self.label_source}; {self.positions} positions; "
+            f"{self.forwards} draft forwards (full grid: {self.grid_size}); decided at z >= {Z_DECIDE:g}"
+        )
         return out
 
     def to_dict(self) -> dict:

@@ -37,8 +37,11 @@ def bundle(args) -> int:
     data = load(path)
     stem = data.case.replace("/", "_")
     # the default path needs the case name from the JSON, so it is checked once that is read
-    out = Path(args.output) if args.output else check_output_file(path.parent / f"{stem}.difftest.tar.gz",
-                                                                    "-o/--output (default: beside the JSON)")  # fmt: skip
+    out = (
+        Path(args.output)
+        if args.output
+        else check_output_file(path.parent / f"{stem}.difftest.tar.gz", "-o/--output (default: beside the JSON)")
+    )
     from difftest.report.html_report import render as render_html
 
     members: dict[str, bytes] = {

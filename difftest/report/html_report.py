@@ -23,8 +23,19 @@ from html import escape
 from difftest.records import AcceptLengthData, CheckResult, ComparisonData, PromptComparison, Report, ServerAcceptData
 from difftest.records.report import SCHEMA, SCHEMA_VERSION
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
-from difftest.report.writer import (INTERRUPTED, above_noise, fix_lines, fixes, focus, interesting, noise_cells, noise_floor_line, num,
-                             ties_lines, verdict_word)  # fmt: skip
+from difftest.report.writer import (
+    INTERRUPTED,
+    above_noise,
+    fix_lines,
+    fixes,
+    focus,
+    interesting,
+    noise_cells,
+    noise_floor_line,
+    num,
+    ties_lines,
+    verdict_word,
+)
 
 OUTCOME_COLOURS = {
     "passed": "#1a7f37",
@@ -123,8 +134,11 @@ def _polyline(points: list[tuple[float, float] | None], colour: str, dash: str =
             continue
         if len(run) > 1:
             pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in run)
-            out.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.5"'
-                       + (f' stroke-dasharray="{dash}"' if dash else "") + "/>")  # fmt: skip
+            out.append(
+                f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.5"'
+                + (f' stroke-dasharray="{dash}"' if dash else "")
+                + "/>"
+            )
         run = []
     return "".join(out)
 
@@ -148,23 +162,31 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
     X = lambda i: left + step * (i + 0.5)  # noqa: E731
     Y = lambda v: top + height * (hi - math.log10(v)) / (hi - lo)  # noqa: E731
     bottom, ceiling = top + height, top
-    s = [f'<svg class="noise" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width:.0f} {total_h:.0f}" '
-         f'role="img" aria-label="{escape(engine)}: error against the noise floor along the data flow">']  # fmt: skip
+    s = [
+        f'<svg class="noise" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width:.0f} {total_h:.0f}" '
+        f'role="img" aria-label="{escape(engine)}: error against the noise floor along the data flow">'
+    ]
     # tie-skipped tensors: shaded columns
     for i, t in enumerate(tensors):
         if t.status == TensorStatus.TIE:
-            s.append(f'<rect x="{X(i) - step / 2:.1f}" y="{top}" width="{step:.1f}" height="{height}" fill="{C_TIE}">'
-                     f"<title>{_tip(t)}</title></rect>")  # fmt: skip
+            s.append(
+                f'<rect x="{X(i) - step / 2:.1f}" y="{top}" width="{step:.1f}" height="{height}" fill="{C_TIE}">'
+                f"<title>{_tip(t)}</title></rect>"
+            )
     # decades
     for d in range(lo, hi + 1):
         y = Y(10.0**d)
-        s.append(f'<line x1="{left}" x2="{width - right:.0f}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d0d7de" stroke-width="0.6"/>'
-                 f'<text x="{left - 4}" y="{y + 3:.1f}" font-size="9" text-anchor="end" fill="#57606a">1e{d}</text>')  # fmt: skip
+        s.append(
+            f'<line x1="{left}" x2="{width - right:.0f}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d0d7de" stroke-width="0.6"/>'
+            f'<text x="{left - 4}" y="{y + 3:.1f}" font-size="9" text-anchor="end" fill="#57606a">1e{d}</text>'
+        )
     s.append(
         f'<rect x="{left}" y="{top}" width="{width - left - right:.0f}" height="{height}" fill="none" stroke="#8c959f"/>'
     )
-    s.append(f'<text x="12" y="{top + height / 2:.0f}" font-size="10" fill="#57606a" transform="rotate(-90 12 {top + height / 2:.0f})" '
-             'text-anchor="middle">row error ||engine - ref|| / ||ref||</text>')  # fmt: skip
+    s.append(
+        f'<text x="12" y="{top + height / 2:.0f}" font-size="10" fill="#57606a" transform="rotate(-90 12 {top + height / 2:.0f})" '
+        'text-anchor="middle">row error ||engine - ref|| / ||ref||</text>'
+    )
 
     def series(key: str, keep=lambda t: True) -> list[tuple[float, float] | None]:
         return [(X(i), Y(v)) if (v := _pos(getattr(t, key))) and keep(t) else None for i, t in enumerate(tensors)]
@@ -179,14 +201,18 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
         if status == TensorStatus.TIE:
             continue
         if status in (TensorStatus.MISSING, TensorStatus.SHAPE) or (status == TensorStatus.MISMATCH and err is None):
-            s.append(f'<text x="{x:.1f}" y="{ceiling + 4:.1f}" font-size="13" text-anchor="middle" fill="{C_ABOVE}" '
-                     f'class="err above">×<title>{tip}</title></text>')  # fmt: skip
+            s.append(
+                f'<text x="{x:.1f}" y="{ceiling + 4:.1f}" font-size="13" text-anchor="middle" fill="{C_ABOVE}" '
+                f'class="err above">×<title>{tip}</title></text>'
+            )
             continue
         if status == TensorStatus.ALLOWED_MISSING:
             continue
         if err is None:  # bit-identical (or zero error): on the bottom axis
-            s.append(f'<circle cx="{x:.1f}" cy="{bottom:.1f}" r="3" fill="#fff" stroke="{C_ERR}" class="err identical">'
-                     f"<title>{tip}</title></circle>")  # fmt: skip
+            s.append(
+                f'<circle cx="{x:.1f}" cy="{bottom:.1f}" r="3" fill="#fff" stroke="{C_ERR}" class="err identical">'
+                f"<title>{tip}</title></circle>"
+            )
             continue
         y = Y(err)
         colour, cls, r = (C_ABOVE, "err above", 4.5) if above_noise(t) else (C_ERR, "err within", 3.5)
@@ -201,23 +227,32 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
     if first and any(t.name == first for t in tensors):
         i = next(i for i, t in enumerate(tensors) if t.name == first)
         anchor, dx = ("start", 5) if i < n / 2 else ("end", -5)
-        s.append(f'<line x1="{X(i):.1f}" x2="{X(i):.1f}" y1="{top}" y2="{bottom}" stroke="{C_ABOVE}" stroke-width="1" '
-                 f'stroke-dasharray="2 2" class="introduced-marker"/><text x="{X(i) + dx:.1f}" y="{top + 12}" font-size="11" '
-                 f'font-weight="600" fill="{C_ABOVE}" text-anchor="{anchor}">error introduced: {escape(first)}</text>')  # fmt: skip
+        s.append(
+            f'<line x1="{X(i):.1f}" x2="{X(i):.1f}" y1="{top}" y2="{bottom}" stroke="{C_ABOVE}" stroke-width="1" '
+            f'stroke-dasharray="2 2" class="introduced-marker"/><text x="{X(i) + dx:.1f}" y="{top + 12}" font-size="11" '
+            f'font-weight="600" fill="{C_ABOVE}" text-anchor="{anchor}">error introduced: {escape(first)}</text>'
+        )
     # tensor names
     for i, t in enumerate(tensors):
         colour = C_ABOVE if above_noise(t) else ("#8c959f" if t.status == TensorStatus.TIE else "#1f2328")
         weight = ' font-weight="700"' if t.introduced else ""
-        s.append(f'<text x="{X(i) + 3:.1f}" y="{bottom + 10:.1f}" font-size="9" fill="{colour}"{weight} text-anchor="end" '
-                 f'transform="rotate(-60 {X(i) + 3:.1f} {bottom + 10:.1f})">{escape(t.name)}</text>')  # fmt: skip
+        s.append(
+            f'<text x="{X(i) + 3:.1f}" y="{bottom + 10:.1f}" font-size="9" fill="{colour}"{weight} text-anchor="end" '
+            f'transform="rotate(-60 {X(i) + 3:.1f} {bottom + 10:.1f})">{escape(t.name)}</text>'
+        )
     # legend
-    items = [(f'<circle cx="6" cy="-3" r="3.5" fill="{C_ERR}"/>', "err (within noise)"),
-             (f'<circle cx="6" cy="-3" r="4.5" fill="{C_ABOVE}"/>', "above noise"),
-             (f'<circle cx="6" cy="-3" r="7" fill="none" stroke="{C_ABOVE}" stroke-width="2"/>', "error introduced"),
-             (f'<circle cx="6" cy="-3" r="3" fill="#fff" stroke="{C_ERR}"/>', "bit-identical (on the axis)"),
-             (f'<line x1="0" x2="14" y1="-3" y2="-3" stroke="{C_FLOOR}" stroke-width="1.5" stroke-dasharray="4 3"/>', "noise floor"),
-             (f'<line x1="0" x2="14" y1="-3" y2="-3" stroke="{C_THRESH}" stroke-width="1.5"/>', "threshold"),
-             (f'<rect x="0" y="-9" width="14" height="12" fill="{C_TIE}"/>', "tie: not compared")]  # fmt: skip
+    items = [
+        (f'<circle cx="6" cy="-3" r="3.5" fill="{C_ERR}"/>', "err (within noise)"),
+        (f'<circle cx="6" cy="-3" r="4.5" fill="{C_ABOVE}"/>', "above noise"),
+        (f'<circle cx="6" cy="-3" r="7" fill="none" stroke="{C_ABOVE}" stroke-width="2"/>', "error introduced"),
+        (f'<circle cx="6" cy="-3" r="3" fill="#fff" stroke="{C_ERR}"/>', "bit-identical (on the axis)"),
+        (
+            f'<line x1="0" x2="14" y1="-3" y2="-3" stroke="{C_FLOOR}" stroke-width="1.5" stroke-dasharray="4 3"/>',
+            "noise floor",
+        ),
+        (f'<line x1="0" x2="14" y1="-3" y2="-3" stroke="{C_THRESH}" stroke-width="1.5"/>', "threshold"),
+        (f'<rect x="0" y="-9" width="14" height="12" fill="{C_TIE}"/>', "tie: not compared"),
+    ]
     x = left
     for mark, label in items:
         s.append(
@@ -230,15 +265,21 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
 
 def noise_section(report: Report) -> list[str]:
     """The noise floor's source line, then per engine the SVG, the compact table and the ties."""
-    h = ["<h2 id='noise'>Error against the noise floor</h2>",
-         f"<p class='noise-source' id='noise-source'>{escape(noise_floor_line(report))}</p>"]  # fmt: skip
+    h = [
+        "<h2 id='noise'>Error against the noise floor</h2>",
+        f"<p class='noise-source' id='noise-source'>{escape(noise_floor_line(report))}</p>",
+    ]
     nf = report.noise_floor
     if nf is not None and nf.tensors:
-        h.append("<details><summary>measured floor per tensor</summary><table><tr><th>tensor</th><th>floor</th>"
-                 "<th>max</th><th>rows</th><th>threshold</th></tr>")  # fmt: skip
+        h.append(
+            "<details><summary>measured floor per tensor</summary><table><tr><th>tensor</th><th>floor</th>"
+            "<th>max</th><th>rows</th><th>threshold</th></tr>"
+        )
         for name, f in nf.tensors.items():
-            h.append(f"<tr><td><code>{escape(name)}</code></td><td>{num(f.floor)}</td><td>{num(f.max)}</td>"
-                     f"<td>{escape(str(f.rows))}</td><td>{num(f.threshold)}</td></tr>")  # fmt: skip
+            h.append(
+                f"<tr><td><code>{escape(name)}</code></td><td>{num(f.floor)}</td><td>{num(f.max)}</td>"
+                f"<td>{escape(str(f.rows))}</td><td>{num(f.threshold)}</td></tr>"
+            )
         h.append("</table></details>")
     comparisons = report.comparisons
     if not comparisons:
@@ -253,23 +294,31 @@ def noise_section(report: Report) -> list[str]:
         )
         h.append(f"<h3 class='noise-engine'>{head}</h3>")
         if first:
-            h.append(f"<p>first above noise <code>{escape(str(entry.first_above_noise))}</code> · first that differs "
-                     f"at all <code>{escape(str(entry.first_differs))}</code></p>")  # fmt: skip
+            h.append(
+                f"<p>first above noise <code>{escape(str(entry.first_above_noise))}</code> · first that differs "
+                f"at all <code>{escape(str(entry.first_differs))}</code></p>"
+            )
         svg = svg_noise(entry, engine)
         if svg:
-            h.append(f"<figure>{svg}<figcaption>{escape(engine)}, prompt {escape(str(entry.prompt))}: per-row relative "
-                     "error of every tensor along the data flow (largest row, log scale) against the reference's measured "
-                     "noise floor and the threshold; hover a point for its numbers</figcaption></figure>")  # fmt: skip
+            h.append(
+                f"<figure>{svg}<figcaption>{escape(engine)}, prompt {escape(str(entry.prompt))}: per-row relative "
+                "error of every tensor along the data flow (largest row, log scale) against the reference's measured "
+                "noise floor and the threshold; hover a point for its numbers</figcaption></figure>"
+            )
         rows, left = interesting(entry)
         if rows:
-            h.append("<table class='noise-table'><tr><th>tensor</th><th>err</th><th>floor</th><th>threshold</th><th>excess</th>"
-                     "<th>verdict</th><th>introduced</th></tr>")  # fmt: skip
+            h.append(
+                "<table class='noise-table'><tr><th>tensor</th><th>err</th><th>floor</th><th>threshold</th><th>excess</th>"
+                "<th>verdict</th><th>introduced</th></tr>"
+            )
             for t in rows:
                 cls = " class='above'" if above_noise(t) else ""
                 err, floor, threshold, excess = noise_cells(t)
-                h.append(f"<tr{cls}><td><code>{escape(t.name)}</code></td><td>{err}</td><td>{floor}</td><td>{threshold}</td>"
-                         f"<td>{excess}x</td><td>{escape(verdict_word(t))}</td>"
-                         f"<td>{'◀ introduced' if t.introduced else ''}</td></tr>")  # fmt: skip
+                h.append(
+                    f"<tr{cls}><td><code>{escape(t.name)}</code></td><td>{err}</td><td>{floor}</td><td>{threshold}</td>"
+                    f"<td>{excess}x</td><td>{escape(verdict_word(t))}</td>"
+                    f"<td>{'◀ introduced' if t.introduced else ''}</td></tr>"
+                )
             h.append("</table>")
             if left:
                 h.append(f"<p>{left} more tensors above noise are in the plot and the JSON.</p>")
@@ -410,8 +459,10 @@ def render(report: Report) -> str:
         f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{escape(title)}</title><style>{CSS}</style></head><body>"
     ]
     h.append(f"<h1>{escape(title)}</h1>")
-    h.append(f"<p>reference <code>{escape(report.reference)}</code> · case file <code>{escape(report.case_file)}</code>"
-             f" · {escape(report.created)} · schema {SCHEMA} version {SCHEMA_VERSION}</p>")  # fmt: skip
+    h.append(
+        f"<p>reference <code>{escape(report.reference)}</code> · case file <code>{escape(report.case_file)}</code>"
+        f" · {escape(report.created)} · schema {SCHEMA} version {SCHEMA_VERSION}</p>"
+    )
     if report.interrupted:
         verdict = f"interrupted: {INTERRUPTED} ({verdict})"
     bad = failed or report.interrupted
@@ -445,13 +496,17 @@ def render(report: Report) -> str:
 
     h.append("<h2 id='checks'>Checks</h2><table><tr><th>engine</th><th>check</th><th>outcome</th><th>message</th></tr>")
     for c in checks:
-        h.append(f"<tr><td><code>{escape(c.engine)}</code></td><td>{escape(c.check)}</td><td>{_outcome(c.outcome)}</td>"
-                 f"<td class='msg'>{escape(c.message)}</td></tr>")  # fmt: skip
+        h.append(
+            f"<tr><td><code>{escape(c.engine)}</code></td><td>{escape(c.check)}</td><td>{_outcome(c.outcome)}</td>"
+            f"<td class='msg'>{escape(c.message)}</td></tr>"
+        )
     h.append("</table>")
 
     h.append("<h2 id='plots'>Plots</h2>")
-    figures = [(plot_dataflow(report), "elementwise statistics along the data flow (prompt of the first divergence)"),
-               (plot_tokens(report), "per-token error of the tensor where the error is introduced")]  # fmt: skip
+    figures = [
+        (plot_dataflow(report), "elementwise statistics along the data flow (prompt of the first divergence)"),
+        (plot_tokens(report), "per-token error of the tensor where the error is introduced"),
+    ]
     for c in checks:
         if c.check == "fc_inputs":
             figures.append((plot_similarity(c), f"{c.engine}: chunk-vs-layer similarity"))
@@ -475,8 +530,10 @@ def render(report: Report) -> str:
         h.append(
             "<h2 id='definitions'>Definitions</h2><table><tr><th>figure</th><th>counts</th><th>to the harness's definition</th></tr>"
         )
-        h += [f"<tr><td><code>{escape(d.name)}</code></td><td>{escape(d.counts)}</td><td>{escape(d.converts)}</td></tr>"
-              for d in report.definitions]  # fmt: skip
+        h += [
+            f"<tr><td><code>{escape(d.name)}</code></td><td>{escape(d.counts)}</td><td>{escape(d.converts)}</td></tr>"
+            for d in report.definitions
+        ]
         h.append("</table>")
     h.append("</body></html>")
     return "\n".join(h)

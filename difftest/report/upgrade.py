@@ -128,8 +128,20 @@ def summarise(report: Report, report_dir: Path) -> list[SummaryRow]:
         entry = report.engines.get(engine)
         info = entry.info if entry is not None else None
         release = "-" if info is None else f"{info.version}" + (f" {info.variant}" if info.variant else "")
-        rows.append(SummaryRow(report.case, engine, report.reference, ref_al, eng_al,
-                               _first_divergence(prompts), drift, verdict, html, release))  # fmt: skip
+        rows.append(
+            SummaryRow(
+                report.case,
+                engine,
+                report.reference,
+                ref_al,
+                eng_al,
+                _first_divergence(prompts),
+                drift,
+                verdict,
+                html,
+                release,
+            )
+        )
     return rows
 
 
@@ -140,13 +152,30 @@ def _fmt(x: float | None) -> str:
 def render(rows: list[SummaryRow]) -> list[str]:
     """Plain-text table lines (terminal and `difftest run`)."""
     # the release last: it may hold spaces ("0.32.0 runner v2"), and the columns before it are read by position
-    header = ("case", "engine", "reference", "ref AL", "engine AL", "first divergent tensor", "verdict", "report",
-              "release")  # fmt: skip
+    header = (
+        "case",
+        "engine",
+        "reference",
+        "ref AL",
+        "engine AL",
+        "first divergent tensor",
+        "verdict",
+        "report",
+        "release",
+    )
     table = [header] + [
-        (r.case, r.engine, r.reference, _fmt(r.reference_accept), _fmt(r.engine_accept), r.first_divergence,
-         r.verdict + (f" ({r.largest_drift})" if r.verdict == DRIFTED and r.largest_drift != "-" else ""), r.html,
-         r.release)
+        (
+            r.case,
+            r.engine,
+            r.reference,
+            _fmt(r.reference_accept),
+            _fmt(r.engine_accept),
+            r.first_divergence,
+            r.verdict + (f" ({r.largest_drift})" if r.verdict == DRIFTED and r.largest_drift != "-" else ""),
+            r.html,
+            r.release,
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in table]

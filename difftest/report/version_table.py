@@ -135,8 +135,10 @@ def run(args: argparse.Namespace) -> int:
         print(str(e), file=sys.stderr)
         return 2
     if not found:
-        print("difftest versions: the reports compare no engine release (run them with --engines=ref,sglang@OLD,sglang,...)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "difftest versions: the reports compare no engine release (run them with --engines=ref,sglang@OLD,sglang,...)",
+            file=sys.stderr,
+        )
         return 2
     print("\n".join(markdown(found)))
     return 0

@@ -131,10 +131,11 @@ def noise_floor(case, session) -> NoiseFloorRecord:
     any engine was compared. Should computing it fail, the report says why instead of failing."""
     try:
         return session.noise_floor(case).record()
-    except Exception as e:  # noqa: BLE001 - the report must still be written
+    except Exception as e:
         error = f"{type(e).__name__}: {e}"
-        return NoiseFloorRecord(getattr(case, "dtype", None), False, f"could not be computed ({error.splitlines()[0]})",
-                                error=error)  # fmt: skip
+        return NoiseFloorRecord(
+            getattr(case, "dtype", None), False, f"could not be computed ({error.splitlines()[0]})", error=error
+        )
 
 
 def _read_text(path: str) -> str:
@@ -149,8 +150,15 @@ def reproduce_command(case_path: str, engines: list[str], reference: str) -> str
     in --engines: it comes back as --baseline NAME[:ENGINE]."""
     if reference.startswith("baseline:"):
         live = [e for e in engines if e != reference]
-        return shlex.join(["difftest", "run", case_path, f"--engines={','.join(live)}",
-                           f"--baseline={reference.removeprefix('baseline:')}"])  # fmt: skip
+        return shlex.join(
+            [
+                "difftest",
+                "run",
+                case_path,
+                f"--engines={','.join(live)}",
+                f"--baseline={reference.removeprefix('baseline:')}",
+            ]
+        )
     cmd = ["difftest", "run", case_path, f"--engines={','.join(engines)}"]
     if engines and engines[0] != reference:
         cmd.append(f"--reference={reference}")
@@ -161,8 +169,12 @@ def _git_sha() -> str:
     root = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unknown ({e})"
     if sha.returncode:
@@ -266,9 +278,15 @@ def ties(report: Report, engine: str) -> dict:
     not compared because the engine drafted another token at a tie (per prompt)."""
     top1 = next((c.data for c in report.results(engine, "top1_agreement") if isinstance(c.data, Top1Data)), None)
     prompts = report.comparisons.get(engine) or []
-    return {"top1_ties": top1.ties if top1 else None, "top1_ties_agree": top1.ties_agree if top1 else None,
-            "skipped": [{"prompt": p.prompt, "tie": p.tie, "tensors": sum(1 for t in p.tensors if t.status == TensorStatus.TIE)}
-                        for p in prompts if p.tie]}  # fmt: skip
+    return {
+        "top1_ties": top1.ties if top1 else None,
+        "top1_ties_agree": top1.ties_agree if top1 else None,
+        "skipped": [
+            {"prompt": p.prompt, "tie": p.tie, "tensors": sum(1 for t in p.tensors if t.status == TensorStatus.TIE)}
+            for p in prompts
+            if p.tie
+        ],
+    }
 
 
 def ties_lines(report: Report, engine: str) -> list[str]:
@@ -309,8 +327,12 @@ def markdown_noise(report: Report) -> list[str]:
         head = f"### `{engine}`, prompt {entry.prompt}: "
         if entry.first_divergence:
             head += f"error introduced at `{entry.first_divergence}`"
-            lines += [head, "", f"first above noise `{entry.first_above_noise}`; first that differs at all "
-                                f"`{entry.first_differs}`", ""]  # fmt: skip
+            lines += [
+                head,
+                "",
+                f"first above noise `{entry.first_above_noise}`; first that differs at all `{entry.first_differs}`",
+                "",
+            ]
         else:
             differs = entry.first_differs or next((t.name for t in entry.tensors if t.differs), None)
             lines += [head + ("every tensor within noise" if differs else "every compared tensor bit-identical"), ""]
@@ -339,20 +361,27 @@ def markdown_inference(inf: WiringInference) -> list[str]:
     def w(names) -> str:
         return "[" + ", ".join(short_name(n) for n in names) + "]" if names else "-"
 
-    lines = ["## Wiring inferred (`wiring: infer`)", "",
-             f"trained on **{w(inf.wiring)}**, step-0 agreement {inf.agreement:.3f}; evidence: {inf.source}, "
-             f"{inf.positions} positions, {inf.forwards} draft forwards (full grid {inf.grid_size})"]  # fmt: skip
+    lines = [
+        "## Wiring inferred (`wiring: infer`)",
+        "",
+        f"trained on **{w(inf.wiring)}**, step-0 agreement {inf.agreement:.3f}; evidence: {inf.source}, "
+        f"{inf.positions} positions, {inf.forwards} draft forwards (full grid {inf.grid_size})",
+    ]
     if inf.runner_up:
-        lines.append(f"runner-up {w(inf.runner_up)} ({inf.runner_up_agreement:.3f}): margin {inf.margin:.3f} "
-                     f"(z {inf.margin_z:.1f})")  # fmt: skip
+        lines.append(
+            f"runner-up {w(inf.runner_up)} ({inf.runner_up_agreement:.3f}): margin {inf.margin:.3f} "
+            f"(z {inf.margin_z:.1f})"
+        )
     lines += [
         "",
         "| slot | inferred | best alternative | agreement drop | z (agreement) | z (log-prob) |",
         "|---|---|---|---|---|---|",
     ]
     for s in inf.slots:
-        lines.append(f"| {s.slot} | {short_name(s.chosen)} | {short_name(s.alternative)} | {s.drop:.3f} | "
-                     f"{s.z:.1f} | {s.z_logp:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {s.slot} | {short_name(s.chosen)} | {short_name(s.alternative)} | {s.drop:.3f} | "
+            f"{s.z:.1f} | {s.z_logp:.1f} |"
+        )
     lines += ["", "| engine | reads the config as | agreement |", "|---|---|---|"]
     for r in inf.readings:
         agreement = "-" if r.agreement is None else f"{r.agreement:.3f}"
@@ -371,8 +400,11 @@ class Fix:
 
 def fixes(report: Report) -> list[Fix]:
     """The layer-id fixes the failing fc_inputs items computed, one per engine."""
-    return [Fix(c.engine, c.data.rule or "", c.data.fix) for c in report.checks
-            if c.check == "fc_inputs" and isinstance(c.data, ComparisonData) and c.data.fix is not None]  # fmt: skip
+    return [
+        Fix(c.engine, c.data.rule or "", c.data.fix)
+        for c in report.checks
+        if c.check == "fc_inputs" and isinstance(c.data, ComparisonData) and c.data.fix is not None
+    ]
 
 
 def fix_lines(f: Fix, case_file: str) -> list[str]:
@@ -399,9 +431,13 @@ def markdown_fixes(report: Report) -> list[str]:
 
 def markdown(report: Report) -> str:
     lines = [f"# difftest: {report.case}", "", f"reference: `{report.reference}`; case file `{report.case_file}`", ""]
-    ran = [f"`{e}` {entry.info.label()}" + (f", {entry.info.kernels}" if entry.info.kernels else "")
-           + (f", {entry.info.versions['execution']}" if entry.info.versions.get("execution") else "")
-           for e, entry in report.engines.items() if entry.info is not None]  # fmt: skip
+    ran = [
+        f"`{e}` {entry.info.label()}"
+        + (f", {entry.info.kernels}" if entry.info.kernels else "")
+        + (f", {entry.info.versions['execution']}" if entry.info.versions.get("execution") else "")
+        for e, entry in report.engines.items()
+        if entry.info is not None
+    ]
     if ran:
         lines += ["engines: " + "; ".join(ran), ""]
     if report.interrupted:
@@ -430,10 +466,17 @@ def markdown_timings(report: Report) -> list[str]:
         return []
     total = t.harness_seconds + t.engine_seconds
     share = f" ({100 * t.harness_seconds / total:.0f}%)" if total > 0 else ""
-    lines = [f"Time: harness {t.harness_seconds:.2f} s{share}, engines {t.engine_seconds:.2f} s ({t.scope}).", "",
-             "| phase | owner | engine | dtype | seconds | count | MiB |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {p.phase} | {p.owner} | {p.engine or ''} | {p.dtype or ''} | {p.seconds:.3f} | {p.count} | "
-              f"{p.bytes / 2**20:.1f} |" for p in t.phases]  # fmt: skip
+    lines = [
+        f"Time: harness {t.harness_seconds:.2f} s{share}, engines {t.engine_seconds:.2f} s ({t.scope}).",
+        "",
+        "| phase | owner | engine | dtype | seconds | count | MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p.phase} | {p.owner} | {p.engine or ''} | {p.dtype or ''} | {p.seconds:.3f} | {p.count} | "
+        f"{p.bytes / 2**20:.1f} |"
+        for p in t.phases
+    ]
     return lines + [""]
 
 

@@ -34,8 +34,23 @@ from difftest.base.names import TARGET_LOGITS
 INDEX_NAME = "model.safetensors.index.json"
 # A header larger than this is not a real one (safetensors itself caps it at 100 MB).
 _MAX_HEADER = 100 << 20
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}  # fmt: skip
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
 _CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 # Tensors every decoder layer of every supported family holds (Llama, Qwen3, DeepSeek-V3 with MLA
 # included); the MLP differs between dense and MoE layers and is left to the loader's own report.
@@ -83,8 +98,10 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         out[name] = StoredTensor(path, name, shape, dtype)
         end = max(end, int(stop))
     if 8 + n + end > size:
-        raise ConfigError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}; "
-                          "download or save it again")  # fmt: skip
+        raise ConfigError(
+            f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}; "
+            "download or save it again"
+        )
     return out
 
 
@@ -106,25 +123,43 @@ def stored_tensors(model_dir: Path) -> tuple[dict[str, StoredTensor], list[Findi
         named = sorted(set(map(str, weight_map.values())))
         absent = [s for s in named if not (model_dir / s).is_file()]
         if absent:
-            findings.append(Finding("checkpoint-index", "error",
-                f"{index_path} names shard{'s' if len(absent) > 1 else ''} {', '.join(absent)}, which "
-                f"{'do' if len(absent) > 1 else 'does'} not exist: {sum(1 for s in weight_map.values() if s in absent)} "
-                "tensors are missing from the checkpoint"))  # fmt: skip
+            findings.append(
+                Finding(
+                    "checkpoint-index",
+                    "error",
+                    f"{index_path} names shard{'s' if len(absent) > 1 else ''} {', '.join(absent)}, which "
+                    f"{'do' if len(absent) > 1 else 'does'} not exist: {sum(1 for s in weight_map.values() if s in absent)} "
+                    "tensors are missing from the checkpoint",
+                )
+            )
         stray = [f.name for f in files if f.name not in named]
         if stray:
-            findings.append(Finding("checkpoint-index", "warning",
-                f"{index_path} does not name {', '.join(stray)}: loaders that follow the index never read it"))  # fmt: skip
+            findings.append(
+                Finding(
+                    "checkpoint-index",
+                    "warning",
+                    f"{index_path} does not name {', '.join(stray)}: loaders that follow the index never read it",
+                )
+            )
         files = [model_dir / s for s in named if s not in absent]
     tensors: dict[str, StoredTensor] = {}
     for f in files:
         tensors.update(read_header(f))
     if weight_map is not None:
-        misplaced = sorted(k for k, s in weight_map.items() if (model_dir / s).is_file() and
-                           (k not in tensors or tensors[k].file.name != s))  # fmt: skip
+        misplaced = sorted(
+            k
+            for k, s in weight_map.items()
+            if (model_dir / s).is_file() and (k not in tensors or tensors[k].file.name != s)
+        )
         if misplaced:
-            findings.append(Finding("checkpoint-index", "error",
-                f"{index_path}: {len(misplaced)} tensor(s) are not in the shard the index names, e.g. "
-                f"{misplaced[0]} (in {weight_map[misplaced[0]]}): loaders that follow the index miss them"))  # fmt: skip
+            findings.append(
+                Finding(
+                    "checkpoint-index",
+                    "error",
+                    f"{index_path}: {len(misplaced)} tensor(s) are not in the shard the index names, e.g. "
+                    f"{misplaced[0]} (in {weight_map[misplaced[0]]}): loaders that follow the index miss them",
+                )
+            )
     return tensors, findings
 
 
@@ -178,36 +213,63 @@ def target_findings(target_dir: Path) -> list[Finding]:
         nextn = int(text.get("num_nextn_predict_layers") or 0)
         extra = sorted(k for k in layers if k >= L + nextn)
         if extra:
-            out.append(Finding("target-weights", "error",
-                f"{where}: num_hidden_layers is {L}, but the weights hold layers up to {max(layers)} "
-                f"({len(extra)} layer(s) past the config: model.layers.{extra[0]}.*): transformers and "
-                f"SGLang run the first {L} and drop the rest without an error; {_engines_say('unexpected')}. "
-                "Fix num_hidden_layers or the weights"))  # fmt: skip
+            out.append(
+                Finding(
+                    "target-weights",
+                    "error",
+                    f"{where}: num_hidden_layers is {L}, but the weights hold layers up to {max(layers)} "
+                    f"({len(extra)} layer(s) past the config: model.layers.{extra[0]}.*): transformers and "
+                    f"SGLang run the first {L} and drop the rest without an error; {_engines_say('unexpected')}. "
+                    "Fix num_hidden_layers or the weights",
+                )
+            )
     if missing:
         shown = missing[:4] + (["..."] if len(missing) > 4 else [])
-        out.append(Finding("target-weights", "error",
-            f"{target_dir}: tensors missing from the target checkpoint: {', '.join(shown)} "
-            f"(config: tie_word_embeddings {str(tied).lower()}, num_hidden_layers {L}): transformers "
-            f"initialises them randomly; {_engines_say('missing')}", tensor="target.h.0" if
-            "model.embed_tokens.weight" in missing else TARGET_LOGITS if "lm_head.weight" in missing else None))  # fmt: skip
-    fields = {"model.embed_tokens.weight": ("vocab_size", "hidden_size"), "lm_head.weight": ("vocab_size", "hidden_size"),
-              "model.norm.weight": ("hidden_size",)}  # fmt: skip
+        out.append(
+            Finding(
+                "target-weights",
+                "error",
+                f"{target_dir}: tensors missing from the target checkpoint: {', '.join(shown)} "
+                f"(config: tie_word_embeddings {str(tied).lower()}, num_hidden_layers {L}): transformers "
+                f"initialises them randomly; {_engines_say('missing')}",
+                tensor="target.h.0"
+                if "model.embed_tokens.weight" in missing
+                else TARGET_LOGITS
+                if "lm_head.weight" in missing
+                else None,
+            )
+        )
+    fields = {
+        "model.embed_tokens.weight": ("vocab_size", "hidden_size"),
+        "lm_head.weight": ("vocab_size", "hidden_size"),
+        "model.norm.weight": ("hidden_size",),
+    }
     for name, want in expected.items():
         got = names.get(name)
         if got is None or None in want or got.shape == want:
             continue
         says = ", ".join(f"{f} {v}" for f, v in zip(fields[name], want))
-        out.append(Finding("target-weights", "error",
-            f"{got.file}: {name} has shape {list(got.shape)}, but {where.name} says {says}: fix the config "
-            "field that disagrees with the weights"))  # fmt: skip
+        out.append(
+            Finding(
+                "target-weights",
+                "error",
+                f"{got.file}: {name} has shape {list(got.shape)}, but {where.name} says {says}: fix the config "
+                "field that disagrees with the weights",
+            )
+        )
     declared = _CONFIG_DTYPES.get(str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or ""))
     floats = sorted(
         {t.dtype for t in names.values() if t.dtype.startswith(("F", "BF")) and not t.dtype.startswith("F8")}
     )
     if declared and floats and floats != [declared]:
-        out.append(Finding("checkpoint-dtype", "warning",
-            f"{target_dir}: weights stored as {', '.join(floats)}, config says {declared.lower()}: engines cast to "
-            "the dtype they run in, so the values are the stored ones rounded"))  # fmt: skip
+        out.append(
+            Finding(
+                "checkpoint-dtype",
+                "warning",
+                f"{target_dir}: weights stored as {', '.join(floats)}, config says {declared.lower()}: engines cast to "
+                "the dtype they run in, so the values are the stored ones rounded",
+            )
+        )
     return out
 
 

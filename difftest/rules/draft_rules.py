@@ -163,16 +163,25 @@ class TargetLoadRule:
     source: str
 
 
-TARGET_LOADING: dict[str, TargetLoadRule] = {r.engine: r for r in (
-    TargetLoadRule("vllm", "0.32.0",
-        missing="refuses at load ('Following weights were not initialized from checkpoint')",
-        unexpected="refuses at load (a name no module or parameter has is an error in its weight loader)",
-        source="vllm/model_executor/model_loader/default_loader.py::DefaultModelLoader.load_weights"),
-    TargetLoadRule("sglang", "0.5.23",
-        missing="loads without a word: the tensor keeps its uninitialised memory",
-        unexpected="skips it without a word (only names the model has are loaded)",
-        source="sglang/srt/models/llama.py::LlamaForCausalLM.load_weights (`if name in params_dict`)"),
-)}  # fmt: skip
+TARGET_LOADING: dict[str, TargetLoadRule] = {
+    r.engine: r
+    for r in (
+        TargetLoadRule(
+            "vllm",
+            "0.32.0",
+            missing="refuses at load ('Following weights were not initialized from checkpoint')",
+            unexpected="refuses at load (a name no module or parameter has is an error in its weight loader)",
+            source="vllm/model_executor/model_loader/default_loader.py::DefaultModelLoader.load_weights",
+        ),
+        TargetLoadRule(
+            "sglang",
+            "0.5.23",
+            missing="loads without a word: the tensor keeps its uninitialised memory",
+            unexpected="skips it without a word (only names the model has are loaded)",
+            source="sglang/srt/models/llama.py::LlamaForCausalLM.load_weights (`if name in params_dict`)",
+        ),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -190,10 +199,16 @@ class ChainBudgetRule:
 
 
 CHAIN_BUDGETS: tuple[ChainBudgetRule, ...] = (
-    ChainBudgetRule("sglang", "0.5.23", "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens",
-                    "sglang/srt/arg_groups/speculative_hook.py::_handle_eagle_family ('speculative_num_draft_tokens is "
-                    "adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1')"),
-)  # fmt: skip
+    ChainBudgetRule(
+        "sglang",
+        "0.5.23",
+        "speculative_eagle_topk",
+        "speculative_num_steps",
+        "speculative_num_draft_tokens",
+        "sglang/srt/arg_groups/speculative_hook.py::_handle_eagle_family ('speculative_num_draft_tokens is "
+        "adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1')",
+    ),
+)
 
 
 def flag_locations(raw: dict) -> dict[str, dict[str, object]]:

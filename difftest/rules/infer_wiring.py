@@ -370,9 +370,17 @@ def infer(
         alt = max(search.variants(best, slot), key=search.count, default=None)
         if alt is None:
             continue
-        slots.append(SlotContrast(slot, best[slot], alt[slot], search.agreement(alt), agreement - search.agreement(alt),
-                                  paired_z(hits, search.score(alt)),
-                                  paired_t(search.scores(best).logp, search.scores(alt).logp)))  # fmt: skip
+        slots.append(
+            SlotContrast(
+                slot,
+                best[slot],
+                alt[slot],
+                search.agreement(alt),
+                agreement - search.agreement(alt),
+                paired_z(hits, search.score(alt)),
+                paired_t(search.scores(best).logp, search.scores(alt).logp),
+            )
+        )
     others = [w for w in search.memo if w != best]
     runner = max(others, key=search.count, default=None)
     reasons: list[str] = []
@@ -380,19 +388,25 @@ def infer(
         sh = shuffled(best).hits
         sh_agreement, sh_z = float(sh.float().mean()) if sh.numel() else 0.0, paired_z(hits, sh)
         if sh_z < Z_DECIDE:
-            reasons.append(f"the draft agrees as often with its inputs taken from unrelated positions ({sh_agreement:.2f} "
-                           f"vs {agreement:.2f}, z {sh_z:.1f} < {Z_DECIDE:g}): it does not use its fc inputs "
-                           f"(untrained or random?)")  # fmt: skip
+            reasons.append(
+                f"the draft agrees as often with its inputs taken from unrelated positions ({sh_agreement:.2f} "
+                f"vs {agreement:.2f}, z {sh_z:.1f} < {Z_DECIDE:g}): it does not use its fc inputs "
+                f"(untrained or random?)"
+            )
     else:
         sh_agreement, sh_z = float("nan"), float("nan")
     for s in slots:
         if s.z < Z_DECIDE and s.z_logp < Z_DECIDE:
-            reasons.append(f"slot {s.slot}: {short_name(s.chosen)} and {short_name(s.alternative)} are within sampling "
-                           f"spread (agreement {agreement:.3f} vs {s.alternative_agreement:.3f}, z {s.z:.1f}; "
-                           f"log-probability z {s.z_logp:.1f}; both < {Z_DECIDE:g})")  # fmt: skip
+            reasons.append(
+                f"slot {s.slot}: {short_name(s.chosen)} and {short_name(s.alternative)} are within sampling "
+                f"spread (agreement {agreement:.3f} vs {s.alternative_agreement:.3f}, z {s.z:.1f}; "
+                f"log-probability z {s.z_logp:.1f}; both < {Z_DECIDE:g})"
+            )
     known = set(candidates)
-    reads = [Reading(e, list(w) if w else None, search.agreement(w) if w and set(w) <= known else None)
-             for e, w in (readings or {}).items()]  # fmt: skip
+    reads = [
+        Reading(e, list(w) if w else None, search.agreement(w) if w and set(w) <= known else None)
+        for e, w in (readings or {}).items()
+    ]
     return WiringInference(
         decided=not reasons,
         wiring=list(best),
@@ -422,8 +436,10 @@ def infer_from_evidence(
     candidates = evidence.candidates
     width = {evidence.tensors[0][n].shape[-1] for n in candidates}
     if width != {draft.cfg.target_hidden_size}:
-        raise ConfigError(f"infer wiring: the evidence's target tensors are {sorted(width)} wide; the draft's fc takes "
-                          f"{draft.cfg.target_hidden_size}-wide chunks")  # fmt: skip
+        raise ConfigError(
+            f"infer wiring: the evidence's target tensors are {sorted(width)} wide; the draft's fc takes "
+            f"{draft.cfg.target_hidden_size}-wide chunks"
+        )
     scorer = DraftScorer(draft, evidence)
     L = evidence.num_layers
     readings = config_readings(draft_ids, L, num_slots, family)

@@ -133,10 +133,10 @@ class LayerIdRule:
 
     # -- the model -------------------------------------------------------------------
     def default_ids(self, L: int) -> list[int]:
-        return [int(eval(part, {"L": L})) for part in self.defaults.split(",")]  # noqa: S307  (our own formulas)
+        return [int(eval(part, {"L": L})) for part in self.defaults.split(",")]
 
     def bounds(self, L: int) -> tuple[int, int]:
-        lo, hi = (int(eval(f, {"L": L})) for f in self.capturable)  # noqa: S307
+        lo, hi = (int(eval(f, {"L": L})) for f in self.capturable)
         return lo, hi
 
     def read_ids(self, draft_config: dict) -> tuple[list[int] | None, str]:
@@ -179,14 +179,18 @@ class LayerIdRule:
             refusal = self.beyond.removeprefix("crash: ").format(k=dropped[0], lo=lo, hi=hi, L=L)
         elif fc_chunks is not None and len(fed) != fc_chunks:
             if self.skips_fc_at_draft_width and len(fed) == 1:
-                unfused = (f"fc expects {fc_chunks} chunks but the engine captures 1 ({_hs(fed)}), as wide as the "
-                           "draft's hidden state: it skips fc and runs the draft on that layer as is, with no error")  # fmt: skip
+                unfused = (
+                    f"fc expects {fc_chunks} chunks but the engine captures 1 ({_hs(fed)}), as wide as the "
+                    "draft's hidden state: it skips fc and runs the draft on that layer as is, with no error"
+                )
                 return Reading(self, list(ids) if ids else None, place, asked, fed, dropped, None, L, unfused)
             if not fed and self.no_capture:
                 refusal = f"fc expects {fc_chunks} chunks but the engine captures no layer: {self.no_capture}"
             else:
-                refusal = (f"fc expects {fc_chunks} chunks but the engine captures {len(fed)} "
-                           f"({_hs(fed)}): a shape error at the first draft forward")  # fmt: skip
+                refusal = (
+                    f"fc expects {fc_chunks} chunks but the engine captures {len(fed)} "
+                    f"({_hs(fed)}): a shape error at the first draft forward"
+                )
         return Reading(self, list(ids) if ids else None, place, asked, fed, dropped, refusal, L)
 
     def words(self) -> str:
@@ -203,8 +207,12 @@ class LayerIdRule:
         """The ids (at this engine's first place) that make it feed `trained`, in that order."""
         want = list(trained)
         if self.sorted_by_layer and want != sorted(set(want)):
-            return Solution(self, want, None, f"{self.label} feeds fc in layer order, each layer once; "
-                                              f"{_hs(want)} is not in layer order")  # fmt: skip
+            return Solution(
+                self,
+                want,
+                None,
+                f"{self.label} feeds fc in layer order, each layer once; {_hs(want)} is not in layer order",
+            )
         shifts = {0, self.shift.by, -self.shift.by}
         candidates = [sorted({t - s for s in shifts}) for t in want]
         best: list[int] | None = None
@@ -218,8 +226,11 @@ class LayerIdRule:
         if best is None:
             lo, hi = self.bounds(L)
             out = [t for t in want if not lo <= t <= hi]
-            why = (f"{self.label} ({self.words()}) cannot feed {_hs(out)}: it captures h{lo}..h{hi} only"
-                   if out else f"no ids make {self.label} ({self.words()}) feed {_hs(want)}")  # fmt: skip
+            why = (
+                f"{self.label} ({self.words()}) cannot feed {_hs(out)}: it captures h{lo}..h{hi} only"
+                if out
+                else f"no ids make {self.label} ({self.words()}) feed {_hs(want)}"
+            )
             return Solution(self, want, None, why)
         return Solution(self, want, best, None)
 
@@ -278,8 +289,10 @@ class Reading:
         head = f"{self.rule.label} ({self.rule.words()})"
         if self.ids is None:
             ignored = "".join(f"ignores {place_words(p)} {ids} (never read there), " for p, ids in self.unread)
-            src = (f"{ignored}finds no ids ({' / '.join(self.rule.ids_from)}) and falls back to [{self.rule.defaults}] "
-                   f"= {self.rule.default_ids(self.L)}")  # fmt: skip
+            src = (
+                f"{ignored}finds no ids ({' / '.join(self.rule.ids_from)}) and falls back to [{self.rule.defaults}] "
+                f"= {self.rule.default_ids(self.L)}"
+            )
             text = f"{head} {src}, feeding {_hs(self.fed)}"
         else:
             text = f"{head} turns {self.ids} ({self.place}) into {_hs(self.fed)}"
@@ -311,46 +324,78 @@ _VLLM_DEFAULTS = "vllm/model_executor/models/interfaces.py::SupportsEagle3.get_e
 _SGL_IDS = "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py (eagle_config only)"
 
 VLLM_LLAMA = LayerIdRule(
-    engine="vllm", label="vLLM 0.32.0", family=LLAMA,
+    engine="vllm",
+    label="vLLM 0.32.0",
+    family=LLAMA,
     # the top level first; eagle_config only when the top level has no ids
-    ids_from=(TOP, EAGLE_CONFIG), shift=Shift(0), defaults="2, L//2, L-3", defaults_shifted=False,
+    ids_from=(TOP, EAGLE_CONFIG),
+    shift=Shift(0),
+    defaults="2, L//2, L-3",
+    defaults_shifted=False,
     # _maybe_add_hidden_state before the first layer (h0, the embedding) and after each layer i (h[i+1])
-    capturable=("0", "L"), beyond="dropped", misreading="error",
-    sources=(_VLLM_IDS, _VLLM_DEFAULTS, "vllm/model_executor/models/interfaces.py::_maybe_add_hidden_state",
-             "vllm/model_executor/models/llama.py::LlamaModel.forward"),
-)  # fmt: skip
+    capturable=("0", "L"),
+    beyond="dropped",
+    misreading="error",
+    sources=(
+        _VLLM_IDS,
+        _VLLM_DEFAULTS,
+        "vllm/model_executor/models/interfaces.py::_maybe_add_hidden_state",
+        "vllm/model_executor/models/llama.py::LlamaModel.forward",
+    ),
+)
 VLLM_QWEN3 = replace(
     VLLM_LLAMA,
     family=QWEN3,
     sources=VLLM_LLAMA.sources[:3] + ("vllm/model_executor/models/qwen2.py::Qwen2Model.forward",),
 )
 VLLM_DEEPSEEK = LayerIdRule(
-    engine="vllm", label="vLLM 0.32.0", family=DEEPSEEK, ids_from=(TOP, EAGLE_CONFIG), shift=Shift(0),
-    defaults="2, L//2, L-3", defaults_shifted=False,
+    engine="vllm",
+    label="vLLM 0.32.0",
+    family=DEEPSEEK,
+    ids_from=(TOP, EAGLE_CONFIG),
+    shift=Shift(0),
+    defaults="2, L//2, L-3",
+    defaults_shifted=False,
     # DeepseekV2Model.forward captures `hidden_states + residual` before layer idx: residual is None
     # before layer 0, so id 0 raises a TypeError; h[L] is taken after the loop (end_layer)
-    capturable=("1", "L"), beyond="dropped", misreading="error",
+    capturable=("1", "L"),
+    beyond="dropped",
+    misreading="error",
     low_crash="id 0 asks for h0, which vLLM's DeepSeek model cannot capture (hidden_states + residual with no residual yet: TypeError at the first forward)",
-    sources=(_VLLM_IDS, "vllm/model_executor/models/deepseek_v2.py::DeepseekV2Model.forward",
-             "vllm/model_executor/models/deepseek_v2.py::DeepseekV2ForCausalLM.get_eagle3_aux_hidden_state_layers"),
-)  # fmt: skip
+    sources=(
+        _VLLM_IDS,
+        "vllm/model_executor/models/deepseek_v2.py::DeepseekV2Model.forward",
+        "vllm/model_executor/models/deepseek_v2.py::DeepseekV2ForCausalLM.get_eagle3_aux_hidden_state_layers",
+    ),
+)
 SGLANG_LLAMA = LayerIdRule(
-    engine="sglang", label="SGLang 0.5.23", family=LLAMA, ids_from=(EAGLE_CONFIG,), shift=Shift(+1),
-    defaults="2, L//2, L-3", defaults_shifted=False,
+    engine="sglang",
+    label="SGLang 0.5.23",
+    family=LLAMA,
+    ids_from=(EAGLE_CONFIG,),
+    shift=Shift(+1),
+    defaults="2, L//2, L-3",
+    defaults_shifted=False,
     # LlamaModel.forward captures the input of layer i for i in layers_to_capture, i in 0..L-1:
     # h[L] (id L-1) is never captured, and the fc then gets fewer chunks than it expects
-    capturable=("0", "L-1"), beyond="dropped",
-    sources=(_SGL_IDS, "sglang/srt/models/llama.py::LlamaForCausalLM.set_eagle3_layers_to_capture",
-             "sglang/srt/models/llama.py::LlamaModel.forward"),
+    capturable=("0", "L-1"),
+    beyond="dropped",
+    sources=(
+        _SGL_IDS,
+        "sglang/srt/models/llama.py::LlamaForCausalLM.set_eagle3_layers_to_capture",
+        "sglang/srt/models/llama.py::LlamaModel.forward",
+    ),
     notes=("id -1 asks for h0 (the embedding): layers_to_capture = [0, ...]",),
     skips_fc_at_draft_width=True,
     # LlamaModel.forward returns the hidden states alone when it captured nothing, and
     # LlamaForCausalLM.forward unpacks (hidden, aux) from them (found by the rule property test,
     # seed 148252363: ids [4, 5, 5] on a 5-layer Llama)
-    no_capture=("the target's forward unpacks (hidden, aux) from hidden states returned alone: "
-                "ValueError at the first target forward, before the draft runs"),
+    no_capture=(
+        "the target's forward unpacks (hidden, aux) from hidden states returned alone: "
+        "ValueError at the first target forward, before the draft runs"
+    ),
     no_capture_error=r"too many values to unpack",
-)  # fmt: skip
+)
 SGLANG_QWEN3 = replace(
     SGLANG_LLAMA,
     family=QWEN3,
@@ -361,29 +406,56 @@ SGLANG_QWEN3 = replace(
     ),
 )
 SGLANG_DEEPSEEK = LayerIdRule(
-    engine="sglang", label="SGLang 0.5.23", family=DEEPSEEK, ids_from=(EAGLE_CONFIG,), shift=Shift(+1, when_first_is=1),
-    defaults="2, L//2, L-3", defaults_shifted=False, capturable=("0", "L-1"), beyond="dropped",
+    engine="sglang",
+    label="SGLang 0.5.23",
+    family=DEEPSEEK,
+    ids_from=(EAGLE_CONFIG,),
+    shift=Shift(+1, when_first_is=1),
+    defaults="2, L//2, L-3",
+    defaults_shifted=False,
+    capturable=("0", "L-1"),
+    beyond="dropped",
     # no silent fc skip here: DeepSeek's AuxHiddenStatePacker dies first when it captures fewer layers
     # than it was asked for (engines/sglang/deepseek.py::unrunnable refuses that before starting)
-    sources=(_SGL_IDS, "sglang/srt/models/deepseek_v2.py::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
-             "sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward"),
-)  # fmt: skip
+    sources=(
+        _SGL_IDS,
+        "sglang/srt/models/deepseek_v2.py::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
+        "sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward",
+    ),
+)
 
 # The trainers capture through an engine when they generate their data: speculators through vLLM
 # (so vLLM's reading, plus the verifier h[L] its launcher appends), SpecForge through its
 # SGLang-style "output of layer k" = h[k+1] with its own defaults.
 SPECULATORS = LayerIdRule(
-    engine="speculators", label="speculators 0.9", family="any", ids_from=("target_layer_ids", TOP, EAGLE_CONFIG),
-    shift=Shift(0), defaults="2, L//2, L-3", defaults_shifted=False, capturable=("0", "L"), beyond="dropped",
+    engine="speculators",
+    label="speculators 0.9",
+    family="any",
+    ids_from=("target_layer_ids", TOP, EAGLE_CONFIG),
+    shift=Shift(0),
+    defaults="2, L//2, L-3",
+    defaults_shifted=False,
+    capturable=("0", "L"),
+    beyond="dropped",
     verifier="L",
-    sources=("speculators/models/utils.py::resolve_target_layer_ids", "speculators/data_generation/launch_vllm.py (--include-last-layer)",
-             "speculators/train/data.py::ArrowDataset._get_raw_data (hidden_states[:, -1] is the verifier)"),
-)  # fmt: skip
+    sources=(
+        "speculators/models/utils.py::resolve_target_layer_ids",
+        "speculators/data_generation/launch_vllm.py (--include-last-layer)",
+        "speculators/train/data.py::ArrowDataset._get_raw_data (hidden_states[:, -1] is the verifier)",
+    ),
+)
 SPECFORGE = LayerIdRule(
-    engine="specforge", label="SpecForge", family="any", ids_from=(EAGLE_CONFIG, TOP), shift=Shift(+1),
-    defaults="1, L//2-1, L-4", defaults_shifted=True, capturable=("0", "L"), beyond="dropped",
+    engine="specforge",
+    label="SpecForge",
+    family="any",
+    ids_from=(EAGLE_CONFIG, TOP),
+    shift=Shift(+1),
+    defaults="1, L//2-1, L-4",
+    defaults_shifted=True,
+    capturable=("0", "L"),
+    beyond="dropped",
     sources=("specforge/modeling/target/eagle3_target_model.py (aux layer k = output of layer k)",),
-)  # fmt: skip
+)
 
 # vLLM's Model Runner V2 (the runner a GPU deployment of 0.32 takes, the only one from 0.33.0): the same
 # capture (the target model's own _maybe_add_hidden_state) and defaults, read from other places: the
@@ -393,15 +465,26 @@ SPECFORGE = LayerIdRule(
 # configs) gets the defaults, logged at INFO, while its fc still takes 3 chunks.
 _VLLM_V2_IDS = "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py::get_eagle3_aux_layers_from_config"
 V2_IDS_FROM = (TOP, EAGLE_CONFIG_LAYER_IDS)
-V2_NOTES = ("dflash_config.target_layer_ids, dspark_target_layer_ids and target_layer_ids (+1 each) are read "
-            "before eagle_config.layer_ids: DFlash/DSpark keys, absent from EAGLE-3 drafts",)  # fmt: skip
+V2_NOTES = (
+    "dflash_config.target_layer_ids, dspark_target_layer_ids and target_layer_ids (+1 each) are read "
+    "before eagle_config.layer_ids: DFlash/DSpark keys, absent from EAGLE-3 drafts",
+)
 VARIANT_RULES: dict[tuple[str, str, str], LayerIdRule] = {
-    **{("vllm", r.family, "runner v1"): replace(r, label=f"{r.label} Model Runner V1")
-       for r in (VLLM_LLAMA, VLLM_QWEN3, VLLM_DEEPSEEK)},
-    **{("vllm", r.family, "runner v2"): replace(r, label=f"{r.label} Model Runner V2", sources=(_VLLM_V2_IDS,) + r.sources[1:],
-                                                ids_from=V2_IDS_FROM, notes=V2_NOTES)
-       for r in (VLLM_LLAMA, VLLM_QWEN3, VLLM_DEEPSEEK)},
-}  # fmt: skip
+    **{
+        ("vllm", r.family, "runner v1"): replace(r, label=f"{r.label} Model Runner V1")
+        for r in (VLLM_LLAMA, VLLM_QWEN3, VLLM_DEEPSEEK)
+    },
+    **{
+        ("vllm", r.family, "runner v2"): replace(
+            r,
+            label=f"{r.label} Model Runner V2",
+            sources=(_VLLM_V2_IDS,) + r.sources[1:],
+            ids_from=V2_IDS_FROM,
+            notes=V2_NOTES,
+        )
+        for r in (VLLM_LLAMA, VLLM_QWEN3, VLLM_DEEPSEEK)
+    },
+}
 
 # The variant a spec runs before its worker has said (EngineInfo.variant): by engine, the spec parameter
 # that picks it, how its value names the variant, and the pinned release's default (vLLM 0.32.0: what a
@@ -419,9 +502,13 @@ def spec_variant(engine: str, params: dict) -> str:
 
 
 ENGINE_RULES: dict[tuple[str, str], LayerIdRule] = {
-    ("vllm", LLAMA): VLLM_LLAMA, ("vllm", QWEN3): VLLM_QWEN3, ("vllm", DEEPSEEK): VLLM_DEEPSEEK,
-    ("sglang", LLAMA): SGLANG_LLAMA, ("sglang", QWEN3): SGLANG_QWEN3, ("sglang", DEEPSEEK): SGLANG_DEEPSEEK,
-}  # fmt: skip
+    ("vllm", LLAMA): VLLM_LLAMA,
+    ("vllm", QWEN3): VLLM_QWEN3,
+    ("vllm", DEEPSEEK): VLLM_DEEPSEEK,
+    ("sglang", LLAMA): SGLANG_LLAMA,
+    ("sglang", QWEN3): SGLANG_QWEN3,
+    ("sglang", DEEPSEEK): SGLANG_DEEPSEEK,
+}
 TRAINER_RULES = {"speculators": SPECULATORS, "specforge": SPECFORGE}
 
 
@@ -494,15 +581,18 @@ class ConfigEdit:
         return self.impossible is None
 
 
-def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[int], L: int,
-                rule: LayerIdRule | None = None) -> ConfigEdit:  # fmt: skip
+def config_edit(
+    draft_config: dict, family: str, engine: str, trained: Sequence[int], L: int, rule: LayerIdRule | None = None
+) -> ConfigEdit:
     """Solve `engine`'s rule (`rule`, default: the pinned release's) for `trained` (h indices in fc
     order) and write the ids where it reads them; then say what the edit does to the other engine's
     reading of the same config."""
     rule = rule or rule_for(engine, family)
     if rule is None:
-        raise KeyError(f"no layer-id rule for engine {engine!r} on a {family} target; known: "
-                       f"{', '.join(sorted({e for e, _ in ENGINE_RULES}))}")  # fmt: skip
+        raise KeyError(
+            f"no layer-id rule for engine {engine!r} on a {family} target; known: "
+            f"{', '.join(sorted({e for e, _ in ENGINE_RULES}))}"
+        )
     sol = rule.solve(trained, L)
     order = None
     if sol.ids is None and len(set(trained)) == len(trained) and list(trained) != sorted(trained):
@@ -521,8 +611,13 @@ def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[
                 others.append(f"{r.label} can serve it (ids {other.ids} at {r.ids_from[0]})")
         feedable = rule.predict_ids(sorted({k for k in trained if rule.bounds(L)[0] <= k <= rule.bounds(L)[1]}), L)
         retrain = f"to run on {rule.label}, retrain the draft on a wiring it can feed, e.g. {_hs(_retrain_target(rule, trained, L))}"
-        return ConfigEdit(engine, rule, list(trained), impossible=sol.impossible,
-                          alternatives=others + [retrain] + ([f"(its nearest reading: {_hs(feedable.fed)})"] if feedable.fed else []))  # fmt: skip
+        return ConfigEdit(
+            engine,
+            rule,
+            list(trained),
+            impossible=sol.impossible,
+            alternatives=others + [retrain] + ([f"(its nearest reading: {_hs(feedable.fed)})"] if feedable.fed else []),
+        )
     patch = placed(rule.ids_from[0], sol.ids)
     edited = _merge(draft_config, patch)
     feeds = [trained[j] for j in order] if order else list(trained)
@@ -532,9 +627,11 @@ def config_edit(draft_config: dict, family: str, engine: str, trained: Sequence[
             continue  # the engine being fixed (under another label): its own reading is the edit's
         before, after = r.predict(draft_config, L, len(trained)), r.predict(edited, L, len(trained))
         if before.fed != after.fed or before.refusal != after.refusal:
-            side.append(f"{r.label} now reads {after.ids} ({after.place}): feeds {_hs(after.fed)}"
-                        + (f", fails: {after.refusal}" if after.refusal else "")
-                        + ("" if after.fed == feeds else f" (the edited draft needs {_hs(feeds)})"))  # fmt: skip
+            side.append(
+                f"{r.label} now reads {after.ids} ({after.place}): feeds {_hs(after.fed)}"
+                + (f", fails: {after.refusal}" if after.refusal else "")
+                + ("" if after.fed == feeds else f" (the edited draft needs {_hs(feeds)})")
+            )
     return ConfigEdit(engine, rule, list(trained), patch, sol.ids, side_effects=side, fc_order=order)
 
 

@@ -39,8 +39,14 @@ _LAYER_TENSORS = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 )
-_LAYER_OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.q_proj.bias",
-                   "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias")  # fmt: skip
+_LAYER_OPTIONAL = (
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "self_attn.q_proj.bias",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias",
+    "self_attn.o_proj.bias",
+)
 _LAYER_PREFIXES = ("midlayer.", "layers.0.")
 # How many embedding rows are compared with the target's: enough that a random or retrained
 # embedding cannot match by chance, few enough that a 150k x 7k table is never loaded whole.
@@ -69,29 +75,43 @@ def flag_findings(raw: dict, engines: Iterable[EngineDraftRules] | None = None) 
             if bool(got) == bool(meant):
                 continue
             rule = rules.flag(flag)
-            how = ("never reads it" if rule is None or not rule.read_from
-                   else f"reads it only from {' or '.join(rule.read_from)}")  # fmt: skip
+            how = (
+                "never reads it"
+                if rule is None or not rule.read_from
+                else f"reads it only from {' or '.join(rule.read_from)}"
+            )
             cite = rule.source if rule is not None else "(not in its draft class)"
             where_set = " and ".join(f"{w}" for w in places)
             weights = FLAG_WEIGHTS.get(flag, ()) if meant and not got else ()
             load = rules.unexpected_weights
             if weights and load.refuses:
                 # the draft's weights for the flag have no parameter to go to: a refusal, not a divergence
-                what = (f"it builds the draft without {flag}, and the checkpoint's {' / '.join(w + '*' for w in weights)} "
-                        f"weights are {load.unexpected} ({load.source})")  # fmt: skip
+                what = (
+                    f"it builds the draft without {flag}, and the checkpoint's {' / '.join(w + '*' for w in weights)} "
+                    f"weights are {load.unexpected} ({load.source})"
+                )
             else:
                 what = (
                     f"it runs the draft with {flag}={bool(got)}; the first tensor that differs is {FLAG_TENSORS[flag]}"
                 )
             if speculators and rule is not None and TOP in rule.read_from and SPECULATORS not in rule.read_from:
-                fix = (f"convert the draft to the HF EAGLE-3 layout (the flag at the top level), or serve it with a "
-                       f"{rules.engine} release that reads speculators configs")  # fmt: skip
+                fix = (
+                    f"convert the draft to the HF EAGLE-3 layout (the flag at the top level), or serve it with a "
+                    f"{rules.engine} release that reads speculators configs"
+                )
             else:
                 fix = f"write the flag where {rules.engine} reads it, or train without it"
-            out.append(Finding("flag-ignored", "error",
-                f"{flag}: {meant!r} in the draft config ({where_set}), but {rules.engine} {rules.version} {how} "
-                f"({cite}): {what}. Fix: {fix}",
-                engines=(rules.engine,), tensor=FLAG_TENSORS[flag], weights=weights))  # fmt: skip
+            out.append(
+                Finding(
+                    "flag-ignored",
+                    "error",
+                    f"{flag}: {meant!r} in the draft config ({where_set}), but {rules.engine} {rules.version} {how} "
+                    f"({cite}): {what}. Fix: {fix}",
+                    engines=(rules.engine,),
+                    tensor=FLAG_TENSORS[flag],
+                    weights=weights,
+                )
+            )
     return out
 
 
@@ -99,11 +119,20 @@ def format_findings(raw: dict) -> list[Finding]:
     if raw.get("speculators_model_type") is None:
         return []
     cannot = [r for r in ENGINES.values() if not r.reads_speculators_format]
-    return [Finding("checkpoint-format", "warning",
-        f"speculators-format config (speculators_model_type {raw['speculators_model_type']!r}): "
-        f"{', '.join(f'{r.engine} {r.version}' for r in cannot)} does not read this format (no speculators_model_type "
-        "handling): convert the draft to the HF EAGLE-3 layout (midlayer.*, flags at the top level) for it",
-        engines=_engines_line([r.engine for r in cannot]))] if cannot else []  # fmt: skip
+    return (
+        [
+            Finding(
+                "checkpoint-format",
+                "warning",
+                f"speculators-format config (speculators_model_type {raw['speculators_model_type']!r}): "
+                f"{', '.join(f'{r.engine} {r.version}' for r in cannot)} does not read this format (no speculators_model_type "
+                "handling): convert the draft to the HF EAGLE-3 layout (midlayer.*, flags at the top level) for it",
+                engines=_engines_line([r.engine for r in cannot]),
+            )
+        ]
+        if cannot
+        else []
+    )
 
 
 def weight_findings(meta: dict, raw: dict, layer: dict, draft_vocab: int, V: int) -> list[Finding]:
@@ -123,28 +152,49 @@ def weight_findings(meta: dict, raw: dict, layer: dict, draft_vocab: int, V: int
     optional |= {n for n in names if n.startswith(("fc_norm.", "aux_norm_"))}
     out: list[Finding] = []
     if prefix is None:
-        out.append(Finding("draft-weights", "error",
-            "no decoder layer tensors (midlayer.* or layers.0.*): engines leave the draft's layer at its random initialisation"))  # fmt: skip
+        out.append(
+            Finding(
+                "draft-weights",
+                "error",
+                "no decoder layer tensors (midlayer.* or layers.0.*): engines leave the draft's layer at its random initialisation",
+            )
+        )
     missing = sorted(expected - names - {"d2t"})  # a missing d2t is the vocab-map rule's
     if "lm_head.weight" in missing:
         missing.remove("lm_head.weight")
         readings = "; ".join(
             f"{r.label} {r.version}: {r.lm_head.missing} ({r.lm_head.source})" for r in ENGINES.values()
         )
-        out.append(Finding("lm-head-missing", "error",
-            f"no lm_head.weight in the draft checkpoint (draft vocab {draft_vocab}, tie_word_embeddings false): "
-            f"{readings}. The draft's logits are not the ones it trained: save the draft's head",
-            engines=SERVING, tensor=DRAFT_LOGITS))  # fmt: skip
+        out.append(
+            Finding(
+                "lm-head-missing",
+                "error",
+                f"no lm_head.weight in the draft checkpoint (draft vocab {draft_vocab}, tie_word_embeddings false): "
+                f"{readings}. The draft's logits are not the ones it trained: save the draft's head",
+                engines=SERVING,
+                tensor=DRAFT_LOGITS,
+            )
+        )
     if missing:
-        out.append(Finding("draft-weights", "error",
-            f"missing draft tensors {missing}: engines keep their random initialisation for them without a warning",
-            tensor=None))  # fmt: skip
+        out.append(
+            Finding(
+                "draft-weights",
+                "error",
+                f"missing draft tensors {missing}: engines keep their random initialisation for them without a warning",
+                tensor=None,
+            )
+        )
     unexpected = sorted(names - expected - optional)
     if unexpected:
         shown = unexpected[:6] + (["..."] if len(unexpected) > 6 else [])
-        out.append(Finding("draft-weights", "warning",
-            f"unexpected tensors {shown} (not part of a one-layer Llama EAGLE-3 draft): engines ignore them; a "
-            "converter that renamed weights leaves the real ones missing"))  # fmt: skip
+        out.append(
+            Finding(
+                "draft-weights",
+                "warning",
+                f"unexpected tensors {shown} (not part of a one-layer Llama EAGLE-3 draft): engines ignore them; a "
+                "converter that renamed weights leaves the real ones missing",
+            )
+        )
     return out
 
 
@@ -174,9 +224,14 @@ def _same_at_coarser_dtype(a, b) -> bool:
 def embedding_findings(meta: dict, target_dir: Path) -> list[Finding]:
     """A draft that ships its own embedding: SGLang replaces it with the target's."""
     if "embed_tokens.weight" not in meta:
-        return [Finding("embedding-shared", "warning",
-            "no embed_tokens.weight in the draft: every engine uses the target's embedding, right only if the draft "
-            "was trained on the target's (frozen) embedding")]  # fmt: skip
+        return [
+            Finding(
+                "embedding-shared",
+                "warning",
+                "no embed_tokens.weight in the draft: every engine uses the target's embedding, right only if the draft "
+                "was trained on the target's (frozen) embedding",
+            )
+        ]
     f, key, shape = meta["embed_tokens.weight"]
     t_shape, t_rows = _target_embedding_rows(target_dir, _EMBED_ROWS)
     if t_shape is None or tuple(t_shape) != tuple(shape):
@@ -189,13 +244,23 @@ def embedding_findings(meta: dict, target_dir: Path) -> list[Finding]:
     if not swapping:
         return []
     keeping = [r for r in ENGINES.values() if not r.embed_tokens.replaces_draft_weight]
-    readings = "; ".join([*(f"{r.label} {r.version}: {r.embed_tokens.present} ({r.embed_tokens.source})" for r in swapping),
-                          *(f"{r.label} {r.version}: {r.embed_tokens.present}" for r in keeping)])  # fmt: skip
-    return [Finding("embedding-substituted", "error",
-        f"the draft ships its own embed_tokens.weight, different from the target's (first {_EMBED_ROWS} rows): "
-        f"{readings}. The engines' drafts differ from draft.embeds on. Fix: train on the "
-        "target's embedding, or serve with an engine that keeps the draft's",
-        engines=tuple(r.engine for r in swapping), tensor=EMBEDS)]  # fmt: skip
+    readings = "; ".join(
+        [
+            *(f"{r.label} {r.version}: {r.embed_tokens.present} ({r.embed_tokens.source})" for r in swapping),
+            *(f"{r.label} {r.version}: {r.embed_tokens.present}" for r in keeping),
+        ]
+    )
+    return [
+        Finding(
+            "embedding-substituted",
+            "error",
+            f"the draft ships its own embed_tokens.weight, different from the target's (first {_EMBED_ROWS} rows): "
+            f"{readings}. The engines' drafts differ from draft.embeds on. Fix: train on the "
+            "target's embedding, or serve with an engine that keeps the draft's",
+            engines=tuple(r.engine for r in swapping),
+            tensor=EMBEDS,
+        )
+    ]
 
 
 def _rope(section: dict) -> tuple[float | None, dict | None, str]:
@@ -219,27 +284,44 @@ def rope_findings(layer: dict, tcfg: dict, speculators: bool) -> list[Finding]:
         and top is not None
         and float(top) != float(params["rope_theta"])
     ):
-        out.append(Finding("rope-conflict", "error",
-            f"draft {where}: rope_theta {top} but rope_parameters.rope_theta {params['rope_theta']}: transformers 5 "
-            f"({', '.join(f'{r.label} {r.version}' for r in ENGINES.values())}) use rope_parameters, older readers "
-            "rope_theta: the draft's attention differs (draft.layer0.attn_out). Fix: keep one value",
-            engines=SERVING, tensor="draft.layer0.attn_out"))  # fmt: skip
+        out.append(
+            Finding(
+                "rope-conflict",
+                "error",
+                f"draft {where}: rope_theta {top} but rope_parameters.rope_theta {params['rope_theta']}: transformers 5 "
+                f"({', '.join(f'{r.label} {r.version}' for r in ENGINES.values())}) use rope_parameters, older readers "
+                "rope_theta: the draft's attention differs (draft.layer0.attn_out). Fix: keep one value",
+                engines=SERVING,
+                tensor="draft.layer0.attn_out",
+            )
+        )
     theta, scaling, _ = _rope(layer)
     t_theta, t_scaling, _ = _rope(tcfg)
     if theta is None and scaling is None:
         if t_theta is not None and float(t_theta) != 10000.0 or t_scaling:
-            out.append(Finding("rope-dropped", "error",
-                f"the draft {where} has no rope_theta / rope_parameters: engines use theta 10000 with no scaling; the "
-                f"target uses theta {t_theta} scaling {t_scaling}, and trainers build the draft's rope from the target's "
-                "config: a converter dropped it? The draft's attention differs (draft.layer0.attn_out)",
-                engines=SERVING, tensor="draft.layer0.attn_out"))  # fmt: skip
+            out.append(
+                Finding(
+                    "rope-dropped",
+                    "error",
+                    f"the draft {where} has no rope_theta / rope_parameters: engines use theta 10000 with no scaling; the "
+                    f"target uses theta {t_theta} scaling {t_scaling}, and trainers build the draft's rope from the target's "
+                    "config: a converter dropped it? The draft's attention differs (draft.layer0.attn_out)",
+                    engines=SERVING,
+                    tensor="draft.layer0.attn_out",
+                )
+            )
     elif (theta is not None and t_theta is not None and float(theta) != float(t_theta)) or (scaling or None) != (
         t_scaling or None
     ):
-        out.append(Finding("rope-differs", "warning",
-            f"draft rope theta {theta} scaling {scaling}; target theta {t_theta} scaling {t_scaling}: engines give the "
-            "draft its own rope, trainers usually the target's; an engine that shares the target's cos/sin cache "
-            "changes the draft's attention"))  # fmt: skip
+        out.append(
+            Finding(
+                "rope-differs",
+                "warning",
+                f"draft rope theta {theta} scaling {scaling}; target theta {t_theta} scaling {t_scaling}: engines give the "
+                "draft its own rope, trainers usually the target's; an engine that shares the target's cos/sin cache "
+                "changes the draft's attention",
+            )
+        )
     return out
 
 
@@ -268,8 +350,12 @@ def d2t_convention_findings(d2t, t2d, V: int) -> list[Finding] | None:
 
 
 def _absolute(d2t) -> Finding:
-    return Finding("d2t-convention", "error",
+    return Finding(
+        "d2t-convention",
+        "error",
         f"d2t holds absolute target ids (d2t[:4] = {d2t[:4].tolist()}), not offsets: vLLM and SGLang compute target id = "
         "draft id + d2t[draft id], so every drafted token maps to the wrong target token (draft.logits_target). "
         "Fix: store d2t - arange(draft_vocab)",
-        engines=SERVING, tensor=DRAFT_LOGITS_TARGET)  # fmt: skip
+        engines=SERVING,
+        tensor=DRAFT_LOGITS_TARGET,
+    )

@@ -52,8 +52,10 @@ def unreadable_safetensors(f: str | Path, e: BaseException) -> ConfigError:
 
 def refused_pickle(f: str | Path) -> ConfigError:
     # never torch's text: it advises weights_only=False, which would execute the pickle
-    return ConfigError(f"{f}: refused: not a plain-tensor checkpoint (it holds objects other than tensors, which "
-                       "difftest never unpickles), or not a torch checkpoint at all; save the state dict as safetensors")  # fmt: skip
+    return ConfigError(
+        f"{f}: refused: not a plain-tensor checkpoint (it holds objects other than tensors, which "
+        "difftest never unpickles), or not a torch checkpoint at all; save the state dict as safetensors"
+    )
 
 
 @contextmanager
@@ -118,6 +120,8 @@ def explain_load_failure(model_dir: str | Path, e: BaseException, what: str) -> 
                 return found
         if len(pickles) == 1:
             return refused_pickle(pickles[0])
-        return ConfigError(f"{model_dir}: {what}: refused a weight file that is not a plain-tensor checkpoint; "
-                           "save the state dict as safetensors")  # fmt: skip
+        return ConfigError(
+            f"{model_dir}: {what}: refused a weight file that is not a plain-tensor checkpoint; "
+            "save the state dict as safetensors"
+        )
     return ConfigError(f"{model_dir}: {what} ({first_line(e)})")

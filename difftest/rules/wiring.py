@@ -75,8 +75,10 @@ def _engine_rule(rule: LayerIdRule) -> Callable[[list[int] | None, int], tuple[l
         if any(not 0 <= k <= L for k in reading.dropped):
             return reading.asked, None  # a layer the target does not have: resolve() names it
         if reading.dropped or reading.refusal:
-            raise ConfigError(f"{rule.engine} convention: {reading.explain()}"
-                              + ("" if reading.refusal else ": fewer fc chunks than ids, a shape error in the engine"))  # fmt: skip
+            raise ConfigError(
+                f"{rule.engine} convention: {reading.explain()}"
+                + ("" if reading.refusal else ": fewer fc chunks than ids, a shape error in the engine")
+            )
         return reading.fed, (hidden_name(L) if rule.verifier == "L" else None)
 
     return preset
@@ -145,8 +147,10 @@ def resolve(
 ) -> Wiring:
     """Turn a preset name or an explicit list into a Wiring checked against the target's depth."""
     if isinstance(spec, str) and spec == "infer":  # a case's `wiring: infer` is replaced before engines run
-        raise ConfigError(f"{where}: 'infer' is only valid as a case's wiring (the harness infers it, difftest.run.infer_case); "
-                          f"give a preset ({', '.join(PRESETS)}) or a list like [h0, h3, h31] here")  # fmt: skip
+        raise ConfigError(
+            f"{where}: 'infer' is only valid as a case's wiring (the harness infers it, difftest.run.infer_case); "
+            f"give a preset ({', '.join(PRESETS)}) or a list like [h0, h3, h31] here"
+        )
     if isinstance(spec, str) and spec in PRESETS:
         ks, verifier = PRESETS[spec](layer_ids, num_layers)
         inputs = tuple(hidden_name(k) for k in ks)

@@ -172,8 +172,10 @@ class BaselineWriter:
 
     def refuse_existing(self) -> None:
         if self.path.exists() and not self.force:
-            raise ConfigError(f"{self.path}: baseline {self.name!r} already exists and baselines are immutable; "
-                              "choose another name or pass --force to replace it")  # fmt: skip
+            raise ConfigError(
+                f"{self.path}: baseline {self.name!r} already exists and baselines are immutable; "
+                "choose another name or pass --force to replace it"
+            )
 
     def _staging(self) -> Path:
         if self._tmp is None:
@@ -210,14 +212,17 @@ class BaselineWriter:
             dtype=captures[0].meta.dtype or prepared.dtype,
             bytes=out.stat().st_size,
         )
-        stored = self.entries.setdefault(case.name, StoredCase(
-            fingerprint=case_fingerprint(prepared),
-            engines={},
-            case_file=case.path,
-            dtype=prepared.dtype,
-            prompts=prompts,
-            spec_prompts=session.prompt_ids(prepared, speculative=True),
-        ))  # fmt: skip
+        stored = self.entries.setdefault(
+            case.name,
+            StoredCase(
+                fingerprint=case_fingerprint(prepared),
+                engines={},
+                case_file=case.path,
+                dtype=prepared.dtype,
+                prompts=prompts,
+                spec_prompts=session.prompt_ids(prepared, speculative=True),
+            ),
+        )
         stored.engines[spec.id] = run
         return run
 
@@ -284,10 +289,19 @@ class BaselineSource:
     @property
     def info(self) -> EngineInfo:
         created = self.manifest.created
-        stored = StoredBaseline(path=str(self.path), created=created, git_sha=str(self.manifest.git_sha),
-                                engines=self.manifest.engine_versions())  # fmt: skip
-        return EngineInfo(name=self.spec.name, version=f"{self.spec.name}@{created}", versions=dict(self.manifest.harness),
-                          kernels="stored", baseline=stored)  # fmt: skip
+        stored = StoredBaseline(
+            path=str(self.path),
+            created=created,
+            git_sha=str(self.manifest.git_sha),
+            engines=self.manifest.engine_versions(),
+        )
+        return EngineInfo(
+            name=self.spec.name,
+            version=f"{self.spec.name}@{created}",
+            versions=dict(self.manifest.harness),
+            kernels="stored",
+            baseline=stored,
+        )
 
     def entry(self, case: Case) -> tuple[str, StoredEngineRun, StoredCase]:
         """(engine id, engine entry, case entry) for a prepared case; refuses a case that changed."""
@@ -301,8 +315,10 @@ class BaselineSource:
             self._fingerprints[case.path] = case_fingerprint(case)
         fp = self._fingerprints[case.path]
         if c.fingerprint != fp:
-            raise ConfigError(f"{where}: case {case.name!r} changed since the baseline was saved (fingerprint "
-                              f"{c.fingerprint} != {fp}: case settings or checkpoint contents); save a new baseline")  # fmt: skip
+            raise ConfigError(
+                f"{where}: case {case.name!r} changed since the baseline was saved (fingerprint "
+                f"{c.fingerprint} != {fp}: case settings or checkpoint contents); save a new baseline"
+            )
         engines = c.engines
         if self.engine is not None:
             if self.engine not in engines:
@@ -329,7 +345,7 @@ class BaselineSource:
             file = self.path / e.file
             try:
                 self._tensors[key] = load_file(str(file))
-            except Exception as err:  # noqa: BLE001 -- safetensors raises its own (Rust-side) error types
+            except Exception as err:
                 raise ConfigError(f"{file}: unreadable baseline tensors ({err})") from None
         flat, stored = self._tensors[key], e.captures[index]
         derived = stored.derived

@@ -99,8 +99,10 @@ def _write_probe(root: Path, i: int, target: str, draft: str, probe: Probe) -> P
     case = root / "cases" / f"probe{i}.yaml"
     case.parent.mkdir(parents=True, exist_ok=True)
     # the reference runs some wiring: only its target hidden states are matched against
-    case.write_text(f"name: probe{i}\ntarget: {target}\ndraft: {d}\ndtype: float32\nwiring: [h0, h1, h2]\n"
-                    "prompts:\n  - ids: [5, 9, 13, 17, 21, 25, 29, 33]\n")  # fmt: skip
+    case.write_text(
+        f"name: probe{i}\ntarget: {target}\ndraft: {d}\ndtype: float32\nwiring: [h0, h1, h2]\n"
+        "prompts:\n  - ids: [5, 9, 13, 17, 21, 25, 29, 33]\n"
+    )
     return case
 
 
@@ -139,8 +141,15 @@ def _unsorted_probe(rule_places: list[str], L: int) -> Probe | None:
     return Probe(f"out of layer order at {place_words(first)}", placed(first, probe_ids(L)[first][::-1]))
 
 
-def discover(spec: EngineSpec, target: str, draft: str, work: Path, engine_python: dict[str, str] | None = None,
-             timeout: float = 900.0, progress=print) -> DiscoveredRule:  # fmt: skip
+def discover(
+    spec: EngineSpec,
+    target: str,
+    draft: str,
+    work: Path,
+    engine_python: dict[str, str] | None = None,
+    timeout: float = 900.0,
+    progress=print,
+) -> DiscoveredRule:
     """Probe `spec` with designed draft configs of `draft` on `target`; the rule its feeds imply."""
     try:
         tcfg = json.loads((Path(target) / "config.json").read_text())
@@ -150,8 +159,16 @@ def discover(spec: EngineSpec, target: str, draft: str, work: Path, engine_pytho
     if L < 6:
         raise ConfigError(f"{target}: {L} layers; discovery needs a target of at least 6 layers")
     ref = EngineSpec(calibration_engine())
-    session = Session(Options(engines=[spec], reference=ref, engine_python=engine_python or {}, timeout=timeout,
-                              log_dir=work / "logs", progress=progress))  # fmt: skip
+    session = Session(
+        Options(
+            engines=[spec],
+            reference=ref,
+            engine_python=engine_python or {},
+            timeout=timeout,
+            log_dir=work / "logs",
+            progress=progress,
+        )
+    )
 
     def run(i: int, probe: Probe) -> None:
         probe.fed, probe.error = _measure(session, ref, spec, _write_probe(work, i, target, draft, probe))
@@ -182,7 +199,7 @@ def _infer(spec: EngineSpec, info: EngineInfo | None, L: int, probes: list[Probe
     ids = probe_ids(L)
     unresolved = []
     defaults = none.fed
-    formula = next((f for f in DEFAULT_FORMULAS if [int(eval(x, {"L": L})) for x in f.split(",")] == defaults), None)  # noqa: S307
+    formula = next((f for f in DEFAULT_FORMULAS if [int(eval(x, {"L": L})) for x in f.split(",")] == defaults), None)
     read, shifts = [], set()
     for place, probe in zip(PLACES, singles):
         if probe.fed is None:
@@ -203,9 +220,19 @@ def _infer(spec: EngineSpec, info: EngineInfo | None, L: int, probes: list[Probe
     if TOP in read and EAGLE_CONFIG in read and both.fed is not None and shift is not None:
         first = TOP if both.fed == [k + shift for k in sorted(ids[TOP])] else EAGLE_CONFIG
         read.sort(key=lambda p: 0 if p == first else 1 + PLACES.index(p))
-    return DiscoveredRule(engine=spec.id, release=info.version if info else "?", variant=info.variant if info else "",
-                          num_layers=L, ids_from=read, shift=shift, sorted_by_layer=None, defaults=defaults,
-                          defaults_formula=formula, probes=list(probes), unresolved=unresolved)  # fmt: skip
+    return DiscoveredRule(
+        engine=spec.id,
+        release=info.version if info else "?",
+        variant=info.variant if info else "",
+        num_layers=L,
+        ids_from=read,
+        shift=shift,
+        sorted_by_layer=None,
+        defaults=defaults,
+        defaults_formula=formula,
+        probes=list(probes),
+        unresolved=unresolved,
+    )
 
 
 def difference(found: DiscoveredRule, known: LayerIdRule) -> list[str]:

@@ -110,8 +110,13 @@ def check_settings(schema: Schema, spec: "EngineSpec", case: Case | None = None)
     """Validate the case's `engines.<name>` section (when a case is given) merged with the spec's
     parameters; ConfigError names the case file and field, or the --engines spec."""
     section = case.engines.get(spec.name) if case is not None else None
-    return validate(schema, section, spec.params, section_where=f"{case.path if case else '?'}: engines.{spec.name}",
-                    spec_where=f"--engines {spec.id}")  # fmt: skip
+    return validate(
+        schema,
+        section,
+        spec.params,
+        section_where=f"{case.path if case else '?'}: engines.{spec.name}",
+        spec_where=f"--engines {spec.id}",
+    )
 
 
 def check_case_settings(case: Case, specs: Sequence[EngineSpec] = (), merged=None) -> None:
@@ -169,8 +174,9 @@ class Engine(ABC):
         keep this default; the harness then reports the golden re-run as not supported."""
         raise NotImplementedError(f"{self.spec.id}: capture_draft_from (golden fc inputs) is not supported")
 
-    def replay(self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int,
-               num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
+    def replay(
+        self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int, num_draft_tokens: int
+    ) -> list[ReplayRow]:
         """Optional (live servers): per (prompt, output) pair, the acceptance this engine's draft predicts
         on those tokens and where its target would have chosen another token."""
         raise NotImplementedError(f"{self.spec.id}: replaying another engine's tokens is not supported")

@@ -26,8 +26,21 @@ from difftest.records.engine_info import EngineInfo
 # Environment variables an engine's import or an adapter's info can depend on (kernel choice, the
 # platform, thread counts, library paths). Others (pytest-xdist's stream name, a test's temp dirs)
 # would only make every identity unique.
-ENV_PREFIXES = ("DIFFTEST_", "VLLM_", "SGLANG_", "TORCH", "CUDA", "HF_", "TRANSFORMERS", "OMP_", "MKL_",
-                "KMP_", "LD_", "PYTHON", "TRITON")  # fmt: skip
+ENV_PREFIXES = (
+    "DIFFTEST_",
+    "VLLM_",
+    "SGLANG_",
+    "TORCH",
+    "CUDA",
+    "HF_",
+    "TRANSFORMERS",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "LD_",
+    "PYTHON",
+    "TRITON",
+)
 # What marks an installed distribution (and its version) or an import hook in a sys.path folder.
 DIST_MARKERS = (".dist-info", ".egg-info", ".pth", ".egg-link")
 SYS_PATH_TIMEOUT_S = 60.0
@@ -47,8 +60,13 @@ def code_digest(root: Path) -> str:
 def _interpreter_path(python: str, env: dict[str, str]) -> list[str] | None:
     """The folders `python` imports from, as the worker's environment sets them (None: it did not answer)."""
     try:
-        done = subprocess.run([python, "-c", "import json, sys; print(json.dumps(sys.path))"], env=env,
-                              capture_output=True, text=True, timeout=SYS_PATH_TIMEOUT_S)  # fmt: skip
+        done = subprocess.run(
+            [python, "-c", "import json, sys; print(json.dumps(sys.path))"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=SYS_PATH_TIMEOUT_S,
+        )
         entries = json.loads(done.stdout) if done.returncode == 0 else None
     except (OSError, subprocess.SubprocessError, ValueError):
         return None

@@ -188,8 +188,11 @@ def create(p: EnvPlan, log=print) -> Path:
                 subprocess.run([os.environ.get("PYTHON", "python3"), "-m", "venv", str(partial)], check=True)
                 reqs = partial / "requirements-cpu.txt"
                 reqs.write_text(p.requirements)
-                subprocess.run(["bash", str(p.setup_script), str(partial / "bin" / "python"), str(reqs)], check=True,
-                               env=dict(os.environ, DIFFTEST_ENV_DIR=str(partial)))  # fmt: skip
+                subprocess.run(
+                    ["bash", str(p.setup_script), str(partial / "bin" / "python"), str(reqs)],
+                    check=True,
+                    env=dict(os.environ, DIFFTEST_ENV_DIR=str(partial)),
+                )
             except (subprocess.CalledProcessError, OSError) as e:
                 shutil.rmtree(partial, ignore_errors=True)
                 raise ConfigError(
@@ -254,8 +257,10 @@ def main(args) -> int:
     """`difftest env create ENGINE[==VERSION] [--label L] [--dry-run]`."""
     try:
         p = plan(args.requirement, args.label)
-        print(f"{p.engine}=={p.version}{'' if p.version == p.pinned else f' (pinned: {p.pinned})'} -> {p.directory}"
-              f"{' (built)' if p.built else ''}; link {p.link}")  # fmt: skip
+        print(
+            f"{p.engine}=={p.version}{'' if p.version == p.pinned else f' (pinned: {p.pinned})'} -> {p.directory}"
+            f"{' (built)' if p.built else ''}; link {p.link}"
+        )
         if args.dry_run:
             return 0
         python = create(p, log=lambda m: print(m, file=sys.stderr))

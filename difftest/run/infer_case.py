@@ -50,8 +50,14 @@ def evidence_case(case: Case, num_slots: int) -> Case:
         if key not in seen:
             seen.add(key)
             prompts.append(p)
-    return dataclasses.replace(case, path=f"{case.path}#infer-wiring", wiring=["h0"] * num_slots, layer_ids=None,
-                               prompts=prompts, spec_prompts=[])  # fmt: skip
+    return dataclasses.replace(
+        case,
+        path=f"{case.path}#infer-wiring",
+        wiring=["h0"] * num_slots,
+        layer_ids=None,
+        prompts=prompts,
+        spec_prompts=[],
+    )
 
 
 def infer_for_case(session, case: Case) -> WiringInference:
@@ -73,8 +79,11 @@ def infer_for_case(session, case: Case) -> WiringInference:
         if not any(k.startswith("target.h.") for k in caps[0].tensors):
             errors.append(f"{spec.id}: its capture holds no target.h.*")
             continue
-        what = ("reference target" if spec.name == calibration.name else
-                f"{spec.id}'s capture ({calibration.id} could not run the target)")  # fmt: skip
+        what = (
+            "reference target"
+            if spec.name == calibration.name
+            else f"{spec.id}'s capture ({calibration.id} could not run the target)"
+        )
         evidence = evidence_from_captures(caps, f"{what}, {n} prompts (case prompts and speculative prompts)")
         ids = case.layer_ids if case.layer_ids is not None else loaded.config.layer_ids
         return infer_from_evidence(loaded.model, ids, evidence, target_family(case.target))

@@ -30,13 +30,13 @@ PHASES: dict[str, tuple[str, str]] = {
     "transfer.write": (
         "harness",
         "a capture's tensors written to their file (by the worker; the golden fc_in by the harness)",
-    ),  # fmt: skip
+    ),
     "transfer.read": ("harness", "a capture file mapped into the reading process, its manifest read"),
     "request": ("harness", "a worker request less the worker's own phases: JSON over the pipes, waiting"),
     "session": (
         "harness",
         "the session's own steps around requests: fixtures, prompts, cache keys (checkpoint digests), cache look-ups",
-    ),  # fmt: skip
+    ),
     "compare": ("harness", "a capture compared with the reference's"),
     "noise_floor": ("harness", "the noise floor computed from the reference's captures and their float64 twins"),
     "check": ("harness", "a check's own logic, outside the phases above"),
@@ -76,8 +76,9 @@ class PhaseClock:
         self.current_case: str | None = None  # the case a phase outside any other belongs to
 
     @contextmanager
-    def phase(self, name: str, case: str | None = None, engine: str | None = None,
-              dtype: str | None = None) -> Iterator[_Frame]:  # fmt: skip
+    def phase(
+        self, name: str, case: str | None = None, engine: str | None = None, dtype: str | None = None
+    ) -> Iterator[_Frame]:
         """Time a phase; the case, engine and dtype default to the enclosing phase's. The frame it
         yields takes the bytes the phase moved (`frame.bytes = n`)."""
         if name not in PHASES:
@@ -121,9 +122,13 @@ class PhaseClock:
     def timings(self, case: str) -> Timings:
         """The phases of `case` (a case path), in the order PHASES declares them."""
         rank = {name: i for i, name in enumerate(PHASES)}
-        rows = sorted(((k, v) for k, v in self._totals.items() if k[0] == case_of(case)),
-                      key=lambda kv: (rank[kv[0][1]], kv[0][2] or "", kv[0][3] or ""))  # fmt: skip
-        phases = [PhaseTime(phase, owner(phase), round(s, 6), n, engine, dtype, b)
-                  for (_, phase, engine, dtype), (s, n, b) in rows]  # fmt: skip
+        rows = sorted(
+            ((k, v) for k, v in self._totals.items() if k[0] == case_of(case)),
+            key=lambda kv: (rank[kv[0][1]], kv[0][2] or "", kv[0][3] or ""),
+        )
+        phases = [
+            PhaseTime(phase, owner(phase), round(s, 6), n, engine, dtype, b)
+            for (_, phase, engine, dtype), (s, n, b) in rows
+        ]
         total = lambda who: round(sum(p.seconds for p in phases if p.owner == who), 6)  # noqa: E731
         return Timings(phases, total("harness"), total("engine"), SCOPE)

@@ -71,8 +71,9 @@ def calibration_case(case: Case) -> Case:
     accepted 3.59 against 2.56, a "numerical move" of 1.04 that every engine shares and that hid
     accept-length collapses; of the rounded weights, 2.56, the same per position."""
     rounded = case.dtype if case.dtype in noise.HALF_DTYPES else None
-    return dataclasses.replace(case, dtype=noise.CALIBRATION_DTYPE, path=f"{case.path}#{noise.CALIBRATION_DTYPE}",
-                               weights_dtype=rounded)  # fmt: skip
+    return dataclasses.replace(
+        case, dtype=noise.CALIBRATION_DTYPE, path=f"{case.path}#{noise.CALIBRATION_DTYPE}", weights_dtype=rounded
+    )
 
 
 def _target_limits(target: str) -> tuple[int | None, int | None]:
@@ -209,8 +210,10 @@ class Session:
             except DifftestError as e:
                 self._start_errors[spec.id] = e
                 raise
-            self._progress(f"{spec.id}: {info.version} (as its worker said in this environment; it starts "
-                           "when a result is not cached)")  # fmt: skip
+            self._progress(
+                f"{spec.id}: {info.version} (as its worker said in this environment; it starts "
+                "when a result is not cached)"
+            )
             self._remembered[spec.id] = info
         return self._remembered[spec.id]
 
@@ -344,8 +347,10 @@ class Session:
                     try:
                         ids = chat.render(tokenizer, p.messages, p.chat_template_kwargs)
                     except Exception as e:  # a template that raises (jinja errors, missing kwargs) is the user's input
-                        raise ConfigError(f"{where}: cannot render the messages with the target's chat template: "
-                                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None  # fmt: skip
+                        raise ConfigError(
+                            f"{where}: cannot render the messages with the target's chat template: "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        ) from None
                 else:
                     ids = p.ids if p.ids is not None else tokenizer(p.text, add_special_tokens=True)["input_ids"]
                 if len(ids) < 2:
@@ -409,8 +414,9 @@ class Session:
                     client = self.client(spec)
                     out = self.cache.path(key)
                     self._progress(f"{spec.id}: capturing {case.name} prompt {index + 1}/{len(self.prompt_ids(case))}")
-                    self._request(client, {"op": "capture", "case": case.to_dict(), "prompt_ids": ids, "out": str(out)},
-                                  out)  # fmt: skip
+                    self._request(
+                        client, {"op": "capture", "case": case.to_dict(), "prompt_ids": ids, "out": str(out)}, out
+                    )
                     cached = self._load(out)
             self._captures[memo] = cached
         return self._captures[memo]
@@ -455,8 +461,14 @@ class Session:
         """Where the case's time went so far (difftest.run.phase_clock)."""
         return self.clock.timings(case.path)
 
-    def capture_golden(self, case: Case, spec: EngineSpec, index: int, source: EngineSpec | None = None,
-                       source_case: Case | None = None) -> Capture | None:  # fmt: skip
+    def capture_golden(
+        self,
+        case: Case,
+        spec: EngineSpec,
+        index: int,
+        source: EngineSpec | None = None,
+        source_case: Case | None = None,
+    ) -> Capture | None:
         """Layerwise golden inputs: the engine's draft re-run on the *reference's* draft.fc_in (or on
         `source`'s capture of `source_case`: the noise floor feeds the float64 fc_in to the draft in
         the case's dtype). None when the engine does not support it (Engine.capture_draft_from)."""
@@ -469,8 +481,9 @@ class Session:
                 self._golden[memo] = self._capture_golden(case, spec, index, source, source_case)
         return self._golden[memo]
 
-    def _capture_golden(self, case: Case, spec: EngineSpec, index: int, source: EngineSpec,
-                        source_case: Case) -> Capture | None:  # fmt: skip
+    def _capture_golden(
+        self, case: Case, spec: EngineSpec, index: int, source: EngineSpec, source_case: Case
+    ) -> Capture | None:
         ref = self.capture(source_case, source, index)
         if FC_IN not in ref.tensors:
             return None
@@ -488,8 +501,17 @@ class Session:
             try:
                 with self.clock.phase("transfer.write") as frame:
                     frame.bytes = tensorfile.write(fc_file, {FC_IN: ref.tensors[FC_IN]})
-                self._request(client, {"op": "capture_draft_from", "case": case.to_dict(), "prompt_ids": ids,
-                                       "fc_in": str(fc_file), "out": str(out)}, out)  # fmt: skip
+                self._request(
+                    client,
+                    {
+                        "op": "capture_draft_from",
+                        "case": case.to_dict(),
+                        "prompt_ids": ids,
+                        "fc_in": str(fc_file),
+                        "out": str(out),
+                    },
+                    out,
+                )
             except Unsupported:
                 return None
             finally:
@@ -516,8 +538,16 @@ class Session:
         if self.options.use_cache and not live and path.exists():
             return AcceptStats.from_dict(json.loads(path.read_text()))
         self._progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
-        reply = self._request(self.client(spec), {"op": "speculate", "case": case.to_dict(), "prompts": prompts,
-                                       "num_steps": case.num_steps, "max_new_tokens": case.max_new_tokens})  # fmt: skip
+        reply = self._request(
+            self.client(spec),
+            {
+                "op": "speculate",
+                "case": case.to_dict(),
+                "prompts": prompts,
+                "num_steps": case.num_steps,
+                "max_new_tokens": case.max_new_tokens,
+            },
+        )
         stats = AcceptStats.from_dict(reply["stats"])
         if not live:
             atomic_write(path, json.dumps(stats.to_dict(), indent=1))
@@ -527,17 +557,32 @@ class Session:
         """A running server (EngineInfo.live): no tensors to compare, acceptance only."""
         return spec.id not in self._stored and self.info(spec).live
 
-    def replay(self, case: Case, spec: EngineSpec, requests: list[tuple[list[int], list[int]]], num_steps: int,
-               topk: int, num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
+    def replay(
+        self,
+        case: Case,
+        spec: EngineSpec,
+        requests: list[tuple[list[int], list[int]]],
+        num_steps: int,
+        topk: int,
+        num_draft_tokens: int,
+    ) -> list[ReplayRow]:
         """`spec`'s prediction on another engine's tokens (Engine.replay), per (prompt, output)."""
         case = self.engine_case(self.prepare(case), spec)
         if spec.id in self._stored:
             raise Unsupported(f"{spec.id}: a stored baseline cannot replay a server's tokens; use --reference=ref")
         self._progress(f"{spec.id}: replaying {len(requests)} server outputs through the draft")
         with self.clock.phase("session", case.path, spec.id, case.dtype):
-            reply = self._request(self.client(spec), {"op": "replay", "case": case.to_dict(), "requests": requests,
-                                                      "num_steps": num_steps, "topk": topk,
-                                                      "num_draft_tokens": num_draft_tokens})  # fmt: skip
+            reply = self._request(
+                self.client(spec),
+                {
+                    "op": "replay",
+                    "case": case.to_dict(),
+                    "requests": requests,
+                    "num_steps": num_steps,
+                    "topk": topk,
+                    "num_draft_tokens": num_draft_tokens,
+                },
+            )
         return [ReplayRow.from_json(r, f"{spec.id}'s replay", f"replays[{i}]") for i, r in enumerate(reply["replays"])]
 
     # -- the noise floor (difftest.compare.noise) ----------------------------------------------------
@@ -562,12 +607,18 @@ class Session:
         try:
             pairs = [(self.capture(case, spec, i), self.capture(exact, spec, i)) for i in range(len(case.prompts))]
             # the draft alone: its own rounding, on the float64 run's fc_in (difftest.compare.noise: draft floor)
-            own = [(self.capture_golden(case, spec, i, source=spec, source_case=exact), exact_cap)
-                   for i, (_, exact_cap) in enumerate(pairs)]  # fmt: skip
+            own = [
+                (self.capture_golden(case, spec, i, source=spec, source_case=exact), exact_cap)
+                for i, (_, exact_cap) in enumerate(pairs)
+            ]
         except DifftestError as e:
             return noise.unmeasured(case.dtype, f"{spec.id} cannot run this case in float64: {str(e).splitlines()[0]}")
-        return noise.measure_floor(pairs, case.dtype, f"measured: {spec.id} in {case.dtype} vs float64 over {len(pairs)} "
-                                                      f"prompts", [p for p in own if p[0] is not None])  # fmt: skip
+        return noise.measure_floor(
+            pairs,
+            case.dtype,
+            f"measured: {spec.id} in {case.dtype} vs float64 over {len(pairs)} prompts",
+            [p for p in own if p[0] is not None],
+        )
 
     def accept_noise(self, case: Case) -> tuple[tuple[AcceptStats, AcceptStats] | None, str]:
         """The reference's speculative run in the case's dtype and in float64 (difftest.compare.accept_judge:
@@ -599,8 +650,11 @@ class Session:
                 partial = list(b.meta.partial)
                 floor = self.noise_floor(case)
                 with self.clock.phase("compare", case.path, spec.id, case.dtype):
-                    out.append(compare_captures(a, b, case.dtype, case.tolerances, [*case.allow_missing, *partial],
-                                                floor=floor))  # fmt: skip
+                    out.append(
+                        compare_captures(
+                            a, b, case.dtype, case.tolerances, [*case.allow_missing, *partial], floor=floor
+                        )
+                    )
             self._diffs[memo] = out
         return self._diffs[memo]
 

@@ -122,8 +122,10 @@ class WorkerClient:
         os.close(rep_w)
         self._w = os.fdopen(req_w, "w")
         self._r = os.fdopen(rep_r, "r")
-        reply = self.request({"op": "hello", "spec": self.spec.to_dict(), "target": self.target},
-                             timeout=max(self.timeout, MIN_START_TIMEOUT_S))  # fmt: skip
+        reply = self.request(
+            {"op": "hello", "spec": self.spec.to_dict(), "target": self.target},
+            timeout=max(self.timeout, MIN_START_TIMEOUT_S),
+        )
         self.info = EngineInfo.from_json(reply.get("info"), f"{self.spec.id}'s worker", "info")
         return self.info
 
@@ -168,8 +170,10 @@ class WorkerClient:
         if self.proc.poll() is not None and self.info is None:  # exited before hello: no earlier failure
             raise self._died()
         if self.proc.poll() is not None or self._w.closed:  # killed after a timeout, or crashed, earlier
-            raise EngineError(f"{self.spec.id}: worker is no longer running (exit {self.proc.returncode}) after an "
-                              f"earlier failure; log: {self.log_path}")  # fmt: skip
+            raise EngineError(
+                f"{self.spec.id}: worker is no longer running (exit {self.proc.returncode}) after an "
+                f"earlier failure; log: {self.log_path}"
+            )
         self.busy = True
         try:
             self._w.write(json.dumps(msg) + "\n")
@@ -209,8 +213,10 @@ class WorkerClient:
         if self.info is None:
             # it never answered hello: the interpreter itself (a wrong --engine-python, a broken
             # environment) is at fault, not an engine failure
-            return EngineError(f"{self.spec.id}: the engine interpreter {self.python} exited (code {rc}) before "
-                               f"answering{': ' + why if why else ''}; log: {self.log_path}")  # fmt: skip
+            return EngineError(
+                f"{self.spec.id}: the engine interpreter {self.python} exited (code {rc}) before "
+                f"answering{': ' + why if why else ''}; log: {self.log_path}"
+            )
         return EngineError(f"{self.spec.id}: worker died (exit {rc}){': ' + why if why else ''}; log: {self.log_path}")
 
 
@@ -235,8 +241,10 @@ def _returned(engine, method: str, value, expected: type):
     AttributeError from deep inside the worker."""
     if not isinstance(value, expected):
         cls = type(engine)
-        raise EngineError(f"adapter {cls.__module__}.{cls.__name__}.{method}() returned {type(value).__name__} "
-                          f"instead of a {expected.__name__}")  # fmt: skip
+        raise EngineError(
+            f"adapter {cls.__module__}.{cls.__name__}.{method}() returned {type(value).__name__} "
+            f"instead of a {expected.__name__}"
+        )
     return value
 
 
@@ -268,8 +276,15 @@ def _handle(engine, msg: dict) -> dict:
         _save(phases, _returned(engine, "capture", capture, Capture), msg["out"])
         return {"timings": [asdict(p) for p in phases]}
     if op == "speculate":
-        stats = _timed(phases, "engine.speculate", engine.speculate, Case.from_dict(msg["case"]), msg["prompts"],
-                       msg["num_steps"], msg["max_new_tokens"])  # fmt: skip
+        stats = _timed(
+            phases,
+            "engine.speculate",
+            engine.speculate,
+            Case.from_dict(msg["case"]),
+            msg["prompts"],
+            msg["num_steps"],
+            msg["max_new_tokens"],
+        )
         return {
             "stats": _returned(engine, "speculate", stats, AcceptStats).to_dict(),
             "timings": [asdict(p) for p in phases],
@@ -278,8 +293,14 @@ def _handle(engine, msg: dict) -> dict:
         from difftest.base import tensorfile
 
         fc_in = _timed(phases, "transfer.read", tensorfile.read, msg["fc_in"])[FC_IN]
-        capture = _timed(phases, "engine.capture", engine.capture_draft_from, Case.from_dict(msg["case"]),
-                         list(msg["prompt_ids"]), fc_in)  # fmt: skip
+        capture = _timed(
+            phases,
+            "engine.capture",
+            engine.capture_draft_from,
+            Case.from_dict(msg["case"]),
+            list(msg["prompt_ids"]),
+            fc_in,
+        )
         capture = _returned(engine, "capture_draft_from", capture, Capture)
         # the draft tensors follow the given fc_in, not the engine's own hidden states: say so on disk
         capture.meta.golden_fc_in = True
@@ -287,8 +308,16 @@ def _handle(engine, msg: dict) -> dict:
         return {"timings": [asdict(p) for p in phases]}
     if op == "replay":
         pairs = [(list(p), list(o)) for p, o in msg["requests"]]
-        replays = _timed(phases, "engine.replay", engine.replay, Case.from_dict(msg["case"]), pairs, msg["num_steps"],
-                         msg["topk"], msg["num_draft_tokens"])  # fmt: skip
+        replays = _timed(
+            phases,
+            "engine.replay",
+            engine.replay,
+            Case.from_dict(msg["case"]),
+            pairs,
+            msg["num_steps"],
+            msg["topk"],
+            msg["num_draft_tokens"],
+        )
         return {"replays": [r.to_dict() for r in replays], "timings": [asdict(p) for p in phases]}
     raise ConfigError(f"worker: unknown op {op!r}")
 

@@ -39,8 +39,11 @@ def _check_d2t(model_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor | None, voc
     if bool(((targets >= 0) & (targets < vocab)).all()) and targets.unique().numel() == targets.numel():
         return
     absolute = d2t_convention_findings(d2t, None if t2d is None else t2d.bool(), vocab)
-    why = ("it holds absolute target ids, not offsets (engines add the draft id): store d2t - arange(draft_vocab)"
-           if absolute else "arange + d2t leaves the target vocabulary or repeats an id")  # fmt: skip
+    why = (
+        "it holds absolute target ids, not offsets (engines add the draft id): store d2t - arange(draft_vocab)"
+        if absolute
+        else "arange + d2t leaves the target vocabulary or repeats an id"
+    )
     raise ConfigError(f"{model_dir}: d2t maps draft ids outside the target vocabulary of {vocab}: {why}")
 
 

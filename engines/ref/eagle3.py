@@ -322,8 +322,10 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         if _canonical_key(key) in ("d2t", "t2d"):
             continue
         if not value.is_floating_point():
-            raise ConfigError(f"{origin[key]}: tensor {key} has dtype {str(value.dtype).removeprefix('torch.')}; "
-                              "draft weights must be floating point")  # fmt: skip
+            raise ConfigError(
+                f"{origin[key]}: tensor {key} has dtype {str(value.dtype).removeprefix('torch.')}; "
+                "draft weights must be floating point"
+            )
     return out
 
 
@@ -360,16 +362,20 @@ def _sliding_window(layer: dict, where: str, prefix: str) -> int | None:
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise ConfigError(f"{where}: {prefix}layer_types must be a list of strings, got {types!r}")
     if types[0] not in ATTENTION_LAYER_TYPES:
-        raise ConfigError(f"{where}: {prefix}layer_types[0] is {types[0]!r}; the reference draft runs "
-                          f"{' or '.join(map(repr, ATTENTION_LAYER_TYPES))} only")  # fmt: skip
+        raise ConfigError(
+            f"{where}: {prefix}layer_types[0] is {types[0]!r}; the reference draft runs "
+            f"{' or '.join(map(repr, ATTENTION_LAYER_TYPES))} only"
+        )
     if types[0] != "sliding_attention":
         return None
     window = layer.get("sliding_window")
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ConfigError(f"{where}: {prefix}sliding_window is {window!r} for a sliding_attention layer; "
-                          "expected a whole number of tokens >= 1")  # fmt: skip
+        raise ConfigError(
+            f"{where}: {prefix}sliding_window is {window!r} for a sliding_attention layer; "
+            "expected a whole number of tokens >= 1"
+        )
     return window
 
 

@@ -120,8 +120,10 @@ class RefEngine(Engine):
         }
         for flag in OVERRIDABLE_FLAGS:
             if s[flag] and flag in weights and weights[flag] is None:
-                raise ConfigError(f"{self.spec.id}: {flag}=true, but {self.draft_path(case)} has no {flag} weights "
-                                  "(the draft was not trained with it)")  # fmt: skip
+                raise ConfigError(
+                    f"{self.spec.id}: {flag}=true, but {self.draft_path(case)} has no {flag} weights "
+                    "(the draft was not trained with it)"
+                )
             setattr(loaded.config, flag, trained[flag] if s[flag] is None else s[flag])
         if s["d2t"] == "identity":
             loaded.model.d2t.zero_()
@@ -211,9 +213,14 @@ class RefEngine(Engine):
         # the reference captured fc_in in the case's dtype already, so the cast changes nothing
         fc = fc_in.to(DTYPES[case.dtype])[None]
         tensors, drafted = capture_draft_chain(loaded.model, fc, prompt_ids, next_token, case.num_steps)
-        meta = CaptureMeta(engine=self.spec.id, dtype=case.dtype, prompt_ids=list(prompt_ids), draft_tokens=list(drafted),
-                           target_hidden_size=loaded.config.target_hidden_size,
-                           extra={"golden_input": f"reference {FC_IN}"})  # fmt: skip
+        meta = CaptureMeta(
+            engine=self.spec.id,
+            dtype=case.dtype,
+            prompt_ids=list(prompt_ids),
+            draft_tokens=list(drafted),
+            target_hidden_size=loaded.config.target_hidden_size,
+            extra={"golden_input": f"reference {FC_IN}"},
+        )
         return Capture(tensors, meta)
 
     @torch.no_grad()
@@ -234,8 +241,9 @@ class RefEngine(Engine):
         return stats
 
     @torch.no_grad()
-    def replay(self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int,
-               num_draft_tokens: int) -> list[ReplayRow]:  # fmt: skip
+    def replay(
+        self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int, num_draft_tokens: int
+    ) -> list[ReplayRow]:
         """Per request (prompt, output): the acceptance this draft predicts on those very tokens
         (engines/ref/replay.py), with the number of output tokens its target would have chosen otherwise."""
         from engines.ref.replay import replay_request
@@ -245,8 +253,10 @@ class RefEngine(Engine):
         out = []
         for prompt, output in requests:
             r = replay_request(target, loaded.model, wiring.inputs, prompt, output, num_steps, topk, num_draft_tokens)
-            r.stats.source = (f"ref replay of the server's tokens (wiring {wiring.short()}, topk {topk}, "
-                              f"num_draft_tokens {num_draft_tokens})")  # fmt: skip
+            r.stats.source = (
+                f"ref replay of the server's tokens (wiring {wiring.short()}, topk {topk}, "
+                f"num_draft_tokens {num_draft_tokens})"
+            )
             out.append(ReplayRow(r.stats, r.target_mismatches, r.first_mismatch))
         return out
 

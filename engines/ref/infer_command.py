@@ -29,8 +29,13 @@ HELP = "infer which target hidden states a draft was trained on, from its behavi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target checkpoint or fixture:NAME")
     p.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
-    p.add_argument("--prompts", nargs="+", default=[], metavar="PROMPT",
-                   help="case YAML files, ids:1,2,3, or text (default: --random prompts)")  # fmt: skip
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        default=[],
+        metavar="PROMPT",
+        help="case YAML files, ids:1,2,3, or text (default: --random prompts)",
+    )
     p.add_argument("--random", type=int, default=16, help="random prompts when --prompts is not given (default 16)")
     p.add_argument("--length", type=int, default=48, help="length of the random prompts (default 48)")
     p.add_argument("--seed", type=int, default=0)
@@ -111,11 +116,15 @@ def _refuse_path_that_is_not_a_case(p: str) -> None:
         return
     path = Path(p)
     if not path.exists():
-        raise ConfigError(f"--prompts: {p}: no such file (a path, not prompt text: --prompts reads case YAML files, "
-                          "ids:1,2,3 or text)")  # fmt: skip
+        raise ConfigError(
+            f"--prompts: {p}: no such file (a path, not prompt text: --prompts reads case YAML files, "
+            "ids:1,2,3 or text)"
+        )
     if path.is_dir() or not p.lower().endswith((".yaml", ".yml")):
-        raise ConfigError(f"--prompts: {p}: not a case YAML file (--prompts reads case files, ids:1,2,3 or text; "
-                          "put the prompts in a case file)")  # fmt: skip
+        raise ConfigError(
+            f"--prompts: {p}: not a case YAML file (--prompts reads case files, ids:1,2,3 or text; "
+            "put the prompts in a case file)"
+        )
 
 
 @torch.no_grad()

@@ -32,8 +32,9 @@ def load_inference_draft(draft: str | Path, target: str | Path):
         if "embed" not in str(e) and "lm_head" not in str(e):
             raise
     t = Path(target)
-    return load_draft(draft, target_embed=_target_tensor(t, "embed_tokens.weight"),
-                      target_lm_head=_target_tensor(t, "lm_head.weight"))  # fmt: skip
+    return load_draft(
+        draft, target_embed=_target_tensor(t, "embed_tokens.weight"), target_lm_head=_target_tensor(t, "lm_head.weight")
+    )
 
 
 # registered under the `difftest.drafts` entry points (pyproject.toml)

@@ -46,8 +46,16 @@ def _slice(out: TargetOutput, n: int) -> TargetOutput:
 
 
 @torch.no_grad()
-def replay_request(target_model, draft: Eagle3Draft, inputs: Sequence[str], prompt: list[int], output: list[int],
-                   num_steps: int, topk: int = 1, num_draft_tokens: int | None = None) -> Replay:  # fmt: skip
+def replay_request(
+    target_model,
+    draft: Eagle3Draft,
+    inputs: Sequence[str],
+    prompt: list[int],
+    output: list[int],
+    num_steps: int,
+    topk: int = 1,
+    num_draft_tokens: int | None = None,
+) -> Replay:
     """Per-position acceptance and accept length the reference predicts on prompt + output."""
     if not output:
         raise ValueError("the server generated no tokens")

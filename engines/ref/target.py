@@ -62,8 +62,12 @@ def _router_hooks(model, seen: dict) -> list:
         def hook(mod, _args, output, k=k):
             logits, _weights, indices = output
             scores = logits.float().sigmoid() + getattr(mod, "e_score_correction_bias", torch.zeros(())).float()
-            seen[k] = (scores, router_margin(scores, indices, int(getattr(mod, "num_group", 1) or 1),
-                                            int(getattr(mod, "topk_group", 1) or 1)))  # fmt: skip
+            seen[k] = (
+                scores,
+                router_margin(
+                    scores, indices, int(getattr(mod, "num_group", 1) or 1), int(getattr(mod, "topk_group", 1) or 1)
+                ),
+            )
 
         handles.append(module.register_forward_hook(hook))
     return handles
@@ -86,17 +90,20 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
         # run takes the per-expert loop, the same maths
         kwargs["experts_implementation"] = "eager"
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                              output_loading_info=True, **kwargs)  # fmt: skip
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, output_loading_info=True, **kwargs
+        )
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError, *LOAD_ERRORS) as e:
         # a truncated safetensors file or a refused pickle (named, in the words the draft loader and the
         # lint use), a config transformers cannot build a model from, ...
         raise explain_load_failure(path, e, "transformers cannot load this target") from None
     # transformers' own report, for what the header checks cannot see (an MoE layer's experts, a
     # family's own tensors): anything it initialised or dropped is a refusal, not a log line
-    for kind, why in (("missing_keys", "missing (transformers would initialise them randomly)"),
-                      ("mismatched_keys", "shaped differently from the config"),
-                      ("unexpected_keys", "in the checkpoint but not in the architecture (transformers drops them)")):  # fmt: skip
+    for kind, why in (
+        ("missing_keys", "missing (transformers would initialise them randomly)"),
+        ("mismatched_keys", "shaped differently from the config"),
+        ("unexpected_keys", "in the checkpoint but not in the architecture (transformers drops them)"),
+    ):
         keys = sorted(map(str, loading.get(kind) or []))
         if keys:
             shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
@@ -115,8 +122,10 @@ def target_config(path: Path) -> dict:
         raise ConfigError(f"{where}: expected a JSON object, got {type(config).__name__}")
     archs = config.get("architectures") or []
     if config.get("speculators_model_type") or any("eagle" in str(a).lower() for a in archs):
-        raise ConfigError(f"{where}: this is an EAGLE-3 draft's config ({', '.join(map(str, archs)) or 'speculators'}), "
-                          "not a target model's; give it as the case's draft")  # fmt: skip
+        raise ConfigError(
+            f"{where}: this is an EAGLE-3 draft's config ({', '.join(map(str, archs)) or 'speculators'}), "
+            "not a target model's; give it as the case's draft"
+        )
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"):
         value = text.get(key)

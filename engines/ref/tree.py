@@ -60,8 +60,9 @@ def _children(draft: Eagle3Draft, parent: Node, logits: torch.Tensor, out, topk:
 
 
 @torch.no_grad()
-def draft_tree(draft: Eagle3Draft, fc_in: torch.Tensor, next_ids: torch.Tensor, num_steps: int, topk: int,
-               num_draft_tokens: int) -> Node:  # fmt: skip
+def draft_tree(
+    draft: Eagle3Draft, fc_in: torch.Tensor, next_ids: torch.Tensor, num_steps: int, topk: int, num_draft_tokens: int
+) -> Node:
     """Build and prune one draft tree; returns the root (the pending token, depth 0)."""
     n = fc_in.shape[1]
     root = Node(int(next_ids[0, -1]), 0.0, 0, None)

@@ -122,8 +122,12 @@ class ServerClient:
     # -- HTTP ------------------------------------------------------------------------
     def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> tuple[int, bytes]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method="GET" if body is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )
         t = self.timeout if timeout is None else timeout
         try:
             with urllib.request.urlopen(req, timeout=t) as resp:
@@ -174,14 +178,18 @@ class ServerClient:
         proxy = _proxy_for(self.url)
         via = f" through the proxy {proxy}" if proxy else ""
         if info_status in GATEWAY_ERRORS and status in GATEWAY_ERRORS:
-            raise ServerError(f"{self.url}: cannot reach the server{via} (a proxy or gateway answered HTTP {info_status} "
-                              f"for it: the host is unreachable from there)")  # fmt: skip
+            raise ServerError(
+                f"{self.url}: cannot reach the server{via} (a proxy or gateway answered HTTP {info_status} "
+                f"for it: the host is unreachable from there)"
+            )
         # Something answered, but not SGLang or vLLM: another service on that port, or a proxy (transparent
         # or configured) answering for a host it cannot reach; both look the same from here.
-        raise ServerError(f"{self.url}: no SGLang or vLLM server reachable there{via}: /get_model_info answered HTTP "
-                          f"{info_status}, /metrics HTTP {status}{' without vllm: counters' if status == 200 else ''} "
-                          "(another service, or a proxy answering for an unreachable host); check the URL, or give "
-                          "kind=sglang|vllm")  # fmt: skip
+        raise ServerError(
+            f"{self.url}: no SGLang or vLLM server reachable there{via}: /get_model_info answered HTTP "
+            f"{info_status}, /metrics HTTP {status}{' without vllm: counters' if status == 200 else ''} "
+            "(another service, or a proxy answering for an unreachable host); check the URL, or give "
+            "kind=sglang|vllm"
+        )
 
     def healthy(self) -> bool:
         try:
@@ -206,20 +214,37 @@ class ServerClient:
         launch = parse_launch_command(info.get("launch_command"))
         algo = info.get("speculative_algorithm")
         internal = info.get("internal_states") or [{}]
-        details = {k: info.get(k) for k in ("tp_size", "dp_size", "dtype", "attention_backend", "device",
-                                            "speculative_draft_model_revision", "disable_overlap_schedule")}  # fmt: skip
+        details = {
+            k: info.get(k)
+            for k in (
+                "tp_size",
+                "dp_size",
+                "dtype",
+                "attention_backend",
+                "device",
+                "speculative_draft_model_revision",
+                "disable_overlap_schedule",
+            )
+        }
         details["avg_spec_accept_length (server-wide)"] = (internal[0] or {}).get("avg_spec_accept_length")
         return ServerSettings(
-            kind="sglang", url=self.url, model=str(info.get("model_path")),
+            kind="sglang",
+            url=self.url,
+            model=str(info.get("model_path")),
             algorithm=str(algo) if algo else None,
-            num_steps=_opt_int(info.get("speculative_num_steps")), topk=_opt_int(info.get("speculative_eagle_topk")),
+            num_steps=_opt_int(info.get("speculative_num_steps")),
+            topk=_opt_int(info.get("speculative_eagle_topk")),
             num_draft_tokens=_opt_int(info.get("speculative_num_draft_tokens")),
-            draft_model=info.get("speculative_draft_model_path"), tp=_opt_int(info.get("tp_size")), launch=launch,
+            draft_model=info.get("speculative_draft_model_path"),
+            tp=_opt_int(info.get("tp_size")),
+            launch=launch,
             details={k: v for k, v in details.items() if v is not None},
-            sources=[f"GET {path} (sglang srt/entrypoints/http_server.py::server_info: resolved server args; "
-                     "launch_command: what was asked for)"],
+            sources=[
+                f"GET {path} (sglang srt/entrypoints/http_server.py::server_info: resolved server args; "
+                "launch_command: what was asked for)"
+            ],
             version=str(info.get("version", "")),
-        )  # fmt: skip
+        )
 
     def _vllm_settings(self) -> ServerSettings:
         models = self._json("/v1/models").get("data") or []
@@ -231,42 +256,62 @@ class ServerClient:
             {int(lab["position"]) for name, lab, _ in metrics if name == PER_POS + "_total" and "position" in lab}
         )
         has_spec = any(name.startswith("vllm:spec_decode_num_drafts") for name, _, _ in metrics)
-        sources = ["GET /v1/models (served model and root)",
-                   "GET /metrics (v1/spec_decode/metrics.py::SpecDecodingProm: one per-position counter per "
-                   "speculative token)"]  # fmt: skip
+        sources = [
+            "GET /v1/models (served model and root)",
+            "GET /metrics (v1/spec_decode/metrics.py::SpecDecodingProm: one per-position counter per "
+            "speculative token)",
+        ]
         cache_info = next((lab for name, lab, _ in metrics if name == "vllm:cache_config_info"), {})
-        details = {"max_model_len": m.get("max_model_len"), "served_model_name": m.get("id"),
-                   "block_size": cache_info.get("block_size"), "cache_dtype": cache_info.get("cache_dtype")}  # fmt: skip
+        details = {
+            "max_model_len": m.get("max_model_len"),
+            "served_model_name": m.get("id"),
+            "block_size": cache_info.get("block_size"),
+            "cache_dtype": cache_info.get("cache_dtype"),
+        }
         spec = None
         status, raw = self._request("/server_info?config_format=json")
         if status == 200:
             cfg = json.loads(raw).get("vllm_config") or {}
             spec = cfg.get("speculative_config") if isinstance(cfg, dict) else None
-            sources.append("GET /server_info (VLLM_SERVER_DEV_MODE=1: entrypoints/serve/dev/server_info/api_router.py"
-                           "::show_server_info, the resolved VllmConfig)")  # fmt: skip
+            sources.append(
+                "GET /server_info (VLLM_SERVER_DEV_MODE=1: entrypoints/serve/dev/server_info/api_router.py"
+                "::show_server_info, the resolved VllmConfig)"
+            )
             if isinstance(cfg, dict):
                 par = cfg.get("parallel_config") or {}
                 details["tensor_parallel_size"] = par.get("tensor_parallel_size")
                 details["dtype"] = (cfg.get("model_config") or {}).get("dtype")
         else:
-            sources.append("/server_info not served (start the server with VLLM_SERVER_DEV_MODE=1 to report the "
-                           "draft path and the whole speculative config)")  # fmt: skip
+            sources.append(
+                "/server_info not served (start the server with VLLM_SERVER_DEV_MODE=1 to report the "
+                "draft path and the whole speculative config)"
+            )
         steps = len(positions) or None
         draft = algo = None
         if isinstance(spec, dict):
             steps = _opt_int(spec.get("num_speculative_tokens")) or steps
             algo = spec.get("method")
             draft = spec.get("model")
-            details["speculative_config"] = {k: spec.get(k) for k in ("method", "model", "num_speculative_tokens",
-                                                                      "draft_tensor_parallel_size") if k in spec}  # fmt: skip
+            details["speculative_config"] = {
+                k: spec.get(k)
+                for k in ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size")
+                if k in spec
+            }
         elif has_spec:
             algo = "speculative (method not published without /server_info)"
         return ServerSettings(
-            kind="vllm", url=self.url, model=str(m.get("root") or m.get("id")), algorithm=algo,
-            num_steps=steps, topk=1 if steps else None, num_draft_tokens=steps + 1 if steps else None,
-            draft_model=draft, tp=_opt_int(details.get("tensor_parallel_size")),
-            details={k: v for k, v in details.items() if v is not None}, sources=sources,
-        )  # fmt: skip
+            kind="vllm",
+            url=self.url,
+            model=str(m.get("root") or m.get("id")),
+            algorithm=algo,
+            num_steps=steps,
+            topk=1 if steps else None,
+            num_draft_tokens=steps + 1 if steps else None,
+            draft_model=draft,
+            tp=_opt_int(details.get("tensor_parallel_size")),
+            details={k: v for k, v in details.items() if v is not None},
+            sources=sources,
+        )
 
     def _text(self, path: str) -> str:
         status, raw = self._request(path)
@@ -282,8 +327,13 @@ class ServerClient:
         return self._vllm_generate(prompt, max_new_tokens, num_steps)
 
     def _sglang_generate(self, prompt: list[int], max_new_tokens: int, num_steps: int) -> RequestAcceptance:
-        out = self._json("/generate", {"input_ids": list(prompt), "sampling_params": {
-            "temperature": 0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True}})  # fmt: skip
+        out = self._json(
+            "/generate",
+            {
+                "input_ids": list(prompt),
+                "sampling_params": {"temperature": 0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True},
+            },
+        )
         out = out[0] if isinstance(out, list) else out
         meta = out.get("meta_info") or {}
         if "spec_verify_ct" not in meta:
@@ -292,17 +342,31 @@ class ServerClient:
             )
         hist = meta.get("spec_correct_drafts_histogram") or []  # hist[j]: verifies that accepted exactly j drafts
         per_pos = [sum(int(c) for c in hist[j + 1 :]) for j in range(num_steps)]
-        return RequestAcceptance(list(prompt), [int(t) for t in out.get("output_ids") or []], int(meta["spec_verify_ct"]),
-                                 int(meta.get("spec_num_correct_drafts") or 0), per_pos, exact=True)  # fmt: skip
+        return RequestAcceptance(
+            list(prompt),
+            [int(t) for t in out.get("output_ids") or []],
+            int(meta["spec_verify_ct"]),
+            int(meta.get("spec_num_correct_drafts") or 0),
+            per_pos,
+            exact=True,
+        )
 
     def _vllm_snapshot(self) -> dict:
         return counters(parse_prometheus(self._text("/metrics")))
 
     def _vllm_generate(self, prompt: list[int], max_new_tokens: int, num_steps: int) -> RequestAcceptance:
         before = self._vllm_snapshot()
-        out = self._json("/v1/completions", {"model": self._served_name(), "prompt": list(prompt), "temperature": 0,
-                                             "max_tokens": int(max_new_tokens), "ignore_eos": True,
-                                             "return_token_ids": True})  # fmt: skip
+        out = self._json(
+            "/v1/completions",
+            {
+                "model": self._served_name(),
+                "prompt": list(prompt),
+                "temperature": 0,
+                "max_tokens": int(max_new_tokens),
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         after = self._vllm_snapshot()
         choice = (out.get("choices") or [{}])[0]
         tokens = choice.get("token_ids")
@@ -324,9 +388,15 @@ class ServerClient:
         moved = [f"{k} +{d[k]:g} (this request: {v})" for k, v in expected.items() if k in after and d[k] != v]
         if moved:
             why.append("counters moved by more than this request: " + ", ".join(moved))
-        return RequestAcceptance(list(prompt), [int(t) for t in tokens], int(d[SPEC_COUNTERS[0]]),
-                                 int(d[SPEC_COUNTERS[2]]), [int(x) for x in per_pos], exact=False,
-                                 contaminated="; ".join(why))  # fmt: skip
+        return RequestAcceptance(
+            list(prompt),
+            [int(t) for t in tokens],
+            int(d[SPEC_COUNTERS[0]]),
+            int(d[SPEC_COUNTERS[2]]),
+            [int(x) for x in per_pos],
+            exact=False,
+            contaminated="; ".join(why),
+        )
 
     def _served_name(self) -> str:
         if not hasattr(self, "_name"):

@@ -88,9 +88,15 @@ def main(args: argparse.Namespace) -> int:
         case = load_case(args.case)
         server = parse_spec(server_spec_text(args.server, args.kind, args.timeout, args.model))
         reference = parse_spec(args.reference)
-        session = Session(Options(engines=[reference, server], reference=reference, timeout=args.engine_timeout,
-                                  log_dir=report_dir / "logs",
-                                  progress=lambda m: print(f"[difftest probe] {m}", file=sys.stderr, flush=True)))  # fmt: skip
+        session = Session(
+            Options(
+                engines=[reference, server],
+                reference=reference,
+                timeout=args.engine_timeout,
+                log_dir=report_dir / "logs",
+                progress=lambda m: print(f"[difftest probe] {m}", file=sys.stderr, flush=True),
+            )
+        )
         session.client(server)  # reachability, speculative decoding: fail before loading the reference
         results = []
         for name in ("fc_inputs", "draft_logits", "top1_agreement"):
@@ -99,8 +105,11 @@ def main(args: argparse.Namespace) -> int:
             except DifftestError as e:  # NotAvailable: a server exposes no tensors
                 results.append(CheckResult(server.id, name, "not available", str(e)))
         verdict = checks.run_check("accept_length", session, case, server)  # engines.server.probe.CHECK
-        results.append(CheckResult(server.id, "accept_length", "passed" if verdict.passed else "failed", verdict.message,
-                                   verdict.data))  # fmt: skip
+        results.append(
+            CheckResult(
+                server.id, "accept_length", "passed" if verdict.passed else "failed", verdict.message, verdict.data
+            )
+        )
         path = report_files.write(report_mod.build(case, session, results), report_dir)
     except DifftestError as e:
         print(f"difftest probe: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
@@ -113,5 +122,9 @@ def main(args: argparse.Namespace) -> int:
     return 0 if verdict.passed else 1
 
 
-PROBE = Command("probe", "check a running SGLang or vLLM server's acceptance against the reference's prediction",
-                add_arguments, main)  # fmt: skip
+PROBE = Command(
+    "probe",
+    "check a running SGLang or vLLM server's acceptance against the reference's prediction",
+    add_arguments,
+    main,
+)

@@ -58,16 +58,23 @@ class ServerEngine(Engine):
             except ServerError as e:
                 raise EngineError(str(e)) from None
             if not self._settings.algorithm:
-                raise EngineError(f"{self._client.url}: the server runs no speculative decoding "
-                                  f"({self._settings.sources[0]}: speculative_algorithm is unset)")  # fmt: skip
+                raise EngineError(
+                    f"{self._client.url}: the server runs no speculative decoding "
+                    f"({self._settings.sources[0]}: speculative_algorithm is unset)"
+                )
         return self._client
 
     def info(self) -> EngineInfo:
         client = self._connect()
         s = self._settings
-        return EngineInfo(name="server", version=f"{client.kind} {s.version}".strip(),
-                          versions={"kind": client.kind, "url": client.url}, kernels=f"{client.kind} server",
-                          live=True, settings=s.to_dict())  # fmt: skip
+        return EngineInfo(
+            name="server",
+            version=f"{client.kind} {s.version}".strip(),
+            versions={"kind": client.kind, "url": client.url},
+            kernels=f"{client.kind} server",
+            live=True,
+            settings=s.to_dict(),
+        )
 
     def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
         raise NotImplementedError(
@@ -82,8 +89,10 @@ class ServerEngine(Engine):
         if not same and os.path.exists(served) and os.path.exists(expected):
             same = os.path.realpath(served) == os.path.realpath(expected)
         if not same:
-            raise EngineError(f"{self._client.url} serves model {served!r}, not the case's target {expected!r} "
-                              f"(if it is the same checkpoint under another name: {self.spec.name}[...,model={served}])")  # fmt: skip
+            raise EngineError(
+                f"{self._client.url} serves model {served!r}, not the case's target {expected!r} "
+                f"(if it is the same checkpoint under another name: {self.spec.name}[...,model={served}])"
+            )
 
     def _vocab(self, case: Case) -> int | None:
         try:
@@ -107,18 +116,26 @@ class ServerEngine(Engine):
             if not r.output:
                 raise EngineError(f"{client.url}: prompt {i}: the server generated no tokens")
             if vocab and max(r.output) >= vocab:
-                raise EngineError(f"{client.url}: prompt {i}: output token {max(r.output)} is outside the case target's "
-                                  f"vocabulary ({vocab}): the server serves another model")  # fmt: skip
+                raise EngineError(
+                    f"{client.url}: prompt {i}: output token {max(r.output)} is outside the case target's "
+                    f"vocabulary ({vocab}): the server serves another model"
+                )
             requests.append(r)
         total = AcceptStats(0, 0, steps, [0] * steps, 0, "")
         for r in requests:
-            total = total.merge(AcceptStats(r.num_verify, r.num_accepted, steps, r.accepted_per_pos, 1, "",
-                                            outputs=[r.output]))  # fmt: skip
+            total = total.merge(
+                AcceptStats(r.num_verify, r.num_accepted, steps, r.accepted_per_pos, 1, "", outputs=[r.output])
+            )
         exact = all(r.exact for r in requests)
-        total.source = (f"{client.kind} server {client.url}: " +
-                        ("meta_info per-request counters (exact)" if exact else
-                         "/metrics counter deltas around each request, sent one at a time (other traffic would show)"))  # fmt: skip
+        total.source = f"{client.kind} server {client.url}: " + (
+            "meta_info per-request counters (exact)"
+            if exact
+            else "/metrics counter deltas around each request, sent one at a time (other traffic would show)"
+        )
         total.per_request = [r.to_dict() for r in requests]
-        total.native = (["sglang.spec_num_correct_drafts", "sglang.spec_correct_drafts_histogram"] if client.kind == "sglang"
-                        else ["vllm.mean_acceptance_length", "vllm.num_accepted_tokens_per_pos"])  # fmt: skip
+        total.native = (
+            ["sglang.spec_num_correct_drafts", "sglang.spec_correct_drafts_histogram"]
+            if client.kind == "sglang"
+            else ["vllm.mean_acceptance_length", "vllm.num_accepted_tokens_per_pos"]
+        )
         return total

@@ -55,11 +55,15 @@ def flags(settings: dict, case: Case) -> list[str]:
         )
     tp_key = "tp_size" if kind == "sglang" else "tensor_parallel_size"  # the case's name for it (engines/*/settings.py)
     if wanted.get(tp_key) is not None and settings.get("tp") is not None and int(wanted[tp_key]) != int(settings["tp"]):
-        out.append(f"the server runs tensor parallelism {settings['tp']}; the case's engines.{kind}.{tp_key} says "
-                   f"{wanted[tp_key]} (the prediction replays the server's tokens: it does not depend on it)")  # fmt: skip
+        out.append(
+            f"the server runs tensor parallelism {settings['tp']}; the case's engines.{kind}.{tp_key} says "
+            f"{wanted[tp_key]} (the prediction replays the server's tokens: it does not depend on it)"
+        )
     if kind == "vllm" and not settings.get("draft_model"):
-        out.append("draft path not published (vLLM serves /server_info only with VLLM_SERVER_DEV_MODE=1): "
-                   "num_speculative_tokens read from the /metrics per-position counters")  # fmt: skip
+        out.append(
+            "draft path not published (vLLM serves /server_info only with VLLM_SERVER_DEV_MODE=1): "
+            "num_speculative_tokens read from the /metrics per-position counters"
+        )
     return out
 
 
@@ -92,15 +96,31 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
         ref_total.source = p.source
         spread = (accept_length_spread(s) ** 2 + accept_length_spread(p) ** 2) ** 0.5
         kind = "exact" if r["exact"] else "delta"
-        note = f"; NOT JUDGED: {r['contaminated']}" if r.get("contaminated") and clean else (
-            f"; {r['contaminated']}" if r.get("contaminated") else "")  # fmt: skip
-        mism = f"; the reference target picks another token at {rep.target_mismatches} output positions (first: {rep.first_mismatch})" \
-            if rep.target_mismatches else ""  # fmt: skip
-        lines.append(f"  request {i}: AL {s.accept_length:.3f} ({kind}, {s.num_verify} verifies) vs predicted "
-                     f"{p.accept_length:.3f} +- {ACCEPT_SIGMAS * spread:.3f}; per position {_fmt(s.acceptance_rate_per_pos)} vs "
-                     f"{_fmt(p.acceptance_rate_per_pos)}{mism}{note}")  # fmt: skip
-        per_request.append({"server": r, "predicted": rep.stats.to_dict(), "target_mismatches": rep.target_mismatches,
-                            "first_mismatch": rep.first_mismatch, "judged": i in judged, "numbers": kind})  # fmt: skip
+        note = (
+            f"; NOT JUDGED: {r['contaminated']}"
+            if r.get("contaminated") and clean
+            else (f"; {r['contaminated']}" if r.get("contaminated") else "")
+        )
+        mism = (
+            f"; the reference target picks another token at {rep.target_mismatches} output positions (first: {rep.first_mismatch})"
+            if rep.target_mismatches
+            else ""
+        )
+        lines.append(
+            f"  request {i}: AL {s.accept_length:.3f} ({kind}, {s.num_verify} verifies) vs predicted "
+            f"{p.accept_length:.3f} +- {ACCEPT_SIGMAS * spread:.3f}; per position {_fmt(s.acceptance_rate_per_pos)} vs "
+            f"{_fmt(p.acceptance_rate_per_pos)}{mism}{note}"
+        )
+        per_request.append(
+            {
+                "server": r,
+                "predicted": rep.stats.to_dict(),
+                "target_mismatches": rep.target_mismatches,
+                "first_mismatch": rep.first_mismatch,
+                "judged": i in judged,
+                "numbers": kind,
+            }
+        )
     a, b = ref_total.accept_length, server_total.accept_length
     # the same tokens on both sides: no numerical move to add; sampling spread over the verifies only
     gate = accept_judge.judge(ref_total, server_total, None, tol, "on the server's own tokens")
@@ -111,30 +131,54 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
         f"server accept length {b:.3f} vs the reference's prediction {a:.3f} on the same tokens: "
         f"{(b - a) / a * 100 if a else float('nan'):+.1f}%, allowed |diff| <= {allowed:.3f} ({ACCEPT_SIGMAS:g} x expected "
         f"spread {spread:.3f} over {server_total.num_verify} verify steps{declared}); per-position acceptance "
-        f"{_fmt(server_total.acceptance_rate_per_pos)} vs {_fmt(ref_total.acceptance_rate_per_pos)}: {gate.summary()}")  # fmt: skip
-    verdict = "PASS: the deployment accepts what the reference predicts" if passed else (
-        "FAIL: the deployment accepts less than the reference predicts (draft miswired, wrong draft or settings)"
-        if b < a else "FAIL: the deployment accepts more than the reference predicts (the reference's wiring or draft is not the server's)")  # fmt: skip
-    numbers = ("exact: SGLang's per-request meta_info counters" if exact else
-               "deltas: vLLM /metrics counters around each request (sent one at a time); a concurrent request "
-               "on the server would be in them and is flagged")  # fmt: skip
+        f"{_fmt(server_total.acceptance_rate_per_pos)} vs {_fmt(ref_total.acceptance_rate_per_pos)}: {gate.summary()}"
+    )
+    verdict = (
+        "PASS: the deployment accepts what the reference predicts"
+        if passed
+        else (
+            "FAIL: the deployment accepts less than the reference predicts (draft miswired, wrong draft or settings)"
+            if b < a
+            else "FAIL: the deployment accepts more than the reference predicts (the reference's wiring or draft is not the server's)"
+        )
+    )
+    numbers = (
+        "exact: SGLang's per-request meta_info counters"
+        if exact
+        else "deltas: vLLM /metrics counters around each request (sent one at a time); a concurrent request "
+        "on the server would be in them and is flagged"
+    )
     shown = {
         k: settings.get(k)
         for k in ("kind", "url", "model", "draft_model", "algorithm", "num_steps", "topk", "num_draft_tokens", "tp")
     }
     flag_lines = flags(settings, case)
     mismatched = sum(r.target_mismatches for r in replays)
-    msg = [head, verdict,
-           "server: " + ", ".join(f"{k} {v}" for k, v in shown.items() if v is not None),
-           *(f"flag: {f}" for f in flag_lines),
-           f"numbers: {numbers}; prediction: {ref_total.source} by {reference.id}"]  # fmt: skip
+    msg = [
+        head,
+        verdict,
+        "server: " + ", ".join(f"{k} {v}" for k, v in shown.items() if v is not None),
+        *(f"flag: {f}" for f in flag_lines),
+        f"numbers: {numbers}; prediction: {ref_total.source} by {reference.id}",
+    ]
     if mismatched:
-        msg.append(f"note: the reference target's greedy token differs from the server's at {mismatched} output positions "
-                   "(another model, lower precision or near ties): the replay still follows the server's tokens")  # fmt: skip
+        msg.append(
+            f"note: the reference target's greedy token differs from the server's at {mismatched} output positions "
+            "(another model, lower precision or near ties): the replay still follows the server's tokens"
+        )
     msg += lines
-    data = ServerAcceptData(reference=ref_total, engine=server_total, allowed=allowed, spread=spread, gate=gate,
-                            server_settings=settings, flags=flag_lines, per_request=per_request,
-                            numbers="exact" if exact else "deltas", verdict=verdict)  # fmt: skip
+    data = ServerAcceptData(
+        reference=ref_total,
+        engine=server_total,
+        allowed=allowed,
+        spread=spread,
+        gate=gate,
+        server_settings=settings,
+        flags=flag_lines,
+        per_request=per_request,
+        numbers="exact" if exact else "deltas",
+        verdict=verdict,
+    )
     return passed, "\n".join(msg), data
 
 
@@ -143,6 +187,12 @@ def check_server_acceptance(session, case: Case, spec: EngineSpec) -> Verdict:
     return Verdict(*check(session, case, spec, case.expect.get("accept_length") or None))
 
 
-CHECK = ExtraCheck("server_accept_length", check_server_acceptance, lambda case, is_reference: not is_reference,
-                   "a running server's acceptance against the reference's replay of its own tokens",
-                   engines=("server",), data=ServerAcceptData, replaces="accept_length")  # fmt: skip
+CHECK = ExtraCheck(
+    "server_accept_length",
+    check_server_acceptance,
+    lambda case, is_reference: not is_reference,
+    "a running server's acceptance against the reference's replay of its own tokens",
+    engines=("server",),
+    data=ServerAcceptData,
+    replaces="accept_length",
+)

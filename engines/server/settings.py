@@ -3,11 +3,23 @@
 from engines.server import client as server_client
 from difftest.api import Schema, Setting
 
-SCHEMA = Schema("server", (
-    Setting("url", "str", "the running server, http://HOST:PORT (required)"),
-    Setting("kind", "choice", "sglang | vllm (default: detected from the endpoints the server answers)",
-            choices=("sglang", "vllm")),
-    Setting("timeout", "float", "seconds per HTTP request: a server that does not answer fails, never hangs",
-            default=float(server_client.DEFAULT_TIMEOUT), min=0.001),
-    Setting("model", "str", "the served model's expected name (default: the case's target path)"),
-))  # fmt: skip
+SCHEMA = Schema(
+    "server",
+    (
+        Setting("url", "str", "the running server, http://HOST:PORT (required)"),
+        Setting(
+            "kind",
+            "choice",
+            "sglang | vllm (default: detected from the endpoints the server answers)",
+            choices=("sglang", "vllm"),
+        ),
+        Setting(
+            "timeout",
+            "float",
+            "seconds per HTTP request: a server that does not answer fails, never hangs",
+            default=float(server_client.DEFAULT_TIMEOUT),
+            min=0.001,
+        ),
+        Setting("model", "str", "the served model's expected name (default: the case's target path)"),
+    ),
+)

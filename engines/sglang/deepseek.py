@@ -81,9 +81,11 @@ def unrunnable(target_cfg: dict, draft_cfg: dict, draft_path: str, version: str 
         why.append("a repeated layer is captured once")
     if any(k >= L or k < 0 for k in layers):
         why.append(f"layers >= L={L} are never captured")
-    return (f"SGLang would feed layers_to_capture {layers}{fallback} for {draft_path}/config.json "
-            f"({reading.explain()}{ignored}), captures only {len(reading.fed)} of {len(layers)} aux hidden states "
-            f"({'; '.join(why)}) and its scheduler dies (AuxHiddenStatePacker: captured n of m aux hidden states)")  # fmt: skip
+    return (
+        f"SGLang would feed layers_to_capture {layers}{fallback} for {draft_path}/config.json "
+        f"({reading.explain()}{ignored}), captures only {len(reading.fed)} of {len(layers)} aux hidden states "
+        f"({'; '.join(why)}) and its scheduler dies (AuxHiddenStatePacker: captured n of m aux hidden states)"
+    )
 
 
 def rope_type(target_cfg: dict) -> str:
@@ -102,8 +104,10 @@ def cpu_target_overrides(target_cfg: dict) -> tuple[dict, list[str]]:
     notes = []
     if "moe_layer_freq" not in t:
         overrides["moe_layer_freq"] = 1
-        notes.append("target config moe_layer_freq: 1 added (SGLang's deepseek_v2.py reads it; absent means every "
-                     "layer >= first_k_dense_replace is MoE)")  # fmt: skip
+        notes.append(
+            "target config moe_layer_freq: 1 added (SGLang's deepseek_v2.py reads it; absent means every "
+            "layer >= first_k_dense_replace is MoE)"
+        )
     kind = rope_type(target_cfg)
     if kind not in ("yarn", "deepseek_yarn"):
         if kind != "default":
@@ -113,17 +117,29 @@ def cpu_target_overrides(target_cfg: dict) -> tuple[dict, list[str]]:
         rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
         theta = rope.get("rope_theta", t.get("rope_theta", 10000.0))
         max_pos = int(t.get("max_position_embeddings", 4096))
-        yarn = {"rope_type": "yarn", "rope_theta": theta, "factor": 1.0, "original_max_position_embeddings": max_pos,
-                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+        yarn = {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": 1.0,
+            "original_max_position_embeddings": max_pos,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
         key = "rope_parameters" if "rope_parameters" in t or "rope_scaling" not in t else "rope_scaling"
         overrides[key] = yarn
-        notes.append(f"target rope {key} default -> yarn factor 1.0 (identical frequencies and scale; SGLang's CPU "
-                     "rope supports only deepseek_yarn)")  # fmt: skip
+        notes.append(
+            f"target rope {key} default -> yarn factor 1.0 (identical frequencies and scale; SGLang's CPU "
+            "rope supports only deepseek_yarn)"
+        )
     if nested and overrides:
         overrides = {"text_config": overrides}
     return overrides, notes
 
 
-SHIM_MLA_NOTE = ("cpu-shim extend_attention_cpu: new tokens' k/v from its k/v arguments, prefix from the cache "
-                 "(MLA prefill never stores them in the latent cache)")  # fmt: skip
+SHIM_MLA_NOTE = (
+    "cpu-shim extend_attention_cpu: new tokens' k/v from its k/v arguments, prefix from the cache "
+    "(MLA prefill never stores them in the latent cache)"
+)
 AMX_NOTE = "attention_backend=intel_amx with the AMX platform override (cpu-shim provides its two ops)"

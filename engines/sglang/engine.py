@@ -136,8 +136,13 @@ class SglangEngine(Engine):
     def _private_dirs(self) -> None:
         """Caches, temp files and sockets under the difftest cache; never the network."""
         base = cache_root() / "sglang"
-        for var, sub in (("HF_HOME", "hf"), ("XDG_CACHE_HOME", "xdg"), ("TRITON_CACHE_DIR", "triton"),
-                         ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("OUTLINES_CACHE_DIR", "outlines")):  # fmt: skip
+        for var, sub in (
+            ("HF_HOME", "hf"),
+            ("XDG_CACHE_HOME", "xdg"),
+            ("TRITON_CACHE_DIR", "triton"),
+            ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+            ("OUTLINES_CACHE_DIR", "outlines"),
+        ):
             os.environ.setdefault(var, str(base / sub))
         os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", SGLANG_DISABLE_REQUEST_LOGGING="1")
         (base / "tmp").mkdir(parents=True, exist_ok=True)
@@ -190,9 +195,12 @@ class SglangEngine(Engine):
         if backend is not None:
             requested["attention_backend"] = backend
         requested.update(s["server_args"])
-        return {"requested": requested, "device": "cpu" if on_cpu else "cuda",
-                "draft_overrides": s["draft_config_overrides"],
-                "target_overrides": s["target_config_overrides"]}  # fmt: skip
+        return {
+            "requested": requested,
+            "device": "cpu" if on_cpu else "cuda",
+            "draft_overrides": s["draft_config_overrides"],
+            "target_overrides": s["target_config_overrides"],
+        }
 
     def _checkpoints(self, case: Case, settings: dict) -> tuple[str, str]:
         """Overlaid target and draft; fills settings["compat"] with the measures the target needed."""
@@ -256,8 +264,11 @@ class SglangEngine(Engine):
             cpu_shim.install_platform_override()
         if settings["device"] == "cpu" and int(settings["requested"]["tp_size"]) > 1:
             _bind_ranks_to_cores(int(settings["requested"]["tp_size"]))
-        print(f"[sglang adapter] sglang.Engine({json.dumps({k: v for k, v in kwargs.items() if k != 'forward_hooks'}, default=str)})",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[sglang adapter] sglang.Engine({json.dumps({k: v for k, v in kwargs.items() if k != 'forward_hooks'}, default=str)})",
+            file=sys.stderr,
+            flush=True,
+        )
         log_offset = _log_size()
         try:
             with process_start.engine_start():  # its processes fork from a server with SGLang imported
@@ -352,7 +363,7 @@ class SglangEngine(Engine):
                 inputs=[f"target.h.{k}" for k in ex.captured_layers][:chunks],
                 source=f"{rule} -> layers_to_capture {planned}; captured {ex.captured_layers}",
                 verifier=None,
-            ),  # fmt: skip
+            ),
             compat=list(settings["compat"]),
             settings=self._settings_meta(settings),
             checkpoints={"target": target, "draft": draft},
@@ -436,11 +447,21 @@ class SglangEngine(Engine):
             hist = m.get("spec_correct_drafts_histogram") or []  # hist[j]: verifies that accepted j drafts
             for j in range(steps):
                 per_pos[j] += sum(int(c) for c in hist[j + 1 :])
-        src = (f"sglang meta_info (spec_num_correct_drafts / spec_verify_ct + 1; {self._kernels}; "
-               f"topk {self._effective.get('speculative_eagle_topk')}, "
-               f"draft tokens {self._effective.get('speculative_num_draft_tokens')})")  # fmt: skip
-        return AcceptStats(verify, accepted, steps, per_pos, len(prompts), src, outputs=[list(o["output_ids"]) for o in outs],
-                           native=["sglang.spec_num_correct_drafts", "sglang.spec_correct_drafts_histogram"])  # fmt: skip
+        src = (
+            f"sglang meta_info (spec_num_correct_drafts / spec_verify_ct + 1; {self._kernels}; "
+            f"topk {self._effective.get('speculative_eagle_topk')}, "
+            f"draft tokens {self._effective.get('speculative_num_draft_tokens')})"
+        )
+        return AcceptStats(
+            verify,
+            accepted,
+            steps,
+            per_pos,
+            len(prompts),
+            src,
+            outputs=[list(o["output_ids"]) for o in outs],
+            native=["sglang.spec_num_correct_drafts", "sglang.spec_correct_drafts_histogram"],
+        )
 
     def _shutdown(self) -> None:
         if self._crash_watch is not None:

@@ -50,7 +50,7 @@ def tp_rank() -> tuple[int, int]:
 
     try:
         group = parallel_state.get_tp_group()
-    except Exception as e:  # noqa: BLE001  (no parallel context: a single-process model)
+    except Exception as e:
         import sys
 
         print(f"[difftest hooks] no SGLang tp group ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
@@ -259,9 +259,11 @@ def golden_hook(config: dict):
 def hook_specs(out_dir: str) -> list[dict]:
     cfg = {"out_dir": out_dir}
     spec = lambda name, modules, factory: {  # noqa: E731
-        "name": f"difftest-{name}", "target_modules": modules,
-        "hook_factory": f"engines.sglang.hooks:{factory}", "config": cfg,
-    }  # fmt: skip
+        "name": f"difftest-{name}",
+        "target_modules": modules,
+        "hook_factory": f"engines.sglang.hooks:{factory}",
+        "config": cfg,
+    }
     return [
         spec("embed", ["model.embed_tokens"], "embed_hook"),
         spec("fc", ["model.fc"], "fc_hook"),

@@ -79,17 +79,31 @@ class Extracted:
     checks: dict
 
 
-def extract(forwards: list[Forward], prompt_ids: list[int], num_steps: int, topk: int,
-            hot_token_id: torch.Tensor, vocab_size: int) -> Extracted:  # fmt: skip
+def extract(
+    forwards: list[Forward],
+    prompt_ids: list[int],
+    num_steps: int,
+    topk: int,
+    hot_token_id: torch.Tensor,
+    vocab_size: int,
+) -> Extracted:
     n = len(prompt_ids)
     prompt = torch.tensor(prompt_ids)
     tensors: dict[str, torch.Tensor] = {}
     checks: dict = {}
 
     # -- the target's prefill over the prompt ------------------------------------------
-    i_t = next((i for i, f in enumerate(forwards)
-                if f.role == "target" and f.mode == "EXTEND" and f.rows == n
-                and torch.equal(f.model["input_ids"].long(), prompt)), None)  # fmt: skip
+    i_t = next(
+        (
+            i
+            for i, f in enumerate(forwards)
+            if f.role == "target"
+            and f.mode == "EXTEND"
+            and f.rows == n
+            and torch.equal(f.model["input_ids"].long(), prompt)
+        ),
+        None,
+    )
     if i_t is None:
         raise EngineError(f"no target prefill over the {n} prompt tokens among {len(forwards)} recorded forwards")
     tgt = forwards[i_t]
@@ -128,8 +142,10 @@ def extract(forwards: list[Forward], prompt_ids: list[int], num_steps: int, topk
     want_ids = torch.tensor(prompt_ids[1:] + [next_token])
     got_ids = drf.model["input_ids"].long()
     if not torch.equal(got_ids, want_ids):
-        raise EngineError(f"draft step 0 input ids {got_ids.tolist()} are not the prompt shifted by one plus the "
-                          f"target's next token {want_ids.tolist()}")  # fmt: skip
+        raise EngineError(
+            f"draft step 0 input ids {got_ids.tolist()} are not the prompt shifted by one plus the "
+            f"target's next token {want_ids.tolist()}"
+        )
     if not torch.equal(drf.model["positions"].long(), torch.arange(n)):
         raise EngineError(f"draft step 0 positions {drf.model['positions'].tolist()} are not 0..{n - 1}")
     record_draft_forward(tensors, 0, drf, hot_token_id, vocab_size)

@@ -28,8 +28,13 @@ TP_OPTIONS = ("--tp-size", "--tensor-parallel-size")  # srt/arg_groups/fields/pa
 def prepare_environment() -> str:
     """The adapter's private directories (engines/sglang/engine.py::SglangEngine._private_dirs); returns the kernels."""
     base = cache_root() / "sglang"
-    for var, sub in (("HF_HOME", "hf"), ("XDG_CACHE_HOME", "xdg"), ("TRITON_CACHE_DIR", "triton"),
-                     ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("OUTLINES_CACHE_DIR", "outlines")):  # fmt: skip
+    for var, sub in (
+        ("HF_HOME", "hf"),
+        ("XDG_CACHE_HOME", "xdg"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("OUTLINES_CACHE_DIR", "outlines"),
+    ):
         os.environ.setdefault(var, str(base / sub))
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     (base / "tmp").mkdir(parents=True, exist_ok=True)
@@ -57,8 +62,11 @@ def main(argv: list[str]) -> None:
         cpu_shim.install_platform_override()
     bound = bind_ranks(argv, kernels)
     binding = f"; {cpu_ranks.BIND_ENV}={bound}" if bound else ""
-    print(f"[difftest sglang serve] kernels {kernels}{binding}; sglang.launch_server {' '.join(argv)}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"[difftest sglang serve] kernels {kernels}{binding}; sglang.launch_server {' '.join(argv)}",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.argv = ["sglang.launch_server", *argv]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

@@ -56,52 +56,129 @@ RULES: tuple[Rule, ...] = (
     Rule("model", "final_norm", REPLICATED, f"RMSNorm over the residual stream; {_ROW}", ("target.final_norm",)),
     Rule("model", "aux", REPLICATED, f"hidden_states + residual at a layer's entry; {_ROW}", ("target.h.*",)),
     # the draft's decoder stack (llama_eagle3.py::LlamaModel.forward, kimi_k25_eagle3.py::Eagle3MLAModel.forward)
-    Rule("model", "fc_in", REPLICATED, "spec_info.hidden_states: the target's replicated aux states joined",
-         ("draft.fc_in",)),
+    Rule(
+        "model",
+        "fc_in",
+        REPLICATED,
+        "spec_info.hidden_states: the target's replicated aux states joined",
+        ("draft.fc_in",),
+    ),
     Rule("model", "normed", REPLICATED, f"the draft layer's output through RMSNorm; {_ROW}", ()),
-    Rule("model", "aux_out", REPLICATED, f"the draft layer's residual stream; {_ROW}", ("draft.hidden_prenorm", "draft.step*.hidden_prenorm")),
+    Rule(
+        "model",
+        "aux_out",
+        REPLICATED,
+        f"the draft layer's residual stream; {_ROW}",
+        ("draft.hidden_prenorm", "draft.step*.hidden_prenorm"),
+    ),
     # draft sub-modules
-    Rule("embed", "embeds", REPLICATED, "layers/vocab_parallel_embedding.py::VocabParallelEmbedding.forward "
-         "all-reduces each rank's masked lookup", ("draft.embeds", "draft.step*.embeds")),
+    Rule(
+        "embed",
+        "embeds",
+        REPLICATED,
+        "layers/vocab_parallel_embedding.py::VocabParallelEmbedding.forward all-reduces each rank's masked lookup",
+        ("draft.embeds", "draft.step*.embeds"),
+    ),
     Rule("fc", "fc_in_normed", REPLICATED, "the fc input: built from replicated aux states", ()),
-    Rule("fc", "fc_out", REPLICATED, "llama_eagle3.py::LlamaModel.__init__: fc is a torch.nn.Linear, whole on every rank",
-         ("draft.fc_out",), when=("module", "Linear")),
-    Rule("fc", "fc_out", CONCAT, "kimi_k25_eagle3.py::Eagle3MLAModel.__init__: fc is a ColumnParallelLinear with "
-         "gather_output=False (Eagle3MLAModel.forward gathers it after, with _fc_gatherer)",
-         ("draft.fc_out",), when=("module", "ColumnParallelLinear")),
-    Rule("attn_in", "t", REPLICATED, "the input of QKVParallelLinear (column-parallel) or of the MLA draft's "
-         "ReplicatedLinear fused_qkv_a_proj_with_mqa", ("draft.layer0.attn_in", "draft.step*.layer0.attn_in")),
-    Rule("attn_out", "t", REPLICATED, f"o_proj is a RowParallelLinear with reduce_results=True; {_ROW} "
-         "(llama_eagle3.py::LlamaDecoderLayer.__init__: stage_boundaries=False; kimi_k25_eagle3.py::"
-         "Eagle3MLADecoderLayer.__init__: reduce_results=True)", ("draft.layer0.attn_out", "draft.step*.layer0.attn_out"),
-         when=("reduced", True)),
-    Rule("attn_out", "t", SUM, "o_proj is a RowParallelLinear with reduce_results=False: the target's layers "
-         "(llama.py::LlamaDecoderLayer.__init__ with stage_boundaries, deepseek_v2.py::DeepseekV2DecoderLayer) "
-         "all-reduce later, at the stage boundary", (), when=("reduced", False)),
-    Rule("mlp_out", "t", REPLICATED, f"down_proj is a RowParallelLinear with reduce_results=True; {_ROW} "
-         "(llama_eagle3.py::LlamaDecoderLayer.__init__ builds LlamaMLP with the default True; "
-         "kimi_k25_eagle3.py builds DeepseekV2MLP with the default True)", ("draft.layer0.mlp_out", "draft.step*.layer0.mlp_out"),
-         when=("reduced", True)),
-    Rule("mlp_out", "t", SUM, "down_proj (or the MoE) with reduce_results=False: the target's layers "
-         "(llama.py::LlamaDecoderLayer.__init__, deepseek_v2.py::DeepseekV2DecoderLayer.__init__) all-reduce at "
-         "the stage boundary", (), when=("reduced", False)),
+    Rule(
+        "fc",
+        "fc_out",
+        REPLICATED,
+        "llama_eagle3.py::LlamaModel.__init__: fc is a torch.nn.Linear, whole on every rank",
+        ("draft.fc_out",),
+        when=("module", "Linear"),
+    ),
+    Rule(
+        "fc",
+        "fc_out",
+        CONCAT,
+        "kimi_k25_eagle3.py::Eagle3MLAModel.__init__: fc is a ColumnParallelLinear with "
+        "gather_output=False (Eagle3MLAModel.forward gathers it after, with _fc_gatherer)",
+        ("draft.fc_out",),
+        when=("module", "ColumnParallelLinear"),
+    ),
+    Rule(
+        "attn_in",
+        "t",
+        REPLICATED,
+        "the input of QKVParallelLinear (column-parallel) or of the MLA draft's "
+        "ReplicatedLinear fused_qkv_a_proj_with_mqa",
+        ("draft.layer0.attn_in", "draft.step*.layer0.attn_in"),
+    ),
+    Rule(
+        "attn_out",
+        "t",
+        REPLICATED,
+        f"o_proj is a RowParallelLinear with reduce_results=True; {_ROW} "
+        "(llama_eagle3.py::LlamaDecoderLayer.__init__: stage_boundaries=False; kimi_k25_eagle3.py::"
+        "Eagle3MLADecoderLayer.__init__: reduce_results=True)",
+        ("draft.layer0.attn_out", "draft.step*.layer0.attn_out"),
+        when=("reduced", True),
+    ),
+    Rule(
+        "attn_out",
+        "t",
+        SUM,
+        "o_proj is a RowParallelLinear with reduce_results=False: the target's layers "
+        "(llama.py::LlamaDecoderLayer.__init__ with stage_boundaries, deepseek_v2.py::DeepseekV2DecoderLayer) "
+        "all-reduce later, at the stage boundary",
+        (),
+        when=("reduced", False),
+    ),
+    Rule(
+        "mlp_out",
+        "t",
+        REPLICATED,
+        f"down_proj is a RowParallelLinear with reduce_results=True; {_ROW} "
+        "(llama_eagle3.py::LlamaDecoderLayer.__init__ builds LlamaMLP with the default True; "
+        "kimi_k25_eagle3.py builds DeepseekV2MLP with the default True)",
+        ("draft.layer0.mlp_out", "draft.step*.layer0.mlp_out"),
+        when=("reduced", True),
+    ),
+    Rule(
+        "mlp_out",
+        "t",
+        SUM,
+        "down_proj (or the MoE) with reduce_results=False: the target's layers "
+        "(llama.py::LlamaDecoderLayer.__init__, deepseek_v2.py::DeepseekV2DecoderLayer.__init__) all-reduce at "
+        "the stage boundary",
+        (),
+        when=("reduced", False),
+    ),
     # logits_processor (layers/logits_processor.py::LogitsProcessor)
     Rule("logits", "hidden", REPLICATED, "the final-norm output handed to the logits processor", ()),
-    Rule("logits", "all_logits", CONCAT, "hidden @ lm_head.weight on each rank: a ParallelLMHead holds vocabulary rows "
-         "[r * V/N, (r+1) * V/N) of the padded vocabulary V (layers/vocab_parallel_embedding.py::"
-         "VocabParallelEmbedding.__init__, get_shard_indices)",
-         ("target.logits", "draft.logits", "draft.logits_target", "draft.step*.logits",
-          "draft.step*.logits_target")),
-    Rule("logits", "next_token_logits", REPLICATED, "LogitsProcessor._get_logits all-gathers the vocabulary "
-         "(do_tensor_parallel_all_gather when tp_size > 1)", ()),
-    Rule("root", "hot_token_id", REPLICATED, "a buffer loaded whole on every rank (llama_eagle3.py::"
-         "LlamaForCausalLMEagle3.load_weights)", ()),
-)  # fmt: skip
+    Rule(
+        "logits",
+        "all_logits",
+        CONCAT,
+        "hidden @ lm_head.weight on each rank: a ParallelLMHead holds vocabulary rows "
+        "[r * V/N, (r+1) * V/N) of the padded vocabulary V (layers/vocab_parallel_embedding.py::"
+        "VocabParallelEmbedding.__init__, get_shard_indices)",
+        ("target.logits", "draft.logits", "draft.logits_target", "draft.step*.logits", "draft.step*.logits_target"),
+    ),
+    Rule(
+        "logits",
+        "next_token_logits",
+        REPLICATED,
+        "LogitsProcessor._get_logits all-gathers the vocabulary (do_tensor_parallel_all_gather when tp_size > 1)",
+        (),
+    ),
+    Rule(
+        "root",
+        "hot_token_id",
+        REPLICATED,
+        "a buffer loaded whole on every rank (llama_eagle3.py::LlamaForCausalLMEagle3.load_weights)",
+        (),
+    ),
+)
 
 
 def rule_for(kind: str, field: str, record: dict) -> Rule | None:
-    found = [r for r in RULES if r.kind == kind and r.field == field
-             and (r.when is None or record.get(r.when[0]) == r.when[1])]  # fmt: skip
+    found = [
+        r
+        for r in RULES
+        if r.kind == kind and r.field == field and (r.when is None or record.get(r.when[0]) == r.when[1])
+    ]
     return found[0] if found else None
 
 
@@ -137,9 +214,11 @@ def gather(out_dir: str) -> Gathered:
     n = len(per_rank)
     for r, recs in enumerate(per_rank[1:], 1):
         if [k for k, _ in recs] != [k for k, _ in per_rank[0]]:
-            raise EngineError(f"tensor parallel: rank {r} recorded {len(recs)} hook records "
-                              f"({_kinds(recs)}), rank 0 {len(per_rank[0])} ({_kinds(per_rank[0])}): "
-                              "the ranks did not run the same forwards")  # fmt: skip
+            raise EngineError(
+                f"tensor parallel: rank {r} recorded {len(recs)} hook records "
+                f"({_kinds(recs)}), rank 0 {len(per_rank[0])} ({_kinds(per_rank[0])}): "
+                "the ranks did not run the same forwards"
+            )
     how: dict = {}
     merged = [
         (kind, _merge(i, kind, [recs[i][1] for recs in per_rank], how)) for i, (kind, _) in enumerate(per_rank[0])
@@ -164,15 +243,18 @@ def _merge(i: int, kind: str, recs: list[dict], how: dict) -> dict:
         if not tensors:
             for r, v in enumerate(values[1:], 1):
                 if v != value:
-                    raise EngineError(f"tensor parallel: record #{i} ({kind}) has {field}={v!r} on rank {r}, "
-                                      f"{value!r} on rank 0")  # fmt: skip
+                    raise EngineError(
+                        f"tensor parallel: record #{i} ({kind}) has {field}={v!r} on rank {r}, {value!r} on rank 0"
+                    )
             out[field] = value
             continue
         rule = rule_for(kind, field, recs[0])
         if rule is None:
             facts = {k: recs[0][k] for k in ("module", "reduced") if k in recs[0]}
-            raise EngineError(f"tensor parallel: no sharding rule for {kind}.{field} {facts} in "
-                              "engines/sglang/tensor_parallel.py RULES")  # fmt: skip
+            raise EngineError(
+                f"tensor parallel: no sharding rule for {kind}.{field} {facts} in "
+                "engines/sglang/tensor_parallel.py RULES"
+            )
         how[(kind, field, rule.when)] = rule
         if isinstance(value, list):
             out[field] = [
@@ -187,10 +269,15 @@ def _join(rule: Rule, i: int, name: str, parts: list, vocab_size: int | None) ->
     if rule.how == REPLICATED:
         for r, t in enumerate(parts[1:], 1):
             if t.shape != parts[0].shape or not torch.equal(t, parts[0]):
-                diff = (float((t.float() - parts[0].float()).abs().max()) if t.shape == parts[0].shape
-                        else f"shape {tuple(t.shape)} vs {tuple(parts[0].shape)}")  # fmt: skip
-                raise EngineError(f"tensor parallel: rank {r}'s {name} (record #{i}) differs from rank 0's "
-                                  f"(max abs {diff}); SGLang {VERIFIED}'s {name} is replicated: {rule.why}")  # fmt: skip
+                diff = (
+                    float((t.float() - parts[0].float()).abs().max())
+                    if t.shape == parts[0].shape
+                    else f"shape {tuple(t.shape)} vs {tuple(parts[0].shape)}"
+                )
+                raise EngineError(
+                    f"tensor parallel: rank {r}'s {name} (record #{i}) differs from rank 0's "
+                    f"(max abs {diff}); SGLang {VERIFIED}'s {name} is replicated: {rule.why}"
+                )
         return parts[0]
     if rule.how == CONCAT:
         whole = torch.cat(parts, dim=-1)
@@ -208,8 +295,10 @@ def describe(how: dict, tp_size: int, tensor_names: list[str]) -> dict:
         if not rules:
             continue
         r = rules[0]
-        action = {REPLICATED: f"replicated: rank 0's, checked equal on {tp_size} ranks",
-                  CONCAT: f"gathered: {tp_size} shards joined on the last dimension",
-                  SUM: f"reduced: {tp_size} partial sums added"}[r.how]  # fmt: skip
+        action = {
+            REPLICATED: f"replicated: rank 0's, checked equal on {tp_size} ranks",
+            CONCAT: f"gathered: {tp_size} shards joined on the last dimension",
+            SUM: f"reduced: {tp_size} partial sums added",
+        }[r.how]
         out[name] = f"{action} ({r.why})" if tp_size > 1 else "whole (tp_size 1)"
     return out

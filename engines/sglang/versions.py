@@ -51,17 +51,21 @@ def unsupported_on_cpu(version: str | None) -> str | None:
     """Why this release cannot run EAGLE-3 on a CPU at all, or None."""
     if at_least(version, CPU_EAGLE):
         return None
-    return (f"SGLang {version} has no CPU EAGLE path: speculative/draft_utils.py::DraftBackendFactory offers no "
-            "intel_amx (or other CPU) draft attention backend, and speculative/eagle_utils.py builds and verifies "
-            "the draft tree only with CUDA/NPU kernels (verify_tree_greedy_func does nothing on a CPU); the first "
-            "release with both is 0.5.16")  # fmt: skip
+    return (
+        f"SGLang {version} has no CPU EAGLE path: speculative/draft_utils.py::DraftBackendFactory offers no "
+        "intel_amx (or other CPU) draft attention backend, and speculative/eagle_utils.py builds and verifies "
+        "the draft tree only with CUDA/NPU kernels (verify_tree_greedy_func does nothing on a CPU); the first "
+        "release with both is 0.5.16"
+    )
 
 
 def cpu_caveat(version: str | None) -> str | None:
     """A known defect of this release's own CPU EAGLE path that changes what it computes, or None."""
     if at_least(version, CPU_DRAFT_DECODE_SEQ_LENS_FIXED) or not at_least(version, CPU_EAGLE):
         return None
-    return (f"SGLang {version}'s CPU draft decode attends over the committed prefix only "
-            "(layers/attention/intel_amx_backend.py::IntelAMXAttnBackend.forward_decode overwrites the draft "
-            "seq_lens with forward_batch.seq_lens; fixed in 0.5.19): draft steps >= 1 and every decode-round "
-            "draft token differ from the GPU path; the prefill's fc inputs and draft step 0 are unaffected")  # fmt: skip
+    return (
+        f"SGLang {version}'s CPU draft decode attends over the committed prefix only "
+        "(layers/attention/intel_amx_backend.py::IntelAMXAttnBackend.forward_decode overwrites the draft "
+        "seq_lens with forward_batch.seq_lens; fixed in 0.5.19): draft steps >= 1 and every decode-round "
+        "draft token differ from the GPU path; the prefill's fc inputs and draft step 0 are unaffected"
+    )

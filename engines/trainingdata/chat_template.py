@@ -44,17 +44,25 @@ class Drift:
 
     def message(self) -> str:
         if self.sample is None:
-            return (f"prompt {self.prompt}: {CAUSE}? no sample of the dump holds this conversation's last user message "
-                    f"as the target's tokenizer tokenises it: the dump is of other conversations or another tokenizer")  # fmt: skip
-        head = (f"prompt {self.prompt}: {CAUSE}: the training dump ({self.sample}) renders this conversation differently "
-                f"from serving; first difference at token {self.position}: the dump has {self.dump_token}, serving "
-                f"renders {self.serving_token} ({self.serving})")  # fmt: skip
+            return (
+                f"prompt {self.prompt}: {CAUSE}? no sample of the dump holds this conversation's last user message "
+                f"as the target's tokenizer tokenises it: the dump is of other conversations or another tokenizer"
+            )
+        head = (
+            f"prompt {self.prompt}: {CAUSE}: the training dump ({self.sample}) renders this conversation differently "
+            f"from serving; first difference at token {self.position}: the dump has {self.dump_token}, serving "
+            f"renders {self.serving_token} ({self.serving})"
+        )
         if self.matches:
-            return (f"{head}; the dump matches {self.matches}: the draft learned on contexts serving never shows it. "
-                    f"Fix: regenerate the training data with the serving settings, or serve with the training "
-                    f"settings (chat_template_kwargs)")  # fmt: skip
-        return (f"{head}; none of the renderings the harness can make matches the dump (another template or "
-                f"tokenizer?). Fix: regenerate the training data with the serving template")  # fmt: skip
+            return (
+                f"{head}; the dump matches {self.matches}: the draft learned on contexts serving never shows it. "
+                f"Fix: regenerate the training data with the serving settings, or serve with the training "
+                f"settings (chat_template_kwargs)"
+            )
+        return (
+            f"{head}; none of the renderings the harness can make matches the dump (another template or "
+            f"tokenizer?). Fix: regenerate the training data with the serving template"
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,8 +90,12 @@ def candidate_renderings(tokenizer, prompt: Prompt) -> list[chat.Rendering]:
                 continue
             alt = {**kwargs, flag: value}
             out.append(chat.Rendering(chat.describe(alt), chat.render(tokenizer, prompt.messages, alt)))
-    out.append(chat.Rendering(chat.describe(kwargs, add_generation_prompt=False),
-                              chat.render(tokenizer, prompt.messages, kwargs, add_generation_prompt=False)))  # fmt: skip
+    out.append(
+        chat.Rendering(
+            chat.describe(kwargs, add_generation_prompt=False),
+            chat.render(tokenizer, prompt.messages, kwargs, add_generation_prompt=False),
+        )
+    )
     text = "\n".join(m["content"] for m in prompt.messages)
     for special in (True, False):
         ids = list(tokenizer(text, add_special_tokens=special)["input_ids"])
@@ -107,8 +119,15 @@ def find_drift(tokenizer, prompt: Prompt, index: int, samples: list) -> Drift | 
     ids = sample.input_ids.tolist()
     pos = next((i for i, (a, b) in enumerate(zip(ids, serving.ids)) if a != b), min(len(ids), len(serving.ids)))
     matches = next((r.label for r in renderings[1:] if r.ids and ids[: len(r.ids)] == r.ids), None)
-    return Drift(index, serving.label, Path(str(sample.source)).name, pos, _token(tokenizer, ids, pos),
-                 _token(tokenizer, serving.ids, pos), matches)  # fmt: skip
+    return Drift(
+        index,
+        serving.label,
+        Path(str(sample.source)).name,
+        pos,
+        _token(tokenizer, ids, pos),
+        _token(tokenizer, serving.ids, pos),
+        matches,
+    )
 
 
 def chat_prompts(prompts: list[Prompt]) -> list[tuple[int, Prompt]]:

@@ -67,15 +67,32 @@ def train_acc(args) -> int:
             rules_for(args.trainer, where="--trainer")  # refused as typed, before any data is read
         # inside the try: an unknown fixture or a bad checkpoint path is one line too
         case = Case(
-            name="train-acc", path=str(data / "train-acc"), target=_model(args.target), draft=_model(args.draft),
-            dtype=args.dtype, layer_ids=_layer_ids(args.layer_ids),
-            prompts=[Prompt(ids=[0, 0])], num_steps=args.ttt_steps or 3,
-            engines={"train": {k: v for k, v in {"data": str(data), "format": args.format, "identify": args.identify,
-                                                 "ttt_steps": args.ttt_steps, "max_len": args.max_len,
-                                                 "trainer": args.trainer, "hidden_states": str(hidden_states) if hidden_states else None,
-                                                 "split": args.split, "train_data_ratio": args.train_data_ratio,
-                                                 }.items() if v is not None}},  # unset: the default
-        )  # fmt: skip
+            name="train-acc",
+            path=str(data / "train-acc"),
+            target=_model(args.target),
+            draft=_model(args.draft),
+            dtype=args.dtype,
+            layer_ids=_layer_ids(args.layer_ids),
+            prompts=[Prompt(ids=[0, 0])],
+            num_steps=args.ttt_steps or 3,
+            engines={
+                "train": {
+                    k: v
+                    for k, v in {
+                        "data": str(data),
+                        "format": args.format,
+                        "identify": args.identify,
+                        "ttt_steps": args.ttt_steps,
+                        "max_len": args.max_len,
+                        "trainer": args.trainer,
+                        "hidden_states": str(hidden_states) if hidden_states else None,
+                        "split": args.split,
+                        "train_data_ratio": args.train_data_ratio,
+                    }.items()
+                    if v is not None
+                }
+            },  # unset: the default
+        )
         for wiring in [None, *args.wiring]:
             engine = TrainingDataEngine(EngineSpec("train", params=(("wiring", wiring),) if wiring else ()))
             s = engine.settings(case)
@@ -166,8 +183,15 @@ def dump(args) -> int:
             raise DifftestError("no prompts: give --case FILE and/or --random N")
         import torch
 
-        out = dump_from_target(target, args.out, args.format, args.layers, prompts, args.continue_tokens,
-                               {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype])  # fmt: skip
+        out = dump_from_target(
+            target,
+            args.out,
+            args.format,
+            args.layers,
+            prompts,
+            args.continue_tokens,
+            {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype],
+        )
     except DifftestError as e:
         print(f"difftest dump: {e}", file=sys.stderr)
         return 2
@@ -249,6 +273,10 @@ def dump_arguments(d: argparse.ArgumentParser) -> None:
 
 
 # registered under the `difftest.commands` entry points (pyproject.toml)
-TRAIN_ACC = Command("train-acc", "a draft's training accuracy on a dump: trainer's wiring vs engine wirings",
-                    train_acc_arguments, train_acc)  # fmt: skip
+TRAIN_ACC = Command(
+    "train-acc",
+    "a draft's training accuracy on a dump: trainer's wiring vs engine wirings",
+    train_acc_arguments,
+    train_acc,
+)
 DUMP = Command("dump", "write speculators / SpecForge training data from the reference target", dump_arguments, dump)

@@ -100,8 +100,12 @@ class TrainingDataEngine(Engine):
         self._accuracy: dict[tuple, StepCounts] = {}
 
     def info(self) -> EngineInfo:
-        return EngineInfo(name="train", version=f"difftest-{difftest.__version__}-train-data",
-                          versions={"torch": torch.__version__}, kernels="none (offline data)")  # fmt: skip
+        return EngineInfo(
+            name="train",
+            version=f"difftest-{difftest.__version__}-train-data",
+            versions={"torch": torch.__version__},
+            kernels="none (offline data)",
+        )
 
     # -- settings --------------------------------------------------------------------
     def settings(self, case: Case) -> dict:
@@ -138,8 +142,9 @@ class TrainingDataEngine(Engine):
                     try:
                         rules_for(trainer, where=f"{Path(case.draft) / 'config.json'}: speculators_version")
                     except ConfigError as e:  # a release past the covered ones: the user picks the rules
-                        raise ConfigError(f"{e}; or choose the rules with {self.spec.name}[trainer=...] "
-                                          "(train-acc: --trainer)") from None  # fmt: skip
+                        raise ConfigError(
+                            f"{e}; or choose the rules with {self.spec.name}[trainer=...] (train-acc: --trainer)"
+                        ) from None
         return rules_for(trainer, where=f"{self.spec.id}: trainer"), f"{trainer} ({how})"
 
     # -- models and data -------------------------------------------------------------
@@ -166,8 +171,12 @@ class TrainingDataEngine(Engine):
         if s["identify"] == "target":
             t = self.target(case)
             norm = final_norm_module(t)
-            w = {"embed": t.get_input_embeddings().weight.detach(), "lm_head": t.get_output_embeddings().weight.detach(),
-                 "norm": norm.weight.detach(), "eps": float(getattr(norm, "variance_epsilon", 1e-6))}  # fmt: skip
+            w = {
+                "embed": t.get_input_embeddings().weight.detach(),
+                "lm_head": t.get_output_embeddings().weight.detach(),
+                "norm": norm.weight.detach(),
+                "eps": float(getattr(norm, "variance_epsilon", 1e-6)),
+            }
         else:
             w = target_head_weights(case.target)
         return w, VerifierHead(w["lm_head"], w["norm"], w["eps"])
@@ -191,9 +200,17 @@ class TrainingDataEngine(Engine):
                 ident = identify_against_target(first.tensors, ref, first.fc_count, num_layers(self.target(case)))
             else:
                 some = dump.samples[:8]
-                ident = identify_by_statistics([x.tensors for x in some], [x.input_ids for x in some],
-                                               [x.loss_mask for x in some], first.fc_count, w["embed"], w["lm_head"],
-                                               w["norm"], w["eps"], verifier_normed=dump.format == "specforge")  # fmt: skip
+                ident = identify_by_statistics(
+                    [x.tensors for x in some],
+                    [x.input_ids for x in some],
+                    [x.loss_mask for x in some],
+                    first.fc_count,
+                    w["embed"],
+                    w["lm_head"],
+                    w["norm"],
+                    w["eps"],
+                    verifier_normed=dump.format == "specforge",
+                )
             self._idents[key] = ident
         return self._idents[key]
 
@@ -252,16 +269,38 @@ class TrainingDataEngine(Engine):
         max_len = s.get("max_len") or rules.default_max_len
         split = self.split(case, s, dump)
         resolution = self.precision(case).resolution
-        key = (s["data"], s["format"], s.get("hidden_states"), str(s.get("wiring")), case.draft, steps, max_len, rules.name,
-               split.name, split.start, split.stop, case.dtype)  # fmt: skip
+        key = (
+            s["data"],
+            s["format"],
+            s.get("hidden_states"),
+            str(s.get("wiring")),
+            case.draft,
+            steps,
+            max_len,
+            rules.name,
+            split.name,
+            split.start,
+            split.stop,
+            case.dtype,
+        )
         max_len += 1 if rules.max_len_after_shift else 0  # tokens kept before the shift
         if key not in self._accuracy:
             total = StepCounts()
             for sample in samples_in(dump, split):
                 fc, _, _ = self.fc_for(case, s, sample, ident, loaded)
-                total = total.add(sample_accuracy(loaded.model, head, fc[:max_len], sample.verifier[:max_len],
-                                                  sample.input_ids[:max_len], sample.loss_mask[:max_len], steps,
-                                                  rules, resolution))  # fmt: skip
+                total = total.add(
+                    sample_accuracy(
+                        loaded.model,
+                        head,
+                        fc[:max_len],
+                        sample.verifier[:max_len],
+                        sample.input_ids[:max_len],
+                        sample.loss_mask[:max_len],
+                        steps,
+                        rules,
+                        resolution,
+                    )
+                )
             self._accuracy[key] = total
         return self._accuracy[key]
 

@@ -284,8 +284,10 @@ def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str], int | None]:
                 rows[index] = row
             except (json.JSONDecodeError, KeyError, TypeError):
                 # its sample is then skipped as "not in the dataset"; the other rows stand
-                bad.append(f"{jsonl}: line {n + 1}: expected {{\"index\": N, \"input_ids\": [...], \"loss_mask\": [...]}} "
-                           "(row skipped)")  # fmt: skip
+                bad.append(
+                    f'{jsonl}: line {n + 1}: expected {{"index": N, "input_ids": [...], "loss_mask": [...]}} '
+                    "(row skipped)"
+                )
         numbered = not bad and sorted(rows) == list(range(lines))
         return rows, bad, lines if numbered else None
     if is_arrow_dataset(path):
@@ -328,11 +330,15 @@ def _arrow_files(path: Path) -> list[Path]:
         state = json.loads(state_file.read_text())
         names = [str(f["filename"]) for f in state["_data_files"]]
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{state_file}: expected datasets' save_to_disk state (a \"_data_files\" list of "
-                          f"{{\"filename\": ...}}), could not read it ({type(e).__name__})") from None  # fmt: skip
+        raise ConfigError(
+            f'{state_file}: expected datasets\' save_to_disk state (a "_data_files" list of '
+            f'{{"filename": ...}}), could not read it ({type(e).__name__})'
+        ) from None
     if state.get("_indices_data_files"):  # an index mapping: rows are not the files' rows in order
-        raise ConfigError(f"{state_file}: the dataset has an indices mapping (_indices_data_files); re-save it with "
-                          "`datasets` save_to_disk, which writes the selected rows themselves")  # fmt: skip
+        raise ConfigError(
+            f"{state_file}: the dataset has an indices mapping (_indices_data_files); re-save it with "
+            "`datasets` save_to_disk, which writes the selected rows themselves"
+        )
     missing = [n for n in names if not (path / n).is_file()]
     if missing:
         raise ConfigError(f"{state_file}: lists {missing[0]}, which is not in {path}")
@@ -342,10 +348,12 @@ def _arrow_files(path: Path) -> list[Path]:
 def _import_pyarrow():
     try:
         import pyarrow as pa
-        import pyarrow.ipc  # noqa: F401
+        import pyarrow.ipc
     except ImportError:  # a venv from before pyarrow was a dependency
-        raise ConfigError("pyarrow is not installed (a difftest dependency, needed for the speculators arrow dataset); "
-                          "run `bash scripts/setup`") from None  # fmt: skip
+        raise ConfigError(
+            "pyarrow is not installed (a difftest dependency, needed for the speculators arrow dataset); "
+            "run `bash scripts/setup`"
+        ) from None
     return pa
 
 
@@ -564,14 +572,22 @@ def write_dump(
         lines = []
         for i, (ids, mask, tensors) in enumerate(samples):
             hs = torch.stack([t.detach().contiguous() for t in tensors], dim=1)  # [seq, n_layers, H]
-            save_file({"hidden_states": hs.contiguous(), "token_ids": torch.tensor(ids, dtype=torch.long)},
-                      str(path / "hidden_states" / f"hs_{i}.safetensors"))  # fmt: skip
+            save_file(
+                {"hidden_states": hs.contiguous(), "token_ids": torch.tensor(ids, dtype=torch.long)},
+                str(path / "hidden_states" / f"hs_{i}.safetensors"),
+            )
             lines.append(json.dumps({"index": i, "input_ids": list(ids), "loss_mask": list(mask), "seq_len": len(ids)}))
         (path / "samples.jsonl").write_text("\n".join(lines) + "\n")
     elif fmt == "speculators-legacy":
         for i, (ids, mask, tensors) in enumerate(samples):
-            torch.save({"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
-                        "hidden_states": [t.detach().clone() for t in tensors]}, path / f"data_{i}.pt")  # fmt: skip
+            torch.save(
+                {
+                    "input_ids": torch.tensor(ids, dtype=torch.long),
+                    "loss_mask": torch.tensor(mask, dtype=torch.long),
+                    "hidden_states": [t.detach().clone() for t in tensors],
+                },
+                path / f"data_{i}.pt",
+            )
     elif fmt == "specforge":
         if fc_count != len(samples[0][2]) - 1:
             raise ConfigError("specforge: every tensor but the last goes to aux_hidden_state; fc_count must be len - 1")
@@ -581,8 +597,15 @@ def write_dump(
             rows = path / f"rows_{a}-{a + SPECFORGE_ROWS_PER_DIR}"
             rows.mkdir(exist_ok=True)
             buf = io.BytesIO()
-            torch.save({"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
-                        "aux_hidden_state": aux.clone(), "hidden_state": tensors[-1].detach()[None].clone()}, buf)  # fmt: skip
+            torch.save(
+                {
+                    "input_ids": torch.tensor(ids, dtype=torch.long),
+                    "loss_mask": torch.tensor(mask, dtype=torch.long),
+                    "aux_hidden_state": aux.clone(),
+                    "hidden_state": tensors[-1].detach()[None].clone(),
+                },
+                buf,
+            )
             if compress:
                 with gzip.open(rows / f"data_{i}.ckpt.gz", "wb") as f:
                     f.write(buf.getvalue())

@@ -136,9 +136,13 @@ def identify_against_target(
             continue
         err, best = scored[0]
         ident = TensorIdentity(
-            j, best if err < MATCH_REL_ERR else None, err, _cos(t, reference[best]),
-            scored[1][1] if len(scored) > 1 else None, _row_norm(t),
-        )  # fmt: skip
+            j,
+            best if err < MATCH_REL_ERR else None,
+            err,
+            _cos(t, reference[best]),
+            scored[1][1] if len(scored) > 1 else None,
+            _row_norm(t),
+        )
         if ident.name is None:
             ident.note = f"closest {short_name(best)} (relative error {err:.3g})"
         out.append(ident)

@@ -55,8 +55,10 @@ class Precision:
         (`trainer`: the rules' name, e.g. "speculators>=0.7", for what that trainer is known to save)."""
         compute = ""
         if self.trainer_compute and self.trainer_compute != "float32":
-            compute = (f"; the trainer validated under {self.trainer_compute} autocast (run.yaml hidden_states_dtype), "
-                       "a difference this bound does not cover")  # fmt: skip
+            compute = (
+                f"; the trainer validated under {self.trainer_compute} autocast (run.yaml hidden_states_dtype), "
+                "a difference this bound does not cover"
+            )
         if self.resolution is None:
             return (
                 f"precision: weights stored in {NAMES[self.stored]}, scored in {self.scored}: no rounding between these counts "
@@ -67,10 +69,12 @@ class Precision:
             why += " (speculators saves bf16 checkpoints; its logged validation used the float32 master weights)"
         elif self.stored == "BF16":
             why += " (rounded from the weights the trainer validated with, when it trained in float32)"
-        return (f"precision: {why}, scored in {self.scored}: {' '.join(map(str, near_ties))} counted positions per step "
-                f"have a prediction whose top-2 logits are within {self.resolution:.2g} of the row's largest |logit| "
-                f"({TIE_UNITS} {NAMES[self.coarsest]} units of roundoff): the trainer's correct counts can differ from "
-                f"these by at most that{compute}")  # fmt: skip
+        return (
+            f"precision: {why}, scored in {self.scored}: {' '.join(map(str, near_ties))} counted positions per step "
+            f"have a prediction whose top-2 logits are within {self.resolution:.2g} of the row's largest |logit| "
+            f"({TIE_UNITS} {NAMES[self.coarsest]} units of roundoff): the trainer's correct counts can differ from "
+            f"these by at most that{compute}"
+        )
 
 
 def draft_precision(draft: str | Path, scored: str) -> Precision:

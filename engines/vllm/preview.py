@@ -75,9 +75,23 @@ def release_root(version: str, python: str, log=print) -> Path:
     work = Path(tempfile.mkdtemp(prefix=f".vllm-{version}.", dir=root.parent))
     try:
         log(f"[difftest preview] downloading vllm {version}'s wheel (no dependencies)")
-        got = subprocess.run([python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                              f"vllm=={version}", "-d", str(work / "wheel")],
-                             capture_output=True, text=True, timeout=1800)  # fmt: skip
+        got = subprocess.run(
+            [
+                python,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"vllm=={version}",
+                "-d",
+                str(work / "wheel"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         wheels = sorted((work / "wheel").glob("vllm-*.whl")) if got.returncode == 0 else []
         if not wheels:
             last = (got.stderr.strip().splitlines() or ["no wheel"])[-1]
@@ -108,8 +122,10 @@ def probe(python: str, pairs: list[dict], root: Path | None) -> dict:
     done = subprocess.run(args, input=json.dumps(pairs), capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0 or not done.stdout.strip():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ConfigError(f"difftest preview: the config code of {'vllm at ' + str(root) if root else 'the installed vllm'} "
-                          f"could not run here ({last[:300]})")  # fmt: skip
+        raise ConfigError(
+            f"difftest preview: the config code of {'vllm at ' + str(root) if root else 'the installed vllm'} "
+            f"could not run here ({last[:300]})"
+        )
     return json.loads(done.stdout)
 
 
@@ -157,8 +173,12 @@ def preview_cases(version: str, cases: list[Path], python: str, log=print) -> tu
             dcfg = read_json(Path(draft) / "config.json", "draft config")
             trained = None
             if case.wiring != "infer":
-                w = resolve(case.wiring, int(text["num_hidden_layers"]), case.layer_ids or declared_ids(dcfg),
-                            where=f"{path}: wiring")  # fmt: skip
+                w = resolve(
+                    case.wiring,
+                    int(text["num_hidden_layers"]),
+                    case.layer_ids or declared_ids(dcfg),
+                    where=f"{path}: wiring",
+                )
                 ks = [hidden_index(n) for n in w.inputs]
                 trained = None if None in ks else [int(k) for k in ks if k is not None]
         except DifftestError as e:
@@ -178,18 +198,24 @@ def preview_cases(version: str, cases: list[Path], python: str, log=print) -> tu
             p.readings += _readings(raw, label, fam)
             flags = raw.get("flags", {}).get("value") or {}
             if flags:
-                shown = "; ".join(f"{k}: " + ", ".join(f"{w} {v}" for w, v in where.items() if v is not None)
-                                  for k, where in flags.items())  # fmt: skip
+                shown = "; ".join(
+                    f"{k}: " + ", ".join(f"{w} {v}" for w, v in where.items() if v is not None)
+                    for k, where in flags.items()
+                )
                 p.flags[label] = (
                     f"vllm {label}: draft flags after its config loading: {shown} ({raw['flags']['source']})"
                 )
             length = raw.get("draft_length", {}).get("value")
             if length and length.get("draft") != length.get("after"):
-                p.lines.append(f"vllm {label}: the draft's max_position_embeddings {length['draft']} -> {length['after']} "
-                               f"({raw['draft_length']['source']})")  # fmt: skip
+                p.lines.append(
+                    f"vllm {label}: the draft's max_position_embeddings {length['draft']} -> {length['after']} "
+                    f"({raw['draft_length']['source']})"
+                )
             elif length and length.get("draft") and length["draft"] < length["target"]:
-                p.lines.append(f"vllm {label}: the draft keeps max_position_embeddings {length['draft']} (target "
-                               f"{length['target']}): its rope caps the served length ({raw['draft_length']['source']})")  # fmt: skip
+                p.lines.append(
+                    f"vllm {label}: the draft keeps max_position_embeddings {length['draft']} (target "
+                    f"{length['target']}): its rope caps the served length ({raw['draft_length']['source']})"
+                )
     return previews, new.get("version", version)
 
 
@@ -237,8 +263,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     python = args.engine_python or str(cache_root() / "envs" / "vllm" / "bin" / "python")
     if not Path(python).exists():
-        print(f"difftest preview: vLLM's interpreter {python} not found; set it up with: scripts/setup-engine vllm",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"difftest preview: vLLM's interpreter {python} not found; set it up with: scripts/setup-engine vllm",
+            file=sys.stderr,
+        )
         return 2
     try:
         previews, version = preview_cases(m.group(1), args.cases, python, log=lambda s: print(s, file=sys.stderr))
@@ -246,11 +274,18 @@ def main(args: argparse.Namespace) -> int:
         print(str(e), file=sys.stderr)
         return 2
     lines, fine = render(previews, version)
-    print(f"vllm {version} preview: its own config code (unpacked from its wheel) on {len(previews)} case(s); "
-          "the pinned release beside it")  # fmt: skip
+    print(
+        f"vllm {version} preview: its own config code (unpacked from its wheel) on {len(previews)} case(s); "
+        "the pinned release beside it"
+    )
     print("\n".join(lines))
     return 0 if fine and not any(p.error for p in previews) else 1
 
 
-PREVIEW = Command("preview", "what a vLLM release that cannot run here (e.g. vllm==0.34.0) will feed each case's draft, "
-                  "from that release's own config code", add_arguments, main)  # fmt: skip
+PREVIEW = Command(
+    "preview",
+    "what a vLLM release that cannot run here (e.g. vllm==0.34.0) will feed each case's draft, "
+    "from that release's own config code",
+    add_arguments,
+    main,
+)

@@ -35,8 +35,10 @@ import traceback
 import types
 
 FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual", "use_aux_hidden_state")
-NOT_RUN = ("which flags the draft model reads (model_executor/models/llama_eagle3.py::LlamaModel.__init__) and d2t "
-           "loading (Eagle3LlamaForCausalLM.load_weights) need the model built with a whole engine config")  # fmt: skip
+NOT_RUN = (
+    "which flags the draft model reads (model_executor/models/llama_eagle3.py::LlamaModel.__init__) and d2t "
+    "loading (Eagle3LlamaForCausalLM.load_weights) need the model built with a whole engine config"
+)
 
 
 def _stub(hf_config):
@@ -48,8 +50,10 @@ def _call(readings: dict, key: str, source: str, fn) -> None:
     try:
         readings[key] = {"value": fn(), "source": source}
     except Exception as e:  # one reading's failure is reported as its own, the others still answer
-        readings[key] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
-                         "source": source}  # fmt: skip
+        readings[key] = {
+            "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+            "source": source,
+        }
 
 
 def _plain(value):
@@ -71,28 +75,46 @@ def probe(target: str, draft: str) -> dict:
     spec = _stub(wrapped)
     out["num_layers"] = L
     holder = types.SimpleNamespace(model=types.SimpleNamespace(layers=[None] * L))
-    _call(out, "defaults", "model_executor/models/interfaces.py::SupportsEagle3.get_eagle3_default_aux_hidden_state_layers",
-          lambda: _plain(SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(holder)))  # fmt: skip
+    _call(
+        out,
+        "defaults",
+        "model_executor/models/interfaces.py::SupportsEagle3.get_eagle3_default_aux_hidden_state_layers",
+        lambda: _plain(SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(holder)),
+    )
     try:
         from vllm.v1.worker.gpu.spec_decode.eagle import eagle3_utils
 
-        _call(out, "ids_v2", "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py::get_eagle3_aux_layers_from_config",
-              lambda: _plain(eagle3_utils.get_eagle3_aux_layers_from_config(spec)))  # fmt: skip
+        _call(
+            out,
+            "ids_v2",
+            "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py::get_eagle3_aux_layers_from_config",
+            lambda: _plain(eagle3_utils.get_eagle3_aux_layers_from_config(spec)),
+        )
     except ImportError as e:
         out["ids_v2"] = {"absent": f"no Model Runner V2 EAGLE-3 in this release ({e})"}
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        _call(out, "ids_v1", "v1/worker/gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config",
-              lambda: _plain(GPUModelRunner._get_eagle3_aux_layers_from_config(types.SimpleNamespace(speculative_config=spec))))  # fmt: skip
+        _call(
+            out,
+            "ids_v1",
+            "v1/worker/gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config",
+            lambda: _plain(
+                GPUModelRunner._get_eagle3_aux_layers_from_config(types.SimpleNamespace(speculative_config=spec))
+            ),
+        )
     except ImportError:
         out["ids_v1"] = {"absent": "no Model Runner V1 in this release (v1/worker/gpu_model_runner.py is gone)"}
     try:
         from vllm.v1.worker.gpu.spec_decode.eagle.config import Eagle3SpeculatorConfig
 
         uses = Eagle3SpeculatorConfig.uses_aux_hidden_states.fget  # a property of the speculator config
-        _call(out, "uses_aux_v2", "v1/worker/gpu/spec_decode/eagle/config.py::Eagle3SpeculatorConfig.uses_aux_hidden_states",
-              lambda: bool(uses(types.SimpleNamespace(spec_config=spec))))  # fmt: skip
+        _call(
+            out,
+            "uses_aux_v2",
+            "v1/worker/gpu/spec_decode/eagle/config.py::Eagle3SpeculatorConfig.uses_aux_hidden_states",
+            lambda: bool(uses(types.SimpleNamespace(spec_config=spec))),
+        )
     except (ImportError, AttributeError):
         out["uses_aux_v2"] = {
             "value": True,
@@ -103,10 +125,13 @@ def probe(target: str, draft: str) -> dict:
     # vllm#38111 and vllm#46488 changed what reaches the model)
     eagle_cfg = getattr(draft_hf, "eagle_config", None) or {}
     out["flags"] = {
-        "value": {flag: {"top level": getattr(draft_hf, flag, None), "eagle_config": eagle_cfg.get(flag)}
-                  for flag in FLAGS if getattr(draft_hf, flag, None) is not None or flag in eagle_cfg},
+        "value": {
+            flag: {"top level": getattr(draft_hf, flag, None), "eagle_config": eagle_cfg.get(flag)}
+            for flag in FLAGS
+            if getattr(draft_hf, flag, None) is not None or flag in eagle_cfg
+        },
         "source": "transformers_utils/config.py::get_config (speculators configs: configs/speculators/algos.py::update_eagle3)",
-    }  # fmt: skip
+    }
     target_len = int(getattr(text, "max_position_embeddings", 0) or 0)
     before = getattr(wrapped, "max_position_embeddings", None)
 
@@ -114,8 +139,12 @@ def probe(target: str, draft: str) -> dict:
         SpeculativeConfig._maybe_override_draft_max_position_embeddings(wrapped, target_len)
         return {"draft": before, "target": target_len, "after": getattr(wrapped, "max_position_embeddings", None)}
 
-    _call(out, "draft_length", "config/speculative.py::SpeculativeConfig._maybe_override_draft_max_position_embeddings",
-          rope_length)  # fmt: skip
+    _call(
+        out,
+        "draft_length",
+        "config/speculative.py::SpeculativeConfig._maybe_override_draft_max_position_embeddings",
+        rope_length,
+    )
     return out
 
 

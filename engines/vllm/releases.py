@@ -102,6 +102,8 @@ def runner_problem(version: str, runner: str) -> str | None:
     if runner == "v1" and v >= V1_REMOVED_IN:
         return f"vllm {version} has no Model Runner V1 (removed in 0.34.0: platforms/interface.py::validate_environ)"
     if runner == "v2" and v < V2_DEFAULT_FROM:
-        return (f"vllm {version}: Model Runner V2's EAGLE-3 is verified by difftest from 0.32.0 on "
-                f"(the release whose V2 speculator engines/vllm/hooks.py names); run it with runner=v1")  # fmt: skip
+        return (
+            f"vllm {version}: Model Runner V2's EAGLE-3 is verified by difftest from 0.32.0 on "
+            f"(the release whose V2 speculator engines/vllm/hooks.py names); run it with runner=v1"
+        )
     return None

@@ -38,35 +38,53 @@ class Layout:
     why: str  # the vLLM code that leaves the tensor in this layout
 
 
-_REDUCED_LAYER = ("model_executor/models/llama.py::LlamaDecoderLayer.forward (o_proj, down_proj: "
-                  "layers/linear.py::RowParallelLinear, reduce_results=True) and deepseek_v2.py::"
-                  "DeepseekV2DecoderLayer.forward (MLA o_proj RowParallelLinear; DeepseekV2MoE.forward "
-                  "all-reduces the experts' sum): the residual stream after each layer is whole")  # fmt: skip
-_EMBED = ("layers/vocab_parallel_embedding.py::VocabParallelEmbedding.forward: masked lookup of the "
-          "rank's rows, then tensor_model_parallel_all_reduce")  # fmt: skip
-_HEAD = ("layers/vocab_parallel_embedding.py::ParallelLMHead: rows org_vocab_start_index.."
-         "org_vocab_end_index per rank (VocabParallelEmbedding._get_indices); layers/logits_processor.py::"
-         "LogitsProcessor._get_logits: the rank's slice, then _gather_logits (all-gather where "
-         "Platform.use_all_gather, else gather to rank 0), padding cut at org_vocab_size")  # fmt: skip
+_REDUCED_LAYER = (
+    "model_executor/models/llama.py::LlamaDecoderLayer.forward (o_proj, down_proj: "
+    "layers/linear.py::RowParallelLinear, reduce_results=True) and deepseek_v2.py::"
+    "DeepseekV2DecoderLayer.forward (MLA o_proj RowParallelLinear; DeepseekV2MoE.forward "
+    "all-reduces the experts' sum): the residual stream after each layer is whole"
+)
+_EMBED = (
+    "layers/vocab_parallel_embedding.py::VocabParallelEmbedding.forward: masked lookup of the "
+    "rank's rows, then tensor_model_parallel_all_reduce"
+)
+_HEAD = (
+    "layers/vocab_parallel_embedding.py::ParallelLMHead: rows org_vocab_start_index.."
+    "org_vocab_end_index per rank (VocabParallelEmbedding._get_indices); layers/logits_processor.py::"
+    "LogitsProcessor._get_logits: the rank's slice, then _gather_logits (all-gather where "
+    "Platform.use_all_gather, else gather to rank 0), padding cut at org_vocab_size"
+)
 
 RULE: tuple[Layout, ...] = (
     Layout("target.h.0", REPLICATED, _EMBED),
     Layout("target.h.*", REPLICATED, _REDUCED_LAYER),
     Layout("target.final_norm", REPLICATED, "RMSNorm of the whole residual stream (computed on every rank)"),
     Layout("target.logits", VOCAB_SHARDED, _HEAD),
-    Layout("draft.fc_in", REPLICATED, "v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.propose: "
-           "cat of the target's aux hidden states, each whole (target.h.*)"),
-    Layout("draft.fc_out", REPLICATED, "model_executor/models/llama_eagle3.py::LlamaModel.__init__ and "
-           "deepseek_eagle3.py: fc is a ReplicatedLinear (the whole weight on every rank)"),
+    Layout(
+        "draft.fc_in",
+        REPLICATED,
+        "v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.propose: "
+        "cat of the target's aux hidden states, each whole (target.h.*)",
+    ),
+    Layout(
+        "draft.fc_out",
+        REPLICATED,
+        "model_executor/models/llama_eagle3.py::LlamaModel.__init__ and "
+        "deepseek_eagle3.py: fc is a ReplicatedLinear (the whole weight on every rank)",
+    ),
     Layout("draft.embeds", REPLICATED, _EMBED),
     Layout("draft.layer0.attn_in", REPLICATED, "input_layernorm of whole tensors (embeds, fc_out)"),
     Layout("draft.layer0.attn_out", REPLICATED, "self_attn.o_proj is a RowParallelLinear with reduce_results=True"),
     Layout("draft.layer0.mlp_out", REPLICATED, "mlp.down_proj is a RowParallelLinear with reduce_results=True"),
     Layout("draft.hidden_prenorm", REPLICATED, "the draft layer's hidden + residual, both whole"),
     Layout("draft.logits", VOCAB_SHARDED, _HEAD),
-    Layout("draft.logits_target", REPLICATED, "llama_eagle3.py::Eagle3LlamaForCausalLM.compute_logits scatters "
-           "the gathered draft logits through draft_id_to_target_id on every rank"),
-)  # fmt: skip
+    Layout(
+        "draft.logits_target",
+        REPLICATED,
+        "llama_eagle3.py::Eagle3LlamaForCausalLM.compute_logits scatters "
+        "the gathered draft logits through draft_id_to_target_id on every rank",
+    ),
+)
 
 _STEP = re.compile(r"^draft\.step\d+\.")
 _LAYER = re.compile(r"\.\d+(?=$|\.)")
@@ -114,8 +132,10 @@ def _join(name: str, shards: list[tuple[int, Shard]]) -> tuple[torch.Tensor, lis
     at = 0
     for rank, s in ordered:
         if s.start != at or s.end - s.start != s.tensor.shape[-1] or s.vocab != vocab:
-            raise EngineError(f"vllm: rank {rank}'s slice of {name} covers vocabulary rows [{s.start}, {s.end}) with "
-                              f"{s.tensor.shape[-1]} columns; expected rows from {at} of {vocab}")  # fmt: skip
+            raise EngineError(
+                f"vllm: rank {rank}'s slice of {name} covers vocabulary rows [{s.start}, {s.end}) with "
+                f"{s.tensor.shape[-1]} columns; expected rows from {at} of {vocab}"
+            )
         at = s.end
     if at != vocab:
         raise EngineError(f"vllm: the ranks' slices of {name} cover vocabulary rows [0, {at}) of {vocab}")
@@ -143,8 +163,10 @@ def gather(ranks: list[RankRecord]) -> tuple[dict[str, torch.Tensor], dict]:
             gathered = {r.rank: _max_abs(joined, r.tensors[name]) for r in ranks if name in r.tensors}
             for rank, diff in gathered.items():
                 if diff != 0.0:
-                    raise EngineError(f"vllm: {name} joined from the ranks' vocabulary slices differs from vLLM's "
-                                      f"own gather on rank {rank} (max abs {diff:.3g})")  # fmt: skip
+                    raise EngineError(
+                        f"vllm: {name} joined from the ranks' vocabulary slices differs from vLLM's "
+                        f"own gather on rank {rank} (max abs {diff:.3g})"
+                    )
             whole[name] = joined
             done[name] = {"layout": VOCAB_SHARDED, "joined_rows": rows, "equals_vllm_gather_on_ranks": sorted(gathered)}
             continue
@@ -153,12 +175,16 @@ def gather(ranks: list[RankRecord]) -> tuple[dict[str, torch.Tensor], dict]:
             other = r.tensors.get(name)
             if other is None or other.shape != ref.shape:
                 got = "nothing" if other is None else f"shape {tuple(other.shape)}"
-                raise EngineError(f"vllm: rank {r.rank} recorded {got} for {name}, rank 0 shape {tuple(ref.shape)}; "
-                                  f"vLLM {VERIFIED} replicates it ({layout.why})")  # fmt: skip
+                raise EngineError(
+                    f"vllm: rank {r.rank} recorded {got} for {name}, rank 0 shape {tuple(ref.shape)}; "
+                    f"vLLM {VERIFIED} replicates it ({layout.why})"
+                )
             diff = _max_abs(ref, other)
             if diff != 0.0:
-                raise EngineError(f"vllm: rank {r.rank} disagrees with rank 0 on {name} (max abs {diff:.3g}), "
-                                  f"which vLLM {VERIFIED} replicates ({layout.why})")  # fmt: skip
+                raise EngineError(
+                    f"vllm: rank {r.rank} disagrees with rank 0 on {name} (max abs {diff:.3g}), "
+                    f"which vLLM {VERIFIED} replicates ({layout.why})"
+                )
         whole[name] = ref
         done[name] = {"layout": REPLICATED, "ranks_agree": True, "taken_from_rank": 0}
     return whole, done

@@ -72,8 +72,10 @@ def install() -> str:
     if _installed:
         return MODE
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before engines/vllm/triton_cpu.py could set TRITON_INTERPRET; "
-                           "Model Runner V2 cannot run its kernels in this process")  # fmt: skip
+        raise RuntimeError(
+            "triton was imported before engines/vllm/triton_cpu.py could set TRITON_INTERPRET; "
+            "Model Runner V2 cannot run its kernels in this process"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
     from triton.backends import Backend, backends
     from triton.backends.compiler import BaseBackend

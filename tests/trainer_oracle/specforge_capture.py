@@ -66,10 +66,16 @@ def capture_plan(args: argparse.Namespace, target_config):
     from specforge.application import resolve_offline_capture
     from specforge.config import Config
 
-    cfg = Config(model={"target_model_path": args.target, "draft_model_config": args.draft_config,
-                        "trust_remote_code": False, "cache_dir": args.cache_dir},
-                 data={"hidden_states_path": args.output, "max_length": args.max_length},
-                 training={"strategy": "eagle3"})  # fmt: skip
+    cfg = Config(
+        model={
+            "target_model_path": args.target,
+            "draft_model_config": args.draft_config,
+            "trust_remote_code": False,
+            "cache_dir": args.cache_dir,
+        },
+        data={"hidden_states_path": args.output, "max_length": args.max_length},
+        training={"strategy": "eagle3"},
+    )
     return resolve_offline_capture(cfg, target_config=target_config)
 
 
@@ -79,13 +85,24 @@ def eagle3_dataset(args: argparse.Namespace, loss_mask_filter):
     from specforge.utils import load_tokenizer, safe_conversations_generator
 
     cache = Path(args.cache_dir)
-    rows = Dataset.from_generator(generator=safe_conversations_generator, gen_kwargs={"file_path": args.data},
-                                  cache_dir=str(cache / "hf_dataset"), num_proc=1)  # fmt: skip
+    rows = Dataset.from_generator(
+        generator=safe_conversations_generator,
+        gen_kwargs={"file_path": args.data},
+        cache_dir=str(cache / "hf_dataset"),
+        num_proc=1,
+    )
     tokenizer = load_tokenizer(args.target, trust_remote_code=False)
-    return build_eagle3_dataset(dataset=rows, tokenizer=tokenizer, chat_template=args.chat_template,
-                                max_length=args.max_length, cache_dir=str(cache / "processed_dataset"),
-                                cache_key="difftest", is_preformatted=False, num_proc=1,
-                                loss_mask_filter=loss_mask_filter)  # fmt: skip
+    return build_eagle3_dataset(
+        dataset=rows,
+        tokenizer=tokenizer,
+        chat_template=args.chat_template,
+        max_length=args.max_length,
+        cache_dir=str(cache / "processed_dataset"),
+        cache_key="difftest",
+        is_preformatted=False,
+        num_proc=1,
+        loss_mask_filter=loss_mask_filter,
+    )
 
 
 def write(args: argparse.Namespace, out: Path) -> int:
@@ -100,32 +117,49 @@ def write(args: argparse.Namespace, out: Path) -> int:
     plan = capture_plan(args, target_config)
     draft_vocab = plan.draft_config.draft_vocab_size
     init_distributed(tp_size=1)
-    print(f"SpecForge capture plan: {plan.capture_method} layers {list(plan.capture_layers)}, "
-          f"records {list(plan.layout.output_names)}, draft vocab {draft_vocab}", flush=True)  # fmt: skip
+    print(
+        f"SpecForge capture plan: {plan.capture_method} layers {list(plan.capture_layers)}, "
+        f"records {list(plan.layout.output_names)}, draft vocab {draft_vocab}",
+        flush=True,
+    )
     dtype = getattr(target_config, "dtype", None) or target_config.torch_dtype
-    target = load_offline_capture(args.target, torch_dtype=dtype, trust_remote_code=False,
-                                  attention_backend="torch_native", mem_fraction_static=args.mem_fraction_static,
-                                  max_running_requests=args.batch_size,
-                                  max_total_tokens=args.batch_size * args.max_length)  # fmt: skip
+    target = load_offline_capture(
+        args.target,
+        torch_dtype=dtype,
+        trust_remote_code=False,
+        attention_backend="torch_native",
+        mem_fraction_static=args.mem_fraction_static,
+        max_running_requests=args.batch_size,
+        max_total_tokens=args.batch_size * args.max_length,
+    )
     target.set_capture_layers(list(plan.capture_layers), capture_method=plan.capture_method)
     data = eagle3_dataset(args, plan.loss_mask_filter)
     if not len(data):
         raise SystemExit(f"specforge_capture: no sample of {args.data} is left after SpecForge's preprocessing")
     text_config = getattr(target_config, "text_config", target_config)
-    generate_vocab_mapping_file(dataset=data, target_vocab_size=int(text_config.vocab_size),
-                                draft_vocab_size=int(draft_vocab), cache_dir=str(out / "vocab_mapping"),
-                                cache_key="vocab_mapping")  # fmt: skip
-    loader = prepare_dp_dataloaders(dataset=data, batch_size=args.batch_size, num_workers=0, shuffle=False,
-                                    process_group=get_dp_group())  # fmt: skip
+    generate_vocab_mapping_file(
+        dataset=data,
+        target_vocab_size=int(text_config.vocab_size),
+        draft_vocab_size=int(draft_vocab),
+        cache_dir=str(out / "vocab_mapping"),
+        cache_key="vocab_mapping",
+    )
+    loader = prepare_dp_dataloaders(
+        dataset=data, batch_size=args.batch_size, num_workers=0, shuffle=False, process_group=get_dp_group()
+    )
     index = 0
     with torch.no_grad():
         for batch in loader:
-            got = target.capture(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 loss_mask=batch["loss_mask"])  # fmt: skip
+            got = target.capture(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], loss_mask=batch["loss_mask"]
+            )
             for i in range(batch["input_ids"].shape[0]):
-                sources = {"input_ids": batch["input_ids"][i], "loss_mask": batch["loss_mask"][i],
-                           "aux_hidden_states": got.hidden_states[i].unsqueeze(0),
-                           "last_hidden_states": got.last_hidden_states[i].unsqueeze(0)}  # fmt: skip
+                sources = {
+                    "input_ids": batch["input_ids"][i],
+                    "loss_mask": batch["loss_mask"][i],
+                    "aux_hidden_states": got.hidden_states[i].unsqueeze(0),
+                    "last_hidden_states": got.last_hidden_states[i].unsqueeze(0),
+                }
                 record = {k: v.detach().cpu().clone() for k, v in plan.layout.materialize(sources).items()}
                 for name, t in record.items():
                     if t.is_floating_point() and bool(t.isnan().any()):

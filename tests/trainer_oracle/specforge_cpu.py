@@ -26,8 +26,10 @@ from pathlib import Path
 
 def _torchvision_schemas(torch) -> None:
     lib = torch.library.Library("torchvision", "FRAGMENT")
-    for schema in ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-                   "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"):  # fmt: skip
+    for schema in (
+        "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    ):
         try:
             lib.define(schema)
         except RuntimeError:  # a real torchvision build defined it already
@@ -52,8 +54,14 @@ def _cuda_to_cpu(torch) -> None:
 
 def cpu_process() -> None:
     """Make this process a one-rank CPU job for SpecForge and SGLang (before either is imported)."""
-    for key, value in {"SPECFORGE_DEVICE": "cpu", "SGLANG_USE_CPU_ENGINE": "1", "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():  # fmt: skip
+    for key, value in {
+        "SPECFORGE_DEVICE": "cpu",
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+    }.items():
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
         with socket.socket() as s:

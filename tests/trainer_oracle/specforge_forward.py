@@ -49,8 +49,12 @@ correct, denom = [0.0] * steps, [0.0] * steps
 with torch.no_grad():
     for ref in refs:
         tensors, handle = store.get(ref)
-        batch = TrainBatch(sample_ids=[str(ref.sample_id)], strategy="eagle3",
-                           tensors=normalize_offline_sample(tensors, max_len), metadata={"target_repr": "hidden_state"})  # fmt: skip
+        batch = TrainBatch(
+            sample_ids=[str(ref.sample_id)],
+            strategy="eagle3",
+            tensors=normalize_offline_sample(tensors, max_len),
+            metadata={"target_repr": "hidden_state"},
+        )
         store.release(handle)
         m = strategy.forward_loss(batch).metrics
         for k in range(steps):

@@ -22,8 +22,14 @@ import socket
 import sys
 from pathlib import Path
 
-for key, value in {"SPECFORGE_DEVICE": "cpu", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                   "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():  # fmt: skip
+for key, value in {
+    "SPECFORGE_DEVICE": "cpu",
+    "RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "1",
+    "MASTER_ADDR": "127.0.0.1",
+}.items():
     os.environ.setdefault(key, value)
 if "MASTER_PORT" not in os.environ:
     with socket.socket() as s:
@@ -47,6 +53,22 @@ cfg = yaml.safe_load(Path(config).read_text())
 # CheckpointManager.resolve_resume_dir: its *-latest pointer, else the highest <run_id>-stepN)
 checkpoint = CheckpointManager.resolve_resume_dir(cfg["output_dir"])
 print(f"specforge_train: exporting {checkpoint}", flush=True)
-raise SystemExit(main(["export", "--to", "hf", "--checkpoint", checkpoint, "--draft-config", draft_config,
-                       "--output-dir", export_dir, "--vocab-mapping", cfg["model"]["vocab_mapping_path"],
-                       "--embedding-source", cfg["model"]["target_model_path"]]))  # fmt: skip
+raise SystemExit(
+    main(
+        [
+            "export",
+            "--to",
+            "hf",
+            "--checkpoint",
+            checkpoint,
+            "--draft-config",
+            draft_config,
+            "--output-dir",
+            export_dir,
+            "--vocab-mapping",
+            cfg["model"]["vocab_mapping_path"],
+            "--embedding-source",
+            cfg["model"]["target_model_path"],
+        ]
+    )
+)

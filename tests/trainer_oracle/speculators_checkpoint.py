@@ -31,7 +31,7 @@ draft, dataset, hs, out = sys.argv[1:5]
 ratio, total_seq_len, steps = float(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
 
 config = Eagle3DraftModel.config_class.from_pretrained(draft)
-config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001  (the run's --draft-attn-impl sdpa)
+config.transformer_layer_config._attn_implementation = "sdpa"
 model = Eagle3DraftModel.from_pretrained(draft, config=config, torch_dtype=torch.float32)
 model.eval()
 H = model.config.transformer_layer_config.hidden_size
@@ -61,8 +61,13 @@ def one_by_one(reader):
     for i in range(len(reader)):
         item = reader[i]
         n = int(item["input_ids"].shape[0]) - 1
-        batch = CollateFn(max_len=min(n, total_seq_len), hidden_size=H, num_target_layers=n_layers, dtype=torch.float32,
-                          preprocess=shift_batch)([item])  # fmt: skip
+        batch = CollateFn(
+            max_len=min(n, total_seq_len),
+            hidden_size=H,
+            num_target_layers=n_layers,
+            dtype=torch.float32,
+            preprocess=shift_batch,
+        )([item])
         metrics = forward(batch)
         doc = {}
         add(doc, metrics)
@@ -72,16 +77,24 @@ def one_by_one(reader):
 
 
 def reader(split, r):
-    return ArrowDataset(max_len=total_seq_len, datapath=dataset, transfer=FileTransfer(Path(hs)), on_missing="raise",
-                        train_ratio=r, split=split, hidden_states_dtype=torch.float32)  # fmt: skip
+    return ArrowDataset(
+        max_len=total_seq_len,
+        datapath=dataset,
+        transfer=FileTransfer(Path(hs)),
+        on_missing="raise",
+        train_ratio=r,
+        split=split,
+        hidden_states_dtype=torch.float32,
+    )
 
 
 result = {}
 result["all"], _ = one_by_one(reader("train", 1.0))
 val = reader("val", ratio)
 result["val"], result["val_docs"] = one_by_one(val)
-loader = _setup_dataloader(val, total_seq_len, H, num_workers=0, num_target_layers=n_layers, prefetch_factor=None,
-                           preprocess=shift_batch)  # fmt: skip
+loader = _setup_dataloader(
+    val, total_seq_len, H, num_workers=0, num_target_layers=n_layers, prefetch_factor=None, preprocess=shift_batch
+)
 packed, batches = {}, []
 for batch in loader:
     add(packed, forward(batch))

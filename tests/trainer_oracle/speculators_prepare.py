@@ -13,8 +13,13 @@ from pathlib import Path
 from datasets import Dataset
 
 rows = [json.loads(x) for x in Path(sys.argv[1]).read_text().splitlines() if x.strip()]
-ds = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
-                        "seq_len": [len(r["input_ids"]) for r in rows]})  # fmt: skip
+ds = Dataset.from_dict(
+    {
+        "input_ids": [r["input_ids"] for r in rows],
+        "loss_mask": [r["loss_mask"] for r in rows],
+        "seq_len": [len(r["input_ids"]) for r in rows],
+    }
+)
 ds.set_format(type="torch")
 ds.save_to_disk(sys.argv[2])
 print(f"saved {len(rows)} rows to {sys.argv[2]}")

@@ -110,12 +110,44 @@ ckpt = out / "ckpt"
 if ckpt.exists():
     shutil.rmtree(ckpt)
 argv = [
-    "--verifier-name-or-path", target, "--data-path", str(out / "dataset"), "--hidden-states-path", str(hs_dir),
-    "--save-path", str(ckpt), "--log-dir", str(out / "logs"), "--epochs", str(epochs), "--checkpoint-freq", str(epochs),
-    "--total-seq-len", str(total_seq_len), "--train-data-ratio", str(train_ratio), "--optimizer", "adamw", "--lr", "3e-3", "--seed", "0",
-    "--mask-token-id", "0", "--on-missing", "raise", "--no-resume-from-checkpoint",
-    "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0", "--hidden-states-dtype", "float32",
-]  # fmt: skip
+    "--verifier-name-or-path",
+    target,
+    "--data-path",
+    str(out / "dataset"),
+    "--hidden-states-path",
+    str(hs_dir),
+    "--save-path",
+    str(ckpt),
+    "--log-dir",
+    str(out / "logs"),
+    "--epochs",
+    str(epochs),
+    "--checkpoint-freq",
+    str(epochs),
+    "--total-seq-len",
+    str(total_seq_len),
+    "--train-data-ratio",
+    str(train_ratio),
+    "--optimizer",
+    "adamw",
+    "--lr",
+    "3e-3",
+    "--seed",
+    "0",
+    "--mask-token-id",
+    "0",
+    "--on-missing",
+    "raise",
+    "--no-resume-from-checkpoint",
+    "--loss-implementation",
+    "eager",
+    "--draft-attn-impl",
+    "sdpa",
+    "--num-workers",
+    "0",
+    "--hidden-states-dtype",
+    "float32",
+]
 t0 = time.time()
 train_cli.main(TrainConfig.resolve(argv))
 wall = time.time() - t0
@@ -139,8 +171,15 @@ save_file({k: master[k].contiguous() for k in names}, str(mdir / "model.safetens
 from hs_connectors.transfer import FileTransfer  # noqa: E402
 from speculators.train.data import ArrowDataset  # noqa: E402
 
-val = ArrowDataset(max_len=total_seq_len, datapath=str(out / "dataset"), transfer=FileTransfer(hs_dir), on_missing="raise",
-                   train_ratio=train_ratio, split="val", hidden_states_dtype=torch.float32)  # fmt: skip
+val = ArrowDataset(
+    max_len=total_seq_len,
+    datapath=str(out / "dataset"),
+    transfer=FileTransfer(hs_dir),
+    on_missing="raise",
+    train_ratio=train_ratio,
+    split="val",
+    hidden_states_dtype=torch.float32,
+)
 vdir = out / "val"
 if vdir.exists():
     shutil.rmtree(vdir)
@@ -150,8 +189,16 @@ for i in range(len(val)):
     src = hs_dir / f"hs_{val._map_to_file_idx(i)}.safetensors"
     shutil.copyfile(src, vdir / "hidden_states" / f"hs_{i}.safetensors")
     item = val.data[i]
-    lines.append(json.dumps({"index": i, "input_ids": item["input_ids"].tolist(), "loss_mask": item["loss_mask"].tolist(),
-                             "seq_len": int(item["seq_len"])}))  # fmt: skip
+    lines.append(
+        json.dumps(
+            {
+                "index": i,
+                "input_ids": item["input_ids"].tolist(),
+                "loss_mask": item["loss_mask"].tolist(),
+                "seq_len": int(item["seq_len"]),
+            }
+        )
+    )
 (vdir / "samples.jsonl").write_text("\n".join(lines) + "\n")
 
 (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

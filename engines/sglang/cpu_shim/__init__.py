@@ -95,5 +95,7 @@ def install_platform_override() -> None:
             mod.cpu_has_amx_support = lambda: True
             patched.append(name)
     if not patched:
-        raise EngineUnavailable("cpu-shim: found neither runtime_context.override_platform nor a cpu_has_amx_support "
-                                f"check in {', '.join(_AMX_CHECKS)}: cannot keep the intel_amx backend")  # fmt: skip
+        raise EngineUnavailable(
+            "cpu-shim: found neither runtime_context.override_platform nor a cpu_has_amx_support "
+            f"check in {', '.join(_AMX_CHECKS)}: cannot keep the intel_amx backend"
+        )

@@ -272,8 +272,27 @@ def attend(
     return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v)
 
 
-def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, key, value, loc, attn_logits, req_to_token,
-                         req_pool_indices, seq_lens, scaling, logit_cap, is_cross, sliding_window, encoder_lens, sinks) -> None:  # fmt: skip
+def decode_attention_cpu(
+    q,
+    k_buffer,
+    v_buffer,
+    k_scale,
+    v_scale,
+    o,
+    key,
+    value,
+    loc,
+    attn_logits,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    scaling,
+    logit_cap,
+    is_cross,
+    sliding_window,
+    encoder_lens,
+    sinks,
+) -> None:
     """One new token per request: store its k/v at `loc`, attend over the request's cached tokens."""
     if key is not None:
         k_buffer[loc] = key.to(k_buffer.dtype)
@@ -283,9 +302,30 @@ def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, key, value,
         o[b] = attend(q[b : b + 1], k_buffer[slots], v_buffer[slots], scaling)[0].to(o.dtype)
 
 
-def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens,
-                         extend_seq_lens, extend_start_loc, max_len_extend, scaling, logit_cap, is_cross, sliding_window,
-                         encoder_lens, sinks, custom_mask, is_causal) -> None:  # fmt: skip
+def extend_attention_cpu(
+    q,
+    k,
+    v,
+    o,
+    k_buffer,
+    v_buffer,
+    k_scale,
+    v_scale,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_seq_lens,
+    extend_start_loc,
+    max_len_extend,
+    scaling,
+    logit_cap,
+    is_cross,
+    sliding_window,
+    encoder_lens,
+    sinks,
+    custom_mask,
+    is_causal,
+) -> None:
     """E new tokens per request after P cached ones (S = P + E): each new token attends to the
     prefix and, causally or through the tree mask, to the new tokens. As the compiled kernel:
     the prefix comes from the cache, the new tokens' k/v from the k/v arguments when given,
@@ -354,12 +394,52 @@ _libraries: list = []  # keep the torch.library fragments alive
 # (scales 1.0, no mask, causal, no window, no sinks).
 
 
-def _extend_0_5_19(q, k, v, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_seq_lens,
-                   extend_start_loc, max_len_extend, scaling, logit_cap, is_cross, sliding_window, encoder_lens,
-                   sinks, custom_mask, is_causal) -> None:  # fmt: skip
-    extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, 1.0, 1.0, req_to_token, req_pool_indices, seq_lens,
-                         extend_seq_lens, extend_start_loc, max_len_extend, scaling, logit_cap, is_cross,
-                         sliding_window, encoder_lens, sinks, custom_mask, is_causal)  # fmt: skip
+def _extend_0_5_19(
+    q,
+    k,
+    v,
+    o,
+    k_buffer,
+    v_buffer,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_seq_lens,
+    extend_start_loc,
+    max_len_extend,
+    scaling,
+    logit_cap,
+    is_cross,
+    sliding_window,
+    encoder_lens,
+    sinks,
+    custom_mask,
+    is_causal,
+) -> None:
+    extend_attention_cpu(
+        q,
+        k,
+        v,
+        o,
+        k_buffer,
+        v_buffer,
+        1.0,
+        1.0,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_seq_lens,
+        extend_start_loc,
+        max_len_extend,
+        scaling,
+        logit_cap,
+        is_cross,
+        sliding_window,
+        encoder_lens,
+        sinks,
+        custom_mask,
+        is_causal,
+    )
 
 
 def _extend_0_5_16(*args) -> None:
@@ -374,36 +454,99 @@ def _extend_0_5_1(*args) -> None:
     _extend_0_5_19(*args, False, -1, None, None, None, True)
 
 
-def _decode_0_5_13(q, k_buffer, v_buffer, o, key, value, loc, attn_logits, req_to_token, req_pool_indices, seq_lens,
-                   scaling, logit_cap, is_cross, sliding_window, encoder_lens, sinks) -> None:  # fmt: skip
-    decode_attention_cpu(q, k_buffer, v_buffer, 1.0, 1.0, o, key, value, loc, attn_logits, req_to_token,
-                         req_pool_indices, seq_lens, scaling, logit_cap, is_cross, sliding_window, encoder_lens, sinks)  # fmt: skip
+def _decode_0_5_13(
+    q,
+    k_buffer,
+    v_buffer,
+    o,
+    key,
+    value,
+    loc,
+    attn_logits,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    scaling,
+    logit_cap,
+    is_cross,
+    sliding_window,
+    encoder_lens,
+    sinks,
+) -> None:
+    decode_attention_cpu(
+        q,
+        k_buffer,
+        v_buffer,
+        1.0,
+        1.0,
+        o,
+        key,
+        value,
+        loc,
+        attn_logits,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        scaling,
+        logit_cap,
+        is_cross,
+        sliding_window,
+        encoder_lens,
+        sinks,
+    )
 
 
 def _decode_0_5_1(*args) -> None:
     _decode_0_5_13(*args, False, -1, None, None)
 
 
-_EXT_HEAD = ("extend_attention_cpu(Tensor q, Tensor? k, Tensor? v, Tensor(a!) o, Tensor k_buffer, Tensor v_buffer, "
-             "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor extend_seq_lens, "
-             "Tensor extend_start_loc, int max_len_extend, float scaling, float logit_cap")  # fmt: skip
-_DEC_HEAD = ("decode_attention_cpu(Tensor q, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor(c!) o, Tensor? key, "
-             "Tensor? value, Tensor loc, Tensor attn_logits, Tensor req_to_token, Tensor req_pool_indices, "
-             "Tensor seq_lens, float scaling, float logit_cap")  # fmt: skip
+_EXT_HEAD = (
+    "extend_attention_cpu(Tensor q, Tensor? k, Tensor? v, Tensor(a!) o, Tensor k_buffer, Tensor v_buffer, "
+    "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor extend_seq_lens, "
+    "Tensor extend_start_loc, int max_len_extend, float scaling, float logit_cap"
+)
+_DEC_HEAD = (
+    "decode_attention_cpu(Tensor q, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor(c!) o, Tensor? key, "
+    "Tensor? value, Tensor loc, Tensor attn_logits, Tensor req_to_token, Tensor req_pool_indices, "
+    "Tensor seq_lens, float scaling, float logit_cap"
+)
 _NEW_ARGS = ", bool is_cross, int sliding_window, Tensor? encoder_lens, Tensor? sinks"
 _DEC_0_5_13 = (_DEC_HEAD + _NEW_ARGS + ") -> ()", _decode_0_5_13)
 # (first release, {op: (schema, function)}), newest first
 ATTENTION_ABIS = [
     ((0, 5, 20), _ATTENTION_SCHEMAS),
-    ((0, 5, 19), {"extend_attention_cpu": (_EXT_HEAD + _NEW_ARGS + ", Tensor? custom_mask, bool is_causal) -> ()", _extend_0_5_19),
-                  "decode_attention_cpu": _DEC_0_5_13}),
-    ((0, 5, 16), {"extend_attention_cpu": (_EXT_HEAD + _NEW_ARGS + ", Tensor? custom_mask) -> ()", _extend_0_5_16),
-                  "decode_attention_cpu": _DEC_0_5_13}),
-    ((0, 5, 13), {"extend_attention_cpu": (_EXT_HEAD + _NEW_ARGS + ") -> ()", _extend_0_5_13),
-                  "decode_attention_cpu": _DEC_0_5_13}),
-    ((0,), {"extend_attention_cpu": (_EXT_HEAD + ") -> ()", _extend_0_5_1),
-            "decode_attention_cpu": (_DEC_HEAD + ") -> ()", _decode_0_5_1)}),
-]  # fmt: skip
+    (
+        (0, 5, 19),
+        {
+            "extend_attention_cpu": (
+                _EXT_HEAD + _NEW_ARGS + ", Tensor? custom_mask, bool is_causal) -> ()",
+                _extend_0_5_19,
+            ),
+            "decode_attention_cpu": _DEC_0_5_13,
+        },
+    ),
+    (
+        (0, 5, 16),
+        {
+            "extend_attention_cpu": (_EXT_HEAD + _NEW_ARGS + ", Tensor? custom_mask) -> ()", _extend_0_5_16),
+            "decode_attention_cpu": _DEC_0_5_13,
+        },
+    ),
+    (
+        (0, 5, 13),
+        {
+            "extend_attention_cpu": (_EXT_HEAD + _NEW_ARGS + ") -> ()", _extend_0_5_13),
+            "decode_attention_cpu": _DEC_0_5_13,
+        },
+    ),
+    (
+        (0,),
+        {
+            "extend_attention_cpu": (_EXT_HEAD + ") -> ()", _extend_0_5_1),
+            "decode_attention_cpu": (_DEC_HEAD + ") -> ()", _decode_0_5_1),
+        },
+    ),
+]
 
 
 def release(version: str) -> tuple[int, ...]:
