@@ -61,6 +61,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=order)  # stable: a module's own tests keep their order
 
 
+# Tiny random checkpoints: one pair per module (module scope), as each module built its own before.
+@pytest.fixture(scope="module")
+def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny random target and draft on disk (helpers.make_tiny_pair). A module whose checks need a
+    deeper target (its draft's ids placed apart) sets TINY_PAIR_LAYERS."""
+    from helpers import make_tiny_pair
+
+    layers = getattr(request.module, "TINY_PAIR_LAYERS", 6)
+    return make_tiny_pair(tmp_path_factory.mktemp("models"), num_layers=layers)
+
+
+@pytest.fixture(scope="module")
+def loaded_models(models: tuple[Path, Path]) -> tuple:
+    """The tiny pair loaded for in-process decoding: (target model, draft module), the draft sharing
+    the target's embedding and lm_head as it would inside an engine."""
+    from engines.ref.draft_loading import load_draft
+    from engines.ref.target import load_target
+
+    target_dir, draft_dir = models
+    target = load_target(target_dir)
+    w = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+    return target, load_draft(draft_dir, *w).model
+
+
 @pytest.fixture(scope="module")
 def sglang_python() -> str:
     """SGLang's interpreter, for the modules that start SGLang sessions (helpers.sglang_python_or_skip)."""

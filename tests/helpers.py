@@ -253,6 +253,12 @@ def edited_copy(src: Path, out: Path, config=None, tensors=None) -> Path:
     return out
 
 
+def edited_draft(models: tuple[Path, Path], tmp_path: Path, config=None, tensors=None) -> Path:
+    """A copy of the tiny pair's draft (`models`: target, draft) at tmp_path/draft, its config.json and
+    tensors edited as edited_copy does."""
+    return edited_copy(models[1], tmp_path / "draft", config, tensors)
+
+
 def train_acc(*args: str, json_out: Path) -> tuple[list[dict], str]:
     """`difftest train-acc ARGS --json OUT` in-process: (its JSON rows, what it printed); asserts exit 0."""
     import contextlib

@@ -5,26 +5,18 @@ from __future__ import annotations
 import pytest
 
 from difftest.records.acceptance import NORMALISATION, normalise
-from engines.ref.draft_loading import load_draft
+
 from engines.ref.speculate import greedy_decode, simulate_greedy
-from engines.ref.target import load_target
+
 from engines.ref.tree import simulate_tree
-from helpers import make_tiny_pair
+
 
 INPUTS = ["target.h.1", "target.h.2", "target.h.3"]
 PROMPTS = [[1, 5, 9, 33, 77, 101, 7], [4, 8, 15, 16, 23, 42]]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target_dir, draft_dir = make_tiny_pair(tmp_path_factory.mktemp("models"))
-    target = load_target(target_dir)
-    w = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
-    return target, load_draft(draft_dir, *w).model
-
-
-def test_a_topk_1_tree_is_the_chain(models):
-    target, draft = models
+def test_a_topk_1_tree_is_the_chain(loaded_models):
+    target, draft = loaded_models
     chain, chain_out = simulate_greedy(target, draft, INPUTS, PROMPTS, 3, 10)
     tree, tree_out = simulate_tree(target, draft, INPUTS, PROMPTS, 3, 10, topk=1, num_draft_tokens=4)
     assert tree_out == chain_out
@@ -36,8 +28,8 @@ def test_a_topk_1_tree_is_the_chain(models):
 
 
 @pytest.mark.parametrize("topk, budget", [(2, 4), (3, 10)], ids=["topk2-budget4", "topk3-budget10"])
-def test_tree_decoding_is_lossless_and_its_counts_are_consistent(models, topk, budget):
-    target, draft = models
+def test_tree_decoding_is_lossless_and_its_counts_are_consistent(loaded_models, topk, budget):
+    target, draft = loaded_models
     stats, outputs = simulate_tree(target, draft, INPUTS, PROMPTS, 3, 10, topk=topk, num_draft_tokens=budget)
     assert outputs == [greedy_decode(target, p, 10) for p in PROMPTS]
     assert sum(stats.accepted_per_pos) == stats.num_accepted

@@ -14,12 +14,7 @@ from safetensors.torch import load_file
 from difftest.records.baseline_manifest import BaselineManifest, ScatteredLogits, StoredSpec
 from difftest.run.baseline import SCHEMA, BaselineSource, BaselineWriter
 from difftest.base.errors import ConfigError
-from helpers import TINY_CASE, make_tiny_pair, run_pytest
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("models"))
+from helpers import TINY_CASE, run_pytest
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
-from helpers import TINY_CASE, make_tiny_pair
+from helpers import TINY_CASE
 from safetensors.torch import load_file, save_file
 
 from difftest.case.case import load_case
@@ -22,11 +21,6 @@ from difftest.run.session import calibration_case
 from engines.ref.engine import RefEngine
 
 IDS = [1, 5, 9, 33, 77, 101, 7]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("models"))
 
 
 def case_file(root: Path, target: Path, draft: Path, dtype: str) -> Path:

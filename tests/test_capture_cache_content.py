@@ -6,18 +6,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from difftest.case.case import load_case
 from difftest.base.content_digest import paths_signature, signature
-from helpers import TINY_CASE, make_tiny_pair, run_pytest
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("models"))
+from helpers import TINY_CASE, run_pytest
 
 
 def rewrite_keeping_size_and_times(checkpoint: Path) -> None:

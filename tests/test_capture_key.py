@@ -8,18 +8,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import TINY_CASE, make_tiny_pair
+from helpers import TINY_CASE
 
 from difftest.case.case import load_case
 from difftest.run.engine import EngineSpec
 from difftest.run.session import Options, Session
 
 REF, VLLM = EngineSpec("ref"), EngineSpec("vllm")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture

@@ -21,16 +21,13 @@ from difftest.compare.compare import compare_captures
 from difftest.compare.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.run.engine import parse_spec
 from engines.ref.engine import RefEngine
-from helpers import make_tiny_pair
 
 IDS = [1, 5, 9, 33, 77, 101, 7, 250, 3]
 L = 8  # target depth: defaults h[2], h[L//2], h[L-3] = [h2, h4, h5]; the draft's config ids are [1, 2, 3]
 FALLBACK = "default-layer fallback (engine fed h[2], h[L//2], h[L-3] of L=8: it did not use the config's layer ids)"
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("models"), num_layers=L)
+TINY_PAIR_LAYERS = L  # the conftest `models` fixture builds the tiny pair this deep
 
 
 @pytest.fixture(scope="module")

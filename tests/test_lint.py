@@ -10,19 +10,12 @@ import pytest
 import torch
 
 from difftest.checks.lint import lint_draft as _lint_draft
-from helpers import edited_copy, make_tiny_pair
+from helpers import edited_copy, edited_draft
 
 TRAINED = ["target.h.1", "target.h.2", "target.h.3"]  # the tiny draft's config ids [1, 2, 3], read as vLLM does
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("models"), num_layers=8)
-
-
-def variant(models, tmp_path: Path, config=None, tensors=None) -> Path:
-    """A copy of the tiny draft with config.json and its tensors edited."""
-    return edited_copy(models[1], tmp_path / "draft", config, tensors)
+TINY_PAIR_LAYERS = 8  # the conftest `models` fixture builds the tiny pair this deep
 
 
 def lint_draft(*args):
@@ -44,7 +37,7 @@ def drop_ids(cfg):
 
 
 def test_missing_layer_ids_mean_a_silent_fallback(models, tmp_path):
-    draft = variant(models, tmp_path, config=drop_ids)
+    draft = edited_draft(models, tmp_path, config=drop_ids)
     [f] = lint_draft(draft, models[0], TRAINED)
     assert (f.code, f.severity) == ("layer-ids-missing", "error")
     assert f.message == (
@@ -64,7 +57,7 @@ def test_missing_layer_ids_on_a_shallow_target_name_the_fallback_narrower_than_f
     shallow = edited_copy(
         models[0], tmp_path / "target", config=lambda cfg: cfg.update(num_hidden_layers=4), tensors=first_four_layers
     )
-    draft = variant(models, tmp_path, config=drop_ids)
+    draft = edited_draft(models, tmp_path, config=drop_ids)
     [f] = lint_draft(draft, shallow, TRAINED)
     assert f.code == "layer-ids-missing"
     for engine in ("vLLM 0.32.0", "SGLang 0.5.23"):
@@ -79,7 +72,7 @@ def test_missing_layer_ids_on_a_shallow_target_name_the_fallback_narrower_than_f
 
 
 def test_missing_layer_ids_are_only_a_warning_when_training_used_the_defaults(models, tmp_path):
-    draft = variant(models, tmp_path, config=drop_ids)
+    draft = edited_draft(models, tmp_path, config=drop_ids)
     assert codes(lint_draft(draft, models[0], ["target.h.2", "target.h.4", "target.h.5"])) == [
         ("layer-ids-missing", "warning")
     ]
@@ -89,7 +82,7 @@ def test_unsorted_ids_are_flagged(models, tmp_path):
     def unsorted(cfg):
         cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [3, 1, 2]
 
-    [f] = lint_draft(variant(models, tmp_path, config=unsorted), models[0], TRAINED)
+    [f] = lint_draft(edited_draft(models, tmp_path, config=unsorted), models[0], TRAINED)
     assert (f.code, f.severity) == ("layer-ids-order", "error")
     assert (
         "vLLM and SGLang both capture while walking the layers and feed fc in layer order, each layer once ([1, 2, 3]"
@@ -101,13 +94,13 @@ def test_conflicting_id_locations_are_flagged(models, tmp_path):
     def conflict(cfg):
         cfg["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
 
-    assert codes(lint_draft(variant(models, tmp_path, config=conflict), models[0], TRAINED)) == [
+    assert codes(lint_draft(edited_draft(models, tmp_path, config=conflict), models[0], TRAINED)) == [
         ("layer-ids-conflict", "error")
     ]
 
 
 def test_absent_norm_flag_warns_about_the_format_default(models, tmp_path):
-    [f] = lint_draft(variant(models, tmp_path, config=lambda c: c.pop("norm_before_residual")), models[0], TRAINED)
+    [f] = lint_draft(edited_draft(models, tmp_path, config=lambda c: c.pop("norm_before_residual")), models[0], TRAINED)
     assert (f.code, f.severity) == ("norm-flag-default", "warning")
     assert f.message.startswith(
         "norm_before_residual absent: HF/EAGLE format defaults it to False, the other format to True"
@@ -118,7 +111,7 @@ def test_fc_width_must_match_the_number_of_ids(models, tmp_path):
     def four_ids(cfg):
         cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3, 4]
 
-    [f] = lint_draft(variant(models, tmp_path, config=four_ids), models[0], TRAINED)
+    [f] = lint_draft(edited_draft(models, tmp_path, config=four_ids), models[0], TRAINED)
     assert (f.code, str(f)) == (
         "fc-width",
         "error [fc-width]: fc in_features 192 != 4 ids x target hidden size 64 = 256",
@@ -139,7 +132,7 @@ def test_fc_width_must_match_the_number_of_ids(models, tmp_path):
     ids=["d2t-missing", "t2d-sum", "out-of-range", "not-unique"],
 )
 def test_vocab_map_problems(models, tmp_path, edit, message):
-    f = lint_draft(variant(models, tmp_path, tensors=edit), models[0], TRAINED)[0]
+    f = lint_draft(edited_draft(models, tmp_path, tensors=edit), models[0], TRAINED)[0]
     assert (f.code, f.severity, f.message) == ("vocab-map", "error", message)
 
 
@@ -180,7 +173,7 @@ def test_sglang_reading_follows_the_deepseek_rule_for_a_deepseek_target(models, 
     def ids_2_3_4(cfg):
         cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 4]
 
-    draft = variant(models, tmp_path, config=ids_2_3_4)
+    draft = edited_draft(models, tmp_path, config=ids_2_3_4)
     trained = ["target.h.2", "target.h.3", "target.h.4"]
     [f] = _lint_draft(draft, deepseek_target(models, tmp_path), trained)
     assert (
@@ -195,7 +188,7 @@ def test_sglang_reading_follows_the_deepseek_rule_for_a_deepseek_target(models, 
 
 
 def test_ids_only_at_the_top_level_warn_that_sglang_falls_back(models, tmp_path):
-    draft = variant(models, tmp_path, config=lambda cfg: cfg.pop("eagle_config"))
+    draft = edited_draft(models, tmp_path, config=lambda cfg: cfg.pop("eagle_config"))
     [f] = lint_draft(draft, models[0], TRAINED)
     assert str(f) == (
         "warning [layer-ids-sglang-location]: eagle_aux_hidden_state_layer_ids [1, 2, 3] only at the top "
@@ -208,7 +201,7 @@ def test_norm_before_residual_in_an_mla_draft_warns_that_sglang_ignores_it(model
     def mla(cfg):
         cfg.update(architectures=["Eagle3DeepseekV2ForCausalLM"], kv_lora_rank=512, norm_before_residual=True)
 
-    [f] = lint_draft(variant(models, tmp_path, config=mla), models[0], TRAINED)
+    [f] = lint_draft(edited_draft(models, tmp_path, config=mla), models[0], TRAINED)
     assert (f.code, f.severity) == ("norm-flag-ignored", "warning")
     assert "SGLang 0.5.23's kimi_k25_eagle3.py ignores it" in f.message
 

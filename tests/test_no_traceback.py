@@ -21,12 +21,7 @@ import torch
 
 from difftest.cli import main
 from difftest.base.errors import ConfigError
-from helpers import TINY_CASE, make_tiny_pair, run_pytest
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("models"))
+from helpers import TINY_CASE, run_pytest
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:

@@ -12,14 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_CASE, make_tiny_pair, run_pytest, start_pytest
+from helpers import TINY_CASE, run_pytest, start_pytest
 
 CASE = TINY_CASE
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("models"))
 
 
 def project(tmp_path: Path, models, name: str = "tiny", body: str | None = None) -> Path:

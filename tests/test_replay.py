@@ -6,31 +6,23 @@ from __future__ import annotations
 
 import pytest
 
-from engines.ref.draft_loading import load_draft
+
 from engines.ref.replay import replay_request
 from engines.ref.speculate import simulate_greedy
-from engines.ref.target import load_target
+
 from engines.ref.tree import simulate_tree
-from helpers import make_tiny_pair
+
 
 INPUTS = ["target.h.1", "target.h.2", "target.h.3"]
 PROMPTS = [[1, 5, 9, 33, 77, 101, 7], [4, 8, 15, 16, 23, 42]]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target_dir, draft_dir = make_tiny_pair(tmp_path_factory.mktemp("models"))
-    target = load_target(target_dir)
-    w = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
-    return target, load_draft(draft_dir, *w).model
 
 
 def _counts(s):
     return s.num_verify, s.num_accepted, s.accepted_per_pos
 
 
-def test_replaying_the_references_own_output_counts_what_its_chain_decoding_counted(models):
-    target, draft = models
+def test_replaying_the_references_own_output_counts_what_its_chain_decoding_counted(loaded_models):
+    target, draft = loaded_models
     for prompt in PROMPTS:
         stats, (output,) = simulate_greedy(target, draft, INPUTS, [prompt], 3, 12)
         r = replay_request(target, draft, INPUTS, prompt, output, 3)
@@ -39,15 +31,15 @@ def test_replaying_the_references_own_output_counts_what_its_chain_decoding_coun
 
 
 @pytest.mark.parametrize("topk, budget", [(2, 4), (3, 10)])
-def test_replaying_the_references_own_output_counts_what_its_tree_decoding_counted(models, topk, budget):
-    target, draft = models
+def test_replaying_the_references_own_output_counts_what_its_tree_decoding_counted(loaded_models, topk, budget):
+    target, draft = loaded_models
     stats, (output,) = simulate_tree(target, draft, INPUTS, [PROMPTS[0]], 3, 12, topk=topk, num_draft_tokens=budget)
     r = replay_request(target, draft, INPUTS, PROMPTS[0], output, 3, topk, budget)
     assert _counts(r.stats) == _counts(stats)
 
 
-def test_a_server_token_the_reference_would_not_pick_is_counted_and_located(models):
-    target, draft = models
+def test_a_server_token_the_reference_would_not_pick_is_counted_and_located(loaded_models):
+    target, draft = loaded_models
     _, (output,) = simulate_greedy(target, draft, INPUTS, [PROMPTS[1]], 3, 12)
     changed = list(output)
     changed[5] = (changed[5] + 1) % 64
