@@ -11,7 +11,8 @@ reports). Above the floors, beside the CLI and the plugin: it may name any of th
 from difftest.base import definitions
 from difftest.base.definitions import Definition, trainer_figures
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
-from difftest.base.extensions import CHECK_GROUP, COMMAND_GROUP, Command, DraftLoader, ExtraCheck, registered
+from difftest.base.check_registry import ENGINE, REFERENCE, CheckSpec
+from difftest.base.extensions import CHECK_GROUP, COMMAND_GROUP, Command, DraftLoader, registered
 from difftest.base.jsonfile import read_json
 from difftest.base.names import (
     FC_IN,
@@ -124,7 +125,9 @@ __all__ = [
     "COMMAND_GROUP",
     "Command",
     "DraftLoader",
-    "ExtraCheck",
+    "CheckSpec",
+    "ENGINE",
+    "REFERENCE",
     "registered",
     "Options",
     "Session",

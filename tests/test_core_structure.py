@@ -12,14 +12,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
-
-from helpers import ROOT, TINY_CASE, make_tiny_pair, run_pytest
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("models"))
+from helpers import ROOT, TINY_CASE, run_pytest
 
 
 def test_one_cache_root_expands_the_user_directory(monkeypatch):
@@ -156,3 +149,20 @@ def test_the_installed_plugin_runs_cases_without_naming_it(tmp_path, models):
         timeout=600,
     )
     assert "cases/mine.yaml::ref[wiring=vllm]::accept_length" in out.stdout.splitlines(), out.stdout + out.stderr
+
+
+def test_docs_layout_names_every_module_and_no_other():
+    """docs/layout.md is where a reader finds what a module is for: every module of difftest/, engines/
+    and fixtures/ (package __init__.py files apart) is named there by its path, and every path it
+    names exists, so a new, renamed or removed module fails here by name until the doc follows."""
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    named = set(re.findall(r"`((?:difftest|engines|fixtures)/[\w/]+\.py)`", layout))
+    modules = {
+        path.relative_to(ROOT).as_posix()
+        for top in ("difftest", "engines", "fixtures")
+        for path in (ROOT / top).rglob("*.py")
+        if path.name != "__init__.py" and "__pycache__" not in path.parts
+    }
+    missing, gone = sorted(modules - named), sorted(named - modules)
+    assert not missing, f"docs/layout.md: modules not named (add a line to 'Every module'): {', '.join(missing)}"
+    assert not gone, f"docs/layout.md: names modules that do not exist: {', '.join(gone)}"

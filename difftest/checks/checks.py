@@ -26,12 +26,12 @@ from difftest.compare import accept_judge
 
 from difftest.compare import noise
 from difftest.case.case import Case
-from difftest.case.check_names import ENGINE_CHECKS, REFERENCE_CHECKS
 from difftest.compare.compare import CaptureDiff, TensorDiff, aligned_rows, noise_summary
 from difftest.records.tensor_diff import TensorStatus
 from difftest.compare.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.run.engine import EngineSpec
-from difftest.base.extensions import own_items, replacement
+from difftest.base import definitions
+from difftest.base.check_registry import ENGINE, REFERENCE, CheckSpec, items_for, runner
 from difftest.checks.golden import golden_rerun
 from difftest.checks.scopes import in_draft_scope as _in_draft_scope
 from difftest.checks.scopes import in_fc_scope as _in_fc_scope
@@ -39,10 +39,12 @@ from difftest.base.errors import ConfigError, DifftestError, NotAvailable
 from difftest.records.check_data import (
     AcceptLengthData,
     CaptureData,
+    CheckData,
     ComparisonData,
     FixData,
     GoldenData,
     LintData,
+    ServerAcceptData,
     Top1Data,
 )
 from difftest.records.meta import FcWiring
@@ -525,32 +527,61 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
     )
 
 
-CHECKS = {
-    "capture": check_capture,
-    "lint": check_lint,
-    "fc_inputs": check_fc_inputs,
-    "draft_logits": check_draft_logits,
-    "top1_agreement": check_top1,
-    "accept_length": check_accept_length,
-}
+# The core's checks, registered as an engine registers its own (difftest.base.check_registry.BUILTIN
+# names these; an engine's come through the `difftest.checks` entry points).
+CAPTURE_CHECK = CheckSpec(
+    "capture", check_capture, REFERENCE, "every prompt captures, no NaN/Inf upstream of logits", data=CaptureData
+)
+LINT_CHECK = CheckSpec(
+    "lint", check_lint, REFERENCE, "the draft checkpoint's config: what engines would do differently", data=LintData
+)
+FC_INPUTS_CHECK = CheckSpec(
+    "fc_inputs",
+    check_fc_inputs,
+    ENGINE,
+    "target hidden states and draft.fc_in (per chunk) match the reference",
+    data=ComparisonData,
+)
+DRAFT_LOGITS_CHECK = CheckSpec(
+    "draft_logits",
+    check_draft_logits,
+    ENGINE,
+    "everything the draft computes after fc matches, every draft step",
+    data=ComparisonData,
+)
+TOP1_CHECK = CheckSpec(
+    "top1_agreement",
+    check_top1,
+    ENGINE,
+    "the draft's greedy choices agree with the reference's",
+    data=Top1Data,
+    figures=lambda data: [definitions.TOP1],
+)
+
+
+def _accept_figures(data: CheckData | None) -> list[str]:
+    """Accept length and per-position acceptance, with each side's own figures converted to them."""
+    if not isinstance(data, (AcceptLengthData, ServerAcceptData)):
+        return []
+    return [definitions.ACCEPT_LENGTH, definitions.PER_POSITION, *data.reference.native, *data.engine.native]
+
+
+ACCEPT_LENGTH_CHECK = CheckSpec(
+    "accept_length",
+    check_accept_length,
+    ENGINE,
+    "accept length and per-position acceptance within the measured noise of the reference's",
+    data=AcceptLengthData,
+    figures=_accept_figures,
+)
 
 
 def checks_for(case: Case, is_reference: bool, engine: str | None = None) -> tuple[str, ...]:
-    """The items a case gets per engine: the core's, then those engines contribute that apply to it
-    (e.g. train_accuracy, when the case names training data; chat_template only on `train`)."""
-    own = REFERENCE_CHECKS if is_reference else ENGINE_CHECKS
-    return own + tuple(
-        name
-        for name, c in own_items().items()
-        if name not in CHECKS
-        and c.applies(case, is_reference)
-        and (not c.engines or engine is None or engine in c.engines)
-    )
+    """The items a case gets per engine (difftest.base.check_registry.items_for)."""
+    return items_for(case, is_reference, engine)
 
 
 def run_check(name: str, session: Session, case: Case, spec: EngineSpec) -> Verdict:
-    """The core's item, or the one an engine contributes; an engine's replacement of a core item
-    (e.g. a running server's accept_length) where it registered one."""
-    replaced = replacement(name, spec.name) if name in CHECKS else None
-    check = replaced.run if replaced is not None else CHECKS.get(name) or own_items()[name].run
-    return check(session, case, spec)
+    """The item's check, or an engine's replacement of it (e.g. a running server's accept_length)
+    where it registered one."""
+    return runner(name, spec.name).run(session, case, spec)

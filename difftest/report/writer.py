@@ -22,9 +22,8 @@ from pathlib import Path
 from difftest.base import definitions
 from difftest.records.acceptance import DEFINITION
 from difftest.base.errors import DifftestError
-from difftest.base.extensions import contributed_definitions, own_items
+from difftest.base import check_registry
 from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
-from difftest.records.check_data import AcceptLengthData, ServerAcceptData
 from difftest.records.noise_floor import NoiseFloorRecord
 from difftest.records.report import FigureDefinition
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
@@ -79,14 +78,9 @@ def definitions_used(results: list[CheckResult], compared: bool) -> list[FigureD
         names += [definitions.ROW_ERROR, definitions.EXCESS]
     for r in results:
         data = r.data
-        if r.check == "top1_agreement":
-            names.append(definitions.TOP1)
-        elif r.check == "accept_length" and isinstance(data, (AcceptLengthData, ServerAcceptData)):
-            names += [definitions.ACCEPT_LENGTH, definitions.PER_POSITION]
-            names += list(data.reference.native) + list(data.engine.native)
-        elif (check := own_items().get(r.check)) is not None and check.figures is not None and data is not None:
-            names += check.figures(data)  # a contributed check names its own figures (difftest.base.extensions)
-    known = {**definitions.BY_NAME, **contributed_definitions()}
+        if (check := check_registry.items().get(r.check)) is not None and check.figures is not None:
+            names += check.figures(data)  # each check names its own figures (difftest.base.check_registry)
+    known = {**definitions.BY_NAME, **check_registry.figure_definitions()}
     return [
         FigureDefinition(n, d.counts, d.converts)
         for n, d in ((n, known[n]) for n in dict.fromkeys(names) if n in known)
