@@ -29,7 +29,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from difftest.case.check_names import known_checks
+from difftest.base import check_registry
 from difftest.base.errors import CaseNotConfigured, ConfigError
 from difftest.base.registry import registered_engines
 from difftest.case.expected_failure import ExpectedFailure
@@ -221,15 +221,13 @@ def _tolerance_pair(value: object, path: Path, where: str, required: bool) -> di
 
 
 # expect: what the core's checks read (difftest.checks.checks); a check an engine contributes declares its
-# own (difftest.base.extensions.ExtraCheck.expect, e.g. the train engine's train_accuracy: {atol, min})
+# own (difftest.base.check_registry.CheckSpec.expect, e.g. the train engine's train_accuracy: {atol, min})
 EXPECT_KEYS = ("top1_agreement", "accept_length")
 
 
 def contributed_expect() -> dict[str, tuple[str, ...]]:
     """`expect.<check>` -> the keys it may hold, for every check an installed engine contributes."""
-    from difftest.base.extensions import own_items
-
-    return {name: c.expect for name, c in own_items().items() if c.expect and name not in EXPECT_KEYS}
+    return {name: keys for name, keys in check_registry.contributed_expect().items() if name not in EXPECT_KEYS}
 
 
 def expect_keys() -> tuple[str, ...]:
@@ -354,7 +352,7 @@ def _model_ref(value: object, path: Path, field_name: str) -> str:
 
 
 def _expect_failure(value: object, path: Path) -> list[ExpectedFailure]:
-    return parse_expected(value, path, known_checks(), registered_engines())
+    return parse_expected(value, path, check_registry.known_checks(), registered_engines())
 
 
 def load_case(path: str | Path) -> Case:

@@ -2,7 +2,7 @@
 
 A check returns one of these in its Verdict; the report stores it as `checks[i].data` with
 `"kind": KIND` first, and reading a report picks the class by that tag (an unknown kind is
-refused, naming the closest). Checks engines contribute (difftest.base.extensions.ExtraCheck) declare
+refused, naming the closest). Checks engines contribute (difftest.base.check_registry.CheckSpec) declare
 their own record there as `data`, e.g. the training-data engine's `train_accuracy`.
 
 Nested records other modules define (AcceptStats, lint Findings, fc ChunkMatches) are read back as
@@ -16,6 +16,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from difftest.base import check_registry
 from difftest.records.accept_gate import AcceptGate, PositionJudgement
 from difftest.records.acceptance import AcceptStats
 from difftest.records.chunk_match import ChunkMatch, Similarity
@@ -203,9 +204,11 @@ CORE_KINDS: dict[str, type[CheckData]] = {
 
 def data_kinds() -> dict[str, type[CheckData]]:
     """The core's kinds and those engine packages contribute with their checks."""
-    from difftest.base.extensions import extra_checks
-
-    contributed = {c.data.KIND: c.data for c in extra_checks().values() if c.data is not None}
+    contributed = {
+        c.data.KIND: c.data
+        for c in check_registry.check_specs().values()
+        if isinstance(c.data, type) and issubclass(c.data, CheckData)
+    }
     return {**CORE_KINDS, **contributed}
 
 

@@ -1,6 +1,6 @@
 """The live-server check: a running server's acceptance against the reference's prediction on the
 server's own tokens. The `server` engine contributes it (the `difftest.checks` entry point
-`server_accept_length`, difftest.base.extensions) as the `accept_length` item of its engines.
+`server_accept_length`, difftest.api.CheckSpec) as the `accept_length` item of its engines.
 
   1. the server's effective settings (`server` engine info, engines.server.client), with flags
      where they differ from what was asked for or what the case describes;
@@ -21,9 +21,10 @@ from difftest.api import accept_judge
 from difftest.api import ACCEPT_SIGMAS
 from difftest.api import AcceptStats, accept_length_spread
 from difftest.api import Case
+from difftest.api import CaseRun
 from difftest.api import EngineSpec
 from difftest.api import ConfigError
-from difftest.api import ExtraCheck
+from difftest.api import ENGINE, CheckSpec
 from difftest.api import ServerAcceptData
 from difftest.api import Verdict
 
@@ -71,18 +72,18 @@ def _fmt(xs: list[float]) -> str:
     return "[" + ", ".join(f"{x:.2f}" for x in xs) + "]"
 
 
-def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool, str, ServerAcceptData]:
+def check(run: CaseRun, spec: EngineSpec, tol: dict | None) -> tuple[bool, str, ServerAcceptData]:
     """(passed, message, data) of a server's accept length against the reference's replay."""
-    reference = session.options.reference
-    settings = session.client(spec).started_info.settings
-    stats = session.speculate(case, spec)
+    case, reference = run.case, run.options.reference
+    settings = run.pool.client(spec).started_info.settings
+    stats = run.speculate(spec)
     steps = settings.get("num_steps") or case.num_steps
     topk = settings.get("topk") or 1
     ndt = settings.get("num_draft_tokens") or steps + 1
     if topk < 1 or ndt < 2:
         raise ConfigError(f"{spec.id}: the server reports topk {topk}, num_draft_tokens {ndt}: cannot predict that")
     requests = stats.per_request
-    replays = session.replay(case, reference, [(r["prompt"], r["output"]) for r in requests], steps, topk, ndt)
+    replays = run.replay(reference, [(r["prompt"], r["output"]) for r in requests], steps, topk, ndt)
     clean = [i for i, r in enumerate(requests) if not r.get("contaminated")]
     judged = clean or list(range(len(requests)))
     server_total = AcceptStats(0, 0, steps, [0] * steps, 0, stats.source)
@@ -182,15 +183,15 @@ def check(session, case: Case, spec: EngineSpec, tol: dict | None) -> tuple[bool
     return passed, "\n".join(msg), data
 
 
-def check_server_acceptance(session, case: Case, spec: EngineSpec) -> Verdict:
+def check_server_acceptance(run: CaseRun, spec: EngineSpec) -> Verdict:
     """The `accept_length` item of a running server; a tolerance the case declares only widens it."""
-    return Verdict(*check(session, case, spec, case.expect.get("accept_length") or None))
+    return Verdict(*check(run, spec, run.case.expect.get("accept_length") or None))
 
 
-CHECK = ExtraCheck(
+CHECK = CheckSpec(
     "server_accept_length",
     check_server_acceptance,
-    lambda case, is_reference: not is_reference,
+    ENGINE,
     "a running server's acceptance against the reference's replay of its own tokens",
     engines=("server",),
     data=ServerAcceptData,

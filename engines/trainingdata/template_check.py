@@ -16,7 +16,7 @@ from difftest.api import chat
 from difftest.api import Case
 from difftest.api import EngineSpec
 from difftest.api import ConfigError
-from difftest.api import ExtraCheck
+from difftest.api import ENGINE, CheckSpec
 from difftest.api import CheckData
 from difftest.api import Session
 from difftest.api import Verdict
@@ -41,8 +41,8 @@ class ChatTemplateData(CheckData):
     prompts: list[PromptRendering] = field(default_factory=list)
 
 
-def applies(case: Case, is_reference: bool) -> bool:
-    return not is_reference and names_training_data(case) and bool(chat_prompts(case.prompts))
+def applies(case: Case) -> bool:
+    return names_training_data(case) and bool(chat_prompts(case.prompts))
 
 
 def check_chat_template(session: Session, case: Case, spec: EngineSpec) -> Verdict:
@@ -65,11 +65,12 @@ def check_chat_template(session: Session, case: Case, spec: EngineSpec) -> Verdi
     return Verdict(not drifted, "\n".join(drifted + lines), ChatTemplateData(data))
 
 
-CHECK = ExtraCheck(
+CHECK = CheckSpec(
     "chat_template",
     check_chat_template,
-    applies,
+    ENGINE,
     "the training dump holds each chat prompt as the target's chat template renders it for serving",
+    when=applies,
     engines=(TRAIN,),
     data=ChatTemplateData,
 )

@@ -22,7 +22,7 @@ from difftest.api import Definition, trainer_figures
 from difftest.api import match_fc_chunks
 from difftest.api import EngineSpec
 from difftest.api import ConfigError
-from difftest.api import ExtraCheck
+from difftest.api import ENGINE, CheckSpec
 from difftest.api import CheckData
 from difftest.api import Session
 from difftest.api import Verdict
@@ -32,7 +32,7 @@ from difftest.api import short_name
 TRAIN = "train"
 DEFAULT_ATOL = 0.05
 DEFAULT_MIN = 0.05  # a trained draft scores far above this under its own wiring; chance is 1/draft_vocab
-EXPECT_KEYS = ("atol", "min")  # `expect.train_accuracy`: the case parser accepts these (ExtraCheck.expect)
+EXPECT_KEYS = ("atol", "min")  # `expect.train_accuracy`: the case parser accepts these (CheckSpec.expect)
 STEP0 = Definition(
     "difftest.train_accuracy",
     "the trainer's step-0 accuracy on its own training data, recomputed "
@@ -135,19 +135,21 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
 
 # registered under the `difftest.checks` entry points (pyproject.toml): every non-reference engine
 # of a case that names training data gets the item
-def figures(data: CheckData) -> list[str]:
-    """The figures a verdict reports: the step-0 accuracy and the figures its trainer logs."""
+def figures(data: CheckData | None) -> list[str]:
+    """The figures a result reports (none without a record): the step-0 accuracy and the figures its
+    trainer logs."""
     trainer = getattr(data, "trainer", None)
     if not isinstance(trainer, dict):
         return []
     return [STEP0.name, *trainer_figures(str(trainer.get("rules", "")))]
 
 
-CHECK = ExtraCheck(
+CHECK = CheckSpec(
     "train_accuracy",
     check_train_accuracy,
-    lambda case, is_reference: not is_reference and applies(case),
+    ENGINE,
     "the draft's training accuracy with this engine's fc wiring vs the trainer's",
+    when=applies,
     data=TrainAccuracyData,
     expect=EXPECT_KEYS,
     figures=figures,
