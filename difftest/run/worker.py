@@ -5,6 +5,8 @@ own environment), because real engines crash whole process trees and two version
 one engine cannot share an environment. Protocol: JSON lines over two dedicated pipes
 (request in, reply out); the worker's stdout/stderr go to a log file, so engine chatter
 never corrupts the protocol. Captures travel as directories (difftest.records.capture).
+The messages are typed records (difftest.run.protocol: Hello, CaptureRequest, SpeculateRequest,
+CaptureDraftFromRequest, ReplayRequest, Close, and their replies), each with its wire form:
 
     {"op": "hello", "spec": {...}, "target": "module:attr"} -> {"ok": true, "info": {...}}
     {"op": "capture", "case": {...}, "prompt_ids": [...], "out": DIR} -> {"ok": true, "timings": [...]}
@@ -35,17 +37,35 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict
 from pathlib import Path
+from typing import Any, TypeVar, overload
 
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable, Unsupported
 from difftest.base.names import FC_IN
 from difftest.records.engine_info import EngineInfo
+from difftest.run.engine import EngineSpec
+from difftest.run.protocol import (
+    CaptureDraftFromRequest,
+    CaptureReply,
+    CaptureRequest,
+    Close,
+    CloseReply,
+    Failure,
+    Hello,
+    HelloReply,
+    ReplayReply,
+    ReplayRequest,
+    Reply,
+    Request,
+    SpeculateReply,
+    SpeculateRequest,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # Starting a worker (a fresh interpreter importing torch and the engine) takes tens of seconds on
 # a busy machine; a short --engine-timeout, meant for requests, must not fail the start.
 MIN_START_TIMEOUT_S = 120.0
+R = TypeVar("R")
 
 
 def last_error_line(log_path: Path, max_bytes: int = 65536, start: int = 0) -> str:
@@ -122,11 +142,8 @@ class WorkerClient:
         os.close(rep_w)
         self._w = os.fdopen(req_w, "w")
         self._r = os.fdopen(rep_r, "r")
-        reply = self.request(
-            {"op": "hello", "spec": self.spec.to_dict(), "target": self.target},
-            timeout=max(self.timeout, MIN_START_TIMEOUT_S),
-        )
-        self.info = EngineInfo.from_json(reply.get("info"), f"{self.spec.id}'s worker", "info")
+        reply = self.request(Hello(self.spec, self.target), timeout=max(self.timeout, MIN_START_TIMEOUT_S))
+        self.info = reply.info
         return self.info
 
     @property
@@ -141,7 +158,7 @@ class WorkerClient:
             return
         try:
             if self.proc.poll() is None and not self.busy:  # a busy worker cannot answer a close
-                self.request({"op": "close"}, timeout=30)
+                self.request(Close(), timeout=30)
                 self.proc.wait(timeout=10)
         except (DifftestError, OSError, subprocess.TimeoutExpired):
             pass  # falling through to the kill below is the fallback
@@ -162,7 +179,18 @@ class WorkerClient:
                 pass
 
     # -- requests --------------------------------------------------------------------
-    def request(self, msg: dict, timeout: float | None = None) -> dict:
+    @overload
+    def request(self, msg: Request[R], timeout: float | None = None) -> R: ...
+
+    @overload
+    def request(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any]: ...
+
+    def request(self, msg: Request[Any] | dict[str, Any], timeout: float | None = None) -> Any:
+        """Send a typed request and return its typed reply (difftest.run.protocol); a failed request
+        raises the error its reply names. A wire-form dict (a caller not yet on the typed messages) is
+        read as its request and answered with the reply's wire form."""
+        if isinstance(msg, dict):
+            return self.request(Request.from_wire(msg), timeout).to_wire()
         assert self.proc is not None, "worker not started"
         timeout = self.timeout if timeout is None else timeout
         if self.ended_with is not None:  # later items of the same case carry the cause, not "worker gone"
@@ -176,7 +204,7 @@ class WorkerClient:
             )
         self.busy = True
         try:
-            self._w.write(json.dumps(msg) + "\n")
+            self._w.write(json.dumps(msg.to_wire()) + "\n")
             self._w.flush()
         except BrokenPipeError:
             raise self._died() from None
@@ -184,17 +212,17 @@ class WorkerClient:
         if not ready:
             self.kill()
             raise EngineError(
-                f"{self.spec.id}: no answer to {msg['op']!r} within {timeout:.0f}s; worker killed; log: {self.log_path}"
+                f"{self.spec.id}: no answer to {msg.OP!r} within {timeout:.0f}s; worker killed; log: {self.log_path}"
             )
         line = self._r.readline()
         self.busy = False
         if not line:
             raise self._died()
-        reply = json.loads(line)
-        if reply.get("ok"):
+        reply = msg.reply_from_wire(json.loads(line), self.spec.id)
+        if not isinstance(reply, Failure):
             return reply
-        kind, error = reply.get("kind"), reply.get("error", "unknown error")
-        if reply.get("ends"):
+        kind, error = reply.kind, reply.error
+        if reply.ends:
             self.ended_with = f"{self.spec.id}: {error} (log: {self.log_path})"
             self.kill()
         if kind == "unavailable":
@@ -225,15 +253,13 @@ class WorkerClient:
 # ---------------------------------------------------------------------------------------
 
 
-def _load_engine(target: str, spec_dict: dict):
-    from difftest.run.engine import EngineSpec
-
+def _load_engine(target: str, spec: EngineSpec):
     module, _, attr = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module), attr)
     except ImportError as e:
-        raise EngineUnavailable(f"{spec_dict['name']}: adapter {target} cannot be imported here ({e})") from None
-    return cls(EngineSpec.from_dict(spec_dict))
+        raise EngineUnavailable(f"{spec.name}: adapter {target} cannot be imported here ({e})") from None
+    return cls(spec)
 
 
 def _returned(engine, method: str, value, expected: type):
@@ -264,104 +290,97 @@ def _save(phases: list, capture, out: str) -> None:
     phases[-1].bytes = capture.nbytes
 
 
-def _handle(engine, msg: dict) -> dict:
+def _handle(engine, request: Request[Any]) -> Reply:
+    """Run `request` on the engine: its typed fields become the adapter's arguments."""
     from difftest.records.acceptance import AcceptStats
     from difftest.records.capture import Capture
-    from difftest.case.case import Case
 
-    op = msg["op"]
     phases: list = []  # difftest.records.timings.WorkerPhase, measured here
-    if op == "capture":
-        capture = _timed(phases, "engine.capture", engine.capture, Case.from_dict(msg["case"]), list(msg["prompt_ids"]))
-        _save(phases, _returned(engine, "capture", capture, Capture), msg["out"])
-        return {"timings": [asdict(p) for p in phases]}
-    if op == "speculate":
+    if isinstance(request, CaptureRequest):
+        capture = _timed(phases, "engine.capture", engine.capture, request.case, list(request.prompt_ids))
+        _save(phases, _returned(engine, "capture", capture, Capture), request.out)
+        return CaptureReply(phases)
+    if isinstance(request, SpeculateRequest):
         stats = _timed(
             phases,
             "engine.speculate",
             engine.speculate,
-            Case.from_dict(msg["case"]),
-            msg["prompts"],
-            msg["num_steps"],
-            msg["max_new_tokens"],
+            request.case,
+            request.prompts,
+            request.num_steps,
+            request.max_new_tokens,
         )
-        return {
-            "stats": _returned(engine, "speculate", stats, AcceptStats).to_dict(),
-            "timings": [asdict(p) for p in phases],
-        }
-    if op == "capture_draft_from":
+        return SpeculateReply(_returned(engine, "speculate", stats, AcceptStats), phases)
+    if isinstance(request, CaptureDraftFromRequest):
         from difftest.base import tensorfile
 
-        fc_in = _timed(phases, "transfer.read", tensorfile.read, msg["fc_in"])[FC_IN]
+        fc_in = _timed(phases, "transfer.read", tensorfile.read, request.fc_in)[FC_IN]
         capture = _timed(
-            phases,
-            "engine.capture",
-            engine.capture_draft_from,
-            Case.from_dict(msg["case"]),
-            list(msg["prompt_ids"]),
-            fc_in,
+            phases, "engine.capture", engine.capture_draft_from, request.case, list(request.prompt_ids), fc_in
         )
         capture = _returned(engine, "capture_draft_from", capture, Capture)
         # the draft tensors follow the given fc_in, not the engine's own hidden states: say so on disk
         capture.meta.golden_fc_in = True
-        _save(phases, capture, msg["out"])
-        return {"timings": [asdict(p) for p in phases]}
-    if op == "replay":
-        pairs = [(list(p), list(o)) for p, o in msg["requests"]]
+        _save(phases, capture, request.out)
+        return CaptureReply(phases)
+    if isinstance(request, ReplayRequest):
+        pairs = [(list(p), list(o)) for p, o in request.requests]
         replays = _timed(
             phases,
             "engine.replay",
             engine.replay,
-            Case.from_dict(msg["case"]),
+            request.case,
             pairs,
-            msg["num_steps"],
-            msg["topk"],
-            msg["num_draft_tokens"],
+            request.num_steps,
+            request.topk,
+            request.num_draft_tokens,
         )
-        return {"replays": [r.to_dict() for r in replays], "timings": [asdict(p) for p in phases]}
-    raise ConfigError(f"worker: unknown op {op!r}")
+        return ReplayReply(replays, phases)
+    raise ConfigError(f"worker: unknown op {request.OP!r}")
 
 
 def serve(in_fd: int, out_fd: int) -> int:
     rfile, wfile = os.fdopen(in_fd, "r"), os.fdopen(out_fd, "w")
     engine = None
 
-    def reply(obj: dict) -> None:
-        wfile.write(json.dumps(obj) + "\n")
+    def reply(answer: Reply | Failure) -> None:
+        wfile.write(json.dumps(answer.to_wire()) + "\n")
         wfile.flush()
 
     for line in rfile:
         msg = json.loads(line)
-        print(f"[difftest.run.worker] {time.strftime('%H:%M:%S')} request {msg['op']}", file=sys.stderr, flush=True)
+        op = msg.get("op") if isinstance(msg, dict) else None
+        print(f"[difftest.run.worker] {time.strftime('%H:%M:%S')} request {op}", file=sys.stderr, flush=True)
         try:
-            if msg["op"] == "hello":
-                engine = _load_engine(msg["target"], msg["spec"])
-                reply({"ok": True, "info": _returned(engine, "info", engine.info(), EngineInfo).to_dict()})
-            elif msg["op"] == "close":
+            request = Request.from_wire(msg)
+            if isinstance(request, Hello):
+                engine = _load_engine(request.target, request.spec)
+                reply(HelloReply(_returned(engine, "info", engine.info(), EngineInfo)))
+            elif isinstance(request, Close):
                 if engine is not None:
                     engine.close()
-                reply({"ok": True})
+                reply(CloseReply())
                 return 0
             else:
-                reply({"ok": True, **_handle(engine, msg)})
+                reply(_handle(engine, request))
         except EngineUnavailable as e:
-            reply({"ok": False, "kind": "unavailable", "error": str(e)})
+            reply(Failure("unavailable", str(e)))
         except NotImplementedError as e:
-            reply({"ok": False, "kind": "unsupported", "error": str(e) or f"{msg['op']} is not supported"})
+            reply(Failure("unsupported", str(e) or f"{op} is not supported"))
         except ConfigError as e:
-            reply({"ok": False, "kind": "config", "error": str(e)})
+            reply(Failure("config", str(e)))
         except EngineSpent as e:  # nothing more can run in this process: answer, then end it
-            reply({"ok": False, "kind": "engine", "error": str(e), "ends": True})
+            reply(Failure("engine", str(e), ends=True))
             if engine is not None:
                 engine.close()
             return 1
         except DifftestError as e:
-            reply({"ok": False, "kind": "engine", "error": str(e)})
+            reply(Failure("engine", str(e)))
         except Exception as e:  # an engine bug: full traceback to the log, one line to the harness
             traceback.print_exc()
             sys.stderr.flush()
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            reply({"ok": False, "kind": "crash", "error": f"{type(e).__name__}: {first}"})
+            reply(Failure("crash", f"{type(e).__name__}: {first}"))
     return 0
 
 
