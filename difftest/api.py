@@ -12,6 +12,7 @@ from difftest.base import definitions
 from difftest.base.definitions import Definition, trainer_figures
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
 from difftest.base.check_registry import ENGINE, REFERENCE, CheckSpec
+from difftest.base.fc_wiring import Wiring
 from difftest.base.extensions import CHECK_GROUP, COMMAND_GROUP, Command, DraftLoader, registered
 from difftest.base.jsonfile import read_json
 from difftest.base.names import (
@@ -34,7 +35,7 @@ from difftest.checks.verdict import Verdict
 from difftest.compare import accept_judge
 from difftest.compare.accept_judge import ACCEPT_SIGMAS
 from difftest.compare.diagnose import match_fc_chunks
-from difftest.records import CaptureMeta, CheckResult, FcWiring, ReplayRow
+from difftest.records import CaptureMeta, CheckResult, ReplayRow
 from difftest.records.acceptance import AcceptStats, accept_length_spread, normalise
 from difftest.records.capture import Capture, cache_key
 from difftest.records.check_data import CheckData, ServerAcceptData
@@ -53,7 +54,7 @@ from difftest.rules.weight_files import (
     load_safetensors,
     torch_load_tensors,
 )
-from difftest.rules.wiring import Wiring, resolve, short_name
+from difftest.rules.wiring import resolve, short_name, trained_layer_ids
 from difftest.run import infer_case
 from difftest.run.engine import Engine, EngineSpec, parse_spec
 from difftest.run.session import Options, Session, resolve_fixture
@@ -75,7 +76,6 @@ __all__ = [
     # what an adapter returns: captures under canonical names, accept-length statistics
     "Capture",
     "CaptureMeta",
-    "FcWiring",
     "ReplayRow",
     "cache_key",
     "FC_IN",
@@ -95,6 +95,7 @@ __all__ = [
     "chat",
     "Wiring",
     "resolve",
+    "trained_layer_ids",
     "short_name",
     "layer_rule",
     "rule_for",

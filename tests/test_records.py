@@ -30,7 +30,6 @@ from difftest.records import (
     EngineEntry,
     EngineInfo,
     ExpectedFailureRecord,
-    FcWiring,
     FixData,
     GoldenData,
     LintData,
@@ -40,6 +39,7 @@ from difftest.records import (
     ServerAcceptData,
     TensorStatus,
     Top1Data,
+    Wiring,
 )
 from difftest.records import meta as meta_mod
 from difftest.records.wiring_inference import Reading, SlotContrast, WiringInference
@@ -69,7 +69,7 @@ def meta() -> CaptureMeta:
         draft_tokens=[3, 4],
         num_layers=6,
         target_hidden_size=64,
-        wiring=FcWiring(["target.h.2", "target.h.3"], "vllm preset"),
+        wiring=Wiring(["target.h.2", "target.h.3"], "vllm preset"),
         partial=["target.*"],
         compat=["patched"],
         checkpoints={"draft": "/d"},

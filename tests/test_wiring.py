@@ -14,8 +14,8 @@ from difftest.rules.wiring import FINAL_NORM, PRESETS, resolve
 L = 8
 
 
-def h(*ks: int) -> tuple[str, ...]:
-    return tuple(f"target.h.{k}" for k in ks)
+def h(*ks: int) -> list[str]:
+    return [f"target.h.{k}" for k in ks]
 
 
 PRESET_CASES = [
@@ -127,8 +127,8 @@ def test_speculators_train_reads_one_config_id_as_one_fc_input_and_appends_the_f
         ("h0+h3+h7", h(0, 3, 7)),
         ("[h0, h3, h7]", h(0, 3, 7)),
         ("h7 h0 h3", h(7, 0, 3)),
-        (["h0", "target.h.3", "final_norm"], (*h(0, 3), FINAL_NORM)),
-        (["h.2", "target.final_norm", "h8"], (*h(2), FINAL_NORM, *h(8))),
+        (["h0", "target.h.3", "final_norm"], [*h(0, 3), FINAL_NORM]),
+        (["h.2", "target.final_norm", "h8"], [*h(2), FINAL_NORM, *h(8)]),
     ],
     ids=["plus-joined", "bracketed-list-string", "order-kept", "mixed-list", "prenorm-h8-and-final_norm"],
 )

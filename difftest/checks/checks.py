@@ -47,7 +47,7 @@ from difftest.records.check_data import (
     ServerAcceptData,
     Top1Data,
 )
-from difftest.records.meta import FcWiring
+from difftest.base.fc_wiring import Wiring
 from difftest.run.session import Session
 from difftest.checks.verdict import Verdict
 from difftest.base.names import DRAFT_LOGITS, FC_IN, in_fc_in
@@ -338,7 +338,7 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
             problems.append(f"prompt {i}: capture lacks {FC_IN} or {DRAFT_LOGITS}")
     if problems:
         return Verdict(False, "; ".join(problems[:5]), CaptureData())
-    wiring = session.capture(case, spec, 0).meta.wiring or FcWiring(source="not recorded")
+    wiring = session.capture(case, spec, 0).meta.wiring or Wiring(source="not recorded")
     inferred = session.inference(case)
     if inferred is not None:  # `wiring: infer`: say so, with the margin, wherever the wiring is shown
         margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""

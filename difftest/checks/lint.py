@@ -49,7 +49,8 @@ from difftest.rules.checkpoint_integrity import stored_tensors, target_findings
 from difftest.base.errors import ConfigError
 from difftest.rules.draft_rules import CHAIN_BUDGETS
 from difftest.rules.draft_rules import SERVING
-from difftest.rules.layer_rules import default_layers
+from difftest.rules.layer_rules import KEY, default_layers
+from difftest.rules.wiring import hidden_indices, resolve, trained_layer_ids
 from difftest.records.finding import Finding
 from difftest.base.jsonfile import read_json_object
 from difftest.rules.lint_checkpoint import (
@@ -256,7 +257,6 @@ def _readings(
     """How each serving engine's layer-id rule (difftest.rules.layer_rules) reads the config, against the
     training wiring, with the edit that makes it feed what training fed; plus the trainers' reading."""
     from difftest.rules.layer_rules import SPECFORGE, config_edit, target_family
-    from difftest.rules.wiring import hidden_indices
 
     def short(names) -> str:
         return "[" + ", ".join(n.removeprefix("target.").replace("h.", "h") for n in names) + "]"
@@ -370,19 +370,15 @@ def _chain_budget_findings(engines: dict) -> list[Finding]:
 
 
 def trained_wiring(case: Case) -> list[str] | None:
-    """The case's training wiring resolved against the target's depth and the draft's ids."""
-    from difftest.rules.wiring import resolve
-
+    """The case's training wiring resolved against the target's depth and the draft's ids (as its
+    config.json holds them: the lint loads no draft)."""
     raw = read_json_object(Path(case.draft) / "config.json")
     tcfg = read_json_object(Path(case.target) / "config.json", "target config")
-    ids = (
-        case.layer_ids
-        or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        or raw.get("eagle_aux_hidden_state_layer_ids")
-    )
+    ids, source = trained_layer_ids(case.layer_ids, (raw.get("eagle_config") or {}).get(KEY), raw.get(KEY))
     try:
         where = Path(case.target) / "config.json"
-        return list(resolve(case.wiring, _size(_text_config(tcfg, where), "num_hidden_layers", where), ids).inputs)
+        L = _size(_text_config(tcfg, where), "num_hidden_layers", where)
+        return list(resolve(case.wiring, L, ids, ids_source=source).inputs)
     except ConfigError:
         return None
 

@@ -18,7 +18,8 @@ from difftest.records.check_data import (
 )
 from difftest.records.check_result import CheckResult, ExpectedFailureRecord
 from difftest.records.engine_info import EngineInfo, StoredBaseline
-from difftest.records.meta import CaptureMeta, FcWiring
+from difftest.base.fc_wiring import Wiring  # CaptureMeta.wiring; in the base so rule data can build it
+from difftest.records.meta import CaptureMeta
 from difftest.records.noise_floor import NoiseFloorRecord, TensorFloor
 from difftest.records.report import EngineEntry, PromptComparison, Report
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
@@ -33,7 +34,6 @@ __all__ = [
     "EngineEntry",
     "EngineInfo",
     "ExpectedFailureRecord",
-    "FcWiring",
     "FixData",
     "GoldenData",
     "LintData",
@@ -47,4 +47,5 @@ __all__ = [
     "TensorFloor",
     "TensorStatus",
     "Top1Data",
+    "Wiring",
 ]

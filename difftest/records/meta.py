@@ -17,19 +17,11 @@ import dataclasses
 from typing import Any
 from dataclasses import dataclass, field
 
+from difftest.base.fc_wiring import Wiring
 from difftest.records.fields import decode, encode, fail
 
 SCHEMA_VERSION = 2
 LEGACY_VERSION = 1  # untyped dicts, before schema_version existed
-
-
-@dataclass
-class FcWiring:
-    """Which canonical tensors the engine fed its draft's fc, and how that was determined."""
-
-    inputs: list[str] = field(default_factory=list)  # e.g. ["target.h.2", "target.h.4", "target.h.7"]
-    source: str = ""  # one line: the preset, config ids or engine setting it came from
-    verifier: str | None = None  # the tensor the verifier reads (training data), where there is one
 
 
 @dataclass
@@ -45,7 +37,7 @@ class CaptureMeta:
     draft_tokens: list[int] = field(default_factory=list)  # the draft's greedy token per step
     num_layers: int | None = None  # target layers L (target.h.0 .. target.h.L)
     target_hidden_size: int | None = None  # the width of one fc_in chunk
-    wiring: FcWiring | None = None
+    wiring: Wiring | None = None  # the fc inputs the engine fed (difftest.base.fc_wiring)
     partial: list[str] = field(
         default_factory=list
     )  # name patterns this engine cannot capture (not missing by mistake)

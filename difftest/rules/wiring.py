@@ -24,27 +24,13 @@ reach fc sorted and once each, in serving and in the trainers' data generation a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from difftest.rules import layer_rules
 from difftest.base.errors import ConfigError
+from difftest.base.fc_wiring import Wiring
 from difftest.rules.layer_rules import LayerIdRule
 from difftest.base.names import FINAL_NORM, hidden_index, hidden_name, short_name
-
-
-@dataclass(frozen=True)
-class Wiring:
-    inputs: tuple[str, ...]  # canonical names, in fc order
-    source: str  # how it was derived, for reports
-    verifier: str | None = None  # speculators presets: the tensor used as the verifier's last hidden state
-
-    def layer_indices(self) -> list[int | None]:
-        """k of each `target.h.{k}` input; None for target.final_norm."""
-        return [hidden_index(n) for n in self.inputs]
-
-    def short(self) -> str:
-        return "[" + ", ".join(short_name(n) for n in self.inputs) + "]"
 
 
 def hidden_indices(names: Sequence[str | None]) -> list[int] | None:
@@ -125,6 +111,30 @@ READING_PRESETS: dict[str, dict[str, str]] = {
 # a case that states no `wiring:` was trained as vLLM serves it (the speculators convention, h[k])
 DEFAULT_PRESET = "vllm"
 
+
+def trained_layer_ids(
+    case_ids: list[int] | None,
+    eagle_config_ids: list[int] | None,
+    top_ids: list[int] | None,
+    setting_ids: list[int] | None = None,
+) -> tuple[list[int] | None, str]:
+    """The layer ids a case's preset reads, and where they came from (the words a Wiring's source quotes).
+
+    First given wins: an engine's own `layer_ids` setting (only the reference engine has one), the
+    case's `layer_ids`, the draft config's eagle_config ids, its top-level ids. The draft's ids are
+    taken as the caller read its config (the reference loader ignores eagle_config in a speculators
+    config, the lint reads the JSON as written); an empty or absent eagle_config list falls through
+    to the top level, as an engine reading either location would. None: no ids anywhere, and the
+    preset applies its defaults (resolve)."""
+    if setting_ids is not None:
+        return setting_ids, "engine settings"
+    if case_ids is not None:  # the case reader refuses an empty list, so None is the only "not given"
+        return case_ids, "case layer_ids"
+    if eagle_config_ids:
+        return eagle_config_ids, "draft config eagle_config"
+    return top_ids, "draft config"
+
+
 PRESETS: dict[str, Callable[[list[int] | None, int], tuple[list[int], str | None]]] = {
     "vllm": _vllm,
     "speculators": _vllm,
@@ -153,7 +163,7 @@ def resolve(
         )
     if isinstance(spec, str) and spec in PRESETS:
         ks, verifier = PRESETS[spec](layer_ids, num_layers)
-        inputs = tuple(hidden_name(k) for k in ks)
+        inputs = [hidden_name(k) for k in ks]
         src = f"preset {spec} from ids {layer_ids} ({ids_source})" if layer_ids else f"preset {spec}, no ids: defaults"
         wiring = Wiring(inputs, src, verifier)
     else:
@@ -167,8 +177,8 @@ def resolve(
             raise ConfigError(
                 f"{where}: unknown wiring preset {spec!r}; expected one of {', '.join(PRESETS)} or a list like [h0, h3, h31]"
             )
-        wiring = Wiring(tuple(_canonical_input(str(t), where) for t in tokens), "explicit")
-    for name in wiring.inputs + ((wiring.verifier,) if wiring.verifier else ()):
+        wiring = Wiring([_canonical_input(str(t), where) for t in tokens], "explicit")
+    for name in [*wiring.inputs, *([wiring.verifier] if wiring.verifier else [])]:
         k = hidden_index(name)
         if k is not None and not 0 <= k <= num_layers:
             raise ConfigError(

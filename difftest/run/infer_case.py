@@ -27,6 +27,7 @@ from difftest.run.engine import EngineSpec
 from difftest.base.errors import ConfigError, DifftestError, EngineUnavailable
 from difftest.base.extensions import draft_loader
 from difftest.rules.infer_wiring import WiringInference, evidence_from_captures, infer_from_evidence
+from difftest.rules.wiring import trained_layer_ids
 from difftest.base.jsonfile import read_json_object
 
 INFER = "infer"
@@ -85,7 +86,8 @@ def infer_for_case(session, case: Case) -> WiringInference:
             else f"{spec.id}'s capture ({calibration.id} could not run the target)"
         )
         evidence = evidence_from_captures(caps, f"{what}, {n} prompts (case prompts and speculative prompts)")
-        ids = case.layer_ids if case.layer_ids is not None else loaded.config.layer_ids
+        cfg = loaded.config
+        ids, _ = trained_layer_ids(case.layer_ids, cfg.layer_ids_eagle_config, cfg.layer_ids_top)
         return infer_from_evidence(loaded.model, ids, evidence, target_family(case.target))
     raise ConfigError(f"{case.path}: wiring: infer: no capture with the target's hidden states ({'; '.join(errors)})")
 

@@ -23,13 +23,13 @@ from difftest.api import Capture
 from difftest.api import Case
 from difftest.api import Engine, EngineInfo
 from difftest.api import ConfigError
-from difftest.api import Wiring, resolve
+from difftest.api import Wiring, resolve, trained_layer_ids
 from engines.ref.draft_loading import LoadedDraft, load_draft
 from engines.ref.settings import SCHEMA
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import load_target, num_layers, run_target
 from difftest.api import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
-from difftest.api import CaptureMeta, FcWiring, ReplayRow
+from difftest.api import CaptureMeta, ReplayRow
 
 # float64 is not a case dtype: the harness asks for it to measure the noise floor (difftest.compare.noise)
 # Part of the engine version (so of every capture-cache key): bumped when what a ref capture holds
@@ -138,13 +138,9 @@ class RefEngine(Engine):
             )
         else:
             choice, where = case.wiring, f"{case.path}: wiring"
-        if s["layer_ids"] is not None:
-            ids, src = s["layer_ids"], "engine settings"
-        elif case.layer_ids is not None:
-            ids, src = case.layer_ids, "case layer_ids"
-        else:
-            ids = loaded.config.layer_ids
-            src = "draft config eagle_config" if loaded.config.layer_ids_eagle_config else "draft config"
+        ids, src = trained_layer_ids(
+            case.layer_ids, loaded.config.layer_ids_eagle_config, loaded.config.layer_ids_top, s["layer_ids"]
+        )
         wiring = resolve(choice, L, ids, where=where, ids_source=src)
         if len(wiring.inputs) != loaded.config.num_aux:
             raise ConfigError(
@@ -184,7 +180,7 @@ class RefEngine(Engine):
             draft_tokens=list(drafted),
             num_layers=L,
             target_hidden_size=cfg.target_hidden_size,
-            wiring=FcWiring(list(wiring.inputs), wiring.source, wiring.verifier),
+            wiring=wiring,
             draft_config={
                 "format": cfg.format,
                 "norm_before_fc": cfg.norm_before_fc,

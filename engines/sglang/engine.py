@@ -45,7 +45,7 @@ from difftest.api import Engine, EngineInfo
 from difftest.api import EngineError, EngineSpent, EngineUnavailable
 from difftest.api import overlay_checkpoint
 from difftest.api import cache_root
-from difftest.api import CaptureMeta, FcWiring
+from difftest.api import CaptureMeta, Wiring
 from difftest.api import FC_IN
 from engines.sglang import cpu_ranks, cpu_shim, deepseek, process_start, rank_crash, tensor_parallel, versions
 from engines.sglang.hooks import hook_specs
@@ -359,7 +359,7 @@ class SglangEngine(Engine):
             draft_tokens=ex.draft_tokens,
             num_layers=L,
             target_hidden_size=h,
-            wiring=FcWiring(
+            wiring=Wiring(
                 inputs=[f"target.h.{k}" for k in ex.captured_layers][:chunks],
                 source=f"{rule} -> layers_to_capture {planned}; captured {ex.captured_layers}",
                 verifier=None,

@@ -63,7 +63,7 @@ from engines.trainingdata.settings import SCHEMA
 from engines.trainingdata.precision import Precision, draft_precision
 from engines.trainingdata.split import Split, choose_split, samples_in
 from difftest.api import FINAL_NORM, TARGET_PREFIX, hidden_name
-from difftest.api import CaptureMeta, FcWiring
+from difftest.api import CaptureMeta, Wiring
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -356,7 +356,7 @@ class TrainingDataEngine(Engine):
             draft_tokens=list(drafted),
             num_layers=ident.num_layers,
             target_hidden_size=cfg.target_hidden_size,
-            wiring=FcWiring(list(inputs), source, ident.verifier.name),
+            wiring=Wiring(list(inputs), source, ident.verifier.name),
             # only the dumped tensors exist here; the reference's other target tensors are not missing by mistake
             partial=[TARGET_PREFIX + "*"],
             extra={

@@ -65,7 +65,7 @@ from difftest.api import Engine, EngineInfo
 from difftest.api import ConfigError, EngineError, EngineSpent, EngineUnavailable
 from difftest.api import draft_name
 from difftest.api import ENV_BUILT_MARK, cache_key, cache_root
-from difftest.api import CaptureMeta, FcWiring
+from difftest.api import CaptureMeta, Wiring
 from engines.vllm import compat, releases, tp
 from engines.vllm.settings import SCHEMA
 
@@ -679,7 +679,7 @@ class VllmEngine(Engine):
             draft_tokens=drafted,
             num_layers=L,
             target_hidden_size=int(w["target_hidden_size"]),
-            wiring=FcWiring(
+            wiring=Wiring(
                 inputs=[f"target.h.{k}" for k in aux_ids],
                 source=f"vllm {info.version} aux_hidden_state_layers {tuple(w['aux_layers'])} "
                 f"({w['target_class']}, draft config {s['draft']})",
