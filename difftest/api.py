@@ -11,8 +11,8 @@ reports). Above the floors, beside the CLI and the plugin: it may name any of th
 from difftest.base import definitions
 from difftest.base.definitions import Definition, trainer_figures
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
-from difftest.base.check_registry import ENGINE, REFERENCE, CheckSpec
 from difftest.base.fc_wiring import Wiring
+from difftest.base.check_registry import ENGINE, REFERENCE, CheckSpec
 from difftest.base.extensions import CHECK_GROUP, COMMAND_GROUP, Command, DraftLoader, registered
 from difftest.base.jsonfile import read_json
 from difftest.base.names import (
@@ -57,7 +57,9 @@ from difftest.rules.weight_files import (
 from difftest.rules.wiring import resolve, short_name, trained_layer_ids
 from difftest.run import infer_case
 from difftest.run.engine import Engine, EngineSpec, parse_spec
-from difftest.run.session import Options, Session, resolve_fixture
+from difftest.run.case_run import CaseRun, resolve_fixture
+from difftest.run.pool import EnginePool, Options
+from difftest.run.session import Session
 
 __all__ = [
     # the adapter: interface, specs, settings, errors, the registry
@@ -121,7 +123,7 @@ __all__ = [
     "atomic_write",
     "check_output_dir",
     "check_output_file",
-    # what an engine's checks and commands build on: contributions, the session, verdicts, reports
+    # what an engine's checks and commands build on: contributions, the engine pool and a case's run, verdicts, reports
     "CHECK_GROUP",
     "COMMAND_GROUP",
     "Command",
@@ -131,6 +133,8 @@ __all__ = [
     "REFERENCE",
     "registered",
     "Options",
+    "EnginePool",
+    "CaseRun",
     "Session",
     "Verdict",
     "CheckData",

@@ -23,7 +23,7 @@ import sys
 from importlib import metadata
 
 from difftest.base.errors import DifftestError
-from difftest.run.session import FIXTURE_GROUP
+from difftest.run.case_run import FIXTURE_GROUP
 
 
 def _fixtures(args: argparse.Namespace) -> int:

@@ -125,12 +125,13 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     from difftest.checks.layer_reading import engine_view
     from difftest.checks.lint import trained_wiring
     from difftest.rules.overlay import deep_merge
-    from difftest.run.session import Options, Session
+    from difftest.run.case_run import CaseRun
+    from difftest.run.pool import EnginePool, Options
 
     spec = parse_spec(engine)
     case = load_case(case_path)
-    session = Session(Options(engines=[spec], reference=EngineSpec(calibration_engine())))
-    prepared = session.engine_case(session.prepare(case), spec)
+    pool = EnginePool(Options(engines=[spec], reference=EngineSpec(calibration_engine())))
+    prepared = CaseRun(pool, case).engine_case(spec)
     trained = trained_wiring(prepared)
     from difftest.rules.layer_rules import spec_variant
 

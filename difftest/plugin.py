@@ -41,6 +41,7 @@ from difftest.base.errors import (
 from difftest.base.settings import unknown_key
 from difftest.case.expected_failure import judge as judge_expected
 from difftest.records import CheckData, CheckResult, ExpectedFailureRecord
+from difftest.run.case_run import engine_case_of
 from difftest.run.session import Options, Session
 
 SESSION = pytest.StashKey[Session]()
@@ -273,7 +274,7 @@ class CaseFile(pytest.File):
                 f"and baseline entries, so each must be unique"
             )
         try:
-            check_case_settings(case, session.options.engines, session.engine_case)
+            check_case_settings(case, session.options.engines, engine_case_of)
         except ConfigError as e:
             return str(e)
         return None
@@ -323,7 +324,7 @@ class CheckItem(pytest.Item):
         results = self.config.stash[RESULTS].setdefault(self.case.path, [])
         try:
             with session.clock.phase("check", self.case.path, self.spec.id, self.case.dtype):
-                verdict = checks_mod.run_check(self.check, session, self.case, self.spec)
+                verdict = checks_mod.run_check(self.check, session.run(self.case), self.spec)
         except NotAvailable as e:
             results.append(CheckResult(self.spec.id, self.check, "not available", str(e)))
             pytest.skip(str(e))
@@ -335,7 +336,7 @@ class CheckItem(pytest.Item):
         except DifftestError as e:
             message = str(e)
             if isinstance(e, EngineError):
-                message = checks_mod.explain_engine_error(session, self.case, self.spec, message)
+                message = checks_mod.explain_engine_error(session.run(self.case), self.spec, message)
             self._expected_or_raise(results, "error", message, None)
             return
         self._expected_or_raise(results, "passed" if verdict.passed else "failed", verdict.message, verdict.data)
@@ -343,8 +344,8 @@ class CheckItem(pytest.Item):
     def _expected_or_raise(self, results: list, outcome: str, message: str, data: CheckData | None) -> None:
         """Record the outcome; a declared expected failure (difftest.case.expected_failure) is judged strictly."""
         session = self.config.stash[SESSION]
-        reference = session.reference_names(self.case)
-        info = session.engine_info(self.spec)
+        reference = session.run(self.case).reference_names()
+        info = session.pool.engine_info(self.spec)
         variant = info.variant if info is not None else ""
         expected = next(
             (
@@ -404,7 +405,7 @@ class SaveBaselineItem(pytest.Item):
         if writer is None:  # these items exist only under --save-baseline, which makes the writer
             raise CheckFailed("--save-baseline: no baseline is being written")
         try:
-            writer.add(self.config.stash[SESSION], self.case, self.spec)
+            writer.add(self.config.stash[SESSION].run(self.case), self.spec)
         except EngineUnavailable as e:
             writer.problems.append(f"{self.case.name} {self.spec.id}: {e}")
             if self.config.getoption("require_engines"):
@@ -454,7 +455,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     for path, results in config.stash[RESULTS].items():
         case = config.stash[CASES][path]
         try:  # one case's report failing (disk full, ...) must not lose the others' or the summary
-            report = report_mod.build(case, config.stash[SESSION], results)
+            report = report_mod.build(config.stash[SESSION].run(case).record(results))
             if len(results) < selected[path]:  # Ctrl-C, -x, a crash of the run: not every check ran
                 report.interrupted = True
                 previous = report_mod.json_path(report, report_dir)

@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     from difftest.run.discover_rules import difference, discover
     from difftest.run.engine import parse_spec
-    from difftest.run.session import resolve_fixture
+    from difftest.run.case_run import resolve_fixture
     from difftest.rules.layer_rules import spec_variant
 
     try:

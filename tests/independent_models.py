@@ -848,7 +848,7 @@ def _write_export(m: ExportMiswire, model: BuiltModel, out: Path) -> tuple[Path,
         exported, as_trained = out / "draft", None
     else:
         # the reference runs the fitted draft itself: one checkpoint, so every export of it shares the
-        # reference's cached results (Session.inputs_key)
+        # reference's cached results (CaseRun.inputs_key)
         exported, as_trained = out / "export", model.draft
         if m.kind == "flag":
             cfg[m.flag] = not cfg[m.flag]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from difftest.run.session import cache_root
+from difftest.base.paths import cache_root
 from difftest.run.worker import set_parent_death_signal
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""What an engine's cached results are keyed on (Session.inputs_key): what that engine reads of the
+"""What an engine's cached results are keyed on (CaseRun.inputs_key): what that engine reads of the
 case, so that the exports of one draft, each run as trained on the reference, share the reference's
 captures, float64 runs and speculative runs; and anything the engine does read still separates them."""
 
@@ -12,6 +12,7 @@ from helpers import TINY_CASE
 
 from difftest.case.case import load_case
 from difftest.run.engine import EngineSpec
+from difftest.run.case_run import CaseRun
 from difftest.run.session import Options, Session
 
 REF, VLLM = EngineSpec("ref"), EngineSpec("vllm")
@@ -40,7 +41,7 @@ def export_of(draft: Path, where: Path) -> Path:
 
 
 def key(session: Session, path: Path, spec: EngineSpec) -> list:
-    return session.inputs_key(session.prepare(load_case(path)), spec)
+    return CaseRun(session.pool, load_case(path)).inputs_key(spec)
 
 
 def test_a_reference_running_the_draft_as_trained_shares_the_plain_cases_key(models, session, tmp_path):

@@ -26,7 +26,7 @@ def test_force_with_names_is_refused(capsys):
 def test_providers_that_build_on_each_other_share_a_lane():
     from importlib import metadata
 
-    from difftest.run.session import FIXTURE_GROUP
+    from difftest.run.case_run import FIXTURE_GROUP
 
     lanes = cli._lanes(list(metadata.entry_points(group=FIXTURE_GROUP)))
     assert sorted(sorted(lane) for lane in lanes) == [
@@ -38,7 +38,7 @@ def test_providers_that_build_on_each_other_share_a_lane():
 def test_a_lane_builds_its_providers_in_installed_order():
     from importlib import metadata
 
-    from difftest.run.session import FIXTURE_GROUP
+    from difftest.run.case_run import FIXTURE_GROUP
 
     names = [ep.name for ep in metadata.entry_points(group=FIXTURE_GROUP)]
     for lane in cli._lanes(list(metadata.entry_points(group=FIXTURE_GROUP))):
@@ -58,7 +58,7 @@ def test_a_bad_jobs_count_is_refused_in_one_line(capsys, jobs, why):
 def test_the_build_queue_takes_the_lanes_in_turn_and_lists_every_fixture_once():
     from importlib import metadata
 
-    from difftest.run.session import FIXTURE_GROUP
+    from difftest.run.case_run import FIXTURE_GROUP
 
     lanes = cli._lanes(list(metadata.entry_points(group=FIXTURE_GROUP)))
     queue = cli._queue(lanes)

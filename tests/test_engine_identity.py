@@ -19,7 +19,8 @@ from difftest.case.case import load_case
 from difftest.run.engine import EngineSpec
 from difftest.base.errors import EngineError
 from difftest.records.engine_info import EngineInfo
-from difftest.run.session import Options, Session
+from difftest.run.case_run import CaseRun
+from difftest.run.pool import EnginePool, Options
 from difftest.run.worker import PROJECT_ROOT
 
 REF = EngineSpec("ref")
@@ -45,16 +46,16 @@ class Run:
     started: bool  # a worker started
     info: EngineInfo | None
     capture: Capture
-    session: Session
+    pool: EnginePool
 
 
 def run_capture(case_path: Path, log_dir: Path, use_cache: bool = True, index: int = 0) -> Run:
-    session = Session(Options(engines=[REF], reference=REF, log_dir=log_dir, use_cache=use_cache))
+    pool = EnginePool(Options(engines=[REF], reference=REF, log_dir=log_dir, use_cache=use_cache))
     try:
-        capture = session.capture(load_case(str(case_path)), REF, index)
-        return Run("ref" in session._clients, session.engine_info(REF), capture, session)
+        capture = CaseRun(pool, load_case(str(case_path))).capture(REF, index)
+        return Run(pool.started(REF), pool.engine_info(REF), capture, pool)
     finally:
-        session.close()
+        pool.close()
 
 
 def ident(env: dict[str, str], root: Path = PROJECT_ROOT) -> str | None:
@@ -81,12 +82,12 @@ def test_without_the_capture_cache_the_worker_starts(case_path, cache, tmp_path)
 
 def test_a_remembered_info_the_worker_contradicts_is_refused_naming_both_versions(case_path, cache, tmp_path):
     first = run_capture(case_path, tmp_path / "logs")
-    ident_ = first.session._identity(REF)
+    ident_ = first.pool.identity(REF)
     stale = EngineInfo(name="ref", version="difftest-0.0.0-c0", versions={"torch": "0"}, kernels="torch")
-    first.session.infos.put(ident_, stale)
+    first.pool.infos.put(ident_, stale)
     with pytest.raises(EngineError, match=r"difftest-0\.0\.0-c0.*run again"):
         run_capture(case_path, tmp_path / "logs")  # keyed on the stale version: a miss, the worker starts
-    assert first.session.infos.get(ident_) == first.info  # the record is corrected
+    assert first.pool.infos.get(ident_) == first.info  # the record is corrected
 
 
 def test_another_installed_distribution_names_another_environment(tmp_path):

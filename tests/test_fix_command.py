@@ -19,7 +19,7 @@ from helpers import ROOT, edited_copy
 from test_engine_vllm import vllm_python
 
 from difftest.rules.layer_rules import KEY
-from difftest.run.session import resolve_fixture
+from difftest.run.case_run import resolve_fixture
 
 
 def fix_all(cases: list[Path], engine: str, out: Path, *extra: str) -> subprocess.CompletedProcess:

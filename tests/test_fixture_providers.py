@@ -6,7 +6,7 @@ from importlib import metadata
 
 import pytest
 
-from difftest.run.session import FIXTURE_GROUP
+from difftest.run.case_run import FIXTURE_GROUP
 
 PROVIDERS = sorted(metadata.entry_points(group=FIXTURE_GROUP), key=lambda ep: ep.name)
 

@@ -183,10 +183,10 @@ def test_a_case_with_wiring_infer_on_an_untrained_draft_stops_saying_it_cannot_t
     session = Session(Options(engines=[EngineSpec("ref")], reference=EngineSpec("ref"), log_dir=tmp_path / "logs"))
     try:
         with pytest.raises(ConfigError, match="wiring: infer: cannot tell what the draft was trained on") as e:
-            session.prepare(case)
+            _ = session.run(case).prepared
         assert "\n" not in str(e.value) and "state `wiring:` explicitly" in str(e.value)
         with pytest.raises(ConfigError):  # every item of the case gets the same one line, not a second inference
-            session.prepare(case)
-        assert session.inference(case) is None
+            _ = session.run(case).prepared
+        assert session.run(case).inference() is None
     finally:
         session.close()

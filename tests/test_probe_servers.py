@@ -29,7 +29,8 @@ import yaml
 from difftest.rules.overlay import overlay_checkpoint
 from engines.server.command import PROBE_CHECK, SERVER_ENGINE, ensure_server_engine
 from engines.server.client import counters, parse_launch_command, parse_prometheus
-from difftest.run.session import cache_root, resolve_fixture
+from difftest.base.paths import cache_root
+from difftest.run.case_run import resolve_fixture
 from tests import live_servers
 from tests.helpers import run_pytest
 

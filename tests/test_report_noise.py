@@ -1,7 +1,7 @@
 """The noise criterion in the reports: the JSON records the case's noise floor and, per prompt, where
 the error is introduced, the first tensor above noise, the first that differs at all and the tie;
 the end-of-session summary's verdicts (same / drifted / regressed) read them. No engine runs here:
-the session is a stub and the comparisons are built by hand."""
+the case's run stands on a stub pool and its comparisons are built by hand."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from difftest.report import upgrade
 from difftest.records.acceptance import AcceptStats
 from difftest.compare.compare import CaptureDiff, TensorDiff
 from difftest.records import AcceptLengthData, CheckResult, Report
+from difftest.run.case_run import CaseRun
+from difftest.run.phase_clock import PhaseClock
 
 
 def diff(name, status="ok", err=0.0, threshold=1e-5, introduced=False, differs=None, max_abs=None) -> TensorDiff:
@@ -63,11 +65,13 @@ FLOOR = noise.NoiseFloor(
 )
 
 
-class StubSession:
-    def __init__(self, comparisons: dict, floor=FLOOR):
+class StubPool:
+    """The engines as a case's run asks them for its record: each says its name, none failed to start."""
+
+    def __init__(self):
         spec = lambda i: SimpleNamespace(id=i)  # noqa: E731
         self.options = SimpleNamespace(engines=[spec("ref"), spec("eng")], reference=spec("ref"))
-        self._comparisons, self._floor, self.floor_calls = comparisons, floor, 0
+        self.clock = PhaseClock()
 
     def engine_info(self, spec):
         return EngineInfo(name=spec.id, version="0")
@@ -75,14 +79,22 @@ class StubSession:
     def start_error(self, spec):
         return None
 
-    def computed_comparisons(self, case):
+
+class StubRun(CaseRun):
+    """A case's run whose comparisons and noise floor are given (the floor may raise)."""
+
+    def __init__(self, comparisons: dict, floor=FLOOR):
+        super().__init__(StubPool(), None)  # type: ignore[arg-type]
+        self._comparisons, self._stub_floor, self.floor_calls = comparisons, floor, 0
+
+    def computed_comparisons(self):
         return self._comparisons
 
-    def noise_floor(self, case):
+    def noise_floor(self):
         self.floor_calls += 1
-        if isinstance(self._floor, Exception):
-            raise self._floor
-        return self._floor
+        if isinstance(self._stub_floor, Exception):
+            raise self._stub_floor
+        return self._stub_floor
 
 
 @pytest.fixture()
@@ -92,9 +104,10 @@ def case(tmp_path):
     return SimpleNamespace(name="c", path=str(path), dtype="float32")
 
 
-def build(case, session) -> dict:
+def build(case, run: StubRun) -> dict:
     # through JSON, as `difftest report` and the summary read it
-    return json.loads(json.dumps(report.build(case, session, []).to_dict(), default=str))
+    run.case = case
+    return json.loads(json.dumps(report.build(run.record([])).to_dict(), default=str))
 
 
 def read(data: dict) -> Report:
@@ -103,7 +116,7 @@ def read(data: dict) -> Report:
 
 # -- the JSON report ------------------------------------------------------------------------------------
 def test_report_records_the_cases_noise_floor(case):
-    r = build(case, StubSession({"eng": [faulty()]}))
+    r = build(case, StubRun({"eng": [faulty()]}))
     assert r["noise_floor"] == {
         "dtype": "float32",
         "measured": True,
@@ -126,7 +139,7 @@ def test_report_records_the_cases_noise_floor(case):
 
 
 def test_report_records_why_the_noise_floor_could_not_be_computed(case):
-    r = build(case, StubSession({"eng": [faulty()]}, floor=RuntimeError("ref cannot load the target\nsecond line")))
+    r = build(case, StubRun({"eng": [faulty()]}, floor=RuntimeError("ref cannot load the target\nsecond line")))
     nf = r["noise_floor"]
     assert (nf["measured"], nf["dtype"], nf["tensors"]) == (False, "float32", {})
     assert nf["error"] == "RuntimeError: ref cannot load the target\nsecond line"
@@ -134,13 +147,13 @@ def test_report_records_why_the_noise_floor_could_not_be_computed(case):
 
 
 def test_report_without_comparisons_computes_no_noise_floor(case):
-    session = StubSession({})
-    r = build(case, session)
-    assert r["noise_floor"] is None and session.floor_calls == 0
+    run = StubRun({})
+    r = build(case, run)
+    assert r["noise_floor"] is None and run.floor_calls == 0
 
 
 def test_report_prompt_names_introduced_first_above_noise_first_differs_and_tie(case):
-    (p,) = build(case, StubSession({"eng": [faulty()]}))["comparisons"]["eng"]
+    (p,) = build(case, StubRun({"eng": [faulty()]}))["comparisons"]["eng"]
     assert p["first_divergence"] == p["first_introduced"] == "draft.fc_out"  # what the summary table shows
     assert p["first_above_noise"] == "draft.fc_in.0"
     assert p["first_differs"] == "target.h.1"
@@ -151,7 +164,7 @@ def test_report_prompt_names_introduced_first_above_noise_first_differs_and_tie(
 
 def test_report_first_divergence_falls_back_to_the_first_above_noise_when_none_is_marked_introduced(case):
     cd = CaptureDiff([diff("draft.fc_out", "mismatch", err=0.5), diff("draft.logits", "mismatch", err=0.6)])
-    (p,) = build(case, StubSession({"eng": [cd]}))["comparisons"]["eng"]
+    (p,) = build(case, StubRun({"eng": [cd]}))["comparisons"]["eng"]
     assert (p["first_divergence"], p["first_introduced"], p["first_above_noise"]) == (
         "draft.fc_out",
         None,
@@ -161,7 +174,7 @@ def test_report_first_divergence_falls_back_to_the_first_above_noise_when_none_i
 
 def test_report_prompt_within_noise_has_no_divergence_but_names_the_first_that_differs(case):
     cd = CaptureDiff([diff("target.h.1"), diff("draft.fc_out", err=3e-6)])
-    (p,) = build(case, StubSession({"eng": [cd]}))["comparisons"]["eng"]
+    (p,) = build(case, StubRun({"eng": [cd]}))["comparisons"]["eng"]
     assert (p["first_divergence"], p["first_above_noise"], p["first_differs"], p["tie"]) == (
         None,
         None,
@@ -173,7 +186,7 @@ def test_report_prompt_within_noise_has_no_divergence_but_names_the_first_that_d
 def test_markdown_and_html_render_the_report_built_from_a_session(case):
     from difftest.report.html_report import render
 
-    r = read(build(case, StubSession({"eng": [faulty()]})))
+    r = read(build(case, StubRun({"eng": [faulty()]})))
     md = report.markdown(r)
     assert "### `eng`, prompt 0: error introduced at `draft.fc_out`" in md
     assert (
@@ -188,7 +201,7 @@ PASSED = {"fc_inputs": "passed", "draft_logits": "passed", "top1_agreement": "pa
 
 
 def summary(case, cd: CaptureDiff, outcomes=PASSED, accept=(2.5, 2.5)) -> upgrade.SummaryRow:
-    r = read(build(case, StubSession({"eng": [cd]})))
+    r = read(build(case, StubRun({"eng": [cd]})))
     stats = lambda al: AcceptStats(num_verify=2, num_accepted=round((al - 1) * 2), num_draft_steps=3)  # noqa: E731
     r.checks = [
         CheckResult(

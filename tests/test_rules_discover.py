@@ -65,7 +65,7 @@ def test_an_older_sglang_release_is_rediscovered_exactly(tmp_path):
 
 
 def test_a_target_too_shallow_to_probe_is_one_line(tmp_path):
-    from difftest.run.session import resolve_fixture
+    from difftest.run.case_run import resolve_fixture
 
     shallow = resolve_fixture("fixture:tiny-qwen3")  # 4 layers
     done = subprocess.run(

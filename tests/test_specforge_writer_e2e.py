@@ -88,7 +88,7 @@ def _run(cmd: list, log: Path) -> None:
 
 
 def _resolve(ref: str) -> Path:
-    from difftest.run.session import resolve_fixture
+    from difftest.run.case_run import resolve_fixture
 
     return Path(resolve_fixture(ref))
 

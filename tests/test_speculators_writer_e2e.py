@@ -58,7 +58,7 @@ STEPS = 3  # speculators' default --ttt-steps
 
 
 def _target() -> Path:
-    from difftest.run.session import resolve_fixture
+    from difftest.run.case_run import resolve_fixture
 
     return Path(resolve_fixture(TARGET))
 

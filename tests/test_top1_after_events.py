@@ -46,8 +46,8 @@ def after_target_event(ref, row: int):
 
 
 @dataclass
-class FakeSession:
-    """What check_top1 reads of a session: one prompt's captures, their comparison and the floor."""
+class FakeRun:
+    """What check_top1 reads of a case's run: one prompt's captures, their comparison and the floor."""
 
     ref: object
     other: object
@@ -57,19 +57,25 @@ class FakeSession:
     class options:
         reference = REF
 
-    def is_live(self, spec) -> bool:
-        return False
+    class pool:
+        @staticmethod
+        def is_live(spec) -> bool:
+            return False
 
-    def noise_floor(self, case):
+    @property
+    def case(self):
+        return CASE
+
+    def noise_floor(self):
         return self.floor
 
-    def comparisons(self, case, spec):
+    def comparisons(self, spec):
         return [compare_captures(self.ref, self.other, "float32", floor=self.floor)]
 
-    def capture(self, case, spec, i):
+    def capture(self, spec, i):
         return self.ref if spec == REF else self.other
 
-    def reference_label(self, case) -> str:
+    def reference_label(self) -> str:
         return REF.id
 
 
@@ -90,12 +96,12 @@ def test_a_flip_that_starts_in_the_draft_marks_nothing_excused():
 
 def test_top1_leaves_out_a_position_after_an_excused_event_and_says_so():
     ref = _capture()
-    verdict = check_top1(FakeSession(ref, after_target_event(ref, EVENT_ROW)), CASE, ENG)
+    verdict = check_top1(FakeRun(ref, after_target_event(ref, EVENT_ROW)), ENG)
     assert verdict.passed and verdict.data.excused >= 1 and verdict.data.rate == 1.0
     assert "positions left out" in verdict.message and "MoE router near-tie" in verdict.message
 
 
 def test_top1_still_counts_a_flip_that_starts_in_the_draft():
     ref = _capture()
-    verdict = check_top1(FakeSession(ref, flipped_logits(ref, EVENT_ROW)), CASE, ENG)
+    verdict = check_top1(FakeRun(ref, flipped_logits(ref, EVENT_ROW)), ENG)
     assert verdict.data.excused == 0 and verdict.data.agree == verdict.data.total - 1

@@ -63,7 +63,7 @@ def _pinned(engine: str) -> str:
 
 def _session(out: Path, baselines: Path, engines: str, python: dict[str, str], *args: str) -> Run:
     """`pytest ARGS --engines=ENGINES` in the project, its reports under `out`, baselines in `baselines`.
-    The capture cache is shared: its keys name each engine's release (Session.inputs_key), so the old
+    The capture cache is shared: its keys name each engine's release (CaseRun.inputs_key), so the old
     release's results are its own, and the pinned release and the reference reuse what the shipped
     run (tests/shipped_run.py) already captured of the same cases."""
     run = run_pytest(

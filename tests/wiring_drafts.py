@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from difftest.run.session import cache_root
+from difftest.base.paths import cache_root
 
 BUILDER_VERSION = 3
 TRAIN_SEQS, PROMPT_LEN, NEW_TOKENS, DATA_SEED, EPS = 256, 8, 24, 321, 0.25
@@ -89,7 +89,7 @@ def target_path(name: str) -> Path:
         from independent_models import ensure_model
 
         return ensure_model(name).target
-    from difftest.run.session import resolve_fixture
+    from difftest.run.case_run import resolve_fixture
 
     return Path(resolve_fixture(f"fixture:{name}"))
 

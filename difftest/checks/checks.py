@@ -48,7 +48,7 @@ from difftest.records.check_data import (
     Top1Data,
 )
 from difftest.base.fc_wiring import Wiring
-from difftest.run.session import Session
+from difftest.run.case_run import CaseRun
 from difftest.checks.verdict import Verdict
 from difftest.base.names import DRAFT_LOGITS, FC_IN, in_fc_in
 
@@ -64,7 +64,7 @@ def _comparison_data(verdict: Verdict) -> ComparisonData:
     return verdict.data
 
 
-def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: list[CaptureDiff], scope) -> Verdict:
+def _divergence_report(run: CaseRun, spec: EngineSpec, diffs: list[CaptureDiff], scope) -> Verdict:
     """Judged against the measured noise (difftest.compare.noise): a check fails when a tensor in its scope
     is above noise; the message leads with the tensor where the error is *introduced*, beside the
     first tensor above noise and the first that differs at all."""
@@ -73,8 +73,8 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
         d = cd.first_divergence([x.name for x in cd.diffs if scope(x.name)])
         if d is not None:
             failing.append((i, d))
-    ref = session.options.reference.id
-    floor = session.noise_floor(case)
+    ref = run.options.reference.id
+    floor = run.noise_floor()
     ties = [f"prompt {i}: {cd.tie}" for i, cd in enumerate(diffs) if cd.tie]
     if not failing:
         n = sum(1 for cd in diffs for d in cd.diffs if scope(d.name) and d.status != TensorStatus.TIE)
@@ -115,34 +115,34 @@ def _divergence_report(session: Session, case: Case, spec: EngineSpec, diffs: li
         first_above_noise=first_above.name if first_above else None,
         first_differs=differs.name if differs else None,
     )
-    ref_cap, cap = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
+    ref_cap, cap = run.capture(run.options.reference, i), run.capture(spec, i)
     if in_fc_in(introduced.name):
-        lines += diagnose_fc(ref_cap, cap, _draft_config(session, case, spec))
+        lines += diagnose_fc(ref_cap, cap, _draft_config(run, spec))
         matches, similarity = match_chunks(ref_cap, cap)
         data.fc_chunks, data.similarity = matches, similarity
         rule_lines, data.rule, data.rule_predicted, data.fix = _rule_lines(
-            session, case, spec, [m.best if m.matched else None for m in matches]
+            run, spec, [m.best if m.matched else None for m in matches]
         )
         lines += rule_lines
     elif introduced.name.startswith("target."):
         lines += diagnose_hidden(ref_cap, cap, introduced.name)
     else:
         lines += diagnose_draft(introduced.name)
-    causes = _known_causes(session, case, spec, introduced.name)
+    causes = _known_causes(run, spec, introduced.name)
     lines += [f"known cause (lint [{f.code}]): {f.message}" for f in causes]
     data.known_causes = [f.code for f in causes]
-    lines += _upgrade_lines(session, case, spec)
+    lines += _upgrade_lines(run, spec)
     return Verdict(False, "\n".join(lines), data)
 
 
-def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
+def _upgrade_lines(run: CaseRun, spec: EngineSpec) -> list[str]:
     """When the reference is another release of the same engine (`--engines=sglang@OLD,sglang`, or a
     baseline saved on it): each recorded behaviour change between the two releases that this draft
     meets (difftest.rules.engine_releases), with both releases' readings and the change cited."""
     from difftest.rules import engine_releases
 
-    reference = session.options.reference
-    old, new = session.case_engine_info(case, reference), session.engine_info(spec)
+    reference = run.options.reference
+    old, new = run.case_engine_info(reference), run.pool.engine_info(spec)
     if old is None or new is None:
         return []
     engine = new.name
@@ -152,10 +152,10 @@ def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
     if a == b:
         return []
     try:
-        view = _view(session, case, spec)  # the target's family, L, fc width and the config the new release is given
+        view = _view(run, spec)  # the target's family, L, fc width and the config the new release is given
         if view is None:
             return []
-        old_cfg = _draft_config(session, case, reference) if reference.name == engine else view.draft_config
+        old_cfg = _draft_config(run, reference) if reference.name == engine else view.draft_config
         diff = engine_releases.layer_difference(
             engine, view.rule.family, a, b, old_cfg or {}, view.L, view.fc_chunks, view.draft_config
         )
@@ -166,59 +166,59 @@ def _upgrade_lines(session: Session, case: Case, spec: EngineSpec) -> list[str]:
         return []
 
 
-def _view(session: Session, case: Case, spec: EngineSpec):
+def _view(run: CaseRun, spec: EngineSpec):
     from difftest.checks.layer_reading import engine_view
     from difftest.checks.lint import trained_wiring
 
-    prepared = session.engine_case(session.prepare(case), spec)
+    prepared = run.engine_case(spec)
     try:
         trained = trained_wiring(prepared)
     except ConfigError:
         trained = None
-    return engine_view(prepared, spec.name, trained, _release(session, spec), _variant(session, spec))
+    return engine_view(prepared, spec.name, trained, _release(run, spec), _variant(run, spec))
 
 
-def _release(session: Session, spec: EngineSpec) -> str | None:
+def _release(run: CaseRun, spec: EngineSpec) -> str | None:
     """The engine release a spec ran (its worker's own report), for the rules of that release."""
-    info = session.engine_info(spec)
+    info = run.pool.engine_info(spec)
     return info.version if info is not None and info.name == spec.name else None
 
 
-def _unrecorded(session: Session, spec: EngineSpec) -> str | None:
+def _unrecorded(run: CaseRun, spec: EngineSpec) -> str | None:
     """The line for an engine release with no rules on record (its reading measured, not predicted)."""
     from difftest.rules import engine_releases
 
-    info = session.engine_info(spec)
+    info = run.pool.engine_info(spec)
     if info is None or info.name not in engine_releases.SUPPORTED or engine_releases.on_record(info.name, info.version):
         return None
     return engine_releases.unrecorded(info.name, info.version)
 
 
-def _variant(session: Session, spec: EngineSpec) -> str:
+def _variant(run: CaseRun, spec: EngineSpec) -> str:
     """The code path a spec's worker ran (EngineInfo.variant, e.g. "runner v2"), for its own rules."""
-    info = session.engine_info(spec)
+    info = run.pool.engine_info(spec)
     return info.variant if info is not None and info.name == spec.name else ""
 
 
-def _draft_config(session: Session, case: Case, spec: EngineSpec) -> dict | None:
+def _draft_config(run: CaseRun, spec: EngineSpec) -> dict | None:
     """The draft config as this engine was given it (fixtures resolved, its overrides merged); None
     when it cannot be read (a diagnosis never fails on it)."""
     from difftest.checks.layer_reading import draft_config_seen
 
-    return draft_config_seen(session.engine_case(session.prepare(case), spec), spec.name)
+    return draft_config_seen(run.engine_case(spec), spec.name)
 
 
 def _rule_lines(
-    session: Session, case: Case, spec: EngineSpec, fed: list[str | None]
+    run: CaseRun, spec: EngineSpec, fed: list[str | None]
 ) -> tuple[list[str], str | None, list[str] | None, FixData | None]:
     """Why the engine fed what it fed (its layer-id rule, difftest.rules.layer_rules) and the config edit
     that makes it feed what training fed; says so when the rule model did not predict the feed.
     (lines, the rule explained, the feed it predicts, the edit)"""
     from difftest.checks.layer_reading import fix_lines
 
-    view = _view(session, case, spec)
+    view = _view(run, spec)
     if view is None:
-        unrecorded = _unrecorded(session, spec)
+        unrecorded = _unrecorded(run, spec)
         return ([unrecorded] if unrecorded else []), None, None, None
     lines = [view.rule_line()] + _sibling_lines(view)
     predicted = view.reading.fed_names()
@@ -268,17 +268,17 @@ def _sibling_lines(view) -> list[str]:
     return out
 
 
-def explain_engine_error(session: Session, case: Case, spec: EngineSpec, error: str) -> str:
+def explain_engine_error(run: CaseRun, spec: EngineSpec, error: str) -> str:
     """An engine error whose cause the layer-id rule predicts (the default fallback making fc
     narrower than its weight, an id the model cannot capture): the cause first, the raw error beneath."""
     try:
-        view = _view(session, case, spec)
+        view = _view(run, spec)
     except Exception:  # explaining must never hide the error itself
         return error
     if view is not None and view.reading.refusal is not None and view.rule.words() not in error:
         return f"predicted by the layer-id rule: {view.reading.explain()}\n{error}"
     try:
-        causes = [f for f in _engine_findings(session, case, spec) if _explains(f, error)]
+        causes = [f for f in _engine_findings(run, spec) if _explains(f, error)]
     except Exception:  # explaining must never hide the error itself
         return error
     return "\n".join([f"known cause (lint [{f.code}]): {f.message}" for f in causes] + [error])
@@ -290,14 +290,14 @@ def _explains(finding, error: str) -> bool:
     return any(w in error for w in finding.weights) or finding.code == "checkpoint-format"
 
 
-def _known_causes(session: Session, case: Case, spec: EngineSpec, introduced: str) -> list:
+def _known_causes(run: CaseRun, spec: EngineSpec, introduced: str) -> list:
     """The lint's errors that name this engine (difftest.rules.draft_rules), the one whose first changed
     tensor is where the error was introduced first: the static reason for a divergence just seen."""
-    hits = [f for f in _engine_findings(session, case, spec) if f.severity == "error"]
+    hits = [f for f in _engine_findings(run, spec) if f.severity == "error"]
     return sorted(hits, key=lambda f: f.tensor != introduced)
 
 
-def _engine_findings(session: Session, case: Case, spec: EngineSpec) -> list:
+def _engine_findings(run: CaseRun, spec: EngineSpec) -> list:
     """The lint's findings that name this engine, under the rules of the release it runs."""
     from difftest.rules.draft_rules import ENGINES
     from difftest.checks.lint import lint_case
@@ -305,17 +305,17 @@ def _engine_findings(session: Session, case: Case, spec: EngineSpec) -> list:
     if spec.name not in ENGINES:
         return []
     try:
-        findings = lint_case(session.prepare(case))
+        findings = lint_case(run.prepared)
     except ConfigError:
         return []  # the lint item reports it
     from difftest.rules.engine_releases import engine_draft_rules, release as release_of
 
-    release = _release(session, spec)
+    release = _release(run, spec)
     if release and release_of(release) != ENGINES[spec.name].version:
         # the lint speaks for the pinned release; this engine runs another: its own flag rules
         from difftest.rules.lint_checkpoint import flag_findings
 
-        raw = _draft_config(session, case, spec) or {}
+        raw = _draft_config(run, spec) or {}
         rules = engine_draft_rules(spec.name, release)
         try:
             own = flag_findings(raw, [rules]) if rules is not None else []
@@ -325,10 +325,10 @@ def _engine_findings(session: Session, case: Case, spec: EngineSpec) -> list:
     return [f for f in findings if spec.name in f.engines]
 
 
-def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+def check_capture(run: CaseRun, spec: EngineSpec) -> Verdict:
     problems, n = [], 0
-    for i in range(len(session.prompt_ids(session.prepare(case)))):
-        cap = session.capture(case, spec, i)
+    for i in range(len(run.prompt_ids())):
+        cap = run.capture(spec, i)
         for name in cap.names():
             t = cap.get(name)
             n += 1
@@ -338,8 +338,8 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
             problems.append(f"prompt {i}: capture lacks {FC_IN} or {DRAFT_LOGITS}")
     if problems:
         return Verdict(False, "; ".join(problems[:5]), CaptureData())
-    wiring = session.capture(case, spec, 0).meta.wiring or Wiring(source="not recorded")
-    inferred = session.inference(case)
+    wiring = run.capture(spec, 0).meta.wiring or Wiring(source="not recorded")
+    inferred = run.inference()
     if inferred is not None:  # `wiring: infer`: say so, with the margin, wherever the wiring is shown
         margin = f", margin {inferred.margin:.3f} over the runner-up" if inferred.margin is not None else ""
         message = (
@@ -351,49 +351,49 @@ def check_capture(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     return Verdict(True, f"{n} tensors captured; fc wiring {wiring.inputs} ({wiring.source})", CaptureData())
 
 
-def _needs_tensors(session: Session, spec: EngineSpec, check: str) -> None:
-    if session.is_live(spec):
+def _needs_tensors(run: CaseRun, spec: EngineSpec, check: str) -> None:
+    if run.pool.is_live(spec):
         raise NotAvailable(
             f"{check}: not available for {spec.id}: a running server exposes no tensors "
             "(only its acceptance is checked)"
         )
 
 
-def check_fc_inputs(session: Session, case: Case, spec: EngineSpec) -> Verdict:
-    _needs_tensors(session, spec, "fc_inputs")
-    verdict = _divergence_report(session, case, spec, session.comparisons(case, spec), _in_fc_scope)
+def check_fc_inputs(run: CaseRun, spec: EngineSpec) -> Verdict:
+    _needs_tensors(run, spec, "fc_inputs")
+    verdict = _divergence_report(run, spec, run.comparisons(spec), _in_fc_scope)
     data = _comparison_data(verdict)
     # what the engine fed fc, by value: the reference's feed when every chunk matched it, else each
     # chunk's best match (None: no reference tensor matches it); the version table reads it
     if data.fc_chunks:
         data.fed = [m.best if m.matched else None for m in data.fc_chunks]
     elif verdict.passed:
-        wiring = session.capture(case, session.options.reference, 0).meta.wiring
+        wiring = run.capture(run.options.reference, 0).meta.wiring
         data.fed = list(wiring.inputs) if wiring and wiring.inputs else None
-    unrecorded = _unrecorded(session, spec) if verdict.passed else None  # a failure's diagnosis says it already
+    unrecorded = _unrecorded(run, spec) if verdict.passed else None  # a failure's diagnosis says it already
     if unrecorded:
         verdict.message += "\n" + unrecorded
     return verdict
 
 
-def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdict:
-    _needs_tensors(session, spec, "draft_logits")
-    diffs = session.comparisons(case, spec)
-    verdict = _divergence_report(session, case, spec, diffs, _in_draft_scope)
+def check_draft_logits(run: CaseRun, spec: EngineSpec) -> Verdict:
+    _needs_tensors(run, spec, "draft_logits")
+    diffs = run.comparisons(spec)
+    verdict = _divergence_report(run, spec, diffs, _in_draft_scope)
     data = _comparison_data(verdict)
     golden: GoldenData | None
     if not verdict.passed:
         first = data.prompt or 0  # a failing verdict names the first prompt that diverges
-        lines, golden = golden_rerun(session, case, spec, first, diffs[first])
+        lines, golden = golden_rerun(run, spec, first, diffs[first])
         verdict.message += "".join("\n" + ln for ln in lines)
         data.golden = golden
-    elif spec.name != session.options.reference.name:
+    elif spec.name != run.options.reference.name:
         # a real engine that can take golden inputs: prompt 0 re-run on the reference's draft.fc_in,
         # so the report shows the engine's draft computing the reference's function on the same input;
         # a confirmation only: a re-run that cannot be made is said, and the passing verdict stands
         try:
-            supported = session.capture_golden(case, spec, 0) is not None
-            lines, golden = golden_rerun(session, case, spec, 0, diffs[0], own_passed=True) if supported else ([], None)
+            supported = run.capture_golden(spec, 0) is not None
+            lines, golden = golden_rerun(run, spec, 0, diffs[0], own_passed=True) if supported else ([], None)
         except DifftestError as e:
             lines, golden = (
                 [f"golden inputs (prompt 0): could not be run: {str(e).splitlines()[0]}"],
@@ -405,10 +405,10 @@ def check_draft_logits(session: Session, case: Case, spec: EngineSpec) -> Verdic
     return verdict
 
 
-def check_lint(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+def check_lint(run: CaseRun, spec: EngineSpec) -> Verdict:
     from difftest.checks.lint import lint_case
 
-    findings = lint_case(session.prepare(case))
+    findings = lint_case(run.prepared)
     errors = [f for f in findings if f.severity == "error"]
     data = LintData(findings=list(findings))
     if not findings:
@@ -433,7 +433,7 @@ def _inputs_moved_by_events(cd: CaptureDiff) -> torch.Tensor | None:
     return out
 
 
-def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+def check_top1(run: CaseRun, spec: EngineSpec) -> Verdict:
     """Agreement of the draft's greedy choices, over positions where the reference's choice is clear.
 
     A position whose reference top-1 margin is within what the measured noise can move
@@ -445,12 +445,12 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     experts, or target rows the target's own verdict took as noise: CaptureDiff.excused_rows):
     the draft computed there, correctly, on another input. Only the token's own row is left out,
     and none when draft.fc_in diverges: then every disagreement is the wiring's."""
-    _needs_tensors(session, spec, "top1_agreement")
-    threshold = float(case.expect.get("top1_agreement", DEFAULT_TOP1))
-    floor = session.noise_floor(case)
+    _needs_tensors(run, spec, "top1_agreement")
+    threshold = float(run.case.expect.get("top1_agreement", DEFAULT_TOP1))
+    floor = run.noise_floor()
     agree = total = ties = tie_agree = skipped = excused = 0
-    for i, cd in enumerate(session.comparisons(case, spec)):
-        ref, other = session.capture(case, session.options.reference, i), session.capture(case, spec, i)
+    for i, cd in enumerate(run.comparisons(spec)):
+        ref, other = run.capture(run.options.reference, i), run.capture(spec, i)
         inputs_moved = _inputs_moved_by_events(cd)
         for name in (n for n in ref.names() if n.endswith("logits_target")):
             d = cd.get(name)
@@ -474,7 +474,7 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
             excused += int(event.sum())
     rate = agree / total if total else 0.0
     msg = (
-        f"draft top-1 agreement with {session.reference_label(case)}: {agree}/{total} = {rate:.3f} over positions with a "
+        f"draft top-1 agreement with {run.reference_label()}: {agree}/{total} = {rate:.3f} over positions with a "
         f"clear reference choice (threshold {threshold}); ties within noise: {ties} ({tie_agree} agree)"
     )
     if excused:
@@ -496,18 +496,18 @@ def check_top1(session: Session, case: Case, spec: EngineSpec) -> Verdict:
     return Verdict(rate >= threshold, msg, data)
 
 
-def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+def check_accept_length(run: CaseRun, spec: EngineSpec) -> Verdict:
     """Accept length and per-position acceptance against the reference's, within the noise of the
     measurement (difftest.compare.accept_judge: sampling spread over the verify steps plus the reference's
     measured float64 move), widened only by a tolerance the case declares."""
-    tol = case.expect.get("accept_length") or None
-    if session.is_live(spec):  # a running server is judged by the check its engine contributes (run_check)
+    tol = run.case.expect.get("accept_length") or None
+    if run.pool.is_live(spec):  # a running server is judged by the check its engine contributes (run_check)
         raise NotAvailable(
             f"accept_length: no check for {spec.id}, a running server, is registered "
             "(reinstall difftest: pip install -e .)"
         )
-    ref_stats = session.speculate(case, session.options.reference)
-    stats = session.speculate(case, spec)
+    ref_stats = run.speculate(run.options.reference)
+    stats = run.speculate(spec)
     # the measured numerical move only widens what is allowed, so it is measured (a float64 speculative
     # run of the reference: minutes on a deep target) only when the sampling spread alone fails
     gate = accept_judge.judge(
@@ -518,7 +518,7 @@ def check_accept_length(session: Session, case: Case, spec: EngineSpec) -> Verdi
         "within the sampling spread alone (the numerical move, which only widens it, not needed)",
     )
     if not gate.ok:
-        numerical, noise_source = session.accept_noise(case)
+        numerical, noise_source = run.accept_noise()
         gate = accept_judge.judge(ref_stats, stats, numerical, tol, noise_source)
     return Verdict(
         gate.ok,
@@ -581,7 +581,7 @@ def checks_for(case: Case, is_reference: bool, engine: str | None = None) -> tup
     return items_for(case, is_reference, engine)
 
 
-def run_check(name: str, session: Session, case: Case, spec: EngineSpec) -> Verdict:
+def run_check(name: str, run: CaseRun, spec: EngineSpec) -> Verdict:
     """The item's check, or an engine's replacement of it (e.g. a running server's accept_length)
     where it registered one."""
-    return runner(name, spec.name).run(session, case, spec)
+    return runner(name, spec.name).run(run, spec)

@@ -1,38 +1,38 @@
 """Layerwise golden inputs: the orchestration half of the draft_logits check.
 
 When an engine's draft diverges, its draft is re-run on the *reference's* draft.fc_in (a new
-capture through the session) and compared again, to tell "the engine captured the wrong hidden
+capture through the case's run) and compared again, to tell "the engine captured the wrong hidden
 states" from "its draft computes differently". difftest.checks.checks judges; this module asks the
-session for the extra capture and returns the lines and data the verdict adds.
+case's run for the extra capture and returns the lines and data the verdict adds.
 """
 
 from __future__ import annotations
 
-from difftest.case.case import Case
 from difftest.compare.compare import CaptureDiff, compare_captures, noise_summary
 from difftest.compare.diagnose import diagnose_draft
 from difftest.run.engine import EngineSpec
 from difftest.records.check_data import GoldenData
 from difftest.checks.scopes import in_draft_scope, in_fc_scope
-from difftest.run.session import Session
+from difftest.run.case_run import CaseRun
 
 
 def golden_rerun(
-    session: Session, case: Case, spec: EngineSpec, i: int, diff: CaptureDiff, own_passed: bool = False
+    run: CaseRun, spec: EngineSpec, i: int, diff: CaptureDiff, own_passed: bool = False
 ) -> tuple[list[str], GoldenData]:
     """Re-run the engine's draft on the reference's draft.fc_in and say which side is at fault
     (`own_passed`: the engine's own run is within noise; the re-run is then a confirmation)."""
-    ref_spec = session.options.reference
-    golden = session.capture_golden(case, spec, i)
+    ref_spec = run.options.reference
+    golden = run.capture_golden(spec, i)
     if golden is None:
         return [
             f"golden-input re-run: not supported by {spec.id}, so wrong hidden states and a draft that "
             "computes differently cannot be told apart"
         ], GoldenData("unsupported")
-    ref = session.capture(case, ref_spec, i)
+    ref = run.capture(ref_spec, i)
+    case = run.prepared
     scope = [n for n in ref.names() if in_draft_scope(n)]
     gdiff = compare_captures(
-        ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing], floor=session.noise_floor(case)
+        ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing], floor=run.noise_floor()
     )
     g_first = gdiff.first_introduced(scope) or gdiff.first_divergence(scope)
     fc_ok = all(d.ok for d in diff.diffs if in_fc_scope(d.name))

@@ -58,7 +58,7 @@ def engine_view(
     case: Case, engine: str, trained_wiring: list[str] | None, version: str | None = None, variant: str = ""
 ) -> EngineView | None:
     """`case` prepared (fixtures resolved) and already merged for a labelled spec
-    (Session.engine_case); `version` the engine's release (None: the pinned one, whose rules
+    (CaseRun.engine_case); `version` the engine's release (None: the pinned one, whose rules
     difftest.rules.layer_rules states), `variant` the code path it ran (EngineInfo.variant). None when
     no rule models this engine on this target."""
     try:

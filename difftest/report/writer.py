@@ -23,50 +23,34 @@ from difftest.base import definitions
 from difftest.records.acceptance import DEFINITION
 from difftest.base.errors import DifftestError
 from difftest.base import check_registry
-from difftest.records import CheckResult, ComparisonData, EngineEntry, FixData, PromptComparison, Report, Top1Data
-from difftest.records.noise_floor import NoiseFloorRecord
+from difftest.records import CheckResult, ComparisonData, FixData, PromptComparison, Report, Top1Data
+from difftest.records.case_record import CaseRecord
 from difftest.records.report import FigureDefinition
-from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.records.wiring_inference import WiringInference
+from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.base.names import short_name
 
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
 
-def build(case, session, results: list[CheckResult]) -> Report:
-    clock = getattr(session, "clock", None)  # session-like objects may not time their phases
-    if clock is None:
-        return _build(case, session, results)
-    with clock.phase("report", case.path):
-        report = _build(case, session, results)
-    report.timings = clock.timings(case.path)
-    return report
-
-
-def _build(case, session, results: list[CheckResult]) -> Report:
-    engines = {}
-    for spec in session.options.engines:
-        info, err = session.engine_info(spec), session.start_error(spec)
-        engines[spec.id] = EngineEntry(info=info) if info else EngineEntry(error=err or "not started")
-    computed = session.computed_comparisons(case)
-    comparisons = {
-        engine_id: [prompt_entry(i, cd) for i, cd in enumerate(diffs)] for engine_id, diffs in computed.items()
-    }
+def build(record: CaseRecord) -> Report:
+    """The case's report from its record alone (difftest.records.case_record): no engine is asked."""
     return Report(
-        case=case.name,
-        case_file=case.path,
+        case=record.case,
+        case_file=record.case_file,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        reference=session.options.reference.id,
+        reference=record.reference,
         accept_length_definition=DEFINITION,
-        definitions=definitions_used(results, bool(computed)),
-        engines=engines,
-        checks=list(results),
-        noise_floor=noise_floor(case, session) if computed else None,
-        wiring_inference=_inference(case, session),
-        comparisons=comparisons,
+        definitions=definitions_used(record.checks, bool(record.comparisons)),
+        engines=dict(record.engines),
+        checks=list(record.checks),
+        noise_floor=record.noise_floor,
+        wiring_inference=record.wiring_inference,
+        comparisons=dict(record.comparisons),
         environment=environment(),
-        reproduce=reproduce_command(case.path, [s.id for s in session.options.engines], session.options.reference.id),
-        case_yaml=_read_text(case.path),
+        reproduce=reproduce_command(record.case_file, record.engine_ids, record.reference),
+        case_yaml=record.case_yaml,
+        timings=record.timings,
     )
 
 
@@ -93,50 +77,6 @@ def markdown_definitions(report: Report) -> list[str]:
     lines = ["## Definitions", "", "| figure | counts | to the harness's definition |", "|---|---|---|"]
     lines += [f"| `{d.name}` | {_md(d.counts)} | {_md(d.converts)} |" for d in report.definitions]
     return lines + [""]
-
-
-def _inference(case, session) -> WiringInference | None:
-    """`wiring: infer`: the inference behind the run's wiring (difftest.run.infer_case); None for other cases."""
-    return getattr(session, "inference", lambda _case: None)(case)  # session-like objects may not infer
-
-
-def _name(d) -> str | None:
-    return d.name if d is not None else None
-
-
-def prompt_entry(i: int, cd) -> PromptComparison:
-    """One prompt's comparison. `first_divergence` is the tensor where the error is introduced
-    (difftest.compare.noise; the first tensor above noise when none is marked introduced): the tensor the
-    failing checks lead with and the summary table shows."""
-    introduced, above = cd.first_introduced(), cd.first_divergence()
-    return PromptComparison(
-        prompt=i,
-        first_divergence=_name(introduced or above),
-        first_introduced=_name(introduced),
-        first_above_noise=_name(above),
-        first_differs=_name(cd.first_differs()),
-        tie=cd.tie,
-        tensors=list(cd.diffs),
-    )
-
-
-def noise_floor(case, session) -> NoiseFloorRecord:
-    """The case's noise floor (difftest.compare.noise.NoiseFloor.record()); memoised by the session once
-    any engine was compared. Should computing it fail, the report says why instead of failing."""
-    try:
-        return session.noise_floor(case).record()
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-        return NoiseFloorRecord(
-            getattr(case, "dtype", None), False, f"could not be computed ({error.splitlines()[0]})", error=error
-        )
-
-
-def _read_text(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as e:
-        return f"(case file unreadable: {e.strerror})"
 
 
 def reproduce_command(case_path: str, engines: list[str], reference: str) -> str:

@@ -30,6 +30,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from difftest.records.acceptance import AcceptStats
 from difftest.records.capture import Capture
@@ -46,6 +47,9 @@ from difftest.records.baseline_manifest import (
     StoredPrompt,
     StoredSpec,
 )
+
+if TYPE_CHECKING:  # annotations only: a case's run reads stored baselines (difftest.run.pool)
+    from difftest.run.case_run import CaseRun
 
 DEFAULT_DIR = "baselines"
 PREFIX = "baseline:"  # reference specs standing for a stored run: baseline:NAME or baseline:NAME:ENGINE
@@ -185,14 +189,14 @@ class BaselineWriter:
             self._tmp.mkdir()
         return self._tmp
 
-    def add(self, session, case: Case, spec: EngineSpec) -> StoredEngineRun:
+    def add(self, case_run: CaseRun, spec: EngineSpec) -> StoredEngineRun:
         """Capture every prompt and run speculative decoding for (case, engine); stage the result."""
         from safetensors.torch import save_file
 
-        prepared = session.prepare(case)
-        prompts = session.prompt_ids(prepared)
-        captures = [session.capture(case, spec, i) for i in range(len(prompts))]
-        stats = session.speculate(case, spec)
+        case, prepared = case_run.case, case_run.prepared
+        prompts = case_run.prompt_ids()
+        captures = [case_run.capture(spec, i) for i in range(len(prompts))]
+        stats = case_run.speculate(spec)
         rel = Path(case.name.replace("/", "_")) / f"{_file_stem(spec.id)}.safetensors"
         out = self._staging() / rel
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +210,7 @@ class BaselineWriter:
             file=str(rel),
             captures=[StoredPrompt(list(c.tensors), d, c.meta) for c, d in zip(captures, derived)],
             accept=stats,
-            info=session.engine_info(spec),
+            info=case_run.pool.engine_info(spec),
             engine=StoredSpec(spec.name, spec.label, [list(p) for p in spec.params]),
             device=captures[0].meta.device or "unknown",
             dtype=captures[0].meta.dtype or prepared.dtype,
@@ -220,7 +224,7 @@ class BaselineWriter:
                 case_file=case.path,
                 dtype=prepared.dtype,
                 prompts=prompts,
-                spec_prompts=session.prompt_ids(prepared, speculative=True),
+                spec_prompts=case_run.prompt_ids(speculative=True),
             ),
         )
         stored.engines[spec.id] = run

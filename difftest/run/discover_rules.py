@@ -39,7 +39,8 @@ from difftest.rules.layer_rules import (
 from difftest.base.names import hidden_index
 from difftest.base.registry import calibration_engine
 from difftest.run.engine import EngineSpec
-from difftest.run.session import Options, Session
+from difftest.run.case_run import CaseRun
+from difftest.run.pool import EnginePool, Options
 
 PLACES = (TOP, EAGLE_CONFIG, EAGLE_CONFIG_LAYER_IDS)
 # formulas of L that engines and trainers use for their defaults (difftest.rules.layer_rules)
@@ -116,15 +117,15 @@ def _probes(L: int) -> list[Probe]:
 
 
 def _measure(
-    session: Session, ref: EngineSpec, spec: EngineSpec, case_path: Path
+    pool: EnginePool, ref: EngineSpec, spec: EngineSpec, case_path: Path
 ) -> tuple[list[int] | None, str | None]:
-    case = session.prepare(load_case(case_path))
-    session.begin_case(str(case_path))
+    run = CaseRun(pool, load_case(case_path))
+    pool.begin_case(str(case_path))
     try:
-        theirs = session.capture(case, spec, 0)
+        theirs = run.capture(spec, 0)
     except DifftestError as e:
         return None, str(e).splitlines()[0][:300]
-    ours = session.capture(case, ref, 0)
+    ours = run.capture(ref, 0)
     fed = []
     for m in match_fc_chunks(ours, theirs):
         k = hidden_index(m.best) if m.matched and m.best else None
@@ -159,7 +160,7 @@ def discover(
     if L < 6:
         raise ConfigError(f"{target}: {L} layers; discovery needs a target of at least 6 layers")
     ref = EngineSpec(calibration_engine())
-    session = Session(
+    pool = EnginePool(
         Options(
             engines=[spec],
             reference=ref,
@@ -171,14 +172,14 @@ def discover(
     )
 
     def run(i: int, probe: Probe) -> None:
-        probe.fed, probe.error = _measure(session, ref, spec, _write_probe(work, i, target, draft, probe))
+        probe.fed, probe.error = _measure(pool, ref, spec, _write_probe(work, i, target, draft, probe))
         progress(f"[rules discover] {spec.id}: {probe.name}: {probe.fed if probe.error is None else probe.error}")
 
     try:
         probes = _probes(L)
         for i, probe in enumerate(probes):
             run(i, probe)
-        info: EngineInfo | None = session.engine_info(spec)
+        info: EngineInfo | None = pool.engine_info(spec)
         rule = _infer(spec, info, L, probes)
         extra = _unsorted_probe(rule.ids_from, L)
         if extra is not None:
@@ -191,7 +192,7 @@ def discover(
                 rule.unresolved.append("sorted_by_layer: the out-of-order probe was not fed")
         return rule
     finally:
-        session.close()
+        pool.close()
 
 
 def _infer(spec: EngineSpec, info: EngineInfo | None, L: int, probes: list[Probe]) -> DiscoveredRule:

@@ -97,20 +97,20 @@ def main(args: argparse.Namespace) -> int:
                 progress=lambda m: print(f"[difftest probe] {m}", file=sys.stderr, flush=True),
             )
         )
-        session.client(server)  # reachability, speculative decoding: fail before loading the reference
+        session.pool.client(server)  # reachability, speculative decoding: fail before loading the reference
         results = []
         for name in ("fc_inputs", "draft_logits", "top1_agreement"):
             try:
-                checks.run_check(name, session, case, server)
+                checks.run_check(name, session.run(case), server)
             except DifftestError as e:  # NotAvailable: a server exposes no tensors
                 results.append(CheckResult(server.id, name, "not available", str(e)))
-        verdict = checks.run_check("accept_length", session, case, server)  # engines.server.probe.CHECK
+        verdict = checks.run_check("accept_length", session.run(case), server)  # engines.server.probe.CHECK
         results.append(
             CheckResult(
                 server.id, "accept_length", "passed" if verdict.passed else "failed", verdict.message, verdict.data
             )
         )
-        path = report_files.write(report_mod.build(case, session, results), report_dir)
+        path = report_files.write(report_mod.build(session.run(case).record(results)), report_dir)
     except DifftestError as e:
         print(f"difftest probe: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from difftest.api import EngineSpec
 from difftest.api import ConfigError
 from difftest.api import ENGINE, CheckSpec
 from difftest.api import CheckData
-from difftest.api import Session
+from difftest.api import CaseRun
 from difftest.api import Verdict
 from engines.trainingdata.chat_template import CAUSE, chat_prompts
 from engines.trainingdata.train_check import TRAIN
@@ -45,11 +45,12 @@ def applies(case: Case) -> bool:
     return names_training_data(case) and bool(chat_prompts(case.prompts))
 
 
-def check_chat_template(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+def check_chat_template(run: CaseRun, spec: EngineSpec) -> Verdict:
+    case = run.case
     lines, drifted, data = [], [], []
     for i, p in chat_prompts(case.prompts):
         try:
-            cap = session.capture(case, spec, i)
+            cap = run.capture(spec, i)
         except ConfigError as e:
             if CAUSE not in str(e):
                 raise

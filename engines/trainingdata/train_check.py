@@ -24,7 +24,7 @@ from difftest.api import EngineSpec
 from difftest.api import ConfigError
 from difftest.api import ENGINE, CheckSpec
 from difftest.api import CheckData
-from difftest.api import Session
+from difftest.api import CaseRun
 from difftest.api import Verdict
 from difftest.api import FINAL_NORM, hidden_index
 from difftest.api import short_name
@@ -58,21 +58,21 @@ def applies(case: Case) -> bool:
     return bool(case.engine_settings(TRAIN).get("data"))
 
 
-def _trainer_spec(session: Session) -> EngineSpec:
-    """The session's own train engine (it may carry data=... parameters), else a plain one."""
-    for e in session.options.engines:
+def _trainer_spec(run: CaseRun) -> EngineSpec:
+    """The run's own train engine (it may carry data=... parameters), else a plain one."""
+    for e in run.options.engines:
         if e.name == TRAIN and e.param("wiring") is None:
             return e
     return EngineSpec(TRAIN)
 
 
-def engine_wiring(session: Session, case: Case, spec: EngineSpec) -> tuple[list[str], str]:
+def engine_wiring(run: CaseRun, spec: EngineSpec) -> tuple[list[str], str]:
     """The canonical names an engine fed its fc with, and how that was found."""
-    cap = session.capture(case, spec, 0)
+    cap = run.capture(spec, 0)
     names = cap.meta.wiring.inputs if cap.meta.wiring else []
     if names and all(hidden_index(n) is not None or n == FINAL_NORM for n in names):
         return list(names), "the engine's capture"
-    ref = session.capture(case, session.options.reference, 0)
+    ref = run.capture(run.options.reference, 0)
     matches = match_fc_chunks(ref, cap)
     if not matches or any(m.cosine < 0.9999 for m in matches):
         raise ConfigError(
@@ -81,7 +81,8 @@ def engine_wiring(session: Session, case: Case, spec: EngineSpec) -> tuple[list[
     return [m.best for m in matches], "its fc chunks matched to the reference target"
 
 
-def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verdict:
+def check_train_accuracy(run: CaseRun, spec: EngineSpec) -> Verdict:
+    case = run.case
     expect = case.expect.get("train_accuracy") or {}
     unknown = sorted(set(expect) - set(EXPECT_KEYS))
     if unknown:
@@ -90,15 +91,15 @@ def check_train_accuracy(session: Session, case: Case, spec: EngineSpec) -> Verd
         )
     atol = float(expect.get("atol", DEFAULT_ATOL))
     floor = float(expect.get("min", DEFAULT_MIN))
-    base = _trainer_spec(session)
-    trained = session.capture(case, base, 0).meta.extra
+    base = _trainer_spec(run)
+    trained = run.capture(base, 0).meta.extra
     acc_t = trained["train_accuracy"]
-    names, how = engine_wiring(session, case, spec)
+    names, how = engine_wiring(run, spec)
     short = [short_name(n) for n in names]
     rewired = EngineSpec(
         base.name, base.label, tuple(p for p in base.params if p[0] != "wiring") + (("wiring", "+".join(short)),)
     )
-    acc_e = session.capture(case, rewired, 0).meta.extra["train_accuracy"]
+    acc_e = run.capture(rewired, 0).meta.extra["train_accuracy"]
     a, b = acc_t["full_acc"][0], acc_e["full_acc"][0]
     fmt = lambda xs: "[" + " ".join(f"{x:.3f}" for x in xs) + "]"  # noqa: E731
     td = trained["train_data"]

@@ -1,0 +1,279 @@
+"""The engines one harness run holds: their worker clients (started once, reused by every case,
+closed or killed at the end), the stored baselines standing in for engines, what each worker said
+about itself (EngineInfo, remembered per environment by difftest.run.engine_identity), the capture
+cache on disk and the phase clock. Every case's run (difftest.run.case_run.CaseRun) shares one pool.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from difftest.base.errors import ConfigError, DifftestError, EngineError
+from difftest.base.paths import cache_root, log_file_name
+from difftest.base.registry import calibration_engine, engine_target
+from difftest.records.capture import Capture, CaptureCache, remove_partial
+from difftest.records.engine_info import EngineInfo
+from difftest.records.fields import decode_value
+from difftest.records.timings import WorkerPhase
+from difftest.rules import engine_releases
+from difftest.run import engine_identity
+from difftest.run.engine import EngineSpec
+from difftest.run.phase_clock import PhaseClock, case_of
+from difftest.run.worker import PROJECT_ROOT, WorkerClient
+
+if TYPE_CHECKING:  # annotations only: difftest.run.baseline builds on the case runs
+    from difftest.run.baseline import BaselineSource
+
+
+@dataclass
+class Options:
+    engines: list[EngineSpec]
+    reference: EngineSpec
+    engine_python: dict[str, str] = field(default_factory=dict)  # spec key or name -> interpreter
+    timeout: float = 900.0
+    use_cache: bool = True
+    log_dir: Path = Path("reports") / "logs"
+    progress: Callable[[str], None] | None = None  # one line per slow step (engine start, capture, speculate)
+
+
+class EnginePool:
+    """The run's engines and what they share across cases; nothing here is global."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.cache = CaptureCache(cache_root() / "captures")
+        self._clients: dict[str, WorkerClient] = {}
+        self._start_errors: dict[str, DifftestError] = {}
+        # spec id -> what its worker said when it last started in this same environment, used for
+        # cache keys until a result is not cached and the worker has to start (difftest.run.engine_identity)
+        self._remembered: dict[str, EngineInfo] = {}
+        self._identities: dict[str, str | None] = {}
+        self.infos = engine_identity.InfoMemo(cache_root() / "engine-info")
+        self._current_case: str | None = None  # the case whose items run now (begin_case)
+        # spec id -> a stored run standing in for an engine (difftest.run.baseline.BaselineSource)
+        self._stored: dict[str, BaselineSource] = {}
+        self.clock = PhaseClock()  # where each case's time goes (difftest.run.phase_clock; in its report)
+
+    # -- stored baselines --------------------------------------------------------------
+    def add_stored(self, source: BaselineSource) -> None:
+        """Serve `source.spec` from disk (captures, accept stats, info) instead of a worker."""
+        self._stored[source.spec.id] = source
+
+    def stored(self, spec: EngineSpec) -> BaselineSource | None:
+        """The stored run standing in for `spec` (None: `spec` runs here)."""
+        return self._stored.get(spec.id)
+
+    # -- workers -----------------------------------------------------------------------
+    def python_for(self, spec: EngineSpec) -> str:
+        env_var = "DIFFTEST_PYTHON_" + spec.key.upper().replace("@", "_").replace("-", "_").replace(".", "_")
+        return (
+            self.options.engine_python.get(spec.key)
+            or self.options.engine_python.get(spec.name)
+            or os.environ.get(env_var)
+            or self._env_python(spec)
+            or sys.executable
+        )
+
+    def _env_python(self, spec: EngineSpec) -> str | None:
+        """An engine environment made by `scripts/setup-engine` (later issues) lives in the user cache."""
+        candidate = cache_root() / "envs" / spec.key / "bin" / "python"
+        return str(candidate) if candidate.exists() else None
+
+    def _new_client(self, spec: EngineSpec) -> WorkerClient:
+        return WorkerClient(
+            spec,
+            engine_target(spec.name),
+            self.python_for(spec),
+            self.options.log_dir / log_file_name(spec.id),
+            self.options.timeout,
+        )
+
+    def client(self, spec: EngineSpec) -> WorkerClient:
+        if spec.id in self._start_errors:
+            raise self._start_errors[spec.id]
+        if spec.id not in self._clients:
+            client = self._new_client(spec)
+            self.progress(f"starting {spec.id} ({self.python_for(spec)})")
+            t = time.monotonic()
+            try:
+                with self.clock.phase("engine.start", engine=spec.id):
+                    client.start()
+                self._check_release(spec, client.started_info)
+                self._remember(spec, client.started_info)
+            except DifftestError as e:
+                client.kill()
+                self._start_errors[spec.id] = e
+                raise
+            self.progress(f"{spec.id} ready in {time.monotonic() - t:.1f}s")
+            self._clients[spec.id] = client
+        return self._clients[spec.id]
+
+    def started(self, spec: EngineSpec) -> bool:
+        """Whether `spec`'s worker runs now."""
+        return spec.id in self._clients
+
+    def begin_case(self, path: str) -> None:
+        """A worker that died during an earlier case (e.g. an SGLang scheduler crash that case provoked)
+        is replaced for this one, so one crashing case does not fail every later case's items. Within
+        a case a dead worker stays dead: each restart would crash the same way, minutes each."""
+        if path == self._current_case:
+            return
+        self._current_case = path
+        self.clock.current_case = case_of(path)
+        for spec_id, client in list(self._clients.items()):
+            if client.proc is not None and client.proc.poll() is not None:
+                how = "ended after an engine that cannot restart in it failed" if client.ended_with else "died"
+                self.progress(f"{spec_id}: its worker {how} during an earlier case; a fresh one starts for {path}")
+                client.kill()
+                del self._clients[spec_id]
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    def abort(self) -> None:
+        """Kill every worker now (an interrupted run: none is waited for)."""
+        for client in self._clients.values():
+            client.kill()
+        self._clients.clear()
+
+    def progress(self, message: str) -> None:
+        if self.options.progress is not None:
+            self.options.progress(message)
+
+    # -- what each engine says about itself ----------------------------------------------
+    def info(self, spec: EngineSpec) -> EngineInfo:
+        """What `spec` says about itself: a stored run's info, its started worker's, or, while every
+        result asked for is cached, what its worker said when it last started in this same
+        environment (difftest.run.engine_identity), so a fully cached run starts no engine."""
+        if spec.id in self._stored:
+            return self._stored[spec.id].info
+        if spec.id not in self._clients and spec.id not in self._start_errors:
+            remembered = self._remembered_info(spec)
+            if remembered is not None:
+                return remembered
+        return self.client(spec).started_info
+
+    def version(self, spec: EngineSpec) -> str:
+        """The engine's version, as its cache keys name it (a stored run: the version it was saved as)."""
+        return self.info(spec).version
+
+    def engine_info(self, spec: EngineSpec) -> EngineInfo | None:
+        """What is known of `spec` without starting it (None: it neither started nor ran before here)."""
+        if spec.id in self._stored:
+            return self._stored[spec.id].info
+        c = self._clients.get(spec.id)
+        return c.info if c else self._remembered.get(spec.id)
+
+    def start_error(self, spec: EngineSpec) -> str | None:
+        e = self._start_errors.get(spec.id)
+        return str(e) if e else None
+
+    def is_live(self, spec: EngineSpec) -> bool:
+        """A running server (EngineInfo.live): no tensors to compare, acceptance only."""
+        return spec.id not in self._stored and self.info(spec).live
+
+    def calibration_spec(self) -> EngineSpec:
+        """The engine that measures the noise floor: the reference when it is the calibration engine
+        (difftest.base.registry.calibration_engine, with its wiring and flags), else a plain one beside it."""
+        ref, name = self.options.reference, calibration_engine()
+        return ref if ref.name == name and ref.id not in self._stored else EngineSpec(name)
+
+    def identity(self, spec: EngineSpec) -> str | None:
+        """The digest of everything `spec`'s worker info follows from (difftest.run.engine_identity)."""
+        if spec.id not in self._identities:
+            client = self._new_client(spec)
+            self._identities[spec.id] = engine_identity.identity(
+                spec.to_dict(), client.target, client.python, client.environment(), PROJECT_ROOT
+            )
+        return self._identities[spec.id]
+
+    def _remembered_info(self, spec: EngineSpec) -> EngineInfo | None:
+        if not self.options.use_cache:
+            return None  # nothing is read from the cache: every result needs the worker anyway
+        if spec.id not in self._remembered:
+            ident = self.identity(spec)
+            info = self.infos.get(ident) if ident else None
+            if info is None:
+                return None
+            try:
+                self._check_release(spec, info)
+            except DifftestError as e:
+                self._start_errors[spec.id] = e
+                raise
+            self.progress(
+                f"{spec.id}: {info.version} (as its worker said in this environment; it starts "
+                "when a result is not cached)"
+            )
+            self._remembered[spec.id] = info
+        return self._remembered[spec.id]
+
+    def _remember(self, spec: EngineSpec, info: EngineInfo) -> None:
+        """Keep what a started worker said for later runs; a remembered info this run already used for
+        cache keys that the worker now contradicts means those keys named another engine."""
+        ident = self.identity(spec)
+        if ident is None:
+            return
+        self.infos.put(ident, info)
+        used = self._remembered.get(spec.id)
+        if used is not None and used.to_dict() != info.to_dict():
+            raise EngineError(
+                f"{spec.id}: its worker reports {info.version} {info.versions}, but what this environment's "
+                f"worker said before ({used.version} {used.versions}) named the results this run read from "
+                "the cache; run again (the record is corrected now) or with --no-capture-cache"
+            )
+
+    def _check_release(self, spec: EngineSpec, info: EngineInfo) -> None:
+        """An engine with release rules (difftest.rules.engine_releases) running a release outside them is run,
+        not refused: every verdict is measured (fc chunks against the reference's layers, golden inputs,
+        accept length), and its reports say no rule is on record (engine_releases.unrecorded). Only a
+        version that is not a release at all is refused, in one line."""
+        if info.name not in engine_releases.SUPPORTED:
+            return
+        if engine_releases.on_record(info.name, info.version):
+            return
+        try:
+            engine_releases.newer_than_pinned(info.name, info.version)  # refuses a version that is not a release
+        except ConfigError as e:
+            raise ConfigError(f"{spec.id} ({self.python_for(spec)}): {e}") from None
+        self.progress(f"{spec.id}: {engine_releases.unrecorded(info.name, info.version)}")
+
+    # -- transfers: requests to a worker and the captures it writes -----------------------
+    def request(self, client: WorkerClient, msg: dict, out: Path | None = None) -> dict:
+        """A worker request, timed (the worker's own phases come back in its reply); what a worker
+        that died writing `out` left half-written is removed."""
+        try:
+            with self.clock.phase("request"):
+                reply = client.request(msg)
+                try:
+                    measured = decode_value(list[WorkerPhase], reply.get("timings", []), "worker reply", "timings")
+                except ConfigError:
+                    measured = []  # a worker of another difftest version: its phases are not counted
+                self.clock.add_inner(measured)
+        finally:
+            if out is not None:
+                remove_partial(out)
+        return reply
+
+    def cached(self, key: str) -> Capture | None:
+        if not self.options.use_cache:
+            return None
+        with self.clock.phase("transfer.read") as frame:
+            found = self.cache.get(key)
+            frame.bytes = found.nbytes if found is not None else 0
+        return found
+
+    def load(self, out: Path) -> Capture:
+        with self.clock.phase("transfer.read") as frame:
+            capture = Capture.load(out)
+            frame.bytes = capture.nbytes
+        return capture
+
+
+__all__ = ["EnginePool", "Options"]
