@@ -10,10 +10,12 @@ reports). Above the floors, beside the CLI and the plugin: it may name any of th
 
 from difftest.base import definitions
 from difftest.base.definitions import Definition, trainer_figures
+from difftest.base.dtypes import CASE_DTYPES, DType, torch_dtype
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
 from difftest.base.fc_wiring import Wiring
 from difftest.base.check_registry import ENGINE, REFERENCE, CheckSpec
 from difftest.base.extensions import CHECK_GROUP, COMMAND_GROUP, Command, DraftLoader, registered
+from difftest.base.content_digest import signature
 from difftest.base.jsonfile import read_json
 from difftest.base.names import (
     FC_IN,
@@ -40,6 +42,7 @@ from difftest.records.acceptance import AcceptStats, accept_length_spread, norma
 from difftest.records.capture import Capture, cache_key
 from difftest.records.check_data import CheckData, ServerAcceptData
 from difftest.records.engine_info import EngineInfo
+from difftest.records.tolerance import Expectations, TolerancePair
 from difftest.report import report_files, writer as report
 from difftest.rules.checkpoint_integrity import refuse_on_errors, stored_tensors, target_findings
 from difftest.rules.engine_releases import layer_rule
@@ -94,6 +97,11 @@ __all__ = [
     "Case",
     "Prompt",
     "load_case",
+    "DType",
+    "CASE_DTYPES",
+    "torch_dtype",
+    "Expectations",
+    "TolerancePair",
     "chat",
     "Wiring",
     "resolve",
@@ -117,6 +125,7 @@ __all__ = [
     "load_safetensors",
     "torch_load_tensors",
     "read_json",
+    "signature",
     "cache_root",
     "resolve_fixture",
     "ENV_BUILT_MARK",
