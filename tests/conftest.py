@@ -86,6 +86,15 @@ def loaded_models(models: tuple[Path, Path]) -> tuple:
 
 
 @pytest.fixture(scope="module")
+def shipped_run():
+    """The one real run of the user's command over every shipped case (tests/shipped_run.py), or a skip
+    naming the setup commands; the engine modules read their cases' results from it."""
+    from shipped_run import shipped_or_skip
+
+    return shipped_or_skip()
+
+
+@pytest.fixture(scope="module")
 def sglang_python() -> str:
     """SGLang's interpreter, for the modules that start SGLang sessions (helpers.sglang_python_or_skip)."""
     from helpers import sglang_python_or_skip

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from difftest.records.check_result import CheckResult
@@ -45,10 +46,21 @@ speculative:
 {extra}"""
 
 
+def one_line(e: pytest.ExceptionInfo) -> str:
+    """The refused input's message, asserted to be what a user reads: one line, no traceback."""
+    message = str(e.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A seeded standard-normal tensor in `dtype`, the same for a seed whatever ran before."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
 def sglang_python_or_skip() -> str:
     """SGLang's interpreter; skips (fails under DIFFTEST_REQUIRE_ENGINES=1) naming the setup command
     when its environment is not built."""
-    import pytest
 
     from difftest.base.paths import cache_root
 

@@ -12,6 +12,7 @@ from difftest.records.capture import Capture
 from difftest.compare.compare import compare_captures, compare_tensor
 from difftest.compare.diagnose import diagnose_fc
 from difftest.compare.tolerances import DEFAULTS, Tolerance, tolerance_for
+from helpers import randn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["float32", "bfloat16", "float16"]
@@ -20,10 +21,6 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 
 def tol(dtype: torch.dtype) -> Tolerance:
     return tolerance_for("draft.logits", str(dtype).removeprefix("torch."), {})
-
-
-def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from helpers import COUNTERS_CASE, make_degenerate_pair, run_pytest
-from shipped_run import shipped_or_skip
 
 SETUP = "scripts/setup-engine vllm"
 REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
@@ -45,13 +44,6 @@ def run_vllm(root: Path, *args: str):
 
 
 # -- the shipped cases ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def shipped_run():
-    """tiny_llama and the seed's miswired case on real vLLM: the one real run of the user's command
-    over every shipped case (tests/shipped_run.py)."""
-    return shipped_or_skip()
 
 
 def test_tiny_case_passes_every_check_on_vllm(shipped_run):

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from shipped_run import shipped_or_skip
 from test_engine_vllm import run_vllm, vllm_python
 
 from helpers import ROOT
@@ -25,11 +24,6 @@ NESTED = "catalogue_ids_nested_only"
 # one case per class the shipped cases hold: a correct Llama draft, the seed's miswiring (caught), a
 # DeepSeek-V3 (MLA + MoE) target, and the draft whose ids only V1 reads
 V1_CASES = ("tiny_llama", "seed_miswired_training", "tiny_deepseek_v3", NESTED)
-
-
-@pytest.fixture(scope="module")
-def shipped_run():
-    return shipped_or_skip()
 
 
 def _copy_cases(root: Path, names) -> None:

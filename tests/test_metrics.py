@@ -12,18 +12,17 @@ import torch
 import difftest.compare.compare as compare_mod
 from difftest.compare.compare import compare_tensor, is_logits
 from difftest.compare.tolerances import DEFAULTS
+from helpers import randn
 
 dtypes = pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"]
 )
 
 
-def tol(dtype):
+def default_tol(dtype):
+    """The dtype's default tolerance (test_compare's `tol` is the logits' own, by pattern)."""
+
     return DEFAULTS[str(dtype).removeprefix("torch.")]
-
-
-def randn(*shape, dtype, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 @dtypes
@@ -32,7 +31,7 @@ def test_per_token_profile_locates_the_bad_rows(dtype):
     b = a.clone()
     b[1, 2, 5] += 4
     b[0, 1, 0] += 2
-    d = compare_tensor("draft.fc_out", a, b, tol(dtype))
+    d = compare_tensor("draft.fc_out", a, b, default_tol(dtype))
     assert d.rows == 8 and d.rows_mismatched == 2 and d.worst_row == 6  # row = flattened leading dims
     assert [i for i, v in enumerate(d.row_mismatched) if v] == [1, 6]
     assert d.row_max_abs[6] == d.max_abs and d.row_max_abs[0] == 0.0
@@ -47,7 +46,7 @@ def test_nan_and_inf_are_counted_per_side(dtype):
     b = a.clone()
     b[1, 2] = float("nan")
     b[2, 3] = float("inf")
-    d = compare_tensor("draft.fc_out", a, b, tol(dtype))
+    d = compare_tensor("draft.fc_out", a, b, default_tol(dtype))
     assert (d.nan_ref, d.nan_other, d.inf_ref, d.inf_other) == (0, 1, 3, 4)
     assert d.nonfinite_mismatch == 2
 
@@ -95,11 +94,11 @@ def test_compiled_kernel_gives_the_eager_numbers(dtype):
     b = (a.float() + randn(37, 300, dtype=torch.float32, seed=5) * 0.03).to(dtype)
     b[3, 7] = float("nan")
     b[20, 100] = a[20, 100].float() + 50
-    eager = compare_tensor("draft.logits_target", a, b, tol(dtype))
+    eager = compare_tensor("draft.logits_target", a, b, default_tol(dtype))
     old = compare_mod.row_stats.__globals__["COMPILE_MIN"]
     compare_mod.row_stats.__globals__["COMPILE_MIN"] = 0
     try:
-        fused = compare_tensor("draft.logits_target", a, b, tol(dtype))
+        fused = compare_tensor("draft.logits_target", a, b, default_tol(dtype))
     finally:
         compare_mod.row_stats.__globals__["COMPILE_MIN"] = old
     from difftest.compare.rowstats import compile_status

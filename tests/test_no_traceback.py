@@ -21,13 +21,7 @@ import torch
 
 from difftest.cli import main
 from difftest.base.errors import ConfigError
-from helpers import TINY_CASE, run_pytest
-
-
-def one_line(e: pytest.ExceptionInfo) -> str:
-    message = str(e.value)
-    assert "\n" not in message and "Traceback" not in message
-    return message
+from helpers import TINY_CASE, one_line, run_pytest
 
 
 def damaged_copy(src: Path, out: Path, damage: str) -> Path:
