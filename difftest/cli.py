@@ -18,11 +18,17 @@ difftest versions REPORT_DIR...              EAGLE-3 behaviour by engine release
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from importlib import metadata
 
+from difftest import fix_command, rules_command
 from difftest.base.errors import DifftestError
+from difftest.base.extensions import commands
+from difftest.report import bundle, version_table
+from difftest.run import envs
 from difftest.run.case_run import FIXTURE_GROUP
 
 
@@ -45,9 +51,6 @@ def _fixtures(args: argparse.Namespace) -> int:
         # one. Each fixture builds once across processes and waits for what it builds on (the fixture
         # cache's per-name locks), and the queue takes the lanes in turn, so each process starts on
         # its own lane's first fixture and the long lane's tail is shared.
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             for future in [pool.submit(_build_one, provider, name, args.force) for provider, name in _queue(lanes)]:
                 future.result()
@@ -115,7 +118,7 @@ def _positive_int(text: str) -> int:
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
-    import pytest
+    import pytest  # pytest costs every other subcommand its import; only `run` drives it
 
     argv = ["-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs", *args.cases]
     if (
@@ -140,8 +143,6 @@ def _env_parsers(sub) -> None:
     """`env create`: build an engine environment at a chosen version (difftest.run.envs)."""
 
     def handler(args: argparse.Namespace) -> int:
-        from difftest.run import envs
-
         return envs.main(args)
 
     e = sub.add_parser("env", help="engine environments for versioned specs (NAME@LABEL)")
@@ -156,8 +157,6 @@ def _env_parsers(sub) -> None:
 def _extension_parsers(sub) -> list[str]:
     """Commands engine packages contribute (difftest.base.extensions: the `difftest.commands` entry
     points), e.g. the training-data engine's `train-acc` and `dump`; their names."""
-    from difftest.base.extensions import commands
-
     for name, command in commands().items():
         p = sub.add_parser(name, help=command.help)
         command.add_arguments(p)
@@ -170,9 +169,6 @@ def _report_parsers(sub) -> None:
 
     def handler(name: str):
         def run(args: argparse.Namespace) -> int:
-            from difftest.report import bundle
-            from difftest.base.errors import DifftestError
-
             try:
                 return getattr(bundle, name)(args)
             except DifftestError as e:
@@ -227,11 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
     _env_parsers(sub)
     _report_parsers(sub)
-    from difftest import fix_command
-    from difftest.report import version_table
-
-    from difftest import rules_command
-
     fix_command.add_parser(sub)
     version_table.add_parser(sub)
     rules_command.add_parser(sub)

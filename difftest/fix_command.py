@@ -24,12 +24,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from difftest.base.errors import ConfigError, DifftestError
 from difftest.base.outputs import atomic_write
+from difftest.base.registry import calibration_engine
+from difftest.case.case import load_case
+from difftest.checks.layer_reading import engine_view
+from difftest.checks.lint import trained_wiring
+from difftest.records import Report
+from difftest.rules.layer_rules import spec_variant
+from difftest.rules.overlay import deep_merge
+from difftest.run.case_run import CaseRun
+from difftest.run.engine import EngineSpec, parse_spec
+from difftest.run.pool import EnginePool, Options
 
 HELP = "compute, write and verify the draft-config edit that makes ENGINE feed what training fed"
 
@@ -117,23 +133,11 @@ class FixResult:
 
 def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Path | None]:
     """The edit and its files (no engine run). Returns the result and the patched case's path."""
-    import yaml
-
-    from difftest.case.case import load_case
-    from difftest.base.registry import calibration_engine
-    from difftest.run.engine import EngineSpec, parse_spec
-    from difftest.checks.layer_reading import engine_view
-    from difftest.checks.lint import trained_wiring
-    from difftest.rules.overlay import deep_merge
-    from difftest.run.case_run import CaseRun
-    from difftest.run.pool import EnginePool, Options
-
     spec = parse_spec(engine)
     case = load_case(case_path)
     pool = EnginePool(Options(engines=[spec], reference=EngineSpec(calibration_engine())))
     prepared = CaseRun(pool, case).engine_case(spec)
     trained = trained_wiring(prepared)
-    from difftest.rules.layer_rules import spec_variant
 
     view = engine_view(prepared, spec.name, trained, variant=spec_variant(spec.name, dict(spec.params)))
     if view is None:
@@ -202,12 +206,6 @@ def write_reordered_draft(draft: Path, order: list[int], out: Path) -> Path:
     """A copy of `draft` (other files linked) whose fc.weight input blocks are reordered: new block j
     = old block order[j]. With its fc fed cat(x[order[0]], x[order[1]], ...) it computes exactly what
     the original computed on cat(x[0], x[1], ...). Written beside, then renamed into place."""
-    import shutil
-
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     holder = None
     for f in sorted(draft.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
@@ -242,11 +240,6 @@ def write_reordered_draft(draft: Path, order: list[int], out: Path) -> Path:
 
 def verify(fixed: list[tuple[FixResult, Path]], args: argparse.Namespace, out_dir: Path) -> None:
     """The patched cases on the real engine, in one run: every check of that engine must pass."""
-    import yaml
-
-    from difftest.base.registry import calibration_engine
-    from difftest.records import Report
-
     reference = args.reference or calibration_engine()
     report_dir = out_dir / "verified"
     engine = fixed[0][0].engine
@@ -293,8 +286,6 @@ def verify(fixed: list[tuple[FixResult, Path]], args: argparse.Namespace, out_di
 
 def _case_name(path: Path) -> str | None:
     """The case's name, read ahead of its fix; None where the file cannot say (compute names why)."""
-    import yaml
-
     try:
         raw = yaml.safe_load(path.read_text())
     except (OSError, ValueError, yaml.YAMLError):

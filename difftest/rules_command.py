@@ -15,6 +15,10 @@ from difftest.base.registry import registered_engines
 from difftest.base.settings import unknown_key
 from difftest.rules import engine_releases
 from difftest.rules.layer_rules import target_family
+from difftest.run.discover_rules import difference, discover
+from difftest.run.engine import parse_spec
+from difftest.run.case_run import resolve_fixture
+from difftest.rules.layer_rules import spec_variant
 
 
 def add_parser(sub) -> None:
@@ -45,11 +49,6 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from difftest.run.discover_rules import difference, discover
-    from difftest.run.engine import parse_spec
-    from difftest.run.case_run import resolve_fixture
-    from difftest.rules.layer_rules import spec_variant
-
     try:
         spec = parse_spec(args.engine)
         engines = registered_engines()

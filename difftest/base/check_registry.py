@@ -44,7 +44,7 @@ BUILTIN = {
 @dataclass(frozen=True)
 class CheckSpec:
     name: str
-    run: Callable[..., Any]  # (session, case, engine spec) -> difftest.checks.verdict.Verdict
+    run: Callable[..., Any]  # the check itself, as difftest.checks.checks.run_check calls it -> a Verdict
     applies_to: str  # REFERENCE or ENGINE: whose item it is
     doc: str = ""
     when: Callable[[Any], bool] | None = None  # (case) -> does this case get the item; None: every case

@@ -9,6 +9,7 @@ import functools
 import os
 import re
 from importlib import metadata
+import importlib
 
 from difftest.base.errors import ConfigError
 from difftest.base.settings import Schema, suggest
@@ -53,8 +54,6 @@ def _engine_class(target: str) -> type | None:
     another environment)."""
     module, _, attr = target.partition(":")
     try:
-        import importlib
-
         return getattr(importlib.import_module(module), attr)
     except Exception:
         return None

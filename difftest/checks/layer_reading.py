@@ -16,6 +16,7 @@ from difftest.rules.engine_releases import layer_rule
 from difftest.rules.layer_rules import ConfigEdit, LayerIdRule, Reading, config_edit, target_family
 from difftest.rules.overlay import deep_merge
 from difftest.rules.wiring import hidden_indices
+from difftest.checks.lint import fc_chunks
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,6 @@ def engine_view(
         return None
     text = tcfg.get("text_config", tcfg)
     L, H = int(text["num_hidden_layers"]), int(text["hidden_size"])
-    from difftest.checks.lint import fc_chunks
 
     chunks = fc_chunks(Path(case.draft), H)
     trained = None

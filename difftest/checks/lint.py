@@ -49,7 +49,6 @@ from difftest.rules.checkpoint_integrity import stored_tensors, target_findings
 from difftest.base.errors import ConfigError
 from difftest.rules.draft_rules import CHAIN_BUDGETS
 from difftest.rules.draft_rules import SERVING
-from difftest.rules.layer_rules import KEY, default_layers
 from difftest.rules.wiring import hidden_indices, resolve, trained_layer_ids
 from difftest.records.finding import Finding
 from difftest.base.jsonfile import read_json_object
@@ -63,6 +62,7 @@ from difftest.rules.lint_checkpoint import (
 )
 from difftest.rules.weight_files import open_safetensors
 from difftest.base.names import DRAFT_LOGITS_TARGET, hidden_name
+from difftest.rules.layer_rules import ENGINE_RULES, KEY, SPECFORGE, TOP, config_edit, default_layers, target_family
 
 __all__ = ["Finding", "lint_case", "lint_draft", "trained_wiring"]
 
@@ -227,14 +227,10 @@ def _is_mla_draft(raw: dict) -> bool:
 
 def _eagle_config_only_rules() -> list:
     """One rule per serving engine that reads layer ids from eagle_config only (difftest.rules.layer_rules)."""
-    from difftest.rules.layer_rules import ENGINE_RULES, TOP
-
     return list({r.engine: r for r in ENGINE_RULES.values() if TOP not in r.ids_from}.values())
 
 
 def _serving_rules(tcfg: dict) -> list:
-    from difftest.rules.layer_rules import ENGINE_RULES, target_family
-
     fam = target_family(tcfg)
     return [r for (_, f), r in ENGINE_RULES.items() if f == fam]
 
@@ -256,7 +252,6 @@ def _readings(
 ) -> list[Finding]:
     """How each serving engine's layer-id rule (difftest.rules.layer_rules) reads the config, against the
     training wiring, with the edit that makes it feed what training fed; plus the trainers' reading."""
-    from difftest.rules.layer_rules import SPECFORGE, config_edit, target_family
 
     def short(names) -> str:
         return "[" + ", ".join(n.removeprefix("target.").replace("h.", "h") for n in names) + "]"
@@ -294,7 +289,7 @@ def _readings(
 
 
 def _vocab_findings(meta: dict, draft_vocab: int, V: int) -> list[Finding]:
-    import torch
+    import torch  # torch takes seconds to import; the lint reads configs torch-free until a vocab map is stored
 
     has_d2t, has_t2d = "d2t" in meta, "t2d" in meta
     if draft_vocab >= V:

@@ -69,7 +69,7 @@ import torch
 
 from difftest.compare import rowstats
 from difftest.records.noise_floor import NoiseFloorRecord, TensorFloor
-from difftest.base.names import in_fc_in
+from difftest.base.names import in_fc_in, split_draft
 
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 SAFETY = 10.0
@@ -150,7 +150,6 @@ class NoiseFloor:
         the same draft part at another step, else the unmeasured default."""
         if name in self.tensors:
             return self.tensors[name].threshold
-        from difftest.base.names import split_draft
 
         d = split_draft(name)
         if d is not None:
@@ -284,8 +283,6 @@ def _floor_rows(name: str, ties: torch.Tensor | None, n: int) -> torch.Tensor | 
 def _draft_own_floor(own: list[tuple]) -> dict[str, torch.Tensor]:
     """Per draft tensor, the row errors of the draft alone: the draft in the case's dtype fed the
     float64 run's fc_in, against the float64 draft (no target noise, no router events)."""
-    from difftest.base.names import split_draft
-
     out: dict[str, list[torch.Tensor]] = {}
     for cap, exact in own:
         flip = _diverged_step(cap.meta.draft_tokens, exact.meta.draft_tokens)
@@ -303,8 +300,6 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] 
 
     Discrete events are not rounding noise and stay out of the floor: draft steps after the two
     runs drafted different tokens, and rows after an MoE router near-tie (_measure_routers)."""
-    from difftest.base.names import split_draft
-
     router_noise, tie_from = _measure_routers(pairs)
     rows: dict[str, list[torch.Tensor]] = {}
     every: dict[str, list[torch.Tensor]] = {}

@@ -11,6 +11,7 @@ from difftest.report import report_files
 from difftest.base.outputs import atomic_path, check_output_dir, check_output_file
 from difftest.records import Report
 from difftest.base.paths import log_file_name
+from difftest.report.html_report import render as render_html
 
 
 def load(path: str | Path) -> Report:
@@ -42,7 +43,6 @@ def bundle(args) -> int:
         if args.output
         else check_output_file(path.parent / f"{stem}.difftest.tar.gz", "-o/--output (default: beside the JSON)")
     )
-    from difftest.report.html_report import render as render_html
 
     members: dict[str, bytes] = {
         f"{stem}/{stem}.json": path.read_bytes(),

@@ -61,7 +61,7 @@ svg.noise{width:100%;height:auto;font-family:system-ui,sans-serif} tr.above td{b
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # about a second to import, and only a report with plots needs it
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
@@ -407,7 +407,7 @@ def plot_similarity(check: CheckResult) -> str | None:
         return None
     rows = sim.cosine
     plt = _plt()
-    import numpy as np
+    import numpy as np  # with the plots only (matplotlib has loaded it): the report floor stays numpy-free
 
     m = np.array([[np.nan if v is None else v for v in r] for r in rows], dtype=float)
     fig, ax = plt.subplots(figsize=(min(11, 2 + 0.45 * m.shape[1]), 1.2 + 0.5 * m.shape[0]))

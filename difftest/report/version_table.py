@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import Version
+
 from difftest.rules import engine_releases
 from difftest.base.errors import ConfigError, DifftestError
 from difftest.base.jsonfile import read_json
@@ -105,8 +107,6 @@ def read_reports(directories: list[Path]) -> list[Report]:
 
 def markdown(all_cells: list[Cell]) -> list[str]:
     """Rows: cases; columns: engine releases, oldest first per engine."""
-    from packaging.version import Version
-
     columns = sorted({(c.engine, c.release) for c in all_cells}, key=lambda k: (k[0], Version(k[1])))
     cases = sorted({c.case for c in all_cells})
     by = {(c.case, c.engine, c.release): c for c in all_cells}

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from importlib import metadata
 
 from difftest.base import definitions
 from difftest.records.acceptance import DEFINITION
@@ -29,6 +30,7 @@ from difftest.records.report import FigureDefinition
 from difftest.records.wiring_inference import WiringInference
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.base.names import short_name
+from difftest import __version__
 
 INTERRUPTED = "the run stopped before every check of this case ran; the checks below are those that did"
 
@@ -118,12 +120,9 @@ def _git_sha() -> str:
 
 def environment() -> dict:
     """The harness side: the engines' own versions are under `engines`."""
-    import torch
+    import torch  # torch and the row kernel take seconds: reports are written and read torch-free
 
-    from difftest import __version__
     from difftest.compare.rowstats import compile_status
-
-    from importlib import metadata
 
     try:  # its installed version, not an import of it: importing transformers takes seconds
         tf = metadata.version("transformers")

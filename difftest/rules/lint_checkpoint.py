@@ -213,7 +213,7 @@ def _same_at_coarser_dtype(a, b) -> bool:
     saves every checkpoint in bfloat16 (train/checkpointer.py save_checkpoint, float_dtype=torch.bfloat16),
     so a float32 target's frozen embedding comes back rounded to bf16 (relative error up to 2^-9, above
     the 1e-3 rtol above)."""
-    import torch
+    import torch  # torch takes seconds to import; the rules floor loads torch-free
 
     if a.dtype == b.dtype or not (a.is_floating_point() and b.is_floating_point()):
         return False
@@ -332,7 +332,7 @@ def d2t_convention_findings(d2t, t2d, V: int) -> list[Finding] | None:
     by t2d (True exactly at the stored ids), else by offsets leaving the vocabulary while the
     stored values are valid, distinct target ids.
     """
-    import torch
+    import torch  # torch takes seconds to import; the rules floor loads torch-free
 
     idx = torch.arange(d2t.numel())
     as_offsets, as_absolute = idx + d2t, d2t

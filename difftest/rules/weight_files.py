@@ -15,7 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from safetensors import safe_open
+
 from difftest.base.errors import ConfigError
+from difftest.rules.checkpoint_integrity import read_header
 
 try:
     from safetensors import SafetensorError
@@ -41,8 +44,6 @@ def unreadable_safetensors(f: str | Path, e: BaseException) -> ConfigError:
     """The line for a safetensors file that `e` says cannot be read: the integrity check's reading
     of its header when that finds the fault (truncated, not one, with the sizes), so a reader that
     fails gives the line the check before a load gives; else safetensors' own first line."""
-    from difftest.rules.checkpoint_integrity import read_header
-
     try:
         read_header(Path(f))
     except (ConfigError, OSError) as found:
@@ -62,8 +63,6 @@ def refused_pickle(f: str | Path) -> ConfigError:
 def open_safetensors(f: str | Path) -> Iterator:
     """safetensors.safe_open(f) (headers read, tensors on demand); an unreadable file is a
     ConfigError naming it, raised by the open or by a read inside the block."""
-    from safetensors import safe_open
-
     try:
         handle = safe_open(str(f), framework="pt")
     except _SAFETENSORS_ERRORS as e:
@@ -77,7 +76,7 @@ def open_safetensors(f: str | Path) -> Iterator:
 
 def load_safetensors(f: str | Path, device: str = "cpu") -> dict:
     """Every tensor of a safetensors file; an unreadable file is a ConfigError naming it."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # imports torch (seconds): the rules floor loads torch-free
 
     try:
         return load_file(str(f), device=device)
@@ -88,7 +87,7 @@ def load_safetensors(f: str | Path, device: str = "cpu") -> dict:
 def torch_load_tensors(f: str | Path) -> object:
     """torch.load(f, weights_only=True): nothing in the pickle runs. A pickle holding more than
     tensors is refused naming the file; a damaged one is named with torch's first line."""
-    import torch
+    import torch  # torch takes seconds to import; the rules floor loads torch-free
 
     try:
         return torch.load(f, map_location="cpu", weights_only=True)

@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from difftest.records.acceptance import AcceptStats
 from difftest.records.capture import Capture
 from difftest.case.case import Case
@@ -47,6 +50,8 @@ from difftest.records.baseline_manifest import (
     StoredPrompt,
     StoredSpec,
 )
+from difftest.base.outputs import atomic_write
+from difftest.report.writer import environment
 
 if TYPE_CHECKING:  # annotations only: a case's run reads stored baselines (difftest.run.pool)
     from difftest.run.case_run import CaseRun
@@ -106,8 +111,6 @@ def case_fingerprint(case: Case) -> str:
 
 def _scatter_columns(src, full):
     """The columns `full` ([n, V], -inf elsewhere) holds `src` ([n, v]) in, when that rebuilds it exactly."""
-    import torch
-
     if (
         full.dim() != 2
         or src.dim() != 2
@@ -123,8 +126,6 @@ def _scatter_columns(src, full):
 
 
 def _scatter(src, cols, vocab: int):
-    import torch
-
     out = torch.full((src.shape[0], vocab), float("-inf"), dtype=src.dtype)
     out[:, cols] = src
     return out
@@ -132,8 +133,6 @@ def _scatter(src, cols, vocab: int):
 
 def _pack(tensors: dict) -> tuple[dict, dict[str, ScatteredLogits]]:
     """(tensors to store, derived name -> how to rebuild it): only exact rebuilds are derived."""
-    import torch
-
     stored, derived = {}, {}
     for name, t in tensors.items():
         src = name.removesuffix("_target")
@@ -191,8 +190,6 @@ class BaselineWriter:
 
     def add(self, case_run: CaseRun, spec: EngineSpec) -> StoredEngineRun:
         """Capture every prompt and run speculative decoding for (case, engine); stage the result."""
-        from safetensors.torch import save_file
-
         case, prepared = case_run.case, case_run.prepared
         prompts = case_run.prompt_ids()
         captures = [case_run.capture(spec, i) for i in range(len(prompts))]
@@ -232,9 +229,6 @@ class BaselineWriter:
 
     def commit(self) -> Path:
         """Manifest last, then one rename: the baseline appears complete or not at all."""
-        from difftest.base.outputs import atomic_write
-        from difftest.report.writer import environment
-
         self.refuse_existing()  # another run may have written it meanwhile
         tmp = self._staging()
         env = environment()
@@ -339,8 +333,6 @@ class BaselineSource:
         return eid, engines[eid], c
 
     def capture(self, case: Case, index: int) -> Capture:
-        from safetensors.torch import load_file
-
         eid, e, c = self.entry(case)
         if index >= len(e.captures):
             raise ConfigError(f"{self.path}: {case.name} {eid}: prompt {index} not stored ({len(e.captures)} prompts)")

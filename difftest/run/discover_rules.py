@@ -41,6 +41,7 @@ from difftest.base.registry import calibration_engine
 from difftest.run.engine import EngineSpec
 from difftest.run.case_run import CaseRun
 from difftest.run.pool import EnginePool, Options
+from difftest.rules.overlay import deep_merge
 
 PLACES = (TOP, EAGLE_CONFIG, EAGLE_CONFIG_LAYER_IDS)
 # formulas of L that engines and trainers use for their defaults (difftest.rules.layer_rules)
@@ -88,8 +89,6 @@ def _strip_ids(cfg: dict) -> dict:
 
 def _write_probe(root: Path, i: int, target: str, draft: str, probe: Probe) -> Path:
     """The probe's draft (the draft's files linked, its config without ids plus the probe's) and its case."""
-    from difftest.rules.overlay import deep_merge
-
     d = root / "drafts" / f"probe{i}"
     d.mkdir(parents=True, exist_ok=True)
     for f in Path(draft).iterdir():
@@ -108,8 +107,6 @@ def _write_probe(root: Path, i: int, target: str, draft: str, probe: Probe) -> P
 
 
 def _probes(L: int) -> list[Probe]:
-    from difftest.rules.overlay import deep_merge
-
     ids = probe_ids(L)
     probes = [Probe("none", {})] + [Probe(f"only {place_words(p)}", placed(p, ids[p])) for p in PLACES]
     both = deep_merge(placed(TOP, ids[TOP]), placed(EAGLE_CONFIG, ids[EAGLE_CONFIG]))

@@ -35,6 +35,7 @@ from difftest.rules import engine_releases
 from difftest.run.engine import parse_spec
 from difftest.base.errors import ConfigError
 from difftest.base.paths import ENV_BUILT_MARK
+from difftest.base.paths import cache_root
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROJECT_FILE = "difftest.toml"
@@ -130,8 +131,6 @@ def spec_dir(name: str, root: Path = PROJECT_ROOT) -> Path:
 
 def plan(requirement: str, label: str | None = None, cache: Path | None = None, root: Path = PROJECT_ROOT) -> EnvPlan:
     """Where `difftest env create REQUIREMENT` puts its environment, and with which pins; builds nothing."""
-    from difftest.base.paths import cache_root
-
     name, version = parse_engine_requirement(requirement)
     spec = spec_dir(name, root) if name in ENGINE_DISTRIBUTIONS else root / "engines" / name
     reqs, setup = spec / "requirements-cpu.txt", spec / "setup-env.sh"

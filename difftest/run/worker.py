@@ -39,6 +39,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, TypeVar, overload
+import ctypes
 
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable, Unsupported
 from difftest.base.names import FC_IN
@@ -60,6 +61,10 @@ from difftest.run.protocol import (
     SpeculateReply,
     SpeculateRequest,
 )
+from difftest.records.timings import WorkerPhase
+from difftest.records.acceptance import AcceptStats
+from difftest.records.capture import Capture
+from difftest.base import tensorfile
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # Starting a worker (a fresh interpreter importing torch and the engine) takes tens of seconds on
@@ -276,8 +281,6 @@ def _returned(engine, method: str, value, expected: type):
 
 def _timed(phases: list, name: str, fn, *args):
     """fn(*args), its time appended to `phases` (sent back in the reply: difftest.run.phase_clock)."""
-    from difftest.records.timings import WorkerPhase
-
     t = time.perf_counter()
     try:
         return fn(*args)
@@ -292,9 +295,6 @@ def _save(phases: list, capture, out: str) -> None:
 
 def _handle(engine, request: Request[Any]) -> Reply:
     """Run `request` on the engine: its typed fields become the adapter's arguments."""
-    from difftest.records.acceptance import AcceptStats
-    from difftest.records.capture import Capture
-
     phases: list = []  # difftest.records.timings.WorkerPhase, measured here
     if isinstance(request, CaptureRequest):
         capture = _timed(phases, "engine.capture", engine.capture, request.case, list(request.prompt_ids))
@@ -312,8 +312,6 @@ def _handle(engine, request: Request[Any]) -> Reply:
         )
         return SpeculateReply(_returned(engine, "speculate", stats, AcceptStats), phases)
     if isinstance(request, CaptureDraftFromRequest):
-        from difftest.base import tensorfile
-
         fc_in = _timed(phases, "transfer.read", tensorfile.read, request.fc_in)[FC_IN]
         capture = _timed(
             phases, "engine.capture", engine.capture_draft_from, request.case, list(request.prompt_ids), fc_in
@@ -412,7 +410,6 @@ def set_parent_death_signal(sig: int) -> bool:
     """Ask the kernel to send `sig` when our parent exits (Linux prctl); False where unavailable."""
     if not sys.platform.startswith("linux"):
         return False
-    import ctypes
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
