@@ -13,7 +13,7 @@ from difftest.base.definitions import Definition, trainer_figures
 from difftest.base.dtypes import CASE_DTYPES, DType, torch_dtype
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
 from difftest.base.fc_wiring import Wiring
-from difftest.base.check_registry import ENGINE, REFERENCE, CheckSpec
+from difftest.base.check_registry import ENGINE, CheckSpec
 from difftest.base.extensions import CHECK_GROUP, COMMAND_GROUP, Command, DraftLoader, registered
 from difftest.base.content_digest import signature
 from difftest.base.jsonfile import read_json
@@ -139,7 +139,6 @@ __all__ = [
     "DraftLoader",
     "CheckSpec",
     "ENGINE",
-    "REFERENCE",
     "registered",
     "Options",
     "EnginePool",
