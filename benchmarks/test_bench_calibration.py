@@ -5,7 +5,7 @@ Not part of the test suite (pyproject's testpaths is tests/). Run:
     .venv/bin/python -m pytest benchmarks/test_bench_calibration.py --benchmark-only -s
 
 The reference (`ref`) measures a case's noise floor by capturing every prompt a second time in
-float64 (Session.noise_floor). Issue 12's target: the calibration adds at most 25% to a case's
+float64 (CaseRun.noise_floor). Issue 12's target: the calibration adds at most 25% to a case's
 wall time. Measured per case (cases/tiny_llama.yaml, cases/tiny_deepseek_v3.yaml when its
 fixtures are built; each in the case's dtype and in bfloat16), all in one run, without the
 on-disk capture cache (a temporary DIFFTEST_CACHE whose fixtures/ links to the real one, and
@@ -18,7 +18,7 @@ Options(use_cache=False)):
                     measure_floor, after (a) in the same session
   run           (c) the whole case as a user sees it with --engines=ref,"ref[wiring=vllm]": a
                     fresh session, both workers started, every check in the plugin's order, the
-                    report built and written. The time Session.noise_floor spends inside it is
+                    report built and written. The time CaseRun.noise_floor spends inside it is
                     recorded too (the calibration as the run really pays it)
   cli               `difftest run CASE --engines=ref,"ref[wiring=vllm]" --no-capture-cache`
                     in a subprocess (interpreter and pytest start-up included; one round)
@@ -59,6 +59,7 @@ from difftest.report import report_files
 from difftest.case.case import load_case
 from difftest.run.engine import parse_engine_list
 from difftest.base.errors import DifftestError
+from difftest.records import CheckResult
 from difftest.run.session import Options, Session
 from engines.ref.draft_loading import load_draft
 from engines.ref.engine import DTYPES as REF_DTYPES
@@ -139,7 +140,8 @@ def _record(case, key: str, value) -> dict:
 
 
 def _captures(session: Session, case, spec) -> list:
-    return [session.capture(case, spec, i) for i in range(len(case.prompts))]
+    run = session.run(case)
+    return [run.capture(spec, i) for i in range(len(case.prompts))]
 
 
 def prepared_name(case) -> str:
@@ -175,10 +177,10 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
 
             def setup():
                 s = fresh()
-                spec = s.calibration_spec()
+                spec = s.pool.calibration_spec()
                 t = time.perf_counter()
-                s.client(spec)  # the worker starts outside the timing
-                _record(s.prepare(case), "worker_start", time.perf_counter() - t)
+                s.pool.client(spec)  # the worker starts outside the timing
+                _record(s.run(case).prepared, "worker_start", time.perf_counter() - t)
                 state.update(session=s, spec=spec)
                 return (), {}
 
@@ -189,14 +191,14 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
 
             def setup():
                 s = fresh()
-                spec = s.calibration_spec()
+                spec = s.pool.calibration_spec()
                 _captures(s, case, spec)  # (a) first, as a run does
                 state.update(session=s, spec=spec)
                 return (), {}
 
             def target():
                 s, spec = state["session"], state["spec"]
-                prepared = s.prepare(case)
+                prepared = s.run(case).prepared
                 t = time.perf_counter()
                 try:
                     pairs = list(zip(_captures(s, case, spec), _captures(s, _float64(prepared), spec)))
@@ -213,16 +215,17 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
             def setup():
                 s = fresh()
                 spent = []
-                real = s.noise_floor
+                run = s.run(case)
+                real = run.noise_floor
 
-                def timed(c):
+                def timed():
                     t = time.perf_counter()
                     try:
-                        return real(c)
+                        return real()
                     finally:
                         spent.append(time.perf_counter() - t)
 
-                s.noise_floor = timed
+                run.noise_floor = timed  # type: ignore[method-assign]
                 state.update(session=s, spent=spent)
                 return (), {}
 
@@ -232,18 +235,11 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
                 for spec in s.options.engines:
                     is_ref = spec.id == s.options.reference.id
                     for check in checks_mod.checks_for(case, is_ref):
-                        v = checks_mod.run_check(check, s, case, spec)
+                        v = checks_mod.run_check(check, s.run(case), spec)
                         outcomes[f"{spec.id}::{check}"] = v.passed
-                        results.append(
-                            {
-                                "engine": spec.id,
-                                "check": check,
-                                "outcome": "passed" if v.passed else "failed",
-                                "message": v.message,
-                                "data": v.data,
-                            }
-                        )
-                report_files.write(report_mod.build(case, s, results), tmp_path / "reports")
+                        outcome = "passed" if v.passed else "failed"
+                        results.append(CheckResult(spec.id, check, outcome, v.message, v.data))
+                report_files.write(report_mod.build(s.run(case).record(results)), tmp_path / "reports")
                 state["outcomes"] = outcomes
 
         else:  # cli
@@ -293,7 +289,7 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
             assert floor.measured and floor.tensors, floor.source
             assert all(tf.rows > 0 and tf.floor >= 0 for tf in floor.tensors.values())
             s, spec = state["session"], state["spec"]
-            prepared = s.prepare(case)
+            prepared = s.run(case).prepared
             # where (b) goes: the worker now holds both models, so a recapture is forward passes only
             t = time.perf_counter()
             _captures(s, _again(_float64(prepared), "again"), spec)
@@ -318,7 +314,7 @@ def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
         if part == "run":
             assert state["outcomes"], "no checks ran"
             assert state["spent"], "the run never measured the noise floor"
-            floor = state["session"]._floors.get(state["session"].prepare(case).path)
+            floor = state["session"].run(case)._floor
             assert floor is not None and floor.measured, floor and floor.source
             _record(case, "run_failed_checks", sorted(k for k, ok in state["outcomes"].items() if not ok))
         if part == "cli":

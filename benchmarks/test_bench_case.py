@@ -21,8 +21,8 @@ transfer[MEDIUM]: a Kimi-width logits capture (DIFFTEST_BENCH_LOGITS, default [1
     bf16, 320 MiB) from a worker to the harness, on the disk (a directory beside the capture
     cache) and in /dev/shm (where it exists):
       - through the real path: a worker (benchmarks/synthetic_engine.py, its tensor made once)
-        answers a capture request (Session._request: the worker writes the capture directory)
-        and the harness loads it (Session._load), min of 3 rounds, by phase;
+        answers a capture request (EnginePool.request: the worker writes the capture directory)
+        and the harness loads it (EnginePool.load), min of 3 rounds, by phase;
       - in one process, the file write and read alone: before (safetensors' save_file and
         load_file, the previous path) and after (difftest.base.tensorfile), each with the anonymous
         memory the read adds (a copy) and a first pass over the loaded tensor.
@@ -45,7 +45,7 @@ from difftest.records.capture import Capture
 from difftest.case.case import Case
 from difftest.run.engine import EngineSpec
 from difftest.records.report import Report
-from difftest.run.session import Options, Session
+from difftest.run.pool import EnginePool, Options
 from difftest.run.phase_clock import PHASES
 from difftest.run.worker import WorkerClient
 
@@ -218,7 +218,7 @@ def _in_process(directory: Path, x: torch.Tensor, before: bool) -> dict:
 
 def _through_worker(directory: Path) -> dict:
     spec = EngineSpec("synthetic")
-    session = Session(Options(engines=[spec], reference=spec, log_dir=directory / "logs"))
+    pool = EnginePool(Options(engines=[spec], reference=spec, log_dir=directory / "logs"))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))}
     client = WorkerClient(
         spec, "synthetic_engine:SyntheticEngine", sys.executable, directory / "worker.log", 600, env=env
@@ -230,14 +230,14 @@ def _through_worker(directory: Path) -> dict:
         for i in range(3):
             out = directory / "cache" / f"k{i}"
             s = time.perf_counter()
-            with session.clock.phase("session", f"x{i}.yaml", "synthetic", "bfloat16"):
-                session._request(
+            with pool.clock.phase("session", f"x{i}.yaml", "synthetic", "bfloat16"):
+                pool.request(
                     client, {"op": "capture", "case": case.to_dict(), "prompt_ids": [1, 2], "out": str(out)}, out
                 )
-                capture = session._load(out)
+                capture = pool.load(out)
             total = time.perf_counter() - s
             first = _first_pass(capture.tensors["target.logits"])
-            phases = {p.phase: p for p in session.clock.timings(f"x{i}.yaml").phases}
+            phases = {p.phase: p for p in pool.clock.timings(f"x{i}.yaml").phases}
             rounds.append(
                 {
                     "total": total,

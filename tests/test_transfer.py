@@ -20,7 +20,7 @@ from difftest.records.capture import Capture, partial_prefix, remove_partial
 from difftest.case.case import Case
 from difftest.run.engine import EngineSpec
 from difftest.base.errors import ConfigError, EngineError
-from difftest.run.session import Options, Session
+from difftest.run.pool import EnginePool, Options
 from difftest.run.worker import WorkerClient
 from fake_engine import synthetic_tensors
 from helpers import TESTS
@@ -130,34 +130,34 @@ def _capture_request(out: Path) -> dict:
     return {"op": "capture", "case": case.to_dict(), "prompt_ids": [1, 2], "out": str(out)}
 
 
-def _session(tmp_path: Path) -> Session:
+def _pool(tmp_path: Path) -> EnginePool:
     spec = EngineSpec("fake")
-    return Session(Options(engines=[spec], reference=spec, log_dir=tmp_path / "logs"))
+    return EnginePool(Options(engines=[spec], reference=spec, log_dir=tmp_path / "logs"))
 
 
 def test_a_capture_crosses_from_the_worker_to_the_harness_unchanged_and_timed(tmp_path):
-    session, client = _session(tmp_path), _worker(tmp_path, "synthetic")
+    pool, client = _pool(tmp_path), _worker(tmp_path, "synthetic")
     out = tmp_path / "cache" / "ab" / "abkey"
     try:
-        with session.clock.phase("session", "x.yaml", "fake", "float32"):
-            session._request(client, _capture_request(out), out)
-            capture = session._load(out)
+        with pool.clock.phase("session", "x.yaml", "fake", "float32"):
+            pool.request(client, _capture_request(out), out)
+            capture = pool.load(out)
     finally:
         client.close()
     same(synthetic_tensors(), capture.tensors)
     assert sorted(p.name for p in out.parent.iterdir()) == ["abkey"]
-    phases = {p.phase: p for p in session.clock.timings("x.yaml").phases}
+    phases = {p.phase: p for p in pool.clock.timings("x.yaml").phases}
     assert set(phases) == {"session", "request", "engine.capture", "transfer.write", "transfer.read"}
     assert phases["transfer.write"].bytes == phases["transfer.read"].bytes == Capture(synthetic_tensors()).nbytes > 0
     assert phases["engine.capture"].owner == "engine" and phases["transfer.write"].owner == "harness"
 
 
 def test_a_worker_killed_while_writing_a_capture_leaves_nothing_half_written(tmp_path):
-    session, client = _session(tmp_path), _worker(tmp_path, "crash_writing")
+    pool, client = _pool(tmp_path), _worker(tmp_path, "crash_writing")
     out = tmp_path / "cache" / "ab" / "abkey"
     try:
         with pytest.raises(EngineError, match="worker died"):
-            session._request(client, _capture_request(out), out)
+            pool.request(client, _capture_request(out), out)
     finally:
         client.kill()
     assert list(out.parent.iterdir()) == []
