@@ -15,20 +15,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from difftest.case.case import load_case
+from difftest.case.case import Case, load_case
 from difftest.base.registry import engine_schema
 from difftest.run.engine import check_case_settings, check_settings, parse_engine_list, parse_spec
 from difftest.base.errors import ConfigError
-from difftest.run.session import Options, Session
+from difftest.run.case_run import CaseRun
+from difftest.run.pool import EnginePool, Options
 from difftest.base.settings import Schema, Setting, validate
 from difftest.base.yamlfile import MAX_NODES
-from helpers import run_pytest
-
-
-def one_line(e: pytest.ExceptionInfo) -> str:
-    message = str(e.value)
-    assert "\n" not in message and "Traceback" not in message
-    return message
+from helpers import one_line, run_pytest
 
 
 @pytest.fixture
@@ -334,18 +329,18 @@ def test_non_utf8_case_file_is_one_line(tmp_path):
     assert one_line(e) == f"{path}: not UTF-8 text (byte 9)"
 
 
-def _session() -> Session:
+def _run(case: Case) -> CaseRun:
     ref = parse_spec("ref")
-    return Session(Options(engines=[ref], reference=ref))
+    return CaseRun(EnginePool(Options(engines=[ref], reference=ref)), case)
 
 
 def test_prompt_longer_than_max_position_embeddings_is_refused(tmp_path, checkpoints):
     case = load_case(write_case(tmp_path, checkpoints, "speculative: {num_steps: 4, max_new_tokens: 8}\n"))
     case.prompts[0].ids = list(range(1, 61))  # 60 + 4 draft steps fit 64; speculating 8 more does not
-    session = _session()
-    assert len(session.prompt_ids(case)[0]) == 60
+    run = _run(case)
+    assert len(run.prompt_ids()[0]) == 60
     with pytest.raises(ConfigError) as e:
-        session.prompt_ids(case, speculative=True)
+        run.prompt_ids(speculative=True)
     assert one_line(e) == (
         f"{case.path}: prompts[0]: 60 tokens + 12 generated exceed the target's max_position_embeddings (64)"
     )
@@ -355,7 +350,7 @@ def test_out_of_vocabulary_prompt_id_is_refused(tmp_path, checkpoints):
     path = write_case(tmp_path, checkpoints)
     path.write_text(path.read_text().replace("[1, 2, 3]", "[1, 512, 3]"))
     with pytest.raises(ConfigError) as e:
-        _session().prompt_ids(load_case(path))
+        _run(load_case(path)).prompt_ids()
     assert one_line(e) == f"{path}: prompts[0]: token id 512 is outside the target's vocabulary (vocab_size 512)"
 
 
