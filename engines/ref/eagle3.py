@@ -42,6 +42,7 @@ from torch import nn
 from difftest.api import refuse_on_errors, stored_tensors
 from difftest.api import ConfigError
 from difftest.api import load_safetensors, torch_load_tensors
+from engines.ref.rope import RopeParameters, cos_sin, read_rope
 
 Recorder = Callable[[str, torch.Tensor], None]
 
@@ -59,6 +60,8 @@ class Eagle3Config:
     num_aux: int  # number of H_target-wide chunks entering fc
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # the whole rope as the config spells it (engines/ref/rope.py); None: default rope with rope_theta
+    rope_spec: RopeParameters | None = None
     attention_bias: bool = False
     norm_before_fc: bool = False
     fc_norm: bool = False
@@ -73,6 +76,10 @@ class Eagle3Config:
     # (engines.trainingdata.train_accuracy.scoring_window); the serving chain's default mask does not.
     sliding_window: int | None = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def rope(self) -> RopeParameters:
+        return self.rope_spec or RopeParameters(theta=self.rope_theta)
 
     @property
     def layer_ids(self) -> list[int] | None:
@@ -98,16 +105,15 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope(x: torch.Tensor, positions: torch.Tensor, params: RopeParameters) -> torch.Tensor:
     """Rotate-half rotary embedding (Llama/NeoX layout). x: [..., n, heads, d], positions: [..., n]."""
     d = x.shape[-1]
     wide = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 in the noise-floor run
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = positions.to(wide)[..., None] * inv_freq.to(wide)  # [..., n, d/2]
-    angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., n, 1, d]
+    cos, sin = cos_sin(params, d, positions, wide)  # [..., n, d/2], float32 frequencies (rope.py)
+    cos, sin = torch.cat([cos, cos], dim=-1)[..., None, :], torch.cat([sin, sin], dim=-1)[..., None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.to(wide) * angles.cos() + rotated.to(wide) * angles.sin()).type_as(x)
+    return (x.to(wide) * cos + rotated.to(wide) * sin).type_as(x)
 
 
 @dataclass
@@ -143,7 +149,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, n, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).view(B, n, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).view(B, n, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        q, k = rope(q, positions, cfg.rope), rope(k, positions, cfg.rope)
         cache = KVCache(k, v) if cache is None else cache.extend(k, v)
         n_kv = cache.k.shape[1]
         if mask is None:  # new queries sit after the cached positions
@@ -408,16 +414,8 @@ def parse_config(raw: dict, path: Path) -> Eagle3Config:
         raise ConfigError(f"{where}: field {e.args[0]} missing") from None
     nkv = int(layer.get("num_key_value_heads") or nh)
     head_dim = int(layer.get("head_dim") or H // nh)
-    rope_params = layer.get("rope_parameters") or {}
-    rope_scaling = layer.get("rope_scaling")
-    rope_type = (
-        (rope_scaling or {}).get("rope_type")
-        or (rope_scaling or {}).get("type")
-        or rope_params.get("rope_type", "default")
-    )
-    if rope_type != "default":
-        raise ConfigError(f"{where}: rope type {rope_type!r} is not supported by the reference draft (only 'default')")
-    theta = float(layer.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+    # every rope type transformers knows, read as transformers 5 reads it (engines/ref/rope.py)
+    rope_params = read_rope(layer, where, prefix="transformer_layer_config." if fmt == "speculators" else "")
     draft_vocab = int(flags.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab)
     target_hidden = int(flags.get("target_hidden_size") or layer.get("target_hidden_size") or H)
     ids_top = _ids(raw.get("eagle_aux_hidden_state_layer_ids"), f"{where}: eagle_aux_hidden_state_layer_ids")
@@ -436,7 +434,8 @@ def parse_config(raw: dict, path: Path) -> Eagle3Config:
         target_hidden_size=target_hidden,
         num_aux=num_aux,
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
+        rope_theta=rope_params.theta,
+        rope_spec=rope_params,
         attention_bias=bool(layer.get("attention_bias", False)),
         norm_before_fc=bool(eagle_cfg.get("norm_before_fc", flags.get("norm_before_fc", False))),
         fc_norm=bool(flags.get("fc_norm") or flags.get("use_aux_norm") or False),

@@ -21,8 +21,9 @@ MLA over the 2H-wide x (DeepSeek-V2, arXiv 2405.04434), per head h of n_h:
     mla(x_i)   = o_proj( cat_h o_{i,h} )
 
 rope rotates interleaved pairs (x0, x1), (x2, x3), ... (GPT-J style; vLLM `is_neox_style=False`,
-HF `rope_interleave`), with DeepSeek YaRN frequencies when `rope_parameters.rope_type` is yarn:
-cos/sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), and the softmax
+HF `rope_interleave`), with any rope type's frequencies (engines/ref/rope.py); for yarn (DeepSeek
+YaRN) cos/sin are scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim) (the engines'
+rule, mscale 1 and mscale_all_dim 0 by default), and for any scaled rope the softmax
 scale s = (qk_nope_head_dim + qk_rope_head_dim)^-0.5 * mscale(factor, mscale_all_dim)^2.
 
 Whose semantics this follows (read, not copied):
@@ -64,7 +65,6 @@ Checkpoint (what both engines load):
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +74,7 @@ from torch import nn
 
 from difftest.api import ConfigError
 from engines.ref.eagle3 import MLP, Eagle3Config, Eagle3Draft, RMSNorm, _ids
+from engines.ref.rope import RopeParameters, inverse_frequencies, read_rope, yarn_mscale
 
 ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
@@ -97,45 +98,40 @@ class Eagle3MLAConfig(Eagle3Config):
 
 
 # ---------------------------------------------------------------------------------------
-# Rotary embedding: interleaved pairs, DeepSeek YaRN frequencies.
+# Rotary embedding: interleaved pairs, any rope type's frequencies (rope.py), DeepSeek YaRN's scaling.
 # ---------------------------------------------------------------------------------------
 
+# vLLM names DeepSeek's yarn deepseek_yarn; transformers calls it yarn
+ROPE_ALIASES = {"deepseek_yarn": "yarn"}
 
-def yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
-
-def rope_frequencies(rope: dict, dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [dim/2], cos/sin magnitude) for rope_type default or yarn (DeepSeek's YaRN)."""
-    theta = float(rope.get("rope_theta", 10000.0))
-    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    if rope.get("rope_type", "default") == "default":
-        return 1.0 / pos_freqs, 1.0
-    factor = float(rope["factor"])
-    original = int(rope["original_max_position_embeddings"])
-    beta_fast, beta_slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
-
-    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001  # both engines nudge it the same way to avoid 0/0
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: extrapolate (high frequencies kept), 0: interpolate (divided by factor)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
-    magnitude = yarn_mscale(factor, float(rope.get("mscale", 1))) / yarn_mscale(
-        factor, float(rope.get("mscale_all_dim", 0))
+def mla_rope(cfg: Eagle3MLAConfig, where: str = "MLA draft config") -> RopeParameters:
+    """The rope of cfg.rope_parameters, read by rope.py (the dict a config's rope_parameters holds)."""
+    return read_rope(
+        {"rope_parameters": cfg.rope_parameters, "max_position_embeddings": cfg.max_position_embeddings},
+        where,
+        aliases=ROPE_ALIASES,
     )
-    return inv_freq, magnitude
+
+
+def rope_magnitude(rope: RopeParameters, scaling: float) -> float:
+    """cos/sin magnitude: DeepSeek YaRN's mscale(f, mscale) / mscale(f, mscale_all_dim) (vLLM
+    `DeepseekScalingRotaryEmbedding`, SGLang's deepseek_yarn; transformers' yarn agrees when both are
+    set, Kimi's and DeepSeek's case), else the type's own attention scaling."""
+    if rope.rope_type != "yarn":
+        return scaling
+    factor = float(rope.factor or 1)
+    mscale = 1.0 if rope.mscale is None else rope.mscale
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, rope.mscale_all_dim or 0)
 
 
 def softmax_scale(cfg: Eagle3MLAConfig) -> float:
+    """(qk_nope + qk_rope)^-0.5, times mscale(factor, mscale_all_dim)^2 for a scaled rope with
+    mscale_all_dim (transformers' `yarn_apply_mscale`, the engines' DeepSeek attention)."""
     s = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-    rope = cfg.rope_parameters
-    if rope.get("rope_type", "default") != "default":
-        m = yarn_mscale(float(rope["factor"]), float(rope.get("mscale_all_dim") or 0))
+    rope = mla_rope(cfg)
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        m = yarn_mscale(float(rope.factor or 1), rope.mscale_all_dim)
         s *= m * m
     return s
 
@@ -185,9 +181,15 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(nh * cfg.v_head_dim, cfg.hidden_size, bias=False)
-        inv_freq, self.rope_magnitude = rope_frequencies(cfg.rope_parameters, cfg.qk_rope_head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope = mla_rope(cfg)
         self.scale = softmax_scale(cfg)
+
+    def rope_frequencies(self, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(inv_freq, cos/sin magnitude) for this call's positions (dynamic and longrope depend on the
+        largest position + 1, as in transformers' forward)."""
+        seq_len = int(positions.max()) + 1 if self.rope.depends_on_length and positions.numel() else None
+        inv_freq, scaling = inverse_frequencies(self.rope, self.cfg.qk_rope_head_dim, seq_len)
+        return inv_freq.to(positions.device), rope_magnitude(self.rope, scaling)
 
     def forward(
         self,
@@ -203,8 +205,9 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(B, n, nh, nope + rope_d).split([nope, rope_d], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope_d], dim=-1)
         c, k_pe = self.kv_a_layernorm(c), k_pe.view(B, n, 1, rope_d)
-        q_pe = rope_interleaved(q_pe, positions, self.inv_freq, self.rope_magnitude)
-        k_pe = rope_interleaved(k_pe, positions, self.inv_freq, self.rope_magnitude)
+        inv_freq, magnitude = self.rope_frequencies(positions)
+        q_pe = rope_interleaved(q_pe, positions, inv_freq, magnitude)
+        k_pe = rope_interleaved(k_pe, positions, inv_freq, magnitude)
         cache = LatentCache(c, k_pe) if cache is None else cache.extend(c, k_pe)
         n_kv = cache.c.shape[1]
         # Keys and values are re-expanded from the cached latents (the "naive" MLA form; the
@@ -252,27 +255,20 @@ class Eagle3MLADraft(Eagle3Draft):
 
 
 def _rope_parameters(raw: dict, where: str) -> dict:
-    """transformers 5 `rope_parameters`, else the legacy rope_theta + rope_scaling pair."""
-    rope = dict(raw.get("rope_parameters") or {})
-    if not rope:
-        scaling = raw.get("rope_scaling") or {}
-        rope = {**scaling, "rope_theta": raw.get("rope_theta", 10000.0)}
-        rope["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
-    rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    rope["rope_type"] = "yarn" if kind in ("yarn", "deepseek_yarn") else kind
-    if rope["rope_type"] not in ("default", "yarn"):
-        raise ConfigError(
-            f"{where}: rope_parameters.rope_type {kind!r} is not supported (expected 'default' or 'yarn')"
-        )
-    if rope["rope_type"] == "yarn":
-        for key in ("factor", "original_max_position_embeddings"):
-            if rope.get(key) is None:
-                raise ConfigError(f"{where}: rope_parameters.{key} missing (required for yarn rope)")
+    """The rope dict as transformers 5 reads the config (rope.py: rope_scaling or rope_parameters, the
+    theta folded in), refused in one line when rope.py cannot compute it."""
+    spec = read_rope(raw, where, default_max_positions=4096, aliases=ROPE_ALIASES)
+    rope = {k: v for k, v in (raw.get(spec.source) or {}).items() if k != "type"}
+    rope.update(rope_type=spec.rope_type, rope_theta=spec.theta)
+    if spec.rope_type == "yarn":
+        if rope.get("original_max_position_embeddings") is None:
+            raise ConfigError(
+                f"{where}: {spec.source}.original_max_position_embeddings missing (required for yarn rope)"
+            )
         if rope.get("attention_factor") is not None:
             # vLLM turns yarn with attention_factor 1.0 into llama-style scaling and otherwise ignores it
             raise ConfigError(
-                f"{where}: rope_parameters.attention_factor is set; the engines disagree on it, so the reference refuses it"
+                f"{where}: {spec.source}.attention_factor is set; the engines disagree on it, so the reference refuses it"
             )
     return rope
 
@@ -303,6 +299,7 @@ def parse_mla_config(raw: dict, path: Path) -> Eagle3MLAConfig:
     ids_ec = _ids(eagle_cfg.get("eagle_aux_hidden_state_layer_ids"), f"{where}: eagle_config")
     q_lora = raw.get("q_lora_rank")
     nope, rope_d = int(need("qk_nope_head_dim")), int(need("qk_rope_head_dim"))
+    rope = _rope_parameters(raw, where)
     return Eagle3MLAConfig(
         hidden_size=H,
         intermediate_size=int(need("intermediate_size")),
@@ -314,7 +311,7 @@ def parse_mla_config(raw: dict, path: Path) -> Eagle3MLAConfig:
         target_hidden_size=int(raw.get("target_hidden_size") or H),
         num_aux=int(raw.get("num_aux_hidden_states") or len(ids_ec or ids_top or [0, 0, 0])),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float((raw.get("rope_parameters") or {}).get("rope_theta") or raw.get("rope_theta") or 10000.0),
+        rope_theta=float(rope["rope_theta"]),
         fc_norm=bool(raw.get("fc_norm") or raw.get("use_aux_norm") or False),
         norm_before_residual=bool(raw.get("norm_before_residual", False)),
         norm_output=bool(raw.get("norm_output", False)),
@@ -326,7 +323,7 @@ def parse_mla_config(raw: dict, path: Path) -> Eagle3MLAConfig:
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope_d,
         v_head_dim=int(need("v_head_dim")),
-        rope_parameters=_rope_parameters(raw, where),
+        rope_parameters=rope,
         max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
     )
 
