@@ -59,7 +59,7 @@ from difftest.rules.weight_files import (
 )
 from difftest.rules.wiring import resolve, short_name, trained_layer_ids
 from difftest.run import infer_case
-from difftest.run.engine import Engine, EngineSpec, parse_spec
+from difftest.run.engine import Engine, EngineSpec, parse_spec, settings_record
 from difftest.run.case_run import CaseRun, resolve_fixture
 from difftest.run.pool import EnginePool, Options
 from difftest.run.session import Session
@@ -72,6 +72,7 @@ __all__ = [
     "parse_spec",
     "Schema",
     "Setting",
+    "settings_record",
     "registered_engines",
     "ConfigError",
     "DifftestError",

@@ -96,7 +96,7 @@ class FakeEngine(RefEngine):
         return EngineInfo(name="fake", version="fake-1", versions={}, kernels="none")
 
     def capture(self, case, prompt_ids):
-        mode = self.settings_for(case).get("mode") or "same"  # the spec's parameter, else the case's section
+        mode = self.settings_for(case).mode or "same"  # the spec's parameter, else the case's section
         if mode == "error":
             raise RuntimeError("fake engine exploded\nsecond line that must not appear")
         if mode == "crash":

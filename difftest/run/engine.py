@@ -13,9 +13,10 @@ environments of one engine apart (`--engine-python sglang@old=/path/python`).
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from difftest.records.acceptance import AcceptStats
 from difftest.records.capture import Capture
@@ -139,6 +140,40 @@ def check_case_settings(case: Case, specs: Sequence[EngineSpec] = (), merged=Non
             check_settings(schema, spec, merged(case, spec) if merged else case)
 
 
+# The Python type a setting of each difftest.base.settings type holds once validated (None: not given).
+_SETTING_TYPES: dict[str, Any] = {
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "str": str,
+    "choice": str,
+    "ids": list[int],
+    "wiring": str | list[str],
+    "mapping": dict[str, Any],
+    "path": str,
+}
+_RECORDS: dict[int, tuple[Schema, type]] = {}  # id(schema) -> (the schema, its record): built once each
+
+
+def settings_record(schema: Schema) -> type:
+    """The dataclass whose fields are `schema`'s settings, in their order, each of its type or None:
+    what an adapter reads its validated settings as (attribute access, not a dict by key), generated
+    from the one declaration of the keys, the schema. Not frozen: an adapter fills in a default it
+    derives from the case (`s.draft = s.draft or case.draft`). `dataclasses.asdict` gives the dict back."""
+    built = _RECORDS.get(id(schema))
+    if built is None or built[0] is not schema:
+        fields = [(s.name, _SETTING_TYPES.get(s.type, Any) | None) for s in schema.settings]
+        name = "".join(part.title() for part in schema.engine.replace("-", "_").split("_")) + "Settings"
+        built = (schema, dataclasses.make_dataclass(name or "Settings", fields))
+        _RECORDS[id(schema)] = built
+    return built[1]
+
+
+def settings_of(schema: Schema, values: dict) -> Any:
+    """Validated settings (difftest.base.settings.validate: every setting present) as `schema`'s record."""
+    return settings_record(schema)(**values)
+
+
 class Engine(ABC):
     """Base class of adapters; instances live in a worker process.
 
@@ -153,9 +188,10 @@ class Engine(ABC):
     def __init__(self, spec: EngineSpec):
         self.spec = spec
 
-    def settings_for(self, case: Case) -> dict:
-        """The case's engines section merged with the spec's parameters, validated against SETTINGS."""
-        return check_settings(self.SETTINGS, self.spec, case)
+    def settings_for(self, case: Case | None) -> Any:
+        """The case's engines section merged with the spec's parameters, validated against SETTINGS, as
+        SETTINGS' record (settings_record): one attribute per setting."""
+        return settings_of(self.SETTINGS, check_settings(self.SETTINGS, self.spec, case))
 
     @abstractmethod
     def info(self) -> EngineInfo:

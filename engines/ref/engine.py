@@ -107,7 +107,7 @@ class RefEngine(Engine):
     def draft_path(self, case: Case) -> str:
         """The draft the reference runs: `engines.ref.draft` (the checkpoint as trained, when the case's
         draft is the export the engines serve, e.g. one that lost its lm_head), else the case's."""
-        return str(self.settings_for(case)["draft"] or case.draft)
+        return str(self.settings_for(case).draft or case.draft)
 
     def _apply_overrides(self, loaded: LoadedDraft, case: Case, trained: dict[str, bool]) -> None:
         """The case's flag overrides on the cached draft, every flag reset to the checkpoint's first (the
@@ -119,19 +119,19 @@ class RefEngine(Engine):
             "fc_norm": getattr(loaded.model, "fc_norm", None),
         }
         for flag in OVERRIDABLE_FLAGS:
-            if s[flag] and flag in weights and weights[flag] is None:
+            if getattr(s, flag) and flag in weights and weights[flag] is None:
                 raise ConfigError(
                     f"{self.spec.id}: {flag}=true, but {self.draft_path(case)} has no {flag} weights "
                     "(the draft was not trained with it)"
                 )
-            setattr(loaded.config, flag, trained[flag] if s[flag] is None else s[flag])
-        if s["d2t"] == "identity":
+            setattr(loaded.config, flag, trained[flag] if getattr(s, flag) is None else getattr(s, flag))
+        if s.d2t == "identity":
             loaded.model.d2t.zero_()
 
     def wiring(self, case: Case, loaded: LoadedDraft, L: int) -> Wiring:
         s = self.settings_for(case)
-        if s["wiring"] is not None:
-            choice = s["wiring"]
+        if s.wiring is not None:
+            choice = s.wiring
             spec_given = any(k == "wiring" for k, _ in self.spec.params)
             where = (
                 f"--engines {self.spec.id}: wiring" if spec_given else f"{case.path}: engines.{self.spec.name}.wiring"
@@ -139,7 +139,7 @@ class RefEngine(Engine):
         else:
             choice, where = case.wiring, f"{case.path}: wiring"
         ids, src = trained_layer_ids(
-            case.layer_ids, loaded.config.layer_ids_eagle_config, loaded.config.layer_ids_top, s["layer_ids"]
+            case.layer_ids, loaded.config.layer_ids_eagle_config, loaded.config.layer_ids_top, s.layer_ids
         )
         wiring = resolve(choice, L, ids, where=where, ids_source=src)
         if len(wiring.inputs) != loaded.config.num_aux:
@@ -259,7 +259,7 @@ class RefEngine(Engine):
     def _tree_settings(self, case: Case, num_steps: int) -> tuple[int, int]:
         """topk and num_draft_tokens (root included, as SGLang counts); a chain by default."""
         s = self.settings_for(case)
-        topk, budget = s["topk"], s["num_draft_tokens"]
+        topk, budget = s.topk, s.num_draft_tokens
         if budget is None:
             budget = num_steps + 1 if topk == 1 else topk * num_steps + 1
         return topk, budget

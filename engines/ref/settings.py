@@ -1,6 +1,6 @@
 """The reference engine's settings (difftest.base.settings): the case's `engines.ref` merged with `ref[...]`."""
 
-from difftest.api import Schema, Setting
+from difftest.api import Schema, Setting, settings_record
 
 SCHEMA = Schema(
     "ref",
@@ -34,3 +34,6 @@ SCHEMA = Schema(
         Setting("num_draft_tokens", "int", "tree budget, root included (default: num_steps + 1 for a chain)", min=2),
     ),
 )
+
+# what the adapter reads them as (Engine.settings_for): one attribute per setting
+Settings = settings_record(SCHEMA)

@@ -1,7 +1,7 @@
 """The server engine's settings (difftest.base.settings): `server[url=...,kind=...,timeout=...,model=...]`."""
 
 from engines.server import client as server_client
-from difftest.api import Schema, Setting
+from difftest.api import Schema, Setting, settings_record
 
 SCHEMA = Schema(
     "server",
@@ -23,3 +23,6 @@ SCHEMA = Schema(
         Setting("model", "str", "the served model's expected name (default: the case's target path)"),
     ),
 )
+
+# what the adapter reads them as (Engine.settings_for): one attribute per setting
+Settings = settings_record(SCHEMA)

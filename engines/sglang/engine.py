@@ -170,19 +170,17 @@ class SglangEngine(Engine):
     # -- settings --------------------------------------------------------------------
     def _settings(self, case: Case, num_steps: int | None = None) -> dict:
         s = self.settings_for(case)  # engines/sglang/settings.py
-        steps = s["speculative_num_steps"] or num_steps or case.num_steps
-        topk = s["speculative_eagle_topk"]
+        steps = s.speculative_num_steps or num_steps or case.num_steps
+        topk = s.speculative_eagle_topk
         on_cpu = not torch.cuda.is_available()
         requested = {
             "speculative_num_steps": steps,
             "speculative_eagle_topk": topk,
-            "speculative_num_draft_tokens": s["speculative_num_draft_tokens"] or steps + 1,
+            "speculative_num_draft_tokens": s.speculative_num_draft_tokens or steps + 1,
             "dtype": case.dtype,
-            "tp_size": s["tp_size"],
-            "mem_fraction_static": (0.3 if on_cpu else 0.5)
-            if s["mem_fraction_static"] is None
-            else s["mem_fraction_static"],
-            "max_total_tokens": s["max_total_tokens"],
+            "tp_size": s.tp_size,
+            "mem_fraction_static": (0.3 if on_cpu else 0.5) if s.mem_fraction_static is None else s.mem_fraction_static,
+            "max_total_tokens": s.max_total_tokens,
         }
         if on_cpu:
             # SGLang's scheduler polls its sockets in a busy loop between requests; on a CPU machine
@@ -191,15 +189,15 @@ class SglangEngine(Engine):
             # sleep_on_idle (srt/managers/scheduler.py::init_idle_sleeper) blocks on the sockets
             # instead; it changes no computation. A case's server_args may still set it.
             requested["sleep_on_idle"] = True
-        backend = s["attention_backend"] or ("intel_amx" if self._kernels == cpu_shim.CPU_SHIM else None)
+        backend = s.attention_backend or ("intel_amx" if self._kernels == cpu_shim.CPU_SHIM else None)
         if backend is not None:
             requested["attention_backend"] = backend
-        requested.update(s["server_args"])
+        requested.update(s.server_args)
         return {
             "requested": requested,
             "device": "cpu" if on_cpu else "cuda",
-            "draft_overrides": s["draft_config_overrides"],
-            "target_overrides": s["target_config_overrides"],
+            "draft_overrides": s.draft_config_overrides,
+            "target_overrides": s.target_config_overrides,
         }
 
     def _checkpoints(self, case: Case, settings: dict) -> tuple[str, str]:

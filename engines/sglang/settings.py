@@ -1,6 +1,6 @@
 """The SGLang adapter's settings (difftest.base.settings): the case's `engines.sglang` merged with `sglang[...]`."""
 
-from difftest.api import Schema, Setting
+from difftest.api import Schema, Setting, settings_record
 
 SCHEMA = Schema(
     "sglang",
@@ -35,3 +35,6 @@ SCHEMA = Schema(
         ),
     ),
 )
+
+# what the adapter reads them as (Engine.settings_for): one attribute per setting
+Settings = settings_record(SCHEMA)

@@ -59,7 +59,7 @@ from engines.ref.draft_loading import LoadedDraft, load_draft
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import final_norm_module, load_target, num_layers, run_target
 from engines.trainingdata.formats import Dump, Sample, read_dump
-from engines.trainingdata.settings import SCHEMA
+from engines.trainingdata.settings import SCHEMA, Settings
 from engines.trainingdata.precision import Precision, draft_precision
 from engines.trainingdata.split import Split, choose_split, samples_in
 from difftest.api import FINAL_NORM, TARGET_PREFIX, hidden_name
@@ -108,28 +108,28 @@ class TrainingDataEngine(Engine):
         )
 
     # -- settings --------------------------------------------------------------------
-    def settings(self, case: Case) -> dict:
+    def settings(self, case: Case) -> Settings:
         s = self.settings_for(case)  # engines/trainingdata/settings.py
-        if not s.get("data"):
+        if not s.data:
             raise ConfigError(
                 f"{case.path}: the train engine needs training data: engines.{self.spec.name}.data in the case, "
                 f"or --engines '{self.spec.name}[data=PATH]'"
             )
-        data = Path(str(s["data"]))
+        data = Path(str(s.data))
         if not data.is_absolute():
             data = (Path(case.path).parent / data).resolve()
-        s["data"] = str(data)
-        if s.get("hidden_states"):
-            hs = Path(str(s["hidden_states"]))
-            s["hidden_states"] = str(hs if hs.is_absolute() else (Path(case.path).parent / hs).resolve())
-        if s.get("trainer"):
-            rules_for(str(s["trainer"]), where=f"{self.spec.id}: trainer")  # refuse a bad value early
+        s.data = str(data)
+        if s.hidden_states:
+            hs = Path(str(s.hidden_states))
+            s.hidden_states = str(hs if hs.is_absolute() else (Path(case.path).parent / hs).resolve())
+        if s.trainer:
+            rules_for(str(s.trainer), where=f"{self.spec.id}: trainer")  # refuse a bad value early
         return s
 
-    def rules(self, case: Case, s: dict, dump: Dump) -> tuple[TrainerRules, str]:
+    def rules(self, case: Case, s: Settings, dump: Dump) -> tuple[TrainerRules, str]:
         """The trainer's rules for this dump and how the version was chosen (named in the report)."""
-        if s.get("trainer"):
-            trainer, how = str(s["trainer"]), "the trainer setting"
+        if s.trainer:
+            trainer, how = str(s.trainer), "the trainer setting"
         else:
             trainer, how = DEFAULT_TRAINER[dump.format], "default for the data format"
             if dump.format.startswith("speculators"):
@@ -148,15 +148,15 @@ class TrainingDataEngine(Engine):
         return rules_for(trainer, where=f"{self.spec.id}: trainer"), f"{trainer} ({how})"
 
     # -- models and data -------------------------------------------------------------
-    def dump(self, s: dict) -> Dump:
-        key = (s["data"], s["format"], s.get("hidden_states"))
+    def dump(self, s: Settings) -> Dump:
+        key = (s.data, s.format, s.hidden_states)
         if key not in self._dumps:
-            d = read_dump(s["data"], s["format"], hidden_states=s.get("hidden_states"))
+            d = read_dump(s.data, s.format, hidden_states=s.hidden_states)
             for line in d.skipped:
                 print(f"train data: {line}", file=sys.stderr)
             if not d.samples:
                 raise ConfigError(
-                    f"{s['data']}: no usable sample ({len(d.skipped)} skipped); first: {d.skipped[0] if d.skipped else '-'}"
+                    f"{s.data}: no usable sample ({len(d.skipped)} skipped); first: {d.skipped[0] if d.skipped else '-'}"
                 )
             self._dumps[key] = d
         return self._dumps[key]
@@ -167,8 +167,8 @@ class TrainingDataEngine(Engine):
             self._targets[key] = load_target(case.target, DTYPES[case.dtype])
         return self._targets[key]
 
-    def head(self, case: Case, s: dict) -> tuple[dict, VerifierHead]:
-        if s["identify"] == "target":
+    def head(self, case: Case, s: Settings) -> tuple[dict, VerifierHead]:
+        if s.identify == "target":
             t = self.target(case)
             norm = final_norm_module(t)
             w = {
@@ -189,11 +189,11 @@ class TrainingDataEngine(Engine):
             )
         return self._drafts[key]
 
-    def identification(self, case: Case, s: dict, dump: Dump, w: dict) -> Identification:
-        key = (s["data"], s["format"], s.get("hidden_states"), s["identify"], case.target)
+    def identification(self, case: Case, s: Settings, dump: Dump, w: dict) -> Identification:
+        key = (s.data, s.format, s.hidden_states, s.identify, case.target)
         if key not in self._idents:
             first = dump.samples[0]
-            if s["identify"] == "target":
+            if s.identify == "target":
                 res = run_target(self.target(case), first.input_ids[None])
                 ref = {hidden_name(k): h[0] for k, h in enumerate(res.hidden)}
                 ref[FINAL_NORM] = res.final_norm[0]
@@ -214,22 +214,22 @@ class TrainingDataEngine(Engine):
             self._idents[key] = ident
         return self._idents[key]
 
-    def engine_wiring(self, case: Case, s: dict, ident: Identification, loaded: LoadedDraft) -> list[str]:
+    def engine_wiring(self, case: Case, s: Settings, ident: Identification, loaded: LoadedDraft) -> list[str]:
         """The `wiring` setting as canonical names; presets read the case's ids, else the draft config's."""
         L = ident.num_layers if ident.num_layers is not None else num_layers(self.target(case))
         ids = case.layer_ids if case.layer_ids is not None else loaded.config.layer_ids
-        return list(resolve(s["wiring"], L, ids, where=f"{self.spec.id}: wiring").inputs)
+        return list(resolve(s.wiring, L, ids, where=f"{self.spec.id}: wiring").inputs)
 
     def fc_for(
-        self, case: Case, s: dict, sample: Sample, ident: Identification, loaded: LoadedDraft
+        self, case: Case, s: Settings, sample: Sample, ident: Identification, loaded: LoadedDraft
     ) -> tuple[torch.Tensor, list[str], str]:
         """(fc_in [seq, A*H], input names, source): the trainer's, or the `wiring` setting composed from the dump."""
-        if not s.get("wiring"):
+        if not s.wiring:
             names = [n or f"dump[{j}]" for j, n in enumerate(ident.fc_names)]
             return (
                 sample.fc_in,
                 names,
-                f"training data ({s['format']}): the trainer's fc, tensors 0..{sample.fc_count - 1}",
+                f"training data ({s.format}): the trainer's fc, tensors 0..{sample.fc_count - 1}",
             )
         inputs = self.engine_wiring(case, s, ident, loaded)
         by_name = {t.name: sample.tensors[t.position] for t in ident.tensors if t.name}
@@ -239,41 +239,39 @@ class TrainingDataEngine(Engine):
             if name in by_name:
                 parts.append(by_name[name])
                 continue
-            if s["identify"] != "target":
+            if s.identify != "target":
                 raise ConfigError(
                     f"{self.spec.id}: wiring needs {short_name(name)}, which the dump does not hold (dumped: {ident.summary()})"
                 )
             res = res or run_target(self.target(case), sample.input_ids[None])
             parts.append(gather_fc_in(res, [name])[0])
             from_target.append(short_name(name))
-        src = f"training data ({s['format']}) rewired as [{', '.join(short_name(n) for n in inputs)}]"
+        src = f"training data ({s.format}) rewired as [{', '.join(short_name(n) for n in inputs)}]"
         if from_target:
             src += f"; {', '.join(from_target)} from the reference target (not in the dump)"
         return torch.cat(parts, dim=-1), inputs, src
 
-    def split(self, case: Case, s: dict, dump: Dump) -> Split:
+    def split(self, case: Case, s: Settings, dump: Dump) -> Split:
         """The samples scored: all, or the trainer's train / validation split (engines.trainingdata.split)."""
-        return choose_split(
-            dump, s.get("split") or "all", s.get("train_data_ratio"), case.draft, where=f"{self.spec.id}: split"
-        )
+        return choose_split(dump, s.split or "all", s.train_data_ratio, case.draft, where=f"{self.spec.id}: split")
 
     def precision(self, case: Case) -> Precision:
         """The draft's stored precision against the scoring dtype (engines.trainingdata.precision)."""
         return draft_precision(case.draft, case.dtype)
 
     def accuracy(
-        self, case: Case, s: dict, dump: Dump, ident: Identification, loaded: LoadedDraft, head: VerifierHead
+        self, case: Case, s: Settings, dump: Dump, ident: Identification, loaded: LoadedDraft, head: VerifierHead
     ) -> StepCounts:
         rules, _ = self.rules(case, s, dump)
-        steps = s.get("ttt_steps") or rules.default_ttt_steps
-        max_len = s.get("max_len") or rules.default_max_len
+        steps = s.ttt_steps or rules.default_ttt_steps
+        max_len = s.max_len or rules.default_max_len
         split = self.split(case, s, dump)
         resolution = self.precision(case).resolution
         key = (
-            s["data"],
-            s["format"],
-            s.get("hidden_states"),
-            str(s.get("wiring")),
+            s.data,
+            s.format,
+            s.hidden_states,
+            str(s.wiring),
             case.draft,
             steps,
             max_len,
@@ -316,9 +314,9 @@ class TrainingDataEngine(Engine):
         if found is None:
             drift = self.template_drift(case, prompt_ids, dump)
             if drift is not None:
-                raise ConfigError(f"{s['data']}: {drift.message()}")
+                raise ConfigError(f"{s.data}: {drift.message()}")
             raise ConfigError(
-                f"{s['data']}: no sample's token ids start with the prompt {prompt_ids[:8]}{'...' if len(prompt_ids) > 8 else ''} "
+                f"{s.data}: no sample's token ids start with the prompt {prompt_ids[:8]}{'...' if len(prompt_ids) > 8 else ''} "
                 f"({len(dump.samples)} samples read, {len(dump.skipped)} skipped); dump the case's prompts with `difftest dump --case`"
             )
         sample, n = found
@@ -330,7 +328,7 @@ class TrainingDataEngine(Engine):
                 tensors[t.name] = sample.tensors[t.position][:n].to(dtype)
         if len(sample) > n:
             next_token, next_src = int(sample.input_ids[n]), "the data's next token"
-        elif s["identify"] == "target":
+        elif s.identify == "target":
             next_token, next_src = (
                 int(run_target(self.target(case), sample.input_ids[None]).logits[0, -1].argmax()),
                 "target greedy",
@@ -362,7 +360,7 @@ class TrainingDataEngine(Engine):
             extra={
                 "next_token_source": next_src,
                 "train_data": {
-                    "path": s["data"],
+                    "path": s.data,
                     "format": dump.format,
                     "sample": sample.source,
                     "samples": len(dump.samples),
@@ -378,7 +376,7 @@ class TrainingDataEngine(Engine):
                     "attention": describe_attention(cfg, rules),
                     "split": self.split(case, s, dump).describe(),
                     "precision": self.precision(case).line(acc.near_ties),
-                    "max_len": s.get("max_len") or rules.default_max_len,
+                    "max_len": s.max_len or rules.default_max_len,
                     "wiring": inputs,
                     **acc.to_dict(),
                 },
@@ -410,8 +408,8 @@ class TrainingDataEngine(Engine):
         w, _ = self.head(case, s)
         ident = self.identification(case, s, dump, w)
         loaded = self.draft(case, w)
-        names = self.engine_wiring(case, s, ident, loaded) if s.get("wiring") else list(ident.fc_names)
-        if None in names or s["identify"] != "target":
+        names = self.engine_wiring(case, s, ident, loaded) if s.wiring else list(ident.fc_names)
+        if None in names or s.identify != "target":
             raise EngineError(
                 f"{self.spec.id}: training data cannot decode; simulating it needs every fc tensor identified against the "
                 f"target (identify=target); got {ident.summary()}"

@@ -1,6 +1,6 @@
 """The train engine's settings (difftest.base.settings): the case's `engines.train` merged with `train[...]`."""
 
-from difftest.api import Schema, Setting
+from difftest.api import Schema, Setting, settings_record
 
 SCHEMA = Schema(
     "train",
@@ -48,3 +48,6 @@ SCHEMA = Schema(
         ),
     ),
 )
+
+# what the adapter reads them as (Engine.settings_for): one attribute per setting
+Settings = settings_record(SCHEMA)

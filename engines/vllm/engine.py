@@ -45,6 +45,7 @@ Settings (case `engines: {vllm: {...}}`, overridden by the engine spec `vllm[key
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -67,7 +68,7 @@ from difftest.api import draft_name
 from difftest.api import ENV_BUILT_MARK, cache_key, cache_root
 from difftest.api import CaptureMeta, Wiring
 from engines.vllm import compat, releases, tp
-from engines.vllm.settings import SCHEMA
+from engines.vllm.settings import SCHEMA, Settings
 
 PINNED = "0.32.0"  # the version whose internals engines/vllm/hooks.py names
 SETUP = "scripts/setup-engine vllm"
@@ -252,7 +253,7 @@ class VllmEngine(Engine):
             version = installed_release()
             if version is None:
                 raise EngineUnavailable(f"vllm is not installed in {sys.executable}; set it up with: {SETUP}")
-            chosen = self.settings_for(None)["runner"] or releases.default_runner(version)
+            chosen = self.settings_for(None).runner or releases.default_runner(version)
             problem = releases.runner_problem(version, chosen)
             if problem:
                 raise ConfigError(f"--engines {self.spec.id}: {problem}")
@@ -287,7 +288,7 @@ class VllmEngine(Engine):
         if self._kernels != "vllm":
             versions["triton"] = f"{_dist_version(metadata, 'triton')} ({self._kernels})"
         # the spec's execution mode (a case's own engines.vllm.enforce_eager is in each capture's meta.settings)
-        versions["execution"] = "eager" if self.settings_for(None)["enforce_eager"] else "compiled (torch.compile)"
+        versions["execution"] = "eager" if self.settings_for(None).enforce_eager else "compiled (torch.compile)"
         if vllm.__version__ != PINNED:
             versions["warning"] = (
                 f"hooks are written against vllm {PINNED}; release differences they account for: "
@@ -299,25 +300,25 @@ class VllmEngine(Engine):
         )
 
     # -- settings --------------------------------------------------------------------
-    def settings(self, case: Case, num_steps: int | None = None) -> dict:
+    def settings(self, case: Case, num_steps: int | None = None) -> Settings:
         """The validated settings (engines/vllm/settings.py) with the case's values as defaults."""
         s = self.settings_for(case)
-        s["target"] = str(s["target"] or case.target)
-        s["draft"] = str(s["draft"] or case.draft)
-        s["dtype"] = s["dtype"] or case.dtype
-        s["num_speculative_tokens"] = s["num_speculative_tokens"] or num_steps or case.num_steps
+        s.target = str(s.target or case.target)
+        s.draft = str(s.draft or case.draft)
+        s.dtype = s.dtype or case.dtype
+        s.num_speculative_tokens = s.num_speculative_tokens or num_steps or case.num_steps
         runner = self.runner()
-        if s["runner"] not in (None, runner):
+        if s.runner not in (None, runner):
             raise ConfigError(
-                f"{case.path}: engines.vllm.runner is {s['runner']} but this vllm worker runs Model Runner "
+                f"{case.path}: engines.vllm.runner is {s.runner} but this vllm worker runs Model Runner "
                 f"{runner.upper()} (one runner per worker: Triton is set up when vLLM is imported); run the case "
-                f"with --engines='vllm[runner={s['runner']}]'"
+                f"with --engines='vllm[runner={s.runner}]'"
             )
-        s["runner"] = runner
+        s.runner = runner
         return s
 
-    def _engine(self, case: Case, s: dict):
-        key = json.dumps(s, sort_keys=True, default=str)
+    def _engine(self, case: Case, s: Settings):
+        key = json.dumps(dataclasses.asdict(s), sort_keys=True, default=str)
         if key == self._key:
             return self._llm
         if key in self._failed:
@@ -330,38 +331,38 @@ class VllmEngine(Engine):
                 f"(needs >= {'.'.join(map(str, releases.HOOKS_FROM))}: interfaces.py::EagleModelMixin._maybe_add_hidden_state); "
                 "see docs/vllm-releases.md"
             )
-        draft = s["draft"]
-        if s["draft_config_overrides"]:
-            draft = str(self._overlay(draft, s["draft_config_overrides"]))
-        target_cfg = _read_config(s["target"])
-        _refuse_unreachable_ids(target_cfg, s["target"], draft, f"runner {s['runner']}")
+        draft = s.draft
+        if s.draft_config_overrides:
+            draft = str(self._overlay(draft, s.draft_config_overrides))
+        target_cfg = _read_config(s.target)
+        _refuse_unreachable_ids(target_cfg, s.target, draft, f"runner {s.runner}")
         # vllm.envs reads VLLM_CPU_KVCACHE_SPACE when the engine sizes its cache
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s["kv_cache_space_gib"])
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_space_gib)
         # config/vllm.py::VllmConfig.use_v2_model_runner reads it first: the runner is ours, never vLLM's guess
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if s["runner"] == "v2" else "0"
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if s.runner == "v2" else "0"
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
         has_amx = (
             on_cpu and current_platform.get_cpu_architecture().name == "X86" and torch.cpu._is_amx_tile_supported()
         )
-        measures = compat.needed(target_cfg, on_cpu, has_amx, s["dtype"], s["llm_args"])
+        measures = compat.needed(target_cfg, on_cpu, has_amx, s.dtype, s.llm_args)
         compat.apply(measures)
         self._compat = [compat.DESCRIPTIONS[m] for m in measures]
         if on_cpu and releases.cpu_recovered_kernel_lacks_fp64_gumbel(vllm.__version__):
             self._compat.append(_accept_fp64_gumbel())
-        speculative = {"method": "eagle3", "model": draft, "num_speculative_tokens": s["num_speculative_tokens"]}
-        speculative.update(s["speculative_config"])
+        speculative = {"method": "eagle3", "model": draft, "num_speculative_tokens": s.num_speculative_tokens}
+        speculative.update(s.speculative_config)
         kwargs = dict(
-            model=s["target"],
-            dtype=s["dtype"],
-            enforce_eager=s["enforce_eager"],
-            max_model_len=s["max_model_len"],
+            model=s.target,
+            dtype=s.dtype,
+            enforce_eager=s.enforce_eager,
+            max_model_len=s.max_model_len,
             # one prompt = one prefill: no chunking, no prefix reuse between requests
-            max_num_batched_tokens=max(s["max_model_len"], 2048),
+            max_num_batched_tokens=max(s.max_model_len, 2048),
             enable_prefix_caching=False,
-            tensor_parallel_size=s["tensor_parallel_size"],
-            seed=s["seed"],
+            tensor_parallel_size=s.tensor_parallel_size,
+            seed=s.seed,
             skip_tokenizer_init=True,  # prompts are token ids; fixtures need not ship a tokenizer
             disable_log_stats=False,  # LLM.get_metrics() needs the stat loggers
             per_request_spec_decode_metrics="detailed",
@@ -371,15 +372,15 @@ class VllmEngine(Engine):
             # EngineArgs.per_request_spec_decode_metrics exists from 0.29.0 (engines/vllm/releases.py);
             # older releases refuse the keyword, and acceptance then comes from the counters alone
             del kwargs["per_request_spec_decode_metrics"]
-        kwargs.update(s["llm_args"])
+        kwargs.update(s.llm_args)
         if compat.ROPE_NATIVE in measures:
             kwargs = compat.with_native_rope(kwargs)
-        if s["tensor_parallel_size"] > 1:
+        if s.tensor_parallel_size > 1:
             # one worker process per rank (v1/executor/multiproc_executor.py::MultiprocExecutor); the
             # engine core stays in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so collective_rpc
             # reaches every rank and the executor's processes are children of this worker
             kwargs.setdefault("distributed_executor_backend", "mp")
-            bind_cpu_ranks(s["tensor_parallel_size"])
+            bind_cpu_ranks(s.tensor_parallel_size)
             if measures:  # the rank processes are spawned: they apply the measures on import (compat.py)
                 kwargs.setdefault("worker_extension_cls", compat.RANK_EXTENSION)
         if compat.CPU_MLA in measures:
@@ -389,7 +390,7 @@ class VllmEngine(Engine):
                 # config (v1/spec_decode/llm_base_proposer.py: spec_cfg.attention_backend), else AMX_MLA.
                 speculative.setdefault("attention_backend", "CPU_MLA")
         print(
-            f"[difftest.vllm] starting vllm {vllm.__version__} (Model Runner {s['runner'].upper()}): {kwargs}",
+            f"[difftest.vllm] starting vllm {vllm.__version__} (Model Runner {s.runner.upper()}): {kwargs}",
             file=sys.stderr,
             flush=True,
         )
@@ -399,7 +400,7 @@ class VllmEngine(Engine):
         except Exception as e:
             traceback.print_exc()
             sys.stderr.flush()
-            err = EngineError(f"vllm failed to start (target {s['target']}, draft {draft}): {_first_line(e)}")
+            err = EngineError(f"vllm failed to start (target {s.target}, draft {draft}): {_first_line(e)}")
             self._failed[key] = err
             gc.collect()
             raise err from None
@@ -407,7 +408,7 @@ class VllmEngine(Engine):
         from engines.vllm import hooks
 
         self._llm, self._key = llm, key  # from here on close() shuts it down, whatever fails next
-        wirings = self._rpc(hooks.install, s["enforce_eager"])
+        wirings = self._rpc(hooks.install, s.enforce_eager)
         self._ranks = self._rpc(hooks.rank_of)
         for rank, other in enumerate(wirings[1:], 1):
             if other != wirings[0]:
@@ -416,10 +417,10 @@ class VllmEngine(Engine):
                     f"vllm: tensor-parallel rank {rank} sees another model than rank 0: {other} vs {wirings[0]}"
                 )
         self._wiring = wirings[0]
-        if self._wiring.get("runner") != s["runner"]:
+        if self._wiring.get("runner") != s.runner:
             self._shutdown()
             raise EngineError(
-                f"vllm {vllm.__version__} was asked for Model Runner {s['runner'].upper()} "
+                f"vllm {vllm.__version__} was asked for Model Runner {s.runner.upper()} "
                 f"(VLLM_USE_V2_MODEL_RUNNER) and runs {str(self._wiring.get('runner')).upper()}"
             )
         print(
@@ -509,8 +510,8 @@ class VllmEngine(Engine):
         s = self.settings(case)
         llm = self._engine(case, s)
         n = len(prompt_ids)
-        if n + 2 > s["max_model_len"]:
-            raise ConfigError(f"{case.path}: prompt of {n} tokens does not fit max_model_len {s['max_model_len']}")
+        if n + 2 > s.max_model_len:
+            raise ConfigError(f"{case.path}: prompt of {n} tokens does not fit max_model_len {s.max_model_len}")
         self._rpc(hooks.arm, golden)
         try:
             res = self._guarded(
@@ -535,7 +536,9 @@ class VllmEngine(Engine):
         tokens = list(res[0].outputs[0].token_ids)
         return self._build_capture(case, s, list(prompt_ids), recs, tokens)
 
-    def _build_capture(self, case: Case, s: dict, prompt: list[int], recs: list[dict], tokens: list[int]) -> Capture:
+    def _build_capture(
+        self, case: Case, s: Settings, prompt: list[int], recs: list[dict], tokens: list[int]
+    ) -> Capture:
         """One capture from every rank's record: at TP = 1 the one record's tensors; under tensor
         parallelism one whole tensor per name, gathered by vLLM's sharding rule (engines/vllm/tp.py)."""
         per_rank = [
@@ -582,7 +585,7 @@ class VllmEngine(Engine):
             }
         return Capture(tensors, self._meta(s, prompt, w, aux_ids, next_token, drafted, L, partial, extra))
 
-    def _rank_tensors(self, s: dict, prompt: list[int], rec: dict, tokens: list[int], rank: int | None):
+    def _rank_tensors(self, s: Settings, prompt: list[int], rec: dict, tokens: list[int], rank: int | None):
         """One rank's record in canonical names, checked (rows, positions, the draft's shifted ids);
         tensors a rank does not hold (logits gathered to rank 0 only) are left out."""
         try:
@@ -592,7 +595,7 @@ class VllmEngine(Engine):
                 raise
             raise EngineError(f"{e} (tensor-parallel rank {rank})") from None
 
-    def _canonical(self, s: dict, prompt: list[int], rec: dict, tokens: list[int]) -> tuple[dict, float]:
+    def _canonical(self, s: Settings, prompt: list[int], rec: dict, tokens: list[int]) -> tuple[dict, float]:
         n = len(prompt)
         w = self._wiring
         t = rec["target"]
@@ -617,7 +620,7 @@ class VllmEngine(Engine):
         if t["logits"] is not None:
             tensors["target.logits"] = t["logits"]
         steps = rec["steps"]
-        k_steps = s["num_speculative_tokens"]
+        k_steps = s.num_speculative_tokens
         if len(steps) != k_steps:
             raise EngineError(f"vllm: recorded {len(steps)} draft forwards, expected num_speculative_tokens={k_steps}")
         if "fc_in" not in rec:
@@ -656,7 +659,7 @@ class VllmEngine(Engine):
 
     def _meta(
         self,
-        s: dict,
+        s: Settings,
         prompt: list[int],
         w: dict,
         aux_ids: list[int],
@@ -673,7 +676,7 @@ class VllmEngine(Engine):
             versions=info.versions,
             kernels=info.kernels,
             device=info.kernels.removeprefix("vllm-"),
-            dtype=s["dtype"],
+            dtype=s.dtype,
             prompt_ids=prompt,
             target_next_token=next_token,
             draft_tokens=drafted,
@@ -682,12 +685,12 @@ class VllmEngine(Engine):
             wiring=Wiring(
                 inputs=[f"target.h.{k}" for k in aux_ids],
                 source=f"vllm {info.version} aux_hidden_state_layers {tuple(w['aux_layers'])} "
-                f"({w['target_class']}, draft config {s['draft']})",
+                f"({w['target_class']}, draft config {s.draft})",
                 verifier=None,
             ),
             partial=partial,
             compat=list(self._compat),
-            settings={k: v for k, v in s.items() if k not in ("target", "draft")},
+            settings={k: v for k, v in dataclasses.asdict(s).items() if k not in ("target", "draft")},
             draft_config={
                 "norm_before_fc": w["norm_before_fc"],
                 "fc_norm": w["fc_norm"],
@@ -704,7 +707,7 @@ class VllmEngine(Engine):
     # -- acceptance ------------------------------------------------------------------
     def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
         s = self.settings(case, num_steps)
-        s["num_speculative_tokens"] = num_steps
+        s.num_speculative_tokens = num_steps
         llm = self._engine(case, s)
         before = _spec_counters(llm)
         res = self._guarded(

@@ -1,6 +1,6 @@
 """The vLLM adapter's settings (difftest.base.settings): the case's `engines.vllm` merged with `vllm[...]`."""
 
-from difftest.api import Schema, Setting
+from difftest.api import Schema, Setting, settings_record
 
 SCHEMA = Schema(
     "vllm",
@@ -34,3 +34,6 @@ SCHEMA = Schema(
         Setting("speculative_config", "mapping", "merged into vllm's speculative_config", default={}),
     ),
 )
+
+# what the adapter reads them as (Engine.settings_for): one attribute per setting
+Settings = settings_record(SCHEMA)
