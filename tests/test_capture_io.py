@@ -15,6 +15,7 @@ from difftest.records.capture import SCHEMA, Capture
 from difftest.case.case import load_case
 from difftest.base.errors import ConfigError
 from difftest.records import CaptureMeta
+from difftest.records.tolerance import TolerancePair
 
 # ---------------------------------------------------------------------------------------
 # Capture save / load
@@ -271,7 +272,7 @@ def test_valid_case_loads_with_paths_relative_to_the_file(case_dir):
     assert case.draft == "fixture:tiny-llama-eagle3"
     assert case.dtype == "bfloat16"
     assert [(p.text, p.ids) for p in case.prompts] == [("hello", None), (None, [1, 2, 3])]
-    assert case.tolerances == {"draft.*": {"atol": 1e-3, "rtol": 1e-3}}  # YAML 1.1 reads 1e-3 as a string
+    assert case.tolerances == {"draft.*": TolerancePair(atol=1e-3, rtol=1e-3)}  # YAML 1.1 reads 1e-3 as a string
     assert (case.wiring, case.num_steps, case.max_new_tokens) == ("vllm", 4, 32)
 
 

@@ -12,7 +12,9 @@ from difftest.records.capture import Capture
 from difftest.compare.compare import compare_captures, compare_tensor
 from difftest.compare.diagnose import diagnose_fc
 from difftest.compare.tolerances import DEFAULTS, Tolerance, tolerance_for
+from difftest.records.tolerance import TolerancePair
 from helpers import randn
+
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["float32", "bfloat16", "float16"]
@@ -180,7 +182,7 @@ def test_tolerance_defaults_per_dtype(dtype, atol, rtol):
 
 
 def test_tolerance_case_pattern_overrides_the_default():
-    overrides = {"draft.logits*": {"atol": 1e-3}}
+    overrides = {"draft.logits*": TolerancePair(atol=1e-3)}
     t = tolerance_for("draft.logits_target", "float32", overrides)
     assert (t.atol, t.rtol, t.source) == (1e-3, 1e-4, "case: draft.logits*")
     assert tolerance_for("draft.fc_out", "float32", overrides) == DEFAULTS["float32"]
@@ -188,9 +190,9 @@ def test_tolerance_case_pattern_overrides_the_default():
 
 def test_tolerance_last_matching_pattern_wins():
     overrides = {
-        "draft.*": {"atol": 1e-3, "rtol": 1e-3},
-        "draft.logits": {"atol": 2e-2, "rtol": 3e-2},
-        "target.*": {"atol": 1.0, "rtol": 1.0},
+        "draft.*": TolerancePair(1e-3, 1e-3),
+        "draft.logits": TolerancePair(2e-2, 3e-2),
+        "target.*": TolerancePair(1.0, 1.0),
     }
     assert tolerance_for("draft.logits", "bfloat16", overrides) == Tolerance(2e-2, 3e-2, "case: draft.logits")
     assert tolerance_for("draft.fc_out", "bfloat16", overrides) == Tolerance(1e-3, 1e-3, "case: draft.*")
@@ -200,7 +202,7 @@ def test_compare_captures_applies_case_tolerances():
     a = Capture({"draft.logits": torch.zeros(4)})
     b = Capture({"draft.logits": torch.full((4,), 5e-3)})
     assert not compare_captures(a, b, "float32").ok
-    assert compare_captures(a, b, "float32", {"draft.logits": {"atol": 1e-2}}).ok
+    assert compare_captures(a, b, "float32", {"draft.logits": TolerancePair(atol=1e-2)}).ok
 
 
 # ---------------------------------------------------------------------------------------

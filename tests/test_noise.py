@@ -12,6 +12,7 @@ from difftest.records.acceptance import AcceptStats, accept_length_spread
 from difftest.records.capture import Capture
 from difftest.compare.compare import compare_captures
 from difftest.compare.noise import NoiseFloor, TensorFloor
+from difftest.records.tolerance import TolerancePair
 
 H, N, V = 8, 6, 32
 
@@ -157,7 +158,9 @@ def test_a_target_layer_that_diverges_is_introduced_there_and_the_fc_chunk_that_
 def test_a_case_tolerance_judges_its_tensors_elementwise():
     ref = _capture()
     other = _perturbed(ref, 1e-7, ["draft.fc_out"])
-    cd = compare_captures(ref, other, "float32", {"draft.fc_out": {"atol": 0.0, "rtol": 0.0}}, floor=_floor(1e-5))
+    cd = compare_captures(
+        ref, other, "float32", {"draft.fc_out": TolerancePair(atol=0.0, rtol=0.0)}, floor=_floor(1e-5)
+    )
     d = cd.get("draft.fc_out")
     assert d.criterion.startswith("elementwise") and d.status == "mismatch"
 

@@ -17,11 +17,14 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from difftest.case.case import DTYPES, KNOWN_KEYS, Case, expect_keys, load_case
+from difftest.base.dtypes import CASE_DTYPES
+from difftest.case.case import Case, load_case
+from difftest.case.case_schema import KNOWN_KEYS, expect_keys
 from difftest.base.registry import engine_schema
 from difftest.run.engine import check_case_settings, check_settings, parse_engine_list
 from difftest.base.errors import CaseNotConfigured, ConfigError
 from difftest.base.names import pattern_could_match
+from difftest.records.tolerance import TolerancePair
 from engines.trainingdata.formats import read_dump
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -151,20 +154,21 @@ def check_one_line(e: Exception, place: str) -> None:
 
 def check_case_invariants(case: Case) -> None:
     """What the checks read, in the shape they read it (a silently accepted bad value fails here)."""
-    assert case.dtype in DTYPES
+    assert case.dtype in CASE_DTYPES
     for n in (case.num_steps, case.max_new_tokens):
         assert type(n) is int and n >= 1
     assert isinstance(case.allow_missing, list) and all(isinstance(p, str) and p for p in case.allow_missing)
     # every pattern names some tensor the case's captures can hold (a typo is never ignored)
     assert all(pattern_could_match(p, case.num_steps) for p in [*case.allow_missing, *case.tolerances])
     for tol in list(case.tolerances.values()) + (
-        [case.expect["accept_length"]] if "accept_length" in case.expect else []
+        [case.expect.accept_length] if case.expect.accept_length is not None else []
     ):
-        assert set(tol) <= {"atol", "rtol"}
-        assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in tol.values())
-    assert set(case.expect) <= set(expect_keys())
-    if "top1_agreement" in case.expect:
-        assert 0 <= case.expect["top1_agreement"] <= 1
+        assert isinstance(tol, TolerancePair) and (tol.atol, tol.rtol) != (None, None)
+        given = [v for v in (tol.atol, tol.rtol) if v is not None]
+        assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in given)
+    assert set(case.expect.given()) <= set(expect_keys())
+    if case.expect.top1_agreement is not None:
+        assert 0 <= case.expect.top1_agreement <= 1
     for p in case.prompts + case.spec_prompts:
         assert (p.text and p.text.strip()) or (p.ids and all(type(i) is int and i >= 0 for i in p.ids))
         assert not (p.ids and (p.messages or p.chat_template_kwargs))  # neither is dropped silently

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from difftest.case.case import Case
+from difftest.records.tolerance import Expectations
 from difftest.run.engine import EngineSpec
 from difftest.base.errors import ConfigError
 from engines.trainingdata.train_accuracy import RULES, StepCounts, VerifierHead, rules_for, score_steps
@@ -198,7 +199,11 @@ class _Captures:
 
 def _case(expect: dict | None = None) -> Case:
     return Case(
-        name="c", path="/cases/c.yaml", target="t", draft="d", expect={"train_accuracy": expect} if expect else {}
+        name="c",
+        path="/cases/c.yaml",
+        target="t",
+        draft="d",
+        expect=Expectations(contributed={"train_accuracy": expect} if expect else {}),
     )
 
 
@@ -229,7 +234,7 @@ def test_a_case_file_sets_the_keys_the_train_accuracy_check_declares(tmp_path):
     from difftest.case.case import load_case
 
     case = load_case(_yaml_case(tmp_path, "{train_accuracy: {atol: 0.1, min: 0.2}}"))
-    assert case.expect["train_accuracy"] == {"atol": 0.1, "min": 0.2}
+    assert case.expect.get("train_accuracy") == {"atol": 0.1, "min": 0.2}
 
 
 def test_a_case_file_key_the_train_accuracy_check_does_not_declare_is_refused_naming_the_file(tmp_path):

@@ -11,18 +11,27 @@ never parse settings themselves.
 Types: "int", "float", "bool", "str", "choice" (one of `choices`), "ids" (a list of integers,
 or `2+4+5` in a spec), "wiring" (a preset name, `h0+h3+h31`, or a list like [h0, h3, h31]),
 "mapping" (a free-form mapping handed to the engine, case file only) and "path".
+
+The same records declare a whole file (the case file, difftest.case.case_schema): `read` walks a
+mapping against a `Schema` whose settings may be nested mappings ("schema": another Schema, or
+`each` for a mapping of free keys), free text ("text") or a field with its own reader ("custom",
+for what no type says: a checkpoint path resolved against the file). A Schema with a `record`
+builds that dataclass from the values it read (`Schema.build`), so a section is a typed record
+from the moment it is read.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from difftest.base.errors import ConfigError
 
-TYPES = ("int", "float", "bool", "str", "choice", "ids", "wiring", "mapping", "path")
+TYPES = ("int", "float", "bool", "str", "choice", "ids", "wiring", "mapping", "path", "text", "schema", "custom")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -39,16 +48,55 @@ class Setting:
     # A case field this setting stands in for when set (e.g. "draft": the engine runs this checkpoint
     # and never reads the case's): what a cached result depends on is this value, not the field's.
     replaces: str | None = None
+    # -- for a file read by `read` (a case file); engine settings leave these as they are
+    required: bool = False  # absent: "required field missing"
+    null: bool = False  # a YAML null reads as the default (an optional field written empty)
+    expected: str = ""  # what a refusal says is expected, where the type's own words are not the file's
+    schema: Schema | None = None  # type "schema": the nested mapping's fields
+    # type "custom": the reader, given the value and its place; it returns the value or raises place.error
+    read: Callable[[object, Place], object] | None = None
 
     def __post_init__(self) -> None:
         if self.type not in TYPES:
             raise ValueError(f"setting {self.name}: unknown type {self.type!r}")
+        if (self.type == "schema") != (self.schema is not None) or (self.type == "custom") != (self.read is not None):
+            raise ValueError(f"setting {self.name}: a schema goes with type schema, a reader with type custom")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a value sits: the file (or spec) and the field inside it, e.g. cases/x.yaml and
+    engines.ref.wiring; `key` is the last key as the file wrote it (not always a string)."""
+
+    file: str
+    field: str = ""
+    key: object = None
+
+    def at(self, key: object) -> Place:
+        return Place(self.file, f"{self.field}.{key}" if self.field else str(key), key)
+
+    def item(self, i: int) -> Place:
+        return Place(self.file, f"{self.field}[{i}]", i)
+
+    def error(self, message: str) -> ConfigError:
+        return ConfigError(f"{self}: {message}")
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.field}" if self.field else self.file
 
 
 @dataclass(frozen=True)
 class Schema:
-    engine: str
+    engine: str  # the engine whose settings these are, or the section of a file they declare
     settings: tuple[Setting, ...] = field(default_factory=tuple)
+    # -- for a file read by `read`
+    what: str = "setting"  # the word an unknown key is refused with ("unknown field")
+    shape: str = "a mapping"  # what a value that is not a mapping is refused with: "expected {shape}, got ..."
+    nonempty: bool = False  # an empty mapping (or null) is refused with `shape`; else it reads as the defaults
+    each: Setting | None = None  # a mapping of free keys (tensor patterns, engine names), each value read by it
+    record: type | None = None  # the dataclass `read` builds from the values (Schema.build); None: a dict
+    # checks across fields, once every field is read: each gets the values and the section's place
+    checks: tuple[Callable[[dict, Place], None], ...] = ()
 
     def names(self) -> dict[str, Setting]:
         """Every accepted key (names and aliases) -> its setting."""
@@ -65,6 +113,20 @@ class Schema:
 
     def defaults(self) -> dict:
         return {s.name: copy.deepcopy(s.default) for s in self.settings}  # a mapping default is never shared
+
+    def build(self, values: dict) -> object:
+        """The typed record of `values` (keyed by setting name); the values themselves without a record."""
+        return values if self.record is None else self.record(**values)
+
+    @classmethod
+    def of(cls, record: type, engine: str, settings: tuple[Setting, ...], **options) -> Schema:
+        """The Schema that builds the dataclass `record`: one Setting per field of it (by name, none
+        more, none missing), declared in the record's field order; `options` are Schema's others."""
+        fields = [f.name for f in dataclasses.fields(record)]
+        by_name = {s.name: s for s in settings}
+        if sorted(fields) != sorted(by_name) or len(by_name) != len(settings):
+            raise ValueError(f"{record.__name__}: settings {sorted(by_name)} are not its fields {fields}")
+        return cls(engine, tuple(by_name[n] for n in fields), record=record, **options)
 
     def doc(self) -> list[str]:
         lines = []
@@ -89,6 +151,10 @@ def unknown_key(at: str, key: object, known, what: str = "setting") -> ConfigErr
 def _convert(s: Setting, value: object, from_spec: bool) -> object:
     """The value in the setting's type, or ValueError with what was expected."""
     t = s.type
+    if t == "text":
+        if not isinstance(value, str) or from_spec:
+            raise ValueError("a string")
+        return value
     if t == "mapping":
         if from_spec:
             raise ValueError("a mapping; set it in the case file's engines section, not in the spec")
@@ -156,7 +222,7 @@ def _convert(s: Setting, value: object, from_spec: bool) -> object:
         if isinstance(value, list) and value and all(isinstance(i, str) and i for i in value):
             return list(value)
         raise ValueError("a preset name, h0+h3+h31, or a list like [h0, h3, h31]")
-    raise AssertionError(t)  # Setting.__post_init__ admits only TYPES
+    raise AssertionError(t)  # Setting.__post_init__ admits only TYPES; "schema" and "custom" are read by `read`
 
 
 def _in_range(s: Setting, v):
@@ -222,3 +288,55 @@ def validate(
 def validate_params(schema: Schema, params: tuple[tuple[str, str], ...], spec_where: str) -> dict:
     """The spec's parameters alone (at start-up, before any case is read)."""
     return validate(schema, {}, params, spec_where=spec_where)
+
+
+def refuse_unknown(schema: Schema, section: dict, place: Place) -> None:
+    """The first key `schema` does not declare, refused with the closest declared one."""
+    names = schema.names()
+    for key in section:
+        if not isinstance(key, str) or key not in names:
+            raise unknown_key(str(place.at(key)), key, names, schema.what)
+
+
+def read(schema: Schema, section: object, place: Place) -> object:
+    """A file's mapping (`section`, at `place`) read against `schema`: unknown keys refused, required
+    ones present, each value in its setting's type (nested schemas read in turn), then the checks
+    across fields. Returns schema.build(values): its record, or {setting name: value}. Every
+    refusal is one ConfigError line naming the file and the field."""
+    if section is None and not schema.nonempty:
+        section = {}
+    if not isinstance(section, dict) or (schema.nonempty and not section):
+        raise place.error(f"expected {schema.shape}, got {_shown(section)}")
+    if schema.each is not None:
+        return {str(k): _read_value(schema.each, v, place.at(k)) for k, v in section.items()}
+    refuse_unknown(schema, section, place)
+    for s in schema.settings:
+        if s.required and s.name not in section:
+            raise place.at(s.name).error("required field missing")
+    values = {}
+    for s in schema.settings:
+        key = next((k for k in (s.name, *s.aliases) if k in section), None)
+        values[s.name] = _absent(s, place.at(s.name)) if key is None else _read_value(s, section[key], place.at(key))
+    for check in schema.checks:
+        check(values, place)
+    return schema.build(values)
+
+
+def _absent(s: Setting, place: Place) -> object:
+    """A setting the file leaves out: its default; a nested mapping that may be empty, its defaults."""
+    if s.schema is not None and not s.schema.nonempty and s.default is None:
+        return read(s.schema, {}, place)
+    return copy.deepcopy(s.default)
+
+
+def _read_value(s: Setting, value: object, place: Place) -> object:
+    if s.read is not None:
+        return s.read(value, place)
+    if s.schema is not None:
+        return read(s.schema, value, place)
+    if value is None and s.null:
+        return copy.deepcopy(s.default)
+    try:
+        return _convert(s, value, from_spec=False)
+    except ValueError as e:
+        raise place.error(f"expected {s.expected or e}, got {_shown(value)}") from None

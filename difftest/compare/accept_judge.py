@@ -36,6 +36,7 @@ from statistics import NormalDist
 
 from difftest.records.accept_gate import AcceptGate, PositionJudgement
 from difftest.records.acceptance import AcceptStats, accept_length_spread
+from difftest.records.tolerance import TolerancePair
 
 ACCEPT_SIGMAS = 3.0  # standard errors of the accept-length difference allowed (~0.3% two-sided false alarms)
 FAMILY_ALPHA = 2 * (1 - NormalDist().cdf(ACCEPT_SIGMAS))  # the same 0.27% for the whole per-position gate
@@ -55,7 +56,7 @@ def judge(
     ref: AcceptStats,
     eng: AcceptStats,
     numerical: tuple[AcceptStats, AcceptStats] | None = None,
-    tolerance: dict | None = None,
+    tolerance: TolerancePair | None = None,
     noise: str = "",
 ) -> AcceptGate:
     """`numerical`: the reference's own run in the case's dtype and in float64, or None (not measured).
@@ -94,7 +95,7 @@ def judge(
     allowed = ACCEPT_SIGMAS * spread + (moved_accept or 0.0)
     tol = None
     if tolerance:
-        tol = float(tolerance.get("atol", 0.0)) + float(tolerance.get("rtol", 0.0)) * abs(a_ref)
+        tol = (tolerance.atol or 0.0) + (tolerance.rtol or 0.0) * abs(a_ref)
         allowed = max(allowed, tol)
     return AcceptGate(a_ref, a_eng, allowed + 1e-12, spread, moved_accept, tol, zl, positions, noise)
 

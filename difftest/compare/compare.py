@@ -17,6 +17,7 @@ prompt, and for logits the distribution metrics (top-1, top-k membership, KL, TV
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
@@ -37,6 +38,7 @@ from difftest.base.names import (
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.compare.rowstats import row_stats
 from difftest.compare.tolerances import Tolerance, tolerance_for
+from difftest.records.tolerance import TolerancePair
 
 CHUNK_ELEMENTS = 1 << 20
 
@@ -233,7 +235,9 @@ class CaptureDiff:
         )
 
 
-def _thresholds(name: str, dtype: str, tolerances: dict, floor: noise.NoiseFloor) -> tuple[Tolerance, float | None]:
+def _thresholds(
+    name: str, dtype: str, tolerances: Mapping[str, TolerancePair], floor: noise.NoiseFloor
+) -> tuple[Tolerance, float | None]:
     tol = tolerance_for(name, dtype, tolerances or {})
     explicit = tol.source.startswith("case:")
     return tol, (None if explicit else floor.threshold(name))
@@ -243,7 +247,7 @@ def compare_captures(
     ref: Capture,
     other: Capture,
     dtype: str,
-    tolerances: dict[str, dict] | None = None,
+    tolerances: Mapping[str, TolerancePair] | None = None,
     allow_missing: list[str] | None = None,
     floor: noise.NoiseFloor | None = None,
 ) -> CaptureDiff:

@@ -69,9 +69,16 @@ import torch
 
 from difftest.compare import rowstats
 from difftest.records.noise_floor import NoiseFloorRecord, TensorFloor
+from difftest.base import dtypes
+from difftest.base.dtypes import DType
 from difftest.base.names import in_fc_in, split_draft
 
-UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+UNIT_ROUNDOFF: dict[str, float] = {
+    DType.FLOAT64: 2.0**-53,
+    DType.FLOAT32: 2.0**-24,
+    DType.FLOAT16: 2.0**-11,
+    DType.BFLOAT16: 2.0**-8,
+}
 SAFETY = 10.0
 FLOOR_QUANTILE = 0.9
 ROW_QUORUM = 0.1
@@ -80,7 +87,7 @@ ISOLATED_FACTOR = 10.0
 JUMP = 10.0
 # Guessed, not measured: relative row error of a correct engine at the end of a deep target in
 # this dtype (about 1000 and 10 unit roundoffs). Used only when no floor can be measured.
-UNMEASURED_REL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+UNMEASURED_REL: dict[str, float] = {DType.FLOAT32: 1e-4, DType.FLOAT16: 1e-2, DType.BFLOAT16: 5e-2}
 # A draft position is a tie when the reference's top-1 margin is within what noise can move two
 # logits: each moves by at most ~threshold x the row's RMS (the row's error norm spread over it),
 # and the difference of two such moves by up to twice that.
@@ -91,8 +98,8 @@ TIE_FACTOR = 2.0
 # router tie takes the row out of the verdict, a top-1 tie only out of the agreement count.
 ROUTER_TIE_FACTOR = 4.0
 MIN_FLOOR_ROWS = 4  # fewer untouched rows than this: the floor takes every row (tie rows included)
-CALIBRATION_DTYPE = "float64"
-HALF_DTYPES = ("bfloat16", "float16")  # their calibration run rounds the weights first (run.session.calibration_case)
+CALIBRATION_DTYPE = dtypes.CALIBRATION
+HALF_DTYPES = dtypes.HALF  # their calibration run rounds the weights first (run.session.calibration_case)
 AUX_PREFIX = "aux."  # reference-side facts stored in a capture, never compared (difftest.base.names)
 ROUTER_PREFIX = "aux.router."
 
@@ -143,7 +150,7 @@ class NoiseFloor:
         noise_k = self.router_noise.get(str(layer))
         if noise_k is None:
             return None
-        return ROUTER_TIE_FACTOR * max(noise_k, UNIT_ROUNDOFF["float32"])
+        return ROUTER_TIE_FACTOR * max(noise_k, UNIT_ROUNDOFF[DType.FLOAT32])
 
     def threshold(self, name: str) -> float:
         """The tensor's threshold; names the calibration did not see take the largest threshold of
@@ -197,11 +204,11 @@ class NoiseFloor:
 
 
 def unit_roundoff(dtype: str) -> float:
-    return UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"])
+    return UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF[DType.FLOAT32])
 
 
 def unmeasured_threshold(dtype: str) -> float:
-    return UNMEASURED_REL.get(dtype, UNMEASURED_REL["float32"])
+    return UNMEASURED_REL.get(dtype, UNMEASURED_REL[DType.FLOAT32])
 
 
 def unmeasured(dtype: str, why: str) -> NoiseFloor:
@@ -260,7 +267,7 @@ def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], list[torch.T
         if not deltas:
             continue
         noise_by_layer[str(k)] = _quantile(torch.cat(deltas), FLOOR_QUANTILE)
-        threshold = ROUTER_TIE_FACTOR * max(noise_by_layer[str(k)], UNIT_ROUNDOFF["float32"])
+        threshold = ROUTER_TIE_FACTOR * max(noise_by_layer[str(k)], UNIT_ROUNDOFF[DType.FLOAT32])
         for (cap, _), ties in zip(pairs, tie_from):
             margin = cap.tensors.get(f"{name}.margin")
             if ties is not None and margin is not None and margin.numel() == ties.numel():

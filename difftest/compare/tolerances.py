@@ -13,8 +13,12 @@ one misses them by orders of magnitude. Elementwise rule, as torch.isclose:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+
+from difftest.base.dtypes import DType
+from difftest.records.tolerance import TolerancePair
 
 
 @dataclass(frozen=True)
@@ -28,16 +32,19 @@ class Tolerance:
 
 
 DEFAULTS: dict[str, Tolerance] = {
-    "float32": Tolerance(atol=1e-4, rtol=1e-4, source="float32 default"),
-    "float16": Tolerance(atol=1e-2, rtol=1e-2, source="float16 default"),
-    "bfloat16": Tolerance(atol=5e-2, rtol=5e-2, source="bfloat16 default"),
+    DType.FLOAT32: Tolerance(atol=1e-4, rtol=1e-4, source="float32 default"),
+    DType.FLOAT16: Tolerance(atol=1e-2, rtol=1e-2, source="float16 default"),
+    DType.BFLOAT16: Tolerance(atol=5e-2, rtol=5e-2, source="bfloat16 default"),
 }
 
 
-def tolerance_for(name: str, dtype: str, overrides: dict[str, dict]) -> Tolerance:
-    """The last matching override pattern wins, so specific patterns go after general ones."""
-    tol = DEFAULTS.get(dtype, DEFAULTS["float32"])
+def tolerance_for(name: str, dtype: str, overrides: Mapping[str, TolerancePair]) -> Tolerance:
+    """The last matching override pattern (a case's `tolerances:`) wins, so specific patterns go after
+    general ones; what a pattern leaves out (atol or rtol) keeps the value before it."""
+    tol = DEFAULTS.get(dtype, DEFAULTS[DType.FLOAT32])
     for pattern, value in overrides.items():
         if fnmatchcase(name, pattern):
-            tol = Tolerance(float(value.get("atol", tol.atol)), float(value.get("rtol", tol.rtol)), f"case: {pattern}")
+            atol = tol.atol if value.atol is None else value.atol
+            rtol = tol.rtol if value.rtol is None else value.rtol
+            tol = Tolerance(float(atol), float(rtol), f"case: {pattern}")
     return tol

@@ -27,6 +27,7 @@ from difftest.api import ConfigError
 from difftest.api import ENGINE, CheckSpec
 from difftest.api import ServerAcceptData
 from difftest.api import Verdict
+from difftest.api import TolerancePair
 
 
 def flags(settings: dict, case: Case) -> list[str]:
@@ -72,7 +73,7 @@ def _fmt(xs: list[float]) -> str:
     return "[" + ", ".join(f"{x:.2f}" for x in xs) + "]"
 
 
-def check(run: CaseRun, spec: EngineSpec, tol: dict | None) -> tuple[bool, str, ServerAcceptData]:
+def check(run: CaseRun, spec: EngineSpec, tol: TolerancePair | None) -> tuple[bool, str, ServerAcceptData]:
     """(passed, message, data) of a server's accept length against the reference's replay."""
     case, reference = run.case, run.options.reference
     settings = run.pool.client(spec).started_info.settings
