@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from difftest.rules.draft_rules import TARGET_LOADING
+from difftest.base.dtypes import DType
 from difftest.base.errors import ConfigError
 from difftest.records.finding import Finding
 from difftest.base.names import TARGET_LOGITS
@@ -51,7 +52,12 @@ _DTYPE_BYTES = {
     "U32": 4,
     "U64": 8,
 }
-_CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+_CONFIG_DTYPES: dict[str, str] = {
+    DType.FLOAT32: "F32",
+    DType.FLOAT16: "F16",
+    DType.BFLOAT16: "BF16",
+    DType.FLOAT64: "F64",
+}
 # Tensors every decoder layer of every supported family holds (Llama, Qwen3, DeepSeek-V3 with MLA
 # included); the MLP differs between dense and MoE layers and is left to the loader's own report.
 _LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")

@@ -20,7 +20,7 @@ import torch
 import difftest
 from difftest.api import AcceptStats
 from difftest.api import Capture
-from difftest.api import Case
+from difftest.api import Case, DType, torch_dtype
 from difftest.api import Engine, EngineInfo
 from difftest.api import ConfigError
 from difftest.api import Wiring, resolve, trained_layer_ids
@@ -39,7 +39,7 @@ CAPTURE_REVISION = 2
 # Draft flags a spec or case can override to compute the draft as an engine that reads them otherwise
 OVERRIDABLE_FLAGS = ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {d: torch_dtype(d) for d in DType}  # the case computes in one; the calibration run in float64
 
 
 def rounded_through(model: torch.nn.Module, weights_dtype: str | None) -> torch.nn.Module:

@@ -20,6 +20,7 @@ from pathlib import Path
 from difftest.api import definitions
 from difftest.api import normalise
 from difftest.api import Case, Prompt, load_case
+from difftest.api import CASE_DTYPES, torch_dtype
 from difftest.api import EngineSpec
 from difftest.api import ConfigError, DifftestError
 from difftest.api import Command
@@ -181,8 +182,6 @@ def dump(args) -> int:
             prompts += random_prompts(vocab, args.random, args.length, args.seed)
         if not prompts:
             raise DifftestError("no prompts: give --case FILE and/or --random N")
-        import torch
-
         out = dump_from_target(
             target,
             args.out,
@@ -190,7 +189,7 @@ def dump(args) -> int:
             args.layers,
             prompts,
             args.continue_tokens,
-            {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype],
+            torch_dtype(args.dtype),
         )
     except DifftestError as e:
         print(f"difftest dump: {e}", file=sys.stderr)
@@ -253,7 +252,7 @@ def train_acc_arguments(t: argparse.ArgumentParser) -> None:
         help="the trainer's --train-data-ratio for --split (default: the run.yaml `speculators train` saved "
         "beside the draft; speculators' own default is 0.9)",
     )
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--dtype", default="float32", choices=[d.value for d in CASE_DTYPES])
     t.add_argument("--json", default=None, help="also write the table as JSON here")
 
 
@@ -269,7 +268,7 @@ def dump_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--continue", dest="continue_tokens", type=int, default=8, help="greedy continuation tokens (loss-masked)"
     )
-    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    d.add_argument("--dtype", default="float32", choices=[d.value for d in CASE_DTYPES])
 
 
 # registered under the `difftest.commands` entry points (pyproject.toml)

@@ -1,6 +1,6 @@
 """The vLLM adapter's settings (difftest.base.settings): the case's `engines.vllm` merged with `vllm[...]`."""
 
-from difftest.api import Schema, Setting, settings_record
+from difftest.api import CASE_DTYPES, Schema, Setting, settings_record
 
 SCHEMA = Schema(
     "vllm",
@@ -16,7 +16,7 @@ SCHEMA = Schema(
         Setting("max_model_len", "int", "vllm.LLM max_model_len", default=512, min=1),
         Setting("tensor_parallel_size", "int", "vllm.LLM tensor_parallel_size", default=1, min=1),
         Setting("seed", "int", "vllm.LLM seed", default=0, min=0),
-        Setting("dtype", "choice", "model dtype (default: the case's)", choices=("float32", "bfloat16", "float16")),
+        Setting("dtype", "choice", "model dtype (default: the case's)", choices=CASE_DTYPES),
         Setting(
             "num_speculative_tokens",
             "int",
