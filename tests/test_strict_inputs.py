@@ -651,3 +651,31 @@ def test_engine_log_file_name_is_safe_for_any_spec():
     assert log_file_name("ref[wiring=vllm]") == "ref[wiring=vllm].log"
     long = log_file_name("ref[wiring=" + "h0+" * 150 + "h1,x=$a/b$]")
     assert "/" not in long and "$" not in long and len(long.encode()) <= 130
+
+
+# -- a file section read through a Schema ----------------------------------------------------------
+def test_a_schema_of_a_dataclass_reads_a_section_into_that_record():
+    from dataclasses import dataclass
+
+    from difftest.base.settings import Place, read
+
+    @dataclass(frozen=True)
+    class Limits:
+        steps: int
+        label: str
+
+    schema = Schema.of(
+        Limits,
+        "limits",
+        (Setting("label", "str", "a name", default="x"), Setting("steps", "int", "how many", default=2, min=1)),
+        what="field",
+    )
+    assert [s.name for s in schema.settings] == ["steps", "label"]  # the record's order
+    assert read(schema, {"steps": 3}, Place("f.yaml", "limits")) == Limits(3, "x")
+    assert read(schema, None, Place("f.yaml", "limits")) == Limits(2, "x")
+    with pytest.raises(ConfigError, match=r"^f.yaml: limits.stepz: unknown field; did you mean 'steps'\?"):
+        read(schema, {"stepz": 3}, Place("f.yaml", "limits"))
+    with pytest.raises(ConfigError, match=r"^f.yaml: limits.steps: expected a value >= 1, got 0$"):
+        read(schema, {"steps": 0}, Place("f.yaml", "limits"))
+    with pytest.raises(ValueError, match="not its fields"):
+        Schema.of(Limits, "limits", (Setting("steps", "int", "how many"),))
