@@ -186,7 +186,7 @@ def check(run: CaseRun, spec: EngineSpec, tol: TolerancePair | None) -> tuple[bo
 
 def check_server_acceptance(run: CaseRun, spec: EngineSpec) -> Verdict:
     """The `accept_length` item of a running server; a tolerance the case declares only widens it."""
-    return Verdict(*check(run, spec, run.case.expect.get("accept_length") or None))
+    return Verdict(*check(run, spec, run.case.expect.accept_length))
 
 
 CHECK = CheckSpec(
