@@ -310,12 +310,19 @@ def read(schema: Schema, section: object, place: Place) -> object:
     if schema.each is not None:
         return {str(k): _read_value(schema.each, v, place.at(k)) for k, v in section.items()}
     refuse_unknown(schema, section, place)
+    names = schema.names()
+    given: dict[str, str] = {}  # setting name -> the key that set it (aliases and names collide)
+    for key in section:
+        name = names[key].name
+        if name in given:
+            raise place.error(f"{key} and {given[name]} both set {name}")
+        given[name] = key
     for s in schema.settings:
-        if s.required and s.name not in section:
+        if s.required and s.name not in given:
             raise place.at(s.name).error("required field missing")
     values = {}
     for s in schema.settings:
-        key = next((k for k in (s.name, *s.aliases) if k in section), None)
+        key = given.get(s.name)
         values[s.name] = _absent(s, place.at(s.name)) if key is None else _read_value(s, section[key], place.at(key))
     for check in schema.checks:
         check(values, place)
