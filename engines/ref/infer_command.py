@@ -132,7 +132,7 @@ def infer(target_ref: str, draft_ref: str, prompts: list[list[int]], layer_ids: 
     from difftest.api import Capture
     from difftest.api import infer_case
     from engines.ref.infer_draft import load_inference_draft
-    from difftest.api import evidence_from_captures, infer_from_evidence
+    from difftest.api import evidence_from_captures, infer_from_evidence, trained_layer_ids
     from engines.ref.target import load_target, run_target
 
     target_dir, draft_dir = _resolve(target_ref), _resolve(draft_ref)
@@ -145,7 +145,7 @@ def infer(target_ref: str, draft_ref: str, prompts: list[list[int]], layer_ids: 
         caps.append(Capture(t, CaptureMeta(prompt_ids=list(ids), num_layers=len(out.hidden) - 1)))
     loaded = load_inference_draft(draft_dir, target_dir)
     evidence = evidence_from_captures(caps, f"reference target run over {len(prompts)} prompts")
-    ids = layer_ids if layer_ids is not None else loaded.config.layer_ids
+    ids, _ = trained_layer_ids(layer_ids, loaded.config.layer_ids_eagle_config, loaded.config.layer_ids_top)
     return infer_from_evidence(loaded.model, ids, evidence, infer_case.target_family(target_dir))
 
 

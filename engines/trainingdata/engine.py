@@ -54,7 +54,7 @@ from engines.trainingdata.train_accuracy import (
     rules_for,
     sample_accuracy,
 )
-from difftest.api import resolve, short_name
+from difftest.api import resolve, short_name, trained_layer_ids
 from engines.ref.draft_loading import LoadedDraft, load_draft
 from engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from engines.ref.target import final_norm_module, load_target, num_layers, run_target
@@ -217,7 +217,8 @@ class TrainingDataEngine(Engine):
     def engine_wiring(self, case: Case, s: Settings, ident: Identification, loaded: LoadedDraft) -> list[str]:
         """The `wiring` setting as canonical names; presets read the case's ids, else the draft config's."""
         L = ident.num_layers if ident.num_layers is not None else num_layers(self.target(case))
-        ids = case.layer_ids if case.layer_ids is not None else loaded.config.layer_ids
+        cfg = loaded.config
+        ids, _ = trained_layer_ids(case.layer_ids, cfg.layer_ids_eagle_config, cfg.layer_ids_top)
         return list(resolve(s.wiring, L, ids, where=f"{self.spec.id}: wiring").inputs)
 
     def fc_for(
