@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from difftest.base.errors import ConfigError
-from difftest.rules.wiring import FINAL_NORM, PRESETS, resolve
+from difftest.rules.wiring import FINAL_NORM, PRESETS, resolve, trained_layer_ids
 
 L = 8
 
@@ -196,3 +196,22 @@ def test_bad_wiring_is_a_one_line_config_error(spec, ids, message):
 def test_error_names_the_place_the_wiring_came_from():
     with pytest.raises(ConfigError, match=r"^cases/x\.yaml: wiring: h9 does not exist"):
         resolve("h9", L, None, where="cases/x.yaml: wiring")
+
+
+@pytest.mark.parametrize(
+    "case_ids, eagle_config_ids, top_ids, setting_ids, expected",
+    [
+        ([1, 2], [3, 4], [5, 6], [7, 8], ([7, 8], "engine settings")),
+        ([1, 2], [3, 4], [5, 6], None, ([1, 2], "case layer_ids")),
+        (None, [3, 4], [5, 6], None, ([3, 4], "draft config eagle_config")),
+        (None, [], [5, 6], None, ([5, 6], "draft config")),
+        (None, None, [5, 6], None, ([5, 6], "draft config")),
+        (None, None, None, None, (None, "draft config")),
+    ],
+    ids=["setting-first", "then-case", "then-eagle_config", "empty-eagle_config-falls-through", "then-top", "none"],
+)
+def test_layer_ids_come_from_the_first_place_that_gives_them(
+    case_ids, eagle_config_ids, top_ids, setting_ids, expected
+):
+    """One precedence for the reference engine, the lint and `wiring: infer` (rules.wiring.trained_layer_ids)."""
+    assert trained_layer_ids(case_ids, eagle_config_ids, top_ids, setting_ids) == expected
