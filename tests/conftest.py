@@ -64,12 +64,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # Tiny random checkpoints: one pair per module (module scope), as each module built its own before.
 @pytest.fixture(scope="module")
 def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The tiny random target and draft on disk (helpers.make_tiny_pair). A module whose checks need a
-    deeper target (its draft's ids placed apart) sets TINY_PAIR_LAYERS."""
+    """The tiny random target and draft on disk (helpers.make_tiny_pair). A module whose checks need
+    another depth (its draft's ids placed apart) or seed sets TINY_PAIR_LAYERS or TINY_PAIR_SEED."""
     from helpers import make_tiny_pair
 
     layers = getattr(request.module, "TINY_PAIR_LAYERS", 6)
-    return make_tiny_pair(tmp_path_factory.mktemp("models"), num_layers=layers)
+    seed = getattr(request.module, "TINY_PAIR_SEED", 0)
+    return make_tiny_pair(tmp_path_factory.mktemp("models"), num_layers=layers, seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,14 @@ import pytest
 from difftest.rules.checkpoint_integrity import read_header, stored_tensors, target_findings
 from difftest.base.errors import ConfigError
 from difftest.checks.lint import lint_draft
-from helpers import edited_copy, make_tiny_pair
+from helpers import edited_copy
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[Path, Path]:
-    return make_tiny_pair(tmp_path_factory.mktemp("pair"), num_layers=5, seed=11)
+TINY_PAIR_LAYERS, TINY_PAIR_SEED = 5, 11  # the conftest `models` pair: 5 layers, seed 11
 
 
 def errors(findings, code: str) -> list[str]:
+
     return [f.message for f in findings if f.code == code and f.severity == "error"]
 
 
@@ -31,8 +30,8 @@ def load_target(path: Path):
     return load(path)
 
 
-def test_an_intact_target_has_no_finding_and_loads(pair):
-    target, _ = pair
+def test_an_intact_target_has_no_finding_and_loads(models):
+    target, _ = models
     assert target_findings(target) == []
     assert load_target(target) is not None
 
@@ -44,8 +43,8 @@ def test_intact_targets_of_other_families_have_no_finding(name):
     assert target_findings(ensure_model(name, log=lambda *_: None).target) == []
 
 
-def test_a_target_without_its_untied_head_is_refused_naming_the_tensor_and_the_tie_flag(pair, tmp_path):
-    target, draft = pair
+def test_a_target_without_its_untied_head_is_refused_naming_the_tensor_and_the_tie_flag(models, tmp_path):
+    target, draft = models
     broken = edited_copy(target, tmp_path / "t", tensors=lambda t: t.pop("lm_head.weight"))
     [message] = errors(target_findings(broken), "target-weights")
     assert "lm_head.weight" in message and "tie_word_embeddings false" in message
@@ -55,8 +54,8 @@ def test_a_target_without_its_untied_head_is_refused_naming_the_tensor_and_the_t
         load_target(broken)
 
 
-def test_a_tied_target_without_a_head_is_intact(pair, tmp_path):
-    target, _ = pair
+def test_a_tied_target_without_a_head_is_intact(models, tmp_path):
+    target, _ = models
     tied = edited_copy(
         target,
         tmp_path / "t",
@@ -66,8 +65,8 @@ def test_a_tied_target_without_a_head_is_intact(pair, tmp_path):
     assert errors(target_findings(tied), "target-weights") == []
 
 
-def test_a_target_without_its_embedding_is_refused(pair, tmp_path):
-    target, _ = pair
+def test_a_target_without_its_embedding_is_refused(models, tmp_path):
+    target, _ = models
     broken = edited_copy(target, tmp_path / "t", tensors=lambda t: t.pop("model.embed_tokens.weight"))
     [message] = errors(target_findings(broken), "target-weights")
     assert "model.embed_tokens.weight" in message
@@ -75,8 +74,8 @@ def test_a_target_without_its_embedding_is_refused(pair, tmp_path):
         load_target(broken)
 
 
-def test_a_config_with_fewer_layers_than_the_weights_names_num_hidden_layers(pair, tmp_path):
-    target, _ = pair
+def test_a_config_with_fewer_layers_than_the_weights_names_num_hidden_layers(models, tmp_path):
+    target, _ = models
     short = edited_copy(target, tmp_path / "t", config=lambda c: c.update(num_hidden_layers=3))
     [message] = errors(target_findings(short), "target-weights")
     assert "num_hidden_layers is 3" in message and "layers up to 4" in message
@@ -84,15 +83,15 @@ def test_a_config_with_fewer_layers_than_the_weights_names_num_hidden_layers(pai
         load_target(short)
 
 
-def test_a_config_with_more_layers_than_the_weights_names_the_missing_layer(pair, tmp_path):
-    target, _ = pair
+def test_a_config_with_more_layers_than_the_weights_names_the_missing_layer(models, tmp_path):
+    target, _ = models
     deep = edited_copy(target, tmp_path / "t", config=lambda c: c.update(num_hidden_layers=6))
     [message] = errors(target_findings(deep), "target-weights")
     assert "model.layers.5.*" in message
 
 
-def test_a_vocab_size_that_disagrees_with_the_weights_names_the_field(pair, tmp_path):
-    target, _ = pair
+def test_a_vocab_size_that_disagrees_with_the_weights_names_the_field(models, tmp_path):
+    target, _ = models
     wrong = edited_copy(target, tmp_path / "t", config=lambda c: c.update(vocab_size=600))
     messages = errors(target_findings(wrong), "target-weights")
     assert any("model.embed_tokens.weight has shape [512, 64]" in m and "vocab_size 600" in m for m in messages)
@@ -130,13 +129,13 @@ def split_into_shards(src: Path, out: Path) -> Path:
     return out
 
 
-def test_a_sharded_checkpoint_with_its_index_is_intact(pair, tmp_path):
-    target, _ = pair
+def test_a_sharded_checkpoint_with_its_index_is_intact(models, tmp_path):
+    target, _ = models
     assert target_findings(split_into_shards(target, tmp_path / "t")) == []
 
 
-def test_an_index_naming_a_shard_that_does_not_exist_is_an_error_for_a_draft_too(pair, tmp_path):
-    target, draft = pair
+def test_an_index_naming_a_shard_that_does_not_exist_is_an_error_for_a_draft_too(models, tmp_path):
+    target, draft = models
     sharded = split_into_shards(draft, tmp_path / "d")
     (sharded / "model-00002-of-00002.safetensors").unlink()
     [message] = errors(stored_tensors(sharded)[1], "checkpoint-index")
@@ -144,8 +143,8 @@ def test_an_index_naming_a_shard_that_does_not_exist_is_an_error_for_a_draft_too
     assert any("does not exist" in m for m in errors(lint_draft(sharded, target), "checkpoint-index"))
 
 
-def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_an_error(pair, tmp_path):
-    target, _ = pair
+def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_an_error(models, tmp_path):
+    target, _ = models
     sharded = split_into_shards(target, tmp_path / "t")
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     first = sorted(index["weight_map"])[0]
@@ -155,8 +154,8 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_an_error(pair, tmp_pa
     assert first in message
 
 
-def test_a_truncated_safetensors_file_is_named_with_its_sizes(pair, tmp_path):
-    target, _ = pair
+def test_a_truncated_safetensors_file_is_named_with_its_sizes(models, tmp_path):
+    target, _ = models
     cut = edited_copy(target, tmp_path / "t")
     f = next(cut.glob("*.safetensors"))
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
@@ -172,18 +171,18 @@ def test_a_file_that_is_not_safetensors_is_named(tmp_path, content):
         read_header(f)
 
 
-def test_stored_dtype_other_than_the_configs_is_a_warning_not_an_error(pair, tmp_path):
-    target, _ = pair
+def test_stored_dtype_other_than_the_configs_is_a_warning_not_an_error(models, tmp_path):
+    target, _ = models
     cast = edited_copy(target, tmp_path / "t", config=lambda c: c.update(torch_dtype="bfloat16", dtype="bfloat16"))
     findings = target_findings(cast)
     assert [f.severity for f in findings if f.code == "checkpoint-dtype"] == ["warning"]
     assert errors(findings, "target-weights") == []
 
 
-def test_the_reference_refuses_a_draft_whose_index_names_a_missing_shard(pair, tmp_path):
+def test_the_reference_refuses_a_draft_whose_index_names_a_missing_shard(models, tmp_path):
     from engines.ref.eagle3 import load_state_dict
 
-    _, draft = pair
+    _, draft = models
     sharded = split_into_shards(draft, tmp_path / "d")
     assert set(load_state_dict(sharded))  # intact: both shards read
     (sharded / "model-00001-of-00002.safetensors").unlink()

@@ -36,7 +36,7 @@ DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 LAYER_IDS = [1, 2, 3]
 
 
-def make_config(rope: dict = YARN, **overrides) -> Eagle3MLAConfig:
+def make_mla_config(rope: dict = YARN, **overrides) -> Eagle3MLAConfig:
     fields = dict(
         hidden_size=H,
         intermediate_size=INTER,
@@ -59,10 +59,10 @@ def make_config(rope: dict = YARN, **overrides) -> Eagle3MLAConfig:
     return Eagle3MLAConfig(**fields)
 
 
-def make_draft(seed: int = 0, **overrides) -> Eagle3MLADraft:
+def make_mla_draft(seed: int = 0, **overrides) -> Eagle3MLADraft:
     """Seeded random draft: matrices N(0, 0.2), norm weights U(0.5, 1.5) (no norm is the identity), d2t not zero."""
     torch.manual_seed(seed)
-    draft = Eagle3MLADraft(make_config(**overrides))
+    draft = Eagle3MLADraft(make_mla_config(**overrides))
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if "norm" in name:
@@ -111,7 +111,7 @@ def causal_mask(n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("rope", [YARN, DEFAULT_ROPE], ids=["yarn", "default"])
 def test_mla_attention_matches_transformers_deepseek_v3_attention(rope):
-    draft = make_draft(rope=rope)
+    draft = make_mla_draft(rope=rope)
     attn, rotary = hf_attention(draft.layer.self_attn, rope)
     x = torch.randn(1, 9, 2 * H, generator=torch.Generator().manual_seed(1))
     positions = torch.arange(9)[None] + 5  # away from 0, so a wrong rope shows
@@ -123,7 +123,7 @@ def test_mla_attention_matches_transformers_deepseek_v3_attention(rope):
 
 
 def test_mla_attention_without_q_lora_matches_transformers():
-    draft = make_draft(q_lora_rank=None)
+    draft = make_mla_draft(q_lora_rank=None)
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
     cfg = hf_config(2 * H)
@@ -140,7 +140,7 @@ def test_mla_attention_without_q_lora_matches_transformers():
 
 
 def test_latent_cache_decoding_equals_one_causal_pass():
-    attn = make_draft().layer.self_attn
+    attn = make_mla_draft().layer.self_attn
     x = torch.randn(1, 8, 2 * H, generator=torch.Generator().manual_seed(3))
     positions = torch.arange(8)[None]
     with torch.no_grad():
@@ -158,7 +158,7 @@ def test_latent_cache_decoding_equals_one_causal_pass():
 def test_draft_forward_matches_transformers_modules_in_engine_order(norm_output):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP, DeepseekV3RMSNorm
 
-    draft = make_draft(norm_output=norm_output, fc_norm=True)
+    draft = make_mla_draft(norm_output=norm_output, fc_norm=True)
     attn, rotary = hf_attention(draft.layer.self_attn)
     mlp = DeepseekV3MLP(hf_config(H))
     mlp.load_state_dict(draft.layer.mlp.state_dict())
@@ -192,7 +192,7 @@ def test_draft_forward_matches_transformers_modules_in_engine_order(norm_output)
 
 
 def test_checkpoint_names_the_mla_class_and_deepseek_config_keys(tmp_path):
-    save_mla_draft(make_draft(), tmp_path, LAYER_IDS)
+    save_mla_draft(make_mla_draft(), tmp_path, LAYER_IDS)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
     assert config["model_type"] == "deepseek_v2"  # vLLM 0.32.0 turns a deepseek_v3 draft into its MTP model
@@ -227,7 +227,7 @@ def test_checkpoint_names_the_mla_class_and_deepseek_config_keys(tmp_path):
 def test_config_parses_as_transformers_deepseek_v2_with_the_fields_engines_read(tmp_path):
     from transformers import AutoConfig
 
-    save_mla_draft(make_draft(), tmp_path, LAYER_IDS)
+    save_mla_draft(make_mla_draft(), tmp_path, LAYER_IDS)
     cfg = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
     assert type(cfg).__name__ == "DeepseekV2Config"
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (H, 1, HEADS)
@@ -248,7 +248,7 @@ def test_config_parses_as_transformers_deepseek_v2_with_the_fields_engines_read(
 
 @pytest.mark.parametrize("prefix", ["layers.0.", "midlayer.", "model.layers.0."])
 def test_saved_draft_loads_back_to_the_same_outputs(tmp_path, prefix):
-    draft = make_draft()
+    draft = make_mla_draft()
     save_mla_draft(draft, tmp_path, LAYER_IDS)
     if prefix != "layers.0.":
         weights = load_file(str(tmp_path / "model.safetensors"))
@@ -272,7 +272,7 @@ def test_vllm_alias_architecture_is_an_mla_draft():
 
 
 def _saved(tmp_path: Path) -> Path:
-    save_mla_draft(make_draft(), tmp_path, LAYER_IDS)
+    save_mla_draft(make_mla_draft(), tmp_path, LAYER_IDS)
     return tmp_path
 
 

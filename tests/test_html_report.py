@@ -68,7 +68,7 @@ def stats(verify: int, accepted: int, per_pos: list[int]) -> dict:
     }
 
 
-def sample_report() -> dict:
+def sample_report_json() -> dict:
     bad = [
         tensor("target.h.1"),
         tensor("draft.embeds", err=3e-6),
@@ -199,7 +199,7 @@ class Parsed(HTMLParser):
 @pytest.fixture(scope="module")
 def parsed() -> Parsed:
     p = Parsed()
-    p.feed(render(sample_report()))
+    p.feed(render(sample_report_json()))
     return p
 
 
@@ -236,7 +236,7 @@ def test_html_escapes_engine_and_config_strings(parsed):
 def test_report_command_rerenders_from_json(tmp_path, capsys):
     """The pages are rebuilt from the JSON alone: what the record says is on them."""
     path = tmp_path / "tiny.json"
-    path.write_text(json.dumps(sample_report()))
+    path.write_text(json.dumps(sample_report_json()))
     assert cli.main(["report", str(path)]) == 0
     p = Parsed()
     p.feed((tmp_path / "tiny.html").read_text())
@@ -258,7 +258,7 @@ def test_report_command_refuses_other_json(tmp_path, capsys):
 
 def test_bundle_packs_json_html_case_and_logs(tmp_path, capsys):
     path = tmp_path / "tiny.json"
-    path.write_text(json.dumps(sample_report()))
+    path.write_text(json.dumps(sample_report_json()))
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "ref.log").write_text("engine log")
     out = tmp_path / "b.tar.gz"
@@ -272,7 +272,7 @@ def test_bundle_packs_json_html_case_and_logs(tmp_path, capsys):
 # -- the noise view --------------------------------------------------------------------------------
 def old_report() -> dict:
     """A report whose comparisons carry no noise numbers: no noise floor, no per-tensor err/threshold."""
-    r = sample_report()
+    r = sample_report_json()
     r["noise_floor"] = None
     for p in r["comparisons"][f"evil[{EVIL}]"]:
         p["tensors"] = [
@@ -330,7 +330,7 @@ def test_html_noise_table_marks_introduced_and_highlights_above_noise(parsed):
 
 
 def test_html_diagnosis_names_introduced_first_above_noise_and_first_differs():
-    r = sample_report()
+    r = sample_report_json()
     r["checks"][1]["data"].update(
         {"introduced": "draft.fc_in.0", "first_above_noise": "draft.fc_in.0", "first_differs": "draft.embeds"}
     )
@@ -351,7 +351,7 @@ def test_html_renders_a_report_from_before_the_noise_criterion():
 
 
 def test_markdown_tabulates_error_floor_threshold_excess_verdict_and_introduced():
-    md = markdown(sample_report())
+    md = markdown(sample_report_json())
     assert "noise floor (measured, float32): measured: ref in float32 vs float64 over 1 prompts" in md
     assert "| tensor | err | floor | threshold | excess | verdict | introduced |" in md
     assert "| `draft.fc_in.0` | 0.4 | 1e-06 | 1e-05 | 4e+04x | above noise | **<- introduced** |" in md
@@ -363,7 +363,7 @@ def test_markdown_tabulates_error_floor_threshold_excess_verdict_and_introduced(
 def test_markdown_table_is_limited_to_the_interesting_rows():
     from difftest.report.writer import MAX_ROWS, TOP_MOVERS
 
-    r = sample_report()
+    r = sample_report_json()
     entry = r["comparisons"][f"evil[{EVIL}]"][0]
     entry["tensors"] = [
         tensor(f"draft.t{i}", "mismatch", err=0.1 * (i + 1), introduced=i == 0) for i in range(MAX_ROWS + 5)

@@ -14,14 +14,9 @@ from safetensors.torch import save_file
 from difftest.case.case import load_case
 from difftest.base.errors import CaseNotConfigured, EngineUnavailable
 from engines.ref import target as target_mod
-from helpers import ROOT, make_tiny_pair, run_pytest
+from helpers import ROOT, run_pytest
 
 KIMI_CASE = ROOT / "cases" / "kimi_k25_gpu.yaml"
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 def test_unset_variable_makes_the_case_not_configured(tmp_path, monkeypatch):
@@ -31,8 +26,8 @@ def test_unset_variable_makes_the_case_not_configured(tmp_path, monkeypatch):
         load_case(tmp_path / "c.yaml")
 
 
-def test_variables_and_defaults_expand_in_paths_and_engine_settings(tmp_path, monkeypatch, pair):
-    target, draft = pair
+def test_variables_and_defaults_expand_in_paths_and_engine_settings(tmp_path, monkeypatch, models):
+    target, draft = models
     monkeypatch.setenv("DIFFTEST_T", str(target))
     monkeypatch.delenv("DIFFTEST_TP", raising=False)
     (tmp_path / "c.yaml").write_text(
@@ -54,8 +49,8 @@ def test_kimi_case_skips_naming_the_variable_when_its_checkpoints_are_absent(tmp
     assert "target needs ${DIFFTEST_KIMI_TARGET}, which is not set here" in run.output
 
 
-def test_kimi_case_loads_with_tensor_parallel_settings_when_configured(monkeypatch, pair):
-    target, draft = pair
+def test_kimi_case_loads_with_tensor_parallel_settings_when_configured(monkeypatch, models):
+    target, draft = models
     monkeypatch.setenv("DIFFTEST_KIMI_TARGET", str(target))
     monkeypatch.setenv("DIFFTEST_KIMI_DRAFT", str(draft))
     monkeypatch.delenv("DIFFTEST_TP", raising=False)
@@ -90,6 +85,6 @@ def test_reference_refuses_a_target_larger_than_memory_with_the_way_out(tmp_path
     assert "--reference=sglang" in msg and "--engines=train,sglang" in msg
 
 
-def test_reference_loads_a_target_that_fits(pair):
-    model = target_mod.load_target(pair[0], torch.float32)
+def test_reference_loads_a_target_that_fits(models):
+    model = target_mod.load_target(models[0], torch.float32)
     assert model.config.num_hidden_layers == 6

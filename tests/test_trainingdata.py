@@ -18,20 +18,17 @@ from engines.trainingdata.train_accuracy import RULES, VerifierHead, rms_norm
 from engines.ref.target import load_target, run_target
 from engines.trainingdata.dump import dump_from_target, random_prompts
 from engines.trainingdata.formats import read_dump
-from helpers import make_tiny_pair, run_pytest
+from helpers import run_pytest
 
 L = 6
+TINY_PAIR_LAYERS = L  # the conftest `models` pair
+
 PROMPTS = random_prompts(512, 6, 10, seed=0)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_tiny_pair(tmp_path_factory.mktemp("pair"), num_layers=L)
-
-
-@pytest.fixture(scope="module")
-def target(pair):
-    return load_target(pair[0])
+def target(models):
+    return load_target(models[0])
 
 
 def _reference(target, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -41,8 +38,8 @@ def _reference(target, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return ref
 
 
-def _dump(pair, tmp_path, fmt, layers, prompts=PROMPTS, name="dump"):
-    return dump_from_target(pair[0], tmp_path / name, fmt, layers, prompts, continue_tokens=6)
+def _dump(models, tmp_path, fmt, layers, prompts=PROMPTS, name="dump"):
+    return dump_from_target(models[0], tmp_path / name, fmt, layers, prompts, continue_tokens=6)
 
 
 # -- formats -------------------------------------------------------------------------------
@@ -53,8 +50,8 @@ def _dump(pair, tmp_path, fmt, layers, prompts=PROMPTS, name="dump"):
     [("speculators", "h0+h2+h4+h5"), ("speculators-legacy", "h2+h4+h5+h6"), ("specforge", "h2+h4+h5+final_norm")],
     ids=["speculators", "legacy", "specforge"],
 )
-def test_dump_round_trips_in_every_format(pair, target, tmp_path, fmt, layers):
-    path = _dump(pair, tmp_path, fmt, layers)
+def test_dump_round_trips_in_every_format(models, target, tmp_path, fmt, layers):
+    path = _dump(models, tmp_path, fmt, layers)
     dump = read_dump(path)  # format detected from the layout
     assert dump.format == fmt and len(dump.samples) == len(PROMPTS) and not dump.skipped
     s = dump.samples[0]
@@ -90,8 +87,8 @@ def test_dump_round_trips_in_every_format(pair, target, tmp_path, fmt, layers):
     ],
     ids=["embedding-included", "permuted", "off-by-one"],
 )
-def test_identification_against_the_target(pair, target, tmp_path, layers, expected):
-    s = read_dump(_dump(pair, tmp_path, "speculators", layers, PROMPTS[:2])).samples[0]
+def test_identification_against_the_target(models, target, tmp_path, layers, expected):
+    s = read_dump(_dump(models, tmp_path, "speculators", layers, PROMPTS[:2])).samples[0]
     ident = identify_against_target(s.tensors, _reference(target, s.input_ids), s.fc_count, L)
     assert ident.summary() == expected
     assert all(t.rel_err < 1e-6 for t in ident.tensors)
@@ -99,8 +96,8 @@ def test_identification_against_the_target(pair, target, tmp_path, layers, expec
         assert "fc tensors are not in depth order (permuted)" in ident.notes
 
 
-def _stats(pair, target, tmp_path, layers):
-    dump = read_dump(_dump(pair, tmp_path, "speculators", layers))
+def _stats(models, target, tmp_path, layers):
+    dump = read_dump(_dump(models, tmp_path, "speculators", layers))
     samples = dump.samples
     return identify_by_statistics(
         [s.tensors for s in samples],
@@ -114,8 +111,8 @@ def _stats(pair, target, tmp_path, layers):
     )
 
 
-def test_statistics_find_the_embedding_and_a_verifier_that_is_not_final(pair, target, tmp_path):
-    ident = _stats(pair, target, tmp_path, "h0+h2+h4+h5")
+def test_statistics_find_the_embedding_and_a_verifier_that_is_not_final(models, target, tmp_path):
+    ident = _stats(models, target, tmp_path, "h0+h2+h4+h5")
     assert ident.tensors[0].name == "target.h.0"
     assert [t.name for t in ident.tensors[1:]] == [None, None, None]
     assert ident.verifier_is_final() is False
@@ -125,8 +122,8 @@ def test_statistics_find_the_embedding_and_a_verifier_that_is_not_final(pair, ta
     assert any("not the final layer" in n for n in ident.notes)
 
 
-def test_statistics_flag_a_permuted_dump_and_accept_a_final_verifier(pair, target, tmp_path):
-    ident = _stats(pair, target, tmp_path, "h4+h1+h2+h6")
+def test_statistics_flag_a_permuted_dump_and_accept_a_final_verifier(models, target, tmp_path):
+    ident = _stats(models, target, tmp_path, "h4+h1+h2+h6")
     assert ident.tensors[0].name is None  # no tensor equals the embedding
     assert any("not in depth order" in n for n in ident.notes)
     assert ident.verifier_is_final() is True and ident.verifier.top1_next == 1.0
@@ -157,8 +154,8 @@ def test_statistics_take_a_specforge_verifier_as_already_normed(normed):
 # -- bad input --------------------------------------------------------------------------------
 
 
-def test_bad_samples_are_skipped_with_one_line_each(pair, tmp_path):
-    path = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+def test_bad_samples_are_skipped_with_one_line_each(models, tmp_path):
+    path = _dump(models, tmp_path, "speculators", "h0+h2+h4+h5")
     from safetensors.torch import load_file, save_file
 
     hs = path / "hidden_states"
@@ -188,8 +185,8 @@ def test_bad_samples_are_skipped_with_one_line_each(pair, tmp_path):
     assert lines[4].startswith(f"{hs / 'hs_5.safetensors'}: loss_mask: shape [15], expected [16]")
 
 
-def test_legacy_and_specforge_bad_fields_are_named(pair, tmp_path):
-    legacy = _dump(pair, tmp_path, "speculators-legacy", "h2+h4+h5+h6", PROMPTS[:2], "legacy")
+def test_legacy_and_specforge_bad_fields_are_named(models, tmp_path):
+    legacy = _dump(models, tmp_path, "speculators-legacy", "h2+h4+h5+h6", PROMPTS[:2], "legacy")
     data = torch.load(legacy / "data_1.pt", weights_only=True)
     data["hidden_states"][2] = data["hidden_states"][2][:-3]  # truncated layer
     torch.save(data, legacy / "data_1.pt")
@@ -198,7 +195,7 @@ def test_legacy_and_specforge_bad_fields_are_named(pair, tmp_path):
     assert dump.skipped == [
         f"{legacy / 'data_1.pt'}: hidden_states[2]: 13 positions, but input_ids has 16 (truncated or mismatched dump) (sample skipped)"
     ]
-    sf = _dump(pair, tmp_path, "specforge", "h2+h4+h5+final_norm", PROMPTS[:2], "sf")
+    sf = _dump(models, tmp_path, "specforge", "h2+h4+h5+final_norm", PROMPTS[:2], "sf")
     data = torch.load(sf / "rows_0-2000" / "data_0.ckpt", weights_only=True)
     data["aux_hidden_state"] = data["aux_hidden_state"].long()
     torch.save(data, sf / "rows_0-2000" / "data_0.ckpt")
@@ -211,7 +208,7 @@ def test_legacy_and_specforge_bad_fields_are_named(pair, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def seed(pair, target, tmp_path_factory):
+def seed(models, target, tmp_path_factory):
     """A miswired dump [h0, h2, h4, h5] (verifier h5, not the final h6) and a draft trained on it as the
     seed's trainer did (fc cat(h0, h2, h4), targets from h5), saved with config ids [2, 4, 5]."""
     from engines.ref.draft_loading import load_draft
@@ -219,7 +216,7 @@ def seed(pair, target, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("seed")
     prompts = random_prompts(512, 48, 10, seed=3)
-    dump = read_dump(dump_from_target(pair[0], root / "data", "speculators", "h0+h2+h4+h5", prompts, 6))
+    dump = read_dump(dump_from_target(models[0], root / "data", "speculators", "h0+h2+h4+h5", prompts, 6))
     head = VerifierHead(target.lm_head.weight.detach(), target.model.norm.weight.detach(), target.config.rms_norm_eps)
     normed = torch.stack([rms_norm(s.verifier, head.norm_weight, head.eps) for s in dump.samples])
     data = TrainData(
@@ -229,7 +226,7 @@ def seed(pair, target, tmp_path_factory):
         normed,
     )
     torch.manual_seed(0)
-    cfg = load_draft(pair[1]).config
+    cfg = load_draft(models[1]).config
     draft = train_draft(
         target,
         cfg,
@@ -244,7 +241,7 @@ def seed(pair, target, tmp_path_factory):
     return root
 
 
-def test_train_acc_is_high_under_the_training_wiring_and_low_under_the_engines(pair, seed, tmp_path, capsys):
+def test_train_acc_is_high_under_the_training_wiring_and_low_under_the_engines(models, seed, tmp_path, capsys):
     out_json = tmp_path / "acc.json"
     rc = cli.main(
         [
@@ -254,7 +251,7 @@ def test_train_acc_is_high_under_the_training_wiring_and_low_under_the_engines(p
             "--draft",
             str(seed / "draft"),
             "--target",
-            str(pair[0]),
+            str(models[0]),
             "--wiring",
             "vllm",
             "--json",
@@ -271,7 +268,7 @@ def test_train_acc_is_high_under_the_training_wiring_and_low_under_the_engines(p
     assert trained > 0.4 and served < trained - 0.15, (trained, served)
 
 
-def test_train_acc_states_each_figures_definition_and_the_accept_length_it_predicts(pair, seed, tmp_path, capsys):
+def test_train_acc_states_each_figures_definition_and_the_accept_length_it_predicts(models, seed, tmp_path, capsys):
     out_json = tmp_path / "acc.json"
     rc = cli.main(
         [
@@ -281,7 +278,7 @@ def test_train_acc_states_each_figures_definition_and_the_accept_length_it_predi
             "--draft",
             str(seed / "draft"),
             "--target",
-            str(pair[0]),
+            str(models[0]),
             "--json",
             str(out_json),
         ]
@@ -295,11 +292,11 @@ def test_train_acc_states_each_figures_definition_and_the_accept_length_it_predi
     assert row["predicted_accept_length"] == pytest.approx(1 + sum(row["full_acc"]))
 
 
-def test_seed_case_train_engine_passes_and_the_serving_wiring_fails(pair, seed, tmp_path):
+def test_seed_case_train_engine_passes_and_the_serving_wiring_fails(models, seed, tmp_path):
     (tmp_path / "cases").mkdir()
     prompts = random_prompts(512, 48, 10, seed=3)[:3]
     case = {
-        "target": str(pair[0]),
+        "target": str(models[0]),
         "draft": str(seed / "draft"),
         "wiring": ["h0", "h2", "h4"],
         "prompts": [{"ids": p} for p in prompts],
@@ -394,8 +391,8 @@ def _as_prepare_data(dump_dir, out, shards: int = 2):
     return rows
 
 
-def test_speculators_arrow_dataset_part_is_read_by_the_default_install(pair, tmp_path):
-    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+def test_speculators_arrow_dataset_part_is_read_by_the_default_install(models, tmp_path):
+    data = _dump(models, tmp_path, "speculators", "h0+h2+h4+h5")
     rows = _as_prepare_data(data, data, shards=2)
     (data / "samples.jsonl").unlink()
     dump = read_dump(data)
@@ -406,8 +403,8 @@ def test_speculators_arrow_dataset_part_is_read_by_the_default_install(pair, tmp
         assert s.loss_mask.tolist() == [bool(m) for m in r["loss_mask"]]
 
 
-def test_a_dataset_row_whose_tokens_differ_from_its_hidden_states_skips_that_sample(pair, tmp_path):
-    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+def test_a_dataset_row_whose_tokens_differ_from_its_hidden_states_skips_that_sample(models, tmp_path):
+    data = _dump(models, tmp_path, "speculators", "h0+h2+h4+h5")
     rows = [json.loads(x) for x in (data / "samples.jsonl").read_text().splitlines()]
     rows[1], rows[2] = rows[2], rows[1]  # the dataset's order no longer matches hs_1 / hs_2
     (data / "samples.jsonl").unlink()
@@ -417,10 +414,10 @@ def test_a_dataset_row_whose_tokens_differ_from_its_hidden_states_skips_that_sam
     assert [line.split(": ")[1] for line in dump.skipped] == ["token_ids", "token_ids"]
 
 
-def test_prepare_data_folder_without_hidden_states_says_where_they_are_expected(pair, tmp_path):
+def test_prepare_data_folder_without_hidden_states_says_where_they_are_expected(models, tmp_path):
     from difftest.base.errors import ConfigError
 
-    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    data = _dump(models, tmp_path, "speculators", "h0+h2+h4+h5")
     _as_prepare_data(data, tmp_path / "prepared", shards=2)
     with pytest.raises(ConfigError) as e:
         read_dump(tmp_path / "prepared")
@@ -445,9 +442,9 @@ def test_a_dataset_dictionary_folder_is_refused_naming_the_split_to_give(tmp_pat
         read_dump(tmp_path / "dd", hidden_states=tmp_path)
 
 
-def test_train_acc_reads_hidden_states_from_the_folder_given_as_hidden_states(pair, tmp_path, capsys):
-    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
-    args = ["train-acc", "--draft", str(pair[1]), "--target", str(pair[0]), "--ttt-steps", "2"]
+def test_train_acc_reads_hidden_states_from_the_folder_given_as_hidden_states(models, tmp_path, capsys):
+    data = _dump(models, tmp_path, "speculators", "h0+h2+h4+h5")
+    args = ["train-acc", "--draft", str(models[1]), "--target", str(models[0]), "--ttt-steps", "2"]
     assert cli.main([*args, "--data", str(data), "--json", str(tmp_path / "here.json")]) == 0
     rows = _as_prepare_data(data, tmp_path / "prepared")
     (data / "hidden_states").rename(tmp_path / "elsewhere")  # as generate-offline-data --output puts them
@@ -471,8 +468,8 @@ def test_train_acc_reads_hidden_states_from_the_folder_given_as_hidden_states(pa
     assert apart["counted"][0] == sum(sum(r["loss_mask"][1:]) for r in rows) != here["counted"][0]
 
 
-def test_train_acc_refuses_a_missing_hidden_states_folder_in_one_line(pair, tmp_path, capsys):
-    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+def test_train_acc_refuses_a_missing_hidden_states_folder_in_one_line(models, tmp_path, capsys):
+    data = _dump(models, tmp_path, "speculators", "h0+h2+h4+h5")
     capsys.readouterr()  # the dump's own model loading
     rc = cli.main(
         [
@@ -480,9 +477,9 @@ def test_train_acc_refuses_a_missing_hidden_states_folder_in_one_line(pair, tmp_
             "--data",
             str(data),
             "--draft",
-            str(pair[1]),
+            str(models[1]),
             "--target",
-            str(pair[0]),
+            str(models[0]),
             "--hidden-states",
             str(tmp_path / "nope"),
         ]
@@ -492,10 +489,10 @@ def test_train_acc_refuses_a_missing_hidden_states_folder_in_one_line(pair, tmp_
     assert err == f"difftest train-acc: --hidden-states: {tmp_path / 'nope'}: directory not found\n"
 
 
-def test_an_empty_hidden_states_folder_names_the_option_to_give_another(pair, tmp_path):
+def test_an_empty_hidden_states_folder_names_the_option_to_give_another(models, tmp_path):
     from difftest.base.errors import ConfigError
 
-    data = _dump(pair, tmp_path, "speculators", "h0+h2+h4+h5")
+    data = _dump(models, tmp_path, "speculators", "h0+h2+h4+h5")
     (tmp_path / "empty").mkdir()
     with pytest.raises(
         ConfigError,
