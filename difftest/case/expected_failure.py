@@ -39,7 +39,7 @@ class ExpectedFailure:
         self, spec_name: str, spec_id: str, check: str, reference: tuple[str, ...] = (ANY, ANY), variant: str = ""
     ) -> bool:
         """`reference`: what the run's reference answers to: its name and spec id, and for a stored
-        baseline those of the engine it was saved from (Session.reference_names); `variant`: the code
+        baseline those of the engine it was saved from (CaseRun.reference_names); `variant`: the code
         path the engine reported."""
         return (
             self.check in (check, ANY)

@@ -379,5 +379,5 @@ def trained_wiring(case: Case) -> list[str] | None:
 
 
 def lint_case(case: Case) -> list[Finding]:
-    """`case` with fixtures resolved (Session.prepare)."""
+    """`case` with fixtures resolved (CaseRun.prepared)."""
     return lint_draft(case.draft, case.target, trained_wiring(case), case.engines)

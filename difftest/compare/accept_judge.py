@@ -17,7 +17,7 @@ counts the engines report:
   FAMILY_ALPHA, so a k-position gate raises no more false alarms than one 3-sigma test
   (Z = 3.0 for k = 1, 3.32 for k = 3, 3.46 for k = 5).
 * numerical[j] is *measured*: |p_j| of the reference run in the case's dtype minus the same run in
-  float64 (difftest.run.session.Session.accept_noise). Greedy decoding is deterministic, so what two
+  float64 (difftest.run.case_run.CaseRun.accept_noise). Greedy decoding is deterministic, so what two
   correct engines differ by beyond sampling is numerical: a near-tie resolved the other way, after
   which the continuations differ. The reference's own float64 move is that effect measured on
   this case. Not measured (a stored baseline, a target too big for the CPU reference): 0, said.

@@ -8,8 +8,8 @@ dump read by `train` holds the layers the trainer dumped, identified by content;
 capture holds what that engine exposes), and the inference says which source it used and
 searches only the tensors that source holds.
 
-The inferred wiring replaces `wiring: infer` in the case every engine is sent (difftest.run.session
-Session.prepare), so checks, diagnosis and reports run on it; `Session.inference(case)` keeps
+The inferred wiring replaces `wiring: infer` in the case every engine is sent (difftest.run.case_run
+CaseRun.prepared), so checks, diagnosis and reports run on it; `CaseRun.inference()` keeps
 the full result for the capture item and the report. When the evidence is too weak the case
 stops with one line saying so: a guess would make every verdict after it meaningless.
 """
@@ -62,7 +62,8 @@ def evidence_case(case: Case, num_slots: int) -> Case:
 
 
 def infer_for_case(session, case: Case) -> WiringInference:
-    """`case` has its fixtures resolved; `session` is a difftest.run.session.Session."""
+    """`case` has its fixtures resolved; `session` gives the run's options and a capture of any case
+    (difftest.run.case_run: the case run's evidence source over the engine pool)."""
     loaded = draft_loader().load(case.draft, case.target)
     ev_case = evidence_case(case, loaded.config.num_aux)
     n = len(ev_case.prompts)
