@@ -46,6 +46,7 @@ from difftest.case.case import Case
 from difftest.run.engine import EngineSpec
 from difftest.records.report import Report
 from difftest.run.pool import EnginePool, Options
+from difftest.run.protocol import CaptureRequest
 from difftest.run.phase_clock import PHASES
 from difftest.run.worker import WorkerClient
 
@@ -231,9 +232,7 @@ def _through_worker(directory: Path) -> dict:
             out = directory / "cache" / f"k{i}"
             s = time.perf_counter()
             with pool.clock.phase("session", f"x{i}.yaml", "synthetic", "bfloat16"):
-                pool.request(
-                    client, {"op": "capture", "case": case.to_dict(), "prompt_ids": [1, 2], "out": str(out)}, out
-                )
+                pool.request(client, CaptureRequest(case, [1, 2], str(out)), out)
                 capture = pool.load(out)
             total = time.perf_counter() - s
             first = _first_pass(capture.tensors["target.logits"])

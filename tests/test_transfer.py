@@ -21,6 +21,7 @@ from difftest.case.case import Case
 from difftest.run.engine import EngineSpec
 from difftest.base.errors import ConfigError, EngineError
 from difftest.run.pool import EnginePool, Options
+from difftest.run.protocol import CaptureRequest
 from difftest.run.worker import WorkerClient
 from fake_engine import synthetic_tensors
 from helpers import TESTS
@@ -125,9 +126,8 @@ def _worker(tmp_path: Path, mode: str) -> WorkerClient:
     return client
 
 
-def _capture_request(out: Path) -> dict:
-    case = Case(name="x", path="x.yaml", target="t", draft="d")
-    return {"op": "capture", "case": case.to_dict(), "prompt_ids": [1, 2], "out": str(out)}
+def _capture_request(out: Path) -> CaptureRequest:
+    return CaptureRequest(Case(name="x", path="x.yaml", target="t", draft="d"), [1, 2], str(out))
 
 
 def _pool(tmp_path: Path) -> EnginePool:

@@ -22,6 +22,7 @@ HARNESS = textwrap.dedent("""
     from pathlib import Path
     from difftest.case.case import Case
     from difftest.run.engine import EngineSpec
+    from difftest.run.protocol import CaptureRequest
     from difftest.run.worker import WorkerClient
 
     client = WorkerClient(EngineSpec("fake", params=(("mode", "spawn_hang"),)), "fake_engine:FakeEngine",
@@ -29,7 +30,7 @@ HARNESS = textwrap.dedent("""
     client.start()
     print(client.proc.pid, flush=True)
     case = Case(name="x", path="x.yaml", target="t", draft="d")
-    client.request({"op": "capture", "case": case.to_dict(), "prompt_ids": [1, 2], "out": sys.argv[2]})
+    client.request(CaptureRequest(case, [1, 2], sys.argv[2]))
 """)
 
 

@@ -38,6 +38,7 @@ from difftest.records.wiring_inference import WiringInference
 from difftest.run import infer_case as infer_mod
 from difftest.run.engine import EngineSpec, parse_spec
 from difftest.run.pool import EnginePool, Options
+from difftest.run.protocol import CaptureDraftFromRequest, CaptureRequest, ReplayRequest, SpeculateRequest
 
 FIXTURE_GROUP = "difftest.fixtures"
 
@@ -247,9 +248,7 @@ class CaseRun:
                     client = self.pool.client(spec)
                     out = self.pool.cache.path(key)
                     self.pool.progress(f"{spec.id}: capturing {case.name} prompt {index + 1}/{len(self.prompt_ids())}")
-                    self.pool.request(
-                        client, {"op": "capture", "case": case.to_dict(), "prompt_ids": ids, "out": str(out)}, out
-                    )
+                    self.pool.request(client, CaptureRequest(case, ids, str(out)), out)
                     cached = self.pool.load(out)
             self._captures[memo] = cached
         return self._captures[memo]
@@ -295,17 +294,7 @@ class CaseRun:
             try:
                 with self.pool.clock.phase("transfer.write") as frame:
                     frame.bytes = tensorfile.write(fc_file, {FC_IN: ref.tensors[FC_IN]})
-                self.pool.request(
-                    client,
-                    {
-                        "op": "capture_draft_from",
-                        "case": case.to_dict(),
-                        "prompt_ids": ids,
-                        "fc_in": str(fc_file),
-                        "out": str(out),
-                    },
-                    out,
-                )
+                self.pool.request(client, CaptureDraftFromRequest(case, ids, str(fc_file), str(out)), out)
             except Unsupported:
                 return None
             finally:
@@ -333,17 +322,8 @@ class CaseRun:
         if self.options.use_cache and not live and path.exists():
             return AcceptStats.from_dict(json.loads(path.read_text()))
         self.pool.progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
-        reply = self.pool.request(
-            self.pool.client(spec),
-            {
-                "op": "speculate",
-                "case": case.to_dict(),
-                "prompts": prompts,
-                "num_steps": case.num_steps,
-                "max_new_tokens": case.max_new_tokens,
-            },
-        )
-        stats = AcceptStats.from_dict(reply["stats"])
+        request = SpeculateRequest(case, prompts, case.num_steps, case.max_new_tokens)
+        stats = self.pool.request(self.pool.client(spec), request).stats
         if not live:
             atomic_write(path, json.dumps(stats.to_dict(), indent=1))
         return stats
@@ -362,18 +342,8 @@ class CaseRun:
             raise Unsupported(f"{spec.id}: a stored baseline cannot replay a server's tokens; use --reference=ref")
         self.pool.progress(f"{spec.id}: replaying {len(requests)} server outputs through the draft")
         with self.pool.clock.phase("session", case.path, spec.id, case.dtype):
-            reply = self.pool.request(
-                self.pool.client(spec),
-                {
-                    "op": "replay",
-                    "case": case.to_dict(),
-                    "requests": requests,
-                    "num_steps": num_steps,
-                    "topk": topk,
-                    "num_draft_tokens": num_draft_tokens,
-                },
-            )
-        return [ReplayRow.from_json(r, f"{spec.id}'s replay", f"replays[{i}]") for i, r in enumerate(reply["replays"])]
+            request = ReplayRequest(case, requests, num_steps, topk, num_draft_tokens)
+            return self.pool.request(self.pool.client(spec), request).replays
 
     # -- the noise floor (difftest.compare.noise) ----------------------------------------------------
     def calibration(self) -> CaseRun:

@@ -11,20 +11,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from difftest.base.errors import ConfigError, DifftestError, EngineError
 from difftest.base.paths import cache_root, log_file_name
 from difftest.base.registry import calibration_engine, engine_target
 from difftest.records.capture import Capture, CaptureCache, remove_partial
 from difftest.records.engine_info import EngineInfo
-from difftest.records.fields import decode_value
-from difftest.records.timings import WorkerPhase
 from difftest.rules import engine_releases
 from difftest.run import engine_identity
 from difftest.run.engine import EngineSpec
 from difftest.run.phase_clock import PhaseClock, case_of
+from difftest.run.protocol import Request, Timed
 from difftest.run.worker import PROJECT_ROOT, WorkerClient
+
+T = TypeVar("T", bound=Timed)  # the reply a request is answered with (difftest.run.protocol)
 
 if TYPE_CHECKING:  # annotations only: difftest.run.baseline builds on the case runs
     from difftest.run.baseline import BaselineSource
@@ -245,17 +246,13 @@ class EnginePool:
         self.progress(f"{spec.id}: {engine_releases.unrecorded(info.name, info.version)}")
 
     # -- transfers: requests to a worker and the captures it writes -----------------------
-    def request(self, client: WorkerClient, msg: dict, out: Path | None = None) -> dict:
-        """A worker request, timed (the worker's own phases come back in its reply); what a worker
-        that died writing `out` left half-written is removed."""
+    def request(self, client: WorkerClient, msg: Request[T], out: Path | None = None) -> T:
+        """A worker request (difftest.run.protocol), timed (the worker's own phases come back in its
+        reply); what a worker that died writing `out` left half-written is removed."""
         try:
             with self.clock.phase("request"):
                 reply = client.request(msg)
-                try:
-                    measured = decode_value(list[WorkerPhase], reply.get("timings", []), "worker reply", "timings")
-                except ConfigError:
-                    measured = []  # a worker of another difftest version: its phases are not counted
-                self.clock.add_inner(measured)
+                self.clock.add_inner(reply.timings)
         finally:
             if out is not None:
                 remove_partial(out)

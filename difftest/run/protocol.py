@@ -18,7 +18,7 @@ an unknown op, an unknown or missing field, or a value of the wrong type.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar, Union
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, Union
 
 from difftest.base.errors import ConfigError
 from difftest.base.settings import suggest
@@ -162,6 +162,14 @@ class Failure:
 
 
 Reply = Union[HelloReply, CaptureReply, SpeculateReply, ReplayReply, CloseReply]
+
+
+class Timed(Protocol):
+    """A reply to a request the engine works on (capture, speculate, capture_draft_from, replay): it
+    carries the phases the worker measured, which the harness's clock counts."""
+
+    @property
+    def timings(self) -> list[WorkerPhase]: ...
 
 
 # -- requests (harness -> worker) --------------------------------------------------------------

@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 import ctypes
 
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable, Unsupported
@@ -184,18 +184,9 @@ class WorkerClient:
                 pass
 
     # -- requests --------------------------------------------------------------------
-    @overload
-    def request(self, msg: Request[R], timeout: float | None = None) -> R: ...
-
-    @overload
-    def request(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any]: ...
-
-    def request(self, msg: Request[Any] | dict[str, Any], timeout: float | None = None) -> Any:
+    def request(self, msg: Request[R], timeout: float | None = None) -> R:
         """Send a typed request and return its typed reply (difftest.run.protocol); a failed request
-        raises the error its reply names. A wire-form dict (a caller not yet on the typed messages) is
-        read as its request and answered with the reply's wire form."""
-        if isinstance(msg, dict):
-            return self.request(Request.from_wire(msg), timeout).to_wire()
+        raises the error its reply names."""
         assert self.proc is not None, "worker not started"
         timeout = self.timeout if timeout is None else timeout
         if self.ended_with is not None:  # later items of the same case carry the cause, not "worker gone"
