@@ -34,6 +34,7 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -107,6 +108,18 @@ def _bind_ranks_to_cores(tp_size: int) -> None:
         process_start.restart_forkserver()
 
 
+@dataclass
+class LaunchPlan:
+    """What one sglang.Engine starts with (its key, with the checkpoints): the arguments asked of it,
+    where it runs, the config overlays, and the measures the target needed (the capture's meta names them)."""
+
+    requested: dict  # sglang.Engine arguments: the adapter's, then the case's server_args
+    device: str  # "cpu" or "cuda"
+    draft_overrides: dict  # deep-merged into the draft's config.json
+    target_overrides: dict  # deep-merged into the target's config.json
+    compat: list[str] = field(default_factory=list)  # filled by SglangEngine._checkpoints
+
+
 class SglangEngine(Engine):
     SETTINGS = SCHEMA
 
@@ -168,7 +181,7 @@ class SglangEngine(Engine):
         )
 
     # -- settings --------------------------------------------------------------------
-    def _settings(self, case: Case, num_steps: int | None = None) -> dict:
+    def _settings(self, case: Case, num_steps: int | None = None) -> LaunchPlan:
         s = self.settings_for(case)  # engines/sglang/settings.py
         steps = s.speculative_num_steps or num_steps or case.num_steps
         topk = s.speculative_eagle_topk
@@ -193,33 +206,33 @@ class SglangEngine(Engine):
         if backend is not None:
             requested["attention_backend"] = backend
         requested.update(s.server_args)
-        return {
-            "requested": requested,
-            "device": "cpu" if on_cpu else "cuda",
-            "draft_overrides": s.draft_config_overrides,
-            "target_overrides": s.target_config_overrides,
-        }
+        return LaunchPlan(
+            requested=requested,
+            device="cpu" if on_cpu else "cuda",
+            draft_overrides=s.draft_config_overrides,
+            target_overrides=s.target_config_overrides,
+        )
 
-    def _checkpoints(self, case: Case, settings: dict) -> tuple[str, str]:
-        """Overlaid target and draft; fills settings["compat"] with the measures the target needed."""
+    def _checkpoints(self, case: Case, settings: LaunchPlan) -> tuple[str, str]:
+        """Overlaid target and draft; fills settings.compat with the measures the target needed."""
         overlays = cache_root() / "sglang"
-        target_overrides = settings["target_overrides"]
-        settings["compat"] = []
+        target_overrides = settings.target_overrides
+        settings.compat = []
         target_cfg = _config(case.target, "target config")
-        if settings["device"] == "cpu" and deepseek.is_mla(target_cfg):
+        if settings.device == "cpu" and deepseek.is_mla(target_cfg):
             try:
                 needed, notes = deepseek.cpu_target_overrides(target_cfg)
             except ValueError as e:
                 raise EngineError(f"{case.target}/config.json: {e}") from None
             # the case's own target_config_overrides win over ours
             target_overrides = _merge(needed, target_overrides)
-            settings["compat"] += notes
+            settings.compat += notes
             if self._kernels == cpu_shim.CPU_SHIM:
-                settings["compat"].append(deepseek.SHIM_MLA_NOTE)
-        if self._kernels == cpu_shim.CPU_SHIM and settings["requested"].get("attention_backend") == "intel_amx":
-            settings["compat"].insert(0, deepseek.AMX_NOTE)
+                settings.compat.append(deepseek.SHIM_MLA_NOTE)
+        if self._kernels == cpu_shim.CPU_SHIM and settings.requested.get("attention_backend") == "intel_amx":
+            settings.compat.insert(0, deepseek.AMX_NOTE)
         target = str(overlay_checkpoint(case.target, target_overrides, overlays))
-        draft = str(overlay_checkpoint(case.draft, settings["draft_overrides"], overlays))
+        draft = str(overlay_checkpoint(case.draft, settings.draft_overrides, overlays))
         return target, draft
 
     # -- the engine ------------------------------------------------------------------
@@ -227,13 +240,13 @@ class SglangEngine(Engine):
         sglang = self._import()
         settings = self._settings(case, num_steps)
         target, draft = self._checkpoints(case, settings)
-        caveat = versions.cpu_caveat(sglang.__version__) if settings["device"] == "cpu" else None
+        caveat = versions.cpu_caveat(sglang.__version__) if settings.device == "cpu" else None
         if caveat:
-            settings["compat"].append(caveat)
-        key = cache_key(target, draft, settings)
+            settings.compat.append(caveat)
+        key = cache_key(target, draft, asdict(settings))
         if self._engine is not None and self._engine_key == key:
             return self._engine, settings, target, draft
-        if settings["device"] == "cpu" and self._kernels == cpu_shim.CPU_SHIM:
+        if settings.device == "cpu" and self._kernels == cpu_shim.CPU_SHIM:
             why = versions.unsupported_on_cpu(sglang.__version__)
             if why:
                 raise EngineUnavailable(why)
@@ -248,20 +261,20 @@ class SglangEngine(Engine):
             model_path=target,
             speculative_draft_model_path=draft,
             speculative_algorithm="EAGLE3",
-            device=settings["device"],
+            device=settings.device,
             skip_tokenizer_init=True,
             random_seed=0,
             disable_overlap_schedule=True,  # one forward at a time: hook records in program order
             forward_hooks=hook_specs(str(self._hooks_dir)),
             log_level=os.environ.get("DIFFTEST_SGLANG_LOG_LEVEL", "warning"),
-            **settings["requested"],
+            **settings.requested,
         )
-        if settings["device"] == "cpu":
+        if settings.device == "cpu":
             kwargs["disable_cuda_graph"] = True
         if self._kernels == cpu_shim.CPU_SHIM:
             cpu_shim.install_platform_override()
-        if settings["device"] == "cpu" and int(settings["requested"]["tp_size"]) > 1:
-            _bind_ranks_to_cores(int(settings["requested"]["tp_size"]))
+        if settings.device == "cpu" and int(settings.requested["tp_size"]) > 1:
+            _bind_ranks_to_cores(int(settings.requested["tp_size"]))
         print(
             f"[sglang adapter] sglang.Engine({json.dumps({k: v for k, v in kwargs.items() if k != 'forward_hooks'}, default=str)})",
             file=sys.stderr,
@@ -282,11 +295,11 @@ class SglangEngine(Engine):
         self._engine_key = key
         self._tp_logged = False
         self._crash_watch = None
-        if int(settings["requested"]["tp_size"]) > 1:
+        if int(settings.requested["tp_size"]) > 1:
             self._crash_watch = rank_crash.install(self._engine, lambda: _log_since(log_offset))
         print(f"[sglang adapter] engine processes started by {process_start.describe()}", file=sys.stderr, flush=True)
         resolved = self._engine.get_server_info()
-        self._effective = {k: resolved.get(k) for k in (*settings["requested"], "speculative_algorithm", "device")}
+        self._effective = {k: resolved.get(k) for k in (*settings.requested, "speculative_algorithm", "device")}
         return self._engine, settings, target, draft
 
     def _guarded(self, call, *args, **kwargs):
@@ -306,8 +319,8 @@ class SglangEngine(Engine):
         out = self._guarded(engine.generate, input_ids=prompts, sampling_params=sampling)
         return out if isinstance(out, list) else [out]
 
-    def _settings_meta(self, settings: dict) -> dict:
-        req = {k: v for k, v in settings["requested"].items()}
+    def _settings_meta(self, settings: LaunchPlan) -> dict:
+        req = {k: v for k, v in settings.requested.items()}
         eff = dict(self._effective)
         changed = {k: {"requested": req[k], "effective": eff.get(k)} for k in req if k in eff and eff[k] != req[k]}
         return {"requested": req, "effective": eff, "changed_by_sglang": changed}
@@ -315,7 +328,7 @@ class SglangEngine(Engine):
     # -- the interface ---------------------------------------------------------------
     def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
         engine, settings, target, draft = self._engine_for(case)
-        req = settings["requested"]
+        req = settings.requested
         steps = int(self._effective.get("speculative_num_steps") or req["speculative_num_steps"])
         topk = int(self._effective.get("speculative_eagle_topk") or req["speculative_eagle_topk"])
         draft_cfg = json.loads((Path(draft) / "config.json").read_text())
@@ -350,7 +363,7 @@ class SglangEngine(Engine):
             engine_version=self.info().version,
             versions=self.info().versions,
             kernels=self._kernels,
-            device=settings["device"],
+            device=settings.device,
             dtype=case.dtype,
             prompt_ids=list(prompt_ids),
             target_next_token=ex.next_token,
@@ -362,7 +375,7 @@ class SglangEngine(Engine):
                 source=f"{rule} -> layers_to_capture {planned}; captured {ex.captured_layers}",
                 verifier=None,
             ),
-            compat=list(settings["compat"]),
+            compat=list(settings.compat),
             settings=self._settings_meta(settings),
             checkpoints={"target": target, "draft": draft},
             partial=PARTIAL + ([] if topk == 1 else ["draft.step*"]),
@@ -413,7 +426,7 @@ class SglangEngine(Engine):
         # the prefill runs over the last token only, so the draft would never see the golden rows
         self._guarded(engine.flush_cache)
         # every rank's target replaces its own (replicated) aux states: one copy per rank
-        ranks = range(int(self._effective.get("tp_size") or settings["requested"]["tp_size"]))
+        ranks = range(int(self._effective.get("tp_size") or settings.requested["tp_size"]))
         goldens = [Path(golden_path(str(self._hooks_dir), r)) for r in ranks]
         for golden in goldens:
             torch.save(fc_in.contiguous().cpu(), golden)
