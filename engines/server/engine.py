@@ -22,7 +22,6 @@ import json
 import os
 from pathlib import Path
 
-from engines.server import client as server_client
 from difftest.api import AcceptStats
 from difftest.api import Capture
 from difftest.api import Case
@@ -37,23 +36,19 @@ class ServerEngine(Engine):
 
     def __init__(self, spec):
         super().__init__(spec)
-        if not spec.param("url"):
+        # the spec's parameters, validated as the core validates them (a timeout that is not a
+        # positive number is refused there) and read by attribute
+        self._given = self.settings_for(None)
+        if not self._given.url:
             raise ConfigError(f"--engines {spec.id}: url=http://HOST:PORT is required")
-        try:
-            self.timeout = float(spec.param("timeout", str(server_client.DEFAULT_TIMEOUT)))
-        except ValueError:
-            raise ConfigError(
-                f"--engines {spec.id}: timeout must be a number of seconds, got {spec.param('timeout')!r}"
-            ) from None
-        if self.timeout <= 0:
-            raise ConfigError(f"--engines {spec.id}: timeout must be > 0 seconds")
+        self.timeout = self._given.timeout
         self._client: ServerClient | None = None
         self._settings = None
 
     def _connect(self) -> ServerClient:
         if self._client is None:
             try:
-                self._client = ServerClient(self.spec.param("url"), self.spec.param("kind"), self.timeout)
+                self._client = ServerClient(self._given.url, self._given.kind, self.timeout)
                 self._settings = self._client.settings()
             except ServerError as e:
                 raise EngineError(str(e)) from None
@@ -84,7 +79,7 @@ class ServerEngine(Engine):
     def _check_model(self, case: Case) -> None:
         """The server must serve the case's target: same path, same directory, or the same last path component."""
         served = self._settings.model
-        expected = self.spec.param("model") or case.target
+        expected = self._given.model or case.target
         same = served == expected or Path(served).name == Path(str(expected).rstrip("/")).name
         if not same and os.path.exists(served) and os.path.exists(expected):
             same = os.path.realpath(served) == os.path.realpath(expected)
