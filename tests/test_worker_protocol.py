@@ -148,3 +148,38 @@ def test_a_failure_reply_keeps_its_wire_form():
 def test_timings_of_another_version_are_not_counted_but_do_not_fail_the_reply():
     reply = CaptureRequest(CASE, [1], "/o").reply_from_wire({"ok": True, "timings": [{"phase": 3}]}, "ref")
     assert reply == CaptureReply([])
+
+
+def test_an_engine_reads_its_settings_as_a_record_generated_from_its_schema():
+    from dataclasses import asdict, fields
+
+    from difftest.base.settings import Schema, Setting
+    from difftest.run.engine import Engine, settings_record
+
+    schema = Schema(
+        "demo",
+        (
+            Setting("topk", "int", "branching", default=1, min=1),
+            Setting("wiring", "wiring", "fc inputs"),
+            Setting("extra", "mapping", "anything", default={}),
+        ),
+    )
+
+    class Demo(Engine):
+        SETTINGS = schema
+
+        def info(self): ...
+        def capture(self, case, prompt_ids): ...
+        def speculate(self, case, prompts, num_steps, max_new_tokens): ...
+
+    assert settings_record(schema) is settings_record(schema)  # generated once per schema
+    assert [f.name for f in fields(settings_record(schema))] == ["topk", "wiring", "extra"]
+    s = Demo(EngineSpec("demo", params=(("topk", "3"),))).settings_for(CASE)
+    assert isinstance(s, settings_record(schema))
+    assert (s.topk, s.wiring, s.extra) == (3, None, {})
+    assert asdict(s) == {"topk": 3, "wiring": None, "extra": {}}
+    # refusals are the schema's, word for word
+    with pytest.raises(ConfigError, match=r"^--engines demo\[topk=0\]: topk: expected a value >= 1, got '0'$"):
+        Demo(EngineSpec("demo", params=(("topk", "0"),))).settings_for(CASE)
+    with pytest.raises(ConfigError, match=r"unknown parameter; did you mean 'topk'\?"):
+        Demo(EngineSpec("demo", params=(("topkk", "2"),))).settings_for(CASE)
