@@ -89,7 +89,8 @@ def test_the_calibration_engine_is_the_one_whose_adapter_says_so():
 
 
 def test_the_server_engine_brings_its_probe_command_and_its_accept_length():
-    from difftest.base.extensions import commands, replacement
+    from difftest.base.check_registry import replacement
+    from difftest.base.extensions import commands
 
     assert commands()["probe"].run.__module__ == "engines.server.command"
     assert replacement("accept_length", "server").run.__module__ == "engines.server.probe"
@@ -97,9 +98,10 @@ def test_the_server_engine_brings_its_probe_command_and_its_accept_length():
 
 
 def test_engines_contribute_checks_and_commands_through_entry_points():
-    from difftest.base.extensions import commands, extra_checks
+    from difftest.base.check_registry import check_specs
+    from difftest.base.extensions import commands
 
-    assert "train_accuracy" in extra_checks()
+    assert "train_accuracy" in check_specs()
     assert {"train-acc", "dump"} <= set(commands())
     out = subprocess.run(
         [sys.executable, "-m", "difftest.cli", "train-acc", "--help"],
