@@ -29,7 +29,7 @@ from difftest.base.names import (
 from difftest.base.outputs import atomic_write, check_output_dir, check_output_file
 from difftest.base.paths import ENV_BUILT_MARK, cache_root
 from difftest.base.registry import registered_engines
-from difftest.base.settings import Schema, Setting
+from difftest.base.settings import Schema, Setting, settings_record
 from difftest.case import chat
 from difftest.case.case import Case, Prompt, load_case
 from difftest.checks import checks
@@ -59,7 +59,7 @@ from difftest.rules.weight_files import (
 )
 from difftest.rules.wiring import resolve, short_name, trained_layer_ids
 from difftest.run import infer_case
-from difftest.run.engine import Engine, EngineSpec, parse_spec, settings_record
+from difftest.run.engine import Engine, EngineSpec, parse_spec
 from difftest.run.case_run import CaseRun, resolve_fixture
 from difftest.run.pool import EnginePool, Options
 from difftest.run.session import Session

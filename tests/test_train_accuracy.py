@@ -122,6 +122,15 @@ def test_train_acc_refuses_an_uncovered_trainer_before_reading_anything(tmp_path
     )
 
 
+def _settings(**given):
+    """The train engine's settings record with nothing set but `given`."""
+    import dataclasses
+
+    from engines.trainingdata.settings import Settings
+
+    return Settings(**{f.name: given.get(f.name) for f in dataclasses.fields(Settings)})
+
+
 def test_draft_config_speculators_version_outside_the_ranges_is_refused_naming_the_config(tmp_path):
     from types import SimpleNamespace
 
@@ -131,11 +140,11 @@ def test_draft_config_speculators_version_outside_the_ranges_is_refused_naming_t
     case = Case(name="c", path=str(tmp_path / "c.yaml"), target="fixture:t", draft=str(tmp_path))
     engine = TrainingDataEngine(EngineSpec("train"))
     with pytest.raises(ConfigError) as e:
-        engine.rules(case, {}, SimpleNamespace(format="speculators"))
+        engine.rules(case, _settings(), SimpleNamespace(format="speculators"))
     assert str(e.value).startswith(f"{tmp_path / 'config.json'}: speculators_version: speculators@0.12.0 is outside")
     assert str(e.value).endswith("or choose the rules with train[trainer=...] (train-acc: --trainer)")
     assert (
-        engine.rules(case, {"trainer": "speculators@0.9"}, SimpleNamespace(format="speculators"))[0].name
+        engine.rules(case, _settings(trainer="speculators@0.9"), SimpleNamespace(format="speculators"))[0].name
         == "speculators>=0.7"
     )
 
@@ -162,12 +171,13 @@ def test_verifier_targets_are_argmax_over_the_draft_vocab_of_the_normed_verifier
 
 
 class _Captures:
-    """What check_train_accuracy asks a session for: the train engine's captures (trainer wiring and
+    """What check_train_accuracy asks a case run for: the train engine's captures (trainer wiring and
     rewired as the engine under test) and that engine's capture naming its fc inputs."""
 
-    def __init__(self, trained: list[float], rewired: list[float]):
+    def __init__(self, trained: list[float], rewired: list[float], case: Case):
         from types import SimpleNamespace
 
+        self.case = case
         self.options = SimpleNamespace(engines=[EngineSpec("train")], reference=EngineSpec("ref"))
         acc = lambda full: {  # noqa: E731
             "rules": "speculators>=0.7",
@@ -188,7 +198,7 @@ class _Captures:
             "engine": {"wiring": {"inputs": ["target.h.2", "target.h.4", "target.h.5"]}},
         }
 
-    def capture(self, case, spec, index):
+    def capture(self, spec, index):
         from types import SimpleNamespace
 
         from difftest.records import CaptureMeta
@@ -208,7 +218,7 @@ def _case(expect: dict | None = None) -> Case:
 
 
 def test_train_accuracy_check_fails_naming_the_data_when_the_trainer_wiring_scores_near_zero():
-    v = check_train_accuracy(_Captures([0.0, 0.0, 0.0], [0.0, 0.0, 0.0]), _case(), EngineSpec("vllm"))
+    v = check_train_accuracy(_Captures([0.0, 0.0, 0.0], [0.0, 0.0, 0.0], _case()), EngineSpec("vllm"))
     assert not v.passed  # 0 vs 0 is no evidence that the engine feeds the draft right
     assert v.message.startswith(
         "training accuracy under the trainer's own wiring is 0.000 (below expect.train_accuracy.min 0.05)"
@@ -217,7 +227,7 @@ def test_train_accuracy_check_fails_naming_the_data_when_the_trainer_wiring_scor
 
 
 def test_train_accuracy_check_passes_when_the_engine_wiring_keeps_the_trainers_accuracy():
-    v = check_train_accuracy(_Captures([0.7, 0.5, 0.4], [0.69, 0.5, 0.4]), _case(), EngineSpec("vllm"))
+    v = check_train_accuracy(_Captures([0.7, 0.5, 0.4], [0.69, 0.5, 0.4], _case()), EngineSpec("vllm"))
     assert v.passed, v.message
 
 
@@ -249,7 +259,7 @@ def test_a_case_file_key_the_train_accuracy_check_does_not_declare_is_refused_na
 
 def test_train_accuracy_check_refuses_an_unknown_expect_key():
     with pytest.raises(ConfigError, match="expect.train_accuracy.minimum: unknown key"):
-        check_train_accuracy(_Captures([0.7], [0.7]), _case({"minimum": 0.1}), EngineSpec("vllm"))
+        check_train_accuracy(_Captures([0.7], [0.7], _case({"minimum": 0.1})), EngineSpec("vllm"))
 
 
 def test_train_acc_refuses_layer_ids_that_are_not_whole_numbers_in_one_line(tmp_path, capsys):

@@ -28,6 +28,7 @@ import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from difftest.base.errors import ConfigError
 
@@ -347,3 +348,37 @@ def _read_value(s: Setting, value: object, place: Place) -> object:
         return _convert(s, value, from_spec=False)
     except ValueError as e:
         raise place.error(f"expected {s.expected or e}, got {_shown(value)}") from None
+
+
+# The Python type a setting of each difftest.base.settings type holds once validated (None: not given).
+_SETTING_TYPES: dict[str, Any] = {
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "str": str,
+    "choice": str,
+    "ids": list[int],
+    "wiring": str | list[str],
+    "mapping": dict[str, Any],
+    "path": str,
+}
+_RECORDS: dict[int, tuple[Schema, type]] = {}  # id(schema) -> (the schema, its record): built once each
+
+
+def settings_record(schema: Schema) -> type:
+    """The dataclass whose fields are `schema`'s settings, in their order, each of its type or None:
+    what an adapter reads its validated settings as (attribute access, not a dict by key), generated
+    from the one declaration of the keys, the schema. Not frozen: an adapter fills in a default it
+    derives from the case (`s.draft = s.draft or case.draft`). `dataclasses.asdict` gives the dict back."""
+    built = _RECORDS.get(id(schema))
+    if built is None or built[0] is not schema:
+        fields = [(s.name, _SETTING_TYPES.get(s.type, Any) | None) for s in schema.settings]
+        name = "".join(part.title() for part in schema.engine.replace("-", "_").split("_")) + "Settings"
+        built = (schema, dataclasses.make_dataclass(name or "Settings", fields))
+        _RECORDS[id(schema)] = built
+    return built[1]
+
+
+def settings_of(schema: Schema, values: dict) -> Any:
+    """Validated settings (difftest.base.settings.validate: every setting present) as `schema`'s record."""
+    return settings_record(schema)(**values)

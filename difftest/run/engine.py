@@ -13,7 +13,6 @@ environments of one engine apart (`--engine-python sglang@old=/path/python`).
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -22,7 +21,7 @@ from difftest.records.acceptance import AcceptStats
 from difftest.records.capture import Capture
 from difftest.base.errors import ConfigError
 from difftest.base.registry import SPEC, engine_schema, registered_engines
-from difftest.base.settings import Schema, unknown_key, validate
+from difftest.base.settings import Schema, settings_of, unknown_key, validate
 from difftest.records.check_data import ReplayRow
 from difftest.records.engine_info import EngineInfo
 
@@ -138,40 +137,6 @@ def check_case_settings(case: Case, specs: Sequence[EngineSpec] = (), merged=Non
         schema = engine_schema(spec.name)
         if schema is not None:
             check_settings(schema, spec, merged(case, spec) if merged else case)
-
-
-# The Python type a setting of each difftest.base.settings type holds once validated (None: not given).
-_SETTING_TYPES: dict[str, Any] = {
-    "int": int,
-    "float": float,
-    "bool": bool,
-    "str": str,
-    "choice": str,
-    "ids": list[int],
-    "wiring": str | list[str],
-    "mapping": dict[str, Any],
-    "path": str,
-}
-_RECORDS: dict[int, tuple[Schema, type]] = {}  # id(schema) -> (the schema, its record): built once each
-
-
-def settings_record(schema: Schema) -> type:
-    """The dataclass whose fields are `schema`'s settings, in their order, each of its type or None:
-    what an adapter reads its validated settings as (attribute access, not a dict by key), generated
-    from the one declaration of the keys, the schema. Not frozen: an adapter fills in a default it
-    derives from the case (`s.draft = s.draft or case.draft`). `dataclasses.asdict` gives the dict back."""
-    built = _RECORDS.get(id(schema))
-    if built is None or built[0] is not schema:
-        fields = [(s.name, _SETTING_TYPES.get(s.type, Any) | None) for s in schema.settings]
-        name = "".join(part.title() for part in schema.engine.replace("-", "_").split("_")) + "Settings"
-        built = (schema, dataclasses.make_dataclass(name or "Settings", fields))
-        _RECORDS[id(schema)] = built
-    return built[1]
-
-
-def settings_of(schema: Schema, values: dict) -> Any:
-    """Validated settings (difftest.base.settings.validate: every setting present) as `schema`'s record."""
-    return settings_record(schema)(**values)
 
 
 class Engine(ABC):
