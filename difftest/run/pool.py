@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 from difftest.base.errors import ConfigError, DifftestError, EngineError
 from difftest.base.paths import cache_root, log_file_name
@@ -27,8 +27,23 @@ from difftest.run.worker import PROJECT_ROOT, WorkerClient
 
 T = TypeVar("T", bound=Timed)  # the reply a request is answered with (difftest.run.protocol)
 
-if TYPE_CHECKING:  # annotations only: difftest.run.baseline builds on the case runs
-    from difftest.run.baseline import BaselineSource
+
+class BaselineSource(Protocol):
+    """A stored run standing in for an engine (difftest.run.baseline.BaselineSource, which builds on
+    the case runs: declared here by what the pool and a case run ask of it, so the pool needs no
+    import of the module above it)."""
+
+    name: str
+    spec: EngineSpec
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def capture(self, case: Any, index: int) -> Capture: ...
+
+    def speculate(self, case: Any) -> Any: ...
+
+    def entry(self, case: Any) -> tuple[str, Any, Any]: ...
 
 
 @dataclass
