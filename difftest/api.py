@@ -42,7 +42,7 @@ from difftest.records.acceptance import AcceptStats, accept_length_spread, norma
 from difftest.records.capture import Capture, cache_key
 from difftest.records.check_data import CheckData, ServerAcceptData
 from difftest.records.engine_info import EngineInfo
-from difftest.records.tolerance import Expectations, TolerancePair
+from difftest.records.tolerance import TolerancePair
 from difftest.report import report_files, writer as report
 from difftest.rules.checkpoint_integrity import refuse_on_errors, stored_tensors, target_findings
 from difftest.rules.engine_releases import layer_rule
@@ -61,7 +61,7 @@ from difftest.rules.wiring import resolve, short_name, trained_layer_ids
 from difftest.run import infer_case
 from difftest.run.engine import Engine, EngineSpec, parse_spec
 from difftest.run.case_run import CaseRun, resolve_fixture
-from difftest.run.pool import EnginePool, Options
+from difftest.run.pool import Options
 from difftest.run.session import Session
 
 __all__ = [
@@ -101,7 +101,6 @@ __all__ = [
     "DType",
     "CASE_DTYPES",
     "torch_dtype",
-    "Expectations",
     "TolerancePair",
     "chat",
     "Wiring",
@@ -142,7 +141,6 @@ __all__ = [
     "ENGINE",
     "registered",
     "Options",
-    "EnginePool",
     "CaseRun",
     "Session",
     "Verdict",

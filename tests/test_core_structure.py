@@ -168,3 +168,29 @@ def test_docs_layout_names_every_module_and_no_other():
     missing, gone = sorted(modules - named), sorted(named - modules)
     assert not missing, f"docs/layout.md: modules not named (add a line to 'Every module'): {', '.join(missing)}"
     assert not gone, f"docs/layout.md: names modules that do not exist: {', '.join(gone)}"
+
+
+def _api_names_imported_by(*packages: str) -> set[str]:
+    """Every name the given packages take from difftest.api (`from difftest.api import X` or `api.X`)."""
+    used: set[str] = set()
+    for package in packages:
+        for path in (ROOT / package).rglob("*.py"):
+            if "cpu_shim/site" in str(path):
+                continue  # SGLang's patched copies, not our code
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "difftest.api":
+                    used |= {alias.name for alias in node.names}
+                elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "api":
+                    used.add(node.attr)
+    return used
+
+
+def test_the_public_surface_is_what_the_engines_and_fixtures_import_and_nothing_more():
+    import difftest.api
+
+    used = _api_names_imported_by("engines", "fixtures")
+    exported = set(difftest.api.__all__)
+    assert not exported - used, f"difftest.api exports names no engine or fixture imports: {sorted(exported - used)}"
+    assert not used - exported, (
+        f"engines or fixtures import names difftest.api does not export: {sorted(used - exported)}"
+    )
