@@ -27,6 +27,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from difftest.base.content_digest import signature  # files by content: size and mtime can stay put
 from difftest.base.dtypes import DType
 from difftest.base.errors import CaseNotConfigured, ConfigError
 from difftest.base.settings import Place, read, refuse_unknown
@@ -93,7 +94,6 @@ class Case:
 
 
 def _files_signature(path: str) -> list:
-    from difftest.base.content_digest import signature  # by content: size and mtime can stay put
 
     return signature(path)
 

@@ -50,6 +50,16 @@ from difftest.records.check_data import (
 from difftest.base.fc_wiring import Wiring
 from difftest.run.case_run import CaseRun
 from difftest.checks.verdict import Verdict
+from difftest.rules import engine_releases
+from difftest.checks.layer_reading import engine_view
+from difftest.checks.lint import trained_wiring
+from difftest.checks.layer_reading import draft_config_seen
+from difftest.checks.layer_reading import fix_lines
+from difftest.rules.layer_rules import variant_siblings
+from difftest.rules.draft_rules import ENGINES
+from difftest.checks.lint import lint_case
+from difftest.rules.engine_releases import engine_draft_rules, release as release_of
+from difftest.rules.lint_checkpoint import flag_findings
 from difftest.base.names import DRAFT_LOGITS, FC_IN, in_fc_in
 
 DEFAULT_TOP1 = 0.98
@@ -139,7 +149,6 @@ def _upgrade_lines(run: CaseRun, spec: EngineSpec) -> list[str]:
     """When the reference is another release of the same engine (`--engines=sglang@OLD,sglang`, or a
     baseline saved on it): each recorded behaviour change between the two releases that this draft
     meets (difftest.rules.engine_releases), with both releases' readings and the change cited."""
-    from difftest.rules import engine_releases
 
     reference = run.options.reference
     old, new = run.case_engine_info(reference), run.pool.engine_info(spec)
@@ -167,8 +176,6 @@ def _upgrade_lines(run: CaseRun, spec: EngineSpec) -> list[str]:
 
 
 def _view(run: CaseRun, spec: EngineSpec):
-    from difftest.checks.layer_reading import engine_view
-    from difftest.checks.lint import trained_wiring
 
     prepared = run.engine_case(spec)
     try:
@@ -186,7 +193,6 @@ def _release(run: CaseRun, spec: EngineSpec) -> str | None:
 
 def _unrecorded(run: CaseRun, spec: EngineSpec) -> str | None:
     """The line for an engine release with no rules on record (its reading measured, not predicted)."""
-    from difftest.rules import engine_releases
 
     info = run.pool.engine_info(spec)
     if info is None or info.name not in engine_releases.SUPPORTED or engine_releases.on_record(info.name, info.version):
@@ -203,7 +209,6 @@ def _variant(run: CaseRun, spec: EngineSpec) -> str:
 def _draft_config(run: CaseRun, spec: EngineSpec) -> dict | None:
     """The draft config as this engine was given it (fixtures resolved, its overrides merged); None
     when it cannot be read (a diagnosis never fails on it)."""
-    from difftest.checks.layer_reading import draft_config_seen
 
     return draft_config_seen(run.engine_case(spec), spec.name)
 
@@ -214,7 +219,6 @@ def _rule_lines(
     """Why the engine fed what it fed (its layer-id rule, difftest.rules.layer_rules) and the config edit
     that makes it feed what training fed; says so when the rule model did not predict the feed.
     (lines, the rule explained, the feed it predicts, the edit)"""
-    from difftest.checks.layer_reading import fix_lines
 
     view = _view(run, spec)
     if view is None:
@@ -245,7 +249,6 @@ def _rule_lines(
 def _sibling_lines(view) -> list[str]:
     """The same release's other code paths (difftest.rules.layer_rules.VARIANT_RULES: vLLM's other runner)
     reading the same config: which of them feeds what, and which matches training."""
-    from difftest.rules.layer_rules import variant_siblings
 
     out = []
     for other in variant_siblings(view.rule):
@@ -299,8 +302,6 @@ def _known_causes(run: CaseRun, spec: EngineSpec, introduced: str) -> list:
 
 def _engine_findings(run: CaseRun, spec: EngineSpec) -> list:
     """The lint's findings that name this engine, under the rules of the release it runs."""
-    from difftest.rules.draft_rules import ENGINES
-    from difftest.checks.lint import lint_case
 
     if spec.name not in ENGINES:
         return []
@@ -308,12 +309,10 @@ def _engine_findings(run: CaseRun, spec: EngineSpec) -> list:
         findings = lint_case(run.prepared)
     except ConfigError:
         return []  # the lint item reports it
-    from difftest.rules.engine_releases import engine_draft_rules, release as release_of
 
     release = _release(run, spec)
     if release and release_of(release) != ENGINES[spec.name].version:
         # the lint speaks for the pinned release; this engine runs another: its own flag rules
-        from difftest.rules.lint_checkpoint import flag_findings
 
         raw = _draft_config(run, spec) or {}
         rules = engine_draft_rules(spec.name, release)
@@ -406,7 +405,6 @@ def check_draft_logits(run: CaseRun, spec: EngineSpec) -> Verdict:
 
 
 def check_lint(run: CaseRun, spec: EngineSpec) -> Verdict:
-    from difftest.checks.lint import lint_case
 
     findings = lint_case(run.prepared)
     errors = [f for f in findings if f.severity == "error"]

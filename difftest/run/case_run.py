@@ -183,7 +183,7 @@ class CaseRun:
         prompts = (case.spec_prompts or case.prompts) if speculative else case.prompts
         tokenizer: Any = None  # a transformers tokenizer, loaded when a prompt is text
         if any(p.text is not None or p.messages is not None for p in prompts):
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # seconds to import; only text and chat prompts need it
 
             try:
                 tokenizer = AutoTokenizer.from_pretrained(case.target, local_files_only=True)
