@@ -58,6 +58,13 @@ def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+def fixture_path(name: str) -> Path:
+    """The built folder a case's `fixture:NAME` names (resolved as a case run resolves it)."""
+    from difftest.run.case_run import resolve_fixture
+
+    return Path(resolve_fixture(name))
+
+
 def sglang_python_or_skip() -> str:
     """SGLang's interpreter; skips (fails under DIFFTEST_REQUIRE_ENGINES=1) naming the setup command
     when its environment is not built."""

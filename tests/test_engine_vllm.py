@@ -13,21 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from difftest.base.paths import cache_root
 from helpers import COUNTERS_CASE, make_degenerate_pair, run_pytest
 
 SETUP = "scripts/setup-engine vllm"
 REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
 
 
-def _cache() -> Path:
-    from difftest.base.paths import cache_root
-
-    return cache_root()
-
-
 def vllm_python() -> str:
     """vLLM's interpreter: DIFFTEST_PYTHON_VLLM, else the environment setup-engine made; skip or fail if absent."""
-    candidate = os.environ.get("DIFFTEST_PYTHON_VLLM") or str(_cache() / "envs" / "vllm" / "bin" / "python")
+    candidate = os.environ.get("DIFFTEST_PYTHON_VLLM") or str(cache_root() / "envs" / "vllm" / "bin" / "python")
     if not Path(candidate).exists():
         why = f"vLLM's environment is not set up ({candidate} not found); set it up with: {SETUP}"
         if REQUIRED:

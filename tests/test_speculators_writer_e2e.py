@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import train_acc
+from helpers import fixture_path, train_acc
 from test_trainers_oracle import HERE, trainer_python
 from tests import live_servers
 
@@ -55,12 +55,6 @@ RECIPE = {
     "train_ratio": 0.75,
 }
 STEPS = 3  # speculators' default --ttt-steps
-
-
-def _target() -> Path:
-    from difftest.run.case_run import resolve_fixture
-
-    return Path(resolve_fixture(TARGET))
 
 
 @torch.no_grad()
@@ -130,7 +124,7 @@ def generated(request, tmp_path_factory) -> dict:
     """The writer's output: ROOT/dataset (arrow), ROOT/hidden_states (hs_{i}.safetensors), ROOT/samples.jsonl."""
     python = trainer_python("speculators")
     live_servers.engine_python("vllm")  # skip / fail naming the setup before any work
-    target = _target()
+    target = fixture_path(TARGET)
     root = tmp_path_factory.mktemp("speculators-writer")
     logs = Path(request.config.rootpath) / "reports" / "logs"
     logs.mkdir(parents=True, exist_ok=True)

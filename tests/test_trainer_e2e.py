@@ -42,7 +42,7 @@ import torch
 
 from difftest import cli
 from difftest.base.paths import cache_root
-from helpers import run_pytest
+from helpers import fixture_path, run_pytest
 from test_trainers_oracle import HERE, trainer_python
 
 TARGET = "fixture:tiny-llama"
@@ -58,12 +58,6 @@ RECIPE = {
     "train_ratio": 0.8,
 }
 STEPS = 3  # speculators' default --ttt-steps
-
-
-def _target() -> Path:
-    from difftest.run.case_run import resolve_fixture
-
-    return Path(resolve_fixture(TARGET))
 
 
 @torch.no_grad()
@@ -108,7 +102,7 @@ VAL_LINE = re.compile(r"val/full_acc_(\d+)_epoch=([0-9.]+)")
 def trained() -> dict:
     """speculators' trainer run on the seed-layout data, built once and cached by content."""
     python = trainer_python("speculators")
-    target = _target()
+    target = fixture_path(TARGET)
     root = cache_root() / "trainer-e2e" / f"speculators-0.9.0-{_key(target)}"
     if not (root / "out" / "result.json").exists():
         root.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from difftest.base.errors import ConfigError
+from difftest.base.paths import cache_root
 from engines.trainingdata.train_accuracy import RULES, VerifierHead, score_steps
 from engines.trainingdata.formats import read_dump, write_dump
 
@@ -43,13 +44,9 @@ REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
 V, VD, H, STEPS = 64, 24, 16, 4  # full vocab, draft vocab, hidden, TTT steps
 
 
-def _cache() -> Path:
-    return Path(os.environ.get("DIFFTEST_CACHE") or Path.home() / ".cache" / "difftest")
-
-
 def trainer_python(name: str, setup: str | None = None) -> str:
     """The trainer environment's interpreter; `setup`: the command that builds it (default scripts/setup-engine NAME)."""
-    candidate = _cache() / "envs" / name / "bin" / "python"
+    candidate = cache_root() / "envs" / name / "bin" / "python"
     if not candidate.exists():
         why = f"{name}'s environment is not set up ({candidate} not found); set it up with: {setup or f'scripts/setup-engine {name}'}"
         if REQUIRED:
