@@ -90,7 +90,7 @@ def _fixtures_built(names: list[str]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+def cache_sharing_fixtures(tmp_path_factory):
     """A private DIFFTEST_CACHE (no captures from earlier runs) sharing the built fixtures."""
     root = tmp_path_factory.mktemp("difftest-cache")
     (root / "fixtures").symlink_to(REAL_CACHE / "fixtures", target_is_directory=True)
@@ -110,7 +110,7 @@ def ratios():
 
 
 @pytest.fixture(scope="module", params=[(c, d) for c in CASES for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
-def case_file(request, tmp_path_factory, cache):
+def case_file(request, tmp_path_factory, cache_sharing_fixtures):
     """The case YAML to run: the shipped file, or a copy with `dtype: bfloat16` (in a directory
     named cases/, which the plugin collects from; fixture: names make copying safe)."""
     name, dtype = request.param
@@ -158,7 +158,7 @@ def _again(case, tag: str):
 
 
 @pytest.mark.parametrize("part", ["ref_captures", "calibration", "run", "cli"])
-def test_calibration_cost(benchmark, case_file, part, tmp_path, cache):
+def test_calibration_cost(benchmark, case_file, part, tmp_path, cache_sharing_fixtures):
     name, path = case_file
     case = load_case(path)
     sessions: list[Session] = []

@@ -76,7 +76,7 @@ def summary():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
+def cache_without_captures(tmp_path_factory) -> Path:
     """A private DIFFTEST_CACHE: no captures from earlier runs; everything else the real one's."""
     root = tmp_path_factory.mktemp("difftest-cache")
     for entry in REAL_CACHE.iterdir():
@@ -130,7 +130,7 @@ def write_cost(report: Report, tmp_path: Path) -> float:
 
 
 @pytest.mark.parametrize("engines", ENGINE_LISTS)
-def test_case(benchmark, engines, cache, tmp_path):
+def test_case(benchmark, engines, cache_without_captures, tmp_path):
     real = [e for e in engines.split(",") if not e.startswith("ref")]
     missing = [e for e in real if not env_python(e).exists()]
     if missing:
@@ -154,7 +154,7 @@ def test_case(benchmark, engines, cache, tmp_path):
         ]
         env = dict(
             os.environ,
-            DIFFTEST_CACHE=str(cache),
+            DIFFTEST_CACHE=str(cache_without_captures),
             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         )
         before = load()
@@ -261,13 +261,13 @@ MEDIA = {"disk": None, "shm": Path("/dev/shm")}
 
 
 @pytest.mark.parametrize("medium", list(MEDIA))
-def test_transfer(benchmark, medium, cache, tmp_path):
+def test_transfer(benchmark, medium, cache_without_captures, tmp_path):
     base = MEDIA[medium]
     if base is not None and not (base.is_dir() and os.access(base, os.W_OK)):
         pytest.skip(f"{base} is not a writable directory here")
     import tempfile
 
-    directory = Path(tempfile.mkdtemp(prefix="difftest-bench-", dir=base or cache))
+    directory = Path(tempfile.mkdtemp(prefix="difftest-bench-", dir=base or cache_without_captures))
     try:
         x = synthetic_logits()
         loads = [load()]

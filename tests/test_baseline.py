@@ -18,25 +18,25 @@ from helpers import TINY_CASE, run_pytest
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
+def shared_capture_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")  # shared: later runs reuse the captures
 
 
-def project(root: Path, models, **fmt) -> Path:
+def baseline_project(root: Path, models, **fmt) -> Path:
     (root / "cases").mkdir(parents=True, exist_ok=True)
     target, draft = models
     (root / "cases" / "tiny.yaml").write_text(TINY_CASE.format(target=target, draft=draft, **fmt))
     return root
 
 
-def run(root: Path, cache: Path, *args: str):
-    return run_pytest(root, "cases/", *args, env={"DIFFTEST_CACHE": str(cache)})
+def run_cases_with_cache(root: Path, shared_capture_cache: Path, *args: str):
+    return run_pytest(root, "cases/", *args, env={"DIFFTEST_CACHE": str(shared_capture_cache)})
 
 
 @pytest.fixture(scope="module")
-def saved(models, cache, tmp_path_factory):
-    root = project(tmp_path_factory.mktemp("saved"), models)
-    result = run(root, cache, "--engines=ref", "--save-baseline", "v1")
+def saved(models, shared_capture_cache, tmp_path_factory):
+    root = baseline_project(tmp_path_factory.mktemp("saved"), models)
+    result = run_cases_with_cache(root, shared_capture_cache, "--engines=ref", "--save-baseline", "v1")
     assert result.returncode == 0, result.output
     return result
 
@@ -90,8 +90,8 @@ def test_saved_baseline_stores_each_captures_typed_meta_with_its_schema_version(
         )
 
 
-def test_baseline_saved_before_typed_records_still_compares(saved, models, cache, tmp_path):
-    root = project(tmp_path, models)
+def test_baseline_saved_before_typed_records_still_compares(saved, models, shared_capture_cache, tmp_path):
+    root = baseline_project(tmp_path, models)
     shutil.copytree(saved.root / "baselines", root / "baselines")
     path = root / "baselines" / "v1" / "manifest.json"
     m = json.loads(path.read_text())
@@ -99,7 +99,7 @@ def test_baseline_saved_before_typed_records_still_compares(saved, models, cache
         stored["meta"].pop("schema_version")
         stored["meta"]["hot_token_id_source"] = "an adapter's own key"
     path.write_text(json.dumps(m))
-    result = run(root, cache, "--engines=ref", "--baseline", "v1")
+    result = run_cases_with_cache(root, shared_capture_cache, "--engines=ref", "--baseline", "v1")
     assert result.returncode == 0, result.output
     assert result.outcome("tiny", "ref", "fc_inputs").outcome == "passed"
 
@@ -116,9 +116,9 @@ def test_saving_leaves_no_staging_directory(saved):
     assert [p.name for p in (saved.root / "baselines").iterdir()] == ["v1"]
 
 
-def test_existing_baseline_is_refused_without_force(saved, cache):
+def test_existing_baseline_is_refused_without_force(saved, shared_capture_cache):
     before = (saved.root / "baselines" / "v1" / "manifest.json").read_bytes()
-    result = run(saved.root, cache, "--engines=ref", "--save-baseline", "v1")
+    result = run_cases_with_cache(saved.root, shared_capture_cache, "--engines=ref", "--save-baseline", "v1")
     assert result.returncode == 4  # pytest's usage error: nothing ran
     assert (
         f"ERROR: {saved.root / 'baselines' / 'v1'}: baseline 'v1' already exists and baselines are immutable; "
@@ -127,20 +127,24 @@ def test_existing_baseline_is_refused_without_force(saved, cache):
     assert (saved.root / "baselines" / "v1" / "manifest.json").read_bytes() == before
 
 
-def test_force_replaces_an_existing_baseline(models, cache, tmp_path):
-    root = project(tmp_path, models)
-    assert run(root, cache, "--engines=ref", "--save-baseline", "v1").returncode == 0
+def test_force_replaces_an_existing_baseline(models, shared_capture_cache, tmp_path):
+    root = baseline_project(tmp_path, models)
+    assert run_cases_with_cache(root, shared_capture_cache, "--engines=ref", "--save-baseline", "v1").returncode == 0
     (root / "baselines" / "v1" / "marker").write_text("from the first baseline")
-    result = run(root, cache, "--engines=ref,ref@two", "--save-baseline", "v1", "--force")
+    result = run_cases_with_cache(
+        root, shared_capture_cache, "--engines=ref,ref@two", "--save-baseline", "v1", "--force"
+    )
     assert result.returncode == 0, result.output
     assert sorted(manifest(root).cases["tiny"].engines) == ["ref", "ref@two"]
     assert not (root / "baselines" / "v1" / "marker").exists()
     assert [p.name for p in (root / "baselines").iterdir()] == ["v1"]
 
 
-def test_baseline_is_not_written_when_an_engine_cannot_be_stored(models, cache, tmp_path):
-    root = project(tmp_path, models)
-    result = run(root, cache, "--engines=ref,fake[mode=unavailable]", "--save-baseline", "v2")
+def test_baseline_is_not_written_when_an_engine_cannot_be_stored(models, shared_capture_cache, tmp_path):
+    root = baseline_project(tmp_path, models)
+    result = run_cases_with_cache(
+        root, shared_capture_cache, "--engines=ref,fake[mode=unavailable]", "--save-baseline", "v2"
+    )
     assert result.returncode == 1
     assert "baseline 'v2' NOT written: tiny fake[mode=unavailable]: fake: not installed" in result.output, (
         result.output[-3000:]
@@ -148,8 +152,8 @@ def test_baseline_is_not_written_when_an_engine_cannot_be_stored(models, cache, 
     assert list((root / "baselines").iterdir()) == []
 
 
-def test_baseline_is_the_reference_in_item_ids_and_reports(saved, cache):
-    result = run(saved.root, cache, "--engines=ref", "--baseline", "v1", "-v")
+def test_baseline_is_the_reference_in_item_ids_and_reports(saved, shared_capture_cache):
+    result = run_cases_with_cache(saved.root, shared_capture_cache, "--engines=ref", "--baseline", "v1", "-v")
     assert result.returncode == 0, result.output
     assert "cases/tiny.yaml::baseline:v1::capture PASSED" in result.output
     assert "cases/tiny.yaml::ref::fc_inputs PASSED" in result.output
@@ -160,35 +164,35 @@ def test_baseline_is_the_reference_in_item_ids_and_reports(saved, cache):
     }
 
 
-def test_unchanged_engine_against_its_baseline_is_same(saved, cache):
-    result = run(saved.root, cache, "--engines=ref", "--baseline", "v1")
+def test_unchanged_engine_against_its_baseline_is_same(saved, shared_capture_cache):
+    result = run_cases_with_cache(saved.root, shared_capture_cache, "--engines=ref", "--baseline", "v1")
     row = next(ln for ln in result.output.splitlines() if ln.startswith("tiny ") and " ref " in ln).split()
     assert row[:3] == ["tiny", "ref", "baseline:v1"]
     assert row[3] == row[4]  # reference and engine accept length
     assert row[5:8] == ["-", "same", str(saved.root / "reports" / "tiny.html")]
 
 
-def test_miswired_engine_against_the_baseline_regresses_at_fc_chunk_0(saved, cache):
-    result = run(saved.root, cache, "--engines=ref[wiring=sglang]", "--baseline", "v1")
+def test_miswired_engine_against_the_baseline_regresses_at_fc_chunk_0(saved, shared_capture_cache):
+    result = run_cases_with_cache(saved.root, shared_capture_cache, "--engines=ref[wiring=sglang]", "--baseline", "v1")
     assert result.outcome("tiny", "ref[wiring=sglang]", "fc_inputs").data.tensor == "draft.fc_in.0"
     line = next(ln for ln in result.output.splitlines() if ln.startswith("tiny ") and "ref[wiring=sglang]" in ln)
     assert "draft.fc_in.0 (prompt 0)  regressed" in line
 
 
 def test_a_failure_declared_against_the_engine_a_baseline_was_saved_from_holds_against_the_baseline(
-    saved, models, cache, tmp_path
+    saved, models, shared_capture_cache, tmp_path
 ):
     """An upgrade check declares its expected verdicts against the old release (`reference:
     sglang@0.5.16`): they hold whether it runs in the session or was stored, and declaring them after
     the baseline was saved leaves it valid (expectations are judged, not captured)."""
-    root = project(tmp_path, models)
+    root = baseline_project(tmp_path, models)
     case = root / "cases" / "tiny.yaml"
     case.write_text(
         case.read_text() + "expect_failure:\n"
         '  - {engine: "ref[wiring=sglang]", reference: ref, check: fc_inputs, cause: "draft.fc_in.0"}\n'
     )
     shutil.copytree(saved.root / "baselines", root / "baselines")
-    result = run(root, cache, "--engines=ref[wiring=sglang]", "--baseline", "v1")
+    result = run_cases_with_cache(root, shared_capture_cache, "--engines=ref[wiring=sglang]", "--baseline", "v1")
     fc = result.outcome("tiny", "ref[wiring=sglang]", "fc_inputs")
     assert fc.outcome == "xfailed", fc.message
     assert fc.expected_failure.reference == "ref"
@@ -196,12 +200,12 @@ def test_a_failure_declared_against_the_engine_a_baseline_was_saved_from_holds_a
     assert top1.startswith("draft top-1 agreement with ref (baseline v1): "), top1
 
 
-def test_changed_case_is_refused_against_the_baseline(saved, models, cache, tmp_path):
-    root = project(tmp_path, models)
+def test_changed_case_is_refused_against_the_baseline(saved, models, shared_capture_cache, tmp_path):
+    root = baseline_project(tmp_path, models)
     case = root / "cases" / "tiny.yaml"
     case.write_text(case.read_text().replace("max_new_tokens: 8", "max_new_tokens: 9"))
     shutil.copytree(saved.root / "baselines", root / "baselines")
-    result = run(root, cache, "--engines=ref", "--baseline", "v1")
+    result = run_cases_with_cache(root, shared_capture_cache, "--engines=ref", "--baseline", "v1")
     message = result.outcome("tiny", "baseline:v1", "capture").message
     assert message.startswith(
         f"{root / 'baselines' / 'v1' / 'manifest.json'}: case 'tiny' changed since the baseline was saved"
@@ -209,8 +213,8 @@ def test_changed_case_is_refused_against_the_baseline(saved, models, cache, tmp_
     assert message.endswith("case settings or checkpoint contents); save a new baseline") and "\n" not in message
 
 
-def test_missing_baseline_is_a_usage_error_listing_the_saved_ones(saved, cache):
-    result = run(saved.root, cache, "--engines=ref", "--baseline", "v9")
+def test_missing_baseline_is_a_usage_error_listing_the_saved_ones(saved, shared_capture_cache):
+    result = run_cases_with_cache(saved.root, shared_capture_cache, "--engines=ref", "--baseline", "v9")
     assert result.returncode == 4
     assert f"ERROR: --baseline: no baseline 'v9' in {saved.root / 'baselines'} (found: v1)" in result.output
 

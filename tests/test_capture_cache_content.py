@@ -27,7 +27,7 @@ def rewrite_keeping_size_and_times(checkpoint: Path) -> None:
         assert f.stat().st_mtime_ns == st.st_mtime_ns
 
 
-def project(root: Path, target: Path, draft: Path) -> Path:
+def tiny_case_project(root: Path, target: Path, draft: Path) -> Path:
     (root / "cases").mkdir(parents=True)
     (root / "cases" / "tiny.yaml").write_text(TINY_CASE.format(target=target, draft=draft))
     return root
@@ -39,7 +39,7 @@ def test_case_fingerprint_changes_when_weights_change_under_the_same_size_and_mt
     target, draft = models
     own_draft = tmp_path / "draft"
     shutil.copytree(draft, own_draft)
-    case = load_case(project(tmp_path / "p", target, own_draft) / "cases" / "tiny.yaml")
+    case = load_case(tiny_case_project(tmp_path / "p", target, own_draft) / "cases" / "tiny.yaml")
     before = case.fingerprint()
     assert case.fingerprint() == before  # stable while nothing changes
     rewrite_keeping_size_and_times(own_draft)
@@ -64,7 +64,7 @@ def test_rewritten_checkpoint_with_same_size_and_mtime_is_captured_again(models,
     target, draft = models
     own_draft = tmp_path / "draft"
     shutil.copytree(draft, own_draft)
-    root, env = project(tmp_path / "p", target, own_draft), {"DIFFTEST_CACHE": str(tmp_path / "cache")}
+    root, env = tiny_case_project(tmp_path / "p", target, own_draft), {"DIFFTEST_CACHE": str(tmp_path / "cache")}
     first = run_pytest(root, "cases/", "--engines=ref", "--report-dir=r1", env=env)
     rewrite_keeping_size_and_times(own_draft)
     second = run_pytest(root, "cases/", "--engines=ref", "--report-dir=r2", env=env)

@@ -14,7 +14,7 @@ from helpers import ROOT, run_pytest
 from shipped_run import reference_captures
 
 
-def project(tmp_path_factory):
+def shipped_cases_project(tmp_path_factory):
     """A copy of cases/ in a scratch root, so reports do not land in the repository; the shipped
     run's reference captures in the cache first."""
     reference_captures()
@@ -37,12 +37,14 @@ def judged_cases() -> list[str]:
 
 @pytest.fixture(scope="module")
 def vllm_wired(tmp_path_factory):
-    return run_pytest(project(tmp_path_factory), *judged_cases(), "--engines=ref,ref[wiring=vllm]")
+    return run_pytest(shipped_cases_project(tmp_path_factory), *judged_cases(), "--engines=ref,ref[wiring=vllm]")
 
 
 @pytest.fixture(scope="module")
 def sglang_wired(tmp_path_factory):
-    return run_pytest(project(tmp_path_factory), "cases/tiny_llama.yaml", "--engines=ref,ref[wiring=sglang]")
+    return run_pytest(
+        shipped_cases_project(tmp_path_factory), "cases/tiny_llama.yaml", "--engines=ref,ref[wiring=sglang]"
+    )
 
 
 @pytest.mark.parametrize("case", ["tiny_llama", "tiny_llama_speculators"])
@@ -105,7 +107,7 @@ def test_reports_are_written_per_case(vllm_wired):
 @pytest.fixture(scope="module")
 def training_data_run(tmp_path_factory):
     return run_pytest(
-        project(tmp_path_factory), "cases/seed_training_data.yaml", "--engines=ref,train,ref[wiring=vllm]"
+        shipped_cases_project(tmp_path_factory), "cases/seed_training_data.yaml", "--engines=ref,train,ref[wiring=vllm]"
     )
 
 
@@ -203,7 +205,7 @@ def test_catalogue_unsorted_ids_are_named_as_layer_order_on_vllms_reading(vllm_w
 @pytest.fixture(scope="module")
 def nbfc_ignored(tmp_path_factory):
     return run_pytest(
-        project(tmp_path_factory),
+        shipped_cases_project(tmp_path_factory),
         "cases/release_sglang_norm_before_fc.yaml",
         "--engines=ref,ref[norm_before_fc=false]",
         "-k",
@@ -224,7 +226,11 @@ def test_ignoring_norm_before_fc_on_the_reference_moves_the_draft_at_fc_out(nbfc
 
 def test_a_flag_the_draft_has_no_weights_for_cannot_be_turned_on(tmp_path_factory):
     run = run_pytest(
-        project(tmp_path_factory), "cases/tiny_llama.yaml", "--engines=ref,ref[fc_norm=true]", "-k", "fc_inputs"
+        shipped_cases_project(tmp_path_factory),
+        "cases/tiny_llama.yaml",
+        "--engines=ref,ref[fc_norm=true]",
+        "-k",
+        "fc_inputs",
     )
     result = run.outcome("tiny_llama", "ref[fc_norm=true]", "fc_inputs")
     assert result.outcome == "error"

@@ -36,7 +36,7 @@ def case_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
+def private_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
@@ -62,7 +62,7 @@ def ident(env: dict[str, str], root: Path = PROJECT_ROOT) -> str | None:
     return engine_identity.identity(REF.to_dict(), "engines.ref.engine:RefEngine", sys.executable, env, root)
 
 
-def test_a_fully_cached_run_starts_no_worker_and_reads_the_same_capture(case_path, cache, tmp_path):
+def test_a_fully_cached_run_starts_no_worker_and_reads_the_same_capture(case_path, private_cache, tmp_path):
     first, second = run_capture(case_path, tmp_path / "logs"), run_capture(case_path, tmp_path / "logs")
     assert first.started and not second.started
     assert second.info == first.info
@@ -70,17 +70,17 @@ def test_a_fully_cached_run_starts_no_worker_and_reads_the_same_capture(case_pat
     assert sorted(cached) == sorted(captured) and all((cached[n] == captured[n]).all() for n in captured)
 
 
-def test_a_result_not_cached_starts_the_worker(case_path, cache, tmp_path):
+def test_a_result_not_cached_starts_the_worker(case_path, private_cache, tmp_path):
     run_capture(case_path, tmp_path / "logs")
     assert run_capture(case_path, tmp_path / "logs", index=1).started  # another prompt: not captured yet
 
 
-def test_without_the_capture_cache_the_worker_starts(case_path, cache, tmp_path):
+def test_without_the_capture_cache_the_worker_starts(case_path, private_cache, tmp_path):
     run_capture(case_path, tmp_path / "logs")
     assert run_capture(case_path, tmp_path / "logs", use_cache=False).started
 
 
-def test_a_remembered_info_the_worker_contradicts_is_refused_naming_both_versions(case_path, cache, tmp_path):
+def test_a_remembered_info_the_worker_contradicts_is_refused_naming_both_versions(case_path, private_cache, tmp_path):
     first = run_capture(case_path, tmp_path / "logs")
     ident_ = first.pool.identity(REF)
     stale = EngineInfo(name="ref", version="difftest-0.0.0-c0", versions={"torch": "0"}, kernels="torch")

@@ -26,7 +26,7 @@ TOPLEVEL_ONLY = (
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, sglang_python):
+def sglang_deepseek_run(tmp_path_factory, sglang_python):
     root = tmp_path_factory.mktemp("sglang_deepseek")
     (root / "cases").mkdir()
     rand_t, rand_d = make_deepseek_pair(root / "models" / "random", [2, 4, 5], plain=True)
@@ -63,16 +63,18 @@ def _sglang_metas(cache: Path) -> dict[str, dict]:
     return out
 
 
-def test_deepseek_greedy_tokens_match_hf(run):
-    engine = run.outcome("random", "sglang", "accept_length").data.engine
-    assert engine.outputs == hf_greedy(run.models["random"], PROMPTS, MAX_NEW), run.output[-3000:]
+def test_deepseek_greedy_tokens_match_hf(sglang_deepseek_run):
+    engine = sglang_deepseek_run.outcome("random", "sglang", "accept_length").data.engine
+    assert engine.outputs == hf_greedy(sglang_deepseek_run.models["random"], PROMPTS, MAX_NEW), (
+        sglang_deepseek_run.output[-3000:]
+    )
 
 
-def test_deepseek_fed_layers_and_fc_in_match_the_reference_by_value(run):
+def test_deepseek_fed_layers_and_fc_in_match_the_reference_by_value(sglang_deepseek_run):
     for check in ("fc_inputs", "draft_logits"):
-        result = run.outcome("random", "sglang", check)
+        result = sglang_deepseek_run.outcome("random", "sglang", check)
         assert result.outcome == "passed", f"{check}: {result.message}"
-    for prompt in run.report("random").comparisons["sglang"]:
+    for prompt in sglang_deepseek_run.report("random").comparisons["sglang"]:
         by_name = {t.name: t for t in prompt.tensors}
         # SGLang captures only what it feeds: ids [2, 4, 5] with first id != 1 -> h2, h4, h5 (no +1)
         for name in ["target.h.2", "target.h.4", "target.h.5", "draft.fc_in", "draft.fc_in.0", "draft.fc_in.2"]:
@@ -80,8 +82,8 @@ def test_deepseek_fed_layers_and_fc_in_match_the_reference_by_value(run):
             assert by_name[name].max_abs < 1e-4, by_name[name]
 
 
-def test_deepseek_always_right_draft_accepts_k_plus_1(run):
-    result = run.outcome("always_right", "sglang", "accept_length")
+def test_deepseek_always_right_draft_accepts_k_plus_1(sglang_deepseek_run):
+    result = sglang_deepseek_run.outcome("always_right", "sglang", "accept_length")
     engine = result.data.engine
     assert engine.num_verify > 0
     assert engine.accept_length == pytest.approx(K + 1), engine
@@ -89,14 +91,14 @@ def test_deepseek_always_right_draft_accepts_k_plus_1(run):
     assert result.outcome == "passed", result.message
 
 
-def test_deepseek_cpu_measures_are_recorded_in_capture_meta(run):
+def test_deepseek_cpu_measures_are_recorded_in_capture_meta(sglang_deepseek_run):
     from engines.sglang import cpu_shim, deepseek
 
-    metas = _sglang_metas(run.cache)
+    metas = _sglang_metas(sglang_deepseek_run.cache)
     assert sorted(metas) == ["always_right", "random"]
     for name, meta in metas.items():
         shim = meta["kernels"] == cpu_shim.CPU_SHIM
-        target_cfg = json.loads((run.models[name] / "config.json").read_text())
+        target_cfg = json.loads((sglang_deepseek_run.models[name] / "config.json").read_text())
         _, notes = deepseek.cpu_target_overrides(target_cfg)
         assert meta["compat"] == [deepseek.AMX_NOTE] * shim + notes + [deepseek.SHIM_MLA_NOTE] * shim
     # the random pair needed both config measures; the yarn pair with moe_layer_freq needed none
@@ -104,8 +106,8 @@ def test_deepseek_cpu_measures_are_recorded_in_capture_meta(run):
     assert metas["random"]["wiring"]["inputs"] == ["target.h.2", "target.h.4", "target.h.5"]
 
 
-def test_deepseek_ids_only_at_top_level_are_refused_naming_the_default_layer_fallback(run):
-    result = run.outcome("toplevel_only", "sglang", "fc_inputs")
+def test_deepseek_ids_only_at_top_level_are_refused_naming_the_default_layer_fallback(sglang_deepseek_run):
+    result = sglang_deepseek_run.outcome("toplevel_only", "sglang", "fc_inputs")
     assert result.outcome == "error"
     message = result.message
     assert "SGLang would feed layers_to_capture [2, 3, 3] (default-layer fallback)" in message

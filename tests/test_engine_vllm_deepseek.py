@@ -25,7 +25,7 @@ ID0 = "engines:\n  vllm:\n    draft_config_overrides:\n      eagle_aux_hidden_st
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def vllm_deepseek_run(tmp_path_factory):
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm_deepseek")
     (root / "cases").mkdir()
@@ -58,16 +58,18 @@ def _vllm_metas(cache: Path) -> list[dict]:
     return [m for m in metas if m.get("engine") == "vllm" and not m.get("golden_fc_in")]
 
 
-def test_deepseek_greedy_tokens_match_hf(run):
-    engine = run.outcome("random", "vllm", "accept_length").data.engine
-    assert engine.outputs == hf_greedy(run.models["random"], PROMPTS, MAX_NEW), run.output[-3000:]
+def test_deepseek_greedy_tokens_match_hf(vllm_deepseek_run):
+    engine = vllm_deepseek_run.outcome("random", "vllm", "accept_length").data.engine
+    assert engine.outputs == hf_greedy(vllm_deepseek_run.models["random"], PROMPTS, MAX_NEW), vllm_deepseek_run.output[
+        -3000:
+    ]
 
 
-def test_deepseek_target_layers_and_fc_in_match_the_reference_by_value(run):
+def test_deepseek_target_layers_and_fc_in_match_the_reference_by_value(vllm_deepseek_run):
     for check in ("fc_inputs", "draft_logits"):
-        result = run.outcome("random", "vllm", check)
+        result = vllm_deepseek_run.outcome("random", "vllm", check)
         assert result.outcome == "passed", f"{check}: {result.message}"
-    for prompt in run.report("random").comparisons["vllm"]:
+    for prompt in vllm_deepseek_run.report("random").comparisons["vllm"]:
         by_name = {t.name: t for t in prompt.tensors}
         # eager vLLM records every layer's residual stream: h0 (embedding) .. h6 (pre-norm output)
         assert sorted(n for n in by_name if n.startswith("target.h.")) == [f"target.h.{k}" for k in range(7)]
@@ -76,8 +78,8 @@ def test_deepseek_target_layers_and_fc_in_match_the_reference_by_value(run):
             assert by_name[name].max_abs < 1e-4, by_name[name]
 
 
-def test_deepseek_always_right_draft_accepts_k_plus_1(run):
-    result = run.outcome("always_right", "vllm", "accept_length")
+def test_deepseek_always_right_draft_accepts_k_plus_1(vllm_deepseek_run):
+    result = vllm_deepseek_run.outcome("always_right", "vllm", "accept_length")
     engine = result.data.engine
     assert engine.num_verify > 0
     assert engine.accept_length == pytest.approx(K + 1), engine
@@ -85,11 +87,11 @@ def test_deepseek_always_right_draft_accepts_k_plus_1(run):
     assert result.outcome == "passed", result.message
 
 
-def test_deepseek_compat_measures_are_recorded_in_capture_meta(run):
+def test_deepseek_compat_measures_are_recorded_in_capture_meta(vllm_deepseek_run):
     from engines.vllm import compat
 
-    metas = _vllm_metas(run.cache)
-    golden = [json.loads(p.read_text())["meta"] for p in (run.cache / "captures").rglob("manifest.json")]
+    metas = _vllm_metas(vllm_deepseek_run.cache)
+    golden = [json.loads(p.read_text())["meta"] for p in (vllm_deepseek_run.cache / "captures").rglob("manifest.json")]
     assert any(m.get("golden_fc_in") for m in golden)  # the passing draft_logits' golden re-runs, told apart
     assert len(metas) == 2  # one capture prompt x (random, always_right); id0 never started
     measures = ([compat.CPU_MLA] if torch.cpu._is_amx_tile_supported() else []) + [compat.BLOCK_16]
@@ -97,8 +99,8 @@ def test_deepseek_compat_measures_are_recorded_in_capture_meta(run):
         assert meta["compat"] == [compat.DESCRIPTIONS[m] for m in measures]
 
 
-def test_deepseek_aux_id_0_is_refused_naming_vllms_convention(run):
-    result = run.outcome("id0", "vllm", "fc_inputs")
+def test_deepseek_aux_id_0_is_refused_naming_vllms_convention(vllm_deepseek_run):
+    result = vllm_deepseek_run.outcome("id0", "vllm", "fc_inputs")
     assert result.outcome == "error"
     message = result.message
     assert "cannot feed aux layer id 0" in message and "eagle_aux_hidden_state_layer_ids [0, 2, 4]" in message

@@ -17,7 +17,7 @@ from helpers import TINY_CASE, run_pytest, start_pytest
 CASE = TINY_CASE
 
 
-def project(tmp_path: Path, models, name: str = "tiny", body: str | None = None) -> Path:
+def plugin_project(tmp_path: Path, models, name: str = "tiny", body: str | None = None) -> Path:
     (tmp_path / "cases").mkdir(exist_ok=True)
     target, draft = models
     (tmp_path / "cases" / f"{name}.yaml").write_text(
@@ -29,7 +29,7 @@ def project(tmp_path: Path, models, name: str = "tiny", body: str | None = None)
 def in_process(pytester: pytest.Pytester, models, *args: str, body: str | None = None) -> tuple[int, str]:
     """`pytest ARGS` run by pytester in this process, in a project holding the tiny case (or `body`):
     for what the plugin decides before any engine runs (usage errors, case files), no subprocess."""
-    project(pytester.path, models, body=body)
+    plugin_project(pytester.path, models, body=body)
     result = pytester.runpytest_inprocess("-p", "difftest.plugin", *args)
     return int(result.ret), "\n".join(result.outlines + result.errlines)
 
@@ -37,7 +37,7 @@ def in_process(pytester: pytest.Pytester, models, *args: str, body: str | None =
 @pytest.fixture(scope="module")
 def mixed_run(models, tmp_path_factory):
     """One session with a correct engine, a miswired one and every fault the fake engine injects."""
-    root = project(tmp_path_factory.mktemp("mixed"), models)
+    root = plugin_project(tmp_path_factory.mktemp("mixed"), models)
     engines = "ref,ref[wiring=vllm],ref[wiring=sglang],fake[mode=diverge],fake[mode=error],fake[mode=crash],fake[mode=unavailable]"
     engines += ",fake[release=sglang==0.5.24]"  # an installed release outside the supported range
     cache = tmp_path_factory.mktemp("cache")
@@ -188,7 +188,7 @@ def test_no_worker_outlives_the_session(mixed_run):
 def test_hanging_engine_is_killed_after_the_timeout(models, tmp_path):
     # 30 s: long enough for the reference's real captures on a loaded machine, short for a hang
     run = run_pytest(
-        project(tmp_path, models),
+        plugin_project(tmp_path, models),
         "cases/",
         "--engines=ref,fake[mode=hang]",
         "--engine-timeout=30",
@@ -221,7 +221,7 @@ def interrupt_mid_capture(root: Path, *args: str, env: dict) -> str:
 
 
 def test_ctrl_c_without_a_previous_report_writes_one_marked_interrupted(models, tmp_path):
-    root = project(tmp_path, models)
+    root = plugin_project(tmp_path, models)
     output = interrupt_mid_capture(root, env={"DIFFTEST_CACHE": str(tmp_path / "cache")})
     from difftest.records import Report
 
@@ -233,7 +233,7 @@ def test_ctrl_c_without_a_previous_report_writes_one_marked_interrupted(models, 
 
 
 def test_ctrl_c_keeps_the_previous_report(models, tmp_path):
-    root, env = project(tmp_path, models), {"DIFFTEST_CACHE": str(tmp_path / "cache")}
+    root, env = plugin_project(tmp_path, models), {"DIFFTEST_CACHE": str(tmp_path / "cache")}
     assert run_pytest(root, "cases/", "--engines=ref", env=env).returncode == 0
     before = (root / "reports" / "tiny.json").read_bytes()
     output = interrupt_mid_capture(root, env=env)
@@ -243,7 +243,7 @@ def test_ctrl_c_keeps_the_previous_report(models, tmp_path):
 
 def test_required_engine_that_is_unavailable_fails(models, tmp_path):
     run = run_pytest(
-        project(tmp_path, models),
+        plugin_project(tmp_path, models),
         "cases/",
         "--engines=ref,fake[mode=unavailable]",
         "--require-engines",
@@ -255,7 +255,7 @@ def test_required_engine_that_is_unavailable_fails(models, tmp_path):
 
 def test_second_run_reuses_cached_captures(models, tmp_path):
     cache = {"DIFFTEST_CACHE": str(tmp_path / "cache")}
-    root = project(tmp_path, models)
+    root = plugin_project(tmp_path, models)
     first = run_pytest(root, "cases/", "--engines=ref,ref[wiring=vllm]", "--report-dir=r1", env=cache)
     second = run_pytest(root, "cases/", "--engines=ref,ref[wiring=vllm]", "--report-dir=r2", env=cache)
     assert first.returncode == second.returncode == 0
@@ -300,7 +300,7 @@ def test_bad_case_file_fails_its_load_item_with_file_and_field(models, pytester,
 def test_a_broken_check_registration_fails_the_load_item_in_one_line(models, tmp_path):
     """DIFFTEST_CHECKS (checks registered without packaging) is read when a case's items are made:
     a malformed entry fails the case's load item naming the variable, not a traceback."""
-    run = run_pytest(project(tmp_path, models), "cases/", "--engines=ref", env={"DIFFTEST_CHECKS": "bogus"})
+    run = run_pytest(plugin_project(tmp_path, models), "cases/", "--engines=ref", env={"DIFFTEST_CHECKS": "bogus"})
     assert run.returncode == 1
     assert "FAILED cases/tiny.yaml::load - DIFFTEST_CHECKS: 'bogus' is not name=mod" in run.output
     assert "Traceback" not in run.output and "ERROR collecting" not in run.output
@@ -317,7 +317,10 @@ def test_a_broken_check_registration_fails_the_load_item_in_one_line(models, tmp
 )
 def test_bad_wiring_fails_the_engine_items_with_one_line(models, tmp_path, engine, expected):
     run = run_pytest(
-        project(tmp_path, models), "cases/", f"--engines=ref,{engine}", env={"DIFFTEST_CACHE": str(tmp_path / "c")}
+        plugin_project(tmp_path, models),
+        "cases/",
+        f"--engines=ref,{engine}",
+        env={"DIFFTEST_CACHE": str(tmp_path / "c")},
     )
     result = run.outcome("tiny", engine, "fc_inputs")
     assert result.outcome == "error"
@@ -330,8 +333,8 @@ def test_a_worker_killed_by_one_case_is_replaced_for_the_next_case(models, tmp_p
     fail every later case's items on that engine: the next case gets a fresh worker."""
     target, draft = models
     tiny = CASE.format(target=target, draft=draft)
-    root = project(tmp_path, models, name="a_crashes", body=tiny + "engines:\n  fake: {mode: crash}\n")
-    project(root, models, name="b_runs", body=tiny)
+    root = plugin_project(tmp_path, models, name="a_crashes", body=tiny + "engines:\n  fake: {mode: crash}\n")
+    plugin_project(root, models, name="b_runs", body=tiny)
     run = run_pytest(root, "cases/", "--engines=ref,fake", "-k", "fc_inputs or capture")
     assert "worker died (exit -9)" in run.outcome("a_crashes", "fake", "fc_inputs").message
     assert run.outcome("b_runs", "fake", "fc_inputs").outcome == "passed", run.output[-3000:]
@@ -343,8 +346,8 @@ def test_an_engine_that_cannot_restart_fails_its_case_with_the_cause_and_the_nex
     case, on a fresh worker, runs as if nothing had happened."""
     target, draft = models
     tiny = CASE.format(target=target, draft=draft)
-    root = project(tmp_path, models, name="a_spent", body=tiny + "engines:\n  fake: {mode: spent}\n")
-    project(root, models, name="b_runs", body=tiny)
+    root = plugin_project(tmp_path, models, name="a_spent", body=tiny + "engines:\n  fake: {mode: spent}\n")
+    plugin_project(root, models, name="b_runs", body=tiny)
     run = run_pytest(root, "cases/", "--engines=ref,fake", "-k", "fc_inputs or draft_logits or capture")
     for check in ("fc_inputs", "draft_logits"):
         result = run.outcome("a_spent", "fake", check)
@@ -360,8 +363,8 @@ def test_a_worker_killed_for_a_hang_is_replaced_for_the_next_case(models, tmp_pa
     """A worker killed after its timeout mid-case (a hang) takes only that case's items with it."""
     target, draft = models
     tiny = CASE.format(target=target, draft=draft)
-    root = project(tmp_path, models, name="a_hangs", body=tiny + "engines:\n  fake: {mode: hang}\n")
-    project(root, models, name="b_runs", body=tiny)
+    root = plugin_project(tmp_path, models, name="a_hangs", body=tiny + "engines:\n  fake: {mode: hang}\n")
+    plugin_project(root, models, name="b_runs", body=tiny)
     run = run_pytest(
         root,
         "cases/",
