@@ -61,9 +61,9 @@ from difftest.run.engine import parse_engine_list
 from difftest.base.errors import DifftestError
 from difftest.records import CheckResult
 from difftest.run.session import Options, Session
-from engines.ref.draft_loading import load_draft
-from engines.ref.engine import DTYPES as REF_DTYPES
-from engines.ref.target import load_target
+from difftest_engines.ref.draft_loading import load_draft
+from difftest_engines.ref.engine import DTYPES as REF_DTYPES
+from difftest_engines.ref.target import load_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench_compare import _shape, best_of, machine_line, memory_limits

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import wiring_drafts as wd
 from difftest.rules.infer_wiring import Scores, Search, infer_from_evidence, starts_for
-from engines.ref.draft_loading import load_draft
+from difftest_engines.ref.draft_loading import load_draft
 
 TINY = ["llama-embed", "qwen3-unsorted-postnorm", "deepseek-unsorted-prenorm"]
 LAYERS = 61

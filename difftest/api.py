@@ -1,7 +1,7 @@
-"""The core's public surface for engine packages (`engines/`, or any package that registers an
+"""The core's public surface for engine packages (`difftest_engines/`, or any package that registers an
 adapter, a check or a command through difftest's entry points): everything an engine may use of
 the core, from one module. An engine imports `difftest.api`, never a floor of the core directly
-(import-linter holds `engines` to it), so the floors below can move without touching an engine.
+(import-linter holds `difftest_engines` and `difftest_fixtures` to it), so the floors below can move without touching an engine.
 
 Grouped by what an engine does with it: the adapter (engine interface, settings, errors), what it
 returns (captures, canonical names, accept statistics), what it reads (the case, wiring, the rule

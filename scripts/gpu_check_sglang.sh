@@ -34,7 +34,7 @@ for dtype in float32 bfloat16; do
 done
 
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-# -- the tiny cases tensor-parallel: each rank's captures joined (engines/sglang/tensor_parallel.py)
+# -- the tiny cases tensor-parallel: each rank's captures joined (difftest_engines/sglang/tensor_parallel.py)
 if [ "${gpus:-0}" -ge 2 ]; then
   start=$(date +%s)
   (cd "$root" && "$harness" -m pytest -p difftest.plugin -q -rfEs "$out/float32/cases" \

@@ -77,8 +77,8 @@ def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def loaded_models(models: tuple[Path, Path]) -> tuple:
     """The tiny pair loaded for in-process decoding: (target model, draft module), the draft sharing
     the target's embedding and lm_head as it would inside an engine."""
-    from engines.ref.draft_loading import load_draft
-    from engines.ref.target import load_target
+    from difftest_engines.ref.draft_loading import load_draft
+    from difftest_engines.ref.target import load_target
 
     target_dir, draft_dir = models
     target = load_target(target_dir)

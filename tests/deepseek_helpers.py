@@ -117,8 +117,8 @@ def make_deepseek_pair(
     to 0 (always right) or to 1 (always wrong), as tests/helpers.make_degenerate_pair.
     plain=True: plain rope, no moe_layer_freq (see build_random_deepseek_target).
     """
-    from engines.ref.eagle3 import Eagle3Config
-    from engines.ref.train import init_draft, save_eagle_format
+    from difftest_engines.ref.eagle3 import Eagle3Config
+    from difftest_engines.ref.train import init_draft, save_eagle_format
 
     directory.mkdir(parents=True, exist_ok=True)
     target = build_random_deepseek_target(

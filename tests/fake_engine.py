@@ -32,8 +32,8 @@ from difftest.records.capture import Capture
 from difftest.run.engine import Engine, EngineInfo
 from difftest.base.errors import EngineSpent, EngineUnavailable
 from difftest.base.settings import Schema, Setting
-from engines.ref.engine import RefEngine
-from engines.ref.settings import SCHEMA as REF_SETTINGS
+from difftest_engines.ref.engine import RefEngine
+from difftest_engines.ref.settings import SCHEMA as REF_SETTINGS
 
 
 def synthetic_tensors() -> dict[str, torch.Tensor]:

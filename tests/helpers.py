@@ -84,8 +84,8 @@ def make_tiny_pair(directory: Path, num_layers: int = 6, seed: int = 0) -> tuple
     """A random Llama target (vocab 512, H=64) and an untrained EAGLE-3 draft (ids [1, 2, 3], draft vocab 256)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engines.ref.eagle3 import Eagle3Config
-    from engines.ref.train import init_draft, save_eagle_format
+    from difftest_engines.ref.eagle3 import Eagle3Config
+    from difftest_engines.ref.train import init_draft, save_eagle_format
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
@@ -121,8 +121,8 @@ def make_degenerate_pair(directory: Path, right: bool) -> tuple[Path, Path]:
     logits are all 0 too, so it proposes its lowest target id: 0 (always right) or 1 (always wrong)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engines.ref.eagle3 import Eagle3Config
-    from engines.ref.train import init_draft, save_eagle_format
+    from difftest_engines.ref.eagle3 import Eagle3Config
+    from difftest_engines.ref.train import init_draft, save_eagle_format
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

@@ -18,7 +18,7 @@ W_UV, N = v_head_dim: "RuntimeError: tinygemm requires N to be 32x" with v_head_
 
 Weights: fan-in scaled normals (std 1/sqrt(fan_in); embeddings std 1; lm_head std 3/sqrt(H); norm
 weights U(0.8, 1.2)), so every layer moves the residual stream and logits are not flat. Drafts:
-`fit_draft` (engines/ref/train.py train_draft from init_draft, FIT_STEPS steps) on the float32
+`fit_draft` (difftest_engines/ref/train.py train_draft from init_draft, FIT_STEPS steps) on the float32
 target's greedy continuations of the cases' 10 prompts; d2t from those labels. Saved float32 (bf16 runs load them as bf16); no tokenizer
 (cases give prompts as ids; vLLM and SGLang run with skip_tokenizer_init).
 
@@ -30,7 +30,7 @@ key = content hash of the spec and builder version; built in a temp dir and rena
                         top level and in eagle_config; norm_before_residual false
   draft-h0/             a draft fitted on [h0, a, b] (config ids [0, a, b]): the embedding-dropped cases
   draft-nbr-flipped/    the same weights, config norm_before_residual true (a wrong flag)
-  draft-no-d2t/         the same weights without d2t/t2d: engines/ref/draft_loading.py load_draft then maps
+  draft-no-d2t/         the same weights without d2t/t2d: difftest_engines/ref/draft_loading.py load_draft then maps
                         draft id d to target id d (d2t all 0, "draft ids map to the first target ids"),
                         as vLLM (draft_id_to_target_id stays zeros) and SGLang (hot_token_id None) do
 
@@ -292,7 +292,7 @@ def _hf_config(spec: TargetSpec):
             attention_bias=False,
             hidden_act="silu",
         )
-        cfg.moe_layer_freq = 1  # SGLang's deepseek_v2.py reads it (see engines/sglang/deepseek.py)
+        cfg.moe_layer_freq = 1  # SGLang's deepseek_v2.py reads it (see difftest_engines/sglang/deepseek.py)
         return cfg
     raise ValueError(f"unknown family {spec.family!r}")
 
@@ -342,8 +342,8 @@ def _d2t(spec: TargetSpec) -> torch.Tensor:
 
 
 def build_draft(spec: TargetSpec, target):
-    from engines.ref.eagle3 import Eagle3Config
-    from engines.ref.train import init_draft
+    from difftest_engines.ref.eagle3 import Eagle3Config
+    from difftest_engines.ref.train import init_draft
 
     d = spec.draft
     cfg = Eagle3Config(
@@ -394,14 +394,14 @@ def _continuations(spec: TargetSpec, target) -> torch.Tensor:
 
 
 def fit_draft(spec: TargetSpec, target, wiring: list[int], data: torch.Tensor):
-    """A draft fitted (engines/ref/train.py train_draft, FIT_STEPS steps) to the target's greedy
+    """A draft fitted (difftest_engines/ref/train.py train_draft, FIT_STEPS steps) to the target's greedy
     continuations of the cases' own prompts, reading `wiring` (h indices, fc order). A random target's
     next token is not predictable from its features (a draft trained on 2,700 of its continuations
     agreed with it on 15% of held-out positions), so a draft that accepts has to know these
     continuations; then a correct wiring accepts nearly num_steps + 1 tokens per step and a miswiring
     collapses it, which is what the accept-length gate must see."""
-    from engines.ref.eagle3 import Eagle3Config
-    from engines.ref.train import train_draft
+    from difftest_engines.ref.eagle3 import Eagle3Config
+    from difftest_engines.ref.train import train_draft
 
     d = spec.draft
     cfg = Eagle3Config(
@@ -424,7 +424,7 @@ def fit_draft(spec: TargetSpec, target, wiring: list[int], data: torch.Tensor):
 def _build(spec: TargetSpec, out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from engines.ref.train import save_eagle_format
+    from difftest_engines.ref.train import save_eagle_format
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -467,10 +467,10 @@ def _build(spec: TargetSpec, out: Path) -> None:
 
 
 def ensure_model(name: str, log=print) -> BuiltModel:
-    """Build `name` unless cached (by content key), once across processes (fixtures.cache.build_once)."""
+    """Build `name` unless cached (by content key), once across processes (difftest_fixtures.cache.build_once)."""
     import time
 
-    from fixtures.cache import build_once
+    from difftest_fixtures.cache import build_once
 
     spec = TARGETS[name]
     final = cache_root() / f"{name}-{spec.key()}"

@@ -12,10 +12,10 @@ import sys
 def verify_tree_greedy_chain_accepts_the_matching_prefix() -> None:
     import torch
 
-    from engines.sglang import cpu_shim
-    from engines.sglang.cpu_shim import ops
+    from difftest_engines.sglang import cpu_shim
+    from difftest_engines.sglang.cpu_shim import ops
 
-    if cpu_shim.choose_kernels() == cpu_shim.CPU_SHIM:  # as the engine does (engines/sglang/engine.py)
+    if cpu_shim.choose_kernels() == cpu_shim.CPU_SHIM:  # as the engine does (difftest_engines/sglang/engine.py)
         cpu_shim.activate()
 
     # one request, a chain of 3 drafts after the root: candidates [root, a, b, c]; target agrees on a, b
@@ -78,8 +78,8 @@ def tree_kernels_match_sglangs_triton_kernels() -> None:
     mask modes."""
     import torch
 
-    from engines.sglang import cpu_shim
-    from engines.sglang.cpu_shim import ops
+    from difftest_engines.sglang import cpu_shim
+    from difftest_engines.sglang.cpu_shim import ops
 
     if cpu_shim.choose_kernels() == cpu_shim.CPU_SHIM:
         cpu_shim.activate()
@@ -157,7 +157,7 @@ def tree_kernels_match_sglangs_triton_kernels() -> None:
 
 
 def eager_functions_match_sglangs_compiled_ones() -> None:
-    """Each SGLang function the shim runs eagerly (engines/sglang/cpu_shim/eager.py) against SGLang's
+    """Each SGLang function the shim runs eagerly (difftest_engines/sglang/cpu_shim/eager.py) against SGLang's
     own torch.compile'd one, output for output: batch sizes, topk 1 (torch.max) and more
     (torch.topk), later drafting steps, hidden states present, empty or absent, and scores with
     ties (a few distinct values), where a changed order would pick other indices."""
@@ -165,8 +165,8 @@ def eager_functions_match_sglangs_compiled_ones() -> None:
 
     import torch
 
-    from engines.sglang import cpu_shim
-    from engines.sglang.cpu_shim import eager
+    from difftest_engines.sglang import cpu_shim
+    from difftest_engines.sglang.cpu_shim import eager
 
     if cpu_shim.choose_kernels() == cpu_shim.CPU_SHIM:
         cpu_shim.activate()

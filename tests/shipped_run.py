@@ -7,7 +7,7 @@ and the same captures again and again; now the suite runs that command once and 
 reports (`SHIPPED.report(case)`, `SHIPPED.outcome(case, engine, check)`).
 
 The run is stored under `${DIFFTEST_CACHE}/shipped-runs/<key>/` where the key covers everything
-its verdicts depend on: every file under `cases/`, `difftest/`, `engines/` and `fixtures/` (so
+its verdicts depend on: every file under `cases/`, `difftest/`, `difftest_engines/` and `difftest_fixtures/` (so
 the fixtures' builders and the adapters too), the engine list and each engine environment's
 resolved directory (whose name hashes its pins). A test stream that needs it while another builds it waits on a file
 lock; a second test run on the same tree reads it. The run itself captures with
@@ -42,7 +42,7 @@ from difftest.base.paths import cache_root  # noqa: E402
 # tests/test_cases.py and tests/test_chat_template.py, older releases by tests/test_upgrade_real_releases.py.
 REAL = ("vllm", "sglang")
 ENGINES = ("ref", *REAL)
-SOURCES = ("cases", "difftest", "engines", "fixtures")
+SOURCES = ("cases", "difftest", "difftest_engines", "difftest_fixtures")
 TIMEOUT_S = 3600.0
 
 

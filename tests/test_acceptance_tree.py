@@ -6,9 +6,9 @@ import pytest
 
 from difftest.records.acceptance import NORMALISATION, normalise
 
-from engines.ref.speculate import greedy_decode, simulate_greedy
+from difftest_engines.ref.speculate import greedy_decode, simulate_greedy
 
-from engines.ref.tree import simulate_tree
+from difftest_engines.ref.tree import simulate_tree
 
 
 INPUTS = ["target.h.1", "target.h.2", "target.h.3"]

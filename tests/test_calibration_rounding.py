@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from difftest.case.case import load_case
 from difftest.run.engine import parse_spec
 from difftest.run.case_run import calibration_case
-from engines.ref.engine import RefEngine
+from difftest_engines.ref.engine import RefEngine
 
 IDS = [1, 5, 9, 33, 77, 101, 7]
 

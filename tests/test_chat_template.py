@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from difftest.case import chat
 from difftest.case.case import Prompt, load_case
 from difftest.base.errors import ConfigError
-from engines.trainingdata.chat_template import CAUSE, find_drift
+from difftest_engines.trainingdata.chat_template import CAUSE, find_drift
 from helpers import ROOT, run_pytest
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "BOS", "U", "A", "THINK", "ENDTHINK", "EOT"] + [f"w{i}" for i in range(40)]

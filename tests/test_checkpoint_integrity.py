@@ -25,7 +25,7 @@ def errors(findings, code: str) -> list[str]:
 
 
 def load_target(path: Path):
-    from engines.ref.target import load_target as load
+    from difftest_engines.ref.target import load_target as load
 
     return load(path)
 
@@ -180,7 +180,7 @@ def test_stored_dtype_other_than_the_configs_is_a_warning_not_an_error(models, t
 
 
 def test_the_reference_refuses_a_draft_whose_index_names_a_missing_shard(models, tmp_path):
-    from engines.ref.eagle3 import load_state_dict
+    from difftest_engines.ref.eagle3 import load_state_dict
 
     _, draft = models
     sharded = split_into_shards(draft, tmp_path / "d")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from difftest import cli
-from fixtures import tiny_llama as fx
+from difftest_fixtures import tiny_llama as fx
 
 
 def test_named_fixtures_are_built_and_their_paths_printed(capsys):
@@ -65,7 +65,7 @@ def test_the_build_queue_takes_the_lanes_in_turn_and_lists_every_fixture_once():
     lane_of = {provider: i for i, lane in enumerate(lanes) for provider in lane}
     assert len(queue) == len(set(queue))
     assert [lane_of[p] for p, _ in queue[: len(lanes)]] == list(range(len(lanes)))  # each process its own lane first
-    from fixtures import catalogue as fixtures_catalogue
+    from difftest_fixtures import catalogue as fixtures_catalogue
 
     assert [n for p, n in queue if p == "catalogue"] == fixtures_catalogue.NAMES  # in the provider's build order
     assert ("train-data", None) in queue  # no per-fixture command line: built whole

@@ -21,7 +21,7 @@ import pytest
 from helpers import ROOT
 
 BIN = Path(sys.executable).parent
-PATHS = ("difftest", "engines", "fixtures", "tests", "benchmarks", "scripts")
+PATHS = ("difftest", "difftest_engines", "difftest_fixtures", "tests", "benchmarks", "scripts")
 
 
 def run_tool(*argv: str) -> subprocess.CompletedProcess:

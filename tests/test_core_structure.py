@@ -1,5 +1,5 @@
 """The core knows no engine: engines reach the core only through entry points (adapters, fixtures,
-checks, CLI commands: difftest.base.extensions). That nothing under difftest/ imports the `engines`
+checks, CLI commands: difftest.base.extensions). That nothing under difftest/ imports the `difftest_engines`
 package is an import-linter contract (pyproject.toml; tests/test_code_standards.py); that no core
 logic names an engine in a string is checked here, since import-linter sees imports only."""
 
@@ -82,7 +82,7 @@ def test_core_logic_names_no_engine_outside_the_rule_data():
 
 def test_the_calibration_engine_is_the_one_whose_adapter_says_so():
     from difftest.base.registry import calibration_engine, registered_engines
-    from engines.ref.engine import RefEngine
+    from difftest_engines.ref.engine import RefEngine
 
     assert registered_engines()[calibration_engine()] == f"{RefEngine.__module__}:{RefEngine.__name__}"
     assert RefEngine.CALIBRATES
@@ -92,8 +92,8 @@ def test_the_server_engine_brings_its_probe_command_and_its_accept_length():
     from difftest.base.check_registry import replacement
     from difftest.base.extensions import commands
 
-    assert commands()["probe"].run.__module__ == "engines.server.command"
-    assert replacement("accept_length", "server").run.__module__ == "engines.server.probe"
+    assert commands()["probe"].run.__module__ == "difftest_engines.server.command"
+    assert replacement("accept_length", "server").run.__module__ == "difftest_engines.server.probe"
     assert replacement("accept_length", "vllm") is None
 
 
@@ -154,14 +154,14 @@ def test_the_installed_plugin_runs_cases_without_naming_it(tmp_path, models):
 
 
 def test_docs_layout_names_every_module_and_no_other():
-    """docs/layout.md is where a reader finds what a module is for: every module of difftest/, engines/
-    and fixtures/ (package __init__.py files apart) is named there by its path, and every path it
+    """docs/layout.md is where a reader finds what a module is for: every module of difftest/, difftest_engines/
+    and difftest_fixtures/ (package __init__.py files apart) is named there by its path, and every path it
     names exists, so a new, renamed or removed module fails here by name until the doc follows."""
     layout = (ROOT / "docs" / "layout.md").read_text()
-    named = set(re.findall(r"`((?:difftest|engines|fixtures)/[\w/]+\.py)`", layout))
+    named = set(re.findall(r"`((?:difftest|difftest_engines|difftest_fixtures)/[\w/]+\.py)`", layout))
     modules = {
         path.relative_to(ROOT).as_posix()
-        for top in ("difftest", "engines", "fixtures")
+        for top in ("difftest", "difftest_engines", "difftest_fixtures")
         for path in (ROOT / top).rglob("*.py")
         if path.name != "__init__.py" and "__pycache__" not in path.parts
     }
@@ -188,7 +188,7 @@ def _api_names_imported_by(*packages: str) -> set[str]:
 def test_the_public_surface_is_what_the_engines_and_fixtures_import_and_nothing_more():
     import difftest.api
 
-    used = _api_names_imported_by("engines", "fixtures")
+    used = _api_names_imported_by("difftest_engines", "difftest_fixtures")
     exported = set(difftest.api.__all__)
     assert not exported - used, f"difftest.api exports names no engine or fixture imports: {sorted(exported - used)}"
     assert not used - exported, (

@@ -1,4 +1,4 @@
-"""The built-in tiny DeepSeek-V3 target and its EAGLE-3 draft (fixtures/deepseek.py), the
+"""The built-in tiny DeepSeek-V3 target and its EAGLE-3 draft (difftest_fixtures/deepseek.py), the
 reference engine's capture of it, and cases/tiny_deepseek_v3.yaml run as a user runs it."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from safetensors import safe_open
 
 from difftest.case.case import load_case
 from difftest.run.engine import parse_spec
-from fixtures import drafts, targets
-from fixtures import deepseek as ds
-from engines.ref.engine import RefEngine
-from engines.ref.target import load_target
+from difftest_fixtures import drafts, targets
+from difftest_fixtures import deepseek as ds
+from difftest_engines.ref.engine import RefEngine
+from difftest_engines.ref.target import load_target
 from helpers import ROOT, run_pytest
 
 PROMPT = [891, 70, 110, 661, 839, 922, 208, 804, 661, 662, 267]  # the case's first prompt
@@ -242,8 +242,8 @@ def test_quality_json_shows_collapse_under_h3_h5_h6(quality):
 
 
 def test_step0_agreement_recomputed_on_heldout_matches_quality_json(paths, target, quality):
-    from engines.ref.draft_loading import load_draft
-    from engines.ref.train import prepare_data, step0_agreement
+    from difftest_engines.ref.draft_loading import load_draft
+    from difftest_engines.ref.train import prepare_data, step0_agreement
 
     draft = load_draft(paths[ds.DRAFT]).model
     heldout = drafts.heldout_sequences(target)

@@ -12,7 +12,7 @@ from difftest.records.acceptance import NORMALISATION, AcceptStats, normalise
 from difftest.records import CheckResult
 from difftest.records.check_data import AcceptLengthData
 from difftest.records.report import Report
-from engines.trainingdata.train_check import TrainAccuracyData
+from difftest_engines.trainingdata.train_check import TrainAccuracyData
 
 
 # one figure per normalisable definition, written out by hand: (name, what normalise is given, the

@@ -20,7 +20,7 @@ from difftest.case.case import load_case
 from difftest.compare.compare import compare_captures
 from difftest.compare.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
 from difftest.run.engine import parse_spec
-from engines.ref.engine import RefEngine
+from difftest_engines.ref.engine import RefEngine
 
 IDS = [1, 5, 9, 33, 77, 101, 7, 250, 3]
 L = 8  # target depth: defaults h[2], h[L//2], h[L-3] = [h2, h4, h5]; the draft's config ids are [1, 2, 3]

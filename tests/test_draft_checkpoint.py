@@ -1,6 +1,6 @@
 """Loading EAGLE-3 draft checkpoints: both formats, every norm flag, vocab maps, shared weights, bad input.
 
-Checkpoints are written with engines/ref/train.py's save helpers from a seeded random
+Checkpoints are written with difftest_engines/ref/train.py's save helpers from a seeded random
 draft whose norm weights are non-trivial (so every norm flag changes the numbers), then
 edited on disk to produce each variant.
 """
@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from difftest.base.errors import ConfigError
-from engines.ref.eagle3 import Eagle3Config, Eagle3Draft, parse_config
-from engines.ref.draft_loading import load_draft
-from engines.ref.train import save_eagle_format, save_speculators_format
+from difftest_engines.ref.eagle3 import Eagle3Config, Eagle3Draft, parse_config
+from difftest_engines.ref.draft_loading import load_draft
+from difftest_engines.ref.train import save_eagle_format, save_speculators_format
 
 H = 64
 TARGET_H = 32  # != H, so fc's width is num_aux x target_hidden_size, not num_aux x H

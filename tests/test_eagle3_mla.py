@@ -1,4 +1,4 @@
-"""The MLA EAGLE-3 draft (engines/ref/eagle3_mla.py): its forward against transformers' DeepseekV3
+"""The MLA EAGLE-3 draft (difftest_engines/ref/eagle3_mla.py): its forward against transformers' DeepseekV3
 modules fed the same weights, its checkpoint as the engines read it, and bad input.
 
 The independent computation is transformers 5.19's `DeepseekV3Attention` (with its own YaRN
@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from difftest.base.errors import ConfigError
-from engines.ref.draft_loading import load_draft
-from fixtures.deepseek import ROPE_PARAMETERS
-from engines.ref.eagle3_mla import (
+from difftest_engines.ref.draft_loading import load_draft
+from difftest_fixtures.deepseek import ROPE_PARAMETERS
+from difftest_engines.ref.eagle3_mla import (
     Eagle3MLAConfig,
     Eagle3MLADraft,
     LatentCache,
@@ -338,13 +338,13 @@ def test_norm_before_fc_is_refused_because_neither_engine_applies_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def mla_fixture() -> Path:
-    from fixtures import mla as fixtures_mla
+    from difftest_fixtures import mla as fixtures_mla
 
     return fixtures_mla.ensure_fixtures()[fixtures_mla.DRAFT]
 
 
 def test_fixture_is_the_mla_class_with_the_targets_shapes_and_ids(mla_fixture):
-    from fixtures import deepseek
+    from difftest_fixtures import deepseek
 
     config = json.loads((mla_fixture / "config.json").read_text())
     target = json.loads((deepseek.fixture_path(deepseek.TARGET) / "config.json").read_text())
@@ -362,9 +362,9 @@ def test_fixture_is_the_mla_class_with_the_targets_shapes_and_ids(mla_fixture):
 def test_fixture_draft_predicts_the_target_under_its_training_wiring_only(mla_fixture):
     """Recomputed on 16 sequences from the held-out seed: the trained wiring agrees with the target's greedy tokens
     (quality.json: 0.918 on all 64), SGLang's Llama +1 reading ([h3, h5, h6]) does not (0.046)."""
-    from fixtures import deepseek, drafts
-    from engines.ref.target import load_target
-    from engines.ref.train import prepare_data, step0_agreement
+    from difftest_fixtures import deepseek, drafts
+    from difftest_engines.ref.target import load_target
+    from difftest_engines.ref.train import prepare_data, step0_agreement
 
     target = load_target(deepseek.fixture_path(deepseek.TARGET))
     draft = load_draft(mla_fixture).model

@@ -59,7 +59,7 @@ def run_capture(case_path: Path, log_dir: Path, use_cache: bool = True, index: i
 
 
 def ident(env: dict[str, str], root: Path = PROJECT_ROOT) -> str | None:
-    return engine_identity.identity(REF.to_dict(), "engines.ref.engine:RefEngine", sys.executable, env, root)
+    return engine_identity.identity(REF.to_dict(), "difftest_engines.ref.engine:RefEngine", sys.executable, env, root)
 
 
 def test_a_fully_cached_run_starts_no_worker_and_reads_the_same_capture(case_path, private_cache, tmp_path):
@@ -108,12 +108,12 @@ def test_an_engine_variable_names_another_environment_and_an_unrelated_one_does_
 
 
 def test_the_harness_code_is_part_of_the_identity(tmp_path):
-    for folder in ("difftest", "engines"):
+    for folder in ("difftest", "difftest_engines"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "a.py").write_text("x = 1\n")
     before = engine_identity.code_digest(tmp_path)
     engine_identity.code_digest.cache_clear()
-    (tmp_path / "engines" / "a.py").write_text("x = 2\n")
+    (tmp_path / "difftest_engines" / "a.py").write_text("x = 2\n")
     assert engine_identity.code_digest(tmp_path) != before
     engine_identity.code_digest.cache_clear()
 

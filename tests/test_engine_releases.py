@@ -106,7 +106,7 @@ def test_a_release_whose_rules_are_known_but_that_cannot_run_here_says_why():
     assert er.check_runs_here("vllm", "0.27.0") == "0.27.0"
     assert (
         er.check_runs_here("vllm", "0.24.0") == "0.24.0"
-    )  # on PyPI's CUDA torch 2.11.0 (engines/vllm/releases/0.24.0.txt)
+    )  # on PyPI's CUDA torch 2.11.0 (difftest_engines/vllm/releases/0.24.0.txt)
     with pytest.raises(ConfigError, match="the releases that run on a CPU are 0.24.0 - 0.32.0"):
         er.check_runs_here("vllm", "0.23.0")
 

@@ -97,7 +97,7 @@ def _marked_processes(marker: str) -> list[int]:
 
 
 def test_every_engine_start_in_one_worker_forks_from_the_same_server():
-    """engines/sglang/process_start.py on the real engine: in the shipped run, each worker's SGLang
+    """difftest_engines/sglang/process_start.py on the real engine: in the shipped run, each worker's SGLang
     starts (one per case) all fork from the one forkserver that has SGLang imported."""
     log = (shipped_or_skip().root / "reports" / "logs" / "sglang.log").read_text()
     starts_per_worker = [

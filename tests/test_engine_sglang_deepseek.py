@@ -92,7 +92,7 @@ def test_deepseek_always_right_draft_accepts_k_plus_1(sglang_deepseek_run):
 
 
 def test_deepseek_cpu_measures_are_recorded_in_capture_meta(sglang_deepseek_run):
-    from engines.sglang import cpu_shim, deepseek
+    from difftest_engines.sglang import cpu_shim, deepseek
 
     metas = _sglang_metas(sglang_deepseek_run.cache)
     assert sorted(metas) == ["always_right", "random"]

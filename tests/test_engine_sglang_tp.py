@@ -1,5 +1,5 @@
 """SGLang tensor-parallel (`sglang[tp_size=2]`): the real engine with two ranks (two scheduler
-processes over gloo on CPU), captures joined into whole tensors by engines/sglang/tensor_parallel.py.
+processes over gloo on CPU), captures joined into whole tensors by difftest_engines/sglang/tensor_parallel.py.
 
 The default suite pays for one engine session: the shipped Llama case at TP = 2, judged against the
 same case at TP = 1 from the shipped run (tests/shipped_run.py; `DIFFTEST_SGLANG_TP1_REPORTS=<dir>`

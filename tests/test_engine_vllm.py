@@ -76,7 +76,7 @@ def test_seed_case_is_caught_on_vllm(shipped_run):
 
 
 def test_golden_inputs_on_vllm_blame_the_captured_hidden_states_not_the_draft(shipped_run):
-    """vLLM's own draft re-run on the reference's draft.fc_in (engines/vllm/hooks.py: the input of its
+    """vLLM's own draft re-run on the reference's draft.fc_in (difftest_engines/vllm/hooks.py: the input of its
     combine_hidden_states replaced): it then matches the reference, so the seed's divergence is the
     hidden states vLLM captured, not its draft computation."""
     logits = shipped_run.outcome("seed_miswired_training", "vllm", "draft_logits")
@@ -174,7 +174,7 @@ def _clean_vllm_environment(monkeypatch) -> None:
 
 
 def _vllm_caches(monkeypatch, prefix: Path) -> dict[str, str]:
-    from engines.vllm import engine
+    from difftest_engines.vllm import engine
 
     monkeypatch.setattr(sys, "prefix", str(prefix))
     engine.prepare_environment()

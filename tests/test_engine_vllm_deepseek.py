@@ -88,7 +88,7 @@ def test_deepseek_always_right_draft_accepts_k_plus_1(vllm_deepseek_run):
 
 
 def test_deepseek_compat_measures_are_recorded_in_capture_meta(vllm_deepseek_run):
-    from engines.vllm import compat
+    from difftest_engines.vllm import compat
 
     metas = _vllm_metas(vllm_deepseek_run.cache)
     golden = [json.loads(p.read_text())["meta"] for p in (vllm_deepseek_run.cache / "captures").rglob("manifest.json")]

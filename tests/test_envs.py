@@ -178,14 +178,16 @@ def test_project_file_maps_labels_to_interpreters_and_environments(tmp_path):
 
 def test_project_file_naming_a_missing_interpreter_is_refused(tmp_path):
     (tmp_path / "difftest.toml").write_text('[engines]\n"sglang@old" = "/nonexistent/python"\n')
-    with pytest.raises(ConfigError, match=r"difftest.toml: engines.sglang@old: /nonexistent/python does not exist$"):
+    with pytest.raises(
+        ConfigError, match=r"difftest.toml: difftest_engines.sglang@old: /nonexistent/python does not exist$"
+    ):
         envs.project_pythons(tmp_path)
 
 
 def test_project_file_key_with_parameters_is_refused(tmp_path):
     (tmp_path / "difftest.toml").write_text(f'[engines]\n"ref[wiring=vllm]" = "{sys.executable}"\n')
     with pytest.raises(
-        ConfigError, match=r"engines.ref\[wiring=vllm\]: expected NAME or NAME@LABEL without \[parameters\]$"
+        ConfigError, match=r"difftest_engines.ref\[wiring=vllm\]: expected NAME or NAME@LABEL without \[parameters\]$"
     ):
         envs.project_pythons(tmp_path)
 

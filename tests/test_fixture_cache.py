@@ -1,4 +1,4 @@
-"""The fixture cache (fixtures/cache.py): built once, published whole, keyed by contents."""
+"""The fixture cache (difftest_fixtures/cache.py): built once, published whole, keyed by contents."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from fixtures import cache
+from difftest_fixtures import cache
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The built-in fixtures (fixtures/tiny_llama.py) are what the cases rely on: check it.
+"""The built-in fixtures (difftest_fixtures/tiny_llama.py) are what the cases rely on: check it.
 
 Quality figures are read from each draft's quality.json (written at build time) and, where
 cheap, recomputed here on the same held-out sequences.
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from difftest.rules.wiring import resolve
-from fixtures import cache, drafts, targets
-from fixtures import tiny_llama as fx
+from difftest_fixtures import cache, drafts, targets
+from difftest_fixtures import tiny_llama as fx
 from difftest.base.jsonfile import read_json
-from engines.ref.draft_loading import load_draft
-from engines.ref.target import load_target, run_target
+from difftest_engines.ref.draft_loading import load_draft
+from difftest_engines.ref.target import load_target, run_target
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINED = ["tiny-llama-eagle3", "tiny-llama-eagle3-miswired"]
@@ -62,7 +62,7 @@ def test_quality_json_accept_length_with_4_draft_steps_is_at_least_2(paths, name
 
 @pytest.mark.parametrize("name", TRAINED)
 def test_step0_agreement_recomputed_on_heldout_matches_quality_json(paths, target, heldout, name):
-    from engines.ref.train import prepare_data, step0_agreement
+    from difftest_engines.ref.train import prepare_data, step0_agreement
 
     q = quality(paths, name)
     draft = load_draft(paths[name]).model
@@ -72,7 +72,7 @@ def test_step0_agreement_recomputed_on_heldout_matches_quality_json(paths, targe
 
 
 def test_speculators_copy_reports_the_eagle_drafts_figures_and_scores_them(paths, target, heldout):
-    from engines.ref.train import prepare_data, step0_agreement
+    from difftest_engines.ref.train import prepare_data, step0_agreement
 
     eagle, spec = quality(paths, "tiny-llama-eagle3"), quality(paths, "tiny-llama-eagle3-speculators")
     assert (spec["format"], spec["same_weights_as"]) == ("speculators", "tiny-llama-eagle3")
@@ -95,7 +95,7 @@ def test_miswired_draft_collapses_when_served_with_its_config_layer_ids(paths):
 
 
 def test_miswired_draft_agreement_recomputed_under_serving_wiring_collapses(paths, target, heldout):
-    from engines.ref.train import prepare_data, step0_agreement
+    from difftest_engines.ref.train import prepare_data, step0_agreement
 
     draft = load_draft(paths["tiny-llama-eagle3-miswired"]).model
     assert step0_agreement(draft, prepare_data(target, fx.MISWIRED_SERVED_WIRING, heldout)) < 0.2
@@ -233,7 +233,9 @@ def test_provider_resolves_only_its_own_names(paths):
 
 
 def test_concurrent_builds_build_once_and_leave_no_temporary_directories(tmp_path):
-    code = "from fixtures.tiny_llama import ensure_fixtures; print(ensure_fixtures(['tiny-qwen3'])['tiny-qwen3'])"
+    code = (
+        "from difftest_fixtures.tiny_llama import ensure_fixtures; print(ensure_fixtures(['tiny-qwen3'])['tiny-qwen3'])"
+    )
     env = {**os.environ, "DIFFTEST_CACHE": str(tmp_path)}
     procs = [
         subprocess.Popen(

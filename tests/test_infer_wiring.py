@@ -10,7 +10,7 @@ import torch
 
 import wiring_drafts as wd
 from difftest.rules.infer_wiring import Scores, Search, infer, infer_from_evidence, paired_z, starts_for
-from engines.ref.draft_loading import load_draft
+from difftest_engines.ref.draft_loading import load_draft
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -45,8 +45,8 @@ def test_inference_does_not_follow_the_config_ids():
 
 
 def test_untrained_draft_cannot_tell():
-    from fixtures.drafts import draft_config
-    from engines.ref.train import init_draft
+    from difftest_fixtures.drafts import draft_config
+    from difftest_engines.ref.train import init_draft
 
     target = wd._target("tiny-llama")
     draft = init_draft(target, draft_config(), torch.arange(512) * 0, seed=5)
@@ -170,8 +170,8 @@ def test_a_case_with_wiring_infer_on_an_untrained_draft_stops_saying_it_cannot_t
     from difftest.run.engine import EngineSpec
     from difftest.base.errors import ConfigError
     from difftest.run.session import Options, Session
-    from fixtures.drafts import draft_config
-    from engines.ref.train import init_draft, save_eagle_format
+    from difftest_fixtures.drafts import draft_config
+    from difftest_engines.ref.train import init_draft, save_eagle_format
 
     draft = init_draft(wd._target("tiny-llama"), draft_config(), torch.zeros(512, dtype=torch.long), seed=5)
     save_eagle_format(draft, tmp_path / "draft", [2, 4, 5])

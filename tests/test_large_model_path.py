@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from difftest.case.case import load_case
 from difftest.base.errors import CaseNotConfigured, EngineUnavailable
-from engines.ref import target as target_mod
+from difftest_engines.ref import target as target_mod
 from helpers import ROOT, run_pytest
 
 KIMI_CASE = ROOT / "cases" / "kimi_k25_gpu.yaml"

@@ -202,7 +202,7 @@ def _rule(engine: str, family: str) -> lr.LayerIdRule:
 
 def _runs(engine: str, family: str) -> bool:
     """Whether the release runs this family's target on CPU at all (vLLM before 0.32: no MLA)."""
-    from engines.vllm.releases import runs_mla_on_cpu
+    from difftest_engines.vllm.releases import runs_mla_on_cpu
 
     name, _, version = engine.split("[")[0].partition("@")
     return not (name == "vllm" and version and family == lr.DEEPSEEK and not runs_mla_on_cpu(version))

@@ -43,7 +43,7 @@ def write_project(root: Path, target: Path, draft: Path) -> Path:
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
 def test_an_unreadable_draft_safetensors_gives_the_lint_the_loaders_one_line(models, tmp_path, damage):
     from difftest.checks.lint import lint_draft
-    from engines.ref.eagle3 import load_state_dict
+    from difftest_engines.ref.eagle3 import load_state_dict
 
     target, draft = models
     bad = damaged_copy(draft, tmp_path / "draft", damage)
@@ -58,8 +58,8 @@ def test_an_unreadable_draft_safetensors_gives_the_lint_the_loaders_one_line(mod
 @pytest.mark.parametrize("which", ["draft", "target"])
 def test_a_config_json_that_is_not_an_object_gives_the_lint_the_loaders_one_line(models, tmp_path, which):
     from difftest.checks.lint import lint_draft
-    from engines.ref.draft_loading import load_draft
-    from engines.ref.target import target_config
+    from difftest_engines.ref.draft_loading import load_draft
+    from difftest_engines.ref.target import target_config
 
     target, draft = models
     dirs = {"target": target, "draft": draft}
@@ -84,7 +84,7 @@ def test_the_lint_and_capture_items_fail_an_unreadable_draft_with_the_same_line(
 
 # -- 2. the reference's target loader names the file at fault -------------------------------------
 def test_a_truncated_target_safetensors_is_one_line_naming_the_file(models, tmp_path):
-    from engines.ref.target import load_target
+    from difftest_engines.ref.target import load_target
 
     bad = damaged_copy(models[0], tmp_path / "target", "truncated")
     with pytest.raises(ConfigError) as e:
@@ -120,7 +120,7 @@ class _RunsCode:
 def test_a_target_pickle_holding_code_is_refused_naming_the_file_and_never_run(models, tmp_path):
     from safetensors.torch import load_file
 
-    from engines.ref.target import load_target
+    from difftest_engines.ref.target import load_target
 
     target = tmp_path / "target"
     target.mkdir()
@@ -307,7 +307,7 @@ def _answering(status: int):
 
 
 def test_a_refused_connection_says_the_server_cannot_be_reached(monkeypatch):
-    from engines.server.client import ServerClient, ServerError
+    from difftest_engines.server.client import ServerClient, ServerError
 
     monkeypatch.delenv("http_proxy", raising=False)
     url = f"http://127.0.0.1:{_free_port()}"
@@ -317,7 +317,7 @@ def test_a_refused_connection_says_the_server_cannot_be_reached(monkeypatch):
 
 
 def test_a_host_name_that_does_not_resolve_says_so(monkeypatch):
-    from engines.server.client import ServerClient, ServerError
+    from difftest_engines.server.client import ServerClient, ServerError
 
     monkeypatch.delenv("http_proxy", raising=False)
     with pytest.raises(ServerError) as e:  # .invalid never resolves (RFC 6761)
@@ -329,7 +329,7 @@ def test_a_host_name_that_does_not_resolve_says_so(monkeypatch):
 
 
 def test_a_gateway_error_for_the_host_says_it_cannot_be_reached(monkeypatch):
-    from engines.server.client import ServerClient, ServerError
+    from difftest_engines.server.client import ServerClient, ServerError
 
     monkeypatch.delenv("http_proxy", raising=False)
     server = _answering(502)
@@ -343,7 +343,7 @@ def test_a_gateway_error_for_the_host_says_it_cannot_be_reached(monkeypatch):
 
 
 def test_an_http_answer_that_is_neither_kind_names_what_answered(monkeypatch):
-    from engines.server.client import ServerClient, ServerError
+    from difftest_engines.server.client import ServerClient, ServerError
 
     monkeypatch.delenv("http_proxy", raising=False)
     server = _answering(404)

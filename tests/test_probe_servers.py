@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from difftest.rules.overlay import overlay_checkpoint
-from engines.server.command import PROBE_CHECK, SERVER_ENGINE, ensure_server_engine
-from engines.server.client import counters, parse_launch_command, parse_prometheus
+from difftest_engines.server.command import PROBE_CHECK, SERVER_ENGINE, ensure_server_engine
+from difftest_engines.server.client import counters, parse_launch_command, parse_prometheus
 from difftest.base.paths import cache_root
 from difftest.run.case_run import resolve_fixture
 from tests import live_servers
@@ -60,7 +60,7 @@ CPU_SGLANG = [
     "--speculative-num-steps",
     "4",
     "--sleep-on-idle",
-]  # (the scheduler busy-polls between requests otherwise: engines/sglang/engine.py)
+]  # (the scheduler busy-polls between requests otherwise: difftest_engines/sglang/engine.py)
 
 
 def _probe(*args: str, timeout: float = 900):
@@ -379,7 +379,7 @@ def test_launch_command_gives_what_was_asked_for():
 
 
 def test_vllm_deltas_touched_by_a_concurrent_request_are_flagged(vllm_server):
-    from engines.server.client import ServerClient
+    from difftest_engines.server.client import ServerClient
 
     def running() -> float:
         return ServerClient(vllm_server.url, "vllm")._vllm_snapshot().get("vllm:num_requests_running", 0.0)
@@ -403,9 +403,9 @@ def test_vllm_deltas_touched_by_a_concurrent_request_are_flagged(vllm_server):
 
 
 def test_a_servers_tp_size_is_read_from_its_arguments_as_argparse_keeps_it():
-    from engines.launch_args import int_option
-    from engines.sglang.serve import TP_OPTIONS as SGLANG_TP
-    from engines.vllm.serve import TP_OPTIONS as VLLM_TP
+    from difftest_engines.launch_args import int_option
+    from difftest_engines.sglang.serve import TP_OPTIONS as SGLANG_TP
+    from difftest_engines.vllm.serve import TP_OPTIONS as VLLM_TP
 
     assert int_option(["--model-path", "m", "--tp-size", "2"], SGLANG_TP, 1) == 2
     assert int_option(["--tensor-parallel-size=4"], SGLANG_TP, 1) == 4
@@ -415,7 +415,7 @@ def test_a_servers_tp_size_is_read_from_its_arguments_as_argparse_keeps_it():
 
 
 def test_sglang_cpu_ranks_get_their_own_cores_where_there_are_enough(monkeypatch):
-    from engines.sglang import cpu_ranks
+    from difftest_engines.sglang import cpu_ranks
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert cpu_ranks.core_groups(2) == "0|1"
@@ -434,7 +434,7 @@ def _unset_for_this_test(monkeypatch, name: str) -> None:
 
 
 def test_an_sglang_server_at_tp2_on_cpu_binds_its_ranks_and_keeps_a_users_binding(monkeypatch):
-    from engines.sglang import cpu_ranks, cpu_shim, serve
+    from difftest_engines.sglang import cpu_ranks, cpu_shim, serve
 
     _unset_for_this_test(monkeypatch, cpu_ranks.BIND_ENV)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
@@ -446,7 +446,7 @@ def test_an_sglang_server_at_tp2_on_cpu_binds_its_ranks_and_keeps_a_users_bindin
 
 
 def test_a_vllm_server_at_tp2_leaves_its_ranks_unbound_unless_the_user_binds_them(monkeypatch):
-    from engines.vllm import serve
+    from difftest_engines.vllm import serve
 
     _unset_for_this_test(monkeypatch, serve.BIND_ENV)
     assert serve.bind_ranks(["--model", "m"]) is None
@@ -457,7 +457,7 @@ def test_a_vllm_server_at_tp2_leaves_its_ranks_unbound_unless_the_user_binds_the
 
 def test_a_server_at_another_tp_than_the_case_declares_is_flagged(small_case):
     from difftest.case.case import load_case
-    from engines.server.probe import flags
+    from difftest_engines.server.probe import flags
 
     case = load_case(small_case)
     case.engines["sglang"]["tp_size"] = 8

@@ -43,7 +43,7 @@ from difftest.records import (
 )
 from difftest.records import meta as meta_mod
 from difftest.records.wiring_inference import Reading, SlotContrast, WiringInference
-from engines.trainingdata.train_check import TrainAccuracyData
+from difftest_engines.trainingdata.train_check import TrainAccuracyData
 
 STATS = AcceptStats(
     num_verify=4,

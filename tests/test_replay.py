@@ -1,4 +1,4 @@
-"""The reference's replay of a server's tokens (engines/ref/replay.py): on the reference's own
+"""The reference's replay of a server's tokens (difftest_engines/ref/replay.py): on the reference's own
 greedy output it must count exactly what its own speculative decoding counted, chain and tree,
 and it must say where a server's tokens are not the reference target's greedy choice."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 
-from engines.ref.replay import replay_request
-from engines.ref.speculate import simulate_greedy
+from difftest_engines.ref.replay import replay_request
+from difftest_engines.ref.speculate import simulate_greedy
 
-from engines.ref.tree import simulate_tree
+from difftest_engines.ref.tree import simulate_tree
 
 
 INPUTS = ["target.h.1", "target.h.2", "target.h.3"]

@@ -1,4 +1,4 @@
-"""Every rope type a Hugging Face config carries (engines/ref/rope.py) against transformers' own.
+"""Every rope type a Hugging Face config carries (difftest_engines/ref/rope.py) against transformers' own.
 
 For each type and a few parameter sets, our inverse frequencies and attention scaling equal
 `transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS` on a LlamaConfig of the same config, and the
@@ -23,11 +23,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from difftest.base.errors import ConfigError
-from engines.ref import rope as ref_rope
-from engines.ref.draft_loading import load_draft
-from engines.ref.eagle3 import Eagle3Config, Eagle3Draft, rope
-from engines.ref.eagle3_mla import Eagle3MLAConfig, mla_rope, rope_magnitude
-from engines.ref.train import save_eagle_format
+from difftest_engines.ref import rope as ref_rope
+from difftest_engines.ref.draft_loading import load_draft
+from difftest_engines.ref.eagle3 import Eagle3Config, Eagle3Draft, rope
+from difftest_engines.ref.eagle3_mla import Eagle3MLAConfig, mla_rope, rope_magnitude
+from difftest_engines.ref.train import save_eagle_format
 
 HEAD_DIM, MAX_POSITIONS, ORIGINAL = 64, 4096, 1024
 SHAPE = dict(hidden_size=256, num_attention_heads=4, head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS)
@@ -241,7 +241,7 @@ def test_a_missing_required_key_is_one_line_naming_it(rope, field):
 
 
 def test_a_speculators_config_names_the_layer_config_field(tmp_path):
-    from engines.ref.train import save_speculators_format
+    from difftest_engines.ref.train import save_speculators_format
 
     save_speculators_format(_draft(), tmp_path, [1, 2, 3], verifier_name_or_path="x")
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -14,7 +14,7 @@ from difftest.case.expected_failure import ExpectedFailure, parse
 from difftest.records.engine_info import EngineInfo
 from difftest.rules import engine_releases as er
 from difftest.rules import layer_rules as lr
-from engines.vllm import releases
+from difftest_engines.vllm import releases
 
 NESTED = {"eagle_config": {lr.KEY: [0, 2, 4]}}  # SpecForge's export: ids only in eagle_config
 L = 8

@@ -1,4 +1,4 @@
-"""SGLang's forward hooks (engines/sglang/hooks.py) record only while the adapter captures: their
+"""SGLang's forward hooks (difftest_engines/sglang/hooks.py) record only while the adapter captures: their
 directory exists for a capture's generation alone, and every other forward (a speculative run's
 hundreds) neither writes nor computes anything. The hooks' records themselves are checked on the
 real engine (tests/test_engine_sglang.py, the shipped run)."""
@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 
-from engines.sglang import hooks
+from difftest_engines.sglang import hooks
 
 
 class Untouchable:

@@ -1,4 +1,4 @@
-"""How the SGLang adapter starts SGLang's processes (engines/sglang/process_start.py): SGLang asks for
+"""How the SGLang adapter starts SGLang's processes (difftest_engines/sglang/process_start.py): SGLang asks for
 "spawn" and kills every descendant at shutdown; the adapter turns the first into a forkserver that has
 SGLang imported and spares that server from the second, so each case's engine start skips the imports.
 
@@ -14,7 +14,7 @@ import types
 import pytest
 
 from difftest.base.errors import EngineUnavailable
-from engines.sglang import process_start
+from difftest_engines.sglang import process_start
 
 
 def test_sglangs_request_for_spawn_becomes_forkserver_while_an_engine_starts(monkeypatch):

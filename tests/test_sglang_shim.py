@@ -1,4 +1,4 @@
-"""Each op of the SGLang CPU kernel shim (engines/sglang/cpu_shim/ops.py) against a direct
+"""Each op of the SGLang CPU kernel shim (difftest_engines/sglang/cpu_shim/ops.py) against a direct
 torch computation. Needs only torch: runs in the core environment."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from engines.sglang.cpu_shim import ops
+from difftest_engines.sglang.cpu_shim import ops
 from helpers import HANG_GUARD_S, ROOT, TESTS, sglang_python_or_skip
 
 

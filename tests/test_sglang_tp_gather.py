@@ -1,4 +1,4 @@
-"""engines/sglang/tensor_parallel.py: each rank's hook records joined into whole tensors by the
+"""difftest_engines/sglang/tensor_parallel.py: each rank's hook records joined into whole tensors by the
 sharding rule (no engine: records written as SGLang's hooks write them, one folder per rank).
 The rule itself is checked against the real engine in tests/test_engine_sglang_tp.py."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from difftest.base.errors import EngineError
-from engines.sglang import tensor_parallel
-from engines.sglang.rank_crash import crash_cause
+from difftest_engines.sglang import tensor_parallel
+from difftest_engines.sglang.rank_crash import crash_cause
 
 
 def _write(root: Path, rank: int, seq: int, kind: str, record: dict) -> None:

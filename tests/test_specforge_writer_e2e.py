@@ -95,7 +95,7 @@ def _resolve(ref: str) -> Path:
 
 def write_conversations(target: Path, path: Path) -> list[dict]:
     """User and assistant turns of random vocabulary words (no template marker among them)."""
-    from fixtures.chat import MARKERS
+    from difftest_fixtures.chat import MARKERS
 
     vocab = json.loads((target / "tokenizer.json").read_text())["model"]["vocab"]
     words = sorted(w for w in vocab if not w.startswith("<") and w not in MARKERS.values())
@@ -113,7 +113,7 @@ def write_conversations(target: Path, path: Path) -> list[dict]:
 
 def specforge_template() -> dict:
     """fixtures_chat.TEMPLATE's turns in SpecForge's ChatTemplate fields (turn = START ROLE text END)."""
-    from fixtures.chat import MARKERS
+    from difftest_fixtures.chat import MARKERS
 
     m = MARKERS
     return {

@@ -1,4 +1,4 @@
-"""engines/ref/speculate.py: fc gathering, the draft chain, greedy speculative decoding.
+"""difftest_engines/ref/speculate.py: fc gathering, the draft chain, greedy speculative decoding.
 
 Unit tests use a small seeded random draft; the end-to-end ones use the built-in fixtures
 (built once into the cache by ensure_fixtures).
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from difftest.base.errors import ConfigError
-from engines.ref.eagle3 import Eagle3Config, Eagle3Draft
-from engines.ref.speculate import gather_fc_in, greedy_decode, run_draft_chain, simulate_greedy
-from engines.ref.target import TargetOutput
+from difftest_engines.ref.eagle3 import Eagle3Config, Eagle3Draft
+from difftest_engines.ref.speculate import gather_fc_in, greedy_decode, run_draft_chain, simulate_greedy
+from difftest_engines.ref.target import TargetOutput
 
 H, N_AUX, VOCAB, DRAFT_VOCAB = 32, 3, 50, 20
 STEP0_NAMES = {
@@ -132,7 +132,7 @@ def test_run_draft_chain_rejects_next_ids_of_another_length(small_draft):
 
 def test_training_unroll_attends_exactly_like_the_inference_chain(small_draft):
     """TTT step k at origin i must equal chain step k after committing positions 0..i (train.py's mask)."""
-    from engines.ref.train import ttt_forward
+    from difftest_engines.ref.train import ttt_forward
 
     n, origin, steps = 8, 4, 3
     fc_in, tokens = _inputs(n, seed=2)
@@ -149,7 +149,7 @@ def test_training_unroll_attends_exactly_like_the_inference_chain(small_draft):
 
 
 def test_ttt_mask_lets_step_k_see_causal_step_0_keys_and_its_own_chain():
-    from engines.ref.train import ttt_mask
+    from difftest_engines.ref.train import ttt_mask
 
     mask = ttt_mask(3, 2)
     assert mask.int().tolist() == [
@@ -164,10 +164,10 @@ def test_ttt_mask_lets_step_k_see_causal_step_0_keys_and_its_own_chain():
 
 @pytest.fixture(scope="session")
 def fixture_models():
-    from fixtures.drafts import heldout_prompts
-    from engines.ref.draft_loading import load_draft
-    from fixtures.tiny_llama import ensure_fixtures
-    from engines.ref.target import load_target
+    from difftest_fixtures.drafts import heldout_prompts
+    from difftest_engines.ref.draft_loading import load_draft
+    from difftest_fixtures.tiny_llama import ensure_fixtures
+    from difftest_engines.ref.target import load_target
 
     paths = ensure_fixtures()
     target = load_target(paths["tiny-llama"])

@@ -5,9 +5,9 @@ by `speculators train`, and `difftest train-acc` on both.
 What runs, all of it the upstream code except the CPU stand-in for vLLM's CUDA-only copy path:
 * the prompts: random prompts and the target's own greedy continuation (loss on the continuation),
   saved as the arrow dataset `speculators prepare-data` writes (tests/trainer_oracle/speculators_prepare.py);
-* the server: `engines.vllm.serve` (vLLM's api_server) with speculators' extraction settings, the
+* the server: `difftest_engines.vllm.serve` (vLLM's api_server) with speculators' extraction settings, the
   `extract_hidden_states` speculative method asking for layer ids LAYER_IDS and vLLM's
-  ExampleHiddenStatesConnector through engines/vllm/cpu_hidden_states.py (its streams, events and
+  ExampleHiddenStatesConnector through difftest_engines/vllm/cpu_hidden_states.py (its streams, events and
   pinned memory made host no-ops for that module only; nothing installed is edited). It is started
   once for this module and stopped, process group and all, as soon as the writer is done, test
   failure or not;
@@ -60,8 +60,8 @@ STEPS = 3  # speculators' default --ttt-steps
 @torch.no_grad()
 def write_prompts(target_dir: Path, path: Path) -> None:
     """samples.jsonl: random prompts + the target's greedy continuation, loss on the continuation."""
-    from engines.ref.target import load_target
-    from engines.trainingdata.dump import random_prompts
+    from difftest_engines.ref.target import load_target
+    from difftest_engines.trainingdata.dump import random_prompts
 
     target = load_target(target_dir)
     ids = torch.tensor(
@@ -96,7 +96,7 @@ def server_args(target: Path, stage: Path) -> list[str]:
     }
     kv = {
         "kv_connector": "CpuHiddenStatesConnector",
-        "kv_connector_module_path": "engines.vllm.cpu_hidden_states",
+        "kv_connector_module_path": "difftest_engines.vllm.cpu_hidden_states",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(stage)},
     }
@@ -346,7 +346,7 @@ def test_the_draft_collapses_under_vllms_reading_of_its_config(trained, scored):
 
 STAND_IN_PROBE = """
 import torch
-from engines.vllm import cpu_hidden_states as c
+from difftest_engines.vllm import cpu_hidden_states as c
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
 if torch.cuda.is_available():
     assert c.CpuHiddenStatesConnector is m.ExampleHiddenStatesConnector

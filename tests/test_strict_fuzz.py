@@ -25,7 +25,7 @@ from difftest.run.engine import check_case_settings, check_settings, parse_engin
 from difftest.base.errors import CaseNotConfigured, ConfigError
 from difftest.base.names import pattern_could_match
 from difftest.records.tolerance import TolerancePair
-from engines.trainingdata.formats import read_dump
+from difftest_engines.trainingdata.formats import read_dump
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

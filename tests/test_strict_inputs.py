@@ -98,8 +98,8 @@ def test_spec_parameters_override_the_case_section_and_aliases_resolve(tmp_path,
         ("{ref: {topk: true}}", "engines.ref.topk: expected an integer, got True"),
         ("{ref: {topk: '2'}}", "engines.ref.topk: expected an integer, got '2'"),
         ("{vllm: {enforce_eager: 'yes'}}", "engines.vllm.enforce_eager: expected true or false"),
-        ("{ref: sglang}", "engines.ref: expected a mapping of settings, got 'sglang'"),
-        ("{ref: [wiring]}", "engines.ref: expected a mapping of settings"),
+        ("{ref: sglang}", "difftest_engines.ref: expected a mapping of settings, got 'sglang'"),
+        ("{ref: [wiring]}", "difftest_engines.ref: expected a mapping of settings"),
         ("{reff: {}}", "engines.reff: unknown engine; did you mean 'ref'?"),
     ],
 )
@@ -356,7 +356,7 @@ def test_out_of_vocabulary_prompt_id_is_refused(tmp_path, checkpoints):
 
 # -- checkpoints ----------------------------------------------------------------------------------
 def test_integer_fc_weight_is_refused_naming_file_and_tensor(tmp_path):
-    from engines.ref.eagle3 import load_state_dict
+    from difftest_engines.ref.eagle3 import load_state_dict
 
     save_file(
         {"fc.weight": torch.ones(4, 12, dtype=torch.int32), "d2t": torch.zeros(4, dtype=torch.long)},
@@ -370,7 +370,7 @@ def test_integer_fc_weight_is_refused_naming_file_and_tensor(tmp_path):
 
 
 def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path):
-    from engines.ref.eagle3 import load_state_dict
+    from difftest_engines.ref.eagle3 import load_state_dict
 
     save_file({"fc.weight": torch.ones(4, 12)}, str(tmp_path / "model.safetensors"))
     blob = (tmp_path / "model.safetensors").read_bytes()
@@ -382,7 +382,7 @@ def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path):
 
 
 def test_pickle_refusal_names_the_file_and_never_suggests_the_unsafe_load(tmp_path):
-    from engines.ref.eagle3 import load_state_dict
+    from difftest_engines.ref.eagle3 import load_state_dict
 
     torch.save({"fc.weight": torch.ones(2, 2), "extra": Path("x")}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ConfigError) as e:
@@ -401,7 +401,7 @@ def test_pickle_refusal_names_the_file_and_never_suggests_the_unsafe_load(tmp_pa
     ],
 )
 def test_bad_target_config_is_one_line_naming_the_file(tmp_path, config, fragment):
-    from engines.ref.target import target_config
+    from difftest_engines.ref.target import target_config
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError) as e:
@@ -421,7 +421,7 @@ def test_bad_target_config_is_one_line_naming_the_file(tmp_path, config, fragmen
     ],
 )
 def test_bad_draft_config_is_one_line_naming_the_file(tmp_path, config, fragment):
-    from engines.ref.draft_loading import load_draft
+    from difftest_engines.ref.draft_loading import load_draft
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError) as e:

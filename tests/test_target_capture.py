@@ -1,6 +1,6 @@
 """run_target's capture naming, checked by value against HF's output_hidden_states.
 
-Convention (engines/ref/target.py, shared/notes/wiring-failures.md): target.h.k is the
+Convention (difftest_engines/ref/target.py, shared/notes/wiring-failures.md): target.h.k is the
 residual stream entering decoder layer k, so h.0 is the embedding output and h.L the
 last layer's output *before* the final norm; HF's hidden_states[L] is after it and is
 what run_target calls final_norm.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.ref.target import load_target, num_layers, run_target
+from difftest_engines.ref.target import load_target, num_layers, run_target
 
 NUM_LAYERS = 4
 VOCAB = 256

@@ -12,8 +12,8 @@ from difftest.case.case import Case
 from difftest.records.tolerance import Expectations
 from difftest.run.engine import EngineSpec
 from difftest.base.errors import ConfigError
-from engines.trainingdata.train_accuracy import RULES, StepCounts, VerifierHead, rules_for, score_steps
-from engines.trainingdata.train_check import check_train_accuracy
+from difftest_engines.trainingdata.train_accuracy import RULES, StepCounts, VerifierHead, rules_for, score_steps
+from difftest_engines.trainingdata.train_check import check_train_accuracy
 
 # N = 5 tokens; T_p = target draft id at p (T_0 is never a target); loss mask on positions 2..4.
 TARGETS = torch.tensor([9, 1, 2, 3, 4])
@@ -126,7 +126,7 @@ def _settings(**given):
     """The train engine's settings record with nothing set but `given`."""
     import dataclasses
 
-    from engines.trainingdata.settings import Settings
+    from difftest_engines.trainingdata.settings import Settings
 
     return Settings(**{f.name: given.get(f.name) for f in dataclasses.fields(Settings)})
 
@@ -134,7 +134,7 @@ def _settings(**given):
 def test_draft_config_speculators_version_outside_the_ranges_is_refused_naming_the_config(tmp_path):
     from types import SimpleNamespace
 
-    from engines.trainingdata.engine import TrainingDataEngine
+    from difftest_engines.trainingdata.engine import TrainingDataEngine
 
     (tmp_path / "config.json").write_text('{"speculators_version": "0.12.0"}')
     case = Case(name="c", path=str(tmp_path / "c.yaml"), target="fixture:t", draft=str(tmp_path))
@@ -305,7 +305,7 @@ def _layer_config(**layer) -> dict:
 
 
 def test_ttt_mask_with_a_window_keeps_the_last_w_step0_keys_and_every_steps_diagonal():
-    from engines.trainingdata.train_accuracy import ttt_mask
+    from difftest_engines.trainingdata.train_accuracy import ttt_mask
 
     n, step, w = 7, 2, 3
     by_hand = torch.zeros(n, n * (step + 1), dtype=torch.bool)
@@ -341,7 +341,7 @@ def test_ttt_mask_with_a_window_keeps_the_last_w_step0_keys_and_every_steps_diag
     ids=["sliding", "full-layer", "no-window", "qwen2-fields-only"],
 )
 def test_draft_config_window_is_read_from_layer_types_as_speculators_reads_it(layer, window, tmp_path):
-    from engines.ref.eagle3 import parse_config
+    from difftest_engines.ref.eagle3 import parse_config
 
     assert parse_config(_layer_config(**layer), tmp_path / "config.json").sliding_window == window
 
@@ -365,7 +365,7 @@ def test_draft_config_window_is_read_from_layer_types_as_speculators_reads_it(la
     ids=["unknown-type", "zero-window", "not-a-list"],
 )
 def test_draft_config_attention_the_reference_cannot_run_is_refused_in_one_line(layer, fragment, tmp_path):
-    from engines.ref.eagle3 import parse_config
+    from difftest_engines.ref.eagle3 import parse_config
 
     with pytest.raises(ConfigError) as e:
         parse_config(_layer_config(**layer), tmp_path / "config.json")
@@ -373,8 +373,8 @@ def test_draft_config_attention_the_reference_cannot_run_is_refused_in_one_line(
 
 
 def test_the_window_is_applied_only_under_rules_whose_trainer_applies_it(tmp_path):
-    from engines.ref.eagle3 import parse_config
-    from engines.trainingdata.train_accuracy import describe_attention, scoring_window
+    from difftest_engines.ref.eagle3 import parse_config
+    from difftest_engines.trainingdata.train_accuracy import describe_attention, scoring_window
 
     cfg = parse_config(_layer_config(sliding_window=8, layer_types=["sliding_attention"]), tmp_path / "config.json")
     assert (
@@ -389,8 +389,8 @@ def test_the_window_is_applied_only_under_rules_whose_trainer_applies_it(tmp_pat
 
 
 def _random_draft(window: int | None):
-    from engines.ref.eagle3 import Eagle3Config
-    from engines.ref.draft_loading import build_draft
+    from difftest_engines.ref.eagle3 import Eagle3Config
+    from difftest_engines.ref.draft_loading import build_draft
 
     cfg = Eagle3Config(
         hidden_size=16,
@@ -416,7 +416,7 @@ def _random_draft(window: int | None):
 def test_a_sample_longer_than_the_window_scores_each_origin_as_if_it_saw_only_its_window():
     """Origin q under window W sees base keys q-W+1..q: exactly what a windowless run on the slice of the
     sample starting at q-W+1 gives its origin W-1 (rotary attention depends on relative positions only)."""
-    from engines.trainingdata.train_accuracy import unroll
+    from difftest_engines.trainingdata.train_accuracy import unroll
 
     W, N, steps = 3, 16, 3
     g = torch.Generator().manual_seed(1)

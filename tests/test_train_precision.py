@@ -9,8 +9,8 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from engines.trainingdata.precision import TIE_UNITS, draft_precision
-from engines.trainingdata.train_accuracy import RULES, packing_line, score_steps
+from difftest_engines.trainingdata.precision import TIE_UNITS, draft_precision
+from difftest_engines.trainingdata.train_accuracy import RULES, packing_line, score_steps
 
 SPEC = RULES["speculators"]
 

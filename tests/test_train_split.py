@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from difftest.base.errors import ConfigError
-from engines.trainingdata.formats import read_dump, write_dump
-from engines.trainingdata.split import SPECULATORS_DEFAULT_RATIO, choose_split, samples_in
+from difftest_engines.trainingdata.formats import read_dump, write_dump
+from difftest_engines.trainingdata.split import SPECULATORS_DEFAULT_RATIO, choose_split, samples_in
 
 
 def _dump(root: Path, n: int = 10, fmt: str = "speculators") -> Path:

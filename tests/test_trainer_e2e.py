@@ -65,10 +65,10 @@ def write_greedy_data(target_dir: Path, out: Path) -> Path:
     """Random prompts + the target's greedy continuation (loss mask 0 on the prompt, 1 on the continuation),
     the dumped tensors RECIPE["layers"] in file order, the verifier last. All prompts have one length, so
     the continuation runs batched (`difftest dump` does one prompt at a time: minutes for 120)."""
-    from engines.ref.speculate import gather_fc_in
-    from engines.ref.target import load_target, num_layers, run_target
-    from engines.trainingdata.dump import parse_layers, random_prompts
-    from engines.trainingdata.formats import write_dump
+    from difftest_engines.ref.speculate import gather_fc_in
+    from difftest_engines.ref.target import load_target, num_layers, run_target
+    from difftest_engines.trainingdata.dump import parse_layers, random_prompts
+    from difftest_engines.trainingdata.formats import write_dump
 
     target = load_target(target_dir)
     names = parse_layers(RECIPE["layers"], num_layers(target))
@@ -210,7 +210,7 @@ def test_the_trainer_printed_the_validation_accuracy_it_logged(trained):
 # The trainer validates with its float32 master weights; the checkpoint it saves, the draft a user serves, is
 # bfloat16 (train/checkpointer.py SingleGPUCheckpointer.save_checkpoint, float_dtype=torch.bfloat16). train-acc
 # says so and computes how far that can move its counts: the counted positions with a prediction whose top-2
-# logits lie within 4 bf16 units of roundoff (engines/trainingdata/precision.py). The tests below check the
+# logits lie within 4 bf16 units of roundoff (difftest_engines/trainingdata/precision.py). The tests below check the
 # counts exactly, against the master weights the training script keeps, and speculators' own metric code.
 def test_train_acc_reproduces_the_trainers_last_logged_validation_accuracy_within_the_bound_it_prints(trained, scored):
     assert "scored with speculators@0.9.0 (the draft config's speculators_version)'s rules" in scored["text"]

@@ -36,8 +36,8 @@ import torch
 
 from difftest.base.errors import ConfigError
 from difftest.base.paths import cache_root
-from engines.trainingdata.train_accuracy import RULES, VerifierHead, score_steps
-from engines.trainingdata.formats import read_dump, write_dump
+from difftest_engines.trainingdata.train_accuracy import RULES, VerifierHead, score_steps
+from difftest_engines.trainingdata.formats import read_dump, write_dump
 
 HERE = Path(__file__).parent / "trainer_oracle"
 REQUIRED = os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1"
@@ -236,7 +236,7 @@ def speculators_draft_run(tmp_path_factory):
     """A speculators-built draft (Eagle3DraftModel.from_training_args, `speculators train` defaults: norm_output,
     sliding window) for the tiny random target, scored by speculators' training forward on a difftest dump whose
     loss mask covers text that is not the target's greedy continuation (so teacher forcing is observable)."""
-    from engines.trainingdata.dump import dump_from_target, random_prompts
+    from difftest_engines.trainingdata.dump import dump_from_target, random_prompts
     from helpers import make_tiny_pair
 
     python = trainer_python("speculators")

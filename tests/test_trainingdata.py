@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from difftest import cli
-from engines.trainingdata.layer_identity import identify_against_target, identify_by_statistics
-from engines.trainingdata.train_accuracy import RULES, VerifierHead, rms_norm
-from engines.ref.target import load_target, run_target
-from engines.trainingdata.dump import dump_from_target, random_prompts
-from engines.trainingdata.formats import read_dump
+from difftest_engines.trainingdata.layer_identity import identify_against_target, identify_by_statistics
+from difftest_engines.trainingdata.train_accuracy import RULES, VerifierHead, rms_norm
+from difftest_engines.ref.target import load_target, run_target
+from difftest_engines.trainingdata.dump import dump_from_target, random_prompts
+from difftest_engines.trainingdata.formats import read_dump
 from helpers import run_pytest
 
 L = 6
@@ -211,8 +211,8 @@ def test_legacy_and_specforge_bad_fields_are_named(models, tmp_path):
 def seed(models, target, tmp_path_factory):
     """A miswired dump [h0, h2, h4, h5] (verifier h5, not the final h6) and a draft trained on it as the
     seed's trainer did (fc cat(h0, h2, h4), targets from h5), saved with config ids [2, 4, 5]."""
-    from engines.ref.draft_loading import load_draft
-    from engines.ref.train import TrainData, save_eagle_format, train_draft
+    from difftest_engines.ref.draft_loading import load_draft
+    from difftest_engines.ref.train import TrainData, save_eagle_format, train_draft
 
     root = tmp_path_factory.mktemp("seed")
     prompts = random_prompts(512, 48, 10, seed=3)
@@ -327,7 +327,7 @@ def _synthetic(n: int = 3) -> list:
 
 
 def test_specforge_compressed_rows_are_read_and_a_damaged_one_is_skipped_naming_it(tmp_path):
-    from engines.trainingdata.formats import write_dump
+    from difftest_engines.trainingdata.formats import write_dump
 
     out = write_dump(tmp_path / "sf", "specforge", _synthetic(), fc_count=3, compress=True)
     bad = out / "rows_0-2000" / "data_1.ckpt.gz"

@@ -20,7 +20,7 @@ the old release (`reference: sglang@0.5.16`), which hold whether it runs in the 
 (`--engines=sglang@0.5.16,sglang`, tests/test_upgrade_check.py runs that form on two labels of one
 install) or was stored. The environments are built by `difftest env create sglang==0.5.16` /
 `vllm==0.24.0` (.ci/run builds them; vLLM 0.24.0 on PyPI's CUDA build of torch 2.11.0,
-engines/vllm/releases/setup-env-0.24.0.sh). Without them the tests skip naming that command, or
+difftest_engines/vllm/releases/setup-env-0.24.0.sh). Without them the tests skip naming that command, or
 fail under DIFFTEST_REQUIRE_ENGINES=1 (CI)."""
 
 from __future__ import annotations

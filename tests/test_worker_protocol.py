@@ -41,8 +41,8 @@ def line(wire: dict) -> str:
 # Each request beside the dict the harness wrote before the messages were typed: the same line.
 REQUESTS = [
     (
-        Hello(SPEC, "engines.ref.engine:RefEngine"),
-        {"op": "hello", "spec": SPEC.to_dict(), "target": "engines.ref.engine:RefEngine"},
+        Hello(SPEC, "difftest_engines.ref.engine:RefEngine"),
+        {"op": "hello", "spec": SPEC.to_dict(), "target": "difftest_engines.ref.engine:RefEngine"},
     ),
     (
         CaptureRequest(CASE, [1, 2], "/c/out"),

@@ -1,6 +1,6 @@
 """Tiny EAGLE-3 drafts really trained on known wirings, for judging `wiring: infer` (difftest.rules.infer_wiring).
 
-Each recipe trains a draft (engines/ref/train.py, step 0 only: inference scores step 0) on one
+Each recipe trains a draft (difftest_engines/ref/train.py, step 0 only: inference scores step 0) on one
 wiring of one target and saves it with config ids that an engine reads as something else, so
 the config says nothing true about the training. Targets are the built-in constructed Llama and
 DeepSeek-V3 fixtures and the random-weight Qwen3 of tests/independent_models.py. Drafts are cached
@@ -96,7 +96,7 @@ def target_path(name: str) -> Path:
 
 @torch.no_grad()
 def build_qwen3_circuit():
-    """A Qwen3ForCausalLM carrying tiny-llama's constructed circuit (fixtures/targets.py): the same
+    """A Qwen3ForCausalLM carrying tiny-llama's constructed circuit (difftest_fixtures/targets.py): the same
     weights, plus q/k-norm weights set to the median RMS of the Llama's queries (positional heads) and
     keys per layer, so the normalised queries and keys keep their scale and the positional heads still
     attend where the circuit needs (the Qwen3 and the Llama agree on every greedy token here).
@@ -104,7 +104,7 @@ def build_qwen3_circuit():
     for its wiring to show (agreement ~0.1 on tests/independent_models.py's Qwen3)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from fixtures import cache, drafts, targets
+    from difftest_fixtures import cache, drafts, targets
 
     with cache.pinned_threads(1):
         llama = targets.build_llama_target()
@@ -155,7 +155,7 @@ def build_qwen3_circuit():
 
 
 def _ensure_qwen3_circuit() -> Path:
-    from fixtures.cache import build_once
+    from difftest_fixtures.cache import build_once
 
     final = root() / f"targets/{QWEN3}-v{BUILDER_VERSION}"
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +164,7 @@ def _ensure_qwen3_circuit() -> Path:
 
 @lru_cache(maxsize=None)
 def _target(name: str):
-    from engines.ref.target import load_target
+    from difftest_engines.ref.target import load_target
 
     return load_target(target_path(name))
 
@@ -192,8 +192,8 @@ def sequences(target, num: int, new_tokens: int, seed: int, eps: float) -> torch
 @torch.no_grad()
 def _training_run(target_name: str):
     """The training sequences and every target tensor on them, once per target and process
-    (engines.ref.train.prepare_data would run the target again for every recipe)."""
-    from engines.ref.target import run_target
+    (difftest_engines.ref.train.prepare_data would run the target again for every recipe)."""
+    from difftest_engines.ref.target import run_target
 
     target = _target(target_name)
     tokens = sequences(target, TRAIN_SEQS, NEW_TOKENS, DATA_SEED, EPS)
@@ -201,7 +201,7 @@ def _training_run(target_name: str):
 
 
 def _draft_config(target):
-    from engines.ref.eagle3 import Eagle3Config
+    from difftest_engines.ref.eagle3 import Eagle3Config
 
     H = target.config.hidden_size
     return Eagle3Config(
@@ -218,8 +218,8 @@ def _draft_config(target):
 
 
 def _build(recipe: Recipe, out: Path) -> None:
-    from engines.ref.speculate import gather_fc_in
-    from engines.ref.train import TrainData, save_eagle_format, train_draft
+    from difftest_engines.ref.speculate import gather_fc_in
+    from difftest_engines.ref.train import TrainData, save_eagle_format, train_draft
 
     target = _target(recipe.target)
     before = torch.get_num_threads()
@@ -242,7 +242,7 @@ def _build(recipe: Recipe, out: Path) -> None:
 
 
 def ensure_draft(name: str, log=print) -> Path:
-    from fixtures.cache import build_once
+    from difftest_fixtures.cache import build_once
 
     recipe = RECIPES[name]
     final = root() / f"{name}-{recipe.key()}"
@@ -268,7 +268,7 @@ def evidence(target_name: str):
     ).hexdigest()[:12]
     path = root() / "evidence" / f"{target_name}-{key}.safetensors"
     if not path.exists():
-        from engines.ref.target import run_target
+        from difftest_engines.ref.target import run_target
 
         target = _target(target_name)
         before = torch.get_num_threads()

@@ -105,7 +105,7 @@ DEFINITIONS: tuple[Definition, ...] = (
         "accepted / proposed draft tokens (a chain proposes num_draft_tokens - 1 per verify)",
         "rate * (num_draft_tokens - 1) + 1, chains only",
     ),
-    # trainers' own figures (engines/trainingdata/train_accuracy.py recomputes them with each trainer's rules)
+    # trainers' own figures (difftest_engines/trainingdata/train_accuracy.py recomputes them with each trainer's rules)
     Definition(
         "speculators.full_acc",
         "full_acc_k: origins where draft steps 0..k were all right (teacher-forced "
@@ -129,7 +129,7 @@ DEFINITIONS: tuple[Definition, ...] = (
 
 BY_NAME: dict[str, Definition] = {d.name: d for d in DEFINITIONS}
 
-# the native figure each trainer logs, by the rules' name prefix (engines/trainingdata TrainerRules.name)
+# the native figure each trainer logs, by the rules' name prefix (difftest_engines/trainingdata TrainerRules.name)
 TRAINER_FIGURES = {"speculators": ("speculators.full_acc", "speculators.cond_acc"), "specforge": ("specforge.acc",)}
 
 

@@ -3,11 +3,11 @@
 The core names no engine. A package registers, in its `pyproject.toml`:
 
     [project.entry-points."difftest.checks"]      # a check item some cases get per engine
-    train_accuracy = "engines.trainingdata.train_check:CHECK"        # a CheckSpec
+    train_accuracy = "difftest_engines.trainingdata.train_check:CHECK"        # a CheckSpec
     [project.entry-points."difftest.commands"]    # a `difftest NAME ...` subcommand
-    train-acc = "engines.trainingdata.commands:TRAIN_ACC"            # a Command
+    train-acc = "difftest_engines.trainingdata.commands:TRAIN_ACC"            # a Command
     [project.entry-points."difftest.drafts"]      # a draft model the core runs itself (wiring: infer)
-    eagle3 = "engines.ref.infer_draft:LOADER"                         # a DraftLoader
+    eagle3 = "difftest_engines.ref.infer_draft:LOADER"                         # a DraftLoader
 
 (adapters themselves register under `difftest.engines`, fixtures under `difftest.fixtures`).
 Besides entry points, DIFFTEST_CHECKS / DIFFTEST_COMMANDS / DIFFTEST_DRAFTS = "name=module:attr;..."
@@ -46,7 +46,7 @@ class DraftLoader:
     """Loads a draft checkpoint as a runnable model for the core's own draft forwards (`wiring: infer`)."""
 
     name: str
-    load: Callable  # (draft_dir, target_dir) -> a loaded draft (engines.ref.draft_loading.LoadedDraft)
+    load: Callable  # (draft_dir, target_dir) -> a loaded draft (difftest_engines.ref.draft_loading.LoadedDraft)
 
 
 def _variable(group: str) -> str:

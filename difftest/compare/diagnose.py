@@ -289,7 +289,7 @@ _DRAFT_SUSPECTS = {
     "layer0.attn_out": "attention differs while its input matches: rope, positions or the mask",
     "layer0.mlp_out": "the residual or MLP differs after matching attention: norm_before_residual handled differently?",
     # an engine that applies norm_output carries the normed state to the next step and records no
-    # pre-norm state (engines/sglang/records.py): the first tensor it cannot match is this one
+    # pre-norm state (difftest_engines/sglang/records.py): the first tensor it cannot match is this one
     "hidden_prenorm": "the residual stream differs after matching MLP output: norm_before_residual handled "
     "differently, or norm_output (the state carried to the next step normed)?",
     "logits": "the final norm or lm_head differs",

@@ -32,7 +32,7 @@ class AcceptStats:
     outputs: list[list[int]] = field(
         default_factory=list
     )  # generated token ids per prompt, where the engine returns them
-    # per request, where a live server reports them (engines/server/client.py: RequestAcceptance.to_dict)
+    # per request, where a live server reports them (difftest_engines/server/client.py: RequestAcceptance.to_dict)
     per_request: list[dict] = field(default_factory=list)
 
     @property

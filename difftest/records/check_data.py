@@ -164,7 +164,7 @@ class AcceptLengthData(CheckData):
 
 @dataclass
 class ServerAcceptData(CheckData):
-    """`accept_length` of a running server (the `server` engine's check, engines/server/probe.py): its counters against the reference's
+    """`accept_length` of a running server (the `server` engine's check, difftest_engines/server/probe.py): its counters against the reference's
     replay of the very tokens it generated."""
 
     KIND: ClassVar[str] = "server_acceptance"

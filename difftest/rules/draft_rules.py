@@ -2,7 +2,7 @@
 
 Every rule below was read in the pinned engine's source and is cited there; the lint
 (difftest.checks.lint) and the diagnosis use these tables, so a rule is written once. What a
-draft *means* is what its trainer wrote (the reference draft, engines/ref/eagle3.py,
+draft *means* is what its trainer wrote (the reference draft, difftest_engines/ref/eagle3.py,
 reads every flag from wherever a trainer may put it); an engine that reads a flag from
 one place only, or not at all, computes a different draft with no error.
 

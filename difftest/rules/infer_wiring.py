@@ -245,7 +245,7 @@ class DraftScorer:
     """Step-0 agreement of a draft under a wiring, all prompts in one right-padded batch.
 
     Position j of a prompt sees the wiring's tensors at j and the embedding of token j+1 and
-    predicts the target's greedy token after j+1 (as engines.ref.train.step0_agreement); right
+    predicts the target's greedy token after j+1 (as difftest_engines.ref.train.step0_agreement); right
     padding never reaches a real position under the causal mask, so one forward scores all.
     """
 
@@ -431,7 +431,7 @@ def infer(
 def infer_from_evidence(
     draft, draft_ids: list[int] | None, evidence: Evidence, family: str = "llama"
 ) -> WiringInference:
-    """Infer the wiring of a loaded draft (engines.ref.eagle3) from the target tensors in `evidence`."""
+    """Infer the wiring of a loaded draft (difftest_engines.ref.eagle3) from the target tensors in `evidence`."""
     num_slots = int(draft.cfg.num_aux)
     candidates = evidence.candidates
     width = {evidence.tensors[0][n].shape[-1] for n in candidates}

@@ -416,7 +416,7 @@ SGLANG_DEEPSEEK = LayerIdRule(
     capturable=("0", "L-1"),
     beyond="dropped",
     # no silent fc skip here: DeepSeek's AuxHiddenStatePacker dies first when it captures fewer layers
-    # than it was asked for (engines/sglang/deepseek.py::unrunnable refuses that before starting)
+    # than it was asked for (difftest_engines/sglang/deepseek.py::unrunnable refuses that before starting)
     sources=(
         _SGL_IDS,
         "sglang/srt/models/deepseek_v2.py::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
@@ -488,7 +488,7 @@ VARIANT_RULES: dict[tuple[str, str, str], LayerIdRule] = {
 
 # The variant a spec runs before its worker has said (EngineInfo.variant): by engine, the spec parameter
 # that picks it, how its value names the variant, and the pinned release's default (vLLM 0.32.0: what a
-# GPU deployment runs, Model Runner V2; engines/vllm/releases.py::default_runner).
+# GPU deployment runs, Model Runner V2; difftest_engines/vllm/releases.py::default_runner).
 VARIANT_PARAMS: dict[str, tuple[str, str, str]] = {"vllm": ("runner", "runner {}", "runner v2")}
 
 

@@ -3,7 +3,7 @@
 An engine adapter answers two questions for a case:
   capture(case, prompt_ids)              -> Capture  (canonical names, see difftest.base.names)
   speculate(case, prompts, num_steps, max_new_tokens) -> AcceptStats
-Adapters live in `engines/` and register under the entry-point group `difftest.engines`;
+Adapters live in `difftest_engines/` and register under the entry-point group `difftest.engines`;
 the core never imports them directly: they run inside a worker process (difftest.run.worker).
 
 Engine specs on the command line: `NAME[@LABEL][[key=value,...]]`, e.g. `ref`,

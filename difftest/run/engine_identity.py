@@ -50,7 +50,7 @@ SYS_PATH_TIMEOUT_S = 60.0
 def code_digest(root: Path) -> str:
     """The harness's own code, by content: the core and every adapter (computed once per process)."""
     h = hashlib.sha256()
-    for folder in ("difftest", "engines"):
+    for folder in ("difftest", "difftest_engines"):
         for path in sorted((root / folder).rglob("*.py")):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())

@@ -124,15 +124,15 @@ def env_hash(requirements: str, setup_script: Path) -> str:
 
 
 def spec_dir(name: str, root: Path = PROJECT_ROOT) -> Path:
-    """engines/NAME, or engines/trainingdata/envs/NAME for a trainer (as scripts/setup-engine looks)."""
-    d = root / "engines" / name
-    return d if d.is_dir() else root / "engines" / "trainingdata" / "envs" / name
+    """engines/NAME, or difftest_engines/trainingdata/envs/NAME for a trainer (as scripts/setup-engine looks)."""
+    d = root / "difftest_engines" / name
+    return d if d.is_dir() else root / "difftest_engines" / "trainingdata" / "envs" / name
 
 
 def plan(requirement: str, label: str | None = None, cache: Path | None = None, root: Path = PROJECT_ROOT) -> EnvPlan:
     """Where `difftest env create REQUIREMENT` puts its environment, and with which pins; builds nothing."""
     name, version = parse_engine_requirement(requirement)
-    spec = spec_dir(name, root) if name in ENGINE_DISTRIBUTIONS else root / "engines" / name
+    spec = spec_dir(name, root) if name in ENGINE_DISTRIBUTIONS else root / "difftest_engines" / name
     reqs, setup = spec / "requirements-cpu.txt", spec / "setup-env.sh"
     if name not in ENGINE_DISTRIBUTIONS or not reqs.is_file() or not setup.is_file():
         known = sorted(n for n in ENGINE_DISTRIBUTIONS if (spec_dir(n, root) / "requirements-cpu.txt").is_file())

@@ -1,0 +1,269 @@
+"""The reference engine: a transformers target plus the plain-PyTorch EAGLE-3 draft.
+
+Its wiring is explicit: the engine spec's `wiring` parameter, else the case's
+`engines.ref.wiring`, else the case's `wiring` (what the draft was trained on). A preset
+translates layer ids (spec `layer_ids=2+4+5`, else the case's `layer_ids`, else the
+draft config's) the way that ecosystem does, so `ref[wiring=sglang]` answers "what if
+an engine wired this draft like SGLang" without SGLang installed.
+
+Spec parameters that make the reference draft *compute* like a misconfigured engine:
+`norm_before_residual=true|false` and `norm_output=true|false` override the draft
+config's flags (failure class 7), `norm_before_fc=false` and `fc_norm=false` ignore the
+EAGLE-3.1 fc norms (their weights stay unused), `d2t=identity` drops the vocab map (class 8). They
+change the draft, not the wiring, so the golden-input re-run tells them apart.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import difftest
+from difftest.api import AcceptStats
+from difftest.api import Capture
+from difftest.api import Case, DType, torch_dtype
+from difftest.api import Engine, EngineInfo
+from difftest.api import ConfigError
+from difftest.api import Wiring, resolve, trained_layer_ids
+from difftest_engines.ref.draft_loading import LoadedDraft, load_draft
+from difftest_engines.ref.settings import SCHEMA
+from difftest_engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
+from difftest_engines.ref.target import load_target, num_layers, run_target
+from difftest.api import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
+from difftest.api import CaptureMeta, ReplayRow
+
+# float64 is not a case dtype: the harness asks for it to measure the noise floor (difftest.compare.noise)
+# Part of the engine version (so of every capture-cache key): bumped when what a ref capture holds
+# changes. 2: norms and rope keep float64 in the noise-floor run; MoE routers recorded (aux.router.*).
+CAPTURE_REVISION = 2
+
+# Draft flags a spec or case can override to compute the draft as an engine that reads them otherwise
+OVERRIDABLE_FLAGS = ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")
+
+DTYPES = {d: torch_dtype(d) for d in DType}  # the case computes in one; the calibration run in float64
+
+
+def rounded_through(model: torch.nn.Module, weights_dtype: str | None) -> torch.nn.Module:
+    """`model`'s floating-point weights as `weights_dtype` rounds them, kept in the model's own dtype
+    (Case.weights_dtype: the float64 calibration run computes the model the engines load)."""
+    if weights_dtype is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.copy_(p.to(DTYPES[weights_dtype]).to(p.dtype))
+    return model
+
+
+class RefEngine(Engine):
+    SETTINGS = SCHEMA
+    CALIBRATES = True  # the noise floor, the default engine and reference (difftest.base.registry.calibration_engine)
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._targets: dict[tuple, torch.nn.Module] = {}
+        self._drafts: dict[tuple, LoadedDraft] = {}
+        self._trained_flags: dict[tuple, dict[str, bool]] = {}
+
+    def info(self) -> EngineInfo:
+        import transformers
+
+        return EngineInfo(
+            name="ref",
+            version=f"difftest-{difftest.__version__}-c{CAPTURE_REVISION}",
+            versions={"torch": torch.__version__, "transformers": transformers.__version__},
+            kernels="torch",
+        )
+
+    # -- models ----------------------------------------------------------------------
+    def _models(self, case: Case):
+        dtype = DTYPES[case.dtype]
+        tkey = (case.target, case.dtype, case.weights_dtype)
+        if tkey not in self._targets:
+            self._targets[tkey] = rounded_through(load_target(case.target, dtype), case.weights_dtype)
+        target = self._targets[tkey]
+        draft = self.draft_path(case)
+        dkey = (draft, case.target, case.dtype, case.weights_dtype)
+        if dkey not in self._drafts:
+            self._drafts[dkey] = load_draft(
+                draft,
+                target_embed=target.get_input_embeddings().weight.detach(),
+                target_lm_head=target.get_output_embeddings().weight.detach(),
+                dtype=dtype,
+            )
+            rounded_through(self._drafts[dkey].model, case.weights_dtype)
+            self._trained_flags[dkey] = {f: getattr(self._drafts[dkey].config, f) for f in OVERRIDABLE_FLAGS}
+        loaded = self._drafts[dkey]
+        self._apply_overrides(loaded, case, self._trained_flags[dkey])
+        if loaded.config.vocab_size != target.config.vocab_size:
+            raise ConfigError(
+                f"{draft}: draft vocab_size {loaded.config.vocab_size} != target vocab_size {target.config.vocab_size}"
+            )
+        if loaded.config.target_hidden_size != target.config.hidden_size:
+            raise ConfigError(
+                f"{draft}: target_hidden_size {loaded.config.target_hidden_size} != target hidden_size "
+                f"{target.config.hidden_size}"
+            )
+        return target, loaded
+
+    def draft_path(self, case: Case) -> str:
+        """The draft the reference runs: `engines.ref.draft` (the checkpoint as trained, when the case's
+        draft is the export the engines serve, e.g. one that lost its lm_head), else the case's."""
+        return str(self.settings_for(case).draft or case.draft)
+
+    def _apply_overrides(self, loaded: LoadedDraft, case: Case, trained: dict[str, bool]) -> None:
+        """The case's flag overrides on the cached draft, every flag reset to the checkpoint's first (the
+        draft is shared by the cases of one worker; the flags are read at run time by Eagle3Draft)."""
+        s = self.settings_for(case)
+        # EAGLE-3.1's fc norms carry weights: an engine can ignore them (false), not invent them (true)
+        weights = {
+            "norm_before_fc": getattr(loaded.model, "input_norm", None),
+            "fc_norm": getattr(loaded.model, "fc_norm", None),
+        }
+        for flag in OVERRIDABLE_FLAGS:
+            if getattr(s, flag) and flag in weights and weights[flag] is None:
+                raise ConfigError(
+                    f"{self.spec.id}: {flag}=true, but {self.draft_path(case)} has no {flag} weights "
+                    "(the draft was not trained with it)"
+                )
+            setattr(loaded.config, flag, trained[flag] if getattr(s, flag) is None else getattr(s, flag))
+        if s.d2t == "identity":
+            loaded.model.d2t.zero_()
+
+    def wiring(self, case: Case, loaded: LoadedDraft, L: int) -> Wiring:
+        s = self.settings_for(case)
+        if s.wiring is not None:
+            choice = s.wiring
+            spec_given = any(k == "wiring" for k, _ in self.spec.params)
+            where = (
+                f"--engines {self.spec.id}: wiring" if spec_given else f"{case.path}: engines.{self.spec.name}.wiring"
+            )
+        else:
+            choice, where = case.wiring, f"{case.path}: wiring"
+        ids, src = trained_layer_ids(
+            case.layer_ids, loaded.config.layer_ids_eagle_config, loaded.config.layer_ids_top, s.layer_ids
+        )
+        wiring = resolve(choice, L, ids, where=where, ids_source=src)
+        if len(wiring.inputs) != loaded.config.num_aux:
+            raise ConfigError(
+                f"{where}: wiring {wiring.short()} has {len(wiring.inputs)} inputs but {self.draft_path(case)} fc expects "
+                f"{loaded.config.num_aux} x {loaded.config.target_hidden_size} (in_features "
+                f"{loaded.config.num_aux * loaded.config.target_hidden_size})"
+            )
+        return wiring
+
+    # -- the interface ---------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
+        target, loaded = self._models(case)
+        L = num_layers(target)
+        wiring = self.wiring(case, loaded, L)
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        out = run_target(target, ids)
+        next_token = int(out.logits[0, -1].argmax())
+        tensors: dict[str, torch.Tensor] = {hidden_name(k): h[0] for k, h in enumerate(out.hidden)}
+        tensors[FINAL_NORM] = out.final_norm[0]
+        tensors[TARGET_LOGITS] = out.logits[0]
+        for k, (scores, margin) in (out.routers or {}).items():  # MoE routing, for router ties (difftest.compare.noise)
+            tensors[f"aux.router.{k}.scores"], tensors[f"aux.router.{k}.margin"] = scores, margin
+        fc_in = gather_fc_in(out, wiring.inputs)
+        draft_tensors, drafted = capture_draft_chain(loaded.model, fc_in, prompt_ids, next_token, case.num_steps)
+        tensors.update(draft_tensors)
+        cfg = loaded.config
+        meta = CaptureMeta(
+            engine=self.spec.id,
+            engine_version=self.info().version,
+            versions=self.info().versions,
+            kernels="torch",
+            device="cpu",
+            dtype=case.dtype,
+            prompt_ids=list(prompt_ids),
+            target_next_token=next_token,
+            draft_tokens=list(drafted),
+            num_layers=L,
+            target_hidden_size=cfg.target_hidden_size,
+            wiring=wiring,
+            draft_config={
+                "format": cfg.format,
+                "norm_before_fc": cfg.norm_before_fc,
+                "fc_norm": cfg.fc_norm,
+                "norm_before_residual": cfg.norm_before_residual,
+                "norm_output": cfg.norm_output,
+                "layer_ids_top": cfg.layer_ids_top,
+                "layer_ids_eagle_config": cfg.layer_ids_eagle_config,
+                "draft_vocab_size": cfg.draft_vocab_size,
+                "shared_from_target": loaded.shared,
+            },
+            notes=list(loaded.notes),
+        )
+        return Capture(tensors, meta)
+
+    @torch.no_grad()
+    def capture_draft_from(self, case: Case, prompt_ids: list[int], fc_in: torch.Tensor) -> Capture:
+        """Golden inputs: this engine's draft on the given fc_in ([n, A*H]); the target runs only
+        for its greedy next token (the draft's last input token)."""
+        target, loaded = self._models(case)
+        width = loaded.config.num_aux * loaded.config.target_hidden_size
+        if fc_in.dim() != 2 or fc_in.shape != (len(prompt_ids), width):
+            raise ConfigError(f"golden fc_in has shape {list(fc_in.shape)}, expected [{len(prompt_ids)}, {width}]")
+        out = run_target(target, torch.tensor([prompt_ids], dtype=torch.long))
+        next_token = int(out.logits[0, -1].argmax())
+        # the reference captured fc_in in the case's dtype already, so the cast changes nothing
+        fc = fc_in.to(DTYPES[case.dtype])[None]
+        tensors, drafted = capture_draft_chain(loaded.model, fc, prompt_ids, next_token, case.num_steps)
+        meta = CaptureMeta(
+            engine=self.spec.id,
+            dtype=case.dtype,
+            prompt_ids=list(prompt_ids),
+            draft_tokens=list(drafted),
+            target_hidden_size=loaded.config.target_hidden_size,
+            extra={"golden_input": f"reference {FC_IN}"},
+        )
+        return Capture(tensors, meta)
+
+    @torch.no_grad()
+    def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
+        target, loaded = self._models(case)
+        wiring = self.wiring(case, loaded, num_layers(target))
+        topk, budget = self._tree_settings(case, num_steps)
+        if topk > 1 or budget != num_steps + 1:
+            from difftest_engines.ref.tree import simulate_tree
+
+            stats, _ = simulate_tree(
+                target, loaded.model, wiring.inputs, prompts, num_steps, max_new_tokens, topk, budget
+            )
+            stats.source = f"ref tree simulation (topk {topk}, num_draft_tokens {budget}), wiring {wiring.short()}"
+            return stats
+        stats, _ = simulate_greedy(target, loaded.model, wiring.inputs, prompts, num_steps, max_new_tokens)
+        stats.source = f"ref simulation, wiring {wiring.short()}"
+        return stats
+
+    @torch.no_grad()
+    def replay(
+        self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int, num_draft_tokens: int
+    ) -> list[ReplayRow]:
+        """Per request (prompt, output): the acceptance this draft predicts on those very tokens
+        (difftest_engines/ref/replay.py), with the number of output tokens its target would have chosen otherwise."""
+        from difftest_engines.ref.replay import replay_request
+
+        target, loaded = self._models(case)
+        wiring = self.wiring(case, loaded, num_layers(target))
+        out = []
+        for prompt, output in requests:
+            r = replay_request(target, loaded.model, wiring.inputs, prompt, output, num_steps, topk, num_draft_tokens)
+            r.stats.source = (
+                f"ref replay of the server's tokens (wiring {wiring.short()}, topk {topk}, "
+                f"num_draft_tokens {num_draft_tokens})"
+            )
+            out.append(ReplayRow(r.stats, r.target_mismatches, r.first_mismatch))
+        return out
+
+    def _tree_settings(self, case: Case, num_steps: int) -> tuple[int, int]:
+        """topk and num_draft_tokens (root included, as SGLang counts); a chain by default."""
+        s = self.settings_for(case)
+        topk, budget = s.topk, s.num_draft_tokens
+        if budget is None:
+            budget = num_steps + 1 if topk == 1 else topk * num_steps + 1
+        return topk, budget
+
+    def close(self) -> None:
+        self._targets.clear()
+        self._drafts.clear()

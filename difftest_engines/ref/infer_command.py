@@ -1,0 +1,176 @@
+"""`difftest infer-wiring --target T --draft D [--prompts ...] [--json]`: what was this draft trained on?
+
+Runs the target once over the prompts in this process (difftest_engines.ref.target: every `target.h.{k}`,
+the final norm and the logits), then difftest.rules.infer_wiring searches the draft's wiring. Prompts:
+case files (their prompts and speculative prompts), `ids:1,2,3`, or text (the target's
+tokenizer); default: --random N prompts of --length uniformly random token ids.
+Exit status: 0 decided, 1 cannot tell, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from difftest.api import DifftestError
+from difftest.api import Command
+from difftest.api import FINAL_NORM, TARGET_LOGITS, hidden_name
+from difftest.api import CaptureMeta
+
+
+HELP = "infer which target hidden states a draft was trained on, from its behaviour"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target checkpoint or fixture:NAME")
+    p.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        default=[],
+        metavar="PROMPT",
+        help="case YAML files, ids:1,2,3, or text (default: --random prompts)",
+    )
+    p.add_argument("--random", type=int, default=16, help="random prompts when --prompts is not given (default 16)")
+    p.add_argument("--length", type=int, default=48, help="length of the random prompts (default 48)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--layer-ids",
+        default=None,
+        help="config ids to read as each engine would (default: the draft config's), e.g. 2,4,7",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _resolve(ref: str) -> str:
+    from difftest.api import resolve_fixture
+
+    if ref.startswith("fixture:"):
+        return resolve_fixture(ref)
+    if not (Path(ref) / "config.json").exists():
+        raise DifftestError(f"{ref}: checkpoint not found (no config.json)")
+    return ref
+
+
+def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[int]]:
+    from difftest.api import load_case
+    from difftest.api import ConfigError
+
+    if not args.prompts:
+        if args.random < 1 or args.length < 2:
+            raise ConfigError("--random must be >= 1 and --length >= 2")
+        gen = torch.Generator().manual_seed(args.seed)
+        return torch.randint(min(4, vocab - 1), vocab, (args.random, args.length), generator=gen).tolist()
+    out: list[list[int]] = []
+    texts: list[str] = []
+    for p in args.prompts:
+        _refuse_path_that_is_not_a_case(p)
+        if p.lower().endswith((".yaml", ".yml")):
+            case = load_case(p)
+            for q in [*case.prompts, *case.spec_prompts]:
+                if q.ids is not None:
+                    out.append(list(q.ids))
+                else:
+                    texts.append(q.text)
+        elif p.startswith("ids:"):
+            try:
+                out.append([int(x) for x in p[4:].replace(",", " ").split()])
+            except ValueError:
+                raise ConfigError(f"--prompts: {p!r} is not ids:1,2,3") from None
+        else:
+            texts.append(p)
+    if texts:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--prompts: text needs the target's tokenizer, which {target} lacks ({e})") from None
+        out += [tok(t)["input_ids"] for t in texts]
+    bad = [i for i, ids in enumerate(out) if len(ids) < 2 or min(ids) < 0 or max(ids) >= vocab]
+    if bad:
+        raise ConfigError(f"--prompts: prompt {bad[0]} needs at least 2 token ids in [0, {vocab})")
+    return out
+
+
+# What a file name looks like: --prompts reads case YAML files only, so any other file, or a case
+# file that does not exist, is a mistake to name, not text to tokenize.
+_FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".txt")
+
+
+def _refuse_path_that_is_not_a_case(p: str) -> None:
+    """--prompts takes case YAML files, ids:1,2,3, or text: one word that looks like a path (a file
+    suffix, a path separator) is a path, so a missing one is refused naming it rather than
+    tokenized as a prompt. Text with spaces stays text ("what is 1/2?")."""
+    from difftest.api import ConfigError
+
+    if p.startswith("ids:") or any(c.isspace() for c in p):
+        return
+    looks_like_path = p.lower().endswith(_FILE_SUFFIXES) or "/" in p or os.sep in p
+    if not looks_like_path:
+        return
+    path = Path(p)
+    if not path.exists():
+        raise ConfigError(
+            f"--prompts: {p}: no such file (a path, not prompt text: --prompts reads case YAML files, "
+            "ids:1,2,3 or text)"
+        )
+    if path.is_dir() or not p.lower().endswith((".yaml", ".yml")):
+        raise ConfigError(
+            f"--prompts: {p}: not a case YAML file (--prompts reads case files, ids:1,2,3 or text; "
+            "put the prompts in a case file)"
+        )
+
+
+@torch.no_grad()
+def infer(target_ref: str, draft_ref: str, prompts: list[list[int]], layer_ids: list[int] | None = None):
+    from difftest.api import Capture
+    from difftest.api import infer_case
+    from difftest_engines.ref.infer_draft import load_inference_draft
+    from difftest.api import evidence_from_captures, infer_from_evidence, trained_layer_ids
+    from difftest_engines.ref.target import load_target, run_target
+
+    target_dir, draft_dir = _resolve(target_ref), _resolve(draft_ref)
+    model = load_target(target_dir)
+    caps = []
+    for ids in prompts:
+        out = run_target(model, torch.tensor([ids]))
+        t = {hidden_name(k): h[0] for k, h in enumerate(out.hidden)}
+        t[FINAL_NORM], t[TARGET_LOGITS] = out.final_norm[0], out.logits[0]
+        caps.append(Capture(t, CaptureMeta(prompt_ids=list(ids), num_layers=len(out.hidden) - 1)))
+    loaded = load_inference_draft(draft_dir, target_dir)
+    evidence = evidence_from_captures(caps, f"reference target run over {len(prompts)} prompts")
+    ids, _ = trained_layer_ids(layer_ids, loaded.config.layer_ids_eagle_config, loaded.config.layer_ids_top)
+    return infer_from_evidence(loaded.model, ids, evidence, infer_case.target_family(target_dir))
+
+
+def main(args: argparse.Namespace) -> int:
+    from difftest.api import read_json
+
+    try:
+        target = _resolve(args.target)
+        vocab = int(read_json(Path(target) / "config.json").get("vocab_size") or 0)
+        layer_ids = None
+        if args.layer_ids is not None:
+            try:
+                layer_ids = [int(x) for x in args.layer_ids.replace(",", " ").split()]
+            except ValueError:
+                raise DifftestError(f"--layer-ids: {args.layer_ids!r} is not a list like 2,4,7") from None
+        result = infer(target, args.draft, prompt_ids(args, target, vocab), layer_ids)
+    except DifftestError as e:
+        print(f"difftest infer-wiring: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print("\n".join(result.lines()))
+    return 0 if result.decided else 1
+
+
+# registered under the `difftest.commands` entry points (pyproject.toml)
+INFER_WIRING = Command("infer-wiring", HELP, add_arguments, main)

@@ -1,0 +1,1 @@
+"""A running SGLang or vLLM server as an engine (difftest_engines.server.client)."""

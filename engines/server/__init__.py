@@ -1,1 +1,0 @@
-"""A running SGLang or vLLM server as an engine (engines.server.client)."""
