@@ -104,9 +104,9 @@ def cache_sharing_fixtures(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ratios():
+def print_calibration_ratios():
     yield
-    print("\n" + "\n".join(ratio_lines()))
+    print("\n" + "\n".join(calibration_ratio_lines()))
 
 
 @pytest.fixture(scope="module", params=[(c, d) for c in CASES for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -378,7 +378,7 @@ def test_rel_err(benchmark, dtype):
     benchmark.extra_info.update({k: v for k, v in r.items() if k != "mib"})
 
 
-def ratio_lines() -> list[str]:
+def calibration_ratio_lines() -> list[str]:
     lines = [""]
     if REL_ERR:
         lines.append(machine_line())

@@ -156,10 +156,10 @@ def machine_line() -> str:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ratios():
+def print_compare_ratios():
     """After the module: the ratios the issue asks for (printed; visible with -s)."""
     yield
-    print("\n" + "\n".join(ratio_lines()))
+    print("\n" + "\n".join(compare_ratio_lines()))
 
 
 @pytest.fixture(
@@ -236,7 +236,7 @@ def test_compare_large(benchmark, pair, impl):
             torch.testing.assert_close(fast[k], eager[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
-def ratio_lines() -> list[str]:
+def compare_ratio_lines() -> list[str]:
     lines = [machine_line()]
     for kind in CASES:
         for dtype in DTYPES:

@@ -31,7 +31,7 @@ TINY_PAIR_LAYERS = L  # the conftest `models` fixture builds the tiny pair this 
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def cases_workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cases")
 
 
@@ -124,24 +124,24 @@ FC_CLASSES = [
 
 @dtypes
 @pytest.mark.parametrize("trained, engine, last_line", [c[1:] for c in FC_CLASSES], ids=[c[0] for c in FC_CLASSES])
-def test_fc_miswiring_is_named(models, workdir, dtype, trained, engine, last_line):
-    ref, cap = _captures(models, workdir, dtype, engine, trained)
+def test_fc_miswiring_is_named(models, cases_workdir, dtype, trained, engine, last_line):
+    ref, cap = _captures(models, cases_workdir, dtype, engine, trained)
     first = compare_captures(ref, cap, dtype).first_divergence()
     assert first is not None and first.name.startswith("draft.fc_in.")
     assert diagnose_fc(ref, cap)[-1] == last_line
 
 
 @dtypes
-def test_off_by_one_names_each_chunk(models, workdir, dtype):
-    ref, cap = _captures(models, workdir, dtype, "ref[wiring=sglang]")
+def test_off_by_one_names_each_chunk(models, cases_workdir, dtype):
+    ref, cap = _captures(models, cases_workdir, dtype, "ref[wiring=sglang]")
     lines = diagnose_fc(ref, cap)
     assert lines[0] == "engine's fc chunk 0 matches reference target.h.2 (cos 1.0000); expected target.h.1"
     assert len(lines) == 4
 
 
 @dtypes
-def test_post_norm_chunk_names_the_norm_gap(models, workdir, dtype):
-    ref, cap = _captures(models, workdir, dtype, "ref[wiring=h1+h2+final_norm]", "[h1, h2, h8]")
+def test_post_norm_chunk_names_the_norm_gap(models, cases_workdir, dtype):
+    ref, cap = _captures(models, cases_workdir, dtype, "ref[wiring=h1+h2+final_norm]", "[h1, h2, h8]")
     line = diagnose_fc(ref, cap)[0]
     assert line.startswith(
         "engine's fc chunk 2 matches reference target.final_norm (last layer, post-norm) (cos 1.0000); "
@@ -151,8 +151,8 @@ def test_post_norm_chunk_names_the_norm_gap(models, workdir, dtype):
 
 @dtypes
 @pytest.mark.parametrize("engine", ["ref[wiring=vllm]", "ref[wiring=h1+h2+h3]"], ids=["preset", "explicit"])
-def test_correct_wiring_raises_no_alarm(models, workdir, dtype, engine):
-    ref, cap = _captures(models, workdir, dtype, engine)
+def test_correct_wiring_raises_no_alarm(models, cases_workdir, dtype, engine):
+    ref, cap = _captures(models, cases_workdir, dtype, engine)
     diff = compare_captures(ref, cap, dtype)
     assert diff.ok and diff.first_divergence() is None
     assert diagnose_fc(ref, cap) == []
@@ -184,25 +184,25 @@ DRAFT_CLASSES = [
 
 @dtypes
 @pytest.mark.parametrize("engine, first, line", [c[1:] for c in DRAFT_CLASSES], ids=[c[0] for c in DRAFT_CLASSES])
-def test_draft_side_divergence_names_the_suspect(models, workdir, dtype, engine, first, line):
-    ref, cap = _captures(models, workdir, dtype, engine)
+def test_draft_side_divergence_names_the_suspect(models, cases_workdir, dtype, engine, first, line):
+    ref, cap = _captures(models, cases_workdir, dtype, engine)
     diff = compare_captures(ref, cap, dtype)
     assert diff.first_divergence().name == first
     assert diagnose_fc(ref, cap) == []  # the fc inputs are right: no wiring alarm
     assert diagnose_draft(first) == [line]
 
 
-def test_wrong_vocab_map_shows_in_the_distribution_metrics(models, workdir):
-    ref, cap = _captures(models, workdir, "float32", "ref[d2t=identity]")
+def test_wrong_vocab_map_shows_in_the_distribution_metrics(models, cases_workdir):
+    ref, cap = _captures(models, cases_workdir, "float32", "ref[d2t=identity]")
     d = compare_captures(ref, cap, "float32").get("draft.logits_target")
     assert d.rows == len(IDS) and d.rows_mismatched == len(IDS)
     assert d.top1_agree == 0 and d.topk_member == 0 and d.kl_mean == float("inf")
     assert compare_captures(ref, cap, "float32").get("draft.logits").ok
 
 
-def test_golden_input_rerun_reproduces_the_reference_draft(models, workdir):
+def test_golden_input_rerun_reproduces_the_reference_draft(models, cases_workdir):
     """Layerwise golden inputs: a miswired engine's draft on the reference's fc_in is the reference's draft."""
-    case = _case(models, workdir, "float32")
+    case = _case(models, cases_workdir, "float32")
     ref = RefEngine(parse_spec("ref")).capture(case, IDS)
     golden = RefEngine(parse_spec("ref[wiring=sglang]")).capture_draft_from(case, IDS, ref.tensors["draft.fc_in"])
     diff = compare_captures(ref, golden, "float32", allow_missing=["target.*"])

@@ -111,7 +111,7 @@ def raw_config(name: str, theta: float, spelling: str = "rope_scaling") -> dict:
     return {**SHAPE, "rope_theta": theta, "rope_scaling": rope}
 
 
-def assert_same(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+def assert_same_float32(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert ours.dtype == theirs.dtype == torch.float32
     torch.testing.assert_close(ours.double(), theirs.double(), rtol=1e-15, atol=0)
 
@@ -132,7 +132,7 @@ def test_frequencies_and_scaling_equal_transformers_init_functions(name, theta):
             # transformers' forward passes the length as a tensor (torch.max(position_ids) + 1)
             length = None if seq_len is None else torch.tensor(seq_len)
             theirs, theirs_scaling = ROPE_INIT_FUNCTIONS[ours.rope_type](hf, "cpu", seq_len=length)
-        assert_same(inv_freq, theirs)
+        assert_same_float32(inv_freq, theirs)
         assert scaling == pytest.approx(float(theirs_scaling), rel=1e-15), (name, seq_len)
 
 
@@ -147,8 +147,8 @@ def test_cos_sin_equal_transformers_rotary_embedding_up_to_and_past_the_original
         positions = torch.arange(n)[None]
         cos, sin = module(torch.zeros(1, n, HEAD_DIM), positions)
         ours_cos, ours_sin = ref_rope.cos_sin(params, HEAD_DIM, positions, torch.float32)
-        assert_same(torch.cat([ours_cos, ours_cos], dim=-1), cos)
-        assert_same(torch.cat([ours_sin, ours_sin], dim=-1), sin)
+        assert_same_float32(torch.cat([ours_cos, ours_cos], dim=-1), cos)
+        assert_same_float32(torch.cat([ours_sin, ours_sin], dim=-1), sin)
 
 
 def test_length_dependent_types_change_past_their_lengths():

@@ -84,7 +84,7 @@ def clean_pair(R: int, C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Ten
     return a.to(dtype), b.to(dtype)
 
 
-def assert_same(native: dict, eager: dict) -> None:
+def assert_same_row_sums(native: dict, eager: dict) -> None:
     assert native.keys() == eager.keys()
     for k in EXACT:
         if k in eager:
@@ -108,7 +108,7 @@ def test_native_gives_the_eager_numbers(kernel, dtype, shape):
         a, b = make(*shape, dtype, seed=sum(shape))
         for logits in (False, True):
             eager = rowstats._row_stats_eager(a, b, tol.atol, tol.rtol, logits, rowstats.CHUNK)
-            assert_same(kernel.row_stats(a, b, tol.atol, tol.rtol, logits), eager)
+            assert_same_row_sums(kernel.row_stats(a, b, tol.atol, tol.rtol, logits), eager)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
@@ -117,7 +117,7 @@ def test_rows_wider_than_the_scratch(native, dtype):
     a, b = nasty_pair(6, (1 << 20) + 3, dtype, seed=3)
     for logits in (False, True):
         eager = rowstats._row_stats_eager(a, b, 0.016, 0.016, logits, rowstats.CHUNK)
-        assert_same(native.row_stats(a, b, 0.016, 0.016, logits), eager)
+        assert_same_row_sums(native.row_stats(a, b, 0.016, 0.016, logits), eager)
 
 
 def test_row_strides_and_threads(kernel):
@@ -125,9 +125,9 @@ def test_row_strides_and_threads(kernel):
     a, b = nasty_pair(9, 3000, torch.bfloat16, seed=5)
     eager = rowstats._row_stats_eager(a[:, :2500], b[:, :2500], 0.016, 0.016, True, rowstats.CHUNK)
     for threads in (1, 3, 16):
-        assert_same(kernel.row_stats(a[:, :2500], b[:, :2500], 0.016, 0.016, True, threads=threads), eager)
+        assert_same_row_sums(kernel.row_stats(a[:, :2500], b[:, :2500], 0.016, 0.016, True, threads=threads), eager)
     row_a, row_b = a[7:8].expand(5, -1), b[7:8].expand(5, -1)
-    assert_same(
+    assert_same_row_sums(
         kernel.row_stats(row_a, row_b, 0.016, 0.016, True),
         rowstats._row_stats_eager(row_a, row_b, 0.016, 0.016, True, rowstats.CHUNK),
     )
@@ -184,7 +184,7 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_eager_with_a_warning(monkey
     a, b = clean_pair(600, 512, torch.float32, seed=2)
     with pytest.warns(UserWarning, match="native comparison kernel unavailable .*no space left"):
         out = rowstats.row_stats(a, b, 1e-5, 1e-5, True)
-    assert_same(out, rowstats._row_stats_eager(a, b, 1e-5, 1e-5, True, rowstats.CHUNK))
+    assert_same_row_sums(out, rowstats._row_stats_eager(a, b, 1e-5, 1e-5, True, rowstats.CHUNK))
     assert "native kernel unavailable" in rowstats.compile_status()
     with pytest.raises(RuntimeError, match="unavailable"):
         rowstats.row_stats(a, b, 1e-5, 1e-5, True, path="native")

@@ -178,7 +178,7 @@ def check_case_invariants(case: Case) -> None:
 
 
 @pytest.fixture(scope="module")
-def workdir():
+def empty_checkpoints_dir():
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         for role in ("target", "draft"):
@@ -189,12 +189,16 @@ def workdir():
 
 @FAST
 @given(mutations=mutations_st, drop=st.sets(st.sampled_from(["target", "draft", "prompts"]), max_size=1))
-def test_fuzzed_case_yaml_is_a_valid_case_or_one_line_naming_the_file(workdir, mutations, drop):
-    raw = {"target": str(workdir / "target"), "draft": str(workdir / "draft"), "prompts": [{"ids": [1, 2, 3]}]}
+def test_fuzzed_case_yaml_is_a_valid_case_or_one_line_naming_the_file(empty_checkpoints_dir, mutations, drop):
+    raw = {
+        "target": str(empty_checkpoints_dir / "target"),
+        "draft": str(empty_checkpoints_dir / "draft"),
+        "prompts": [{"ids": [1, 2, 3]}],
+    }
     raw.update(mutations)
     for key in drop:
         raw.pop(key, None)
-    path = workdir / "fuzz.yaml"
+    path = empty_checkpoints_dir / "fuzz.yaml"
     path.write_text(yaml.safe_dump(raw))
     try:
         case = load_case(path)
@@ -320,8 +324,8 @@ def legacy_rows(draw) -> dict:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.lists(legacy_rows(), min_size=1, max_size=4))
-def test_fuzzed_training_rows_load_or_are_skipped_with_one_line_each(workdir, rows):
-    data = workdir / "legacy"
+def test_fuzzed_training_rows_load_or_are_skipped_with_one_line_each(empty_checkpoints_dir, rows):
+    data = empty_checkpoints_dir / "legacy"
     if data.exists():
         for f in data.iterdir():
             f.unlink()
@@ -366,10 +370,10 @@ def test_fuzzed_training_rows_load_or_are_skipped_with_one_line_each(workdir, ro
         max_size=4,
     )
 )
-def test_fuzzed_dataset_rows_are_used_or_skipped_with_one_line(workdir, lines):
+def test_fuzzed_dataset_rows_are_used_or_skipped_with_one_line(empty_checkpoints_dir, lines):
     from safetensors.torch import save_file
 
-    data = workdir / "spec"
+    data = empty_checkpoints_dir / "spec"
     (data / "hidden_states").mkdir(parents=True, exist_ok=True)
     for i in range(3):
         save_file(
