@@ -14,7 +14,7 @@ class _TorchvisionNmsSchema:
     def find_spec(self, name, path=None, target=None):
         if name == "torchvision":
             sys.meta_path.remove(self)
-            from engines.sglang.cpu_shim import ops
+            from difftest_engines.sglang.cpu_shim import ops
 
             ops.register_torchvision_nms_schema()
         return None  # the normal finders load it

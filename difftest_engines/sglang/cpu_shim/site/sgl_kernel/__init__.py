@@ -1,13 +1,13 @@
 """difftest's CPU stand-in for the compiled `sgl_kernel` package (see engines/sglang/cpu_shim).
 
-Importable only when `engines.sglang.cpu_shim.activate()` put its folder on the path, which
+Importable only when `difftest_engines.sglang.cpu_shim.activate()` put its folder on the path, which
 it does only when no real kernel package is importable. Known ops are plain-torch versions;
 any other name resolves to a function that raises when *called*, so SGLang's imports of
 GPU-only symbols succeed and the CPU code paths that never call them run.
 """
 
-from engines.sglang.cpu_shim import eager as _eager
-from engines.sglang.cpu_shim import ops as _ops
+from difftest_engines.sglang.cpu_shim import eager as _eager
+from difftest_engines.sglang.cpu_shim import ops as _ops
 
 __version__ = "0.0.0+difftest.cpu-shim"
 DIFFTEST_CPU_SHIM = True
