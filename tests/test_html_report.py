@@ -7,6 +7,7 @@ import base64
 import json
 import tarfile
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -380,3 +381,110 @@ def test_markdown_table_is_limited_to_the_interesting_rows():
     md = markdown(r)
     assert md.count("| within noise |") == TOP_MOVERS and "`draft.t0`" not in md and f"`draft.t{TOP_MOVERS + 2}`" in md
     assert "prompt 0: every tensor within noise" in md
+
+
+# -- reports people paste (issue 43): three lines, versions, no machine paths, one diagnosis ------------
+def pasted_report_json(case_file: str = "cases/tiny.yaml", extra_message: str = "") -> dict:
+    """The sample with a real-looking engine (its versions) and a draft_logits item repeating the
+    fc_inputs diagnosis, as a run writes them."""
+    data = sample_report_json()
+    data["case_file"] = case_file
+    engine = f"evil[{EVIL}]"
+    data["engines"][engine] = {
+        "info": {
+            "name": "sglang",
+            "version": "0.5.23",
+            "versions": {"torch": "2.13.0+cpu", "transformers": "5.19.0", "runner": "v1"},
+            "kernels": "cpu-shim",
+        }
+    }
+    fc = data["checks"][1]
+    fc["message"] = "sglang diverges from ref at draft.fc_in.0 (the diagnosis)\nchunk 0 is target.h.1" + extra_message
+    fc["data"]["fed"] = ["target.h.1"]
+    data["checks"].insert(
+        2,
+        check(
+            engine, "draft_logits", "failed", "sglang diverges from ref at draft.fc_in.0 (the diagnosis)\nlogits too"
+        ),
+    )
+    return data
+
+
+def test_markdown_starts_with_fed_vs_trained_the_accept_length_change_and_the_fix():
+    lines = markdown(pasted_report_json()).splitlines()
+    assert lines[0] == "# difftest: tiny"
+    assert lines[2].startswith("**Fed vs trained**: ") and "fed fc [h1], the draft was trained on [h0]" in lines[2]
+    assert lines[4] == f"**Accept length**: `evil[{EVIL}]` 1.10 vs reference 2.40 (-54.2%)."
+    assert lines[6].startswith("**Fix**: ")
+
+
+def test_markdown_environment_table_with_every_engines_versions_follows_the_three_lines():
+    lines = markdown(pasted_report_json()).splitlines()
+    assert lines[8] == "| engine | release | runner | kernels | torch | transformers | python |"
+    assert f"| `evil[{EVIL}]` | sglang 0.5.23 | v1 | cpu-shim | 2.13.0+cpu | 5.19.0 | - |" in lines[10:14]
+    assert any(line.startswith("| harness | difftest ") for line in lines[10:14])
+
+
+def test_markdown_folds_definitions_and_timings_into_details_after_the_checks():
+    md = markdown(pasted_report_json())
+    checks = md.index("| engine | check | outcome | message |")
+    assert "<summary>Definitions</summary>" in md[checks:]
+    assert md.index("<details>") > checks and "## Definitions" not in md[:checks]
+
+
+def test_markdown_table_cells_are_short_and_the_whole_message_is_in_the_details():
+    long = " ".join(["word"] * 300)
+    md = markdown(pasted_report_json(extra_message=" " + long))
+    table = [line for line in md.splitlines() if line.startswith("| `")]
+    assert max(len(line) for line in table) < 300
+    details = md[md.index("<summary>Check messages in full</summary>") :]
+    assert long in details
+
+
+def test_no_absolute_path_in_markdown_or_html():
+    home = str(Path.home())
+    case = "/somewhere/proj/cases/tiny.yaml"
+    data = pasted_report_json(case, f"\nlog /somewhere/proj/cases/fixtures/x.log; cache {home}/.cache/difftest/y")
+    data["reproduce"] = f"difftest run {case} --engines=ref,sglang"
+    for text in (markdown(data), render(data)):
+        assert "/somewhere" not in text and f"{home}/" not in text
+        assert "fixtures/x.log" in text and "~/.cache/difftest/y" in text
+        assert "difftest run tiny.yaml --engines=ref,sglang" in text
+
+
+def test_html_banner_says_the_cause_and_the_acceptance_drop():
+    banner = render(pasted_report_json()).split("id='verdict'>", 1)[1].split("</div>", 1)[0]
+    assert "fed fc [h1], the draft was trained on [h0]" in banner
+    assert "1.10 vs reference 2.40 (-54.2%)" in banner
+
+
+def test_html_shows_the_diagnosis_paragraph_once():
+    html = render(pasted_report_json())
+    assert html.count("sglang diverges from ref at draft.fc_in.0 (the diagnosis)") == 1
+    assert "logits too" in html  # what the draft_logits item adds is still there
+
+
+def test_html_environment_is_tables_not_python_reprs():
+    html = render(pasted_report_json())
+    env = html[html.index("id='environment'") : html.index("id='reproduce'")]
+    assert "{'" not in env and "&#x27;:" not in env
+    assert "<td>transformers</td><td><code>5.19.0</code></td>" in env
+
+
+def test_log_axis_ticks_read_1e_minus_6_without_mathtext():
+    plt = html_report._plt()
+    fig, ax = plt.subplots()
+    ax.plot([1, 2, 3], [1e-8, 1e-6, 1e-3])
+    html_report._log_axis(ax)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    plt.close(fig)
+    assert "1e-6" in labels and not any("mathdefault" in x or "$" in x for x in labels)
+
+
+def test_passing_tensors_are_not_drawn_at_a_made_up_floor():
+    data = sample_report_json()
+    for t in data["comparisons"][f"evil[{EVIL}]"][0]["tensors"]:
+        if "max_abs" in t:
+            t.update(max_abs=0.0, cosine=1.0)
+    assert html_report.plot_dataflow(Report.from_dict(data, "sample.json")) is None

@@ -26,6 +26,11 @@ from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.report.writer import (
     INTERRUPTED,
     above_noise,
+    accept_line,
+    fed_line,
+    fix_line,
+    portable,
+    short,
     fix_lines,
     fixes,
     focus,
@@ -72,6 +77,24 @@ def _plt():
     return plt
 
 
+def decade_label(value: float, _position: object = None) -> str:
+    """A log axis's tick as `1e-6`: with mathtext off (above), matplotlib's own labels would print
+    their TeX source (`$\\mathdefault{10^{-6}}$`)."""
+    if not value > 0:
+        return "0"
+    exponent = math.log10(value)
+    return f"1e{round(exponent)}" if abs(exponent - round(exponent)) < 1e-9 else f"{value:.2g}"
+
+
+def _log_axis(ax) -> None:
+    """A log y axis labelled by decade_label, minor ticks unlabelled."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(decade_label))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -81,16 +104,6 @@ def _png(fig) -> str:
 
 def _figure(png: str, caption: str) -> str:
     return f'<figure><img alt="{escape(caption)}" src="data:image/png;base64,{png}"><figcaption>{escape(caption)}</figcaption></figure>'
-
-
-def _finite(x, floor=1e-12):
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return None
-    if math.isnan(x):
-        return None
-    return max(min(x, 1e30), floor)
 
 
 def _comparison(report: Report, engine: str) -> PromptComparison | None:
@@ -342,26 +355,40 @@ def plot_dataflow(report: Report) -> str | None:
             if t.name not in names:
                 names.append(t.name)
     x = {n: i for i, n in enumerate(names)}
+    exact = 0  # tensors equal to the reference: a log axis has no zero, so they are counted, not drawn
     for e, c in runs.items():
         tensors = [t for t in c.tensors if t.numel]
         xs = [x[t.name] for t in tensors]
-        ax1.plot(xs, [_finite(t.max_abs) or 1e-12 for t in tensors], marker="o", label=e)
-        ax2.plot(xs, [_finite(1 - t.cosine) or 1e-12 for t in tensors], marker="o", label=e)
+        ax1.plot(xs, [_pos(t.max_abs) or math.nan for t in tensors], marker="o", label=e)
+        ax2.plot(xs, [_pos(1 - t.cosine) or math.nan for t in tensors], marker="o", label=e)
+        exact += sum(1 for t in tensors if _pos(t.max_abs) is None)
         bad = [t for t in tensors if t.status == TensorStatus.MISMATCH]
         ax1.scatter(
             [x[t.name] for t in bad],
-            [_finite(t.max_abs) or 1e-12 for t in bad],
+            [_pos(t.max_abs) or math.nan for t in bad],
             s=90,
             facecolors="none",
             edgecolors="red",
         )
-    ax1.set_yscale("log"), ax2.set_yscale("log")
+    if exact == sum(len([t for t in c.tensors if t.numel]) for c in runs.values()):
+        fig.clf()
+        _plt().close(fig)
+        return None  # every tensor equal to the reference: nothing a log axis can show
+    for ax, values in (
+        (ax1, [t.max_abs for c in runs.values() for t in c.tensors if t.numel]),
+        (ax2, [1 - t.cosine for c in runs.values() for t in c.tensors if t.numel]),
+    ):
+        if any(_pos(v) for v in values):
+            _log_axis(ax)
+        else:  # a log axis has no 0: say it instead of drawing at a made-up floor
+            ax.text(0.5, 0.5, "every value 0", transform=ax.transAxes, ha="center", va="center")
+            ax.set_yticks([])
     ax1.set_ylabel("max |diff|"), ax2.set_ylabel("1 - cos")
     ax2.set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=7)
     ax1.legend(fontsize=8), ax1.grid(alpha=0.3), ax2.grid(alpha=0.3)
     ax1.set_title(
         "elementwise statistics along the data flow, information only "
-        "(red ring: above noise; exact matches drawn at 1e-12)"
+        f"(red ring: above noise; {exact} exact matches (difference 0) not drawn)"
     )
     return _png(fig)
 
@@ -385,13 +412,14 @@ def plot_tokens(report: Report) -> str | None:
     fig, ax = plt.subplots(figsize=(11, 3.2))
     for e, name, prompt, t in series:
         ys = [v / t.threshold for v in t.row_err] if noise_units else t.row_max_abs
-        ax.plot([_finite(v) or 1e-12 for v in ys], marker=".", label=f"{e}: {name} (prompt {prompt})")
+        ax.plot([_pos(v) or math.nan for v in ys], marker=".", label=f"{e}: {name} (prompt {prompt})")
     if noise_units:
         ax.axhline(1.0, color=C_THRESH, linewidth=1, label="noise threshold")
         ax.set_ylabel("row error / threshold")
     else:
         ax.set_ylabel("max |diff| in row")
-    ax.set_yscale("log"), ax.set_xlabel("token position (row)")
+    _log_axis(ax)
+    ax.set_xlabel("token position (row)")
     (
         ax.legend(fontsize=8),
         ax.grid(alpha=0.3),
@@ -446,14 +474,78 @@ def _outcome(o: str) -> str:
     return f'<span class="outcome" style="background:{OUTCOME_COLOURS.get(o, "#6e7781")}">{escape(o)}</span>'
 
 
+def _plain(markdown_line: str) -> str:
+    return markdown_line.replace("**", "").replace("`", "")
+
+
+def diagnosed(report: Report) -> dict[str, CheckResult]:
+    """Per engine, the one check whose message is the diagnosis shown in full: the first failing (or
+    expected-failing) tensor comparison, else the first failing check of any kind."""
+    out: dict[str, CheckResult] = {}
+    bad = [c for c in report.checks if c.failed or c.outcome == "xfailed"]
+    for c in sorted(bad, key=lambda c: c.check not in ("fc_inputs", "draft_logits")):
+        out.setdefault(c.engine, c)
+    return out
+
+
+def _message_cell(c: CheckResult, shown: dict[str, CheckResult]) -> str:
+    """A check's message in the table: a diagnosis shown above is linked, not repeated; a long message
+    is one line with the rest folded."""
+    diag = shown.get(c.engine)
+    if diag is c:
+        return f"<a href='#diagnosis-{escape(c.engine)}'>the diagnosis above</a>"
+    text = c.message.strip()
+    if diag is not None and text.splitlines()[:1] == diag.message.strip().splitlines()[:1]:
+        rest = "\n".join(text.splitlines()[1:]).strip()  # the same divergence: only what this check adds
+        head = f"same divergence as <a href='#diagnosis-{escape(c.engine)}'>the diagnosis above</a>"
+        return head + (f"<details><summary>more</summary>{escape(rest)}</details>" if rest else "")
+    line = short(text)
+    if line == text:
+        return escape(text)
+    return f"{escape(line)}<details><summary>in full</summary>{escape(text)}</details>"
+
+
+def environment_rows(report: Report) -> list[str]:
+    """The engines (release, runner, kernels, their versions as a small table), then the harness."""
+    h = ["<table class='env'><tr><th>engine</th><th>release</th><th>runner</th><th>kernels</th><th>versions</th></tr>"]
+    for e, entry in report.engines.items():
+        info = entry.info
+        if info is None:
+            h.append(
+                f"<tr><td><code>{escape(e)}</code></td><td colspan='4'>did not start: {escape(entry.error or '')}</td></tr>"
+            )
+            continue
+        versions = "".join(
+            f"<tr><td>{escape(str(k))}</td><td><code>{escape(str(v))}</code></td></tr>"
+            for k, v in info.versions.items()
+        )
+        extra = "".join(
+            f"<tr><td>{escape(k)}</td><td><code>{escape(str(v))}</code></td></tr>"
+            for k, v in (("live server", info.live), *info.settings.items())
+            if v
+        )
+        runner = info.variant or str(info.versions.get("runner") or info.versions.get("execution") or "-")
+        h.append(
+            f"<tr><td><code>{escape(e)}</code></td><td>{escape(info.label())}</td><td>{escape(runner)}</td>"
+            f"<td>{escape(info.kernels or '-')}</td><td><table>{versions}{extra}</table></td></tr>"
+        )
+    h.append("</table><table class='env'><tr><th>harness</th><th>value</th></tr>")
+    h += [
+        f"<tr><td>{escape(str(k))}</td><td><code>{escape(str(v))}</code></td></tr>"
+        for k, v in report.environment.items()
+    ]
+    return h + ["</table>"]
+
+
 def render(report: Report) -> str:
     checks = report.checks
     failed = [c for c in checks if c.failed]
     title = f"difftest: {report.case}"
-    verdict = (
+    expected = sum(1 for c in checks if c.outcome == "xfailed")
+    head = (
         f"{len(failed)} of {len(checks)} checks failed: " + ", ".join(f"{c.engine}::{c.check}" for c in failed)
         if failed
-        else f"all {len(checks)} checks passed"
+        else f"all {len(checks)} checks passed" + (f" ({expected} as declared expected failures)" if expected else "")
     )
     h = [
         f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{escape(title)}</title><style>{CSS}</style></head><body>"
@@ -461,22 +553,28 @@ def render(report: Report) -> str:
     h.append(f"<h1>{escape(title)}</h1>")
     h.append(
         f"<p>reference <code>{escape(report.reference)}</code> · case file <code>{escape(report.case_file)}</code>"
-        f" · {escape(report.created)} · schema {SCHEMA} version {SCHEMA_VERSION}</p>"
+        f" (paths relative to its directory) · {escape(report.created)} · schema {SCHEMA} version {SCHEMA_VERSION}</p>"
     )
     if report.interrupted:
-        verdict = f"interrupted: {INTERRUPTED} ({verdict})"
+        head = f"interrupted: {INTERRUPTED} ({head})"
     bad = failed or report.interrupted
-    h.append(f"<div class='verdict {'failed' if bad else 'passed'}' id='verdict'>{escape(verdict)}</div>")
+    # the banner: the verdict, then the cause, the acceptance change and the fix (writer's three lines)
+    lines = [head] + [_plain(f(report)) for f in (fed_line, accept_line, fix_line)]
+    h.append(
+        f"<div class='verdict {'failed' if bad else 'passed'}' id='verdict'>"
+        + "<br>".join(escape(x) for x in lines)
+        + "</div>"
+    )
 
     h.append("<h2 id='first-divergence'>First divergence and diagnosis</h2>")
-    diag = [c for c in failed if c.check in ("fc_inputs", "draft_logits", "lint")]
-    if not diag:
+    shown = diagnosed(report)
+    if not shown:
         h.append("<p>No tensor diverges.</p>")
-    for c in diag:
+    for c in shown.values():
         data = c.data if isinstance(c.data, ComparisonData) else ComparisonData()  # lint: a message, no tensors
         fd = data.introduced or data.first_divergence
         where = f" · error introduced at <code>{escape(fd)}</code>" if fd else ""
-        h.append(f"<h3>{escape(c.engine)} · {escape(c.check)}{where}</h3>")
+        h.append(f"<h3 id='diagnosis-{escape(c.engine)}'>{escape(c.engine)} · {escape(c.check)}{where}</h3>")
         marks = [
             (k, v)
             for k, v in (("first above noise", data.first_above_noise), ("first differs", data.first_differs))
@@ -498,7 +596,7 @@ def render(report: Report) -> str:
     for c in checks:
         h.append(
             f"<tr><td><code>{escape(c.engine)}</code></td><td>{escape(c.check)}</td><td>{_outcome(c.outcome)}</td>"
-            f"<td class='msg'>{escape(c.message)}</td></tr>"
+            f"<td class='msg'>{_message_cell(c, shown)}</td></tr>"
         )
     h.append("</table>")
 
@@ -512,18 +610,12 @@ def render(report: Report) -> str:
             figures.append((plot_similarity(c), f"{c.engine}: chunk-vs-layer similarity"))
         if c.check == "accept_length":
             figures.append((plot_acceptance(c), f"{c.engine}: per-position acceptance"))
-    shown = [_figure(png, cap) for png, cap in figures if png]
-    h += shown or ["<p>No numeric data to plot.</p>"]
+    pictures = [_figure(png, cap) for png, cap in figures if png]
+    h += pictures or ["<p>No numeric data to plot.</p>"]
 
-    h.append("<h2 id='environment'>Environment</h2><table><tr><th>what</th><th>value</th></tr>")
-    for k, v in report.environment.items():
-        h.append(f"<tr><td>{escape(str(k))}</td><td><code>{escape(str(v))}</code></td></tr>")
-    for e, entry in report.engines.items():
-        value = entry.info.to_dict() if entry.info is not None else {"error": entry.error}
-        name = f"{escape(e)}</code> ({escape(entry.info.label())})" if entry.info is not None else f"{escape(e)}</code>"
-        h.append(f"<tr><td>engine <code>{name}</td><td><code>{escape(str(value))}</code></td></tr>")
-    h.append("</table>")
-    h.append(f"<h2 id='reproduce'>Reproduce</h2><pre>{escape(report.reproduce)}</pre>")
+    h.append("<h2 id='environment'>Environment</h2>")
+    h += environment_rows(report)
+    h.append(f"<h2 id='reproduce'>Reproduce (from the case file's directory)</h2><pre>{escape(report.reproduce)}</pre>")
     h.append(f"<h2 id='case'>Case</h2><pre>{escape(report.case_yaml)}</pre>")
     h.append(f"<p>Accept length: {escape(report.accept_length_definition)}.</p>")
     if report.definitions:  # what each figure above counts, and how engines' own figures became it
@@ -536,4 +628,4 @@ def render(report: Report) -> str:
         ]
         h.append("</table>")
     h.append("</body></html>")
-    return "\n".join(h)
+    return portable("\n".join(h), report.case_file)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -24,7 +25,16 @@ from difftest.base import definitions
 from difftest.records.acceptance import DEFINITION
 from difftest.base.errors import DifftestError
 from difftest.base import check_registry
-from difftest.records import CheckResult, ComparisonData, FixData, PromptComparison, Report, Top1Data
+from difftest.records import (
+    AcceptLengthData,
+    CheckResult,
+    ComparisonData,
+    FixData,
+    PromptComparison,
+    Report,
+    ServerAcceptData,
+    Top1Data,
+)
 from difftest.records.case_record import CaseRecord
 from difftest.records.report import FigureDefinition
 from difftest.records.wiring_inference import WiringInference
@@ -101,8 +111,15 @@ def reproduce_command(case_path: str, engines: list[str], reference: str) -> str
     return shlex.join(cmd)
 
 
-def _git_sha() -> str:
-    root = Path(__file__).resolve().parents[2]
+NOT_A_GIT_CHECKOUT = "not a git checkout"
+_HARNESS_ROOT = Path(__file__).resolve().parents[2]  # a checkout, or site-packages from a wheel
+
+
+def _git_sha(root: Path = _HARNESS_ROOT) -> str:
+    """The checkout's commit; "not a git checkout" from an installed wheel or an unpacked source tree (a
+    wheel installed inside some other repository must not report that repository's commit)."""
+    if not (root / ".git").exists():
+        return NOT_A_GIT_CHECKOUT
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(
@@ -114,7 +131,7 @@ def _git_sha() -> str:
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unknown ({e})"
     if sha.returncode:
-        return "unknown (not a git checkout)"
+        return NOT_A_GIT_CHECKOUT
     return sha.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
@@ -362,34 +379,159 @@ def markdown_fixes(report: Report) -> list[str]:
     return lines
 
 
+CELL = 160  # characters of a table cell: a longer message moves into the details below the table
+
+
+def portable(text: str, case_file: str) -> str:
+    """`text` without this machine's absolute paths: relative to the case file's directory (its
+    parent as `../`), else `~` for the home directory, so a report pasted into an issue shows no
+    machine's layout and its commands run from the case's directory."""
+    case = Path(case_file)
+    if case.is_absolute():
+        text = text.replace(str(case), case.name)
+        here = case.parent
+        text = text.replace(str(here) + "/", "")
+        if here.parent != here.parent.parent:  # not the root: `../x` beats a machine path
+            text = text.replace(str(here.parent) + "/", "../")
+    home = str(Path.home())
+    if home not in ("/", ""):
+        text = re.sub(re.escape(home) + r"(?=/|\b)", "~", text)
+    return text
+
+
+def short(text: str, limit: int = CELL) -> str:
+    """A table cell: the first line, cut at `limit` characters (the whole text goes to the details)."""
+    lines = str(text).strip().splitlines() or [""]
+    line = lines[0]
+    if line.endswith(":") and len(lines) > 1:  # a preamble ("expected failure, cause ... named:"): with its first line
+        line += " " + lines[1]
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+def _wiring(names: list[str | None] | None) -> str:
+    return "[" + ", ".join("?" if n is None else short_name(n) for n in names) + "]" if names else "?"
+
+
+def fed_line(report: Report) -> str:
+    """What the engines fed the draft's fc against what it was trained on (the fc_inputs items)."""
+    wrong = []
+    for c in report.checks:
+        data = c.data
+        if c.check != "fc_inputs" or not isinstance(data, ComparisonData) or not c.failed and c.outcome != "xfailed":
+            continue
+        trained = [m.expected for m in data.fc_chunks or []]
+        if data.fed:
+            wrong.append(f"`{c.engine}` fed fc {_wiring(data.fed)}, the draft was trained on {_wiring(trained)}")
+        elif data.first_divergence:
+            wrong.append(f"`{c.engine}` fc inputs diverge at `{data.first_divergence}`")
+    if wrong:
+        return "**Fed vs trained**: " + "; ".join(wrong) + "."
+    compared = [c.engine for c in report.checks if c.check == "fc_inputs" and c.outcome == "passed"]
+    if compared:
+        return "**Fed vs trained**: " + ", ".join(f"`{e}`" for e in compared) + " fed fc what the draft was trained on."
+    return "**Fed vs trained**: fc inputs not compared in this run."
+
+
+def accept_line(report: Report) -> str:
+    """Each engine's accept length against the reference's, with the change."""
+    parts = []
+    for c in report.checks:
+        data = c.data
+        if not isinstance(data, (AcceptLengthData, ServerAcceptData)):
+            continue
+        ref, eng = data.reference.accept_length, data.engine.accept_length
+        change = f" ({100 * (eng - ref) / ref:+.1f}%)" if ref == ref and eng == eng and ref else ""
+        parts.append(f"`{c.engine}` {eng:.2f} vs reference {ref:.2f}{change}")
+    if not parts:
+        return "**Accept length**: not measured in this run."
+    return "**Accept length**: " + "; ".join(parts) + "."
+
+
+def fix_line(report: Report) -> str:
+    """The fix in one line: the config edit and the command that writes it, or that none is needed."""
+    found = fixes(report)
+    if found:
+        items = []
+        for f in found:
+            if f.edit.impossible:
+                items.append(f"`{f.engine}`: no config edit fixes it ({short(f.edit.impossible, 120)})")
+            else:
+                items.append(
+                    f"`{f.engine}`: set {json.dumps(f.edit.patch)} in the draft's config.json "
+                    f"(`difftest fix {report.case_file or 'CASE'} --engine {f.engine}`)"
+                )
+        return "**Fix**: " + "; ".join(items) + "."
+    bad = [c for c in report.checks if c.failed]
+    if bad:
+        return f"**Fix**: none computed; {len(bad)} check(s) failed, see below."
+    return "**Fix**: none needed" + (
+        " (expected failures caught with their cause)."
+        if any(c.outcome == "xfailed" for c in report.checks)
+        else ": every check passed."
+    )
+
+
+def environment_table(report: Report) -> list[str]:
+    """Every engine's release, code path, torch and transformers, then the machine and the harness."""
+    lines = ["| engine | release | runner | kernels | torch | transformers | python |", "|---|---|---|---|---|---|---|"]
+    for e, entry in report.engines.items():
+        info = entry.info
+        if info is None:
+            lines.append(f"| `{e}` | did not start: {_md(short(entry.error or '', 100))} | | | | | |")
+            continue
+        v = info.versions
+        runner = info.variant or str(v.get("runner") or v.get("execution") or "-")
+        lines.append(
+            f"| `{e}` | {_md(info.label())} | {_md(runner)} | {_md(info.kernels or '-')} | {v.get('torch', '-')} | "
+            f"{v.get('transformers', '-')} | {v.get('python', '-')} |"
+        )
+    env = report.environment
+    if env:
+        lines.append(
+            f"| harness | difftest {env.get('difftest', '?')} | {env.get('comparison_kernel', '-')} | "
+            f"{env.get('harness_device', '-')} | {env.get('torch', '-')} | {env.get('transformers', '-')} | "
+            f"{env.get('python', '-')} |"
+        )
+        lines += ["", f"machine: {env.get('platform', '?')}; difftest git {env.get('git_sha', '?')}"]
+    return lines + [""]
+
+
+def _details(summary: str, body: list[str]) -> list[str]:
+    """A folded section (GitHub renders Markdown inside it after a blank line)."""
+    return ["<details>", f"<summary>{summary}</summary>", "", *body, "</details>", ""] if body else []
+
+
 def markdown(report: Report) -> str:
-    lines = [f"# difftest: {report.case}", "", f"reference: `{report.reference}`; case file `{report.case_file}`", ""]
-    ran = [
-        f"`{e}` {entry.info.label()}"
-        + (f", {entry.info.kernels}" if entry.info.kernels else "")
-        + (f", {entry.info.versions['execution']}" if entry.info.versions.get("execution") else "")
-        for e, entry in report.engines.items()
-        if entry.info is not None
-    ]
-    if ran:
-        lines += ["engines: " + "; ".join(ran), ""]
+    """Three lines a reader needs (what was fed vs trained, the accept-length change, the fix), the
+    environment, the checks in short, then everything else folded."""
+    lines = [f"# difftest: {report.case}", "", fed_line(report), "", accept_line(report), "", fix_line(report), ""]
     if report.interrupted:
         lines += [f"**Interrupted**: {INTERRUPTED}.", ""]
-    lines += ["| engine | check | outcome | message |", "|---|---|---|---|"]
+    lines += environment_table(report)
+    lines += [
+        f"reference `{report.reference}`; case file `{report.case_file}` (paths relative to its directory)",
+        "",
+        "| engine | check | outcome | message |",
+        "|---|---|---|---|",
+    ]
+    long = []
     for r in report.checks:
-        msg = r.message.replace("\n", "<br>").replace("|", "\\|")
-        lines.append(f"| `{r.engine}` | {r.check} | {r.outcome} | {msg} |")
+        lines.append(f"| `{r.engine}` | {r.check} | {r.outcome} | {_md(short(r.message))} |")
+        if short(r.message) != r.message.strip():
+            long += [f"**`{r.engine}` {r.check}** ({r.outcome})", "", "```text", r.message.strip(), "```", ""]
     lines.append("")
-    if report.wiring_inference:
-        lines += markdown_inference(report.wiring_inference)
-    lines += markdown_fixes(report)
-    lines += markdown_noise(report)
-    lines += [f"Accept length: {report.accept_length_definition}.", ""]
-    lines += markdown_definitions(report)
-    lines += markdown_timings(report)
     if report.reproduce:
-        lines += ["Reproduce:", "", "```bash", report.reproduce, "```", ""]
-    return "\n".join(lines)
+        lines += ["Reproduce (from the case file's directory):", "", "```bash", report.reproduce, "```", ""]
+    lines += _details("Check messages in full", long)
+    if report.wiring_inference:
+        lines += _details("Wiring inferred", markdown_inference(report.wiring_inference))
+    lines += _details("Fix in full", markdown_fixes(report))
+    lines += _details("Error against the noise floor, per prompt", markdown_noise(report))
+    lines += _details("Timings", markdown_timings(report))
+    lines += _details(
+        "Definitions", [f"Accept length: {report.accept_length_definition}.", ""] + markdown_definitions(report)
+    )
+    return portable("\n".join(lines), report.case_file)
 
 
 def markdown_timings(report: Report) -> list[str]:
