@@ -29,9 +29,10 @@ from difftest.base.names import (
 from difftest.base.outputs import atomic_write, check_output_dir, check_output_file
 from difftest.base.paths import ENV_BUILT_MARK, cache_root
 from difftest.base.registry import registered_engines
-from difftest.base.settings import Schema, Setting, settings_record
+from difftest.base.settings import Place, Schema, Setting, settings_record
 from difftest.case import chat
 from difftest.case.case import Case, Prompt, load_case
+from difftest.case.prompt_sets import PromptFile, read_prompt_file
 from difftest.checks import checks
 from difftest.checks.verdict import Verdict
 from difftest.compare import accept_judge
@@ -98,6 +99,9 @@ __all__ = [
     "Case",
     "Prompt",
     "load_case",
+    "PromptFile",
+    "Place",
+    "read_prompt_file",
     "DType",
     "CASE_DTYPES",
     "torch_dtype",

@@ -24,7 +24,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from importlib import metadata
 
-from difftest import fix_command, rules_command
+from difftest import fix_command, init_command, rules_command
 from difftest.base.errors import DifftestError
 from difftest.base.extensions import commands
 from difftest.report import bundle, version_table
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     _env_parsers(sub)
     _report_parsers(sub)
     fix_command.add_parser(sub)
+    init_command.add_parser(sub)
     version_table.add_parser(sub)
     rules_command.add_parser(sub)
     try:
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"difftest: {e}", file=sys.stderr)
         return 2
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("report", "bundle", "env", "fix", "versions", "rules", *contributed):
+    if args.command in ("report", "bundle", "env", "fix", "init", "versions", "rules", *contributed):
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.handler(args)

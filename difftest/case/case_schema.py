@@ -16,6 +16,7 @@ from difftest.base.names import NAME_FORMS, example_names, pattern_could_match
 from difftest.base.registry import registered_engines
 from difftest.base.settings import Place, Schema, Setting, read
 from difftest.case.prompt import Prompt, read_prompt
+from difftest.case.prompt_sets import PromptFile, read_prompt_file
 from difftest.case.expected_failure import ExpectedFailure
 from difftest.case.expected_failure import parse as parse_expected
 from difftest.records.tolerance import Expectations, TolerancePair
@@ -69,17 +70,28 @@ def _dtype(value: object, place: Place) -> DType:
     return DType(value)
 
 
+def _prompt_file(value: dict, place: Place) -> list[Prompt]:
+    """{file: PATH, field: NAME, limit: N}: a prompt set (difftest.case.prompt_sets)."""
+    spec = read(PROMPT_FILE, value, place)
+    assert isinstance(spec, PromptFile)
+    return read_prompt_file(spec, place)
+
+
 def _prompts(value: object, place: Place) -> list[Prompt]:
+    if isinstance(value, dict):
+        return _prompt_file(value, place)
     if not isinstance(value, list) or not value:
-        raise place.error("expected a non-empty list")
+        raise place.error("expected a non-empty list or {file: PATH, field: NAME, limit: N}")
     return [read_prompt(p, place.item(i)) for i, p in enumerate(value)]
 
 
 def _spec_prompts(value: object, place: Place) -> list[Prompt]:
     """speculative.prompts: none given, the case's `prompts` are drafted."""
     value = [] if value is None else value
+    if isinstance(value, dict):
+        return _prompt_file(value, place)
     if not isinstance(value, list):
-        raise place.error(f"expected a list, got {_shown(value)}")
+        raise place.error(f"expected a list or {{file: PATH, field: NAME, limit: N}}, got {_shown(value)}")
     return [read_prompt(p, place.item(i)) for i, p in enumerate(value)]
 
 
@@ -212,6 +224,17 @@ def _tolerance_pair(rtol_needs_atol: bool) -> Schema:
 
 
 TOLERANCE = _tolerance_pair(rtol_needs_atol=True)
+PROMPT_FILE = Schema(
+    "prompts",
+    (
+        Setting("file", "str", "a .jsonl or .json file, relative to the case file", required=True),
+        Setting("field", "str", "the record key holding each prompt (default: messages, conversations, ...)"),
+        Setting("limit", "int", "the first N records (default: all)", min=1, expected="a positive integer"),
+    ),
+    what="field",
+    shape="{file: PATH, field: NAME, limit: N}",
+    record=PromptFile,
+)
 EXPECT = Schema(
     "expect",
     (
@@ -225,7 +248,13 @@ SPECULATIVE = Schema(
     (
         Setting("num_steps", "int", "draft steps per verify", default=4, min=1, expected="a positive integer"),
         Setting("max_new_tokens", "int", "tokens per prompt", default=32, min=1, expected="a positive integer"),
-        Setting("prompts", "custom", "what is drafted (default: prompts)", default=[], read=_spec_prompts),
+        Setting(
+            "prompts",
+            "custom",
+            "what is drafted (default: prompts); a list or {file, field, limit}",
+            default=[],
+            read=_spec_prompts,
+        ),
     ),
     what="field",
 )
@@ -245,7 +274,13 @@ CASE = Schema(
             expected="a preset name or a list like [h0, h3, h31]",
         ),
         Setting("layer_ids", "ids", "override the draft config's ids", null=True),
-        Setting("prompts", "custom", "text, {ids: [...]} or {messages: [...]}", required=True, read=_prompts),
+        Setting(
+            "prompts",
+            "custom",
+            "text, {ids: [...]} or {messages: [...]}; or {file: PATH, field: NAME, limit: N}",
+            required=True,
+            read=_prompts,
+        ),
         Setting("speculative", "schema", "the speculative run", schema=SPECULATIVE),
         Setting(
             "engines",

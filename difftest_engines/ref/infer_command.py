@@ -2,8 +2,10 @@
 
 Runs the target once over the prompts in this process (difftest_engines.ref.target: every `target.h.{k}`,
 the final norm and the logits), then difftest.rules.infer_wiring searches the draft's wiring. Prompts:
-case files (their prompts and speculative prompts), `ids:1,2,3`, or text (the target's
-tokenizer); default: --random N prompts of --length uniformly random token ids.
+case files (their prompts and speculative prompts), prompt sets (.jsonl/.json, read as a case's
+`prompts: {file: ...}`: difftest.case.prompt_sets), `ids:1,2,3`, or text (the target's tokenizer;
+chat messages through its chat template); default: --random N prompts of --length uniformly random
+token ids.
 Exit status: 0 decided, 1 cannot tell, 2 bad input.
 """
 
@@ -34,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="PROMPT",
-        help="case YAML files, ids:1,2,3, or text (default: --random prompts)",
+        help="case YAML files, prompt sets (.jsonl/.json), ids:1,2,3, or text (default: --random prompts)",
     )
     p.add_argument("--random", type=int, default=16, help="random prompts when --prompts is not given (default 16)")
     p.add_argument("--length", type=int, default=48, help="length of the random prompts (default 48)")
@@ -60,6 +62,7 @@ def _resolve(ref: str) -> str:
 def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[int]]:
     from difftest.api import load_case
     from difftest.api import ConfigError
+    from difftest.api import Place, PromptFile, read_prompt_file
 
     if not args.prompts:
         if args.random < 1 or args.length < 2:
@@ -68,43 +71,59 @@ def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[i
         return torch.randint(min(4, vocab - 1), vocab, (args.random, args.length), generator=gen).tolist()
     out: list[list[int]] = []
     texts: list[str] = []
+    chats: list = []  # Prompts with messages: rendered with the target's chat template
     for p in args.prompts:
         _refuse_path_that_is_not_a_case(p)
+        read = []
         if p.lower().endswith((".yaml", ".yml")):
             case = load_case(p)
-            for q in [*case.prompts, *case.spec_prompts]:
-                if q.ids is not None:
-                    out.append(list(q.ids))
-                else:
-                    texts.append(q.text)
-        elif p.startswith("ids:"):
+            read = [*case.prompts, *case.spec_prompts]
+        elif p.lower().endswith((".jsonl", ".json")):
+            read = read_prompt_file(PromptFile(p), Place("--prompts"))  # relative to the working directory
+        for q in read:
+            if q.ids is not None:
+                out.append(list(q.ids))
+            elif q.messages is not None:
+                chats.append(q)
+            else:
+                texts.append(q.text)
+        if read:
+            continue
+        if p.startswith("ids:"):
             try:
                 out.append([int(x) for x in p[4:].replace(",", " ").split()])
             except ValueError:
                 raise ConfigError(f"--prompts: {p!r} is not ids:1,2,3") from None
         else:
             texts.append(p)
-    if texts:
+    if texts or chats:
         from transformers import AutoTokenizer
+
+        from difftest.api import chat
 
         try:
             tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ConfigError(f"--prompts: text needs the target's tokenizer, which {target} lacks ({e})") from None
         out += [tok(t)["input_ids"] for t in texts]
+        for q in chats:
+            try:
+                out.append(chat.render(tok, q.messages, q.chat_template_kwargs))
+            except Exception as e:  # no template, or one that raises: the user's input, one line
+                raise ConfigError(f"--prompts: cannot render chat messages: {str(e).splitlines()[0]}") from None
     bad = [i for i, ids in enumerate(out) if len(ids) < 2 or min(ids) < 0 or max(ids) >= vocab]
     if bad:
         raise ConfigError(f"--prompts: prompt {bad[0]} needs at least 2 token ids in [0, {vocab})")
     return out
 
 
-# What a file name looks like: --prompts reads case YAML files only, so any other file, or a case
-# file that does not exist, is a mistake to name, not text to tokenize.
+# What a file name looks like: --prompts reads case YAML files and prompt sets, so any other file, or
+# one that does not exist, is a mistake to name, not text to tokenize.
 _FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".txt")
 
 
 def _refuse_path_that_is_not_a_case(p: str) -> None:
-    """--prompts takes case YAML files, ids:1,2,3, or text: one word that looks like a path (a file
+    """--prompts takes case YAML files, prompt sets, ids:1,2,3, or text: one word that looks like a path (a file
     suffix, a path separator) is a path, so a missing one is refused naming it rather than
     tokenized as a prompt. Text with spaces stays text ("what is 1/2?")."""
     from difftest.api import ConfigError
@@ -118,12 +137,12 @@ def _refuse_path_that_is_not_a_case(p: str) -> None:
     if not path.exists():
         raise ConfigError(
             f"--prompts: {p}: no such file (a path, not prompt text: --prompts reads case YAML files, "
-            "ids:1,2,3 or text)"
+            "prompt sets (.jsonl, .json), ids:1,2,3 or text)"
         )
-    if path.is_dir() or not p.lower().endswith((".yaml", ".yml")):
+    if path.is_dir() or not p.lower().endswith((".yaml", ".yml", ".jsonl", ".json")):
         raise ConfigError(
-            f"--prompts: {p}: not a case YAML file (--prompts reads case files, ids:1,2,3 or text; "
-            "put the prompts in a case file)"
+            f"--prompts: {p}: not a case YAML file or a prompt set (--prompts reads case files, .jsonl/.json "
+            "prompt sets, ids:1,2,3 or text)"
         )
 
 
