@@ -1,16 +1,20 @@
 """`difftest` command line.
 
-difftest fixtures [NAME ...] [--force] [--jobs N]   build the built-in tiny models (cached; all, or those named)
-difftest run [CASES...] --engines=ref,...    run cases through the pytest plugin, write reports
+difftest --version                           difftest's version and the engines' pinned releases
+difftest fixtures [NAME ...] [--force] [--jobs N] | --list   build (or list) the built-in tiny models
+difftest run [CASES...] --engines=ref,... [--out DIR] [-q | --json] [--allow-missing-engines]
+             run cases through the pytest plugin, write reports; exit codes: difftest.base.exit_codes
              [--save-baseline NAME [--force] | --baseline NAME]   golden baselines (difftest.run.baseline)
 difftest env create ENGINE[==VERSION] [--label L]   an engine environment for --engines=ENGINE@L
+difftest env list [--json]                   every built environment: engine, release, path, size, complete
+difftest cache [--json] | cache prune [--captures] [--older-than DAYS] [--dry-run]   the cache by kind
 difftest train-acc --data DIR --draft D --target T [--wiring vllm ...]   training accuracy, wirings side by side
 difftest dump --target T --out DIR --format speculators --layers h0+h2+h4+h7   write training data
              (these two come from the training-data engine, through the `difftest.commands`
              entry points: difftest.base.extensions)
 difftest infer-wiring --target T --draft D [--prompts ...] [--json]   what the draft was trained on
-difftest report reports/CASE.json            re-render the Markdown and HTML report from the JSON
-difftest bundle reports/CASE.json [-o OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
+difftest report reports/CASE.json [--out DIR]   re-render the Markdown and HTML report from the JSON
+difftest bundle reports/CASE.json [--out OUT]   one .tar.gz with JSON, HTML, Markdown, case YAML, engine logs
 difftest probe --server URL --case CASE [--kind sglang|vllm]   a running server's acceptance vs the reference
 difftest versions REPORT_DIR...              EAGLE-3 behaviour by engine release, from runs over several releases
 """
@@ -18,14 +22,22 @@ difftest versions REPORT_DIR...              EAGLE-3 behaviour by engine release
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import multiprocessing
 import os
+import re
 import sys
+from dataclasses import asdict
+from pathlib import Path
 from concurrent.futures import ProcessPoolExecutor
 from importlib import metadata
 
-from difftest import fix_command, init_command, rules_command
+from difftest import cache_command, fix_command, init_command, rules_command
+from difftest.base import exit_codes
+from difftest.base.cli_args import Parser, deprecated_alias, unknown_options
 from difftest.base.errors import DifftestError
+from difftest.base.paths import cache_root
 from difftest.base.extensions import commands
 from difftest.report import bundle, version_table
 from difftest.run import envs
@@ -39,7 +51,9 @@ def _fixtures(args: argparse.Namespace) -> int:
             "difftest: no fixture provider installed (is the project installed with `pip install -e .`?)",
             file=sys.stderr,
         )
-        return 2
+        return exit_codes.USAGE
+    if args.list:
+        return _list_fixtures(providers, args.names)
     if not args.names:
         lanes = _lanes(providers)
         if min(args.jobs, len(lanes)) <= 1:
@@ -57,15 +71,46 @@ def _fixtures(args: argparse.Namespace) -> int:
         return 0
     if args.force:
         print("difftest fixtures: --force rebuilds every fixture; give no names with it", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     loaded = [ep.load() for ep in providers]
     for name in args.names:
         path = next((p for p in (m.resolve_fixture(name) for m in loaded) if p is not None), None)
         if path is None:
             print(f"difftest fixtures: no provider knows fixture {name!r}", file=sys.stderr)
-            return 2
+            return exit_codes.USAGE
         print(f"[fixtures] {name}: {path}")
     return 0
+
+
+def _list_fixtures(providers: list, only: list[str]) -> int:
+    """`difftest fixtures --list`: each fixture a provider declares (`NAMES`), built or not, and where."""
+    rows = []
+    for ep in providers:
+        module = ep.load()
+        for name in getattr(module, "NAMES", None) or getattr(module, "names", None) or []:
+            if only and name not in only:
+                continue
+            path = _built_fixture(name)
+            rows.append((name, path is not None, path))
+    unknown = sorted(set(only) - {r[0] for r in rows})
+    if unknown:
+        print(f"difftest fixtures: no provider knows fixture {unknown[0]!r}", file=sys.stderr)
+        return exit_codes.USAGE
+    for name, built, path in rows:
+        print(f"{name:<32} {'built' if built else 'not built':<10} {path or '?'}")
+    return 0
+
+
+def _built_fixture(name: str) -> Path | None:
+    """Where fixture `name` is built, without building it: providers publish under
+    fixtures/GROUP/NAME, or fixtures/GROUP/NAME-<12 hex digits of its recipe> (the newest wins)."""
+    found = [
+        p
+        for p in (cache_root() / "fixtures").glob(f"*/{glob.escape(name)}*")
+        if p.is_dir() and re.fullmatch(re.escape(name) + r"(-[0-9a-f]{12})?", p.name)
+    ]
+    exact = [p for p in found if p.name == name]  # an unkeyed fixture; a keyed one of the same name is another
+    return exact[0] if exact else max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def _lanes(providers: list) -> list[list[str]]:
@@ -117,18 +162,31 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _run(args: argparse.Namespace, extra: list[str]) -> int:
+def _run(args: argparse.Namespace, extra: list[str], known: list[str]) -> int:
     import pytest  # pytest costs every other subcommand its import; only `run` drives it
 
-    argv = ["-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs", *args.cases]
+    # what `run` does not know goes to pytest (-k, -x, ...); a misspelling of one of run's own options
+    # (`--engine`, `--out-dir`, a prefix) is refused here, naming it, not handed on to fail obscurely
+    wrong = unknown_options(extra, known)
+    if wrong is not None:
+        print(f"difftest run: {wrong}", file=sys.stderr)
+        return exit_codes.USAGE
+    if args.quiet and args.json:
+        print("difftest run: -q and --json: choose one (--json prints progress as JSON lines)", file=sys.stderr)
+        return exit_codes.USAGE
+    # pytest's own lines stay terse (-q); the progress lines say what the run waits on (stderr)
+    progress = "json" if args.json else "off" if args.quiet else "lines"
+    argv = ["-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs", f"--progress={progress}", *args.cases]
     if (
         args.engines
     ):  # else the plugin's default: the engine that calibrates (difftest.base.registry.calibration_engine)
         argv.append(f"--engines={args.engines}")
     if args.reference:
         argv.append(f"--reference={args.reference}")
-    if args.report_dir:
-        argv.append(f"--report-dir={args.report_dir}")
+    if args.out:
+        argv.append(f"--out={args.out}")
+    if args.allow_missing_engines:
+        argv.append("--allow-missing-engines")
     for item in args.engine_python:
         argv.append(f"--engine-python={item}")
     for option in ("save_baseline", "baseline", "baseline_dir"):
@@ -136,7 +194,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
             argv.append(f"--{option.replace('_', '-')}={getattr(args, option)}")
     if args.force:
         argv.append("--force-baseline")
-    return int(pytest.main(argv + extra))
+    try:
+        return int(pytest.main(argv + extra))
+    except KeyboardInterrupt:  # before pytest's session took over Ctrl-C (its start-up)
+        return exit_codes.INTERRUPTED
 
 
 def _env_parsers(sub) -> None:
@@ -152,6 +213,24 @@ def _env_parsers(sub) -> None:
     c.add_argument("--label", default=None, help="the spec label it answers to (default: the version)")
     c.add_argument("--dry-run", action="store_true", help="print the plan (directory, version, link) and build nothing")
     c.set_defaults(handler=handler)
+    ls = esub.add_parser("list", help="every built environment: engine, release, path, size, complete or not")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
+    ls.set_defaults(handler=_env_list)
+
+
+def _env_list(args: argparse.Namespace) -> int:
+    found = envs.list_envs()
+    if args.json:
+        print(json.dumps([asdict(e) for e in found]))
+        return 0
+    if not found:
+        print(f"difftest env list: no environment under {envs.cache_root() / 'envs'}")
+        return 0
+    for e in found:
+        state = "complete" if e.complete else "INCOMPLETE"
+        where = f"-> {e.link_to}" if e.link_to else f"{cache_command.human(e.size or 0)}"
+        print(f"{e.name:<36} {e.engine:<18} {e.release or '?':<12} {state:<10} {e.path} {where}")
+    return 0
 
 
 def _extension_parsers(sub) -> list[str]:
@@ -188,18 +267,63 @@ def _report_parsers(sub) -> None:
 
     p = sub.add_parser("report", help="re-render a case's Markdown and HTML report from its JSON")
     p.add_argument("json", help="reports/CASE.json")
-    p.add_argument("--out-dir", default=None, help="where to write (default: beside the JSON)")
+    p.add_argument("--out", dest="out_dir", default=None, help="where to write (default: beside the JSON)")
+    deprecated_alias(p, ["--out-dir"], "--out", "out_dir")
     p.set_defaults(handler=handler("rerender"))
     b = sub.add_parser("bundle", help="pack a case's JSON, HTML, Markdown, case YAML and engine logs into one archive")
     b.add_argument("json", help="reports/CASE.json")
-    b.add_argument("-o", "--output", default=None, help="archive path (default: beside the JSON, CASE.difftest.tar.gz)")
+    b.add_argument(
+        "--out", dest="output", default=None, help="archive path (default: beside the JSON, CASE.difftest.tar.gz)"
+    )
+    deprecated_alias(b, ["-o", "--output"], "--out", "output")
     b.set_defaults(handler=handler("bundle"))
 
 
+def _version() -> str:
+    """difftest's version, and each engine's pinned release (read from its requirements file: cheap)."""
+    try:
+        mine = metadata.version("difftest")
+    except metadata.PackageNotFoundError:
+        mine = "unknown (not installed)"
+    pins = []
+    for engine, dist in sorted(envs.ENGINE_DISTRIBUTIONS.items()):
+        try:
+            p = envs.plan(engine)
+        except (DifftestError, OSError):  # an engine without its recipe here (a partial install)
+            continue
+        pins.append(f"{engine} {p.pinned}" if dist else engine)
+    return f"difftest {mine}" + (f" (engines pinned: {', '.join(pins)})" if pins else "")
+
+
+class _Version(argparse.Action):
+    """--version, computed only when asked (it reads the engines' requirement files)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(_version())
+        parser.exit()
+
+
+RUN_EPILOG = (
+    "Arguments run does not know go to pytest (-k EXPR, -x, ...). Progress lines go to stderr: "
+    '-q none, --json one JSON object per line ({"event", "elapsed_s", "message", "waited_s"}; docs/running.md). '
+    + exit_codes.help_text()
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="difftest", description="Differential testing of EAGLE-3 draft wiring across engines"
-    )
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("difftest: interrupted", file=sys.stderr)
+        return exit_codes.INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
+    ap = Parser(prog="difftest", description="Differential testing of EAGLE-3 draft wiring across engines")
+    ap.add_argument("--version", action=_Version, help="difftest's version and the engines' pinned releases")
     sub = ap.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fixtures", help="build the built-in tiny target and drafts into the cache")
     f.add_argument("names", nargs="*", metavar="NAME", help="only these fixtures (default: every provider's)")
@@ -211,37 +335,61 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="lanes of fixtures built side by side, one process and one thread each (default: up to 2 cores)",
     )
-    r = sub.add_parser("run", help="run cases (extra arguments go to pytest)")
-    r.add_argument("cases", nargs="*", default=["cases/"])
-    r.add_argument("--engines", default=None, help="engines to compare (default: the engine that calibrates, ref)")
-    r.add_argument("--reference", default=None)
-    r.add_argument("--report-dir", default=None)
-    r.add_argument("--engine-python", action="append", default=[], metavar="NAME=PATH")
+    f.add_argument("--list", action="store_true", help="list the fixtures (name, built or not, path); build nothing")
+    r = sub.add_parser(
+        "run",
+        help="run cases (extra arguments go to pytest)",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("cases", nargs="*", default=["cases/"], help="case files or folders of them (default: cases/)")
+    r.add_argument(
+        "--engines", default=None, help='engines to compare, e.g. ref,sglang,"ref[wiring=sglang]" (default: ref)'
+    )
+    r.add_argument(
+        "--reference", default=None, metavar="ENGINE", help="the engine the others are compared to (default: the first)"
+    )
+    r.add_argument("--out", default=None, metavar="DIR", help="where the reports go (default: reports/)")
+    deprecated_alias(r, ["--report-dir"], "--out", "out")
+    r.add_argument(
+        "--engine-python",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="the interpreter an engine's worker runs in (NAME or NAME@LABEL); repeatable",
+    )
+    r.add_argument(
+        "--allow-missing-engines",
+        action="store_true",
+        help="skip an engine that is not installed or cannot start (default: it fails the run, exit code 7)",
+    )
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    r.add_argument("--json", action="store_true", help="progress as JSON lines on stderr (docs/running.md)")
     r.add_argument("--save-baseline", default=None, metavar="NAME", help="store this run as baseline NAME")
     r.add_argument("--baseline", default=None, metavar="NAME[:ENGINE]", help="compare against baseline NAME")
     r.add_argument("--baseline-dir", default=None, help="where baselines live (default: ./baselines)")
     r.add_argument("--force", action="store_true", help="let --save-baseline replace an existing baseline")
     _env_parsers(sub)
     _report_parsers(sub)
+    cache_command.add_parser(sub)
     fix_command.add_parser(sub)
     init_command.add_parser(sub)
     version_table.add_parser(sub)
     rules_command.add_parser(sub)
     try:
-        contributed = _extension_parsers(sub)
+        _extension_parsers(sub)
     except DifftestError as e:
         print(f"difftest: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.CONFIG
     args, extra = ap.parse_known_args(argv)
-    if args.command in ("report", "bundle", "env", "fix", "init", "versions", "rules", *contributed):
-        if extra:
-            ap.error(f"unrecognized arguments: {' '.join(extra)}")
-        return args.handler(args)
+    if args.command != "run" and extra:
+        # the subcommand's own parser says it, so the closest name offered is one of its options
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "fixtures":
-        if extra:
-            ap.error(f"unrecognized arguments: {' '.join(extra)}")
         return _fixtures(args)
-    return _run(args, extra)
+    if args.command != "run":
+        return args.handler(args)
+    return _run(args, extra, r.option_names())
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Collects `cases/*.yaml`; each case x engine becomes named items
 (`cases/tiny.yaml::ref[wiring=sglang]::fc_inputs`). The first engine is the reference
 unless --reference says otherwise. A failing item prints the harness's one-paragraph
-verdict, not a traceback; an engine that is not installed skips with the reason and
-its setup command (or fails, with --require-engines, as CI runs it).
+verdict, not a traceback; an engine that is not installed or cannot start fails with the
+reason and its setup command (skips, with --allow-missing-engines). The session's exit status
+says which kind of failure it met (difftest.base.exit_codes; docs/running.md).
 
 Upgrade checks: `--save-baseline NAME` adds a `save_baseline` item per case x engine and writes
 baselines/NAME at session end (difftest.run.baseline); `--baseline NAME` makes that stored run the
@@ -13,8 +14,12 @@ reference (`baseline:NAME`). Every session ends with the per-case verdict table 
 
 from __future__ import annotations
 
+import os
+import sys
+import argparse
 from collections import Counter
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
@@ -39,6 +44,8 @@ from difftest.base.errors import (
     NotAvailable,
 )
 from difftest.base.settings import unknown_key
+from difftest.base import exit_codes
+from difftest.run.progress import FORMATS, Progress
 from difftest.case.expected_failure import judge as judge_expected
 from difftest.records import CheckData, CheckResult, ExpectedFailureRecord
 from difftest.run.case_run import engine_case_of
@@ -49,10 +56,51 @@ RESULTS = pytest.StashKey[dict]()
 CASES = pytest.StashKey[dict]()
 NAMES = pytest.StashKey[dict]()  # case name -> the file that claimed it (names key reports and baselines)
 WRITER = pytest.StashKey["baseline_mod.BaselineWriter | None"]()
+PROGRESS = pytest.StashKey["Progress | None"]()
+KINDS = pytest.StashKey["FailureKinds"]()
+
+
+def _terminal() -> TextIO | None:
+    """The real stderr, taken when the plugin is loaded (before pytest captures fd 2): progress lines
+    and heartbeats, which come from a thread too, go there without toggling pytest's capture."""
+    try:
+        return os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+_TERMINAL = _terminal()
 
 
 class CheckFailed(Exception):
     """A check's verdict or a user-fixable error: shown as its message alone."""
+
+
+FAILURE = "difftest.failure"  # the user property a failed item files its kind under (exit_codes.FAILURE_KINDS)
+
+
+def _fail(item: pytest.Item, kind: str, message: str) -> CheckFailed:
+    """The item fails as `kind`; its report carries the kind (to the xdist controller too), so the
+    session's exit status says what kind of failure the run met (pytest_sessionfinish)."""
+    item.user_properties.append((FAILURE, kind))
+    return CheckFailed(message)
+
+
+class FailureKinds:
+    """The kinds of the session's failed items, from their reports (wherever the items ran), and
+    whether the session ended by a real Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.kinds: set[str] = set()
+        self.ctrl_c = False
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self.kinds.update(str(value) for name, value in report.user_properties if name == FAILURE)
+
+    def pytest_keyboard_interrupt(self, excinfo) -> None:
+        # pytest reports collection errors and pytest.exit() as interruptions too; only Ctrl-C is 130
+        self.ctrl_c = excinfo.type is KeyboardInterrupt
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -70,8 +118,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME=PATH",
         help="interpreter for an engine's worker (NAME is name or name@label); repeatable",
     )
+    g.addoption("--out", default=None, help="where per-case JSON/Markdown/HTML reports go (default: <rootdir>/reports)")
+    # the old spelling, kept one release: it works and warns, naming --out (one name per concept)
+    g.addoption("--report-dir", dest="report_dir", default=None, help=argparse.SUPPRESS)
     g.addoption(
-        "--report-dir", default=None, help="where per-case JSON/Markdown reports go (default: <rootdir>/reports)"
+        "--progress",
+        default=None,
+        choices=FORMATS,
+        help="progress lines on stderr while engines start and run: lines (default; off under -q), json "
+        "(one object per line), off",
     )
     g.addoption(
         "--engine-timeout",
@@ -80,8 +135,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="seconds one engine request may take (default 900; starting an engine at least 120)",
     )
     g.addoption(
-        "--require-engines", action="store_true", help="fail instead of skip when an engine is not installed (CI)"
+        "--allow-missing-engines",
+        action="store_true",
+        help="skip, instead of fail, the items of an engine that is not installed or cannot start",
     )
+    # failing is the default now; the old flag is accepted one release and warns
+    g.addoption("--require-engines", action="store_true", help=argparse.SUPPRESS)
     g.addoption("--no-capture-cache", action="store_true", help="recapture instead of reusing cached captures")
     g.addoption(
         "--save-baseline",
@@ -107,6 +166,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "difftest(check, engine): an item generated from a difftest case")
+    config.stash[KINDS] = FailureKinds()
+    config.pluginmanager.register(config.stash[KINDS], "difftest-failure-kinds")
     try:
         engines = parse_engine_list(config.getoption("engines") or calibration_engine())
         reference = parse_spec(config.getoption("reference")) if config.getoption("reference") else engines[0]
@@ -125,8 +186,18 @@ def pytest_configure(config: pytest.Config) -> None:
         timeout = config.getoption("engine_timeout")
         if not (0 < timeout < float("inf")):
             raise ConfigError(f"--engine-timeout: expected a positive number of seconds, got {timeout:g}")
-        report_dir = Path(config.getoption("report_dir") or Path(config.rootpath) / "reports")
-        _check_writable_dir(report_dir, "--report-dir")
+        out = config.getoption("out")
+        if config.getoption("report_dir"):
+            _deprecated("--report-dir", "--out")
+            if out:
+                raise ConfigError("--report-dir is the old name of --out; give --out only")
+            out = config.getoption("report_dir")
+        if config.getoption("require_engines"):
+            _deprecated(
+                "--require-engines", "nothing: a missing engine fails by default (--allow-missing-engines skips)"
+            )
+        report_dir = Path(out or Path(config.rootpath) / "reports")
+        _check_writable_dir(report_dir, "--out")
         baseline_dir = Path(config.getoption("baseline_dir") or Path(config.rootpath) / baseline_mod.DEFAULT_DIR)
         stored = None
         if config.getoption("baseline"):
@@ -144,6 +215,8 @@ def pytest_configure(config: pytest.Config) -> None:
             )
     except ConfigError as e:
         raise pytest.UsageError(str(e)) from None
+    progress = _progress_writer(config)
+    config.stash[PROGRESS] = progress
     options = Options(
         engines=engines,
         reference=reference,
@@ -151,7 +224,7 @@ def pytest_configure(config: pytest.Config) -> None:
         timeout=timeout,
         use_cache=not config.getoption("no_capture_cache"),
         log_dir=report_dir / "logs",
-        progress=_progress_writer(config),
+        progress=progress,
     )
     config.stash[SESSION] = Session(options)
     if stored is not None:
@@ -184,26 +257,38 @@ def _engine_python(item: str) -> dict[str, str]:
 _check_writable_dir = check_output_dir
 
 
-def _progress_writer(config: pytest.Config):
-    """`[difftest] ...` lines while engines load and run; none under -q."""
-    if config.get_verbosity() < 0:
+def _deprecated(old: str, new: str) -> None:
+    print(f"difftest: {old} is deprecated and goes in the next release; use {new}", file=sys.stderr, flush=True)
+
+
+def _progress_writer(config: pytest.Config) -> Progress | None:
+    """Progress lines (difftest.run.progress) on stderr: `--progress` says the format; by default
+    lines, none under -q."""
+    chosen = config.getoption("progress") or ("off" if config.get_verbosity() < 0 else "lines")
+    if chosen == "off":
         return None
+    terminal = _TERMINAL
 
-    def write(message: str) -> None:
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        capture = config.pluginmanager.get_plugin("capturemanager")
-        if reporter is None:
+    def write(line: str) -> None:
+        if terminal is not None:
+            terminal.write(line + "\n")
             return
-        if capture is None:
-            reporter.write_line(f"[difftest] {message}")
-            return
-        with capture.global_and_fixture_disabled():  # straight to the terminal, not into the item's captured output
-            reporter.write_line(f"[difftest] {message}")
+        print(line, file=sys.__stderr__, flush=True)
 
-    return write
+    return Progress(chosen, write)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Between items nothing is awaited: no heartbeat about a step that finished."""
+    progress = item.config.stash.get(PROGRESS, None)
+    if progress is not None:
+        progress.idle()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    progress = config.stash.get(PROGRESS, None)
+    if progress is not None:
+        progress.close()
     session = config.stash.get(SESSION, None)
     if session is not None:
         session.close()
@@ -289,7 +374,7 @@ class ErrorItem(pytest.Item):
         writer = self.config.stash.get(WRITER, None)
         if writer is not None:  # a baseline must not be saved without a case the run was asked to store
             writer.problems.append(self.error)
-        raise CheckFailed(self.error)
+        raise _fail(self, "config", self.error)
 
     def repr_failure(self, excinfo, style=None):
         return str(excinfo.value)
@@ -317,6 +402,8 @@ class CheckItem(pytest.Item):
         super().__init__(**kwargs)
         self.case, self.spec, self.check = case, spec, check
         self.add_marker(pytest.mark.difftest(check, spec.id))
+        # `-k ref_wiring_sglang`: the spec id as one -k word (its grammar has no `=` or `@`)
+        self.extra_keyword_matches.add(report_mod.keyword(spec.id))
 
     def runtest(self) -> None:
         session: Session = self.config.stash[SESSION]
@@ -330,18 +417,20 @@ class CheckItem(pytest.Item):
             pytest.skip(str(e))
         except EngineUnavailable as e:
             results.append(CheckResult(self.spec.id, self.check, "skipped", str(e)))
-            if self.config.getoption("require_engines"):
-                raise CheckFailed(f"engine required but unavailable: {e}") from None
-            pytest.skip(str(e))
+            if self.config.getoption("allow_missing_engines"):
+                pytest.skip(str(e))
+            raise _fail(self, "engine", _unavailable(e)) from None
         except DifftestError as e:
             message = str(e)
             if isinstance(e, EngineError):
                 message = checks_mod.explain_engine_error(session.run(self.case), self.spec, message)
-            self._expected_or_raise(results, "error", message, None)
+            self._expected_or_raise(results, "error", message, None, _kind(e, session, self.spec))
             return
         self._expected_or_raise(results, "passed" if verdict.passed else "failed", verdict.message, verdict.data)
 
-    def _expected_or_raise(self, results: list, outcome: str, message: str, data: CheckData | None) -> None:
+    def _expected_or_raise(
+        self, results: list, outcome: str, message: str, data: CheckData | None, kind: str = "regression"
+    ) -> None:
         """Record the outcome; a declared expected failure (difftest.case.expected_failure) is judged strictly."""
         session = self.config.stash[SESSION]
         reference = session.run(self.case).reference_names()
@@ -357,8 +446,9 @@ class CheckItem(pytest.Item):
         )
         if expected is None:
             results.append(CheckResult(self.spec.id, self.check, outcome, message, data))
+            self.user_properties += report_mod.junit_properties(results[-1], self.case.path)
             if outcome != "passed":
-                raise CheckFailed(message)
+                raise _fail(self, kind, message)
             return
         judged = judge_expected(expected, outcome == "passed", message)
         results.append(
@@ -376,20 +466,78 @@ class CheckItem(pytest.Item):
                 ),
             )
         )
+        self.user_properties += report_mod.junit_properties(results[-1], self.case.path)
         if not judged.expected:
-            raise CheckFailed(judged.message)
+            raise _fail(self, kind, judged.message)
         pytest.xfail(f"expected failure: {expected.cause}")
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, CheckFailed):
             report_dir = self.config._difftest_report_dir
-            return f"{excinfo.value}\nreport: {report_dir / (self.case.name + '.json')}"
+            return f"{excinfo.value}\nreport: {_shown(report_dir / (self.case.name + '.json'), self.config)}"
         return "internal error in difftest (a harness bug, not an engine divergence):\n" + str(
             super().repr_failure(excinfo, style)
         )
 
     def reportinfo(self):
         return self.path, None, f"{self.case.name}::{self.spec.id}::{self.check}"
+
+
+def _shown(path: Path, config: pytest.Config) -> str:
+    """A path as the failure text (and so the JUnit XML) shows it: relative to where pytest was
+    started, else with `~` for the home directory; never this machine's layout."""
+    try:
+        return str(path.resolve().relative_to(Path(config.invocation_params.dir).resolve()))
+    except ValueError:
+        return report_mod.portable(str(path), "")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """JUnit names one scheme for every item: classname `cases.tiny.yaml.ENGINE_ID`, name the check
+    (pytest's own split cuts at the first `[`, so `ref[wiring=sglang]` items got another scheme)."""
+    if not isinstance(item, (CheckItem, SaveBaselineItem)):
+        return
+    from _pytest.junitxml import xml_key  # pytest's record_xml_attribute does the same; no public hook
+
+    xml = item.config.stash.get(xml_key, None)
+    if xml is None:
+        return
+    reporter = xml.node_reporter(getattr(item, "id", item.nodeid))  # the key junitxml files the item's reports under
+    file_part = item.nodeid.split("::", 1)[0]
+    classname = f"{file_part.replace('/', '.')}.{item.spec.id}"
+    reporter.add_attribute("classname", f"{xml.prefix}.{classname}" if xml.prefix else classname)
+    reporter.add_attribute("name", item.name.rsplit("::", 1)[-1])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """pytest-xdist's `-n` is refused for case files: a case's checks share one engine run and one
+    report, which workers in other processes would each redo and each write incomplete."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    where = Path(config.invocation_params.dir)
+    for arg in config.args:
+        target = where / arg.split("::")[0]
+        cases = [target] if target.suffix in (".yaml", ".yml") else [target, target / "cases"]
+        if any(c.suffix in (".yaml", ".yml") or (c.name == "cases" and any(c.glob("*.y*ml"))) for c in cases):
+            raise pytest.UsageError(
+                f"-n (pytest-xdist): {arg} holds difftest case files, whose checks share one engine run and "
+                "one report per case; run them without -n"
+            )
+
+
+def _unavailable(e: EngineUnavailable) -> str:
+    return f"engine unavailable: {e} (--allow-missing-engines skips it instead)"
+
+
+def _kind(e: DifftestError, session: Session, spec: EngineSpec) -> str:
+    """What a run's error was: the case's or its models' configuration, an engine that never started,
+    or (an engine erring on the case) a regression."""
+    if isinstance(e, ConfigError):
+        return "config"
+    if session.pool.start_error(spec) is not None:
+        return "engine"
+    return "regression"
 
 
 class SaveBaselineItem(pytest.Item):
@@ -408,12 +556,12 @@ class SaveBaselineItem(pytest.Item):
             writer.add(self.config.stash[SESSION].run(self.case), self.spec)
         except EngineUnavailable as e:
             writer.problems.append(f"{self.case.name} {self.spec.id}: {e}")
-            if self.config.getoption("require_engines"):
-                raise CheckFailed(f"engine required but unavailable: {e}") from None
-            pytest.skip(str(e))
+            if self.config.getoption("allow_missing_engines"):
+                pytest.skip(str(e))
+            raise _fail(self, "engine", _unavailable(e)) from None
         except DifftestError as e:
             writer.problems.append(f"{self.case.name} {self.spec.id}: {e}")
-            raise CheckFailed(str(e)) from None
+            raise _fail(self, _kind(e, self.config.stash[SESSION], self.spec), str(e)) from None
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, CheckFailed):
@@ -469,12 +617,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if exitstatus == pytest.ExitCode.INTERRUPTED:
         config.stash[SESSION].abort()  # a worker mid-request cannot answer a polite close
+    _set_exit_status(session)
     config._difftest_written = written  # type: ignore[attr-defined]
     config._difftest_kept = kept  # type: ignore[attr-defined]
     config._difftest_summary = rows  # type: ignore[attr-defined]
     writer = config.stash.get(WRITER, None)
     if writer is not None:
         config._difftest_baseline = _finish_baseline(session, writer)  # type: ignore[attr-defined]
+
+
+def _set_exit_status(session: pytest.Session) -> None:
+    """The exit status a CI can trust (difftest.base.exit_codes): Ctrl-C is 130; a failed session says
+    whether a case's configuration, an engine that never started or a regression failed it."""
+    kinds = session.config.stash[KINDS]
+    if session.exitstatus == pytest.ExitCode.INTERRUPTED and kinds.ctrl_c:
+        session.exitstatus = exit_codes.INTERRUPTED
+    elif session.exitstatus == pytest.ExitCode.TESTS_FAILED and kinds.kinds:
+        session.exitstatus = exit_codes.worst(kinds.kinds)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:

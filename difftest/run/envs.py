@@ -36,8 +36,8 @@ from difftest.run.engine import parse_spec
 from difftest.base.errors import ConfigError
 from difftest.base.paths import ENV_BUILT_MARK
 from difftest.base.paths import cache_root
+from difftest.base.paths import import_root
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROJECT_FILE = "difftest.toml"
 # The distribution that *is* the engine, per engine directory (vLLM's CPU build is another name);
 # the trainers' environments (the training side's oracle) are planned the same way.
@@ -123,14 +123,18 @@ def env_hash(requirements: str, setup_script: Path) -> str:
     return hashlib.sha256(requirements.encode() + setup_script.read_bytes()).hexdigest()[:12]
 
 
-def spec_dir(name: str, root: Path = PROJECT_ROOT) -> Path:
-    """engines/NAME, or difftest_engines/trainingdata/envs/NAME for a trainer (as scripts/setup-engine looks)."""
+def spec_dir(name: str, root: Path | None = None) -> Path:
+    """difftest_engines/NAME, or difftest_engines/trainingdata/envs/NAME for a trainer (as scripts/setup-engine
+    looks), under `root`: by default the import root, a checkout or the installed wheel's packages."""
+    root = root or import_root()
     d = root / "difftest_engines" / name
     return d if d.is_dir() else root / "difftest_engines" / "trainingdata" / "envs" / name
 
 
-def plan(requirement: str, label: str | None = None, cache: Path | None = None, root: Path = PROJECT_ROOT) -> EnvPlan:
-    """Where `difftest env create REQUIREMENT` puts its environment, and with which pins; builds nothing."""
+def plan(requirement: str, label: str | None = None, cache: Path | None = None, root: Path | None = None) -> EnvPlan:
+    """Where `difftest env create REQUIREMENT` puts its environment, and with which pins; builds nothing.
+    The recipes are read under `root` (by default the import root: from a checkout or an installed wheel)."""
+    root = root or import_root()
     name, version = parse_engine_requirement(requirement)
     spec = spec_dir(name, root) if name in ENGINE_DISTRIBUTIONS else root / "difftest_engines" / name
     reqs, setup = spec / "requirements-cpu.txt", spec / "setup-env.sh"
@@ -268,3 +272,68 @@ def main(args) -> int:
         return 2
     print(f"use it with --engines={p.engine}@{p.label} (or --engine-python {p.engine}@{p.label}={python})")
     return 0
+
+
+@dataclass
+class BuiltEnv:
+    """One entry of the environments folder, as `difftest env list` shows it."""
+
+    name: str  # the folder or link name: ENGINE-<hash>, or the ENGINE / ENGINE@LABEL link
+    engine: str
+    release: str | None  # the engine's distribution version installed there (None: not found)
+    path: str
+    size: int | None  # bytes (None for a link: its target is listed on its own)
+    complete: bool  # finished by its setup script (ENV_BUILT_MARK), not a .partial build
+    link_to: str | None = None
+
+
+def tree_size(path: Path) -> int:
+    """Bytes under `path`, links not followed (an environment's link to another counts once)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:  # removed while we walked (a build finishing, a prune)
+                continue
+    return total
+
+
+def _release_in(env: Path, engine: str) -> str | None:
+    """The version of the engine's distribution in `env`, from its dist-info folder name (no import)."""
+    dist = _canonical(ENGINE_DISTRIBUTIONS.get(engine, engine)).replace("-", "_")
+    for info in env.glob("lib/python*/site-packages/*.dist-info"):
+        name, _, version = info.name[: -len(".dist-info")].rpartition("-")
+        if _canonical(name).replace("-", "_") == dist:
+            return version
+    return None
+
+
+def list_envs(cache: Path | None = None, sized: bool = True) -> list[BuiltEnv]:
+    """Every environment and link in the environments folder, built or half-built."""
+    folder = (cache or cache_root()) / "envs"
+    if not folder.is_dir():
+        return []
+    out = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name.startswith("."):  # the build locks
+            continue
+        engine = re.split(r"[-@]", entry.name.removesuffix(".partial"), maxsplit=1)[0]
+        if entry.is_symlink():
+            target = entry.resolve()
+            out.append(
+                BuiltEnv(
+                    entry.name,
+                    engine,
+                    _release_in(target, engine),
+                    str(entry),
+                    None,
+                    (target / ENV_BUILT_MARK).exists(),
+                    str(target),
+                )
+            )
+            continue
+        complete = not entry.name.endswith(".partial") and (entry / ENV_BUILT_MARK).exists()
+        size = tree_size(entry) if sized else None
+        out.append(BuiltEnv(entry.name, engine, _release_in(entry, engine), str(entry), size, complete))
+    return out
