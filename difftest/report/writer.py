@@ -566,3 +566,27 @@ def is_complete(path: Path) -> bool:
         return not Report.load(path).interrupted
     except DifftestError:
         return False
+
+
+def junit_properties(result: CheckResult, case_file: str) -> list[tuple[str, str]]:
+    """One item's figures as JUnit properties (pytest's junitxml writes an item's user_properties):
+    its outcome and cause in one line, where the error is introduced, the accept lengths; no
+    machine path (portable)."""
+    props = [("difftest.outcome", result.outcome), ("difftest.cause", portable(short(result.message, 300), case_file))]
+    if result.expected_failure is not None:
+        props.append(("difftest.expected_cause", result.expected_failure.cause))
+    data = result.data
+    if isinstance(data, ComparisonData) and (data.introduced or data.first_divergence):
+        props.append(("difftest.first_divergence", str(data.introduced or data.first_divergence)))
+    if isinstance(data, (AcceptLengthData, ServerAcceptData)):
+        props += [
+            ("difftest.accept_length", f"{data.engine.accept_length:.4f}"),
+            ("difftest.reference_accept_length", f"{data.reference.accept_length:.4f}"),
+        ]
+    return props
+
+
+def keyword(engine_id: str) -> str:
+    """An engine spec id as one `pytest -k` word: `ref[wiring=sglang]` -> `ref_wiring_sglang`,
+    `sglang@0.5.9` -> `sglang_0.5.9` (-k's grammar has no `=`, `@` or `,`)."""
+    return re.sub(r"[^\w.+-]+", "_", engine_id).strip("_")
