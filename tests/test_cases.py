@@ -23,11 +23,18 @@ def shipped_cases_project(tmp_path_factory):
     return root
 
 
-# The shipped cases this module judges on vLLM's wiring: the tiny pair, the seed and its inferred
+# The shipped cases this module judges on vLLM's wiring: the tiny pair, the case reading its prompts
+# from a file (cases/prompts/), the seed and its inferred
 # twin, and every catalogue case (its lint, and that it fails only as declared). The DeepSeek cases
 # are judged on the presets by tests/test_cases_deepseek.py and tests/test_deepseek_fixture.py, and
 # every shipped case on the engines themselves by the shipped run (tests/test_shipped_cases.py).
-JUDGED = ("tiny_llama", "tiny_llama_speculators", "seed_miswired_training", "seed_infer_wiring")
+JUDGED = (
+    "tiny_llama",
+    "tiny_llama_speculators",
+    "tiny_llama_chat_prompts",
+    "seed_miswired_training",
+    "seed_infer_wiring",
+)
 
 
 def judged_cases() -> list[str]:
@@ -47,7 +54,7 @@ def sglang_wired(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("case", ["tiny_llama", "tiny_llama_speculators"])
+@pytest.mark.parametrize("case", ["tiny_llama", "tiny_llama_speculators", "tiny_llama_chat_prompts"])
 def test_correctly_wired_tiny_case_passes_every_check(vllm_wired, case):
     for check in ("fc_inputs", "draft_logits", "top1_agreement", "accept_length"):
         assert vllm_wired.outcome(case, "ref[wiring=vllm]", check).outcome == "passed", (case, check)
