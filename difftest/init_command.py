@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
+from difftest.base import exit_codes
 from difftest.base.dtypes import CASE_DTYPES
 from difftest.base.errors import DifftestError
 from difftest.base.paths import cache_root, import_root
@@ -33,6 +34,12 @@ from difftest.base.registry import calibration_engine, engine_schema, registered
 from difftest.case.case import load_case
 from difftest.rules.wiring import DEFAULT_PRESET
 from difftest.run.case_run import resolve_fixture
+
+
+class InitUsageError(DifftestError):
+    """A bad option value (exit_codes.USAGE), where a checkpoint or config that cannot be used is
+    exit_codes.CONFIG."""
+
 
 HELP = "write a starter case for a target and its draft (wiring inferred, engines found, a prompt set)"
 PROMPT_SET = "chat_small.jsonl"
@@ -174,7 +181,7 @@ def _engines(args: argparse.Namespace, notes: list[str]) -> tuple[list[str], dic
         if e.split("[")[0].split("@")[0] not in known:
             from difftest.base.settings import suggest
 
-            raise DifftestError(f"--engines: unknown engine {e!r}{suggest(e, known)} (known: {', '.join(known)})")
+            raise InitUsageError(f"--engines: unknown engine {e!r}{suggest(e, known)} (known: {', '.join(known)})")
     return chosen, settings
 
 
@@ -251,9 +258,9 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         if out.exists() and not args.force:
-            raise DifftestError(f"--out {out}: already exists (--force replaces it)")
+            raise InitUsageError(f"--out {out}: already exists (--force replaces it)")
         if out.exists() and not out.is_file():
-            raise DifftestError(f"--out {out}: not a file")
+            raise InitUsageError(f"--out {out}: not a file")
         case_dir = out.parent.resolve()
         case_dir.mkdir(parents=True, exist_ok=True)
         s = starter(args, case_dir)
@@ -269,7 +276,7 @@ def main(args: argparse.Namespace) -> int:
         partial.replace(out)
     except DifftestError as e:
         print(f"difftest init: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE if isinstance(e, InitUsageError) else exit_codes.CONFIG
     print(f"wrote {out}: " + "; ".join(s.notes[:1]))
     print(f"next: difftest run {out} --engines={','.join(s.engines)}")
     return 0

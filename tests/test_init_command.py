@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from difftest.base import exit_codes
 from difftest.base.dtypes import DType
 from difftest.case.case import load_case
 from difftest.cli import main
@@ -69,7 +70,7 @@ def test_comments_name_the_drafts_declared_ids_and_the_run_command(tmp_path, che
 
 def test_existing_case_is_kept_without_force(tmp_path, checkpoints, capsys):
     (tmp_path / "c.yaml").write_text("mine\n")
-    assert init(tmp_path, checkpoints) == 2
+    assert init(tmp_path, checkpoints) == exit_codes.USAGE
     assert (tmp_path / "c.yaml").read_text() == "mine\n"
     assert "already exists (--force replaces it)" in capsys.readouterr().err
 
@@ -102,7 +103,7 @@ def test_missing_checkpoint_is_refused_in_one_line_and_nothing_is_written(tmp_pa
                 str(tmp_path / "c.yaml"),
             ]
         )
-        == 2
+        == exit_codes.CONFIG
     )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--target" in err and "no config.json" in err
@@ -110,7 +111,7 @@ def test_missing_checkpoint_is_refused_in_one_line_and_nothing_is_written(tmp_pa
 
 
 def test_misspelt_engine_is_refused_with_the_closest_name(tmp_path, checkpoints, capsys):
-    assert init(tmp_path, checkpoints, "--engines", "ref,sglnag") == 2
+    assert init(tmp_path, checkpoints, "--engines", "ref,sglnag") == exit_codes.USAGE
     assert "unknown engine 'sglnag'; did you mean 'sglang'?" in capsys.readouterr().err
 
 
