@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 from difftest.records.baseline_manifest import BaselineManifest, ScatteredLogits, StoredSpec
 from difftest.run.baseline import SCHEMA, BaselineSource, BaselineWriter
 from difftest.base.errors import ConfigError
-from helpers import TINY_CASE, run_pytest
+from helpers import ROOT, TINY_CASE, run_pytest
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,12 @@ def test_saved_baseline_manifest_records_versions_device_dtype_and_git_sha(saved
     m = manifest(saved.root)
     assert m.name == "v1"
     assert set(m.harness) == {"difftest", "python", "platform", "torch", "transformers"}
-    assert m.git_sha and not m.git_sha.startswith("unknown")
+    # the harness's commit from a checkout, said plainly from a source tree without .git (an unpacked sdist)
+    if (ROOT / ".git").exists():
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+        assert m.git_sha.split()[0] == head.stdout.strip()
+    else:
+        assert m.git_sha == "not a git checkout"
     entry = m.cases["tiny"]
     assert len(entry.fingerprint) == 16
     assert entry.prompts == [[1, 5, 9, 33, 77, 101, 7], [4, 8, 15, 16, 23, 42]]
@@ -261,3 +267,10 @@ def test_baseline_with_another_schema_is_refused(tmp_path):
         ConfigError, match=r"manifest.json: schema 'difftest.capture/1', expected 'difftest.baseline/1'$"
     ):
         BaselineSource(tmp_path, "v1")
+
+
+def test_git_sha_of_a_tree_without_git_says_it_is_not_a_checkout(tmp_path):
+    from difftest.report.writer import _git_sha
+
+    (tmp_path / "difftest").mkdir()
+    assert _git_sha(tmp_path) == "not a git checkout"

@@ -21,7 +21,9 @@ from difftest.base.errors import EngineError
 from difftest.records.engine_info import EngineInfo
 from difftest.run.case_run import CaseRun
 from difftest.run.pool import EnginePool, Options
-from difftest.run.worker import PROJECT_ROOT
+from difftest.base.paths import import_root
+
+PROJECT_ROOT = import_root()
 
 REF = EngineSpec("ref")
 

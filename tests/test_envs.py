@@ -106,7 +106,7 @@ def test_rewrite_keeps_comments_and_markers():
 
 # -- building, on a stub engine ----------------------------------------------------------------
 def _stub_engine(root: Path, script: str) -> None:
-    spec = root / "engines" / "sglang"
+    spec = root / "difftest_engines" / "sglang"
     spec.mkdir(parents=True)
     (spec / "requirements-cpu.txt").write_text("torch==2.13.0\nsglang==0.5.23\n")
     (spec / "setup-env.sh").write_text(script)
@@ -148,7 +148,7 @@ def test_a_release_outside_the_supported_range_is_refused_before_anything_is_bui
 
 def test_an_older_release_builds_from_its_own_pins_and_setup_script(tmp_path):
     _stub_engine(tmp_path, "exit 9\n")  # the pinned release's script: never used for an older one
-    releases = tmp_path / "engines" / "sglang" / "releases"
+    releases = tmp_path / "difftest_engines" / "sglang" / "releases"
     releases.mkdir()
     (releases / "0.5.16.txt").write_text("torch==2.13.0\nsglang==0.5.16\ntransformers==5.3.0\n")
     (releases / "setup-env-release.sh").write_text('cp "$2" "$DIFFTEST_ENV_DIR/installed.txt"\n')
@@ -178,16 +178,14 @@ def test_project_file_maps_labels_to_interpreters_and_environments(tmp_path):
 
 def test_project_file_naming_a_missing_interpreter_is_refused(tmp_path):
     (tmp_path / "difftest.toml").write_text('[engines]\n"sglang@old" = "/nonexistent/python"\n')
-    with pytest.raises(
-        ConfigError, match=r"difftest.toml: difftest_engines.sglang@old: /nonexistent/python does not exist$"
-    ):
+    with pytest.raises(ConfigError, match=r"difftest.toml: engines.sglang@old: /nonexistent/python does not exist$"):
         envs.project_pythons(tmp_path)
 
 
 def test_project_file_key_with_parameters_is_refused(tmp_path):
     (tmp_path / "difftest.toml").write_text(f'[engines]\n"ref[wiring=vllm]" = "{sys.executable}"\n')
     with pytest.raises(
-        ConfigError, match=r"difftest_engines.ref\[wiring=vllm\]: expected NAME or NAME@LABEL without \[parameters\]$"
+        ConfigError, match=r"engines.ref\[wiring=vllm\]: expected NAME or NAME@LABEL without \[parameters\]$"
     ):
         envs.project_pythons(tmp_path)
 

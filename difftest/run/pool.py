@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
 from difftest.base.errors import ConfigError, DifftestError, EngineError
-from difftest.base.paths import cache_root, log_file_name
+from difftest.base.paths import cache_root, import_root, log_file_name
 from difftest.base.registry import calibration_engine, engine_target
 from difftest.records.capture import Capture, CaptureCache, remove_partial
 from difftest.records.engine_info import EngineInfo
@@ -23,7 +23,7 @@ from difftest.run import engine_identity
 from difftest.run.engine import EngineSpec
 from difftest.run.phase_clock import PhaseClock, case_of
 from difftest.run.protocol import Request, Timed
-from difftest.run.worker import PROJECT_ROOT, WorkerClient
+from difftest.run.worker import WorkerClient
 
 T = TypeVar("T", bound=Timed)  # the reply a request is answered with (difftest.run.protocol)
 
@@ -206,7 +206,7 @@ class EnginePool:
         if spec.id not in self._identities:
             client = self._new_client(spec)
             self._identities[spec.id] = engine_identity.identity(
-                spec.to_dict(), client.target, client.python, client.environment(), PROJECT_ROOT
+                spec.to_dict(), client.target, client.python, client.environment(), import_root()
             )
         return self._identities[spec.id]
 

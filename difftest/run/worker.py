@@ -65,8 +65,8 @@ from difftest.records.timings import WorkerPhase
 from difftest.records.acceptance import AcceptStats
 from difftest.records.capture import Capture
 from difftest.base import tensorfile
+from difftest.base.paths import import_root
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # Starting a worker (a fresh interpreter importing torch and the engine) takes tens of seconds on
 # a busy machine; a short --engine-timeout, meant for requests, must not fail the start.
 MIN_START_TIMEOUT_S = 120.0
@@ -104,7 +104,9 @@ class WorkerClient:
     def environment(self) -> dict[str, str]:
         """The worker process's environment: ours, its extra variables, the project importable."""
         env = dict(os.environ, **self.extra_env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        # engine environments do not have difftest installed: the worker imports it from the import root
+        # (a checkout, or links to the installed packages), found here, never in the worker itself
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(import_root()), env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
