@@ -11,6 +11,7 @@ reports). Above the floors, beside the CLI and the plugin: it may name any of th
 from difftest.base import definitions
 from difftest.base.definitions import Definition, trainer_figures
 from difftest.base.dtypes import CASE_DTYPES, DType, torch_dtype
+from difftest.base.cli_args import deprecated_alias
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
 from difftest.base.fc_wiring import Wiring
 from difftest.base.check_registry import ENGINE, CheckSpec
@@ -66,6 +67,7 @@ from difftest.run.pool import Options
 from difftest.run.session import Session
 
 __all__ = [
+    "deprecated_alias",
     # the adapter: interface, specs, settings, errors, the registry
     "Engine",
     "EngineInfo",

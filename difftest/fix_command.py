@@ -34,6 +34,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from difftest.base.cli_args import deprecated_alias
 from difftest.base.errors import ConfigError, DifftestError
 from difftest.base.outputs import atomic_write
 from difftest.base.registry import calibration_engine
@@ -61,7 +62,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--engine", required=True, help="the engine to fix for: vllm or sglang (a labelled spec NAME@LABEL works)"
     )
-    p.add_argument("--report-dir", default="reports", help="where fix/ is written (default: reports)")
+    p.add_argument("--out", dest="report_dir", default="reports", help="where fix/ is written (default: reports)")
+    deprecated_alias(p, ["--report-dir"], "--out", "report_dir")
     p.add_argument(
         "--reference",
         default=None,
@@ -260,7 +262,7 @@ def verify(fixed: list[tuple[FixResult, Path]], args: argparse.Namespace, out_di
         *(str(case_file) for _, case_file in fixed),
         f"--engines={reference},{engine}",
         "--require-engines",
-        f"--report-dir={report_dir}",
+        f"--out={report_dir}",
         f"--engine-timeout={args.engine_timeout}",
         *(f"--engine-python={e}" for e in args.engine_python),
         *(["--no-capture-cache"] if args.no_capture_cache else []),

@@ -279,7 +279,7 @@ def edited_draft(models: tuple[Path, Path], tmp_path: Path, config=None, tensors
 
 
 def train_acc(*args: str, json_out: Path) -> tuple[list[dict], str]:
-    """`difftest train-acc ARGS --json OUT` in-process: (its JSON rows, what it printed); asserts exit 0."""
+    """`difftest train-acc ARGS --out OUT` in-process: (its JSON rows, what it printed); asserts exit 0."""
     import contextlib
     import io
 
@@ -287,6 +287,6 @@ def train_acc(*args: str, json_out: Path) -> tuple[list[dict], str]:
 
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        rc = cli.main(["train-acc", *args, "--json", str(json_out)])
+        rc = cli.main(["train-acc", *args, "--out", str(json_out)])
     assert rc == 0, text.getvalue()
     return json.loads(json_out.read_text())["rows"], text.getvalue()

@@ -101,7 +101,7 @@ def shipped() -> Run:
                 "--require-engines",
                 "--no-capture-cache",
                 "--engine-timeout=600",
-                f"--report-dir={directory / 'reports'}",
+                f"--out={directory / 'reports'}",
                 "--durations=15",
                 timeout=TIMEOUT_S,
             )

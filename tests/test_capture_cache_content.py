@@ -65,9 +65,9 @@ def test_rewritten_checkpoint_with_same_size_and_mtime_is_captured_again(models,
     own_draft = tmp_path / "draft"
     shutil.copytree(draft, own_draft)
     root, env = tiny_case_project(tmp_path / "p", target, own_draft), {"DIFFTEST_CACHE": str(tmp_path / "cache")}
-    first = run_pytest(root, "cases/", "--engines=ref", "--report-dir=r1", env=env)
+    first = run_pytest(root, "cases/", "--engines=ref", "--out=r1", env=env)
     rewrite_keeping_size_and_times(own_draft)
-    second = run_pytest(root, "cases/", "--engines=ref", "--report-dir=r2", env=env)
+    second = run_pytest(root, "cases/", "--engines=ref", "--out=r2", env=env)
     assert first.returncode == second.returncode == 0, second.output
     assert "request capture" in (root / "r1" / "logs" / "ref.log").read_text()
     assert "request capture" in (root / "r2" / "logs" / "ref.log").read_text(), "a stale cached capture was reused"

@@ -36,7 +36,7 @@ def _run(
         "--no-capture-cache",
         f"--engine-python=sglang={sglang_python}",
         f"--engine-timeout={timeout_s}",
-        f"--report-dir={tmp}",
+        f"--out={tmp}",
         env=env,
         timeout=TIMEOUT,
     )

@@ -37,7 +37,7 @@ def _args(sglang_python: str, report_dir: Path, engines: str, *extra: str) -> tu
         "--no-capture-cache",
         f"--engine-python=sglang={sglang_python}",
         "--engine-timeout=900",
-        f"--report-dir={report_dir}",
+        f"--out={report_dir}",
         *extra,
     )
 

@@ -392,7 +392,7 @@ def test_difftest_fix_for_the_seed_case_is_verified_on_vllm_at_tp2(tmp_path):
             str(ROOT / "cases" / "seed_miswired_training.yaml"),
             "--engine",
             TP2,
-            "--report-dir",
+            "--out",
             str(tmp_path),
             f"--engine-python=vllm={vllm_python()}",
         ],

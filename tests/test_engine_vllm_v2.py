@@ -92,7 +92,7 @@ def test_the_fix_for_v2_is_verified_on_both_runners(tmp_path):
             f"cases/{NESTED}.yaml",
             "--engine",
             "vllm",
-            "--report-dir",
+            "--out",
             "fixed",
             f"--engine-python=vllm={vllm_python()}",
         ],

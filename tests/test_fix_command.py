@@ -32,7 +32,7 @@ def fix_all(cases: list[Path], engine: str, out: Path, *extra: str) -> subproces
             *map(str, cases),
             "--engine",
             engine,
-            "--report-dir",
+            "--out",
             str(out),
             *extra,
         ],

@@ -160,27 +160,24 @@ def report_json(tmp_path) -> Path:
 
 def test_report_out_dir_onto_an_existing_file_is_refused_in_one_line(report_json, tmp_path, capsys):
     (tmp_path / "afile").write_text("")
-    assert main(["report", str(report_json), "--out-dir", str(tmp_path / "afile")]) == 2
-    assert capsys.readouterr().err == f"difftest report: --out-dir: {tmp_path / 'afile'} is not a directory\n"
+    assert main(["report", str(report_json), "--out", str(tmp_path / "afile")]) == 2
+    assert capsys.readouterr().err == f"difftest report: --out: {tmp_path / 'afile'} is not a directory\n"
 
 
 def test_bundle_onto_an_existing_directory_is_refused_and_leaves_nothing_behind(report_json, tmp_path, capsys):
     (tmp_path / "out").mkdir()
-    assert main(["bundle", str(report_json), "-o", str(tmp_path / "out")]) == 2
-    assert (
-        capsys.readouterr().err
-        == f"difftest bundle: -o/--output: {tmp_path / 'out'} is a directory; give a file path\n"
-    )
+    assert main(["bundle", str(report_json), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"difftest bundle: --out: {tmp_path / 'out'} is a directory; give a file path\n"
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["c.json", "out", "reports"]
 
 
 def test_bundle_to_a_path_under_a_file_is_refused_in_one_line(report_json, tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     out = tmp_path / "afile" / "c.tar.gz"
-    assert main(["bundle", str(report_json), "-o", str(out)]) == 2
+    assert main(["bundle", str(report_json), "--out", str(out)]) == 2
     assert (
         capsys.readouterr().err
-        == f"difftest bundle: -o/--output: {tmp_path / 'afile'} is not a directory (needed for {out})\n"
+        == f"difftest bundle: --out: {tmp_path / 'afile'} is not a directory (needed for {out})\n"
     )
 
 
@@ -192,7 +189,7 @@ def test_a_bundle_write_that_fails_midway_leaves_no_temporary_archive(report_jso
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(tarfile.TarFile, "addfile", full_disk)
-    assert main(["bundle", str(report_json), "-o", str(tmp_path / "c.tar.gz")]) == 2
+    assert main(["bundle", str(report_json), "--out", str(tmp_path / "c.tar.gz")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["c.json", "reports"]
@@ -203,12 +200,11 @@ def test_train_acc_json_under_a_file_is_refused_before_anything_is_computed(tmp_
     out = tmp_path / "afile" / "acc.json"
     # --data does not exist: a check after the computation would fail on that instead
     assert (
-        main(["train-acc", "--data", str(tmp_path / "nodata"), "--draft", "d", "--target", "t", "--json", str(out)])
-        == 2
+        main(["train-acc", "--data", str(tmp_path / "nodata"), "--draft", "d", "--target", "t", "--out", str(out)]) == 2
     )
     assert (
         capsys.readouterr().err
-        == f"difftest train-acc: --json: {tmp_path / 'afile'} is not a directory (needed for {out})\n"
+        == f"difftest train-acc: --out: {tmp_path / 'afile'} is not a directory (needed for {out})\n"
     )
 
 
@@ -246,16 +242,13 @@ def test_probe_report_dir_onto_a_file_is_refused_before_the_server_is_asked(tmp_
                 "http://127.0.0.1:1",
                 "--case",
                 str(tmp_path / "none.yaml"),
-                "--report-dir",
+                "--out",
                 str(tmp_path / "afile"),
             ]
         )
         == 2
     )
-    assert (
-        capsys.readouterr().err.splitlines()[-1]
-        == f"difftest probe: --report-dir: {tmp_path / 'afile'} is not a directory"
-    )
+    assert capsys.readouterr().err.splitlines()[-1] == f"difftest probe: --out: {tmp_path / 'afile'} is not a directory"
 
 
 def test_an_output_file_check_creates_nothing(tmp_path):

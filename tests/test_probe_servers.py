@@ -189,7 +189,7 @@ def _report(report_dir: Path) -> dict:
 
 
 def test_sglang_probe_meets_the_prediction_and_reports_the_topk1_override(sglang_server, probe_case, tmp_path):
-    run = _probe("--server", sglang_server.url, "--case", str(probe_case), "--report-dir", str(tmp_path))
+    run = _probe("--server", sglang_server.url, "--case", str(probe_case), "--out", str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "PASS: the deployment accepts what the reference predicts" in run.stdout
     assert "flag: topk 1 forces num_draft_tokens = 5 (num_steps + 1); 16 configured" in run.stdout
@@ -209,7 +209,7 @@ def test_sglang_probe_meets_the_prediction_and_reports_the_topk1_override(sglang
 
 
 def test_sglang_miswired_draft_collapse_is_detected_from_outside(sglang_miswired, small_case, tmp_path):
-    run = _probe("--server", sglang_miswired.url, "--case", str(small_case), "--report-dir", str(tmp_path))
+    run = _probe("--server", sglang_miswired.url, "--case", str(small_case), "--out", str(tmp_path))
     assert run.returncode == 1, run.stdout + run.stderr
     assert run.stdout.startswith("accept length collapsed: ")
     assert "FAIL: the deployment accepts less than the reference predicts" in run.stdout
@@ -218,9 +218,7 @@ def test_sglang_miswired_draft_collapse_is_detected_from_outside(sglang_miswired
 
 
 def test_vllm_probe_meets_the_prediction_from_metrics_deltas(vllm_server, probe_case, tmp_path):
-    run = _probe(
-        "--server", vllm_server.url, "--case", str(probe_case), "--kind", "vllm", "--report-dir", str(tmp_path)
-    )
+    run = _probe("--server", vllm_server.url, "--case", str(probe_case), "--kind", "vllm", "--out", str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "numbers: deltas: vLLM /metrics counters" in run.stdout
     al = _report(tmp_path)[("server", "accept_length")]
@@ -237,7 +235,7 @@ def test_server_spec_stands_beside_other_engines_in_a_pytest_run(sglang_server, 
         small_case.parent.parent,
         f"cases/{small_case.name}",
         f"--engines=ref,server[url={sglang_server.url},kind=sglang]",
-        f"--report-dir={tmp_path}",
+        f"--out={tmp_path}",
         "-k",
         "accept_length or fc_inputs",
         env={"DIFFTEST_ENGINES": engines, "DIFFTEST_CHECKS": f"server_accept_length={PROBE_CHECK}"},
@@ -257,7 +255,7 @@ def test_a_server_serving_another_model_is_refused_in_one_line(sglang_server, sm
         str(small_case),
         "--model",
         "/models/other-model",
-        "--report-dir",
+        "--out",
         str(tmp_path),
     )
     assert run.returncode == 2
@@ -271,7 +269,7 @@ def test_a_server_serving_another_model_is_refused_in_one_line(sglang_server, sm
 
 def test_an_unreachable_server_is_named_in_one_line(probe_case, tmp_path):
     url = f"http://127.0.0.1:{live_servers.free_port()}"
-    run = _probe("--server", url, "--case", str(probe_case), "--report-dir", str(tmp_path), timeout=120)
+    run = _probe("--server", url, "--case", str(probe_case), "--out", str(tmp_path), timeout=120)
     assert run.returncode == 2
     line = run.stderr.strip().splitlines()[-1]
     assert line.startswith("difftest probe: ") and f"{url}: cannot reach the server" in line
@@ -318,7 +316,7 @@ def test_a_server_without_speculative_decoding_is_named_in_one_line(probe_case, 
             f"http://127.0.0.1:{stub.server_address[1]}",
             "--case",
             str(probe_case),
-            "--report-dir",
+            "--out",
             str(tmp_path),
             timeout=120,
         )
@@ -340,7 +338,7 @@ def test_a_server_that_does_not_answer_in_time_is_a_timeout_not_a_hang(probe_cas
             "sglang",
             "--timeout",
             "1",
-            "--report-dir",
+            "--out",
             str(tmp_path),
             timeout=120,
         )

@@ -50,7 +50,7 @@ def _serve_and_probe(
     log = Path(request.config.rootpath) / "reports" / "logs" / f"live-{kind}-tp{tp}.log"
     server = live_servers.start(kind, args, log, env)
     try:
-        run = _probe("--server", server.url, "--case", str(case), "--report-dir", str(out), *probe_args)
+        run = _probe("--server", server.url, "--case", str(case), "--out", str(out), *probe_args)
     finally:
         left = server.stop()
     assert not left, f"{kind} TP = {tp}: processes left after stopping the server's process group: {left}"

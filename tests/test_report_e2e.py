@@ -137,7 +137,7 @@ def test_progress_is_quiet_under_q(wrong_engines_run):
         "-q",
         "cases/",
         "--engines=ref,ref[wiring=sglang]",
-        "--report-dir=reports-q",
+        "--out=reports-q",
         env={"DIFFTEST_CACHE": str(wrong_engines_run.root / "cache")},
     )
     assert quiet.returncode == 1

@@ -184,7 +184,7 @@ def scored(trained, tmp_path_factory) -> dict:
                 str(trained["target"]),
                 "--wiring",
                 "vllm",
-                "--json",
+                "--out",
                 str(out),
             ]
         )
@@ -286,7 +286,7 @@ def exact(trained, tmp_path_factory) -> dict:
                     str(draft),
                     "--target",
                     str(trained["target"]),
-                    "--json",
+                    "--out",
                     str(root / f"{name}.json"),
                     *extra,
                 ]

@@ -294,7 +294,7 @@ def _train_acc(run: dict, *extra: str) -> dict:
             str(run["target"]),
             "--ttt-steps",
             "3",
-            "--json",
+            "--out",
             str(out),
             *extra,
         ]

@@ -254,7 +254,7 @@ def test_train_acc_is_high_under_the_training_wiring_and_low_under_the_engines(m
             str(models[0]),
             "--wiring",
             "vllm",
-            "--json",
+            "--out",
             str(out_json),
         ]
     )
@@ -279,7 +279,7 @@ def test_train_acc_states_each_figures_definition_and_the_accept_length_it_predi
             str(seed / "draft"),
             "--target",
             str(models[0]),
-            "--json",
+            "--out",
             str(out_json),
         ]
     )
@@ -445,7 +445,7 @@ def test_a_dataset_dictionary_folder_is_refused_naming_the_split_to_give(tmp_pat
 def test_train_acc_reads_hidden_states_from_the_folder_given_as_hidden_states(models, tmp_path, capsys):
     data = _dump(models, tmp_path, "speculators", "h0+h2+h4+h5")
     args = ["train-acc", "--draft", str(models[1]), "--target", str(models[0]), "--ttt-steps", "2"]
-    assert cli.main([*args, "--data", str(data), "--json", str(tmp_path / "here.json")]) == 0
+    assert cli.main([*args, "--data", str(data), "--out", str(tmp_path / "here.json")]) == 0
     rows = _as_prepare_data(data, tmp_path / "prepared")
     (data / "hidden_states").rename(tmp_path / "elsewhere")  # as generate-offline-data --output puts them
     capsys.readouterr()
@@ -456,7 +456,7 @@ def test_train_acc_reads_hidden_states_from_the_folder_given_as_hidden_states(mo
             str(tmp_path / "prepared"),
             "--hidden-states",
             str(tmp_path / "elsewhere"),
-            "--json",
+            "--out",
             str(tmp_path / "apart.json"),
         ]
     )

@@ -74,7 +74,7 @@ def _session(out: Path, baselines: Path, engines: str, python: dict[str, str], *
         "--require-engines",
         "--engine-timeout=900",
         f"--baseline-dir={baselines}",
-        f"--report-dir={out / 'reports'}",
+        f"--out={out / 'reports'}",
         timeout=3000,
     )
     run.root = out  # Run.report reads root/reports

@@ -22,7 +22,7 @@ def load(path: str | Path) -> Report:
 def rerender(args) -> int:
     path = Path(args.json)
     out_dir = check_output_dir(
-        args.out_dir or path.parent, "--out-dir" if args.out_dir else "--out-dir (default: beside the JSON)"
+        args.out_dir or path.parent, "--out" if args.out_dir else "--out (default: beside the JSON)"
     )
     data = load(path)
     md, html = report_files.render(data, out_dir)
@@ -34,14 +34,14 @@ def rerender(args) -> int:
 def bundle(args) -> int:
     path = Path(args.json)
     if args.output:
-        check_output_file(args.output, "-o/--output")
+        check_output_file(args.output, "--out")
     data = load(path)
     stem = data.case.replace("/", "_")
     # the default path needs the case name from the JSON, so it is checked once that is read
     out = (
         Path(args.output)
         if args.output
-        else check_output_file(path.parent / f"{stem}.difftest.tar.gz", "-o/--output (default: beside the JSON)")
+        else check_output_file(path.parent / f"{stem}.difftest.tar.gz", "--out (default: beside the JSON)")
     )
 
     members: dict[str, bytes] = {

@@ -349,6 +349,10 @@ class CaseRun:
     def calibration(self) -> CaseRun:
         """The float64 run of this case (calibration_case) over the same pool."""
         if self._calibration is None:
+            # its captures and speculative runs take as long as the case's own: say what they are for
+            self.pool.progress(
+                f"{self.prepared.name}: float64 calibration (the noise floor), the case again in float64"
+            )
             self._calibration = CaseRun(self.pool, calibration_case(self.prepared))
         return self._calibration
 

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from difftest.api import Command
+from difftest.api import Command, deprecated_alias
 from difftest_engines.server.engine import ServerEngine
 
 NAME = "server"  # the name this package registers its engine under (pyproject.toml, difftest.engines)
@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request to the server (default 120)")
     p.add_argument("--model", default=None, help="the served model's name when it is not the case's target path")
-    p.add_argument("--report-dir", default="reports")
+    p.add_argument("--out", dest="report_dir", default="reports", help="where the report goes (default: reports)")
+    deprecated_alias(p, ["--report-dir"], "--out", "report_dir")
     p.add_argument("--engine-timeout", type=float, default=900.0, help="seconds per reference request (default 900)")
 
 
@@ -82,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
     report_dir = Path(args.report_dir)
     session = None
     try:
-        check_output_dir(report_dir, "--report-dir")  # before the server and the reference are asked anything
+        check_output_dir(report_dir, "--out")  # before the server and the reference are asked anything
         if args.timeout <= 0:
             raise DifftestError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
         case = load_case(args.case)

@@ -23,7 +23,7 @@ from difftest.api import Case, Prompt, load_case
 from difftest.api import CASE_DTYPES, torch_dtype
 from difftest.api import EngineSpec
 from difftest.api import ConfigError, DifftestError
-from difftest.api import Command
+from difftest.api import Command, deprecated_alias
 from difftest.api import atomic_write, check_output_dir, check_output_file
 from difftest.api import short_name
 
@@ -54,7 +54,7 @@ def train_acc(args) -> int:
 
     try:
         if args.json:  # checked before the computation, not found unwritable after it
-            check_output_file(args.json, "--json")
+            check_output_file(args.json, "--out")
     except DifftestError as e:
         print(f"difftest train-acc: {e}", file=sys.stderr)
         return 2
@@ -159,7 +159,7 @@ def train_acc(args) -> int:
         try:
             atomic_write(args.json, json.dumps({"data": str(data), "rows": rows}, indent=1) + "\n")
         except OSError as e:  # what the check up front cannot foresee (a full disk); no partial file is left
-            print(f"difftest train-acc: --json: {args.json}: {e.strerror or e}", file=sys.stderr)
+            print(f"difftest train-acc: --out: {args.json}: {e.strerror or e}", file=sys.stderr)
             return 2
     return 0
 
@@ -253,7 +253,9 @@ def train_acc_arguments(t: argparse.ArgumentParser) -> None:
         "beside the draft; speculators' own default is 0.9)",
     )
     t.add_argument("--dtype", default="float32", choices=[d.value for d in CASE_DTYPES])
-    t.add_argument("--json", default=None, help="also write the table as JSON here")
+    t.add_argument("--out", dest="json", default=None, metavar="FILE", help="also write the table as JSON here")
+    # --json is every command's machine-readable output flag; a path after it is this command's old spelling
+    deprecated_alias(t, ["--json"], "--out", "json")
 
 
 def dump_arguments(d: argparse.ArgumentParser) -> None:
