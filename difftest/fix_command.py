@@ -1,4 +1,4 @@
-"""`difftest fix CASE [CASE ...] --engine NAME [--no-verify]`: the smallest draft-config edit that
+"""`difftest fix CASE [CASE ...] --engines NAME [--no-verify]`: the smallest draft-config edit that
 makes one engine version feed the draft what training fed, written as a file the user applies, then
 verified on the real engine.
 
@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from difftest.base.cli_args import deprecated_alias
+from difftest.base.exit_codes import USAGE
 from difftest.base.errors import ConfigError, DifftestError
 from difftest.base.outputs import atomic_write
 from difftest.base.registry import calibration_engine
@@ -60,8 +61,13 @@ def add_parser(sub) -> None:
         help="a case YAML file; several are fixed in turn and verified in one run of the engine",
     )
     p.add_argument(
-        "--engine", required=True, help="the engine to fix for: vllm or sglang (a labelled spec NAME@LABEL works)"
+        "--engines",
+        dest="engine",
+        default=None,
+        metavar="ENGINE",
+        help="the one engine to fix for: vllm or sglang (a labelled spec NAME@LABEL works); required",
     )
+    deprecated_alias(p, ["--engine"], "--engines", "engine")
     p.add_argument("--out", dest="report_dir", default="reports", help="where fix/ is written (default: reports)")
     deprecated_alias(p, ["--report-dir"], "--out", "report_dir")
     p.add_argument(
@@ -144,7 +150,7 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     view = engine_view(prepared, spec.name, trained, variant=spec_variant(spec.name, dict(spec.params)))
     if view is None:
         raise ConfigError(
-            f"--engine {engine}: no layer-id rule models {spec.name} on this target "
+            f"--engines {engine}: no layer-id rule models {spec.name} on this target "
             "(difftest.rules.layer_rules knows vllm and sglang on Llama, Qwen3 and DeepSeek-V3 targets)"
         )
     edit = view.edit()
@@ -198,7 +204,8 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
             raw[field] = str((Path(case_path).parent / value).resolve())
     case_file = out_dir / f"{stem}.yaml"
     atomic_write(
-        case_file, f"# written by `difftest fix {case_path} --engine {engine}`\n" + yaml.safe_dump(raw, sort_keys=False)
+        case_file,
+        f"# written by `difftest fix {case_path} --engines {engine}`\n" + yaml.safe_dump(raw, sort_keys=False),
     )
     result.files = [str(patch_file), str(case_file), *result.files]
     return result, case_file
@@ -299,6 +306,9 @@ def _case_name(path: Path) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not getattr(args, "engine", None):  # required, under either spelling (--engine warns)
+        print("difftest fix: --engines ENGINE is required (the one engine to fix for)", file=sys.stderr)
+        return USAGE
     out_dir = Path(args.report_dir) / "fix"
     results: list[FixResult] = []
     fixed: list[tuple[FixResult, Path]] = []  # the patched cases the engine verifies

@@ -1,4 +1,4 @@
-"""`difftest fix CASE [CASE ...] --engine NAME`: the edit that makes an engine feed what training fed,
+"""`difftest fix CASE [CASE ...] --engines NAME`: the edit that makes an engine feed what training fed,
 written and then VERIFIED on the real engine (vLLM 0.32.0, SGLang 0.5.23), on the four shapes the
 field meets: SGLang's off-by-one, SGLang's sort + shift on a draft trained out of layer order, a draft
 with no ids at all (the default-layer fallback), and the seed's shape on a DeepSeek-V3 target (trained
@@ -30,7 +30,7 @@ def fix_all(cases: list[Path], engine: str, out: Path, *extra: str) -> subproces
             "difftest.cli",
             "fix",
             *map(str, cases),
-            "--engine",
+            "--engines",
             engine,
             "--out",
             str(out),
@@ -196,7 +196,7 @@ def test_seed_shape_on_deepseek_is_refused_for_vllm_naming_who_can_serve_it(deep
 def test_an_engine_without_a_rule_model_is_one_line(tmp_path):
     run = fix(ROOT / "cases" / "tiny_llama.yaml", "ref", tmp_path, "--no-verify")
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
-    assert run.stderr.startswith("difftest fix: --engine ref: no layer-id rule models ref")
+    assert run.stderr.startswith("difftest fix: --engines ref: no layer-id rule models ref")
 
 
 def test_a_missing_case_file_is_one_line(tmp_path):

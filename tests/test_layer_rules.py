@@ -168,7 +168,7 @@ def test_the_report_has_a_fix_section_for_a_failing_fc_inputs_item():
         checks=[CheckResult("sglang", "fc_inputs", "failed", "m", data)],
     )
     md = markdown(report)
-    assert "## Fix" in md and "difftest fix cases/c.yaml --engine sglang" in md
+    assert "## Fix" in md and "difftest fix cases/c.yaml --engines sglang" in md
     assert '{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}' in md
     assert "<h2 id='fix'>Fix</h2>" in render(report)
 

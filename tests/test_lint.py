@@ -152,7 +152,7 @@ def test_engine_readings_of_the_ids_are_checked_against_training(models):
         "trained on [h1, h2, h3]; other engines read ids [1, 2, 3] differently: SGLang 0.5.23 (Llama "
         "rule: ids from eagle_config, layer order, k -> h[k+1]) turns [1, 2, 3] (eagle_config) into "
         "[h2, h3, h4]; the draft was trained on [h1, h2, h3]; fix: {'eagle_config': "
-        "{'eagle_aux_hidden_state_layer_ids': [0, 1, 2]}} (`difftest fix CASE --engine sglang` writes "
+        "{'eagle_aux_hidden_state_layer_ids': [0, 1, 2]}} (`difftest fix CASE --engines sglang` writes "
         "and verifies it); SpecForge's data generation reads them as [h2, h3, h4]"
     )
 
@@ -212,6 +212,6 @@ def test_ids_that_do_not_name_the_trained_layers_are_an_error(models):
     assert str(f) == (
         "error [layer-ids-training]: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer "
         "order, k -> h[k]) turns [1, 2, 3] (top level) into [h1, h2, h3]; the draft was trained on "
-        "[h0, h1, h2]; fix: {'eagle_aux_hidden_state_layer_ids': [0, 1, 2]} (`difftest fix CASE --engine "
+        "[h0, h1, h2]; fix: {'eagle_aux_hidden_state_layer_ids': [0, 1, 2]} (`difftest fix CASE --engines "
         "vllm` writes and verifies it)"
     )

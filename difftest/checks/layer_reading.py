@@ -96,7 +96,7 @@ def fix_lines(view: EngineView, edit: ConfigEdit | None) -> list[str]:
     )
     lines = [
         f"fix: {reorder}set {where} = {edit.ids} (then {view.rule.label} feeds [{feeds}]); "
-        f"`difftest fix CASE --engine {view.engine}` writes and verifies it"
+        f"`difftest fix CASE --engines {view.engine}` writes and verifies it"
     ]
     lines += [f"note: the edit also changes another reading: {s}" for s in edit.side_effects]
     return lines

@@ -266,7 +266,7 @@ def _readings(
         if layers is not None:
             edit = config_edit(raw, target_family(tcfg), rule.engine, layers, L)
             text += (
-                f"; fix: {edit.patch} (`difftest fix CASE --engine {rule.engine}` writes and verifies it)"
+                f"; fix: {edit.patch} (`difftest fix CASE --engines {rule.engine}` writes and verifies it)"
                 if edit.possible
                 else f"; no config fixes it: {edit.impossible}"
             )

@@ -364,7 +364,7 @@ def fix_lines(f: Fix, case_file: str) -> list[str]:
     if f.edit.fc_order:
         lines.append(f"and reorder fc.weight's input blocks into layer order ({f.edit.fc_order})")
     lines += [f"note: {s}" for s in f.edit.side_effects]
-    lines.append(f"write and verify it on the engine: difftest fix {case_file} --engine {f.engine}")
+    lines.append(f"write and verify it on the engine: difftest fix {case_file} --engines {f.engine}")
     return lines
 
 
@@ -458,7 +458,7 @@ def fix_line(report: Report) -> str:
             else:
                 items.append(
                     f"`{f.engine}`: set {json.dumps(f.edit.patch)} in the draft's config.json "
-                    f"(`difftest fix {report.case_file or 'CASE'} --engine {f.engine}`)"
+                    f"(`difftest fix {report.case_file or 'CASE'} --engines {f.engine}`)"
                 )
         return "**Fix**: " + "; ".join(items) + "."
     bad = [c for c in report.checks if c.failed]
