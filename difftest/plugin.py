@@ -416,9 +416,11 @@ class CheckItem(pytest.Item):
             results.append(CheckResult(self.spec.id, self.check, "not available", str(e)))
             pytest.skip(str(e))
         except EngineUnavailable as e:
-            results.append(CheckResult(self.spec.id, self.check, "skipped", str(e)))
             if self.config.getoption("allow_missing_engines"):
+                results.append(CheckResult(self.spec.id, self.check, "skipped", str(e)))
                 pytest.skip(str(e))
+            # the report says what the exit status says: this engine was required and did not run
+            results.append(CheckResult(self.spec.id, self.check, "error", _unavailable(e)))
             raise _fail(self, "engine", _unavailable(e)) from None
         except DifftestError as e:
             message = str(e)
