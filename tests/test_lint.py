@@ -140,7 +140,7 @@ def test_sglang_topk_1_forces_the_draft_token_budget(models):
     engines = {"sglang": {"speculative_eagle_topk": 1, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8}}
     [f] = lint_draft(models[1], models[0], TRAINED, engines)
     assert str(f) == (
-        "warning [sglang-topk]: difftest_engines.sglang: speculative_eagle_topk == 1 forces num_draft_tokens = "
+        "warning [sglang-topk]: engines.sglang: speculative_eagle_topk == 1 forces num_draft_tokens = "
         "num_steps + 1 = 4; the configured 8 is silently ignored"
     )
 

@@ -248,7 +248,7 @@ def validate(
     spec_where: str = "",
 ) -> dict:
     """Merge a case's engines section (`section`, found at `section_where`, e.g. 'cases/x.yaml:
-    difftest_engines.ref') with the spec parameters (`params`, from `spec_where`, e.g. "--engines
+    engines.ref') with the spec parameters (`params`, from `spec_where`, e.g. "--engines
     ref[wiring=sglang]") into {setting name: value}; settings given nowhere hold their default.
     Raises ConfigError naming the place at the first problem."""
     if section is None:

@@ -1,4 +1,4 @@
-"""The reference engine's settings (difftest.base.settings): the case's `difftest_engines.ref` merged with `ref[...]`."""
+"""The reference engine's settings (difftest.base.settings): the case's `engines.ref` merged with `ref[...]`."""
 
 from difftest.api import Schema, Setting, settings_record
 

@@ -7,7 +7,7 @@ the hooks run in SGLang's scheduler process and write files that difftest_engine
 aligns to prompt positions and names canonically. Acceptance comes from SGLang's own
 per-request counters (`meta_info`).
 
-Settings: the case's `difftest_engines.sglang` mapping, overridden by the engine spec's parameters:
+Settings: the case's `engines.sglang` mapping, overridden by the engine spec's parameters:
   draft_config_overrides / target_config_overrides   deep-merged into config.json (overlay)
   speculative_num_steps (spec: num_steps)            default: the case's speculative.num_steps
   speculative_eagle_topk (spec: topk)                default 1

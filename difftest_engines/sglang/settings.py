@@ -1,4 +1,4 @@
-"""The SGLang adapter's settings (difftest.base.settings): the case's `difftest_engines.sglang` merged with `sglang[...]`."""
+"""The SGLang adapter's settings (difftest.base.settings): the case's `engines.sglang` merged with `sglang[...]`."""
 
 from difftest.api import Schema, Setting, settings_record
 

@@ -1,4 +1,4 @@
-"""The vLLM adapter's settings (difftest.base.settings): the case's `difftest_engines.vllm` merged with `vllm[...]`."""
+"""The vLLM adapter's settings (difftest.base.settings): the case's `engines.vllm` merged with `vllm[...]`."""
 
 from difftest.api import CASE_DTYPES, Schema, Setting, settings_record
 
