@@ -619,13 +619,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if exitstatus == pytest.ExitCode.INTERRUPTED:
         config.stash[SESSION].abort()  # a worker mid-request cannot answer a polite close
-    _set_exit_status(session)
     config._difftest_written = written  # type: ignore[attr-defined]
     config._difftest_kept = kept  # type: ignore[attr-defined]
     config._difftest_summary = rows  # type: ignore[attr-defined]
     writer = config.stash.get(WRITER, None)
     if writer is not None:
         config._difftest_baseline = _finish_baseline(session, writer)  # type: ignore[attr-defined]
+    _set_exit_status(session)  # last: a report or baseline not written fails the session first
 
 
 def _set_exit_status(session: pytest.Session) -> None:

@@ -76,7 +76,7 @@ def test_the_lint_and_capture_items_fail_an_unreadable_draft_with_the_same_line(
     target, draft = models
     bad = damaged_copy(draft, tmp_path / "draft", "truncated")
     run = run_pytest(write_project(tmp_path / "p", target, bad), "cases/", "--engines=ref")
-    assert run.returncode == 1, run.output
+    assert run.returncode == 6, run.output  # a damaged checkpoint is a configuration error, not a regression
     assert "Traceback" not in run.output and "internal error" not in run.output, run.output
     capture, lint = (run.outcome("c", "ref", check).message for check in ("capture", "lint"))
     assert capture == lint and lint.startswith(f"{bad / 'model.safetensors'}: ")
