@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import argparse
 from collections import Counter
 from pathlib import Path
@@ -270,6 +271,13 @@ def _progress_writer(config: pytest.Config) -> Progress | None:
     terminal = _TERMINAL
 
     def write(line: str) -> None:
+        # pytest may be mid-line on stdout (`-v` writes an item's id, then its outcome): end that line
+        # first, from the main thread only (a heartbeat comes from its own), and flush it, so the
+        # progress line stands alone and pytest writes the id again before the outcome
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None and threading.current_thread() is threading.main_thread():
+            reporter.ensure_newline()
+            reporter._tw.flush()
         if terminal is not None:
             terminal.write(line + "\n")
             return
