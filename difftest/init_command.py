@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
+from difftest.base.settings import suggest
 from difftest.base import exit_codes
 from difftest.base.dtypes import CASE_DTYPES
 from difftest.base.errors import DifftestError
@@ -179,8 +180,6 @@ def _engines(args: argparse.Namespace, notes: list[str]) -> tuple[list[str], dic
     known = registered_engines()
     for e in chosen:
         if e.split("[")[0].split("@")[0] not in known:
-            from difftest.base.settings import suggest
-
             raise InitUsageError(f"--engines: unknown engine {e!r}{suggest(e, known)} (known: {', '.join(known)})")
     return chosen, settings
 

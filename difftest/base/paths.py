@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import functools
 import hashlib
 import os
@@ -40,8 +42,6 @@ UV_PIP = "scripts/uv-pip"
 
 def _worker_packages() -> dict[str, Path]:
     """Top-level package name -> its directory, for the core and every package its entry points name."""
-    import importlib.metadata
-    import importlib.util
 
     names = {"difftest"}
     for dist in importlib.metadata.distributions():
