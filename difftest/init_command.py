@@ -6,7 +6,7 @@ declared layer ids), writes the wiring the draft's config implies (its ids read 
 difftest.rules.wiring.DEFAULT_PRESET, the speculators convention; a comment names `wiring: specforge`
 and `wiring: infer`, which finds it from the draft's behaviour but needs prompts the target answers
 sensibly, so a starter that must run on any checkpoint does not default to it), copies the
-shipped prompt set beside the case (cases/prompts/chat_small.jsonl: chat messages where the target has
+shipped prompt set beside the case (difftest/case/prompt_sets/chat_small.jsonl: chat messages where the target has
 a chat template, their plain text where it has none), lists the engines it can run (the calibrating
 engine, every engine whose environment is built in the user cache, the engine that reads a running
 server when --server is given and the one that reads training data when --train-data is), and writes
@@ -30,7 +30,7 @@ from difftest.base.settings import suggest
 from difftest.base import exit_codes
 from difftest.base.dtypes import CASE_DTYPES
 from difftest.base.errors import DifftestError
-from difftest.base.paths import cache_root, import_root
+from difftest.base.paths import cache_root
 from difftest.base.registry import calibration_engine, engine_schema, registered_engines
 from difftest.case.case import load_case
 from difftest.rules.wiring import DEFAULT_PRESET
@@ -44,6 +44,8 @@ class InitUsageError(DifftestError):
 
 HELP = "write a starter case for a target and its draft (wiring inferred, engines found, a prompt set)"
 PROMPT_SET = "chat_small.jsonl"
+# the shipped prompt sets are package data (pyproject.toml), so an installed wheel has them too
+SHIPPED_PROMPTS = Path(__file__).parent / "case" / "prompt_sets"
 
 
 def add_parser(sub) -> None:
@@ -187,7 +189,7 @@ def _engines(args: argparse.Namespace, notes: list[str]) -> tuple[list[str], dic
 def _prompt_set(case_dir: Path, notes: list[str]) -> Path:
     """The shipped prompt set, copied beside the case (prompts/chat_small.jsonl); a copy already there
     is the user's to edit and is kept."""
-    source = import_root() / "cases" / "prompts" / PROMPT_SET
+    source = SHIPPED_PROMPTS / PROMPT_SET
     dest = case_dir / "prompts" / PROMPT_SET
     if dest.exists():
         if not source.is_file() or dest.read_bytes() != source.read_bytes():

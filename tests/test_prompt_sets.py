@@ -165,12 +165,12 @@ def test_infer_wiring_refuses_a_malformed_prompt_set_naming_its_line(tmp_path, c
 
 
 def test_shipped_chat_prompt_set_holds_sixteen_chat_prompts():
-    case_dir = ROOT / "cases"
-    path = case_dir / "c.yaml"  # not read: the set's path is relative to a case in cases/
+    case_dir = ROOT / "difftest" / "case"
+    path = case_dir / "c.yaml"  # not read: the set's path is relative to a case beside the package's sets
     from difftest.base.settings import Place
     from difftest.case.prompt_sets import PromptFile, read_prompt_file
 
-    prompts = read_prompt_file(PromptFile("prompts/chat_small.jsonl"), Place(str(path)))
+    prompts = read_prompt_file(PromptFile("prompt_sets/chat_small.jsonl"), Place(str(path)))
     assert len(prompts) == 16 and all(p.messages and p.messages[-1]["role"] == "user" for p in prompts)
 
 

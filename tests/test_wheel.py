@@ -224,3 +224,30 @@ def test_run_of_the_tiny_case_on_ref_passes_from_outside_the_checkout(installed,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "passed" in done.stdout
+
+
+def test_init_then_run_from_the_wheel_checks_a_draft_given_by_its_folders(installed, tmp_path):
+    """The README's second screen from an installed wheel: `difftest init` on a target and a draft folder
+    writes a case (with the shipped prompt set beside it, package data), and `difftest run` passes it."""
+    shown = _run([str(installed.difftest), "fixtures", "tiny-llama", "tiny-llama-eagle3"], installed.env, tmp_path)
+    assert shown.returncode == 0, shown.stdout[-2000:] + shown.stderr[-2000:]
+    paths = dict(re.findall(r"^\[fixtures\] (\S+): (\S+)$", shown.stdout, flags=re.M))
+    written = _run(
+        [
+            str(installed.difftest),
+            "init",
+            "--target",
+            paths["tiny-llama"],
+            "--draft",
+            paths["tiny-llama-eagle3"],
+            "--out",
+            "mine.yaml",
+        ],
+        installed.env,
+        tmp_path,
+    )
+    assert written.returncode == 0, written.stdout[-2000:] + written.stderr[-2000:]
+    assert (tmp_path / "prompts" / "chat_small.jsonl").is_file()
+    done = _run([str(installed.difftest), "run", "mine.yaml", "--engines=ref"], installed.env, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "passed" in done.stdout
