@@ -91,7 +91,7 @@ elif [ "$gpus" -lt "$tp" ]; then
 else
   (cd "$root" && DIFFTEST_TP=$tp "$py" -m pytest -p difftest.plugin -p no:cacheprovider -q -rfEs \
       cases/kimi_k25_gpu.yaml --engines=train,vllm --reference=train --require-engines \
-      --engine-python "vllm=$py" --engine-timeout 3600 --report-dir "$work/reports-kimi-tp$tp") \
+      --engine-python "vllm=$py" --engine-timeout 3600 --out "$work/reports-kimi-tp$tp") \
       > "$work/kimi.out" 2>&1 || true
   say "kimi_k25_gpu tensor_parallel_size=$tp: $(tail -n 1 "$work/kimi.out")"
 fi

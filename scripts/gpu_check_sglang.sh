@@ -27,7 +27,7 @@ for dtype in float32 bfloat16; do
   start=$(date +%s)
   (cd "$root" && "$harness" -m pytest -p difftest.plugin -q -rfEs "$case_dir" \
       --engines=ref,sglang --require-engines --engine-python "sglang=$py" --engine-timeout 600 \
-      --report-dir "$out/reports-$dtype") > "$out/pytest-$dtype.log" 2>&1
+      --out "$out/reports-$dtype") > "$out/pytest-$dtype.log" 2>&1
   rc=$?
   echo "gpu_check_sglang: $dtype rc=$rc in $(( $(date +%s) - start ))s: $(tail -1 "$out/pytest-$dtype.log")"
   [ $rc -eq 0 ] || status=1
@@ -39,7 +39,7 @@ if [ "${gpus:-0}" -ge 2 ]; then
   start=$(date +%s)
   (cd "$root" && "$harness" -m pytest -p difftest.plugin -q -rfEs "$out/float32/cases" \
       "--engines=ref,sglang[tp_size=2]" --require-engines --engine-python "sglang=$py" --engine-timeout 600 \
-      --report-dir "$out/reports-tp2") > "$out/pytest-tp2.log" 2>&1
+      --out "$out/reports-tp2") > "$out/pytest-tp2.log" 2>&1
   rc=$?
   echo "gpu_check_sglang: float32 tp_size=2 rc=$rc in $(( $(date +%s) - start ))s: $(tail -1 "$out/pytest-tp2.log")"
   [ $rc -eq 0 ] || status=1
@@ -58,7 +58,7 @@ else
   start=$(date +%s)
   (cd "$root" && DIFFTEST_TP=$tp "$harness" -m pytest -p difftest.plugin -q -rfEs cases/kimi_k25_gpu.yaml \
       --engines=train,sglang --reference=train --require-engines --engine-python "sglang=$py" \
-      --engine-timeout 3600 --report-dir "$out/reports-kimi-tp$tp") > "$out/pytest-kimi.log" 2>&1
+      --engine-timeout 3600 --out "$out/reports-kimi-tp$tp") > "$out/pytest-kimi.log" 2>&1
   rc=$?
   echo "gpu_check_sglang: kimi_k25_gpu tp_size=$tp rc=$rc in $(( $(date +%s) - start ))s: $(tail -1 "$out/pytest-kimi.log")"
   [ $rc -eq 0 ] || status=1

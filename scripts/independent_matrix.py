@@ -65,7 +65,7 @@ def run_session(
         os.devnull,
         *cases,
         f"--engines={','.join(engines)}",
-        f"--report-dir={report_dir}",
+        f"--out={report_dir}",
         f"--junitxml={report_dir / 'junit.xml'}",
         *extra,
     ]

@@ -4,7 +4,7 @@
 For each engine (default: vllm, sglang) and each draft config variant it runs the shipped case
 cases/tiny_deepseek_v3_mla_draft.yaml through the harness, exactly as a user would
 
-    .venv/bin/pytest <case> --engines=ref,ENGINE --report-dir=reports/mla-try
+    .venv/bin/pytest <case> --engines=ref,ENGINE --out=reports/mla-try
 
 and records what happened: every check's outcome and message, the accept lengths, the largest
 difference on each draft tensor, and on failure the engine's first error line and its log. A
@@ -63,7 +63,7 @@ def first_error(log: Path) -> str:
 def run(engine: str, overrides: dict[str, str], timeout: int) -> dict:
     case = variant_case(overrides, engine)
     report_dir = OUT / (engine + ("-" + "-".join(f"{k}={v}" for k, v in overrides.items()) if overrides else ""))
-    cmd = [sys.executable, "-m", "pytest", str(case), f"--engines=ref,{engine}", f"--report-dir={report_dir}", "-q"]
+    cmd = [sys.executable, "-m", "pytest", str(case), f"--engines=ref,{engine}", f"--out={report_dir}", "-q"]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     result: dict = {
