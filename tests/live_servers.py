@@ -98,7 +98,7 @@ def _die_with_the_tests() -> None:
 
 
 def start(kind: str, args: list[str], log: Path, env: dict | None = None) -> LiveServer:
-    """`python -m engines.KIND.serve ARGS --host 127.0.0.1 --port P` in the engine's environment."""
+    """`python -m difftest_engines.KIND.serve ARGS --host 127.0.0.1 --port P` in the engine's environment."""
     python = engine_python(kind)
     port = free_port()
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ def start(kind: str, args: list[str], log: Path, env: dict | None = None) -> Liv
     t0 = time.monotonic()
     with open(log, "ab") as f:
         proc = subprocess.Popen(
-            [python, "-m", f"engines.{kind}.serve", *args, "--host", "127.0.0.1", "--port", str(port)],
+            [python, "-m", f"difftest_engines.{kind}.serve", *args, "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=f,
