@@ -88,7 +88,7 @@ def _key(target_dir: Path) -> str:
     h = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode())
     h.update((HERE / "speculators_train.py").read_bytes())
     h.update(inspect.getsource(write_greedy_data).encode())  # the data writer too
-    h.update((Path(__file__).parent.parent / "engines" / "trainingdata" / "formats.py").read_bytes())
+    h.update((Path(__file__).parent.parent / "difftest_engines" / "trainingdata" / "formats.py").read_bytes())
     for f in sorted(target_dir.iterdir()):
         if f.is_file():
             h.update(f.name.encode() + f.read_bytes())
