@@ -14,6 +14,8 @@ reference (`baseline:NAME`). Every session ends with the per-case verdict table 
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import sys
 import threading
@@ -274,10 +276,14 @@ def _progress_writer(config: pytest.Config) -> Progress | None:
         # pytest may be mid-line on stdout (`-v` writes an item's id, then its outcome): end that line
         # first, from the main thread only (a heartbeat comes from its own), and flush it, so the
         # progress line stands alone and pytest writes the id again before the outcome
+        # (with capture suspended, as pytest's live logging does: during an item's call fd 1 is captured,
+        # and the newline would land in the item's "Captured stdout" section instead of the terminal)
         reporter = config.pluginmanager.get_plugin("terminalreporter")
+        capman = config.pluginmanager.get_plugin("capturemanager")
         if reporter is not None and threading.current_thread() is threading.main_thread():
-            reporter.ensure_newline()
-            reporter._tw.flush()
+            with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
+                reporter.ensure_newline()
+                reporter._tw.flush()
         if terminal is not None:
             terminal.write(line + "\n")
             return

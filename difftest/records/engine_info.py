@@ -37,6 +37,13 @@ class EngineInfo:
         """The release as a report names it, with the code path that ran: "vllm 0.32.0 (runner v2)"."""
         return f"{self.name} {self.version}" + (f" ({self.variant})" if self.variant else "")
 
+    def code_path(self) -> str:
+        """The runner and the execution mode that ran, as a report's "runner" column names them:
+        "runner v2, eager", "runner v2, compiled (torch.compile)"; "-" when the engine names neither."""
+        runner = self.variant or self.versions.get("runner")
+        execution = self.versions.get("execution")
+        return ", ".join(str(part) for part in (runner, execution) if part) or "-"
+
     def to_dict(self) -> dict:
         return encode_fields(self, omit_none=("baseline",))
 

@@ -524,9 +524,8 @@ def environment_rows(report: Report) -> list[str]:
             for k, v in (("live server", info.live), *info.settings.items())
             if v
         )
-        runner = info.variant or str(info.versions.get("runner") or info.versions.get("execution") or "-")
         h.append(
-            f"<tr><td><code>{escape(e)}</code></td><td>{escape(info.label())}</td><td>{escape(runner)}</td>"
+            f"<tr><td><code>{escape(e)}</code></td><td>{escape(info.label())}</td><td>{escape(info.code_path())}</td>"
             f"<td>{escape(info.kernels or '-')}</td><td><table>{versions}{extra}</table></td></tr>"
         )
     h.append("</table><table class='env'><tr><th>harness</th><th>value</th></tr>")

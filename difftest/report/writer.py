@@ -480,9 +480,8 @@ def environment_table(report: Report) -> list[str]:
             lines.append(f"| `{e}` | did not start: {_md(short(entry.error or '', 100))} | | | | | |")
             continue
         v = info.versions
-        runner = info.variant or str(v.get("runner") or v.get("execution") or "-")
         lines.append(
-            f"| `{e}` | {_md(info.label())} | {_md(runner)} | {_md(info.kernels or '-')} | {v.get('torch', '-')} | "
+            f"| `{e}` | {_md(info.label())} | {_md(info.code_path())} | {_md(info.kernels or '-')} | {v.get('torch', '-')} | "
             f"{v.get('transformers', '-')} | {v.get('python', '-')} |"
         )
     env = report.environment
