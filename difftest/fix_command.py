@@ -1,4 +1,4 @@
-"""`difftest fix CASE [CASE ...] --engines NAME [--no-verify]`: the smallest draft-config edit that
+"""`difftest fix CASE [CASE ...] --engines NAME [--no-verify] [--force]`: the smallest draft-config edit that
 makes one engine version feed the draft what training fed, written as a file the user applies, then
 verified on the real engine.
 
@@ -16,7 +16,9 @@ Where no config can do it (an engine that cannot capture a layer training used, 
 layer order), it says so, names the engines or versions that can serve the draft as trained,
 and the wiring to retrain on for this one. A case that is bad input is named in one line and the
 others still run. Exit status: 0 every case fixed and verified (or, with --no-verify, computed),
-1 a case has no config fix or failed its verification, 2 a case was bad input.
+1 a case has no config fix or failed its verification, 2 a case was bad input, 4 (usage) a path it
+would write is refused before any case is computed: --out not a writable folder, or a file an earlier
+fix of the case wrote (--force replaces them).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -37,9 +40,9 @@ from safetensors.torch import save_file
 from difftest.base.cli_args import deprecated_alias
 from difftest.base.exit_codes import USAGE
 from difftest.base.errors import ConfigError, DifftestError
-from difftest.base.outputs import atomic_write
+from difftest.base.outputs import atomic_write, check_output_dir, check_output_file
 from difftest.base.registry import calibration_engine
-from difftest.case.case import load_case
+from difftest.case.case import expand_vars, load_case
 from difftest.checks.layer_reading import engine_view
 from difftest.checks.lint import trained_wiring
 from difftest.records import Report
@@ -83,6 +86,7 @@ def add_parser(sub) -> None:
         help="as for `difftest run`: the engine's interpreter",
     )
     p.add_argument("--no-verify", action="store_true", help="write the edit without running the engine")
+    p.add_argument("--force", action="store_true", help="replace the files an earlier fix of the same case wrote")
     p.add_argument("--engine-timeout", type=int, default=900, help="seconds for the verifying run's engine requests")
     p.add_argument(
         "--no-capture-cache",
@@ -184,13 +188,14 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     patch_file = out_dir / f"{stem}.patch.json"
     atomic_write(patch_file, json.dumps(result.patch, indent=1) + "\n")
     raw = yaml.safe_load(Path(case_path).read_text())
+    carry_paths(raw, Path(case_path), out_dir)  # before the fc edit below points draft at its own copy
     if raw.get("wiring") == "infer":  # what was inferred is what the fix was computed for: pin it
         raw["wiring"] = [f"h{k}" for k in view.trained]
     if edit.fc_order:
         # the checkpoint edit: the same draft with fc's input blocks in layer order, for every engine
         # (the reference included: the patched case's wiring is the layer-ordered feed)
         edited = write_reordered_draft(Path(prepared.draft), edit.fc_order, out_dir / f"{stem}.draft")
-        raw["draft"] = str(edited)
+        raw["draft"] = os.path.relpath(edited, out_dir)  # beside the patched case, which moves with it
         raw["wiring"] = [f"h{k}" for k in edit.feeds]
         result.files.append(str(edited))
     section = dict((raw.get("engines") or {}).get(spec.key) or {})
@@ -198,10 +203,6 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     raw.setdefault("engines", {})[spec.key] = section
     raw["name"] = f"{case.name}_fix_{spec.key.replace('@', '_')}"
     raw.pop("expect_failure", None)  # the fixed case must pass on this engine with no excuse declared
-    for field in ("target", "draft"):  # relative paths keep meaning from the new location
-        value = raw.get(field)
-        if isinstance(value, str) and not value.startswith("fixture:") and not Path(value).is_absolute():
-            raw[field] = str((Path(case_path).parent / value).resolve())
     case_file = out_dir / f"{stem}.yaml"
     atomic_write(
         case_file,
@@ -209,6 +210,38 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
     )
     result.files = [str(patch_file), str(case_file), *result.files]
     return result, case_file
+
+
+def carry_paths(raw: dict, case_path: Path, out_dir: Path) -> None:
+    """The raw case's file paths (target, draft, prompt files), as the user wrote them, made to mean the
+    same from `out_dir`, where the patched case is written: a fixture and an absolute path unchanged,
+    ${VAR} kept as written (it is the user's way to say where models live), a relative path re-rooted
+    on `out_dir`. The computation read the case through load_case, which expands and resolves; this
+    only decides what the written case says."""
+    for field in ("target", "draft"):
+        value = raw.get(field)
+        if isinstance(value, str):
+            raw[field] = _carried(value, case_path, out_dir, field, expand_home=False)
+    for where, section in (("prompts", raw), ("speculative.prompts", raw.get("speculative"))):
+        spec = section.get("prompts") if isinstance(section, dict) else None
+        if isinstance(spec, dict) and isinstance(spec.get("file"), str):
+            spec["file"] = _carried(spec["file"], case_path, out_dir, f"{where}.file", expand_home=True)
+
+
+def _carried(value: str, case_path: Path, out_dir: Path, where: str, expand_home: bool) -> str:
+    """`value`, a path relative to `case_path`'s folder unless absolute, as it reads from `out_dir`.
+    `expand_home`: the field reads ~ as the home folder (prompt files do; checkpoint paths do not)."""
+    if value.startswith("fixture:"):
+        return value
+    meant = expand_vars(value, case_path, where) if "${" in value else value
+    if (Path(meant).expanduser() if expand_home else Path(meant)).is_absolute():
+        return value
+    case_dir, here = case_path.parent.resolve(), out_dir.resolve()
+    if "${" in value:  # relative once expanded: the variable stays, led by the way back to the case's folder
+        back = os.path.relpath(case_dir, here)
+        return value if back == "." else f"{Path(back).as_posix()}/{value}"
+    # normalised without resolving the path itself: a symlink the user named (models/current) stays one
+    return Path(os.path.relpath(os.path.normpath(case_dir / value), here)).as_posix()
 
 
 def write_reordered_draft(draft: Path, order: list[int], out: Path) -> Path:
@@ -305,11 +338,43 @@ def _case_name(path: Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def check_outputs(args: argparse.Namespace, out_dir: Path) -> None:
+    """Every path the run will write, checked before any case is read into an engine's rules or an
+    engine starts (ConfigError in one line naming --out): the folder can be made and written, no file
+    is a directory, and none an earlier fix wrote is replaced without --force."""
+    check_output_dir(out_dir, "--out")
+    try:
+        key = parse_spec(args.engine).key
+    except DifftestError:
+        return  # compute names the bad spec, case by case
+    for case in args.cases:
+        name = _case_name(Path(case))
+        if name is None:
+            continue  # compute names why the case cannot be read
+        stem = f"{name}.{key}"
+        files = [out_dir / f"{stem}.patch.json", out_dir / f"{stem}.yaml", out_dir / f"{stem}.fix.json"]
+        if not args.no_verify:
+            files.append(out_dir / "verified" / f"{name}_fix_{key.replace('@', '_')}.json")
+        for path in files:
+            check_output_file(path, "--out")
+        draft = out_dir / f"{stem}.draft"  # written only for an fc reorder; an old one is replaced then
+        if draft.exists() and not draft.is_dir():
+            raise ConfigError(f"--out: {draft} is not a directory (the reordered draft goes there)")
+        old = next((p for p in [*files, draft] if p.exists()), None)
+        if old is not None and not args.force:
+            raise ConfigError(f"--out: {old} already exists, from an earlier fix (--force replaces it)")
+
+
 def run(args: argparse.Namespace) -> int:
     if not getattr(args, "engine", None):  # required, under either spelling (--engine warns)
         print("difftest fix: --engines ENGINE is required (the one engine to fix for)", file=sys.stderr)
         return USAGE
     out_dir = Path(args.report_dir) / "fix"
+    try:
+        check_outputs(args, out_dir)
+    except ConfigError as e:
+        print(f"difftest fix: {e}", file=sys.stderr)
+        return USAGE
     results: list[FixResult] = []
     fixed: list[tuple[FixResult, Path]] = []  # the patched cases the engine verifies
     bad_input = False

@@ -126,6 +126,15 @@ def _expand(value: object, path: Path, where: str) -> object:
     return _VAR.sub(sub, value)
 
 
+def expand_vars(value: str, path: Path, where: str) -> str:
+    """`value` with ${VAR} and ${VAR:-default} expanded as load_case expands the case at `path` (an unset
+    variable: CaseNotConfigured naming `where`). For a command that rewrites a case and keeps what the
+    user wrote, but needs to know what it means here (difftest fix)."""
+    out = _expand(value, path, where)
+    assert isinstance(out, str)
+    return out
+
+
 def load_case(path: str | Path) -> Case:
     """Read the YAML, expand ${VARS}, read it through the case schema (difftest.case.case_schema.CASE)."""
     path = Path(path)
