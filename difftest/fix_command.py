@@ -12,9 +12,14 @@ verified on the real engine.
    run: one engine session serves them all (an engine start is most of a verification on CPU).
    The verified run's report is REPORT_DIR/fix/verified/CASE_fix_NAME.json.
 
-Where no config can do it (an engine that cannot capture a layer training used, or ids not in
-layer order), it says so, names the engines or versions that can serve the draft as trained,
-and the wiring to retrain on for this one. A case that is bad input is named in one line and the
+The draft flags (norm_before_fc, fc_norm, ...) are read through the rules of the release the engine
+runs (difftest.rules.engine_releases: the interpreter's environment says which, else a label that is a
+release): a flag it reads from another place than training wrote it is written there too.
+
+Where no config can do it (an engine that cannot capture a layer training used, ids not in layer
+order, a release that reads a trained flag from no place at all), it says so, names the engines or
+releases that can serve the draft as trained, and the wiring to retrain on (or the flag to train
+without) for this one. A case that is bad input is named in one line and the
 others still run. Exit status: 0 every case fixed and verified (or, with --no-verify, computed),
 1 a case has no config fix or failed its verification, 2 a case was bad input, 4 (usage) a path it
 would write is refused before any case is computed: --out not a writable folder, or a file an earlier
@@ -34,6 +39,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from packaging.version import InvalidVersion, Version
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -46,10 +52,15 @@ from difftest.case.case import expand_vars, load_case
 from difftest.checks.layer_reading import engine_view
 from difftest.checks.lint import trained_wiring
 from difftest.records import Report
+from difftest.rules.draft_rules import ENGINES as DRAFT_RULES
+from difftest.rules.engine_releases import SUPPORTED, engine_draft_rules, on_record, unrecorded
+from difftest.rules.engine_releases import release as release_of
 from difftest.rules.layer_rules import spec_variant
+from difftest.rules.lint_checkpoint import flag_misreadings
 from difftest.rules.overlay import deep_merge
 from difftest.run.case_run import CaseRun
 from difftest.run.engine import EngineSpec, parse_spec
+from difftest.run.envs import list_envs
 from difftest.run.pool import EnginePool, Options
 
 HELP = "compute, write and verify the draft-config edit that makes ENGINE feed what training fed"
@@ -143,15 +154,41 @@ class FixResult:
         return out
 
 
-def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Path | None]:
-    """The edit and its files (no engine run). Returns the result and the patched case's path."""
+def engine_release(spec: EngineSpec, engine_python: list[str]) -> str | None:
+    """The release the verifying run will start for `spec`, read without starting it: the engine's
+    distribution in the environment of the interpreter it would run on (difftest.run.envs), else a
+    label that is a release (NAME@0.5.16). None: unknown, the pinned release's rules apply."""
+    pythons = dict(e.split("=", 1) for e in engine_python if "=" in e)  # a malformed one: the verifying run names it
+    options = Options(engines=[spec], reference=EngineSpec(calibration_engine()), engine_python=pythons)
+    python = EnginePool(options).python_for(spec)
+    if Path(python).resolve() != Path(sys.executable).resolve():
+        env = Path(python).parent.parent.resolve()
+        found = next((e.release for e in list_envs(sized=False) if Path(e.path).resolve() == env), None)
+        if found:
+            return release_of(found)
+    try:
+        return str(Version(spec.label)) if spec.label else None
+    except InvalidVersion:
+        return None
+
+
+def compute(case_path: Path, engine: str, out_dir: Path, version: str | None = None) -> tuple[FixResult, Path | None]:
+    """The edit and its files (no engine run). Returns the result and the patched case's path.
+    `version`: the engine release it is computed for (engine_release; None: the pinned one)."""
     spec = parse_spec(engine)
     case = load_case(case_path)
     pool = EnginePool(Options(engines=[spec], reference=EngineSpec(calibration_engine())))
     prepared = CaseRun(pool, case).engine_case(spec)
     trained = trained_wiring(prepared)
+    notes = []
+    if version is not None and not on_record(spec.name, version):
+        if spec.name in SUPPORTED:
+            notes.append(unrecorded(spec.name, version) + "; this edit follows the pinned release's rules")
+        version = None
 
-    view = engine_view(prepared, spec.name, trained, variant=spec_variant(spec.name, dict(spec.params)))
+    view = engine_view(
+        prepared, spec.name, trained, version=version, variant=spec_variant(spec.name, dict(spec.params))
+    )
     if view is None:
         raise ConfigError(
             f"--engines {engine}: no layer-id rule models {spec.name} on this target "
@@ -174,14 +211,31 @@ def compute(case_path: Path, engine: str, out_dir: Path) -> tuple[FixResult, Pat
         edit.ids,
         edit.impossible,
         edit.alternatives,
-        edit.side_effects,
+        [*edit.side_effects, *notes],
         [],
         edit.fc_order,
     )
     if not edit.possible:
         return result, None
-    # already fed as trained: nothing to set
+    # The draft flags the engine's release reads otherwise than training meant (the release rules,
+    # difftest.rules.engine_releases): written where it reads them, or, where it reads them from no place
+    # this config has, no config fix at all (the layer ids alone would be verified and fail).
+    rules = engine_draft_rules(spec.name, version) if spec.name in DRAFT_RULES else None
+    misread = flag_misreadings(view.draft_config, [rules]) if rules is not None else []
+    blocked = [m for m in misread if m.cannot() is not None]
+    if blocked:
+        result.patch = None
+        result.impossible = "; ".join(str(m.cannot()) for m in blocked)
+        result.alternatives = [a for m in blocked for a in m.alternatives()]
+        return result, None
+    # already fed as trained: no layer ids to set
     patch = {} if view.reading.fed == view.trained and view.reading.refusal is None else edit.patch
+    for m in misread:
+        patch = deep_merge(patch, m.patch() or {})
+        result.side_effects.append(
+            f"{m.flag}: {m.meant!r} written at {m.place()}, where {m.rules.engine} {m.rules.version} reads it "
+            f"(as given, it runs the draft with {m.flag}={bool(m.got)})"
+        )
     result.patch = patch
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{case.name}.{spec.key}"
@@ -375,6 +429,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"difftest fix: {e}", file=sys.stderr)
         return USAGE
+    try:
+        version = engine_release(parse_spec(args.engine), args.engine_python)
+    except DifftestError:
+        version = None  # compute names the bad spec, case by case
     results: list[FixResult] = []
     fixed: list[tuple[FixResult, Path]] = []  # the patched cases the engine verifies
     bad_input = False
@@ -393,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         if name is not None:
             first_with_name[name] = case
         try:
-            result, case_file = compute(Path(case), args.engine, out_dir)
+            result, case_file = compute(Path(case), args.engine, out_dir, version)
         except DifftestError as e:
             print(f"difftest fix: {e}", file=sys.stderr)
             bad_input = True

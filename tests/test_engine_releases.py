@@ -156,3 +156,36 @@ def test_a_weighted_flag_an_engine_drops_silently_is_predicted_as_a_divergence()
     [f] = flag_findings({"norm_before_fc": True}, [er.engine_draft_rules("sglang", "0.5.16")])
     assert "it runs the draft with norm_before_fc=False; the first tensor that differs is draft.fc_out" in f.message
     assert "refused at load" not in f.message  # SGLang's loader drops the input_norm weights without a word
+
+
+def test_the_releases_that_read_a_flag_are_derived_from_the_changes_table():
+    [run] = er.flag_readers("sglang", "norm_before_fc")
+    assert (run.first, run.last, run.read_from) == ("0.5.17", "0.5.23", (draft_rules.EAGLE_CONFIG, draft_rules.TOP))
+    assert run.words() == "SGLang 0.5.17 - 0.5.23 (from eagle_config, then top level)"
+
+
+def test_a_flag_no_release_reads_has_no_readers():
+    assert er.flag_readers("sglang", "norm_before_residual") == []
+
+
+def test_a_flag_a_release_cannot_read_is_not_fixed_by_writing_it_elsewhere_and_names_the_releases_that_can():
+    from difftest.rules.lint_checkpoint import flag_findings
+
+    [f] = flag_findings({"norm_before_fc": True}, [er.engine_draft_rules("sglang", "0.5.16")])
+    fix = f.message.split("Fix: ", 1)[1]
+    assert fix.startswith("sglang 0.5.16 cannot read norm_before_fc (True in the draft config) from any place")
+    assert "serve the draft with a release that reads it: SGLang 0.5.17 - 0.5.23" in fix
+    assert fix.endswith("or train the draft without norm_before_fc")
+    assert "write" not in fix
+
+
+def test_a_flag_a_release_reads_elsewhere_is_fixed_by_writing_it_where_it_reads():
+    from difftest.rules.lint_checkpoint import flag_findings, flag_misreadings
+
+    cfg = {"eagle_config": {"fc_norm": True}}
+    [m] = flag_misreadings(cfg, [er.engine_draft_rules("sglang", "0.5.23")])
+    assert (m.place(), m.patch(), m.cannot()) == (draft_rules.TOP, {"fc_norm": True}, None)
+    [f] = flag_findings(cfg, [er.engine_draft_rules("sglang", "0.5.23")])
+    assert f.message.endswith(
+        "Fix: write fc_norm: True where sglang 0.5.23 reads it (top level), or train the draft without it"
+    )

@@ -315,6 +315,56 @@ def engine_draft_rules(engine: str, version: str | None = None) -> draft_rules.E
 
 
 @dataclass(frozen=True)
+class FlagReaders:
+    """A run of consecutive releases on record of one engine that read one draft flag."""
+
+    engine: str
+    first: str
+    last: str | None  # the last release of the run; None: it ends before `before`
+    before: str | None  # the first release after the run, which no longer reads it
+    read_from: tuple[str, ...]  # where every release of the run reads it; () when that moved within the run
+
+    def words(self) -> str:
+        span = (
+            f"{self.first} - {self.last}" if self.last is not None else f"{self.first} up to {self.before} (excluded)"
+        )
+        where = f" (from {', then '.join(self.read_from)})" if self.read_from else ""
+        return f"{ENGINE_LABELS.get(self.engine, self.engine)} {span}{where}"
+
+
+def flag_readers(engine: str, flag: str) -> list[FlagReaders]:
+    """The releases on record of `engine` that read draft flag `flag` at all, as runs of consecutive
+    releases: those a draft trained with the flag can be served by. Derived from CHANGES (the rule can
+    only move at a change's first release), so it says what the table says and nothing more."""
+    base = engine.split("[")[0].split("@")[0]
+    if base not in SUPPORTED:
+        return []
+    r = SUPPORTED[base]
+    starts = sorted({Version(r.oldest), *(Version(c.first) for c in changes(base) if r.contains(c.first))})
+    runs: list[tuple[str, set[tuple[str, ...]]]] = []  # (first release, the places read) of each run
+    reading_before = None
+    for v in starts:
+        rules = engine_draft_rules(base, str(v))
+        rule = rules.flag(flag) if rules is not None else None
+        where = tuple(rule.read_from) if rule is not None else ()
+        if bool(where) != reading_before:
+            runs.append((str(v), set()))
+            reading_before = bool(where)
+        if where:
+            runs[-1][1].add(where)
+    out = []
+    for i, (first, places) in enumerate(runs):
+        if places:
+            after = runs[i + 1][0] if i + 1 < len(runs) else None
+            out.append(
+                FlagReaders(
+                    base, first, None if after else r.pinned, after, next(iter(places)) if len(places) == 1 else ()
+                )
+            )
+    return out
+
+
+@dataclass(frozen=True)
 class LayerDifference:
     """Two releases of one engine reading one draft config differently."""
 

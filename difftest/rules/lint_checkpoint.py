@@ -8,10 +8,12 @@ checkpoint is read from its config and safetensors headers, plus a few embedding
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 from difftest.rules.draft_rules import (
+    EAGLE_CONFIG,
     ENGINES,
     FLAG_TENSORS,
     FLAG_WEIGHTS,
@@ -23,6 +25,7 @@ from difftest.rules.draft_rules import (
     flag_locations,
 )
 from difftest.records.finding import Finding
+from difftest.rules.engine_releases import flag_readers
 from difftest.rules.weight_files import open_safetensors
 from difftest.base.names import DRAFT_LOGITS, DRAFT_LOGITS_TARGET, EMBEDS
 
@@ -57,10 +60,84 @@ def _engines_line(names: list[str]) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def flag_findings(raw: dict, engines: Iterable[EngineDraftRules] | None = None) -> list[Finding]:
-    """A flag the draft's config sets that an engine (default: each pinned release) never reads, or
-    reads from another place."""
-    out: list[Finding] = []
+@dataclass(frozen=True)
+class FlagMisreading:
+    """A flag the draft's config sets that one engine release runs with another value than training meant."""
+
+    flag: str
+    meant: object  # the trainer's value (what the reference reads)
+    got: object  # what the engine runs the draft with (None: the flag's default, off)
+    places: dict[str, object]  # where the config sets it, and the value there
+    rules: EngineDraftRules
+    speculators: bool  # a speculators-format config
+
+    def place(self) -> str | None:
+        """Where in this config the release reads the flag (the first such place); None where it reads it
+        from no place this config has: no edit of the config gives it the flag."""
+        rule = self.rules.flag(self.flag)
+        # a speculators config's top level is the "speculators config" place, an HF config's the "top level"
+        here = (EAGLE_CONFIG, SPECULATORS if self.speculators else TOP)
+        return next((w for w in (rule.read_from if rule is not None else ()) if w in here), None)
+
+    def patch(self) -> dict | None:
+        """The JSON merge patch that writes the trained value where the release reads it (None: no place)."""
+        place = self.place()
+        if place is None:
+            return None
+        return {EAGLE_CONFIG: {self.flag: self.meant}} if place == EAGLE_CONFIG else {self.flag: self.meant}
+
+    def cannot(self) -> str | None:
+        """Why no config edit helps, in one clause; None where writing the flag elsewhere does."""
+        if self.place() is not None:
+            return None
+        rules, rule = self.rules, self.rules.flag(self.flag)
+        if rule is None or not rule.read_from:
+            return (
+                f"{rules.engine} {rules.version} cannot read {self.flag} ({self.meant!r} in the draft config) from "
+                "any place in the draft config, so no config edit makes it run the draft as trained"
+            )
+        return (
+            f"{rules.engine} {rules.version} reads {self.flag} only from {' or '.join(rule.read_from)}, which a "
+            "speculators-format config does not have"
+        )
+
+    def alternatives(self) -> list[str]:
+        """What serves the draft as trained when no config edit does: the releases that read the flag (from
+        the release rules, difftest.rules.engine_releases), or a draft trained without it."""
+        rules, flag, rule = self.rules, self.flag, self.rules.flag(self.flag)
+        if rule is not None and rule.read_from:  # a speculators config it cannot read the flag from
+            return [
+                "convert the draft to the HF EAGLE-3 layout (the flag at the top level)",
+                f"or serve it with a {rules.engine} release that reads speculators configs",
+            ]
+        own = flag_readers(rules.engine, flag)
+        others = [r for e in ENGINES if e != rules.engine for r in flag_readers(e, flag)]
+        if own:
+            serve = f"serve the draft with a release that reads it: {'; '.join(r.words() for r in own + others)}"
+        else:
+            serve = f"no {rules.engine} release on record reads it" + (
+                f"; serve the draft with {'; '.join(r.words() for r in others)}" if others else ""
+            )
+        return [serve, f"or train the draft without {flag}"]
+
+    def remedy(self) -> str:
+        """What the user can do, in one clause (the Fix: of the finding)."""
+        cannot = self.cannot()
+        if cannot is None:
+            return (
+                f"write {self.flag}: {self.meant!r} where {self.rules.engine} {self.rules.version} reads it "
+                f"({self.place()}), or train the draft without it"
+            )
+        rule = self.rules.flag(self.flag)
+        if rule is not None and rule.read_from:
+            return ", ".join(self.alternatives())  # the finding's own words already say where it reads it
+        return "; ".join([cannot, *self.alternatives()])
+
+
+def flag_misreadings(raw: dict, engines: Iterable[EngineDraftRules] | None = None) -> list[FlagMisreading]:
+    """Each flag the draft's config sets that an engine (default: each pinned release) runs otherwise than
+    training meant: it never reads it, or reads it from another place."""
+    out: list[FlagMisreading] = []
     located = flag_locations(raw)
     speculators = raw.get("speculators_model_type") is not None
     for flag, places in located.items():
@@ -71,47 +148,48 @@ def flag_findings(raw: dict, engines: Iterable[EngineDraftRules] | None = None) 
         for rules in ENGINES.values() if engines is None else engines:
             if speculators and not rules.reads_speculators_format:
                 continue  # format_findings says the engine cannot read the config at all
-            got, where = engine_reading(rules, flag, places)
-            if bool(got) == bool(meant):
-                continue
-            rule = rules.flag(flag)
-            how = (
-                "never reads it"
-                if rule is None or not rule.read_from
-                else f"reads it only from {' or '.join(rule.read_from)}"
+            got, _ = engine_reading(rules, flag, places)
+            if bool(got) != bool(meant):
+                out.append(FlagMisreading(flag, meant, got, places, rules, speculators))
+    return out
+
+
+def flag_findings(raw: dict, engines: Iterable[EngineDraftRules] | None = None) -> list[Finding]:
+    """A flag the draft's config sets that an engine (default: each pinned release) never reads, or
+    reads from another place."""
+    out: list[Finding] = []
+    for m in flag_misreadings(raw, engines):
+        flag, meant, got, places, rules = m.flag, m.meant, m.got, m.places, m.rules
+        rule = rules.flag(flag)
+        how = (
+            "never reads it"
+            if rule is None or not rule.read_from
+            else f"reads it only from {' or '.join(rule.read_from)}"
+        )
+        cite = rule.source if rule is not None else "(not in its draft class)"
+        where_set = " and ".join(f"{w}" for w in places)
+        weights = FLAG_WEIGHTS.get(flag, ()) if meant and not got else ()
+        load = rules.unexpected_weights
+        if weights and load.refuses:
+            # the draft's weights for the flag have no parameter to go to: a refusal, not a divergence
+            what = (
+                f"it builds the draft without {flag}, and the checkpoint's {' / '.join(w + '*' for w in weights)} "
+                f"weights are {load.unexpected} ({load.source})"
             )
-            cite = rule.source if rule is not None else "(not in its draft class)"
-            where_set = " and ".join(f"{w}" for w in places)
-            weights = FLAG_WEIGHTS.get(flag, ()) if meant and not got else ()
-            load = rules.unexpected_weights
-            if weights and load.refuses:
-                # the draft's weights for the flag have no parameter to go to: a refusal, not a divergence
-                what = (
-                    f"it builds the draft without {flag}, and the checkpoint's {' / '.join(w + '*' for w in weights)} "
-                    f"weights are {load.unexpected} ({load.source})"
-                )
-            else:
-                what = (
-                    f"it runs the draft with {flag}={bool(got)}; the first tensor that differs is {FLAG_TENSORS[flag]}"
-                )
-            if speculators and rule is not None and TOP in rule.read_from and SPECULATORS not in rule.read_from:
-                fix = (
-                    f"convert the draft to the HF EAGLE-3 layout (the flag at the top level), or serve it with a "
-                    f"{rules.engine} release that reads speculators configs"
-                )
-            else:
-                fix = f"write the flag where {rules.engine} reads it, or train without it"
-            out.append(
-                Finding(
-                    "flag-ignored",
-                    "error",
-                    f"{flag}: {meant!r} in the draft config ({where_set}), but {rules.engine} {rules.version} {how} "
-                    f"({cite}): {what}. Fix: {fix}",
-                    engines=(rules.engine,),
-                    tensor=FLAG_TENSORS[flag],
-                    weights=weights,
-                )
+        else:
+            what = f"it runs the draft with {flag}={bool(got)}; the first tensor that differs is {FLAG_TENSORS[flag]}"
+        fix = m.remedy()
+        out.append(
+            Finding(
+                "flag-ignored",
+                "error",
+                f"{flag}: {meant!r} in the draft config ({where_set}), but {rules.engine} {rules.version} {how} "
+                f"({cite}): {what}. Fix: {fix}",
+                engines=(rules.engine,),
+                tensor=FLAG_TENSORS[flag],
+                weights=weights,
             )
+        )
     return out
 
 
