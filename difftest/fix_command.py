@@ -161,11 +161,12 @@ def engine_release(spec: EngineSpec, engine_python: list[str]) -> str | None:
     pythons = dict(e.split("=", 1) for e in engine_python if "=" in e)  # a malformed one: the verifying run names it
     options = Options(engines=[spec], reference=EngineSpec(calibration_engine()), engine_python=pythons)
     python = EnginePool(options).python_for(spec)
-    if Path(python).resolve() != Path(sys.executable).resolve():
-        env = Path(python).parent.parent.resolve()
-        found = next((e.release for e in list_envs(sized=False) if Path(e.path).resolve() == env), None)
-        if found:
-            return release_of(found)
+    # the environment is the interpreter's folder's parent, its links kept: a venv's python links to the
+    # system's, which every environment shares
+    env = Path(python).parent.parent.resolve()
+    found = next((e.release for e in list_envs(sized=False) if Path(e.path).resolve() == env), None)
+    if found:
+        return release_of(found)
     try:
         return str(Version(spec.label)) if spec.label else None
     except InvalidVersion:

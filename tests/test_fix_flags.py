@@ -65,3 +65,36 @@ def test_a_flag_a_release_reads_from_another_place_is_written_where_it_reads(tmp
     assert patch == {"norm_before_fc": True}
     patched = yaml.safe_load((tmp_path / "fix" / "nested_flag.vllm@0.21.0.yaml").read_text())
     assert patched["engines"]["vllm@0.21.0"]["draft_config_overrides"] == {"norm_before_fc": True}
+
+
+def fake_env(cache: Path, name: str, version: str) -> Path:
+    """An engine environment as `difftest env create` leaves it, as far as its release goes: the engine's
+    dist-info folder names it (difftest.run.envs)."""
+    env = cache / "envs" / f"sglang-{name}"
+    (env / "lib" / "python3.11" / "site-packages" / f"sglang-{version}.dist-info").mkdir(parents=True)
+    (env / "bin").mkdir()
+    (env / "bin" / "python").write_text("")
+    return env
+
+
+def test_the_release_fixed_for_is_the_one_in_the_engines_environment(tmp_path, monkeypatch):
+    from difftest.fix_command import engine_release
+    from difftest.run.engine import parse_spec
+
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path))
+    monkeypatch.delenv("DIFFTEST_PYTHON_SGLANG", raising=False)
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "sglang").symlink_to(fake_env(tmp_path, "a", "0.5.16"), target_is_directory=True)
+    other = fake_env(tmp_path, "b", "0.5.20")
+    assert engine_release(parse_spec("sglang"), []) == "0.5.16"
+    assert engine_release(parse_spec("sglang"), [f"sglang={other / 'bin' / 'python'}"]) == "0.5.20"
+
+
+def test_a_release_label_names_the_release_where_no_environment_does(tmp_path, monkeypatch):
+    from difftest.fix_command import engine_release
+    from difftest.run.engine import parse_spec
+
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path))
+    monkeypatch.delenv("DIFFTEST_PYTHON_SGLANG_0_5_16", raising=False)
+    assert engine_release(parse_spec("sglang@0.5.16"), []) == "0.5.16"
+    assert engine_release(parse_spec("sglang@old"), []) is None  # not a release: the pinned rules apply
