@@ -469,6 +469,15 @@ V2_NOTES = (
     "dflash_config.target_layer_ids, dspark_target_layer_ids and target_layer_ids (+1 each) are read "
     "before eagle_config.layer_ids: DFlash/DSpark keys, absent from EAGLE-3 drafts",
 )
+# The target's forward returns its hidden states alone when it captured no layer (llama.py, qwen2.py,
+# deepseek_v2.py: `if len(aux_hidden_states) > 0: return hidden_states, aux_hidden_states`), and V2's
+# runner asserts the tuple with no message (found by the rule property test, seed 1594851626: ids
+# [-1, -1, -1] on a Llama target)
+_VLLM_V2_OUTPUT = "vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.execute_model"
+V2_NO_CAPTURE = (
+    "the target returns its hidden states alone, and Model Runner V2 asserts a (hidden, aux) tuple: "
+    "AssertionError at the first target forward, before the draft runs"
+)
 VARIANT_RULES: dict[tuple[str, str, str], LayerIdRule] = {
     **{
         ("vllm", r.family, "runner v1"): replace(r, label=f"{r.label} Model Runner V1")
@@ -478,9 +487,11 @@ VARIANT_RULES: dict[tuple[str, str, str], LayerIdRule] = {
         ("vllm", r.family, "runner v2"): replace(
             r,
             label=f"{r.label} Model Runner V2",
-            sources=(_VLLM_V2_IDS,) + r.sources[1:],
+            sources=(_VLLM_V2_IDS,) + r.sources[1:] + (_VLLM_V2_OUTPUT,),
             ids_from=V2_IDS_FROM,
             notes=V2_NOTES,
+            no_capture=V2_NO_CAPTURE,
+            no_capture_error=r"AssertionError",
         )
         for r in (VLLM_LLAMA, VLLM_QWEN3, VLLM_DEEPSEEK)
     },
