@@ -59,6 +59,12 @@ def _engine_class(target: str) -> type | None:
         return None
 
 
+def engine_declared(name: str, attr: str) -> object:
+    """What the adapter class registered under `name` declares as `attr` (e.g. MEMORY, read by
+    difftest.run.memory_plan), or None where it declares nothing or cannot be imported here."""
+    return getattr(_engine_class(engine_target(name)), attr, None)
+
+
 def engine_schema(name: str) -> Schema | None:
     """The settings schema the adapter registered under `name` declares (its class's SETTINGS), or
     None where the adapter cannot be imported here (it lives in another environment): its worker

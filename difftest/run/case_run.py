@@ -245,7 +245,7 @@ class CaseRun:
                 case = self.engine_case(spec)
                 cached = self.pool.cached(key)
                 if cached is None:
-                    client = self.pool.client(spec)
+                    client = self.pool.client(spec, case)
                     out = self.pool.cache.path(key)
                     self.pool.progress(f"{spec.id}: capturing {case.name} prompt {index + 1}/{len(self.prompt_ids())}")
                     self.pool.request(client, CaptureRequest(case, ids, str(out)), out)
@@ -286,7 +286,7 @@ class CaseRun:
         key = cache_key("golden", spec.id, self.pool.info(spec).version, self.inputs_key(spec), ref_key)
         cached = self.pool.cached(key)
         if cached is None:
-            client = self.pool.client(spec)
+            client = self.pool.client(spec, case)
             out = self.pool.cache.path(key)
             # the harness's pid in its name: left behind by a harness killed now, it is removed later
             fc_file = out.with_name(partial_prefix(out) + "fc_in.safetensors")
@@ -323,7 +323,7 @@ class CaseRun:
             return AcceptStats.from_dict(json.loads(path.read_text()))
         self.pool.progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
         request = SpeculateRequest(case, prompts, case.num_steps, case.max_new_tokens)
-        stats = self.pool.request(self.pool.client(spec), request).stats
+        stats = self.pool.request(self.pool.client(spec, case), request).stats
         if not live:
             atomic_write(path, json.dumps(stats.to_dict(), indent=1))
         return stats
@@ -343,7 +343,7 @@ class CaseRun:
         self.pool.progress(f"{spec.id}: replaying {len(requests)} server outputs through the draft")
         with self.pool.clock.phase("session", case.path, spec.id, case.dtype):
             request = ReplayRequest(case, requests, num_steps, topk, num_draft_tokens)
-            return self.pool.request(self.pool.client(spec), request).replays
+            return self.pool.request(self.pool.client(spec, case), request).replays
 
     # -- the noise floor (difftest.compare.noise) ----------------------------------------------------
     def calibration(self) -> CaseRun:

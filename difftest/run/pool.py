@@ -2,6 +2,12 @@
 closed or killed at the end), the stored baselines standing in for engines, what each worker said
 about itself (EngineInfo, remembered per environment by difftest.run.engine_identity), the capture
 cache on disk and the phase clock. Every case's run (difftest.run.case_run.CaseRun) shares one pool.
+
+The memory plan (difftest.run.memory_plan): before a worker starts for a case, each engine's
+resident need is estimated; when all fit what is available, every worker stays alive for the run
+(one start each). When they do not, a worker is closed before the next one starts (the least
+recently used first: its results are memoised by the case runs and stored in the capture cache, so
+the verdicts are the same), and an engine that cannot fit even alone is refused before it starts.
 """
 
 from __future__ import annotations
@@ -11,19 +17,23 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from difftest.base.errors import ConfigError, DifftestError, EngineError
 from difftest.base.paths import cache_root, import_root, log_file_name
-from difftest.base.registry import calibration_engine, engine_target
+from difftest.base.registry import calibration_engine, engine_declared, engine_schema, engine_target
 from difftest.records.capture import Capture, CaptureCache, remove_partial
 from difftest.records.engine_info import EngineInfo
 from difftest.rules import engine_releases
 from difftest.run import engine_identity
-from difftest.run.engine import EngineSpec
+from difftest.run import memory_plan as mp
+from difftest.run.engine import EngineSpec, check_settings
 from difftest.run.phase_clock import PhaseClock, case_of
 from difftest.run.protocol import Request, Timed
 from difftest.run.worker import WorkerClient
+
+if TYPE_CHECKING:  # annotations only: the case sits below the run floor and is passed in
+    from difftest.case.case import Case
 
 T = TypeVar("T", bound=Timed)  # the reply a request is answered with (difftest.run.protocol)
 
@@ -55,6 +65,8 @@ class Options:
     use_cache: bool = True
     log_dir: Path = Path("reports") / "logs"
     progress: Callable[[str], None] | None = None  # one line per slow step (engine start, capture, speculate)
+    # what the workers may hold (difftest.run.memory_plan.Budget); None: DIFFTEST_MEMORY_BUDGET, else measured
+    memory_budget: mp.Budget | None = None
 
 
 class EnginePool:
@@ -74,6 +86,15 @@ class EnginePool:
         # spec id -> a stored run standing in for an engine (difftest.run.baseline.BaselineSource)
         self._stored: dict[str, BaselineSource] = {}
         self.clock = PhaseClock()  # where each case's time goes (difftest.run.phase_clock; in its report)
+        # the memory plan (difftest.run.memory_plan): the budget, measured before any worker starts
+        self._budget: mp.Budget | None = options.memory_budget
+        self._plans: dict[str, mp.Plan] = {}  # case path -> its plan (its calibration run's too), said once
+        self._held: dict[str, dict[mp.Load, int]] = {}  # spec id -> the models its live worker holds
+        self._needs: dict[str, mp.Need] = {}  # spec id -> its live worker's estimated need
+        self._used: dict[str, int] = {}  # spec id -> when it was last asked for (closing order)
+        self._uses = 0
+        self._closed: dict[str, EngineInfo] = {}  # what a worker closed for memory said of itself
+        self._refused: dict[str, EngineError] = {}  # this case's engines that cannot fit even alone
 
     # -- stored baselines --------------------------------------------------------------
     def add_stored(self, source: BaselineSource) -> None:
@@ -109,9 +130,17 @@ class EnginePool:
             self.options.timeout,
         )
 
-    def client(self, spec: EngineSpec) -> WorkerClient:
+    def client(self, spec: EngineSpec, case: Case | None = None) -> WorkerClient:
+        """`spec`'s worker, started on first use; for `case` (the case as the worker is sent it), room
+        is made first under the memory plan (_make_room)."""
         if spec.id in self._start_errors:
             raise self._start_errors[spec.id]
+        if spec.id in self._refused:
+            raise self._refused[spec.id]
+        if case is not None:
+            self._make_room(spec, case)
+        self._uses += 1
+        self._used[spec.id] = self._uses
         if spec.id not in self._clients:
             client = self._new_client(spec)
             self.progress(f"starting {spec.id} ({self.python_for(spec)})")
@@ -127,7 +156,105 @@ class EnginePool:
                 raise
             self.progress(f"{spec.id} ready in {time.monotonic() - t:.1f}s")
             self._clients[spec.id] = client
+            self._closed.pop(spec.id, None)
         return self._clients[spec.id]
+
+    # -- the memory plan (difftest.run.memory_plan) ----------------------------------------
+    def memory_budget(self) -> mp.Budget:
+        """What the workers may hold: the options', DIFFTEST_MEMORY_BUDGET's (ConfigError in one line
+        when malformed), else what the machine had available before this run's first worker started."""
+        if self._budget is None:
+            declared = mp.declared_budget()
+            self._budget = declared if declared is not None else mp.measured_budget()
+        return self._budget
+
+    def _factors(self, spec: EngineSpec) -> mp.MemoryFactors:
+        return mp.MemoryFactors.declared(spec.name, engine_declared(spec.name, "MEMORY"))
+
+    def _kv_gib(self, spec: EngineSpec, factors: mp.MemoryFactors, case: Case) -> float | None:
+        """The engine's KV size setting for `case` (MemoryFactors.kv_setting), None where it has none."""
+        schema = engine_schema(spec.name) if factors.kv_setting else None
+        if schema is None:
+            return None
+        value = check_settings(schema, spec, case).get(factors.kv_setting)
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def _need(self, spec: EngineSpec, case: Case, loads: dict[mp.Load, int]) -> mp.Need:
+        factors = self._factors(spec)
+        gpu = self.memory_budget().gpu is not None
+        return mp.need_of(factors, sum(loads.values()), self._kv_gib(spec, factors, case), gpu)
+
+    def _loads(self, spec: EngineSpec, case: Case, calibrates: bool) -> dict[mp.Load, int]:
+        """What `spec` holds at most for `case`: every set it loads when it keeps them all, else the largest."""
+        loads = mp.loads_for(case.target, case.draft or "", case.dtype, calibrates)
+        if not self._factors(spec).keeps_every_case:
+            loads = [max(loads, key=lambda ld: mp.load_bytes(self._factors(spec), ld))]
+        return {ld: mp.load_bytes(self._factors(spec), ld) for ld in loads}
+
+    def plan(self, case: Case) -> mp.Plan:
+        """The case's plan over the engines this run starts (stored baselines hold no memory); its
+        line is said once per case."""
+        key = case.path
+        if key not in self._plans:
+            calibrating = self.calibration_spec()
+            specs = [s for s in self.options.engines if s.id not in self._stored]
+            if calibrating.id not in [s.id for s in specs]:
+                specs.append(calibrating)
+            needs = {s.id: self._need(s, case, self._loads(s, case, s.id == calibrating.id)) for s in specs}
+            self._plans[key] = mp.Plan(needs, self.memory_budget())
+            self.progress(self._plans[key].line())
+        return self._plans[key]
+
+    def _make_room(self, spec: EngineSpec, case: Case) -> None:
+        """Before `spec` serves `case`: where its worker, with the models this case adds, does not fit
+        beside the live ones, the least recently used others are closed first; one that cannot fit
+        even alone is refused before it starts, in one line (an engine error: exit 7)."""
+        budget = self.memory_budget()
+        plan = self.plan(case)
+        if budget.host is None and budget.gpu is None:
+            return  # nothing known of the machine: every worker stays, as without a plan
+        live = spec.id in self._clients
+        factors = self._factors(spec)
+        new = {ld: mp.load_bytes(factors, ld) for ld in mp.loads_for(case.target, case.draft or "", case.dtype, False)}
+        held = self._held.get(spec.id, {}) if live else {}
+        if live and all(ld in held for ld in new):
+            return  # it holds this case's models already
+        wanted = {**held, **new} if factors.keeps_every_case else new
+        need = self._need(spec, case, wanted)
+        if live and not need.fits(budget):  # a fresh worker holds this case's models only
+            self._close_for_memory(spec.id, f"it holds earlier cases' models; a fresh one starts for {case.name}")
+            live, wanted = False, new
+            need = self._need(spec, case, wanted)
+        if not need.fits(budget):
+            needed, available = budget.shortfall(need)
+            error = EngineError(
+                f"{spec.id}: not started: the memory plan estimates it needs {needed} for {case.name} "
+                f"({case.dtype} weights of {case.target} and its draft, and the engine's declared overhead), "
+                f"and {available}; run it on a larger machine, or set {mp.BUDGET_ENV} if more is free than measured"
+            )
+            self._refused[spec.id] = error
+            raise error
+        while True:
+            others = [s for s in self._clients if s != spec.id]
+            total = need
+            for other in others:
+                total = total + self._needs.get(other, mp.ZERO)
+            if not others or total.fits(budget):
+                break
+            victim = min(others, key=lambda s: self._used.get(s, 0))
+            self._close_for_memory(victim, f"{spec.id} starts for {case.name} ({plan.line().partition(': ')[2]})")
+        self._held[spec.id] = wanted
+        self._needs[spec.id] = need
+
+    def _close_for_memory(self, spec_id: str, why: str) -> None:
+        """Close a live worker to free its memory; what it said of itself stays for reports and keys."""
+        client = self._clients.pop(spec_id)
+        self.progress(f"{spec_id}: its worker closes to free memory: {why}")
+        if client.info is not None:
+            self._closed[spec_id] = client.info
+        client.close()
+        self._held.pop(spec_id, None)
+        self._needs.pop(spec_id, None)
 
     def started(self, spec: EngineSpec) -> bool:
         """Whether `spec`'s worker runs now."""
@@ -141,23 +268,30 @@ class EnginePool:
             return
         self._current_case = path
         self.clock.current_case = case_of(path)
+        self._refused.clear()  # a case too large for the machine does not refuse the next one
         for spec_id, client in list(self._clients.items()):
             if client.proc is not None and client.proc.poll() is not None:
                 how = "ended after an engine that cannot restart in it failed" if client.ended_with else "died"
                 self.progress(f"{spec_id}: its worker {how} during an earlier case; a fresh one starts for {path}")
                 client.kill()
                 del self._clients[spec_id]
+                self._held.pop(spec_id, None)
+                self._needs.pop(spec_id, None)
 
     def close(self) -> None:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        self._held.clear()
+        self._needs.clear()
 
     def abort(self) -> None:
         """Kill every worker now (an interrupted run: none is waited for)."""
         for client in self._clients.values():
             client.kill()
         self._clients.clear()
+        self._held.clear()
+        self._needs.clear()
 
     def progress(self, message: str) -> None:
         if self.options.progress is not None:
@@ -170,6 +304,8 @@ class EnginePool:
         environment (difftest.run.engine_identity), so a fully cached run starts no engine."""
         if spec.id in self._stored:
             return self._stored[spec.id].info
+        if spec.id not in self._clients and spec.id in self._closed:
+            return self._closed[spec.id]  # closed by the memory plan: what its worker said
         if spec.id not in self._clients and spec.id not in self._start_errors:
             remembered = self._remembered_info(spec)
             if remembered is not None:
@@ -185,10 +321,10 @@ class EnginePool:
         if spec.id in self._stored:
             return self._stored[spec.id].info
         c = self._clients.get(spec.id)
-        return c.info if c else self._remembered.get(spec.id)
+        return c.info if c else self._closed.get(spec.id) or self._remembered.get(spec.id)
 
     def start_error(self, spec: EngineSpec) -> str | None:
-        e = self._start_errors.get(spec.id)
+        e = self._start_errors.get(spec.id) or self._refused.get(spec.id)
         return str(e) if e else None
 
     def is_live(self, spec: EngineSpec) -> bool:

@@ -56,6 +56,10 @@ def rounded_through(model: torch.nn.Module, weights_dtype: str | None) -> torch.
 class RefEngine(Engine):
     SETTINGS = SCHEMA
     CALIBRATES = True  # the noise floor, the default engine and reference (difftest.base.registry.calibration_engine)
+    # what its worker holds (difftest.run.memory_plan.MemoryFactors): one interpreter with torch and
+    # transformers; every case's models stay loaded (the _targets/_drafts dicts), the float64
+    # calibration run as a whole float64 copy
+    MEMORY = {"overhead_gb": 0.8, "keeps_every_case": True, "calibration_copies": 1.0}
 
     def __init__(self, spec):
         super().__init__(spec)

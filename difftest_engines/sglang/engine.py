@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import multiprocessing.util
 import os
 import re
@@ -44,7 +45,7 @@ from difftest.api import Capture, cache_key
 from difftest.api import Case
 from difftest.api import Engine, EngineInfo
 from difftest.api import EngineError, EngineSpent, EngineUnavailable
-from difftest.api import overlay_checkpoint
+from difftest.api import overlay_checkpoint, stored_tensors
 from difftest.api import cache_root
 from difftest.api import CaptureMeta, Wiring
 from difftest.api import FC_IN
@@ -108,6 +109,74 @@ def _bind_ranks_to_cores(tp_size: int) -> None:
         process_start.restart_forkserver()
 
 
+# SGLang's static memory share (mem_fraction_static), computed where no setting gives one. SGLang
+# measures the memory it sees before loading (srt/distributed/bootstrap.py::
+# measure_pre_model_load_memory, through srt/utils/common.py::get_available_gpu_memory: on CPU
+# get_free_cpu_memory(), psutil's available within the cgroup's limit, divided by the NUMA nodes of
+# get_cpu_ids_by_node), loads the target and the draft, and refuses to start where what the loading
+# took is more than that share of it (srt/mem_cache/kv_cache_configurator.py::
+# _profile_available_bytes: rest = available after - pre * (1 - share) must be > 0, then holds the
+# KV pool). A fixed 0.3 left a 1.0B model in bf16 (2.5 GB with its draft) no room on a 24 GB machine
+# where the other engines' workers held the rest ("Raise --mem-fraction-static above 0.385").
+SHARE_FLOOR = {"cpu": 0.3, "cuda": 0.5}  # the fixed shares used before: a larger share allocates nothing more
+SHARE_CEILING = 0.95  # above it SGLang's activations have no room: refused instead
+LOAD_MARGIN = 0.5 * (1 << 30)  # the loaders' temporaries and the scheduler's own buffers, plus 10% of the weights
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def weight_bytes(checkpoint: str, dtype: str) -> int:
+    """A checkpoint's tensors once loaded at `dtype` (floating-point ones; others at their stored width),
+    from its safetensors headers."""
+    per = _DTYPE_BYTES.get(str(dtype), 4)
+    stored, _ = stored_tensors(Path(checkpoint))
+    total = 0
+    for t in stored.values():
+        n = 1
+        for d in t.shape:
+            n *= d
+        total += n * (per if t.dtype.startswith(("F", "BF")) else 8 if t.dtype.endswith("64") else 4)
+    return total
+
+
+def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
+    """One token's KV cache over a model's layers: keys and values per KV head, or MLA's latent and rope key."""
+    layers = int(cfg.get("num_hidden_layers") or 1)
+    if cfg.get("kv_lora_rank"):
+        per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+    else:
+        heads = int(cfg.get("num_attention_heads") or 1)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        per_layer = 2 * kv_heads * head_dim
+    return layers * per_layer * _DTYPE_BYTES.get(str(dtype), 4)
+
+
+def static_share(weights: int, kv: int, visible: float, device: str = "cpu") -> float:
+    """The mem_fraction_static that leaves SGLang the KV cache `kv` after loading `weights` (bytes), out
+    of the `visible` bytes it measures before loading; never below the share used before on `device`.
+    ValueError where even SHARE_CEILING would not do."""
+    need = weights * 1.1 + kv + LOAD_MARGIN
+    share = math.ceil(need / max(visible, 1.0) * 1000) / 1000
+    if share > SHARE_CEILING:
+        raise ValueError(
+            f"the weights ({weights / 1e9:.1f} GB) and the KV cache ({kv / 1e9:.2f} GB) need {need / 1e9:.1f} GB "
+            f"of the {visible / 1e9:.1f} GB SGLang sees free (a share of {share:.3f}, above {SHARE_CEILING})"
+        )
+    return max(SHARE_FLOOR.get(device, 0.5), share)
+
+
+def _visible_memory(device: str) -> float:
+    """The bytes SGLang counts as free before it loads (see SHARE_FLOOR's comment), by its own function."""
+    try:
+        from sglang.srt.utils.common import get_available_gpu_memory
+
+        return float(get_available_gpu_memory(device, 0, empty_cache=False)) * (1 << 30)
+    except (ImportError, TypeError, AttributeError):  # another release's layout: the machine's available memory
+        import psutil
+
+        return float(psutil.virtual_memory().available)
+
+
 @dataclass
 class LaunchPlan:
     """What one sglang.Engine starts with (its key, with the checkpoints): the arguments asked of it,
@@ -122,6 +191,10 @@ class LaunchPlan:
 
 class SglangEngine(Engine):
     SETTINGS = SCHEMA
+    # what its worker holds (difftest.run.memory_plan.MemoryFactors): the adapter's process, the
+    # forkserver, the scheduler and the detokenizer, each an interpreter with torch; one sglang.Engine
+    # at a time; a KV cache of max_total_tokens (4096 by default: well under 0.5 GB for an 8B model)
+    MEMORY = {"overhead_gb": 2.5, "kv_gb": 0.5, "on_gpu": True}
 
     def __init__(self, spec):
         super().__init__(spec)
@@ -129,6 +202,7 @@ class SglangEngine(Engine):
         self._engine = None
         self._engine_key: str | None = None
         self._effective: dict = {}
+        self._share: float | None = None  # the running engine's mem_fraction_static
         self._workdir: Path | None = None
         self._tp_logged = False
         self._crash_watch: rank_crash.Watch | None = None  # tp_size > 1: names a rank that died
@@ -181,6 +255,28 @@ class SglangEngine(Engine):
         )
 
     # -- settings --------------------------------------------------------------------
+    def _static_share(self, settings: LaunchPlan, target: str, draft: str, dtype: str) -> float:
+        """mem_fraction_static for this start (static_share): on CPU computed from the weights, the KV
+        cache of max_total_tokens and the memory SGLang will see; on a GPU the share used before."""
+        if settings.device != "cpu":
+            return SHARE_FLOOR["cuda"]
+        weights = weight_bytes(target, dtype) + weight_bytes(draft, dtype)
+        per_token = kv_bytes_per_token(_config(target, "target config"), dtype)
+        per_token += kv_bytes_per_token(_config(draft, "draft config"), dtype)
+        kv = per_token * int(settings.requested.get("max_total_tokens") or 4096)
+        try:
+            share = static_share(weights, kv, _visible_memory(settings.device), settings.device)
+        except ValueError as e:
+            raise EngineError(
+                f"sglang: not started: {e}; set engines.sglang.mem_fraction_static to try anyway"
+            ) from None
+        print(
+            f"[sglang adapter] mem_fraction_static {share} (weights {weights / 1e9:.2f} GB, KV {kv / 1e9:.2f} GB)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return share
+
     def _settings(self, case: Case, num_steps: int | None = None) -> LaunchPlan:
         s = self.settings_for(case)  # difftest_engines/sglang/settings.py
         steps = s.speculative_num_steps or num_steps or case.num_steps
@@ -192,7 +288,8 @@ class SglangEngine(Engine):
             "speculative_num_draft_tokens": s.speculative_num_draft_tokens or steps + 1,
             "dtype": case.dtype,
             "tp_size": s.tp_size,
-            "mem_fraction_static": (0.3 if on_cpu else 0.5) if s.mem_fraction_static is None else s.mem_fraction_static,
+            # None: computed when the engine starts (_static_share), from the weights and the memory SGLang sees
+            "mem_fraction_static": s.mem_fraction_static,
             "max_total_tokens": s.max_total_tokens,
         }
         if on_cpu:
@@ -245,6 +342,7 @@ class SglangEngine(Engine):
             settings.compat.append(caveat)
         key = cache_key(target, draft, asdict(settings))
         if self._engine is not None and self._engine_key == key:
+            settings.requested["mem_fraction_static"] = self._share
             return self._engine, settings, target, draft
         if settings.device == "cpu" and self._kernels == cpu_shim.CPU_SHIM:
             why = versions.unsupported_on_cpu(sglang.__version__)
@@ -256,6 +354,9 @@ class SglangEngine(Engine):
         if why:  # refused before start: SGLang's own message would not say which layers or why
             raise EngineError(why)
         self._shutdown()
+        if settings.requested.get("mem_fraction_static") is None:  # a setting (or server_args) wins
+            settings.requested["mem_fraction_static"] = self._static_share(settings, target, draft, case.dtype)
+        self._share = settings.requested["mem_fraction_static"]
         self._hooks_dir = self._workdir / "hooks"
         kwargs = dict(
             model_path=target,

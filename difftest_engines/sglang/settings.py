@@ -23,7 +23,11 @@ SCHEMA = Schema(
         Setting("attention_backend", "str", "sglang attention backend (default: intel_amx under the CPU shim)"),
         Setting("tp_size", "int", "tensor parallel size", default=1, min=1),
         Setting(
-            "mem_fraction_static", "float", "static memory fraction (default 0.3 on CPU, 0.5 on GPU)", min=0.0, max=1.0
+            "mem_fraction_static",
+            "float",
+            "static memory share (default on CPU: computed from the weights, the KV cache and the free memory, at least 0.3; 0.5 on GPU)",
+            min=0.0,
+            max=1.0,
         ),
         Setting("max_total_tokens", "int", "KV cache tokens", default=4096, min=1),
         Setting("server_args", "mapping", "any other sglang.Engine argument", default={}),

@@ -232,6 +232,10 @@ def _first_line(e: BaseException) -> str:
 
 class VllmEngine(Engine):
     SETTINGS = SCHEMA
+    # what its worker holds (difftest.run.memory_plan.MemoryFactors): the LLM's front end and its
+    # engine-core process, each an interpreter with torch; one engine at a time (_shutdown before the
+    # next); the KV cache its kv_cache_space_gib setting sizes (VLLM_CPU_KVCACHE_SPACE)
+    MEMORY = {"overhead_gb": 2.5, "kv_setting": "kv_cache_space_gib", "on_gpu": True}
 
     def __init__(self, spec):
         super().__init__(spec)
