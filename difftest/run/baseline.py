@@ -22,11 +22,13 @@ so a baseline stays valid across clones and fixture rebuilds, and a changed case
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,9 +185,8 @@ class BaselineWriter:
     def _staging(self) -> Path:
         if self._tmp is None:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._tmp = self.root / f".{self.name}.partial-{os.getpid()}"
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp.mkdir()
+            # a folder of its own: two writers of one name (runs, or threads of one process) never share it
+            self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.name}.partial-", dir=self.root))
         return self._tmp
 
     def add(self, case_run: CaseRun, spec: EngineSpec) -> StoredEngineRun:
@@ -228,8 +229,10 @@ class BaselineWriter:
         return run
 
     def commit(self) -> Path:
-        """Manifest last, then one rename: the baseline appears complete or not at all."""
-        self.refuse_existing()  # another run may have written it meanwhile
+        """Manifest last, then one rename: the baseline appears complete or not at all. The rename is
+        also what decides between two runs saving one name at once: renaming a folder onto one that
+        holds files fails, so the second is refused, whatever it checked before."""
+        self.refuse_existing()  # the common case, said before the manifest is written
         tmp = self._staging()
         env = environment()
         manifest = BaselineManifest(
@@ -241,13 +244,22 @@ class BaselineWriter:
         )
         atomic_write(tmp / "manifest.json", json.dumps(manifest.to_dict(), indent=1, default=str))
         old = None
-        if self.path.exists():  # --force: swap, then drop the old one
-            old = self.root / f".{self.name}.old-{os.getpid()}"
+        if self.force and self.path.exists():  # --force: swap, then drop the old one
+            old = Path(tempfile.mkdtemp(prefix=f".{self.name}.old-", dir=self.root)) / self.name
             os.rename(self.path, old)
-        os.rename(tmp, self.path)
+        try:
+            os.rename(tmp, self.path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise ConfigError(
+                f"{self.path}: baseline {self.name!r} already exists (another run wrote it meanwhile) and "
+                "baselines are immutable; choose another name or pass --force to replace it"
+            ) from None
+        finally:
+            if old is not None:
+                shutil.rmtree(old.parent, ignore_errors=True)
         self._tmp = None
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         return self.path
 
     def discard(self) -> None:
