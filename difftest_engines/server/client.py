@@ -29,6 +29,7 @@ vLLM (0.32.0)
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import shlex
@@ -136,6 +137,18 @@ class ServerClient:
             return e.code, e.read()
         except (socket.timeout, TimeoutError):
             raise ServerError(f"{self.url}{path}: no answer within {t:g}s (timeout)") from None
+        except http.client.BadStatusLine as e:
+            if isinstance(e, ConnectionError):  # RemoteDisconnected: closed without answering
+                raise self._unreachable(e) from None
+            # another protocol on that port (SSH, a database, TLS): its bytes, shown escaped and cut short
+            raise ServerError(
+                f"{self.url}{path} is not an HTTP server (it answered bytes that are not an HTTP status line: "
+                f"{_first_bytes(e.line)})"
+            ) from None
+        except http.client.HTTPException as e:  # a broken HTTP answer: a bad header, a body cut short
+            raise ServerError(
+                f"{self.url}{path}: a broken HTTP answer ({type(e).__name__}: {_first_bytes(str(e))})"
+            ) from None
         except urllib.error.URLError as e:
             reason = e.reason
             if isinstance(reason, (socket.timeout, TimeoutError)):
@@ -158,15 +171,27 @@ class ServerClient:
             why = str(reason)
         return ServerError(f"{self.url}: cannot reach the server ({why})")
 
-    def _json(self, path: str, body: dict | None = None) -> dict:
+    def _json(self, path: str, body: dict | None = None, array_ok: bool = False):
+        """The JSON object an endpoint answered (or a list, where `array_ok`: SGLang's batch answer)."""
         status, raw = self._request(path, body)
         if status != 200:
             text = raw.decode(errors="replace").strip().replace("\n", " ")[:300]
             raise ServerError(f"{self.url}{path}: HTTP {status}: {text}")
+        return self._decode(path, status, raw, array_ok)
+
+    def _decode(self, path: str, status: int, raw: bytes, array_ok: bool = False):
+        """`raw` as the JSON object it must be; anything else is one line naming the endpoint."""
         try:
-            return json.loads(raw)
-        except ValueError:
-            raise ServerError(f"{self.url}{path}: the answer is not JSON: {raw[:120]!r}") from None
+            data = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past what Python parses
+            raise ServerError(
+                f"{self.url}{path} answered {status} with a body that is not JSON (first bytes: {_first_bytes(raw)})"
+            ) from None
+        if not isinstance(data, dict) and not (array_ok and isinstance(data, list)):
+            raise ServerError(
+                f"{self.url}{path} answered {status} with JSON that is not an object (first bytes: {_first_bytes(raw)})"
+            )
+        return data
 
     def _detect_kind(self) -> str:
         info_status, _ = self._request("/get_model_info")
@@ -210,7 +235,7 @@ class ServerClient:
             status, raw = self._request(path)
         if status != 200:
             raise ServerError(f"{self.url}{path}: HTTP {status}: not an SGLang server with server info")
-        info = json.loads(raw)
+        info = self._decode(path, status, raw)
         launch = parse_launch_command(info.get("launch_command"))
         algo = info.get("speculative_algorithm")
         internal = info.get("internal_states") or [{}]
@@ -271,7 +296,7 @@ class ServerClient:
         spec = None
         status, raw = self._request("/server_info?config_format=json")
         if status == 200:
-            cfg = json.loads(raw).get("vllm_config") or {}
+            cfg = self._decode("/server_info?config_format=json", status, raw).get("vllm_config") or {}
             spec = cfg.get("speculative_config") if isinstance(cfg, dict) else None
             sources.append(
                 "GET /server_info (VLLM_SERVER_DEV_MODE=1: entrypoints/serve/dev/server_info/api_router.py"
@@ -333,6 +358,7 @@ class ServerClient:
                 "input_ids": list(prompt),
                 "sampling_params": {"temperature": 0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True},
             },
+            array_ok=True,
         )
         out = out[0] if isinstance(out, list) else out
         meta = out.get("meta_info") or {}
@@ -403,6 +429,14 @@ class ServerClient:
             models = self._json("/v1/models").get("data") or [{}]
             self._name = str(models[0].get("id"))
         return self._name
+
+
+def _first_bytes(raw: bytes | str, limit: int = 60) -> str:
+    """What a server answered, for one line: its start, escaped (no newline or control byte gets
+    through), with how much more there was."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    shown = repr(text[:limit])
+    return shown + (f" and {len(text) - limit} more characters" if len(text) > limit else "")
 
 
 def _opt_int(v) -> int | None:
