@@ -21,27 +21,34 @@ difftest versions REPORT_DIR...              EAGLE-3 behaviour by engine release
 
 from __future__ import annotations
 
-import argparse
-import glob
-import json
-import multiprocessing
-import os
-import re
 import sys
-from dataclasses import asdict
-from pathlib import Path
-from concurrent.futures import ProcessPoolExecutor
-from importlib import metadata
 
-from difftest import cache_command, fix_command, init_command, rules_command
-from difftest.base import exit_codes
-from difftest.base.cli_args import Parser, deprecated_alias, unknown_options
-from difftest.base.errors import DifftestError
-from difftest.base.paths import cache_root
-from difftest.base.extensions import commands
-from difftest.report import bundle, version_table
-from difftest.run import envs
-from difftest.run.case_run import FIXTURE_GROUP
+# Ctrl-C while these imports run (torch's take seconds) comes before main() can catch it: the same one
+# line and exit code as main's, not a traceback through the import machinery
+try:
+    import argparse
+    import glob
+    import json
+    import multiprocessing
+    import os
+    import re
+    from dataclasses import asdict
+    from pathlib import Path
+    from concurrent.futures import ProcessPoolExecutor
+    from importlib import metadata
+
+    from difftest.base import exit_codes
+    from difftest import cache_command, fix_command, init_command, rules_command
+    from difftest.base.cli_args import Parser, deprecated_alias, unknown_options
+    from difftest.base.errors import DifftestError
+    from difftest.base.paths import cache_root
+    from difftest.base.extensions import commands
+    from difftest.report import bundle, version_table
+    from difftest.run import envs
+    from difftest.run.case_run import FIXTURE_GROUP
+except KeyboardInterrupt:
+    print("difftest: interrupted", file=sys.stderr)
+    sys.exit(130)  # exit_codes.INTERRUPTED, which may not be imported yet
 
 
 def _fixtures(args: argparse.Namespace) -> int:
@@ -162,6 +169,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# run's options that take a value, each refused when given empty
+VALUE_OPTIONS = ("--engines", "--reference", "--out", "--save-baseline", "--baseline", "--baseline-dir")
+
+
 def _run(args: argparse.Namespace, extra: list[str], known: list[str]) -> int:
     import pytest  # pytest costs every other subcommand its import; only `run` drives it
 
@@ -174,23 +185,34 @@ def _run(args: argparse.Namespace, extra: list[str], known: list[str]) -> int:
     if args.quiet and args.json:
         print("difftest run: -q and --json: choose one (--json prints progress as JSON lines)", file=sys.stderr)
         return exit_codes.USAGE
+    # an empty value is what an unset variable gives (--engines=$ENGINES): refused, never the default
+    for option in VALUE_OPTIONS:
+        value = getattr(args, option.lstrip("-").replace("-", "_"))
+        if value is not None and not value.strip():
+            print(
+                f"difftest run: {option}: empty value (an unset variable?); give a value or leave the option out",
+                file=sys.stderr,
+            )
+            return exit_codes.USAGE
     # pytest's own lines stay terse (-q); the progress lines say what the run waits on (stderr)
     progress = "json" if args.json else "off" if args.quiet else "lines"
     argv = ["-p", "difftest.plugin", "-p", "no:cacheprovider", "-q", "-rfEs", f"--progress={progress}", *args.cases]
-    if (
-        args.engines
-    ):  # else the plugin's default: the engine that calibrates (difftest.base.registry.calibration_engine)
+    if not any(a.startswith("--benchmark") for a in extra):
+        # pytest-benchmark, where installed, creates an empty .benchmarks/ in the working directory of
+        # every run; cases are no benchmarks, so it is loaded only when a --benchmark-* option asks for it
+        argv += ["-p", "no:benchmark"]
+    if args.engines is not None:  # else the plugin's default: the engine that calibrates (registry.calibration_engine)
         argv.append(f"--engines={args.engines}")
-    if args.reference:
+    if args.reference is not None:
         argv.append(f"--reference={args.reference}")
-    if args.out:
+    if args.out is not None:
         argv.append(f"--out={args.out}")
     if args.allow_missing_engines:
         argv.append("--allow-missing-engines")
     for item in args.engine_python:
         argv.append(f"--engine-python={item}")
     for option in ("save_baseline", "baseline", "baseline_dir"):
-        if getattr(args, option):
+        if getattr(args, option) is not None:
             argv.append(f"--{option.replace('_', '-')}={getattr(args, option)}")
     if args.force:
         argv.append("--force-baseline")
@@ -255,6 +277,12 @@ def _report_parsers(sub) -> None:
                 return 2
             except OSError as e:  # a write the checks up front could not foresee (a full disk): nothing is left
                 print(f"difftest {args.command}: {e.filename or args.json}: {e.strerror or e}", file=sys.stderr)
+                return 2
+            except RecursionError:  # JSON nested deeper than Python's parser recurses (no report is)
+                print(
+                    f"difftest {args.command}: {args.json}: not a difftest report (JSON nested too deeply to read)",
+                    file=sys.stderr,
+                )
                 return 2
             except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
                 # valid JSON whose nested fields are missing or of the wrong kind (hand-edited, truncated

@@ -167,11 +167,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# the options that take a value, by dest: each refused when given empty
+VALUE_OPTIONS = ("engines", "reference", "out", "report_dir", "save_baseline", "baseline", "baseline_dir")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "difftest(check, engine): an item generated from a difftest case")
     config.stash[KINDS] = FailureKinds()
     config.pluginmanager.register(config.stash[KINDS], "difftest-failure-kinds")
     try:
+        for option in VALUE_OPTIONS:  # what an unset variable gives (--engines=$ENGINES): never the default
+            value = config.getoption(option)
+            if value is not None and not value.strip():
+                raise ConfigError(
+                    f"--{option.replace('_', '-')}: empty value (an unset variable?); give a value or leave the option out"
+                )
         engines = parse_engine_list(config.getoption("engines") or calibration_engine())
         reference = parse_spec(config.getoption("reference")) if config.getoption("reference") else engines[0]
         if reference.id not in [e.id for e in engines]:
@@ -202,6 +212,17 @@ def pytest_configure(config: pytest.Config) -> None:
         report_dir = Path(out or Path(config.rootpath) / "reports")
         _check_writable_dir(report_dir, "--out")
         baseline_dir = Path(config.getoption("baseline_dir") or Path(config.rootpath) / baseline_mod.DEFAULT_DIR)
+        if config.getoption("baseline_dir") or config.getoption("baseline") or config.getoption("save_baseline"):
+            # up front, not when the run is over: the folder is written at the session's end, or read first
+            where = (
+                "--baseline-dir"
+                if config.getoption("baseline_dir")
+                else "--baseline-dir (default: <rootdir>/baselines)"
+            )
+            if config.getoption("save_baseline"):
+                check_output_dir(baseline_dir, where)
+            elif baseline_dir.exists() and not baseline_dir.is_dir():
+                raise ConfigError(f"{where}: {baseline_dir} is not a directory")
         stored = None
         if config.getoption("baseline"):
             if config.getoption("reference"):
