@@ -209,9 +209,15 @@ def test_env_create_from_the_wheel_finds_the_environment_the_checkout_built(inst
     plan = envs.plan("sglang", root=ROOT)
     if not plan.built:
         pytest.skip(f"SGLang's environment is not built ({plan.directory}); scripts/setup-engine sglang builds it")
-    done = _run([str(installed.difftest), "env", "create", "sglang"], installed.env, tmp_path, timeout=120)
+    # a cache of its own that holds the checkout's build (linked): the links `env create` writes stay in
+    # tmp_path, not in the user's cache
+    cache = tmp_path / "cache"
+    (cache / "envs").mkdir(parents=True)
+    (cache / "envs" / plan.directory.name).symlink_to(plan.directory)
+    env = dict(installed.env, DIFFTEST_CACHE=str(cache))
+    done = _run([str(installed.difftest), "env", "create", "sglang"], env, tmp_path, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"-> {plan.directory} (built)" in done.stdout
+    assert f"-> {cache / 'envs' / plan.directory.name} (built)" in done.stdout
     assert "building" not in done.stderr
 
 
