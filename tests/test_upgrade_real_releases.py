@@ -208,6 +208,16 @@ def test_the_old_release_against_the_reference_names_the_flag_it_never_reads(sgl
     assert accept.data.engine.accept_length < accept.data.reference.accept_length - 1.0
 
 
+def test_the_old_release_is_told_it_cannot_read_the_flag_and_which_releases_can(sglang_old):
+    """No config edit helps a release that reads the flag from no place: the cause names the releases
+    that read it (the release rules) and the draft trained without it, never "write the flag where it reads it"."""
+    message = sglang_old.outcome(CASE, f"sglang@{OLD_SGLANG}", "draft_logits").message
+    fix = message.split("Fix: ", 1)[1].splitlines()[0]
+    assert fix.startswith(f"sglang {OLD_SGLANG} cannot read norm_before_fc (True in the draft config) from any place")
+    assert "serve the draft with a release that reads it: SGLang 0.5.17 - 0.5.23" in fix
+    assert fix.endswith("or train the draft without norm_before_fc")
+
+
 def test_the_old_vllm_release_against_the_reference_runs_the_draft_without_norm_output(vllm_old):
     assert vllm_old.returncode == 0, vllm_old.output[-4000:]
     logits = vllm_old.outcome(VLLM_CASE, f"vllm@{OLD_VLLM}", "draft_logits")
