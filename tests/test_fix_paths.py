@@ -159,3 +159,29 @@ def test_an_output_file_that_is_a_directory_is_refused_even_with_force(tmp_path)
     run = fix(SOURCE, tmp_path, "--force")
     assert run.returncode == USAGE and run.stdout == "", run.stdout + run.stderr
     assert run.stderr == f"difftest fix: --out: {taken} is a directory; give a file path\n"
+
+
+def test_a_reordered_draft_is_named_beside_the_patched_case_so_the_two_move_together(tmp_path):
+    case = ROOT / "cases" / "catalogue_ids_unsorted.yaml"  # trained out of layer order: fc's blocks reordered
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "difftest.cli",
+            "fix",
+            str(case),
+            "--engines",
+            "sglang",
+            "--out",
+            str(tmp_path),
+            "--no-verify",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    written = tmp_path / "fix" / "catalogue_ids_unsorted.sglang.yaml"
+    assert yaml.safe_load(written.read_text())["draft"] == "catalogue_ids_unsorted.sglang.draft"
+    assert load_case(written).draft == str(tmp_path / "fix" / "catalogue_ids_unsorted.sglang.draft")
