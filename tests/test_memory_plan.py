@@ -171,6 +171,13 @@ def test_engines_that_do_not_fit_together_run_one_at_a_time(case):
     assert any(ln.startswith("ref: its worker closes to free memory") for ln in lines)
 
 
+def test_a_start_asked_for_without_a_case_makes_room_as_the_current_case_needs(case):
+    pool = stub_pool("1.2GB", [])
+    serve_case(pool, case)
+    pool.client(REF)  # e.g. a cache key asking for the engine's version
+    assert pool.log[-2:] == [("close", FAKE.id), ("start", "ref")]
+
+
 def test_a_closed_worker_still_answers_what_it_said_of_itself_without_starting_again(case):
     pool = stub_pool("1.2GB", [])
     serve_case(pool, case)
@@ -227,9 +234,11 @@ def test_one_at_a_time_gives_the_verdicts_all_at_once_gives(models, tmp_path):
         runs[name] = run_pytest(root, "cases/", engines, env=env)
     assert "all at once" in runs["all"].output and "closes to free memory" not in runs["all"].output
     assert "one at a time" in runs["one"].output and "closes to free memory" in runs["one"].output
+    # each engine's results for the case are all taken while its worker runs: one start each
+    assert runs["one"].output.count("[difftest] starting ref ") == 1
+    assert runs["one"].output.count("[difftest] starting fake[mode=diverge] ") == 1
     assert runs["one"].returncode == runs["all"].returncode == exit_codes.REGRESSION  # the diverging engine
     assert _outcomes(runs["one"]) == _outcomes(runs["all"])
-    print("\n".join(ln for ln in runs["one"].output.splitlines() if ln.startswith("[difftest]")))
 
 
 def test_an_engine_too_large_for_the_budget_ends_the_run_with_the_engine_exit_code(models, tmp_path):

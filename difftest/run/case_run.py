@@ -39,6 +39,7 @@ from difftest.run import infer_case as infer_mod
 from difftest.run.engine import EngineSpec, parse_spec
 from difftest.run.pool import EnginePool, Options
 from difftest.run.protocol import CaptureDraftFromRequest, CaptureRequest, ReplayRequest, SpeculateRequest
+from difftest.run.worker import WorkerClient
 
 FIXTURE_GROUP = "difftest.fixtures"
 
@@ -120,6 +121,7 @@ class CaseRun:
         self._diffs: dict[str, list[CaptureDiff]] = {}
         self._floor: noise.NoiseFloor | None = None
         self._calibration: CaseRun | None = None
+        self._completed: set[str] = set()  # engines whose results for this case were all computed (_complete)
 
     @property
     def options(self) -> Options:
@@ -245,13 +247,46 @@ class CaseRun:
                 case = self.engine_case(spec)
                 cached = self.pool.cached(key)
                 if cached is None:
-                    client = self.pool.client(spec, case)
+                    client = self._client(spec, case)
                     out = self.pool.cache.path(key)
                     self.pool.progress(f"{spec.id}: capturing {case.name} prompt {index + 1}/{len(self.prompt_ids())}")
                     self.pool.request(client, CaptureRequest(case, ids, str(out)), out)
                     cached = self.pool.load(out)
             self._captures[memo] = cached
         return self._captures[memo]
+
+    def _client(self, spec: EngineSpec, case: Case) -> WorkerClient:
+        """`spec`'s worker for `case` (the pool's). Under a one-at-a-time memory plan
+        (difftest.run.memory_plan) it first computes all this case asks of `spec` while its worker
+        runs (_complete): each engine then starts once per case, not once per switch between engines."""
+        if spec.id not in self._completed and self.pool.one_at_a_time(case):
+            self._completed.add(spec.id)
+            self.pool.client(spec, case)  # started (or refused) before anything is asked of it
+            if not self.pool.is_live(spec):
+                self._complete(spec)
+        return self.pool.client(spec, case)  # again: completing may have restarted it
+
+    def _complete(self, spec: EngineSpec) -> None:
+        """What the checks ask of `spec` for this case without another engine's worker: every prompt's
+        capture, the speculative run, the golden re-runs on reference captures already taken; for the
+        engine that calibrates, the float64 run's too. A failure stops it: the check asking again says it."""
+        prompts = range(len(self.prompt_ids()))
+        ref = self.options.reference
+        calibrating = spec.id == self.pool.calibration_spec().id and self.prepared.dtype != noise.CALIBRATION_DTYPE
+        try:
+            for i in prompts:
+                self.capture(spec, i)
+            for i in prompts:
+                if spec.id != ref.id and ((ref.id, i) in self._captures or self.pool.stored(ref) is not None):
+                    self.capture_golden(spec, i)
+            if calibrating:
+                exact = self.calibration()
+                for i in prompts:
+                    self.capture_golden(spec, i, source=spec, source_run=exact)
+                exact.speculate(spec)
+            self.speculate(spec)
+        except DifftestError:
+            return
 
     def capture_key(self, spec: EngineSpec, ids: list[int]) -> str:
         """The cache key of `spec`'s capture of prompt `ids` of this case (started or stored)."""
@@ -286,7 +321,7 @@ class CaseRun:
         key = cache_key("golden", spec.id, self.pool.info(spec).version, self.inputs_key(spec), ref_key)
         cached = self.pool.cached(key)
         if cached is None:
-            client = self.pool.client(spec, case)
+            client = self._client(spec, case)
             out = self.pool.cache.path(key)
             # the harness's pid in its name: left behind by a harness killed now, it is removed later
             fc_file = out.with_name(partial_prefix(out) + "fc_in.safetensors")
@@ -323,7 +358,7 @@ class CaseRun:
             return AcceptStats.from_dict(json.loads(path.read_text()))
         self.pool.progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
         request = SpeculateRequest(case, prompts, case.num_steps, case.max_new_tokens)
-        stats = self.pool.request(self.pool.client(spec, case), request).stats
+        stats = self.pool.request(self._client(spec, case), request).stats
         if not live:
             atomic_write(path, json.dumps(stats.to_dict(), indent=1))
         return stats
@@ -343,7 +378,7 @@ class CaseRun:
         self.pool.progress(f"{spec.id}: replaying {len(requests)} server outputs through the draft")
         with self.pool.clock.phase("session", case.path, spec.id, case.dtype):
             request = ReplayRequest(case, requests, num_steps, topk, num_draft_tokens)
-            return self.pool.request(self.pool.client(spec, case), request).replays
+            return self.pool.request(self._client(spec, case), request).replays
 
     # -- the noise floor (difftest.compare.noise) ----------------------------------------------------
     def calibration(self) -> CaseRun:

@@ -95,6 +95,7 @@ class EnginePool:
         self._uses = 0
         self._closed: dict[str, EngineInfo] = {}  # what a worker closed for memory said of itself
         self._refused: dict[str, EngineError] = {}  # this case's engines that cannot fit even alone
+        self._case_now: Case | None = None  # the case the last worker request was for
 
     # -- stored baselines --------------------------------------------------------------
     def add_stored(self, source: BaselineSource) -> None:
@@ -138,7 +139,12 @@ class EnginePool:
         if spec.id in self._refused:
             raise self._refused[spec.id]
         if case is not None:
+            self._case_now = case
             self._make_room(spec, case)
+        elif spec.id not in self._clients and self._case_now is not None:
+            # a start asked for without a case (info, version: a cache key): room as the last case
+            # needed it, refused only when that case is the current one
+            self._make_room(spec, self._case_now, refuse=self._case_now.path == self._current_case)
         self._uses += 1
         self._used[spec.id] = self._uses
         if spec.id not in self._clients:
@@ -205,7 +211,11 @@ class EnginePool:
             self.progress(self._plans[key].line())
         return self._plans[key]
 
-    def _make_room(self, spec: EngineSpec, case: Case) -> None:
+    def one_at_a_time(self, case: Case) -> bool:
+        """Whether `case`'s engines run one (or as many as fit) at a time: not all fit at once."""
+        return not self.plan(case).all_at_once
+
+    def _make_room(self, spec: EngineSpec, case: Case, refuse: bool = True) -> None:
         """Before `spec` serves `case`: where its worker, with the models this case adds, does not fit
         beside the live ones, the least recently used others are closed first; one that cannot fit
         even alone is refused before it starts, in one line (an engine error: exit 7)."""
@@ -225,6 +235,11 @@ class EnginePool:
             self._close_for_memory(spec.id, f"it holds earlier cases' models; a fresh one starts for {case.name}")
             live, wanted = False, new
             need = self._need(spec, case, wanted)
+        if not need.fits(budget) and not refuse:  # another case's estimate: the case's own request judges
+            for other in [s for s in self._clients if s != spec.id]:
+                self._close_for_memory(other, f"{spec.id} starts")
+            self._held[spec.id], self._needs[spec.id] = wanted, need
+            return
         if not need.fits(budget):
             needed, available = budget.shortfall(need)
             error = EngineError(
