@@ -39,6 +39,7 @@ from difftest.checks.verdict import Verdict
 from difftest.compare import accept_judge
 from difftest.compare.accept_judge import ACCEPT_SIGMAS
 from difftest.compare.diagnose import match_fc_chunks
+from difftest.compare.noise import STREAMED_FLOAT64
 from difftest.records import CaptureMeta, CheckResult, ReplayRow
 from difftest.records.acceptance import AcceptStats, accept_length_spread, normalise
 from difftest.records.capture import Capture, cache_key
@@ -157,6 +158,7 @@ __all__ = [
     "accept_judge",
     "ACCEPT_SIGMAS",
     "match_fc_chunks",
+    "STREAMED_FLOAT64",
     "report",
     "report_files",
     "definitions",

@@ -87,7 +87,7 @@ def test_html_report_is_written_with_plots_and_reproduce_command(wrong_engines_r
 def test_report_records_the_measured_noise_floor(wrong_engines_run):
     nf = wrong_engines_run.report("tiny").noise_floor
     assert nf.measured is True and nf.dtype == "float32"
-    assert nf.source == "measured: ref in float32 vs float64 over 2 prompts"
+    assert nf.source == "measured: ref in float32 vs float64 over 2 prompts (float64 streamed layer by layer)"
     assert nf.tensors["draft.layer0.mlp_out"].threshold > 0
 
 

@@ -55,6 +55,10 @@ measured score noise (the same float64 comparison, on `aux.router.{k}.scores`) m
 experts in another engine. Its rows from target.h.{k+1} on are tolerated the way an
 upstream discrete event is (compare.judge_along_flow), and reported as router ties.
 
+The float64 run need not hold a float64 copy of the target: the reference may stream it, one
+decoder layer's weights upcast at a time, computing the same tensors bit for bit; it says so with
+a capture note starting STREAMED_FLOAT64, and the floor's source says "streamed".
+
 When the reference cannot run twice (a training dump or a stored baseline as reference,
 or a target too large for the CPU reference), the floor is not measured and the threshold
 falls back to UNMEASURED_REL[dtype]; every verdict then says so.
@@ -104,6 +108,18 @@ AUX_PREFIX = "aux."  # reference-side facts stored in a capture, never compared 
 ROUTER_PREFIX = "aux.router."
 
 BLOCK_ELEMENTS = 1 << 22
+# The start of the capture note of a float64 run computed layer by layer (difftest_engines/ref/streamed.py):
+# the same tensors as a whole float64 copy, said in the floor's source so a reader knows how it was run.
+STREAMED_FLOAT64 = "float64 streamed layer by layer"
+
+
+def measured_source(engine: str, dtype: str, prompts: int, exact_notes: list[str]) -> str:
+    """The floor's source line: which engine, dtype and prompts; and "streamed" when the float64
+    captures say they were (their notes)."""
+    streamed = any(n.startswith(STREAMED_FLOAT64) for n in exact_notes)
+    return f"measured: {engine} in {dtype} vs float64 over {prompts} prompts" + (
+        f" ({STREAMED_FLOAT64})" if streamed else ""
+    )
 
 
 def row_rel_err(x: torch.Tensor, ref: torch.Tensor, path: str | None = None) -> torch.Tensor:

@@ -416,7 +416,7 @@ class CaseRun:
         return noise.measure_floor(
             pairs,
             case.dtype,
-            f"measured: {spec.id} in {case.dtype} vs float64 over {len(pairs)} prompts",
+            noise.measured_source(spec.id, case.dtype, len(pairs), [n for _, e in pairs for n in e.meta.notes]),
             [p for p in own if p[0] is not None],
         )
 

@@ -1,0 +1,327 @@
+"""The float64 noise-floor run, streamed: one decoder layer's weights in float64 at a time.
+
+The noise floor (difftest.compare.noise) runs the reference again in float64. A whole float64
+copy of the target costs 8 bytes a parameter (64 GB for an 8B target) on top of the case's own
+model, so at real sizes the floor went unmeasured. `StreamedTarget` computes the same float64
+run from the model the case already loaded (its `source`, in the case's dtype):
+
+- a float64 *skeleton*: the same transformers class built from the same config on the meta
+  device, so it holds no weights; its buffers (rope frequencies, MoE correction biases) are
+  copied from the source in the dtypes a float64 load gives them;
+- a decoder layer's parameters are upcast from the source just before the layer runs and
+  dropped right after it (forward hooks), so the float64 activations of all positions flow
+  layer to layer through the model's own forward, unchanged;
+- the input embedding upcasts only the rows of the tokens it looks up (a gather is exact);
+- the output head is upcast whole, for its one matmul, and dropped: MKL's float64 GEMM is not
+  invariant to splitting the vocab dimension (measured: 37 x 2048 @ 2048 x 5000 in 1024-row
+  chunks moves logits by up to 4.8e-13), and the run must equal the whole-model run bit for bit;
+- the few parameters outside the layers (the final norm) stay resident.
+
+Every parameter is upcast as `rounded_through` rounds the whole-model run's: through the case's
+weights dtype first (`weights_dtype`), so the result is bit-identical to loading the target in
+float64 and rounding it (tests/test_streamed_float64.py holds that, tensor by tensor).
+
+The source is exact only when it holds the checkpoint's values: `streamable` refuses a checkpoint
+stored wider than float32 (or quantised), or one not in safetensors; the ref engine then loads the
+whole float64 copy as before. `Residency` counts the float64 parameter bytes alive, so a test can
+hold the bound (one layer, or the head, plus the resident few) structurally.
+
+Cost (benchmarks/test_bench_streamed_float64.py; a 1.0B bfloat16 Llama, hidden 2048, 8 layers,
+vocab 128256, 32 tokens, 2 shared cores): peak RSS 3.8 GiB streamed against 10.3 GiB whole; a
+forward 13.0 s against 10.9 s (1.19x: every weight is upcast once per forward, into the reused
+arena), but no 46 s float64 load first, so a calibration of up to ~20 forwards is faster streamed.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from difftest.api import stored_tensors
+
+# safetensors dtype codes whose values a float32 (or the case's half dtype) load holds exactly
+EXACT_STORED = {"F32", "BF16", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL"}
+
+
+def streamable(path: str | Path) -> str | None:
+    """None when the float64 run can be streamed from a float32/half load of this checkpoint,
+    else why not (one line)."""
+    tensors, _ = stored_tensors(Path(path))
+    if not tensors:
+        return "no safetensors files (the source load's values cannot be checked)"
+    wide = sorted({t.dtype for t in tensors.values()} - EXACT_STORED)
+    if wide:
+        return f"tensors stored as {', '.join(wide)} (a float32 load would round or dequantise them)"
+    return None
+
+
+@dataclass
+class Residency:
+    """Float64 parameter bytes alive in the skeleton: now, the most at once, and those that stay."""
+
+    live: int = 0
+    peak: int = 0
+    resident: int = 0
+
+    def add(self, n: int) -> None:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+    def drop(self, n: int) -> None:
+        self.live -= n
+
+
+class NotStreamable(Exception):
+    """The source model does not mirror the skeleton (another class layout): load the whole copy."""
+
+
+def _upcast(src: torch.Tensor, like: torch.Tensor, weights_dtype: torch.dtype | None) -> torch.Tensor:
+    """`src` as the whole float64 run holds it: rounded through the weights dtype (rounded_through
+    rounds floating-point parameters only), in the skeleton's dtype for it."""
+    if weights_dtype is not None and src.is_floating_point():
+        src = src.to(weights_dtype)
+    return src.to(like.dtype)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Arena:
+    """One float64 buffer the streamed parts are upcast into, reused part after part.
+
+    Measured (a 128256 x 2048 bfloat16 head, 2 cores): upcasting into fresh memory takes 3.2 s,
+    into memory already touched 0.5 s; the difference is the kernel zeroing fresh pages. So the
+    buffer stays for the run's life, sized for the largest part: the same bytes the peak holds."""
+
+    ALIGN = 512  # elements: every view starts on a 4 KiB boundary, as a fresh allocation's data would
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.buffer: torch.Tensor | None = None
+
+    def plan(self, shapes: list[torch.Size]) -> list[int]:
+        """Offsets of one part's float64 tensors; the arena grows to hold the largest part."""
+        offsets, end = [], 0
+        for shape in shapes:
+            offsets.append(end)
+            end += -(-max(1, shape.numel()) // self.ALIGN) * self.ALIGN
+        self.size = max(self.size, end)
+        return offsets
+
+    def view(self, offset: int, shape: torch.Size) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < self.size:
+            self.buffer = torch.empty(self.size, dtype=torch.float64)
+        return self.buffer[offset : offset + shape.numel()].view(shape)
+
+    def release(self) -> None:
+        self.buffer = None
+
+
+class _Slots:
+    """The parameters of one streamed part: (module, name, source tensor, meta placeholder), the
+    float64 ones placed in the arena."""
+
+    def __init__(
+        self, skeleton: torch.nn.Module, source: torch.nn.Module, weights_dtype, residency: Residency, arena: Arena
+    ):
+        self.items = []
+        for name, mod in skeleton.named_modules():
+            src_mod = source.get_submodule(name) if name else source
+            for pname, ph in mod._parameters.items():
+                if ph is None:
+                    continue
+                src = src_mod._parameters.get(pname)
+                if src is None or tuple(src.shape) != tuple(ph.shape):
+                    raise NotStreamable(f"{type(mod).__name__}.{pname}: not in the source model as shaped")
+                self.items.append((mod, pname, src, ph))
+        self.weights_dtype = weights_dtype
+        self.residency = residency
+        self.arena = arena
+        wide = [ph.shape for _, _, _, ph in self.items if ph.dtype == torch.float64]
+        offsets = iter(arena.plan(wide))
+        self.offsets = [next(offsets) if ph.dtype == torch.float64 else None for _, _, _, ph in self.items]
+        self.bytes = sum(ph.numel() * ph.element_size() for _, _, _, ph in self.items)
+        self.held = 0
+
+    def materialize(self) -> None:
+        self.release()  # a forward that raised left its weights: take them down first
+        for (mod, pname, src, ph), offset in zip(self.items, self.offsets):
+            src = src.detach()
+            if offset is not None:
+                t = self.arena.view(offset, ph.shape)
+                # rounded through the weights dtype first, as _upcast; the copy into float64 is exact
+                t.copy_(
+                    src.to(self.weights_dtype) if self.weights_dtype is not None and src.is_floating_point() else src
+                )
+            else:
+                t = _upcast(src, ph, self.weights_dtype)
+            mod._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
+            if t.data_ptr() != src.data_ptr():
+                self.held += _nbytes(t)
+        self.residency.add(self.held)
+
+    def release(self) -> None:
+        for mod, pname, _, ph in self.items:
+            mod._parameters[pname] = ph
+        self.residency.drop(self.held)
+        self.held = 0
+
+
+class StreamedTarget:
+    """A float64 model computing exactly what `rounded_through(load_target(path, float64), weights_dtype)`
+    computes, holding one decoder layer's weights (or the output head's) in float64 at a time.
+
+    `model` is an ordinary transformers model to its callers (run_target, the speculative
+    simulations, the router and final-norm hooks); `source` stays the caller's and is only read."""
+
+    def __init__(
+        self,
+        source: torch.nn.Module,
+        weights_dtype: torch.dtype | None,
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
+        self.source = source
+        self.residency = Residency()
+        self.arena = Arena()
+        self.model = _skeleton(source, dtype)
+        self._handles: list = []
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        layers = getattr(decoder, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+            raise NotStreamable(f"{type(self.model).__name__}: no decoder layers at model.layers")
+        self._copy_buffers()
+        self.layer_bytes: list[int] = []
+        for layer in layers:
+            name = _name_of(self.model, layer)
+            slots = _Slots(layer, source.get_submodule(name), weights_dtype, self.residency, self.arena)
+            self._stream(layer, slots)
+            self.layer_bytes.append(slots.bytes)
+        head = self.model.get_output_embeddings()
+        self.head_bytes = 0
+        if head is not None:
+            slots = _Slots(
+                head, source.get_submodule(_name_of(self.model, head)), weights_dtype, self.residency, self.arena
+            )
+            self._stream(head, slots)
+            self.head_bytes = slots.bytes
+        embed = self.model.get_input_embeddings()
+        self.embedding_bytes = 0
+        if not isinstance(embed, torch.nn.Embedding) or embed.max_norm is not None:
+            embed = None  # renormalised or another lookup: resident below, whole
+        else:
+            self._stream_rows(embed, source.get_submodule(_name_of(self.model, embed)).weight, weights_dtype)
+            self.embedding_bytes = _nbytes(embed.weight)
+        # the rest (final norm, ...) stays: small, and read by every forward
+        inside = _name_of(self.model, layers) + "."
+        for name, mod in self.model.named_modules():
+            for pname, ph in list(mod._parameters.items()):
+                if ph is None or mod is head or mod is embed or name.startswith(inside):
+                    continue
+                src = source.get_submodule(name)._parameters.get(pname) if name else source._parameters.get(pname)
+                if src is None or tuple(src.shape) != tuple(ph.shape):
+                    raise NotStreamable(f"{name}.{pname}: not in the source model as shaped")
+                t = _upcast(src.detach(), ph, weights_dtype)
+                mod._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
+                self.residency.resident += _nbytes(t)
+                self.residency.add(_nbytes(t))
+
+    def bound(self) -> int:
+        """Float64 parameter bytes the run may hold at once: the resident few plus the largest of one
+        decoder layer, the output head, the input embedding (its looked-up rows, at most all)."""
+        return self.residency.resident + max([*self.layer_bytes, self.head_bytes, self.embedding_bytes])
+
+    def whole_bytes(self) -> int:
+        """What the whole float64 copy holds (tied tensors once)."""
+        seen = {id(p): p for p in self.model.parameters()}
+        return sum(p.numel() * 8 for p in seen.values())
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.arena.release()
+
+    # -- building ----------------------------------------------------------------------------
+    def _copy_buffers(self) -> None:
+        """Buffers (rope frequencies, correction biases) from the source, in the dtypes the float64
+        model declares them in: rounded_through leaves buffers alone, so they are not rounded here."""
+        for name, buf in list(self.model.named_buffers()):
+            try:
+                src = self.source.get_buffer(name)
+            except AttributeError:
+                raise NotStreamable(f"buffer {name}: not in the source model") from None
+            if tuple(src.shape) != tuple(buf.shape):
+                raise NotStreamable(f"buffer {name}: shaped {tuple(src.shape)} in the source")
+            if src.is_floating_point() and src.element_size() < min(buf.element_size(), 4):
+                # a half-precision buffer in the source lost what the float64 load keeps
+                raise NotStreamable(f"buffer {name}: {src.dtype} in the source, {buf.dtype} in float64")
+            owner, _, bname = name.rpartition(".")
+            mod = self.model.get_submodule(owner) if owner else self.model
+            mod._buffers[bname] = src.detach().to(buf.dtype, copy=True)
+
+    def _stream(self, module: torch.nn.Module, slots: _Slots) -> None:
+        self._handles.append(module.register_forward_pre_hook(lambda _m, _a: slots.materialize()))
+        self._handles.append(module.register_forward_hook(lambda _m, _a, _o: slots.release(), always_call=True))
+
+    def _stream_rows(self, embed: torch.nn.Embedding, src: torch.Tensor, weights_dtype) -> None:
+        """The embedding looks up rows: only those of the tokens given are upcast (a gather is exact),
+        the ids renumbered into them for the one call."""
+        ph = embed.weight
+        residency = self.residency
+        state: dict = {}
+
+        def pre(mod, args):
+            if not args:  # called by keyword: the whole table
+                rows, ids = _upcast(src.detach(), ph, weights_dtype), None
+            else:
+                uniq, inverse = torch.unique(args[0], return_inverse=True)
+                rows, ids = _upcast(src.detach()[uniq], ph, weights_dtype), inverse
+            mod._parameters["weight"] = torch.nn.Parameter(rows, requires_grad=False)
+            # padding_idx changes gradients only; the renumbered table may be shorter than it
+            state["padding_idx"], mod.padding_idx = mod.padding_idx, None
+            state["bytes"] = _nbytes(rows)
+            residency.add(state["bytes"])
+            return None if ids is None else (ids, *args[1:])
+
+        def post(mod, _args, _out):
+            mod._parameters["weight"] = ph
+            if "padding_idx" in state:
+                mod.padding_idx = state.pop("padding_idx")
+            residency.drop(state.pop("bytes", 0))
+
+        self._handles.append(embed.register_forward_pre_hook(pre))
+        self._handles.append(embed.register_forward_hook(post, always_call=True))
+
+
+def _skeleton(source: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The source's class from its config, in `dtype`, on the meta device (no weights), computing as
+    load_target(path, dtype) would: same attention kernel; MoE experts in the per-expert loop in
+    float64 (torch._grouped_mm has none; difftest_engines/ref/target.py load_target)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(source.config)
+    kwargs = {"attn_implementation": getattr(source.config, "_attn_implementation", None)}
+    if dtype == torch.float64 and any(
+        getattr(config, k, None) for k in ("n_routed_experts", "num_experts", "num_local_experts")
+    ):
+        kwargs["experts_implementation"] = "eager"
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **{k: v for k, v in kwargs.items() if v})
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, NotImplementedError) as e:
+        # a class transformers cannot build from its config alone (remote code, ...): the whole copy
+        raise NotStreamable(f"{type(source).__name__}: no float64 skeleton ({str(e).splitlines()[0][:120]})") from None
+    if type(model) is not type(source):
+        raise NotStreamable(f"{type(source).__name__}: its config builds {type(model).__name__}")
+    return model.eval()
+
+
+def _name_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    for name, mod in model.named_modules():
+        if mod is module:
+            return name
+    raise NotStreamable(f"{type(module).__name__}: not a submodule of {type(model).__name__}")
