@@ -35,6 +35,7 @@ from difftest.case import chat
 from difftest.case.case import Case, Prompt, load_case
 from difftest.case.prompt_sets import PromptFile, read_prompt_file
 from difftest.checks import checks
+from difftest.checks.lint import check_config_numbers, tied_head_findings, unused_tensor_words
 from difftest.checks.verdict import Verdict
 from difftest.compare import accept_judge
 from difftest.compare.accept_judge import ACCEPT_SIGMAS
@@ -125,6 +126,9 @@ __all__ = [
     "refuse_on_errors",
     "stored_tensors",
     "target_findings",
+    "check_config_numbers",
+    "unused_tensor_words",
+    "tied_head_findings",
     "d2t_convention_findings",
     "LOAD_ERRORS",
     "explain_load_failure",

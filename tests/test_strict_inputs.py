@@ -416,7 +416,7 @@ def test_bad_target_config_is_one_line_naming_the_file(tmp_path, config, fragmen
         ([1], "expected a JSON object, got list"),
         (
             {"hidden_size": "big", "num_attention_heads": 4, "vocab_size": 8, "intermediate_size": 8},
-            "malformed draft config (ValueError",
+            "hidden_size: expected an integer, got 'big' (a string)",
         ),
     ],
 )

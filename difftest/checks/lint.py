@@ -19,6 +19,8 @@ message of a passing item):
                         t2d not True exactly at arange + d2t)
   fc-width              fc in_features != number of ids x target hidden size
   sglang-topk           SGLang speculative_eagle_topk == 1 forces num_draft_tokens = num_steps + 1
+  draft-tensor-unused   a draft tensor the reference draft never applies (q_norm, k_norm, a bias
+                        attention_bias does not enable): an engine that applies it computes another draft
 
 and, from difftest.rules.lint_checkpoint (the engines' rules in difftest.rules.draft_rules):
 
@@ -38,6 +40,7 @@ and, from difftest.rules.checkpoint_integrity (both checkpoints, headers only):
   target-weights        a target tensor missing (untied head, embedding, a layer), layers past
                         num_hidden_layers, shapes that disagree with vocab_size / hidden_size
   checkpoint-dtype      stored dtype differs from the config's (warning)
+  target-tied-head      tie_word_embeddings true while the target stores its own, different lm_head
 """
 
 from __future__ import annotations
@@ -61,10 +64,80 @@ from difftest.rules.lint_checkpoint import (
     weight_findings,
 )
 from difftest.rules.weight_files import open_safetensors
-from difftest.base.names import DRAFT_LOGITS_TARGET, hidden_name
-from difftest.rules.layer_rules import ENGINE_RULES, KEY, SPECFORGE, TOP, config_edit, default_layers, target_family
+from difftest.base.names import DRAFT_LOGITS_TARGET, TARGET_LOGITS, hidden_name
+from difftest.rules.layer_rules import (
+    ENGINE_RULES,
+    ID_PLACES,
+    KEY,
+    SPECFORGE,
+    TOP,
+    config_edit,
+    default_layers,
+    place_words,
+    target_family,
+)
 
-__all__ = ["Finding", "lint_case", "lint_draft", "trained_wiring"]
+__all__ = [
+    "Finding",
+    "check_config_numbers",
+    "lint_case",
+    "lint_draft",
+    "tied_head_findings",
+    "trained_wiring",
+    "unused_tensor_words",
+]
+
+
+# The draft config's numbers: transformers refuses a target whose sizes are strings, and int("4")
+# would let the reference run a config that another reader refuses or reads otherwise.
+_INT_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "num_aux_hidden_states",
+    "num_hidden_layers",
+)
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def check_config_numbers(sections: list[tuple[dict, str]], where: str) -> None:
+    """Refuse a number the config gives as a string (or a bool, or a float where a count belongs),
+    in one line naming the file, the key and the type expected. `sections`: (dict, its key prefix)."""
+    # transformers 5 keeps rope_theta inside rope_parameters
+    ropes = [
+        (h["rope_parameters"], f"{p}rope_parameters.")
+        for h, p in sections
+        if isinstance(h.get("rope_parameters"), dict)
+    ]
+    for holder, prefix in [*sections, *ropes]:
+        for key in (*_INT_FIELDS, *_FLOAT_FIELDS):
+            value = holder.get(key)
+            if value is None:  # absent or null: the default applies
+                continue
+            integer = key in _INT_FIELDS
+            ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+            if not ok or isinstance(value, bool):
+                expected = "an integer" if integer else "a number"
+                got = f"{value!r} (a {'string' if isinstance(value, str) else type(value).__name__})"
+                raise ConfigError(f"{where}: {prefix}{key}: expected {expected}, got {got}")
+
+
+def check_layer_ids(raw: dict, where: Path) -> None:
+    """Refuse layer ids that are not a list of integers at any place an engine reads them from, in one
+    line naming the key and the value (engines index layers with them: "1" is no layer id)."""
+    for place in ID_PLACES:
+        holder = raw if place == TOP else raw.get(place.partition(".")[0])
+        key = place.partition(".")[2] if "." in place else KEY
+        value = holder.get(key) if isinstance(holder, dict) else None
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in value):
+            raise ConfigError(f"{where}: {place_words(place)}: expected a list of integer layer ids, got {value!r}")
 
 
 def tensor_meta(model_dir: Path) -> dict[str, tuple]:
@@ -90,6 +163,7 @@ def lint_draft(
     draft_dir, target_dir = Path(draft_dir), Path(target_dir)
     # read in the words the reference engine's loaders use, so the lint and capture items fail alike
     raw = read_json_object(draft_dir / "config.json")
+    _check_draft_config(raw, draft_dir / "config.json")
     tcfg = _text_config(read_json_object(target_dir / "config.json", "target config"), target_dir / "config.json")
     L, H_t, V = (_size(tcfg, k, target_dir / "config.json") for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
     speculators = raw.get("speculators_model_type") is not None
@@ -193,6 +267,7 @@ def lint_draft(
     if not _is_mla_draft(raw):
         out += flag_findings(raw)
         out += weight_findings(meta, raw, layer, draft_vocab, V)
+        out += _unused_by_reference(meta, layer)
         out += embedding_findings(meta, target_dir)
         out += rope_findings(layer, tcfg, speculators)
     out += format_findings(raw)
@@ -200,7 +275,78 @@ def lint_draft(
     # the checkpoints themselves: each holds what its config describes (difftest.rules.checkpoint_integrity)
     out += stored_tensors(draft_dir)[1]
     out += target_findings(target_dir)
+    out += tied_head_findings(target_dir)
     return out
+
+
+# Tensors of the one-layer Llama EAGLE-3 layout that the reference draft never applies
+# (difftest_engines/ref/eagle3.py: no q/k norm, no o_proj bias; q/k/v biases only with
+# attention_bias). The lint's weight rules accept them as optional, since some architectures carry
+# them (a Qwen3-style draft's q_norm/k_norm); an engine whose draft class applies them computes
+# another draft than the reference judges every engine by.
+_ALWAYS_UNUSED = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.bias")
+_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+_LAYER_PREFIXES = ("midlayer.", "layers.0.")
+
+
+def unused_tensor_words(name: str) -> str:
+    """The one sentence for a draft tensor the reference draft does not apply (lint and ref alike)."""
+    return f"draft tensor {name} is not used by the reference draft (engines that apply it compute another draft)"
+
+
+def _unused_by_reference(meta: dict, layer: dict) -> list[Finding]:
+    """An error, not a warning: the reference is what every engine is compared with, so a tensor it
+    leaves out while an engine applies it makes every verdict about a draft nobody serves."""
+    unused = _ALWAYS_UNUSED + (() if layer.get("attention_bias") else _BIASES)
+    names = sorted(n for n in meta if n.startswith(_LAYER_PREFIXES) and n.split(".", 1)[1] in unused)
+    return [Finding("draft-tensor-unused", "error", unused_tensor_words(n)) for n in names]
+
+
+# rows of the head and the embedding compared: enough that a different head cannot agree by chance,
+# few enough that a 150k-row table is never read whole
+_HEAD_ROWS = 64
+
+
+def tied_head_findings(target_dir: str | Path) -> list[Finding]:
+    """A target whose config ties lm_head to the embedding but which stores a different lm_head.weight:
+    transformers then keeps the stored head (it warns and does not tie), engines that tie as the config
+    says serve the embedding as the head: two targets under one name."""
+    target_dir = Path(target_dir)
+    where = target_dir / "config.json"
+    config = read_json_object(where, "target config")
+    sub = config.get("text_config")
+    text: dict = sub if isinstance(sub, dict) else config
+    if not text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
+        return []
+    tensors, _ = stored_tensors(target_dir)
+    head = next((t for k, t in tensors.items() if k == "lm_head.weight" or k.endswith(".lm_head.weight")), None)
+    embed = next((t for k, t in tensors.items() if k.endswith("embed_tokens.weight")), None)
+    if head is None or embed is None:
+        return []
+    if head.shape == embed.shape:
+        rows = min(_HEAD_ROWS, head.shape[0])
+        with open_safetensors(head.file) as h, open_safetensors(embed.file) as e:
+            a, b = h.get_slice(head.name)[:rows], e.get_slice(embed.name)[:rows]
+        if a.float().equal(b.float()):
+            return []
+    return [
+        Finding(
+            "target-tied-head",
+            "error",
+            f"{where}: tie_word_embeddings is true, but {head.name} differs from {embed.name} "
+            f"({head.file.name}): transformers keeps the stored head, engines that tie as the config says serve "
+            "the embedding as the head; set tie_word_embeddings to false, or drop lm_head.weight",
+            tensor=TARGET_LOGITS,
+        )
+    ]
+
+
+def _check_draft_config(raw: dict, where: Path) -> None:
+    """The draft config's numbers and layer ids, refused in one line as the reference's loader refuses them."""
+    layer = raw.get("transformer_layer_config")
+    sections = [(raw, "")] + ([(layer, "transformer_layer_config.")] if isinstance(layer, dict) else [])
+    check_config_numbers(sections, str(where))
+    check_layer_ids(raw, where)
 
 
 def _text_config(config: dict, where: Path) -> dict:
@@ -368,6 +514,7 @@ def trained_wiring(case: Case) -> list[str] | None:
     """The case's training wiring resolved against the target's depth and the draft's ids (as its
     config.json holds them: the lint loads no draft)."""
     raw = read_json_object(Path(case.draft) / "config.json")
+    _check_draft_config(raw, Path(case.draft) / "config.json")
     tcfg = read_json_object(Path(case.target) / "config.json", "target config")
     ids, source = trained_layer_ids(case.layer_ids, (raw.get("eagle_config") or {}).get(KEY), raw.get(KEY))
     try:

@@ -13,9 +13,13 @@ import torch
 
 from difftest.api import ConfigError
 from difftest.api import read_json
-from difftest.api import first_line
+from difftest.api import first_line, unused_tensor_words
 from difftest_engines.ref.eagle3 import Eagle3Config, Eagle3Draft, _canonical_key, load_state_dict, parse_config
 from difftest_engines.ref.eagle3_mla import Eagle3MLAConfig, Eagle3MLADraft, is_mla_config, parse_mla_config
+
+
+# tensors that exist only when a config flag is on (eagle3.py Eagle3Draft.__init__)
+_FLAG_GATED = ("fc_norm.", "input_norm.")
 
 
 def build_draft(cfg: Eagle3Config) -> Eagle3Draft:
@@ -64,7 +68,9 @@ def load_draft(
             cfg = parse_config(raw_config, model_dir / "config.json")
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # e.g. hidden_size: "big"
         raise ConfigError(f"{model_dir / 'config.json'}: malformed draft config ({first_line(e)})") from None
-    raw = {_canonical_key(k): v for k, v in load_state_dict(model_dir).items()}
+    stored = load_state_dict(model_dir)
+    raw = {_canonical_key(k): v for k, v in stored.items()}
+    as_stored = {_canonical_key(k): k.removeprefix("model.") for k in stored}  # named as the checkpoint names it
     notes: list[str] = []
     shared: list[str] = []
     fc_w = raw.get("fc.weight")
@@ -100,8 +106,17 @@ def load_draft(
     if missing:
         raise ConfigError(f"{model_dir}: tensors missing from the checkpoint: {', '.join(missing)}")
     unexpected = sorted(set(raw) - set(state))
-    if unexpected:
-        notes.append(f"ignored checkpoint tensors: {', '.join(unexpected)}")
+    # the tensors of a flag the config leaves off (fc_norm, norm_before_fc): engines gate them on the
+    # same flag, so leaving them out is what every reader does, said in a note
+    gated = [k for k in unexpected if k.startswith(_FLAG_GATED)]
+    if gated:
+        notes.append(f"ignored checkpoint tensors: {', '.join(gated)}")
+    unknown = [k for k in unexpected if k not in gated]
+    if unknown:
+        # anything else (q_norm, k_norm, a bias the config does not enable) the reference would leave
+        # out while an engine that applies it serves another draft: refused, as the lint names it
+        more = f" (and {len(unknown) - 1} more: difftest lint lists them)" if len(unknown) > 1 else ""
+        raise ConfigError(f"{model_dir}: {unused_tensor_words(as_stored[unknown[0]])}{more}")
     for k, v in state.items():
         if tuple(raw[k].shape) != tuple(v.shape):
             raise ConfigError(f"{model_dir}: tensor {k} has shape {tuple(raw[k].shape)}, expected {tuple(v.shape)}")

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from difftest.api import refuse_on_errors, stored_tensors
+from difftest.api import check_config_numbers, refuse_on_errors, stored_tensors
 from difftest.api import ConfigError
 from difftest.api import load_safetensors, torch_load_tensors
 from difftest_engines.ref.rope import RopeParameters, cos_sin, read_rope
@@ -387,6 +387,10 @@ def _sliding_window(layer: dict, where: str, prefix: str) -> int | None:
 
 def parse_config(raw: dict, path: Path) -> Eagle3Config:
     where = str(path)
+    sections = [(raw, "")]
+    if isinstance(raw.get("transformer_layer_config"), dict):
+        sections.append((raw["transformer_layer_config"], "transformer_layer_config."))
+    check_config_numbers(sections, where)
     if raw.get("speculators_model_type") is not None:
         if raw["speculators_model_type"] != "eagle3":
             raise ConfigError(

@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from difftest.api import ConfigError
+from difftest.api import ConfigError, check_config_numbers
 from difftest_engines.ref.eagle3 import MLP, Eagle3Config, Eagle3Draft, RMSNorm, _ids
 from difftest_engines.ref.rope import RopeParameters, inverse_frequencies, read_rope, yarn_mscale
 
@@ -275,6 +275,7 @@ def _rope_parameters(raw: dict, where: str) -> dict:
 
 def parse_mla_config(raw: dict, path: Path) -> Eagle3MLAConfig:
     where = str(path)
+    check_config_numbers([(raw, "")], where)  # "4" is refused, not read as int("4")
 
     def need(key: str) -> object:
         if raw.get(key) is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from difftest.api import refuse_on_errors, target_findings
+from difftest.api import refuse_on_errors, stored_tensors, target_findings, tied_head_findings
 from difftest.api import ConfigError, EngineUnavailable
 from difftest.api import LOAD_ERRORS, explain_load_failure
 
@@ -83,7 +83,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
     # the reference never runs a tensor left at its initialisation: a checkpoint that does not hold
     # what its config describes is refused here, naming the tensor and the field
     check_fits(path, dtype)  # first: a target this machine cannot hold is refused with the way out
-    refuse_on_errors(target_findings(path), f"target {path}")
+    refuse_on_errors(target_findings(path) + tied_head_findings(path), f"target {path}")
     kwargs = {}
     if dtype == torch.float64 and any(config.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts")):
         # torch._grouped_mm (transformers' default MoE experts kernel) has no float64: the noise-floor
@@ -96,6 +96,10 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError, *LOAD_ERRORS) as e:
         # a truncated safetensors file or a refused pickle (named, in the words the draft loader and the
         # lint use), a config transformers cannot build a model from, ...
+        # transformers' shape mismatch says "look at the above report", a log the user may never see
+        mismatch = _shape_mismatch(path)
+        if mismatch is not None:
+            raise ConfigError(f"target {path}: {mismatch}") from None
         raise explain_load_failure(path, e, "transformers cannot load this target") from None
     # transformers' own report, for what the header checks cannot see (an MoE layer's experts, a
     # family's own tensors): anything it initialised or dropped is a refusal, not a log line
@@ -110,6 +114,29 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32):
             raise ConfigError(f"target {path}: tensors {why}: {shown}")
     model.eval()
     return model
+
+
+def _shape_mismatch(path: Path) -> str | None:
+    """The first stored tensor whose shape differs from the one the config's architecture gives it
+    (the model built on the meta device: no memory), in one line; None when none differs or the
+    architecture cannot be built here."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        stored, _ = stored_tensors(path)
+    except Exception:  # the caller's own message stands
+        return None
+    for name, t in sorted(stored.items()):
+        want = expected.get(name)
+        if want is not None and tuple(t.shape) != want:
+            return (
+                f"{t.file.name}: {name} has shape {list(t.shape)}, expected {list(want)} "
+                f"(from {path.name}/config.json's sizes)"
+            )
+    return None
 
 
 def target_config(path: Path) -> dict:
