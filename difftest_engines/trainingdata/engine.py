@@ -260,9 +260,31 @@ class TrainingDataEngine(Engine):
         """The draft's stored precision against the scoring dtype (difftest_engines.trainingdata.precision)."""
         return draft_precision(case.draft, case.dtype)
 
+    def check_fits_draft(self, s: Settings, dump: Dump, loaded: LoadedDraft) -> None:
+        """Refuse, in one line naming the sample file, a dump the draft cannot be scored on: a matmul
+        error or an embedding IndexError deep in the draft otherwise."""
+        cfg = loaded.config
+        width = cfg.num_aux * cfg.target_hidden_size
+        for sample in dump.samples:
+            if not s.wiring and sample.fc_in.shape[-1] != width:
+                H = sample.tensors[0].shape[-1]
+                raise ConfigError(
+                    f"{sample.source}: {sample.fc_count} fc tensors of width {H} ({sample.fc_in.shape[-1]} wide), "
+                    f"but the draft's fc takes {cfg.num_aux} x {cfg.target_hidden_size} = {width}: the dump holds "
+                    "other layers than the draft was trained on"
+                )
+            bad = ((sample.input_ids < 0) | (sample.input_ids >= cfg.vocab_size)).nonzero()
+            if len(bad):
+                p = int(bad[0])
+                raise ConfigError(
+                    f"{sample.source}: input_ids: token id {int(sample.input_ids[p])} at position {p} is outside the "
+                    f"target vocabulary of {cfg.vocab_size} (the draft config's vocab_size)"
+                )
+
     def accuracy(
         self, case: Case, s: Settings, dump: Dump, ident: Identification, loaded: LoadedDraft, head: VerifierHead
     ) -> StepCounts:
+        self.check_fits_draft(s, dump, loaded)
         rules, _ = self.rules(case, s, dump)
         steps = s.ttt_steps or rules.default_ttt_steps
         max_len = s.max_len or rules.default_max_len
@@ -284,8 +306,16 @@ class TrainingDataEngine(Engine):
         )
         max_len += 1 if rules.max_len_after_shift else 0  # tokens kept before the shift
         if key not in self._accuracy:
+            scored = samples_in(dump, split)
+            if not any(bool(x.loss_mask[:max_len].any()) for x in scored):
+                # a table of nan and an accept length of 1.00 would read as a draft that learnt nothing
+                raise ConfigError(
+                    f"{s.data}: every loss_mask of the {len(scored)} scored samples is all zero (first: "
+                    f"{scored[0].source if scored else '-'}): no position counts as trained, so there is nothing "
+                    "to score; dump the data with its loss masks"
+                )
             total = StepCounts()
-            for sample in samples_in(dump, split):
+            for sample in scored:
                 fc, _, _ = self.fc_for(case, s, sample, ident, loaded)
                 total = total.add(
                     sample_accuracy(
@@ -310,6 +340,7 @@ class TrainingDataEngine(Engine):
         dump = self.dump(s)
         w, head = self.head(case, s)
         loaded = self.draft(case, w)
+        self.check_fits_draft(s, dump, loaded)
         ident = self.identification(case, s, dump, w)
         found = dump.find(prompt_ids)
         if found is None:

@@ -240,12 +240,15 @@ def _read_speculators_sample(path: Path, index: int, rows: dict[int, dict] | Non
         raise SampleError(f"{path}: cannot be read ({str(e).splitlines()[0][:120]})") from None
     hs = _field(data, "hidden_states", path)
     token_ids = _ids(_field(data, "token_ids", path), "token_ids", path)
-    if rows is None:  # no dataset part: the token ids stand for input_ids, every position counts
-        row = {"input_ids": token_ids}
+    if rows is None:  # no dataset part (said in the dump's notes): token ids stand for input_ids, every position counts
+        row = {"input_ids": token_ids, "loss_mask": torch.ones(len(token_ids))}
     elif index not in rows:
         raise SampleError(f"{path}: input_ids: sample {index} is not in the dataset")
     else:
         row = rows[index]
+    if "loss_mask" not in row:
+        # scoring it as all ones would count the prompt's positions as trained: refused, not assumed
+        raise SampleError(f"{row.get('where', path)}: loss_mask missing (every position would count as trained)")
     input_ids = _ids(row["input_ids"], "input_ids (dataset)", path)
     if token_ids.shape != input_ids.shape or not torch.equal(token_ids, input_ids):
         n = min(len(token_ids), len(input_ids))
@@ -259,7 +262,7 @@ def _read_speculators_sample(path: Path, index: int, rows: dict[int, dict] | Non
     if hs.shape[1] < 2:
         raise SampleError(f"{path}: hidden_states: {hs.shape[1]} layer(s); the trainer needs fc inputs plus a verifier")
     hs = _hidden(hs, "hidden_states", len(input_ids), path)
-    mask = _mask(row.get("loss_mask", torch.ones(len(input_ids))), len(input_ids), path)
+    mask = _mask(row["loss_mask"], len(input_ids), path)
     tensors = [hs[:, j] for j in range(hs.shape[1])]
     return Sample(index, str(path), input_ids, mask, tensors, len(tensors) - 1)
 
@@ -281,7 +284,7 @@ def _dataset_rows(path: Path) -> tuple[dict[int, dict], list[str], int | None]:
                 index = row["index"]
                 if not isinstance(index, int) or isinstance(index, bool) or "input_ids" not in row:
                     raise TypeError
-                rows[index] = row
+                rows[index] = {**row, "where": f"{jsonl}: line {n + 1}"}
             except (json.JSONDecodeError, KeyError, TypeError):
                 # its sample is then skipped as "not in the dataset"; the other rows stand
                 bad.append(
@@ -406,8 +409,10 @@ def read_arrow_rows(path: Path) -> tuple[dict[int, dict], list[str], int]:
             for r, (i, m) in enumerate(zip(ids, masks)):
                 if i is None:
                     problems.append(f"{f}: row {index + r}: input_ids is null (row skipped)")
-                elif m is None:  # no mask: _read_speculators_sample counts every position
-                    rows[index + r] = {"input_ids": i}
+                elif "loss_mask" not in names:  # no mask column (said in the notes below): every position counts
+                    rows[index + r] = {"input_ids": i, "loss_mask": torch.ones(len(i))}
+                elif m is None:  # a null mask in a masked dataset: its sample is skipped, naming the row
+                    rows[index + r] = {"input_ids": i, "where": f"{f}: row {index + r}"}
                 else:
                     rows[index + r] = {"input_ids": i, "loss_mask": m}
             index += batch.num_rows
