@@ -88,7 +88,7 @@ SHIFTED_WIRING = [
 ]  # SGLang 0.5.23's Llama rule (id k -> h[k+1]) on ids [2, 4, 5]
 
 
-def deepseek_config():
+def deepseek_config(layers: int = LAYERS):
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(
@@ -96,7 +96,7 @@ def deepseek_config():
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
         moe_intermediate_size=MOE_INTERMEDIATE,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=HEADS,
         num_key_value_heads=HEADS,
         num_nextn_predict_layers=0,
@@ -159,15 +159,24 @@ def build_deepseek_target(
     noise: float = 0.01,
     content_heads: float = 0.005,
     gap: float = 15.0,
+    layers: int = LAYERS,
 ):
     """The tiny-deepseek-v3 target (module docstring). Built in float64 on one thread, so the float32
-    weights do not depend on the caller's thread count."""
+    weights do not depend on the caller's thread count. `layers` deepens it (the same circuit, one more
+    rotate-and-grow step per layer): difftest_fixtures/published.py's 8-layer target."""
     with cache.pinned_threads(1), torch.no_grad():
-        return _build(seed, growth, num_frequent, logit_scale, noise, content_heads, gap)
+        return _build(seed, growth, num_frequent, logit_scale, noise, content_heads, gap, layers)
 
 
 def _build(
-    seed: int, growth: float, num_frequent: int, logit_scale: float, noise: float, content_heads: float, gap: float
+    seed: int,
+    growth: float,
+    num_frequent: int,
+    logit_scale: float,
+    noise: float,
+    content_heads: float,
+    gap: float,
+    layers: int = LAYERS,
 ):
     from transformers import DeepseekV3ForCausalLM
 
@@ -176,7 +185,7 @@ def _build(
     draws = targets.SeededDraws(seed)
     randn, orthogonal = draws.randn, draws.orthogonal
 
-    cfg = deepseek_config()
+    cfg = deepseek_config(layers)
     with torch.random.fork_rng(devices=[]):  # HF's init draws from the global generator; all overwritten below
         model = DeepseekV3ForCausalLM(cfg)
     inv_freq = model.model.rotary_emb.inv_freq.double()  # yarn-corrected frequencies, as the model applies them
@@ -188,13 +197,13 @@ def _build(
     sd: dict[str, torch.Tensor] = {}
     E, P = targets.circuit_embedding(draws, V, H)
     sd["model.embed_tokens.weight"] = E
-    sig_norm = targets.signal_norms(LAYERS, growth)
+    sig_norm = targets.signal_norms(layers, growth)
     rotation = torch.eye(64, dtype=torch.float64)
     q_prev, k_prev = _positional_qk(1, gap, inv_freq, softmax_scale)
     q_self, k_self = _positional_qk(0, gap, inv_freq, softmax_scale)
     content_q = 0.3  # norm of the q latent's content part relative to its u coordinate
     latent_u = math.sqrt(Q_LORA / (1.0 + content_q**2))  # u's coordinate after q_a_layernorm (RMS over Q_LORA)
-    for layer in range(LAYERS):
+    for layer in range(layers):
         p = f"model.layers.{layer}."
         rms = math.sqrt((sig_norm[layer] ** 2 + 1.0) / H)  # RMS of the residual entering this layer
         cu = 1.0 / rms  # u's coordinate after input_layernorm
@@ -282,7 +291,7 @@ def _build(
         rotation,
         vocab=V,
         hidden=H,
-        layers=LAYERS,
+        layers=layers,
         growth=growth,
         num_frequent=num_frequent,
         logit_scale=logit_scale,
