@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -313,3 +314,22 @@ def test_sglang_weight_bytes_read_the_headers(tmp_path):
     save_file({"a": torch.zeros(3, 4), "i": torch.zeros(2, dtype=torch.int64)}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({}))
     assert sglang_engine.weight_bytes(str(tmp_path), "bfloat16") == 12 * 2 + 2 * 8
+
+
+def test_sglang_starts_a_tiny_model_with_the_computed_share(models, tmp_path, sglang_python):
+    """A real SGLang start (its environment, else skipped) under the share the adapter computes."""
+    root = _project(tmp_path, models)
+    run = run_pytest(
+        root,
+        "cases/",
+        "--engines=ref,sglang",
+        "--no-capture-cache",
+        f"--engine-python=sglang={sglang_python}",
+        "--engine-timeout=900",
+        "-k",
+        "sglang",
+    )  # the user's cache (SGLang's sockets live under it: a tmp_path cache makes their paths too long)
+    logs = "".join(p.read_text(errors="replace") for p in (root / "reports" / "logs").glob("*sglang*"))
+    assert re.search(r"\[sglang adapter\] mem_fraction_static 0\.\d+ \(weights 0\.\d\d GB", logs), run.output[-3000:]
+    assert "failed to start" not in run.output and "not started" not in run.output
+    assert run.report("tiny").results("sglang"), run.output[-3000:]
