@@ -35,7 +35,7 @@ from difftest.case import chat
 from difftest.case.case import Case, Prompt, load_case
 from difftest.case.prompt_sets import PromptFile, read_prompt_file
 from difftest.checks import checks
-from difftest.checks.lint import check_config_numbers, tied_head_findings, unused_tensor_words
+from difftest.checks.lint import check_config_numbers, tied_draft_head_words, tied_head_findings, unused_tensor_words
 from difftest.checks.verdict import Verdict
 from difftest.compare import accept_judge
 from difftest.compare.accept_judge import ACCEPT_SIGMAS
@@ -129,6 +129,7 @@ __all__ = [
     "check_config_numbers",
     "unused_tensor_words",
     "tied_head_findings",
+    "tied_draft_head_words",
     "d2t_convention_findings",
     "LOAD_ERRORS",
     "explain_load_failure",

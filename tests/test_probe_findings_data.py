@@ -202,3 +202,38 @@ def test_train_acc_refuses_a_dump_whose_loss_masks_are_all_zero(models, tmp_path
     assert line.startswith(
         f"difftest train-acc: {data}: every loss_mask of the {len(PROMPTS)} scored samples is all zero"
     )
+
+
+# -- 3 (the draft's side). a draft config that ties its head while storing one ----------------------
+
+
+def test_lint_names_a_draft_that_ties_its_head_while_storing_its_own(models, tmp_path):
+    draft = edited_draft(models, tmp_path, config=tied)
+    [f] = [f for f in lint_draft(draft, models[0], TRAINED) if f.code == "draft-tied-head"]
+    assert f.severity == "error"
+    assert f.message.startswith(
+        f"{draft / 'config.json'}: tie_word_embeddings is true, but the draft stores its own lm_head.weight"
+    )
+
+
+def test_ref_refuses_a_draft_that_ties_its_head_while_storing_its_own(models, tmp_path):
+    draft = edited_draft(models, tmp_path, config=tied)
+    with pytest.raises(ConfigError) as e:
+        load_draft(draft)
+    assert one_line(e).startswith(
+        f"{draft / 'config.json'}: tie_word_embeddings is true, but the draft stores its own lm_head.weight"
+    )
+
+
+# -- 2 (flags). a flag given as a string: bool("false") is True -------------------------------------
+
+
+def test_a_draft_flag_given_as_a_string_is_refused_by_ref_and_lint(models, tmp_path):
+    draft = edited_draft(models, tmp_path, config=lambda c: c.update(norm_before_residual="false"))
+    expected = f"{draft / 'config.json'}: norm_before_residual: expected true or false, got 'false' (a string)"
+    with pytest.raises(ConfigError) as e:
+        load_draft(draft)
+    assert one_line(e) == expected
+    with pytest.raises(ConfigError) as e:
+        lint_draft(draft, models[0], TRAINED)
+    assert one_line(e) == expected

@@ -41,6 +41,7 @@ and, from difftest.rules.checkpoint_integrity (both checkpoints, headers only):
                         num_hidden_layers, shapes that disagree with vocab_size / hidden_size
   checkpoint-dtype      stored dtype differs from the config's (warning)
   target-tied-head      tie_word_embeddings true while the target stores its own, different lm_head
+  draft-tied-head       the draft config sets tie_word_embeddings while the draft stores its own lm_head
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ __all__ = [
     "check_config_numbers",
     "lint_case",
     "lint_draft",
+    "tied_draft_head_words",
     "tied_head_findings",
     "trained_wiring",
     "unused_tensor_words",
@@ -103,28 +105,52 @@ _INT_FIELDS = (
     "num_hidden_layers",
 )
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+# flags read with bool(): "false" would turn a flag on
+_BOOL_FIELDS = (
+    "tie_word_embeddings",
+    "attention_bias",
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "use_aux_norm",
+    "norm_output",
+)
 
 
 def check_config_numbers(sections: list[tuple[dict, str]], where: str) -> None:
-    """Refuse a number the config gives as a string (or a bool, or a float where a count belongs),
-    in one line naming the file, the key and the type expected. `sections`: (dict, its key prefix)."""
-    # transformers 5 keeps rope_theta inside rope_parameters
-    ropes = [
-        (h["rope_parameters"], f"{p}rope_parameters.")
+    """Refuse a number the config gives as a string (or a bool, or a float where a count belongs) and a
+    flag given as anything but true or false, in one line naming the file, the key and the type
+    expected. `sections`: (dict, its key prefix)."""
+    # transformers 5 keeps rope_theta inside rope_parameters; eagle_config holds flags too
+    inner = [
+        (h[sub], f"{p}{sub}.")
         for h, p in sections
-        if isinstance(h.get("rope_parameters"), dict)
+        for sub in ("rope_parameters", "eagle_config")
+        if isinstance(h.get(sub), dict)
     ]
-    for holder, prefix in [*sections, *ropes]:
-        for key in (*_INT_FIELDS, *_FLOAT_FIELDS):
+    for holder, prefix in [*sections, *inner]:
+        for key in (*_INT_FIELDS, *_FLOAT_FIELDS, *_BOOL_FIELDS):
             value = holder.get(key)
             if value is None:  # absent or null: the default applies
                 continue
-            integer = key in _INT_FIELDS
-            ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-            if not ok or isinstance(value, bool):
-                expected = "an integer" if integer else "a number"
+            if key in _BOOL_FIELDS:
+                ok, expected = isinstance(value, bool), "true or false"
+            elif key in _INT_FIELDS:
+                ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            else:
+                ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+            if not ok:
                 got = f"{value!r} (a {'string' if isinstance(value, str) else type(value).__name__})"
                 raise ConfigError(f"{where}: {prefix}{key}: expected {expected}, got {got}")
+
+
+def tied_draft_head_words(head: str) -> str:
+    """A draft config that ties its head while the checkpoint stores one (lint and ref alike)."""
+    return (
+        f"tie_word_embeddings is true, but the draft stores its own {head}: engines that tie as the config says "
+        "serve the embedding as the draft's head, the reference the stored head; set tie_word_embeddings to false "
+        "(or drop the stored head if the draft was trained tied)"
+    )
 
 
 def check_layer_ids(raw: dict, where: Path) -> None:
@@ -270,6 +296,16 @@ def lint_draft(
         out += _unused_by_reference(meta, layer)
         out += embedding_findings(meta, target_dir)
         out += rope_findings(layer, tcfg, speculators)
+    if (raw.get("tie_word_embeddings") or layer.get("tie_word_embeddings")) and "lm_head.weight" in meta:
+        head = meta["lm_head.weight"][1]
+        out.append(
+            Finding(
+                "draft-tied-head",
+                "error",
+                f"{draft_dir / 'config.json'}: {tied_draft_head_words(head)}",
+                tensor=DRAFT_LOGITS_TARGET,
+            )
+        )
     out += format_findings(raw)
     out += _chain_budget_findings(engines or {})
     # the checkpoints themselves: each holds what its config describes (difftest.rules.checkpoint_integrity)
