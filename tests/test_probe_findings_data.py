@@ -163,6 +163,30 @@ def test_a_dataset_row_without_loss_mask_is_skipped_naming_the_file_and_row(mode
     ]
 
 
+def test_an_arrow_dataset_row_with_a_null_loss_mask_is_skipped_naming_the_file_and_row(models, tmp_path):
+    import pyarrow as pa
+
+    data = dump(models, tmp_path)
+    rows = [json.loads(x) for x in (data / "samples.jsonl").read_text().splitlines()]
+    (data / "samples.jsonl").unlink()
+    masks = [r["loss_mask"] for r in rows]
+    masks[1] = None  # the column is there, this row's mask is not
+    table = pa.table(
+        {
+            "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(pa.int64())),
+            "loss_mask": pa.array(masks, pa.list_(pa.int64())),
+        }
+    )
+    arrow = data / "data-00000-of-00001.arrow"
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    (data / "state.json").write_text(json.dumps({"_data_files": [{"filename": arrow.name}]}))
+    (data / "dataset_info.json").write_text("{}")
+    d = read_dump(data)
+    assert [s.index for s in d.samples] == [0, 2, 3]
+    assert d.skipped == [f"{arrow}: row 1: loss_mask missing (every position would count as trained) (sample skipped)"]
+
+
 def test_train_acc_refuses_a_dump_with_fewer_fc_layers_than_the_draft_expects(models, tmp_path, capsys):
     data = dump(models, tmp_path, layers="h1+h2+h6")  # two fc tensors; the draft's fc takes three
     rc, err = train_acc(models, data, capsys)
