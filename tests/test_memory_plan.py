@@ -333,3 +333,10 @@ def test_sglang_starts_a_tiny_model_with_the_computed_share(models, tmp_path, sg
     assert re.search(r"\[sglang adapter\] mem_fraction_static 0\.\d+ \(weights 0\.\d\d GB", logs), run.output[-3000:]
     assert "failed to start" not in run.output and "not started" not in run.output
     assert run.report("tiny").results("sglang"), run.output[-3000:]
+
+
+def test_another_engines_bad_setting_does_not_fail_the_references_start(case):
+    vllm = EngineSpec("vllm")
+    pool = StubPool(Options(engines=[REF, vllm], reference=REF, memory_budget=mp.parse_budget("10GB")))
+    pool.client(REF, dataclasses.replace(case, engines={"vllm": {"kv_cache_space_gib": "lots"}}))
+    assert pool.log == [("start", "ref")]

@@ -182,7 +182,10 @@ class EnginePool:
         schema = engine_schema(spec.name) if factors.kv_setting else None
         if schema is None:
             return None
-        value = check_settings(schema, spec, case).get(factors.kv_setting)
+        try:
+            value = check_settings(schema, spec, case).get(factors.kv_setting)
+        except ConfigError:  # that engine's own items say so; another engine's start is not failed by it
+            return None
         return float(value) if isinstance(value, (int, float)) else None
 
     def _need(self, spec: EngineSpec, case: Case, loads: dict[mp.Load, int]) -> mp.Need:
