@@ -137,6 +137,16 @@ def test_ref_names_a_wrong_shaped_target_tensor_and_the_shape_expected(models, t
     assert "above report" not in text
 
 
+def test_lint_names_a_wrong_shaped_target_tensor_and_the_shape_expected(models, tmp_path):
+    def short_q(t):
+        t["model.layers.1.self_attn.q_proj.weight"] = torch.zeros(32, 64)
+
+    target = edited_copy(models[0], tmp_path / "target", tensors=short_q)
+    [f] = [f for f in lint_draft(models[1], target, TRAINED) if f.code == "target-shape"]
+    assert f.severity == "error"
+    assert "model.layers.1.self_attn.q_proj.weight has shape [32, 64], expected [64, 64]" in f.message
+
+
 # -- 4, 7. training dumps ------------------------------------------------------------------------------
 
 

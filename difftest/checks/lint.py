@@ -41,6 +41,7 @@ and, from difftest.rules.checkpoint_integrity (both checkpoints, headers only):
                         num_hidden_layers, shapes that disagree with vocab_size / hidden_size
   checkpoint-dtype      stored dtype differs from the config's (warning)
   target-tied-head      tie_word_embeddings true while the target stores its own, different lm_head
+  target-shape          a dense Llama-shaped target's decoder tensor shaped otherwise than its config says
   draft-tied-head       the draft config sets tie_word_embeddings while the draft stores its own lm_head
 """
 
@@ -312,6 +313,7 @@ def lint_draft(
     out += stored_tensors(draft_dir)[1]
     out += target_findings(target_dir)
     out += tied_head_findings(target_dir)
+    out += target_shape_findings(target_dir)
     return out
 
 
@@ -341,6 +343,65 @@ def _unused_by_reference(meta: dict, layer: dict) -> list[Finding]:
 # rows of the head and the embedding compared: enough that a different head cannot agree by chance,
 # few enough that a 150k-row table is never read whole
 _HEAD_ROWS = 64
+
+
+# The dense decoder layer of the Llama-shaped families, each tensor's shape from the config's sizes
+# (transformers' LlamaAttention / LlamaMLP, and Qwen3's, which adds per-head q/k norms): a
+# wrong-shaped tensor is otherwise refused by transformers in words that name none.
+_DENSE_FAMILIES = ("llama", "qwen3", "qwen2", "mistral")
+
+
+def _dense_layer_shapes(text: dict) -> dict[str, tuple[int, ...]] | None:
+    try:
+        H, nh = int(text["hidden_size"]), int(text["num_attention_heads"])
+        nkv = int(text.get("num_key_value_heads") or nh)
+        hd = int(text.get("head_dim") or H // nh)
+        inter = int(text["intermediate_size"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return {
+        "self_attn.q_proj.weight": (nh * hd, H),
+        "self_attn.k_proj.weight": (nkv * hd, H),
+        "self_attn.v_proj.weight": (nkv * hd, H),
+        "self_attn.o_proj.weight": (H, nh * hd),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (inter, H),
+        "mlp.up_proj.weight": (inter, H),
+        "mlp.down_proj.weight": (H, inter),
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+    }
+
+
+def target_shape_findings(target_dir: str | Path) -> list[Finding]:
+    """Decoder-layer tensors of a dense Llama-shaped target whose stored shape is not the config's."""
+    target_dir = Path(target_dir)
+    config = read_json_object(target_dir / "config.json", "target config")
+    sub = config.get("text_config")
+    text: dict = sub if isinstance(sub, dict) else config
+    shapes = _dense_layer_shapes(text) if text.get("model_type") in _DENSE_FAMILIES else None
+    if shapes is None:
+        return []
+    tensors, _ = stored_tensors(target_dir)
+    out = []
+    for name, t in sorted(tensors.items()):
+        parts = name.split(".", 4)  # model.layers.K.<tensor>
+        want = shapes.get(parts[3] + "." + parts[4]) if len(parts) == 5 and parts[:2] == ["model", "layers"] else None
+        if want is not None and t.shape != want:
+            out.append(
+                Finding(
+                    "target-shape",
+                    "error",
+                    f"{t.file}: {name} has shape {list(t.shape)}, expected {list(want)} (from "
+                    f"{target_dir / 'config.json'}'s sizes): transformers refuses it without naming it",
+                )
+            )
+    return out[:1] + (
+        [Finding("target-shape", "error", f"{target_dir}: {len(out) - 1} more wrong-shaped tensors")]
+        if len(out) > 1
+        else []
+    )
 
 
 def tied_head_findings(target_dir: str | Path) -> list[Finding]:
