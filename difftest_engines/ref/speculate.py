@@ -201,4 +201,6 @@ def simulate_greedy(
                 logits=verify.logits[:, :m],
             )
         outputs.append(generated[:max_new_tokens])
+    # an engine's outputs are compared with these (difftest.checks.checks: judged on the engine's own tokens)
+    stats.outputs = [list(o) for o in outputs]
     return stats, outputs
