@@ -165,3 +165,21 @@ def test_a_draft_that_collapses_on_the_engines_own_tokens_still_fails():
     verdict = check_accept_length(_Run(ref, eng, replays), "vllm")
     assert not verdict.passed
     assert "judged on the engine's own tokens" in verdict.message
+
+
+def test_on_vllm_the_bf16_llama_cell_is_judged_on_vllms_own_tokens_and_its_draft_counts_what_the_reference_predicts(
+    tmp_path,
+):
+    """Engine-backed (one vLLM start, about 1-3 minutes on CPU): whatever side of the target's near-ties
+    this vLLM takes, on its own tokens its draft accepts exactly what the reference's draft does."""
+    from test_engine_vllm import run_vllm
+
+    (tmp_path / "cases").mkdir()
+    im.write_cases(tmp_path / "cases", names=["indep-llama"], dtypes=["bfloat16"], log=lambda _: None)
+    run = run_vllm(tmp_path, "--engines=ref,vllm", "-k", "accept_length")
+    result = run.outcome("indep_llama_bf16", "vllm", "accept_length")
+    assert result.outcome == "passed", result.message + "\n" + run.output[-2000:]
+    assert _counts(result.data.engine) == _counts(result.data.reference), result.message
+    if result.data.engine.source.startswith("vllm 0.32.0 "):  # the release the figures above were measured on
+        assert _counts(result.data.engine) == VLLM_COUNTS
+        assert "prompt 0 at output token 0, prompt 5 at output token 9" in result.message

@@ -546,8 +546,10 @@ def _reference_on_engine_tokens(run: CaseRun, ref: AcceptStats, eng: AcceptStats
     prompts = run.prompt_ids(speculative=True)
     if not eng.outputs or len(eng.outputs) != len(prompts) or eng.outputs == ref.outputs:
         return None, ""
-    if any(not o for o in eng.outputs) or "tree" in ref.source:
-        return None, ""  # nothing to replay, or a tree the engine's own topk may not be (a chain replay)
+    if any(not o for o in eng.outputs):
+        return None, ""
+    if "tree" in ref.source:  # the replay would be a chain or the reference's tree, not the engine's own topk
+        return None, "; not judged on the engine's own tokens: the reference simulated a tree"
     ref_spec = run.options.reference
     try:
         rows = run.replay(ref_spec, list(zip(prompts, eng.outputs)), eng.num_draft_steps, 1, eng.num_draft_steps + 1)
