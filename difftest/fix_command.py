@@ -188,7 +188,7 @@ def compute(case_path: Path, engine: str, out_dir: Path, version: str | None = N
         version = None
 
     view = engine_view(
-        prepared, spec.name, trained, version=version, variant=spec_variant(spec.name, dict(spec.params))
+        prepared, spec.name, trained, version=version, variant=spec_variant(spec.name, dict(spec.params), version)
     )
     if view is None:
         raise ConfigError(

@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
         family = target_family(json.loads((Path(target) / "config.json").read_text()))
         version = args.against or (found.release if engine_releases.on_record(spec.name, found.release) else None)
         known = engine_releases.layer_rule(
-            spec.name, family, version, found.variant or spec_variant(spec.name, dict(spec.params))
+            spec.name, family, version, found.variant or spec_variant(spec.name, dict(spec.params), version)
         )
     except DifftestError as e:
         print(f"difftest rules discover: {e}", file=sys.stderr)

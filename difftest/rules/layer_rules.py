@@ -27,6 +27,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Sequence
+
+from packaging.version import Version
 from difftest.base.names import hidden_name
 
 TOP = "top level"
@@ -116,6 +118,9 @@ class LayerIdRule:
     sorted_by_layer: bool = True
     notes: tuple[str, ...] = ()
     low_crash: str | None = None  # a crash for ids below `capturable` (vLLM's DeepSeek at id 0)
+    # what the engine's own error says for that crash (a regular expression): `hidden_states + residual`
+    # with no residual yet before layer 0
+    low_crash_error: str = r"unsupported operand type\(s\) for \+|NoneType"
     # what the engine's own error says when fc gets fewer chunks than it expects (a regular expression):
     # a predicted refusal is confirmed only by this, never by any error at all
     shape_error: str = r"shape|size|cannot be multiplied|mat1 and mat2"
@@ -280,6 +285,9 @@ class Reading:
     @property
     def says(self) -> str:
         """What the engine's own error says when it fails as predicted (a regular expression)."""
+        lo, _ = self.rule.bounds(self.L)
+        if self.rule.low_crash and any(0 <= k < lo for k in self.dropped):
+            return self.rule.low_crash_error
         if not self.fed and self.rule.no_capture_error:
             return self.rule.no_capture_error
         return self.rule.shape_error
@@ -501,15 +509,30 @@ VARIANT_RULES: dict[tuple[str, str, str], LayerIdRule] = {
 # that picks it, how its value names the variant, and the pinned release's default (vLLM 0.32.0: what a
 # GPU deployment runs, Model Runner V2; difftest_engines/vllm/releases.py::default_runner).
 VARIANT_PARAMS: dict[str, tuple[str, str, str]] = {"vllm": ("runner", "runner {}", "runner v2")}
+# Releases older than the first whose default is the pinned one: (that release, their default). vLLM
+# before 0.32.0 runs Model Runner V1 unless told otherwise (found by the rule property test on 0.24.0,
+# seed 1: it read eagle_config's ids, as V1 does, where V2's rule predicted the defaults).
+VARIANT_DEFAULT_BEFORE: dict[str, tuple[str, str]] = {"vllm": ("0.32.0", "runner v1")}
 
 
-def spec_variant(engine: str, params: dict) -> str:
-    """The variant `engine` runs with these spec parameters at its pinned release ("" when it has none)."""
+def _older(version: str, than: str) -> bool:
+    """Whether release `version` ("0.24.0", "0.5.23+cpu-shim.a3") is older than `than`."""
+    return Version(version.split("+", 1)[0]) < Version(than)
+
+
+def spec_variant(engine: str, params: dict, version: str | None = None) -> str:
+    """The variant `engine` runs with these spec parameters at `version` (its pinned release when None;
+    "" when it has none)."""
     base = engine.split("[")[0].split("@")[0]
     if base not in VARIANT_PARAMS:
         return ""
     param, words, default = VARIANT_PARAMS[base]
-    return words.format(params[param]) if params.get(param) else default
+    if params.get(param):
+        return words.format(params[param])
+    since = VARIANT_DEFAULT_BEFORE.get(base)
+    if version and since and _older(version, since[0]):
+        return since[1]
+    return default
 
 
 ENGINE_RULES: dict[tuple[str, str], LayerIdRule] = {
