@@ -325,7 +325,8 @@ OPEN: list[Rule] = [
     Rule(
         "target",
         ("missing",),
-        "hidden_size|vocab_size|intermediate_size|head_dim|num_attention_heads|num_key_value_heads",
+        "hidden_size|vocab_size|intermediate_size|head_dim|num_attention_heads|num_key_value_heads"
+        "|q_lora_rank|kv_lora_rank|qk_nope_head_dim|qk_rope_head_dim|v_head_dim|moe_intermediate_size|n_routed_experts",
         f"{ITEM_7}: a target size key absent is refused by the tensor shapes it implies, not naming the key",
     ),
     Rule(
@@ -540,8 +541,14 @@ def test_every_checkpoint_mutant_is_refused_or_fails_a_check_naming_what_changed
             c = classify(m, got, pristine, paths)
             classes[c] += 1
             if c in (*BAD, "known", "open"):
-                detail = " | ".join(f"{it.check} {it.outcome}: {it.message[:300]}" for it in got)
-                flagged.append(f"{pair.name}: {c}: {m.label()}: {detail}")
+                rules = KNOWN if c == "known" else OPEN if c == "open" else []
+                why = next((f" [{r.why}]" for r in rules if r.covers(m, got)), "")
+                detail = " | ".join(
+                    f"{it.check} {it.outcome}: {it.message[:300]}" for it in got if it.outcome != "passed"
+                )
+                flagged.append(
+                    f"{pair.name}: {c}: {m.label()}{why}: " + (detail or "every check passed").replace("\n", " / ")
+                )
         line = f"{pair.name}: {len(picked)} mutants of {len(every)}: " + ", ".join(
             f"{classes[c]} {c}" for c in (*GOOD, "known", "open", *BAD) if classes[c]
         )
