@@ -27,6 +27,7 @@ from typing import TextIO
 import pytest
 
 from difftest.run import baseline as baseline_mod
+from difftest.run import memory_plan
 from difftest.checks import checks as checks_mod
 from difftest.report import upgrade as upgrade_mod
 from difftest.report import writer as report_mod
@@ -199,6 +200,7 @@ def pytest_configure(config: pytest.Config) -> None:
         timeout = config.getoption("engine_timeout")
         if not (0 < timeout < float("inf")):
             raise ConfigError(f"--engine-timeout: expected a positive number of seconds, got {timeout:g}")
+        memory_plan.declared_budget()  # a malformed DIFFTEST_MEMORY_BUDGET: refused before any engine starts
         out = config.getoption("out")
         if config.getoption("report_dir"):
             _deprecated("--report-dir", "--out")

@@ -251,6 +251,15 @@ def test_an_engine_too_large_for_the_budget_ends_the_run_with_the_engine_exit_co
     assert "ref: not started: the memory plan estimates" in run.output and "Traceback" not in run.output
 
 
+def test_a_malformed_budget_is_a_usage_error_before_any_engine_starts(models, tmp_path):
+    root = _project(tmp_path, models)
+    run = run_pytest(
+        root, "cases/", "--engines=ref", env={"DIFFTEST_CACHE": str(tmp_path / "cache"), mp.BUDGET_ENV: "lots"}
+    )
+    assert run.returncode == exit_codes.USAGE, run.output[-2000:]
+    assert "DIFFTEST_MEMORY_BUDGET: 'lots' is not a size" in run.output and "[difftest] starting" not in run.output
+
+
 # -- SGLang's static share -----------------------------------------------------------------------
 # The 1.0B model SGLang could not start under the fixed 0.3 (a Llama of hidden 2048, 8 layers, vocab
 # 128256, intermediate 8192, 32 heads over 8 KV heads, untied head; bf16) and an EAGLE-3 draft for it
