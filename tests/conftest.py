@@ -37,7 +37,6 @@ LONG_MODULES = (
     "test_infer_wiring.py",  # 166: wirings inferred from independent drafts
     "test_upgrade_check.py",  # 142: the simulated two-label SGLang upgrade
     "test_cases.py",  # 146: the reference presets over every shipped case, after the shipped run
-    "test_checkpoint_fuzz.py",  # ~150 (estimated: 100 s of CPU): 126 checkpoint mutants, four `difftest run`s on ref
 )
 
 
