@@ -26,7 +26,7 @@ a key by its last part (rope_theta of rope_parameters.rope_theta).
 Cost: CI runs DIFFTEST_FUZZ_PER_KIND mutants (default 2) of each (side, mutation kind) per pair,
 drawn with a seed printed per run (DIFFTEST_FUZZ_SEED=N replays one); every kind appears for every
 pair: 126 mutants, 50 s on an idle two-core machine (4 to 5 minutes when other runs share its cores).
-DIFFTEST_FUZZ_PER_KIND=0 runs every mutant (about 2,500: a quarter of an hour idle).
+DIFFTEST_FUZZ_PER_KIND=0 runs every mutant (2,484: 6 minutes idle).
 """
 
 from __future__ import annotations
@@ -308,6 +308,13 @@ OPEN: list[Rule] = [
         "rope_interleave|rope_parameters\\.(beta_fast|beta_slow|mscale|mscale_all_dim)",
         f"{ITEM_7}: the MLA draft's rope_interleave is read for its truth, and a yarn parameter absent takes "
         "its default, neither checked",
+    ),
+    Rule(
+        "target",
+        ("nan",),
+        r"model\.layers\.\d+\.mlp\.experts\.\d+\..*",
+        f"{ITEM_7}: a NaN in a MoE expert no prompt token is routed to reaches no captured tensor: it passes "
+        "(DeepSeek-V3's experts 5, 7 and 4 of layers 2, 3 and 4 in the exhaustive run)",
     ),
     Rule(
         "draft",
