@@ -139,7 +139,13 @@ def weight_bytes(checkpoint: str, dtype: str) -> int:
 
 
 def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
-    """One token's KV cache over a model's layers: keys and values per KV head, or MLA's latent and rope key."""
+    """One token's KV cache over a model's layers: keys and values per KV head, or MLA's latent and rope key;
+    0 for a config this estimate cannot read (a speculators-format draft keeps its sizes under
+    transformer_layer_config; another layout is SGLang's to refuse, in its own words, when it loads it)."""
+    if not any(k in cfg for k in ("hidden_size", "head_dim", "kv_lora_rank")):
+        cfg = cfg.get("transformer_layer_config") or {}
+        if not any(k in cfg for k in ("hidden_size", "head_dim", "kv_lora_rank")):
+            return 0
     layers = int(cfg.get("num_hidden_layers") or 1)
     if cfg.get("kv_lora_rank"):
         per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
