@@ -163,24 +163,7 @@ def test_an_output_file_that_is_a_directory_is_refused_even_with_force(tmp_path)
 
 def test_a_reordered_draft_is_named_beside_the_patched_case_so_the_two_move_together(tmp_path):
     case = ROOT / "cases" / "catalogue_ids_unsorted.yaml"  # trained out of layer order: fc's blocks reordered
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "difftest.cli",
-            "fix",
-            str(case),
-            "--engines",
-            "sglang",
-            "--out",
-            str(tmp_path),
-            "--no-verify",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = fix(case, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     written = tmp_path / "fix" / "catalogue_ids_unsorted.sglang.yaml"
     assert yaml.safe_load(written.read_text())["draft"] == "catalogue_ids_unsorted.sglang.draft"
