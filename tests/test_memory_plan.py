@@ -242,20 +242,22 @@ def test_one_at_a_time_gives_the_verdicts_all_at_once_gives(models, tmp_path):
     assert _outcomes(runs["one"]) == _outcomes(runs["all"])
 
 
-def test_an_engine_too_large_for_the_budget_ends_the_run_with_the_engine_exit_code(models, tmp_path):
+def _ref_run_under(budget: str, models, tmp_path: Path):
+    """The tiny case on ref alone with DIFFTEST_MEMORY_BUDGET set to `budget`."""
     root = _project(tmp_path, models)
-    run = run_pytest(
-        root, "cases/", "--engines=ref", env={"DIFFTEST_CACHE": str(tmp_path / "cache"), mp.BUDGET_ENV: "100MB"}
+    return run_pytest(
+        root, "cases/", "--engines=ref", env={"DIFFTEST_CACHE": str(tmp_path / "cache"), mp.BUDGET_ENV: budget}
     )
+
+
+def test_an_engine_too_large_for_the_budget_ends_the_run_with_the_engine_exit_code(models, tmp_path):
+    run = _ref_run_under("100MB", models, tmp_path)
     assert run.returncode == exit_codes.ENGINE, run.output[-2000:]
     assert "ref: not started: the memory plan estimates" in run.output and "Traceback" not in run.output
 
 
 def test_a_malformed_budget_is_a_usage_error_before_any_engine_starts(models, tmp_path):
-    root = _project(tmp_path, models)
-    run = run_pytest(
-        root, "cases/", "--engines=ref", env={"DIFFTEST_CACHE": str(tmp_path / "cache"), mp.BUDGET_ENV: "lots"}
-    )
+    run = _ref_run_under("lots", models, tmp_path)
     assert run.returncode == exit_codes.USAGE, run.output[-2000:]
     assert "DIFFTEST_MEMORY_BUDGET: 'lots' is not a size" in run.output and "[difftest] starting" not in run.output
 
