@@ -11,6 +11,10 @@ Spec parameters that make the reference draft *compute* like a misconfigured eng
 config's flags (failure class 7), `norm_before_fc=false` and `fc_norm=false` ignore the
 EAGLE-3.1 fc norms (their weights stay unused), `d2t=identity` drops the vocab map (class 8). They
 change the draft, not the wiring, so the golden-input re-run tells them apart.
+
+`device=cuda` (or `cuda:N`; the worker's, so a spec parameter) runs the target and the draft there,
+the float64 noise-floor run too when this spec calibrates; captures come back on the CPU
+(difftest_engines/ref/device.py). `device=cpu`, the default, is the computation as it always was.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from difftest.api import Case, DType, torch_dtype
 from difftest.api import Engine, EngineInfo
 from difftest.api import ConfigError
 from difftest.api import Wiring, resolve, trained_layer_ids
+from difftest_engines.ref import device as placement
 from difftest_engines.ref.draft_loading import LoadedDraft, load_draft
 from difftest_engines.ref.settings import SCHEMA
 from difftest_engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
@@ -75,6 +80,11 @@ class RefEngine(Engine):
 
     def __init__(self, spec):
         super().__init__(spec)
+        # where it runs: the spec's, resolved before any model loads (a CUDA device this torch lacks is refused)
+        self._asked = self.settings_for(None).device
+        self.device = placement.resolve(spec.id, self._asked)
+        self._precision = placement.precision() if self.device != placement.CPU else None
+        self._fallbacks: list[str] = []  # what running on the device changed (kept in every capture's notes)
         self._targets: dict[tuple, torch.nn.Module] = {}
         self._streams: dict[tuple, StreamedTarget] = {}
         self._stream_notes: dict[tuple, str] = {}
@@ -84,15 +94,30 @@ class RefEngine(Engine):
     def info(self) -> EngineInfo:
         import transformers
 
+        version = f"difftest-{difftest.__version__}-c{CAPTURE_REVISION}"
+        versions: dict[str, object] = {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "device": self.device,
+        }
+        if self._precision is not None:
+            # a GPU's captures are another computation than the CPU's (and TF32 another again): their
+            # cache keys apart, whatever the spec is called
+            version += "-cuda" + ("-tf32" if placement.tf32(self._precision) else "")
+            versions.update(
+                {"cuda": str(torch.version.cuda), "gpu": torch.cuda.get_device_name(torch.device(self.device))}
+            )
+            versions.update(self._precision)
         return EngineInfo(
             name="ref",
-            version=f"difftest-{difftest.__version__}-c{CAPTURE_REVISION}",
-            versions={"torch": torch.__version__, "transformers": transformers.__version__},
-            kernels="torch",
+            version=version,
+            versions=versions,
+            kernels=placement.describe(self.device, self._precision),
         )
 
     # -- models ----------------------------------------------------------------------
     def _models(self, case: Case):
+        self._check_case_device(case)
         dtype = DTYPES[case.dtype]
         tkey = (case.target, case.dtype, case.weights_dtype)
         if tkey not in self._targets:
@@ -103,13 +128,15 @@ class RefEngine(Engine):
         draft = self.draft_path(case)
         dkey = (draft, case.target, case.dtype, case.weights_dtype)
         if dkey not in self._drafts:
+            # the draft loads on the CPU (its checkpoint's tensors are there), the target's shared weights
+            # copied back for it on a GPU (on the CPU .to is the very tensor), then moves as a whole
             self._drafts[dkey] = load_draft(
                 draft,
-                target_embed=weights.get_input_embeddings().weight.detach(),
-                target_lm_head=weights.get_output_embeddings().weight.detach(),
+                target_embed=weights.get_input_embeddings().weight.detach().to(placement.CPU),
+                target_lm_head=weights.get_output_embeddings().weight.detach().to(placement.CPU),
                 dtype=dtype,
             )
-            rounded_through(self._drafts[dkey].model, case.weights_dtype)
+            self._place(rounded_through(self._drafts[dkey].model, case.weights_dtype))
             self._trained_flags[dkey] = {f: getattr(self._drafts[dkey].config, f) for f in OVERRIDABLE_FLAGS}
         loaded = self._drafts[dkey]
         self._apply_overrides(loaded, case, self._trained_flags[dkey])
@@ -134,7 +161,7 @@ class RefEngine(Engine):
                 source_dtype = case.weights_dtype or DType.FLOAT32
                 skey = (case.target, source_dtype, None)
                 if skey not in self._targets:
-                    self._targets[skey] = load_target(case.target, DTYPES[source_dtype])
+                    self._targets[skey] = self._place(load_target(case.target, DTYPES[source_dtype]))
                 try:
                     stream = StreamedTarget(
                         self._targets[skey], DTYPES[case.weights_dtype] if case.weights_dtype else None
@@ -149,7 +176,46 @@ class RefEngine(Engine):
                     )
                     return stream.model
             self._stream_notes[tkey] = f"float64 run from a whole float64 copy: cannot stream ({why})"
-        return rounded_through(load_target(case.target, DTYPES[case.dtype]), case.weights_dtype)
+        return self._place(rounded_through(load_target(case.target, DTYPES[case.dtype]), case.weights_dtype))
+
+    # -- where it runs ---------------------------------------------------------------
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A model loaded on the CPU, moved to the worker's device once (on the CPU: untouched)."""
+        return model if self.device == placement.CPU else model.to(self.device)
+
+    def _check_case_device(self, case: Case) -> None:
+        """The device is the worker's (its info, its cache keys): a case's own `engines.ref.device` that
+        differs is refused, not followed for one case and not ignored."""
+        asked = self.settings_for(case).device
+        if asked != self._asked:
+            raise ConfigError(
+                f"{case.path}: engines.{self.spec.name}.device: {asked}, but this worker runs on {self.device}; "
+                f"the device is the worker's: give it as --engines {self.spec.name}[device={asked}]"
+            )
+
+    def _on_device(self, case: Case, run, *args):
+        """`run(case, *args)` (the reference's own code) on the worker's device, its models loaded and
+        placed first, outside the device context. transformers' MoE experts kernel (torch grouped_mm)
+        may refuse a dtype on a GPU: the experts then run as the per-expert loop, the same maths the
+        float64 run takes, and every capture's notes say so."""
+        target, _ = self._models(case)
+        try:
+            with placement.running_on(self.device):
+                return run(case, *args)
+        except (RuntimeError, NotImplementedError) as e:
+            if (
+                self.device == placement.CPU
+                or "grouped_mm" not in str(e)
+                or not hasattr(target, "set_experts_implementation")
+            ):
+                raise
+            target.set_experts_implementation("eager")
+            self._fallbacks.append(
+                f"{self.spec.id}: torch grouped_mm failed on {self.device} ({str(e).splitlines()[0][:120]}); "
+                "MoE experts run as the per-expert loop"
+            )
+            with placement.running_on(self.device):
+                return run(case, *args)
 
     def draft_path(self, case: Case) -> str:
         """The draft the reference runs: `engines.ref.draft` (the checkpoint as trained, when the case's
@@ -198,8 +264,33 @@ class RefEngine(Engine):
         return wiring
 
     # -- the interface ---------------------------------------------------------------
-    @torch.no_grad()
     def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
+        capture = self._on_device(case, self._capture, prompt_ids)
+        capture.tensors = placement.to_host(capture.tensors, self.device)
+        return capture
+
+    def capture_draft_from(self, case: Case, prompt_ids: list[int], fc_in: torch.Tensor) -> Capture:
+        """Golden inputs: this engine's draft on the given fc_in ([n, A*H]); the target runs only
+        for its greedy next token (the draft's last input token)."""
+        capture = self._on_device(case, self._capture_draft_from, prompt_ids, fc_in.to(self.device))
+        capture.tensors = placement.to_host(capture.tensors, self.device)
+        return capture
+
+    def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
+        stats = self._on_device(case, self._speculate, prompts, num_steps, max_new_tokens)
+        if self._fallbacks:
+            stats.source += "; " + "; ".join(self._fallbacks)
+        return stats
+
+    def replay(
+        self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int, num_draft_tokens: int
+    ) -> list[ReplayRow]:
+        """Per request (prompt, output): the acceptance this draft predicts on those very tokens
+        (difftest_engines/ref/replay.py), with the number of output tokens its target would have chosen otherwise."""
+        return self._on_device(case, self._replay, requests, num_steps, topk, num_draft_tokens)
+
+    @torch.no_grad()
+    def _capture(self, case: Case, prompt_ids: list[int]) -> Capture:
         target, loaded = self._models(case)
         L = num_layers(target)
         wiring = self.wiring(case, loaded, L)
@@ -220,7 +311,7 @@ class RefEngine(Engine):
             engine_version=self.info().version,
             versions=self.info().versions,
             kernels="torch",
-            device="cpu",
+            device=self.device,
             dtype=case.dtype,
             prompt_ids=list(prompt_ids),
             target_next_token=next_token,
@@ -239,14 +330,12 @@ class RefEngine(Engine):
                 "draft_vocab_size": cfg.draft_vocab_size,
                 "shared_from_target": loaded.shared,
             },
-            notes=list(loaded.notes) + self._float64_notes(case),
+            notes=list(loaded.notes) + self._float64_notes(case) + self._device_notes(),
         )
         return Capture(tensors, meta)
 
     @torch.no_grad()
-    def capture_draft_from(self, case: Case, prompt_ids: list[int], fc_in: torch.Tensor) -> Capture:
-        """Golden inputs: this engine's draft on the given fc_in ([n, A*H]); the target runs only
-        for its greedy next token (the draft's last input token)."""
+    def _capture_draft_from(self, case: Case, prompt_ids: list[int], fc_in: torch.Tensor) -> Capture:
         target, loaded = self._models(case)
         width = loaded.config.num_aux * loaded.config.target_hidden_size
         if fc_in.dim() != 2 or fc_in.shape != (len(prompt_ids), width):
@@ -267,7 +356,7 @@ class RefEngine(Engine):
         return Capture(tensors, meta)
 
     @torch.no_grad()
-    def speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
+    def _speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
         target, loaded = self._models(case)
         wiring = self.wiring(case, loaded, num_layers(target))
         topk, budget = self._tree_settings(case, num_steps)
@@ -286,11 +375,9 @@ class RefEngine(Engine):
         return stats
 
     @torch.no_grad()
-    def replay(
+    def _replay(
         self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int, num_draft_tokens: int
     ) -> list[ReplayRow]:
-        """Per request (prompt, output): the acceptance this draft predicts on those very tokens
-        (difftest_engines/ref/replay.py), with the number of output tokens its target would have chosen otherwise."""
         from difftest_engines.ref.replay import replay_request
 
         target, loaded = self._models(case)
@@ -313,6 +400,18 @@ class RefEngine(Engine):
             budget = num_steps + 1 if topk == 1 else topk * num_steps + 1
         return topk, budget
 
+    def _device_notes(self) -> list[str]:
+        """On a GPU: the device, TF32 when the user's settings allow it (never set by difftest), fallbacks."""
+        if self._precision is None:
+            return []
+        notes = [f"ran on {placement.describe(self.device, self._precision).removeprefix('torch on ')}"]
+        if placement.tf32(self._precision):
+            notes.append(
+                "float32 matmuls may use TF32 (the worker's torch settings allow it; difftest never changes them): "
+                "about 1e-4 relative error, far above a float32 noise floor"
+            )
+        return notes + self._fallbacks
+
     def _float64_notes(self, case: Case) -> list[str]:
         note = self._stream_notes.get((case.target, case.dtype, case.weights_dtype))
         return [note] if note else []
@@ -323,3 +422,5 @@ class RefEngine(Engine):
         self._streams.clear()
         self._targets.clear()
         self._drafts.clear()
+        if self.device != placement.CPU:
+            torch.cuda.empty_cache()

@@ -2,6 +2,12 @@
 
 from difftest.api import Schema, Setting, settings_record
 
+# Where the target and draft run (`ref[device=cuda]`): a choice, so that the harness refuses a bad
+# value in one line with the closest name before any worker starts. `cuda:N` up to 15: more GPUs than
+# any machine of this project holds; a device this machine lacks is refused when the worker starts.
+MAX_CUDA_INDEX = 15
+DEVICES = ("cpu", "cuda", *(f"cuda:{i}" for i in range(MAX_CUDA_INDEX + 1)))
+
 SCHEMA = Schema(
     "ref",
     (
@@ -32,6 +38,14 @@ SCHEMA = Schema(
         Setting("d2t", "choice", "identity: drop the draft-to-target vocabulary map", choices=("identity",)),
         Setting("topk", "int", "draft tree branching for accept-length simulation (1: a chain)", default=1, min=1),
         Setting("num_draft_tokens", "int", "tree budget, root included (default: num_steps + 1 for a chain)", min=2),
+        Setting(
+            "device",
+            "choice",
+            "where the target and draft run, the float64 noise-floor run included when this engine calibrates: "
+            "cpu (default), cuda, cuda:N; captures come back on the CPU. The worker's: --engines ref[device=cuda]",
+            default="cpu",
+            choices=DEVICES,
+        ),
     ),
 )
 

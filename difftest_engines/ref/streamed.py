@@ -30,6 +30,9 @@ Cost (benchmarks/test_bench_streamed_float64.py; a 1.0B bfloat16 Llama, hidden 2
 vocab 128256, 32 tokens, 2 shared cores): peak RSS 3.8 GiB streamed against 10.3 GiB whole; a
 forward 13.0 s against 10.9 s (1.19x: every weight is upcast once per forward, into the reused
 arena), but no 46 s float64 load first, so a calibration of up to ~20 forwards is faster streamed.
+
+On a GPU (`ref[device=cuda]`) the source lives there, and so does the run: the arena is allocated on
+the source's device, and everything else is copied from the source where it lies.
 """
 
 from __future__ import annotations
@@ -99,9 +102,10 @@ class Arena:
 
     ALIGN = 512  # elements: every view starts on a 4 KiB boundary, as a fresh allocation's data would
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.size = 0
         self.buffer: torch.Tensor | None = None
+        self.device = torch.device(device)  # the source's: on a GPU (ref[device=cuda]) the run stays there
 
     def plan(self, shapes: list[torch.Size]) -> list[int]:
         """Offsets of one part's float64 tensors; the arena grows to hold the largest part."""
@@ -114,7 +118,7 @@ class Arena:
 
     def view(self, offset: int, shape: torch.Size) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < self.size:
-            self.buffer = torch.empty(self.size, dtype=torch.float64)
+            self.buffer = torch.empty(self.size, dtype=torch.float64, device=self.device)
         return self.buffer[offset : offset + shape.numel()].view(shape)
 
     def release(self) -> None:
@@ -186,7 +190,9 @@ class StreamedTarget:
     ) -> None:
         self.source = source
         self.residency = Residency()
-        self.arena = Arena()
+        # the float64 weights are upcast where the source's live: on the CPU, or the GPU the engine runs on
+        # (its buffers and resident parameters follow the source by themselves: they are copied from it)
+        self.arena = Arena(next(source.parameters()).device)
         self.model = _skeleton(source, dtype)
         self._handles: list = []
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
