@@ -6,11 +6,16 @@ No GPU was lent to the session that wrote these: the CUDA path is held only as f
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_CASE, make_tiny_pair, run_pytest
+from helpers import ROOT, TINY_CASE, make_tiny_pair, run_pytest
 
 from difftest.base import exit_codes
 from difftest.base.errors import ConfigError, EngineUnavailable
@@ -112,13 +117,73 @@ def test_the_precision_record_reads_torchs_settings_and_changes_none_of_them():
         ({"allow_tf32": "True", "float32_matmul_precision": "highest"}, True),
         ({"allow_tf32": "False", "float32_matmul_precision": "high"}, True),
         ({"allow_tf32": "False", "float32_matmul_precision": "highest", "matmul.fp32_precision": "tf32"}, True),
-        ({"allow_tf32": "False", "float32_matmul_precision": "highest", "NVIDIA_TF32_OVERRIDE": "0"}, False),
+        ({"allow_tf32": "True", "float32_matmul_precision": "high", "NVIDIA_TF32_OVERRIDE": "0"}, False),
+        ({"allow_tf32": "False", "float32_matmul_precision": "highest", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}, True),
     ],
 )
-def test_tf32_is_reported_on_when_any_of_the_users_settings_allows_it(record, on):
+def test_tf32_is_reported_on_when_a_users_setting_allows_it_and_the_driver_does_not_forbid_it(record, on):
     assert placement.tf32(record) is on
 
 
 def test_captures_on_the_cpu_are_returned_as_the_very_tensors():
     tensors = {"x": torch.arange(4.0)}
     assert placement.to_host(tensors, "cpu")["x"] is tensors["x"]
+
+
+def _gpu_check(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PY=sys.executable)
+    if cache is not None:
+        env["DIFFTEST_CACHE"] = str(cache)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-check"), *args], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+
+
+def test_gpu_check_dry_run_lists_the_project_and_the_shipped_cases_fixtures():
+    done = _gpu_check("prepare", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    listed = done.stdout.splitlines()
+    assert "project/difftest_engines/ref/engine.py" in listed
+    assert "project/scripts/gpu-check" in listed
+    for fixture in ("tiny-llama", "tiny-llama-eagle3", "tiny-deepseek-v3", "tiny-deepseek-v3-eagle3-mla"):
+        assert f"cache/fixtures/v1/{fixture}/" in listed, fixture
+    assert not any(line.startswith(("project/.venv/", "project/.git/", "project/build/")) for line in listed)
+    assert [line for line in listed if line.startswith("project/reports/")] == ["project/reports/README.md"]
+
+
+def test_gpu_check_prepare_packs_one_tarball_under_50_mib_and_says_its_size(tmp_path):
+    out = tmp_path / "gpu-check.tar.gz"
+    done = _gpu_check("prepare", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_size < 50 * 2**20
+    assert f"{out}: " in done.stdout and "MiB" in done.stdout
+    with tarfile.open(out) as tar:
+        names = set(tar.getnames())
+    assert {"difftest-gpu-check/project/pyproject.toml", "difftest-gpu-check/MANIFEST.json"} <= names
+    assert "difftest-gpu-check/cache/fixtures/v1/tiny-llama/model.safetensors" in names
+
+
+def _judge(tmp_path: Path, expect: dict[str, str], outcomes: dict[str, dict[str, str]]) -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_ref", ROOT / "scripts" / "gpu_check_ref.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    report = tmp_path / "case.json"
+    checks = [{"engine": e, "check": c, "outcome": o} for e, byc in outcomes.items() for c, o in byc.items()]
+    report.write_text(json.dumps({"checks": checks, "engines": {}, "comparisons": {}}))
+    job = {"name": "float32/case", "expect": expect}
+    return module.judge({"job": job, "rc": 1, "wall_s": 1.0, "report": str(report)})
+
+
+def test_gpu_check_counts_a_job_as_expected_only_when_the_twin_passes_and_the_miswiring_is_caught(tmp_path):
+    ok = dict.fromkeys(("fc_inputs", "draft_logits", "top1_agreement", "accept_length"), "passed")
+    caught = {**ok, "fc_inputs": "failed", "draft_logits": "failed"}
+    expect = {"ref[device=cuda]": "pass", "ref[device=cuda,wiring=sglang]": "catch"}
+    good = {"ref[device=cuda]": ok, "ref[device=cuda,wiring=sglang]": caught}
+    assert _judge(tmp_path, expect, good)["ok"]
+    missed = _judge(tmp_path, expect, {**good, "ref[device=cuda,wiring=sglang]": ok})
+    assert not missed["ok"] and "fc_inputs passed (should fail)" in missed["why"]
+    false_alarm = _judge(tmp_path, expect, {**good, "ref[device=cuda]": {**ok, "draft_logits": "failed"}})
+    assert not false_alarm["ok"] and "ref[device=cuda]: draft_logits failed" in false_alarm["why"]

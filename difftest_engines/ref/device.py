@@ -8,7 +8,9 @@ makes, prompt ids, positions, masks, land there too), and every capture comes ba
 CPU, in the case's dtype.
 
 TF32 is never changed here: float32 matmuls on CUDA use TF32 exactly when the user's torch settings
-say so (torch's default is off). What the worker has is recorded in its EngineInfo, and a TF32 run
+say so (torch's default is off). The worker is a process of its own: a user's TF32 reaches it through
+the environment (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, NVIDIA_TF32_OVERRIDE=0 to forbid it) or a
+sitecustomize that sets torch's flags. What the worker has is recorded in its EngineInfo, and a TF32 run
 says so in every capture's notes: its error (about 1e-4 relative, measured on an H200) sits far above
 a float32 noise floor, so its tensor checks fail at the target's first layer by design.
 """
@@ -80,13 +82,15 @@ def precision() -> dict[str, str]:
 
 
 def tf32(record: dict[str, str]) -> bool:
-    """Whether float32 matmuls may run in TF32 under `record` (precision()): any setting that allows it."""
+    """Whether float32 matmuls may run in TF32 under `record` (precision()): any setting that allows it,
+    unless NVIDIA_TF32_OVERRIDE=0 (the driver's switch: 0 turns TF32 off everywhere, other values do nothing)."""
+    if record.get("NVIDIA_TF32_OVERRIDE") == "0":
+        return False
     return (
         record.get("allow_tf32") == "True"
         or record.get("float32_matmul_precision") in ("high", "medium")
         or record.get("matmul.fp32_precision") == "tf32"
         or record.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0") not in ("", "0")
-        or record.get("NVIDIA_TF32_OVERRIDE", "0") not in ("", "0")
     )
 
 
@@ -115,4 +119,4 @@ def to_host(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Te
     """Captures as the harness reads them: on the CPU, contiguous. On the CPU, the very tensors."""
     if device == CPU:
         return tensors
-    return {k: v.detach().to(CPU).contiguous() for k, v in tensors.items()}
+    return {k: v.detach().to(CPU).contiguous() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
