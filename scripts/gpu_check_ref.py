@@ -20,6 +20,7 @@ import argparse
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -397,6 +398,18 @@ def summary_md(machine_info: dict, installed: str, results: list[dict], wall: fl
     return "\n".join(lines) + "\n"
 
 
+def keep_reports(reports: Path, dest: Path) -> None:
+    """A job's reports and its run log beside the summary (small: the tiny cases), under plain file
+    names (a spec id's brackets, commas and = become _: what any copy back from a machine keeps)."""
+    files = sorted(reports.rglob("*")) if reports.is_dir() else []
+    for f in [*files, reports.parent / "run.log"]:
+        if f.is_file():
+            rel = f.relative_to(reports) if f.is_relative_to(reports) else Path(f.name)
+            target = dest.joinpath(*(re.sub(r"[^\w.-]", "_", part) for part in rel.parts))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, target)
+
+
 def run(out: Path, device: str, only: list[str], budget: float) -> int:
     start = time.time()
     deadline = start + budget
@@ -430,14 +443,8 @@ def run(out: Path, device: str, only: list[str], budget: float) -> int:
         json.dumps({"machine": info, "install": installed, "wall_s": round(wall, 1), "jobs": judged}, indent=1)
     )
     (out / "summary.md").write_text(summary_md(info, installed, judged, wall))
-    for r in judged:  # the reports beside the summary (small: the tiny cases)
-        src = Path(r["report"]).parent
-        if src.is_dir():
-            shutil.copytree(src, out / "reports" / r["job"]["name"].replace("/", "-"), dirs_exist_ok=True)
-        log = src.parent / "run.log"
-        if log.exists():
-            (out / "reports" / r["job"]["name"].replace("/", "-")).mkdir(parents=True, exist_ok=True)
-            shutil.copy(log, out / "reports" / r["job"]["name"].replace("/", "-") / "run.log")
+    for r in judged:
+        keep_reports(Path(r["report"]).parent, out / "reports" / r["job"]["name"].replace("/", "-"))
     shutil.rmtree(work, ignore_errors=True)
     _say(start, f"summary: {out / 'summary.md'} ({sum(r['ok'] for r in judged)}/{len(judged)} as expected)")
     return 0 if all(r["ok"] for r in judged) else 1
