@@ -15,6 +15,10 @@ skipped naming that command; with DIFFTEST_REQUIRE_ENGINES=1 (CI) they fail inst
   -> forward metrics) gives the counts `difftest train-acc` gives on the same draft and dump, with the
   rules chosen from the draft config's speculators_version (teacher-forced tokens, positions from 1,
   norm_output).
+* SpecForge's training forward: fixture:tiny-llama-eagle3 on fixture:tiny-llama's states in SpecForge's rows
+  layout, scored by SpecForge's own `Eagle3TrainStrategy.forward_loss` in bf16 (the only dtype its offline
+  forward runs in), gives the counts `train-acc --dtype bfloat16` gives exactly, with the config's norm_output
+  false and absent; the reference draft's arithmetic with float32 targets gives other counts on the same data.
 * precision: the same speculators-built draft rounded to bf16 (as the trainer's checkpointer saves it) moves
   the counts by no more than the near ties `train-acc` reports for it.
 * readers: a speculators folder (arrow dataset + hidden states in a separate --hidden-states-path) read
@@ -475,3 +479,117 @@ def test_rounding_a_speculators_draft_to_bf16_moves_its_counts_by_no_more_than_t
     )
     assert all(d <= n for d, n in zip(diff, rounded["near_ties"])), (diff, rounded["near_ties"])
     assert sum(rounded["near_ties"]) < sum(rounded["counted"])  # the bound says something
+
+
+# -- SpecForge's own training forward, op for op: exact counts in its dtype ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def specforge_forward_data(tmp_path_factory):
+    """fixture:tiny-llama's hidden states in SpecForge's rows layout (bf16, [h2, h4, h5] + the final norm: what
+    fixture:tiny-llama-eagle3 was trained on) over random prompts and the target's greedy continuation (loss on
+    it), and the target as SpecForge's TargetHead reads it (bf16 config, *.index.json)."""
+    from difftest.run.case_run import resolve_fixture
+    from difftest_engines.trainingdata.dump import dump_from_target, random_prompts
+    from test_specforge_writer_e2e import served_target
+
+    trainer_python("specforge")  # skip (or fail under DIFFTEST_REQUIRE_ENGINES) before any work
+    root = tmp_path_factory.mktemp("specforge_forward")
+    target = Path(resolve_fixture("fixture:tiny-llama"))
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(vocab, 10, 12, seed=7)
+    data = dump_from_target(target, root / "data", "specforge", "h2+h4+h5+final_norm", prompts, 20, torch.bfloat16)
+    draft = Path(resolve_fixture("fixture:tiny-llama-eagle3"))
+    absent = root / "draft-norm-output-absent"  # SpecForge's default: the final norm before lm_head
+    absent.mkdir()
+    cfg = json.loads((draft / "config.json").read_text())
+    assert cfg.pop("norm_output") is False  # the fixture writes it: SpecForge then leaves the norm out of the logits
+    (absent / "config.json").write_text(json.dumps(cfg))
+    (absent / "model.safetensors").symlink_to(draft / "model.safetensors")
+    return {
+        "root": root,
+        "data": data,
+        "target": target,
+        "served": served_target(target, root / "target"),
+        "drafts": {"norm_output false": draft, "norm_output absent": absent},
+    }
+
+
+SPECFORGE_STEPS = 7  # its default ttt_length
+
+
+def _specforge_forward(run: dict, draft: Path, dtype: str) -> dict:
+    out = run["root"] / f"theirs-{draft.name}-{dtype}.json"
+    if out.exists():  # the module's data and draft: one SpecForge run each
+        return json.loads(out.read_text())
+    run_oracle(
+        "specforge",
+        "specforge_forward.py",
+        str(draft),
+        str(run["served"]),
+        str(run["data"]),
+        str(out),
+        str(SPECFORGE_STEPS),
+        "2048",
+        dtype,
+    )
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("variant", ["norm_output false", "norm_output absent"])
+def test_train_acc_equals_specforges_training_forward_exactly_in_bf16(specforge_forward_data, variant):
+    """SpecForge 0.2.0's `Eagle3TrainStrategy.forward_loss` (tests/trainer_oracle/specforge_forward.py: its draft
+    in bfloat16, its bf16 TargetHead) and `train-acc --dtype bfloat16` count the same correct positions at every
+    TTT step: the draft runs in SpecForge's arithmetic (trainer_forward.py), the targets are its bf16 head's
+    argmax, and norm_output is read as SpecForge reads it (false: no final norm before lm_head; absent: the norm).
+    bfloat16 is the only dtype SpecForge's offline forward runs in (train_accuracy.SPECFORGE.forward_dtype)."""
+    from helpers import train_acc
+
+    run = specforge_forward_data
+    draft, dtype = run["drafts"][variant], "bfloat16"
+    theirs = _specforge_forward(run, draft, dtype)
+    rows, _ = train_acc(
+        "--data",
+        str(run["data"]),
+        "--target",
+        str(run["target"]),
+        "--draft",
+        str(draft),
+        "--format",
+        "specforge",
+        "--dtype",
+        dtype,
+        json_out=run["root"] / f"ours-{draft.name}-{dtype}.json",
+    )
+    ours = rows[0]
+    print(f"{variant}: SpecForge {theirs['correct']} of {theirs['denom']}; train-acc {ours['correct']}")
+    assert theirs["files"] == 10 and len(ours["correct"]) == SPECFORGE_STEPS
+    assert ours["counted"] == theirs["denom"] and ours["correct"] == theirs["correct"], (ours, theirs)
+    assert ours["correct"][0] > ours["counted"][0] / 2  # the draft scores: a flipped prediction would show
+
+
+def test_the_reference_drafts_arithmetic_and_float32_targets_do_not_give_specforges_bf16_counts(specforge_forward_data):
+    """The same bf16 draft and data scored the way train-acc scored SpecForge before (the reference draft's
+    forward, float32 target logits, the norm always before lm_head): other counts than SpecForge's own, so the
+    exact test above holds the conventions, not a coincidence."""
+    from dataclasses import replace
+
+    from difftest_engines.ref.draft_loading import load_draft
+    from difftest_engines.trainingdata.train_accuracy import StepCounts, sample_accuracy
+    from safetensors.torch import load_file
+
+    run = specforge_forward_data
+    draft = run["drafts"]["norm_output false"]
+    theirs = _specforge_forward(run, draft, "bfloat16")
+    weights = load_file(str(run["target"] / "model.safetensors"))
+    lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    head = VerifierHead(lm_head, torch.ones(lm_head.shape[1]), 1e-6)
+    loaded = load_draft(draft, weights["model.embed_tokens.weight"], lm_head, dtype=torch.bfloat16)
+    before = replace(RULES["specforge"], draft_forward="reference", target_logits_dtype=None)
+    total = StepCounts()
+    for s in read_dump(run["data"], "specforge").samples:
+        total = total.add(
+            sample_accuracy(loaded.model, head, s.fc_in, s.verifier, s.input_ids, s.loss_mask, SPECFORGE_STEPS, before)
+        )
+    assert total.counted == theirs["denom"]
+    assert total.correct != theirs["correct"], (total.correct, theirs["correct"])

@@ -149,6 +149,11 @@ def train_acc(args) -> int:
         f"correct {rows[0]['correct']} of {rows[0]['counted']}; cond {rows[0]['cond_correct']} of {rows[0]['cond_counted']}"
     )
     print(precision.line(rows[0]["near_ties"], rules_name))
+    if rules.forward_dtype and rules.forward_dtype != args.dtype:
+        print(
+            f"trainer dtype: {rules.name} computes these counts in its training forward in {rules.forward_dtype} only; "
+            f"scored in {args.dtype}, they are not its own: --dtype {rules.forward_dtype} gives them exactly"
+        )
     packed = packing_line(StepCounts.from_dict(rows[0]))
     if packed:
         print(packed)

@@ -59,6 +59,7 @@ from difftest_engines.ref.draft_loading import LoadedDraft, load_draft
 from difftest_engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from difftest_engines.ref.target import final_norm_module, load_target, num_layers, run_target
 from difftest_engines.trainingdata.formats import Dump, Sample, read_dump
+from difftest_engines.trainingdata.trainer_forward import config_norm_output
 from difftest_engines.trainingdata.settings import SCHEMA, Settings
 from difftest_engines.trainingdata.precision import Precision, draft_precision
 from difftest_engines.trainingdata.split import Split, choose_split, samples_in
@@ -315,6 +316,7 @@ class TrainingDataEngine(Engine):
                     "to score; dump the data with its loss masks"
                 )
             total = StepCounts()
+            norm_output = config_norm_output(case.draft)  # as written: a trainer may read its absence its own way
             for sample in scored:
                 fc, _, _ = self.fc_for(case, s, sample, ident, loaded)
                 total = total.add(
@@ -328,6 +330,7 @@ class TrainingDataEngine(Engine):
                         steps,
                         rules,
                         resolution,
+                        norm_output,
                     )
                 )
             self._accuracy[key] = total

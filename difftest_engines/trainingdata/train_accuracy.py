@@ -18,9 +18,10 @@ at origin i predicts the target at j = i+k+1. Checked against the trainers' own 
               0..k-1 right at i} (prev_correct.sum(), no loss mask at step k)
   SpecForge (0.2.0; `algorithms/eagle3/model.py::_compute_metric_counts`, `Eagle3Model.forward`,
   `modeling/target/target_head.py::TargetHead.preprocess`, `algorithms/eagle3/data.py`):
-    targets   the full-vocab argmax of lm_head(v_p) (v is already after the final norm); a
-              prediction is right when its target id equals it, so a target outside the draft
-              vocab is a miss that still counts (denominator loss_mask.sum())
+    targets   the full-vocab argmax of lm_head(v_p) (v is already after the final norm), the head in
+              bf16 (ties: the first id); a prediction is right when its target id equals it, so a
+              target outside the draft vocab is a miss that still counts (denominator loss_mask.sum())
+    draft     SpecForge's own arithmetic and reading of norm_output (trainer_forward.py)
     tokens    step k feeds t_{i+k+1}; positions i + k
     full_acc  correct[k] / counted[k] over i with m_{i+k} (mask unshifted, last zeroed); SpecForge
               logs it per step as acc_k. cond_acc (not a SpecForge metric): the same over the
@@ -37,7 +38,8 @@ layer records a sliding window (the `speculators train` default, 2048): see scor
 
 The draft is any module with the reference draft's interface (difftest_engines/ref/eagle3.py):
 `combine(fc_in)`, `forward(ids, hidden, positions, cache=, mask=)` returning logits,
-hidden_next and cache, `d2t`, `cfg`. This module imports no engine.
+hidden_next and cache, `d2t`, `cfg` (and its modules by name for trainer_forward.py). This module
+imports no serving engine.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from difftest.api import ConfigError
+from difftest_engines.trainingdata.trainer_forward import is_llama_draft, specforge_unroll
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,15 @@ class TrainerRules:
     default_max_len: int  # the trainer's default truncation of a sample
     max_len_after_shift: bool  # truncation applies to the shifted sample (N-1 positions), not the raw N tokens
     applies_sliding_window: bool  # the trainer's draft attends within the window its config records (scoring_window)
+    # the dtype the trainer's verifier head computes target logits in before its argmax (ties: first index);
+    # None: float32 (the reference's matmul)
+    target_logits_dtype: str | None = None
+    # the draft's forward: "reference" (difftest_engines/ref's draft) or "specforge" (that trainer's own arithmetic
+    # and its reading of norm_output: difftest_engines/trainingdata/trainer_forward.py)
+    draft_forward: str = "reference"
+    # the one dtype the trainer's own training forward runs in, where it has only one (None: the draft's torch_dtype,
+    # any); train-acc scored in another says its counts are not the trainer's
+    forward_dtype: str | None = None
 
 
 SPECULATORS_CURRENT = TrainerRules(
@@ -85,7 +97,11 @@ SPECULATORS_BEFORE_0_7 = replace(
     SPECULATORS_CURRENT, name="speculators<0.7", on_policy_tokens=True, applies_sliding_window=False
 )
 # SpecForge 0.2.0 config/schema.py: ttt_length 7, data.max_length 2048;
-# algorithms/eagle3/data.py::normalize_offline_sample truncates the raw sample
+# algorithms/eagle3/data.py::normalize_offline_sample truncates the raw sample.
+# Targets: modeling/target/target_head.py::TargetHead.from_pretrained casts the frozen lm_head to bfloat16
+# whatever the model's torch_dtype, so `target_head(hidden_state)` (training/strategies/base.py::
+# _prepare_eagle_target) gives bf16 logits, and algorithms/eagle3/model.py::_compute_target_p takes
+# `target.float().argmax(-1)` of them: ties among bf16-rounded logits go to the first id.
 SPECFORGE = TrainerRules(
     "specforge@0.2",
     mask_offset=0,
@@ -98,6 +114,12 @@ SPECFORGE = TrainerRules(
     default_max_len=2048,
     max_len_after_shift=False,
     applies_sliding_window=False,
+    target_logits_dtype="bfloat16",
+    draft_forward="specforge",
+    # the bf16 TargetHead takes the stored hidden_state as it is, so the files are bf16, and the draft's fc takes the
+    # same files' aux_hidden_state: offline, model.torch_dtype float32 fails at fc ("expected m1 and m2 to have the
+    # same dtype"), measured with tests/trainer_oracle/specforge_forward.py
+    forward_dtype="bfloat16",
 )
 
 RULES = {
@@ -266,6 +288,9 @@ class VerifierHead:
     def logits(self, verifier: torch.Tensor, rules: TrainerRules) -> torch.Tensor:
         """[N, H] -> [N, V] full-vocab logits, as the trainer's verifier head computes them."""
         x = rms_norm(verifier, self.norm_weight, self.eps) if rules.verifier_norm else verifier
+        if rules.target_logits_dtype is not None:  # the trainer's head in its dtype (SPECFORGE's comment)
+            dtype = getattr(torch, rules.target_logits_dtype)
+            return torch.nn.functional.linear(x.to(dtype), self.lm_head.to(dtype)).float()
         return x.float() @ self.lm_head.float().T
 
     @torch.no_grad()
@@ -276,6 +301,14 @@ class VerifierHead:
         logits = self.logits(verifier, rules)  # [N, V]
         cols = torch.arange(d2t.shape[0]) + d2t.cpu()  # draft id d -> target id d + d2t[d]
         draft_targets = logits[:, cols].argmax(-1)  # [N]
+        if rules.out_of_vocab_is_miss:
+            # the trainer compares target ids (SpecForge 0.2.0 algorithms/eagle3/model.py::
+            # OnlineEagle3Model._acc_and_loss: pred + d2t[pred] == the full-vocab argmax): an in-vocab target is
+            # the draft id of that argmax, whichever draft id a tie among the draft's columns would give
+            draft_of = torch.full((logits.shape[-1],), -1, dtype=torch.long)
+            draft_of[cols] = torch.arange(cols.shape[0])
+            full = draft_of[logits.argmax(-1)]
+            return torch.where(full >= 0, full, draft_targets), full >= 0
         in_vocab = torch.zeros(logits.shape[-1], dtype=torch.bool)
         in_vocab[cols] = True
         return draft_targets, in_vocab[logits.argmax(-1)]
@@ -386,9 +419,16 @@ def unroll(
     ttt_steps: int,
     rules: TrainerRules,
     margins: list | None = None,
+    norm_output: bool | None = None,
 ) -> list[torch.Tensor]:
     """Run the TTT unroll over one sample. fc_in [N, A*H], input_ids [N] -> per step [N-1] draft ids.
-    margins: appended per step with [N-1] (top-1 - top-2 logit) / the row's largest |logit|."""
+    margins: appended per step with [N-1] (top-1 - top-2 logit) / the row's largest |logit|.
+    norm_output: the draft config's norm_output key as written (None: absent), for a trainer that reads it
+    its own way (rules.draft_forward "specforge": trainer_forward.py)."""
+    if rules.draft_forward == "specforge" and is_llama_draft(draft):
+        # SpecForge 0.2.0 llama3_eagle.py::LlamaForCausalLMEagle3.__init__: getattr(config, "norm_output", True)
+        logits_norm = True if norm_output is None else norm_output
+        return specforge_unroll(draft, fc_in, input_ids, ttt_steps, logits_norm, margins)[0]
     N = int(input_ids.shape[0])
     n = N - 1
     dtype = next(draft.parameters()).dtype
@@ -424,6 +464,7 @@ def sample_accuracy(
     ttt_steps: int,
     rules: TrainerRules,
     tie_resolution: float | None = None,
+    norm_output: bool | None = None,
 ) -> StepCounts:
     """tie_resolution: also count the positions whose top-2 draft logits are within this fraction of the row's
     largest |logit| (StepCounts.near_ties; difftest_engines.trainingdata.precision)."""
@@ -434,7 +475,7 @@ def sample_accuracy(
         )
     targets, in_vocab = head.targets(verifier, draft.d2t, rules)
     margins: list | None = [] if tie_resolution is not None else None
-    preds = unroll(draft, fc_in, input_ids, ttt_steps, rules, margins)
+    preds = unroll(draft, fc_in, input_ids, ttt_steps, rules, margins, norm_output)
     near = [m <= tie_resolution for m in margins] if margins is not None else None
     return score_steps(preds, targets, loss_mask, rules, in_vocab, near)
 
