@@ -187,3 +187,40 @@ def test_gpu_check_counts_a_job_as_expected_only_when_the_twin_passes_and_the_mi
     assert not missed["ok"] and "fc_inputs passed (should fail)" in missed["why"]
     false_alarm = _judge(tmp_path, expect, {**good, "ref[device=cuda]": {**ok, "draft_logits": "failed"}})
     assert not false_alarm["ok"] and "ref[device=cuda]: draft_logits failed" in false_alarm["why"]
+
+
+@pytest.fixture
+def seen_gpu(monkeypatch):
+    """torch answering as on a machine with one GPU (nothing runs on it: the info and the notes only)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "Test GPU")
+
+
+def test_the_info_on_cuda_names_the_gpu_and_the_tf32_settings_as_found(seen_gpu, monkeypatch):
+    monkeypatch.delenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", raising=False)
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    info = RefEngine(parse_spec("ref[device=cuda]")).info()
+    assert info.kernels == "torch on cuda:0 (Test GPU, TF32 off)"
+    assert info.version.endswith("-cuda")  # never a CPU capture's cache key
+    assert info.versions["device"] == "cuda:0" and info.versions["gpu"] == "Test GPU"
+    assert info.versions["allow_tf32"] == str(torch.backends.cuda.matmul.allow_tf32)
+    assert info.versions["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+
+
+def test_a_users_tf32_stays_and_the_info_and_every_capture_note_say_so(seen_gpu, monkeypatch):
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")
+    engine = RefEngine(parse_spec("ref[device=cuda:0]"))
+    info = engine.info()
+    assert info.version.endswith("-cuda-tf32") and "TF32 on" in info.kernels
+    assert info.versions["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] == "1"
+    assert any("may use TF32" in note for note in engine._device_notes())
+    assert torch.get_float32_matmul_precision() == "highest"  # read, not set
+
+
+def test_a_cuda_index_past_the_machines_devices_is_refused_naming_how_many_it_sees(seen_gpu):
+    with pytest.raises(
+        EngineUnavailable, match=r"ref\[device=cuda:1\]: torch .* here sees 1 CUDA device \(cuda:0..cuda:0\)"
+    ):
+        RefEngine(parse_spec("ref[device=cuda:1]"))
