@@ -147,3 +147,16 @@ def test_specforge_targets_are_the_full_vocab_argmax_whatever_a_tie_among_the_dr
     d2t = torch.tensor([2, 0])  # draft id 0 -> target 2, draft id 1 -> target 1
     t, in_vocab = head.targets(x, d2t, RULES["specforge"])
     assert int(t[0]) == 1 and bool(in_vocab[0])  # draft id 1 = target id 1, not draft id 0 (target 2)
+
+
+def test_only_a_llama_draft_is_run_in_specforges_arithmetic():
+    """SpecForge 0.2.0's one EAGLE-3 draft class is Llama's (llama3_eagle.py::LlamaForCausalLMEagle3): an MLA draft
+    keeps the reference forward under its rules (train-acc says so in a `draft forward:` line)."""
+    from difftest_engines.ref.draft_loading import load_draft
+    from difftest.run.case_run import resolve_fixture
+
+    from difftest_engines.trainingdata.trainer_forward import is_llama_draft
+
+    assert is_llama_draft(_draft())
+    mla = load_draft(resolve_fixture("fixture:tiny-deepseek-v3-eagle3-mla")).model
+    assert not is_llama_draft(mla)

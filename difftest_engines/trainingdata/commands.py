@@ -51,6 +51,7 @@ def _layer_ids(text: str | None) -> list[int] | None:
 def train_acc(args) -> int:
     from difftest_engines.trainingdata.engine import TrainingDataEngine
     from difftest_engines.trainingdata.train_accuracy import StepCounts, describe_attention, packing_line, rules_for
+    from difftest_engines.trainingdata.trainer_forward import is_llama_draft
 
     try:
         if args.json:  # checked before the computation, not found unwritable after it
@@ -113,6 +114,12 @@ def train_acc(args) -> int:
                 rules, rules_name = engine.rules(case, s, dump)
                 print(f"scored with {rules_name}'s rules")
                 print(f"attention: {describe_attention(loaded.config, rules)}")
+                if rules.draft_forward == "specforge" and not is_llama_draft(loaded.model):
+                    # SpecForge 0.2.0's one EAGLE-3 draft class is modeling/draft/llama3_eagle.py::LlamaForCausalLMEagle3
+                    print(
+                        f"draft forward: the reference draft's; {rules.name} has no draft of this kind (its EAGLE-3 draft "
+                        "is Llama's), so its arithmetic is not followed"
+                    )
                 print(f"scored: {split.describe()}")
                 precision = engine.precision(case)
                 for note in ident.notes:
