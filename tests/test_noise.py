@@ -100,8 +100,10 @@ def test_the_floor_is_a_quantile_of_the_reference_against_float64_and_sets_the_t
     exact = _capture()
     exact = Capture({n: t.double() for n, t in exact.tensors.items()}, exact.meta.replace())
     noisy = _perturbed(cap, 1e-6, ["draft.fc_out"])
-    floor = noise.measure_floor([(noisy, exact)], "float32", "test")
+    # prompts enough for noise.MIN_FLOOR_ROWS rows of each step-0 tensor
+    floor = noise.measure_floor([(noisy, exact)] * -(-noise.MIN_FLOOR_ROWS // N), "float32", "test")
     f = floor.tensors["draft.fc_out"]
+    assert f.measured and f.rows >= noise.MIN_FLOOR_ROWS
     assert 1e-7 < f.floor < 1e-5 and f.threshold == pytest.approx(noise.SAFETY * f.floor)
     # an exact tensor still gets a threshold: the safety factor 10 x float32's unit roundoff 2^-24
     assert floor.tensors["target.h.0"].threshold == pytest.approx(10 * 2.0**-24)

@@ -123,7 +123,17 @@ def test_report_records_the_cases_noise_floor(case):
         "source": "measured: ref in float32 vs float64 over 1 prompts",
         "excluded": ["prompt 0: draft steps > 0 (float64 drafted another token at step 0)"],
         "router_noise": {},
-        "tensors": {"draft.fc_out": {"name": "draft.fc_out", "floor": 1e-6, "max": 2e-6, "rows": 3, "threshold": 1e-5}},
+        "tensors": {
+            "draft.fc_out": {
+                "name": "draft.fc_out",
+                "floor": 1e-6,
+                "max": 2e-6,
+                "rows": 3,
+                "threshold": 1e-5,
+                "measured": True,
+                "source": "",
+            }
+        },
         # the criterion's constants (difftest.compare.noise), so a report says what it was judged by
         "constants": {
             "safety": 10.0,
@@ -132,10 +142,12 @@ def test_report_records_the_cases_noise_floor(case):
             "isolated_factor": 10.0,
             "jump": 10.0,
             "tie_factor": 2.0,
+            "router_tie_factor": 4.0,
+            "min_floor_rows": 20,
         },
     }
     assert r["noise_floor"]["tensors"]["draft.fc_out"]["threshold"] == 1e-5
-    assert (r["schema"], r["schema_version"]) == ("difftest.report", 2)
+    assert (r["schema"], r["schema_version"]) == ("difftest.report", 3)
 
 
 def test_report_records_why_the_noise_floor_could_not_be_computed(case):

@@ -70,8 +70,8 @@ def _streamed(target: Path, case_dtype: str) -> StreamedTarget:
 def _outputs(out) -> dict[str, torch.Tensor]:
     tensors = {f"h.{k}": h for k, h in enumerate(out.hidden)}
     tensors |= {"final_norm": out.final_norm, "logits": out.logits}
-    for k, (scores, margin) in (out.routers or {}).items():
-        tensors |= {f"router.{k}.scores": scores, f"router.{k}.margin": margin}
+    for k, (scores, margin, experts) in (out.routers or {}).items():
+        tensors |= {f"router.{k}.scores": scores, f"router.{k}.margin": margin, f"router.{k}.experts": experts}
     return tensors
 
 

@@ -38,6 +38,7 @@ from difftest.base.names import (
 from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.compare.rowstats import row_stats
 from difftest.compare.tolerances import Tolerance, tolerance_for
+from difftest.records.routing import RoutingLayer
 from difftest.records.tolerance import TolerancePair
 
 CHUNK_ELEMENTS = 1 << 20
@@ -63,7 +64,7 @@ def noise_summary(d: TensorDiff) -> str:
     return (
         f"{d.name}: {rows} above the noise threshold; row error up to {d.err:.3g} "
         f"({d.excess:.3g}x the threshold {d.threshold:.3g} = {noise.SAFETY:g} x measured floor "
-        f"{d.noise_floor:.3g}) -> {verb} noise; cos {d.cosine:.4f}"
+        f"{d.noise_floor:.3g}) -> {verb} noise; cos {d.cosine:.4f}" + (f"; {d.detail}" if d.detail else "")
     )
 
 
@@ -197,7 +198,8 @@ class CaptureDiff:
     diffs: list[TensorDiff]  # data-flow order
     noise_source: str = ""  # how the noise floor was obtained (difftest.compare.noise.NoiseFloor.source)
     tie: str = ""  # draft steps left out: the engine drafted another token where the reference's was a tie
-    router_ties: dict = field(default_factory=dict)  # MoE layer k -> rows whose routing margin is within noise
+    router_ties: dict = field(default_factory=dict)  # MoE layer k -> rows judged apart after a routing difference
+    routing: list[RoutingLayer] = field(default_factory=list)  # per MoE layer (difftest.compare.noise.routing_rows)
     # per judged tensor: rows above its threshold because of a numerical event upstream (an MoE router near-tie, or input rows the input's own verdict took as noise);
     # judge_along_flow sets it, the top-1 agreement leaves those positions out
     excused_rows: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -286,11 +288,15 @@ def compare_captures(
                 row_errors=row_errors,
             )
         )
-    router_ties = noise.router_tie_rows(ref, floor)
+    routing = noise.routing_rows(ref, other, floor)  # rows after a routing difference judged apart
     cd = CaptureDiff(diffs, floor.source, tie)
-    cd.router_ties = {k: int(v.sum()) for k, v in router_ties.items() if bool(v.any())}
+    cd.router_ties = {k: int(v.sum()) for k, v in routing.apart.items() if bool(v.any())}
+    cd.routing = routing.layers
     wiring, num_layers = (ref.meta.wiring.inputs if ref.meta.wiring else []), ref.meta.num_layers
-    judge_along_flow(cd, row_errors, wiring, num_layers, {hidden_name(k + 1): v for k, v in router_ties.items()}, dtype)
+    judge_along_flow(
+        cd, row_errors, wiring, num_layers, {hidden_name(k + 1): v for k, v in routing.apart.items()}, dtype
+    )
+    noise.clear_flip_verdicts(cd.diffs, routing)
     localise(cd, wiring, num_layers)
     return cd
 

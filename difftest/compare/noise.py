@@ -52,8 +52,35 @@ Router ties (MoE targets): a token whose reference routing margin (the gap betwe
 and an unchosen expert's selection score, or a selected and an unselected group's; recorded
 by the reference as `aux.router.{k}.margin`) lies within ROUTER_TIE_FACTOR x the router's
 measured score noise (the same float64 comparison, on `aux.router.{k}.scores`) may go to other
-experts in another engine. Its rows from target.h.{k+1} on are tolerated the way an
-upstream discrete event is (compare.judge_along_flow), and reported as router ties.
+experts in another engine. Where both captures hold the experts each chose (`aux.router.{k}.experts`,
+the top-k ids per row) the routing is compared row by row (routing_rows): a row whose expert set
+differs is judged apart from target.h.{k+1} on (tolerated the way an upstream discrete event is,
+compare.judge_along_flow) only where the reference's margin says near-tie; one that differs where
+the margin is clear is a divergence of target.h.{k+1} (clear_flip_verdicts), however few such rows.
+Near-tie there means within ROUTER_TIE_FACTOR x the margin noise: how far the float64 comparison
+moved the margin of the rows both runs routed alike. The score noise overstates what can flip: a
+rounding error along the residual's own direction scales every router logit alike, moving scores
+(a Kimi-width bf16 target, measured: every row within 4x the score noise) while keeping their
+order (0 of 48 rows routed elsewhere); the margin noise is the move of the gap that decides.
+Rows at a near-tie that routed the same stay in the verdict. An engine that does not record its
+experts is judged on the reference's margin alone, against the score noise (every row a score
+move could flip): every such near-tie row is judged apart. Either way
+the report counts the rows per MoE layer (difftest.records.routing.RoutingLayer).
+
+The floor leaves out the rows the float64 run routed to other experts than the case's dtype run
+(observed flips where both runs record their experts, else every near-tie): their error is a
+discrete event, not rounding.
+
+How many rows a floor stands on: the floor of a tensor is the FLOOR_QUANTILE quantile of its row
+errors, an order statistic. With n rows, the estimate's level (the fraction of the true error
+distribution below it) has mean about 0.9 - 0.8/(n+1) and standard deviation about 0.3/sqrt(n+2)
+(Beta order statistics). At MIN_FLOOR_ROWS = 20 that is 0.86 +- 0.064, and 2 rows lie above it
+(it is not the largest row); at 8 rows (a Kimi-width bf16 target after router near-ties, measured
+on an H200) it is 0.81 +- 0.095, the interpolation between the two largest rows, and at 4 rows
+0.74 +- 0.12, usually below the 0.8 quantile. A tensor measured on fewer rows is not called measured:
+its source says "measured on N rows (too few; ...)" and its threshold falls back to the larger of
+what those rows give and a fallback: for a later draft step, the largest threshold of the same draft
+part measured on enough rows at another step; for everything else the dtype's UNMEASURED_REL guess.
 
 The float64 run need not hold a float64 copy of the target: the reference may stream it, one
 decoder layer's weights upcast at a time, computing the same tensors bit for bit; it says so with
@@ -73,9 +100,11 @@ import torch
 
 from difftest.compare import rowstats
 from difftest.records.noise_floor import NoiseFloorRecord, TensorFloor
+from difftest.records.routing import RoutingLayer
+from difftest.records.tensor_diff import TensorDiff, TensorStatus
 from difftest.base import dtypes
 from difftest.base.dtypes import DType
-from difftest.base.names import in_fc_in, split_draft
+from difftest.base.names import hidden_name, in_fc_in, split_draft
 
 UNIT_ROUNDOFF: dict[str, float] = {
     DType.FLOAT64: 2.0**-53,
@@ -101,11 +130,14 @@ TIE_FACTOR = 2.0
 # to twice that; 2x more covers the noise's spread. Tighter than the logits' tie rule on purpose: a
 # router tie takes the row out of the verdict, a top-1 tie only out of the agreement count.
 ROUTER_TIE_FACTOR = 4.0
-MIN_FLOOR_ROWS = 4  # fewer untouched rows than this: the floor takes every row (tie rows included)
+# Fewer rows than this and a tensor's floor is not called measured (module docstring: the quantile's
+# estimation error); its threshold falls back, said in its source.
+MIN_FLOOR_ROWS = 20
 CALIBRATION_DTYPE = dtypes.CALIBRATION
 HALF_DTYPES = dtypes.HALF  # their calibration run rounds the weights first (run.session.calibration_case)
 AUX_PREFIX = "aux."  # reference-side facts stored in a capture, never compared (difftest.base.names)
 ROUTER_PREFIX = "aux.router."
+ROUTER_EXPERTS = ".experts"  # aux.router.{k}.experts: the top-k expert ids each row went to [R, k]
 
 BLOCK_ELEMENTS = 1 << 22
 # The start of the capture note of a float64 run computed layer by layer (difftest_engines/ref/streamed.py):
@@ -161,9 +193,17 @@ class NoiseFloor:
     tensors: dict[str, TensorFloor] = field(default_factory=dict)
     excluded: list[str] = field(default_factory=list)  # "prompt 2: steps >= 2 (float64 drafted another token)"
     router_noise: dict[str, float] = field(default_factory=dict)  # MoE layer k -> score noise (quantile over rows)
+    # MoE layer k -> routing-margin noise (quantile over rows of |margin - float64's margin|), measured
+    # where both runs record their experts and routed the row alike (module docstring: router ties)
+    router_margin_noise: dict[str, float] = field(default_factory=dict)
 
-    def router_tie_threshold(self, layer: int) -> float | None:
-        noise_k = self.router_noise.get(str(layer))
+    def router_tie_threshold(self, layer: int, observed: bool = False) -> float | None:
+        """The margin under which a routing decision at MoE layer `layer` is a near-tie. observed: the
+        engine records its experts, so a flip is judged by how far noise moves the deciding gap (the
+        margin noise); otherwise by how far it moves any score (every row a score move could flip)."""
+        noise_k = self.router_margin_noise.get(str(layer)) if observed else None
+        if noise_k is None:
+            noise_k = self.router_noise.get(str(layer))
         if noise_k is None:
             return None
         return ROUTER_TIE_FACTOR * max(noise_k, UNIT_ROUNDOFF[DType.FLOAT32])
@@ -201,7 +241,10 @@ class NoiseFloor:
                 "isolated_factor": ISOLATED_FACTOR,
                 "jump": JUMP,
                 "tie_factor": TIE_FACTOR,
+                "router_tie_factor": ROUTER_TIE_FACTOR,
+                "min_floor_rows": MIN_FLOOR_ROWS,
             },
+            router_margin_noise=dict(self.router_margin_noise) or None,
         )
 
     def to_dict(self) -> dict:
@@ -216,6 +259,7 @@ class NoiseFloor:
             {n: TensorFloor(**f) for n, f in (d.get("tensors") or {}).items()},
             list(d.get("excluded") or []),
             {str(k): float(v) for k, v in (d.get("router_noise") or {}).items()},
+            {str(k): float(v) for k, v in (d.get("router_margin_noise") or {}).items()},
         )
 
 
@@ -256,11 +300,34 @@ def _router_layers(cap) -> list[int]:
     )
 
 
-def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], list[torch.Tensor]]:
-    """Router score noise per MoE layer, and per prompt the first layer at which each row's routing is a
-    near-tie (inf: never). Layer by layer: a row tied at layer k routes differently from there on in
-    one of the two runs, so its scores at later layers are not rounding noise and are left out."""
+def expert_set_agreement(ref_ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
+    """Per row: the fraction of the reference's top-k experts the other run chose too ([R] float64)."""
+    a, b = ref_ids.reshape(ref_ids.shape[0], -1).long(), other_ids.reshape(other_ids.shape[0], -1).long()
+    shared = (a[:, :, None] == b[:, None, :]).any(-1).sum(-1)
+    return shared.double() / max(a.shape[-1], 1)
+
+
+def _experts(cap, k: int) -> torch.Tensor | None:
+    ids = cap.tensors.get(f"{ROUTER_PREFIX}{k}{ROUTER_EXPERTS}")
+    return None if ids is None else ids.reshape(ids.shape[0], -1).cpu()
+
+
+def _routed_apart(cap, other, k: int) -> torch.Tensor | None:
+    """Bool per row: the two captures' expert sets at MoE layer k differ (None: not both recorded)."""
+    a, b = _experts(cap, k), _experts(other, k)
+    if a is None or b is None or a.shape[0] != b.shape[0]:
+        return None
+    return (expert_set_agreement(a, b) < 1) | (a.shape[-1] != b.shape[-1])
+
+
+def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], dict[str, float], list[torch.Tensor]]:
+    """Router score noise per MoE layer, and per prompt the first layer at which each row's routing
+    parted between the two runs (inf: never): an observed flip where both runs record their experts,
+    else a near-tie. Layer by layer: a row parted at layer k computes on other experts from there on
+    in one of the two runs, so its scores at later layers are not rounding noise and are left out.
+    Also per layer the margin noise: over rows both runs routed alike, how far the margin moved."""
     noise_by_layer: dict[str, float] = {}
+    margin_noise: dict[str, float] = {}
     tie_from = [
         torch.full(
             (cap.tensors["target.h.0"].reshape(-1, cap.tensors["target.h.0"].shape[-1]).shape[0],),
@@ -283,12 +350,25 @@ def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], list[torch.T
         if not deltas:
             continue
         noise_by_layer[str(k)] = _quantile(torch.cat(deltas), FLOOR_QUANTILE)
+        moves = []
+        for (cap, exact), ties in zip(pairs, tie_from):
+            flipped = _routed_apart(cap, exact, k)
+            a, b = cap.tensors.get(f"{name}.margin"), exact.tensors.get(f"{name}.margin")
+            if flipped is None or a is None or b is None or a.numel() != flipped.numel() or b.numel() != a.numel():
+                continue
+            alike = ~flipped if ties is None else ~flipped & ~(ties < k)
+            moves.append((a.reshape(-1).double().cpu() - b.reshape(-1).double().cpu()).abs()[alike])
+        if moves:
+            margin_noise[str(k)] = _quantile(torch.cat(moves), FLOOR_QUANTILE)
         threshold = ROUTER_TIE_FACTOR * max(noise_by_layer[str(k)], UNIT_ROUNDOFF[DType.FLOAT32])
-        for (cap, _), ties in zip(pairs, tie_from):
+        for (cap, exact), ties in zip(pairs, tie_from):
             margin = cap.tensors.get(f"{name}.margin")
-            if ties is not None and margin is not None and margin.numel() == ties.numel():
+            flipped = _routed_apart(cap, exact, k)
+            if ties is not None and flipped is not None and flipped.numel() == ties.numel():
+                ties[flipped & torch.isinf(ties)] = k
+            elif ties is not None and margin is not None and margin.numel() == ties.numel():
                 ties[(margin.reshape(-1).double().cpu() <= threshold) & torch.isinf(ties)] = k
-    return noise_by_layer, tie_from
+    return noise_by_layer, margin_noise, tie_from
 
 
 def _floor_rows(name: str, ties: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -323,7 +403,7 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] 
 
     Discrete events are not rounding noise and stay out of the floor: draft steps after the two
     runs drafted different tokens, and rows after an MoE router near-tie (_measure_routers)."""
-    router_noise, tie_from = _measure_routers(pairs)
+    router_noise, margin_noise, tie_from = _measure_routers(pairs)
     rows: dict[str, list[torch.Tensor]] = {}
     every: dict[str, list[torch.Tensor]] = {}
     excluded = []
@@ -335,7 +415,13 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] 
             excluded.append(f"prompt {i}: draft steps > {flip} (float64 drafted another token at step {flip})")
         ties = tie_from[i]
         if ties is not None and bool(torch.isfinite(ties).any()):
-            excluded.append(f"prompt {i}: {int(torch.isfinite(ties).sum())} rows after an MoE router near-tie")
+            layers = sorted({int(k) for k in ties[torch.isfinite(ties)].tolist()})
+            observed = all(_routed_apart(cap, exact, k) is not None for k in layers)
+            what = "routed to other experts than the float64 run" if observed else "after an MoE router near-tie"
+            excluded.append(
+                f"prompt {i}: {int(torch.isfinite(ties).sum())} of {ties.numel()} rows {what} "
+                f"(from MoE layer {', '.join(map(str, layers))})"
+            )
         for name in cap.names():
             if name not in exact or name.startswith(AUX_PREFIX):
                 continue
@@ -354,26 +440,129 @@ def measure_floor(pairs: list[tuple], dtype: str, source: str, own: list[tuple] 
     own_rows = _draft_own_floor(own or [])
     for name, parts in rows.items():
         errs, all_errs = torch.cat(parts), torch.cat(every[name])
-        if errs.numel() < min(MIN_FLOOR_ROWS, all_errs.numel()):  # (nearly) every row after a router tie
-            # the draft's own rounding where it was measured, else every row (events included)
-            errs = own_rows.get(name, all_errs) if not in_fc_in(name) else all_errs
-        elif name in own_rows:  # at least the draft's own rounding
+        total = all_errs.numel()
+        if name in own_rows and not in_fc_in(name):  # at least the draft's own rounding
             errs = torch.cat([errs, own_rows[name]])
+            total += own_rows[name].numel()
         floor = _quantile(errs, FLOOR_QUANTILE)
         finite = all_errs[torch.isfinite(all_errs)]
         tensors[name] = TensorFloor(
-            name, floor, float(finite.max()) if finite.numel() else 0.0, int(errs.numel()), SAFETY * max(floor, u)
+            name,
+            floor,
+            float(finite.max()) if finite.numel() else 0.0,
+            int(errs.numel()),
+            SAFETY * max(floor, u),
+            int(total),
         )
-    return NoiseFloor(dtype, True, source, tensors, excluded, router_noise)
+    few = _fall_back_where_too_few(tensors, dtype)
+    if few:
+        fewest = min(few, key=lambda n: tensors[n].rows)
+        f = tensors[fewest]
+        source += (
+            f"; {len(few)} tensors measured on too few rows (under {MIN_FLOOR_ROWS}), fewest {fewest} on {f.rows} "
+            f"of {f.total_rows}: their thresholds fall back (each tensor's source says how)"
+        )
+    return NoiseFloor(dtype, True, source, tensors, excluded, router_noise, margin_noise)
 
 
-def router_tie_rows(cap, floor: NoiseFloor) -> dict[int, torch.Tensor]:
-    """MoE layer k -> bool per row: the reference's routing margin is within the router's noise."""
+def _fall_back_where_too_few(tensors: dict[str, TensorFloor], dtype: str) -> list[str]:
+    """Marks the floors that stand on fewer than MIN_FLOOR_ROWS rows as not measured, their threshold
+    the larger of what their rows give and the fallback (module docstring); returns their names."""
+    enough = {n: f for n, f in tensors.items() if f.rows >= MIN_FLOOR_ROWS}
+    few = [n for n in tensors if n not in enough]
+    for name in few:
+        f = tensors[name]
+        d = split_draft(name)
+        same_part = [
+            (g.threshold, n)
+            for n, g in enough.items()
+            if d is not None and not in_fc_in(name) and (split_draft(n) or (None, None))[1] == d[1]
+        ]
+        if same_part:
+            fallback, whose = max(same_part)
+            said = f"{whose}'s threshold {fallback:.3g} (the same draft part, measured on {enough[whose].rows} rows)"
+        else:
+            fallback = unmeasured_threshold(dtype)
+            said = f"the {dtype} guess {fallback:.3g} (as an unmeasured floor)"
+        excluded = f", {f.total_rows - f.rows} left out after discrete events" if (f.total_rows or 0) > f.rows else ""
+        f.measured = False
+        f.threshold = max(f.threshold, fallback)
+        f.source = (
+            f"measured on {f.rows} rows (too few; under {MIN_FLOOR_ROWS} the {FLOOR_QUANTILE:g} quantile is "
+            f"near the largest row{excluded}); threshold {f.threshold:.3g}: the larger of {SAFETY:g} x that floor "
+            f"and {said}"
+        )
+    return few
+
+
+@dataclass
+class RoutingRows:
+    """How an engine routed one prompt against the reference, per MoE layer k: `apart[k]` rows judged
+    apart from target.h.{k+1} on (excused), `clear[k]` rows sent to other experts where the reference's
+    margin is clear (a divergence), `layers` the report's record."""
+
+    apart: dict[int, torch.Tensor] = field(default_factory=dict)
+    clear: dict[int, torch.Tensor] = field(default_factory=dict)
+    layers: list[RoutingLayer] = field(default_factory=list)
+
+
+def routing_rows(ref, other, floor: NoiseFloor) -> RoutingRows:
+    """Per MoE layer: the engine's expert sets against the reference's where both captures hold them,
+    judged by the reference's own routing margin (module docstring: router ties)."""
+    out = RoutingRows()
+    for k, tie in sorted(router_tie_rows(ref, floor).items()):
+        flipped = _routed_apart(ref, other, k)
+        if flipped is not None and flipped.numel() == tie.numel():
+            tie = router_tie_rows(ref, floor, observed=True)[k]
+        if flipped is None or flipped.numel() != tie.numel():
+            out.apart[k] = tie
+            out.layers.append(RoutingLayer(k, tie.numel(), False, int(tie.sum()), int(tie.sum()), 0))
+            continue
+        agreement = expert_set_agreement(_experts(ref, k), _experts(other, k))
+        out.apart[k], out.clear[k] = flipped & tie, flipped & ~tie
+        out.layers.append(
+            RoutingLayer(
+                k,
+                tie.numel(),
+                True,
+                int(tie.sum()),
+                int(out.apart[k].sum()),
+                int(out.clear[k].sum()),
+                int(flipped.sum()),
+                float(agreement.mean()) if agreement.numel() else 1.0,
+                float(agreement.min()) if agreement.numel() else 1.0,
+            )
+        )
+    return out
+
+
+def clear_flip_verdicts(diffs: list[TensorDiff], routing: RoutingRows) -> None:
+    """A row routed to other experts where the reference's margin is clear is no numerical event: the
+    tensor the MoE layer writes (target.h.{k+1}) diverges, however few such rows (the quorum is for
+    events). Not where that tensor already diverges (the error came from upstream)."""
+    by_name = {d.name: d for d in diffs}
+    for k, rows in routing.clear.items():
+        d = by_name.get(hidden_name(k + 1))
+        if d is None or not bool(rows.any()) or not d.status.compared:
+            continue
+        said = (
+            f"routing: {int(rows.sum())}/{rows.numel()} rows sent to other experts at MoE layer {k} where the "
+            f"reference's routing margin is clear (above {ROUTER_TIE_FACTOR:g} x the router's measured noise)"
+        )
+        d.detail = f"{d.detail}; {said}" if d.detail else said
+        if d.status == TensorStatus.OK:
+            d.status = TensorStatus.MISMATCH
+            d.excess = max(d.excess, 1.0)
+
+
+def router_tie_rows(cap, floor: NoiseFloor, observed: bool = False) -> dict[int, torch.Tensor]:
+    """MoE layer k -> bool per row: the reference's routing margin is within the router's noise
+    (observed: the margin noise, for an engine that records its experts; NoiseFloor.router_tie_threshold)."""
     out = {}
     for name in cap.tensors:
         if name.startswith(ROUTER_PREFIX) and name.endswith(".margin"):
             k = int(name[len(ROUTER_PREFIX) : -len(".margin")])
-            threshold = floor.router_tie_threshold(k)
+            threshold = floor.router_tie_threshold(k, observed)
             if threshold is not None:
                 out[k] = cap.tensors[name].reshape(-1).double().cpu() <= threshold
     return out

@@ -5,6 +5,10 @@ difftest.compare.noise measures the floor (NoiseFloor, which judges with it) and
 the report, the HTML and `difftest report` read it back by field. Its JSON is the one
 NoiseFloor.to_dict wrote before the record existed: a floor that could not be computed has no
 `router_noise` and no `constants`, and an `error`; a computed one has no `error`.
+
+Report schema 3 added `router_margin_noise` and to each TensorFloor the rows captured (`total_rows`), whether the floor counts
+as measured on the rows it stands on (`measured`) and, where it does not, why (`source`); a schema-2
+report's floors read back with total_rows None ("not recorded"), measured True and no source.
 """
 
 from __future__ import annotations
@@ -19,8 +23,14 @@ class TensorFloor:
     name: str
     floor: float  # FLOOR_QUANTILE of the reference's own per-row error against float64
     max: float  # the largest such row error
-    rows: int  # rows measured
-    threshold: float  # SAFETY * max(floor, unit roundoff)
+    rows: int  # rows the floor stands on (rows after a discrete event left out; the draft's own rows added)
+    threshold: float  # SAFETY * max(floor, unit roundoff); where not measured, the fallback (`source`)
+    total_rows: int | None = None  # rows captured (the draft's own included), events too; None: not recorded (schema 2)
+    measured: bool = True  # False: too few rows (difftest.compare.noise.MIN_FLOOR_ROWS), `source` says how it fell back
+    source: str = ""  # "" where measured; else "measured on N rows (too few; ...)"
+
+    def to_dict(self) -> dict:
+        return encode_fields(self, omit_none=("total_rows",))
 
 
 @dataclass
@@ -33,6 +43,8 @@ class NoiseFloorRecord:
     tensors: dict[str, TensorFloor] = field(default_factory=dict)
     constants: dict[str, float] | None = None  # difftest.compare.noise's settings the floor was judged with
     error: str | None = None  # why it could not be computed (the exception, every line)
+    # MoE layer k -> routing-margin noise (report schema 3); None: not measured (no run recorded its experts)
+    router_margin_noise: dict[str, float] | None = None
 
     def to_dict(self) -> dict:
-        return encode_fields(self, omit_none=("router_noise", "constants", "error"))
+        return encode_fields(self, omit_none=("router_noise", "constants", "error", "router_margin_noise"))

@@ -2,7 +2,10 @@
 `difftest report` and `difftest bundle` are rendered from (difftest.report.writer writes it).
 
 Schema versions: `schema` names the kind of file ("difftest.report"), `schema_version` its layout.
-2 is this record (typed check data with a `kind`). A report without `schema_version` is version 1,
+2: typed check data with a `kind`. 3 is this record: each prompt comparison's per-MoE-layer routing
+(`routing`, difftest.records.routing) and each noise-floor tensor's row counts and whether it counts as
+measured (difftest.records.noise_floor); a version-2 report is still read (those fields absent:
+no routing recorded, row counts "not recorded"). A report without `schema_version` is version 1,
 written before typed records: it is refused, naming the version and the command that writes it
 again (its `reproduce` line), rather than read with its untyped check data guessed at.
 """
@@ -17,12 +20,14 @@ from difftest.records.check_result import CheckResult
 from difftest.records.engine_info import EngineInfo
 from difftest.records.fields import decode, encode_fields, fail
 from difftest.records.noise_floor import NoiseFloorRecord
+from difftest.records.routing import RoutingLayer
 from difftest.records.tensor_diff import TensorDiff
 from difftest.records.wiring_inference import WiringInference
 from difftest.records.timings import Timings
 
 SCHEMA = "difftest.report"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # 2 lacks only fields that have defaults (module docstring)
 LEGACY_SCHEMA = "difftest.report/1"  # version 1 named its version in `schema` and had no schema_version
 
 
@@ -48,6 +53,7 @@ class PromptComparison:
     first_differs: str | None
     tie: str  # the draft steps left out at a tie, or ""
     tensors: list[TensorDiff]  # in data-flow order
+    routing: list[RoutingLayer] = field(default_factory=list)  # per MoE layer; empty: no MoE router recorded
 
 
 @dataclass
@@ -107,7 +113,7 @@ class Report:
             )
         if schema != SCHEMA:
             raise fail(where, "schema", f"{schema!r}, expected {SCHEMA!r}")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             problem = (
                 "field missing"
                 if version is None

@@ -276,6 +276,12 @@ def svg_noise(entry: PromptComparison, engine: str) -> str | None:
     return "".join(s)
 
 
+def _floor_rows(f) -> str:
+    """The rows a tensor's floor stands on, of those captured, and whether they were too few."""
+    of = f" of {f.total_rows}" if f.total_rows is not None else ""
+    return f"{f.rows}{of}" + ("" if f.measured else f" (too few: {f.source})")
+
+
 def noise_section(report: Report) -> list[str]:
     """The noise floor's source line, then per engine the SVG, the compact table and the ties."""
     h = [
@@ -291,7 +297,7 @@ def noise_section(report: Report) -> list[str]:
         for name, f in nf.tensors.items():
             h.append(
                 f"<tr><td><code>{escape(name)}</code></td><td>{num(f.floor)}</td><td>{num(f.max)}</td>"
-                f"<td>{escape(str(f.rows))}</td><td>{num(f.threshold)}</td></tr>"
+                f"<td>{escape(_floor_rows(f))}</td><td>{num(f.threshold)}</td></tr>"
             )
         h.append("</table></details>")
     comparisons = report.comparisons

@@ -1,4 +1,4 @@
-"""Per-case reports: JSON (a difftest.records.Report, schema difftest.report version 2), a Markdown digest and a self-contained
+"""Per-case reports: JSON (a difftest.records.Report, schema difftest.report version 3), a Markdown digest and a self-contained
 HTML page (difftest.report.html_report), written atomically. The JSON is the source: `difftest
 report PATH.json` re-renders the other two from it. Layout: reports/README.md.
 
@@ -260,6 +260,48 @@ def noise_floor_line(report: Report) -> str:
     return line
 
 
+FEW_SHOWN = 6  # floors on too few rows listed in the Markdown; the rest in the JSON and the HTML
+
+
+def floor_rows_lines(report: Report) -> list[str]:
+    """How many rows the floor stands on: the fewest, and every tensor not measured on enough rows."""
+    nf = report.noise_floor
+    if nf is None or not nf.tensors:
+        return []
+    fewest = min(nf.tensors.values(), key=lambda f: f.rows)
+    of = f" of {fewest.total_rows}" if fewest.total_rows is not None else ""
+    out = [f"floor rows: fewest `{fewest.name}` on {fewest.rows}{of} rows"]
+    few = [f for f in nf.tensors.values() if not f.measured]
+    if few:
+        out[0] += f"; {len(few)} tensors on too few rows (thresholds fall back):"
+        out += [f"- `{f.name}`: {_md(f.source)}" for f in few[:FEW_SHOWN]]
+        if len(few) > FEW_SHOWN:
+            out.append(f"- and {len(few) - FEW_SHOWN} more (the JSON's `noise_floor.tensors`, the HTML's floor table)")
+    return out
+
+
+def routing_lines(report: Report, engine: str) -> list[str]:
+    """Per prompt and MoE layer: the expert-set agreement with the reference and the rows judged apart."""
+    prompts = [p for p in report.comparisons.get(engine) or [] if p.routing]
+    if not prompts:
+        return []
+    lines = [
+        "| prompt | MoE layer | rows | expert-set agreement | lowest row | other experts | judged apart (near-tie) "
+        "| other experts at a clear margin |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in prompts:
+        for r in p.routing:
+            agree = f"{r.agreement:.3f}" if r.agreement is not None else "not captured"
+            low = f"{r.min_agreement:.3f}" if r.min_agreement is not None else "-"
+            differs = str(r.differs) if r.differs is not None else "-"
+            clear = f"**{r.clear}**" if r.clear else "0"
+            lines.append(
+                f"| {p.prompt} | {r.layer} | {r.rows} | {agree} | {low} | {differs} | {r.apart} of {r.near_tie} | {clear} |"
+            )
+    return lines
+
+
 def _md(text: str) -> str:
     return str(text).replace("\n", "<br>").replace("|", "\\|")
 
@@ -270,6 +312,9 @@ def markdown_noise(report: Report) -> list[str]:
     if not comparisons:
         return []
     lines = ["## Error against the noise floor", "", _md(noise_floor_line(report)), ""]
+    rows_lines = floor_rows_lines(report)
+    if rows_lines:
+        lines += rows_lines + [""]
     for engine, entries in comparisons.items():
         entry = focus(entries)
         if entry is None:
@@ -302,6 +347,9 @@ def markdown_noise(report: Report) -> list[str]:
         tl = ties_lines(report, engine)
         if tl:
             lines += ["Ties:", ""] + [f"- {_md(x)}" for x in tl] + [""]
+        rl = routing_lines(report, engine)
+        if rl:
+            lines += [f"Routing of `{engine}` against the reference, per MoE layer:", ""] + rl + [""]
     return lines
 
 

@@ -563,6 +563,7 @@ def prompt_comparison(i: int, cd: CaptureDiff) -> PromptComparison:
         first_differs=_name(cd.first_differs()),
         tie=cd.tie,
         tensors=list(cd.diffs),
+        routing=list(cd.routing),
     )
 
 

@@ -42,7 +42,8 @@ from difftest.api import STREAMED_FLOAT64
 # Part of the engine version (so of every capture-cache key): bumped when what a ref capture holds
 # changes. 2: norms and rope keep float64 in the noise-floor run; MoE routers recorded (aux.router.*).
 # 3: the float64 run streamed layer by layer (the same tensors), its captures' notes say so.
-CAPTURE_REVISION = 3
+# 4: the routers' chosen expert ids recorded (aux.router.{k}.experts: routing compared row by row).
+CAPTURE_REVISION = 4
 
 # Draft flags a spec or case can override to compute the draft as an engine that reads them otherwise
 OVERRIDABLE_FLAGS = ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")
@@ -300,8 +301,9 @@ class RefEngine(Engine):
         tensors: dict[str, torch.Tensor] = {hidden_name(k): h[0] for k, h in enumerate(out.hidden)}
         tensors[FINAL_NORM] = out.final_norm[0]
         tensors[TARGET_LOGITS] = out.logits[0]
-        for k, (scores, margin) in (out.routers or {}).items():  # MoE routing, for router ties (difftest.compare.noise)
+        for k, (scores, margin, experts) in (out.routers or {}).items():  # MoE routing (difftest.compare.noise)
             tensors[f"aux.router.{k}.scores"], tensors[f"aux.router.{k}.margin"] = scores, margin
+            tensors[f"aux.router.{k}.experts"] = experts
         fc_in = gather_fc_in(out, wiring.inputs)
         draft_tensors, drafted = capture_draft_chain(loaded.model, fc_in, prompt_ids, next_token, case.num_steps)
         tensors.update(draft_tensors)

@@ -23,7 +23,8 @@ class TargetOutput:
     hidden: list[torch.Tensor]  # L+1 tensors [B, n, H]: h.0 .. h.L (h.L pre-norm)
     final_norm: torch.Tensor  # [B, n, H]
     logits: torch.Tensor  # [B, n, V]
-    # MoE layers only: layer k -> (router selection scores [B*n, E], routing margin [B*n]); see router_margin
+    # MoE layers only: layer k -> (router selection scores [B*n, E], routing margin [B*n], chosen expert
+    # ids [B*n, top-k]); see router_margin
     routers: dict = None
 
 
@@ -38,16 +39,21 @@ def router_margin(scores: torch.Tensor, chosen: torch.Tensor, num_group: int = 1
     E = scores.shape[-1]
     is_chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
     gaps = (scores[:, :, None] - scores[:, None, :]).abs()  # [n, E, E]
-    pair = is_chosen[:, :, None] & ~is_chosen[:, None, :]
-    margin = torch.where(pair, gaps, torch.inf).flatten(1).amin(-1)
+    eligible = torch.ones_like(is_chosen)
+    gmargin = None
     if num_group > 1 and topk_group < num_group:
         group = scores.view(-1, num_group, E // num_group).topk(min(2, E // num_group), dim=-1)[0].sum(-1)
         picked = group.topk(topk_group, dim=-1)[1]
         is_picked = torch.zeros_like(group, dtype=torch.bool).scatter_(-1, picked, True)
         ggaps = (group[:, :, None] - group[:, None, :]).abs()
         gpair = is_picked[:, :, None] & ~is_picked[:, None, :]
-        margin = torch.minimum(margin, torch.where(gpair, ggaps, torch.inf).flatten(1).amin(-1))
-    return margin
+        gmargin = torch.where(gpair, ggaps, torch.inf).flatten(1).amin(-1)
+        # an expert of an unpicked group competes only through its group (the group margin): its own
+        # score near a chosen one's decides nothing
+        eligible = is_picked.repeat_interleave(E // num_group, dim=-1)
+    pair = is_chosen[:, :, None] & (~is_chosen & eligible)[:, None, :]
+    margin = torch.where(pair, gaps, torch.inf).flatten(1).amin(-1)
+    return margin if gmargin is None else torch.minimum(margin, gmargin)
 
 
 def _router_hooks(model, seen: dict) -> list:
@@ -67,6 +73,7 @@ def _router_hooks(model, seen: dict) -> list:
                 router_margin(
                     scores, indices, int(getattr(mod, "num_group", 1) or 1), int(getattr(mod, "topk_group", 1) or 1)
                 ),
+                indices,
             )
 
         handles.append(module.register_forward_hook(hook))
