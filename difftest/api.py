@@ -10,7 +10,7 @@ reports). Above the floors, beside the CLI and the plugin: it may name any of th
 
 from difftest.base import definitions
 from difftest.base.definitions import Definition, trainer_figures
-from difftest.base.dtypes import CASE_DTYPES, DType, torch_dtype
+from difftest.base.dtypes import CASE_DTYPES, MATMUL_PRECISIONS, DType, torch_dtype
 from difftest.base.cli_args import deprecated_alias
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
 from difftest.base.fc_wiring import Wiring
@@ -109,6 +109,7 @@ __all__ = [
     "DType",
     "CASE_DTYPES",
     "torch_dtype",
+    "MATMUL_PRECISIONS",
     "TolerancePair",
     "chat",
     "Wiring",

@@ -28,6 +28,15 @@ class DType(str, Enum):
 CASE_DTYPES: tuple[DType, ...] = (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16)  # what a case's `dtype:` takes
 HALF: tuple[DType, ...] = (DType.BFLOAT16, DType.FLOAT16)  # their calibration run rounds the weights first
 CALIBRATION = DType.FLOAT64  # the exact run a case's noise floor is measured against
+# Formats an engine may run a float32 case's matmuls in (TF32 tensor cores, a bf16 GEMM): the explicit
+# mantissa bits each matmul's inputs are rounded to (round to nearest), the products summed in float32.
+# A case declares one per engine (`precision:`); the reference emulates them (`ref[matmul=tf32]`).
+MATMUL_PRECISIONS: dict[str, int] = {"tf32": 10, "bf16": 7}
+
+
+def matmul_unit_roundoff(precision: str) -> float:
+    """The unit roundoff of a matmul format's inputs: 2^-11 for TF32, 2^-8 for bf16."""
+    return 2.0 ** -(MATMUL_PRECISIONS[precision] + 1)
 
 
 def torch_dtype(dtype: str):

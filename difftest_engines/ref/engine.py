@@ -30,6 +30,7 @@ from difftest.api import ConfigError
 from difftest.api import Wiring, resolve, trained_layer_ids
 from difftest_engines.ref import device as placement
 from difftest_engines.ref.draft_loading import LoadedDraft, load_draft
+from difftest_engines.ref.matmul_precision import emulated
 from difftest_engines.ref.settings import SCHEMA
 from difftest_engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
 from difftest_engines.ref.streamed import NotStreamable, StreamedTarget, streamable
@@ -265,6 +266,7 @@ class RefEngine(Engine):
         return wiring
 
     # -- the interface ---------------------------------------------------------------
+    @emulated  # ref[matmul=tf32|bf16] (matmul_precision.py)
     def capture(self, case: Case, prompt_ids: list[int]) -> Capture:
         capture = self._on_device(case, self._capture, prompt_ids)
         capture.tensors = placement.to_host(capture.tensors, self.device)
@@ -336,6 +338,7 @@ class RefEngine(Engine):
         )
         return Capture(tensors, meta)
 
+    @emulated  # ref[matmul=tf32|bf16] (matmul_precision.py)
     @torch.no_grad()
     def _capture_draft_from(self, case: Case, prompt_ids: list[int], fc_in: torch.Tensor) -> Capture:
         target, loaded = self._models(case)
@@ -357,6 +360,7 @@ class RefEngine(Engine):
         )
         return Capture(tensors, meta)
 
+    @emulated  # ref[matmul=tf32|bf16] (matmul_precision.py)
     @torch.no_grad()
     def _speculate(self, case: Case, prompts: list[list[int]], num_steps: int, max_new_tokens: int) -> AcceptStats:
         target, loaded = self._models(case)
@@ -376,6 +380,7 @@ class RefEngine(Engine):
             stats.source += f", {STREAMED_FLOAT64}"
         return stats
 
+    @emulated  # ref[matmul=tf32|bf16] (matmul_precision.py)
     @torch.no_grad()
     def _replay(
         self, case: Case, requests: list[tuple[list[int], list[int]]], num_steps: int, topk: int, num_draft_tokens: int

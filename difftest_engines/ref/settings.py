@@ -1,6 +1,6 @@
 """The reference engine's settings (difftest.base.settings): the case's `engines.ref` merged with `ref[...]`."""
 
-from difftest.api import Schema, Setting, settings_record
+from difftest.api import MATMUL_PRECISIONS, Schema, Setting, settings_record
 
 # Where the target and draft run (`ref[device=cuda]`): a choice, so that the harness refuses a bad
 # value in one line with the closest name before any worker starts. `cuda:N` up to 15: more GPUs than
@@ -36,6 +36,13 @@ SCHEMA = Schema(
             replaces="draft",
         ),
         Setting("d2t", "choice", "identity: drop the draft-to-target vocabulary map", choices=("identity",)),
+        Setting(
+            "matmul",
+            "choice",
+            "compute every float32 matmul as this format does (inputs rounded, float32 sums): an engine "
+            "on TF32 tensor cores or a bf16 GEMM",
+            choices=tuple(MATMUL_PRECISIONS),
+        ),
         Setting("topk", "int", "draft tree branching for accept-length simulation (1: a chain)", default=1, min=1),
         Setting("num_draft_tokens", "int", "tree budget, root included (default: num_steps + 1 for a chain)", min=2),
         Setting(
