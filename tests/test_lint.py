@@ -60,7 +60,7 @@ def test_missing_layer_ids_on_a_shallow_target_name_the_fallback_narrower_than_f
     draft = edited_draft(models, tmp_path, config=drop_ids)
     [f] = lint_draft(draft, shallow, TRAINED)
     assert f.code == "layer-ids-missing"
-    for engine in ("vLLM 0.32.0", "SGLang 0.5.23"):
+    for engine in ("vLLM 0.32.0 Model Runner V2", "SGLang 0.5.23"):  # vLLM: the runner 0.32.0 runs by default
         assert (f"{engine} (Llama rule: ids from") in f.message
     assert (
         f.message.count(
@@ -210,8 +210,31 @@ def test_ids_that_do_not_name_the_trained_layers_are_an_error(models):
     """The seed's bug: trained on [h0, h1, h2] (embedding first), the config says [1, 2, 3]."""
     f = _lint_draft(models[1], models[0], ["target.h.0", "target.h.1", "target.h.2"])[0]
     assert str(f) == (
-        "error [layer-ids-training]: vLLM 0.32.0 (Llama rule: ids from top level then eagle_config, layer "
-        "order, k -> h[k]) turns [1, 2, 3] (top level) into [h1, h2, h3]; the draft was trained on "
+        "error [layer-ids-training]: vLLM 0.32.0 Model Runner V2 (Llama rule: ids from top level then "
+        "eagle_config.layer_ids, layer order, k -> h[k]) turns [1, 2, 3] (top level) into [h1, h2, h3]; the draft "
+        "was trained on "
         "[h0, h1, h2]; fix: {'eagle_aux_hidden_state_layer_ids': [0, 1, 2]} (`difftest fix CASE --engines "
         "vllm` writes and verifies it)"
     )
+
+
+def _nested_only(cfg):  # the ids [1, 2, 3] only where vLLM's Model Runner V1 and SGLang read them
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+
+
+def test_ids_only_in_eagle_config_are_an_error_for_the_runner_vllm_runs_by_default(models, tmp_path):
+    draft = edited_draft(models, tmp_path, config=_nested_only)
+    [error] = [f for f in _lint_draft(draft, models[0], TRAINED) if f.severity == "error"]
+    assert error.code == "layer-ids-training" and "vLLM 0.32.0 Model Runner V2" in error.message
+    assert "ignores eagle_config.eagle_aux_hidden_state_layer_ids [1, 2, 3]" in error.message
+
+
+def test_a_run_on_runner_v1_still_hears_of_the_default_runner_misreading_the_ids(models, tmp_path):
+    # Model Runner V1 reads eagle_config's ids; the lint still names V2, which a spec without parameters runs
+    draft = edited_draft(models, tmp_path, config=_nested_only)
+    errors = [
+        f for f in _lint_draft(draft, models[0], TRAINED, None, [("vllm", {"runner": "v1"})]) if f.severity == "error"
+    ]
+    assert ["Model Runner V2" in f.message for f in errors] == [True]
+    assert not any("Model Runner V1" in f.message for f in errors)

@@ -11,7 +11,9 @@ message of a passing item):
   layer-ids-conflict    top-level ids differ from eagle_config's (engines read different ones)
   layer-ids-order       ids not sorted / duplicated: vLLM sorts and de-duplicates them
   layer-ids-training    the ids, read as engines read them, are not the layers the draft was
-                        trained on (error for vLLM's h[k] reading, warning for others)
+                        trained on (error for vLLM's h[k] reading, warning for others); each engine
+                        read on the code path the run takes (vLLM 0.32.0: Model Runner V2 unless
+                        a spec names runner=v1), the other paths' readings listed as warnings
   norm-flag-default     norm_before_residual absent: its default differs by checkpoint
                         format (HF/EAGLE False, speculators True)
   vocab-map             d2t/t2d absent while draft vocab < target vocab, or inconsistent
@@ -33,6 +35,9 @@ and, from difftest.rules.lint_checkpoint (the engines' rules in difftest.rules.d
   embedding-shared      no embedding in the draft: engines use the target's (warning)
   rope-conflict / rope-dropped / rope-differs   the draft's rope as engines read it
   d2t-convention        d2t stored as absolute target ids instead of offsets
+  draft-config-key      a key an engine's draft class reads unguarded is absent (SGLang: draft_vocab_size)
+  draft-positions       max_position_embeddings below the target's context length (an engine that holds the
+                        draft to it refuses to start) or below the positions the case runs (warning)
 
 and, from difftest.rules.checkpoint_integrity (both checkpoints, headers only):
 
@@ -48,6 +53,7 @@ and, from difftest.rules.checkpoint_integrity (both checkpoints, headers only):
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from difftest.case.case import Case
 from difftest.rules.checkpoint_integrity import stored_tensors, target_findings
@@ -57,18 +63,20 @@ from difftest.rules.draft_rules import SERVING
 from difftest.rules.wiring import hidden_indices, resolve, trained_layer_ids
 from difftest.records.finding import Finding
 from difftest.base.jsonfile import read_json_object
+from difftest.rules.engine_releases import serving_layer_rules
 from difftest.rules.lint_checkpoint import (
+    config_key_findings,
     d2t_convention_findings,
     embedding_findings,
     flag_findings,
     format_findings,
+    position_findings,
     rope_findings,
     weight_findings,
 )
 from difftest.rules.weight_files import open_safetensors
 from difftest.base.names import DRAFT_LOGITS_TARGET, TARGET_LOGITS, hidden_name
 from difftest.rules.layer_rules import (
-    ENGINE_RULES,
     ID_PLACES,
     KEY,
     SPECFORGE,
@@ -77,10 +85,12 @@ from difftest.rules.layer_rules import (
     default_layers,
     place_words,
     target_family,
+    variant_siblings,
 )
 
 __all__ = [
     "Finding",
+    "case_positions",
     "check_config_numbers",
     "lint_case",
     "lint_draft",
@@ -184,9 +194,17 @@ def _load(meta: dict, name: str):
 
 
 def lint_draft(
-    draft_dir: str | Path, target_dir: str | Path, trained_on: list[str] | None = None, engines: dict | None = None
+    draft_dir: str | Path,
+    target_dir: str | Path,
+    trained_on: list[str] | None = None,
+    engines: dict | None = None,
+    specs: Sequence[tuple[str, dict]] = (),
+    positions: int | None = None,
 ) -> list[Finding]:
-    """Findings for one draft/target pair; `trained_on` = the case's resolved training wiring."""
+    """Findings for one draft/target pair; `trained_on` = the case's resolved training wiring, `engines` the
+    case's `engines:` settings, `specs` the run's engine specs ((name, parameters): each engine is read on
+    the code path its pinned release takes for a spec without parameters, and on each one a spec names),
+    `positions` the longest sequence the case runs (None: not known)."""
     draft_dir, target_dir = Path(draft_dir), Path(target_dir)
     # read in the words the reference engine's loaders use, so the lint and capture items fail alike
     raw = read_json_object(draft_dir / "config.json")
@@ -206,7 +224,7 @@ def lint_draft(
         # the fallback can be narrower than fc (L//2 == L-3 on small targets: de-duplicated to two layers)
         readings = [
             r.explain()
-            for r in (rule.predict(raw, L, fc_chunks(draft_dir, H_t)) for rule in _serving_rules(tcfg))
+            for r in (rule.predict(raw, L, fc_chunks(draft_dir, H_t)) for rule in _serving_rules(tcfg, specs))
             if r.refusal or r.unfused
         ]
         out.append(
@@ -243,7 +261,7 @@ def lint_draft(
             )
         )
     if ids_top is not None and ids_ec is None:
-        for rule in _eagle_config_only_rules():
+        for rule in _eagle_config_only_rules(tcfg, specs):
             out.append(
                 Finding(
                     f"layer-ids-{rule.engine}-location",
@@ -254,7 +272,7 @@ def lint_draft(
                 )
             )
     if ids is not None and trained_on:
-        out += _readings(list(ids), L, list(trained_on), tcfg, raw, fc_chunks(draft_dir, H_t))
+        out += _readings(list(ids), L, list(trained_on), tcfg, raw, fc_chunks(draft_dir, H_t), specs)
     if _is_mla_draft(raw) and (raw.get("norm_before_residual") or layer.get("norm_before_residual")):
         out.append(
             Finding(
@@ -297,6 +315,8 @@ def lint_draft(
         out += _unused_by_reference(meta, layer)
         out += embedding_findings(meta, target_dir)
         out += rope_findings(layer, tcfg, speculators)
+        out += config_key_findings(raw, layer)
+    out += position_findings(layer, tcfg, engines, positions)
     if (raw.get("tie_word_embeddings") or layer.get("tie_word_embeddings")) and "lm_head.weight" in meta:
         head = meta["lm_head.weight"][1]
         out.append(
@@ -468,14 +488,15 @@ def _is_mla_draft(raw: dict) -> bool:
     return any("Deepseek" in a or "DeepSeek" in a for a in raw.get("architectures") or []) or "kv_lora_rank" in raw
 
 
-def _eagle_config_only_rules() -> list:
+def _eagle_config_only_rules(tcfg: dict, specs: Sequence[tuple[str, dict]] = ()) -> list:
     """One rule per serving engine that reads layer ids from eagle_config only (difftest.rules.layer_rules)."""
-    return list({r.engine: r for r in ENGINE_RULES.values() if TOP not in r.ids_from}.values())
+    return list({r.engine: r for r in _serving_rules(tcfg, specs) if TOP not in r.ids_from}.values())
 
 
-def _serving_rules(tcfg: dict) -> list:
-    fam = target_family(tcfg)
-    return [r for (_, f), r in ENGINE_RULES.items() if f == fam]
+def _serving_rules(tcfg: dict, specs: Sequence[tuple[str, dict]] = ()) -> list:
+    """The rules the run reads the draft by: each engine's pinned release on the code path its spec takes
+    (difftest.rules.engine_releases.serving_layer_rules), the same rule the engine's own checks use."""
+    return serving_layer_rules(target_family(tcfg), specs)
 
 
 def fc_chunks(draft_dir: Path, H: int) -> int | None:
@@ -491,32 +512,60 @@ def fc_chunks(draft_dir: Path, H: int) -> int | None:
 
 
 def _readings(
-    ids: list[int], L: int, trained_on: list[str], tcfg: dict, raw: dict, chunks: int | None
+    ids: list[int],
+    L: int,
+    trained_on: list[str],
+    tcfg: dict,
+    raw: dict,
+    chunks: int | None,
+    specs: Sequence[tuple[str, dict]] = (),
 ) -> list[Finding]:
     """How each serving engine's layer-id rule (difftest.rules.layer_rules) reads the config, against the
-    training wiring, with the edit that makes it feed what training fed; plus the trainers' reading."""
+    training wiring, with the edit that makes it feed what training fed; plus the readings of the code paths
+    the run does not take (another runner of the same release) and the trainers' reading."""
 
     def short(names) -> str:
         return "[" + ", ".join(n.removeprefix("target.").replace("h.", "h") for n in names) + "]"
 
+    def fix(rule) -> str:
+        if layers is None:
+            return ""
+        edit = config_edit(raw, target_family(tcfg), rule.engine, layers, L, rule=rule)
+        return (
+            f"; fix: {edit.patch} (`difftest fix CASE --engines {rule.engine}` writes and verifies it)"
+            if edit.possible
+            else f"; no config fixes it: {edit.impossible}"
+        )
+
     layers = hidden_indices(trained_on)
     out, others = [], []
-    for rule in _serving_rules(tcfg):
+    run = _serving_rules(tcfg, specs)
+    said: set[tuple] = set()  # (engine, fed, refusal): one engine's code paths that read the ids alike, said once
+    for rule in run:
         reading = rule.predict(raw, L, chunks)
-        if reading.fed_names() == list(trained_on) and reading.refusal is None:
+        if (rule.engine, tuple(reading.fed), reading.refusal) in said:
             continue
-        text = f"{reading.explain()}; the draft was trained on {short(trained_on)}"
-        if layers is not None:
-            edit = config_edit(raw, target_family(tcfg), rule.engine, layers, L)
-            text += (
-                f"; fix: {edit.patch} (`difftest fix CASE --engines {rule.engine}` writes and verifies it)"
-                if edit.possible
-                else f"; no config fixes it: {edit.impossible}"
-            )
+        said.add((rule.engine, tuple(reading.fed), reading.refusal))
+        if reading.fed_names() == list(trained_on) and reading.refusal is None:
+            # the ids sit where it never reads and its defaults happen to feed training (ids only at the top level
+            # for an engine that reads eagle_config only: layer-ids-<engine>-location says so already)
+            if reading.ids is None and [p for p, _ in reading.unread if p != TOP]:
+                others.append(
+                    f"{reading.explain()}: what the draft was trained on only because its defaults are those layers"
+                    + fix(rule)
+                )
+            continue
+        text = f"{reading.explain()}; the draft was trained on {short(trained_on)}" + fix(rule)
         if rule.misreading == "error":  # difftest.rules.layer_rules: vLLM reads the ids as written
             out.append(Finding("layer-ids-training", "error", text))
         else:
             others.append(text)
+    # the same release's other code paths (vLLM's other model runner), which this run does not take
+    for rule in dict.fromkeys(s for r in run for s in variant_siblings(r) if s not in run):
+        reading = rule.predict(raw, L, chunks)
+        alike = (rule.engine, tuple(reading.fed), reading.refusal) in said
+        if not alike and (reading.fed_names() != list(trained_on) or reading.refusal is not None):
+            others.append(f"{reading.explain()} (a code path this run does not take)")
     fed = SPECFORGE.predict_ids(ids, L).fed_names()
     if fed != list(trained_on):
         others.append(f"SpecForge's data generation reads them as {short(fed)}")
@@ -622,6 +671,15 @@ def trained_wiring(case: Case) -> list[str] | None:
         return None
 
 
-def lint_case(case: Case) -> list[Finding]:
-    """`case` with fixtures resolved (CaseRun.prepared)."""
-    return lint_draft(case.draft, case.target, trained_wiring(case), case.engines)
+def case_positions(case: Case) -> int | None:
+    """The longest sequence the case runs: a captured prompt, or a speculative prompt with the tokens generated
+    and the draft steps proposed after it (None: no prompt given as ids; text prompts' lengths need the
+    tokenizer, which the lint does not load)."""
+    captured = [len(p.ids) for p in case.prompts if p.ids is not None]
+    generated = [len(p.ids) + case.max_new_tokens + case.num_steps for p in case.spec_prompts or case.prompts if p.ids]
+    return max(captured + generated) if captured + generated else None
+
+
+def lint_case(case: Case, specs: Sequence[tuple[str, dict]] = ()) -> list[Finding]:
+    """`case` with fixtures resolved (CaseRun.prepared); `specs` the run's engine specs (name, parameters)."""
+    return lint_draft(case.draft, case.target, trained_wiring(case), case.engines, specs, case_positions(case))

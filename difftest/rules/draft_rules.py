@@ -67,6 +67,34 @@ class LoadRule:
 
 
 @dataclass(frozen=True)
+class ConfigKeyRule:
+    """A draft-config key the engine's draft class reads unguarded: a config without it does not start."""
+
+    key: str
+    unless: str | None  # a flag that, true in the config, takes the code path that never reads the key
+    fails: str  # what the engine does, in its own words
+    fix: str  # what to write instead
+    source: str  # file::function where the key is read
+
+
+@dataclass(frozen=True)
+class PositionRule:
+    """What the engine does with a draft whose max_position_embeddings is below the target's context length
+    (EAGLE drafts run at the target's absolute positions)."""
+
+    shorter: str  # what happens, in a user's words
+    refuses: bool  # True: the engine does not start
+    source: str
+    # where a case's `engines.<engine>` section sets the context length the draft is held to (a path of
+    # keys), when one does: the engine compares the draft with that instead of the target's own
+    context_setting: tuple[str, ...] = ()
+    # the draft's context length as the engine derives it: max_position_embeddings times rope_scaling's
+    # factor, except for scalings that carry original_max_position_embeddings or are llama3 (SGLang's
+    # get_context_length); False: max_position_embeddings as written
+    scales_by_rope_factor: bool = False
+
+
+@dataclass(frozen=True)
 class EngineDraftRules:
     engine: str
     label: str  # as a user reads it: vLLM, SGLang
@@ -78,6 +106,8 @@ class EngineDraftRules:
     rope: str  # which config fields set the draft's rope
     d2t: str  # the d2t convention the engine assumes
     unexpected_weights: LoadRule
+    config_keys: tuple[ConfigKeyRule, ...] = ()
+    positions: PositionRule | None = None
 
     def flag(self, name: str) -> FlagRule | None:
         return next((r for r in self.flags if r.flag == name or name in r.aliases), None)
@@ -116,6 +146,14 @@ VLLM = EngineDraftRules(
     unexpected_weights=LoadRule(
         "refused at load: its weight loader has no parameter for them", True, f"{_VLLM_DRAFT}::LlamaModel.load_weights"
     ),
+    # read in the 0.32.0 wheel; absent from 0.24.0's (read in its wheel): there the draft's rotary cache keeps the
+    # checkpoint's size and a later position gathers past its end (vllm-project/vllm#48894)
+    positions=PositionRule(
+        "raises the draft's max_position_embeddings to the target's max_model_len and runs it (the draft's rotary "
+        "cache is sized to the target's positions)",
+        False,
+        "vllm/config/speculative.py::SpeculativeConfig._maybe_override_draft_max_position_embeddings",
+    ),
 )
 
 SGLANG = EngineDraftRules(
@@ -146,6 +184,33 @@ SGLANG = EngineDraftRules(
     d2t="offsets: hot_token_id = d2t + arange (LlamaForCausalLMEagle3.load_weights)",
     # load_weights copies a tensor only `if param_name in params_dict`
     unexpected_weights=LoadRule("dropped without a word", False, f"{_SGL_DRAFT}::LlamaForCausalLMEagle3.load_weights"),
+    # read unguarded in the 0.5.16 wheel as well; the MLA draft (kimi_k25_eagle3.py) reads it with getattr(config,
+    # "draft_vocab_size", None): guarded. A null value is no fix: it makes the draft borrow the target's lm_head
+    # (load_lm_head_from_target, speculative/eagle_worker_v2.py: set_embed_and_head) in place of its own.
+    config_keys=(
+        ConfigKeyRule(
+            "draft_vocab_size",
+            "tie_word_embeddings",
+            "does not start: LlamaForCausalLMEagle3.__init__ reads config.draft_vocab_size unguarded "
+            "(AttributeError: no attribute 'draft_vocab_size')",
+            "write draft_vocab_size = the draft's vocabulary: vocab_size for a full-vocabulary lm_head, else the "
+            "length of d2t (null is no fix: SGLang then serves the target's lm_head in place of the draft's)",
+            f"{_SGL_DRAFT}::LlamaForCausalLMEagle3.__init__",
+        ),
+    ),
+    # the draft worker is given the target's context length ("The draft runs at absolute target positions"),
+    # and a draft config that derives a shorter one is refused unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1,
+    # which raises the draft's max_position_embeddings to it instead (checked on the 0.5.23 wheel's ModelConfig)
+    positions=PositionRule(
+        "does not start: the draft worker is held to the target's context length, and a draft that derives a "
+        "shorter one is refused (ValueError: \"Target model's context_length (N) is greater than the derived "
+        "context_length (M)\"; SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 raises the draft's to the target's instead)",
+        True,
+        "sglang/srt/configs/model_config.py::ModelConfig._derive_context_length (context_length from "
+        "sglang/srt/speculative/eagle_worker_v2.py::EAGLEWorkerV2.__init__)",
+        context_setting=("server_args", "context_length"),
+        scales_by_rope_factor=True,
+    ),
 )
 
 ENGINES: dict[str, EngineDraftRules] = {r.engine: r for r in (VLLM, SGLANG)}
@@ -232,3 +297,29 @@ def engine_reading(rules: EngineDraftRules, flag: str, located: dict[str, object
         if where in located:
             return located[where], where
     return None, "absent where it reads"
+
+
+# The keys a context length is read from, first found wins (SGLang 0.5.23:
+# sglang/srt/utils/hf_transformers/common.py::CONTEXT_LENGTH_KEYS, get_context_length).
+CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
+
+
+def context_length(config: dict, rule: PositionRule) -> int | None:
+    """The context length `rule`'s engine derives from a (text) config; None when the config names none (the
+    engine's own default applies, which the lint does not guess)."""
+    keys = CONTEXT_LENGTH_KEYS if rule.scales_by_rope_factor else ("max_position_embeddings",)
+    value = next((config[k] for k in keys if isinstance(config.get(k), int) and not isinstance(config[k], bool)), None)
+    if value is None:
+        return None
+    scaling = config.get("rope_scaling") or config.get("rope_parameters")
+    factor = 1.0
+    if rule.scales_by_rope_factor and isinstance(scaling, dict):
+        plain = "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3"
+        factor = 1.0 if plain else float(scaling.get("factor", 1) or 1)
+    return int(factor * value)

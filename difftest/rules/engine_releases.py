@@ -319,6 +319,19 @@ def layer_rule(
     return replace(rule, label=_label(base, version) + suffix)
 
 
+def serving_layer_rules(family: str, specs: Sequence[tuple[str, dict]] = ()) -> list[layer_rules.LayerIdRule]:
+    """The layer-id rules the engines read `family`'s drafts by in a run, at their pinned releases: each serving
+    engine on the code path a spec without parameters takes (layer_rules.spec_variant: vLLM 0.32.0's Model
+    Runner V2), and each of `specs` ((engine name, spec parameters), e.g. ("vllm", {"runner": "v1"})) on its own."""
+    wanted = [(engine, {}) for engine in dict.fromkeys(e for e, _ in layer_rules.ENGINE_RULES)] + list(specs)
+    out: list[layer_rules.LayerIdRule] = []
+    for name, params in wanted:
+        rule = layer_rule(name, family, None, layer_rules.spec_variant(name, dict(params)))
+        if rule is not None and rule not in out:
+            out.append(rule)
+    return out
+
+
 def engine_draft_rules(engine: str, version: str | None = None) -> draft_rules.EngineDraftRules | None:
     """`engine`'s draft-checkpoint rules at `version` (None: the pinned release; a release without rules
     on record: None)."""

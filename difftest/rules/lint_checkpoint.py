@@ -21,6 +21,7 @@ from difftest.rules.draft_rules import (
     SPECULATORS,
     TOP,
     EngineDraftRules,
+    context_length,
     engine_reading,
     flag_locations,
 )
@@ -351,6 +352,15 @@ def _rope(section: dict) -> tuple[float | None, dict | None, str]:
     return section.get("rope_theta"), section.get("rope_scaling") or None, "rope_theta/rope_scaling"
 
 
+# How a trainer builds the draft's rope: from the draft config it trains from (theta 10000 when the config
+# names none), and from the target's config only when it generates the draft config itself (SpecForge 0.2.0).
+_TRAINER_ROPE = (
+    "SpecForge: specforge/modeling/draft/llama3_eagle.py::get_rope_config, getattr(config, 'rope_theta', 10000); "
+    "the target's rope only when it writes the draft config itself, specforge/training/model_loading.py::"
+    "_generate_draft_config"
+)
+
+
 def rope_findings(layer: dict, tcfg: dict, speculators: bool) -> list[Finding]:
     out: list[Finding] = []
     where = "transformer_layer_config" if speculators else "config"
@@ -377,13 +387,18 @@ def rope_findings(layer: dict, tcfg: dict, speculators: bool) -> list[Finding]:
     t_theta, t_scaling, _ = _rope(tcfg)
     if theta is None and scaling is None:
         if t_theta is not None and float(t_theta) != 10000.0 or t_scaling:
+            # a warning: the draft's rope as served is the one a trainer reading this config trained with;
+            # only a converter that dropped another rope makes it differ, which the config cannot tell
             out.append(
                 Finding(
                     "rope-dropped",
-                    "error",
-                    f"the draft {where} has no rope_theta / rope_parameters: engines use theta 10000 with no scaling; the "
-                    f"target uses theta {t_theta} scaling {t_scaling}, and trainers build the draft's rope from the target's "
-                    "config: a converter dropped it? The draft's attention differs (draft.layer0.attn_out)",
+                    "warning",
+                    f"the draft {where} has no rope_theta / rope_parameters: engines use theta 10000 with no scaling, "
+                    f"and so does a trainer that trains from this config ({_TRAINER_ROPE}); the target uses theta "
+                    f"{t_theta} scaling {t_scaling}. Right if the draft was trained from this config (SpecForge's "
+                    "published DeepSeek-V3 config is, by its example scripts' --draft-model-config); wrong if a "
+                    "converter dropped the rope it was trained with (transformers writes a saved config's rope "
+                    "always): then write that rope back. Else the draft's attention differs (draft.layer0.attn_out)",
                     engines=SERVING,
                     tensor="draft.layer0.attn_out",
                 )
@@ -437,3 +452,89 @@ def _absolute(d2t) -> Finding:
         engines=SERVING,
         tensor=DRAFT_LOGITS_TARGET,
     )
+
+
+def config_key_findings(raw: dict, layer: dict, engines: Iterable[EngineDraftRules] | None = None) -> list[Finding]:
+    """A draft-config key an engine's draft class reads unguarded, absent (difftest.rules.draft_rules.ConfigKeyRule):
+    that engine does not start."""
+    speculators = raw.get("speculators_model_type") is not None
+    out = []
+    for rules in engines or ENGINES.values():
+        if speculators and not rules.reads_speculators_format:
+            continue  # it cannot read the format at all (checkpoint-format says so)
+        for rule in rules.config_keys:
+            if rule.key in raw or rule.key in layer or rule.unless and (raw.get(rule.unless) or layer.get(rule.unless)):
+                continue
+            out.append(
+                Finding(
+                    "draft-config-key",
+                    "error",
+                    f"no {rule.key} in the draft config: {rules.label} {rules.version} {rule.fails} ({rule.source}). "
+                    f"Fix: {rule.fix}",
+                    engines=(rules.engine,),
+                )
+            )
+    return out
+
+
+def _setting(settings: dict, path: tuple[str, ...]) -> int | None:
+    for key in path:
+        settings = settings.get(key) if isinstance(settings, dict) else None
+    return settings if isinstance(settings, int) and not isinstance(settings, bool) else None
+
+
+def position_findings(
+    layer: dict,
+    tcfg: dict,
+    settings: dict | None = None,
+    positions: int | None = None,
+    engines: Iterable[EngineDraftRules] | None = None,
+) -> list[Finding]:
+    """A draft whose max_position_embeddings is below the target's context length, or below the positions the
+    case runs (`positions`: its longest prompt plus the tokens generated and drafted after it): each engine's
+    reading (difftest.rules.draft_rules.PositionRule); an error when one of them does not start.
+    `settings`: the case's `engines:` section."""
+    draft_max = layer.get("max_position_embeddings")
+    if not isinstance(draft_max, int) or isinstance(draft_max, bool):
+        return []
+    refused, served = [], []
+    for rules in engines or ENGINES.values():
+        rule = rules.positions
+        if rule is None:
+            continue
+        own = context_length(layer, rule)
+        held_to = _setting((settings or {}).get(rules.engine) or {}, rule.context_setting) or context_length(tcfg, rule)
+        if own is None or held_to is None or own >= held_to:
+            continue
+        words = f"{rules.label} {rules.version} {rule.shorter} ({rule.source})"
+        derived = f", a context length of {own} as it derives it" if own != draft_max else ""
+        if rule.refuses:
+            refused.append((rules, f"{words}{derived}; it holds the draft to {held_to}"))
+        else:
+            served.append((rules, f"{words}{derived}"))
+    beyond = positions is not None and positions > draft_max
+    if not refused and not served and not beyond:
+        return []
+    target_max = tcfg.get("max_position_embeddings")
+    head = f"the draft config's max_position_embeddings is {draft_max}" + (
+        f", below the target's {target_max}" if isinstance(target_max, int) and target_max > draft_max else ""
+    )
+    if beyond:
+        head += (
+            f"; the case runs positions up to {positions} (its longest prompt, the tokens generated and the "
+            "draft steps): the reference's rope computes any position, but the draft was likely never trained there"
+        )
+    readings = "; ".join(w for _, w in refused + served)
+    fix = (
+        f"write max_position_embeddings = {target_max} (the target's) in the draft config"
+        if isinstance(target_max, int) and target_max > draft_max
+        else "write the target's max_position_embeddings in the draft config"
+    )
+    return [
+        Finding(
+            "draft-positions",
+            "error" if refused else "warning",
+            head + (f": {readings}" if readings else "") + (f". Fix: {fix}" if refused else ""),
+            engines=tuple(sorted(r.engine for r, _ in refused)),
+        )
+    ]
