@@ -406,8 +406,8 @@ def check_draft_logits(run: CaseRun, spec: EngineSpec) -> Verdict:
 
 
 def check_lint(run: CaseRun, spec: EngineSpec) -> Verdict:
-
-    findings = lint_case(run.prepared)
+    # each engine read on the code path the run's specs take (vllm[runner=v1]: Model Runner V1) as well as its default
+    findings = lint_case(run.prepared, [(s.name, dict(s.params)) for s in run.options.engines])
     errors = [f for f in findings if f.severity == "error"]
     data = LintData(findings=list(findings))
     if not findings:
