@@ -13,6 +13,7 @@
     tolerances: {"draft.logits*": {atol: 1e-4, rtol: 1e-4}}
     expect: {top1_agreement: 0.99, accept_length: {atol: 0.25, rtol: 0.1}}
     allow_missing: ["draft.layer0.*"]    # tensors an engine may not capture
+    precision: {vllm: tf32}              # a float32 case an engine serves with TF32 (or bf16) matmuls
 
 Any string may name environment variables, `${VAR}` or `${VAR:-default}`: a case for a model
 that lives elsewhere (`target: ${KIMI_TARGET}`) skips, naming the variable, where it is unset.
@@ -58,6 +59,9 @@ class Case:
     allow_missing: list[str] = field(default_factory=list)
     description: str = ""
     expect_failure: list[ExpectedFailure] = field(default_factory=list)
+    # engine name or spec id -> the matmul format it serves a float32 case in (difftest.base.dtypes
+    # MATMUL_PRECISIONS): that engine is judged against the floor of that precision (difftest.run.case_run)
+    precision: dict[str, str] = field(default_factory=dict)
     # Not a YAML field: set on the float64 calibration run of a half-precision case
     # (difftest.run.session.calibration_case). The engines load the checkpoint in the case's dtype, so
     # they all compute with its weights rounded to it; the exact run computes that same model.
@@ -87,6 +91,7 @@ class Case:
         parts = self.to_dict()
         for judged_only in ("name", "path", "description", "tolerances", "expect", "allow_missing", "expect_failure"):
             parts.pop(judged_only)
+        parts.pop("precision")  # judged only
         if parts["weights_dtype"] is None:  # the weights as stored: keys as before the field existed
             parts.pop("weights_dtype")
         parts["files"] = {role: _files_signature(p) for role, p in (("target", self.target), ("draft", self.draft))}
@@ -172,4 +177,5 @@ def load_case(path: str | Path) -> Case:
         allow_missing=v["allow_missing"],
         description=v["description"],
         expect_failure=v["expect_failure"],
+        precision=v["precision"],
     )

@@ -11,10 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from difftest.base import check_registry
-from difftest.base.dtypes import CASE_DTYPES, DType
+from difftest.base.dtypes import CASE_DTYPES, MATMUL_PRECISIONS, DType
 from difftest.base.names import NAME_FORMS, example_names, pattern_could_match
 from difftest.base.registry import registered_engines
-from difftest.base.settings import Place, Schema, Setting, read
+from difftest.base.settings import Place, Schema, Setting, read, suggest
 from difftest.case.prompt import Prompt, read_prompt
 from difftest.case.prompt_sets import PromptFile, read_prompt_file
 from difftest.case.expected_failure import ExpectedFailure
@@ -135,6 +135,37 @@ def _allow_missing(value: object, place: Place) -> list[str]:
         # a bare string would be read character by character, and "*" allows every tensor
         raise place.error(f"expected a list of tensor name patterns like [draft.layer0.*], got {_shown(value)}")
     return list(value)
+
+
+def _precision(value: object, place: Place) -> dict[str, str]:
+    """`precision: {ENGINE: tf32}`: the matmul format an engine serves this float32 case in (an engine
+    name, or a spec id such as "ref[matmul=tf32]"), so it is judged against that format's floor."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not value:
+        raise place.error(f"expected a mapping of engine -> {' | '.join(MATMUL_PRECISIONS)}, got {_shown(value)}")
+    engines = registered_engines()
+    out = {}
+    for key, p in value.items():
+        at = place.at(key)
+        name = re.split(r"[@\[]", str(key), maxsplit=1)[0]
+        if name not in engines:
+            raise at.error(f"unknown engine {name!r}{suggest(name, engines)} (known: {', '.join(sorted(engines))})")
+        if not isinstance(p, str) or p not in MATMUL_PRECISIONS:
+            raise at.error(
+                f"expected one of {', '.join(MATMUL_PRECISIONS)}, got {_shown(p)}{suggest(str(p), MATMUL_PRECISIONS)}"
+            )
+        out[str(key)] = p
+    return out
+
+
+def _precision_dtype(values: dict, place: Place) -> None:
+    """A declared matmul precision is below float32: it means nothing for a case in a half dtype."""
+    if values["precision"] and values["dtype"] != DType.FLOAT32:
+        raise place.at("precision").error(
+            f"declares matmul formats below float32, but the case computes in {values['dtype']}: "
+            "a precision applies to a float32 case"
+        )
 
 
 def _expect_failure(value: object, place: Place) -> list[ExpectedFailure]:
@@ -311,8 +342,15 @@ CASE = Schema(
             default=[],
             read=_expect_failure,
         ),
+        Setting(
+            "precision",
+            "custom",
+            f"engine -> the matmul format it serves this float32 case in ({' | '.join(MATMUL_PRECISIONS)})",
+            default={},
+            read=_precision,
+        ),
     ),
     what="field",
-    checks=(_patterns,),
+    checks=(_patterns, _precision_dtype),
 )
 KNOWN_KEYS = frozenset(CASE.names())

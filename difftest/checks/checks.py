@@ -29,7 +29,8 @@ from difftest.case.case import Case
 from difftest.compare.compare import CaptureDiff, TensorDiff, aligned_rows, noise_summary
 from difftest.records.tensor_diff import TensorStatus
 from difftest.records.acceptance import AcceptStats
-from difftest.compare.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
+from difftest.compare.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks, reduced_precision
+from difftest.base.dtypes import matmul_unit_roundoff
 from difftest.run.engine import EngineSpec
 from difftest.base import definitions
 from difftest.base.check_registry import ENGINE, REFERENCE, CheckSpec, items_for, runner
@@ -85,7 +86,7 @@ def _divergence_report(run: CaseRun, spec: EngineSpec, diffs: list[CaptureDiff],
         if d is not None:
             failing.append((i, d))
     ref = run.options.reference.id
-    floor = run.noise_floor()
+    floor = run.noise_floor_for(spec)
     ties = [f"prompt {i}: {cd.tie}" for i, cd in enumerate(diffs) if cd.tie]
     if not failing:
         n = sum(1 for cd in diffs for d in cd.diffs if scope(d.name) and d.status != TensorStatus.TIE)
@@ -100,6 +101,12 @@ def _divergence_report(run: CaseRun, spec: EngineSpec, diffs: list[CaptureDiff],
     i, d = failing[0]
     cd = diffs[i]
     introduced = cd.first_introduced() or cd.first_divergence() or d
+    drift = _precision_drift(run, spec, diffs, [p for p, _ in failing])
+    if drift is not None:
+        in_scope = [x.name for x in cd.diffs if scope(x.name) and not x.ok and x.status != TensorStatus.TIE]
+        if set(in_scope) <= set(drift.explained):  # every divergence in this check's scope is the drift's
+            return _precision_verdict(run, spec, diffs, failing, drift, floor.source, ties)
+        introduced = cd.get(drift.beyond) or introduced  # the fault after the drift leads, with its cause
     first_above = cd.first_divergence()
     differs = cd.first_differs()
     lines = [
@@ -108,7 +115,7 @@ def _divergence_report(run: CaseRun, spec: EngineSpec, diffs: list[CaptureDiff],
     ]
     if d.name != introduced.name:
         lines.append(f"in this check's scope first at {noise_summary(d)}")
-    if first_above is not None and first_above.name not in (introduced.name, d.name):
+    if first_above is not None and first_above.name not in (introduced.name, d.name) and drift is None:
         lines.append(
             f"first tensor above noise: {first_above.name} (excess {first_above.excess:.3g}x, propagated "
             f"into {introduced.name}'s inputs below the jump of {noise.JUMP:g}x)"
@@ -142,7 +149,58 @@ def _divergence_report(run: CaseRun, spec: EngineSpec, diffs: list[CaptureDiff],
     causes = _known_causes(run, spec, introduced.name)
     lines += [f"known cause (lint [{f.code}]): {f.message}" for f in causes]
     data.known_causes = [f.code for f in causes]
+    if drift is not None:  # beside the fault, what moved every tensor before it
+        data.precision = drift.finding(spec.id)
+        lines.append(f"beside it: {data.precision}")
     lines += _upgrade_lines(run, spec)
+    return Verdict(False, "\n".join(lines), data)
+
+
+def _precision_drift(run: CaseRun, spec: EngineSpec, diffs: list[CaptureDiff], failing: list[int]):
+    """The reduced-precision signature (difftest.compare.diagnose.reduced_precision) when every failing
+    prompt shows it, from the first; None otherwise. The fc chunks may carry the drift only where each
+    matches the layer the reference fed (a miswired chunk is a fault, whatever the precision)."""
+    dtype = run.prepared.dtype
+    found = []
+    for i in failing:
+        drift = reduced_precision(diffs[i], dtype, wired_right=False)
+        entry = diffs[i].first_introduced()
+        fc_open = (drift is None and entry is not None and in_fc_in(entry.name)) or (
+            drift is not None and drift.beyond is not None and in_fc_in(drift.beyond)
+        )
+        if fc_open:
+            matches = match_chunks(run.capture(run.options.reference, i), run.capture(spec, i))[0]
+            if matches and all(m.correct for m in matches):
+                drift = reduced_precision(diffs[i], dtype, wired_right=True)
+        if drift is None:
+            return None
+        found.append(drift)
+    return found[0] if found else None
+
+
+def _precision_verdict(run, spec, diffs, failing, drift, source: str, ties: list[str]) -> Verdict:
+    """A float32 engine whose every divergence in scope is reduced-precision drift: the finding leads
+    (the check still fails: nothing is accepted silently; a case that declares the precision is judged
+    against that precision's floor, difftest.run.case_run)."""
+    i = failing[0][0]
+    entry = diffs[i].get(drift.entry)
+    lines = [
+        drift.finding(spec.id),
+        f"on {len(failing)}/{len(diffs)} prompts; prompt {i}: error enters at {noise_summary(entry)}",
+        f"drift explains {len(drift.explained)} diverging tensors (none introduces error of its own; largest "
+        f"row error {drift.worst_err:.3g} at {drift.worst}, {drift.worst_err / matmul_unit_roundoff(drift.precision):.2g}x "
+        f"the {drift.precision} unit roundoff)",
+        f"noise floor: {source}",
+    ]
+    data = ComparisonData(
+        noise=source,
+        ties=ties,
+        prompt=i,
+        tensor=failing[0][1].name,
+        first_divergence=drift.entry,
+        introduced=drift.entry,
+        precision=drift.finding(spec.id),
+    )
     return Verdict(False, "\n".join(lines), data)
 
 
@@ -446,7 +504,7 @@ def check_top1(run: CaseRun, spec: EngineSpec) -> Verdict:
     and none when draft.fc_in diverges: then every disagreement is the wiring's."""
     _needs_tensors(run, spec, "top1_agreement")
     threshold = float(run.case.expect.get("top1_agreement", DEFAULT_TOP1))
-    floor = run.noise_floor()
+    floor = run.noise_floor_for(spec)
     agree = total = ties = tie_agree = skipped = excused = 0
     for i, cd in enumerate(run.comparisons(spec)):
         ref, other = run.capture(run.options.reference, i), run.capture(spec, i)

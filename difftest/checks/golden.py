@@ -9,7 +9,8 @@ case's run for the extra capture and returns the lines and data the verdict adds
 from __future__ import annotations
 
 from difftest.compare.compare import CaptureDiff, compare_captures, noise_summary
-from difftest.compare.diagnose import diagnose_draft
+from difftest.base.names import in_fc_in
+from difftest.compare.diagnose import PRECISION_NAMES, diagnose_draft, reduced_precision
 from difftest.run.engine import EngineSpec
 from difftest.records.check_data import GoldenData
 from difftest.checks.scopes import in_draft_scope, in_fc_scope
@@ -32,7 +33,7 @@ def golden_rerun(
     case = run.prepared
     scope = [n for n in ref.names() if in_draft_scope(n)]
     gdiff = compare_captures(
-        ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing], floor=run.noise_floor()
+        ref, golden, case.dtype, case.tolerances, ["target.*", *case.allow_missing], floor=run.noise_floor_for(spec)
     )
     g_first = gdiff.first_introduced(scope) or gdiff.first_divergence(scope)
     fc_ok = all(d.ok for d in diff.diffs if in_fc_scope(d.name))
@@ -61,6 +62,21 @@ def golden_rerun(
             f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft matches, yet its own run diverges with "
             "matching fc inputs: nondeterminism, or a capture that is not what the draft consumed"
         ], data
+    drift = reduced_precision(gdiff, case.dtype)
+    if drift is not None and drift.beyond is None:  # the draft's own matmuls in a reduced format, no fault
+        own_drift = reduced_precision(diff, case.dtype)
+        wrong_states = own_drift is not None and own_drift.beyond is not None and in_fc_in(own_drift.beyond)
+        moved = (
+            f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft moves only as "
+            f"{PRECISION_NAMES[drift.precision]} matmuls do (rel err {drift.err:.3g} at {drift.entry}, "
+            f"{drift.worst_err:.3g} at most)"
+        )
+        if wrong_states:
+            return [f"{moved}: the engine captured the wrong hidden states; its draft computes correctly"], data
+        return [f"{moved}: its draft computes the reference's function, in reduced precision"], data
+    fault = gdiff.get(drift.beyond) if drift is not None and drift.beyond is not None else None
+    if fault is not None:  # the fault after the drift leads, not the drift's entry
+        g_first, data.first_divergence = fault, fault.name
     where = f"error introduced at {noise_summary(g_first)}"
     lines = [
         f"golden inputs: on the reference's draft.fc_in, {spec.id}'s draft still diverges, {where}: the engine's "

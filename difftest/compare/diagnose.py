@@ -11,16 +11,35 @@ fallback, slots shifted, norm applied before fc, chunk count mismatch.
 
 Draft tensors: where the first divergence sits in the draft's data flow names the
 suspect (fc, norms, attention, residual, lm_head, vocab map, later steps).
+
+Reduced precision: a float32 engine whose matmuls run in TF32 or bf16 moves every tensor from the
+target's first layer on, smoothly, by about that format's unit roundoff (reduced_precision); it is
+named as such, with what to declare, not as a divergence at the target's first layer.
 """
 
 from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
 
 import torch
 
 from difftest.rules.layer_rules import declared_ids, default_layers
 from difftest.records.capture import Capture
 from difftest.records.chunk_match import MATCH_REL_DIFF, ChunkMatch, Similarity
-from difftest.base.names import FC_IN, FINAL_NORM, HIDDEN_PREFIX, hidden_index, split_draft
+from difftest.base.dtypes import MATMUL_PRECISIONS, DType, matmul_unit_roundoff
+from difftest.base.names import (
+    FC_IN,
+    FINAL_NORM,
+    HIDDEN_PREFIX,
+    TARGET_LOGITS,
+    draft_name,
+    fc_chunk_index,
+    hidden_index,
+    in_fc_in,
+    split_draft,
+)
 from difftest.rules.wiring import hidden_indices, short_name
 
 NORM_PREFIX = "rmsnorm("
@@ -310,3 +329,122 @@ def diagnose_draft(first: str) -> list[str]:
         ]
     suspect = _DRAFT_SUSPECTS.get(part)
     return [f"suspect: {suspect}"] if suspect else []
+
+
+# -- reduced precision: an engine whose matmuls compute below the case's float32 ----------------------
+# What a float32 engine on TF32 tensor cores (or a bf16 GEMM) looks like against the float32 reference,
+# measured with ref[matmul=tf32|bf16] on the tiny Llama (8 layers) and on an H200 (TF32 matmuls): the
+# error enters at the first layer with a matmul (target.h.1) at 0.5 x the format's unit roundoff u on
+# every row (cos 1.0000), then grows smoothly, never jumping (no tensor after it "introduces" error),
+# to 2.8 u at the last layer and the draft. A miswiring is a discrete jump instead (another layer fed
+# to fc: 1e-2..1 relative, 1e2..1e6 x the float32 threshold, introduced at fc_in), as is a flipped norm
+# flag or a dropped vocab map: those stay failures with their own cause.
+PRECISION_ENTRY = (1 / 64, 4.0)  # the entry's row error in units of u: one layer's matmuls (measured 0.5 u)
+PRECISION_DRIFT = 64.0  # any later tensor: the drift of a deep model's layers (measured 2.8 u over 8 layers)
+PRECISION_ROWS = 0.5  # at least this share of the entry's rows above threshold: every token moves, not one
+PRECISION_TYPICAL = 0.5  # the entry's err / u measured for both formats: the format named is the nearest
+
+
+@dataclass
+class PrecisionDrift:
+    """A float32 engine's divergence explained as matmuls in a reduced format (`precision`)."""
+
+    precision: str  # a key of MATMUL_PRECISIONS
+    entry: str  # the tensor where the error enters
+    err: float  # its largest row error
+    threshold: float  # its float32 threshold
+    cosine: float
+    worst: str  # the tensor with the largest row error the drift explains
+    worst_err: float
+    explained: list[str]  # every diverging tensor the drift accounts for, the entry first, up to `beyond`
+    beyond: str | None  # the first diverging tensor after the entry that it does not (a real fault)
+
+    @property
+    def excess(self) -> float:
+        return self.err / self.threshold if self.threshold > 0 else math.inf
+
+    def finding(self, engine: str) -> str:
+        """The verdict's line: what the engine computes in, how far it moved, and what to declare."""
+        side = "draft" if split_draft(self.entry) is not None and not in_fc_in(self.entry) else "target"
+        return (
+            f"{engine}'s {side} computes below float32 (consistent with {PRECISION_NAMES[self.precision]} "
+            f"matmuls: rel err {self.err:.3g} at {self.entry}, {self.excess:.3g}x the float32 threshold "
+            f"{self.threshold:.3g}; cos {self.cosine:.4f}; growing smoothly to {self.worst_err:.3g} at "
+            f"{self.worst}); not a wiring divergence; declare `precision: {{{_yaml_key(engine)}: "
+            f"{self.precision}}}` in the case if this is how it serves"
+        )
+
+
+PRECISION_NAMES = {"tf32": "TF32", "bf16": "bf16"}
+
+
+def _yaml_key(engine: str) -> str:
+    """An engine id as a YAML mapping key (ref[matmul=tf32] needs quotes)."""
+    return engine if re.fullmatch(r"[A-Za-z0-9_.@-]+", engine) else f'"{engine}"'
+
+
+def _can_enter(name: str, wired_right: bool) -> bool:
+    """Where a reduced-precision matmul first shows: a target layer's output (not the embedding), the
+    draft's fc (its first matmul: a golden re-run compares no target), or an fc chunk when the engine
+    exposes no target layers and every chunk is the layer the reference fed (wired_right)."""
+    k = hidden_index(name)
+    if k is not None:
+        return k >= 1
+    if name in (FINAL_NORM, TARGET_LOGITS, draft_name(0, "fc_out")):
+        return True
+    return in_fc_in(name) and wired_right
+
+
+def precision_of(err: float) -> str | None:
+    """The matmul format whose unit roundoff a first layer's row error `err` is of the order of."""
+    lo, hi = PRECISION_ENTRY
+    fits = [p for p in MATMUL_PRECISIONS if lo * matmul_unit_roundoff(p) <= err <= hi * matmul_unit_roundoff(p)]
+    return min(fits, key=lambda p: abs(math.log(err / (PRECISION_TYPICAL * matmul_unit_roundoff(p)))), default=None)
+
+
+def reduced_precision(cd, dtype: str, wired_right: bool = True) -> PrecisionDrift | None:
+    """Whether one prompt's comparison (a difftest.compare.compare.CaptureDiff) has the signature of
+    reduced-precision matmuls: a float32 case; the error introduced at a first matmul on most rows, of
+    the order of a reduced format's unit roundoff; every later diverging tensor propagated from it
+    (none introduces error of its own) and within PRECISION_DRIFT x that unit roundoff. The first
+    diverging tensor that breaks this is `beyond`: a fault the drift does not explain (None: none).
+    `wired_right`: the fc chunks each match the layer the reference fed (match_chunks), so a chunk may
+    carry the drift; a miswired chunk never does."""
+    if dtype != DType.FLOAT32:
+        return None
+    entry = cd.first_introduced()
+    if entry is None or not entry.by_noise or not _can_enter(entry.name, wired_right):
+        return None
+    if not math.isfinite(entry.err) or entry.rows_above < PRECISION_ROWS * max(entry.rows, 1):
+        return None
+    precision = precision_of(entry.err)
+    if precision is None:
+        return None
+    bound = PRECISION_DRIFT * matmul_unit_roundoff(precision)
+    names = [d.name for d in cd.diffs]
+    chunked = any(fc_chunk_index(n) is not None for n in names)  # then the chunks judge fc_in, by layer
+    explained, beyond = [entry], None
+    for d in cd.diffs[names.index(entry.name) + 1 :]:
+        if d.ok:
+            continue
+        fits = d.by_noise and not d.introduced and math.isfinite(d.err) and d.err <= bound
+        if d.name == FC_IN and chunked:  # whole, it drifts as its chunks do; a fault is named by its chunk
+            if fits and wired_right:
+                explained.append(d)
+            continue
+        if not (fits and (wired_right or not in_fc_in(d.name))):
+            beyond = d  # what follows computes on the fault's output: the drift no longer explains it
+            break
+        explained.append(d)
+    worst = max(explained, key=lambda d: d.err)
+    return PrecisionDrift(
+        precision,
+        entry.name,
+        entry.err,
+        entry.threshold,
+        entry.cosine,
+        worst.name,
+        worst.err,
+        [d.name for d in explained],
+        beyond.name if beyond else None,
+    )

@@ -131,6 +131,8 @@ class ComparisonData(CheckData):
     fix: FixData | None = None
     known_causes: list[str] | None = None  # lint codes naming this engine
     golden: GoldenData | None = None
+    # the engine computes below the case's float32 (difftest.compare.diagnose.reduced_precision): the finding
+    precision: str | None = None
 
     def to_dict(self) -> dict:
         # a passing comparison stays as small as it always was

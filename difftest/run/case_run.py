@@ -42,6 +42,9 @@ from difftest.run.protocol import CaptureDraftFromRequest, CaptureRequest, Repla
 from difftest.run.worker import WorkerClient
 
 FIXTURE_GROUP = "difftest.fixtures"
+# The calibration engine's setting that computes its float32 matmuls in a reduced format (the
+# reference's `ref[matmul=tf32]`): how the floor of a case's declared `precision:` is measured.
+MATMUL_SETTING = "matmul"
 
 
 def resolve_fixture(ref: str) -> str:
@@ -121,6 +124,7 @@ class CaseRun:
         self._diffs: dict[str, list[CaptureDiff]] = {}
         self._floor: noise.NoiseFloor | None = None
         self._calibration: CaseRun | None = None
+        self._precision_floors: dict[str, noise.NoiseFloor] = {}  # declared matmul format -> its floor
         self._completed: set[str] = set()  # engines whose results for this case were all computed (_complete)
 
     @property
@@ -401,6 +405,53 @@ class CaseRun:
                 self._floor = self._measure_floor(spec)
         return self._floor
 
+    def declared_precision(self, spec: EngineSpec) -> str | None:
+        """The matmul format the case declares `spec` serves it in (`precision:`, by spec id, name@label
+        or name), or None."""
+        declared = self.case.precision
+        return declared.get(spec.id) or declared.get(spec.key) or declared.get(spec.name)
+
+    def noise_floor_for(self, spec: EngineSpec) -> noise.NoiseFloor:
+        """The floor `spec` is judged against: the case's, or for an engine the case declares a matmul
+        precision for, the calibration engine's run with its matmuls in that format (its `matmul`
+        setting, e.g. ref[matmul=tf32]) against the same float64 run: that format's own rounding."""
+        precision = self.declared_precision(spec)
+        if precision is None:
+            return self.noise_floor()
+        if precision not in self._precision_floors:
+            calibration = self.pool.calibration_spec()
+            with self.pool.clock.phase("noise_floor", self.prepared.path, calibration.id, self.prepared.dtype):
+                self._precision_floors[precision] = self._measure_precision_floor(calibration, precision)
+        floor = self._precision_floors[precision]
+        return dataclasses.replace(floor, source=f"{floor.source}; declared precision {precision} for {spec.id}")
+
+    def _measure_precision_floor(self, calibration: EngineSpec, precision: str) -> noise.NoiseFloor:
+        case = self.prepared
+        schema = engine_schema(calibration.name)
+        if schema is None or MATMUL_SETTING not in schema.names():
+            return noise.unmeasured(
+                case.dtype, f"{calibration.name} cannot compute matmuls in {precision} (no `{MATMUL_SETTING}` setting)"
+            )
+        params = tuple(p for p in calibration.params if p[0] != MATMUL_SETTING) + ((MATMUL_SETTING, precision),)
+        emulated = dataclasses.replace(calibration, params=params)
+        try:
+            exact = self.calibration()
+            pairs = [(self.capture(emulated, i), exact.capture(calibration, i)) for i in range(len(case.prompts))]
+            own = [
+                (self.capture_golden(emulated, i, source=calibration, source_run=exact), exact_cap)
+                for i, (_, exact_cap) in enumerate(pairs)
+            ]
+        except DifftestError as e:
+            return noise.unmeasured(
+                case.dtype, f"{emulated.id} cannot run this case against float64: {str(e).splitlines()[0]}"
+            )
+        return noise.measure_floor(
+            pairs,
+            case.dtype,
+            noise.measured_source(emulated.id, case.dtype, len(pairs), [n for _, e in pairs for n in e.meta.notes]),
+            [p for p in own if p[0] is not None],
+        )
+
     def _measure_floor(self, spec: EngineSpec) -> noise.NoiseFloor:
         case = self.prepared
         try:
@@ -447,7 +498,7 @@ class CaseRun:
                 # An engine's capture meta may list `partial: [patterns]`: reference tensors it cannot
                 # expose (e.g. vLLM: target layers it does not capture); missing those is allowed.
                 partial = list(b.meta.partial)
-                floor = self.noise_floor()
+                floor = self.noise_floor_for(spec)
                 with self.pool.clock.phase("compare", case.path, spec.id, case.dtype):
                     out.append(
                         compare_captures(
