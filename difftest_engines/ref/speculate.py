@@ -9,7 +9,10 @@ Two pieces:
   * `simulate_greedy`: the whole decode loop: prefill, draft, verify, accept the longest
     matching prefix plus the target's own token, repeat. Its output is exactly the
     target's greedy decode (speculation is lossless); its AcceptStats use the harness's
-    definition (difftest.records.acceptance).
+    definition (difftest.records.acceptance). By default it keeps the target's and the draft's
+    KV caches across rounds, checking every choice for a near-tie and recomputing that round
+    without them where one is: the tokens and statistics of the uncached loop
+    (kv_cache=False), at the cost of the new positions only.
 
 Indexing. With committed tokens t_0..t_{n-1} and the target's greedy next token t_n,
 draft position j (0 <= j < n) sees the target features at j and the embedding of t_{j+1},
@@ -18,6 +21,7 @@ and predicts t_{j+2}. So the last position predicts the first drafted token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -27,7 +31,7 @@ from difftest.api import FC_IN, draft_name
 from difftest.api import ConfigError
 from difftest.api import FINAL_NORM, hidden_index
 from difftest_engines.ref.eagle3 import Eagle3Draft, KVCache
-from difftest_engines.ref.target import TargetOutput, run_target
+from difftest_engines.ref.target import TargetOutput, final_norm_module, num_layers, run_target
 
 StepRecorder = Callable[[int, str, torch.Tensor], None]
 
@@ -137,6 +141,14 @@ def greedy_decode(target_model, prompt: list[int], max_new_tokens: int) -> list[
     return tokens[len(prompt) :]
 
 
+@dataclass
+class CacheTrace:
+    """What the cached loop did: rounds, and those recomputed without the cache at a near-tie."""
+
+    rounds: int = 0
+    recomputed: int = 0
+
+
 @torch.no_grad()
 def simulate_greedy(
     target_model,
@@ -145,6 +157,8 @@ def simulate_greedy(
     prompts: list[list[int]],
     num_steps: int,
     max_new_tokens: int,
+    kv_cache: bool = True,
+    trace: CacheTrace | None = None,
 ) -> tuple[AcceptStats, list[list[int]]]:
     """Greedy chain speculative decoding over each prompt; returns (stats, generated tokens).
 
@@ -158,6 +172,11 @@ def simulate_greedy(
     Budget: decoding stops once max_new_tokens are generated and the output is truncated
     to max_new_tokens, but the last verify is counted in full (all its accepted drafts),
     as vLLM's counters do: the statistics measure the draft, not the budget. No EOS stop.
+
+    kv_cache (default): the same rounds with the target's and the draft's KV caches, each choice
+    checked for a near-tie and the round recomputed without them where one is (see
+    NEAR_TIE_ULPS): the same statistics and tokens as kv_cache=False, which recomputes every
+    forward over the whole sequence. `trace` counts the rounds and the recomputed ones.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -169,38 +188,206 @@ def simulate_greedy(
         num_prompts=len(prompts),
         source="ref simulation",
     )
+    trace = trace if trace is not None else CacheTrace()
     outputs: list[list[int]] = []
     for prompt in prompts:
         if len(prompt) < 1:
             raise ValueError("empty prompt")
-        committed = list(prompt)  # tokens the target has processed and whose features the draft may use
-        out = run_target(target_model, torch.tensor([committed]))  # prefill
-        pending = int(out.logits[0, -1].argmax())  # the target's next token, not yet fed to it
-        generated = [pending]
-        while len(generated) < max_new_tokens:
-            n = len(committed)
-            next_ids = torch.tensor([committed[1:] + [pending]])  # [1, n]
-            drafts = run_draft_chain(draft, gather_fc_in(out, inputs), next_ids, num_steps)
-            # Verify: the target's greedy token after the pending token and after each draft.
-            verify = run_target(target_model, torch.tensor([committed + [pending] + drafts]))
-            want = _greedy(verify.logits[0, n:])  # num_steps + 1 predictions
-            accepted = 0
-            while accepted < num_steps and drafts[accepted] == want[accepted]:
-                stats.accepted_per_pos[accepted] += 1
-                accepted += 1
-            stats.num_verify += 1
-            stats.num_accepted += accepted
-            generated += drafts[:accepted] + [want[accepted]]
-            committed += [pending] + drafts[:accepted]
-            pending = want[accepted]
-            # Causal target: the verify forward's prefix is exactly the committed sequence's features.
-            m = len(committed)
-            out = TargetOutput(
-                hidden=[h[:, :m] for h in verify.hidden],
-                final_norm=verify.final_norm[:, :m],
-                logits=verify.logits[:, :m],
-            )
-        outputs.append(generated[:max_new_tokens])
+        one = _simulate_one_cached if kv_cache else _simulate_one
+        outputs.append(one(target_model, draft, inputs, prompt, num_steps, max_new_tokens, stats, trace))
     # an engine's outputs are compared with these (difftest.checks.checks: judged on the engine's own tokens)
     stats.outputs = [list(o) for o in outputs]
     return stats, outputs
+
+
+def _prefix(out: TargetOutput, m: int) -> TargetOutput:
+    """The first m positions of a forward: for a causal target, the features of those tokens."""
+    return TargetOutput(
+        hidden=[h[:, :m] for h in out.hidden], final_norm=out.final_norm[:, :m], logits=out.logits[:, :m]
+    )
+
+
+def _accept(drafts: list[int], want: list[int]) -> int:
+    """The longest prefix of drafts equal to the target's greedy tokens."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == want[accepted]:
+        accepted += 1
+    return accepted
+
+
+def _count(stats: AcceptStats, accepted: int) -> None:
+    for j in range(accepted):
+        stats.accepted_per_pos[j] += 1
+    stats.num_verify += 1
+    stats.num_accepted += accepted
+
+
+def _simulate_one(
+    target_model, draft, inputs, prompt: list[int], num_steps: int, max_new_tokens: int, stats, trace
+) -> list[int]:
+    """The uncached loop: every target forward over the whole sequence, the draft over every position."""
+    committed = list(prompt)  # tokens the target has processed and whose features the draft may use
+    out = run_target(target_model, torch.tensor([committed]))  # prefill
+    pending = int(out.logits[0, -1].argmax())  # the target's next token, not yet fed to it
+    generated = [pending]
+    while len(generated) < max_new_tokens:
+        n = len(committed)
+        next_ids = torch.tensor([committed[1:] + [pending]])  # [1, n]
+        drafts = run_draft_chain(draft, gather_fc_in(out, inputs), next_ids, num_steps)
+        # Verify: the target's greedy token after the pending token and after each draft.
+        verify = run_target(target_model, torch.tensor([committed + [pending] + drafts]))
+        want = _greedy(verify.logits[0, n:])  # num_steps + 1 predictions
+        accepted = _accept(drafts, want)
+        _count(stats, accepted)
+        trace.rounds += 1
+        generated += drafts[:accepted] + [want[accepted]]
+        committed += [pending] + drafts[:accepted]
+        pending = want[accepted]
+        # Causal target: the verify forward's prefix is exactly the committed sequence's features.
+        out = _prefix(verify, len(committed))
+    return generated[:max_new_tokens]
+
+
+# -- the KV-cached loop ----------------------------------------------------------------------------
+#
+# The uncached loop recomputes the target over the whole sequence at every verify and the draft over
+# every committed position at every round. The cached loop keeps the target's KV cache
+# (transformers' DynamicCache, cropped to the committed positions after each verify) with the
+# features of every committed position, and the draft's step-0 KV cache of the committed positions,
+# so a round computes its new positions only.
+#
+# It is not bit-identical to the uncached loop: a forward over other shapes rounds differently (so
+# does the uncached loop's own value of a position from one round's length to the next). A greedy
+# choice can only differ where its top two logits are within that noise, so every choice a round's
+# tokens depend on is checked, and where one is a near-tie the round takes the uncached loop's
+# choices, computed as it computes them: a draft near-tie recomputes the round (its features from a
+# full forward over the previous verify's tokens, the draft over every position, the verify over the
+# whole sequence); a verify near-tie recomputes the verify only (the drafts were the uncached ones).
+# A round's full verify forward is the next round's uncached features, so a run of near-ties costs
+# about what the uncached loop does.
+
+# How far the two loops' logits moved apart, in units of the logits' dtype epsilon times the row's
+# largest |logit|, at every choice of the shipped models' speculative prompts (tiny Llama, tiny
+# DeepSeek-V3 with both drafts, the independent Llama, Qwen3 and DeepSeek-V3; fp32 and bf16): at most
+# 29 in float32 (10.5 on the target's logits), 3.9 in bfloat16. A choice is a near-tie where its top
+# two are within twice the bound (each may move by it), the bound taken at twice the largest measure.
+NOISE_UNITS = {torch.bfloat16: 8.0}
+NOISE_UNITS_DEFAULT = 64.0  # float32, and the dtypes not measured
+
+
+def _near_tie(logits: torch.Tensor) -> bool:
+    """Whether any row's top two logits ([r, V]) are within what the other loop's rounding may move."""
+    wide = logits.float()
+    top = wide.topk(2, dim=-1).values
+    unit = wide.abs().amax(dim=-1) * torch.finfo(logits.dtype).eps
+    bound = 2 * NOISE_UNITS.get(logits.dtype, NOISE_UNITS_DEFAULT) * unit
+    return bool(((top[:, 0] - top[:, 1]) <= bound).any())
+
+
+def _target_forward(model, input_ids: torch.Tensor, cache) -> TargetOutput:
+    """The target over the positions after those in `cache`, which it extends; captured as run_target
+    captures (h.L before the final norm), without the MoE router hooks the simulation never reads."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(_module, args, output):
+        seen["prenorm"], seen["postnorm"] = args[0], output
+
+    handle = final_norm_module(model).register_forward_hook(hook)
+    try:
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    finally:
+        handle.remove()
+    hidden = list(out.hidden_states)[: num_layers(model)] + [seen["prenorm"]]
+    return TargetOutput(hidden=hidden, final_norm=seen["postnorm"], logits=out.logits)
+
+
+def _crop(cache, length: int) -> None:
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+class _DraftChain:
+    """The draft chain of one prompt across rounds. Step 0's input at a committed position j (the
+    features at j, token j+1) never changes once j+1 is committed or pending, so its KV entries are
+    kept and each round's step 0 runs over the new positions only."""
+
+    def __init__(self, draft: Eagle3Draft):
+        self.draft = draft
+        self.cache = None  # step 0's entries (KVCache, or eagle3_mla's LatentCache) of positions 0..done-1
+        self.done = 0
+
+    def run(self, fc_in: torch.Tensor, next_ids: torch.Tensor, num_steps: int) -> tuple[list[int], bool]:
+        """The drafts, and whether any step's choice was a near-tie; fc_in/next_ids cover positions 0..n-1."""
+        draft, n, done = self.draft, fc_in.shape[1], self.done
+        positions = torch.arange(done, n, device=fc_in.device)[None, :]
+        out = draft(next_ids[:, done:], draft.combine(fc_in[:, done:]), positions, cache=self.cache)
+        # both caches' extend makes new tensors: the later steps never write into this one
+        self.cache, self.done = out.cache, n
+        drafted, tie = [], False
+        for step in range(num_steps):
+            logits = out.logits[:, -1]
+            tie = tie or _near_tie(logits)
+            target_id = draft.to_target_ids(logits.argmax(dim=-1))
+            drafted.append(int(target_id.item()))
+            if step + 1 < num_steps:
+                position = torch.tensor([[n + step]], device=fc_in.device)
+                out = draft(target_id[:, None], out.hidden_next[:, -1:], position, cache=out.cache)
+        return drafted, tie
+
+
+def _simulate_one_cached(
+    target_model, draft, inputs, prompt: list[int], num_steps: int, max_new_tokens: int, stats, trace
+) -> list[int]:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    committed = list(prompt)
+    # the prefill: one forward from an empty cache, the uncached loop's very forward (the tests hold it)
+    out = _target_forward(target_model, torch.tensor([committed]), cache)
+    features = gather_fc_in(out, inputs)  # [1, n, A*H]: the committed positions
+    pending = int(out.logits[0, -1].argmax())
+    generated = [pending]
+    chain = _DraftChain(draft)
+    last_full, exact = list(committed), out  # the uncached loop's last target forward: its tokens, and it if computed
+    tied = False  # whether the last round's own target choices (uncached) were near-ties
+    while len(generated) < max_new_tokens:
+        n = len(committed)
+        next_ids = torch.tensor([committed[1:] + [pending]])
+        trace.rounds += 1
+        verify = None
+        if exact is not None and tied:  # near-ties come in runs (a flat stretch): straight to the uncached round
+            drafts = run_draft_chain(draft, gather_fc_in(_prefix(exact, n), inputs), next_ids, num_steps)
+            tie = True
+        else:
+            drafts, tie = chain.run(features, next_ids, num_steps)
+            if tie:  # the drafts as the uncached loop drafts them, from its features
+                if exact is None:
+                    exact = run_target(target_model, torch.tensor([last_full]))
+                drafts = run_draft_chain(draft, gather_fc_in(_prefix(exact, n), inputs), next_ids, num_steps)
+            else:
+                verify = _target_forward(target_model, torch.tensor([[pending] + drafts]), cache)
+                want = _greedy(verify.logits[0])
+                tie = _near_tie(verify.logits[0, : _accept(drafts, want) + 1])  # choices up to the first rejection
+        exact, tied = None, False
+        if tie:  # the verify as the uncached loop computes it: over the whole sequence
+            trace.recomputed += 1
+            exact = run_target(target_model, torch.tensor([committed + [pending] + drafts]))
+            want = _greedy(exact.logits[0, n:])
+            # the next round tries the caches again unless this one's own target choices were near-ties
+            tied = _near_tie(exact.logits[0, n : n + _accept(drafts, want) + 1])
+        accepted = _accept(drafts, want)
+        _count(stats, accepted)
+        last_full = committed + [pending] + drafts
+        kept = [pending] + drafts[:accepted]  # the newly committed tokens
+        if verify is not None:  # the cached verify fed these very drafts
+            new = _prefix(verify, accepted + 1)
+            _crop(cache, n + accepted + 1)
+        else:
+            _crop(cache, n)
+            new = _target_forward(target_model, torch.tensor([kept]), cache)
+        features = torch.cat([features, gather_fc_in(new, inputs)], dim=1)
+        generated += drafts[:accepted] + [want[accepted]]
+        committed += kept
+        pending = want[accepted]
+    return generated[:max_new_tokens]
