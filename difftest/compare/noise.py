@@ -484,7 +484,8 @@ def _fall_back_where_too_few(tensors: dict[str, TensorFloor], dtype: str) -> lis
         else:
             fallback = unmeasured_threshold(dtype)
             said = f"the {dtype} guess {fallback:.3g} (as an unmeasured floor)"
-        excluded = f", {f.total_rows - f.rows} left out after discrete events" if (f.total_rows or 0) > f.rows else ""
+        total = f.total_rows or 0
+        excluded = f", {total - f.rows} left out after discrete events" if total > f.rows else ""
         f.measured = False
         f.threshold = max(f.threshold, fallback)
         f.source = (

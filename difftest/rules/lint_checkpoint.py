@@ -478,9 +478,10 @@ def config_key_findings(raw: dict, layer: dict, engines: Iterable[EngineDraftRul
 
 
 def _setting(settings: dict, path: tuple[str, ...]) -> int | None:
+    value: object = settings
     for key in path:
-        settings = settings.get(key) if isinstance(settings, dict) else None
-    return settings if isinstance(settings, int) and not isinstance(settings, bool) else None
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def position_findings(
