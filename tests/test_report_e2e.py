@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from difftest.compare.noise import MIN_FLOOR_ROWS
 from difftest.records import GoldenData
 
 from helpers import TINY_CASE, make_tiny_pair, run_pytest
@@ -87,8 +88,20 @@ def test_html_report_is_written_with_plots_and_reproduce_command(wrong_engines_r
 def test_report_records_the_measured_noise_floor(wrong_engines_run):
     nf = wrong_engines_run.report("tiny").noise_floor
     assert nf.measured is True and nf.dtype == "float32"
-    assert nf.source == "measured: ref in float32 vs float64 over 2 prompts (float64 streamed layer by layer)"
+    assert nf.source.startswith("measured: ref in float32 vs float64 over 2 prompts (float64 streamed layer by layer)")
     assert nf.tensors["draft.layer0.mlp_out"].threshold > 0
+
+
+def test_report_says_which_floors_stand_on_too_few_rows(wrong_engines_run):
+    """Two prompts give the later draft steps a handful of rows: each such floor says so, and the
+    case's source counts them (the step-0 tensors stand on enough rows and count as measured)."""
+    nf = wrong_engines_run.report("tiny").noise_floor
+    thin = {name: t for name, t in nf.tensors.items() if not t.measured}
+    assert thin and all(
+        t.rows < MIN_FLOOR_ROWS and t.source.startswith(f"measured on {t.rows} rows (too few") for t in thin.values()
+    )
+    assert nf.tensors["draft.layer0.mlp_out"].measured
+    assert f"{len(thin)} tensors measured on too few rows (under {MIN_FLOOR_ROWS})" in nf.source
 
 
 def test_report_names_where_the_error_is_introduced_per_prompt(wrong_engines_run):
