@@ -433,37 +433,25 @@ class CaseRun:
                 case.dtype, f"{calibration.name} cannot compute matmuls in {precision} (no `{MATMUL_SETTING}` setting)"
             )
         params = tuple(p for p in calibration.params if p[0] != MATMUL_SETTING) + ((MATMUL_SETTING, precision),)
-        emulated = dataclasses.replace(calibration, params=params)
-        try:
-            exact = self.calibration()
-            pairs = [(self.capture(emulated, i), exact.capture(calibration, i)) for i in range(len(case.prompts))]
-            own = [
-                (self.capture_golden(emulated, i, source=calibration, source_run=exact), exact_cap)
-                for i, (_, exact_cap) in enumerate(pairs)
-            ]
-        except DifftestError as e:
-            return noise.unmeasured(
-                case.dtype, f"{emulated.id} cannot run this case against float64: {str(e).splitlines()[0]}"
-            )
-        return noise.measure_floor(
-            pairs,
-            case.dtype,
-            noise.measured_source(emulated.id, case.dtype, len(pairs), [n for _, e in pairs for n in e.meta.notes]),
-            [p for p in own if p[0] is not None],
-        )
+        return self._measure_floor(dataclasses.replace(calibration, params=params), exact_spec=calibration)
 
-    def _measure_floor(self, spec: EngineSpec) -> noise.NoiseFloor:
+    def _measure_floor(self, spec: EngineSpec, exact_spec: EngineSpec | None = None) -> noise.NoiseFloor:
+        """`spec` in the case's dtype against `exact_spec` (default: itself) in float64, prompt by prompt."""
         case = self.prepared
+        exact_spec = exact_spec or spec
         try:
             exact = self.calibration()
-            pairs = [(self.capture(spec, i), exact.capture(spec, i)) for i in range(len(case.prompts))]
+            pairs = [(self.capture(spec, i), exact.capture(exact_spec, i)) for i in range(len(case.prompts))]
             # the draft alone: its own rounding, on the float64 run's fc_in (difftest.compare.noise: draft floor)
             own = [
-                (self.capture_golden(spec, i, source=spec, source_run=exact), exact_cap)
+                (self.capture_golden(spec, i, source=exact_spec, source_run=exact), exact_cap)
                 for i, (_, exact_cap) in enumerate(pairs)
             ]
         except DifftestError as e:
-            return noise.unmeasured(case.dtype, f"{spec.id} cannot run this case in float64: {str(e).splitlines()[0]}")
+            against = "in" if exact_spec is spec else "against"
+            return noise.unmeasured(
+                case.dtype, f"{spec.id} cannot run this case {against} float64: {str(e).splitlines()[0]}"
+            )
         return noise.measure_floor(
             pairs,
             case.dtype,
