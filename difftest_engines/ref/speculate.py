@@ -31,7 +31,7 @@ from difftest.api import FC_IN, draft_name
 from difftest.api import ConfigError
 from difftest.api import FINAL_NORM, hidden_index
 from difftest_engines.ref.eagle3 import Eagle3Draft, KVCache
-from difftest_engines.ref.target import TargetOutput, final_norm_module, num_layers, run_target
+from difftest_engines.ref.target import TargetOutput, run_target
 
 StepRecorder = Callable[[int, str, torch.Tensor], None]
 
@@ -285,20 +285,8 @@ def _near_tie(logits: torch.Tensor) -> bool:
 
 
 def _target_forward(model, input_ids: torch.Tensor, cache) -> TargetOutput:
-    """The target over the positions after those in `cache`, which it extends; captured as run_target
-    captures (h.L before the final norm), without the MoE router hooks the simulation never reads."""
-    seen: dict[str, torch.Tensor] = {}
-
-    def hook(_module, args, output):
-        seen["prenorm"], seen["postnorm"] = args[0], output
-
-    handle = final_norm_module(model).register_forward_hook(hook)
-    try:
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    finally:
-        handle.remove()
-    hidden = list(out.hidden_states)[: num_layers(model)] + [seen["prenorm"]]
-    return TargetOutput(hidden=hidden, final_norm=seen["postnorm"], logits=out.logits)
+    """The target over the positions after those in `cache`, which it extends (run_target's capture)."""
+    return run_target(model, input_ids, cache=cache, with_routers=False)
 
 
 def _crop(cache, length: int) -> None:

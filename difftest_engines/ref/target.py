@@ -215,17 +215,22 @@ def num_layers(model) -> int:
 
 
 @torch.no_grad()
-def run_target(model, input_ids: torch.Tensor) -> TargetOutput:
-    """input_ids: [B, n]."""
+def run_target(model, input_ids: torch.Tensor, cache=None, with_routers: bool = True) -> TargetOutput:
+    """input_ids: [B, n]. `cache`: a transformers KV cache of the positions before input_ids, which this
+    forward extends (None: no cache, the whole sequence is input_ids). `with_routers`: record the MoE
+    routers (the speculative simulation never reads them)."""
     seen: dict[str, torch.Tensor] = {}
 
     def hook(_module, args, output):
         seen["prenorm"], seen["postnorm"] = args[0], output
 
     routers: dict = {}
-    handles = [final_norm_module(model).register_forward_hook(hook), *_router_hooks(model, routers)]
+    handles = [final_norm_module(model).register_forward_hook(hook)]
+    if with_routers:
+        handles += _router_hooks(model, routers)
+    cached = {"past_key_values": cache, "use_cache": True} if cache is not None else {"use_cache": False}
     try:
-        out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        out = model(input_ids=input_ids, output_hidden_states=True, **cached)
     finally:
         for handle in handles:
             handle.remove()
