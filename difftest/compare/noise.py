@@ -350,9 +350,9 @@ def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], dict[str, fl
         if not deltas:
             continue
         noise_by_layer[str(k)] = _quantile(torch.cat(deltas), FLOOR_QUANTILE)
+        flips = [_routed_apart(cap, exact, k) for cap, exact in pairs]  # None where not both recorded
         moves = []
-        for (cap, exact), ties in zip(pairs, tie_from):
-            flipped = _routed_apart(cap, exact, k)
+        for (cap, exact), ties, flipped in zip(pairs, tie_from, flips):
             a, b = cap.tensors.get(f"{name}.margin"), exact.tensors.get(f"{name}.margin")
             if flipped is None or a is None or b is None or a.numel() != flipped.numel() or b.numel() != a.numel():
                 continue
@@ -361,9 +361,8 @@ def _measure_routers(pairs: list[tuple]) -> tuple[dict[str, float], dict[str, fl
         if moves:
             margin_noise[str(k)] = _quantile(torch.cat(moves), FLOOR_QUANTILE)
         threshold = ROUTER_TIE_FACTOR * max(noise_by_layer[str(k)], UNIT_ROUNDOFF[DType.FLOAT32])
-        for (cap, exact), ties in zip(pairs, tie_from):
+        for (cap, _), ties, flipped in zip(pairs, tie_from, flips):
             margin = cap.tensors.get(f"{name}.margin")
-            flipped = _routed_apart(cap, exact, k)
             if ties is not None and flipped is not None and flipped.numel() == ties.numel():
                 ties[flipped & torch.isinf(ties)] = k
             elif ties is not None and margin is not None and margin.numel() == ties.numel():
@@ -511,10 +510,12 @@ def routing_rows(ref, other, floor: NoiseFloor) -> RoutingRows:
     """Per MoE layer: the engine's expert sets against the reference's where both captures hold them,
     judged by the reference's own routing margin (module docstring: router ties)."""
     out = RoutingRows()
+    observed: dict[int, torch.Tensor] | None = None  # the near-ties by the margin noise, computed once if needed
     for k, tie in sorted(router_tie_rows(ref, floor).items()):
         flipped = _routed_apart(ref, other, k)
         if flipped is not None and flipped.numel() == tie.numel():
-            tie = router_tie_rows(ref, floor, observed=True)[k]
+            observed = router_tie_rows(ref, floor, observed=True) if observed is None else observed
+            tie = observed[k]
         if flipped is None or flipped.numel() != tie.numel():
             out.apart[k] = tie
             out.layers.append(RoutingLayer(k, tie.numel(), False, int(tie.sum()), int(tie.sum()), 0))
