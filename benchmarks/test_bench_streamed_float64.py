@@ -54,6 +54,9 @@ def write_target(directory: Path) -> Path:
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    # to_empty leaves non-persistent buffers (the rotary inv_freq) uninitialised; harmless here, since
+    # save_pretrained writes no non-persistent buffer and every path below runs on a model loaded back,
+    # whose rotary embedding is computed from the config (child() checks it).
     model = model.to(torch.bfloat16).to_empty(device="cpu")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -74,6 +77,15 @@ def _rss_gib() -> float:
     return float("nan")
 
 
+def _check_rotary(model: torch.nn.Module) -> None:
+    """The float64 run's rotary buffers equal the config's: not the garbage to_empty() leaves behind."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    expected = LlamaRotaryEmbedding(model.config).inv_freq
+    got = model.model.rotary_emb.inv_freq
+    assert torch.equal(got.to(expected.dtype), expected), "rotary inv_freq not initialised from the config"
+
+
 def child(path: str, mode: str, logits_out: str) -> dict:
     from difftest_engines.ref.engine import rounded_through
     from difftest_engines.ref.streamed import StreamedTarget
@@ -91,6 +103,7 @@ def child(path: str, mode: str, logits_out: str) -> dict:
         stream = StreamedTarget(source, torch.bfloat16)
         model = stream.model
     setup = time.perf_counter() - t0
+    _check_rotary(model)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
