@@ -50,4 +50,4 @@ def test_every_hook_but_the_golden_input_is_gated():
     (capture_draft_from); every other spec only records."""
     names = {s["name"] for s in hooks.hook_specs("unused")}
     assert names - {s["name"] for s in RECORDING} == {"difftest-golden"}
-    assert len(RECORDING) == 8
+    assert len(RECORDING) == 9

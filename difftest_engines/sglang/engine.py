@@ -54,7 +54,8 @@ from difftest_engines.sglang.hooks import hook_specs
 from difftest_engines.sglang.records import extract, load_forwards
 from difftest_engines.sglang.settings import SCHEMA
 
-ADAPTER_REVISION = 3  # part of the capture cache key: bump when what a capture contains changes
+ADAPTER_REVISION = 4  # part of the capture cache key: bump when what a capture contains changes
+# 4: an MoE target's expert ids per MoE layer (aux.router.{k}.experts; hooks.py router_hook)
 SETUP_HINT = "scripts/setup-engine sglang"
 # Partial by construction: SGLang captures only the aux layers the draft asks for, and the
 # draft steps exist only while drafting is a chain.

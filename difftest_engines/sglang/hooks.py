@@ -24,6 +24,14 @@ Hook specs (see `hook_specs`):
                    (the same lm_head product SGLang computes for the rows it keeps) and
                    SGLang's own next_token_logits
   root             the root module: the draft's hot_token_id (its d2t map)
+  router           each MoE layer's `model.layers.<k>.mlp.topk` (target only: SGLang 0.5.23
+                   models/deepseek_v2.py::DeepseekV2MoE builds it as `self.topk`, a
+                   layers/moe/topk.py::TopK; DeepseekV2MoE.forward_normal / forward_cpu call it as
+                   `self.topk(hidden_states, router_logits)`): the layer id and the routed expert ids
+                   of its StandardTopKOutput (TopK.forward_cpu -> topk.py::select_experts: grouped
+                   top-k over sigmoid scores + correction bias, then _post_process_topk_ids, whose
+                   logical -> physical map is the identity without EPLB), one row per token, the
+                   shared-expert slots TopKConfig.num_shared_topk_slots appends cut off
   golden           target `model` again: replaces the aux states by a golden fc input when one is
                    waiting (layerwise golden inputs)
 """
@@ -213,6 +221,23 @@ def root_hook(config: dict):
     return hook
 
 
+@_while_recording
+def router_hook(config: dict):
+    """On an MoE layer's TopK: the expert ids it chose (module docstring: router). An output with no
+    topk_ids (a BYPASSED format: routing left to the experts kernel, GPU backends only) records
+    nothing, and the report says that layer's expert ids were not captured."""
+
+    def hook(module, inputs, output):
+        ids = getattr(output, "topk_ids", None)
+        if not isinstance(ids, torch.Tensor):
+            return
+        cfg = getattr(module, "topk_config", None)
+        routed = int(cfg.top_k) - int(getattr(cfg, "num_shared_topk_slots", 0) or 0) if cfg is not None else None
+        _save(config, "router", {"layer": int(module.layer_id), "topk_ids": ids[:, :routed]})
+
+    return hook
+
+
 def golden_hook(config: dict):
     """Target `model`: layerwise golden inputs. When the adapter has written the reference's
     draft.fc_in to golden_path (one per rank) (difftest_engines/sglang/engine.py::SglangEngine.capture_draft_from), the
@@ -275,6 +300,7 @@ def hook_specs(out_dir: str) -> list[dict]:
         # the MLA draft (kimi_k25_eagle3.py: Eagle3MLAModel.midlayer, DeepseekV2AttentionMLA, DeepseekV2MLP)
         spec("layer0-mla", ["model.midlayer.self_attn", "model.midlayer.mlp"], "layer0_hook"),
         spec("attn-in-mla", ["model.midlayer.self_attn.fused_qkv_a_proj_with_mqa"], "attn_in_hook"),
+        spec("router", ["model.layers.*.mlp.topk"], "router_hook"),  # fires inside the target's `model`
         spec("model", ["model"], "model_hook"),
         spec("golden", ["model"], "golden_hook"),  # after `model`: it records the target's own values first
         spec("logits", ["logits_processor"], "logits_hook"),

@@ -46,6 +46,8 @@ def load_forwards(records: list[tuple[str, dict]]) -> list[Forward]:
     for kind, rec in records:
         if kind in SUBMODULE_KINDS:
             pending[kind] = rec
+        elif kind == "router":  # one per MoE layer of the forward: layer -> record
+            pending.setdefault("routers", {})[int(rec["layer"])] = rec
         elif kind == "model":
             forwards.append(Forward(rec, pending))
             pending = {}
@@ -113,6 +115,11 @@ def extract(
     for k, h in zip(captured, aux):
         tensors[f"target.h.{k}"] = h
     tensors["target.final_norm"] = tgt.model["final_norm"]
+    for k, rec in sorted(tgt.subs.get("routers", {}).items()):
+        ids = rec["topk_ids"]
+        if ids.shape[0] != n:
+            raise EngineError(f"MoE layer {k} routed {ids.shape[0]} rows in the target prefill, expected {n}")
+        tensors[f"aux.router.{k}.experts"] = ids  # the reference's name (difftest_engines/ref/engine.py::_capture)
     if tgt.logits is None:
         raise EngineError("the target prefill's logits were not recorded")
     tensors["target.logits"] = tgt.logits["all_logits"]

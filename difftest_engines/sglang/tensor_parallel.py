@@ -164,6 +164,15 @@ RULES: tuple[Rule, ...] = (
         (),
     ),
     Rule(
+        "router",
+        "topk_ids",
+        REPLICATED,
+        "models/deepseek_v2.py::MoEGate holds the whole gate weight on every rank and DeepseekV2MoE.forward_normal "
+        "routes every token of the whole hidden states on each (layers/moe/topk.py::select_experts; no expert or "
+        "data-parallel attention split)",
+        ("aux.router.*.experts",),
+    ),
+    Rule(
         "root",
         "hot_token_id",
         REPLICATED,

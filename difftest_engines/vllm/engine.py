@@ -20,6 +20,9 @@ after it are recorded and returned in the canonical names (difftest.base.names):
   draft.fc_out, draft.embeds, draft.hidden_prenorm (unless norm_output), draft.logits (draft
   vocab), draft.logits_target (d2t-scattered, -inf elsewhere), draft.layer0.* (eager only)
   for step 0 over every prompt position, and draft.step{s}.* for the last position.
+  aux.router.{k}.experts  an MoE target's expert ids per prompt token at MoE layer k, as its router
+                      chose them in the prefill ([n, top_k], the reference's name and layout; hooks.py:
+                      MoE routing), so routing is compared row by row (difftest.compare.noise)
 Row alignment: vLLM's draft step 0 sees target features at position i with token i+1
 (`set_inputs_first_pass` shifts the ids left and appends the target's sampled token), which is
 the reference's convention; the adapter checks the shift and the positions and refuses a
@@ -621,6 +624,10 @@ class VllmEngine(Engine):
                 aux_consistency = max(aux_consistency, float((tensors[f"target.h.{k}"] - h).abs().max()))
             tensors[f"target.h.{k}"] = h  # what vLLM actually handed to the draft
         tensors["target.final_norm"] = t["final_norm"]
+        for k, ids in sorted((t.get("routers") or {}).items()):
+            if ids.shape[0] != n:
+                raise EngineError(f"vllm: MoE layer {k} routed {ids.shape[0]} rows of the prefill, expected {n}")
+            tensors[f"aux.router.{k}.experts"] = ids  # the reference's name (difftest_engines/ref/engine.py::_capture)
         if t["logits"] is not None:
             tensors["target.logits"] = t["logits"]
         steps = rec["steps"]

@@ -29,6 +29,18 @@ every logits tensor (`local_logits`), which difftest_engines/vllm/tp.py joins in
 checks against vLLM's own gather. Every rank runs the same `fetch`, so the collectives inside
 vLLM's modules (all-reduce, all-gather) stay matched across ranks.
 
+  * MoE routing (DeepSeek-V2/V3, Kimi-K2 targets): each MoE layer's runner
+    (`model_executor/layers/fused_moe/runner/moe_runner.py::MoERunner`, `.router`, `.layer_id`)
+    routes through `layers/fused_moe/router/base_router.py::BaseRouter._select_experts`, which calls
+    the router's `capture_fn(topk_ids)` (vLLM's own hook for routed-expert capture, set with
+    `set_capture_fn`) with the logical expert ids right after `_compute_routing` (on CPU
+    `router/cpu_router.py::CPURouter._compute_routing` -> `_grouped_topk`), before any EPLB
+    remapping: one row per scheduled token, top_k columns. The MoE runs behind vLLM's `moe_forward`
+    custom op (not traced by torch.compile), so the callback should fire compiled too (measured
+    eager only). A layer whose
+    experts take the monolithic path (`routed_experts.quant_method.is_monolithic`: the router
+    is never called) records nothing and the report says its expert ids were not captured.
+
 Only the first target forward after `arm` (the prompt's prefill) and the first `propose`
 (the draft chain right after it) are recorded. `arm(golden)` also feeds the reference's
 draft.fc_in to that first combine_hidden_states (layerwise golden inputs).
@@ -68,6 +80,7 @@ class Recorder:
         self.drafter = self.drafter_owner.model
         if hasattr(self.drafter, "unwrap"):  # BreakableCUDAGraphWrapper (GPU graphs)
             self.drafter = self.drafter.unwrap()
+        self.moe_layers: list[int] = []  # the target's MoE layers whose router is hooked (_hook_routers)
         self.reset(False)
 
     def reset(self, armed: bool, golden: torch.Tensor | None = None) -> None:
@@ -77,7 +90,7 @@ class Recorder:
         self.golden = golden
         self.phase = "target"  # target -> draft -> done
         self.internal = False  # our own recomputation: not recorded
-        self.t: dict = {"layers": {}}
+        self.t: dict = {"layers": {}, "routers": {}}
         self.steps: list[dict] = []
         self.combine: dict = {}
         self.logits_dv: list[torch.Tensor] = []
@@ -116,6 +129,19 @@ class Recorder:
                 self.t["layers"][index + 1] = _clone(hidden + residual if residual is not None else hidden)
 
         return hook
+
+    def router_capture(self, layer: int, chained):
+        """The capture_fn of MoE layer `layer`'s router: keeps the expert ids it chose for the
+        prompt's prefill (the first call while the target runs armed), then calls what was set
+        before (vLLM's own routed-experts capturer, when enabled)."""
+
+        def capture(topk_ids: torch.Tensor) -> None:
+            if self.armed and self.phase == "target-running" and layer not in self.t["routers"]:
+                self.t["routers"][layer] = _clone(topk_ids)
+            if chained is not None:
+                chained(topk_ids)
+
+        return capture
 
     # -- draft -------------------------------------------------------------------------
     def drafting(self) -> bool:
@@ -215,6 +241,7 @@ def install(worker, eager: bool) -> dict:
             inner.embed_tokens.register_forward_hook(rec.embed_post)
             for i, layer in enumerate(inner.layers):
                 layer.register_forward_hook(rec.layer_post(i))
+        rec.moe_layers = _hook_routers(target, rec)
         owner, drafter = rec.drafter_owner, rec.drafter
         owner.propose = rec.wrap_propose(owner.propose)
         drafter.combine_hidden_states = rec.wrap_combine(drafter.combine_hidden_states)
@@ -245,7 +272,28 @@ def install(worker, eager: bool) -> dict:
         "has_d2t": getattr(rec.drafter, "draft_id_to_target_id", None) is not None,
         "eager": eager,
         "runner": runner_of(runner),
+        "moe_layers": list(rec.moe_layers),
     }
+
+
+def _hook_routers(target, rec: Recorder) -> list[int]:
+    """Set the recorder's capture_fn on every MoE router of the target (module docstring: MoE
+    routing); the decoder layer index comes from the runner's layer_id (extract_layer_index of its
+    layer_name, "model.layers.3.mlp.experts" -> 3), the reference's layer k of aux.router.{k}."""
+    layers = []
+    for name, module in target.named_modules():
+        router = getattr(module, "router", None)
+        if router is None or not callable(getattr(router, "set_capture_fn", None)):
+            continue
+        try:
+            layer = int(module.layer_id)
+        except (AttributeError, TypeError, ValueError):  # not a runner with a layer name: read the module's
+            if ".layers." not in name:
+                continue
+            layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+        router.set_capture_fn(rec.router_capture(layer, getattr(router, "capture_fn", None)))
+        layers.append(layer)
+    return sorted(layers)
 
 
 def rank_of(worker) -> dict:
@@ -317,6 +365,7 @@ def fetch(worker, n: int) -> dict:
     out["target"]["num_rows"] = int(t["final_norm"].shape[0])
     out["target"]["aux"] = [cpu(a[:n]) for a in t["aux"]]
     out["target"]["layers"] = {k: cpu(v[:n]) for k, v in t["layers"].items()}
+    out["target"]["routers"] = {k: cpu(v[:n]) for k, v in t["routers"].items()}
     final = t["final_norm"][:n]
     out["target"]["final_norm"] = cpu(final)
     rec.internal = True

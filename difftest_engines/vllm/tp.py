@@ -61,6 +61,13 @@ RULE: tuple[Layout, ...] = (
     Layout("target.final_norm", REPLICATED, "RMSNorm of the whole residual stream (computed on every rank)"),
     Layout("target.logits", VOCAB_SHARDED, _HEAD),
     Layout(
+        "aux.router.*.experts",
+        REPLICATED,
+        "model_executor/models/deepseek_v2.py::DeepseekV2MoE: the gate is a GateLinear (layers/fused_moe/router/"
+        "gate_linear.py, a ReplicatedLinear) over the whole residual stream, and every rank routes every token "
+        "(router/base_router.py::BaseRouter._select_experts; no sequence parallelism without expert parallelism)",
+    ),
+    Layout(
         "draft.fc_in",
         REPLICATED,
         "v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.propose: "
