@@ -22,6 +22,7 @@ from difftest.case.case import Case
 from difftest.records.engine_info import EngineInfo
 from difftest.run import memory_plan as mp
 from difftest.run.engine import EngineSpec
+from difftest.run.case_run import calibration_case
 from difftest.run.pool import EnginePool, Options
 from difftest_engines.ref.engine import RefEngine
 from difftest_engines.sglang import engine as sglang_engine
@@ -87,6 +88,44 @@ def test_the_calibrating_engine_counts_its_float64_run_beside_the_cases_dtype(tm
     assert [ld.dtype for ld in loads] == ["bfloat16", "float64"]
     assert [ld.bytes() for ld in loads] == [2000, 8000]
     assert mp.loads_for(str(tmp_path), "", "bfloat16", calibrates=False) == loads[:1]
+
+
+def _streamed_pair(root: Path) -> tuple[str, str]:
+    """A target of two decoder layers (100 and 60 elements), a head of 80 and a norm of 4, and a draft
+    of 50 elements, all stored in bfloat16."""
+    bf16 = torch.bfloat16
+    (root / "t").mkdir()
+    (root / "d").mkdir()
+    target = {
+        "model.layers.0.mlp.w": torch.zeros(60, dtype=bf16),
+        "model.layers.0.attn.w": torch.zeros(40, dtype=bf16),
+        "model.layers.1.mlp.w": torch.zeros(60, dtype=bf16),
+        "lm_head.weight": torch.zeros(80, dtype=bf16),
+        "model.norm.weight": torch.zeros(4, dtype=bf16),
+    }
+    save_file(target, root / "t" / "model.safetensors")
+    save_file({"w": torch.zeros(50, dtype=bf16)}, root / "d" / "model.safetensors")
+    return str(root / "t"), str(root / "d")
+
+
+def test_a_streamed_calibration_holds_the_targets_largest_layer_and_the_drafts_whole_copy_in_float64(tmp_path):
+    target, draft = _streamed_pair(tmp_path)
+    streamed = mp.MemoryFactors(calibration_streamed=True)
+    assert mp.largest_part_bytes(target, "float64") == 100 * 8  # layer 0 (two tensors), not the head alone
+    own, calibration = mp.loads_for(target, draft, "bfloat16", calibrates=True)
+    assert mp.load_bytes(streamed, calibration) == 100 * 8 + 50 * 8
+    # the source is the case's own bf16 load: counted once beside the float64 run
+    assert mp.worker_bytes(streamed, [own, calibration]) == (244 + 50) * 2 + 100 * 8 + 50 * 8
+    # a worker asked for the float64 case alone loads its source for it
+    (alone,) = mp.loads_for(target, draft, "float64", calibrates=False, weights_dtype="bfloat16")
+    assert alone == calibration
+    assert mp.worker_bytes(streamed, [alone]) == 244 * 2 + 100 * 8 + 50 * 8
+    # an engine that loads whole float64 copies keeps its declared share of them
+    assert mp.load_bytes(mp.MemoryFactors(calibration_copies=0.5), calibration) == (244 + 50) * 8 // 2
+
+
+def test_the_reference_declares_its_float64_run_streamed():
+    assert mp.MemoryFactors.declared("ref", RefEngine.MEMORY).calibration_streamed
 
 
 # -- the pool under a plan (stand-in workers: what starts and closes, not what they compute) -------
@@ -204,6 +243,22 @@ def test_a_refusal_holds_for_its_case_only(case):
         pool.client(REF, case)
     pool.begin_case(case.path + ".next")
     assert pool.start_error(REF) is None
+
+
+def test_a_calibration_too_large_for_the_budget_is_refused_and_the_reference_keeps_serving_its_case(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
+    target, draft = _streamed_pair(tmp_path)
+    own = Case(name="pair", path=str(tmp_path / "pair.yaml"), target=target, draft=draft, dtype="bfloat16")
+    # the reference's own load: 0.8 GB of overhead and 588 bytes; its float64 run adds 1200 bytes more
+    pool = StubPool(Options(engines=[REF], reference=REF, memory_budget=mp.Budget(800_001_000, None, mp.BUDGET_ENV)))
+    pool.begin_case(own.path)
+    pool.client(REF, own)
+    with pytest.raises(EngineError, match="ref: not started: the memory plan estimates it needs 0.8 GB for pair"):
+        pool.client(REF, calibration_case(own))
+    pool.client(REF, own)  # the case's own items: the same worker, neither closed nor refused
+    assert pool.log == [("start", "ref")] and pool.start_error(REF) is None
 
 
 def test_a_malformed_budget_in_the_environment_fails_the_first_start_as_a_configuration_error(case, monkeypatch):

@@ -60,6 +60,10 @@ class MemoryFactors:
     # what the float64 calibration run (the engine that calibrates: the noise floor) holds, in whole
     # float64 copies of the models: 1.0 loads the whole copy, a run streamed layer by layer less
     calibration_copies: float = 1.0
+    # the float64 run streamed from the case's own load (not whole copies: calibration_copies unused): it
+    # holds that load (the source), the target's largest decoder layer or other tensor in float64 at a
+    # time, and the draft's whole float64 copy (StreamedLoad's bytes)
+    calibration_streamed: bool = False
     keeps_every_case: bool = False  # a worker keeps every case's models loaded (its memory grows over cases)
     on_gpu: bool = False  # where a GPU is present, its weights and KV cache live in GPU memory
 
@@ -233,16 +237,52 @@ def weight_bytes(checkpoint: str | Path, dtype: str) -> int:
     return total
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def largest_part_bytes(checkpoint: str | Path, dtype: str) -> int:
+    """The bytes at `dtype` of a checkpoint's largest streamed part: one decoder layer's tensors
+    together (`...layers.N.`), or one tensor outside the layers (the output head, the embedding);
+    what a float64 run streamed layer by layer holds of it at a time (0 where it cannot be read)."""
+    per = _FLOAT_BYTES[DType(dtype).value]
+    try:
+        tensors, _ = stored_tensors(Path(checkpoint))
+    except (ConfigError, OSError):
+        return 0
+    parts: dict[str, int] = {}
+    for name, t in tensors.items():
+        n = per if t.dtype in _FLOAT_CODES else _STORED_BYTES.get(t.dtype, 4)
+        for d in t.shape:
+            n *= d
+        layer = _LAYER.search(name)
+        key = f"layer {layer.group(1)}" if layer else name
+        parts[key] = parts.get(key, 0) + n
+    return max(parts.values(), default=0)
+
+
 @dataclass(frozen=True)
 class Load:
-    """One set of models a worker loads: a case's target and draft at a dtype."""
+    """One set of models a worker loads: a case's target and draft at a dtype (`source`: for a float64
+    load, the dtype of the case's weights, the load a streamed float64 run reads them from)."""
 
     target: str
     draft: str
     dtype: str
+    source: str = ""
 
     def bytes(self) -> int:
         return _weight_bytes(self.target, self.dtype) + (_weight_bytes(self.draft, self.dtype) if self.draft else 0)
+
+    def source_load(self) -> "Load":
+        """The load a streamed float64 run reads its weights from: the target at the weights' dtype
+        (float32 where the case names none, as the reference loads it)."""
+        return Load(self.target, self.draft, self.source or DType.FLOAT32.value)
+
+    def streamed_bytes(self) -> int:
+        """What a float64 run streamed from `source_load` adds to it: the target's largest part and the
+        draft's whole copy, in float64."""
+        target = _largest_part_bytes(self.target, CALIBRATION.value)
+        return target + (_weight_bytes(self.draft, CALIBRATION.value) if self.draft else 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -251,11 +291,31 @@ def _weight_bytes(checkpoint: str, dtype: str) -> int:
     return weight_bytes(checkpoint, dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _largest_part_bytes(checkpoint: str, dtype: str) -> int:
+    return largest_part_bytes(checkpoint, dtype)
+
+
 def load_bytes(factors: MemoryFactors, load: Load) -> int:
     """The bytes `load` adds to a worker: a float64 load is the calibration run's (no case computes in
-    float64), counted at the engine's declared calibration_copies."""
-    share = factors.calibration_copies if load.dtype == CALIBRATION.value else 1.0
-    return int(load.bytes() * share)
+    float64), counted at the engine's declared calibration_copies, or streamed (its source apart:
+    worker_bytes)."""
+    if load.dtype != CALIBRATION.value:
+        return load.bytes()
+    if factors.calibration_streamed:
+        return load.streamed_bytes()
+    return int(load.bytes() * factors.calibration_copies)
+
+
+def worker_bytes(factors: MemoryFactors, loads: list[Load]) -> int:
+    """The bytes a worker holding `loads` holds: each load's, and for a streamed float64 run its source
+    once (the case's own load when the worker holds that already, else the source loaded for it)."""
+    total = sum(load_bytes(factors, ld) for ld in loads)
+    if factors.calibration_streamed:
+        sources = {ld.source_load() for ld in loads if ld.dtype == CALIBRATION.value}
+        held = {(ld.target, ld.dtype) for ld in loads}
+        total += sum(_weight_bytes(s.target, s.dtype) for s in sources if (s.target, s.dtype) not in held)
+    return total
 
 
 def need_of(factors: MemoryFactors, weights: int, kv_gib: float | None, gpu_present: bool) -> Need:
@@ -268,12 +328,15 @@ def need_of(factors: MemoryFactors, weights: int, kv_gib: float | None, gpu_pres
     return Need(overhead + held)
 
 
-def loads_for(target: str, draft: str, dtype: str, calibrates: bool) -> list[Load]:
+def loads_for(target: str, draft: str, dtype: str, calibrates: bool, weights_dtype: str | None = None) -> list[Load]:
     """What an engine loads for a case: its models at the case's dtype, and for the engine that
-    calibrates the same models in float64 too (the noise floor's run, difftest.compare.noise)."""
+    calibrates the same models in float64 too (the noise floor's run, difftest.compare.noise), read
+    from the case's dtype (or, for the float64 case itself, from `weights_dtype`, its weights' dtype)."""
+    if str(dtype) == CALIBRATION.value:
+        return [Load(target, draft, CALIBRATION.value, str(weights_dtype or ""))]
     loads = [Load(target, draft, str(dtype))]
-    if calibrates and str(dtype) != CALIBRATION.value:
-        loads.append(Load(target, draft, CALIBRATION.value))
+    if calibrates:
+        loads.append(Load(target, draft, CALIBRATION.value, str(dtype)))
     return loads
 
 
@@ -311,10 +374,12 @@ __all__ = [
     "Need",
     "Plan",
     "declared_budget",
+    "largest_part_bytes",
     "load_bytes",
     "loads_for",
     "measured_budget",
     "need_of",
     "parse_budget",
     "weight_bytes",
+    "worker_bytes",
 ]

@@ -191,11 +191,11 @@ class EnginePool:
     def _need(self, spec: EngineSpec, case: Case, loads: dict[mp.Load, int]) -> mp.Need:
         factors = self._factors(spec)
         gpu = self.memory_budget().gpu is not None
-        return mp.need_of(factors, sum(loads.values()), self._kv_gib(spec, factors, case), gpu)
+        return mp.need_of(factors, mp.worker_bytes(factors, list(loads)), self._kv_gib(spec, factors, case), gpu)
 
     def _loads(self, spec: EngineSpec, case: Case, calibrates: bool) -> dict[mp.Load, int]:
         """What `spec` holds at most for `case`: every set it loads when it keeps them all, else the largest."""
-        loads = mp.loads_for(case.target, case.draft or "", case.dtype, calibrates)
+        loads = mp.loads_for(case.target, case.draft or "", case.dtype, calibrates, case.weights_dtype)
         if not self._factors(spec).keeps_every_case:
             loads = [max(loads, key=lambda ld: mp.load_bytes(self._factors(spec), ld))]
         return {ld: mp.load_bytes(self._factors(spec), ld) for ld in loads}
@@ -228,13 +228,17 @@ class EnginePool:
             return  # nothing known of the machine: every worker stays, as without a plan
         live = spec.id in self._clients
         factors = self._factors(spec)
-        new = {ld: mp.load_bytes(factors, ld) for ld in mp.loads_for(case.target, case.draft or "", case.dtype, False)}
+        asked = mp.loads_for(case.target, case.draft or "", case.dtype, False, case.weights_dtype)
+        new = {ld: mp.load_bytes(factors, ld) for ld in asked}
         held = self._held.get(spec.id, {}) if live else {}
         if live and all(ld in held for ld in new):
             return  # it holds this case's models already
         wanted = {**held, **new} if factors.keeps_every_case else new
         need = self._need(spec, case, wanted)
-        if live and not need.fits(budget):  # a fresh worker holds this case's models only
+        if live and not need.fits(budget) and (self._need(spec, case, new).fits(budget) or not refuse):
+            # a fresh worker holds this case's models only (a live worker stays where not even that fits:
+            # the request is refused below and the worker still serves what it holds, e.g. the case's own
+            # dtype when its float64 calibration is refused)
             self._close_for_memory(spec.id, f"it holds earlier cases' models; a fresh one starts for {case.name}")
             live, wanted = False, new
             need = self._need(spec, case, wanted)
@@ -250,7 +254,10 @@ class EnginePool:
                 f"({case.dtype} weights of {case.target} and its draft, and the engine's declared overhead), "
                 f"and {available}; run it on a larger machine, or set {mp.BUDGET_ENV} if more is free than measured"
             )
-            self._refused[spec.id] = error
+            if not live or case.path == self._current_case:
+                # a live worker refused another case (the float64 calibration, under the case's path + '#')
+                # keeps serving the case its items run
+                self._refused[spec.id] = error
             raise error
         while True:
             others = [s for s in self._clients if s != spec.id]

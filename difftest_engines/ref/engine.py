@@ -68,11 +68,11 @@ class RefEngine(Engine):
     CALIBRATES = True  # the noise floor, the default engine and reference (difftest.base.registry.calibration_engine)
     # what its worker holds (difftest.run.memory_plan.MemoryFactors): one interpreter with torch and
     # transformers; every case's models stay loaded (the _targets/_drafts dicts). The float64 calibration
-    # run is streamed (STREAM_FLOAT64): the target's largest layer or head in float64 (measured: 0.26 of
-    # the whole copy on a 1.0B Llama with a 128256 vocab, less on deeper targets) beside the draft's whole
-    # float64 copy; 0.5 covers both with room, and a checkpoint that cannot stream (stored wider than
-    # float32) loads the whole copy, which this under-counts
-    MEMORY = {"overhead_gb": 0.8, "keeps_every_case": True, "calibration_copies": 0.5}
+    # run is streamed (STREAM_FLOAT64) from the case's own load: the target's largest layer or head in
+    # float64 beside the draft's whole float64 copy (calibration_streamed counts exactly these; a fixed
+    # share of the whole copy, 0.5, counted 36 GB for an 8B target where these are 12 GB). A checkpoint
+    # that cannot stream (stored wider than float32) loads the whole copy, which this under-counts
+    MEMORY = {"overhead_gb": 0.8, "keeps_every_case": True, "calibration_streamed": True}
     # The float64 run streamed layer by layer from the case's own model (difftest_engines/ref/streamed.py)
     # whenever the checkpoint allows it: bit-identical to the whole float64 copy, which it never holds
     # (one layer or the head in float64 at a time). Always, not only when the copy would not fit: measured
