@@ -234,7 +234,7 @@ def test_accept_stats_in_check_data_keep_their_derived_numbers_in_the_json():
 
 def test_report_round_trips_through_json_with_schema_and_version():
     d = through_json(sample_report().to_dict())
-    assert (d["schema"], d["schema_version"]) == ("difftest.report", 3)
+    assert (d["schema"], d["schema_version"]) == ("difftest.report", 4)
     assert Report.from_dict(d, "r.json") == sample_report()
 
 
@@ -293,14 +293,14 @@ def test_report_of_schema_version_1_is_refused_naming_the_version_and_the_rerun(
     )
     message = refusal(lambda: Report.load(path))
     assert message.startswith(f"{path}: schema_version: report schema version 1 (difftest.report/1")
-    assert "this difftest reads version 3" in message and "`difftest run cases/tiny.yaml --engines=ref`" in message
+    assert "this difftest reads version 4" in message and "`difftest run cases/tiny.yaml --engines=ref`" in message
 
 
 def test_report_of_a_newer_schema_version_is_refused_naming_it():
-    d = {**sample_report().to_dict(), "schema_version": 4}
+    d = {**sample_report().to_dict(), "schema_version": 5}
     assert (
         refusal(lambda: Report.from_dict(d, "r.json"))
-        == "r.json: schema_version: report schema version 4; this difftest reads 3"
+        == "r.json: schema_version: report schema version 5; this difftest reads 4"
     )
 
 
@@ -485,7 +485,7 @@ def test_markdown_and_html_render_from_a_report_record():
     md = report_mod.markdown(report)
     assert "| `eng` | fc_inputs | failed | diverges |" in md and "## Fix" in md and "SGLang rule" in md
     html = render(report)
-    assert "error introduced at <code>draft.fc_in.0</code>" in html and "schema difftest.report version 3" in html
+    assert "error introduced at <code>draft.fc_in.0</code>" in html and "schema difftest.report version 4" in html
 
 
 def test_written_report_reads_back_as_the_same_record(tmp_path):
@@ -516,7 +516,7 @@ def test_report_command_refuses_a_version_1_report_in_one_line(tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert (
         err == f"difftest report: {path}: schema_version: report schema version 1 (difftest.report/1, before typed "
-        "records); this difftest reads version 3"
+        "records); this difftest reads version 4"
     )
 
 

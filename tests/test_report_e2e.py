@@ -171,3 +171,12 @@ def test_reproduce_command_turns_a_baseline_reference_back_into_the_baseline_opt
 
     cmd = reproduce_command("cases/t.yaml", ["baseline:v1:sglang", "sglang@new"], "baseline:v1:sglang")
     assert cmd == "difftest run cases/t.yaml --engines=sglang@new --baseline=v1:sglang"
+
+
+def test_report_records_the_memory_plan_the_run_followed(wrong_engines_run):
+    """The plan the pool printed is in the report: every engine's estimated need and the budget."""
+    report = wrong_engines_run.report("tiny")
+    plan = report.memory_plan
+    assert plan is not None and [n.engine for n in plan.needs] == list(report.engines)
+    assert all(n.host_bytes > 0 for n in plan.needs)
+    assert plan.said().startswith("every worker side by side" if plan.all_at_once else "one after another")

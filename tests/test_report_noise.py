@@ -79,6 +79,9 @@ class StubPool:
     def start_error(self, spec):
         return None
 
+    def plan_record(self, case):
+        return None  # no worker asked for: no memory plan made
+
 
 class StubRun(CaseRun):
     """A case's run whose comparisons and noise floor are given (the floor may raise)."""
@@ -147,7 +150,7 @@ def test_report_records_the_cases_noise_floor(case):
         },
     }
     assert r["noise_floor"]["tensors"]["draft.fc_out"]["threshold"] == 1e-5
-    assert (r["schema"], r["schema_version"]) == ("difftest.report", 3)
+    assert (r["schema"], r["schema_version"]) == ("difftest.report", 4)
 
 
 def test_report_records_why_the_noise_floor_could_not_be_computed(case):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from difftest.records.check_result import CheckResult
 from difftest.records.fields import decode, encode_fields
+from difftest.records.memory_plan import MemoryPlanRecord
 from difftest.records.noise_floor import NoiseFloorRecord
 from difftest.records.report import EngineEntry, PromptComparison
 from difftest.records.timings import Timings
@@ -29,6 +30,7 @@ class CaseRecord:
     noise_floor: NoiseFloorRecord | None = None  # None: nothing compared
     wiring_inference: WiringInference | None = None  # `wiring: infer` cases (difftest.run.infer_case)
     timings: Timings | None = None  # where the case's time went, by phase (difftest.run.phase_clock)
+    memory_plan: MemoryPlanRecord | None = None  # the plan the pool followed (difftest.run.pool.EnginePool.plan_record)
 
     def to_dict(self) -> dict:
         return encode_fields(self)

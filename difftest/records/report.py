@@ -4,8 +4,9 @@
 Schema versions: `schema` names the kind of file ("difftest.report"), `schema_version` its layout.
 2: typed check data with a `kind`. 3 is this record: each prompt comparison's per-MoE-layer routing
 (`routing`, difftest.records.routing) and each noise-floor tensor's row counts and whether it counts as
-measured (difftest.records.noise_floor); a version-2 report is still read (those fields absent:
-no routing recorded, row counts "not recorded"). A report without `schema_version` is version 1,
+measured (difftest.records.noise_floor). 4: the memory plan the run followed (`memory_plan`,
+difftest.records.memory_plan). Versions 2 and 3 are still read (the later fields absent: no routing
+recorded, row counts "not recorded", no memory plan recorded). A report without `schema_version` is version 1,
 written before typed records: it is refused, naming the version and the command that writes it
 again (its `reproduce` line), rather than read with its untyped check data guessed at.
 """
@@ -19,6 +20,7 @@ from difftest.base.jsonfile import read_json
 from difftest.records.check_result import CheckResult
 from difftest.records.engine_info import EngineInfo
 from difftest.records.fields import decode, encode_fields, fail
+from difftest.records.memory_plan import MemoryPlanRecord
 from difftest.records.noise_floor import NoiseFloorRecord
 from difftest.records.routing import RoutingLayer
 from difftest.records.tensor_diff import TensorDiff
@@ -26,8 +28,8 @@ from difftest.records.wiring_inference import WiringInference
 from difftest.records.timings import Timings
 
 SCHEMA = "difftest.report"
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # 2 lacks only fields that have defaults (module docstring)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)  # 2 and 3 lack only fields that have defaults (module docstring)
 LEGACY_SCHEMA = "difftest.report/1"  # version 1 named its version in `schema` and had no schema_version
 
 
@@ -88,6 +90,7 @@ class Report:
         default_factory=list
     )  # every figure the report shows  # the run stopped before every check of the case ran
     timings: Timings | None = None  # where the case's time went, by phase (difftest.run.phase_clock)
+    memory_plan: MemoryPlanRecord | None = None  # schema 4; None: not recorded (older report, or no worker asked for)
 
     def results(self, engine: str, check: str | None = None) -> list[CheckResult]:
         return [c for c in self.checks if c.engine == engine and (check is None or c.check == check)]

@@ -35,6 +35,7 @@ from difftest.report.writer import (
     fixes,
     focus,
     interesting,
+    memory_plan_said,
     noise_cells,
     noise_floor_line,
     num,
@@ -539,6 +540,7 @@ def environment_rows(report: Report) -> list[str]:
         f"<tr><td>{escape(str(k))}</td><td><code>{escape(str(v))}</code></td></tr>"
         for k, v in report.environment.items()
     ]
+    h.append(f"<tr><td>memory plan</td><td>{escape(memory_plan_said(report))}</td></tr>")
     return h + ["</table>"]
 
 

@@ -1,4 +1,4 @@
-"""Per-case reports: JSON (a difftest.records.Report, schema difftest.report version 3), a Markdown digest and a self-contained
+"""Per-case reports: JSON (a difftest.records.Report, schema difftest.report version 4), a Markdown digest and a self-contained
 HTML page (difftest.report.html_report), written atomically. The JSON is the source: `difftest
 report PATH.json` re-renders the other two from it. Layout: reports/README.md.
 
@@ -63,6 +63,7 @@ def build(record: CaseRecord) -> Report:
         reproduce=reproduce_command(record.case_file, record.engine_ids, record.reference),
         case_yaml=record.case_yaml,
         timings=record.timings,
+        memory_plan=record.memory_plan,
     )
 
 
@@ -540,7 +541,15 @@ def environment_table(report: Report) -> list[str]:
             f"{env.get('python', '-')} |"
         )
         lines += ["", f"machine: {env.get('platform', '?')}; difftest git {env.get('git_sha', '?')}"]
-    return lines + [""]
+    return lines + ["", f"memory plan: {memory_plan_said(report)}", ""]
+
+
+NO_MEMORY_PLAN = "not recorded (no engine worker was asked to start, or a report before schema 4)"
+
+
+def memory_plan_said(report: Report) -> str:
+    """Which memory plan the run followed, and why (difftest.records.memory_plan)."""
+    return report.memory_plan.said() if report.memory_plan is not None else NO_MEMORY_PLAN
 
 
 def _details(summary: str, body: list[str]) -> list[str]:

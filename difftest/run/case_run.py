@@ -566,6 +566,7 @@ class CaseRun:
                 },
                 noise_floor=self._floor_record() if computed else None,
                 wiring_inference=self.inference(),
+                memory_plan=pool.plan_record(case),
             )
         record.timings = self.timings()
         return record

@@ -24,6 +24,7 @@ from difftest.base.paths import cache_root, import_root, log_file_name
 from difftest.base.registry import calibration_engine, engine_declared, engine_schema, engine_target
 from difftest.records.capture import Capture, CaptureCache, remove_partial
 from difftest.records.engine_info import EngineInfo
+from difftest.records.memory_plan import EngineNeed, MemoryPlanRecord
 from difftest.rules import engine_releases
 from difftest.run import engine_identity
 from difftest.run import memory_plan as mp
@@ -213,6 +214,20 @@ class EnginePool:
             self._plans[key] = mp.Plan(needs, self.memory_budget())
             self.progress(self._plans[key].line())
         return self._plans[key]
+
+    def plan_record(self, case: Case) -> MemoryPlanRecord | None:
+        """The plan `case` followed, as its report keeps it; None where none was made (no worker was
+        asked to start for it). Never makes one: a plan is made when a worker is asked for."""
+        plan = self._plans.get(case.path)
+        if plan is None:
+            return None
+        return MemoryPlanRecord(
+            all_at_once=plan.all_at_once,
+            needs=[EngineNeed(engine, need.host, need.gpu) for engine, need in plan.needs.items()],
+            budget_host_bytes=plan.budget.host,
+            budget_gpu_bytes=plan.budget.gpu,
+            budget_source=plan.budget.source,
+        )
 
     def one_at_a_time(self, case: Case) -> bool:
         """Whether `case`'s engines run one (or as many as fit) at a time: not all fit at once."""
