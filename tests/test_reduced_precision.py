@@ -9,6 +9,7 @@ failed "error introduced at target.h.1 ... 128x the threshold", cos 1.0000 (docs
 
 from __future__ import annotations
 
+import html
 import math
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from helpers import fixture_path, one_line
 from difftest.base.errors import ConfigError
 from difftest.case.case import load_case
 from difftest.checks.checks import run_check
+from difftest.records import CheckResult
+from difftest.report import writer
+from difftest.report.html_report import render as render_html
 from difftest.run.case_run import CaseRun
 from difftest.run.engine import parse_spec
 from difftest.run.pool import EnginePool, Options
@@ -162,6 +166,23 @@ def _run(
     return CaseRun(pool, load_case(path)), {s.id: s for s in specs}
 
 
+def _checker(run: CaseRun, specs: dict):
+    """check(name, engine) -> its verdict; check.report(*(name, engine)) -> the case's report of those items."""
+
+    def check(name: str, engine: str):
+        return run_check(name, run, specs[engine])
+
+    def report(*items: tuple[str, str]):
+        results = []
+        for name, engine in items:
+            v = check(name, engine)
+            results.append(CheckResult(engine, name, "passed" if v.passed else "failed", v.message, v.data))
+        return writer.build(run.record(results))
+
+    check.report = report  # type: ignore[attr-defined]
+    return check
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     run, specs = _run(
@@ -173,7 +194,7 @@ def llama(tmp_path_factory):
         "float32",
         [TF32, "ref[matmul=bf16]"],
     )
-    yield lambda check, engine: run_check(check, run, specs[engine])
+    yield _checker(run, specs)
     run.pool.close()
 
 
@@ -189,7 +210,7 @@ def declared(tmp_path_factory):
         [TF32, "ref[wiring=h3+h5+h6,matmul=tf32]"],
         'precision: {"ref[matmul=tf32]": tf32, "ref[wiring=h3+h5+h6,matmul=tf32]": tf32}\n',
     )
-    yield lambda check, engine: run_check(check, run, specs[engine])
+    yield _checker(run, specs)
     run.pool.close()
 
 
@@ -234,6 +255,31 @@ def test_a_declared_precision_judges_the_engine_against_that_precisions_floor(de
     if check != "top1_agreement":
         assert "noise floor measured: ref[matmul=tf32] in float32 vs float64 over 2 prompts" in v.message
         assert "declared precision tf32 for ref[matmul=tf32]" in v.message
+
+
+def test_the_reports_floor_section_names_each_declared_precision_and_its_floor(declared):
+    r = declared.report(("fc_inputs", TF32), ("fc_inputs", "ref[wiring=h3+h5+h6,matmul=tf32]"))
+    shown = {d.engine: d for d in r.noise_floor.declared}
+    assert set(shown) == {TF32, "ref[wiring=h3+h5+h6,matmul=tf32]"}
+    assert shown[TF32].precision == "tf32" and shown[TF32].measured
+    assert shown[TF32].source.startswith("measured: ref[matmul=tf32] in float32 vs float64 over 2 prompts")
+    assert r.noise_floor.source.startswith("measured: ref in float32 vs float64")  # the case's own, beside them
+    line = (
+        "declared precision: `ref[matmul=tf32]` in tf32 (the case's `precision:`), judged against that format's "
+        "floor (measured): measured: ref[matmul=tf32] in float32 vs float64 over 2 prompts"
+    )
+    assert any(ln.startswith(f"- {line}") for ln in writer.markdown(r).splitlines())
+    assert html.escape(line) in render_html(r)
+
+
+def test_the_fed_vs_trained_line_says_a_reduced_precision_engine_computes_below_float32(llama):
+    line = writer.fed_line(llama.report(("fc_inputs", TF32)))
+    assert "fc inputs diverge" not in line
+    assert line == (
+        "**Fed vs trained**: `ref[matmul=tf32]`: ref[matmul=tf32]'s target computes below float32 (consistent with "
+        'TF32 matmuls); not a wiring divergence; declare `precision: {"ref[matmul=tf32]": tf32}` in the case if '
+        "this is how it serves."
+    )
 
 
 def test_a_miswired_engine_with_a_declared_precision_still_fails_with_its_cause(declared):

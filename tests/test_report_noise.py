@@ -5,6 +5,7 @@ the case's run stands on a stub pool and its comparisons are built by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,7 +70,7 @@ class StubPool:
     """The engines as a case's run asks them for its record: each says its name, none failed to start."""
 
     def __init__(self):
-        spec = lambda i: SimpleNamespace(id=i)  # noqa: E731
+        spec = lambda i: SimpleNamespace(id=i, key=i, name=i)  # noqa: E731
         self.options = SimpleNamespace(engines=[spec("ref"), spec("eng")], reference=spec("ref"))
         self.clock = PhaseClock()
 
@@ -104,7 +105,7 @@ class StubRun(CaseRun):
 def case(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("target: t\n")
-    return SimpleNamespace(name="c", path=str(path), dtype="float32")
+    return SimpleNamespace(name="c", path=str(path), dtype="float32", precision={})
 
 
 def build(case, run: StubRun) -> dict:
@@ -151,6 +152,41 @@ def test_report_records_the_cases_noise_floor(case):
     }
     assert r["noise_floor"]["tensors"]["draft.fc_out"]["threshold"] == 1e-5
     assert (r["schema"], r["schema_version"]) == ("difftest.report", 4)
+
+
+TF32_SOURCE = "measured: ref[matmul=tf32] in float32 vs float64 over 1 prompts"
+
+
+def test_report_names_each_declared_precision_floor_beside_the_cases_own(case):
+    case.precision = {"eng": "tf32"}
+    run = StubRun({"eng": [faulty()]})
+    run._precision_floors["tf32"] = dataclasses.replace(FLOOR, source=TF32_SOURCE)  # as eng's checks measured it
+    r = read(build(case, run))
+    assert [(d.engine, d.precision, d.measured, d.source) for d in r.noise_floor.declared] == [
+        ("eng", "tf32", True, TF32_SOURCE)
+    ]
+    assert r.noise_floor.source == FLOOR.source  # the case's own floor stays the section's first line
+    assert (
+        "- declared precision: `eng` in tf32 (the case's `precision:`), judged against that format's floor "
+        f"(measured): {TF32_SOURCE}"
+    ) in report.markdown(r).splitlines()
+
+
+def test_a_declared_precision_no_check_measured_says_its_floor_was_not_measured(case):
+    case.precision = {"eng": "bf16"}
+    r = read(build(case, StubRun({"eng": [faulty()]})))
+    [d] = r.noise_floor.declared
+    assert (d.engine, d.precision, d.measured, d.source) == (
+        "eng",
+        "bf16",
+        False,
+        "not measured: no tensor check of it ran",
+    )
+
+
+def test_a_case_without_a_declared_precision_records_none(case):
+    r = build(case, StubRun({"eng": [faulty()]}))
+    assert "declared" not in r["noise_floor"] and "declared precision" not in report.markdown(read(r))
 
 
 def test_report_records_why_the_noise_floor_could_not_be_computed(case):

@@ -9,6 +9,9 @@ NoiseFloor.to_dict wrote before the record existed: a floor that could not be co
 Report schema 3 added `router_margin_noise` and to each TensorFloor the rows captured (`total_rows`), whether the floor counts
 as measured on the rows it stands on (`measured`) and, where it does not, why (`source`); a schema-2
 report's floors read back with total_rows None ("not recorded"), measured True and no source.
+Report schema 4 added `declared`: the floor each engine the case declares a matmul precision for
+(`precision: {ENGINE: tf32|bf16}`) is judged against instead (difftest.run.case_run.CaseRun.noise_floor_for);
+absent where the case declares none, and in older reports.
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ class TensorFloor:
 
 
 @dataclass
+class DeclaredFloor:
+    """The floor one engine is judged against because the case declares the matmul format it serves in."""
+
+    engine: str  # its spec id
+    precision: str  # the declared format (tf32, bf16)
+    measured: bool
+    source: str  # how that floor was obtained ("measured: ref[matmul=tf32] in float32 vs float64 ..."), or why not
+
+
+@dataclass
 class NoiseFloorRecord:
     dtype: str | None
     measured: bool
@@ -45,6 +58,8 @@ class NoiseFloorRecord:
     error: str | None = None  # why it could not be computed (the exception, every line)
     # MoE layer k -> routing-margin noise (report schema 3); None: not measured (no run recorded its experts)
     router_margin_noise: dict[str, float] | None = None
+    # the declared-precision floors, by engine (report schema 4); None: the case declares no precision
+    declared: list[DeclaredFloor] | None = None
 
     def to_dict(self) -> dict:
-        return encode_fields(self, omit_none=("router_noise", "constants", "error", "router_margin_noise"))
+        return encode_fields(self, omit_none=("router_noise", "constants", "error", "router_margin_noise", "declared"))

@@ -5,7 +5,7 @@ Schema versions: `schema` names the kind of file ("difftest.report"), `schema_ve
 2: typed check data with a `kind`. 3 is this record: each prompt comparison's per-MoE-layer routing
 (`routing`, difftest.records.routing) and each noise-floor tensor's row counts and whether it counts as
 measured (difftest.records.noise_floor). 4: the memory plan the run followed (`memory_plan`,
-difftest.records.memory_plan). Versions 2 and 3 are still read (the later fields absent: no routing
+difftest.records.memory_plan) and the noise floor's declared-precision floors (`noise_floor.declared`). Versions 2 and 3 are still read (the later fields absent: no routing
 recorded, row counts "not recorded", no memory plan recorded). A report without `schema_version` is version 1,
 written before typed records: it is refused, naming the version and the command that writes it
 again (its `reproduce` line), rather than read with its untyped check data guessed at.

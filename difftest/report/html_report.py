@@ -27,6 +27,7 @@ from difftest.report.writer import (
     INTERRUPTED,
     above_noise,
     accept_line,
+    declared_floor_lines,
     fed_line,
     fix_line,
     portable,
@@ -289,6 +290,7 @@ def noise_section(report: Report) -> list[str]:
         "<h2 id='noise'>Error against the noise floor</h2>",
         f"<p class='noise-source' id='noise-source'>{escape(noise_floor_line(report))}</p>",
     ]
+    h += [f"<p class='noise-source'>{escape(line)}</p>" for line in declared_floor_lines(report)]
     nf = report.noise_floor
     if nf is not None and nf.tensors:
         h.append(

@@ -261,6 +261,19 @@ def noise_floor_line(report: Report) -> str:
     return line
 
 
+def declared_floor_lines(report: Report) -> list[str]:
+    """Each engine the case declares a matmul precision for (`precision:`), the format and the floor it
+    is judged against instead of the case's (difftest.run.case_run.CaseRun.noise_floor_for)."""
+    nf = report.noise_floor
+    if nf is None or not nf.declared:
+        return []
+    return [
+        f"declared precision: `{d.engine}` in {d.precision} (the case's `precision:`), judged against that "
+        f"format's floor ({'measured' if d.measured else 'NOT measured'}): {d.source}"
+        for d in nf.declared
+    ]
+
+
 FEW_SHOWN = 6  # floors on too few rows listed in the Markdown; the rest in the JSON and the HTML
 
 
@@ -313,6 +326,9 @@ def markdown_noise(report: Report) -> list[str]:
     if not comparisons:
         return []
     lines = ["## Error against the noise floor", "", _md(noise_floor_line(report)), ""]
+    declared = declared_floor_lines(report)
+    if declared:
+        lines += [f"- {_md(line)}" for line in declared] + [""]
     rows_lines = floor_rows_lines(report)
     if rows_lines:
         lines += rows_lines + [""]
@@ -471,6 +487,8 @@ def fed_line(report: Report) -> str:
         trained = [m.expected for m in data.fc_chunks or []]
         if data.fed:
             wrong.append(f"`{c.engine}` fed fc {_wiring(data.fed)}, the draft was trained on {_wiring(trained)}")
+        elif data.precision:  # reduced-precision drift (difftest.compare.diagnose.reduced_precision): no wiring fault
+            wrong.append(f"`{c.engine}`: {_precision_said(data.precision)}")
         elif data.first_divergence:
             wrong.append(f"`{c.engine}` fc inputs diverge at `{data.first_divergence}`")
     if wrong:
@@ -479,6 +497,14 @@ def fed_line(report: Report) -> str:
     if compared:
         return "**Fed vs trained**: " + ", ".join(f"`{e}`" for e in compared) + " fed fc what the draft was trained on."
     return "**Fed vs trained**: fc inputs not compared in this run."
+
+
+def _precision_said(finding: str) -> str:
+    """The reduced-precision finding without its figures: "ENGINE's target computes below float32
+    (consistent with TF32 matmuls), not a wiring divergence; declare ..." (the figures are in the check's message)."""
+    head, sep, rest = finding.partition(": rel err ")
+    _, tail_sep, tail = rest.partition("); not a wiring")
+    return f"{head}){tail_sep[1:]}{tail}" if sep and tail_sep else finding
 
 
 def accept_line(report: Report) -> str:

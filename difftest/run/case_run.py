@@ -30,7 +30,7 @@ from difftest.records.case_record import CaseRecord
 from difftest.records.check_result import CheckResult
 from difftest.records.check_data import ReplayRow
 from difftest.records.engine_info import EngineInfo
-from difftest.records.noise_floor import NoiseFloorRecord
+from difftest.records.noise_floor import DeclaredFloor, NoiseFloorRecord
 from difftest.records.report import EngineEntry, PromptComparison
 from difftest.records.tensor_diff import TensorDiff
 from difftest.records.timings import Timings
@@ -575,12 +575,29 @@ class CaseRun:
         """The case's noise floor as its report shows it (measured already once any engine was
         compared); should computing it fail, the report says why instead of failing."""
         try:
-            return self.noise_floor().record()
+            record = self.noise_floor().record()
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             return NoiseFloorRecord(
                 self.case.dtype, False, f"could not be computed ({error.splitlines()[0]})", error=error
             )
+        record.declared = self._declared_floors()
+        return record
+
+    def _declared_floors(self) -> list[DeclaredFloor] | None:
+        """The floor each engine with a declared matmul precision was judged against (noise_floor_for),
+        as measured for its checks; never measured here (a floor no check asked for says so)."""
+        out = []
+        for spec in self.options.engines:
+            precision = self.declared_precision(spec)
+            if precision is None:
+                continue
+            floor = self._precision_floors.get(precision)
+            if floor is None:
+                out.append(DeclaredFloor(spec.id, precision, False, "not measured: no tensor check of it ran"))
+            else:
+                out.append(DeclaredFloor(spec.id, precision, floor.measured, floor.source))
+        return out or None
 
 
 def _read_text(path: str) -> str:
