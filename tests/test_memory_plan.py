@@ -261,6 +261,16 @@ def test_a_calibration_too_large_for_the_budget_is_refused_and_the_reference_kee
     assert pool.log == [("start", "ref")] and pool.start_error(REF) is None
 
 
+def test_the_float64_calibrations_plan_counts_only_the_engine_that_calibrates(case):
+    lines: list = []
+    pool = stub_pool("10GB", lines)
+    serve_case(pool, case)
+    pool.client(REF, calibration_case(case))
+    plans = [ln for ln in lines if ln.startswith("memory plan:")]
+    assert len(plans) == 2 and FAKE.id in plans[0]
+    assert plans[1].startswith("memory plan: ref ") and FAKE.id not in plans[1]
+
+
 def test_a_malformed_budget_in_the_environment_fails_the_first_start_as_a_configuration_error(case, monkeypatch):
     monkeypatch.setenv(mp.BUDGET_ENV, "lots")
     pool = StubPool(Options(engines=[REF], reference=REF))

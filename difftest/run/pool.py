@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
+from difftest.base.dtypes import CALIBRATION
 from difftest.base.errors import ConfigError, DifftestError, EngineError
 from difftest.base.paths import cache_root, import_root, log_file_name
 from difftest.base.registry import calibration_engine, engine_declared, engine_schema, engine_target
@@ -208,6 +209,8 @@ class EnginePool:
         if key not in self._plans:
             calibrating = self.calibration_spec()
             specs = [s for s in self.options.engines if s.id not in self._stored]
+            if case.dtype == CALIBRATION.value:
+                specs = []  # the float64 calibration case: only the calibrating engine runs it
             if calibrating.id not in [s.id for s in specs]:
                 specs.append(calibrating)
             needs = {s.id: self._need(s, case, self._loads(s, case, s.id == calibrating.id)) for s in specs}
