@@ -20,7 +20,9 @@ Weights: fan-in scaled normals (std 1/sqrt(fan_in); embeddings std 1; lm_head st
 weights U(0.8, 1.2)), so every layer moves the residual stream and logits are not flat. Drafts:
 `fit_draft` (difftest_engines/ref/train.py train_draft from init_draft, FIT_STEPS steps) on the float32
 target's greedy continuations of the cases' 10 prompts; d2t from those labels. Saved float32 (bf16 runs load them as bf16); no tokenizer
-(cases give prompts as ids; vLLM and SGLang run with skip_tokenizer_init).
+(cases give prompts as ids; vLLM and SGLang run with skip_tokenizer_init). The bf16 cases (FITTED_DTYPES) serve
+drafts fitted the same way to the target with its weights rounded to bf16 (what every engine loads): fitted to
+the float32 target, the bf16 Llama accepts 2.556 against 3.593 in float32; fitted to the rounded one, 3.519.
 
 Each target directory (cached under ${DIFFTEST_CACHE:-~/.cache/difftest}/independent/<name>-<key>,
 key = content hash of the spec and builder version; built in a temp dir and renamed into place):
@@ -33,6 +35,8 @@ key = content hash of the spec and builder version; built in a temp dir and rena
   draft-no-d2t/         the same weights without d2t/t2d: difftest_engines/ref/draft_loading.py load_draft then maps
                         draft id d to target id d (d2t all 0, "draft ids map to the first target ids"),
                         as vLLM (draft_id_to_target_id stays zeros) and SGLang (hot_token_id None) do
+  fit-bf16-v2/          draft/, draft-h0/, draft-nbr-flipped/, draft-no-d2t/ fitted to the bf16-rounded target
+                        (BuiltModel.fitted_for, built on first use; the bf16 cases and their exports serve them)
 
 Correct wiring per engine (`write_cases`): vLLM reads config id k as h[k] (no override); SGLang 0.5.23
 Llama/Qwen3 read eagle_config id k as h[k+1], so their cases give SGLang ids k-1 through
@@ -222,26 +226,42 @@ TARGETS: dict[str, TargetSpec] = {
 class BuiltModel:
     spec: TargetSpec
     root: Path
+    fit: str = ""  # the subfolder holding the drafts fitted for one dtype ("": those fitted in float32)
 
     @property
     def target(self) -> Path:
         return self.root / "target"
 
     @property
+    def drafts(self) -> Path:
+        return self.root / self.fit if self.fit else self.root
+
+    @property
     def draft(self) -> Path:
-        return self.root / "draft"
+        return self.drafts / "draft"
 
     @property
     def draft_nbr_flipped(self) -> Path:
-        return self.root / "draft-nbr-flipped"
+        return self.drafts / "draft-nbr-flipped"
 
     @property
     def draft_h0(self) -> Path:
-        return self.root / "draft-h0"
+        return self.drafts / "draft-h0"
 
     @property
     def draft_no_d2t(self) -> Path:
-        return self.root / "draft-no-d2t"
+        return self.drafts / "draft-no-d2t"
+
+    def fitted_for(self, dtype: str) -> "BuiltModel":
+        """The same target with the drafts its `dtype` cases serve (FITTED_DTYPES: fitted to the target as
+        that dtype rounds it, built on first use; else the float32 fits)."""
+        if dtype not in FITTED_DTYPES:
+            return self
+        sub = f"fit-{DTYPE_TAG[dtype]}-v{FIT_VERSION}"
+        from difftest_fixtures.cache import build_once
+
+        build_once(self.root / sub, lambda tmp: _build_fit(self.spec, self.target, dtype, tmp))
+        return BuiltModel(self.spec, self.root, sub)
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,6 +388,10 @@ def build_draft(spec: TargetSpec, target):
 
 
 FIT_STEPS = 150
+# dtypes whose cases serve drafts fitted to the target rounded to that dtype (BuiltModel.fitted_for);
+# FIT_VERSION names their cached subfolder (bump it when _build_fit changes)
+FITTED_DTYPES = ("bfloat16",)
+FIT_VERSION = 2  # 2: the drafts ship the float32 embedding
 
 
 @torch.no_grad()
@@ -422,10 +446,6 @@ def fit_draft(spec: TargetSpec, target, wiring: list[int], data: torch.Tensor):
 
 
 def _build(spec: TargetSpec, out: Path) -> None:
-    from safetensors.torch import load_file, save_file
-
-    from difftest_engines.ref.train import save_eagle_format
-
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -436,12 +456,37 @@ def _build(spec: TargetSpec, out: Path) -> None:
         if spec.family == "deepseek":
             cfg["moe_layer_freq"] = 1
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-        data = _continuations(spec, target)
-        draft = fit_draft(spec, target, list(spec.trained), data)
-        h0 = [0, *spec.trained[:2]]
-        save_eagle_format(fit_draft(spec, target, h0, data), out / "draft-h0", h0)
+        _fit_drafts(spec, target, out)
     finally:
         torch.set_num_threads(before)
+    ids = list(spec.trained)
+    meta = {
+        "spec": asdict(spec),
+        "key": spec.key(),
+        "builder_version": BUILDER_VERSION,
+        "trained": [f"target.h.{k}" for k in ids],
+        "vllm_ids": ids,
+        "sglang_ids": spec.sglang_ids(),
+    }
+    (out / "model.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _fit_drafts(spec: TargetSpec, target, out: Path, embed: torch.Tensor | None = None) -> None:
+    """The drafts (draft/, draft-h0/ and the variants) fitted to `target`'s continuations, under out.
+    embed: the embedding they ship instead of `target`'s own (frozen in the fit)."""
+    from safetensors.torch import load_file, save_file
+
+    from difftest_engines.ref.train import save_eagle_format
+
+    data = _continuations(spec, target)
+    draft = fit_draft(spec, target, list(spec.trained), data)
+    h0 = [0, *spec.trained[:2]]
+    draft_h0 = fit_draft(spec, target, h0, data)
+    if embed is not None:
+        with torch.no_grad():
+            for d in (draft, draft_h0):
+                d.embed_tokens.weight.copy_(embed)
+    save_eagle_format(draft_h0, out / "draft-h0", h0)
     ids = list(spec.trained)
     save_eagle_format(draft, out / "draft", ids)
     # same weights, norm_before_residual flipped in the config
@@ -455,15 +500,30 @@ def _build(spec: TargetSpec, out: Path) -> None:
     shutil.copy(out / "draft" / "config.json", out / "draft-no-d2t" / "config.json")
     w = {k: v for k, v in load_file(str(out / "draft" / "model.safetensors")).items() if k not in ("d2t", "t2d")}
     save_file(w, str(out / "draft-no-d2t" / "model.safetensors"), metadata={"format": "pt"})
-    meta = {
-        "spec": asdict(spec),
-        "key": spec.key(),
-        "builder_version": BUILDER_VERSION,
-        "trained": [f"target.h.{k}" for k in ids],
-        "vllm_ids": ids,
-        "sglang_ids": spec.sglang_ids(),
-    }
-    (out / "model.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _build_fit(spec: TargetSpec, target_dir: Path, dtype: str, out: Path) -> None:
+    """Drafts fitted to the target as a `dtype` case serves it: its weights rounded to `dtype` (what every
+    engine loads from the float32 checkpoint), computed in float32. The float32 fits learn the unrounded
+    target's continuations, which the rounded one leaves (stop 34: bf16 Llama accepts 2.56 against 3.59)."""
+    from transformers import AutoModelForCausalLM
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+        # the drafts ship the checkpoint's float32 embedding, as the float32 fits do (the lint holds a draft
+        # to the target's, [embedding-substituted]); an engine rounds both to the same `dtype` rows
+        embed = target.get_input_embeddings().weight.detach().clone()
+        with torch.no_grad():
+            for p in target.parameters():
+                p.copy_(p.to(getattr(torch, dtype)).float())
+            for n, b in target.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    b.copy_(b.to(getattr(torch, dtype)).float())
+        _fit_drafts(spec, target, out, embed)
+    finally:
+        torch.set_num_threads(before)
 
 
 def ensure_model(name: str, log=print) -> BuiltModel:
@@ -563,9 +623,10 @@ def write_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=print) -> 
     cases_dir = Path(cases_dir)
     cases_dir.mkdir(parents=True, exist_ok=True)
     out = []
-    for tname, model in ensure_models(names, log).items():
-        spec = model.spec
+    for tname, built in ensure_models(names, log).items():
+        spec = built.spec
         for dtype in dtypes:
+            model = built.fitted_for(dtype)
             name = case_name(spec, dtype)
             sg = spec.sglang_ids()
             how = (
@@ -575,7 +636,8 @@ def write_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=print) -> 
             )
             desc = (
                 f"Independent random-weight {tname} ({spec.family}, {spec.num_layers} layers, hidden {spec.hidden}, "
-                f"seed {spec.seed}) with an EAGLE-3 draft fitted on {_short(spec.trained)}: "
+                f"seed {spec.seed}) with an EAGLE-3 draft fitted on {_short(spec.trained)} "
+                f"(to the target's continuations{' as ' + dtype + ' rounds it' if model.fit else ''}): "
                 f"config ids {list(spec.trained)} (vLLM id k -> h[k]); {how}. {dtype}, default tolerances."
             )
             path = cases_dir / f"{name}.yaml"
@@ -606,11 +668,11 @@ class Miswire:
             return [0, *spec.trained[:2]]
         return list(spec.trained)
 
-    def engine_spec(self, spec: TargetSpec) -> str:
+    def engine_spec(self, spec: TargetSpec, dtype: str = "float32") -> str:
         t = spec.trained
         paths = {}
-        if "{draft_" in self.engine:  # engine-side variants: the draft variant's directory
-            model = ensure_model(spec.name, log=lambda _: None)
+        if "{draft_" in self.engine:  # engine-side variants: the draft variant's directory (the dtype's fit)
+            model = ensure_model(spec.name, log=lambda _: None).fitted_for(dtype)
             paths = {"draft_nbr_flipped": model.draft_nbr_flipped, "draft_no_d2t": model.draft_no_d2t}
         return self.engine.format(off=_h(k + 1 for k in t), rev=_h(reversed(t)), trained=_h(t), **paths)
 
@@ -681,8 +743,9 @@ def write_miswired_cases(cases_dir: str | Path, names=None, dtypes=DTYPES, log=p
     cases_dir.mkdir(parents=True, exist_ok=True)
     out = []
     suffixes = {m.case_suffix: m for m in MISWIRES if m.case_suffix}
-    for tname, model in ensure_models(names, log).items():
+    for tname, built in ensure_models(names, log).items():
         for dtype in dtypes:
+            model = built.fitted_for(dtype)
             for suffix, m in suffixes.items():
                 name = case_name(model.spec, dtype, suffix)
                 wiring = m.case_wiring(model.spec)
@@ -887,15 +950,16 @@ def write_export_miswired_cases(
     cases_dir, exports_dir = Path(cases_dir), Path(exports_dir)
     cases_dir.mkdir(parents=True, exist_ok=True)
     out = []
-    for tname, model in ensure_models(names, log).items():
-        spec = model.spec
+    for tname, built in ensure_models(names, log).items():
+        spec = built.spec
         for m in EXPORT_MISWIRES:
-            served, as_trained = _write_export(m, model, exports_dir / tname / m.name)
-            expect = {
-                e: expectation(m, spec, e, served, model.target, as_trained or model.draft) for e in SERVING_ENGINES
-            }
             wiring = training_wiring(m, spec)
             for dtype in dtypes:
+                model = built.fitted_for(dtype)  # each dtype's export is made from the draft its cases serve
+                served, as_trained = _write_export(m, model, exports_dir / tname / model.fit / m.name)
+                expect = {
+                    e: expectation(m, spec, e, served, model.target, as_trained or model.draft) for e in SERVING_ENGINES
+                }
                 name = case_name(spec, dtype, f"_x_{m.name}")
                 desc = (
                     f"Miswired export {m.name} of {tname}: {m.description}. The draft was trained on "
@@ -965,4 +1029,6 @@ if __name__ == "__main__":
     if unknown:
         print(f"independent_models.py: no target {unknown[0]!r}; known: {', '.join(TARGETS)}", file=sys.stderr)
         raise SystemExit(2)
-    ensure_models(names)
+    for built in ensure_models(names).values():
+        for dtype in FITTED_DTYPES:
+            built.fitted_for(dtype)
