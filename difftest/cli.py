@@ -274,22 +274,22 @@ def _report_parsers(sub) -> None:
                 return getattr(bundle, name)(args)
             except DifftestError as e:
                 print(f"difftest {args.command}: {e}", file=sys.stderr)
-                return 2
+                return exit_codes.TROUBLE
             except OSError as e:  # a write the checks up front could not foresee (a full disk): nothing is left
                 print(f"difftest {args.command}: {e.filename or args.json}: {e.strerror or e}", file=sys.stderr)
-                return 2
+                return exit_codes.TROUBLE
             except RecursionError:  # JSON nested deeper than Python's parser recurses (no report is)
                 print(
                     f"difftest {args.command}: {args.json}: not a difftest report (JSON nested too deeply to read)",
                     file=sys.stderr,
                 )
-                return 2
+                return exit_codes.TROUBLE
             except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
                 # valid JSON whose nested fields are missing or of the wrong kind (hand-edited, truncated
                 # by another tool): one line naming the file, not a traceback
                 what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
                 print(f"difftest {args.command}: {args.json}: not a complete difftest report ({what})", file=sys.stderr)
-                return 2
+                return exit_codes.TROUBLE
 
         return run
 

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from difftest.base.cli_args import deprecated_alias
-from difftest.base.exit_codes import USAGE
+from difftest.base.exit_codes import TROUBLE, USAGE
 from difftest.base.errors import ConfigError, DifftestError
 from difftest.base.outputs import atomic_write, check_output_dir, check_output_file
 from difftest.base.registry import calibration_engine
@@ -469,7 +469,7 @@ def run(args: argparse.Namespace) -> int:
             verify(fixed, args, out_dir)
         except (DifftestError, OSError, ValueError, KeyError) as e:  # a patched case or report unreadable
             print(f"difftest fix: verifying: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
+            return TROUBLE
     for i, result in enumerate(results):
         if i:
             print()
@@ -481,5 +481,5 @@ def run(args: argparse.Namespace) -> int:
                 json.dumps(dataclasses.asdict(result), indent=1) + "\n",
             )
     if bad_input:
-        return 2
+        return TROUBLE
     return 1 if any(r.impossible or r.verified is False for r in results) else 0

@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from difftest.base import exit_codes
 from difftest.base.errors import ConfigError, DifftestError
 from difftest.base.outputs import atomic_write
 from difftest.base.registry import registered_engines
@@ -16,7 +17,7 @@ from difftest.base.settings import unknown_key
 from difftest.rules import engine_releases
 from difftest.rules.layer_rules import target_family
 from difftest.run.discover_rules import difference, discover
-from difftest.run.engine import parse_spec
+from difftest.run.engine import EngineSpec, parse_spec
 from difftest.run.case_run import resolve_fixture
 from difftest.rules.layer_rules import spec_variant
 
@@ -48,16 +49,25 @@ def add_parser(sub) -> None:
     d.set_defaults(handler=main)
 
 
+def _arguments(args: argparse.Namespace) -> tuple[EngineSpec, dict[str, str]]:
+    """The engine spec and --engine-python's interpreters; ConfigError in one line naming the bad one."""
+    spec = parse_spec(args.engine)
+    engines = registered_engines()
+    if spec.name not in engines:
+        raise unknown_key("engine", spec.name, engines, "engine")
+    bad = [p for p in args.engine_python if "=" not in p]
+    if bad:
+        raise ConfigError(f"--engine-python: {bad[0]!r} is not NAME=PATH")
+    return spec, dict(p.split("=", 1) for p in args.engine_python)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        spec = parse_spec(args.engine)
-        engines = registered_engines()
-        if spec.name not in engines:
-            raise unknown_key("engine", spec.name, engines, "engine")
-        pythons = dict(p.split("=", 1) for p in args.engine_python if "=" in p)
-        bad = [p for p in args.engine_python if "=" not in p]
-        if bad:
-            raise ConfigError(f"--engine-python: {bad[0]!r} is not NAME=PATH")
+        spec, pythons = _arguments(args)
+    except ConfigError as e:  # a bad argument value: a usage error, as the parser's own
+        print(f"difftest rules discover: {e}", file=sys.stderr)
+        return exit_codes.USAGE
+    try:  # from here on the command could not answer (an unreadable model, the engine failed)
         target = resolve_fixture(args.target) if args.target.startswith("fixture:") else args.target
         draft = resolve_fixture(args.draft) if args.draft.startswith("fixture:") else args.draft
         with tempfile.TemporaryDirectory(prefix="difftest-rules-") as work:
@@ -77,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
         )
     except DifftestError as e:
         print(f"difftest rules discover: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.TROUBLE
     out = args.out / f"{spec.id.replace('/', '_')}.json"
     diff = difference(found, known) if known is not None else None
     record = {**found.to_dict(), "compared_with": known.label if known else None, "differences": diff}

@@ -15,6 +15,7 @@ import pytest
 from test_engine_vllm import vllm_python
 from test_upgrade_real_releases import OLD_SGLANG, _python
 
+from difftest.base import exit_codes
 from helpers import ROOT
 
 
@@ -86,7 +87,7 @@ def test_a_target_too_shallow_to_probe_is_one_line(tmp_path):
         text=True,
         timeout=600,
     )
-    assert done.returncode == 2
+    assert done.returncode == exit_codes.TROUBLE  # the command could not answer
     assert "discovery needs a target of at least 6 layers" in done.stderr and "Traceback" not in done.stderr
 
 
@@ -97,7 +98,7 @@ def test_a_target_too_shallow_to_probe_is_one_line(tmp_path):
         (["rules", "discover", "vlm"], "unknown engine"),
     ],
 )
-def test_bad_input_is_one_line(tmp_path, argv, words):
+def test_a_bad_argument_is_a_usage_error_in_one_line(tmp_path, argv, words):
     done = subprocess.run(
         [sys.executable, "-m", "difftest.cli", *argv, "--out", str(tmp_path)],
         cwd=ROOT,
@@ -105,4 +106,4 @@ def test_bad_input_is_one_line(tmp_path, argv, words):
         text=True,
         timeout=600,
     )
-    assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == exit_codes.USAGE and words in done.stderr and "Traceback" not in done.stderr

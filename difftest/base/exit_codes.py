@@ -3,6 +3,12 @@ a CI tells a regression from a typo in a case file from an engine that never sta
 
 pytest's own codes are kept where they already mean one of these (1, 3, 4, 5): a `pytest.UsageError`
 leaves pytest before the plugin can rewrite anything, so a usage error has to be pytest's 4.
+
+The other commands (report, bundle, fix, rules, versions, env create, probe and the engine packages'
+train-acc, dump, infer-wiring, preview) answer a question: 0 and 1 are their answer (`fix`: fixed or
+not; `probe`: the server passes or not), and TROUBLE, 2 as in diff and grep, says the command could
+not answer: its input or output could not be used, or the engine it drove failed, in one line that
+names which. A misspelt option or bad option value is USAGE for every command (difftest.base.cli_args).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from dataclasses import dataclass
 
 OK = 0
 REGRESSION = 1  # a check failed: an engine diverges from the reference (or from a baseline)
+TROUBLE = 2  # a command other than run could not answer (module docstring): never from run or pytest
 INTERNAL = 3  # pytest's: a harness bug
 USAGE = 4  # a bad option or option value (pytest's UsageError, and every difftest command's parser)
 NO_CASES = 5  # pytest's: nothing collected
@@ -34,6 +41,11 @@ TABLE: tuple[ExitCode, ...] = (
     ExitCode(REGRESSION, "regression: a check failed"),
     ExitCode(INTERNAL, "internal error in difftest (a harness bug)"),
     ExitCode(NO_CASES, "no case was collected"),
+    ExitCode(
+        TROUBLE,
+        "not from run: another command (report, bundle, fix, rules, versions, env, probe, ...) could not "
+        "answer: its input or output could not be used, or its engine failed",
+    ),
     ExitCode(OK, "every check passed (or was skipped by choice)"),
 )
 

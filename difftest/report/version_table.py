@@ -20,6 +20,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from difftest.rules import engine_releases
+from difftest.base import exit_codes
 from difftest.base.errors import ConfigError, DifftestError
 from difftest.base.jsonfile import read_json
 from difftest.records.check_data import AcceptLengthData, ServerAcceptData
@@ -133,12 +134,12 @@ def run(args: argparse.Namespace) -> int:
         found = [c for r in read_reports([Path(d) for d in args.reports]) for c in cells(r)]
     except DifftestError as e:
         print(str(e), file=sys.stderr)
-        return 2
+        return exit_codes.TROUBLE
     if not found:
         print(
             "difftest versions: the reports compare no engine release (run them with --engines=ref,sglang@OLD,sglang,...)",
             file=sys.stderr,
         )
-        return 2
+        return exit_codes.TROUBLE
     print("\n".join(markdown(found)))
     return 0

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from difftest.rules import engine_releases
 from difftest.run.engine import parse_spec
+from difftest.base import exit_codes
 from difftest.base.errors import ConfigError
 from difftest.base.paths import ENV_BUILT_MARK
 from difftest.base.paths import cache_root
@@ -260,6 +261,10 @@ def main(args) -> int:
     """`difftest env create ENGINE[==VERSION] [--label L] [--dry-run]`."""
     try:
         p = plan(args.requirement, args.label)
+    except ConfigError as e:  # ENGINE[==VERSION] or --label unusable: a bad argument value
+        print(str(e), file=sys.stderr)
+        return exit_codes.USAGE
+    try:
         print(
             f"{p.engine}=={p.version}{'' if p.version == p.pinned else f' (pinned: {p.pinned})'} -> {p.directory}"
             f"{' (built)' if p.built else ''}; link {p.link}"
@@ -267,9 +272,9 @@ def main(args) -> int:
         if args.dry_run:
             return 0
         python = create(p, log=lambda m: print(m, file=sys.stderr))
-    except ConfigError as e:
+    except ConfigError as e:  # the build failed: the command could not answer
         print(str(e), file=sys.stderr)
-        return 2
+        return exit_codes.TROUBLE
     print(f"use it with --engines={p.engine}@{p.label} (or --engine-python {p.engine}@{p.label}={python})")
     return 0
 

@@ -54,6 +54,17 @@ def server_spec_text(url: str, kind: str | None, timeout: float, model: str | No
     return f"server[{','.join(params)}]"
 
 
+def _seconds(text: str) -> float:
+    """--timeout's value, seconds > 0: argparse makes a refusal a usage error (exit 4), as any bad option value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, metavar="URL", help="http://HOST:PORT of the running server")
     p.add_argument("--case", required=True, help="the case whose target and draft the server runs (cases/NAME.yaml)")
@@ -61,7 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reference", default="ref", help="the engine that predicts (default: ref, the case's trained wiring)"
     )
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request to the server (default 120)")
+    p.add_argument(
+        "--timeout", type=_seconds, default=120.0, help="seconds per HTTP request to the server (default 120)"
+    )
     p.add_argument("--model", default=None, help="the served model's name when it is not the case's target path")
     p.add_argument("--out", dest="report_dir", default="reports", help="where the report goes (default: reports)")
     deprecated_alias(p, ["--report-dir"], "--out", "report_dir")
@@ -84,8 +97,6 @@ def main(args: argparse.Namespace) -> int:
     session = None
     try:
         check_output_dir(report_dir, "--out")  # before the server and the reference are asked anything
-        if args.timeout <= 0:
-            raise DifftestError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
         case = load_case(args.case)
         server = parse_spec(server_spec_text(args.server, args.kind, args.timeout, args.model))
         reference = parse_spec(args.reference)
