@@ -227,7 +227,8 @@ def test_missing_baseline_is_a_usage_error_listing_the_saved_ones(saved, shared_
 
 # -- units ---------------------------------------------------------------------------------------
 def test_scattered_logits_target_is_stored_as_its_columns_and_rebuilt_exactly():
-    from difftest.run.baseline import _pack, _scatter
+    from difftest.records.scattered import scatter as _scatter
+    from difftest.run.baseline import _pack
 
     logits = torch.randn(3, 4)
     full = torch.full((3, 9), float("-inf"))  # draft ids 0..3 are target ids 0, 2, 5, 7
@@ -240,7 +241,8 @@ def test_scattered_logits_target_is_stored_as_its_columns_and_rebuilt_exactly():
 
 
 def test_logits_target_that_is_not_an_exact_scatter_is_stored_as_is():
-    from difftest.run.baseline import _pack, _scatter
+    from difftest.records.scattered import scatter as _scatter
+    from difftest.run.baseline import _pack
 
     logits = torch.randn(3, 4)
     full = _scatter(logits, torch.tensor([0, 2, 5, 7]), 9)

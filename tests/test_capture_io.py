@@ -136,7 +136,7 @@ def test_failed_save_keeps_the_previous_capture(tmp_path, monkeypatch):
         (lambda d: (d / "manifest.json").write_text("{"), "invalid JSON"),
         (
             lambda d: (d / "manifest.json").write_text(json.dumps({"schema": "other/9", "tensors": [], "meta": {}})),
-            "schema 'other/9', expected 'difftest.capture/1'",
+            "schema 'other/9', expected 'difftest.capture/2'",
         ),
     ],
     ids=["no-manifest", "invalid-manifest", "wrong-schema"],

@@ -1,7 +1,10 @@
 """Capture records: named tensors in data-flow order plus the metadata to trust them.
 
 On disk a capture is one directory: `tensors.safetensors` and `manifest.json`
-(schema `difftest.capture/1`). Directories are written under a temporary name and
+(schema `difftest.capture/2`; /1, written before any tensor was stored reduced, still reads). A
+`*.logits_target` that its `*.logits` rebuild bit for bit is stored as its column index
+(difftest.records.scattered; its manifest entry names the source under `scatter`) and rebuilt on
+load: what a comparison reads is what was captured. Directories are written under a temporary name and
 renamed into place, so a reader never sees half a capture. The temporary name carries the
 writer's process id: what a writer killed mid-write (an engine worker's crash, a timeout's
 SIGKILL) leaves is removed by `remove_partial` once that process is gone.
@@ -26,12 +29,14 @@ import torch
 from difftest.base import names
 
 from difftest.base import tensorfile
+from difftest.records import scattered
 from difftest.base.errors import ConfigError
 from difftest.base.jsonfile import read_json
 from difftest.records.meta import SCHEMA_VERSION as META_VERSION
 from difftest.records.meta import CaptureMeta
 
-SCHEMA = "difftest.capture/1"
+SCHEMA = "difftest.capture/2"
+READABLE = ("difftest.capture/1", SCHEMA)  # /1: every tensor stored whole
 
 
 @dataclass
@@ -73,7 +78,8 @@ class Capture:
 
     @property
     def nbytes(self) -> int:
-        """The bytes its stored tensors hold (what a transfer moves)."""
+        """The bytes its tensors hold in memory (its file holds less where a scattered
+        `*.logits_target` is stored as its columns: difftest.records.scattered)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     # -- persistence -----------------------------------------------------------------
@@ -83,7 +89,8 @@ class Capture:
         tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(directory), dir=directory.parent))
         try:
             ordered = names.in_dataflow_order(self.tensors)
-            tensorfile.write(tmp / "tensors.safetensors", {n: self.tensors[n] for n in ordered})
+            stored, derived = scattered.pack({n: self.tensors[n] for n in ordered})
+            tensorfile.write(tmp / "tensors.safetensors", stored)
             manifest = {
                 "schema": SCHEMA,
                 "meta": self.meta.to_dict(),
@@ -92,6 +99,7 @@ class Capture:
                         "name": n,
                         "shape": list(self.tensors[n].shape),
                         "dtype": str(self.tensors[n].dtype).removeprefix("torch."),
+                        **({"scatter": derived[n]} if n in derived else {}),
                     }
                     for n in ordered
                 ],
@@ -111,18 +119,30 @@ class Capture:
         directory = Path(directory)
         manifest_path = directory / "manifest.json"
         manifest = read_json(manifest_path, "capture manifest")
-        if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+        if not isinstance(manifest, dict) or manifest.get("schema") not in READABLE:
             got = manifest.get("schema") if isinstance(manifest, dict) else None
             raise ConfigError(f"{manifest_path}: schema {got!r}, expected {SCHEMA!r}")
         meta = CaptureMeta.from_dict(manifest.get("meta", {}), str(manifest_path))
         flat = tensorfile.read(directory / "tensors.safetensors")
         if device != "cpu":
             flat = {n: t.to(device) for n, t in flat.items()}
-        order = [t["name"] for t in manifest["tensors"]]
-        missing = [n for n in order if n not in flat]
+        entries = manifest["tensors"]
+        order = [t["name"] for t in entries]
+        derived = {t["name"]: t["scatter"] for t in entries if "scatter" in t}
+        need = [n + scattered.COLUMNS_SUFFIX if n in derived else n for n in order] + list(derived.values())
+        missing = [n for n in need if n not in flat]
         if missing:
             raise ConfigError(f"{directory}: tensors listed in the manifest but absent: {', '.join(missing)}")
-        return cls({n: flat[n] for n in order}, meta)
+        vocab = {t["name"]: t["shape"][-1] for t in entries}
+        tensors = {
+            n: (
+                scattered.scatter(flat[derived[n]], flat[n + scattered.COLUMNS_SUFFIX], vocab[n])
+                if n in derived
+                else flat[n]
+            )
+            for n in order
+        }
+        return cls(tensors, meta)
 
 
 def partial_prefix(final: Path) -> str:

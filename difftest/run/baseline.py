@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from difftest.records.acceptance import AcceptStats
+from difftest.records import scattered
 from difftest.records.capture import Capture
 from difftest.case.case import Case
 from difftest.run.engine import EngineSpec
@@ -111,40 +111,11 @@ def case_fingerprint(case: Case) -> str:
     return hashlib.sha256(json.dumps(_content(parts), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _scatter_columns(src, full):
-    """The columns `full` ([n, V], -inf elsewhere) holds `src` ([n, v]) in, when that rebuilds it exactly."""
-    if (
-        full.dim() != 2
-        or src.dim() != 2
-        or full.shape[0] != src.shape[0]
-        or full.dtype != src.dtype
-        or not full.numel()
-    ):
-        return None
-    cols = torch.isfinite(full[0]).nonzero().flatten()
-    if cols.numel() != src.shape[1]:
-        return None
-    return cols if torch.equal(_scatter(src, cols, full.shape[1]), full) else None
-
-
-def _scatter(src, cols, vocab: int):
-    out = torch.full((src.shape[0], vocab), float("-inf"), dtype=src.dtype)
-    out[:, cols] = src
-    return out
-
-
 def _pack(tensors: dict) -> tuple[dict, dict[str, ScatteredLogits]]:
-    """(tensors to store, derived name -> how to rebuild it): only exact rebuilds are derived."""
-    stored, derived = {}, {}
-    for name, t in tensors.items():
-        src = name.removesuffix("_target")
-        cols = _scatter_columns(tensors[src], t) if name.endswith(".logits_target") and src in tensors else None
-        if cols is None:
-            stored[name] = t
-        else:
-            stored[name + "#columns"] = cols.to(torch.int32)
-            derived[name] = ScatteredLogits(scatter=src, vocab=t.shape[1])
-    return stored, derived
+    """(tensors to store, derived name -> how to rebuild it): only exact rebuilds are derived
+    (difftest.records.scattered, as captures store them)."""
+    stored, derived = scattered.pack(tensors)
+    return stored, {n: ScatteredLogits(scatter=src, vocab=tensors[n].shape[1]) for n, src in derived.items()}
 
 
 def _file_stem(engine_id: str) -> str:
@@ -365,7 +336,7 @@ class BaselineSource:
         for n in stored.tensors:
             if n in derived:
                 src = flat[f"p{index}/{derived[n].scatter}"]
-                tensors[n] = _scatter(src, flat[f"p{index}/{n}#columns"].long(), derived[n].vocab)
+                tensors[n] = scattered.scatter(src, flat[f"p{index}/{n}#columns"], derived[n].vocab)
             else:
                 tensors[n] = flat[f"p{index}/{n}"]
         meta = stored.meta

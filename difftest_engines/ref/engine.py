@@ -44,7 +44,8 @@ from difftest.api import STREAMED_FLOAT64
 # changes. 2: norms and rope keep float64 in the noise-floor run; MoE routers recorded (aux.router.*).
 # 3: the float64 run streamed layer by layer (the same tensors), its captures' notes say so.
 # 4: the routers' chosen expert ids recorded (aux.router.{k}.experts: routing compared row by row).
-CAPTURE_REVISION = 4
+# 5: draft.*logits_target stored as their columns (difftest.records.scattered; capture schema /2).
+CAPTURE_REVISION = 5
 
 # Draft flags a spec or case can override to compute the draft as an engine that reads them otherwise
 OVERRIDABLE_FLAGS = ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")
