@@ -6,7 +6,9 @@ Not part of the test suite (pyproject's testpaths is tests/). Run:
     .venv/bin/python -m pytest benchmarks/test_bench_compare.py --benchmark-only -s
     DIFFTEST_BENCH_LOGITS=1024x163840 DIFFTEST_BENCH_FC=4096x21504 DIFFTEST_BENCH_DTYPES=bfloat16,float16,float32 ...
 
-Shapes default to a Kimi-sized logits pair [1024 x 163840] and the fc-input pair [4096 x 21504];
+Shapes default to a Kimi-sized logits pair [1024 x 163840], the same width as a draft's logits
+scattered into it (`draft.logits_target`: 32000 finite columns, -inf elsewhere) and the fc-input
+pair [4096 x 21504];
 dtypes to bfloat16, float16 and float32. Printed at the end (visible with -s): first what the
 figures depend on (CPU model, CPUs available, torch threads, torch version and CPU capability, the
 comparison path taken), then per case and dtype:
@@ -19,6 +21,11 @@ comparison path taken), then per case and dtype:
   * peak extra memory of one comparison in a fresh process: the peak growth of its RSS over the
     inputs, sampled every millisecond.
 Each difftest benchmark also checks that the path it took agrees with the eager path.
+
+`test_capture_store[whole|reduced]` saves and loads a Kimi-width draft capture (`draft.logits`
+[T x 32000] and its `draft.logits_target` [T x 163840], T = DIFFTEST_BENCH_CAPTURE_ROWS, default
+1024, bf16) as captures store it (difftest.records.scattered: the scattered tensor as its column
+index) and, as the baseline of the same run, whole: file size, save and load seconds (min of 3).
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ import pytest
 import torch
 
 from difftest.compare import rowstats
-from difftest.compare.compare import compare_tensor
+from difftest.compare.compare import compare_tensor, is_logits
 from difftest.base.settings import suggest
+from difftest.records import scattered
+from difftest.records.capture import Capture
 from difftest.compare.tolerances import DEFAULTS
 
 RESULTS: dict[tuple[str, str, str], dict] = {}
@@ -117,9 +126,29 @@ def memory_limits(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     return {"copy_seconds": copy, "read_seconds": read}
 
 
+DRAFT_VOCAB = 32000  # the draft vocabulary of the real-shape EAGLE-3 drafts (difftest_fixtures/real_shapes.py)
+
+
+def _scattered_pair(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft's logits scattered into a target vocabulary of `cols` (-inf elsewhere), twice, a slice
+    of every row's finite values differing: what two engines' `draft.logits_target` hold."""
+    g = torch.Generator().manual_seed(0)
+    src_a, src_b = _pair(rows, min(DRAFT_VOCAB, cols), dtype)
+    where = torch.randperm(cols, generator=g)[: src_a.shape[1]].sort().values
+    a = torch.full((rows, cols), float("-inf"), dtype=dtype)
+    b = a.clone()
+    a[:, where], b[:, where] = src_a, src_b
+    return a, b
+
+
 CASES = {
-    "logits": ("draft.logits", lambda: _shape("DIFFTEST_BENCH_LOGITS", "1024x163840")),
-    "fc_in": ("draft.fc_in", lambda: _shape("DIFFTEST_BENCH_FC", "4096x21504")),
+    "logits": ("draft.logits", lambda: _shape("DIFFTEST_BENCH_LOGITS", "1024x163840"), _pair),
+    "logits_target": (
+        "draft.logits_target",
+        lambda: _shape("DIFFTEST_BENCH_LOGITS", "1024x163840"),
+        _scattered_pair,
+    ),
+    "fc_in": ("draft.fc_in", lambda: _shape("DIFFTEST_BENCH_FC", "4096x21504"), _pair),
 }
 BENCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -169,8 +198,8 @@ def print_compare_ratios():
 )
 def pair(request):
     kind, dtype = request.param
-    name, shape = CASES[kind]
-    a, b = _pair(*shape(), dtype)
+    name, shape, make = CASES[kind]
+    a, b = make(*shape(), dtype)
     # the first comparison of a process may build the native kernel (once per cache): not timed
     compare_tensor(name, a[:64], b[:64], DEFAULTS[str(dtype).removeprefix("torch.")])
     yield kind, name, a, b
@@ -184,12 +213,12 @@ def measure_memory(kind: str, dtype: torch.dtype, impl: str) -> int:
     code = f"""
 import sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parent.parent)]!r}
 import torch
-from test_bench_compare import CASES, _pair, assert_close, peak_extra
+from test_bench_compare import CASES, assert_close, peak_extra
 from difftest.compare.compare import compare_tensor
 from difftest.compare.tolerances import DEFAULTS
-name, shape = CASES[{kind!r}]
+name, shape, make = CASES[{kind!r}]
 dtype = getattr(torch, {str(dtype).removeprefix("torch.")!r})
-a, b = _pair(*shape(), dtype)
+a, b = make(*shape(), dtype)
 tol = DEFAULTS[str(dtype).removeprefix("torch.")]
 fn = (lambda a, b: compare_tensor(name, a, b, tol)) if {impl!r} == "difftest" else assert_close
 fn(a[:64], b[:64])  # one-off imports (torch.unravel_index's alone are ~36 MiB) and the kernel build: not counted
@@ -223,10 +252,10 @@ def test_compare_large(benchmark, pair, impl):
     benchmark.extra_info.update(limits, path=path)
     # the path taken agrees with the eager path (on 16 rows: eager is ~200x slower)
     a, b = a[:16], b[:16]
-    fast = rowstats.row_stats(a, b, tol.atol, tol.rtol, name.endswith("logits"), path=path)
-    rowstats.row_stats(a[:8], b[:8], tol.atol, tol.rtol, name.endswith("logits"), path="eager")  # one-off set-up
+    fast = rowstats.row_stats(a, b, tol.atol, tol.rtol, is_logits(name), path=path)
+    rowstats.row_stats(a[:8], b[:8], tol.atol, tol.rtol, is_logits(name), path="eager")  # one-off set-up
     t = time.perf_counter()
-    eager = rowstats.row_stats(a, b, tol.atol, tol.rtol, name.endswith("logits"), path="eager")
+    eager = rowstats.row_stats(a, b, tol.atol, tol.rtol, is_logits(name), path="eager")
     RESULTS[(kind, dname, "difftest-eager")] = {"seconds": (time.perf_counter() - t) * pair[2].shape[0] / 16}
     for k in ("max_abs", "max_col", "mismatched", "nonfinite", "rank"):
         if k in eager:
@@ -236,8 +265,50 @@ def test_compare_large(benchmark, pair, impl):
             torch.testing.assert_close(fast[k], eager[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
+STORE: dict[str, dict] = {}
+
+
+@pytest.mark.parametrize("form", ["whole", "reduced"])
+def test_capture_store(benchmark, form, tmp_path, monkeypatch):
+    """Save and load of a Kimi-width draft capture, as captures store it and whole (the baseline)."""
+    rows = int(os.environ.get("DIFFTEST_BENCH_CAPTURE_ROWS", "1024"))
+    src, _ = _pair(rows, DRAFT_VOCAB)
+    full = scattered.scatter(
+        src, torch.randperm(163840, generator=torch.Generator().manual_seed(1))[:DRAFT_VOCAB].sort().values, 163840
+    )
+    cap = Capture({"draft.logits": src, "draft.logits_target": full})
+    if form == "whole":
+        monkeypatch.setattr(scattered, "pack", lambda tensors: (dict(tensors), {}))
+    out = tmp_path / "cap"
+    benchmark.pedantic(lambda: cap.save(out), rounds=3, iterations=1, warmup_rounds=0)
+    load = best_of(lambda: Capture.load(out), 3)
+    back = Capture.load(out)
+    assert torch.equal(back.tensors["draft.logits_target"], full)  # what a comparison reads, either way
+    STORE[form] = {
+        "rows": rows,
+        "file_bytes": (out / "tensors.safetensors").stat().st_size,
+        "save_seconds": benchmark.stats.stats.min,
+        "load_seconds": load,
+    }
+    benchmark.extra_info.update(STORE[form])
+
+
+def store_lines() -> list[str]:
+    whole, reduced = STORE.get("whole"), STORE.get("reduced")
+    if not whole or not reduced:
+        return []
+    return [
+        f"capture store, draft.logits [{whole['rows']} x {DRAFT_VOCAB}] + draft.logits_target "
+        f"[{whole['rows']} x 163840] bf16: file {whole['file_bytes'] / 2**20:.0f} MiB whole -> "
+        f"{reduced['file_bytes'] / 2**20:.0f} MiB reduced ({reduced['file_bytes'] / whole['file_bytes']:.2f}x); "
+        f"save {whole['save_seconds']:.3f} s -> {reduced['save_seconds']:.3f} s; "
+        f"load {whole['load_seconds'] * 1e3:.1f} ms -> {reduced['load_seconds'] * 1e3:.1f} ms "
+        "(whole: a mapped view; reduced: the target-vocabulary tensor rebuilt in memory)"
+    ]
+
+
 def compare_ratio_lines() -> list[str]:
-    lines = [machine_line()]
+    lines = [machine_line(), *store_lines()]
     for kind in CASES:
         for dtype in DTYPES:
             d = str(dtype).removeprefix("torch.")
