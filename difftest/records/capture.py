@@ -133,7 +133,7 @@ class Capture:
         missing = [n for n in need if n not in flat]
         if missing:
             raise ConfigError(f"{directory}: tensors listed in the manifest but absent: {', '.join(missing)}")
-        vocab = {t["name"]: t["shape"][-1] for t in entries}
+        vocab = {t["name"]: t["shape"][-1] for t in entries if t["name"] in derived}
         tensors = {
             n: (
                 scattered.scatter(flat[derived[n]], flat[n + scattered.COLUMNS_SUFFIX], vocab[n])
