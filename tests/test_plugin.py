@@ -160,7 +160,7 @@ def test_report_json_lists_every_check_and_engine(mixed_run):
 
     # the file names its own kind and layout (what any reader of the JSON keys on)
     written = json.loads((mixed_run.root / "reports" / "tiny.json").read_text())
-    assert (written["schema"], written["schema_version"]) == ("difftest.report", 3)
+    assert (written["schema"], written["schema_version"]) == ("difftest.report", 4)
     report = mixed_run.report("tiny")
     assert report.reference == "ref"
     assert len(report.checks) == 2 + 7 * 4  # reference: capture, lint
