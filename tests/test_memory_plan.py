@@ -124,6 +124,24 @@ def test_a_streamed_calibration_holds_the_targets_largest_layer_and_the_drafts_w
     assert mp.load_bytes(mp.MemoryFactors(calibration_copies=0.5), calibration) == (244 + 50) * 8 // 2
 
 
+def test_a_streamed_calibration_counts_no_float64_table_for_the_drafts_embedding(tmp_path):
+    target, _ = _streamed_pair(tmp_path)
+    bf16 = torch.bfloat16
+    draft = tmp_path / "d-embed"
+    draft.mkdir()
+    save_file(
+        {"embed_tokens.weight": torch.zeros(6, 5, dtype=bf16), "fc.weight": torch.zeros(20, dtype=bf16)},
+        draft / "model.safetensors",
+    )
+    _, calibration = mp.loads_for(target, str(draft), "bfloat16", calibrates=True)
+    # its rows are looked up from the case's own draft: only fc in float64 beside the target's layer 0
+    assert mp.load_bytes(mp.MemoryFactors(calibration_streamed=True), calibration) == 100 * 8 + 20 * 8
+    wide = tmp_path / "d-f64"
+    wide.mkdir()
+    save_file({"embed_tokens.weight": torch.zeros(6, 5, dtype=torch.float64)}, wide / "model.safetensors")
+    assert mp.looked_up_bytes(wide, "float64") == 0  # a float32 source would round it: the whole table stays
+
+
 def test_the_reference_declares_its_float64_run_streamed():
     assert mp.MemoryFactors.declared("ref", RefEngine.MEMORY).calibration_streamed
 

@@ -184,3 +184,13 @@ def test_the_floor_source_of_a_whole_float64_run_is_unchanged():
     assert noise.measured_source("ref", "float32", 2, ["ignored checkpoint tensors: x"]) == (
         "measured: ref in float32 vs float64 over 2 prompts"
     )
+
+
+def test_the_float64_draft_beside_a_streamed_target_holds_no_embedding_table(pairs, tmp_path):
+    target, draft = pairs["llama"]
+    engine = RefEngine(parse_spec("ref"))
+    exact = _case(tmp_path, target, draft, "bfloat16", "llama")
+    engine.capture(exact, IDS)
+    (f64,) = [d for k, d in engine._drafts.items() if k[2] == "float64"]
+    assert f64.model.embed_tokens.weight.is_meta  # its rows are looked up from the bfloat16 draft's
+    assert not WholeFloat64(parse_spec("ref"))._models(exact)[1].model.embed_tokens.weight.is_meta

@@ -62,7 +62,7 @@ class MemoryFactors:
     calibration_copies: float = 1.0
     # the float64 run streamed from the case's own load (not whole copies: calibration_copies unused): it
     # holds that load (the source), the target's largest decoder layer or other tensor in float64 at a
-    # time, and the draft's whole float64 copy (StreamedLoad's bytes)
+    # time, and the draft's whole float64 copy but its embedding table (Load.streamed_bytes)
     calibration_streamed: bool = False
     keeps_every_case: bool = False  # a worker keeps every case's models loaded (its memory grows over cases)
     on_gpu: bool = False  # where a GPU is present, its weights and KV cache live in GPU memory
@@ -260,6 +260,27 @@ def largest_part_bytes(checkpoint: str | Path, dtype: str) -> int:
     return max(parts.values(), default=0)
 
 
+_EXACT_CODES = {"F32", "BF16", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL"}  # a float32 load holds them
+
+
+def looked_up_bytes(checkpoint: str | Path, dtype: str) -> int:
+    """The bytes at `dtype` of a draft's stored embedding table (`embed_tokens.weight`), which a float64
+    run streamed beside its target never holds whole: it looks the rows up from the source's draft. 0
+    where the draft stores none (it shares the target's) or stores a tensor wider than float32 (the
+    source would round it: the run keeps the whole table) or cannot be read."""
+    try:
+        tensors, _ = stored_tensors(Path(checkpoint))
+    except (ConfigError, OSError):
+        return 0
+    table = tensors.get("embed_tokens.weight")
+    if table is None or {t.dtype for t in tensors.values()} - _EXACT_CODES:
+        return 0
+    n = _FLOAT_BYTES[DType(dtype).value]
+    for d in table.shape:
+        n *= d
+    return n
+
+
 @dataclass(frozen=True)
 class Load:
     """One set of models a worker loads: a case's target and draft at a dtype (`source`: for a float64
@@ -280,15 +301,23 @@ class Load:
 
     def streamed_bytes(self) -> int:
         """What a float64 run streamed from `source_load` adds to it: the target's largest part and the
-        draft's whole copy, in float64."""
+        draft's whole copy, in float64, less the draft's embedding table (its rows are looked up from
+        the source's draft: difftest_engines/ref/streamed.py StreamedTarget.stream_embedding)."""
         target = _largest_part_bytes(self.target, CALIBRATION.value)
-        return target + (_weight_bytes(self.draft, CALIBRATION.value) if self.draft else 0)
+        if not self.draft:
+            return target
+        return target + _weight_bytes(self.draft, CALIBRATION.value) - _looked_up_bytes(self.draft, CALIBRATION.value)
 
 
 @functools.lru_cache(maxsize=256)
 def _weight_bytes(checkpoint: str, dtype: str) -> int:
     """weight_bytes, read once per run (the plan asks for every worker request)."""
     return weight_bytes(checkpoint, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _looked_up_bytes(checkpoint: str, dtype: str) -> int:
+    return looked_up_bytes(checkpoint, dtype)
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,6 +19,8 @@ the float64 noise-floor run too when this spec calibrates; captures come back on
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import difftest
@@ -70,7 +72,8 @@ class RefEngine(Engine):
     # what its worker holds (difftest.run.memory_plan.MemoryFactors): one interpreter with torch and
     # transformers; every case's models stay loaded (the _targets/_drafts dicts). The float64 calibration
     # run is streamed (STREAM_FLOAT64) from the case's own load: the target's largest layer or head in
-    # float64 beside the draft's whole float64 copy (calibration_streamed counts exactly these; a fixed
+    # float64 beside the draft's float64 copy, less its embedding table (its rows are looked up from the
+    # case's own draft: _stream_draft_embedding) (calibration_streamed counts exactly these; a fixed
     # share of the whole copy, 0.5, counted 36 GB for an 8B target where these are 12 GB). A checkpoint
     # that cannot stream (stored wider than float32) loads the whole copy, which this under-counts
     MEMORY = {"overhead_gb": 0.8, "keeps_every_case": True, "calibration_streamed": True}
@@ -141,6 +144,8 @@ class RefEngine(Engine):
             )
             self._place(rounded_through(self._drafts[dkey].model, case.weights_dtype))
             self._trained_flags[dkey] = {f: getattr(self._drafts[dkey].config, f) for f in OVERRIDABLE_FLAGS}
+            if tkey in self._streams:
+                self._stream_draft_embedding(case, draft, self._drafts[dkey])
         loaded = self._drafts[dkey]
         self._apply_overrides(loaded, case, self._trained_flags[dkey])
         if loaded.config.vocab_size != target.config.vocab_size:
@@ -153,6 +158,21 @@ class RefEngine(Engine):
                 f"{target.config.hidden_size}"
             )
         return target, loaded
+
+    def _stream_draft_embedding(self, case: Case, draft: str, loaded: LoadedDraft) -> None:
+        """The float64 draft beside a streamed target looks its embedding rows up from the case's own
+        draft load (the source's dtype: the values the float64 copy holds, exactly) instead of holding
+        the float64 table (a vocabulary wide: 4.2 GB at the Llama-3.1-8B shape); a draft stored wider
+        than float32 keeps its table."""
+        if streamable(draft) is not None:
+            return
+        source_dtype = case.weights_dtype or DType.FLOAT32
+        _, source = self._models(dataclasses.replace(case, dtype=source_dtype, weights_dtype=None))
+        stream = self._streams[(case.target, case.dtype, case.weights_dtype)]
+        embed = getattr(loaded.model, "embed_tokens", None)
+        src = getattr(source.model, "embed_tokens", None)
+        if isinstance(embed, torch.nn.Embedding) and isinstance(src, torch.nn.Embedding):
+            stream.stream_embedding(embed, src.weight, DTYPES[case.weights_dtype] if case.weights_dtype else None)
 
     def _load_target(self, case: Case) -> torch.nn.Module:
         """The target in the case's dtype; the float64 calibration run streamed from the model in the

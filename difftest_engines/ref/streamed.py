@@ -11,7 +11,8 @@ run from the model the case already loaded (its `source`, in the case's dtype):
 - a decoder layer's parameters are upcast from the source just before the layer runs and
   dropped right after it (forward hooks), so the float64 activations of all positions flow
   layer to layer through the model's own forward, unchanged;
-- the input embedding upcasts only the rows of the tokens it looks up (a gather is exact);
+- the input embedding upcasts only the rows of the tokens it looks up (a gather is exact); the
+  float64 draft's embedding too (`stream_embedding`, from the case's own draft load);
 - the output head is upcast whole, for its one matmul, and dropped: MKL's float64 GEMM is not
   invariant to splitting the vocab dimension (measured: 37 x 2048 @ 2048 x 5000 in 1024-row
   chunks moves logits by up to 4.8e-13), and the run must equal the whole-model run bit for bit;
@@ -234,6 +235,26 @@ class StreamedTarget:
                 mod._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
                 self.residency.resident += _nbytes(t)
                 self.residency.add(_nbytes(t))
+
+    def stream_embedding(self, embed: torch.nn.Module, src: torch.Tensor, weights_dtype: torch.dtype | None) -> int:
+        """Another float64 model's embedding (the draft's) looked up as the skeleton's: only the rows of
+        the tokens given, upcast from `src` (the same table in the source's dtype) as `_upcast` rounds
+        them; its float64 table dropped. The bytes no longer held (0: not an embedding this can stream).
+
+        At the Llama-3.1-8B shape the draft's table is 128256 x 4096: 4.2 GB in float64 of the draft's
+        7.6 GB (difftest.run.memory_plan counts the float64 draft without it)."""
+        if (
+            not isinstance(embed, torch.nn.Embedding)
+            or embed.max_norm is not None
+            or tuple(src.shape) != tuple(embed.weight.shape)
+        ):
+            return 0
+        whole = embed.weight
+        embed._parameters["weight"] = torch.nn.Parameter(
+            torch.empty(whole.shape, dtype=whole.dtype, device="meta"), requires_grad=False
+        )
+        self._stream_rows(embed, src, weights_dtype)
+        return _nbytes(whole)
 
     def bound(self) -> int:
         """Float64 parameter bytes the run may hold at once: the resident few plus the largest of one
