@@ -12,7 +12,10 @@ by teacher forcing, from the output alone:
   the server's next tokens; commit pending + accepted, the next pending is the server's token after.
 
 The target is run once over the whole sequence (causal: the prefix of that forward is exactly
-what each round's features are). The last round may draft past the end of the output; the
+what each round's features are). A chain keeps the draft's step-0 KV entries across rounds
+(speculate.DraftChain) and runs over every position only where its rounding could change the
+accepted count (a near-tied step the drafts before it reached, the server's token among its
+candidates). The last round may draft past the end of the output; the
 server counts that verify in full, so the tokens after the output are the reference target's
 own greedy continuation. `target_mismatches` counts output positions where the reference
 target's greedy token differs from the server's: nonzero means the server's target computes
@@ -28,7 +31,7 @@ import torch
 
 from difftest.api import AcceptStats
 from difftest_engines.ref.eagle3 import Eagle3Draft
-from difftest_engines.ref.speculate import gather_fc_in, run_draft_chain
+from difftest_engines.ref.speculate import DraftChain, gather_fc_in, run_draft_chain
 from difftest_engines.ref.target import TargetOutput, run_target
 
 
@@ -43,6 +46,13 @@ def _slice(out: TargetOutput, n: int) -> TargetOutput:
     return TargetOutput(
         hidden=[h[:, :n] for h in out.hidden], final_norm=out.final_norm[:, :n], logits=out.logits[:, :n]
     )
+
+
+def _accept(drafts: list[int], want: list[int]) -> int:
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == want[accepted]:
+        accepted += 1
+    return accepted
 
 
 @torch.no_grad()
@@ -74,16 +84,21 @@ def replay_request(
     stats = AcceptStats(0, 0, num_steps, [0] * num_steps, 1, source="ref replay of the server's tokens")
     committed, pending = list(prompt), output[0]
     generated = 1
+    kept = DraftChain(draft)  # the chain's step-0 KV entries, kept across rounds
     while generated < len(output):
         n = len(committed)
         fc_in = gather_fc_in(_slice(full, n), inputs)
         next_ids = torch.tensor([committed[1:] + [pending]])
         want = sequence[n + 1 : n + 2 + num_steps]  # the server's tokens after the pending one
         if chain:
-            drafts = run_draft_chain(draft, fc_in, next_ids, num_steps)
-            accepted = 0
-            while accepted < num_steps and drafts[accepted] == want[accepted]:
-                accepted += 1
+            # the kept step-0 entries round differently from a chain over every position; where that could
+            # change the accepted count (a near-tied step the drafts before it reached, the server's token
+            # among its candidates), the round takes the chain over every position
+            drafts, tie_step, candidates = kept.run(fc_in, next_ids, num_steps)
+            accepted = _accept(drafts, want)
+            if accepted >= tie_step and want[tie_step] in candidates:
+                drafts = run_draft_chain(draft, fc_in, next_ids, num_steps)
+                accepted = _accept(drafts, want)
         else:
             from difftest_engines.ref.tree import draft_tree
 

@@ -10,8 +10,8 @@ Two pieces:
     matching prefix plus the target's own token, repeat. Its output is exactly the
     target's greedy decode (speculation is lossless); its AcceptStats use the harness's
     definition (difftest.records.acceptance). By default it keeps the target's and the draft's
-    KV caches across rounds, checking every choice for a near-tie and recomputing that round
-    without them where one is: the tokens and statistics of the uncached loop
+    KV caches across rounds, checking the choices a round's outcome rests on for a near-tie and
+    recomputing what is in doubt without them: the tokens and statistics of the uncached loop
     (kv_cache=False), at the cost of the new positions only.
 
 Indexing. With committed tokens t_0..t_{n-1} and the target's greedy next token t_n,
@@ -173,10 +173,10 @@ def simulate_greedy(
     to max_new_tokens, but the last verify is counted in full (all its accepted drafts),
     as vLLM's counters do: the statistics measure the draft, not the budget. No EOS stop.
 
-    kv_cache (default): the same rounds with the target's and the draft's KV caches, each choice
-    checked for a near-tie and the round recomputed without them where one is (see
-    NEAR_TIE_ULPS): the same statistics and tokens as kv_cache=False, which recomputes every
-    forward over the whole sequence. `trace` counts the rounds and the recomputed ones.
+    kv_cache (default): the same rounds with the target's and the draft's KV caches, the choices each
+    round's outcome rests on checked for a near-tie and recomputed without them where in doubt (see
+    NOISE_UNITS and the notes above _near_tie): the same statistics and tokens as kv_cache=False,
+    which recomputes every forward over the whole sequence. `trace` counts the rounds and the recomputed ones.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -201,9 +201,10 @@ def simulate_greedy(
 
 
 def _prefix(out: TargetOutput, m: int) -> TargetOutput:
-    """The first m positions of a forward: for a causal target, the features of those tokens."""
+    """The first m positions of a forward: for a causal target, the features of those tokens (no logits:
+    the loops compute the output head over the positions they choose at only)."""
     return TargetOutput(
-        hidden=[h[:, :m] for h in out.hidden], final_norm=out.final_norm[:, :m], logits=out.logits[:, :m]
+        hidden=[h[:, :m] for h in out.hidden], final_norm=out.final_norm[:, :m], logits=out.logits[:, :0]
     )
 
 
@@ -227,16 +228,15 @@ def _simulate_one(
 ) -> list[int]:
     """The uncached loop: every target forward over the whole sequence, the draft over every position."""
     committed = list(prompt)  # tokens the target has processed and whose features the draft may use
-    out = run_target(target_model, torch.tensor([committed]))  # prefill
+    out = run_target(target_model, torch.tensor([committed]), logits_to_keep=1)  # prefill
     pending = int(out.logits[0, -1].argmax())  # the target's next token, not yet fed to it
     generated = [pending]
     while len(generated) < max_new_tokens:
-        n = len(committed)
-        next_ids = torch.tensor([committed[1:] + [pending]])  # [1, n]
+        next_ids = torch.tensor([committed[1:] + [pending]])  # [1, len(committed)]
         drafts = run_draft_chain(draft, gather_fc_in(out, inputs), next_ids, num_steps)
         # Verify: the target's greedy token after the pending token and after each draft.
-        verify = run_target(target_model, torch.tensor([committed + [pending] + drafts]))
-        want = _greedy(verify.logits[0, n:])  # num_steps + 1 predictions
+        verify = run_target(target_model, torch.tensor([committed + [pending] + drafts]), logits_to_keep=num_steps + 1)
+        want = _greedy(verify.logits[0])  # num_steps + 1 predictions
         accepted = _accept(drafts, want)
         _count(stats, accepted)
         trace.rounds += 1
@@ -258,13 +258,21 @@ def _simulate_one(
 #
 # It is not bit-identical to the uncached loop: a forward over other shapes rounds differently (so
 # does the uncached loop's own value of a position from one round's length to the next). A greedy
-# choice can only differ where its top two logits are within that noise, so every choice a round's
-# tokens depend on is checked, and where one is a near-tie the round takes the uncached loop's
-# choices, computed as it computes them: a draft near-tie recomputes the round (its features from a
-# full forward over the previous verify's tokens, the draft over every position, the verify over the
-# whole sequence); a verify near-tie recomputes the verify only (the drafts were the uncached ones).
-# A round's full verify forward is the next round's uncached features, so a run of near-ties costs
-# about what the uncached loop does.
+# choice can only differ where its top two logits are within that noise, so each choice a round's
+# outcome depends on is checked, and where the outcome is in doubt the round takes the uncached
+# loop's choices, computed as it computes them. A round's outcome is its accepted count and the
+# target's token after it, so only these choices can change it:
+#   * the drafts before the first draft step s* with a near-tie, and the target's choices up to the
+#     first rejection or s*, whichever comes first (rows after s* were fed a draft in doubt). A
+#     near-tie among these recomputes the verify over the whole sequence (the drafts before s* are
+#     the uncached loop's, so its rows up to s* are too);
+#   * step s*'s draft, only where the drafts before it were all accepted and the target's token at
+#     s* is one of the step's near-tied candidates (any of them could be the uncached loop's draft):
+#     then the round is recomputed: its features from a full forward over the previous verify's
+#     tokens, the draft over every position, the verify over the whole sequence. Anywhere else every
+#     candidate is rejected alike, or the round stopped before s*.
+# A full verify forward is the next round's uncached features, and it runs with a fresh cache that
+# the loop keeps (cropped), so a recomputed round costs one forward over the sequence.
 
 # How far the two loops' logits moved apart, in units of the logits' dtype epsilon times the row's
 # largest |logit|, at every choice of the shipped models' speculative prompts (tiny Llama, tiny
@@ -277,16 +285,29 @@ NOISE_UNITS_DEFAULT = 64.0  # float32, and the dtypes not measured
 
 def _near_tie(logits: torch.Tensor) -> bool:
     """Whether any row's top two logits ([r, V]) are within what the other loop's rounding may move."""
+    if logits.shape[0] == 0:
+        return False
     wide = logits.float()
     top = wide.topk(2, dim=-1).values
+    return bool(((top[:, 0] - top[:, 1]) <= _bound(logits, wide)).any())
+
+
+def _bound(logits: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """Per row: twice the noise bound (each of two logits may move by it), in the logits' own units."""
     unit = wide.abs().amax(dim=-1) * torch.finfo(logits.dtype).eps
-    bound = 2 * NOISE_UNITS.get(logits.dtype, NOISE_UNITS_DEFAULT) * unit
-    return bool(((top[:, 0] - top[:, 1]) <= bound).any())
+    return 2 * NOISE_UNITS.get(logits.dtype, NOISE_UNITS_DEFAULT) * unit
 
 
-def _target_forward(model, input_ids: torch.Tensor, cache) -> TargetOutput:
+def _candidates(logits: torch.Tensor) -> torch.Tensor:
+    """[V] -> the ids whose logit is within the near-tie bound of the top: one of them is the other loop's choice."""
+    wide = logits.float()
+    bound = _bound(logits[None], wide[None])[0]
+    return (wide >= wide.max() - bound).nonzero().flatten()
+
+
+def _target_forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 0) -> TargetOutput:
     """The target over the positions after those in `cache`, which it extends (run_target's capture)."""
-    return run_target(model, input_ids, cache=cache, with_routers=False)
+    return run_target(model, input_ids, cache=cache, with_routers=False, logits_to_keep=logits_to_keep)
 
 
 def _crop(cache, length: int) -> None:
@@ -295,7 +316,7 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-class _DraftChain:
+class DraftChain:
     """The draft chain of one prompt across rounds. Step 0's input at a committed position j (the
     features at j, token j+1) never changes once j+1 is committed or pending, so its KV entries are
     kept and each round's step 0 runs over the new positions only."""
@@ -305,77 +326,94 @@ class _DraftChain:
         self.cache = None  # step 0's entries (KVCache, or eagle3_mla's LatentCache) of positions 0..done-1
         self.done = 0
 
-    def run(self, fc_in: torch.Tensor, next_ids: torch.Tensor, num_steps: int) -> tuple[list[int], bool]:
-        """The drafts, and whether any step's choice was a near-tie; fc_in/next_ids cover positions 0..n-1."""
+    def run(self, fc_in: torch.Tensor, next_ids: torch.Tensor, num_steps: int) -> tuple[list[int], int, list[int]]:
+        """The drafts; the first step whose choice is a near-tie (num_steps if none) and that step's
+        candidates in target ids (any may be the uncached loop's draft). fc_in/next_ids cover positions 0..n-1."""
         draft, n, done = self.draft, fc_in.shape[1], self.done
         positions = torch.arange(done, n, device=fc_in.device)[None, :]
         out = draft(next_ids[:, done:], draft.combine(fc_in[:, done:]), positions, cache=self.cache)
         # both caches' extend makes new tensors: the later steps never write into this one
         self.cache, self.done = out.cache, n
-        drafted, tie = [], False
+        drafted: list[int] = []
+        tie_step, candidates = num_steps, []
         for step in range(num_steps):
             logits = out.logits[:, -1]
-            tie = tie or _near_tie(logits)
             target_id = draft.to_target_ids(logits.argmax(dim=-1))
             drafted.append(int(target_id.item()))
+            if tie_step == num_steps and _near_tie(logits):
+                tie_step, candidates = step, draft.to_target_ids(_candidates(logits[0])).tolist()
             if step + 1 < num_steps:
                 position = torch.tensor([[n + step]], device=fc_in.device)
                 out = draft(target_id[:, None], out.hidden_next[:, -1:], position, cache=out.cache)
-        return drafted, tie
+        return drafted, tie_step, candidates
+
+
+def _full_forward(target_model, tokens: list[int], logits_to_keep: int):
+    """The uncached loop's forward over `tokens` (the same bits: a fresh cache changes nothing, the tests
+    hold it), with the cache it filled."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    return _target_forward(target_model, torch.tensor([tokens]), cache, logits_to_keep), cache
 
 
 def _simulate_one_cached(
     target_model, draft, inputs, prompt: list[int], num_steps: int, max_new_tokens: int, stats, trace
 ) -> list[int]:
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
     committed = list(prompt)
-    # the prefill: one forward from an empty cache, the uncached loop's very forward (the tests hold it)
-    out = _target_forward(target_model, torch.tensor([committed]), cache)
+    # the prefill: the uncached loop's very forward (the tests hold it)
+    out, cache = _full_forward(target_model, committed, 1)
     features = gather_fc_in(out, inputs)  # [1, n, A*H]: the committed positions
     pending = int(out.logits[0, -1].argmax())
     generated = [pending]
-    chain = _DraftChain(draft)
+    chain = DraftChain(draft)
     last_full, exact = list(committed), out  # the uncached loop's last target forward: its tokens, and it if computed
     tied = False  # whether the last round's own target choices (uncached) were near-ties
+    k = num_steps
     while len(generated) < max_new_tokens:
         n = len(committed)
         next_ids = torch.tensor([committed[1:] + [pending]])
         trace.rounds += 1
-        verify = None
-        if exact is not None and tied:  # near-ties come in runs (a flat stretch): straight to the uncached round
-            drafts = run_draft_chain(draft, gather_fc_in(_prefix(exact, n), inputs), next_ids, num_steps)
-            tie = True
+        previous, exact = exact, None  # the uncached loop's forward over last_full, if computed; this round's
+        verify = None  # the cached verify, where it decides the round
+        if previous is not None and tied:  # near-ties come in runs (a flat stretch): straight to the uncached round
+            drafts = run_draft_chain(draft, gather_fc_in(_prefix(previous, n), inputs), next_ids, k)
+            tie_step, candidates = k, []  # the uncached loop's own drafts
         else:
-            drafts, tie = chain.run(features, next_ids, num_steps)
-            if tie:  # the drafts as the uncached loop drafts them, from its features
-                if exact is None:
-                    exact = run_target(target_model, torch.tensor([last_full]))
-                drafts = run_draft_chain(draft, gather_fc_in(_prefix(exact, n), inputs), next_ids, num_steps)
-            else:
-                verify = _target_forward(target_model, torch.tensor([[pending] + drafts]), cache)
-                want = _greedy(verify.logits[0])
-                tie = _near_tie(verify.logits[0, : _accept(drafts, want) + 1])  # choices up to the first rejection
-        exact, tied = None, False
-        if tie:  # the verify as the uncached loop computes it: over the whole sequence
-            trace.recomputed += 1
-            exact = run_target(target_model, torch.tensor([committed + [pending] + drafts]))
-            want = _greedy(exact.logits[0, n:])
-            # the next round tries the caches again unless this one's own target choices were near-ties
-            tied = _near_tie(exact.logits[0, n : n + _accept(drafts, want) + 1])
+            drafts, tie_step, candidates = chain.run(features, next_ids, k)
+            verify = _target_forward(target_model, torch.tensor([[pending] + drafts]), cache, k + 1)
+            want = _greedy(verify.logits[0])
+            decided = min(_accept(drafts, want), tie_step)  # the target's choices the outcome rests on: rows 0..decided
+            if _near_tie(verify.logits[0, : decided + 1]):
+                verify = None
+        recomputed = verify is None
+        if verify is None:  # the verify as the uncached loop computes it: over the whole sequence
+            exact, cache = _full_forward(target_model, committed + [pending] + drafts, k + 1)
+            want = _greedy(exact.logits[0])
         accepted = _accept(drafts, want)
+        if accepted >= tie_step and want[tie_step] in candidates:  # the draft in doubt where it counts
+            recomputed = True
+            if previous is None:
+                previous, _ = _full_forward(target_model, last_full, 1)
+            drafts = run_draft_chain(draft, gather_fc_in(_prefix(previous, n), inputs), next_ids, k)
+            exact, cache = _full_forward(target_model, committed + [pending] + drafts, k + 1)
+            want = _greedy(exact.logits[0])
+            accepted = _accept(drafts, want)
+        # the next round tries the caches again unless this one's own target choices were near-ties
+        tied = exact is not None and _near_tie(exact.logits[0, : accepted + 1])
+        trace.recomputed += recomputed
         _count(stats, accepted)
         last_full = committed + [pending] + drafts
-        kept = [pending] + drafts[:accepted]  # the newly committed tokens
-        if verify is not None:  # the cached verify fed these very drafts
-            new = _prefix(verify, accepted + 1)
-            _crop(cache, n + accepted + 1)
-        else:
-            _crop(cache, n)
-            new = _target_forward(target_model, torch.tensor([kept]), cache)
+        # the features of the newly committed positions n..n+accepted
+        source, start = (verify, 0) if exact is None else (exact, n)
+        new = TargetOutput(
+            hidden=[h[:, start : start + accepted + 1] for h in source.hidden],
+            final_norm=source.final_norm[:, start : start + accepted + 1],
+            logits=source.logits[:, :0],
+        )
+        _crop(cache, n + accepted + 1)
         features = torch.cat([features, gather_fc_in(new, inputs)], dim=1)
         generated += drafts[:accepted] + [want[accepted]]
-        committed += kept
+        committed += [pending] + drafts[:accepted]
         pending = want[accepted]
     return generated[:max_new_tokens]

@@ -215,10 +215,13 @@ def num_layers(model) -> int:
 
 
 @torch.no_grad()
-def run_target(model, input_ids: torch.Tensor, cache=None, with_routers: bool = True) -> TargetOutput:
+def run_target(
+    model, input_ids: torch.Tensor, cache=None, with_routers: bool = True, logits_to_keep: int = 0
+) -> TargetOutput:
     """input_ids: [B, n]. `cache`: a transformers KV cache of the positions before input_ids, which this
     forward extends (None: no cache, the whole sequence is input_ids). `with_routers`: record the MoE
-    routers (the speculative simulation never reads them)."""
+    routers (the speculative simulation never reads them). `logits_to_keep`: the output head over the
+    last that many positions only (0: every position); the hidden states are the same either way."""
     seen: dict[str, torch.Tensor] = {}
 
     def hook(_module, args, output):
@@ -230,7 +233,7 @@ def run_target(model, input_ids: torch.Tensor, cache=None, with_routers: bool = 
         handles += _router_hooks(model, routers)
     cached = {"past_key_values": cache, "use_cache": True} if cache is not None else {"use_cache": False}
     try:
-        out = model(input_ids=input_ids, output_hidden_states=True, **cached)
+        out = model(input_ids=input_ids, output_hidden_states=True, logits_to_keep=logits_to_keep, **cached)
     finally:
         for handle in handles:
             handle.remove()
