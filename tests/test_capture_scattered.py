@@ -111,9 +111,11 @@ def pack(tensors):
     return stored, derived
 s.pack = pack
 """
-CASES = ("tiny_llama", "catalogue_d2t_missing")
-# on ref specs: a wiring that passes, SGLang's +1 (fails at fc), a dropped d2t (the catalogue's fault)
-ENGINES = "--engines=ref,ref[wiring=vllm],ref[wiring=sglang],ref[d2t=identity]"
+# One case on ref specs (CI time: two cases and a fourth spec took 621 s at load 16 for no other
+# verdict): the wiring that passes, SGLang's +1 (fails at fc), a dropped d2t (fails where the draft's
+# logits are mapped into the target vocabulary, the tensor stored reduced).
+CASES = ("tiny_llama",)
+ENGINES = "--engines=ref,ref[wiring=sglang],ref[d2t=identity]"
 JUDGED = ("capture", "fc_inputs", "draft_logits", "top1_agreement")
 
 
@@ -155,7 +157,7 @@ def test_verdicts_and_diagnoses_are_identical_with_scattered_logits_stored_whole
     for case in CASES:
         assert _judged(reduced[case]) == _judged(whole[case]), case
     # the faults are seen in both forms: SGLang's +1 at fc, the dropped map where the draft's logits are mapped
-    judged = _judged(whole["catalogue_d2t_missing"])["checks"]
+    judged = _judged(whole["tiny_llama"])["checks"]
     logits = judged[("ref[d2t=identity]", "draft_logits")]
     assert logits["outcome"] == "failed" and "draft.logits_target" in logits["message"]
-    assert _judged(whole["tiny_llama"])["checks"][("ref[wiring=sglang]", "fc_inputs")]["outcome"] == "failed"
+    assert judged[("ref[wiring=sglang]", "fc_inputs")]["outcome"] == "failed"
