@@ -17,7 +17,7 @@ tokens (DIFFTEST_BENCH_STREAM_TOKENS, default 32):
 
 Printed per path: RSS after the bfloat16 load, peak RSS (ru_maxrss: the whole process, model
 loads included), the float64 run's setup time (the load, or building the skeleton) and the
-median of 3 forwards; and whether the two paths' logits are equal (they must be). Nothing
+median of 3 forwards; and how far the two paths' logits are apart (<= 1e-14 of their scale). Nothing
 timing- or size-related is asserted.
 """
 
@@ -132,13 +132,17 @@ def test_streamed_float64_memory_and_time(tmp_path):
             check=True,
         )
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    same = torch.equal(torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "streamed.pt"))
+    whole, streamed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "streamed.pt")
+    # the head streams in vocabulary chunks of a layer's size: its GEMM blocked otherwise, ~1e-15 apart
+    moved = ((streamed - whole).abs().max() / whole.abs().max()).item()
     n = sum(f.stat().st_size for f in target.glob("*.safetensors")) // 2
     print(f"\nshape hidden,layers,vocab,intermediate = {SHAPE} ({n / 1e9:.2f}B parameters), {TOKENS} tokens")
     for r in rows:
         print(json.dumps(r))
-    print(f"logits equal: {same}; streamed/whole forward time: {rows[1]['forward_s'] / rows[0]['forward_s']:.2f}")
-    assert same
+    print(
+        f"logits moved {moved:.1e} of their scale; streamed/whole forward: {rows[1]['forward_s'] / rows[0]['forward_s']:.2f}"
+    )
+    assert moved <= 1e-14
 
 
 if __name__ == "__main__":

@@ -142,6 +142,16 @@ def test_a_streamed_calibration_counts_no_float64_table_for_the_drafts_embedding
     assert mp.looked_up_bytes(wide, "float64") == 0  # a float32 source would round it: the whole table stays
 
 
+def test_a_streamed_calibration_counts_a_head_wider_than_a_layer_at_one_layers_size(tmp_path):
+    bf16 = torch.bfloat16
+    save_file(
+        {"model.layers.0.mlp.w": torch.zeros(100, dtype=bf16), "lm_head.weight": torch.zeros(900, dtype=bf16)},
+        tmp_path / "model.safetensors",
+    )
+    # the head is upcast in chunks of vocabulary rows no larger than the largest layer (streamed.py)
+    assert mp.largest_part_bytes(tmp_path, "float64") == 100 * 8
+
+
 def test_the_reference_declares_its_float64_run_streamed():
     assert mp.MemoryFactors.declared("ref", RefEngine.MEMORY).calibration_streamed
 

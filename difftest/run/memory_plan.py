@@ -242,8 +242,8 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 def largest_part_bytes(checkpoint: str | Path, dtype: str) -> int:
     """The bytes at `dtype` of a checkpoint's largest streamed part: one decoder layer's tensors
-    together (`...layers.N.`), or one tensor outside the layers (the output head, the embedding);
-    what a float64 run streamed layer by layer holds of it at a time (0 where it cannot be read)."""
+    together (`...layers.N.`); without such layers, its largest tensor; what a float64 run streamed
+    layer by layer holds of it at a time (0 where it cannot be read)."""
     per = _FLOAT_BYTES[DType(dtype).value]
     try:
         tensors, _ = stored_tensors(Path(checkpoint))
@@ -257,7 +257,10 @@ def largest_part_bytes(checkpoint: str | Path, dtype: str) -> int:
         layer = _LAYER.search(name)
         key = f"layer {layer.group(1)}" if layer else name
         parts[key] = parts.get(key, 0) + n
-    return max(parts.values(), default=0)
+    layers = [n for key, n in parts.items() if key.startswith("layer ")]
+    # the output head is upcast in chunks no larger than a layer, the embedding only its looked-up rows
+    # (difftest_engines/ref/streamed.py): with decoder layers, the largest of them is the most at once
+    return max(layers or parts.values(), default=0)
 
 
 _EXACT_CODES = {"F32", "BF16", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL"}  # a float32 load holds them

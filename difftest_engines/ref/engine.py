@@ -47,7 +47,8 @@ from difftest.api import STREAMED_FLOAT64
 # 3: the float64 run streamed layer by layer (the same tensors), its captures' notes say so.
 # 4: the routers' chosen expert ids recorded (aux.router.{k}.experts: routing compared row by row).
 # 5: draft.*logits_target stored as their columns (difftest.records.scattered; capture schema /2).
-CAPTURE_REVISION = 5
+# 6: the streamed float64 run's output head in vocabulary chunks (logits ~1e-15 of their scale apart).
+CAPTURE_REVISION = 6
 
 # Draft flags a spec or case can override to compute the draft as an engine that reads them otherwise
 OVERRIDABLE_FLAGS = ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")

@@ -13,9 +13,12 @@ run from the model the case already loaded (its `source`, in the case's dtype):
   layer to layer through the model's own forward, unchanged;
 - the input embedding upcasts only the rows of the tokens it looks up (a gather is exact); the
   float64 draft's embedding too (`stream_embedding`, from the case's own draft load);
-- the output head is upcast whole, for its one matmul, and dropped: MKL's float64 GEMM is not
-  invariant to splitting the vocab dimension (measured: 37 x 2048 @ 2048 x 5000 in 1024-row
-  chunks moves logits by up to 4.8e-13), and the run must equal the whole-model run bit for bit;
+- the output head is upcast in chunks of vocabulary rows no larger than the largest decoder layer
+  (`_stream_head_rows`), each chunk's logits its own matmul: MKL's float64 GEMM is not invariant
+  to splitting the vocab dimension, so where the head is wider than one chunk (real vocabularies)
+  the logits move from the whole-model run's by ~1e-15 of their scale (measured: 19-37 rows x 2048
+  @ 2048 x 32768 in 4096-16384-row chunks, at most 2.1e-15; a single row is bit-identical); where
+  it fits one chunk (the tiny test models) the run equals the whole-model run bit for bit;
 - the few parameters outside the layers (the final norm) stay resident.
 
 Every parameter is upcast as `rounded_through` rounds the whole-model run's: through the case's
@@ -188,6 +191,7 @@ class StreamedTarget:
         source: torch.nn.Module,
         weights_dtype: torch.dtype | None,
         dtype: torch.dtype = torch.float64,
+        head_rows: int | None = None,
     ) -> None:
         self.source = source
         self.residency = Residency()
@@ -209,7 +213,15 @@ class StreamedTarget:
             self.layer_bytes.append(slots.bytes)
         head = self.model.get_output_embeddings()
         self.head_bytes = 0
-        if head is not None:
+        width = head.weight.shape[1] if isinstance(head, torch.nn.Linear) and head.bias is None else 0
+        rows = head_rows or max(1, max(self.layer_bytes) // max(1, width * 8))
+        if width and rows < head.weight.shape[0]:
+            src = source.get_submodule(_name_of(self.model, head)).weight
+            if tuple(src.shape) != tuple(head.weight.shape):
+                raise NotStreamable("the output head: not in the source model as shaped")
+            self._stream_head_rows(head, src, weights_dtype, rows)
+            self.head_bytes = rows * width * head.weight.element_size()
+        elif head is not None:
             slots = _Slots(
                 head, source.get_submodule(_name_of(self.model, head)), weights_dtype, self.residency, self.arena
             )
@@ -293,6 +305,29 @@ class StreamedTarget:
     def _stream(self, module: torch.nn.Module, slots: _Slots) -> None:
         self._handles.append(module.register_forward_pre_hook(lambda _m, _a: slots.materialize()))
         self._handles.append(module.register_forward_hook(lambda _m, _a, _o: slots.release(), always_call=True))
+
+    def _stream_head_rows(self, head: torch.nn.Linear, src: torch.Tensor, weights_dtype, rows: int) -> None:
+        """The output head `rows` vocabulary rows at a time, upcast into the arena, each chunk's logits
+        its own matmul: no more float64 of it at once than the largest decoder layer holds (by default).
+        Each logit is one dot product over the hidden size, but MKL's float64 GEMM blocks it by the
+        shapes it is given: a chunk's logits move from the whole matmul's by ~1e-15 of their scale
+        (tests/test_streamed_float64.py measures it), where the vocabulary is wider than one chunk."""
+        ph = head.weight
+        offset = self.arena.plan([torch.Size((rows, ph.shape[1]))])[0]
+        residency = self.residency
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(*x.shape[:-1], ph.shape[0], dtype=x.dtype, device=x.device)
+            for start in range(0, ph.shape[0], rows):
+                part = src.detach()[start : start + rows]
+                w = self.arena.view(offset, part.shape)
+                w.copy_(part.to(weights_dtype) if weights_dtype is not None else part)  # as _upcast rounds
+                residency.add(_nbytes(w))
+                out[..., start : start + part.shape[0]] = torch.nn.functional.linear(x, w)
+                residency.drop(_nbytes(w))
+            return out
+
+        head.forward = forward  # type: ignore[method-assign]
 
     def _stream_rows(self, embed: torch.nn.Embedding, src: torch.Tensor, weights_dtype) -> None:
         """The embedding looks up rows: only those of the tokens given are upcast (a gather is exact),
