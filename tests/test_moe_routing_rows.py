@@ -249,3 +249,29 @@ def test_the_markdown_shows_the_agreement_per_moe_layer_and_the_floors_row_count
     assert "floor rows: fewest" in md
     layer = _report(runs).comparisons["eng"][0].routing[0]
     assert f"| 0 | {layer.layer} | {TOKENS} | {layer.agreement:.3f} |" in md
+
+
+class _Floor:
+    """A floor whose router noise puts a near-tie at margins up to 1.0 (observed or not)."""
+
+    def router_tie_threshold(self, layer: int, observed: bool = False) -> float:
+        return 1.0
+
+
+def _routed(margins: list[list[float]], experts: list[list[list[int]]]) -> Capture:
+    tensors = {}
+    for k, (m, e) in enumerate(zip(margins, experts)):
+        tensors[f"{noise.ROUTER_PREFIX}{k}.margin"] = torch.tensor(m, dtype=torch.float64)
+        tensors[f"{noise.ROUTER_PREFIX}{k}{noise.ROUTER_EXPERTS}"] = torch.tensor(e)
+    return Capture(tensors=tensors)
+
+
+def test_a_row_routed_apart_at_a_near_tie_stays_apart_at_later_layers_even_where_their_margin_is_clear():
+    # row 1: a near-tie at layer 0 (margin 0.5) routed elsewhere; at layer 1 its margin is clear (9.0)
+    # and it goes elsewhere again: the same event carried on. Row 2: clear at both, elsewhere at layer 1.
+    ref = _routed([[9.0, 0.5, 9.0], [9.0, 9.0, 9.0]], [[[0, 1], [0, 1], [0, 1]], [[2, 3], [2, 3], [2, 3]]])
+    other = _routed([[9.0, 0.5, 9.0], [9.0, 9.0, 9.0]], [[[0, 1], [0, 2], [0, 1]], [[2, 3], [2, 4], [2, 4]]])
+    rows = noise.routing_rows(ref, other, _Floor())
+    assert rows.apart[0].tolist() == [False, True, False]
+    assert rows.apart[1].tolist() == [False, True, False]
+    assert rows.clear[1].tolist() == [False, False, True]  # a fresh clear-margin flip still diverges

@@ -511,6 +511,11 @@ def routing_rows(ref, other, floor: NoiseFloor) -> RoutingRows:
     judged by the reference's own routing margin (module docstring: router ties)."""
     out = RoutingRows()
     observed: dict[int, torch.Tensor] | None = None  # the near-ties by the margin noise, computed once if needed
+    # Rows already judged apart at an earlier MoE layer carry that event: their input to every later
+    # router already differs by it, so a later expert set chosen otherwise is the same event carried
+    # on, not a clear-margin flip (seen: DeepSeek-V3 bf16 on both engines, a near-tie at layer 1 and
+    # the "clear" flip of the same row at layer 2).
+    carried: torch.Tensor | None = None
     for k, tie in sorted(router_tie_rows(ref, floor).items()):
         flipped = _routed_apart(ref, other, k)
         if flipped is not None and flipped.numel() == tie.numel():
@@ -521,7 +526,9 @@ def routing_rows(ref, other, floor: NoiseFloor) -> RoutingRows:
             out.layers.append(RoutingLayer(k, tie.numel(), False, int(tie.sum()), int(tie.sum()), 0))
             continue
         agreement = expert_set_agreement(_experts(ref, k), _experts(other, k))
-        out.apart[k], out.clear[k] = flipped & tie, flipped & ~tie
+        excused = tie if carried is None or carried.numel() != tie.numel() else tie | carried
+        out.apart[k], out.clear[k] = flipped & excused, flipped & ~excused
+        carried = out.apart[k] if carried is None or carried.numel() != tie.numel() else carried | out.apart[k]
         out.layers.append(
             RoutingLayer(
                 k,
