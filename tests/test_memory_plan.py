@@ -192,6 +192,11 @@ class StubPool(EnginePool):
 
 @pytest.fixture
 def case(tmp_path, monkeypatch) -> Case:
+    return two_checkpoint_case(tmp_path, monkeypatch)
+
+
+def two_checkpoint_case(tmp_path, monkeypatch) -> Case:
+    """A case of two 4000-byte checkpoints, the fake engine beside the reference."""
     monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(mp.BUDGET_ENV, raising=False)
     # tests/fake_engine.py, a reference underneath: the reference's factors

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from difftest.case.case import Case
 from difftest.records import CheckResult, EngineEntry, EngineInfo, Report
@@ -19,22 +17,14 @@ from difftest.report import writer
 from difftest.report.html_report import render as render_html
 from difftest.run import memory_plan as mp
 
-from test_memory_plan import stub_pool, serve_case
+from test_memory_plan import serve_case, stub_pool, two_checkpoint_case
 
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch) -> Case:
     """A case of two 4000-byte checkpoints, the fake engine beside the reference (their factors:
     0.8 GB each with their overheads)."""
-    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(mp.BUDGET_ENV, raising=False)
-    monkeypatch.setenv("DIFFTEST_ENGINES", "fake=fake_engine:FakeEngine")
-    for part in ("target", "draft"):
-        (tmp_path / part).mkdir()
-        save_file({"w": torch.zeros(1000)}, tmp_path / part / "model.safetensors")
-    return Case(
-        name="tiny", path=str(tmp_path / "tiny.yaml"), target=str(tmp_path / "target"), draft=str(tmp_path / "draft")
-    )
+    return two_checkpoint_case(tmp_path, monkeypatch)
 
 
 def _report(plan: MemoryPlanRecord | None) -> Report:
