@@ -265,3 +265,25 @@ def test_an_upstream_event_reaches_every_later_position_through_attention():
     other = _jump_row(other, ["target.h.3"], row=4, rel=0.2)
     cd = compare_captures(ref, other, "float32", floor=_floor(1e-5))
     assert cd.get("target.h.3").rows_above == 2 and cd.get("target.h.3").ok
+
+
+def test_a_verdict_judged_against_the_dtypes_guess_does_not_call_its_floor_measured():
+    # the Llama-3.1-8B shape in bf16, where the float64 calibration did not fit: every threshold was
+    # the guess, and the verdict line said "10 x measured floor 0.005"
+    from difftest.compare.compare import noise_summary
+
+    ref = _capture()
+    other = _perturbed(ref, 0.5, ["draft.layer0.attn_out"])
+    cd = compare_captures(ref, other, "bfloat16", floor=noise.unmeasured("bfloat16", "it did not fit"))
+    line = noise_summary(cd.get("draft.layer0.attn_out"))
+    assert "measured floor" not in line
+    assert "10 x the bfloat16 guess (floor not measured) 0.005" in line
+
+
+def test_a_verdict_judged_against_a_measured_floor_says_measured():
+    from difftest.compare.compare import noise_summary
+
+    ref = _capture()
+    other = _perturbed(ref, 0.5, ["draft.layer0.attn_out"])
+    cd = compare_captures(ref, other, "float32", floor=_floor(1e-5))
+    assert "10 x measured floor 1e-06" in noise_summary(cd.get("draft.layer0.attn_out"))

@@ -35,7 +35,7 @@ from difftest.base.names import (
     inputs_of,
     split_draft,
 )
-from difftest.records.tensor_diff import TensorDiff, TensorStatus
+from difftest.records.tensor_diff import MEASURED_FLOOR, TensorDiff, TensorStatus
 from difftest.compare.rowstats import row_stats
 from difftest.compare.tolerances import Tolerance, tolerance_for
 from difftest.records.routing import RoutingLayer
@@ -63,9 +63,20 @@ def noise_summary(d: TensorDiff) -> str:
     verb = "above" if d.status == TensorStatus.MISMATCH else "within"
     return (
         f"{d.name}: {rows} above the noise threshold; row error up to {d.err:.3g} "
-        f"({d.excess:.3g}x the threshold {d.threshold:.3g} = {noise.SAFETY:g} x measured floor "
+        f"({d.excess:.3g}x the threshold {d.threshold:.3g} = {noise.SAFETY:g} x {d.floor_basis} "
         f"{d.noise_floor:.3g}) -> {verb} noise; cos {d.cosine:.4f}" + (f"; {d.detail}" if d.detail else "")
     )
+
+
+def floor_basis(floor: noise.NoiseFloor, name: str) -> str:
+    """What a tensor's floor stands on, for its verdict line: a floor that was guessed must not read as
+    measured (at 8B in bf16 the calibration may not fit, and then every threshold is the dtype's guess)."""
+    f = floor.tensors.get(name)
+    if f is not None:
+        return MEASURED_FLOOR if f.measured else f"floor measured on too few rows ({f.rows})"
+    if floor.measured and floor.threshold(name) != noise.unmeasured_threshold(floor.dtype):
+        return "the same draft part's measured floor"
+    return f"the {floor.dtype} guess (floor not measured)"
 
 
 def _profile(values: torch.Tensor, kind=float) -> list:
@@ -110,6 +121,7 @@ def compare_tensor(
     threshold: float | None = None,
     noise_floor: float = 0.0,
     row_errors: dict[str, torch.Tensor] | None = None,
+    floor_basis: str = MEASURED_FLOOR,
 ) -> TensorDiff:
     """threshold: the per-row relative error above which a row is off (difftest.compare.noise); None judges
     elementwise against `tol` (a case's explicit tolerance). `row_errors` collects the full per-row
@@ -181,7 +193,7 @@ def compare_tensor(
     d.err, d.err_q, d.rows_above, d.excess = j.err, j.err_q, j.rows_above, j.excess
     if row_errors is not None:
         row_errors[name] = errs
-    d.threshold, d.noise_floor = (threshold or 0.0), noise_floor
+    d.threshold, d.noise_floor, d.floor_basis = (threshold or 0.0), noise_floor, floor_basis
     if not d.by_noise:
         d.excess = math.inf if mismatched else 0.0
     if logits:
@@ -286,6 +298,7 @@ def compare_captures(
                 threshold=threshold,
                 noise_floor=floor.floor(name),
                 row_errors=row_errors,
+                floor_basis=floor_basis(floor, name),
             )
         )
     routing = noise.routing_rows(ref, other, floor)  # rows after a routing difference judged apart

@@ -44,6 +44,7 @@ class TensorStatus(enum.StrEnum):
 
 NOISE = "noise"  # TensorDiff.criterion of a tensor judged against the noise floor
 NOT_RECORDED = ""  # ... of a row written before the noise criterion
+MEASURED_FLOOR = "measured floor"  # TensorDiff.floor_basis of a tensor whose own floor was measured
 
 
 @dataclass
@@ -90,6 +91,8 @@ class TensorDiff:
     err: float = 0.0  # largest per-row relative error
     err_q: float = 0.0  # its FLOOR_QUANTILE quantile over rows
     noise_floor: float = 0.0  # the reference's own per-row error against float64 (quantile)
+    # what noise_floor is: measured on this tensor, or where it fell back (difftest.compare.compare.floor_basis)
+    floor_basis: str = MEASURED_FLOOR
     threshold: float = 0.0
     rows_above: int = 0  # rows whose error exceeds the threshold
     excess: float = 0.0  # err / threshold (noise units; > 1: above noise)
@@ -142,6 +145,8 @@ class TensorDiff:
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["status"] = self.status.value
+        if out["floor_basis"] == MEASURED_FLOOR:  # absent reads as measured, as in reports written before it
+            del out["floor_basis"]
         for key in ("shape", "max_abs_index", "row_max_abs", "row_mismatched", "row_cosine", "row_err"):
             out[key] = list(out[key])
         return out
