@@ -55,8 +55,10 @@ measured score noise (the same float64 comparison, on `aux.router.{k}.scores`) m
 experts in another engine. Where both captures hold the experts each chose (`aux.router.{k}.experts`,
 the top-k ids per row) the routing is compared row by row (routing_rows): a row whose expert set
 differs is judged apart from target.h.{k+1} on (tolerated the way an upstream discrete event is,
-compare.judge_along_flow) only where the reference's margin says near-tie; one that differs where
-the margin is clear is a divergence of target.h.{k+1} (clear_flip_verdicts), however few such rows.
+compare.judge_along_flow) only where the reference's margin says near-tie, or where a row judged
+apart at an earlier MoE layer reaches it (its own position, or an earlier one through causal
+attention: the same event carried on); one that differs where the margin is clear and no earlier
+event reaches is a divergence of target.h.{k+1} (clear_flip_verdicts), however few such rows.
 Near-tie there means within ROUTER_TIE_FACTOR x the margin noise: how far the float64 comparison
 moved the margin of the rows both runs routed alike. The score noise overstates what can flip: a
 rounding error along the residual's own direction scales every router logit alike, moving scores
@@ -511,11 +513,15 @@ def routing_rows(ref, other, floor: NoiseFloor) -> RoutingRows:
     judged by the reference's own routing margin (module docstring: router ties)."""
     out = RoutingRows()
     observed: dict[int, torch.Tensor] | None = None  # the near-ties by the margin noise, computed once if needed
-    # Rows already judged apart at an earlier MoE layer carry that event: their input to every later
-    # router already differs by it, so a later expert set chosen otherwise is the same event carried
-    # on, not a clear-margin flip (seen: DeepSeek-V3 bf16 on both engines, a near-tie at layer 1 and
-    # the "clear" flip of the same row at layer 2).
-    carried: torch.Tensor | None = None
+    # A row judged apart at an earlier MoE layer carries that event to every later router of its own
+    # position and, through causal attention, of every later position: their inputs there already
+    # differ by it, so a later expert set chosen otherwise on one of those rows is the same event
+    # carried on, not a clear-margin flip. Seen (DeepSeek-V3 bf16, both engines, prompt 1): a near-tie
+    # at MoE layer 1 sent row 3 apart; at layer 2 row 5 (its h.2 within noise, 0.007) went to other
+    # experts where the reference's margin is clear, its h.3 then 0.47 off. Rows before the first
+    # such row, and every row at the layer of the event or before it, keep the clear-margin verdict:
+    # attention reads no later position, and a layer's experts act on their own row only.
+    carried_from: int | None = None  # the first position judged apart so far (None: no event yet)
     for k, tie in sorted(router_tie_rows(ref, floor).items()):
         flipped = _routed_apart(ref, other, k)
         if flipped is not None and flipped.numel() == tie.numel():
@@ -526,9 +532,11 @@ def routing_rows(ref, other, floor: NoiseFloor) -> RoutingRows:
             out.layers.append(RoutingLayer(k, tie.numel(), False, int(tie.sum()), int(tie.sum()), 0))
             continue
         agreement = expert_set_agreement(_experts(ref, k), _experts(other, k))
-        excused = tie if carried is None or carried.numel() != tie.numel() else tie | carried
-        out.apart[k], out.clear[k] = flipped & excused, flipped & ~excused
-        carried = out.apart[k] if carried is None or carried.numel() != tie.numel() else carried | out.apart[k]
+        reached = torch.arange(tie.numel()) >= (tie.numel() if carried_from is None else carried_from)
+        out.apart[k], out.clear[k] = flipped & (tie | reached), flipped & ~(tie | reached)
+        if bool(out.apart[k].any()):
+            first = int(out.apart[k].nonzero()[0])
+            carried_from = first if carried_from is None else min(carried_from, first)
         out.layers.append(
             RoutingLayer(
                 k,
