@@ -11,7 +11,8 @@ reports). Above the floors, beside the CLI and the plugin: it may name any of th
 from difftest.base import definitions
 from difftest.base.definitions import Definition, trainer_figures
 from difftest.base.dtypes import CASE_DTYPES, MATMUL_PRECISIONS, DType, torch_dtype
-from difftest.base.cli_args import deprecated_alias
+from difftest.base.cli_args import deprecated_alias, id_list, whole_number
+from difftest.base.exit_codes import TROUBLE, USAGE
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
 from difftest.base.fc_wiring import Wiring
 from difftest.base.check_registry import ENGINE, CheckSpec
@@ -69,7 +70,12 @@ from difftest.run.pool import Options
 from difftest.run.session import Session
 
 __all__ = [
+    # what a contributed command's parser and exit status build on (difftest.base.exit_codes)
     "deprecated_alias",
+    "id_list",
+    "whole_number",
+    "USAGE",
+    "TROUBLE",
     # the adapter: interface, specs, settings, errors, the registry
     "Engine",
     "EngineInfo",

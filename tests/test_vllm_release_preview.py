@@ -83,7 +83,7 @@ def test_a_release_without_a_wheel_is_one_line():
 
 def test_a_release_of_another_engine_is_refused_naming_the_form():
     done = _preview("sglang==0.5.24", str(ROOT / "cases" / "tiny_llama.yaml"))
-    assert done.returncode == 2 and "expected vllm==VERSION" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 4 and "expected vllm==VERSION" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_unpacked_release_is_reused(preview, tmp_path: Path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from typing import Any, NoReturn
 
@@ -32,6 +33,37 @@ class Parser(argparse.ArgumentParser):
     def option_names(self) -> list[str]:
         """The options this parser documents (hidden deprecated spellings are not suggested)."""
         return [s for a in self._actions if a.help != argparse.SUPPRESS for s in a.option_strings if s.startswith("--")]
+
+
+def whole_number(least: int):
+    """An argparse `type` for a whole number >= `least`: a refusal is the parser's one-line usage error
+    (exit 4) naming the option, before the command runs, not a failure deep inside it."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected {least} or more, got {value}")
+        return value
+
+    parse.__name__ = "whole number"  # argparse names the type in some messages
+    return parse
+
+
+def id_list(text: str) -> list[int]:
+    """An argparse `type` for layer ids, `2,4,7` (or `2+4+7`, `2 4 7`): whole numbers >= 0."""
+    parts = [p for p in re.split(r"[,+\s]+", text.strip()) if p]
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected whole numbers separated by commas (e.g. 2,4,7), got {text!r}"
+        ) from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 0 separated by commas (e.g. 2,4,7), got {text!r}")
+    return ids
 
 
 def closest(name: str, known: list[str]) -> str | None:

@@ -6,7 +6,8 @@ case files (their prompts and speculative prompts), prompt sets (.jsonl/.json, r
 `prompts: {file: ...}`: difftest.case.prompt_sets), `ids:1,2,3`, or text (the target's tokenizer;
 chat messages through its chat template); default: --random N prompts of --length uniformly random
 token ids.
-Exit status: 0 decided, 1 cannot tell, 2 bad input.
+Exit status: 0 decided, 1 cannot tell, 2 a file or model it was given cannot be used, 4 a bad option value
+(difftest.base.exit_codes; --prompts ids:... is an option value, a prompt file is a file).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from difftest.api import DifftestError
-from difftest.api import Command
+from difftest.api import Command, TROUBLE, USAGE, id_list, whole_number
 from difftest.api import FINAL_NORM, TARGET_LOGITS, hidden_name
 from difftest.api import CaptureMeta
 
@@ -38,11 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PROMPT",
         help="case YAML files, prompt sets (.jsonl/.json), ids:1,2,3, or text (default: --random prompts)",
     )
-    p.add_argument("--random", type=int, default=16, help="random prompts when --prompts is not given (default 16)")
-    p.add_argument("--length", type=int, default=48, help="length of the random prompts (default 48)")
+    p.add_argument(
+        "--random", type=whole_number(1), default=16, help="random prompts when --prompts is not given (default 16)"
+    )
+    p.add_argument("--length", type=whole_number(2), default=48, help="length of the random prompts (default 48)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--layer-ids",
+        type=id_list,
         default=None,
         help="config ids to read as each engine would (default: the draft config's), e.g. 2,4,7",
     )
@@ -64,9 +68,7 @@ def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[i
     from difftest.api import ConfigError
     from difftest.api import Place, PromptFile, read_prompt_file
 
-    if not args.prompts:
-        if args.random < 1 or args.length < 2:
-            raise ConfigError("--random must be >= 1 and --length >= 2")
+    if not args.prompts:  # --random and --length were checked by the parser
         gen = torch.Generator().manual_seed(args.seed)
         return torch.randint(min(4, vocab - 1), vocab, (args.random, args.length), generator=gen).tolist()
     out: list[list[int]] = []
@@ -90,10 +92,7 @@ def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[i
         if read:
             continue
         if p.startswith("ids:"):
-            try:
-                out.append([int(x) for x in p[4:].replace(",", " ").split()])
-            except ValueError:
-                raise ConfigError(f"--prompts: {p!r} is not ids:1,2,3") from None
+            out.append(_ids(p))
         else:
             texts.append(p)
     if texts or chats:
@@ -115,6 +114,25 @@ def prompt_ids(args: argparse.Namespace, target: str, vocab: int) -> list[list[i
     if bad:
         raise ConfigError(f"--prompts: prompt {bad[0]} needs at least 2 token ids in [0, {vocab})")
     return out
+
+
+def _ids(p: str) -> list[int]:
+    """One `--prompts ids:1,2,3` value; malformed, a bad option value (PromptsUsageError, exit 4)."""
+    try:
+        return [int(x) for x in p[4:].replace(",", " ").split()]
+    except ValueError:
+        raise PromptsUsageError(f"--prompts: {p!r} is not ids:1,2,3") from None
+
+
+class PromptsUsageError(DifftestError):
+    """A --prompts value malformed in itself (exit 4), where a file it names that cannot be used is 2."""
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The option values checked by their form, before any model or file is read (PromptsUsageError)."""
+    for p in args.prompts:
+        if p.startswith("ids:"):
+            _ids(p)
 
 
 # What a file name looks like: --prompts reads case YAML files and prompt sets, so any other file, or
@@ -172,18 +190,17 @@ def main(args: argparse.Namespace) -> int:
     from difftest.api import read_json
 
     try:
+        check_options(args)
+    except PromptsUsageError as e:
+        print(f"difftest infer-wiring: {e}", file=sys.stderr)
+        return USAGE
+    try:
         target = _resolve(args.target)
         vocab = int(read_json(Path(target) / "config.json").get("vocab_size") or 0)
-        layer_ids = None
-        if args.layer_ids is not None:
-            try:
-                layer_ids = [int(x) for x in args.layer_ids.replace(",", " ").split()]
-            except ValueError:
-                raise DifftestError(f"--layer-ids: {args.layer_ids!r} is not a list like 2,4,7") from None
-        result = infer(target, args.draft, prompt_ids(args, target, vocab), layer_ids)
+        result = infer(target, args.draft, prompt_ids(args, target, vocab), args.layer_ids)
     except DifftestError as e:
         print(f"difftest infer-wiring: {e}", file=sys.stderr)
-        return 2
+        return TROUBLE
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

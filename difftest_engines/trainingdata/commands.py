@@ -23,9 +23,9 @@ from difftest.api import Case, Prompt, load_case
 from difftest.api import CASE_DTYPES, torch_dtype
 from difftest.api import EngineSpec
 from difftest.api import ConfigError, DifftestError
-from difftest.api import Command, deprecated_alias
+from difftest.api import Command, TROUBLE, USAGE, deprecated_alias, id_list, whole_number
 from difftest.api import atomic_write, check_output_dir, check_output_file
-from difftest.api import short_name
+from difftest.api import read_json, short_name
 
 
 def _model(ref: str) -> str:
@@ -36,16 +36,27 @@ def _model(ref: str) -> str:
     return str(Path(ref).resolve())
 
 
-def _layer_ids(text: str | None) -> list[int] | None:
-    """--layer-ids 2,4,7 (or 2+4+7): whole numbers, refused in one line otherwise."""
-    if not text:
-        return None
+def _ratio(text: str) -> float:
+    """--train-data-ratio: 0 < R < 1, as speculators' own create_train_val_loaders demands; refused by
+    the parser (exit 4) naming the option, not later as a setting of a case the user never wrote."""
     try:
-        return [int(x) for x in text.replace("+", ",").split(",")]
+        value = float(text)
     except ValueError:
-        raise ConfigError(
-            f"--layer-ids: expected whole numbers separated by commas (e.g. 2,4,7), got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 < value < 1.0:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"expected 0 < R < 1 (speculators' rule), got {text}")
+    return value
+
+
+def _target_shape(target: str) -> tuple[int, int]:
+    """The target's depth and vocabulary from its config.json (a text_config inside, for a multimodal
+    one): what --layers and --random are read against, before the model loads."""
+    config = read_json(Path(target) / "config.json", "target config")
+    text = config.get("text_config", config) if isinstance(config, dict) else None
+    try:
+        return int(text["num_hidden_layers"]), int(text["vocab_size"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{target}: target config: num_hidden_layers and vocab_size must be whole numbers") from None
 
 
 def train_acc(args) -> int:
@@ -53,20 +64,24 @@ def train_acc(args) -> int:
     from difftest_engines.trainingdata.train_accuracy import StepCounts, describe_attention, packing_line, rules_for
     from difftest_engines.trainingdata.trainer_forward import is_llama_draft
 
+    if args.trainer is not None:
+        try:
+            rules_for(args.trainer, where="--trainer")  # a bad option value: refused as typed, before anything
+        except ConfigError as e:
+            print(f"difftest train-acc: {e}", file=sys.stderr)
+            return USAGE
     try:
         if args.json:  # checked before the computation, not found unwritable after it
             check_output_file(args.json, "--out")
     except DifftestError as e:
         print(f"difftest train-acc: {e}", file=sys.stderr)
-        return 2
+        return TROUBLE
     data = Path(args.data).resolve()
     hidden_states = Path(args.hidden_states).resolve() if args.hidden_states else None
     rows = []
     try:
         if hidden_states is not None and not hidden_states.is_dir():  # named as typed, before anything loads
             raise ConfigError(f"--hidden-states: {args.hidden_states}: directory not found")
-        if args.trainer is not None:
-            rules_for(args.trainer, where="--trainer")  # refused as typed, before any data is read
         # inside the try: an unknown fixture or a bad checkpoint path is one line too
         case = Case(
             name="train-acc",
@@ -74,7 +89,7 @@ def train_acc(args) -> int:
             target=_model(args.target),
             draft=_model(args.draft),
             dtype=args.dtype,
-            layer_ids=_layer_ids(args.layer_ids),
+            layer_ids=args.layer_ids,
             prompts=[Prompt(ids=[0, 0])],
             num_steps=args.ttt_steps or 3,
             engines={
@@ -133,7 +148,7 @@ def train_acc(args) -> int:
             rows.append({"wiring": label, "fc": [short_name(n) for n in names], **acc.to_dict()})
     except DifftestError as e:
         print(f"difftest train-acc: {e}", file=sys.stderr)
-        return 2
+        return TROUBLE
     width = max(len(r["wiring"]) for r in rows)
     # the trainer's own figure for full_acc (speculators full_acc_k, SpecForge acc_k) and the accept
     # length it predicts, converted by its definition (difftest.base.definitions)
@@ -172,17 +187,27 @@ def train_acc(args) -> int:
             atomic_write(args.json, json.dumps({"data": str(data), "rows": rows}, indent=1) + "\n")
         except OSError as e:  # what the check up front cannot foresee (a full disk); no partial file is left
             print(f"difftest train-acc: --out: {args.json}: {e.strerror or e}", file=sys.stderr)
-            return 2
+            return TROUBLE
     return 0
 
 
 def dump(args) -> int:
-    from difftest_engines.trainingdata.dump import dump_from_target, random_prompts
+    from difftest_engines.trainingdata.dump import dump_from_target, parse_layers, random_prompts
 
-    target = _model(args.target)
     prompts: list[list[int]] = []
     try:
+        target = _model(args.target)  # inside: an unknown fixture is one line too
         check_output_dir(args.out, "--out")  # before the target runs, not after
+        depth, vocab = _target_shape(target)
+    except DifftestError as e:
+        print(f"difftest dump: {e}", file=sys.stderr)
+        return TROUBLE
+    try:  # a bad option value (exit 4), refused before the target loads
+        layers = parse_layers(args.layers, depth)
+    except DifftestError as e:
+        print(f"difftest dump: {e}", file=sys.stderr)
+        return USAGE
+    try:
         for path in args.case:
             case = load_case(path)
             for p in [*case.prompts, *case.spec_prompts]:
@@ -190,7 +215,6 @@ def dump(args) -> int:
                     raise DifftestError(f"{path}: text prompts are not supported by dump yet; give {{ids: [...]}}")
                 prompts.append(p.ids)
         if args.random:
-            vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
             prompts += random_prompts(vocab, args.random, args.length, args.seed)
         if not prompts:
             raise DifftestError("no prompts: give --case FILE and/or --random N")
@@ -198,14 +222,14 @@ def dump(args) -> int:
             target,
             args.out,
             args.format,
-            args.layers,
+            layers,
             prompts,
             args.continue_tokens,
             torch_dtype(args.dtype),
         )
     except DifftestError as e:
         print(f"difftest dump: {e}", file=sys.stderr)
-        return 2
+        return TROUBLE
     print(f"wrote {len(prompts)} samples ({args.format}, tensors {args.layers}) to {out}")
     return 0
 
@@ -233,15 +257,20 @@ def train_acc_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--wiring", action="append", default=[], help="an engine wiring to compare (preset or h2+h4+h7); repeatable"
     )
-    t.add_argument("--layer-ids", default=None, help="ids the presets read (default: the draft config's), e.g. 2,4,7")
+    t.add_argument(
+        "--layer-ids", type=id_list, default=None, help="ids the presets read (default: the draft config's), e.g. 2,4,7"
+    )
     t.add_argument(
         "--ttt-steps",
-        type=int,
+        type=whole_number(1),
         default=None,
         help="TTT unroll depth (default: the trainer's, 3 speculators / 7 SpecForge)",
     )
     t.add_argument(
-        "--max-len", type=int, default=None, help="truncate samples as the trainer does (default: the trainer's)"
+        "--max-len",
+        type=whole_number(1),
+        default=None,
+        help="truncate samples as the trainer does (default: the trainer's)",
     )
     t.add_argument(
         "--trainer",
@@ -258,7 +287,7 @@ def train_acc_arguments(t: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--train-data-ratio",
-        type=float,
+        type=_ratio,
         default=None,
         metavar="R",
         help="the trainer's --train-data-ratio for --split (default: the run.yaml `speculators train` saved "
@@ -276,11 +305,15 @@ def dump_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--format", required=True, choices=["speculators", "speculators-legacy", "specforge"])
     d.add_argument("--layers", required=True, help="dumped tensors in file order, the verifier last, e.g. h0+h2+h4+h7")
     d.add_argument("--case", action="append", default=[], help="dump this case's prompts (repeatable)")
-    d.add_argument("--random", type=int, default=0, help="also dump N random prompts")
-    d.add_argument("--length", type=int, default=12, help="length of the random prompts")
+    d.add_argument("--random", type=whole_number(0), default=0, help="also dump N random prompts")
+    d.add_argument("--length", type=whole_number(1), default=12, help="length of the random prompts")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument(
-        "--continue", dest="continue_tokens", type=int, default=8, help="greedy continuation tokens (loss-masked)"
+        "--continue",
+        dest="continue_tokens",
+        type=whole_number(0),
+        default=8,
+        help="greedy continuation tokens (loss-masked)",
     )
     d.add_argument("--dtype", default="float32", choices=[d.value for d in CASE_DTYPES])
 

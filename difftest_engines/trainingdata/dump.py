@@ -23,7 +23,10 @@ from difftest_engines.trainingdata.formats import write_dump
 
 def parse_layers(text: str, L: int) -> list[str]:
     """'h0+h2+h4+h7' or 'h2,h4,h5,final_norm' -> canonical names, checked against the target's depth."""
-    return list(resolve(re.sub(r"[,\s]+", "+", text.strip()), L, None, where="--layers").inputs)
+    names = list(resolve(re.sub(r"[,\s]+", "+", text.strip()), L, None, where="--layers").inputs)
+    if len(names) < 2:
+        raise ConfigError(f"--layers {text}: need at least two tensors (fc inputs, then the verifier)")
+    return names
 
 
 @torch.no_grad()
@@ -47,8 +50,6 @@ def dump_from_target(
     target = load_target(target_path, dtype)
     L = num_layers(target)
     names = parse_layers(layers, L) if isinstance(layers, str) else list(layers)
-    if len(names) < 2:
-        raise ConfigError(f"--layers {layers}: need at least two tensors (fc inputs, then the verifier)")
     samples = []
     for p in prompts:
         ids = greedy_continue(target, p, continue_tokens)

@@ -9,7 +9,9 @@ its defaults, whether it feeds aux hidden states at all, and its draft-length ru
 (pinned) release answers the same questions with its own code, side by side. What reaches fc is then
 the rule data's capture of those ids (difftest layer_rule: vLLM captures id k as h[k], in layer
 order), against what training fed. Exit status: 0 when the release feeds every case as trained on its
-default runner, 1 when it does not, 2 for a usage or configuration error (one line).
+default runner, 1 when it does not, 2 when it could not answer (a case file missing, vLLM not set up,
+its wheel or config code unusable), 4 for a bad argument (not vllm==VERSION, an --engine-python that
+is not there): difftest.base.exit_codes, one line each.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from difftest.api import Command, ConfigError, DifftestError
+from difftest.api import Command, ConfigError, DifftestError, TROUBLE, USAGE
 from difftest.api import cache_root, declared_ids, hidden_index, layer_rule, load_case, overlay_checkpoint
 from difftest.api import read_json, resolve, resolve_fixture, target_family
 
@@ -260,19 +262,26 @@ def main(args: argparse.Namespace) -> int:
     m = re.fullmatch(r"vllm==(\d+(?:\.\d+){1,3}(?:[.-]?\w+)?)", args.release.strip())
     if m is None:
         print(f"difftest preview: {args.release!r}: expected vllm==VERSION, e.g. vllm==0.34.0", file=sys.stderr)
-        return 2
+        return USAGE
+    if args.engine_python is not None and not Path(args.engine_python).is_file():  # as run's --engine-python
+        print(f"difftest preview: --engine-python: {args.engine_python}: no such file", file=sys.stderr)
+        return USAGE
     python = args.engine_python or str(cache_root() / "envs" / "vllm" / "bin" / "python")
     if not Path(python).exists():
         print(
             f"difftest preview: vLLM's interpreter {python} not found; set it up with: scripts/setup-engine vllm",
             file=sys.stderr,
         )
-        return 2
+        return TROUBLE
+    missing = next((c for c in args.cases if not c.is_file()), None)
+    if missing is not None:  # before the release's wheel is downloaded, not one line among the previews after
+        print(f"difftest preview: {missing}: no such case file", file=sys.stderr)
+        return TROUBLE
     try:
         previews, version = preview_cases(m.group(1), args.cases, python, log=lambda s: print(s, file=sys.stderr))
     except ConfigError as e:
         print(str(e), file=sys.stderr)
-        return 2
+        return TROUBLE
     lines, fine = render(previews, version)
     print(
         f"vllm {version} preview: its own config code (unpacked from its wheel) on {len(previews)} case(s); "
