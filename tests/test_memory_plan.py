@@ -294,6 +294,21 @@ def test_a_calibration_too_large_for_the_budget_is_refused_and_the_reference_kee
     assert pool.log == [("start", "ref")] and pool.start_error(REF) is None
 
 
+def test_a_calibration_refused_while_the_reference_is_closed_does_not_refuse_the_cases_own_start(tmp_path, monkeypatch):
+    # the Llama-3.1-8B shape one engine at a time: the reference's worker was closed for another engine,
+    # its case-dtype results came from the cache, the float64 calibration was refused; the reference's
+    # replay of the engine's tokens then errored the accept-length check with the calibration's refusal
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
+    target, draft = _streamed_pair(tmp_path)
+    own = Case(name="pair", path=str(tmp_path / "pair.yaml"), target=target, draft=draft, dtype="bfloat16")
+    pool = StubPool(Options(engines=[REF], reference=REF, memory_budget=mp.Budget(800_001_000, None, mp.BUDGET_ENV)))
+    pool.begin_case(own.path)
+    with pytest.raises(EngineError, match="ref: not started: the memory plan estimates it needs 0.8 GB for pair"):
+        pool.client(REF, calibration_case(own))
+    pool.client(REF, own)
+    assert pool.log == [("start", "ref")] and pool.start_error(REF) is None
+
+
 def test_the_float64_calibrations_plan_counts_only_the_engine_that_calibrates(case):
     lines: list = []
     pool = stub_pool("10GB", lines)

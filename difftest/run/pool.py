@@ -272,9 +272,10 @@ class EnginePool:
                 f"({case.dtype} weights of {case.target} and its draft, and the engine's declared overhead), "
                 f"and {available}; run it on a larger machine, or set {mp.BUDGET_ENV} if more is free than measured"
             )
-            if not live or case.path == self._current_case:
-                # a live worker refused another case (the float64 calibration, under the case's path + '#')
-                # keeps serving the case its items run
+            if case.path == self._current_case:
+                # only the case's own request refuses the engine for the case's items: a refused float64
+                # calibration (under the case's path + '#') leaves the engine to serve the case's own dtype,
+                # whether its worker is live now or was closed for another engine (one at a time)
                 self._refused[spec.id] = error
             raise error
         while True:
