@@ -250,6 +250,37 @@ def test_report_command_rerenders_from_json(tmp_path, capsys):
     assert "difftest run cases/tiny.yaml '--engines=ref,ref[wiring=sglang]'" in md
 
 
+@pytest.mark.parametrize(
+    "version, lacks",
+    [
+        (3, "the memory plan and the declared-precision floors"),
+        (
+            2,
+            "the per-MoE-layer routing and the noise floor's row counts; "
+            "the memory plan and the declared-precision floors",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["report", "bundle"])
+def test_an_older_schema_version_is_read_with_one_line_saying_what_it_lacks(tmp_path, capsys, command, version, lacks):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({**sample_report_json(), "schema_version": version}))
+    assert cli.main([command, str(path)]) == 0
+    assert capsys.readouterr().err == (
+        f"difftest {command}: {path}: report schema version {version} (this difftest writes {SCHEMA_VERSION}): "
+        f"not recorded in it: {lacks}; `difftest run cases/tiny.yaml '--engines=ref,ref[wiring=sglang]'` "
+        "writes it again\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["report", "bundle"])
+def test_a_current_report_is_read_with_nothing_said(tmp_path, capsys, command):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(sample_report_json()))
+    assert cli.main([command, str(path)]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_report_command_refuses_other_json(tmp_path, capsys):
     path = tmp_path / "x.json"
     path.write_text('{"schema": "other/1"}')

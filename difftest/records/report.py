@@ -31,6 +31,27 @@ SCHEMA = "difftest.report"
 SCHEMA_VERSION = 4
 READABLE_VERSIONS = (2, 3, 4)  # 2 and 3 lack only fields that have defaults (module docstring)
 LEGACY_SCHEMA = "difftest.report/1"  # version 1 named its version in `schema` and had no schema_version
+# what each version added: a report of an older readable version shows these as not recorded
+ADDED_IN = {
+    3: "the per-MoE-layer routing and the noise floor's row counts",
+    4: "the memory plan and the declared-precision floors",
+}
+
+
+def older_version_note(data: object) -> str | None:
+    """One line for a report of an older readable version (read, never refused): its version, what it
+    lacks (shown as not recorded), and the command that writes it at this version; None for a current
+    one. Reading it silently would let a reader take an absent memory plan or routing for none."""
+    if not isinstance(data, dict):
+        return None
+    version = data.get("schema_version")
+    if not isinstance(version, int) or version not in READABLE_VERSIONS or version >= SCHEMA_VERSION:
+        return None
+    lacks = "; ".join(what for since, what in ADDED_IN.items() if since > version)
+    again = f"; `{data['reproduce']}` writes it again" if isinstance(data.get("reproduce"), str) else ""
+    return (
+        f"report schema version {version} (this difftest writes {SCHEMA_VERSION}): not recorded in it: {lacks}{again}"
+    )
 
 
 @dataclass
@@ -129,3 +150,9 @@ class Report:
     def load(cls, path: str | Path) -> "Report":
         """A report file, validated: a missing, malformed or incomplete one is one line naming it."""
         return cls.from_dict(read_json(path, "report"), str(path))
+
+    @classmethod
+    def load_noting(cls, path: str | Path) -> tuple["Report", str | None]:
+        """As load, with older_version_note's line for the file (None: current)."""
+        data = read_json(path, "report")
+        return cls.from_dict(data, str(path)), older_version_note(data)

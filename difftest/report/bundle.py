@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 import tarfile
 from pathlib import Path
 
@@ -14,9 +15,14 @@ from difftest.base.paths import log_file_name
 from difftest.report.html_report import render as render_html
 
 
-def load(path: str | Path) -> Report:
-    """The report, validated (difftest.records.Report): one line naming the file and field otherwise."""
-    return Report.load(path)
+def load(path: str | Path, command: str | None = None) -> Report:
+    """The report, validated (difftest.records.Report): one line naming the file and field otherwise.
+    A report of an older schema version is read with one line on stderr saying what it lacks
+    (`difftest COMMAND: PATH: ...`), never silently."""
+    report, note = Report.load_noting(path)
+    if note is not None and command is not None:
+        print(f"difftest {command}: {path}: {note}", file=sys.stderr)
+    return report
 
 
 def rerender(args) -> int:
@@ -24,7 +30,7 @@ def rerender(args) -> int:
     out_dir = check_output_dir(
         args.out_dir or path.parent, "--out" if args.out_dir else "--out (default: beside the JSON)"
     )
-    data = load(path)
+    data = load(path, "report")
     md, html = report_files.render(data, out_dir)
     print(md)
     print(html)
@@ -35,7 +41,7 @@ def bundle(args) -> int:
     path = Path(args.json)
     if args.output:
         check_output_file(args.output, "--out")
-    data = load(path)
+    data = load(path, "bundle")
     stem = data.case.replace("/", "_")
     # the default path needs the case name from the JSON, so it is checked once that is read
     out = (
