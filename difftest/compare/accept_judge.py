@@ -20,7 +20,12 @@ counts the engines report:
   float64 (difftest.run.case_run.CaseRun.accept_noise). Greedy decoding is deterministic, so what two
   correct engines differ by beyond sampling is numerical: a near-tie resolved the other way, after
   which the continuations differ. The reference's own float64 move is that effect measured on
-  this case. Not measured (a stored baseline, a target too big for the CPU reference): 0, said.
+  this case. For an engine whose outputs are the reference's it is measured over those same tokens
+  (the float64 reference replayed on them): over the float64 run's own trajectory it measured the
+  trajectory, 0.65-0.69 in bf16 on the Qwen3 and DeepSeek-V3 test targets against 0.000-0.090 on the
+  same tokens, and hid ids-export collapses (docs/verdict.md, stop 53). An engine whose outputs differ
+  is judged on the reference's replay of them, with no move at all. Not measured (a stored baseline, a
+  target too big for the CPU reference): 0, said. The gate's `noise` says which move it used.
 
 The accept length itself is judged the same way: allowed = ACCEPT_SIGMAS x its standard error
 (difftest.records.acceptance.accept_length_spread of both runs) + the reference's measured float64 move,

@@ -459,13 +459,29 @@ class CaseRun:
             [p for p in own if p[0] is not None],
         )
 
-    def accept_noise(self) -> tuple[tuple[AcceptStats, AcceptStats] | None, str]:
-        """The reference's speculative run in the case's dtype and in float64 (difftest.compare.accept_judge:
-        the numerical part of the accept-length noise), or None with the reason it cannot run."""
+    def accept_noise(
+        self, outputs: list[list[int]] | None = None
+    ) -> tuple[tuple[AcceptStats, AcceptStats] | None, str]:
+        """The numerical part of the accept-length noise (difftest.compare.accept_judge): the reference's
+        speculative run in the case's dtype and a float64 run, or None with the reason it cannot run.
+
+        `outputs`: the tokens the engine judged generated, where they are the reference's own. Then the
+        float64 reference is replayed on them (Engine.replay): the move is measured over the same tokens
+        the engine's counts are. Otherwise (or where that replay cannot run) the float64 run speculates
+        on its own, over its own trajectory, which in half precision parts from the case's at a near-tie;
+        a draft fitted to one trajectory accepts less on the other, so that move is the trajectory's, not
+        the numerics' on these tokens (bf16 Qwen3 and DeepSeek-V3 targets: 0.65-0.68 over their own
+        trajectories, 0.000-0.090 on the same tokens; docs/verdict.md, stops 52 and 53)."""
         case = self.prepared
         if case.dtype == noise.CALIBRATION_DTYPE:
             return None, f"the case runs in {case.dtype}: no numerical move to measure"
         spec = self.pool.calibration_spec()
+        not_same = ""
+        if outputs:
+            pair, why = self._accept_noise_on_tokens(spec, outputs)
+            if pair is not None:
+                return pair, why
+            not_same = f" (not on the same tokens: {why})"
         try:
             pair = (self.speculate(spec), self.calibration().speculate(spec))
         except DifftestError as e:
@@ -473,7 +489,46 @@ class CaseRun:
                 None,
                 f"numerical move not measured: {spec.id} cannot speculate this case in float64 ({str(e).splitlines()[0]})",
             )
-        return pair, f"numerical move measured: {spec.id} in {case.dtype} vs float64"
+        return (
+            pair,
+            f"numerical move measured: {spec.id} in {case.dtype} vs float64, each over its own trajectory{not_same}",
+        )
+
+    def _accept_noise_on_tokens(
+        self, spec: EngineSpec, outputs: list[list[int]]
+    ) -> tuple[tuple[AcceptStats, AcceptStats] | None, str]:
+        """(`spec` in the case's dtype, float64 `spec` replayed on that run's outputs), where they are `outputs`."""
+        case = self.prepared
+        try:
+            own = self.speculate(spec)
+            if own.outputs != outputs:
+                return None, f"{spec.id}'s outputs in {case.dtype} are not the ones judged"
+            if "tree" in own.source:  # a replay is a chain here, the run a tree
+                return None, f"{spec.id} simulated a tree"
+            requests = list(zip(self.prompt_ids(speculative=True), outputs))
+            exact = self.calibration().replay_accept(spec, requests, own.num_draft_steps)
+        except DifftestError as e:
+            return None, f"{spec.id} cannot replay them in float64 ({str(e).splitlines()[0]})"
+        return (own, exact), (
+            f"numerical move measured: {spec.id} in {case.dtype} vs float64 on the same tokens "
+            f"(float64 replayed on the {case.dtype} run's own outputs)"
+        )
+
+    def replay_accept(self, spec: EngineSpec, requests: list[tuple[list[int], list[int]]], steps: int) -> AcceptStats:
+        """`spec`'s acceptance summed over its replay of `requests` as a chain of `steps` draft tokens,
+        cached on disk as a speculative run is (the float64 calibration's replay: a deep target's is minutes)."""
+        info = self.pool.info(spec)
+        key = cache_key("replay", spec.id, info.version, self.inputs_key(spec), requests, steps)
+        path = self.pool.cache.path(key).with_suffix(".json")
+        if self.options.use_cache and not info.live and path.exists():
+            return AcceptStats.from_dict(json.loads(path.read_text()))
+        total = AcceptStats(0, 0, steps, [0] * steps, 0, "")
+        for row in self.replay(spec, requests, steps, 1, steps + 1):
+            total = total.merge(row.stats)
+        total.source = f"{spec.id} in {self.prepared.dtype}, replayed on given outputs"
+        if not info.live:
+            atomic_write(path, json.dumps(total.to_dict(), indent=1))
+        return total
 
     def comparisons(self, spec: EngineSpec) -> list[CaptureDiff]:
         """Per prompt: the engine's capture against the reference's."""
