@@ -164,6 +164,8 @@ def _engines(args: argparse.Namespace, notes: list[str]) -> tuple[list[str], dic
     for option, setting, value in (("--server", "url", args.server), ("--train-data", "data", args.train_data)):
         if value is None:
             continue
+        if not value.strip():  # an unset variable: refused, not written into the case as an empty setting
+            raise InitUsageError(f"{option}: empty value (an unset variable?); give a value or leave the option out")
         engine = _engine_with(setting)
         if engine is None:
             raise DifftestError(f"{option}: no installed engine reads a {setting!r} setting")
@@ -179,6 +181,10 @@ def _engines(args: argparse.Namespace, notes: list[str]) -> tuple[list[str], dic
     if args.engines is None:
         return found, settings
     chosen = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not chosen:  # what an unset variable gives (--engines=$ENGINES): refused, as `difftest run` refuses it
+        raise InitUsageError(
+            "--engines: empty value (an unset variable?); give engines, e.g. ref,sglang, or leave the option out"
+        )
     known = registered_engines()
     for e in chosen:
         if e.split("[")[0].split("@")[0] not in known:

@@ -7,7 +7,10 @@ naming what is wrong, or now does the right thing.
 4. `difftest report` on JSON nested too deeply names the file;
 5. a server that answers 200 with a body that is not JSON, or bytes that are not HTTP, is named;
 6. Ctrl-C while `difftest` imports is exit 130 and one line;
-7. `difftest run` leaves no `.benchmarks/` folder (pytest-benchmark's) behind.
+7. `difftest run` leaves no `.benchmarks/` folder (pytest-benchmark's) behind;
+8. (a rerun at stop 53) an empty value to the other commands' options (`init --engines/--server`,
+   `probe --server/--model`, `train-acc --wiring`) is a usage error too, and `difftest versions` names a
+   report nested too deeply (it ended in a RecursionError traceback).
 
 Engine-free: the runs refuse before any engine starts, and the baseline race runs on BaselineWriter."""
 
@@ -266,3 +269,39 @@ def test_difftest_run_leaves_no_benchmarks_folder_in_the_working_directory(tmp_p
     run = _difftest(tmp_path, "run", "cases/", "-q", f"--rootdir={tmp_path}")
     assert run.returncode == exit_codes.NO_CASES, run.stdout + run.stderr
     assert not (tmp_path / ".benchmarks").exists()
+
+
+# -- 8. empty values to the other commands, and `difftest versions` on JSON nested too deeply -------
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["init", "--target", "t", "--draft", "d", "--engines", ""], "--engines"),
+        (["init", "--target", "t", "--draft", "d", "--server", " "], "--server"),
+        (["probe", "--server", "", "--case", "c.yaml"], "argument --server"),
+        (["probe", "--server", "http://127.0.0.1:1", "--case", "c.yaml", "--model", ""], "argument --model"),
+        (["train-acc", "--data", "x", "--draft", "d", "--target", "t", "--wiring", ""], "argument --wiring"),
+    ],
+    ids=["init-engines", "init-server", "probe-server", "probe-model", "train-acc-wiring"],
+)
+def test_an_empty_option_value_is_a_usage_error_from_every_command(argv, option, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("t", "d"):  # init reads the configs only
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    out = tmp_path / "case.yaml"
+    try:
+        code = cli.main([*argv, *(["--out", str(out)] if argv[0] == "init" else [])])
+    except SystemExit as e:  # the parser's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == exit_codes.USAGE, err
+    assert err.count("\n") == 1 and f"{option}: " in err and ("empty value" in err or "got ''" in err), err
+    assert not out.exists()
+
+
+def test_versions_over_a_report_nested_too_deeply_is_named_in_one_line(tmp_path, capsys):
+    path = tmp_path / "deep.json"
+    path.write_text('{"case": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert cli.main(["versions", str(tmp_path)]) == exit_codes.TROUBLE
+    err = capsys.readouterr().err
+    assert err == f"difftest versions: {path}: not a difftest report (JSON nested too deeply to read)\n"

@@ -9,7 +9,7 @@ from difftest.base.errors import ConfigError
 
 
 def read_json(path: str | Path, what: str = "file") -> object:
-    """Parsed JSON; a missing or malformed file is a ConfigError naming it (and the line)."""
+    """Parsed JSON; a missing, malformed or too deeply nested file is a ConfigError naming it (and the line)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
@@ -17,6 +17,8 @@ def read_json(path: str | Path, what: str = "file") -> object:
         raise ConfigError(f"{path}: {what} not found") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON in {what} ({e.msg} at line {e.lineno})") from None
+    except RecursionError:  # nested deeper than Python's parser recurses: no file difftest reads is
+        raise ConfigError(f"{path}: not a {what} (JSON nested too deeply to read)") from None
 
 
 def read_json_object(path: str | Path, what: str = "file") -> dict:

@@ -149,10 +149,10 @@ class Report:
     @classmethod
     def load(cls, path: str | Path) -> "Report":
         """A report file, validated: a missing, malformed or incomplete one is one line naming it."""
-        return cls.from_dict(read_json(path, "report"), str(path))
+        return cls.from_dict(read_json(path, "difftest report"), str(path))
 
     @classmethod
     def load_noting(cls, path: str | Path) -> tuple["Report", str | None]:
         """As load, with older_version_note's line for the file (None: current)."""
-        data = read_json(path, "report")
+        data = read_json(path, "difftest report")
         return cls.from_dict(data, str(path)), older_version_note(data)

@@ -96,13 +96,13 @@ def read_reports(directories: list[Path]) -> list[Report]:
     reports = []
     for d in directories:
         if not d.is_dir():
-            raise ConfigError(f"difftest versions: {d} is not a directory of reports")
+            raise ConfigError(f"{d} is not a directory of reports")
         for f in sorted(d.glob("*.json")):
-            data = read_json(f, "report")
+            data = read_json(f, "difftest report")
             if isinstance(data, dict) and data.get("schema") == "difftest.report":
                 reports.append(Report.from_dict(data, str(f)))
     if not reports:
-        raise ConfigError(f"difftest versions: no difftest reports in {', '.join(map(str, directories))}")
+        raise ConfigError(f"no difftest reports in {', '.join(map(str, directories))}")
     return reports
 
 
@@ -132,8 +132,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         found = [c for r in read_reports([Path(d) for d in args.reports]) for c in cells(r)]
-    except DifftestError as e:
-        print(str(e), file=sys.stderr)
+    except DifftestError as e:  # one line, named as every command's refusals are
+        print(f"difftest versions: {e}", file=sys.stderr)
         return exit_codes.TROUBLE
     if not found:
         print(

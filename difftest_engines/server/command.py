@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -65,8 +66,26 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _url(text: str) -> str:
+    """--server's value, http(s)://HOST[:PORT][/...]: refused by the parser (exit 4) naming --server, not
+    later as a parameter of an `--engines server[url=...]` spec the user never wrote (the client's rule)."""
+    # no comma or bracket anywhere: the URL travels inside a server[url=...] spec, which those would split
+    if not re.fullmatch(r"https?://[^/\s,\[\]]+(/[^\s,\[\]]*)?", text):
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT, got {text!r}")
+    return text
+
+
+def _named(text: str) -> str:
+    """--model's value: a name; empty (an unset variable) is refused, not read as the option left out."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "empty value (an unset variable?); give the served model's name or leave it out"
+        )
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", required=True, metavar="URL", help="http://HOST:PORT of the running server")
+    p.add_argument("--server", required=True, type=_url, metavar="URL", help="http://HOST:PORT of the running server")
     p.add_argument("--case", required=True, help="the case whose target and draft the server runs (cases/NAME.yaml)")
     p.add_argument("--kind", choices=["sglang", "vllm"], default=None, help="server kind (default: detected)")
     p.add_argument(
@@ -75,7 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=_seconds, default=120.0, help="seconds per HTTP request to the server (default 120)"
     )
-    p.add_argument("--model", default=None, help="the served model's name when it is not the case's target path")
+    p.add_argument(
+        "--model", type=_named, default=None, help="the served model's name when it is not the case's target path"
+    )
     p.add_argument("--out", dest="report_dir", default="reports", help="where the report goes (default: reports)")
     deprecated_alias(p, ["--report-dir"], "--out", "report_dir")
     p.add_argument("--engine-timeout", type=float, default=900.0, help="seconds per reference request (default 900)")

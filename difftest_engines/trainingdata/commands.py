@@ -234,6 +234,13 @@ def dump(args) -> int:
     return 0
 
 
+def _wiring(text: str) -> str:
+    """--wiring's value: empty (an unset variable) is refused, not scored as the trainer's own row again."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty value (an unset variable?); give a preset or h2+h4+h7")
+    return text
+
+
 def train_acc_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--data", required=True, help="training data directory (speculators, legacy .pt or SpecForge .ckpt)")
     t.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
@@ -255,7 +262,11 @@ def train_acc_arguments(t: argparse.ArgumentParser) -> None:
         help="identify dumped layers by a target run or by statistics",
     )
     t.add_argument(
-        "--wiring", action="append", default=[], help="an engine wiring to compare (preset or h2+h4+h7); repeatable"
+        "--wiring",
+        type=_wiring,
+        action="append",
+        default=[],
+        help="an engine wiring to compare (preset or h2+h4+h7); repeatable",
     )
     t.add_argument(
         "--layer-ids", type=id_list, default=None, help="ids the presets read (default: the draft config's), e.g. 2,4,7"
