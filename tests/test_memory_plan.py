@@ -114,12 +114,13 @@ def test_a_streamed_calibration_holds_the_targets_largest_layer_and_the_drafts_w
     assert mp.largest_part_bytes(target, "float64") == 100 * 8  # layer 0 (two tensors), not the head alone
     own, calibration = mp.loads_for(target, draft, "bfloat16", calibrates=True)
     assert mp.load_bytes(streamed, calibration) == 100 * 8 + 50 * 8
-    # the source is the case's own bf16 load: counted once beside the float64 run
+    # beside the case's own bf16 load, the float64 run reads that load: counted once, as the load
     assert mp.worker_bytes(streamed, [own, calibration]) == (244 + 50) * 2 + 100 * 8 + 50 * 8
-    # a worker asked for the float64 case alone loads its source for it
+    # a worker asked for the float64 case alone reads the checkpoint's files, memory-mapped: no load of the
+    # target (the page cache is the kernel's, not the worker's)
     (alone,) = mp.loads_for(target, draft, "float64", calibrates=False, weights_dtype="bfloat16")
     assert alone == calibration
-    assert mp.worker_bytes(streamed, [alone]) == 244 * 2 + 100 * 8 + 50 * 8
+    assert mp.worker_bytes(streamed, [alone]) == 100 * 8 + 50 * 8
     # an engine that loads whole float64 copies keeps its declared share of them
     assert mp.load_bytes(mp.MemoryFactors(calibration_copies=0.5), calibration) == (244 + 50) * 8 // 2
 
@@ -292,6 +293,36 @@ def test_a_calibration_too_large_for_the_budget_is_refused_and_the_reference_kee
         pool.client(REF, calibration_case(own))
     pool.client(REF, own)  # the case's own items: the same worker, neither closed nor refused
     assert pool.log == [("start", "ref")] and pool.start_error(REF) is None
+
+
+def test_a_calibration_that_fits_only_without_the_cases_own_load_runs_in_a_fresh_worker(tmp_path, monkeypatch):
+    # the Llama-3.1-8B shape in bf16 on 24 GB: the case's load (16 GB) and the float64 run do not fit
+    # together, the float64 run alone does (it reads the checkpoint's files, not a bf16 load)
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
+    target, draft = _streamed_pair(tmp_path)
+    own = Case(name="pair", path=str(tmp_path / "pair.yaml"), target=target, draft=draft, dtype="bfloat16")
+    # overhead 0.8 GB; the case's load 588 bytes, the float64 run 1200: together 1788, the run alone 1200
+    lines: list = []
+    budget = mp.Budget(800_001_500, None, mp.BUDGET_ENV)
+    pool = StubPool(Options(engines=[REF], reference=REF, progress=lines.append, memory_budget=budget))
+    pool.begin_case(own.path)
+    pool.client(REF, own)
+    pool.client(REF, calibration_case(own))
+    assert pool.log == [("start", "ref"), ("close", "ref"), ("start", "ref")]
+    assert any(ln.startswith("ref: its worker closes to free memory: it holds earlier cases' models") for ln in lines)
+
+
+def test_a_refused_calibration_says_it_counted_the_streamed_run_not_float64_copies(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
+    target, draft = _streamed_pair(tmp_path)
+    own = Case(name="pair", path=str(tmp_path / "pair.yaml"), target=target, draft=draft, dtype="bfloat16")
+    pool = StubPool(Options(engines=[REF], reference=REF, memory_budget=mp.Budget(800_001_000, None, mp.BUDGET_ENV)))
+    pool.begin_case(own.path)
+    with pytest.raises(EngineError) as e:
+        pool.client(REF, calibration_case(own))
+    assert f"(the float64 run streamed from the files of {target} and its draft: the target's largest layer" in (
+        one_line(e)
+    )
 
 
 def test_a_calibration_refused_while_the_reference_is_closed_does_not_refuse_the_cases_own_start(tmp_path, monkeypatch):

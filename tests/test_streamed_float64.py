@@ -20,7 +20,8 @@ from difftest.compare import noise
 from difftest.run.case_run import calibration_case
 from difftest.run.engine import parse_spec
 from difftest_engines.ref.engine import RefEngine, rounded_through
-from difftest_engines.ref.streamed import StreamedTarget, streamable
+from difftest_engines.ref.mapped import Mapped
+from difftest_engines.ref.streamed import FileSource, StreamedTarget, streamable
 from difftest_engines.ref.target import load_target, run_target
 
 IDS = [1, 5, 9, 33, 77, 101, 7, 5, 0]
@@ -192,7 +193,7 @@ def test_the_float64_draft_beside_a_streamed_target_holds_no_embedding_table(pai
     exact = _case(tmp_path, target, draft, "bfloat16", "llama")
     engine.capture(exact, IDS)
     (f64,) = [d for k, d in engine._drafts.items() if k[2] == "float64"]
-    assert f64.model.embed_tokens.weight.is_meta  # its rows are looked up from the bfloat16 draft's
+    assert f64.model.embed_tokens.weight.is_meta  # its rows are looked up from the draft checkpoint's file
     assert not WholeFloat64(parse_spec("ref"))._models(exact)[1].model.embed_tokens.weight.is_meta
 
 
@@ -210,3 +211,102 @@ def test_a_head_streamed_in_vocabulary_chunks_moves_no_logit_beyond_float64_roun
     assert moved <= 1e-14  # measured at most 2.1e-15 on 2048-wide heads (streamed.py)
     assert stream.head_bytes == 64 * source.config.hidden_size * 8
     assert stream.residency.live == stream.residency.resident
+
+
+# -- the float64 run read from the checkpoint's files (FileSource), holding no load of the target ------
+def _stored_as(source: Path | None, directory: Path, dtype: torch.dtype) -> Path | None:
+    """A copy of checkpoint `source` with its floating-point tensors stored in `dtype`."""
+    if source is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(f)).items()}
+            save_file(tensors, str(directory / f.name), metadata={"format": "pt"})
+        elif f.is_file():
+            (directory / f.name).write_bytes(f.read_bytes())
+    return directory
+
+
+@pytest.fixture(scope="module")
+def stored_pairs(pairs, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path | None]]:
+    """Each family's pair stored in float32 (as built) and in bfloat16 (as real checkpoints ship)."""
+    root = tmp_path_factory.mktemp("stored-bf16")
+    out: dict[tuple[str, str], tuple[Path, Path | None]] = {}
+    for family, (target, draft) in pairs.items():
+        out[(family, "float32")] = (target, draft)
+        bf16_target = _stored_as(target, root / family / "target", torch.bfloat16)
+        assert bf16_target is not None
+        out[(family, "bfloat16")] = (bf16_target, _stored_as(draft, root / family / "draft", torch.bfloat16))
+    return out
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case_dtype", CASE_DTYPES)
+@pytest.mark.parametrize("family", ["llama", "deepseek-v3", "qwen3-tied"])
+def test_the_float64_run_read_from_the_checkpoint_files_computes_what_the_run_from_a_loaded_source_computes(
+    stored_pairs, family, case_dtype, stored
+):
+    target = stored_pairs[(family, stored)][0]
+    weights = torch.bfloat16 if case_dtype == "bfloat16" else None
+    loaded = _outputs(run_target(_streamed(target, case_dtype).model, torch.tensor([IDS])))
+    stream = StreamedTarget.from_checkpoint(target, weights)
+    from_files = _outputs(run_target(stream.model, torch.tensor([IDS])))
+    assert isinstance(stream.source, FileSource)
+    assert from_files.keys() == loaded.keys()
+    for name, t in loaded.items():
+        assert from_files[name].dtype == t.dtype, name
+        assert torch.equal(from_files[name], t), name
+    assert 0 < stream.residency.peak <= stream.bound()
+
+
+def test_the_checkpoint_files_are_read_as_views_of_their_pages_not_copies(pairs):
+    target = pairs["llama"][0]
+    files = Mapped(target)
+    (f,) = target.glob("*.safetensors")
+    stored = load_file(str(f))
+    norm = files.tensor("model.norm.weight")
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"):
+        view = files.tensor(name)
+        assert torch.equal(view, stored[name])
+        # views lie in one mapping of the file, as far apart as their bytes in it: no buffer per tensor
+        assert view.data_ptr() - norm.data_ptr() == files.offset(name) - files.offset("model.norm.weight")
+
+
+class LoadedSource(RefEngine):
+    STREAM_FROM_FILES = False  # today's streamed run: the weights read from the case's dtype loaded for it
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "deepseek-v3"])
+def test_a_fresh_reference_calibrates_from_the_files_with_the_captures_of_the_run_from_a_loaded_source(
+    stored_pairs, family, stored, tmp_path
+):
+    target, draft = stored_pairs[(family, stored)]
+    assert draft is not None
+    exact = _case(tmp_path, target, draft, "bfloat16", family)
+    files, loaded = RefEngine(parse_spec("ref")), LoadedSource(parse_spec("ref"))
+    for prompt in exact.prompts:
+        a, b = files.capture(exact, prompt.ids), loaded.capture(exact, prompt.ids)
+        assert a.tensors.keys() == b.tensors.keys()
+        for name, t in b.tensors.items():
+            assert torch.equal(a.tensors[name], t), name
+        assert (a.meta.target_next_token, a.meta.draft_tokens) == (b.meta.target_next_token, b.meta.draft_tokens)
+        assert any(n.startswith(noise.STREAMED_FLOAT64) and "safetensors files" in n for n in a.meta.notes)
+    # the worker holds the float64 skeleton and the float64 draft only: no target or draft in bfloat16
+    assert [k[1] for k in files._targets] == ["float64"] and [k[2] for k in files._drafts] == ["float64"]
+    assert sorted(k[1] for k in loaded._targets) == ["bfloat16", "float64"]
+
+
+def test_a_fresh_reference_speculates_from_the_files_as_from_a_loaded_source(pairs, tmp_path):
+    target, draft = pairs["llama"]
+    exact = _case(tmp_path, target, draft, "bfloat16", "llama")
+    prompts = [p.ids for p in exact.prompts]
+    a = RefEngine(parse_spec("ref")).speculate(exact, prompts, 3, 8)
+    b = LoadedSource(parse_spec("ref")).speculate(exact, prompts, 3, 8)
+    assert (a.num_verify, a.num_accepted, a.accepted_per_pos, a.outputs) == (
+        b.num_verify,
+        b.num_accepted,
+        b.accepted_per_pos,
+        b.outputs,
+    )

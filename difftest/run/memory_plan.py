@@ -60,9 +60,10 @@ class MemoryFactors:
     # what the float64 calibration run (the engine that calibrates: the noise floor) holds, in whole
     # float64 copies of the models: 1.0 loads the whole copy, a run streamed layer by layer less
     calibration_copies: float = 1.0
-    # the float64 run streamed from the case's own load (not whole copies: calibration_copies unused): it
-    # holds that load (the source), the target's largest decoder layer or other tensor in float64 at a
-    # time, and the draft's whole float64 copy but its embedding table (Load.streamed_bytes)
+    # the float64 run streamed (not whole copies: calibration_copies unused): it holds the target's largest
+    # decoder layer or other tensor in float64 at a time, and the draft's whole float64 copy but its
+    # embedding table (Load.streamed_bytes); it reads the weights from the case's own load where the worker
+    # holds it, else from the checkpoint's files, memory-mapped: no source load is counted (worker_bytes)
     calibration_streamed: bool = False
     keeps_every_case: bool = False  # a worker keeps every case's models loaded (its memory grows over cases)
     on_gpu: bool = False  # where a GPU is present, its weights and KV cache live in GPU memory
@@ -287,7 +288,7 @@ def looked_up_bytes(checkpoint: str | Path, dtype: str) -> int:
 @dataclass(frozen=True)
 class Load:
     """One set of models a worker loads: a case's target and draft at a dtype (`source`: for a float64
-    load, the dtype of the case's weights, the load a streamed float64 run reads them from)."""
+    load, the dtype of the case's weights, which a streamed float64 run rounds them through)."""
 
     target: str
     draft: str
@@ -297,15 +298,12 @@ class Load:
     def bytes(self) -> int:
         return _weight_bytes(self.target, self.dtype) + (_weight_bytes(self.draft, self.dtype) if self.draft else 0)
 
-    def source_load(self) -> "Load":
-        """The load a streamed float64 run reads its weights from: the target at the weights' dtype
-        (float32 where the case names none, as the reference loads it)."""
-        return Load(self.target, self.draft, self.source or DType.FLOAT32.value)
-
     def streamed_bytes(self) -> int:
-        """What a float64 run streamed from `source_load` adds to it: the target's largest part and the
-        draft's whole copy, in float64, less the draft's embedding table (its rows are looked up from
-        the source's draft: difftest_engines/ref/streamed.py StreamedTarget.stream_embedding)."""
+        """What a streamed float64 run holds: the target's largest part and the draft's whole copy, in
+        float64, less the draft's embedding table (its rows are looked up from the draft's file:
+        difftest_engines/ref/streamed.py StreamedTarget.stream_embedding). Its weights are read from the
+        checkpoint's files, memory-mapped (difftest_engines/ref/mapped.py), or from the case's own load
+        where the same worker holds it (counted as that load): no load of the target is held for it."""
         target = _largest_part_bytes(self.target, CALIBRATION.value)
         if not self.draft:
             return target
@@ -340,14 +338,24 @@ def load_bytes(factors: MemoryFactors, load: Load) -> int:
 
 
 def worker_bytes(factors: MemoryFactors, loads: list[Load]) -> int:
-    """The bytes a worker holding `loads` holds: each load's, and for a streamed float64 run its source
-    once (the case's own load when the worker holds that already, else the source loaded for it)."""
-    total = sum(load_bytes(factors, ld) for ld in loads)
-    if factors.calibration_streamed:
-        sources = {ld.source_load() for ld in loads if ld.dtype == CALIBRATION.value}
-        held = {(ld.target, ld.dtype) for ld in loads}
-        total += sum(_weight_bytes(s.target, s.dtype) for s in sources if (s.target, s.dtype) not in held)
-    return total
+    """The bytes a worker holding `loads` holds: each load's. A streamed float64 run adds no source:
+    it reads the case's own load where the worker holds it (counted once, as that load), else the
+    checkpoint's safetensors files memory-mapped, whose pages are the kernel's page cache (clean, dropped
+    under pressure), not the worker's. At the Llama-3.1-8B shape in bfloat16 this is what lets the
+    calibration fit a 24 GB machine: a fresh worker holds ~6 GB for it where one reading a bfloat16 load
+    held 22 GB (the plan starts that fresh worker when the case's load and the calibration do not fit
+    together: difftest.run.pool.EnginePool._make_room)."""
+    return sum(load_bytes(factors, ld) for ld in loads)
+
+
+def held_words(factors: MemoryFactors, load: Load) -> str:
+    """What an engine's estimate for `load` counts, in the words of a refusal."""
+    if load.dtype == CALIBRATION.value and factors.calibration_streamed:
+        return (
+            f"the float64 run streamed from the files of {load.target} and its draft: the target's largest "
+            "layer and the draft but its embedding table in float64, and the engine's declared overhead"
+        )
+    return f"{load.dtype} weights of {load.target} and its draft, and the engine's declared overhead"
 
 
 def need_of(factors: MemoryFactors, weights: int, kv_gib: float | None, gpu_present: bool) -> Need:
@@ -406,6 +414,7 @@ __all__ = [
     "Need",
     "Plan",
     "declared_budget",
+    "held_words",
     "largest_part_bytes",
     "load_bytes",
     "loads_for",

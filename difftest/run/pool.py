@@ -269,7 +269,7 @@ class EnginePool:
             needed, available = budget.shortfall(need)
             error = EngineError(
                 f"{spec.id}: not started: the memory plan estimates it needs {needed} for {case.name} "
-                f"({case.dtype} weights of {case.target} and its draft, and the engine's declared overhead), "
+                f"({mp.held_words(factors, asked[0])}), "
                 f"and {available}; run it on a larger machine, or set {mp.BUDGET_ENV} if more is free than measured"
             )
             if case.path == self._current_case:

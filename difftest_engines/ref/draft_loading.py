@@ -14,7 +14,7 @@ import torch
 from difftest.api import ConfigError
 from difftest.api import read_json
 from difftest.api import first_line, tied_draft_head_words, unused_tensor_words
-from difftest_engines.ref.eagle3 import Eagle3Config, Eagle3Draft, _canonical_key, load_state_dict, parse_config
+from difftest_engines.ref.eagle3 import Eagle3Config, Eagle3Draft, canonical_key, load_state_dict, parse_config
 from difftest_engines.ref.eagle3_mla import Eagle3MLAConfig, Eagle3MLADraft, is_mla_config, parse_mla_config
 
 
@@ -69,8 +69,8 @@ def load_draft(
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # e.g. hidden_size: "big"
         raise ConfigError(f"{model_dir / 'config.json'}: malformed draft config ({first_line(e)})") from None
     stored = load_state_dict(model_dir)
-    raw = {_canonical_key(k): v for k, v in stored.items()}
-    as_stored = {_canonical_key(k): k.removeprefix("model.") for k in stored}  # named as the checkpoint names it
+    raw = {canonical_key(k): v for k, v in stored.items()}
+    as_stored = {canonical_key(k): k.removeprefix("model.") for k in stored}  # named as the checkpoint names it
     layer = raw_config.get("transformer_layer_config")
     tie = raw_config.get("tie_word_embeddings") or (isinstance(layer, dict) and layer.get("tie_word_embeddings"))
     if tie and "lm_head.weight" in raw:

@@ -294,7 +294,8 @@ _KEY_ALIASES = [  # (checkpoint prefix, ours), applied after stripping a leading
 ]
 
 
-def _canonical_key(key: str) -> str:
+def canonical_key(key: str) -> str:
+    """A draft checkpoint's tensor name as the reference draft names it (`model.` dropped, aliases read)."""
     key = key.removeprefix("model.")
     for src, dst in _KEY_ALIASES:
         if key.startswith(src):
@@ -325,7 +326,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         else:
             raise ConfigError(f"{model_dir}: no weights found (expected *.safetensors or pytorch_model.bin)")
     for key, value in out.items():
-        if _canonical_key(key) in ("d2t", "t2d"):
+        if canonical_key(key) in ("d2t", "t2d"):
             continue
         if not value.is_floating_point():
             raise ConfigError(

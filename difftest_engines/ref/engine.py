@@ -19,7 +19,6 @@ the float64 noise-floor run too when this spec calibrates; captures come back on
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -35,6 +34,8 @@ from difftest_engines.ref.draft_loading import LoadedDraft, load_draft
 from difftest_engines.ref.matmul_precision import emulated
 from difftest_engines.ref.settings import SCHEMA
 from difftest_engines.ref.speculate import capture_draft_chain, gather_fc_in, simulate_greedy
+from difftest_engines.ref.eagle3 import canonical_key
+from difftest_engines.ref.mapped import Mapped
 from difftest_engines.ref.streamed import NotStreamable, StreamedTarget, streamable
 from difftest_engines.ref.target import load_target, num_layers, run_target
 from difftest.api import FC_IN, FINAL_NORM, TARGET_LOGITS, hidden_name
@@ -72,9 +73,10 @@ class RefEngine(Engine):
     CALIBRATES = True  # the noise floor, the default engine and reference (difftest.base.registry.calibration_engine)
     # what its worker holds (difftest.run.memory_plan.MemoryFactors): one interpreter with torch and
     # transformers; every case's models stay loaded (the _targets/_drafts dicts). The float64 calibration
-    # run is streamed (STREAM_FLOAT64) from the case's own load: the target's largest layer or head in
-    # float64 beside the draft's float64 copy, less its embedding table (its rows are looked up from the
-    # case's own draft: _stream_draft_embedding) (calibration_streamed counts exactly these; a fixed
+    # run is streamed (STREAM_FLOAT64) from the case's own load, or the checkpoint's files where the worker
+    # holds no such load (STREAM_FROM_FILES): the target's largest layer or head in float64 beside the
+    # draft's float64 copy, less its embedding table (its rows are looked up from the draft's file:
+    # _stream_draft_embedding) (calibration_streamed counts exactly these; a fixed
     # share of the whole copy, 0.5, counted 36 GB for an 8B target where these are 12 GB). A checkpoint
     # that cannot stream (stored wider than float32) loads the whole copy, which this under-counts
     MEMORY = {"overhead_gb": 0.8, "keeps_every_case": True, "calibration_streamed": True}
@@ -84,6 +86,12 @@ class RefEngine(Engine):
     # on a 1.0B Llama (benchmarks/test_bench_streamed_float64.py) peak RSS 3.8 GiB against 10.3 GiB, a
     # forward 1.19x the whole copy's but no 46 s float64 load. False: the whole copy (tests compare the two).
     STREAM_FLOAT64 = True
+    # Where the streamed run reads the weights when this worker does not hold the case's own load (a
+    # fresh worker for the calibration, as the memory plan starts one when the two do not fit together):
+    # the checkpoint's safetensors files, memory-mapped (difftest_engines/ref/mapped.py), so the worker
+    # holds no copy of the target at all (16 GB at the Llama-3.1-8B shape). The same numbers bit for bit
+    # (tests/test_streamed_float64.py). False: the case's dtype loaded for it (tests compare the two).
+    STREAM_FROM_FILES = True
 
     def __init__(self, spec):
         super().__init__(spec)
@@ -130,8 +138,15 @@ class RefEngine(Engine):
         if tkey not in self._targets:
             self._targets[tkey] = self._load_target(case)
         target = self._targets[tkey]
-        # a streamed float64 target holds no weights: the draft shares the source's (the same values)
-        weights = self._streams[tkey].source if tkey in self._streams else target
+        # a streamed float64 target holds no weights: the draft shares the source's (the same values: the
+        # loaded tensors, or views of the checkpoint's files)
+        stream = self._streams.get(tkey)
+        embed_w = (
+            stream.source_weight(target.get_input_embeddings()) if stream else target.get_input_embeddings().weight
+        )
+        head_w = (
+            stream.source_weight(target.get_output_embeddings()) if stream else target.get_output_embeddings().weight
+        )
         draft = self.draft_path(case)
         dkey = (draft, case.target, case.dtype, case.weights_dtype)
         if dkey not in self._drafts:
@@ -139,8 +154,8 @@ class RefEngine(Engine):
             # copied back for it on a GPU (on the CPU .to is the very tensor), then moves as a whole
             self._drafts[dkey] = load_draft(
                 draft,
-                target_embed=weights.get_input_embeddings().weight.detach().to(placement.CPU),
-                target_lm_head=weights.get_output_embeddings().weight.detach().to(placement.CPU),
+                target_embed=None if embed_w is None else embed_w.detach().to(placement.CPU),
+                target_lm_head=None if head_w is None else head_w.detach().to(placement.CPU),
                 dtype=dtype,
             )
             self._place(rounded_through(self._drafts[dkey].model, case.weights_dtype))
@@ -161,19 +176,25 @@ class RefEngine(Engine):
         return target, loaded
 
     def _stream_draft_embedding(self, case: Case, draft: str, loaded: LoadedDraft) -> None:
-        """The float64 draft beside a streamed target looks its embedding rows up from the case's own
-        draft load (the source's dtype: the values the float64 copy holds, exactly) instead of holding
-        the float64 table (a vocabulary wide: 4.2 GB at the Llama-3.1-8B shape); a draft stored wider
-        than float32 keeps its table."""
+        """The float64 draft beside a streamed target looks its embedding rows up from the draft's
+        checkpoint file (memory-mapped: the stored values, which the float64 copy holds exactly), or
+        where it stores none from the target's source it shares them with, instead of holding the
+        float64 table (a vocabulary wide: 4.2 GB at the Llama-3.1-8B shape); a draft stored wider than
+        float32 keeps its table."""
         if streamable(draft) is not None:
             return
-        source_dtype = case.weights_dtype or DType.FLOAT32
-        _, source = self._models(dataclasses.replace(case, dtype=source_dtype, weights_dtype=None))
         stream = self._streams[(case.target, case.dtype, case.weights_dtype)]
         embed = getattr(loaded.model, "embed_tokens", None)
-        src = getattr(source.model, "embed_tokens", None)
-        if isinstance(embed, torch.nn.Embedding) and isinstance(src, torch.nn.Embedding):
-            stream.stream_embedding(embed, src.weight, DTYPES[case.weights_dtype] if case.weights_dtype else None)
+        if not isinstance(embed, torch.nn.Embedding):
+            return
+        if "embed_tokens" in loaded.shared:
+            src = stream.source_weight(stream.model.get_input_embeddings())
+        else:
+            files = Mapped(draft)
+            stored = [n for n in files.names() if canonical_key(n) == "embed_tokens.weight"]
+            src = files.tensor(stored[0]) if len(stored) == 1 else None
+        if src is not None:
+            stream.stream_embedding(embed, src, DTYPES[case.weights_dtype] if case.weights_dtype else None)
 
     def _load_target(self, case: Case) -> torch.nn.Module:
         """The target in the case's dtype; the float64 calibration run streamed from the model in the
@@ -184,18 +205,26 @@ class RefEngine(Engine):
             if why is None:
                 source_dtype = case.weights_dtype or DType.FLOAT32
                 skey = (case.target, source_dtype, None)
-                if skey not in self._targets:
+                rounding = DTYPES[case.weights_dtype] if case.weights_dtype else None
+                stream, source = None, f"the {source_dtype} load"
+                if skey not in self._targets and self.device == placement.CPU and self.STREAM_FROM_FILES:
+                    # the case's own load is not held here (a fresh worker, the plan's): read the
+                    # checkpoint's files, not a load of the whole target in the weights' dtype
+                    try:
+                        stream = StreamedTarget.from_checkpoint(case.target, rounding)
+                        source = "the checkpoint's safetensors files (memory-mapped)"
+                    except NotStreamable as e:
+                        source = f"the {source_dtype} load (the files could not be read as the model: {e})"
+                if stream is None and skey not in self._targets:
                     self._targets[skey] = self._place(load_target(case.target, DTYPES[source_dtype]))
                 try:
-                    stream = StreamedTarget(
-                        self._targets[skey], DTYPES[case.weights_dtype] if case.weights_dtype else None
-                    )
+                    stream = stream or StreamedTarget(self._targets[skey], rounding)
                 except NotStreamable as e:
                     why = str(e)
                 else:
                     self._streams[tkey] = stream
                     self._stream_notes[tkey] = (
-                        f"{STREAMED_FLOAT64} from the {source_dtype} load (one decoder layer's weights, or "
+                        f"{STREAMED_FLOAT64} from {source} (one decoder layer's weights, or "
                         "the output head's, in float64 at a time)"
                     )
                     return stream.model

@@ -3,7 +3,11 @@
 The noise floor (difftest.compare.noise) runs the reference again in float64. A whole float64
 copy of the target costs 8 bytes a parameter (64 GB for an 8B target) on top of the case's own
 model, so at real sizes the floor went unmeasured. `StreamedTarget` computes the same float64
-run from the model the case already loaded (its `source`, in the case's dtype):
+run from a `source` of the weights: the model the case already loaded, in the case's dtype
+(`ModuleSource`), or, where the worker holds no such load, the checkpoint's safetensors files
+memory-mapped (`FileSource`, difftest_engines/ref/mapped.py: page cache, not the worker's memory;
+a bf16 Llama-3.1-8B target is 16 GB the calibration worker then never holds). Both give the same
+values bit for bit (tests/test_streamed_float64.py):
 
 - a float64 *skeleton*: the same transformers class built from the same config on the meta
   device, so it holds no weights; its buffers (rope frequencies, MoE correction biases) are
@@ -129,20 +133,163 @@ class Arena:
         self.buffer = None
 
 
+class Stacked:
+    """A parameter transformers builds from several stored tensors (an MoE layer's experts fused into
+    one [experts, ...] tensor: gate_up_proj from each expert's gate_proj and up_proj, concatenated by
+    rows), read from the files only when its part is upcast (a copy of that part in the stored dtype)."""
+
+    def __init__(self, parts: list[list[torch.Tensor]]) -> None:
+        self.parts = parts
+        first = parts[0]
+        self.shape = torch.Size((len(parts), sum(t.shape[0] for t in first), *first[0].shape[1:]))
+        self.dtype = first[0].dtype
+
+    def read(self) -> torch.Tensor:
+        return torch.stack([torch.cat(group) if len(group) > 1 else group[0] for group in self.parts])
+
+
+def _read(src: "torch.Tensor | Stacked") -> torch.Tensor:
+    return src.read() if isinstance(src, Stacked) else src.detach()
+
+
+class Source:
+    """Where the float64 run reads the model's weights: a parameter by its module's name (in the
+    float64 skeleton's names) and a buffer by name; None where it has none as the skeleton needs."""
+
+    config: object
+    device: torch.device
+    described: str  # in the capture notes: "the bfloat16 load" / "the checkpoint's files"
+
+    def bind(self, skeleton: torch.nn.Module) -> None:
+        """The skeleton the run computes (its names and shapes), once it is built."""
+
+    def param(self, module: str, pname: str, shape: tuple[int, ...]) -> "torch.Tensor | Stacked | None":
+        raise NotImplementedError
+
+    def buffer(self, name: str, like: torch.Tensor, owner: torch.nn.Module) -> torch.Tensor | None:
+        raise NotImplementedError
+
+
+class ModuleSource(Source):
+    """The model loaded in the case's (weights') dtype, read in place: the worker holds it whole."""
+
+    def __init__(self, module: torch.nn.Module, described: str = "the source load") -> None:
+        self.module = module
+        self.config = module.config
+        self.device = next(module.parameters()).device
+        self.described = described
+
+    def param(self, module: str, pname: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        try:
+            mod = self.module.get_submodule(module) if module else self.module
+        except AttributeError:
+            return None
+        return mod._parameters.get(pname)
+
+    def buffer(self, name: str, like: torch.Tensor, owner: torch.nn.Module) -> torch.Tensor | None:
+        try:
+            return self.module.get_buffer(name)
+        except AttributeError:
+            return None
+
+
+class FileSource(Source):
+    """The checkpoint's own safetensors files, memory-mapped (difftest_engines/ref/mapped.py): the
+    worker holds no load of the target at all, the kernel pages a layer's stored bytes in while it is
+    upcast. Stored names are the skeleton's, a tied head reads the embedding it is tied to, an MoE
+    layer's fused experts are stacked from the per-expert tensors (Stacked); anything else is not
+    found (NotStreamable: the engine reads a loaded model instead).
+
+    Buffers: a persistent one from the file; the rotary frequencies as transformers initialises them
+    (PreTrainedModel._init_weights: the rope type's function of the config, in float32)."""
+
+    def __init__(self, path: str | Path, config: object) -> None:
+        from difftest_engines.ref.mapped import Mapped
+
+        self.files = Mapped(path)
+        self.config = config
+        self.device = torch.device("cpu")
+        self.described = "the checkpoint's safetensors files (memory-mapped)"
+        self._alias: dict[str, str] = {}
+
+    def bind(self, skeleton: torch.nn.Module) -> None:
+        tied: dict[int, list[str]] = {}
+        for name, p in skeleton.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(name)
+        for names in tied.values():
+            stored = [n for n in names if n in self.files]
+            for n in names:
+                if n not in self.files and stored:
+                    self._alias[n] = stored[0]  # a tied parameter: the one the file stores
+
+    def _view(self, name: str) -> torch.Tensor | None:
+        name = self._alias.get(name, name)
+        if name not in self.files:
+            return None
+        try:
+            return self.files.tensor(name)
+        except TypeError as e:
+            raise NotStreamable(str(e)) from None
+
+    def param(self, module: str, pname: str, shape: tuple[int, ...]) -> "torch.Tensor | Stacked | None":
+        full = f"{module}.{pname}" if module else pname
+        found = self._view(full)
+        if found is not None or not module or not shape:
+            return found
+        fused = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}.get(pname)
+        if fused is None or f"{module}.0.{fused[0]}.weight" not in self.files:
+            return None
+        parts = []
+        for e in range(shape[0]):
+            group = [self._view(f"{module}.{e}.{proj}.weight") for proj in fused]
+            if any(t is None for t in group):
+                return None
+            parts.append(group)
+        return Stacked(parts)
+
+    def buffer(self, name: str, like: torch.Tensor, owner: torch.nn.Module) -> torch.Tensor | None:
+        stored = self._view(name)
+        if stored is not None and stored.is_floating_point() and stored.element_size() < 4:
+            # a buffer stored in half precision: its values, exactly (the whole float64 load holds them so)
+            return stored.float()
+        if stored is not None:
+            return stored
+        short = name.rpartition(".")[2]
+        if "RotaryEmbedding" in type(owner).__name__ and short in ("inv_freq", "original_inv_freq"):
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            init = {
+                "axial": getattr(owner, "compute_axial_rope_parameters", None),
+                "default": getattr(owner, "compute_default_rope_parameters", None),
+                **ROPE_INIT_FUNCTIONS,
+            }.get(getattr(owner, "rope_type", None))
+            if init is None:
+                return None
+            value, _ = init(owner.config)
+            return value
+        return None
+
+
 class _Slots:
     """The parameters of one streamed part: (module, name, source tensor, meta placeholder), the
     float64 ones placed in the arena."""
 
     def __init__(
-        self, skeleton: torch.nn.Module, source: torch.nn.Module, weights_dtype, residency: Residency, arena: Arena
+        self,
+        skeleton: torch.nn.Module,
+        prefix: str,
+        source: "Source",
+        weights_dtype,
+        residency: Residency,
+        arena: Arena,
     ):
         self.items = []
         for name, mod in skeleton.named_modules():
-            src_mod = source.get_submodule(name) if name else source
             for pname, ph in mod._parameters.items():
                 if ph is None:
                     continue
-                src = src_mod._parameters.get(pname)
+                full = ".".join(p for p in (prefix, name) if p)
+                src = source.param(full, pname, tuple(ph.shape))
                 if src is None or tuple(src.shape) != tuple(ph.shape):
                     raise NotStreamable(f"{type(mod).__name__}.{pname}: not in the source model as shaped")
                 self.items.append((mod, pname, src, ph))
@@ -158,7 +305,7 @@ class _Slots:
     def materialize(self) -> None:
         self.release()  # a forward that raised left its weights: take them down first
         for (mod, pname, src, ph), offset in zip(self.items, self.offsets):
-            src = src.detach()
+            src = _read(src)
             if offset is not None:
                 t = self.arena.view(offset, ph.shape)
                 # rounded through the weights dtype first, as _upcast; the copy into float64 is exact
@@ -188,17 +335,20 @@ class StreamedTarget:
 
     def __init__(
         self,
-        source: torch.nn.Module,
+        source: "torch.nn.Module | Source",
         weights_dtype: torch.dtype | None,
         dtype: torch.dtype = torch.float64,
         head_rows: int | None = None,
     ) -> None:
+        if isinstance(source, torch.nn.Module):
+            source = ModuleSource(source)
         self.source = source
         self.residency = Residency()
         # the float64 weights are upcast where the source's live: on the CPU, or the GPU the engine runs on
         # (its buffers and resident parameters follow the source by themselves: they are copied from it)
-        self.arena = Arena(next(source.parameters()).device)
-        self.model = _skeleton(source, dtype)
+        self.arena = Arena(source.device)
+        self.model = _skeleton(source.config, dtype, source.module if isinstance(source, ModuleSource) else None)
+        source.bind(self.model)
         self._handles: list = []
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
         layers = getattr(decoder, "layers", None)
@@ -207,8 +357,7 @@ class StreamedTarget:
         self._copy_buffers()
         self.layer_bytes: list[int] = []
         for layer in layers:
-            name = _name_of(self.model, layer)
-            slots = _Slots(layer, source.get_submodule(name), weights_dtype, self.residency, self.arena)
+            slots = _Slots(layer, _name_of(self.model, layer), source, weights_dtype, self.residency, self.arena)
             self._stream(layer, slots)
             self.layer_bytes.append(slots.bytes)
         head = self.model.get_output_embeddings()
@@ -216,15 +365,13 @@ class StreamedTarget:
         width = head.weight.shape[1] if isinstance(head, torch.nn.Linear) and head.bias is None else 0
         rows = head_rows or max(1, max(self.layer_bytes) // max(1, width * 8))
         if width and rows < head.weight.shape[0]:
-            src = source.get_submodule(_name_of(self.model, head)).weight
-            if tuple(src.shape) != tuple(head.weight.shape):
+            src = source.param(_name_of(self.model, head), "weight", tuple(head.weight.shape))
+            if src is None or isinstance(src, Stacked) or tuple(src.shape) != tuple(head.weight.shape):
                 raise NotStreamable("the output head: not in the source model as shaped")
             self._stream_head_rows(head, src, weights_dtype, rows)
             self.head_bytes = rows * width * head.weight.element_size()
         elif head is not None:
-            slots = _Slots(
-                head, source.get_submodule(_name_of(self.model, head)), weights_dtype, self.residency, self.arena
-            )
+            slots = _Slots(head, _name_of(self.model, head), source, weights_dtype, self.residency, self.arena)
             self._stream(head, slots)
             self.head_bytes = slots.bytes
         embed = self.model.get_input_embeddings()
@@ -232,7 +379,10 @@ class StreamedTarget:
         if not isinstance(embed, torch.nn.Embedding) or embed.max_norm is not None:
             embed = None  # renormalised or another lookup: resident below, whole
         else:
-            self._stream_rows(embed, source.get_submodule(_name_of(self.model, embed)).weight, weights_dtype)
+            src = source.param(_name_of(self.model, embed), "weight", tuple(embed.weight.shape))
+            if src is None or isinstance(src, Stacked) or tuple(src.shape) != tuple(embed.weight.shape):
+                raise NotStreamable("the input embedding: not in the source model as shaped")
+            self._stream_rows(embed, src, weights_dtype)
             self.embedding_bytes = _nbytes(embed.weight)
         # the rest (final norm, ...) stays: small, and read by every forward
         inside = _name_of(self.model, layers) + "."
@@ -240,13 +390,31 @@ class StreamedTarget:
             for pname, ph in list(mod._parameters.items()):
                 if ph is None or mod is head or mod is embed or name.startswith(inside):
                     continue
-                src = source.get_submodule(name)._parameters.get(pname) if name else source._parameters.get(pname)
+                src = source.param(name, pname, tuple(ph.shape))
                 if src is None or tuple(src.shape) != tuple(ph.shape):
                     raise NotStreamable(f"{name}.{pname}: not in the source model as shaped")
-                t = _upcast(src.detach(), ph, weights_dtype)
+                t = _upcast(_read(src), ph, weights_dtype)
                 mod._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
                 self.residency.resident += _nbytes(t)
                 self.residency.add(_nbytes(t))
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, weights_dtype: torch.dtype | None, dtype: torch.dtype = torch.float64
+    ) -> "StreamedTarget":
+        """The float64 run read from the checkpoint's files (FileSource): no load of the target held."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
+        return cls(FileSource(path, config), weights_dtype, dtype)
+
+    def source_weight(self, module: torch.nn.Module) -> torch.Tensor | None:
+        """A skeleton module's weight as the source holds it (a view of the file, or the loaded
+        tensor): what the draft shares of the target (its embedding, its head)."""
+        if module is None or getattr(module, "weight", None) is None:
+            return None
+        found = self.source.param(_name_of(self.model, module), "weight", tuple(module.weight.shape))
+        return None if found is None else _read(found)
 
     def stream_embedding(self, embed: torch.nn.Module, src: torch.Tensor, weights_dtype: torch.dtype | None) -> int:
         """Another float64 model's embedding (the draft's) looked up as the skeleton's: only the rows of
@@ -289,10 +457,10 @@ class StreamedTarget:
         """Buffers (rope frequencies, correction biases) from the source, in the dtypes the float64
         model declares them in: rounded_through leaves buffers alone, so they are not rounded here."""
         for name, buf in list(self.model.named_buffers()):
-            try:
-                src = self.source.get_buffer(name)
-            except AttributeError:
-                raise NotStreamable(f"buffer {name}: not in the source model") from None
+            owner_name = name.rpartition(".")[0]
+            src = self.source.buffer(name, buf, self.model.get_submodule(owner_name) if owner_name else self.model)
+            if src is None:
+                raise NotStreamable(f"buffer {name}: not in the source model")
             if tuple(src.shape) != tuple(buf.shape):
                 raise NotStreamable(f"buffer {name}: shaped {tuple(src.shape)} in the source")
             if src.is_floating_point() and src.element_size() < min(buf.element_size(), 4):
@@ -359,14 +527,15 @@ class StreamedTarget:
         self._handles.append(embed.register_forward_hook(post, always_call=True))
 
 
-def _skeleton(source: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """The source's class from its config, in `dtype`, on the meta device (no weights), computing as
-    load_target(path, dtype) would: same attention kernel; MoE experts in the per-expert loop in
-    float64 (torch._grouped_mm has none; difftest_engines/ref/target.py load_target)."""
+def _skeleton(config, dtype: torch.dtype, source: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The class `config` builds (the source's, where there is a loaded one), in `dtype`, on the meta
+    device (no weights), computing as load_target(path, dtype) would: same attention kernel; MoE
+    experts in the per-expert loop in float64 (torch._grouped_mm has none; difftest_engines/ref/target.py
+    load_target)."""
     from transformers import AutoModelForCausalLM
 
-    config = copy.deepcopy(source.config)
-    kwargs = {"attn_implementation": getattr(source.config, "_attn_implementation", None)}
+    config = copy.deepcopy(config)
+    kwargs = {"attn_implementation": getattr(config, "_attn_implementation", None)}
     if dtype == torch.float64 and any(
         getattr(config, k, None) for k in ("n_routed_experts", "num_experts", "num_local_experts")
     ):
@@ -376,8 +545,9 @@ def _skeleton(source: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **{k: v for k, v in kwargs.items() if v})
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, NotImplementedError) as e:
         # a class transformers cannot build from its config alone (remote code, ...): the whole copy
-        raise NotStreamable(f"{type(source).__name__}: no float64 skeleton ({str(e).splitlines()[0][:120]})") from None
-    if type(model) is not type(source):
+        named = type(source).__name__ if source is not None else type(config).__name__
+        raise NotStreamable(f"{named}: no float64 skeleton ({str(e).splitlines()[0][:120]})") from None
+    if source is not None and type(model) is not type(source):
         raise NotStreamable(f"{type(source).__name__}: its config builds {type(model).__name__}")
     return model.eval()
 
