@@ -115,7 +115,7 @@ def test_train_acc_refuses_an_uncovered_trainer_before_reading_anything(tmp_path
         ]
     )
     err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err
+    assert code == 4 and "Traceback" not in err  # a bad option value: difftest.base.exit_codes.USAGE
     assert err.strip() == (
         "difftest train-acc: --trainer: speculators@99.0 is outside the trainer versions whose rules "
         "difftest has (speculators 0.3 to 0.9.x, specforge 0.2.x); give a version in those ranges"
