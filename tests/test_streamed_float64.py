@@ -310,3 +310,12 @@ def test_a_fresh_reference_speculates_from_the_files_as_from_a_loaded_source(pai
         b.accepted_per_pos,
         b.outputs,
     )
+
+
+def test_a_draft_loaded_for_lookup_never_makes_its_embedding_table_in_float64(pairs):
+    from difftest_engines.ref.draft_loading import load_draft
+
+    draft = pairs["llama"][1]
+    loaded = load_draft(draft, dtype=torch.float64, lookup_embedding=True)
+    assert loaded.model.embed_tokens.weight.is_meta
+    assert loaded.model.fc.weight.dtype == torch.float64 and not loaded.model.fc.weight.is_meta

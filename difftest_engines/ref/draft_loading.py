@@ -56,7 +56,12 @@ def load_draft(
     target_embed: torch.Tensor | None = None,
     target_lm_head: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
+    lookup_embedding: bool = False,
 ) -> LoadedDraft:
+    """The draft at `dtype`. `lookup_embedding`: its embedding table is left out (a meta placeholder)
+    before the model is cast, for a caller that looks the rows up elsewhere (the streamed float64 run:
+    difftest_engines/ref/streamed.py StreamedTarget.stream_embedding), so no table is ever made in `dtype`
+    (4.2 GB in float64 at the Llama-3.1-8B shape)."""
     model_dir = Path(model_dir)
     raw_config = read_json(model_dir / "config.json")
     if not isinstance(raw_config, dict):
@@ -126,6 +131,11 @@ def load_draft(
         if tuple(raw[k].shape) != tuple(v.shape):
             raise ConfigError(f"{model_dir}: tensor {k} has shape {tuple(raw[k].shape)}, expected {tuple(v.shape)}")
     model.load_state_dict({k: raw[k] for k in state})
+    embed = getattr(model, "embed_tokens", None)
+    if lookup_embedding and isinstance(embed, torch.nn.Embedding):
+        table = embed.weight
+        embed.weight = torch.nn.Parameter(torch.empty(table.shape, dtype=dtype, device="meta"), requires_grad=False)
+        del table
     model = model.to(dtype)
     model.d2t = model.d2t.long()
     model.eval()

@@ -152,16 +152,21 @@ class RefEngine(Engine):
         if dkey not in self._drafts:
             # the draft loads on the CPU (its checkpoint's tensors are there), the target's shared weights
             # copied back for it on a GPU (on the CPU .to is the very tensor), then moves as a whole
+            # beside a streamed target (on the CPU) the float64 draft never makes its embedding table: the
+            # rows are looked up from the files (a model moved to a GPU cannot carry a meta table: there
+            # it is dropped after the move)
+            rows = self._draft_embedding_source(draft, stream) if stream and self.device == placement.CPU else None
             self._drafts[dkey] = load_draft(
                 draft,
                 target_embed=None if embed_w is None else embed_w.detach().to(placement.CPU),
                 target_lm_head=None if head_w is None else head_w.detach().to(placement.CPU),
                 dtype=dtype,
+                lookup_embedding=rows is not None,
             )
             self._place(rounded_through(self._drafts[dkey].model, case.weights_dtype))
             self._trained_flags[dkey] = {f: getattr(self._drafts[dkey].config, f) for f in OVERRIDABLE_FLAGS}
-            if tkey in self._streams:
-                self._stream_draft_embedding(case, draft, self._drafts[dkey])
+            if stream is not None:
+                self._stream_draft_embedding(case, draft, self._drafts[dkey], stream, rows)
         loaded = self._drafts[dkey]
         self._apply_overrides(loaded, case, self._trained_flags[dkey])
         if loaded.config.vocab_size != target.config.vocab_size:
@@ -175,25 +180,28 @@ class RefEngine(Engine):
             )
         return target, loaded
 
-    def _stream_draft_embedding(self, case: Case, draft: str, loaded: LoadedDraft) -> None:
-        """The float64 draft beside a streamed target looks its embedding rows up from the draft's
+    @staticmethod
+    def _draft_embedding_source(draft: str, stream: StreamedTarget) -> torch.Tensor | None:
+        """Where the float64 draft beside a streamed target looks its embedding rows up: the draft's
         checkpoint file (memory-mapped: the stored values, which the float64 copy holds exactly), or
-        where it stores none from the target's source it shares them with, instead of holding the
-        float64 table (a vocabulary wide: 4.2 GB at the Llama-3.1-8B shape); a draft stored wider than
-        float32 keeps its table."""
+        where it stores none the target's source it shares them with; None for a draft stored wider
+        than float32 (it keeps its table)."""
         if streamable(draft) is not None:
-            return
-        stream = self._streams[(case.target, case.dtype, case.weights_dtype)]
+            return None
+        files = Mapped(draft)
+        stored = [n for n in files.names() if canonical_key(n) == "embed_tokens.weight"]
+        if not stored:
+            return stream.source_weight(stream.model.get_input_embeddings())
+        return files.tensor(stored[0]) if len(stored) == 1 else None
+
+    def _stream_draft_embedding(
+        self, case: Case, draft: str, loaded: LoadedDraft, stream: StreamedTarget, rows: torch.Tensor | None
+    ) -> None:
+        """The float64 draft's embedding looked up by rows (`rows`: the table they come from, found
+        before the load) instead of a float64 table (a vocabulary wide: 4.2 GB at the Llama-3.1-8B shape)."""
+        src = rows if rows is not None else self._draft_embedding_source(draft, stream)
         embed = getattr(loaded.model, "embed_tokens", None)
-        if not isinstance(embed, torch.nn.Embedding):
-            return
-        if "embed_tokens" in loaded.shared:
-            src = stream.source_weight(stream.model.get_input_embeddings())
-        else:
-            files = Mapped(draft)
-            stored = [n for n in files.names() if canonical_key(n) == "embed_tokens.weight"]
-            src = files.tensor(stored[0]) if len(stored) == 1 else None
-        if src is not None:
+        if src is not None and isinstance(embed, torch.nn.Embedding):
             stream.stream_embedding(embed, src, DTYPES[case.weights_dtype] if case.weights_dtype else None)
 
     def _load_target(self, case: Case) -> torch.nn.Module:
