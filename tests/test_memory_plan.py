@@ -386,6 +386,28 @@ def test_one_at_a_time_gives_the_verdicts_all_at_once_gives(models, tmp_path):
     assert _outcomes(runs["one"]) == _outcomes(runs["all"])
 
 
+def test_a_calibration_that_fits_only_without_the_cases_load_starts_the_reference_three_times_not_at_every_request(
+    models, tmp_path
+):
+    # the Llama-3.1-8B shape in bf16 on 24 GB, in small: the reference's bf16 load and its float64 run do
+    # not fit one worker, each alone does. The float64 run goes first, the case's dtype after it: the
+    # reference starts for its case (nothing loaded yet), fresh for the float64 run (reading the files),
+    # fresh for the case's dtype, and no more (interleaved per prompt, the golden re-runs on the float64
+    # captures switched workers at nearly every request)
+    target, draft = map(str, models)
+    factors = mp.MemoryFactors.declared("ref", RefEngine.MEMORY)
+    own, calibration = mp.loads_for(target, draft, "bfloat16", calibrates=True)
+    alone = [mp.worker_bytes(factors, [ld]) for ld in (own, calibration)]
+    budget = int(factors.overhead_gb * mp.GB) + max(alone) + min(alone) // 2
+    root = _project(tmp_path, models)
+    (root / "cases" / "tiny.yaml").write_text(TINY_CASE.format(target=target, draft=draft) + "dtype: bfloat16\n")
+    env = {"DIFFTEST_CACHE": str(tmp_path / "cache"), mp.BUDGET_ENV: f"{budget}B"}
+    run = run_pytest(root, "cases/", "--engines=ref", env=env)
+    assert "one at a time" in run.output and "a fresh one starts for tiny" in run.output, run.output[-3000:]
+    assert run.output.count("[difftest] starting ref ") == 3, run.output[-3000:]
+    assert "cannot run this case in float64" not in run.output
+
+
 def _ref_run_under(budget: str, models, tmp_path: Path):
     """The tiny case on ref alone with DIFFTEST_MEMORY_BUDGET set to `budget`."""
     root = _project(tmp_path, models)

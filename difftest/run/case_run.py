@@ -273,22 +273,36 @@ class CaseRun:
     def _complete(self, spec: EngineSpec) -> None:
         """What the checks ask of `spec` for this case without another engine's worker: every prompt's
         capture, the speculative run, the golden re-runs on reference captures already taken; for the
-        engine that calibrates, the float64 run's too. A failure stops it: the check asking again says it."""
+        engine that calibrates, the float64 run's too. A failure stops it: the check asking again says it.
+
+        The float64 run goes first, each part of the case's dtype after it: where the case's load and the
+        float64 run do not fit one worker, the pool runs each in a fresh worker (the float64 one reads the
+        checkpoint's files, no case-dtype load: difftest.run.memory_plan.worker_bytes), and the golden
+        re-runs on the float64 captures need the case's models. Interleaved per prompt they switched
+        workers at every request (each switch a load of the case's models: 16 GB at the Llama-3.1-8B
+        shape); in this order the case's models load once."""
         prompts = range(len(self.prompt_ids()))
         ref = self.options.reference
         calibrating = spec.id == self.pool.calibration_spec().id and self.prepared.dtype != noise.CALIBRATION_DTYPE
+        exact = None
+        if calibrating:
+            try:
+                exact = self.calibration()
+                for i in prompts:
+                    exact.capture(spec, i)
+                exact.speculate(spec)
+            except DifftestError:
+                pass  # refused or failed: the case's own dtype still runs; the checks asking for it say why
         try:
             for i in prompts:
                 self.capture(spec, i)
             for i in prompts:
                 if spec.id != ref.id and ((ref.id, i) in self._captures or self.pool.stored(ref) is not None):
                     self.capture_golden(spec, i)
-            if calibrating:
-                exact = self.calibration()
+            self.speculate(spec)
+            if exact is not None:
                 for i in prompts:
                     self.capture_golden(spec, i, source=spec, source_run=exact)
-                exact.speculate(spec)
-            self.speculate(spec)
         except DifftestError:
             return
 
