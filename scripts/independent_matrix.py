@@ -185,7 +185,11 @@ def print_matrix(root: Path) -> int:
             verdict = f"immune ({exp['because']}): " + ("ok" if ok else "FAILED")
         else:
             msg = (first or {}).get("message") or ""
-            ok = first is not None and im.introduced_in(introduced, exp["where"]) and exp["why"] in msg
+            ok = (
+                first is not None
+                and im.introduced_in(introduced, exp["where"], expectations[case].get("dtype", "float32"))
+                and exp["why"] in msg
+            )
             verdict = f"fails at {exp['where']} '{exp['why']}': " + ("ok" if ok else "MISMATCH")
         bad += verdict.endswith(("FAILED", "MISMATCH"))
         print(

@@ -1008,7 +1008,7 @@ def write_expectations(path: str | Path, cases: list[MiswiredCase]) -> None:
     Path(path).write_text(json.dumps(out, indent=2) + "\n")
 
 
-def introduced_in(introduced: str, where: str) -> bool:
+def introduced_in(introduced: str, where: str, dtype: str = "float32") -> bool:
     """Whether the tensor where an error was introduced is the one the rules blame: `where` names a
     tensor, or ending in "." a family (draft.fc_in.); a flag acting from a later draft step
     (norm_output: draft.step1.fc_out) may first show anywhere in that step ..."""
@@ -1019,7 +1019,17 @@ def introduced_in(introduced: str, where: str) -> bool:
     # that applies the flag records its normed state and no pre-norm one
     s = int(step.removeprefix("step"))
     carried = "draft.hidden_prenorm" if s == 1 else f"draft.step{s - 1}.hidden_prenorm"
-    return introduced.startswith(where) or introduced.startswith(f"draft.{step}.") or introduced == carried
+    if introduced.startswith(where) or introduced.startswith(f"draft.{step}.") or introduced == carried:
+        return True
+    # ... and in a half dtype at a later step: the flip's own effect on step s is under the noise
+    # threshold there, and it first exceeds it where the next step compounds it (the state carried into
+    # that step is flipped again). Measured on the bf16 Llama cell (docs/verdict.md, "Measured at stop
+    # 53"): norm_output's direct effect on step 1 is 1.8-10.2x the measured floor (SAFETY is 10), at
+    # step 2 5-22x; in float32 the floor is ~1e-6 and every engine shows it at step 1 (stop 34).
+    from difftest.base.names import split_draft
+
+    d = split_draft(introduced) if dtype in ("bfloat16", "float16") else None
+    return d is not None and d[0] > s
 
 
 if __name__ == "__main__":
