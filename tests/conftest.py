@@ -23,9 +23,10 @@ HERE = Path(__file__).resolve().parent
 # teardowns summed from --durations=0), longest first. An estimate only orders the queue; a wrong one
 # costs balance, not results.
 LONG_MODULES = (
+    # ~900 (stop 53: 400 + ~505 for the Llama bf16 miswired exports, measured at load ~8)
+    "test_noise_matrix.py",  # the independent models' session on ref, vLLM and SGLang
     "test_upgrade_real_releases.py",  # 611: four sessions on the old and pinned releases
     "test_fix_command.py",  # 448: `difftest fix` on SGLang (three cases, one run; 448 was three runs) and vLLM
-    "test_noise_matrix.py",  # 400: the independent models' session on ref, vLLM and SGLang
     "test_speculators_writer_e2e.py",  # 252: vLLM server, speculators' writer and trainer
     "test_probe_servers.py",  # 244: live vLLM and SGLang servers probed from outside
     "test_trainer_e2e.py",  # 196: a trainer run, serving e2e and the metric oracle
