@@ -108,6 +108,20 @@ def _streamed_pair(root: Path) -> tuple[str, str]:
     return str(root / "t"), str(root / "d")
 
 
+def _pair_case(tmp_path: Path, monkeypatch) -> Case:
+    """A bf16 case over _streamed_pair's checkpoints (its own capture cache)."""
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
+    target, draft = _streamed_pair(tmp_path)
+    return Case(name="pair", path=str(tmp_path / "pair.yaml"), target=target, draft=draft, dtype="bfloat16")
+
+
+def _reference_pool(budget_bytes: int, lines: list | None = None) -> "StubPool":
+    """A pool of the reference alone under a host budget of `budget_bytes`."""
+    budget = mp.Budget(budget_bytes, None, mp.BUDGET_ENV)
+    progress = lines.append if lines is not None else (lambda _: None)
+    return StubPool(Options(engines=[REF], reference=REF, progress=progress, memory_budget=budget))
+
+
 def test_a_streamed_calibration_holds_the_targets_largest_layer_and_the_drafts_whole_copy_in_float64(tmp_path):
     target, draft = _streamed_pair(tmp_path)
     streamed = mp.MemoryFactors(calibration_streamed=True)
@@ -282,11 +296,9 @@ def test_a_refusal_holds_for_its_case_only(case):
 def test_a_calibration_too_large_for_the_budget_is_refused_and_the_reference_keeps_serving_its_case(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
-    target, draft = _streamed_pair(tmp_path)
-    own = Case(name="pair", path=str(tmp_path / "pair.yaml"), target=target, draft=draft, dtype="bfloat16")
+    own = _pair_case(tmp_path, monkeypatch)
     # the reference's own load: 0.8 GB of overhead and 588 bytes; its float64 run adds 1200 bytes more
-    pool = StubPool(Options(engines=[REF], reference=REF, memory_budget=mp.Budget(800_001_000, None, mp.BUDGET_ENV)))
+    pool = _reference_pool(800_001_000)
     pool.begin_case(own.path)
     pool.client(REF, own)
     with pytest.raises(EngineError, match="ref: not started: the memory plan estimates it needs 0.8 GB for pair"):
@@ -298,13 +310,10 @@ def test_a_calibration_too_large_for_the_budget_is_refused_and_the_reference_kee
 def test_a_calibration_that_fits_only_without_the_cases_own_load_runs_in_a_fresh_worker(tmp_path, monkeypatch):
     # the Llama-3.1-8B shape in bf16 on 24 GB: the case's load (16 GB) and the float64 run do not fit
     # together, the float64 run alone does (it reads the checkpoint's files, not a bf16 load)
-    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
-    target, draft = _streamed_pair(tmp_path)
-    own = Case(name="pair", path=str(tmp_path / "pair.yaml"), target=target, draft=draft, dtype="bfloat16")
+    own = _pair_case(tmp_path, monkeypatch)
     # overhead 0.8 GB; the case's load 588 bytes, the float64 run 1200: together 1788, the run alone 1200
     lines: list = []
-    budget = mp.Budget(800_001_500, None, mp.BUDGET_ENV)
-    pool = StubPool(Options(engines=[REF], reference=REF, progress=lines.append, memory_budget=budget))
+    pool = _reference_pool(800_001_500, lines)
     pool.begin_case(own.path)
     pool.client(REF, own)
     pool.client(REF, calibration_case(own))
@@ -313,14 +322,12 @@ def test_a_calibration_that_fits_only_without_the_cases_own_load_runs_in_a_fresh
 
 
 def test_a_refused_calibration_says_it_counted_the_streamed_run_not_float64_copies(tmp_path, monkeypatch):
-    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
-    target, draft = _streamed_pair(tmp_path)
-    own = Case(name="pair", path=str(tmp_path / "pair.yaml"), target=target, draft=draft, dtype="bfloat16")
-    pool = StubPool(Options(engines=[REF], reference=REF, memory_budget=mp.Budget(800_001_000, None, mp.BUDGET_ENV)))
+    own = _pair_case(tmp_path, monkeypatch)
+    pool = _reference_pool(800_001_000)
     pool.begin_case(own.path)
     with pytest.raises(EngineError) as e:
         pool.client(REF, calibration_case(own))
-    assert f"(the float64 run streamed from the files of {target} and its draft: the target's largest layer" in (
+    assert f"(the float64 run streamed from the files of {own.target} and its draft: the target's largest layer" in (
         one_line(e)
     )
 
@@ -329,10 +336,8 @@ def test_a_calibration_refused_while_the_reference_is_closed_does_not_refuse_the
     # the Llama-3.1-8B shape one engine at a time: the reference's worker was closed for another engine,
     # its case-dtype results came from the cache, the float64 calibration was refused; the reference's
     # replay of the engine's tokens then errored the accept-length check with the calibration's refusal
-    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
-    target, draft = _streamed_pair(tmp_path)
-    own = Case(name="pair", path=str(tmp_path / "pair.yaml"), target=target, draft=draft, dtype="bfloat16")
-    pool = StubPool(Options(engines=[REF], reference=REF, memory_budget=mp.Budget(800_001_000, None, mp.BUDGET_ENV)))
+    own = _pair_case(tmp_path, monkeypatch)
+    pool = _reference_pool(800_001_000)
     pool.begin_case(own.path)
     with pytest.raises(EngineError, match="ref: not started: the memory plan estimates it needs 0.8 GB for pair"):
         pool.client(REF, calibration_case(own))

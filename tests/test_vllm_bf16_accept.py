@@ -53,14 +53,20 @@ def _counts(s: AcceptStats) -> tuple:
 
 @pytest.fixture(scope="module")
 def llama_bf16():
-    from difftest_engines.ref.draft_loading import load_draft
-    from difftest_engines.ref.target import load_target
-
     built = im.ensure_model("indep-llama", log=lambda _: None)
     assert built.spec.key() == VLLM_KEY, (
         "the indep-llama builder changed since vLLM's outputs were recorded: re-record VLLM_OUTPUTS and "
         "VLLM_COUNTS from a vLLM run of the indep_llama_bf16 case (speculate stats in the capture cache)"
     )
+    return _in_bf16(built)
+
+
+def _in_bf16(built) -> tuple:
+    """The built target and draft loaded in bfloat16, the draft reading the target's embedding and head,
+    and the case's speculative prompts."""
+    from difftest_engines.ref.draft_loading import load_draft
+    from difftest_engines.ref.target import load_target
+
     target = load_target(str(built.target), torch.bfloat16)
     draft = load_draft(
         str(built.draft),
@@ -83,19 +89,9 @@ def test_the_reference_draft_on_vllms_own_tokens_counts_exactly_what_vllm_counte
 
 
 def test_the_draft_the_bf16_case_serves_counts_on_vllms_own_tokens_what_vllm_counted_with_it():
-    from difftest_engines.ref.draft_loading import load_draft
     from difftest_engines.ref.replay import replay_request
-    from difftest_engines.ref.target import load_target
 
-    fitted = im.ensure_model("indep-llama", log=lambda _: None).fitted_for("bfloat16")
-    target = load_target(str(fitted.target), torch.bfloat16)
-    draft = load_draft(
-        str(fitted.draft),
-        target_embed=target.get_input_embeddings().weight.detach(),
-        target_lm_head=target.get_output_embeddings().weight.detach(),
-        dtype=torch.bfloat16,
-    ).model
-    _, prompts = im.prompts(fitted.spec)
+    target, draft, prompts = _in_bf16(im.ensure_model("indep-llama", log=lambda _: None).fitted_for("bfloat16"))
     total = AcceptStats(0, 0, 3, [0, 0, 0])
     for prompt, output in zip(prompts, VLLM_OUTPUTS):
         total = total.merge(replay_request(target, draft, WIRING, prompt, output, 3).stats)
