@@ -13,6 +13,8 @@ engine exactly where this says the reference, serving the export the same way, c
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,14 +88,21 @@ class Reference:
         return self._runs[key]
 
 
-def reference_collapses(case: im.MiswiredCase, engine: str, ref: Reference) -> Power:
-    """Whether the reference serving `case`'s export as `engine` does fails the accept gate as a collapse."""
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the block: tiny matmuls on two threads of a shared 2-core machine ran 7x slower."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: two threads on a shared 2-core machine ran them 7x slower
+    torch.set_num_threads(1)
     try:
-        return _judge(case, engine, ref)
+        yield
     finally:
         torch.set_num_threads(before)
+
+
+def reference_collapses(case: im.MiswiredCase, engine: str, ref: Reference) -> Power:
+    """Whether the reference serving `case`'s export as `engine` does fails the accept gate as a collapse."""
+    with one_thread():
+        return _judge(case, engine, ref)
 
 
 def _judge(case: im.MiswiredCase, engine: str, ref: Reference) -> Power:

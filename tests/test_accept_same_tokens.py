@@ -129,16 +129,11 @@ def test_outputs_the_calibration_engine_did_not_generate_fall_back_to_its_own_tr
 def deepseek_bf16(tmp_path_factory):
     """The bf16 DeepSeek-V3 case's reference run, its float64 run replayed on the same tokens, and the
     reference serving the permuted-ids miswiring (ref[wiring=reversed]), all in-process."""
-    import torch
+    from gate_power import one_thread
 
     name = "indep-deepseek-v3"
-    spec = im.TARGETS[name]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: two threads on the shared 2-core machine ran them 7x slower
-    try:
-        return _deepseek_runs(tmp_path_factory, name, spec)
-    finally:
-        torch.set_num_threads(before)
+    with one_thread():
+        return _deepseek_runs(tmp_path_factory, name, im.TARGETS[name])
 
 
 def _deepseek_runs(tmp_path_factory, name, spec):

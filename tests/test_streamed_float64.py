@@ -120,6 +120,20 @@ class WholeFloat64(RefEngine):
     STREAM_FLOAT64 = False
 
 
+def _captures_alike(engine, other, case) -> list:
+    """(`engine`'s, `other`'s) captures of `case`'s prompts, each pair asserted bit-identical (tensors, next
+    token, draft tokens)."""
+    out = []
+    for prompt in case.prompts:
+        a, b = engine.capture(case, prompt.ids), other.capture(case, prompt.ids)
+        assert a.tensors.keys() == b.tensors.keys()
+        for name, t in b.tensors.items():
+            assert torch.equal(a.tensors[name], t), name
+        assert (a.meta.target_next_token, a.meta.draft_tokens) == (b.meta.target_next_token, b.meta.draft_tokens)
+        out.append((a, b))
+    return out
+
+
 @pytest.mark.parametrize("case_dtype", CASE_DTYPES)
 @pytest.mark.parametrize("family", ["llama", "deepseek-v3"])
 def test_the_ref_engines_streamed_calibration_captures_what_the_whole_copy_captures(
@@ -127,13 +141,7 @@ def test_the_ref_engines_streamed_calibration_captures_what_the_whole_copy_captu
 ):
     target, draft = pairs[family]
     exact = _case(tmp_path, target, draft, case_dtype, family)
-    streamed_engine, whole_engine = RefEngine(parse_spec("ref")), WholeFloat64(parse_spec("ref"))
-    for prompt in exact.prompts:
-        a, b = streamed_engine.capture(exact, prompt.ids), whole_engine.capture(exact, prompt.ids)
-        assert a.tensors.keys() == b.tensors.keys()
-        for name, t in b.tensors.items():
-            assert torch.equal(a.tensors[name], t), name
-        assert (a.meta.target_next_token, a.meta.draft_tokens) == (b.meta.target_next_token, b.meta.draft_tokens)
+    for a, b in _captures_alike(RefEngine(parse_spec("ref")), WholeFloat64(parse_spec("ref")), exact):
         assert any(n.startswith(noise.STREAMED_FLOAT64) for n in a.meta.notes)
         assert not any(n.startswith(noise.STREAMED_FLOAT64) for n in b.meta.notes)
 
@@ -286,12 +294,7 @@ def test_a_fresh_reference_calibrates_from_the_files_with_the_captures_of_the_ru
     assert draft is not None
     exact = _case(tmp_path, target, draft, "bfloat16", family)
     files, loaded = RefEngine(parse_spec("ref")), LoadedSource(parse_spec("ref"))
-    for prompt in exact.prompts:
-        a, b = files.capture(exact, prompt.ids), loaded.capture(exact, prompt.ids)
-        assert a.tensors.keys() == b.tensors.keys()
-        for name, t in b.tensors.items():
-            assert torch.equal(a.tensors[name], t), name
-        assert (a.meta.target_next_token, a.meta.draft_tokens) == (b.meta.target_next_token, b.meta.draft_tokens)
+    for a, _ in _captures_alike(files, loaded, exact):
         assert any(n.startswith(noise.STREAMED_FLOAT64) and "safetensors files" in n for n in a.meta.notes)
     # the worker holds the float64 skeleton and the float64 draft only: no target or draft in bfloat16
     assert [k[1] for k in files._targets] == ["float64"] and [k[2] for k in files._drafts] == ["float64"]
