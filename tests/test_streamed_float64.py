@@ -146,12 +146,16 @@ def test_the_ref_engines_streamed_calibration_captures_what_the_whole_copy_captu
         assert not any(n.startswith(noise.STREAMED_FLOAT64) for n in b.meta.notes)
 
 
-def test_the_ref_engines_streamed_speculation_accepts_what_the_whole_copy_accepts(pairs, tmp_path):
+def _speculations(pairs, tmp_path, other: type) -> tuple:
+    """The streamed reference's and `other`'s speculative runs of the bf16 Llama pair's case (3 steps, 8 tokens)."""
     target, draft = pairs["llama"]
     exact = _case(tmp_path, target, draft, "bfloat16", "llama")
     prompts = [p.ids for p in exact.prompts]
-    a = RefEngine(parse_spec("ref")).speculate(exact, prompts, 3, 8)
-    b = WholeFloat64(parse_spec("ref")).speculate(exact, prompts, 3, 8)
+    return tuple(engine(parse_spec("ref")).speculate(exact, prompts, 3, 8) for engine in (RefEngine, other))
+
+
+def test_the_ref_engines_streamed_speculation_accepts_what_the_whole_copy_accepts(pairs, tmp_path):
+    a, b = _speculations(pairs, tmp_path, WholeFloat64)
     assert (a.num_verify, a.num_accepted, a.accepted_per_pos) == (b.num_verify, b.num_accepted, b.accepted_per_pos)
     assert a.source.endswith(noise.STREAMED_FLOAT64)
 
@@ -302,11 +306,7 @@ def test_a_fresh_reference_calibrates_from_the_files_with_the_captures_of_the_ru
 
 
 def test_a_fresh_reference_speculates_from_the_files_as_from_a_loaded_source(pairs, tmp_path):
-    target, draft = pairs["llama"]
-    exact = _case(tmp_path, target, draft, "bfloat16", "llama")
-    prompts = [p.ids for p in exact.prompts]
-    a = RefEngine(parse_spec("ref")).speculate(exact, prompts, 3, 8)
-    b = LoadedSource(parse_spec("ref")).speculate(exact, prompts, 3, 8)
+    a, b = _speculations(pairs, tmp_path, LoadedSource)
     assert (a.num_verify, a.num_accepted, a.accepted_per_pos, a.outputs) == (
         b.num_verify,
         b.num_accepted,
