@@ -12,6 +12,7 @@ import json
 import time
 from importlib import metadata
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from difftest.base import tensorfile
@@ -370,13 +371,21 @@ class CaseRun:
         info = self.pool.info(spec)
         prompts = self.prompt_ids(speculative=True)
         key = cache_key("speculate", spec.id, info.version, self.inputs_key(spec), prompts)
+
+        def run() -> AcceptStats:
+            self.pool.progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
+            request = SpeculateRequest(case, prompts, case.num_steps, case.max_new_tokens)
+            return self.pool.request(self._client(spec, case), request).stats
+
+        return self._cached_stats(key, info.live, run)
+
+    def _cached_stats(self, key: str, live: bool, run: Callable[[], AcceptStats]) -> AcceptStats:
+        """`run`'s acceptance, kept on disk under `key`; a running server (`live`) is asked again every
+        run, never cached."""
         path = self.pool.cache.path(key).with_suffix(".json")
-        live = info.live  # a running server: ask it again every run, never cache
         if self.options.use_cache and not live and path.exists():
             return AcceptStats.from_dict(json.loads(path.read_text()))
-        self.pool.progress(f"{spec.id}: speculative decoding on {case.name} ({len(prompts)} prompts)")
-        request = SpeculateRequest(case, prompts, case.num_steps, case.max_new_tokens)
-        stats = self.pool.request(self._client(spec, case), request).stats
+        stats = run()
         if not live:
             atomic_write(path, json.dumps(stats.to_dict(), indent=1))
         return stats
@@ -533,16 +542,15 @@ class CaseRun:
         cached on disk as a speculative run is (the float64 calibration's replay: a deep target's is minutes)."""
         info = self.pool.info(spec)
         key = cache_key("replay", spec.id, info.version, self.inputs_key(spec), requests, steps)
-        path = self.pool.cache.path(key).with_suffix(".json")
-        if self.options.use_cache and not info.live and path.exists():
-            return AcceptStats.from_dict(json.loads(path.read_text()))
-        total = AcceptStats(0, 0, steps, [0] * steps, 0, "")
-        for row in self.replay(spec, requests, steps, 1, steps + 1):
-            total = total.merge(row.stats)
-        total.source = f"{spec.id} in {self.prepared.dtype}, replayed on given outputs"
-        if not info.live:
-            atomic_write(path, json.dumps(total.to_dict(), indent=1))
-        return total
+
+        def run() -> AcceptStats:
+            total = AcceptStats(0, 0, steps, [0] * steps, 0, "")
+            for row in self.replay(spec, requests, steps, 1, steps + 1):
+                total = total.merge(row.stats)
+            total.source = f"{spec.id} in {self.prepared.dtype}, replayed on given outputs"
+            return total
+
+        return self._cached_stats(key, info.live, run)
 
     def comparisons(self, spec: EngineSpec) -> list[CaptureDiff]:
         """Per prompt: the engine's capture against the reference's."""

@@ -67,12 +67,6 @@ class Mapped:
     def names(self) -> list[str]:
         return list(self._where)
 
-    def dtype_code(self, name: str) -> str:
-        return self._where[name][3]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._where[name][4]
-
     def offset(self, name: str) -> int:
         """Where the tensor's bytes start in its file."""
         return self._where[name][1]
@@ -94,7 +88,3 @@ class Mapped:
                 self._maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         flat = torch.frombuffer(self._maps[f], dtype=dtype, count=count, offset=offset)
         return flat.view(shape)
-
-    def close(self) -> None:
-        """Drop the maps (views still alive keep their pages readable: torch holds the buffer)."""
-        self._maps.clear()
