@@ -39,7 +39,7 @@ try:
 
     from difftest.base import exit_codes
     from difftest import cache_command, fix_command, init_command, rules_command
-    from difftest.base.cli_args import Parser, deprecated_alias, unknown_options
+    from difftest.base.cli_args import Parser, deprecated_alias, unknown_options, whole_number
     from difftest.base.errors import DifftestError
     from difftest.base.paths import cache_root
     from difftest.base.extensions import commands
@@ -157,16 +157,6 @@ def _build_one(provider: str, name: str | None, force: bool) -> None:
         module.build_all(force=force)
     else:
         module.main([name, *(["--force"] if force else [])])
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
-    return value
 
 
 # run's options that take a value, each refused when given empty
@@ -358,7 +348,7 @@ def _main(argv: list[str] | None) -> int:
     f.add_argument("--force", action="store_true", help="rebuild even if cached")
     f.add_argument(
         "--jobs",
-        type=_positive_int,
+        type=whole_number(1),
         default=max(1, min(2, os.cpu_count() or 1)),
         metavar="N",
         help="lanes of fixtures built side by side, one process and one thread each (default: up to 2 cores)",
