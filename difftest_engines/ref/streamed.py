@@ -158,7 +158,6 @@ class Source:
 
     config: object
     device: torch.device
-    described: str  # in the capture notes: "the bfloat16 load" / "the checkpoint's files"
 
     def bind(self, skeleton: torch.nn.Module) -> None:
         """The skeleton the run computes (its names and shapes), once it is built."""
@@ -173,11 +172,10 @@ class Source:
 class ModuleSource(Source):
     """The model loaded in the case's (weights') dtype, read in place: the worker holds it whole."""
 
-    def __init__(self, module: torch.nn.Module, described: str = "the source load") -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.config = module.config
         self.device = next(module.parameters()).device
-        self.described = described
 
     def param(self, module: str, pname: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         try:
@@ -209,7 +207,6 @@ class FileSource(Source):
         self.files = Mapped(path)
         self.config = config
         self.device = torch.device("cpu")
-        self.described = "the checkpoint's safetensors files (memory-mapped)"
         self._alias: dict[str, str] = {}
 
     def bind(self, skeleton: torch.nn.Module) -> None:
