@@ -11,7 +11,7 @@ reports). Above the floors, beside the CLI and the plugin: it may name any of th
 from difftest.base import definitions
 from difftest.base.definitions import Definition, trainer_figures
 from difftest.base.dtypes import CASE_DTYPES, MATMUL_PRECISIONS, DType, torch_dtype
-from difftest.base.cli_args import deprecated_alias, id_list, whole_number
+from difftest.base.cli_args import deprecated_alias, id_list, non_empty, whole_number
 from difftest.base.exit_codes import TROUBLE, USAGE
 from difftest.base.errors import ConfigError, DifftestError, EngineError, EngineSpent, EngineUnavailable
 from difftest.base.fc_wiring import Wiring
@@ -73,6 +73,7 @@ __all__ = [
     # what a contributed command's parser and exit status build on (difftest.base.exit_codes)
     "deprecated_alias",
     "id_list",
+    "non_empty",
     "whole_number",
     "USAGE",
     "TROUBLE",

@@ -52,6 +52,20 @@ def whole_number(least: int):
     return parse
 
 
+def non_empty(hint: str):
+    """An argparse `type` for a value that may not be empty: what an unset variable gives (`--model=$M`)
+    is refused by the parser (exit 4) naming the option, never read as the option left out. `hint`: what
+    to give instead."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"empty value (an unset variable?); {hint}")
+        return text
+
+    parse.__name__ = "value"  # argparse names the type in some messages
+    return parse
+
+
 def id_list(text: str) -> list[int]:
     """An argparse `type` for layer ids, `2,4,7` (or `2+4+7`, `2 4 7`): whole numbers >= 0."""
     parts = [p for p in re.split(r"[,+\s]+", text.strip()) if p]

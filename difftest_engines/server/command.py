@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from difftest.api import Command, deprecated_alias
+from difftest.api import Command, deprecated_alias, non_empty
 from difftest_engines.server.engine import ServerEngine
 
 NAME = "server"  # the name this package registers its engine under (pyproject.toml, difftest.engines)
@@ -75,15 +75,6 @@ def _url(text: str) -> str:
     return text
 
 
-def _named(text: str) -> str:
-    """--model's value: a name; empty (an unset variable) is refused, not read as the option left out."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(
-            "empty value (an unset variable?); give the served model's name or leave it out"
-        )
-    return text
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, type=_url, metavar="URL", help="http://HOST:PORT of the running server")
     p.add_argument("--case", required=True, help="the case whose target and draft the server runs (cases/NAME.yaml)")
@@ -95,7 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--timeout", type=_seconds, default=120.0, help="seconds per HTTP request to the server (default 120)"
     )
     p.add_argument(
-        "--model", type=_named, default=None, help="the served model's name when it is not the case's target path"
+        "--model",
+        type=non_empty("give the served model's name or leave it out"),
+        default=None,
+        help="the served model's name when it is not the case's target path",
     )
     p.add_argument("--out", dest="report_dir", default="reports", help="where the report goes (default: reports)")
     deprecated_alias(p, ["--report-dir"], "--out", "report_dir")

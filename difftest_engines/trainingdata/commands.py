@@ -23,7 +23,7 @@ from difftest.api import Case, Prompt, load_case
 from difftest.api import CASE_DTYPES, torch_dtype
 from difftest.api import EngineSpec
 from difftest.api import ConfigError, DifftestError
-from difftest.api import Command, TROUBLE, USAGE, deprecated_alias, id_list, whole_number
+from difftest.api import Command, TROUBLE, USAGE, deprecated_alias, id_list, non_empty, whole_number
 from difftest.api import atomic_write, check_output_dir, check_output_file
 from difftest.api import read_json, short_name
 
@@ -234,13 +234,6 @@ def dump(args) -> int:
     return 0
 
 
-def _wiring(text: str) -> str:
-    """--wiring's value: empty (an unset variable) is refused, not scored as the trainer's own row again."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("empty value (an unset variable?); give a preset or h2+h4+h7")
-    return text
-
-
 def train_acc_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--data", required=True, help="training data directory (speculators, legacy .pt or SpecForge .ckpt)")
     t.add_argument("--draft", required=True, help="draft checkpoint or fixture:NAME")
@@ -263,7 +256,7 @@ def train_acc_arguments(t: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--wiring",
-        type=_wiring,
+        type=non_empty("give a preset or h2+h4+h7"),
         action="append",
         default=[],
         help="an engine wiring to compare (preset or h2+h4+h7); repeatable",
