@@ -64,6 +64,24 @@ def test_sglang_capturing_no_layer_fails_in_the_targets_forward_not_at_fc():
     assert lr.SGLANG_LLAMA.predict(ec([0, 2, 5]), 5, 3).says == lr.SGLANG_LLAMA.shape_error
 
 
+def test_vllm_v1_capturing_no_layer_fails_unpacking_the_targets_output_not_at_fc():
+    """Measured on vLLM 0.32.0 Model Runner V1 (tests/test_layer_rules_engines.py, seed 1362464719):
+    ids [-1, -1, -1] on a Qwen3 target capture nothing; the worker died with "ValueError: too many
+    values to unpack (expected 2)" where the runner unpacks (hidden, aux), before the draft ran."""
+    for family in (lr.LLAMA, lr.QWEN3, lr.DEEPSEEK):
+        rule = lr.VARIANT_RULES[("vllm", family, "runner v1")]
+        reading = rule.predict({KEY: [-1, -1, -1]}, 6, 3)
+        assert (reading.fed, reading.outcome) == ([], "refused")
+        assert "captures no layer: the target returns its hidden states alone" in reading.refusal
+        assert reading.says == "too many values to unpack"
+        # Model Runner V2 asserts the tuple instead
+        assert (
+            lr.VARIANT_RULES[("vllm", family, "runner v2")].predict({KEY: [-1, -1, -1]}, 6, 3).says == "AssertionError"
+        )
+    # two layers for three chunks stays fc's shape error
+    assert lr.VLLM_LLAMA.predict({KEY: [-1, 2, 9]}, 6, 3).says == lr.VLLM_LLAMA.shape_error
+
+
 def test_vllm_deepseek_refuses_id_0_and_sglang_deepseek_shifts_only_when_the_first_id_is_1():
     assert "id 0" in lr.VLLM_DEEPSEEK.predict({KEY: [0, 2, 4]}, 6, 3).refusal
     assert lr.SGLANG_DEEPSEEK.predict(ec([1, 3, 4]), 6, 3).fed == [2, 4, 5]

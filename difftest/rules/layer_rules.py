@@ -331,6 +331,16 @@ _VLLM_IDS = "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_
 _VLLM_DEFAULTS = "vllm/model_executor/models/interfaces.py::SupportsEagle3.get_eagle3_default_aux_hidden_state_layers"
 _SGL_IDS = "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py (eagle_config only)"
 
+# The target's forward returns its hidden states alone when it captured no layer (llama.py, qwen2.py,
+# deepseek_v2.py: `if len(aux_hidden_states) > 0: return hidden_states, aux_hidden_states`), and V1's
+# runner unpacks (hidden, aux) from them (gpu_model_runner.py::GPUModelRunner.execute_model,
+# `hidden_states, aux_hidden_states = model_output`): a [T, H] tensor unpacks into T rows, a ValueError
+# for any prompt but one of exactly 2 tokens (found by the rule property test, seed 1362464719: ids
+# [-1, -1, -1] on a Qwen3 target, where fc's shape error was predicted)
+V1_NO_CAPTURE = (
+    "the target returns its hidden states alone, and Model Runner V1 unpacks (hidden, aux) from them: "
+    "ValueError at the first target forward, before the draft runs"
+)
 VLLM_LLAMA = LayerIdRule(
     engine="vllm",
     label="vLLM 0.32.0",
@@ -344,6 +354,8 @@ VLLM_LLAMA = LayerIdRule(
     capturable=("0", "L"),
     beyond="dropped",
     misreading="error",
+    no_capture=V1_NO_CAPTURE,
+    no_capture_error=r"too many values to unpack",
     sources=(
         _VLLM_IDS,
         _VLLM_DEFAULTS,
@@ -369,6 +381,8 @@ VLLM_DEEPSEEK = LayerIdRule(
     capturable=("1", "L"),
     beyond="dropped",
     misreading="error",
+    no_capture=V1_NO_CAPTURE,
+    no_capture_error=r"too many values to unpack",
     low_crash="id 0 asks for h0, which vLLM's DeepSeek model cannot capture (hidden_states + residual with no residual yet: TypeError at the first forward)",
     sources=(
         _VLLM_IDS,
