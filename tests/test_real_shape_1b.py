@@ -6,10 +6,10 @@ as h[k+1]. The correct wiring passes on both engines against a measured float64 
 as it declares; `difftest fix` computes SGLang's ids and verifies them on SGLang itself.
 
 The cases stay out of cases/ (and so out of the shipped run, tests/shipped_run.py), and this module out
-of scripts/test's suite: its workers hold up to ~19 GB side by side (the reference's 9.4 GB), which
-beside the suite's two streams would leave their engine tests too little memory under the plan, and it
-took 47 min (1126 CPU-s) on the 2-core machine under load (docs/benchmarks.md). Run it alone:
-`pytest tests/test_real_shape_1b.py`. One run judges both cases, so the twin reads
+of scripts/test's two streams: its workers hold up to 14 GB of the machine (the reference's 6.9 GiB),
+which beside the streams would leave their engine tests too little memory under the plan. scripts/test
+runs it after them, alone (434 s measured alone on a fresh cache, fixtures built; docs/benchmarks.md);
+by hand: `pytest tests/test_real_shape_1b.py`. One run judges both cases, so the twin reads
 the reference's captures, float64 floor and speculative run from the capture cache; the fix's
 verifying run reads them the same way (the reference never reads SGLang's section, which is all the
 fix changes) while SGLang, whose patched config nothing has served, really runs. The tiny shapes'
