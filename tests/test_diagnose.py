@@ -19,6 +19,9 @@ from difftest.records.capture import Capture
 from difftest.case.case import load_case
 from difftest.compare.compare import compare_captures
 from difftest.compare.diagnose import diagnose_draft, diagnose_fc, diagnose_hidden, match_chunks
+from difftest.compare.noise import SAFETY, NoiseFloor
+from difftest.records.chunk_match import MATCH_REL_DIFF
+from difftest.records.noise_floor import TensorFloor
 from difftest.run.engine import parse_spec
 from difftest_engines.ref.engine import RefEngine
 
@@ -304,3 +307,78 @@ def test_a_chunk_fed_another_tensor_on_every_token_matches_no_layer(states):
     every = states["target.h.2"] + 0.5 * states["target.h.2"].norm(dim=-1, keepdim=True) / TH**0.5
     matches, _ = match_chunks(ref, _synthetic([states["target.h.1"], every, states["target.h.3"]], states, inputs))
     assert not matches[1].matched and matches[0].correct and matches[2].correct
+
+
+# --- at depth: the match bound from the measured floor (a bf16 Llama-3.1-8B shape, stop 53) ----------
+# There the reference's own row error against float64 was 0.05 at h.29 and a correct chunk sat at a
+# median rel_diff of 1.2e-3 (over the fixed 1e-3), while adjacent layers were 0.20-0.27 apart per row.
+DEEP_L, DEEP_STEP, DEEP_NOISE = 8, 0.22, 0.05
+
+
+def _orthogonal(x: torch.Tensor, rel: float, g: torch.Generator) -> torch.Tensor:
+    """A move of each row of `x` by `rel` of its norm, orthogonal to it (a rounding error, or a layer's update)."""
+    d = torch.randn(x.shape, generator=g)
+    d = d - (d * x).sum(-1, keepdim=True) / (x * x).sum(-1, keepdim=True) * x
+    return d * (rel * x.norm(dim=-1, keepdim=True) / d.norm(dim=-1, keepdim=True))
+
+
+@pytest.fixture(scope="module")
+def deep_states():
+    """A residual stream whose adjacent layers differ by DEEP_STEP per row."""
+    g = torch.Generator().manual_seed(7)
+    h = [torch.randn(N, TH, generator=g) * 40]
+    for _ in range(DEEP_L):
+        h.append(h[-1] + _orthogonal(h[-1], DEEP_STEP, g))
+    return {f"target.h.{k}": v for k, v in enumerate(h)}
+
+
+def _deep_pair(states: dict, fed: list[str], inputs: list[str]) -> tuple[Capture, Capture]:
+    """The reference fed `inputs`; the engine fed `fed`, each with its own rounding of DEEP_NOISE per row."""
+    g = torch.Generator().manual_seed(11)
+    meta = {"target_hidden_size": TH, "num_layers": DEEP_L, "wiring": {"inputs": inputs}}
+    ref = Capture({**states, "draft.fc_in": torch.cat([states[n] for n in inputs], -1)}, meta)
+    chunks = [states[n] + _orthogonal(states[n], DEEP_NOISE, g) for n in fed]
+    return ref, Capture({**states, "draft.fc_in": torch.cat(chunks, -1)}, meta)
+
+
+def _floor(value: float) -> NoiseFloor:
+    names = [f"target.h.{k}" for k in range(DEEP_L + 1)]
+    tensors = {n: TensorFloor(n, value, 1.2 * value, 40, SAFETY * value) for n in names}
+    return NoiseFloor("bfloat16", True, "measured (test)", tensors)
+
+
+DEEP_INPUTS = ["target.h.2", "target.h.4", "target.h.6"]
+
+
+def test_a_correct_chunk_above_the_fixed_bound_but_within_its_measured_floor_matches(deep_states):
+    ref, cap = _deep_pair(deep_states, DEEP_INPUTS, DEEP_INPUTS)
+    matches, _ = match_chunks(ref, cap, _floor(DEEP_NOISE))
+    assert all(m.rel_diff > MATCH_REL_DIFF for m in matches)
+    assert all(m.correct and m.bound > MATCH_REL_DIFF for m in matches)
+
+
+def test_an_off_by_one_feed_at_depth_is_named_off_by_one(deep_states):
+    ref, cap = _deep_pair(deep_states, ["target.h.3", "target.h.5", "target.h.7"], DEEP_INPUTS)
+    assert diagnose_fc(ref, cap, floor=_floor(DEEP_NOISE))[-1] == (
+        "engine fed fc [h3, h5, h7]; reference fed [h2, h4, h6]; pattern: off-by-one +1"
+    )
+
+
+def test_a_floor_as_large_as_the_layers_separation_names_no_layer(deep_states):
+    ref, cap = _deep_pair(deep_states, ["target.h.3", "target.h.5", "target.h.7"], DEEP_INPUTS)
+    matches, _ = match_chunks(ref, cap, _floor(DEEP_STEP))
+    assert not any(m.matched for m in matches) and all(m.ambiguous for m in matches)
+    last = diagnose_fc(ref, cap, floor=_floor(DEEP_STEP))[-1]
+    assert last.startswith("engine fed fc [h3 or h")
+    assert "pattern: not named (chunk 0 is h3 or h" in last and "off-by-one" not in last
+
+
+def test_tiny_floors_keep_the_fixed_bound_and_the_same_matches(states):
+    inputs = ["target.h.1", "target.h.2", "target.h.3"]
+    ref = _synthetic([states[n] for n in inputs], states, inputs)
+    other = _synthetic([states[n] for n in ["target.h.2", "target.h.3", "target.h.4"]], states, inputs)
+    tiny = NoiseFloor("float32", True, "measured (test)", {n: TensorFloor(n, 1e-5, 2e-5, 40, 1e-4) for n in states})
+    with_floor, without = match_chunks(ref, other, tiny)[0], match_chunks(ref, other)[0]
+    assert [m.bound for m in with_floor] == [MATCH_REL_DIFF] * 3
+    assert with_floor == without
+    assert diagnose_fc(ref, other, floor=tiny) == diagnose_fc(ref, other)

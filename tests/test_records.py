@@ -17,7 +17,7 @@ from difftest.report import report_files
 from difftest.report import upgrade
 from difftest.records.acceptance import AcceptStats
 from difftest.records.capture import Capture
-from difftest.records.chunk_match import ChunkMatch, Similarity
+from difftest.records.chunk_match import MATCH_REL_DIFF, ChunkMatch, Similarity
 from difftest.compare.compare import TensorDiff
 from difftest.base.errors import ConfigError
 from difftest.records.finding import Finding
@@ -230,6 +230,26 @@ def test_accept_stats_in_check_data_keep_their_derived_numbers_in_the_json():
         0.5,
         0.25,
     ]
+
+
+def test_a_chunk_match_keeps_its_noise_bound_and_runner_up_in_the_json():
+    m = ChunkMatch(
+        0, "target.h.29", "target.h.30", 0.99, 0.98, 1.2e-3, 0.1, 40.0, 2.0, 40.0, 5.5e-3, "target.h.29", 2e-2
+    )
+    d = through_json(ComparisonData(fc_chunks=[m]).to_dict())
+    assert (d["fc_chunks"][0]["bound"], d["fc_chunks"][0]["also"], d["fc_chunks"][0]["matched"]) == (
+        5.5e-3,
+        "target.h.29",
+        False,
+    )
+    assert ComparisonData.from_json(d, "r.json", "data").fc_chunks == [m]
+
+
+def test_a_chunk_match_written_before_its_bound_reads_as_the_fixed_bound():
+    d = through_json(ComparisonData(fc_chunks=[ChunkMatch(0, "t", "t", 1.0, 1.0, 5e-4, 0.0, 1.0, 0.1)]).to_dict())
+    assert not {"bound", "also", "also_rel_diff"} & set(d["fc_chunks"][0])  # the keys older reports hold
+    read = ComparisonData.from_json(d, "r.json", "data").fc_chunks[0]
+    assert read.bound == MATCH_REL_DIFF and read.matched
 
 
 def test_report_round_trips_through_json_with_schema_and_version():

@@ -135,8 +135,8 @@ def _divergence_report(run: CaseRun, spec: EngineSpec, diffs: list[CaptureDiff],
     )
     ref_cap, cap = run.capture(run.options.reference, i), run.capture(spec, i)
     if in_fc_in(introduced.name):
-        lines += diagnose_fc(ref_cap, cap, _draft_config(run, spec))
-        matches, similarity = match_chunks(ref_cap, cap)
+        lines += diagnose_fc(ref_cap, cap, _draft_config(run, spec), floor)
+        matches, similarity = match_chunks(ref_cap, cap, floor)
         data.fc_chunks, data.similarity = matches, similarity
         rule_lines, data.rule, data.rule_predicted, data.fix = _rule_lines(
             run, spec, [m.best if m.matched else None for m in matches]
@@ -161,6 +161,7 @@ def _precision_drift(run: CaseRun, spec: EngineSpec, diffs: list[CaptureDiff], f
     prompt shows it, from the first; None otherwise. The fc chunks may carry the drift only where each
     matches the layer the reference fed (a miswired chunk is a fault, whatever the precision)."""
     dtype = run.prepared.dtype
+    floor = run.noise_floor_for(spec)
     found = []
     for i in failing:
         drift = reduced_precision(diffs[i], dtype, wired_right=False)
@@ -169,7 +170,7 @@ def _precision_drift(run: CaseRun, spec: EngineSpec, diffs: list[CaptureDiff], f
             drift is not None and drift.beyond is not None and in_fc_in(drift.beyond)
         )
         if fc_open:
-            matches = match_chunks(run.capture(run.options.reference, i), run.capture(spec, i))[0]
+            matches = match_chunks(run.capture(run.options.reference, i), run.capture(spec, i), floor)[0]
             if matches and all(m.correct for m in matches):
                 drift = reduced_precision(diffs[i], dtype, wired_right=True)
         if drift is None:

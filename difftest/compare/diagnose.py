@@ -27,7 +27,8 @@ import torch
 
 from difftest.rules.layer_rules import declared_ids, default_layers
 from difftest.records.capture import Capture
-from difftest.records.chunk_match import MATCH_REL_DIFF, ChunkMatch, Similarity
+from difftest.records.chunk_match import MATCH_REL_DIFF, ChunkMatch, Similarity, match_bound
+from difftest.compare.noise import NoiseFloor
 from difftest.base.dtypes import MATMUL_PRECISIONS, DType, matmul_unit_roundoff
 from difftest.base.names import (
     FC_IN,
@@ -110,8 +111,34 @@ def _score(chunk: torch.Tensor, ref: Capture, names: list[str]) -> dict[str, tup
     return out
 
 
-def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], Similarity | None]:
-    """Match every H-wide chunk of the engine's fc_in; also the chunk x candidate cosine matrix (for plots)."""
+def _bound(floor: NoiseFloor | None, name: str) -> float:
+    """The match bound of candidate `name` (rmsnorm(t): t's) from its measured floor; without a floor
+    the fixed MATCH_REL_DIFF."""
+    if floor is None:
+        return MATCH_REL_DIFF
+    inner = name[len(NORM_PREFIX) : -1] if name.startswith(NORM_PREFIX) else name
+    return match_bound(floor.floor(inner))
+
+
+def _pick(scores: dict[str, tuple[float, float, float]], floor: NoiseFloor | None) -> tuple[str, float, str | None]:
+    """The closest candidate, its bound, and the runner-up when that too is within noise of the chunk.
+    Ambiguous when the runner-up's rel_diff is under the larger of the two bounds: a bound that reaches
+    the second candidate would make two different reference tensors both "match" (at depth a layer's
+    floor can approach the distance to the next layer), so the chunk is named as neither."""
+    ranked = sorted(scores, key=lambda n: scores[n][0])
+    best, bound = ranked[0], _bound(floor, ranked[0])
+    if scores[best][0] >= bound or len(ranked) < 2:
+        return best, bound, None
+    second = ranked[1]
+    return best, bound, (second if scores[second][0] < max(bound, _bound(floor, second)) else None)
+
+
+def match_chunks(
+    ref: Capture, other: Capture, floor: NoiseFloor | None = None
+) -> tuple[list[ChunkMatch], Similarity | None]:
+    """Match every H-wide chunk of the engine's fc_in; also the chunk x candidate cosine matrix (for plots).
+    `floor`: the noise floor the comparison judged with; each candidate's match bound comes from its
+    measured floor (difftest.records.chunk_match.match_bound), else MATCH_REL_DIFF."""
     size = ref.fc_chunk_size
     if FC_IN not in other.tensors or not size:
         return [], None
@@ -127,12 +154,13 @@ def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], Simila
         if not scores:
             continue
         matrix.append([scores[n][1] if n in scores else None for n in names])
-        best = min(scores, key=lambda n: scores[n][0])
-        if scores[best][0] >= MATCH_REL_DIFF:  # nothing raw matches: was a norm applied before fc?
+        best, bound, also = _pick(scores, floor)
+        if scores[best][0] >= bound:  # nothing raw matches: was a norm applied before fc?
             normed = _score(chunk, ref, [f"{NORM_PREFIX}{n})" for n in names if n.startswith("target.h.")])
-            nbest = min(normed, key=lambda n: normed[n][0]) if normed else None
-            if nbest is not None and normed[nbest][0] < MATCH_REL_DIFF:
-                scores, best = normed, nbest
+            if normed:
+                nbest, nbound, nalso = _pick(normed, floor)
+                if normed[nbest][0] < nbound:
+                    scores, best, bound, also = normed, nbest, nbound, nalso
         rel, cos, min_cos = scores[best]
         rms = chunk.pow(2).mean(-1).sqrt()
         want = expected[j] if j < len(expected) else None
@@ -150,13 +178,16 @@ def match_chunks(ref: Capture, other: Capture) -> tuple[list[ChunkMatch], Simila
                 float(rms.mean()),
                 float(rms.std()) if rms.numel() > 1 else 0.0,
                 want_rms,
+                bound,
+                also,
+                scores[also][0] if also is not None else None,
             )
         )
     return out, Similarity([f"chunk {m.chunk}" for m in out], names, matrix)
 
 
-def match_fc_chunks(ref: Capture, other: Capture) -> list[ChunkMatch]:
-    return match_chunks(ref, other)[0]
+def match_fc_chunks(ref: Capture, other: Capture, floor: NoiseFloor | None = None) -> list[ChunkMatch]:
+    return match_chunks(ref, other, floor)[0]
 
 
 def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, draft_config: dict | None = None) -> str:
@@ -166,6 +197,9 @@ def wiring_pattern(matches: list[ChunkMatch], num_layers: int | None = None, dra
     want = [m.expected for m in matches]
     if got == want:
         return ""
+    unsure = [m for m in matches if m.ambiguous]
+    if unsure:  # any name would pick one of two layers the measured noise cannot tell apart
+        return "not named (" + "; ".join(f"chunk {m.chunk} is {_fed(m)}" for m in unsure) + ")"
     notes = []
     normed = [
         j
@@ -225,6 +259,18 @@ def _config_names(draft_config: dict | None, layers: list[int]) -> bool:
     return ids is not None and any(sorted({k + s for k in ids}) == layers for s in (0, 1))
 
 
+def _fed(m: ChunkMatch) -> str:
+    """What a chunk was fed, short: its match, "hA or hB" where the noise cannot tell two apart, else "?"."""
+    if m.ambiguous:
+        return f"{_short(m.best)} or {_short(m.also)}"
+    return _short(m.best) if m.matched else "?"
+
+
+def _bound_note(m: ChunkMatch) -> str:
+    """The bound beside a rel_diff, where it is the one the measured floor gave (not the fixed one)."""
+    return f", bound {m.bound:.2e} from the measured floor" if m.bound != MATCH_REL_DIFF else ""
+
+
 def _norm_note(m: ChunkMatch) -> str:
     if m.expected_norm is None:
         return ""
@@ -237,9 +283,12 @@ def _norms_differ(m: ChunkMatch) -> bool:
     return e is not None and e > 0 and m.norm > 0 and max(m.norm / e, e / m.norm) > 2.0
 
 
-def diagnose_fc(ref: Capture, other: Capture, draft_config: dict | None = None) -> list[str]:
+def diagnose_fc(
+    ref: Capture, other: Capture, draft_config: dict | None = None, floor: NoiseFloor | None = None
+) -> list[str]:
     """Human-readable lines; empty when the fc inputs match the reference wiring. `draft_config`: the
-    draft's config.json when known (see wiring_pattern)."""
+    draft's config.json when known (see wiring_pattern); `floor`: the noise floor the comparison judged
+    with, for each candidate's match bound (match_chunks)."""
     ref_fc, other_fc = ref.tensors.get(FC_IN), other.tensors.get(FC_IN)
     L = ref.meta.num_layers
     s = ref.fc_chunk_size
@@ -247,16 +296,14 @@ def diagnose_fc(ref: Capture, other: Capture, draft_config: dict | None = None) 
         lines = []
         if other_fc.shape[-1] % s == 0:
             fake = Capture(other.tensors, other.meta.replace(target_hidden_size=s))
-            got = [(m.best if m.matched else None) for m in match_chunks(ref, fake)[0]]
+            got = [_fed(m) for m in match_chunks(ref, fake, floor)[0]]
             want = ref.meta.wiring.inputs if ref.meta.wiring else []
-            lines.append(
-                f"engine fed fc [{', '.join(map(_short, got))}]; reference fed [{', '.join(map(_short, want))}]"
-            )
+            lines.append(f"engine fed fc [{', '.join(got)}]; reference fed [{', '.join(map(_short, want))}]")
         lines.append(
             f"chunk count mismatch: engine fc_in has {other_fc.shape[-1] / s:g} chunks of {s}, reference {ref_fc.shape[-1] // s}"
         )
         return lines
-    matches = match_fc_chunks(ref, other)
+    matches = match_fc_chunks(ref, other, floor)
     if not matches or all(m.correct for m in matches):
         return []
     lines = []
@@ -264,7 +311,13 @@ def diagnose_fc(ref: Capture, other: Capture, draft_config: dict | None = None) 
         if m.correct:
             continue
         expect = f"expected {describe(m.expected, L)}" if m.expected else "no reference slot"
-        if m.matched:
+        if m.ambiguous:
+            lines.append(
+                f"engine's fc chunk {m.chunk} is within noise of both reference {m.best} (rel_diff "
+                f"{m.rel_diff:.2e}, bound {m.bound:.2e}) and {m.also} (rel_diff {m.also_rel_diff:.2e}): named as "
+                f"neither; {expect}"
+            )
+        elif m.matched:
             lines.append(
                 f"engine's fc chunk {m.chunk} matches reference {describe(m.best, L)} (cos {m.cosine:.4f}); {expect}"
                 + (_norm_note(m) if _norms_differ(m) else "")
@@ -272,9 +325,9 @@ def diagnose_fc(ref: Capture, other: Capture, draft_config: dict | None = None) 
         else:
             lines.append(
                 f"engine's fc chunk {m.chunk} matches no reference tensor (closest {m.best}, cos {m.cosine:.4f}, "
-                f"rel_diff {m.rel_diff:.2e}); {expect}{_norm_note(m)}"
+                f"rel_diff {m.rel_diff:.2e}{_bound_note(m)}); {expect}{_norm_note(m)}"
             )
-    fed = "[" + ", ".join(_short(m.best) if m.matched else "?" for m in matches) + "]"
+    fed = "[" + ", ".join(_fed(m) for m in matches) + "]"
     expected = "[" + ", ".join(_short(m.expected) for m in matches) + "]"
     pattern = wiring_pattern(matches, L, draft_config)
     lines.append(f"engine fed fc {fed}; reference fed {expected}" + (f"; pattern: {pattern}" if pattern else ""))
