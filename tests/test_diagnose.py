@@ -382,3 +382,17 @@ def test_tiny_floors_keep_the_fixed_bound_and_the_same_matches(states):
     assert [m.bound for m in with_floor] == [MATCH_REL_DIFF] * 3
     assert with_floor == without
     assert diagnose_fc(ref, other, floor=tiny) == diagnose_fc(ref, other)
+
+
+def test_a_norm_applied_before_fc_at_depth_is_named_within_the_floors_bound(deep_states):
+    ref, cap = _deep_pair(deep_states, DEEP_INPUTS, DEEP_INPUTS)
+    g = torch.Generator().manual_seed(13)
+    h4 = deep_states["target.h.4"]
+    normed = h4 * torch.rsqrt(h4.pow(2).mean(-1, keepdim=True) + 1e-6)
+    fc = cap.tensors["draft.fc_in"].clone()
+    fc[:, TH : 2 * TH] = normed + _orthogonal(normed, DEEP_NOISE, g)
+    other = Capture({**cap.tensors, "draft.fc_in": fc}, cap.meta)
+    assert diagnose_fc(ref, other, floor=_floor(DEEP_NOISE))[-1] == (
+        "engine fed fc [h2, rmsnorm(h4), h6]; reference fed [h2, h4, h6]; pattern: norm applied before fc "
+        "(engine's chunk = rmsnorm(reference tensor))"
+    )
