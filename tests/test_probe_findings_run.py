@@ -6,7 +6,7 @@ naming what is wrong, or now does the right thing.
 3. `--baseline-dir` naming a file is refused before the run;
 4. `difftest report` on JSON nested too deeply names the file;
 5. a server that answers 200 with a body that is not JSON, or bytes that are not HTTP, is named;
-6. Ctrl-C while `difftest` imports is exit 130 and one line;
+6. Ctrl-C while `difftest` imports, or while `train-acc` scores, is exit 130 and one line;
 7. `difftest run` leaves no `.benchmarks/` folder (pytest-benchmark's) behind;
 8. (a rerun at stop 53) an empty value to the other commands' options (`init --engines/--server`,
    `probe --server/--model`, `train-acc --wiring`) is a usage error too, and `difftest versions` names a
@@ -219,7 +219,7 @@ def test_difftest_probe_names_the_endpoint_that_answered_what_is_not_json(tmp_pa
     assert "Traceback" not in run.stderr
 
 
-# -- 6. Ctrl-C while difftest imports ----------------------------------------------------------
+# -- 6. Ctrl-C while difftest imports, or while train-acc scores -------------------------------
 # Runs the `difftest` console script with Python's own Ctrl-C handler (the suite may run with SIGINT
 # ignored, which a child inherits) and an import hook that says when the named module starts
 # importing and then waits there: the signal lands inside that import, every time.
@@ -261,6 +261,62 @@ def test_ctrl_c_while_train_acc_imports_is_exit_130_in_one_line(module, tmp_path
         proc.kill()
     assert proc.returncode == exit_codes.INTERRUPTED, err
     assert err == "difftest: interrupted\n"
+
+
+# The same console script, held inside train-acc's scoring loop: the first sample is really scored,
+# then the launcher says so and waits there, so the signal lands mid-scoring every time (a dump big
+# enough to be still scoring when the signal comes would be a race).
+_HOLD_IN_SCORING = """
+import os, runpy, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import difftest_engines.trainingdata.engine as engine
+
+scored = engine.sample_accuracy
+
+def held(*args, **kwargs):
+    counts = scored(*args, **kwargs)
+    print("scoring", flush=True)
+    time.sleep(600)
+    return counts
+
+engine.sample_accuracy = held
+sys.argv = ["difftest", *sys.argv[1:]]
+runpy.run_path(os.path.join(os.path.dirname(sys.executable), "difftest"), run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_train_acc_scores_is_exit_130_in_one_line_and_writes_no_table(models, tmp_path):
+    from difftest_engines.trainingdata.dump import dump_from_target, random_prompts
+
+    data = dump_from_target(
+        models[0], tmp_path / "data", "speculators", "h1+h2+h3+h6", random_prompts(512, 3, 8, seed=0)
+    )
+    out = tmp_path / "acc.json"
+    args = ["--data", str(data), "--draft", str(models[1]), "--target", str(models[0]), "--out", str(out)]
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_IN_SCORING, "train-acc", *args],
+        cwd=tmp_path,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        printed = []
+        while not printed or printed[-1] not in ("scoring\n", ""):  # "": it ended before scoring
+            printed.append(proc.stdout.readline())
+        assert printed[-1] == "scoring\n", "".join(printed) + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == exit_codes.INTERRUPTED, err
+    # before it, stderr holds only transformers' weight-loading progress bars
+    assert err.splitlines()[-1] == "difftest: interrupted" and err.count("interrupted") == 1, err
+    assert "Traceback" not in err + rest, err
+    assert "predicted AL" not in rest  # no table of what was scored so far
+    assert not out.exists() and list(tmp_path.glob("acc.json*")) == []  # no --out file, whole or partial
 
 
 # -- 7. no .benchmarks folder -----------------------------------------------------------------
