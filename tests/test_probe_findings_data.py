@@ -1,25 +1,29 @@
 """Broken checkpoints, configs and training dumps the input probe found accepted (issue 45, item 8).
 
 Each is refused in one line naming the file, the key or tensor and what was expected, or named by
-the lint, instead of running silently: engine-free (the `ref` loaders, the lint, the training data).
+the lint, instead of running silently: engine-free (the `ref` loaders, the lint, the training data;
+one case run on the `ref` and `train` engines, which are the project's own CPU code).
 Runs on the random tiny pair (tests/helpers.make_tiny_pair: 6 layers, H=64, draft ids [1, 2, 3]).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from difftest import cli
+from difftest.base import exit_codes
 from difftest.base.errors import ConfigError
 from difftest.checks.lint import lint_draft
 from difftest_engines.ref.draft_loading import load_draft
 from difftest_engines.ref.target import load_target
 from difftest_engines.trainingdata.dump import dump_from_target, random_prompts
 from difftest_engines.trainingdata.formats import read_dump
-from helpers import edited_copy, edited_draft
+from helpers import edited_copy, edited_draft, run_pytest
 
 TINY_PAIR_LAYERS = 6
 TRAINED = ["target.h.1", "target.h.2", "target.h.3"]  # the tiny draft's ids [1, 2, 3], read as vLLM does
@@ -223,12 +227,17 @@ def test_train_acc_refuses_token_ids_outside_the_vocabulary(models, tmp_path, ca
     )
 
 
-def test_train_acc_refuses_a_dump_whose_loss_masks_are_all_zero(models, tmp_path, capsys):
-    data = dump(models, tmp_path, fmt="speculators-legacy")
+def zero_loss_masks(data: Path) -> Path:
+    """The legacy dump `data` with every sample's loss_mask set to zeros."""
     for f in sorted(data.glob("*.pt")):
         sample = torch.load(f, weights_only=True)
         sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
         torch.save(sample, f)
+    return data
+
+
+def test_train_acc_refuses_a_dump_whose_loss_masks_are_all_zero(models, tmp_path, capsys):
+    data = zero_loss_masks(dump(models, tmp_path, fmt="speculators-legacy"))
     rc, err = train_acc(models, data, capsys)
     assert rc == 2
     [line] = err.strip().splitlines()[-1:]
@@ -236,6 +245,31 @@ def test_train_acc_refuses_a_dump_whose_loss_masks_are_all_zero(models, tmp_path
     assert line.startswith(
         f"difftest train-acc: {data}: every loss_mask of the {len(PROMPTS)} scored samples is all zero"
     )
+
+
+def test_a_case_over_a_dump_whose_loss_masks_are_all_zero_is_a_configuration_error_naming_loss_mask(models, tmp_path):
+    # in a case the nan accuracy failed train_accuracy blaming the verifier, the dump's target or the draft
+    data = zero_loss_masks(dump(models, tmp_path, fmt="speculators-legacy"))
+    (tmp_path / "cases").mkdir()
+    case = {
+        "target": str(models[0]),
+        "draft": str(models[1]),
+        "wiring": ["h1", "h2", "h3"],
+        "prompts": [{"ids": p} for p in PROMPTS[:2]],
+        "speculative": {"num_steps": 2, "max_new_tokens": 4},
+        "engines": {"train": {"data": str(data)}},
+    }
+    (tmp_path / "cases" / "zero_masks.yaml").write_text(json.dumps(case))
+    run = run_pytest(tmp_path, "cases/", "--engines=ref,train", "-k", "fc_inputs or train_accuracy")
+    assert run.returncode == exit_codes.CONFIG, run.output[-3000:]
+    for check in ("fc_inputs", "train_accuracy"):  # every item that reads the train engine's capture
+        result = run.outcome("zero_masks", "train", check)
+        assert result.outcome == "error", (check, result.message)
+        assert "\n" not in result.message and result.message.startswith(
+            f"{data}: every loss_mask of the {len(PROMPTS)} scored samples is all zero"
+        ), result.message
+    assert "Traceback" not in run.output and "likely causes" not in run.output and "predicted AL" not in run.output
+    assert not re.search(r"\bnan\b", run.output), run.output[-3000:]
 
 
 # -- 3 (the draft's side). a draft config that ties its head while storing one ----------------------
