@@ -195,3 +195,16 @@ def test_vllm_deepseek_drops_id_minus_1_without_the_id_0_crash():
     """-1 matches no layer index in DeepseekV2Model.forward: dropped (fewer chunks), not the h0 TypeError."""
     reading = lr.VLLM_DEEPSEEK.predict({KEY: [-1, 2, 4]}, 6, 3)
     assert reading.fed == [2, 4] and "fc expects 3 chunks" in reading.refusal
+
+
+def test_a_retrain_suggestion_keeps_as_many_layers_as_fc_takes():
+    """Measured at Kimi width (stop 54): a draft trained on [h1, h2, h3] of a 3-layer DeepSeek-V3 target,
+    which SGLang's DeepSeek model captures only h0..h2 of, was told to retrain on [h1, h2] (two layers
+    for a three-chunk fc); the suggestion is three distinct layers SGLang can feed."""
+    edit = lr.config_edit({}, lr.DEEPSEEK, "sglang", [1, 2, 3], 3)
+    [retrain] = [a for a in edit.alternatives if "retrain" in a]
+    assert retrain.endswith("e.g. [h0, h1, h2]"), retrain
+    # a feedable trained layer stays where it was; only the out-of-range one moves
+    edit = lr.config_edit({}, lr.DEEPSEEK, "vllm", [0, 2, 4], 6)
+    [retrain] = [a for a in edit.alternatives if "retrain" in a]
+    assert retrain.endswith("e.g. [h1, h2, h4]"), retrain

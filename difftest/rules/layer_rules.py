@@ -684,8 +684,16 @@ def config_edit(
 
 
 def _retrain_target(rule: LayerIdRule, trained: Sequence[int], L: int) -> list[int]:
+    """As many distinct layers as the draft was trained on, each the nearest the engine captures: the j-th
+    (in layer order) is held within [lo + j, hi - (n - 1 - j)], so that clamping never merges two (at
+    Kimi width, trained [h1, h2, h3] against SGLang's DeepSeek h0..h2 gave [h1, h2] for a 3-chunk fc:
+    stop 54). Where the engine captures fewer layers than fc takes, its whole range."""
     lo, hi = rule.bounds(L)
-    return sorted({min(max(k, lo), hi) for k in trained})
+    want = sorted(set(trained))
+    n = len(want)
+    if hi - lo + 1 < n:
+        return list(range(lo, hi + 1))
+    return [min(max(k, lo + j), hi - (n - 1 - j)) for j, k in enumerate(want)]
 
 
 def placed(place: str, ids: list[int]) -> dict:
