@@ -241,18 +241,23 @@ runpy.run_path(os.path.join(os.path.dirname(sys.executable), "difftest"), run_na
 """
 
 
-@pytest.mark.parametrize("module", ["torch", "difftest_engines.trainingdata.train_accuracy"])
-def test_ctrl_c_while_train_acc_imports_is_exit_130_in_one_line(module, tmp_path):
+def _launch(launcher: str, args: list[str], cwd: Path) -> subprocess.Popen:
+    """`python -c LAUNCHER ARGS...` with the project importable and its pipes read as text."""
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    args = ["--data", str(tmp_path), "--draft", "d", "--target", "t", "--out", str(tmp_path / "out")]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLD_AT_IMPORT, module, "train-acc", *args],
-        cwd=tmp_path,
+    return subprocess.Popen(
+        [sys.executable, "-c", launcher, *args],
+        cwd=cwd,
         env=environ,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+@pytest.mark.parametrize("module", ["torch", "difftest_engines.trainingdata.train_accuracy"])
+def test_ctrl_c_while_train_acc_imports_is_exit_130_in_one_line(module, tmp_path):
+    args = ["--data", str(tmp_path), "--draft", "d", "--target", "t", "--out", str(tmp_path / "out")]
+    proc = _launch(_HOLD_AT_IMPORT, [module, "train-acc", *args], tmp_path)
     try:
         assert proc.stdout.readline() == f"importing {module}\n"
         proc.send_signal(signal.SIGINT)
@@ -293,15 +298,7 @@ def test_ctrl_c_while_train_acc_scores_is_exit_130_in_one_line_and_writes_no_tab
     )
     out = tmp_path / "acc.json"
     args = ["--data", str(data), "--draft", str(models[1]), "--target", str(models[0]), "--out", str(out)]
-    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLD_IN_SCORING, "train-acc", *args],
-        cwd=tmp_path,
-        env=environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _launch(_HOLD_IN_SCORING, ["train-acc", *args], tmp_path)
     try:
         printed = []
         while not printed or printed[-1] not in ("scoring\n", ""):  # "": it ended before scoring
