@@ -337,6 +337,8 @@ _SGL_IDS = "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_st
 # `hidden_states, aux_hidden_states = model_output`): a [T, H] tensor unpacks into T rows, a ValueError
 # for any prompt but one of exactly 2 tokens (found by the rule property test, seed 1362464719: ids
 # [-1, -1, -1] on a Qwen3 target, where fc's shape error was predicted)
+# what Python says unpacking (hidden, aux) from a [T, H] tensor, in vLLM V1's runner and SGLang's target forward
+UNPACK_ERROR = r"too many values to unpack"
 V1_NO_CAPTURE = (
     "the target returns its hidden states alone, and Model Runner V1 unpacks (hidden, aux) from them: "
     "ValueError at the first target forward, before the draft runs"
@@ -355,7 +357,7 @@ VLLM_LLAMA = LayerIdRule(
     beyond="dropped",
     misreading="error",
     no_capture=V1_NO_CAPTURE,
-    no_capture_error=r"too many values to unpack",
+    no_capture_error=UNPACK_ERROR,
     sources=(
         _VLLM_IDS,
         _VLLM_DEFAULTS,
@@ -382,7 +384,7 @@ VLLM_DEEPSEEK = LayerIdRule(
     beyond="dropped",
     misreading="error",
     no_capture=V1_NO_CAPTURE,
-    no_capture_error=r"too many values to unpack",
+    no_capture_error=UNPACK_ERROR,
     low_crash="id 0 asks for h0, which vLLM's DeepSeek model cannot capture (hidden_states + residual with no residual yet: TypeError at the first forward)",
     sources=(
         _VLLM_IDS,
@@ -416,7 +418,7 @@ SGLANG_LLAMA = LayerIdRule(
         "the target's forward unpacks (hidden, aux) from hidden states returned alone: "
         "ValueError at the first target forward, before the draft runs"
     ),
-    no_capture_error=r"too many values to unpack",
+    no_capture_error=UNPACK_ERROR,
 )
 SGLANG_QWEN3 = replace(
     SGLANG_LLAMA,
