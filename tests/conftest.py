@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 # teardowns summed from --durations=0), longest first. An estimate only orders the queue; a wrong one
 # costs balance, not results.
 LONG_MODULES = (
-    # ~900 (stop 53: 400 + ~505 for the Llama bf16 miswired exports, measured at load ~8)
+    # ~1000 (stop 55: every cell, 699 s alone with the models built; CI's load stretches it ~1.5x)
     "test_noise_matrix.py",  # the independent models' session on ref, vLLM and SGLang
     "test_upgrade_real_releases.py",  # 611: four sessions on the old and pinned releases
     "test_fix_command.py",  # 448: `difftest fix` on SGLang (three cases, one run; 448 was three runs) and vLLM

@@ -14,10 +14,12 @@ EAGLE-3 drafts fitted to the targets' continuations of the cases' prompts, at de
   (tests/gate_power.py: the ids and vocab exports, and the norm flags on Qwen3 float32 only).
 
 Every case runs in ONE pytest session (`--engines=ref,vllm,sglang`), so each engine starts once per
-case and the session is paid once. CI runs the correct Qwen3 float32 and Llama bfloat16 cells and
-the miswired exports on both; `DIFFTEST_FULL_MATRIX=1` runs all 3 targets x {float32,
-bfloat16}, correct and miswired, plus each miswiring as a `ref[...]` spec on the reference
+case and the session is paid once. CI runs every cell: 3 targets x {float32, bfloat16}, correct and
+miswired (stop 55; the engines' garbage-collection passes made each case's engine start cheaper, which
+paid for it). `DIFFTEST_FULL_MATRIX=1` adds each miswiring as a `ref[...]` spec on the reference
 (docs/verdict.md has the measured matrix; scripts/independent_matrix.py prints it as a table).
+What is known not to hold yet is declared in KNOWN_GAPS, run all the same, and reported as xfailed
+while it fails: the day it passes, its test fails until the entry goes.
 """
 
 from __future__ import annotations
@@ -33,18 +35,36 @@ from helpers import run_pytest
 from test_engine_vllm import vllm_python
 
 ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
+COLLAPSES = ("accept length collapsed", "acceptance collapsed at position")
 FULL = os.environ.get("DIFFTEST_FULL_MATRIX") == "1"
 CELLS = [(t, d) for t in im.TARGETS for d in im.DTYPES]
-CI_CELLS = {
-    ("indep-qwen3", "float32"),
-    ("indep-llama", "bfloat16"),
-}  # DeepSeek-V3 bf16: DIFFTEST_FULL_MATRIX=1 (CI time)
-# Qwen3 float32: its drafts accept 3.84 of 4, so an accept-length collapse is measurable, the norm flags
-# included. Llama bfloat16 (stop 53): every row passes on both engines (docs/verdict.md, "Measured at
-# stop 53"), ~505 s more of CI; the other bf16 cells: DIFFTEST_FULL_MATRIX=1 (CI time).
-CI_MISWIRED_CELLS = {("indep-qwen3", "float32"), ("indep-llama", "bfloat16")}
-CORRECT = [c for c in CELLS if FULL or c in CI_CELLS]
-MISWIRED = [c for c in CELLS if FULL or c in CI_MISWIRED_CELLS]
+CORRECT = CELLS
+MISWIRED = CELLS
+# (target, dtype, miswiring, engine or "ref") -> why it does not hold yet. Measured at stop 55 (the whole
+# matrix alone, docs/verdict.md): on the DeepSeek-V3 target in bfloat16 a flipped norm_before_residual
+# stays under the noise threshold at step 0 (its draft.layer0.mlp_out 1.9e-3 rel_diff, 9 of 17 rows off
+# the element tolerance) and first exceeds it at step 2, where the diagnosis reads "what feeds the next
+# step differs" instead of naming the flag. The same flip on Qwen3 bfloat16 shows at step 0.
+KNOWN_GAPS = {
+    ("indep-deepseek-v3", "bfloat16", "norm_before_residual", engine): (
+        "norm_before_residual flipped on bf16 DeepSeek-V3 first shows at draft step 2, not step 0 (stop 55)"
+    )
+    for engine in ("vllm", "ref")
+}
+
+
+def _holds_or_known_gap(key: tuple[str, str, str, str], check) -> None:
+    """Run `check()`; a KNOWN_GAPS entry is xfailed while it fails and fails the day it holds."""
+    gap = KNOWN_GAPS.get(key)
+    if gap is None:
+        check()
+        return
+    try:
+        check()
+    except AssertionError as e:
+        pytest.xfail(f"{gap}: {str(e).splitlines()[0][:300]}")
+    pytest.fail(f"{key} holds now: remove it from KNOWN_GAPS ({gap})")
+
 
 # miswiring as a `ref` spec -> (tensor where the error must be introduced (prefix), words the diagnosis must contain)
 EXPECTED = {
@@ -87,7 +107,7 @@ def engines_run(tmp_path_factory, sglang_python):
         f"--engine-python=sglang={sglang_python}",
         "--require-engines",
         "--engine-timeout=900",
-        timeout=3600 * (4 if FULL else 1),
+        timeout=7200,
     )
     return run, miswired
 
@@ -129,11 +149,17 @@ def test_each_miswired_export_fails_on_the_engines_where_their_rules_say(engines
         failed = [c for c, r in results.items() if r.outcome != "passed"]
         assert not failed, f"{case.name} on {engine}: the rules say immune ({expect.because}), yet:\n{told}"
         return
-    compared = [results["fc_inputs"], results["draft_logits"]]
-    first = next((r for r in compared if r.outcome == "failed"), None)
-    assert first is not None, f"{case.name} on {engine} ({expect.because}) passed fc_inputs and draft_logits:\n{told}"
-    assert im.introduced_in(first.data.introduced, expect.where, dtype), f"{expect.because}\n{first.message}"
-    assert expect.why in first.message, f"{expect.because}\n{first.message}"
+
+    def check() -> None:
+        compared = [results["fc_inputs"], results["draft_logits"]]
+        first = next((r for r in compared if r.outcome == "failed"), None)
+        assert first is not None, (
+            f"{case.name} on {engine} ({expect.because}) passed fc_inputs and draft_logits:\n{told}"
+        )
+        assert im.introduced_in(first.data.introduced, expect.where, dtype), f"{expect.because}\n{first.message}"
+        assert expect.why in first.message, f"{expect.because}\n{first.message}"
+
+    _holds_or_known_gap((target, dtype, miswire, engine), check)
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +184,10 @@ def test_a_miswired_export_collapses_the_accept_length_where_the_reference_servi
     if not power.collapses:
         pytest.skip(f"no collapse to demand: {power.why}")
     collapse = run.outcome(case.name, engine, "accept_length")
-    assert collapse.outcome == "failed" and "accept length collapsed" in collapse.message, (
-        f"{power.why}\n{collapse.message}"
-    )
+    # the gate's collapse, on the accept length or at a draft position (difftest.compare.accept_judge.message):
+    # measured on bf16 DeepSeek-V3 served by SGLang, an ids export accepting 1.23 against 1.94 stays within the
+    # accept length's allowance over the engine's own 75 verify steps and collapses at position 2
+    assert collapse.outcome == "failed" and collapse.message.startswith(COLLAPSES), f"{power.why}\n{collapse.message}"
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +234,15 @@ def test_each_miswiring_as_a_reference_spec_fails_naming_where_and_why(miswired_
     case, engine = m.case_name(spec, dtype), m.engine_spec(spec)
     where, why = EXPECTED[miswire]
     results = {c: run.outcome(case, engine, c) for c in ("fc_inputs", "draft_logits", "top1_agreement")}
-    failing = [r for r in results.values() if r.outcome == "failed"]
-    assert failing, f"{miswire} on {case} passed every check:\n" + "\n".join(r.message for r in results.values())
-    first = next(r for r in (results["fc_inputs"], results["draft_logits"]) if r.outcome == "failed")
-    assert im.introduced_in(first.data.introduced, where, dtype), first.message
-    assert why in first.message, first.message
+
+    def check() -> None:
+        failing = [r for r in results.values() if r.outcome == "failed"]
+        assert failing, f"{miswire} on {case} passed every check:\n" + "\n".join(r.message for r in results.values())
+        first = next(r for r in (results["fc_inputs"], results["draft_logits"]) if r.outcome == "failed")
+        assert im.introduced_in(first.data.introduced, where, dtype), first.message
+        assert why in first.message, first.message
+
+    _holds_or_known_gap((target, dtype, miswire, "ref"), check)
 
 
 # -- the drafts each dtype's cases serve (independent_models.FITTED_DTYPES) -------------------------
@@ -280,3 +311,13 @@ def test_a_flag_acting_from_step_1_may_first_show_at_a_later_step_in_bf16_only()
     where = "draft.step1.fc_out"
     assert im.introduced_in("draft.step2.layer0.mlp_out", where, "bfloat16")
     assert not im.introduced_in("draft.step2.layer0.mlp_out", where, "float32")
+
+
+def test_a_flag_on_the_residual_stream_may_first_show_in_the_residual_output_in_bf16_only():
+    where = "draft.layer0.mlp_out"  # norm_before_residual (difftest.rules.draft_rules.FLAG_TENSORS)
+    assert im.introduced_in("draft.layer0.mlp_out", where, "float32")
+    assert im.introduced_in("draft.hidden_prenorm", where, "bfloat16")
+    assert not im.introduced_in("draft.hidden_prenorm", where, "float32")
+    assert not im.introduced_in("draft.step2.hidden_prenorm", where, "bfloat16")
+    assert not im.introduced_in("draft.layer0.attn_out", where, "bfloat16")
+    assert not im.introduced_in("draft.hidden_prenorm", "draft.fc_in.", "bfloat16")
