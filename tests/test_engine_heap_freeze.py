@@ -1,5 +1,6 @@
 """What an engine start costs in garbage collection: each engine's processes leave the heap that was alive
-before the engine (the interpreter's modules, vLLM's, SGLang's, torch's) out of the collector's full passes.
+before the engine (the interpreter's modules, vLLM's, SGLang's, torch's) out of the collector's full passes,
+and the previous engine is freed when the next one is built.
 
 vLLM builds each case's engine in the worker itself, calling gc.collect() about ten times on the way
 (difftest_engines/vllm/engine.py::_freeze_heap); SGLang's scheduler and detokenizer fork from a server
@@ -29,6 +30,7 @@ from difftest.base.registry import engine_target
 
 spec = parse_spec("vllm")
 engine = _load_engine(engine_target(spec.name), spec)
+engine.info()  # the worker's first request (hello)
 case = load_case(sys.argv[1])
 engine.capture(case, list(case.prompts[0].ids))
 first = weakref.ref(engine._llm)
@@ -41,7 +43,7 @@ def recording(*args, **kwargs):
 gc.collect = recording
 engine.speculate(case, [list(case.spec_prompts[0].ids)], 2, 4)  # another num_steps: another engine
 gc.collect = real_collect
-print(json.dumps({"rebuilt": engine._llm is not None and engine._llm is not first(),
+print(json.dumps({"rebuilt": engine._llm is not None and engine._llm is not first(), "first_alive": first() is not None,
                   "frozen_at_collect": frozen_at_collect}))
 engine.close()
 """
@@ -95,6 +97,7 @@ def test_vllm_builds_the_next_engine_with_the_heap_before_it_frozen_and_frees_th
     case.write_text("\n".join(lines) + "\n")
     out = _run(vllm_python(), VLLM_SCRIPT, tmp_path, str(case))
     assert out["rebuilt"]
+    assert not out["first_alive"], "the previous engine outlived the next one's build"
     # the passes vLLM makes while it builds skip the heap alive before it: hundreds of thousands of
     # objects (the modules); unfrozen by the previous engine's shutdown, every pass would walk them
     during = [n for n in out["frozen_at_collect"] if n > 0]

@@ -205,6 +205,13 @@ def _import_vllm(runner: str = "v1"):
         kernels = triton_cpu.install()
     try:
         import vllm
+
+        # `vllm.LLM` is imported lazily (vllm/__init__.py::__getattr__), and one module of that import keeps the
+        # exception of an optional import it tried (multimodal/media/audio.py::_torchcodec_import_exc, 0.32.0),
+        # whose traceback keeps every frame that was on the stack then, with the locals those frames end with.
+        # Resolved here, at the worker's first request (info), that is this import's own short stack; left to
+        # the first engine build, it was the capture's, whose `llm` kept the first engine alive for good.
+        vllm.LLM  # noqa: B018
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] == "vllm":
             raise EngineUnavailable(f"vllm is not installed in {sys.executable}; set it up with: {SETUP}") from None
@@ -419,7 +426,10 @@ class VllmEngine(Engine):
         )
         started = time.time()
         try:
-            llm = vllm.LLM(**kwargs)
+            # into the attribute, never a local: the first `vllm.LLM` resolves vLLM's lazy import here, and
+            # something that import leaves behind keeps a frame whose callers' frames (this one) outlive the
+            # call, with their last locals: a local `llm` kept the first engine alive through every later one
+            self._llm = vllm.LLM(**kwargs)  # from here on close() shuts it down, whatever fails next
         except Exception as e:
             traceback.print_exc()
             sys.stderr.flush()
@@ -430,7 +440,7 @@ class VllmEngine(Engine):
         print(f"[difftest.vllm] engine up in {time.time() - started:.1f}s", file=sys.stderr, flush=True)
         from difftest_engines.vllm import hooks
 
-        self._llm, self._key = llm, key  # from here on close() shuts it down, whatever fails next
+        self._key = key
         wirings = self._rpc(hooks.install, s.enforce_eager)
         self._ranks = self._rpc(hooks.rank_of)
         for rank, other in enumerate(wirings[1:], 1):
@@ -451,7 +461,7 @@ class VllmEngine(Engine):
             file=sys.stderr,
             flush=True,
         )
-        return llm
+        return self._llm
 
     def _rpc(self, fn, *args) -> list:
         """`LLM.collective_rpc(fn)`: one answer per tensor-parallel rank, in rank order."""
