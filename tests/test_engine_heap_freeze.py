@@ -15,9 +15,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from helpers import fixture_path
 from test_engine_vllm import vllm_python
-
-from difftest.run.case_run import resolve_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +92,7 @@ def test_vllm_builds_the_next_engine_with_the_heap_before_it_frozen_and_frees_th
     for i, line in enumerate(lines):
         key, _, value = line.partition(": ")
         if key in ("target", "draft"):
-            lines[i] = f"{key}: {resolve_fixture(value)}"
+            lines[i] = f"{key}: {fixture_path(value)}"
     case.write_text("\n".join(lines) + "\n")
     out = _run(vllm_python(), VLLM_SCRIPT, tmp_path, str(case))
     assert out["rebuilt"]

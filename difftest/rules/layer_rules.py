@@ -337,12 +337,12 @@ _SGL_IDS = "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_st
 # `hidden_states, aux_hidden_states = model_output`): a [T, H] tensor unpacks into T rows, a ValueError
 # for any prompt but one of exactly 2 tokens (found by the rule property test, seed 1362464719: ids
 # [-1, -1, -1] on a Qwen3 target, where fc's shape error was predicted)
-# what Python says unpacking (hidden, aux) from a [T, H] tensor, in vLLM V1's runner and SGLang's target forward
-UNPACK_ERROR = r"too many values to unpack"
 V1_NO_CAPTURE = (
     "the target returns its hidden states alone, and Model Runner V1 unpacks (hidden, aux) from them: "
     "ValueError at the first target forward, before the draft runs"
 )
+# what Python says unpacking (hidden, aux) from a [T, H] tensor, in vLLM V1's runner and SGLang's target forward
+UNPACK_ERROR = r"too many values to unpack"
 VLLM_LLAMA = LayerIdRule(
     engine="vllm",
     label="vLLM 0.32.0",

@@ -426,10 +426,9 @@ class VllmEngine(Engine):
         )
         started = time.time()
         try:
-            # into the attribute, never a local: the first `vllm.LLM` resolves vLLM's lazy import here, and
-            # something that import leaves behind keeps a frame whose callers' frames (this one) outlive the
-            # call, with their last locals: a local `llm` kept the first engine alive through every later one
-            self._llm = vllm.LLM(**kwargs)  # from here on close() shuts it down, whatever fails next
+            # into the attribute, not a local: a frame kept alive past its call keeps its last locals, as vLLM's
+            # lazy import of `vllm.LLM` once did this one's (_import_vllm); from here on close() shuts it down
+            self._llm = vllm.LLM(**kwargs)
         except Exception as e:
             traceback.print_exc()
             sys.stderr.flush()
