@@ -148,6 +148,9 @@ def test_report_records_the_cases_noise_floor(case):
             "tie_factor": 2.0,
             "router_tie_factor": 4.0,
             "min_floor_rows": 20,
+            "two_roundings": 2.0,
+            "shift_margin": 2.0,
+            "shift_min_rows": 10,
         },
     }
     assert r["noise_floor"]["tensors"]["draft.fc_out"]["threshold"] == 1e-5

@@ -347,6 +347,7 @@ def judge_along_flow(
     was not, still counts."""
     events: dict[str, torch.Tensor] = {}  # rows above threshold that were excused, per judged tensor
     seeds = router_ties or {}
+    fc_in = cd.get(FC_IN)
 
     def upstream(name: str, seen: set) -> list[torch.Tensor]:
         """Events of the nearest judged ancestors (through tensors the engine did not capture, whose
@@ -378,16 +379,38 @@ def judge_along_flow(
             events[d.name] = excused & above
             continue
         j = noise.judge_rows(errs, d.threshold, excused, isolated_rule=d.name.startswith("draft."))
-        d.status = TensorStatus.MISMATCH if j.diverges else TensorStatus.OK
-        d.worst_row = int(errs.argmax()) if j.diverges else -1
+        shift = _row_shift(d, errs, ~excused, fc_in, row_errors)
+        diverges = j.diverges or (shift is not None and shift.diverges)
+        if diverges and not j.diverges and shift is not None:
+            d.detail = f"{d.detail}; {shift.describe()}" if d.detail else shift.describe()
+        d.status = TensorStatus.MISMATCH if diverges else TensorStatus.OK
+        d.worst_row = int(errs.argmax()) if diverges else -1
         # An excused row passes its excuse on where it really moved: above the threshold, or above the
         # dtype's rounding (SAFETY x unit roundoff) where the threshold took events into its floor.
         moved = errs > min(d.threshold, noise.SAFETY * noise.unit_roundoff(dtype))
-        events[d.name] = (excused & moved) | (above if not j.diverges else torch.zeros_like(above))
+        events[d.name] = (excused & moved) | (above if not diverges else torch.zeros_like(above))
         if bool((excused & above).any()):
             cd.excused_rows[d.name] = excused & above
         if fc_chunk_index(d.name) is not None and FC_IN in events:  # fc reads the chunks together
             events[FC_IN] = events[FC_IN] | aligned_rows(events[d.name], events[FC_IN].numel())
+
+
+def _judged_on_own_floor(d: TensorDiff | None) -> bool:
+    return d is not None and d.by_noise and d.threshold > 0 and d.floor_basis == MEASURED_FLOOR
+
+
+def _row_shift(
+    d: TensorDiff, errs: torch.Tensor, counted: torch.Tensor, fc_in: TensorDiff | None, row_errors: dict
+) -> noise.RowShift | None:
+    """The row shift (difftest.compare.noise) of one of the draft's own tensors, those the engine computes
+    from draft.fc_in (not fc_in, its chunks or the embedding lookup), where both floors were measured."""
+    part = split_draft(d.name)
+    if part is None or part[1] in ("fc_in", "embeds") or fc_chunk_index(d.name) is not None:
+        return None
+    if fc_in is None or FC_IN not in row_errors or not (_judged_on_own_floor(d) and _judged_on_own_floor(fc_in)):
+        return None
+    floor, input_floor = d.threshold / noise.SAFETY, fc_in.threshold / noise.SAFETY
+    return noise.row_shift(errs, floor, counted, row_errors[FC_IN], input_floor)
 
 
 def _tie_step(ref: Capture, other: Capture, floor: noise.NoiseFloor) -> tuple[int | None, str]:

@@ -42,6 +42,26 @@ row of 13 at 0.5 relative in the final norm), an argmax near a tie. The faults t
 exists for move every row. So in the target only the quorum counts; in the draft a single
 row counts when it starts there (draft ties are handled apart: compare.tie_step).
 
+Why a row shift as well: the quorum and the isolated-row rule look at rows one by one against
+SAFETY x floor, the threshold for a row's worst case. A fault whose effect on every row is a few
+floors, not ten, passes both: measured at stop 55, a flipped `norm_before_residual` on a bf16
+DeepSeek-V3 target moved the draft's step-0 MLP output by 4.9-8.0x its floor at the
+FLOOR_QUANTILE quantile of a prompt's rows, none of them above the threshold. A correct engine
+cannot move the *bulk* of the rows so far: its rows' errors and the reference's add to at most
+TWO_ROUNDINGS x floor at that quantile (the triangle inequality; measured 0.5-2.0 over every
+correct run of the noise matrix, 3 targets x fp32/bf16 on vLLM and SGLang). So in the draft's own
+tensors (the engine computes them from draft.fc_in), with at least SHIFT_MIN_ROWS rows counted
+(rows no discrete event excused), a tensor also diverges when
+
+    shift(t) = quantile(counted row errors, FLOOR_QUANTILE) / floor(t)
+             > SHIFT_MARGIN x max(TWO_ROUNDINGS, shift(draft.fc_in) on the same rows)
+
+The second term is what the draft's input already carries: a correct target that rounds
+differently (another GEMM, a wider engine) moves fc_in by more than two roundings, and every
+draft tensor with it; the draft is judged on what it adds. Only where both floors were measured
+on enough rows (a guessed floor has no bulk to compare). Margins measured: correct runs reach at
+most 0.61 of the bound, the bf16 DeepSeek-V3 flip 1.32 and 2.31 (docs/verdict.md, stop 56).
+
 Where error is introduced (Polygraphy's layerwise localisation, judged against noise):
 excess(t) = max_i err_i / threshold(t). A diverging tensor *introduced* the error when
 no input of it (difftest.base.names.inputs_of) diverges, or its excess exceeds JUMP times the
@@ -132,6 +152,12 @@ TIE_FACTOR = 2.0
 # to twice that; 2x more covers the noise's spread. Tighter than the logits' tie rule on purpose: a
 # router tie takes the row out of the verdict, a top-1 tie only out of the agreement count.
 ROUTER_TIE_FACTOR = 4.0
+# The row shift (module docstring): a correct engine's bulk of rows errs by at most two roundings'
+# worth at the floor's quantile; a draft tensor diverges past SHIFT_MARGIN times that, or times what
+# its input fc_in already carries, judged on prompts with enough rows for a quantile.
+TWO_ROUNDINGS = 2.0
+SHIFT_MARGIN = 2.0
+SHIFT_MIN_ROWS = 10
 # Fewer rows than this and a tensor's floor is not called measured (module docstring: the quantile's
 # estimation error); its threshold falls back, said in its source.
 MIN_FLOOR_ROWS = 20
@@ -245,6 +271,9 @@ class NoiseFloor:
                 "tie_factor": TIE_FACTOR,
                 "router_tie_factor": ROUTER_TIE_FACTOR,
                 "min_floor_rows": MIN_FLOOR_ROWS,
+                "two_roundings": TWO_ROUNDINGS,
+                "shift_margin": SHIFT_MARGIN,
+                "shift_min_rows": SHIFT_MIN_ROWS,
             },
             router_margin_noise=dict(self.router_margin_noise) or None,
         )
@@ -623,6 +652,40 @@ def judge_rows(
         above > 0 and (quorum or isolated),
         worst / threshold if threshold > 0 else math.inf,
     )
+
+
+@dataclass(frozen=True)
+class RowShift:
+    """The bulk of one draft tensor's rows against its floor, beside what its input carries."""
+
+    shift: float  # FLOOR_QUANTILE quantile of the counted rows' errors / the tensor's floor
+    carried: float  # the same of draft.fc_in over the same rows
+    rows: int  # rows counted
+    bound: float  # SHIFT_MARGIN x max(TWO_ROUNDINGS, carried)
+
+    @property
+    def diverges(self) -> bool:
+        return self.shift > self.bound
+
+    def describe(self) -> str:
+        return (
+            f"its rows shifted as a whole: over {self.rows} rows the {FLOOR_QUANTILE:g} quantile of the row error is "
+            f"{self.shift:.3g}x the floor, above {self.bound:.3g} = {SHIFT_MARGIN:g} x the larger of two roundings "
+            f"({TWO_ROUNDINGS:g}x) and what draft.fc_in carries on those rows ({self.carried:.3g}x)"
+        )
+
+
+def row_shift(
+    errs: torch.Tensor, floor: float, counted: torch.Tensor, input_errs: torch.Tensor, input_floor: float
+) -> RowShift | None:
+    """The row shift of a draft tensor (module docstring), or None where it cannot be judged: too few
+    counted rows, a floor of zero, or an input whose rows are not this tensor's."""
+    n = int(counted.sum())
+    if n < SHIFT_MIN_ROWS or floor <= 0 or input_floor <= 0 or input_errs.numel() != errs.numel():
+        return None
+    shift = _quantile(errs[counted], FLOOR_QUANTILE) / floor
+    carried = _quantile(input_errs[counted], FLOOR_QUANTILE) / input_floor
+    return RowShift(shift, carried, n, SHIFT_MARGIN * max(TWO_ROUNDINGS, carried))
 
 
 def top1_margins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
