@@ -18,8 +18,8 @@ case and the session is paid once. CI runs every cell: 3 targets x {float32, bfl
 miswired (stop 55; the engines' garbage-collection passes made each case's engine start cheaper, which
 paid for it). `DIFFTEST_FULL_MATRIX=1` adds each miswiring as a `ref[...]` spec on the reference
 (docs/verdict.md has the measured matrix; scripts/independent_matrix.py prints it as a table).
-What is known not to hold yet is declared in KNOWN_GAPS, run all the same, and reported as xfailed
-while it fails: the day it passes, its test fails until the entry goes.
+Nothing is excused: the one gap stop 55 declared (and xfailed) holds since stop 56 (the row shift,
+difftest.compare.noise).
 """
 
 from __future__ import annotations
@@ -37,26 +37,6 @@ ENGINE_CHECKS = ("fc_inputs", "draft_logits", "top1_agreement", "accept_length")
 COLLAPSES = ("accept length collapsed", "acceptance collapsed at position")
 FULL = os.environ.get("DIFFTEST_FULL_MATRIX") == "1"
 CELLS = [(t, d) for t in im.TARGETS for d in im.DTYPES]
-# (target, dtype, miswiring, engine or "ref") -> why it does not hold yet. Empty since stop 56: the one gap
-# declared at stop 55 (a flipped norm_before_residual on bf16 DeepSeek-V3, under the noise threshold at
-# draft step 0 on every row) is seen at step 0 by the row shift (difftest.compare.noise), in
-# draft.layer0.mlp_out, 4.9x its floor over the bulk of the rows against a bound of 4.
-KNOWN_GAPS: dict[tuple[str, str, str, str], str] = {}
-
-
-def _holds_or_known_gap(key: tuple[str, str, str, str], check) -> None:
-    """Run `check()`; a KNOWN_GAPS entry is xfailed while it fails and fails the day it holds."""
-    gap = KNOWN_GAPS.get(key)
-    if gap is None:
-        check()
-        return
-    try:
-        check()
-    except AssertionError as e:
-        pytest.xfail(f"{gap}: {str(e).splitlines()[0][:300]}")
-    pytest.fail(f"{key} holds now: remove it from KNOWN_GAPS ({gap})")
-
-
 # miswiring as a `ref` spec -> (tensor where the error must be introduced (prefix), words the diagnosis must contain)
 EXPECTED = {
     "off_by_one": ("draft.fc_in.", "off-by-one +1"),
@@ -131,17 +111,11 @@ def test_each_miswired_export_fails_on_the_engines_where_their_rules_say(engines
         failed = [c for c, r in results.items() if r.outcome != "passed"]
         assert not failed, f"{case.name} on {engine}: the rules say immune ({expect.because}), yet:\n{told}"
         return
-
-    def check() -> None:
-        compared = [results["fc_inputs"], results["draft_logits"]]
-        first = next((r for r in compared if r.outcome == "failed"), None)
-        assert first is not None, (
-            f"{case.name} on {engine} ({expect.because}) passed fc_inputs and draft_logits:\n{told}"
-        )
-        assert im.introduced_in(first.data.introduced, expect.where, dtype), f"{expect.because}\n{first.message}"
-        assert expect.why in first.message, f"{expect.because}\n{first.message}"
-
-    _holds_or_known_gap((target, dtype, miswire, engine), check)
+    compared = [results["fc_inputs"], results["draft_logits"]]
+    first = next((r for r in compared if r.outcome == "failed"), None)
+    assert first is not None, f"{case.name} on {engine} ({expect.because}) passed fc_inputs and draft_logits:\n{told}"
+    assert im.introduced_in(first.data.introduced, expect.where, dtype), f"{expect.because}\n{first.message}"
+    assert expect.why in first.message, f"{expect.because}\n{first.message}"
 
 
 @pytest.fixture(scope="module")
@@ -216,15 +190,11 @@ def test_each_miswiring_as_a_reference_spec_fails_naming_where_and_why(miswired_
     case, engine = m.case_name(spec, dtype), m.engine_spec(spec)
     where, why = EXPECTED[miswire]
     results = {c: run.outcome(case, engine, c) for c in ("fc_inputs", "draft_logits", "top1_agreement")}
-
-    def check() -> None:
-        failing = [r for r in results.values() if r.outcome == "failed"]
-        assert failing, f"{miswire} on {case} passed every check:\n" + "\n".join(r.message for r in results.values())
-        first = next(r for r in (results["fc_inputs"], results["draft_logits"]) if r.outcome == "failed")
-        assert im.introduced_in(first.data.introduced, where, dtype), first.message
-        assert why in first.message, first.message
-
-    _holds_or_known_gap((target, dtype, miswire, "ref"), check)
+    failing = [r for r in results.values() if r.outcome == "failed"]
+    assert failing, f"{miswire} on {case} passed every check:\n" + "\n".join(r.message for r in results.values())
+    first = next(r for r in (results["fc_inputs"], results["draft_logits"]) if r.outcome == "failed")
+    assert im.introduced_in(first.data.introduced, where, dtype), first.message
+    assert why in first.message, first.message
 
 
 # -- the drafts each dtype's cases serve (independent_models.FITTED_DTYPES) -------------------------

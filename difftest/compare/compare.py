@@ -400,7 +400,11 @@ def _judged_on_own_floor(d: TensorDiff | None) -> bool:
 
 
 def _row_shift(
-    d: TensorDiff, errs: torch.Tensor, counted: torch.Tensor, fc_in: TensorDiff | None, row_errors: dict
+    d: TensorDiff,
+    errs: torch.Tensor,
+    counted: torch.Tensor,
+    fc_in: TensorDiff | None,
+    row_errors: dict[str, torch.Tensor],
 ) -> noise.RowShift | None:
     """The row shift (difftest.compare.noise) of one of the draft's own tensors, those the engine computes
     from draft.fc_in (not fc_in, its chunks or the embedding lookup), where both floors were measured."""
